@@ -1,0 +1,51 @@
+// epx/config.h: the one configuration struct (STYLE.md §5).
+//
+// Precedence: default < JSON file (EPX_CONFIG or load_file) < EPX_* environment < explicit API argument.
+// The field list lives once, in src/core/config.cpp (for_each_field); JSON loading, environment
+// overrides, validation and `epx info` all walk it. Unknown JSON keys and unknown EPX_* variables
+// are errors that suggest the nearest known key.
+#pragma once
+
+#include <string>
+#include <vector>
+
+namespace epx {
+
+struct Config {
+  // ---- general ----
+  double timeout_s = 60.0;           ///< longest wait on a peer before Timeout [s]
+  std::string log_level = "warn";    ///< trace | debug | info | warn | error | off
+
+  // ---- parameters that affect performance (launch shapes; defaults chosen by measurement) ----
+  int ll_warps_per_block = 32;       ///< warps per block of LL kernels; multiple of 4
+  int ll_num_blocks = 0;             ///< blocks of LL kernels; 0 = one per SM
+  int ht_num_sms = 24;               ///< SM budget of HT kernels
+  int ht_warps_per_block = 16;       ///< warps per block of HT kernels
+  int moe_chunk_size = 0;            ///< DP chunk: at most this many tokens per MoE call per rank; 0 = no chunking
+  int fhmoe_max_tokens = 256;        ///< capability gate: fuse the shared expert when M <= this
+
+  /// Where each field's value came from ("default", "json <file>", "env EPX_...", "api").
+  std::vector<std::pair<std::string, std::string>> sources;
+
+  /// default < JSON file named by EPX_CONFIG (if set) < EPX_* env. Throws InvalidArgument on bad values.
+  static Config load();
+  /// default < `json_path` (may be empty) < EPX_* env.
+  static Config load(const std::string& json_path);
+  /// Apply a JSON document (object of "key": value); unknown keys throw with a suggestion.
+  void apply_json_text(const std::string& text, const std::string& origin);
+  /// Apply EPX_* environment variables; unknown EPX_* names (other than EPX_CONFIG, EPX_RANK,
+  /// EPX_WORLD_SIZE, EPX_RENDEZVOUS, EPX_LOCAL_RANK) throw with a suggestion.
+  void apply_env();
+  /// Set one field by key from text (origin "api" unless given). Throws InvalidArgument.
+  void set(const std::string& key, const std::string& value, const std::string& origin = "api");
+  /// Validates every field's rule; throws InvalidArgument naming the first bad one.
+  void validate() const;
+  /// Lines "key = value  [source]  description", as printed by `epx info`.
+  std::vector<std::string> describe() const;
+};
+
+/// Reads an EPX_* variable that is not a Config field (rank bootstrap: EPX_RANK, EPX_WORLD_SIZE,
+/// EPX_RENDEZVOUS, EPX_LOCAL_RANK). The only other place getenv is allowed is config.cpp itself.
+std::string env_or(const char* name, const std::string& fallback);
+
+}  // namespace epx

@@ -1,0 +1,119 @@
+// epx/dispatch.h: token dispatch/combine behind one interface (vLLM: FusedMoEPrepareAndFinalize).
+//
+//   prepare  (dispatch): x [T, H] + topk_idx/topk_weights [T, K] on every rank -> the tokens each
+//            local expert must process, in the backend's ActivationLayout (optionally FP8).
+//   experts  : Experts::apply on that layout.
+//   finalize (combine): expert outputs back to the source rank, weighted by topk_weights and
+//            reduced in fp32, rounded once -> out [T, H] bf16.
+// prepare and finalize are one object because finalize needs what prepare learnt (the handle:
+// where each received row came from).
+//
+// Backends (registry in src/dispatch/registry.cpp):
+//   naive                   all-gather tokens + routing to every rank; all-reduce; Flat
+//   allgather_reducescatter all-gather(v) tokens; reduce-scatter(v) partial outputs; Flat
+//   all2allv                rank-deduplicated all-to-all(v) both ways; Flat
+//   ll                      low latency, static buffers, expert-major [L, R*maxT, H] (DeepEP LL layout)
+//   ht                      high throughput, rank-deduplicated flat [N_recv, H] + per-expert counts + handle
+//
+// Expert placement: global expert e lives on rank expert_rank(e); E experts are split into R
+// contiguous ranges whose sizes differ by at most one (the first E % R ranks hold one more).
+// FHMoE shared route: with DispatchConfig::shared_route, id E (== num_experts) means "the shared
+// expert replica on the token's own rank"; it is local expert num_local_experts(rank) there.
+#pragma once
+
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "epx/experts.h"
+#include "epx/group.h"
+#include "epx/tensor.h"
+
+namespace epx {
+
+struct DispatchConfig {
+  int64_t hidden = 0;                         ///< H; multiple of 8 (bf16) and of 128 for fp8 dispatch
+  int num_experts = 0;                        ///< E (routed experts, global)
+  int top_k = 0;                              ///< K = columns of topk_idx (incl. the shared route column)
+  int num_max_dispatch_tokens_per_rank = 0;   ///< capacity T_max per rank per call; all ranks agree
+  DType dispatch_dtype = DType::bf16;         ///< bf16 or fp8_e4m3 (1x128 fp32 scales fused in dispatch)
+  bool use_ue8m0 = false;                     ///< fp8: power-of-two scales
+  bool shared_route = false;                  ///< FHMoE: id E routes to the source rank's shared replica
+  int expert_alignment = 1;                   ///< ht: per-expert counts rounded up to this
+};
+
+/// Experts [begin, end) held by `rank` out of E split over R (sizes differ by at most one).
+struct ExpertRange { int begin = 0; int end = 0; int size() const { return end - begin; } };
+ExpertRange expert_range(int num_experts, int num_ranks, int rank);
+/// Rank holding routed expert e (0 <= e < E).
+int expert_rank(int num_experts, int num_ranks, int expert);
+/// Local experts on `rank`: its routed range, plus one when cfg.shared_route.
+int num_local_experts(const DispatchConfig& cfg, int num_ranks, int rank);
+
+struct DispatchArgs {
+  TensorView x;             ///< [T, H] bf16, T <= num_max_dispatch_tokens_per_rank (T may be 0)
+  TensorView topk_idx;      ///< [T, K] int32 or int64; -1 = no selection; duplicates add
+  TensorView topk_weights;  ///< [T, K] fp32
+  Stream stream{};
+};
+
+struct PrepareResult {
+  ActivationLayout layout = ActivationLayout::Flat;
+  TensorView x;             ///< ExpertMajor [L, cap, H] / Flat [N_recv, H]; bf16 or fp8_e4m3
+  TensorView x_scales;      ///< fp8: [.., H/128] fp32; else empty
+  TensorView recv_count;    ///< [L] int32 tokens per local expert (ht: aligned to expert_alignment)
+  TensorView topk_idx;      ///< Flat: [N_recv, K] int32 local expert index or -1
+  TensorView topk_weights;  ///< Flat: [N_recv, K] fp32
+  int64_t num_recv_tokens = 0;  ///< Flat: N_recv; ExpertMajor: sum of recv_count
+  /// As the Experts interface takes it.
+  ExpertsInput experts_input() const { return {layout, x, x_scales, recv_count, topk_idx, topk_weights}; }
+};
+
+struct FinalizeArgs {
+  TensorView expert_out;  ///< as Experts::apply wrote it: ExpertMajor [L, cap, H] / Flat [N_recv, H] bf16
+  TensorView out;         ///< [T, H] bf16 (T of the matching prepare), written
+  Stream stream{};
+};
+
+/// Byte accounting of the last prepare/finalize on this rank (ANCHORS.md).
+struct DispatchStats {
+  int64_t num_valid_selections = 0;   ///< valid (token, expert) pairs sent by this rank (deepep-ll)
+  int64_t num_rank_dedup_rows = 0;    ///< rows sent after rank de-duplication, incl. to self (deepep-ht)
+  int64_t remote_bytes_dispatch = 0;  ///< bytes this rank sent to other ranks in prepare
+  int64_t remote_bytes_combine = 0;   ///< bytes this rank sent to other ranks in finalize
+};
+
+struct Capabilities {
+  std::string name;
+  ActivationLayout layout = ActivationLayout::Flat;
+  bool graph_safe = false;          ///< no host sync / allocation inside prepare/finalize
+  bool supports_fp8_dispatch = false;
+  bool static_buffers = false;
+};
+
+class PrepareFinalize {
+ public:
+  virtual ~PrepareFinalize() = default;
+  virtual const Capabilities& capabilities() const = 0;
+  virtual const DispatchConfig& config() const = 0;
+  /// nullopt when prepare(args) can run; else one sentence why not (asked before any allocation).
+  virtual std::optional<std::string> why_unsupported(const DispatchArgs& args) const = 0;
+  /// Dispatch. Collective: every rank calls it, also with T = 0. Views in the result stay valid until
+  /// the next prepare. Throws InvalidArgument (before any rank writes), Timeout, CommError.
+  virtual PrepareResult prepare(const DispatchArgs& args) = 0;
+  /// Combine for the last prepare. Collective. out[t] = sum_k w[t,k] * expert_{idx[t,k]}(x[t]), fp32, one rounding.
+  virtual void finalize(const FinalizeArgs& args) = 0;
+  virtual const DispatchStats& stats() const = 0;
+};
+
+/// Creates backend `name` (see backend_names()) on `group`. Collective: checks that all ranks agree
+/// on the DispatchConfig (CommError naming the field otherwise). Throws InvalidArgument for an
+/// unknown name (listing the known ones) or a bad config, Unsupported for a backend/device pair
+/// that does not exist.
+std::unique_ptr<PrepareFinalize> make_prepare_finalize(const std::string& name, std::shared_ptr<Group> group,
+                                                       const DispatchConfig& cfg);
+/// naive, allgather_reducescatter, all2allv, ll, ht.
+std::vector<std::string> backend_names();
+
+}  // namespace epx

@@ -1,0 +1,98 @@
+// epx/experts.h: expert weights and the Experts interface (vLLM: FusedMoEPermuteExpertsUnpermute).
+//
+// Every expert is a SwiGLU MLP (DeepSeek, Qwen, Mixtral):
+//   h = silu(x W_gate^T) * (x W_up^T)        [M, I]
+//   y = h W_down^T                           [M, H]
+// with fp32 accumulation. Precision of the intermediate h before the down projection, by format:
+//   bf16, mxfp4 : h rounded to bf16;
+//   fp8_block   : h quantized to FP8 e4m3 1x128 with fp32 scales (DeepSeek-V3 recipe).
+// y is rounded to bf16 once (the layout every combine consumes).
+#pragma once
+
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "epx/tensor.h"
+
+namespace epx {
+
+enum class WeightFormat : uint8_t {
+  bf16,       ///< bf16 weights
+  fp8_block,  ///< fp8_e4m3 weights, one fp32 scale_inv per 128x128 block (DeepSeek-V3 checkpoints)
+  mxfp4,      ///< e2m1 packed pairs + one e8m0 scale per 32 inputs (OCP MX; gpt-oss checkpoints)
+};
+std::string_view weight_format_name(WeightFormat f);
+WeightFormat parse_weight_format(std::string_view name);  // throws InvalidArgument
+
+/// One expert's weights, CPU-resident. Layout follows HF checkpoints, gate and up stacked:
+///   w13 [2I, H]  rows [0, I) = gate_proj.weight, rows [I, 2I) = up_proj.weight
+///   w2  [H, I]   = down_proj.weight
+/// Storage per format:
+///   bf16      : w13 bf16 [2I, H];          w2 bf16 [H, I];          scales undefined
+///   fp8_block : w13 fp8_e4m3 [2I, H], w13_scale fp32 [2I/128, H/128]; w2 likewise [H/128, I/128]
+///   mxfp4     : w13 fp4_e2m1x2 [2I, H/2], w13_scale e8m0 [2I, H/32]; w2 [H, I/2], w2_scale [H, I/32]
+struct ExpertWeights {
+  WeightFormat format = WeightFormat::bf16;
+  int64_t hidden = 0;        ///< H
+  int64_t intermediate = 0;  ///< I
+  Tensor w13, w13_scale, w2, w2_scale;
+
+  /// Quantizes fp32 weights gate_up [2I, H] and down [H, I] into `format`.
+  /// fp8_block needs H % 128 == 0 and I % 128 == 0; mxfp4 needs H % 32 == 0 and I % 32 == 0.
+  static std::shared_ptr<ExpertWeights> from_float(WeightFormat format, const TensorView& gate_up, const TensorView& down);
+  /// Deterministic random weights ~ N(0, 1/fan_in) from `seed`, then quantized into `format`.
+  static std::shared_ptr<ExpertWeights> random(WeightFormat format, int64_t hidden, int64_t intermediate, uint64_t seed);
+
+  /// Dequantized fp32 copies [2I, H] and [H, I], built once on first use (thread-safe), for the CPU path.
+  const float* w13_f32() const;
+  const float* w2_f32() const;
+
+ private:
+  mutable std::once_flag f32_once_;
+  mutable Tensor w13_f32_, w2_f32_;
+  void build_f32() const;
+};
+
+/// CPU reference of one expert: x [M, H] fp32 (already dequantized input) -> y [M, H] fp32 whose
+/// values are bf16-rounded (see the precision rules above). Uses BLAS sgemm (fp32 accumulation).
+void expert_mlp_cpu(const ExpertWeights& w, const float* x, int64_t num_rows, float* y);
+
+enum class ActivationLayout : uint8_t {
+  /// [L, cap, H] + recv_count[L]: DeepEP low-latency layout, vLLM BatchedExperts.
+  ExpertMajor,
+  /// [N, H] + per-row local topk_idx/topk_weights: DeepEP HT / vLLM Standard format.
+  Flat,
+};
+std::string_view layout_name(ActivationLayout l);
+
+/// What the experts receive from prepare (dispatch).
+struct ExpertsInput {
+  ActivationLayout layout = ActivationLayout::Flat;
+  TensorView x;             ///< ExpertMajor [L, cap, H] / Flat [N, H]; bf16 or fp8_e4m3
+  TensorView x_scales;      ///< fp8 only: [L, cap, H/128] / [N, H/128] fp32; else empty
+  TensorView recv_count;    ///< ExpertMajor: [L] int32 valid rows per local expert
+  TensorView topk_idx;      ///< Flat: [N, K] int32 local expert index, -1 = not on this rank
+  TensorView topk_weights;  ///< Flat: [N, K] fp32
+};
+
+class Experts {
+ public:
+  virtual ~Experts() = default;
+  virtual int num_local_experts() const = 0;
+  virtual int64_t hidden() const = 0;
+  virtual bool supports(ActivationLayout layout) const = 0;
+  /// ExpertMajor: out [L, cap, H] bf16; row j < recv_count[l] of expert l gets expert_l(x[l, j])
+  ///              (unweighted); rows >= recv_count[l] are not written.
+  /// Flat:        out [N, H] bf16; row n = sum over k with topk_idx[n,k] >= 0 of
+  ///              topk_weights[n,k] * expert_{topk_idx[n,k]}(x[n]), fp32 accumulation rounded once;
+  ///              rows with no local selection are zeros.
+  /// Throws InvalidArgument on shape/dtype mismatch, or an index >= L.
+  virtual void apply(const ExpertsInput& in, const TensorView& out, Stream stream = {}) = 0;
+};
+
+/// CPU experts over `local_experts` (index = local expert id). Supports both layouts.
+std::unique_ptr<Experts> make_experts_cpu(std::vector<std::shared_ptr<const ExpertWeights>> local_experts);
+
+}  // namespace epx

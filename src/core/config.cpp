@@ -1,0 +1,182 @@
+#include "epx/config.h"
+
+#include <algorithm>
+#include <cstdlib>
+#include <fstream>
+#include <functional>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "epx/error.h"
+#include "epx/log.h"
+
+extern char** environ;
+
+namespace epx {
+
+namespace {
+struct Field {
+  const char* key;
+  const char* env;
+  const char* unit;
+  const char* description;
+};
+
+// THE list of configuration fields. Everything else walks it.
+template <class C, class Visit>
+void for_each_field(C& c, Visit&& v) {
+  v(Field{"timeout_s", "EPX_TIMEOUT_S", "s", "longest wait on a peer before Timeout; > 0"}, c.timeout_s);
+  v(Field{"log_level", "EPX_LOG_LEVEL", "", "trace|debug|info|warn|error|off"}, c.log_level);
+  v(Field{"ll.warps_per_block", "EPX_LL_WARPS_PER_BLOCK", "warps", "warps per block of LL kernels; multiple of 4, 4..32"}, c.ll_warps_per_block);
+  v(Field{"ll.num_blocks", "EPX_LL_NUM_BLOCKS", "blocks", "blocks of LL kernels; 0 = one per SM"}, c.ll_num_blocks);
+  v(Field{"ht.num_sms", "EPX_HT_NUM_SMS", "SMs", "SM budget of HT kernels; 1..132"}, c.ht_num_sms);
+  v(Field{"ht.warps_per_block", "EPX_HT_WARPS_PER_BLOCK", "warps", "warps per block of HT kernels; 1..32"}, c.ht_warps_per_block);
+  v(Field{"moe.chunk_size", "EPX_MOE_CHUNK_SIZE", "tokens", "DP chunk: max tokens per MoE call per rank; 0 = unchunked"}, c.moe_chunk_size);
+  v(Field{"fhmoe.max_tokens", "EPX_FHMOE_MAX_TOKENS", "tokens", "fuse the shared expert when M <= this (capability gate)"}, c.fhmoe_max_tokens);
+}
+
+const char* kBootstrapEnv[] = {"EPX_CONFIG", "EPX_RANK", "EPX_WORLD_SIZE", "EPX_RENDEZVOUS", "EPX_LOCAL_RANK", "EPX_UNIQUE_ID"};
+
+size_t edit_distance(const std::string& a, const std::string& b) {
+  std::vector<size_t> d(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) d[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    size_t prev = d[0];
+    d[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j) {
+      size_t cur = d[j];
+      d[j] = std::min({d[j] + 1, d[j - 1] + 1, prev + (a[i - 1] == b[j - 1] ? 0 : 1)});
+      prev = cur;
+    }
+  }
+  return d[b.size()];
+}
+
+std::string nearest(const std::string& name, bool env) {
+  Config c;
+  std::string best;
+  size_t best_d = SIZE_MAX;
+  for_each_field(c, [&](const Field& f, auto&) {
+    std::string k = env ? f.env : f.key;
+    size_t d = edit_distance(name, k);
+    if (d < best_d) best_d = d, best = k;
+  });
+  return best;
+}
+
+template <class T>
+void parse_into(const std::string& key, const std::string& text, T& out) {
+  std::istringstream is(text);
+  if constexpr (std::is_same_v<T, std::string>) {
+    out = text;
+  } else {
+    T v{};
+    is >> v;
+    require_arg("config", key, text, !is.fail() && is.eof(), std::is_integral_v<T> ? "must be an integer" : "must be a number");
+    out = v;
+  }
+}
+
+void set_source(Config& c, const std::string& key, const std::string& origin) {
+  for (auto& [k, s] : c.sources)
+    if (k == key) { s = origin; return; }
+  c.sources.emplace_back(key, origin);
+}
+}  // namespace
+
+std::string env_or(const char* name, const std::string& fallback) {
+  const char* v = std::getenv(name);
+  return v ? std::string(v) : fallback;
+}
+
+void Config::set(const std::string& key, const std::string& value, const std::string& origin) {
+  bool found = false;
+  for_each_field(*this, [&](const Field& f, auto& field) {
+    if (key == f.key) {
+      parse_into(key, value, field);
+      set_source(*this, key, origin);
+      found = true;
+    }
+  });
+  if (!found) throw InvalidArgument(arg_message("config", "key", key, "unknown (did you mean '" + nearest(key, false) + "'?)"));
+}
+
+void Config::apply_json_text(const std::string& text, const std::string& origin) {
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(text);
+  } catch (const nlohmann::json::exception& e) {
+    throw InvalidArgument(arg_message("config", "json", origin, std::string("must be valid JSON (") + e.what() + ")"));
+  }
+  require_arg("config", "json", origin, j.is_object(), "must be a JSON object of \"key\": value");
+  for (auto& [k, v] : j.items()) set(k, v.is_string() ? v.get<std::string>() : v.dump(), origin);
+}
+
+void Config::apply_env() {
+  for (char** e = environ; e && *e; ++e) {
+    std::string kv(*e);
+    if (kv.rfind("EPX_", 0) != 0) continue;
+    std::string name = kv.substr(0, kv.find('=')), value = kv.substr(kv.find('=') + 1);
+    if (std::find(std::begin(kBootstrapEnv), std::end(kBootstrapEnv), name) != std::end(kBootstrapEnv)) continue;
+    bool found = false;
+    for_each_field(*this, [&](const Field& f, auto& field) {
+      if (name == f.env) {
+        parse_into(name, value, field);
+        set_source(*this, f.key, "env " + name);
+        found = true;
+      }
+    });
+    if (!found) throw InvalidArgument(arg_message("config", "environment", name, "unknown EPX_* variable (did you mean " + nearest(name, true) + "?)"));
+  }
+}
+
+void Config::validate() const {
+  require_arg("config", "timeout_s", timeout_s, timeout_s > 0, "must be > 0");
+  require_arg("config", "ll.warps_per_block", ll_warps_per_block, ll_warps_per_block % 4 == 0 && ll_warps_per_block >= 4 && ll_warps_per_block <= 32, "must be a multiple of 4 in [4, 32]");
+  require_arg("config", "ll.num_blocks", ll_num_blocks, ll_num_blocks >= 0, "must be >= 0");
+  require_arg("config", "ht.num_sms", ht_num_sms, ht_num_sms >= 1 && ht_num_sms <= 132, "must be in [1, 132]");
+  require_arg("config", "ht.warps_per_block", ht_warps_per_block, ht_warps_per_block >= 1 && ht_warps_per_block <= 32, "must be in [1, 32]");
+  require_arg("config", "moe.chunk_size", moe_chunk_size, moe_chunk_size >= 0, "must be >= 0");
+  require_arg("config", "fhmoe.max_tokens", fhmoe_max_tokens, fhmoe_max_tokens >= 0, "must be >= 0");
+  static const char* levels[] = {"trace", "debug", "info", "warn", "error", "off"};
+  require_arg("config", "log_level", log_level, std::find(std::begin(levels), std::end(levels), log_level) != std::end(levels),
+              "must be one of trace, debug, info, warn, error, off");
+}
+
+Config Config::load(const std::string& json_path) {
+  Config c;
+  if (!json_path.empty()) {
+    std::ifstream f(json_path);
+    require_arg("config", "json_path", json_path, f.good(), "must name a readable file");
+    std::stringstream ss;
+    ss << f.rdbuf();
+    c.apply_json_text(ss.str(), "json " + json_path);
+  }
+  c.apply_env();
+  c.validate();
+  log::set_level(c.log_level);
+  return c;
+}
+
+Config Config::load() { return load(env_or("EPX_CONFIG", "")); }
+
+std::vector<std::string> Config::describe() const {
+  std::vector<std::string> out;
+  Config copy = *this;
+  for_each_field(copy, [&](const Field& f, auto& field) {
+    std::ostringstream os;
+    os << f.key << " = " << field;
+    std::string src = "default";
+    for (auto& [k, s] : sources)
+      if (k == f.key) src = s;
+    std::string line = os.str();
+    line.resize(std::max<size_t>(line.size(), 32), ' ');
+    line += "[" + src + "]";
+    line.resize(std::max<size_t>(line.size(), 56), ' ');
+    line += std::string(f.description) + (f.unit[0] ? std::string(" [") + f.unit + "]" : "");
+    out.push_back(line);
+  });
+  return out;
+}
+
+}  // namespace epx

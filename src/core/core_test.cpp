@@ -1,0 +1,82 @@
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+
+#include "epx/config.h"
+#include "epx/error.h"
+#include "epx/tensor.h"
+
+using namespace epx;
+
+TEST(Error, RequireArgNamesArgumentValueAndRule) {
+  try {
+    require_arg("ll.prepare", "num_tokens", 300, false, "must be <= num_max_dispatch_tokens_per_rank = 256");
+    FAIL() << "no throw";
+  } catch (const InvalidArgument& e) {
+    EXPECT_STREQ(e.what(), "ll.prepare: num_tokens = 300: must be <= num_max_dispatch_tokens_per_rank = 256");
+  }
+}
+
+TEST(Error, AssertPrintsValues) {
+  int a = 3, b = 4;
+  try {
+    EPX_ASSERT(a == b, "a=", a, " b=", b);
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("a=3 b=4"), std::string::npos) << e.what();
+  }
+}
+
+TEST(Tensor, ShapeStridesRowsAndChecks) {
+  Tensor t = Tensor::zeros({3, 5}, DType::bf16);
+  EXPECT_EQ(t.numel(), 15);
+  EXPECT_EQ(t.nbytes(), 30);
+  EXPECT_TRUE(t.view().is_contiguous());
+  EXPECT_EQ(t.view().strides[0], 5);
+  TensorView r = t.view().row(2);
+  EXPECT_EQ(r.ndim, 1);
+  EXPECT_EQ(static_cast<char*>(r.data) - static_cast<char*>(t.data()), 20);
+  EXPECT_THROW(check_shape("op", "x", t, {3, 4}), InvalidArgument);
+  EXPECT_NO_THROW(check_shape("op", "x", t, {-1, 5}));
+  EXPECT_THROW(check_dtype("op", "x", t, {DType::fp32}), InvalidArgument);
+  TensorView nc = t.view();
+  nc.strides[0] = 7;
+  EXPECT_THROW(check_contiguous("op", "x", nc), InvalidArgument);
+  EXPECT_THROW(TensorView(nullptr, DType::fp32, {1, 2, 3, 4, 5}), InvalidArgument);
+  Tensor zero_rows = Tensor::empty({0, 7168}, DType::bf16);
+  EXPECT_EQ(zero_rows.numel(), 0);
+  EXPECT_NE(zero_rows.data(), nullptr);
+}
+
+#ifndef EPX_WITH_CUDA
+TEST(Tensor, CudaTensorInCpuBuildIsUnsupported) {
+  EXPECT_THROW(Tensor::empty({4}, DType::fp32, Device::cuda(0)), Unsupported);
+}
+#endif
+
+TEST(Config, PrecedenceJsonThenEnvAndUnknownKeys) {
+  Config c;
+  c.apply_json_text(R"({"ll.warps_per_block": 16, "timeout_s": 5})", "json test");
+  EXPECT_EQ(c.ll_warps_per_block, 16);
+  EXPECT_EQ(c.timeout_s, 5.0);
+  setenv("EPX_LL_WARPS_PER_BLOCK", "8", 1);
+  c.apply_env();
+  unsetenv("EPX_LL_WARPS_PER_BLOCK");
+  EXPECT_EQ(c.ll_warps_per_block, 8);
+  bool saw_env_source = false;
+  for (auto& line : c.describe())
+    if (line.find("ll.warps_per_block = 8") == 0 && line.find("env EPX_LL_WARPS_PER_BLOCK") != std::string::npos) saw_env_source = true;
+  EXPECT_TRUE(saw_env_source);
+  try {
+    c.apply_json_text(R"({"ll.warps_per_blok": 16})", "json test");
+    FAIL();
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("did you mean 'll.warps_per_block'"), std::string::npos) << e.what();
+  }
+  setenv("EPX_TIMEOUT", "3", 1);
+  EXPECT_THROW(c.apply_env(), InvalidArgument);
+  unsetenv("EPX_TIMEOUT");
+  c.ll_warps_per_block = 6;
+  EXPECT_THROW(c.validate(), InvalidArgument);
+  EXPECT_THROW(c.set("timeout_s", "abc"), InvalidArgument);
+}

@@ -1,0 +1,35 @@
+// tests/test_util.h: fixtures shared by the gtest suites (random inputs, routing cases, comparisons).
+#pragma once
+
+#include <cstdint>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "epx/tensor.h"
+
+namespace epx::test {
+
+/// [rows, cols] bf16 with N(0, scale^2) values from `seed` (never zeros).
+Tensor random_bf16(int64_t rows, int64_t cols, uint64_t seed, float scale = 1.0f);
+/// [rows, cols] fp32 N(0, scale^2).
+Tensor random_f32(int64_t rows, int64_t cols, uint64_t seed, float scale = 1.0f);
+
+struct RoutingOptions {
+  double masked_fraction = 0.0;  ///< share of entries set to -1
+  bool allow_duplicates = false; ///< a token may pick the same expert twice
+  double zipf_s = 0.0;           ///< 0 = uniform; > 0 Zipf popularity exponent
+};
+/// topk_idx [T, K] int32 and topk_weights [T, K] fp32 (positive, not normalised) from `seed`.
+void random_routing(int64_t T, int K, int E, uint64_t seed, const RoutingOptions& opt, Tensor& topk_idx, Tensor& topk_weights);
+
+/// Tensor of bf16/fp32 values as float vector.
+std::vector<float> to_float(const TensorView& t);
+/// max |a - b| / max(max |b|, tiny): normwise relative error.
+double max_rel_error(const TensorView& a, const TensorView& b);
+/// ||a - b||_2 / ||b||_2 (METHOD.md: bf16 operands land between 1e-3 and 1e-2; NaN never passes).
+double rel_l2_error(const TensorView& a, const TensorView& b);
+/// Fills a tensor's bytes with a poison pattern (0xFF: NaN in bf16/fp32/fp8).
+void poison(const TensorView& t);
+
+}  // namespace epx::test
