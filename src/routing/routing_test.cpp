@@ -1,0 +1,249 @@
+// Tests of the CPU router against hand-computed cases and an independent brute-force model.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <random>
+#include <vector>
+
+#include "epx/error.h"
+#include "epx/routing.h"
+#include "test_util.h"
+
+using namespace epx;
+
+namespace {
+
+struct Routed {
+  std::vector<int64_t> idx;
+  std::vector<float> w;
+};
+
+Routed run(const RouterConfig& cfg, const std::vector<float>& logits, const std::vector<float>& bias = {},
+           DType idx_dtype = DType::int32, DType logit_dtype = DType::fp32) {
+  const int64_t E = cfg.num_experts, T = static_cast<int64_t>(logits.size()) / E;
+  Tensor lg = Tensor::empty({T, E}, logit_dtype);
+  for (int64_t i = 0; i < T * E; ++i) {
+    if (logit_dtype == DType::fp32) lg.ptr<float>()[i] = logits[i];
+    else lg.ptr<uint16_t>()[i] = float_to_bf16_bits(logits[i]);
+  }
+  Tensor b;
+  if (!bias.empty()) {
+    b = Tensor::empty({E}, DType::fp32);
+    std::copy(bias.begin(), bias.end(), b.ptr<float>());
+  }
+  Tensor idx = Tensor::empty({T, cfg.top_k}, idx_dtype);
+  Tensor w = Tensor::empty({T, cfg.top_k}, DType::fp32);
+  route(cfg, lg, b.view(), idx, w);
+  Routed r;
+  for (int64_t i = 0; i < T * cfg.top_k; ++i) {
+    r.idx.push_back(idx_dtype == DType::int32 ? idx.ptr<int32_t>()[i] : idx.ptr<int64_t>()[i]);
+    r.w.push_back(w.ptr<float>()[i]);
+  }
+  return r;
+}
+
+float sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
+
+RouterConfig softmax_cfg(int E, int K, bool renorm) {
+  RouterConfig c;
+  c.num_experts = E;
+  c.top_k = K;
+  c.scoring = ScoringFunc::softmax;
+  c.renormalize = renorm;
+  return c;
+}
+
+RouterConfig sigmoid_cfg(int E, int K, int n_group, int topk_group, float scale, bool bias) {
+  RouterConfig c;
+  c.num_experts = E;
+  c.top_k = K;
+  c.scoring = ScoringFunc::sigmoid;
+  c.renormalize = true;
+  c.n_group = n_group;
+  c.topk_group = topk_group;
+  c.routed_scaling_factor = scale;
+  c.use_correction_bias = bias;
+  return c;
+}
+
+}  // namespace
+
+TEST(RouteSoftmax, HandComputedWithAndWithoutRenormalisation) {
+  // p = softmax([1, 2, 3, 0]); top-2 = {2, 1}.
+  const std::vector<float> logits = {1, 2, 3, 0};
+  double z = std::exp(0.0) + std::exp(1.0) + std::exp(2.0) + std::exp(3.0);
+  Routed r = run(softmax_cfg(4, 2, false), logits);
+  EXPECT_EQ(r.idx, (std::vector<int64_t>{2, 1}));
+  EXPECT_NEAR(r.w[0], std::exp(3.0) / z, 1e-6);
+  EXPECT_NEAR(r.w[1], std::exp(2.0) / z, 1e-6);
+  // Mixtral / Qwen3 norm_topk_prob: divide by the sum of the selected -> 1/(1+e^-1), 1/(1+e).
+  Routed n = run(softmax_cfg(4, 2, true), logits);
+  EXPECT_EQ(n.idx, (std::vector<int64_t>{2, 1}));
+  EXPECT_NEAR(n.w[0], 1.0 / (1.0 + std::exp(-1.0)), 1e-6);
+  EXPECT_NEAR(n.w[1], 1.0 / (1.0 + std::exp(1.0)), 1e-6);
+}
+
+TEST(RouteSoftmax, TiesGoToTheLowerExpertId) {
+  Routed r = run(softmax_cfg(4, 2, false), {1, 1, 1, 1, /*token 1*/ 0, 3, 0, 3});
+  EXPECT_EQ(r.idx, (std::vector<int64_t>{0, 1, 1, 3}));
+  EXPECT_NEAR(r.w[0], 0.25, 1e-7);
+  EXPECT_NEAR(r.w[1], 0.25, 1e-7);
+  EXPECT_FLOAT_EQ(r.w[2], r.w[3]);
+  Routed all = run(softmax_cfg(4, 4, true), {2, 2, 2, 2});
+  EXPECT_EQ(all.idx, (std::vector<int64_t>{0, 1, 2, 3}));
+}
+
+TEST(RouteSoftmax, Bf16LogitsAndInt64IndicesAgreeWithFp32) {
+  std::mt19937 g(3);
+  std::normal_distribution<float> n;
+  std::vector<float> logits(7 * 16);
+  for (float& v : logits) v = round_bf16(n(g));  // exactly representable in both dtypes
+  RouterConfig c = softmax_cfg(16, 4, true);
+  Routed a = run(c, logits);
+  Routed b = run(c, logits, {}, DType::int64, DType::bf16);
+  EXPECT_EQ(a.idx, b.idx);
+  EXPECT_EQ(a.w, b.w);
+}
+
+TEST(RouteSoftmax, NanLogitNeverWins) {
+  Routed r = run(softmax_cfg(3, 1, true), {NAN, 0.0f, 1.0f});
+  // softmax of a row holding a NaN is NaN everywhere (as in torch); the ids must still be valid.
+  EXPECT_GE(r.idx[0], 0);
+  EXPECT_LT(r.idx[0], 3);
+  RouterConfig s = sigmoid_cfg(3, 1, 1, 1, 1.0f, false);
+  Routed q = run(s, {NAN, 0.0f, 1.0f});
+  EXPECT_EQ(q.idx[0], 2);
+}
+
+TEST(RouteSigmoid, GroupLimitExcludesTheBestExpertOfAWeakGroup) {
+  // 8 experts in 4 groups of 2; group score = sum of its top-2 sigmoid scores:
+  //   g0 {5, -5} -> 1.000   g1 {1, 1} -> 1.462   g2 {0.5, 0.5} -> 1.245   g3 {-1, -1} -> 0.538
+  // topk_group = 2 keeps g1 and g2, so expert 0 (the single best score, 0.993) is excluded.
+  const std::vector<float> logits = {5, -5, 1, 1, 0.5f, 0.5f, -1, -1};
+  Routed r = run(sigmoid_cfg(8, 2, 4, 2, 2.5f, false), logits);
+  EXPECT_EQ(r.idx, (std::vector<int64_t>{2, 3}));  // tie between 2 and 3: lower id first
+  EXPECT_NEAR(r.w[0], 1.25, 1e-6);                 // renormalised (0.5 each) times 2.5
+  EXPECT_NEAR(r.w[1], 1.25, 1e-6);
+  // Without the group limit, expert 0 wins.
+  Routed free = run(sigmoid_cfg(8, 2, 1, 1, 2.5f, false), logits);
+  EXPECT_EQ(free.idx, (std::vector<int64_t>{0, 2}));
+  EXPECT_NEAR(free.w[0], 2.5 * sigmoid(5) / (sigmoid(5) + sigmoid(1)), 1e-6);
+}
+
+TEST(RouteSigmoid, GroupTiesGoToTheLowerGroupId) {
+  // Groups 0..3 all score alike; topk_group = 1 keeps group 0, so experts {0, 1} are chosen
+  // although expert 7 equals them.
+  Routed r = run(sigmoid_cfg(8, 2, 4, 1, 1.0f, false), {1, 0, 0, 1, 1, 0, 0, 1});
+  EXPECT_EQ(r.idx, (std::vector<int64_t>{0, 1}));
+}
+
+TEST(RouteSigmoid, BiasChangesSelectionButNotWeights) {
+  // s = sigmoid([1, 0, 0, 0]); b = s + [0, 0.5, 0, 0] -> expert 1 is selected (1.0 > 0.731);
+  // its weight is its unbiased score 0.5 (no renormalisation), not 1.0.
+  RouterConfig c = sigmoid_cfg(4, 1, 1, 1, 1.0f, true);
+  c.renormalize = false;
+  Routed r = run(c, {1, 0, 0, 0}, {0.0f, 0.5f, 0.0f, 0.0f});
+  EXPECT_EQ(r.idx[0], 1);
+  EXPECT_FLOAT_EQ(r.w[0], 0.5f);
+  // K = 2 with renormalisation: weights are s1/(s1+s0) and s0/(s1+s0), scaled by 2.5.
+  RouterConfig c2 = sigmoid_cfg(4, 2, 1, 1, 2.5f, true);
+  Routed r2 = run(c2, {1, 0, 0, 0}, {0.0f, 0.5f, 0.0f, 0.0f});
+  EXPECT_EQ(r2.idx, (std::vector<int64_t>{1, 0}));
+  const float s0 = sigmoid(1), s1 = 0.5f;
+  EXPECT_NEAR(r2.w[0], 2.5 * s1 / (s0 + s1), 1e-6);
+  EXPECT_NEAR(r2.w[1], 2.5 * s0 / (s0 + s1), 1e-6);
+  // The bias is ignored when use_correction_bias is off.
+  Routed off = run(sigmoid_cfg(4, 1, 1, 1, 1.0f, false), {1, 0, 0, 0});
+  EXPECT_EQ(off.idx[0], 0);
+}
+
+// Independent model of noaux_tc in double precision with full sorts, for random inputs.
+TEST(RouteSigmoid, MatchesBruteForceOnRandomDeepSeekShapes) {
+  const int E = 64, K = 6, G = 8, TG = 3, T = 200;
+  RouterConfig c = sigmoid_cfg(E, K, G, TG, 2.5f, true);
+  std::mt19937 gen(11);
+  std::normal_distribution<float> n;
+  std::vector<float> logits(T * E), bias(E);
+  for (float& v : logits) v = n(gen);
+  for (float& v : bias) v = 0.1f * n(gen);
+  Routed r = run(c, logits, bias);
+  for (int t = 0; t < T; ++t) {
+    std::vector<double> s(E), b(E);
+    for (int e = 0; e < E; ++e) {
+      s[e] = sigmoid(logits[t * E + e]);
+      b[e] = static_cast<float>(s[e]) + bias[e];
+    }
+    std::vector<std::pair<double, int>> groups;
+    for (int g = 0; g < G; ++g) {
+      std::vector<double> v(b.begin() + g * (E / G), b.begin() + (g + 1) * (E / G));
+      std::sort(v.rbegin(), v.rend());
+      groups.push_back({-(v[0] + v[1]), g});
+    }
+    std::sort(groups.begin(), groups.end());
+    std::vector<std::pair<double, int>> cand;
+    for (int i = 0; i < TG; ++i)
+      for (int e = groups[i].second * (E / G); e < (groups[i].second + 1) * (E / G); ++e) cand.push_back({-b[e], e});
+    std::sort(cand.begin(), cand.end());
+    double sum = 0;
+    for (int k = 0; k < K; ++k) sum += s[cand[k].second];
+    for (int k = 0; k < K; ++k) {
+      ASSERT_EQ(r.idx[t * K + k], cand[k].second) << "token " << t << " column " << k;
+      EXPECT_NEAR(r.w[t * K + k], 2.5 * s[cand[k].second] / sum, 1e-5);
+    }
+  }
+}
+
+TEST(Route, ZeroTokensIsANoOp) {
+  Routed r = run(softmax_cfg(8, 2, true), {});
+  EXPECT_TRUE(r.idx.empty());
+}
+
+TEST(Route, BadConfigsThrowInvalidArgument) {
+  auto bad = [](RouterConfig c) { EXPECT_THROW(validate_router_config(c), InvalidArgument); };
+  bad(softmax_cfg(0, 1, true));
+  bad(softmax_cfg(8, 0, true));
+  bad(softmax_cfg(8, 9, true));
+  bad(sigmoid_cfg(10, 2, 4, 2, 1.0f, false));   // 10 % 4 != 0
+  bad(sigmoid_cfg(8, 2, 4, 5, 1.0f, false));    // topk_group > n_group
+  bad(sigmoid_cfg(8, 2, 4, 0, 1.0f, false));    // topk_group < 1
+  bad(sigmoid_cfg(8, 5, 4, 2, 1.0f, false));    // K = 5 > 2 groups x 2 experts
+  bad(sigmoid_cfg(8, 2, 1, 1, 0.0f, false));    // scaling must be > 0
+  bad(sigmoid_cfg(8, 2, 1, 1, NAN, false));
+  RouterConfig sb = softmax_cfg(8, 2, true);
+  sb.use_correction_bias = true;                // bias belongs to sigmoid noaux_tc
+  bad(sb);
+  try {
+    validate_router_config(sigmoid_cfg(8, 5, 4, 2, 1.0f, false));
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("top_k = 5"), std::string::npos) << e.what();
+  }
+}
+
+TEST(Route, BadTensorsThrow) {
+  RouterConfig c = softmax_cfg(4, 2, true);
+  Tensor lg = Tensor::zeros({3, 4}, DType::fp32);
+  Tensor idx = Tensor::empty({3, 2}, DType::int32), w = Tensor::empty({3, 2}, DType::fp32);
+  Tensor idx_bad = Tensor::empty({3, 3}, DType::int32), w16 = Tensor::empty({3, 2}, DType::bf16);
+  Tensor lg_bad = Tensor::zeros({3, 5}, DType::fp32), lg_i = Tensor::zeros({3, 4}, DType::int32);
+  EXPECT_NO_THROW(route(c, lg, {}, idx, w));
+  EXPECT_THROW(route(c, lg, {}, idx_bad, w), InvalidArgument);
+  EXPECT_THROW(route(c, lg, {}, idx, w16), InvalidArgument);
+  EXPECT_THROW(route(c, lg_bad, {}, idx, w), InvalidArgument);
+  EXPECT_THROW(route(c, lg_i, {}, idx, w), InvalidArgument);
+  RouterConfig s = sigmoid_cfg(4, 2, 1, 1, 1.0f, true);
+  EXPECT_THROW(route(s, lg, {}, idx, w), InvalidArgument);  // bias missing
+}
+
+#ifndef EPX_WITH_CUDA
+TEST(Route, CudaTensorsAreUnsupportedInACpuBuild) {
+  RouterConfig c = softmax_cfg(4, 2, true);
+  float dummy[12] = {};
+  int32_t di[6];
+  float dw[6];
+  TensorView lg(dummy, DType::fp32, {3, 4}, Device::cuda(0));
+  TensorView idx(di, DType::int32, {3, 2}), w(dw, DType::fp32, {3, 2});
+  EXPECT_THROW(route(c, lg, {}, idx, w), Unsupported);
+}
+#endif
