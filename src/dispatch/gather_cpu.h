@@ -1,0 +1,28 @@
+// dispatch/gather_cpu.h: the prepare shared by naive and allgather_reducescatter (vLLM's
+// defaults over host collectives). Every rank receives every token:
+//   x            [N, H] bf16 | fp8_e4m3, N = sum over ranks of T_r, rows ordered by source rank then token
+//   x_scales     [N, H/128] fp32 (fp8 only), quantized once on the source rank
+//   topk_idx     [N, K] int32: local expert index on this rank, -1 where the expert lives elsewhere
+//   topk_weights [N, K] fp32
+//   recv_count   [L] int32: rows selecting local expert l at least once
+// Rows without a local selection are still present (the experts write zeros for them).
+#pragma once
+
+#include "dispatch/prepare_finalize_cpu.h"
+
+namespace epx::dispatch {
+
+class GatherCpu : public CpuPrepareFinalize {
+ public:
+  using CpuPrepareFinalize::CpuPrepareFinalize;
+  /// Collective: all_gather of T, then one all_gatherv of the encoded rows ([T_r, RowCodec::row_bytes]).
+  PrepareResult prepare(const DispatchArgs& args) override;
+
+ protected:
+  std::vector<int64_t> tokens_per_rank_;  ///< [R] T_r of the last prepare
+  int64_t token_offset_ = 0;              ///< first row of this rank's tokens in the gathered rows
+  int64_t num_rows_ = 0;                  ///< N
+  FlatRecv recv_;
+};
+
+}  // namespace epx::dispatch

@@ -1,0 +1,167 @@
+#include <cstring>
+
+#include "dispatch/backends.h"
+#include "dispatch/ll.h"
+#include "epx/quant.h"
+
+namespace epx::dispatch {
+namespace {
+
+uint8_t* at(void* base, int64_t offset) { return static_cast<uint8_t*>(base) + offset; }
+int32_t* signal(void* base, int64_t offset) { return reinterpret_cast<int32_t*>(at(base, offset)); }
+
+}  // namespace
+
+LlCpu::LlCpu(std::shared_ptr<Group> group, const DispatchConfig& cfg)
+    : CpuPrepareFinalize("ll", ActivationLayout::ExpertMajor, true, std::move(group), cfg) {
+  require_arg("ll.create", "num_max_dispatch_tokens_per_rank", cfg.num_max_dispatch_tokens_per_rank,
+              cfg.num_max_dispatch_tokens_per_rank > 0, "must be > 0 (LL buffers are sized by it)");
+  layout_ = ll_layout(cfg_, num_ranks_);
+  buffer_ = group_->alloc_symmetric(layout_.total_bytes());
+  const int64_t L = num_local_, cap = static_cast<int64_t>(num_ranks_) * cfg.num_max_dispatch_tokens_per_rank, H = cfg.hidden;
+  x_ = Tensor::zeros({L, cap, H}, layout_.use_fp8 ? DType::fp8_e4m3 : DType::bf16);
+  if (layout_.use_fp8) x_scales_ = Tensor::zeros({L, cap, H / kFp8GroupSize}, DType::fp32);
+  recv_count_ = Tensor::zeros({L}, DType::int32);
+  handle_.src_rank = Tensor::zeros({L, cap}, DType::int32);
+  handle_.src_token = Tensor::zeros({L, cap}, DType::int32);
+  handle_.topk_column = Tensor::zeros({L, cap}, DType::int32);
+  handle_.layout_range = Tensor::zeros({L, num_ranks_}, DType::int64);
+}
+
+PrepareResult LlCpu::prepare(const DispatchArgs& args) {
+  Routing routing;
+  // The status exchange also orders this call after every peer finished reading the buffers of
+  // the previous call.
+  begin_prepare(args, routing, 0, [](const Routing&) { return std::vector<int64_t>{}; });
+  const LlLayout& lay = layout_;
+  const int64_t T = routing.num_tokens, H = lay.hidden, msg = lay.msg_bytes();
+  const int K = lay.top_k;
+  idx_ = routing.idx;
+  weights_.assign(routing.weights, routing.weights + T * K);
+  first_col_.assign(static_cast<size_t>(T * K), -1);
+  for (int64_t t = 0; t < T; ++t)
+    for (int k = 0; k < K; ++k) {
+      const int32_t id = routing.at(t, k);
+      if (id < 0) continue;
+      int first = k;
+      for (int c = 0; c < k; ++c)
+        if (routing.at(t, c) == id) { first = c; break; }
+      first_col_[static_cast<size_t>(t * K + k)] = first;
+    }
+
+  // 1. Send: build each token's message once (one quantization), copy it to every destination rank.
+  std::vector<uint8_t> staging(static_cast<size_t>(msg), 0);
+  std::vector<float> row_f32(lay.use_fp8 ? static_cast<size_t>(H) : 0);
+  std::vector<int32_t> num_sent(static_cast<size_t>(num_ranks_), 0);
+  std::vector<uint8_t> in_rank;
+  const uint16_t* xb = args.x.ptr<const uint16_t>();
+  for (int64_t t = 0; t < T; ++t) {
+    token_dest_ranks(routing, t, in_rank);
+    const int32_t header[4] = {static_cast<int32_t>(t), 0, 0, 0};
+    std::memcpy(staging.data(), header, sizeof(header));
+    std::memcpy(staging.data() + lay.msg_topk_offset(), routing.idx.data() + t * K, 4 * static_cast<size_t>(K));
+    if (lay.use_fp8) {
+      for (int64_t i = 0; i < H; ++i) row_f32[static_cast<size_t>(i)] = bf16_bits_to_float(xb[t * H + i]);
+      quantize_fp8_row(row_f32.data(), H, staging.data() + lay.msg_payload_offset(),
+                       reinterpret_cast<float*>(staging.data() + lay.msg_scales_offset()), kFp8GroupSize, cfg_.use_ue8m0);
+    } else {
+      std::memcpy(staging.data() + lay.msg_payload_offset(), xb + t * H, static_cast<size_t>(2 * H));
+    }
+    for (int d = 0; d < num_ranks_; ++d) {
+      if (!in_rank[static_cast<size_t>(d)]) continue;
+      const int slot = num_sent[static_cast<size_t>(d)]++;
+      std::memcpy(at(buffer_.peers[static_cast<size_t>(d)], lay.dispatch_msg_offset(rank_, slot)), staging.data(), static_cast<size_t>(msg));
+      if (d != rank_) stats_.remote_bytes_dispatch += msg;
+    }
+  }
+  for (int d = 0; d < num_ranks_; ++d) *signal(buffer_.peers[static_cast<size_t>(d)], lay.dispatch_count_offset(rank_)) = num_sent[static_cast<size_t>(d)] + 1;
+  group_->barrier();
+
+  // 2. Receive: expand each message into one slot per distinct local expert, sources in rank order.
+  int32_t* counts = recv_count_.ptr<int32_t>();
+  std::memset(counts, 0, sizeof(int32_t) * static_cast<size_t>(num_local_));
+  const int64_t cap = x_.size(1), scale_groups = H / kFp8GroupSize;
+  int64_t* range = handle_.layout_range.ptr<int64_t>();
+  std::vector<int32_t> ids(static_cast<size_t>(K));
+  for (int s = 0; s < num_ranks_; ++s) {
+    int32_t* count_word = signal(buffer_.local, lay.dispatch_count_offset(s));
+    const int32_t n = *count_word - 1;
+    EPX_ASSERT(n >= 0 && n <= lay.max_tokens, "ll.prepare: dispatch_count from rank ", s, " = ", n + 1);
+    *count_word = 0;  // reset for the next call (only this rank reads it; peers write it after the next status exchange)
+    std::vector<int32_t> begin(counts, counts + num_local_);
+    for (int j = 0; j < n; ++j) {
+      const uint8_t* m = at(buffer_.local, lay.dispatch_msg_offset(s, j));
+      int32_t src_token = 0;
+      std::memcpy(&src_token, m, 4);
+      std::memcpy(ids.data(), m + lay.msg_topk_offset(), 4 * static_cast<size_t>(K));
+      for (int k = 0; k < K; ++k) {
+        const int l = local_index(ids[static_cast<size_t>(k)], s, rank_);
+        if (l < 0) continue;
+        bool duplicate = false;
+        for (int c = 0; c < k && !duplicate; ++c) duplicate = ids[static_cast<size_t>(c)] == ids[static_cast<size_t>(k)];
+        if (duplicate) continue;
+        const int64_t slot = counts[l]++;
+        const int64_t row = l * cap + slot;
+        std::memcpy(at(x_.data(), row * lay.payload_bytes()), m + lay.msg_payload_offset(), static_cast<size_t>(lay.payload_bytes()));
+        if (lay.use_fp8)
+          std::memcpy(x_scales_.ptr<float>() + row * scale_groups, m + lay.msg_scales_offset(), static_cast<size_t>(lay.scale_bytes()));
+        handle_.src_rank.ptr<int32_t>()[row] = s;
+        handle_.src_token.ptr<int32_t>()[row] = src_token;
+        handle_.topk_column.ptr<int32_t>()[row] = k;
+      }
+    }
+    for (int l = 0; l < num_local_; ++l)
+      range[l * num_ranks_ + s] = (static_cast<int64_t>(begin[static_cast<size_t>(l)]) << 32) | (counts[l] - begin[static_cast<size_t>(l)]);
+  }
+
+  PrepareResult res;
+  res.layout = ActivationLayout::ExpertMajor;
+  res.x = x_.view();
+  res.x_scales = x_scales_.view();
+  res.recv_count = recv_count_.view();
+  for (int l = 0; l < num_local_; ++l) res.num_recv_tokens += counts[l];
+  return res;
+}
+
+void LlCpu::finalize(const FinalizeArgs& args) {
+  const LlLayout& lay = layout_;
+  const int64_t H = lay.hidden, cap = x_.size(1);
+  const int K = lay.top_k;
+  begin_finalize(args, {num_local_, cap, H});
+
+  // 1. Every slot's (unweighted) expert output goes back to its source's combine region.
+  const int32_t* counts = recv_count_.ptr<const int32_t>();
+  const uint16_t* y = args.expert_out.ptr<const uint16_t>();
+  for (int l = 0; l < num_local_; ++l)
+    for (int64_t j = 0; j < counts[l]; ++j) {
+      const int64_t row = l * cap + j;
+      const int s = handle_.src_rank.ptr<const int32_t>()[row];
+      const int t = handle_.src_token.ptr<const int32_t>()[row];
+      const int k = handle_.topk_column.ptr<const int32_t>()[row];
+      std::memcpy(at(buffer_.peers[static_cast<size_t>(s)], lay.combine_row_offset(t, k)), y + row * H, static_cast<size_t>(2 * H));
+      if (s != rank_) stats_.remote_bytes_combine += 2 * H;
+    }
+  group_->barrier();
+
+  // 2. Weighted sum in column order, fp32, one rounding (select, not multiply: -1 columns are skipped).
+  const int64_t T = prepared_tokens_;
+  std::vector<float> acc(static_cast<size_t>(H));
+  uint16_t* out = args.out.ptr<uint16_t>();
+  for (int64_t t = 0; t < T; ++t) {
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    for (int k = 0; k < K; ++k) {
+      const int first = first_col_[static_cast<size_t>(t * K + k)];
+      if (first < 0) continue;
+      const float w = weights_[static_cast<size_t>(t * K + k)];
+      const uint16_t* row = reinterpret_cast<const uint16_t*>(at(buffer_.local, lay.combine_row_offset(static_cast<int>(t), first)));
+      for (int64_t i = 0; i < H; ++i) acc[static_cast<size_t>(i)] += w * bf16_bits_to_float(row[i]);
+    }
+    for (int64_t i = 0; i < H; ++i) out[t * H + i] = float_to_bf16_bits(acc[static_cast<size_t>(i)]);
+  }
+}
+
+std::unique_ptr<PrepareFinalize> make_ll_cpu(std::shared_ptr<Group> group, const DispatchConfig& cfg) {
+  return std::make_unique<LlCpu>(std::move(group), cfg);
+}
+
+}  // namespace epx::dispatch

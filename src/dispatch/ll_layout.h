@@ -1,0 +1,90 @@
+// dispatch/ll_layout.h: byte layout of the LL (low-latency) symmetric buffer, the one source of
+// offsets for the CPU reference (ll_cpu.cpp) and the CUDA kernels, so they cannot drift apart.
+//
+// Every rank holds one buffer of ll_buffer_bytes(cfg, R) bytes (Group::alloc_symmetric):
+//
+//   [0, signal_bytes)          signals, int32:
+//                                dispatch_count[R]: source s writes (n + 1) into slot s of the
+//                                  destination after its n messages (0 = not arrived yet); the
+//                                  destination resets the slot to 0 once it has read it
+//                                combine_flag[R]: reserved for the CUDA combine signal (the CPU
+//                                  reference orders combine with a group barrier)
+//   [dispatch_recv_offset, ..) messages from source s: [R src][max_T slots][msg_bytes]; slot j of
+//                                source s is the j-th token s sent here (source token order)
+//   [combine_recv_offset, ..)  this rank as a source: [max_T][K][H] bf16; row (t, k) holds the
+//                                unweighted expert output for token t's selection in column k,
+//                                where k is the first column naming that expert (duplicates share it)
+//
+// One message (a token crosses to a destination rank once, whatever number of its experts live
+// there; the destination expands it into per-expert slots):
+//   [0, 16)                    header: int32 src_token_idx, int32 reserved[3]
+//   [16, 16 + align16(4K))     topk ids int32 [K] as the source gave them (global ids; E = shared route)
+//   [payload_offset, +P)       bf16 [H] (P = 2H) | fp8_e4m3 [H] (P = H)
+//   [scales_offset, +H/128*4)  fp32 scales [H/128] (fp8 only), as quantized on the source
+//   padded to 16 bytes
+// All offsets are 64-bit (rows x hidden can pass 2^31).
+#pragma once
+
+#include <cstdint>
+
+#include "epx/dispatch.h"
+#include "epx/dtype.h"
+
+namespace epx::dispatch {
+
+EPX_HOST_DEVICE int64_t ll_align_up(int64_t value, int64_t align) { return (value + align - 1) / align * align; }
+
+struct LlLayout {
+  int64_t hidden = 0;   ///< H
+  int num_ranks = 0;    ///< R
+  int max_tokens = 0;   ///< num_max_dispatch_tokens_per_rank
+  int top_k = 0;        ///< K
+  bool use_fp8 = false; ///< fp8_e4m3 payload + fp32 1x128 scales
+
+  static constexpr int64_t kMsgAlignBytes = 16;     ///< one 128-bit vector store
+  static constexpr int64_t kRegionAlignBytes = 128; ///< regions start on their own cache lines
+  static constexpr int64_t kHeaderBytes = 16;
+  static constexpr int64_t kScaleGroup = 128;
+
+  // ---- one message ----
+  EPX_HOST_DEVICE int64_t payload_bytes() const { return use_fp8 ? hidden : 2 * hidden; }
+  EPX_HOST_DEVICE int64_t scale_bytes() const { return use_fp8 ? hidden / kScaleGroup * 4 : 0; }
+  EPX_HOST_DEVICE int64_t msg_topk_offset() const { return kHeaderBytes; }
+  EPX_HOST_DEVICE int64_t msg_payload_offset() const { return kHeaderBytes + ll_align_up(4 * static_cast<int64_t>(top_k), kMsgAlignBytes); }
+  EPX_HOST_DEVICE int64_t msg_scales_offset() const { return msg_payload_offset() + payload_bytes(); }
+  EPX_HOST_DEVICE int64_t msg_bytes() const { return ll_align_up(msg_scales_offset() + scale_bytes(), kMsgAlignBytes); }
+
+  // ---- the buffer ----
+  EPX_HOST_DEVICE int64_t dispatch_count_offset(int src_rank) const { return 4 * static_cast<int64_t>(src_rank); }
+  EPX_HOST_DEVICE int64_t combine_flag_offset(int src_rank) const { return 4 * (static_cast<int64_t>(num_ranks) + src_rank); }
+  EPX_HOST_DEVICE int64_t signal_bytes() const { return ll_align_up(8 * static_cast<int64_t>(num_ranks), kRegionAlignBytes); }
+  EPX_HOST_DEVICE int64_t dispatch_recv_offset() const { return signal_bytes(); }
+  EPX_HOST_DEVICE int64_t dispatch_msg_offset(int src_rank, int slot) const {
+    return dispatch_recv_offset() + (static_cast<int64_t>(src_rank) * max_tokens + slot) * msg_bytes();
+  }
+  EPX_HOST_DEVICE int64_t combine_recv_offset() const {
+    return ll_align_up(dispatch_recv_offset() + static_cast<int64_t>(num_ranks) * max_tokens * msg_bytes(), kRegionAlignBytes);
+  }
+  EPX_HOST_DEVICE int64_t combine_row_offset(int token, int column) const {
+    return combine_recv_offset() + (static_cast<int64_t>(token) * top_k + column) * 2 * hidden;
+  }
+  EPX_HOST_DEVICE int64_t total_bytes() const {
+    return ll_align_up(combine_recv_offset() + static_cast<int64_t>(max_tokens) * top_k * 2 * hidden, kRegionAlignBytes);
+  }
+
+  /// DeepEP LL accounting (ANCHORS.md): bytes per valid (token, expert) selection in dispatch,
+  /// H + H/128*4 + 16 for fp8 (7408 at H = 7168), 2H + 16 for bf16; combine is 2H per selection.
+  EPX_HOST_DEVICE int64_t deepep_dispatch_bytes_per_selection() const { return payload_bytes() + scale_bytes() + 16; }
+  EPX_HOST_DEVICE int64_t deepep_combine_bytes_per_selection() const { return 2 * hidden; }
+};
+
+/// Layout for a config on R ranks (host).
+inline LlLayout ll_layout(const DispatchConfig& cfg, int num_ranks) {
+  return {cfg.hidden, num_ranks, cfg.num_max_dispatch_tokens_per_rank, cfg.top_k, cfg.dispatch_dtype == DType::fp8_e4m3};
+}
+
+/// Size hint (DeepEP get_low_latency_rdma_size_hint): bytes of the symmetric buffer each rank
+/// allocates for the "ll" backend with `cfg` on `num_ranks` ranks.
+inline int64_t ll_buffer_bytes(const DispatchConfig& cfg, int num_ranks) { return ll_layout(cfg, num_ranks).total_bytes(); }
+
+}  // namespace epx::dispatch

@@ -1,0 +1,92 @@
+// dispatch/registry.cpp: the one list of dispatch backends (STYLE.md §2), expert placement, and
+// make_prepare_finalize: agree on the config collectively, validate it, build the backend.
+#include <algorithm>
+#include <string>
+
+#include "dispatch/backends.h"
+#include "dispatch/prepare_finalize_cpu.h"
+#include "epx/error.h"
+
+namespace epx {
+namespace {
+
+using Factory = std::unique_ptr<PrepareFinalize> (*)(std::shared_ptr<Group>, const DispatchConfig&);
+
+struct BackendEntry {
+  const char* name;
+  Factory make_cpu;  ///< nullptr: no CPU implementation
+  Factory make_cuda; ///< nullptr: no CUDA implementation in this build
+};
+
+// Order = backend_names() order = the order of the `epx info` table and the test cross product.
+constexpr BackendEntry kBackends[] = {
+    {"naive", &dispatch::make_naive_cpu, nullptr},
+    {"allgather_reducescatter", &dispatch::make_agrs_cpu, nullptr},
+    {"all2allv", &dispatch::make_all2allv_cpu, nullptr},
+    {"ll", &dispatch::make_ll_cpu, nullptr},
+    {"ht", &dispatch::make_ht_cpu, nullptr},
+};
+
+}  // namespace
+
+ExpertRange expert_range(int num_experts, int num_ranks, int rank) {
+  require_arg("expert_range", "num_ranks", num_ranks, num_ranks >= 1, "must be >= 1");
+  require_arg("expert_range", "rank", rank, rank >= 0 && rank < num_ranks, "must be in [0, num_ranks = " + std::to_string(num_ranks) + ")");
+  require_arg("expert_range", "num_experts", num_experts, num_experts >= 0, "must be >= 0");
+  // The first E % R ranks hold one expert more: sizes differ by at most one (BEHAVIOUR.md).
+  const int base = num_experts / num_ranks, extra = num_experts % num_ranks;
+  const int begin = rank * base + std::min(rank, extra);
+  return {begin, begin + base + (rank < extra ? 1 : 0)};
+}
+
+int expert_rank(int num_experts, int num_ranks, int expert) {
+  require_arg("expert_rank", "expert", expert, expert >= 0 && expert < num_experts,
+              "must be in [0, num_experts = " + std::to_string(num_experts) + ")");
+  require_arg("expert_rank", "num_ranks", num_ranks, num_ranks >= 1, "must be >= 1");
+  const int base = num_experts / num_ranks, extra = num_experts % num_ranks;
+  const int big = extra * (base + 1);  // experts held by the ranks with one more
+  return expert < big ? expert / (base + 1) : extra + (expert - big) / base;
+}
+
+int num_local_experts(const DispatchConfig& cfg, int num_ranks, int rank) {
+  return expert_range(cfg.num_experts, num_ranks, rank).size() + (cfg.shared_route ? 1 : 0);
+}
+
+std::vector<std::string> backend_names() {
+  std::vector<std::string> names;
+  for (const auto& b : kBackends) names.emplace_back(b.name);
+  return names;
+}
+
+std::unique_ptr<PrepareFinalize> make_prepare_finalize(const std::string& name, std::shared_ptr<Group> group,
+                                                       const DispatchConfig& cfg) {
+  require_arg("make_prepare_finalize", "group", "null", group != nullptr, "must be a group");
+  int index = -1;
+  for (size_t i = 0; i < std::size(kBackends); ++i)
+    if (name == kBackends[i].name) index = static_cast<int>(i);
+  // Agree first (also on the backend), so a rank with a bad name or config cannot leave its peers
+  // waiting in a collective: every rank then fails the same way.
+  const std::string op = (index >= 0 ? name : std::string("make_prepare_finalize")) + ".create";
+  group->check_agreement(op, {{"backend", index},
+                              {"hidden", cfg.hidden},
+                              {"num_experts", cfg.num_experts},
+                              {"top_k", cfg.top_k},
+                              {"num_max_dispatch_tokens_per_rank", cfg.num_max_dispatch_tokens_per_rank},
+                              {"dispatch_dtype", static_cast<int64_t>(cfg.dispatch_dtype)},
+                              {"use_ue8m0", cfg.use_ue8m0},
+                              {"shared_route", cfg.shared_route},
+                              {"expert_alignment", cfg.expert_alignment}});
+  if (index < 0) {
+    std::string known;
+    for (const auto& b : kBackends) known += (known.empty() ? "" : ", ") + std::string(b.name);
+    throw InvalidArgument(arg_message("make_prepare_finalize", "name", name, "must be one of {" + known + "}"));
+  }
+  dispatch::validate_config(name, cfg, group->size());
+  const BackendEntry& entry = kBackends[index];
+  const Factory make = group->device().is_cpu() ? entry.make_cpu : entry.make_cuda;
+  if (!make)
+    throw Unsupported(op + ": device = " + group->device().str() + ": backend " + name + " has no implementation for this device in this build");
+  return make(std::move(group), cfg);
+}
+
+}  // namespace epx

@@ -1,0 +1,365 @@
+// Every dispatch backend (registry order) x awkward routing cases on CPU ranks: the layer built
+// from prepare -> experts -> finalize must equal the no-EP computation (BEHAVIOUR.md), and bad
+// input on one rank must make every rank throw, never hang.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <chrono>
+
+#include "dispatch_harness.h"
+#include "epx/error.h"
+
+using namespace epx;
+using namespace epx::test;
+
+namespace {
+
+class Backend : public ::testing::TestWithParam<std::string> {};
+
+void check_case(const std::string& name, const Case& c, int iterations = 1) {
+  const auto in = make_inputs(c);
+  const auto res = run_layer(name, c, {in}, iterations);
+  expect_matches_oracle(name, c, in, res);
+  // Byte accounting: every rank's valid selections; the rows received over all ranks equal the
+  // rank-deduplicated rows sent (dedup backends) or R x all tokens (gather backends).
+  int64_t dedup_rows = 0, recv_rows = 0, all_tokens = 0;
+  for (int r = 0; r < c.R; ++r) {
+    int64_t valid = 0;
+    for (int64_t t = 0; t < c.tokens(r); ++t)
+      for (int k = 0; k < c.K; ++k) valid += id_at(in[static_cast<size_t>(r)], t, c.K, k) >= 0;
+    EXPECT_EQ(res[static_cast<size_t>(r)].stats.num_valid_selections, valid) << name << " rank " << r;
+    dedup_rows += res[static_cast<size_t>(r)].stats.num_rank_dedup_rows;
+    recv_rows += res[static_cast<size_t>(r)].num_recv_tokens;
+    all_tokens += c.tokens(r);
+  }
+  if (name == "all2allv" || name == "ht") {
+    EXPECT_EQ(recv_rows, dedup_rows) << name << " " << c.describe();
+    for (int r = 0; r < c.R; ++r) EXPECT_EQ(res[static_cast<size_t>(r)].rows_without_local_selection, 0) << "-1 must move nothing";
+  }
+  if (name == "naive" || name == "allgather_reducescatter") {
+    EXPECT_EQ(recv_rows, c.R * all_tokens);
+  }
+}
+
+}  // namespace
+
+TEST_P(Backend, RanksAndUnevenExpertSplits) {
+  for (int R : {1, 2, 3, 4, 8}) {
+    Case c;
+    c.R = R;
+    c.E = R == 1 ? 5 : 2 * R + 1;  // E % R != 0
+    c.K = 3;
+    c.cap = 9;
+    c.seed = static_cast<uint64_t>(R);
+    for (int r = 0; r < R; ++r) c.T.push_back((r * 5 + 3) % 10);  // includes 0, odd, and cap
+    check_case(GetParam(), c);
+  }
+}
+
+TEST_P(Backend, FewerExpertsThanRanks) {
+  Case c;
+  c.R = 4;
+  c.E = 3;  // rank 3 holds no expert
+  c.K = 2;
+  c.T = {3, 0, 5, 4};
+  check_case(GetParam(), c);
+}
+
+TEST_P(Backend, ZeroTokensEverywhere) {
+  Case c;
+  c.R = 3;
+  c.E = 6;
+  c.T = {0, 0, 0};
+  check_case(GetParam(), c);
+}
+
+TEST_P(Backend, TopKOneAndTopKAll) {
+  Case c;
+  c.R = 3;
+  c.E = 5;
+  c.K = 1;
+  c.masked = 0.0;
+  check_case(GetParam(), c);
+  c.K = 5;  // K = E: every expert, every rank
+  c.seed = 2;
+  check_case(GetParam(), c);
+  c.masked = 0.4;
+  c.seed = 3;
+  check_case(GetParam(), c);
+}
+
+TEST_P(Backend, MaskedDuplicatesAndSkew) {
+  Case c;
+  c.R = 4;
+  c.E = 9;
+  c.K = 4;
+  c.masked = 0.3;
+  c.dups = true;  // the same expert twice in a row's top-k adds twice
+  c.cap = 12;
+  check_case(GetParam(), c);
+  c.dups = false;
+  c.masked = 1.0;  // nothing selected at all: zero rows back
+  check_case(GetParam(), c);
+  c.masked = 0.0;
+  c.zipf = 1.5;
+  c.idx64 = true;
+  check_case(GetParam(), c);
+}
+
+TEST_P(Backend, Hidden7168) {
+  Case c;
+  c.R = 2;
+  c.E = 6;
+  c.K = 4;
+  c.H = 7168;
+  c.cap = 4;
+  c.T = {3, 2};
+  check_case(GetParam(), c);
+}
+
+TEST_P(Backend, Fp8Dispatch) {
+  Case c;
+  c.R = 3;
+  c.E = 7;
+  c.K = 3;
+  c.H = 256;
+  c.cap = 6;
+  c.dtype = DType::fp8_e4m3;
+  check_case(GetParam(), c);
+  c.ue8m0 = true;
+  c.seed = 5;
+  check_case(GetParam(), c);
+}
+
+TEST_P(Backend, SharedRoute) {
+  Case c;
+  c.R = 3;
+  c.E = 7;
+  c.K = 3;  // 2 routed + the shared column
+  c.shared = true;
+  c.T = {5, 0, 7};
+  check_case(GetParam(), c);
+  c.dtype = DType::fp8_e4m3;
+  c.H = 128;
+  c.dups = true;
+  check_case(GetParam(), c);
+}
+
+TEST_P(Backend, RepeatedCallsOnOneObject) {
+  // Static buffers (ll) and cached layouts (ht) must not leak state between calls: rounds
+  // alternate between two different inputs, ending on the second.
+  Case c;
+  c.R = 3;
+  c.E = 8;
+  c.K = 3;
+  c.cap = 8;
+  Case c2 = c;
+  c2.seed = 9;
+  c2.T = {8, 1, 0};
+  const auto a = make_inputs(c), b = make_inputs(c2);
+  const auto res = run_layer(GetParam(), c, {a, a, b, b}, 4);
+  expect_matches_oracle(GetParam(), c2, b, res);
+}
+
+TEST_P(Backend, RankOrderInvariance) {
+  // The result for a batch of tokens does not depend on which rank holds it.
+  Case c;
+  c.R = 4;
+  c.E = 10;
+  c.K = 3;
+  c.dups = true;
+  c.shared = false;
+  const auto in = make_inputs(c);
+  const std::vector<int> perm = {2, 0, 3, 1};
+  std::vector<RankInput> moved(in.size());
+  Case cp = c;
+  cp.T.clear();
+  for (int r = 0; r < c.R; ++r) {
+    moved[static_cast<size_t>(r)] = in[static_cast<size_t>(perm[static_cast<size_t>(r)])];
+    cp.T.push_back(c.tokens(perm[static_cast<size_t>(r)]));
+  }
+  const auto res = run_layer(GetParam(), c, {in});
+  const auto res_moved = run_layer(GetParam(), cp, {moved});
+  for (int r = 0; r < c.R; ++r)
+    EXPECT_EQ(count_bit_diffs(res_moved[static_cast<size_t>(r)].out, res[static_cast<size_t>(perm[static_cast<size_t>(r)])].out), 0)
+        << GetParam() << " rank " << r;
+}
+
+// ---- errors: raised on every rank, before any write, never a hang ------------------------------
+
+namespace {
+
+struct RankError {
+  std::string type = "none", what;
+};
+
+/// Runs `fn(rank, pf)` on every rank of a fresh group with backend `name`; collects what each threw.
+template <class Fn>
+std::vector<RankError> errors_on_ranks(const std::string& name, const Case& c, Fn fn) {
+  auto groups = make_cpu_groups(c.R, 10.0);
+  std::vector<RankError> errs(static_cast<size_t>(c.R));
+  const auto t0 = std::chrono::steady_clock::now();
+  run_ranks(groups, [&](int r) {
+    try {
+      fn(r, groups[static_cast<size_t>(r)]);
+    } catch (const InvalidArgument& e) {
+      errs[static_cast<size_t>(r)] = {"InvalidArgument", e.what()};
+    } catch (const Unsupported& e) {
+      errs[static_cast<size_t>(r)] = {"Unsupported", e.what()};
+    } catch (const CommError& e) {
+      errs[static_cast<size_t>(r)] = {"CommError", e.what()};
+    } catch (const Timeout& e) {
+      errs[static_cast<size_t>(r)] = {"Timeout", e.what()};
+    }
+  });
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(5)) << "an error path waited for a timeout";
+  return errs;
+}
+
+bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
+
+}  // namespace
+
+TEST_P(Backend, CapacityOverflowOnOneRankThrowsOnAllRanks) {
+  const std::string name = GetParam();
+  Case c;
+  c.R = 3;
+  c.cap = 8;
+  c.T = {4, 9, 2};  // rank 1 exceeds the capacity
+  const auto in = make_inputs(c);
+  Case ok = c;
+  ok.T = {4, 8, 2};
+  const auto in_ok = make_inputs(ok);
+  const auto errs = errors_on_ranks(name, c, [&](int r, std::shared_ptr<Group> g) {
+    auto pf = make_prepare_finalize(name, g, c.config());
+    const RankInput& ri = in[static_cast<size_t>(r)];
+    try {
+      pf->prepare({ri.x, ri.topk_idx, ri.topk_weights});
+    } catch (const InvalidArgument&) {
+      // The object stays usable: a good call afterwards works on every rank.
+      const RankInput& good = in_ok[static_cast<size_t>(r)];
+      PrepareResult p = pf->prepare({good.x, good.topk_idx, good.topk_weights});
+      std::vector<int64_t> shape(p.x.shape.begin(), p.x.shape.begin() + p.x.ndim);
+      Tensor eo = Tensor::zeros(shape, DType::bf16), out = Tensor::empty({good.x.size(0), c.H}, DType::bf16);
+      pf->finalize({eo, out});
+      throw;
+    }
+  });
+  for (int r = 0; r < c.R; ++r) {
+    EXPECT_EQ(errs[r].type, "InvalidArgument") << name << " rank " << r;
+    EXPECT_TRUE(contains(errs[r].what, "num_tokens = 9")) << errs[r].what;
+    EXPECT_TRUE(contains(errs[r].what, "num_max_dispatch_tokens_per_rank = 8")) << errs[r].what;
+    if (r != 1) {
+      EXPECT_TRUE(contains(errs[r].what, "rank 1")) << errs[r].what;
+    }
+  }
+  EXPECT_EQ(errs[1].what, name + ".prepare: num_tokens = 9: must be <= num_max_dispatch_tokens_per_rank = 8 (fixed at create; split the batch)");
+}
+
+TEST_P(Backend, BadIdsDtypesAndShapesThrowOnAllRanks) {
+  const std::string name = GetParam();
+  Case c;
+  c.R = 2;
+  c.E = 6;
+  const auto in = make_inputs(c);
+  // (what rank 1 gets wrong, the text its error must contain)
+  const std::vector<std::pair<int, std::string>> faults = {
+      {0, "topk_idx[1, 0] = 6"}, {1, "topk_idx[1, 0] = -2"}, {2, "x.dtype = fp32"}, {3, "x.shape[1] = 16"}, {4, "topk_weights.shape"}};
+  for (const auto& [fault, text] : faults) {
+    const auto errs = errors_on_ranks(name, c, [&](int r, std::shared_ptr<Group> g) {
+      auto pf = make_prepare_finalize(name, g, c.config());
+      RankInput ri = in[static_cast<size_t>(r)];
+      Tensor x = ri.x, idx = Tensor::empty({ri.topk_idx.size(0), c.K}, DType::int32), w = ri.topk_weights;
+      std::memcpy(idx.data(), ri.topk_idx.data(), static_cast<size_t>(idx.nbytes()));
+      if (r == 1) {
+        if (fault == 0) idx.ptr<int32_t>()[2] = c.E;  // E without shared_route
+        if (fault == 1) idx.ptr<int32_t>()[2] = -2;
+        if (fault == 2) x = Tensor::zeros({x.size(0), c.H}, DType::fp32);
+        if (fault == 3) x = Tensor::zeros({x.size(0), 2 * c.H}, DType::bf16);
+        if (fault == 4) w = Tensor::zeros({x.size(0), c.K + 1}, DType::fp32);
+      }
+      pf->prepare({x, idx, w});
+    });
+    for (int r = 0; r < c.R; ++r) {
+      EXPECT_EQ(errs[r].type, "InvalidArgument") << name << " fault " << fault << " rank " << r;
+      EXPECT_TRUE(contains(errs[r].what, text)) << errs[r].what;
+    }
+  }
+}
+
+TEST_P(Backend, BadFinalizeArgsThrowOnAllRanks) {
+  const std::string name = GetParam();
+  Case c;
+  c.R = 2;
+  const auto in = make_inputs(c);
+  const auto errs = errors_on_ranks(name, c, [&](int r, std::shared_ptr<Group> g) {
+    auto pf = make_prepare_finalize(name, g, c.config());
+    const RankInput& ri = in[static_cast<size_t>(r)];
+    PrepareResult p = pf->prepare({ri.x, ri.topk_idx, ri.topk_weights});
+    std::vector<int64_t> shape(p.x.shape.begin(), p.x.shape.begin() + p.x.ndim);
+    Tensor eo = Tensor::zeros(shape, DType::bf16);
+    Tensor out = Tensor::empty({ri.x.size(0) + (r == 0 ? 1 : 0), c.H}, DType::bf16);  // rank 0: one row too many
+    pf->finalize({eo, out});
+  });
+  for (int r = 0; r < c.R; ++r) {
+    EXPECT_EQ(errs[r].type, "InvalidArgument") << name << " rank " << r;
+    EXPECT_TRUE(contains(errs[r].what, "out.shape")) << errs[r].what;
+  }
+}
+
+TEST_P(Backend, ConfigDisagreementAndBadConfig) {
+  const std::string name = GetParam();
+  Case c;
+  c.R = 3;
+  auto errs = errors_on_ranks(name, c, [&](int r, std::shared_ptr<Group> g) {
+    DispatchConfig cfg = c.config();
+    if (r == 2) cfg.hidden = 16;
+    make_prepare_finalize(name, g, cfg);
+  });
+  for (int r = 0; r < c.R; ++r) {
+    EXPECT_EQ(errs[r].type, "CommError");
+    EXPECT_EQ(errs[r].what, name + ".create: hidden = 8 on rank 0 but 16 on rank 2: all ranks must agree");
+  }
+  for (const auto& [field, text] : std::vector<std::pair<int, std::string>>{
+           {0, "hidden = 7"}, {1, "hidden = 64: must be a multiple of 128"}, {2, "top_k = 0"}, {3, "num_experts = 0"}}) {
+    errs = errors_on_ranks(name, c, [&](int r, std::shared_ptr<Group> g) {
+      DispatchConfig cfg = c.config();
+      if (field == 0) cfg.hidden = 7;
+      if (field == 1) cfg.hidden = 64, cfg.dispatch_dtype = DType::fp8_e4m3;
+      if (field == 2) cfg.top_k = 0;
+      if (field == 3) cfg.num_experts = 0;
+      make_prepare_finalize(name, g, cfg);
+    });
+    for (int r = 0; r < c.R; ++r) EXPECT_TRUE(errs[r].type == "InvalidArgument" && contains(errs[r].what, text)) << errs[r].what;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(AllBackends, Backend, ::testing::ValuesIn(backend_names()),
+                         [](const ::testing::TestParamInfo<std::string>& p) { return p.param; });
+
+TEST(DispatchRegistry, NamesAndUnknownBackend) {
+  EXPECT_EQ(backend_names(), (std::vector<std::string>{"naive", "allgather_reducescatter", "all2allv", "ll", "ht"}));
+  Case c;
+  c.R = 2;
+  const auto errs = errors_on_ranks("naive", c, [&](int r, std::shared_ptr<Group> g) { make_prepare_finalize("deepep", g, c.config()); });
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(errs[r].type, "InvalidArgument");
+    EXPECT_TRUE(contains(errs[r].what, "naive, allgather_reducescatter, all2allv, ll, ht")) << errs[r].what;
+  }
+  // A rank asking for another backend than its peers is a disagreement, not a hang.
+  const auto mixed = errors_on_ranks("naive", c, [&](int r, std::shared_ptr<Group> g) { make_prepare_finalize(r ? "ll" : "ht", g, c.config()); });
+  for (int r = 0; r < 2; ++r) EXPECT_EQ(mixed[r].type, "CommError") << mixed[r].what;
+}
+
+TEST(DispatchRegistry, LlNeedsACapacity) {
+  Case c;
+  c.R = 2;
+  c.cap = 0;
+  const auto errs = errors_on_ranks("ll", c, [&](int r, std::shared_ptr<Group> g) { make_prepare_finalize("ll", g, c.config()); });
+  for (int r = 0; r < 2; ++r) EXPECT_TRUE(contains(errs[r].what, "num_max_dispatch_tokens_per_rank = 0")) << errs[r].what;
+  // Dynamic backends accept 0 = no limit.
+  Case d = c;
+  d.T = {40, 3};
+  const auto in = make_inputs(d);
+  expect_matches_oracle("all2allv", d, in, run_layer("all2allv", d, {in}));
+}
