@@ -1,9 +1,57 @@
 // tools/epx/main.cpp: the `epx` CLI entry point (subcommands: moe, trace, info).
+//
+// Exit status: 0 success; 1 a validation failure or runtime error; 2 a bad flag or inconsistent
+// shapes. Errors print as one line on stderr, "epx: error: <sentence>".
+#include <CLI/CLI.hpp>
 #include <iostream>
 
-#include "epx/epx.h"
+#include "commands.h"
+#include "epx/error.h"
+#include "moe_report.h"
+
+namespace {
+// One line, whatever the message holds.
+std::string one_line(std::string s) {
+  for (char& c : s)
+    if (c == '\n' || c == '\r') c = ' ';
+  while (!s.empty() && s.back() == ' ') s.pop_back();
+  return s;
+}
+}  // namespace
 
 int main(int argc, char** argv) {
-  std::cout << "epx " << EPX_VERSION << "\n";
-  return 0;
+  using namespace epx::cli;
+  CLI::App app{"epx: expert-parallel MoE runtime (CPU reference; CUDA when built with it)", "epx"};
+  app.require_subcommand(1);
+  app.set_version_flag("--version", std::string("epx ") + EPX_VERSION);
+  MoeCommand moe;
+  TraceCommand trace;
+  InfoCommand info;
+  add_moe_command(app, moe);
+  add_trace_command(app, trace);
+  add_info_command(app, info);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::CallForHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::CallForAllHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::CallForVersion& e) {
+    return app.exit(e);
+  } catch (const CLI::ParseError& e) {
+    std::cerr << "epx: error: " << one_line(e.what()) << " (see epx --help)\n";
+    return 2;
+  }
+  try {
+    if (moe.app->parsed()) return run_moe(moe, command_line(argc, argv));
+    if (trace.app->parsed()) return run_trace(trace);
+    if (info.app->parsed()) return run_info(info);
+    return 2;
+  } catch (const epx::InvalidArgument& e) {
+    std::cerr << "epx: error: " << one_line(e.what()) << "\n";
+    return 2;
+  } catch (const std::exception& e) {
+    std::cerr << "epx: error: " << one_line(e.what()) << "\n";
+    return 1;
+  }
 }

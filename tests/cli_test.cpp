@@ -1,0 +1,177 @@
+// tests/cli_test.cpp: the built `epx` binary as a user runs it: exit codes, one-line errors,
+// `moe --help` coverage, the main job's JSON, and trace import -> replay end to end.
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <array>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <sstream>
+#include <string>
+
+namespace {
+
+const std::string kEpx = std::string(EPX_BINARY_DIR) + "/epx";
+
+struct CliRun {
+  int code = -1;
+  std::string out;  // stdout and stderr together
+  std::string err;  // stderr alone
+};
+
+// Runs `epx <args>`; stderr also goes to a file so its line count can be checked on its own.
+CliRun epx(const std::string& args) {
+  const auto err_file = std::filesystem::temp_directory_path() / ("epx_cli_test_err_" + std::to_string(::getpid()));
+  const std::string cmd = kEpx + " " + args + " 2>" + err_file.string();
+  CliRun r;
+  FILE* p = ::popen(cmd.c_str(), "r");
+  if (!p) return r;
+  std::array<char, 4096> buf{};
+  size_t n;
+  while ((n = std::fread(buf.data(), 1, buf.size(), p)) > 0) r.out.append(buf.data(), n);
+  const int status = ::pclose(p);
+  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  std::ifstream f(err_file);
+  std::stringstream ss;
+  ss << f.rdbuf();
+  r.err = ss.str();
+  r.out += r.err;
+  std::filesystem::remove(err_file);
+  return r;
+}
+
+std::filesystem::path temp_path(const std::string& name) {
+  return std::filesystem::temp_directory_path() / ("epx_cli_test_" + std::to_string(::getpid()) + "_" + name);
+}
+
+// The message is exactly one line ending in '\n'.
+void expect_one_line(const std::string& s) {
+  ASSERT_FALSE(s.empty());
+  EXPECT_EQ(s.back(), '\n') << s;
+  EXPECT_EQ(s.find('\n'), s.size() - 1) << "more than one line:\n" << s;
+}
+
+nlohmann::json read_json(const std::filesystem::path& p) {
+  std::ifstream f(p);
+  return nlohmann::json::parse(f);
+}
+
+}  // namespace
+
+TEST(Cli, BinaryExists) { ASSERT_TRUE(std::filesystem::exists(kEpx)) << kEpx; }
+
+TEST(Cli, BadFlagExits2WithOneLine) {
+  for (const char* args : {"moe --no-such-flag", "moe --ranks zero", "moe --routing banana", "moe --backend nope",
+                                  "no-such-command", "trace import", "moe --dispatch-dtype fp4"}) {
+    CliRun r = epx(args);
+    EXPECT_EQ(r.code, 2) << args << "\n" << r.out;
+    expect_one_line(r.err);
+    EXPECT_EQ(r.err.rfind("epx: error: ", 0), 0u) << r.err;
+  }
+}
+
+TEST(Cli, InconsistentShapesExit2WithOneLine) {
+  // A trace of top_k = 2 for a preset of top_k = 8.
+  const auto trace = temp_path("k2.json");
+  std::ofstream(trace) << R"({"format": "epx-trace", "version": 1, "num_ranks": 2, "num_experts": 4, "top_k": 2,
+    "steps": [{"ranks": [{"topk_idx": [[0, 1]], "topk_weights": [[0.5, 0.5]]}, {"topk_idx": [], "topk_weights": []}]}]})";
+  CliRun r = epx("moe --preset deepseek-v3-mini --trace " + trace.string());
+  EXPECT_EQ(r.code, 2) << r.out;
+  expect_one_line(r.err);
+  EXPECT_NE(r.err.find("top_k = 2"), std::string::npos) << r.err;
+  r = epx("moe --preset deepseek-v3-mini --ranks 3 --trace " + trace.string());
+  EXPECT_EQ(r.code, 2) << r.out;
+  expect_one_line(r.err);
+  EXPECT_NE(r.err.find("--ranks = 3"), std::string::npos) << r.err;
+  r = epx("moe --preset deepseek-v3-mini --tokens-per-rank 4 --trace " + trace.string());
+  EXPECT_EQ(r.code, 2) << r.out;
+  expect_one_line(r.err);
+  std::filesystem::remove(trace);
+  r = epx("moe --preset deepseek-v3-mini --trace /nonexistent/trace.json");
+  EXPECT_EQ(r.code, 2) << r.out;
+  expect_one_line(r.err);
+#ifndef EPX_WITH_CUDA
+  r = epx("moe --device cuda");
+  EXPECT_EQ(r.code, 2) << r.out;
+  expect_one_line(r.err);
+  EXPECT_NE(r.err.find("no CUDA"), std::string::npos) << r.err;
+#endif
+}
+
+TEST(Cli, MoeHelpDocumentsEveryFlag) {
+  CliRun r = epx("moe --help");
+  EXPECT_EQ(r.code, 0) << r.out;
+  for (const char* flag : {"--preset", "--ranks", "--backend", "--tokens-per-rank", "--steps", "--device", "--routing", "--zipf-s",
+                           "--dispatch-dtype", "--shared", "--chunk-size", "--seed", "--trace", "--json", "--config", "--warmup"})
+    EXPECT_NE(r.out.find(flag), std::string::npos) << "moe --help does not mention " << flag;
+  EXPECT_NE(r.out.find("Exit status"), std::string::npos);
+  CliRun t = epx("trace import --help");
+  EXPECT_EQ(t.code, 0);
+  for (const char* flag : {"--ranks", "--skip-passes", "--max-tokens-per-step", "--num-experts", "--output"})
+    EXPECT_NE(t.out.find(flag), std::string::npos) << "trace import --help does not mention " << flag;
+}
+
+TEST(Cli, InfoPrintsConfigBackendsAndPresets) {
+  CliRun r = epx("info");
+  EXPECT_EQ(r.code, 0) << r.out;
+  for (const char* s : {"epx ", "devices:", "cpu (", "timeout_s", "backends:", "naive", "presets:", "deepseek-v3-mini"})
+    EXPECT_NE(r.out.find(s), std::string::npos) << "epx info lacks " << s << "\n" << r.out;
+}
+
+TEST(Cli, MainJobValidatesEveryBackendAndWritesResultsJson) {
+  const auto out = temp_path("moe.json");
+  CliRun r = epx("moe --preset deepseek-v3-mini --ranks 2 --backend all --steps 2 --tokens-per-rank 8 --json " + out.string());
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("p50 ms"), std::string::npos) << r.out;
+  const nlohmann::json j = read_json(out);
+  EXPECT_EQ(j["tool"], "epx moe");
+  for (const char* key : {"command", "git_commit", "date", "device", "results"}) EXPECT_TRUE(j.contains(key)) << key;
+  std::set<std::string> backends;
+  for (const auto& res : j["results"]) {
+    backends.insert(res["backend"].get<std::string>());
+    EXPECT_EQ(res["validated"], true) << res.dump();
+    EXPECT_EQ(res["status"], "pass") << res.dump();
+    EXPECT_EQ(res["case"], "deepseek-v3-mini");
+    EXPECT_EQ(res["op"], "layer");
+    EXPECT_EQ(res["ranks"], 2);
+    EXPECT_EQ(res["tokens_per_rank"], 8);
+    EXPECT_EQ(res["steps"], 2);
+    EXPECT_LE(res["rel_l2_error"].get<double>(), 1e-2);
+    for (const char* key : {"latency_us_p50", "latency_us_p10", "latency_us_p90", "latency_us_p99", "latency_us_mean",
+                            "max_rel_error", "hidden", "top_k", "num_experts", "dtype", "accounting", "counters"})
+      EXPECT_TRUE(res.contains(key)) << key;
+  }
+  EXPECT_EQ(backends, (std::set<std::string>{"naive", "allgather_reducescatter", "all2allv", "ll", "ht"}));
+  std::filesystem::remove(out);
+}
+
+TEST(Cli, TraceImportThenReplayValidates) {
+  // A vLLM-MoE-Logger-shaped log for a 60-expert top-4 model: one warm-up pass (2 rows) to drop,
+  // then passes of 7 and 3 tokens.
+  const auto log = temp_path("log.jsonl"), trace = temp_path("t.json"), out = temp_path("replay.json");
+  {
+    std::ofstream f(log);
+    f << R"({"type": "meta", "model_id": "toy", "top_k": 4})" << "\n";
+    int row = 0;
+    for (int n : {2, 7, 3})
+      for (int t = 0; t < n; ++t, ++row)
+        f << R"({"type": "route", "req_id": "r1", "token_idx": )" << t << R"(, "layer": 12, "topk_ids": [)" << row % 60 << ", "
+          << (row * 7 + 1) % 60 << ", " << (row * 13 + 2) % 60 << ", " << (row * 29 + 3) % 60
+          << R"(], "topk_weights": [0.3, 0.2, 0.1, 0.05]})" << "\n";
+  }
+  CliRun im = epx("trace import " + log.string() + " --ranks 2 --skip-passes 1 --num-experts 60 -o " + trace.string());
+  ASSERT_EQ(im.code, 0) << im.out;
+  EXPECT_NE(im.out.find("steps 2, ranks 2"), std::string::npos) << im.out;
+  CliRun mo = epx("moe --preset qwen1.5-moe-a2.7b-mini --trace " + trace.string() + " --backend ll --json " + out.string());
+  ASSERT_EQ(mo.code, 0) << mo.out;
+  const nlohmann::json j = read_json(out);
+  ASSERT_EQ(j["results"].size(), 1u);
+  EXPECT_EQ(j["results"][0]["validated"], true);
+  EXPECT_EQ(j["results"][0]["tokens_per_rank"], 4);  // 7 tokens over 2 ranks: 4 + 3
+  EXPECT_EQ(j["results"][0]["tokens_total"], 10);
+  for (const auto& p : {log, trace, out}) std::filesystem::remove(p);
+}

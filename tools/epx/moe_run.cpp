@@ -1,0 +1,362 @@
+// tools/epx/moe_run.cpp: workload construction, one backend's run over R CPU ranks, validation.
+#include "moe_run.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <random>
+
+#include "epx/dispatch.h"
+#include "epx/error.h"
+#include "epx/group.h"
+#include "epx/routing.h"
+#include "epx/trace.h"
+
+namespace epx::cli {
+
+namespace {
+constexpr std::string_view kOp = "epx moe";
+
+uint64_t mix(uint64_t x) {  // splitmix64: decorrelates (seed, step, rank) streams
+  x += 0x9e3779b97f4a7c15ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+uint64_t stream_seed(uint64_t seed, uint64_t what, uint64_t step, uint64_t rank) {
+  return mix(mix(mix(seed) ^ what) ^ step) ^ rank;
+}
+
+// [T, H] bf16 N(0, 1): the scale of post-norm hidden states.
+Tensor random_hidden(int64_t T, int64_t H, uint64_t seed) {
+  Tensor x = Tensor::empty({T, H}, DType::bf16);
+  std::mt19937_64 g(seed);
+  std::normal_distribution<float> n(0.0f, 1.0f);
+  uint16_t* p = x.ptr<uint16_t>();
+  for (int64_t i = 0; i < T * H; ++i) p[i] = float_to_bf16_bits(n(g));
+  return x;
+}
+
+// Synthetic routing: K distinct experts per token drawn without replacement from a popularity
+// p(expert perm[i]) ~ 1 / (i + 1)^s (s = 0: uniform); weights positive, summing to 1.
+void synthetic_routing(int64_t T, int K, int E, double zipf_s, const std::vector<int>& perm, uint64_t seed, Tensor& idx,
+                       Tensor& wts) {
+  idx = Tensor::empty({T, K}, DType::int32);
+  wts = Tensor::empty({T, K}, DType::fp32);
+  std::mt19937_64 g(seed);
+  std::uniform_real_distribution<double> u(0.0, 1.0);
+  std::vector<double> pop(E);
+  for (int i = 0; i < E; ++i) pop[i] = zipf_s > 0 ? 1.0 / std::pow(i + 1.0, zipf_s) : 1.0;
+  std::vector<double> left(E);
+  for (int64_t t = 0; t < T; ++t) {
+    left = pop;
+    double total = 0, wsum = 0;
+    for (double v : left) total += v;
+    for (int k = 0; k < K; ++k) {
+      double x = u(g) * total;
+      int pick = -1;
+      for (int i = 0; i < E; ++i) {
+        if (left[i] <= 0) continue;
+        pick = i;  // the last eligible one absorbs rounding at the top end
+        if ((x -= left[i]) < 0) break;
+      }
+      total -= left[pick];
+      left[pick] = 0;
+      idx.ptr<int32_t>()[t * K + k] = perm[pick];
+      const double w = 0.05 + u(g);
+      wts.ptr<float>()[t * K + k] = static_cast<float>(w);
+      wsum += w;
+    }
+    for (int k = 0; k < K; ++k) wts.ptr<float>()[t * K + k] = static_cast<float>(wts.ptr<float>()[t * K + k] / wsum);
+  }
+}
+
+// Rows of `parts` (each [T_r, cols] of `dtype`) stacked into [sum T_r, cols].
+Tensor concat_rows(const std::vector<Tensor>& parts, DType dtype, int64_t cols) {
+  int64_t rows = 0;
+  for (const Tensor& p : parts) rows += p.size(0);
+  Tensor out = Tensor::empty({rows, cols}, dtype);
+  char* dst = static_cast<char*>(out.data());
+  for (const Tensor& p : parts) {
+    if (p.nbytes() > 0) std::memcpy(dst, p.data(), static_cast<size_t>(p.nbytes()));
+    dst += p.nbytes();
+  }
+  return out;
+}
+
+// Rows `rows` of t [N, cols] (any dtype) as a new contiguous tensor.
+Tensor gather_rows(const Tensor& t, const std::vector<int64_t>& rows) {
+  const int64_t cols = t.size(1), row_bytes = cols * dtype_size(t.dtype());
+  Tensor out = Tensor::empty({static_cast<int64_t>(rows.size()), cols}, t.dtype());
+  for (size_t i = 0; i < rows.size(); ++i)
+    std::memcpy(static_cast<char*>(out.data()) + i * row_bytes, static_cast<const char*>(t.data()) + rows[i] * row_bytes,
+                static_cast<size_t>(row_bytes));
+  return out;
+}
+
+// Per token of the concatenated step: did ModularMoE run its chunk's shared expert fused? Mirrors
+// the layer's rule (moe.h): chunk c of every rank; M = max over ranks of chunk c's tokens; fused
+// when mode is fused, or auto and M <= fhmoe.max_tokens. Only matters for the reference when the
+// wire is fp8 (fused: the shared expert sees the fp8 round trip of x).
+std::vector<char> fused_per_token(const Workload& w, const StepInput& st) {
+  std::vector<int64_t> tokens;
+  int64_t max_t = 0;
+  for (const Tensor& x : st.x) max_t = std::max(max_t, tokens.emplace_back(x.size(0)));
+  const int64_t chunk = w.chunk_size > 0 ? w.chunk_size : std::max<int64_t>(max_t, 1);
+  std::vector<char> fused;
+  for (int64_t T : tokens)
+    for (int64_t t = 0; t < T; ++t) {
+      const int64_t c = t / chunk;
+      int64_t m = 0;
+      for (int64_t u : tokens) m = std::max(m, std::clamp<int64_t>(u - c * chunk, 0, chunk));
+      fused.push_back(w.shared_mode == SharedExpertMode::fused ||
+                      (w.shared_mode == SharedExpertMode::auto_gate && m <= w.config.fhmoe_max_tokens));
+    }
+  return fused;
+}
+
+void errors_against(const Tensor& out, const Tensor& ref, double* max_rel, double* rel_l2) {
+  const int64_t n = ref.numel();
+  const uint16_t* a = out.ptr<uint16_t>();
+  const uint16_t* b = ref.ptr<uint16_t>();
+  double max_diff = 0, max_ref = 0, sq_diff = 0, sq_ref = 0;
+  bool nan = false;
+  for (int64_t i = 0; i < n; ++i) {
+    const double x = bf16_bits_to_float(a[i]), y = bf16_bits_to_float(b[i]);
+    const double d = std::fabs(x - y);
+    if (std::isnan(d) || std::isinf(d)) nan = true;
+    max_diff = std::max(max_diff, d);
+    max_ref = std::max(max_ref, std::fabs(y));
+    sq_diff += d * d;
+    sq_ref += y * y;
+  }
+  if (nan) {
+    *max_rel = *rel_l2 = INFINITY;  // NaN never passes
+    return;
+  }
+  *max_rel = max_diff == 0 ? 0.0 : max_diff / std::max(max_ref, 1e-30);
+  *rel_l2 = sq_diff == 0 ? 0.0 : std::sqrt(sq_diff / std::max(sq_ref, 1e-300));
+}
+
+PathCounters minus(const PathCounters& a, const PathCounters& b) {
+  PathCounters d = a;
+  d.calls -= b.calls;
+  d.chunks -= b.chunks;
+  d.idle_chunks -= b.idle_chunks;
+  d.shared_fused -= b.shared_fused;
+  d.shared_separate -= b.shared_separate;
+  return d;
+}
+}  // namespace
+
+int64_t StepInput::num_tokens() const {
+  int64_t n = 0;
+  for (const Tensor& t : x) n += t.size(0);
+  return n;
+}
+
+double percentile(std::vector<double> v, double p) {
+  if (v.empty()) return 0.0;
+  std::sort(v.begin(), v.end());
+  const double pos = p / 100.0 * static_cast<double>(v.size() - 1);
+  const size_t lo = static_cast<size_t>(std::floor(pos)), hi = std::min(lo + 1, v.size() - 1);
+  return v[lo] + (v[hi] - v[lo]) * (pos - static_cast<double>(lo));
+}
+
+Workload build_workload(const MoeOptions& o, const Config& config) {
+  Workload w;
+  w.model = preset(o.preset);
+  w.config = config;
+  const int K = w.model.router.top_k, E = w.model.router.num_experts;
+  const int64_t H = w.model.hidden;
+  w.dispatch_dtype = parse_dtype(o.dispatch_dtype);
+  require_arg(kOp, "--dispatch-dtype", o.dispatch_dtype, w.dispatch_dtype == DType::bf16 || w.dispatch_dtype == DType::fp8_e4m3,
+              "must be bf16 or fp8");
+  w.shared_mode = o.shared == "separate" ? SharedExpertMode::separate
+                  : o.shared == "fused"  ? SharedExpertMode::fused
+                                         : SharedExpertMode::auto_gate;
+  require_arg(kOp, "--warmup", o.warmup, o.warmup >= 0, "must be >= 0");
+  require_arg(kOp, "--chunk-size", o.chunk_size, o.chunk_size >= 0, "must be >= 0 (0 = moe.chunk_size of the config)");
+  w.warmup = o.warmup;
+
+  if (!o.trace.empty()) {
+    require_arg(kOp, "--tokens-per-rank", o.tokens_per_rank, !o.tokens_given, "cannot be combined with --trace (the trace gives T per rank and step)");
+    require_arg(kOp, "--routing", o.routing, !o.routing_given, "cannot be combined with --trace (the trace gives the routing)");
+    const Trace t = load_trace(o.trace);
+    const std::string rule_src = " (trace " + o.trace + ")";
+    require_arg(kOp, "--ranks", o.ranks, !o.ranks_given || o.ranks == t.num_ranks,
+                "must equal the trace's num_ranks = " + std::to_string(t.num_ranks) + rule_src);
+    require_arg(kOp, "trace top_k", t.top_k, t.top_k == K,
+                "must equal the preset's top_k = " + std::to_string(K) + " (" + o.preset + ")" + rule_src);
+    require_arg(kOp, "trace num_experts", t.num_experts, t.num_experts <= E,
+                "must be <= the preset's num_experts = " + std::to_string(E) + " (" + o.preset + ")" + rule_src);
+    require_arg(kOp, "trace hidden", t.hidden, t.hidden == 0 || t.hidden == H,
+                "must equal the preset's hidden = " + std::to_string(H) + " (" + o.preset + ")" + rule_src);
+    require_arg(kOp, "trace steps", t.steps.size(), !t.steps.empty(), "must be >= 1" + rule_src);
+    require_arg(kOp, "--steps", o.steps, !o.steps_given || o.steps >= 1, "must be >= 1");
+    const size_t S = o.steps_given ? std::min<size_t>(o.steps, t.steps.size()) : t.steps.size();
+    w.num_ranks = t.num_ranks;
+    w.routing = "trace " + o.trace;
+    w.trace_source = t.source;
+    for (size_t s = 0; s < S; ++s) {
+      StepInput st;
+      for (int r = 0; r < t.num_ranks; ++r) {
+        const TraceRank& tr = t.steps[s].ranks[r];
+        st.x.push_back(tr.hidden_states.defined() ? tr.hidden_states : random_hidden(tr.num_tokens(), H, stream_seed(o.seed, 1, s, r)));
+        st.topk_idx.push_back(tr.topk_idx);
+        st.topk_weights.push_back(tr.topk_weights);
+      }
+      w.steps.push_back(std::move(st));
+    }
+  } else {
+    require_arg(kOp, "--ranks", o.ranks, o.ranks >= 1 && o.ranks <= 1024, "must be in [1, 1024]");
+    require_arg(kOp, "--tokens-per-rank", o.tokens_per_rank, o.tokens_per_rank >= 0, "must be >= 0");
+    require_arg(kOp, "--steps", o.steps, o.steps >= 1, "must be >= 1");
+    require_arg(kOp, "--zipf-s", o.zipf_s, o.routing != "zipf" || o.zipf_s > 0, "must be > 0 with --routing zipf");
+    w.num_ranks = o.ranks;
+    w.use_router = o.routing == "router";
+    w.routing = o.routing == "zipf" ? "zipf(s=" + std::to_string(o.zipf_s).substr(0, 4) + ")" : o.routing;
+    // Hot experts sit at random places, so Zipf skew lands on random ranks, not always rank 0.
+    std::vector<int> perm(E);
+    for (int e = 0; e < E; ++e) perm[e] = e;
+    std::shuffle(perm.begin(), perm.end(), std::mt19937_64(stream_seed(o.seed, 2, 0, 0)));
+    for (int s = 0; s < o.steps; ++s) {
+      StepInput st;
+      for (int r = 0; r < o.ranks; ++r) {
+        st.x.push_back(random_hidden(o.tokens_per_rank, H, stream_seed(o.seed, 1, s, r)));
+        if (w.use_router) continue;
+        Tensor idx, wts;
+        synthetic_routing(o.tokens_per_rank, K, E, o.routing == "zipf" ? o.zipf_s : 0.0, perm, stream_seed(o.seed, 3, s, r), idx, wts);
+        st.topk_idx.push_back(idx);
+        st.topk_weights.push_back(wts);
+      }
+      w.steps.push_back(std::move(st));
+    }
+  }
+  for (const StepInput& st : w.steps)
+    for (const Tensor& x : st.x) w.max_tokens_per_rank = std::max(w.max_tokens_per_rank, x.size(0));
+  w.chunk_size = o.chunk_size > 0 ? o.chunk_size : config.moe_chunk_size;
+  w.capacity = w.chunk_size > 0 ? w.chunk_size : std::max<int64_t>(1, w.max_tokens_per_rank);
+  w.weights = MoEWeights::random(w.model, o.seed);
+  return w;
+}
+
+void ensure_references(Workload& w) {
+  const int64_t H = w.model.hidden;
+  const int K = w.model.router.top_k;
+  for (StepInput& st : w.steps) {
+    if (st.reference.defined()) continue;
+    const Tensor x = concat_rows(st.x, DType::bf16, H);
+    const int64_t N = x.size(0);
+    Tensor idx, wts;
+    if (w.use_router) {
+      Tensor logits = Tensor::empty({N, w.model.router.num_experts}, DType::fp32);
+      idx = Tensor::empty({N, K}, DType::int32);
+      wts = Tensor::empty({N, K}, DType::fp32);
+      router_logits_cpu(*w.weights, x, logits);
+      route(w.model.router, logits, w.weights->correction_bias.view(), idx, wts);
+    } else {
+      idx = concat_rows(st.topk_idx, DType::int32, K);
+      wts = concat_rows(st.topk_weights, DType::fp32, K);
+    }
+    ReferenceOptions ro;
+    ro.dispatch_dtype = w.dispatch_dtype;
+    st.reference = Tensor::empty({N, H}, DType::bf16);
+    // With a bf16 wire fused and separate references coincide; with fp8 they differ in the shared
+    // expert's input, so rows are split by the path their chunk took.
+    std::vector<char> fused;
+    if (w.model.num_shared_experts > 0 && w.dispatch_dtype != DType::bf16) fused = fused_per_token(w, st);
+    std::vector<int64_t> rows[2];
+    for (int64_t t = 0; t < N; ++t) rows[fused.empty() ? 0 : fused[t]].push_back(t);
+    for (int f = 0; f < 2; ++f) {
+      ro.shared_fused = f == 1;
+      if (rows[f].size() == static_cast<size_t>(N)) {
+        moe_reference_cpu(*w.weights, x, idx, wts, st.reference, ro);
+      } else if (!rows[f].empty()) {
+        Tensor part = Tensor::empty({static_cast<int64_t>(rows[f].size()), H}, DType::bf16);
+        moe_reference_cpu(*w.weights, gather_rows(x, rows[f]), gather_rows(idx, rows[f]), gather_rows(wts, rows[f]), part, ro);
+        for (size_t i = 0; i < rows[f].size(); ++i)
+          std::memcpy(st.reference.ptr<uint16_t>() + rows[f][i] * H, part.ptr<uint16_t>() + i * H, static_cast<size_t>(H * 2));
+      }
+    }
+  }
+}
+
+BackendResult run_backend(const Workload& w, const std::string& backend) {
+  BackendResult res;
+  res.backend = backend;
+  const int R = w.num_ranks;
+  const size_t S = w.steps.size();
+  const int64_t H = w.model.hidden;
+  // Outputs start as NaN (0xFF bytes), so a row the layer never writes fails validation.
+  std::vector<std::vector<Tensor>> outs(S, std::vector<Tensor>(R));
+  for (size_t s = 0; s < S; ++s)
+    for (int r = 0; r < R; ++r) {
+      outs[s][r] = Tensor::empty({w.steps[s].x[r].size(0), H}, DType::bf16);
+      std::memset(outs[s][r].data(), 0xFF, static_cast<size_t>(outs[s][r].nbytes()));
+    }
+  std::vector<double> step_us(S, 0.0);
+  std::vector<PathCounters> counters(R);
+
+  DispatchConfig dcfg;
+  dcfg.num_max_dispatch_tokens_per_rank = static_cast<int>(w.capacity);
+  dcfg.dispatch_dtype = w.dispatch_dtype;
+  ModularMoEOptions mo;
+  mo.shared_mode = w.shared_mode;
+  mo.chunk_size = w.chunk_size;
+  auto groups = make_cpu_groups(R, w.config.timeout_s);
+  try {
+    run_ranks(groups, [&](int r) {
+      ModularMoE layer(w.weights, groups[r], backend, dcfg, w.config, mo);
+      auto call = [&](size_t s, const TensorView& out) {
+        const StepInput& st = w.steps[s];
+        if (w.use_router) layer.forward(st.x[r], out);
+        else layer.forward_routed(st.x[r], st.topk_idx[r], st.topk_weights[r], out);
+      };
+      for (int i = 0; i < w.warmup; ++i) {
+        const size_t s = static_cast<size_t>(i) % S;
+        Tensor scratch = Tensor::empty({w.steps[s].x[r].size(0), H}, DType::bf16);
+        call(s, scratch);
+      }
+      const PathCounters before = layer.counters();
+      for (size_t s = 0; s < S; ++s) {
+        groups[r]->barrier();
+        const auto t0 = std::chrono::steady_clock::now();
+        call(s, outs[s][r]);
+        groups[r]->barrier();
+        const auto t1 = std::chrono::steady_clock::now();
+        if (r == 0) step_us[s] = std::chrono::duration<double, std::micro>(t1 - t0).count();
+      }
+      counters[r] = minus(layer.counters(), before);
+    });
+  } catch (const InvalidArgument&) {
+    throw;
+  } catch (const Unsupported& e) {
+    res.status = "unsupported";
+    res.message = e.what();
+    return res;
+  } catch (const std::exception& e) {
+    res.status = "error";
+    res.message = e.what();
+    return res;
+  }
+  res.step_us = step_us;
+  res.counters = counters[0];
+  bool ok = true;
+  for (size_t s = 0; s < S; ++s) {
+    double max_rel = 0, rel_l2 = 0;
+    errors_against(concat_rows(outs[s], DType::bf16, H), w.steps[s].reference, &max_rel, &rel_l2);
+    res.max_rel_error = std::max(res.max_rel_error, max_rel);
+    res.rel_l2_error = std::max(res.rel_l2_error, rel_l2);
+    if (!(rel_l2 <= kRelL2Tolerance)) {
+      if (ok) res.message = "step " + std::to_string(s) + ": rel L2 error " + std::to_string(rel_l2) + " > " + std::to_string(kRelL2Tolerance);
+      ok = false;
+    }
+  }
+  res.validated = true;
+  res.status = ok ? "pass" : "FAIL";
+  return res;
+}
+
+}  // namespace epx::cli

@@ -1,0 +1,92 @@
+// tools/epx/moe_run.h: the main job `epx moe`: build a workload (model, weights, per-step inputs),
+// run it through ModularMoE over R CPU ranks for each backend, validate every step against the
+// single-rank no-EP reference, and report (table + RESULTS.md JSON).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "epx/config.h"
+#include "epx/moe.h"
+#include "epx/tensor.h"
+
+namespace epx::cli {
+
+/// Every flag of `epx moe` (see add_moe_command for the help text of each).
+struct MoeOptions {
+  std::string preset = "deepseek-v3-mini";
+  int ranks = 4;
+  std::string backend = "all";
+  int64_t tokens_per_rank = 64;
+  int steps = 5;
+  std::string device = "auto";
+  std::string routing = "uniform";  ///< uniform | zipf | router
+  double zipf_s = 1.2;
+  std::string dispatch_dtype = "bf16";
+  std::string shared = "auto";      ///< separate | fused | auto
+  int chunk_size = 0;
+  uint64_t seed = 1;
+  std::string trace;
+  std::string json;
+  std::string config;
+  int warmup = 1;
+  // Which flags the user gave explicitly (a trace fixes ranks, tokens and routing).
+  bool ranks_given = false, tokens_given = false, steps_given = false, routing_given = false;
+};
+
+/// One step's inputs, per rank, plus its reference output on the concatenated tokens.
+struct StepInput {
+  std::vector<Tensor> x;             ///< [R] of [T_r, H] bf16
+  std::vector<Tensor> topk_idx;      ///< [R] of [T_r, K] int32 (undefined with --routing router)
+  std::vector<Tensor> topk_weights;  ///< [R] of [T_r, K] fp32 (undefined with --routing router)
+  Tensor reference;                  ///< [sum_r T_r, H] bf16, built once by ensure_references
+  int64_t num_tokens() const;        ///< sum_r T_r
+};
+
+/// Everything a backend run needs; built once, shared by all backends.
+struct Workload {
+  MoEConfig model;
+  std::shared_ptr<MoEWeights> weights;
+  Config config;
+  std::vector<StepInput> steps;
+  int num_ranks = 0;
+  bool use_router = false;            ///< forward() with the model's router, else forward_routed()
+  std::string routing;                ///< "uniform", "zipf(s=1.2)", "router", "trace <file>"
+  std::string trace_source;           ///< Trace::source when replaying a trace
+  DType dispatch_dtype = DType::bf16;
+  SharedExpertMode shared_mode = SharedExpertMode::auto_gate;
+  int chunk_size = 0;                 ///< effective DP chunk (0 = unchunked)
+  int64_t capacity = 0;               ///< num_max_dispatch_tokens_per_rank
+  int64_t max_tokens_per_rank = 0;    ///< max over steps and ranks of T_r
+  int warmup = 0;
+};
+
+/// Result of one backend over all steps.
+struct BackendResult {
+  std::string backend;
+  std::string status;                 ///< "pass" | "FAIL" | "unsupported" | "error"
+  std::string message;                ///< why, for anything but pass
+  std::vector<double> step_us;        ///< measured per-step latency (rank 0's view, barrier to barrier)
+  double max_rel_error = 0.0;         ///< max over steps of max|out - ref| / max|ref|
+  double rel_l2_error = 0.0;          ///< max over steps of ||out - ref||_2 / ||ref||_2
+  bool validated = false;             ///< every step was compared with the reference in this run
+  PathCounters counters;              ///< rank 0, measured steps only (warm-up excluded)
+};
+
+/// rel L2 at or below this passes (METHOD: bf16 operands land between 1e-3 and 1e-2; NaN never passes).
+constexpr double kRelL2Tolerance = 1e-2;
+
+/// Builds the workload from options. Throws InvalidArgument for inconsistent flags/trace/preset.
+Workload build_workload(const MoeOptions& options, const Config& config);
+/// Computes each step's reference output (once; later calls return at once).
+void ensure_references(Workload& workload);
+/// Runs `backend` over all steps and validates. Throws InvalidArgument (bad shapes/flags);
+/// other failures (Unsupported, Timeout, CommError, ...) are reported in the result.
+BackendResult run_backend(const Workload& workload, const std::string& backend);
+
+/// Linear-interpolated percentile p in [0, 100] of `values` (0 when empty).
+double percentile(std::vector<double> values, double p);
+
+}  // namespace epx::cli
