@@ -6,10 +6,12 @@
 // bounded by Config::timeout_s (Timeout naming the peer and the operation).
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <functional>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -67,5 +69,46 @@ std::vector<std::shared_ptr<Group>> make_cpu_groups(int num_ranks, double timeou
 /// (peers blocked in a collective throw CommError instead of hanging) and the first exception is
 /// rethrown here after all threads joined.
 void run_ranks(const std::vector<std::shared_ptr<Group>>& groups, const std::function<void(int rank)>& fn);
+
+// ---- groups over NCCL: one process per GPU (CUDA builds; CPU-only builds throw Unsupported) -------
+
+/// The 128-byte NCCL unique id (ncclUniqueId) that names one group; rank 0 creates it and the
+/// caller hands it to every rank (a file, a store, MPI, a launcher's argv), as with NCCL itself.
+struct UniqueId {
+  static constexpr int kBytes = 128;
+  std::array<uint8_t, kBytes> bytes{};
+
+  /// A fresh id (ncclGetUniqueId; opens rank 0's bootstrap socket). Throws CudaError; Unsupported
+  /// in a CPU-only build.
+  static UniqueId create();
+  /// 256 lowercase hex digits.
+  std::string hex() const;
+  /// Inverse of hex(). Throws InvalidArgument naming the bad length or character.
+  static UniqueId parse(std::string_view hex);
+  bool operator==(const UniqueId&) const = default;
+};
+
+/// Rendezvous through a shared file: rank 0 creates an id and writes it to `path` atomically
+/// (temp file + rename); the other ranks poll for the file. The path must be fresh for each group
+/// (a stale file from an earlier run would send ranks to a dead bootstrap). Throws Timeout when the
+/// file does not appear within timeout_s, InvalidArgument for a malformed file.
+UniqueId exchange_unique_id(const std::string& path, int rank, double timeout_s = 60.0);
+
+/// The NCCL group of rank `rank` of `world` on CUDA device `device`: one ncclComm (non-blocking
+/// init, every wait bounded by timeout_s), a device communicator with LSA barriers where all ranks
+/// share one NVLink domain, and symmetric memory through ncclMemAlloc + ncclCommWindowRegister.
+/// Collectives run on device memory and are stream-ordered on the Stream given; host pointers are
+/// staged through device memory and make that call synchronous. Collective: all ranks must call it.
+/// Throws Timeout (a rank did not join within timeout_s), CommError, CudaError; Unsupported in a
+/// CPU-only build.
+std::shared_ptr<Group> make_nccl_group(const UniqueId& uid, int rank, int world, int device, double timeout_s = 60.0);
+/// exchange_unique_id(rendezvous_path, ...) then make_nccl_group; rank 0 removes the file once
+/// every rank has joined.
+std::shared_ptr<Group> make_nccl_group(const std::string& rendezvous_path, int rank, int world, int device,
+                                       double timeout_s = 60.0);
+/// From the environment a launcher sets: EPX_RANK, EPX_WORLD_SIZE, EPX_RENDEZVOUS (a file path),
+/// and EPX_LOCAL_RANK (the device; default EPX_RANK modulo the visible devices).
+/// Throws InvalidArgument naming a missing or malformed variable.
+std::shared_ptr<Group> make_nccl_group_from_env(double timeout_s = 60.0);
 
 }  // namespace epx

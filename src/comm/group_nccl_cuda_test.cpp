@@ -1,0 +1,467 @@
+// comm/group_nccl_cuda_test.cpp: the NCCL group on real GPUs, one forked process per GPU.
+//
+// The gtest process itself never initialises CUDA (cuda::device_count() asks a child), so the ranks
+// it forks can each open their GPU. A rank reports through its exit status and stderr; the parent
+// kills every rank still running after a deadline, so a hang fails the test instead of the suite.
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <stdlib.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <random>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "epx/cuda.h"
+#include "epx/error.h"
+#include "epx/group.h"
+
+#ifdef EPX_WITH_CUDA
+#include <cuda_runtime_api.h>
+
+#include "comm/group_nccl.h"
+#endif
+
+namespace epx {
+namespace {
+
+/// A fresh directory for one test's rendezvous files.
+std::string fresh_dir() {
+  char tmpl[] = "/tmp/epx_nccl_test_XXXXXX";
+  const char* d = mkdtemp(tmpl);
+  if (!d) throw std::runtime_error("mkdtemp failed");
+  return d;
+}
+
+[[maybe_unused]] void require(bool ok, const std::string& what) {
+  if (!ok) throw std::runtime_error(what);
+}
+
+/// Forks `world` ranks running fn(rank); returns "" when all exit 0 within deadline_s, else a
+/// description of the failed ranks (their own messages went to stderr).
+[[maybe_unused]] std::string run_ranks_forked(int world, double deadline_s, const std::function<void(int)>& fn) {
+  std::fflush(stdout);
+  std::fflush(stderr);
+  std::vector<pid_t> pids;
+  for (int r = 0; r < world; ++r) {
+    const pid_t pid = fork();
+    if (pid < 0) return "fork failed";
+    if (pid == 0) {
+      int code = 0;
+      try {
+        fn(r);
+      } catch (const std::exception& e) {
+        std::fprintf(stderr, "[rank %d] FAILED: %s\n", r, e.what());
+        code = 1;
+      } catch (...) {
+        std::fprintf(stderr, "[rank %d] FAILED: unknown exception\n", r);
+        code = 1;
+      }
+      std::fflush(stdout);
+      std::fflush(stderr);
+      _exit(code);
+    }
+    pids.push_back(pid);
+  }
+  std::string failures;
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(deadline_s);
+  std::vector<bool> done(pids.size(), false);
+  size_t remaining = pids.size();
+  while (remaining > 0) {
+    for (size_t r = 0; r < pids.size(); ++r) {
+      if (done[r]) continue;
+      int status = 0;
+      const pid_t got = waitpid(pids[r], &status, WNOHANG);
+      if (got == pids[r]) {
+        done[r] = true;
+        --remaining;
+        if (!WIFEXITED(status) || WEXITSTATUS(status) != 0)
+          failures += "rank " + std::to_string(r) + " exited with status " + std::to_string(status) + "; ";
+      }
+    }
+    if (remaining > 0 && std::chrono::steady_clock::now() > deadline) {
+      for (size_t r = 0; r < pids.size(); ++r) {
+        if (done[r]) continue;
+        kill(pids[r], SIGKILL);
+        waitpid(pids[r], nullptr, 0);
+        failures += "rank " + std::to_string(r) + " still running after " + std::to_string(deadline_s) + " s (killed); ";
+      }
+      break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  return failures;
+}
+
+TEST(NcclRendezvous, TimesOutWhenRankZeroNeverWrites) {
+  const std::string path = fresh_dir() + "/never_written";
+  const auto t0 = std::chrono::steady_clock::now();
+  EXPECT_THROW(exchange_unique_id(path, /*rank=*/1, /*timeout_s=*/0.3), Timeout);
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 5.0);
+}
+
+TEST(NcclRendezvous, UniqueIdHexRoundTrip) {
+  UniqueId id;
+  for (int i = 0; i < UniqueId::kBytes; ++i) id.bytes[static_cast<size_t>(i)] = static_cast<uint8_t>(i * 37 + 5);
+  EXPECT_EQ(UniqueId::parse(id.hex()), id);
+  EXPECT_THROW(UniqueId::parse("abc"), InvalidArgument);
+  std::string bad = id.hex();
+  bad[7] = 'g';
+  EXPECT_THROW(UniqueId::parse(bad), InvalidArgument);
+}
+
+#ifdef EPX_WITH_CUDA
+
+/// Visible GPUs, counted without initialising CUDA here.
+int gpus() { return cuda::device_count(); }
+
+void cuda_ok(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(e));
+}
+
+template <class T>
+T* to_device(const std::vector<T>& h) {
+  T* d = nullptr;
+  cuda_ok(cudaMalloc(&d, std::max<size_t>(1, h.size()) * sizeof(T)), "cudaMalloc");
+  if (!h.empty()) cuda_ok(cudaMemcpy(d, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice), "H2D");
+  return d;
+}
+template <class T>
+std::vector<T> to_host(const T* d, size_t n) {
+  std::vector<T> h(n);
+  if (n) cuda_ok(cudaMemcpy(h.data(), d, n * sizeof(T), cudaMemcpyDeviceToHost), "D2H");
+  return h;
+}
+
+/// Rank r's random bytes for a test named by `salt` (every rank can regenerate every other's).
+std::vector<uint8_t> rank_bytes(int rank, int salt, size_t n) {
+  std::mt19937_64 g(static_cast<uint64_t>(rank) * 1000003u + static_cast<uint64_t>(salt));
+  std::vector<uint8_t> v(n);
+  for (auto& b : v) b = static_cast<uint8_t>(g());
+  return v;
+}
+std::vector<float> rank_floats(int rank, int salt, size_t n) {
+  std::mt19937_64 g(static_cast<uint64_t>(rank) * 7919u + static_cast<uint64_t>(salt));
+  std::normal_distribution<float> d(0.0f, 3.0f);
+  std::vector<float> v(n);
+  for (auto& x : v) {
+    x = d(g);
+    if (x == 0.0f) x = 0.5f;
+  }
+  return v;
+}
+std::vector<uint16_t> rank_bf16(int rank, int salt, size_t n) {
+  auto f = rank_floats(rank, salt, n);
+  std::vector<uint16_t> v(n);
+  for (size_t i = 0; i < n; ++i) v[i] = float_to_bf16_bits(f[i]);
+  return v;
+}
+
+void check_collectives(Group& g, cudaStream_t stream) {
+  const int R = g.size(), me = g.rank();
+  const Stream s{stream};
+
+  // all_gather on device memory.
+  {
+    const size_t n = 4099;
+    auto mine = rank_bytes(me, 1, n);
+    uint8_t* send = to_device(mine);
+    uint8_t* recv = to_device(std::vector<uint8_t>(n * R, 0xAB));
+    g.all_gather(send, recv, static_cast<int64_t>(n), s);
+    cuda_ok(cudaStreamSynchronize(stream), "sync");
+    auto got = to_host(recv, n * R);
+    for (int r = 0; r < R; ++r)
+      require(std::memcmp(got.data() + r * n, rank_bytes(r, 1, n).data(), n) == 0, "all_gather block " + std::to_string(r));
+    cudaFree(send);
+    cudaFree(recv);
+  }
+  // all_gatherv with unequal sizes and one empty rank.
+  {
+    std::vector<int64_t> sizes(R);
+    for (int r = 0; r < R; ++r) sizes[r] = r == 1 ? 0 : 1000 + 37 * r;
+    int64_t total = 0;
+    for (auto v : sizes) total += v;
+    uint8_t* send = to_device(rank_bytes(me, 2, static_cast<size_t>(sizes[me])));
+    uint8_t* recv = to_device(std::vector<uint8_t>(static_cast<size_t>(total), 0xCD));
+    g.all_gatherv(send, recv, sizes, s);
+    cuda_ok(cudaStreamSynchronize(stream), "sync");
+    auto got = to_host(recv, static_cast<size_t>(total));
+    int64_t off = 0;
+    for (int r = 0; r < R; ++r) {
+      auto want = rank_bytes(r, 2, static_cast<size_t>(sizes[r]));
+      require(std::memcmp(got.data() + off, want.data(), want.size()) == 0, "all_gatherv block " + std::to_string(r));
+      off += sizes[r];
+    }
+    cudaFree(send);
+    cudaFree(recv);
+  }
+  // all_reduce_sum fp32 (exact for R <= 2: a + b is NCCL's only order then) and bf16 (rank order).
+  {
+    const size_t n = 5003;
+    float* buf = to_device(rank_floats(me, 3, n));
+    g.all_reduce_sum(buf, buf, static_cast<int64_t>(n), DType::fp32, s);  // in place
+    cuda_ok(cudaStreamSynchronize(stream), "sync");
+    auto got = to_host(buf, n);
+    std::vector<float> want(n, 0.0f);
+    for (int r = 0; r < R; ++r) {
+      auto v = rank_floats(r, 3, n);
+      for (size_t i = 0; i < n; ++i) want[i] += v[i];
+    }
+    for (size_t i = 0; i < n; ++i) {
+      const double tol = R <= 2 ? 0.0 : 1e-5 * std::fabs(want[i]) + 1e-6;
+      require(std::fabs(got[i] - want[i]) <= tol, "all_reduce_sum fp32 at " + std::to_string(i) + ": " +
+                                                       std::to_string(got[i]) + " vs " + std::to_string(want[i]));
+    }
+    cudaFree(buf);
+
+    uint16_t* send = to_device(rank_bf16(me, 4, n));
+    uint16_t* recv = to_device(std::vector<uint16_t>(n, 0xFFFF));
+    g.all_reduce_sum(send, recv, static_cast<int64_t>(n), DType::bf16, s);
+    cuda_ok(cudaStreamSynchronize(stream), "sync");
+    auto gotb = to_host(recv, n);
+    std::vector<float> acc(n, 0.0f);
+    for (int r = 0; r < R; ++r) {
+      auto v = rank_bf16(r, 4, n);
+      for (size_t i = 0; i < n; ++i) acc[i] += bf16_bits_to_float(v[i]);
+    }
+    for (size_t i = 0; i < n; ++i)
+      require(gotb[i] == float_to_bf16_bits(acc[i]), "all_reduce_sum bf16 at " + std::to_string(i));
+    cudaFree(send);
+    cudaFree(recv);
+  }
+  // reduce_scatterv, fp32 and bf16, unequal counts with one empty rank: bit-exact rank-order sums.
+  for (DType dt : {DType::fp32, DType::bf16}) {
+    std::vector<int64_t> counts(R);
+    for (int r = 0; r < R; ++r) counts[r] = (R > 1 && r == R - 1) ? 0 : 777 + 101 * r;
+    int64_t total = 0;
+    for (auto c : counts) total += c;
+    int64_t my_off = 0;
+    for (int r = 0; r < me; ++r) my_off += counts[r];
+    const size_t es = dt == DType::fp32 ? 4 : 2;
+    std::vector<uint8_t> mine(static_cast<size_t>(total) * es);
+    if (dt == DType::fp32) std::memcpy(mine.data(), rank_floats(me, 5, total).data(), mine.size());
+    else std::memcpy(mine.data(), rank_bf16(me, 6, total).data(), mine.size());
+    uint8_t* send = to_device(mine);
+    uint8_t* recv = to_device(std::vector<uint8_t>(static_cast<size_t>(counts[me]) * es + 1, 0xEE));
+    g.reduce_scatterv(send, recv, counts, dt, s);
+    cuda_ok(cudaStreamSynchronize(stream), "sync");
+    auto got = to_host(recv, static_cast<size_t>(counts[me]) * es);
+    std::vector<std::vector<float>> all(R);
+    for (int r = 0; r < R; ++r) {
+      if (dt == DType::fp32) {
+        all[r] = rank_floats(r, 5, total);
+      } else {
+        auto b = rank_bf16(r, 6, total);
+        all[r].resize(b.size());
+        for (size_t i = 0; i < b.size(); ++i) all[r][i] = bf16_bits_to_float(b[i]);
+      }
+    }
+    for (int64_t i = 0; i < counts[me]; ++i) {
+      float acc = 0.0f;
+      for (int r = 0; r < R; ++r) acc += all[r][static_cast<size_t>(my_off + i)];
+      if (dt == DType::fp32) {
+        float v;
+        std::memcpy(&v, got.data() + i * 4, 4);
+        require(std::memcmp(&v, &acc, 4) == 0, "reduce_scatterv fp32 at " + std::to_string(i));
+      } else {
+        uint16_t v;
+        std::memcpy(&v, got.data() + i * 2, 2);
+        require(v == float_to_bf16_bits(acc), "reduce_scatterv bf16 at " + std::to_string(i));
+      }
+    }
+    cudaFree(send);
+    cudaFree(recv);
+  }
+  // all_to_allv: rank r sends (r + 1) * 100 + 13 * p bytes to p (0 from the last rank to rank 0).
+  {
+    auto bytes_from_to = [&](int from, int to) -> int64_t {
+      if (R > 1 && from == R - 1 && to == 0) return 0;
+      return (from + 1) * 100 + 13 * to;
+    };
+    std::vector<int64_t> sb(R), rb(R);
+    int64_t st = 0, rt = 0;
+    for (int p = 0; p < R; ++p) {
+      sb[p] = bytes_from_to(me, p);
+      rb[p] = bytes_from_to(p, me);
+      st += sb[p];
+      rt += rb[p];
+    }
+    std::vector<uint8_t> send_h;
+    for (int p = 0; p < R; ++p) {
+      auto blk = rank_bytes(me * 64 + p, 7, static_cast<size_t>(sb[p]));
+      send_h.insert(send_h.end(), blk.begin(), blk.end());
+    }
+    uint8_t* send = to_device(send_h);
+    uint8_t* recv = to_device(std::vector<uint8_t>(static_cast<size_t>(rt), 0x11));
+    g.all_to_allv(send, sb, recv, rb, s);
+    cuda_ok(cudaStreamSynchronize(stream), "sync");
+    auto got = to_host(recv, static_cast<size_t>(rt));
+    int64_t off = 0;
+    for (int p = 0; p < R; ++p) {
+      auto want = rank_bytes(p * 64 + me, 7, static_cast<size_t>(rb[p]));
+      require(std::memcmp(got.data() + off, want.data(), want.size()) == 0, "all_to_allv block from " + std::to_string(p));
+      off += rb[p];
+    }
+    cudaFree(send);
+    cudaFree(recv);
+  }
+  // Host pointers are staged (Group::all_gather_i64 and check_agreement use them).
+  {
+    const auto all = g.all_gather_i64(1000 + 7 * me);
+    require(static_cast<int>(all.size()) == R, "all_gather_i64 size");
+    for (int r = 0; r < R; ++r) require(all[r] == 1000 + 7 * r, "all_gather_i64 value " + std::to_string(r));
+    g.check_agreement("test.agree", {{"hidden", 7168}, {"experts", 256}});
+    if (R > 1) {
+      bool threw = false;
+      try {
+        g.check_agreement("test.disagree", {{"hidden", me == 0 ? 7168 : 4096}});
+      } catch (const CommError& e) {
+        threw = std::string(e.what()).find("hidden") != std::string::npos;
+      }
+      require(threw, "check_agreement must throw CommError naming the field on every rank");
+    }
+  }
+  g.barrier();
+}
+
+TEST(NcclGroupCuda, CollectivesMatchHostReference) {
+  const int n = gpus();
+  if (n < 1) GTEST_SKIP() << "needs 1 GPU, found " << n;
+  const int world = n;
+  const std::string path = fresh_dir() + "/uid";
+  const std::string failed = run_ranks_forked(world, 240.0, [&](int rank) {
+    auto g = make_nccl_group(path, rank, world, rank, 60.0);
+    require(g->rank() == rank && g->size() == world, "rank/size");
+    require(g->device() == Device::cuda(rank), "device");
+    cudaStream_t stream;
+    cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
+    check_collectives(*g, stream);
+    // The default stream works too.
+    check_collectives(*g, nullptr);
+    cuda_ok(cudaStreamDestroy(stream), "stream destroy");
+    if (rank == 0) std::printf("collectives OK on %d ranks (%s)\n", world, g->name().c_str());
+  });
+  EXPECT_EQ(failed, "");
+}
+
+TEST(NcclGroupCuda, SymmetricMemoryLsaWriteToNextRank) {
+  const int n = gpus();
+  if (n < 1) GTEST_SKIP() << "needs 1 GPU, found " << n;
+  const int world = n;
+  const std::string path = fresh_dir() + "/uid";
+  const std::string failed = run_ranks_forked(world, 240.0, [&](int rank) {
+    auto g = make_nccl_group(path, rank, world, rank, 60.0);
+    auto* ng = dynamic_cast<comm::NcclGroup*>(g.get());
+    require(ng != nullptr, "make_nccl_group returns an NcclGroup");
+    require(ng->lsa_size() == world, "one LSA team on one host: lsa_size = " + std::to_string(ng->lsa_size()));
+    const int64_t bytes = (8 << 20) + 12;  // not a multiple of the 4 KiB window alignment
+    const int64_t words = bytes / 4;
+    SymmetricBuffer buf = g->alloc_symmetric(bytes);
+    require(buf.bytes == bytes && buf.local != nullptr, "buffer");
+    require(static_cast<int>(buf.peers.size()) == world && buf.peers[rank] == buf.local, "peers[rank] == local");
+    for (int r = 0; r < world; ++r) require(buf.peers[r] != nullptr, "peer pointer " + std::to_string(r));
+    require(ng->window(buf) != nullptr, "window");
+    auto zeros = to_host(static_cast<const uint32_t*>(buf.local), static_cast<size_t>(words));
+    for (int64_t i = 0; i < words; ++i) require(zeros[i] == 0, "zero-filled at " + std::to_string(i));
+
+    cudaStream_t stream;
+    cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
+    int* mismatches = to_device(std::vector<int>{0});
+    const int next = (rank + 1) % world, prev = (rank + world - 1) % world;
+
+    // Round 1, device-ordered: LSA stores into the next rank, LSA barrier (acq_rel), check in-stream.
+    g->barrier();  // every rank's zero check is done before anyone writes
+    comm::launch_fill_pattern(static_cast<uint32_t*>(buf.peers[next]), words, 1000u + rank, stream);
+    ng->lsa_barrier(Stream{stream});
+    comm::launch_count_pattern_mismatches(static_cast<const uint32_t*>(buf.local), words, 1000u + prev, mismatches, stream);
+    cuda_ok(cudaStreamSynchronize(stream), "sync");
+    require(to_host(mismatches, 1)[0] == 0, "round 1: " + std::to_string(to_host(mismatches, 1)[0]) +
+                                                 " words from rank " + std::to_string(prev) + " differ");
+    auto got = to_host(static_cast<const uint32_t*>(buf.local), static_cast<size_t>(words));
+    for (int64_t i = 0; i < words; ++i)
+      require(got[i] == comm::pattern_word(1000u + prev, i), "round 1 host check at word " + std::to_string(i));
+
+    // Round 2, host-ordered: stores, stream sync, host barrier, then read.
+    g->barrier();  // round 1 reads are done everywhere
+    comm::launch_fill_pattern(static_cast<uint32_t*>(buf.peers[next]), words, 2000u + rank, stream);
+    cuda_ok(cudaStreamSynchronize(stream), "sync");
+    g->barrier();
+    got = to_host(static_cast<const uint32_t*>(buf.local), static_cast<size_t>(words));
+    for (int64_t i = 0; i < words; ++i)
+      require(got[i] == comm::pattern_word(2000u + prev, i), "round 2 host check at word " + std::to_string(i));
+
+    // A second buffer gets its own window; a foreign pointer has none.
+    SymmetricBuffer other = g->alloc_symmetric(4096);
+    require(ng->window(other) != ng->window(buf), "distinct windows");
+    bool threw = false;
+    try {
+      SymmetricBuffer fake;
+      fake.local = mismatches;
+      ng->window(fake);
+    } catch (const InvalidArgument&) {
+      threw = true;
+    }
+    require(threw, "window() of a foreign buffer throws InvalidArgument");
+    g->barrier();  // quiesce before the buffers deregister (NCCL-DEVICE-API.md §1.5)
+    cudaFree(mismatches);
+    cuda_ok(cudaStreamDestroy(stream), "stream destroy");
+    if (rank == 0) std::printf("symmetric memory OK: %d ranks wrote %lld bytes each into the next rank\n", world,
+                               static_cast<long long>(bytes));
+  });
+  EXPECT_EQ(failed, "");
+}
+
+TEST(NcclGroupCuda, RecreateFromEnvironment) {
+  const int n = gpus();
+  if (n < 1) GTEST_SKIP() << "needs 1 GPU, found " << n;
+  const int world = n;
+  const std::string dir = fresh_dir();
+  const std::string failed = run_ranks_forked(world, 240.0, [&](int rank) {
+    for (int round = 0; round < 2; ++round) {  // create, destroy, create again in one process
+      setenv("EPX_RANK", std::to_string(rank).c_str(), 1);
+      setenv("EPX_WORLD_SIZE", std::to_string(world).c_str(), 1);
+      setenv("EPX_RENDEZVOUS", (dir + "/uid" + std::to_string(round)).c_str(), 1);
+      setenv("EPX_LOCAL_RANK", std::to_string(rank).c_str(), 1);
+      auto g = make_nccl_group_from_env(60.0);
+      const auto all = g->all_gather_i64(round * 100 + rank);
+      for (int r = 0; r < world; ++r) require(all[r] == round * 100 + r, "round " + std::to_string(round));
+      SymmetricBuffer b = g->alloc_symmetric(1 << 16);
+      g->barrier();
+    }
+  });
+  EXPECT_EQ(failed, "");
+}
+
+TEST(NcclGroupCuda, MissingRankTimesOut) {
+  const int n = gpus();
+  if (n < 1) GTEST_SKIP() << "needs 1 GPU, found " << n;
+  const std::string path = fresh_dir() + "/uid";
+  // Only rank 0 of a 2-rank group shows up: creation must fail with Timeout within its bound.
+  const std::string failed = run_ranks_forked(1, 90.0, [&](int) {
+    const auto t0 = std::chrono::steady_clock::now();
+    bool timed_out = false;
+    try {
+      auto g = make_nccl_group(path, 0, 2, 0, 3.0);
+    } catch (const Timeout& e) {
+      timed_out = true;
+      std::printf("expected: %s\n", e.what());
+    }
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    require(timed_out, "group creation without rank 1 must throw Timeout");
+    require(s < 30.0, "Timeout came after " + std::to_string(s) + " s");
+  });
+  EXPECT_EQ(failed, "");
+}
+
+#endif  // EPX_WITH_CUDA
+
+}  // namespace
+}  // namespace epx
