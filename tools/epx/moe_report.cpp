@@ -186,6 +186,7 @@ void write_results_json(const std::string& path, const std::string& command, con
               {"date", date},            {"device", cpu_device_name()}, {"nccl_version", nullptr},
               {"epx_version", EPX_VERSION}, {"results", std::move(rs)}};
   if (!w.trace_source.empty()) doc["trace_source"] = w.trace_source;
+  doc["config"] = w.config.describe();  // effective values and where each came from (env/JSON are not in "command")
   const auto parent = std::filesystem::path(path).parent_path();
   std::error_code ec;
   if (!parent.empty()) std::filesystem::create_directories(parent, ec);
