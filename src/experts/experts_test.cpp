@@ -1,0 +1,450 @@
+// The CPU expert MLP against a naive float64 loop written here, and the CPU Experts backend (both
+// layouts) against per-row expert_mlp_cpu, on random data with poisoned padding.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+#include "epx/error.h"
+#include "epx/experts.h"
+#include "epx/quant.h"
+#include "test_util.h"
+
+using namespace epx;
+
+namespace {
+
+constexpr WeightFormat kFormats[] = {WeightFormat::bf16, WeightFormat::fp8_block, WeightFormat::mxfp4};
+
+/// Naive float64 SwiGLU on the dequantized weights. The intermediate h gets the format's documented
+/// rounding (bf16, or FP8 1x128 for fp8_block) so the comparison isolates the GEMM and wiring; the
+/// output is not rounded (rel L2 then carries the bf16 rounding of y, about 1e-3).
+std::vector<float> reference_mlp(const ExpertWeights& w, const float* x, int64_t rows, bool round_h = true) {
+  const int64_t H = w.hidden, I = w.intermediate;
+  const float* w13 = w.w13_f32();
+  const float* w2 = w.w2_f32();
+  std::vector<float> y(static_cast<size_t>(rows * H)), h(static_cast<size_t>(I));
+  std::vector<uint8_t> hq(static_cast<size_t>(I));
+  std::vector<float> hs(static_cast<size_t>(I / 128 + 1));
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * H;
+    for (int64_t i = 0; i < I; ++i) {
+      double g = 0, u = 0;
+      for (int64_t k = 0; k < H; ++k) {
+        g += static_cast<double>(xr[k]) * w13[i * H + k];
+        u += static_cast<double>(xr[k]) * w13[(I + i) * H + k];
+      }
+      h[i] = static_cast<float>(g / (1.0 + std::exp(-g)) * u);
+    }
+    if (!round_h) {
+      // h stays as computed (float64 rounded to fp32 once)
+    } else if (w.format == WeightFormat::fp8_block) {
+      quantize_fp8_row(h.data(), I, hq.data(), hs.data(), 128, false);
+      dequantize_fp8_row(hq.data(), hs.data(), I, h.data(), 128);
+    } else {
+      for (float& v : h) v = round_bf16(v);
+    }
+    for (int64_t j = 0; j < H; ++j) {
+      double acc = 0;
+      for (int64_t i = 0; i < I; ++i) acc += static_cast<double>(h[i]) * w2[j * I + i];
+      y[r * H + j] = static_cast<float>(acc);
+    }
+  }
+  return y;
+}
+
+TensorView f32_view(std::vector<float>& v, int64_t rows, int64_t cols) { return TensorView(v.data(), DType::fp32, {rows, cols}); }
+
+bool all_bf16_values(const std::vector<float>& v) {
+  for (float f : v)
+    if (round_bf16(f) != f) return false;
+  return true;
+}
+
+/// Three local experts of different formats and widths (the FHMoE case: a shared expert in
+/// another format next to the routed ones), all with hidden H.
+std::vector<std::shared_ptr<const ExpertWeights>> mixed_experts(int64_t H, uint64_t seed) {
+  return {ExpertWeights::random(WeightFormat::bf16, H, 128, seed), ExpertWeights::random(WeightFormat::fp8_block, H, 256, seed + 1),
+          ExpertWeights::random(WeightFormat::mxfp4, H, 64, seed + 2)};
+}
+
+/// expert_mlp_cpu of one row of bf16 x.
+std::vector<float> mlp_row(const ExpertWeights& w, const uint16_t* x_row) {
+  std::vector<float> xf(static_cast<size_t>(w.hidden)), y(static_cast<size_t>(w.hidden));
+  for (int64_t i = 0; i < w.hidden; ++i) xf[i] = bf16_bits_to_float(x_row[i]);
+  expert_mlp_cpu(w, xf.data(), 1, y.data());
+  return y;
+}
+
+}  // namespace
+
+// ---- weights ---------------------------------------------------------------------------------
+
+TEST(ExpertWeights, FormatNamesRoundTrip) {
+  for (WeightFormat f : kFormats) EXPECT_EQ(parse_weight_format(weight_format_name(f)), f);
+  EXPECT_THROW(parse_weight_format("int4"), InvalidArgument);
+  EXPECT_EQ(layout_name(ActivationLayout::ExpertMajor), "expert_major");
+  EXPECT_EQ(layout_name(ActivationLayout::Flat), "flat");
+}
+
+TEST(ExpertWeights, FromFloatStorageAndDequantizedCache) {
+  const int64_t H = 256, I = 128;
+  Tensor gate_up = test::random_f32(2 * I, H, 1, 0.0625f), down = test::random_f32(H, I, 2, 0.09f);
+  const double max_err[] = {4e-3, 0.04, 0.25};  // bf16, fp8 e4m3 blocks, mxfp4
+  for (WeightFormat f : kFormats) {
+    auto w = ExpertWeights::from_float(f, gate_up, down);
+    EXPECT_EQ(w->hidden, H);
+    EXPECT_EQ(w->intermediate, I);
+    Tensor w13(Tensor::empty({2 * I, H}, DType::fp32)), w2(Tensor::empty({H, I}, DType::fp32));
+    std::memcpy(w13.data(), w->w13_f32(), w13.nbytes());
+    std::memcpy(w2.data(), w->w2_f32(), w2.nbytes());
+    const double e13 = test::rel_l2_error(w13, gate_up), e2 = test::rel_l2_error(w2, down);
+    EXPECT_LT(e13, max_err[static_cast<int>(f)]) << weight_format_name(f);
+    EXPECT_LT(e2, max_err[static_cast<int>(f)]) << weight_format_name(f);
+    EXPECT_GT(e13, 0.0) << weight_format_name(f);
+    switch (f) {
+      case WeightFormat::bf16:
+        EXPECT_EQ(w->w13.dtype(), DType::bf16);
+        EXPECT_FALSE(w->w13_scale.defined());
+        for (int64_t i = 0; i < w13.numel(); ++i) ASSERT_EQ(w13.ptr<float>()[i], round_bf16(gate_up.ptr<float>()[i]));
+        break;
+      case WeightFormat::fp8_block:
+        EXPECT_EQ(w->w13.dtype(), DType::fp8_e4m3);
+        EXPECT_EQ(w->w13_scale.size(0), 2 * I / 128);
+        EXPECT_EQ(w->w13_scale.size(1), H / 128);
+        EXPECT_EQ(w->w2_scale.size(0), H / 128);
+        EXPECT_EQ(w->w2_scale.size(1), I / 128);
+        break;
+      case WeightFormat::mxfp4:
+        EXPECT_EQ(w->w13.dtype(), DType::fp4_e2m1x2);
+        EXPECT_EQ(w->w13.size(1), H / 2);
+        EXPECT_EQ(w->w13_scale.dtype(), DType::e8m0);
+        EXPECT_EQ(w->w13_scale.size(1), H / 32);
+        EXPECT_EQ(w->w2.size(1), I / 2);
+        EXPECT_EQ(w->w2_scale.size(1), I / 32);
+        break;
+    }
+    EXPECT_EQ(w->w13_f32(), w->w13_f32());  // built once
+  }
+}
+
+TEST(ExpertWeights, BadShapesThrow) {
+  Tensor gu = test::random_f32(2 * 96, 256, 1), dn = test::random_f32(256, 96, 2);
+  EXPECT_NO_THROW(ExpertWeights::from_float(WeightFormat::bf16, gu, dn));
+  EXPECT_NO_THROW(ExpertWeights::from_float(WeightFormat::mxfp4, gu, dn));
+  EXPECT_THROW(ExpertWeights::from_float(WeightFormat::fp8_block, gu, dn), InvalidArgument);  // I = 96
+  Tensor gu48 = test::random_f32(2 * 64, 48, 1), dn48 = test::random_f32(48, 64, 2);
+  EXPECT_THROW(ExpertWeights::from_float(WeightFormat::mxfp4, gu48, dn48), InvalidArgument);  // H = 48
+  EXPECT_THROW(ExpertWeights::from_float(WeightFormat::bf16, gu, test::random_f32(256, 64, 2)), InvalidArgument);
+  EXPECT_THROW(ExpertWeights::from_float(WeightFormat::bf16, test::random_f32(3, 256, 1), dn), InvalidArgument);
+  EXPECT_THROW(ExpertWeights::random(WeightFormat::bf16, 0, 64, 1), InvalidArgument);
+}
+
+TEST(ExpertWeights, RandomIsDeterministicWithFanInVariance) {
+  const int64_t H = 512, I = 256;
+  auto a = ExpertWeights::random(WeightFormat::bf16, H, I, 42);
+  auto b = ExpertWeights::random(WeightFormat::bf16, H, I, 42);
+  auto c = ExpertWeights::random(WeightFormat::bf16, H, I, 43);
+  EXPECT_EQ(std::memcmp(a->w13.data(), b->w13.data(), a->w13.nbytes()), 0);
+  EXPECT_EQ(std::memcmp(a->w2.data(), b->w2.data(), a->w2.nbytes()), 0);
+  EXPECT_NE(std::memcmp(a->w13.data(), c->w13.data(), a->w13.nbytes()), 0);
+  auto moments = [](const float* p, int64_t n, double& mean, double& var) {
+    double s = 0, s2 = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      s += p[i];
+      s2 += static_cast<double>(p[i]) * p[i];
+    }
+    mean = s / n;
+    var = s2 / n - mean * mean;
+  };
+  double mean, var;
+  moments(a->w13_f32(), 2 * I * H, mean, var);
+  EXPECT_NEAR(var * H, 1.0, 0.02);
+  EXPECT_NEAR(mean, 0.0, 3.0 / std::sqrt(2.0 * I * H) / std::sqrt(H));
+  moments(a->w2_f32(), H * I, mean, var);
+  EXPECT_NEAR(var * I, 1.0, 0.02);
+  // Other formats quantize the same underlying values.
+  auto q = ExpertWeights::random(WeightFormat::fp8_block, H, I, 42);
+  Tensor x(Tensor::empty({2 * I, H}, DType::fp32)), y(Tensor::empty({2 * I, H}, DType::fp32));
+  std::memcpy(x.data(), q->w13_f32(), x.nbytes());
+  std::memcpy(y.data(), a->w13_f32(), y.nbytes());
+  EXPECT_LT(test::rel_l2_error(x, y), 0.04);
+}
+
+TEST(ExpertWeights, DequantizedCacheIsBuiltOnceAcrossThreads) {
+  auto w = ExpertWeights::random(WeightFormat::mxfp4, 256, 128, 9);
+  std::vector<const float*> seen(4);
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 4; ++t) threads.emplace_back([&, t] { seen[t] = (t % 2) ? w->w2_f32() : w->w13_f32(); });
+  for (auto& th : threads) th.join();
+  EXPECT_EQ(seen[0], seen[2]);
+  EXPECT_EQ(seen[1], seen[3]);
+  EXPECT_EQ(seen[0], w->w13_f32());
+  EXPECT_EQ(seen[1], w->w2_f32());
+}
+
+// ---- one expert ------------------------------------------------------------------------------
+
+TEST(ExpertMlpCpu, MatchesFloat64ReferenceAllFormats) {
+  const int64_t H = 256, I = 256;
+  for (WeightFormat f : kFormats) {
+    for (int64_t rows : {1, 37, 600}) {  // 600 > the 512-row GEMM block
+      auto w = ExpertWeights::random(f, H, I, 100 + rows);
+      Tensor x = test::random_f32(rows, H, 200 + rows, 1.0f);
+      std::vector<float> y(static_cast<size_t>(rows * H), std::numeric_limits<float>::quiet_NaN());
+      expert_mlp_cpu(*w, x.ptr<float>(), rows, y.data());
+      std::vector<float> ref = reference_mlp(*w, x.ptr<float>(), rows);
+      const double err = test::rel_l2_error(f32_view(y, rows, H), f32_view(ref, rows, H));
+      EXPECT_LT(err, 1e-2) << weight_format_name(f) << " rows=" << rows;
+      EXPECT_TRUE(all_bf16_values(y)) << "output must hold bf16 values";
+    }
+  }
+}
+
+TEST(ExpertMlpCpu, Fp8BlockQuantizesTheIntermediate) {
+  // Against a reference that keeps h unrounded the error is that of e4m3 (~2-3%), far above the
+  // 1e-2 the matching reference meets: the documented FP8 intermediate is really applied.
+  const int64_t H = 256, I = 256, rows = 64;
+  auto w = ExpertWeights::random(WeightFormat::fp8_block, H, I, 5);
+  Tensor x = test::random_f32(rows, H, 6);
+  std::vector<float> y(static_cast<size_t>(rows * H));
+  expert_mlp_cpu(*w, x.ptr<float>(), rows, y.data());
+  std::vector<float> ref_fp8 = reference_mlp(*w, x.ptr<float>(), rows);
+  std::vector<float> ref_exact = reference_mlp(*w, x.ptr<float>(), rows, /*round_h=*/false);
+  EXPECT_LT(test::rel_l2_error(f32_view(y, rows, H), f32_view(ref_fp8, rows, H)), 1e-2);
+  EXPECT_GT(test::rel_l2_error(f32_view(y, rows, H), f32_view(ref_exact, rows, H)), 1e-2);
+}
+
+TEST(ExpertMlpCpu, ZeroRowsWritesNothing) {
+  auto w = ExpertWeights::random(WeightFormat::bf16, 128, 64, 1);
+  float sentinel = 123.0f;
+  EXPECT_NO_THROW(expert_mlp_cpu(*w, nullptr, 0, &sentinel));
+  EXPECT_EQ(sentinel, 123.0f);
+  EXPECT_THROW(expert_mlp_cpu(*w, nullptr, -1, &sentinel), InvalidArgument);
+}
+
+// ---- Experts: expert-major -------------------------------------------------------------------
+
+TEST(ExpertsCpu, ExpertMajorMatchesPerRowAndLeavesPaddingAlone) {
+  const int64_t H = 256, cap = 40;
+  for (bool mixed : {false, true}) {
+    for (WeightFormat f : kFormats) {
+      if (mixed && f != WeightFormat::bf16) continue;
+      auto local = mixed ? mixed_experts(H, 70) : std::vector<std::shared_ptr<const ExpertWeights>>{
+                                                      ExpertWeights::random(f, H, 128, 1), ExpertWeights::random(f, H, 128, 2),
+                                                      ExpertWeights::random(f, H, 128, 3)};
+      auto experts = make_experts_cpu(local);
+      EXPECT_EQ(experts->num_local_experts(), 3);
+      EXPECT_EQ(experts->hidden(), H);
+      EXPECT_TRUE(experts->supports(ActivationLayout::ExpertMajor));
+      const int32_t counts[3] = {17, 0, 40};
+      Tensor x = test::random_bf16(3 * cap, H, 8);
+      TensorView xv(x.data(), DType::bf16, {3, cap, H});
+      for (int l = 0; l < 3; ++l)  // NaN in every padding row
+        test::poison(TensorView(x.ptr<uint16_t>() + (l * cap + counts[l]) * H, DType::bf16, {cap - counts[l], H}));
+      Tensor rc = Tensor::empty({3}, DType::int32);
+      std::memcpy(rc.data(), counts, sizeof(counts));
+      Tensor out = Tensor::empty({3, cap, H}, DType::bf16);
+      std::memset(out.data(), 0xab, out.nbytes());  // sentinel: must survive in padding rows
+      ExpertsInput in;
+      in.layout = ActivationLayout::ExpertMajor;
+      in.x = xv;
+      in.recv_count = rc;
+      experts->apply(in, out);
+      for (int l = 0; l < 3; ++l) {
+        for (int64_t j = 0; j < cap; ++j) {
+          const uint16_t* o = out.ptr<uint16_t>() + (l * cap + j) * H;
+          if (j >= counts[l]) {
+            for (int64_t i = 0; i < H; ++i) ASSERT_EQ(o[i], 0xabab) << "padding row written: l=" << l << " j=" << j;
+            continue;
+          }
+          std::vector<float> want = mlp_row(*local[l], x.ptr<uint16_t>() + (l * cap + j) * H);
+          std::vector<float> got(static_cast<size_t>(H));
+          for (int64_t i = 0; i < H; ++i) got[i] = bf16_bits_to_float(o[i]);
+          ASSERT_LT(test::rel_l2_error(f32_view(got, 1, H), f32_view(want, 1, H)), 1e-2) << "l=" << l << " j=" << j;
+        }
+        // The batched rows also match the float64 reference.
+        if (counts[l] == 0) continue;
+        std::vector<float> xf(static_cast<size_t>(counts[l] * H)), got(xf.size());
+        for (int64_t i = 0; i < counts[l] * H; ++i) {
+          xf[i] = bf16_bits_to_float(x.ptr<uint16_t>()[l * cap * H + i]);
+          got[i] = bf16_bits_to_float(out.ptr<uint16_t>()[l * cap * H + i]);
+        }
+        std::vector<float> ref = reference_mlp(*local[l], xf.data(), counts[l]);
+        EXPECT_LT(test::rel_l2_error(f32_view(got, counts[l], H), f32_view(ref, counts[l], H)), 1e-2);
+      }
+    }
+  }
+}
+
+TEST(ExpertsCpu, ExpertMajorFp8InputEqualsDequantizedBf16Path) {
+  const int64_t H = 256, cap = 24;
+  auto local = mixed_experts(H, 90);
+  auto experts = make_experts_cpu(local);
+  Tensor x = test::random_bf16(3 * cap, H, 4, 2.0f);
+  Tensor q = Tensor::empty({3 * cap, H}, DType::fp8_e4m3), s = Tensor::empty({3 * cap, H / 128}, DType::fp32);
+  quantize_fp8_per_token_group(x, q, s);
+  Tensor deq32 = Tensor::empty({3 * cap, H}, DType::fp32);  // fp8 * scale need not be a bf16 value
+  dequantize_fp8_per_token_group(q, s, deq32);
+  const int32_t counts[3] = {24, 5, 0};
+  Tensor rc = Tensor::empty({3}, DType::int32);
+  std::memcpy(rc.data(), counts, sizeof(counts));
+  Tensor out = Tensor::empty({3, cap, H}, DType::bf16);
+  test::poison(out);
+  ExpertsInput in;
+  in.layout = ActivationLayout::ExpertMajor;
+  in.x = TensorView(q.data(), DType::fp8_e4m3, {3, cap, H});
+  in.x_scales = TensorView(s.data(), DType::fp32, {3, cap, H / 128});
+  in.recv_count = rc;
+  experts->apply(in, out);
+  for (int l = 0; l < 3; ++l) {
+    if (counts[l] == 0) continue;
+    std::vector<float> y(static_cast<size_t>(counts[l] * H));
+    expert_mlp_cpu(*local[l], deq32.ptr<float>() + l * cap * H, counts[l], y.data());  // same batch: bit-exact
+    for (int64_t i = 0; i < counts[l] * H; ++i)
+      ASSERT_EQ(out.ptr<uint16_t>()[l * cap * H + i], float_to_bf16_bits(y[i])) << "l=" << l << " i=" << i;
+  }
+  in.x_scales = TensorView();  // fp8 without scales
+  EXPECT_THROW(experts->apply(in, out), InvalidArgument);
+}
+
+TEST(ExpertsCpu, ExpertMajorZeroTokensAndBadArguments) {
+  const int64_t H = 128, cap = 8;
+  auto experts = make_experts_cpu({ExpertWeights::random(WeightFormat::bf16, H, 64, 1), ExpertWeights::random(WeightFormat::bf16, H, 64, 2)});
+  Tensor x = Tensor::empty({2, cap, H}, DType::bf16);
+  test::poison(x);
+  Tensor rc = Tensor::zeros({2}, DType::int32);
+  Tensor out = Tensor::empty({2, cap, H}, DType::bf16);
+  std::memset(out.data(), 0x5a, out.nbytes());
+  ExpertsInput in{ActivationLayout::ExpertMajor, x, {}, rc, {}, {}};
+  experts->apply(in, out);
+  for (int64_t i = 0; i < out.numel(); ++i) ASSERT_EQ(out.ptr<uint16_t>()[i], 0x5a5a);
+  rc.ptr<int32_t>()[1] = cap + 1;
+  EXPECT_THROW(experts->apply(in, out), InvalidArgument);  // recv_count > cap
+  rc.ptr<int32_t>()[1] = -1;
+  EXPECT_THROW(experts->apply(in, out), InvalidArgument);
+  rc.ptr<int32_t>()[1] = 0;
+  EXPECT_THROW(experts->apply(in, Tensor::empty({2, cap, H}, DType::fp32)), InvalidArgument);
+  EXPECT_THROW(experts->apply(in, Tensor::empty({3, cap, H}, DType::bf16)), InvalidArgument);
+  Tensor x3 = Tensor::empty({3, cap, H}, DType::bf16);  // L = 3 != 2 local experts
+  EXPECT_THROW(experts->apply({ActivationLayout::ExpertMajor, x3, {}, rc, {}, {}}, out), InvalidArgument);
+  EXPECT_THROW(make_experts_cpu({}), InvalidArgument);
+  EXPECT_THROW(make_experts_cpu({ExpertWeights::random(WeightFormat::bf16, H, 64, 1), nullptr}), InvalidArgument);
+  EXPECT_THROW(make_experts_cpu({ExpertWeights::random(WeightFormat::bf16, H, 64, 1),
+                                 ExpertWeights::random(WeightFormat::bf16, 2 * H, 64, 1)}),
+               InvalidArgument);
+}
+
+// ---- Experts: flat ---------------------------------------------------------------------------
+
+TEST(ExpertsCpu, FlatWeightedSumMatchesPerRowAndIgnoresMaskedEntries) {
+  const int64_t H = 256, N = 60;
+  const int K = 4, L = 3;
+  for (bool use_fp8 : {false, true}) {
+    auto local = mixed_experts(H, use_fp8 ? 300 : 200);
+    auto experts = make_experts_cpu(local);
+    Tensor idx, wts;
+    test::random_routing(N, K, 6, 77 + use_fp8, {.masked_fraction = 0.2, .allow_duplicates = true}, idx, wts);
+    int32_t* ip = idx.ptr<int32_t>();
+    float* wp = wts.ptr<float>();
+    for (int64_t i = 0; i < N * K; ++i) {
+      if (ip[i] >= L) ip[i] = -1;  // experts 3..5 live on another rank
+      if (ip[i] < 0) wp[i] = std::numeric_limits<float>::quiet_NaN();  // never read
+    }
+    for (int k = 0; k < K; ++k) ip[5 * K + k] = -1;  // a row without any local selection
+    ip[7 * K + 0] = ip[7 * K + 2] = 1;              // a duplicate expert in one row
+    wp[7 * K + 0] = 0.25f, wp[7 * K + 2] = 0.5f;
+    Tensor x = test::random_bf16(N, H, 12);
+    std::vector<bool> has_local(N, false);
+    for (int64_t n = 0; n < N; ++n)
+      for (int k = 0; k < K; ++k) has_local[n] = has_local[n] || ip[n * K + k] >= 0;
+    for (int64_t n = 0; n < N; ++n)  // rows nobody selects are garbage the backend must not read
+      if (!has_local[n]) test::poison(x.view().row(n));
+    Tensor q = Tensor::empty({N, H}, DType::fp8_e4m3), s = Tensor::empty({N, H / 128}, DType::fp32);
+    Tensor x_eff = Tensor::empty({N, H}, DType::fp32);  // what the experts see, as fp32
+    if (use_fp8) {
+      quantize_fp8_per_token_group(x, q, s);
+      dequantize_fp8_per_token_group(q, s, x_eff);
+    } else {
+      for (int64_t i = 0; i < N * H; ++i) x_eff.ptr<float>()[i] = bf16_bits_to_float(x.ptr<uint16_t>()[i]);
+    }
+    Tensor out = Tensor::empty({N, H}, DType::bf16);
+    test::poison(out);
+    ExpertsInput in;
+    in.layout = ActivationLayout::Flat;
+    in.x = use_fp8 ? q.view() : x.view();
+    if (use_fp8) in.x_scales = s;
+    in.topk_idx = idx;
+    in.topk_weights = wts;
+    experts->apply(in, out);
+    for (int64_t n = 0; n < N; ++n) {
+      const uint16_t* o = out.ptr<uint16_t>() + n * H;
+      if (!has_local[n]) {
+        for (int64_t i = 0; i < H; ++i) ASSERT_EQ(o[i], 0) << "row without local selection must be +0: n=" << n;
+        continue;
+      }
+      std::vector<float> want(static_cast<size_t>(H), 0.0f), y(static_cast<size_t>(H)), got(static_cast<size_t>(H));
+      for (int k = 0; k < K; ++k) {
+        if (ip[n * K + k] < 0) continue;
+        expert_mlp_cpu(*local[ip[n * K + k]], x_eff.ptr<float>() + n * H, 1, y.data());
+        for (int64_t i = 0; i < H; ++i) want[i] += wp[n * K + k] * y[i];
+      }
+      for (int64_t i = 0; i < H; ++i) got[i] = bf16_bits_to_float(o[i]);
+      ASSERT_LT(test::rel_l2_error(f32_view(got, 1, H), f32_view(want, 1, H)), 1e-2) << "n=" << n << " fp8=" << use_fp8;
+    }
+  }
+}
+
+TEST(ExpertsCpu, FlatDuplicateExpertAddsTwice) {
+  const int64_t H = 128;
+  auto experts = make_experts_cpu({ExpertWeights::random(WeightFormat::bf16, H, 64, 5), ExpertWeights::random(WeightFormat::bf16, H, 64, 6)});
+  Tensor x = test::random_bf16(2, H, 3);
+  std::memcpy(x.ptr<uint16_t>() + H, x.ptr<uint16_t>(), H * 2);  // two identical rows
+  const int32_t idx[2][2] = {{1, 1}, {1, -1}};
+  const float wts[2][2] = {{0.25f, 0.5f}, {0.75f, 0.0f}};
+  Tensor ti = Tensor::empty({2, 2}, DType::int32), tw = Tensor::empty({2, 2}, DType::fp32);
+  std::memcpy(ti.data(), idx, sizeof(idx));
+  std::memcpy(tw.data(), wts, sizeof(wts));
+  Tensor out = Tensor::empty({2, H}, DType::bf16);
+  experts->apply({ActivationLayout::Flat, x, {}, {}, ti, tw}, out);
+  // 0.25 y + 0.5 y and 0.75 y agree up to the last rounding; dropping a duplicate would give 0.25 y or 0.5 y.
+  Tensor row0(Tensor::empty({1, H}, DType::bf16)), row1(Tensor::empty({1, H}, DType::bf16));
+  std::memcpy(row0.data(), out.ptr<uint16_t>(), H * 2);
+  std::memcpy(row1.data(), out.ptr<uint16_t>() + H, H * 2);
+  EXPECT_LT(test::rel_l2_error(row0, row1), 5e-3);
+  EXPECT_GT(test::max_rel_error(row1, Tensor::zeros({1, H}, DType::bf16)), 0.0);
+}
+
+TEST(ExpertsCpu, FlatInt64IndicesEmptyInputAndBadIndices) {
+  const int64_t H = 128;
+  auto experts = make_experts_cpu({ExpertWeights::random(WeightFormat::bf16, H, 64, 5), ExpertWeights::random(WeightFormat::mxfp4, H, 64, 6)});
+  Tensor x = test::random_bf16(3, H, 9);
+  Tensor i32 = Tensor::empty({3, 2}, DType::int32), i64 = Tensor::empty({3, 2}, DType::int64);
+  Tensor tw = test::random_f32(3, 2, 4);
+  const int32_t v[6] = {0, 1, -1, 1, 0, -1};
+  for (int i = 0; i < 6; ++i) i32.ptr<int32_t>()[i] = v[i], i64.ptr<int64_t>()[i] = v[i];
+  Tensor o32 = Tensor::empty({3, H}, DType::bf16), o64 = Tensor::empty({3, H}, DType::bf16);
+  experts->apply({ActivationLayout::Flat, x, {}, {}, i32, tw}, o32);
+  experts->apply({ActivationLayout::Flat, x, {}, {}, i64, tw}, o64);
+  EXPECT_EQ(std::memcmp(o32.data(), o64.data(), o32.nbytes()), 0);
+
+  Tensor x0 = Tensor::empty({0, H}, DType::bf16), i0 = Tensor::empty({0, 2}, DType::int32), w0 = Tensor::empty({0, 2}, DType::fp32);
+  EXPECT_NO_THROW(experts->apply({ActivationLayout::Flat, x0, {}, {}, i0, w0}, Tensor::empty({0, H}, DType::bf16)));
+
+  for (int32_t bad : {2, 100, -2}) {
+    i32.ptr<int32_t>()[3] = bad;
+    test::poison(o32);
+    try {
+      experts->apply({ActivationLayout::Flat, x, {}, {}, i32, tw}, o32);
+      FAIL() << "index " << bad << " accepted";
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find("topk_idx[1, 1] = " + std::to_string(bad)), std::string::npos) << e.what();
+    }
+    for (int64_t i = 0; i < o32.numel(); ++i) ASSERT_EQ(o32.ptr<uint16_t>()[i], 0xffff) << "wrote before validating";
+  }
+  i32.ptr<int32_t>()[3] = 1;
+  EXPECT_THROW(experts->apply({ActivationLayout::Flat, x, {}, {}, i32, Tensor::empty({3, 3}, DType::fp32)}, o32), InvalidArgument);
+  EXPECT_THROW(experts->apply({ActivationLayout::Flat, test::random_bf16(3, 64, 1), {}, {}, i32, tw}, o32), InvalidArgument);
+}
