@@ -21,6 +21,10 @@
 #include "epx/error.h"
 #include "epx/routing.h"
 
+#ifdef EPX_WITH_CUDA
+#include "routing/routing_cuda.h"
+#endif
+
 namespace epx {
 namespace {
 
@@ -161,13 +165,21 @@ void route(const RouterConfig& cfg, const TensorView& logits, const TensorView& 
     check_dtype(kOp, "correction_bias", correction_bias, {DType::fp32});
     check_shape(kOp, "correction_bias", correction_bias, {E});
   }
+  // One device for all; CUDA tensors go to the CUDA twin (routing_cuda.h) when it is built.
   const std::pair<const char*, const TensorView*> tensors[] = {
-      {"logits", &logits}, {"topk_idx", &topk_idx}, {"topk_weights", &topk_weights}, {"correction_bias", &correction_bias}};
+      {"topk_idx", &topk_idx}, {"topk_weights", &topk_weights}, {"correction_bias", &correction_bias}};
   for (const auto& [name, t] : tensors) {
-    if (t->defined() && t->device.is_cuda()) {
-      throw Unsupported(arg_message(kOp, std::string(name) + ".device", t->device.str(),
-                                    "this build routes on the CPU only (no CUDA router; configure with EPX_CUDA=ON)"));
-    }
+    if (t == &correction_bias && !cfg.use_correction_bias) continue;
+    check_device(kOp, name, *t, logits.device);
+  }
+  if (logits.device.is_cuda()) {
+#ifdef EPX_WITH_CUDA
+    routing::route_cuda(cfg, logits, correction_bias, topk_idx, topk_weights, stream);
+    return;
+#else
+    throw Unsupported(arg_message(kOp, "logits.device", logits.device.str(),
+                                  "this build routes on the CPU only (configure with EPX_CUDA=ON for the CUDA router)"));
+#endif
   }
 
   std::vector<float> bias;

@@ -243,7 +243,9 @@ TEST(Route, CudaTensorsAreUnsupportedInACpuBuild) {
   int32_t di[6];
   float dw[6];
   TensorView lg(dummy, DType::fp32, {3, 4}, Device::cuda(0));
-  TensorView idx(di, DType::int32, {3, 2}), w(dw, DType::fp32, {3, 2});
+  TensorView idx(di, DType::int32, {3, 2}, Device::cuda(0)), w(dw, DType::fp32, {3, 2}, Device::cuda(0));
   EXPECT_THROW(route(c, lg, {}, idx, w), Unsupported);
+  TensorView idx_cpu(di, DType::int32, {3, 2});  // mixed devices are the caller's error
+  EXPECT_THROW(route(c, lg, {}, idx_cpu, w), InvalidArgument);
 }
 #endif
