@@ -297,10 +297,10 @@ NcclGroup::NcclGroup(const UniqueId& uid, int rank, int world, int device, doubl
   require_arg(op, "timeout_s", timeout_s, timeout_s > 0, "must be > 0");
   cuda::ensure_runtime();
   int num_devices = 0;
-  cuda::set_device(0 <= device ? device : 0);  // initialises CUDA; the count check below names the device
   EPX_CUDA_CHECK(cudaGetDeviceCount(&num_devices));
   require_arg(op, "device", device, device >= 0 && device < num_devices,
               "must be in [0, " + std::to_string(num_devices) + ") (visible CUDA devices)");
+  cuda::set_device(device);
 
   state_ = std::make_shared<NcclState>();
   NcclState& st = *state_;

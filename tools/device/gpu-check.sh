@@ -1,0 +1,143 @@
+#!/usr/bin/env bash
+# tools/device/gpu-check.sh: build epx with CUDA on the GPU machine and run every test there, in one
+# device call. Two steps:
+#
+#   here (no GPU, Debian 12):   bash tools/device/gpu-check.sh pack
+#       writes .carry/deps.tar.xz (the Debian build dependencies the GPU image lacks: gtest, nlohmann-json,
+#       CLI11, spdlog + fmt, OpenBLAS + libgfortran) and .carry/src.tar.xz (git archive HEAD: the
+#       committed tree, so half-written files of the working tree cannot break the device build).
+#   there (device `run`, carry [".carry"]):   bash tools/device/gpu-check.sh run
+#       unpacks both, configures with -DEPX_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90a against the NCCL
+#       2.28.9 of the Python venv's nvidia-nccl-cu13 wheel (the system NCCL there is 2.28.3, whose device
+#       API differs: NCCL-DEVICE-API.md §4), builds with all cores, runs `ctest -L gpu` then `ctest -L cpu`,
+#       and writes under $OUT (at most 8 files come back):
+#         summary.json  what ran, versions, seconds per phase, pass/fail counts per label
+#         env.txt       nvidia-smi, topology, compilers, NCCL paths
+#         configure.log build.log gpu.log cpu.log   full logs
+#         gpu.xml cpu.xml                           JUnit results
+#
+# NVLink multicast stays off (NCCL_NVLS_ENABLE=0): on the shared GPU hosts it can take the GPUs out of
+# service. Options (environment): GPU_CHECK_SRC (a source tree to build instead of .carry/src.tar.xz),
+# GPU_CHECK_CPU=0 (skip the CPU label), GPU_CHECK_FILTER (a ctest -R regex applied to both labels),
+# GPU_CHECK_NCCL (an NCCL install with include/ and lib/ instead of the wheel's; for a dry run elsewhere).
+set -uo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+CARRY="$ROOT/.carry"
+MODE="${1:-run}"
+
+pack() {
+  mkdir -p "$CARRY"
+  local pkgs=(libgtest-dev nlohmann-json3-dev libcli11-dev libspdlog-dev libspdlog1.10 libfmt-dev libfmt9
+              libopenblas-pthread-dev libopenblas0-pthread libgfortran5 libquadmath0)
+  # Regular files and links of those packages, without docs and without the big static archives
+  # (gtest/gmock are only static).
+  dpkg -L "${pkgs[@]}" | sort -u | while read -r f; do
+    [ -f "$f" ] || [ -L "$f" ] || continue
+    case "$f" in
+      /usr/share/doc/*|/usr/share/man/*|/usr/share/lintian/*|/etc/*) continue ;;
+      *.a) case "$f" in */libgtest*.a|*/libgmock*.a) ;; *) continue ;; esac ;;
+    esac
+    echo "${f#/}"
+  done >"$CARRY/deps.list"
+  tar -C / -cf - -T "$CARRY/deps.list" | xz -T2 -6 >"$CARRY/deps.tar.xz"
+  git -C "$ROOT" archive --format=tar HEAD | xz -T2 -6 >"$CARRY/src.tar.xz"
+  echo "packed $(git -C "$ROOT" rev-parse --short HEAD): $(du -h "$CARRY/deps.tar.xz" | cut -f1) deps, $(du -h "$CARRY/src.tar.xz" | cut -f1) source"
+}
+
+run() {
+  local out="${OUT:-/tmp/epx-gpu-check-out}"
+  mkdir -p "$out"
+  export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+  export NCCL_DEBUG="${NCCL_DEBUG:-WARN}"
+  local work=/tmp/epx-gpu-check deps=/tmp/epx-gpu-check/deps
+  rm -rf "$work" && mkdir -p "$work/src" "$deps"
+  local t0=$SECONDS
+  tar -C "$deps" -xJf "$CARRY/deps.tar.xz" || { echo "cannot unpack $CARRY/deps.tar.xz (run 'pack' first)"; return 1; }
+  local src="${GPU_CHECK_SRC:-}"
+  if [ -z "$src" ]; then
+    tar -C "$work/src" -xJf "$CARRY/src.tar.xz" || { echo "cannot unpack $CARRY/src.tar.xz"; return 1; }
+    src="$work/src"
+  fi
+  local nccl
+  nccl="${GPU_CHECK_NCCL:-$(python3 -c 'import nvidia.nccl as m; print(list(m.__path__)[0])' 2>/dev/null)}"
+  [ -f "$nccl/include/nccl.h" ] || { echo "no NCCL wheel found (python3 -c 'import nvidia.nccl')"; return 1; }
+  local arch_lib="$deps/usr/lib/x86_64-linux-gnu"
+  export LD_LIBRARY_PATH="$nccl/lib:$arch_lib:$arch_lib/openblas-pthread${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+
+  {
+    echo "== date"; date -u
+    echo "== nvidia-smi"; nvidia-smi
+    echo "== topology"; nvidia-smi topo -m
+    echo "== compilers"; nvcc --version | tail -2; c++ --version | head -1; cmake --version | head -1; ninja --version
+    echo "== NCCL"; echo "wheel: $nccl"; grep -m1 "define NCCL_VERSION_CODE" "$nccl/include/nccl.h"; ls -l "$nccl/lib"
+    echo "== environment"; env | grep -E '^(NCCL_|CUDA_|LD_LIBRARY_PATH|TORCH_SYMM|NVSHMEM_)' | sort
+  } >"$out/env.txt" 2>&1
+
+  local bdir="$work/build" jobs
+  jobs="$(nproc)"
+  local t_conf=$SECONDS
+  cmake -S "$src" -B "$bdir" -G Ninja -DCMAKE_BUILD_TYPE=Release -DEPX_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90a \
+    -DEPX_NCCL_ROOT="$nccl" -DCMAKE_PREFIX_PATH="$deps/usr" -DBLA_VENDOR=OpenBLAS -DCMAKE_POLICY_VERSION_MINIMUM=3.5 \
+    -DCMAKE_LIBRARY_PATH="$arch_lib/openblas-pthread;$arch_lib" \
+    -DEPX_CBLAS_INCLUDE="$deps/usr/include/x86_64-linux-gnu/openblas-pthread" >"$out/configure.log" 2>&1
+  local conf_rc=$?
+  local t_build=$SECONDS build_rc=1
+  if [ $conf_rc -eq 0 ]; then
+    cmake --build "$bdir" -j "$jobs" -- -k 0 >"$out/build.log" 2>&1
+    build_rc=$?
+  fi
+  local t_gpu=$SECONDS gpu_rc=-1 cpu_rc=-1 t_cpu t_end
+  local filter=()
+  [ -n "${GPU_CHECK_FILTER:-}" ] && filter=(-R "$GPU_CHECK_FILTER")
+  if [ $conf_rc -eq 0 ]; then
+    (cd "$bdir" && ctest -L gpu -V --timeout 300 --output-junit "$out/gpu.xml" "${filter[@]}") >"$out/gpu.log" 2>&1
+    gpu_rc=$?
+  fi
+  t_cpu=$SECONDS
+  if [ $conf_rc -eq 0 ] && [ "${GPU_CHECK_CPU:-1}" != 0 ]; then
+    (cd "$bdir" && ctest -L cpu --output-on-failure -j "$jobs" --timeout 240 --output-junit "$out/cpu.xml" "${filter[@]}") \
+      >"$out/cpu.log" 2>&1
+    cpu_rc=$?
+  fi
+  t_end=$SECONDS
+
+  CONF_RC=$conf_rc BUILD_RC=$build_rc GPU_RC=$gpu_rc CPU_RC=$cpu_rc \
+  S_UNPACK=$((t_conf - t0)) S_CONF=$((t_build - t_conf)) S_BUILD=$((t_gpu - t_build)) S_GPU=$((t_cpu - t_gpu)) \
+  S_CPU=$((t_end - t_cpu)) python3 - "$out" "$src" "$nccl" <<'PY'
+import json, re, sys, os
+out, src, nccl = sys.argv[1:4]
+def tally(name):
+    p = os.path.join(out, name)
+    if not os.path.exists(p): return None
+    text = open(p, errors="replace").read()
+    m = re.search(r"(\d+)% tests passed, (\d+) tests failed out of (\d+)", text)
+    failed = re.findall(r"^\s*\d+ - (\S+) \(([^)]*)\)", text.split("The following tests FAILED:")[-1], re.M) if "The following tests FAILED:" in text else []
+    skipped = re.findall(r"^(?:\d+: )?\[  SKIPPED \] (\S+)$", text, re.M)
+    return {"passed_pct": int(m.group(1)) if m else None, "failed": int(m.group(2)) if m else None,
+            "total": int(m.group(3)) if m else None, "failed_tests": [f"{a} ({b})" for a, b in failed],
+            "skipped_cases": sorted(set(skipped))}
+hdr = open(os.path.join(nccl, "include", "nccl.h")).read()
+code = re.search(r"#define NCCL_VERSION_CODE (\d+)", hdr)
+summary = {
+  "what": "tools/device/gpu-check.sh run",
+  "source": src,
+  "nccl_wheel": nccl, "nccl_header_version": int(code.group(1)) if code else None,
+  "rc": {k: int(os.environ[v]) for k, v in [("configure", "CONF_RC"), ("build", "BUILD_RC"), ("gpu_tests", "GPU_RC"), ("cpu_tests", "CPU_RC")]},
+  "seconds": {k: int(os.environ[v]) for k, v in [("unpack", "S_UNPACK"), ("configure", "S_CONF"), ("build", "S_BUILD"), ("gpu_tests", "S_GPU"), ("cpu_tests", "S_CPU")]},
+  "gpu": tally("gpu.log"), "cpu": tally("cpu.log"),
+}
+json.dump(summary, open(os.path.join(out, "summary.json"), "w"), indent=2)
+print(json.dumps(summary, indent=2))
+PY
+  echo "== build errors (first 30 lines)"; grep -E "error|FAILED" "$out/build.log" | head -30
+  echo "== gpu tests"; grep -E "^\[  (PASSED|FAILED|SKIPPED) |^\[ RUN|OK \]|FAILED\]|FAILED:|NCCL (headers|version)|OK on|OK:|near-ties|expected:|tests passed|rank [0-9].*(FAILED|exited|still)" "$out/gpu.log" | head -150
+  echo "== cpu tests"; grep -E "tests passed|\*\*\*Failed|Not Run|Timeout" "$out/cpu.log" | head -40
+  [ $conf_rc -eq 0 ] && [ $build_rc -eq 0 ] && [ $gpu_rc -eq 0 ] && { [ $cpu_rc -le 0 ]; }
+}
+
+case "$MODE" in
+  pack) pack ;;
+  run) run ;;
+  *) echo "usage: $0 pack|run" >&2; exit 2 ;;
+esac
