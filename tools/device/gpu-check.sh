@@ -28,6 +28,16 @@ MODE="${1:-run}"
 
 pack() {
   mkdir -p "$CARRY"
+  if [ -f "$CARRY/deps.tar.xz" ] && [ "${GPU_CHECK_REPACK_DEPS:-0}" = 0 ]; then
+    echo "keeping $CARRY/deps.tar.xz (GPU_CHECK_REPACK_DEPS=1 rebuilds it)"
+  else
+    pack_deps
+  fi
+  git -C "$ROOT" archive --format=tar HEAD | xz -T2 -6 >"$CARRY/src.tar.xz"
+  echo "packed $(git -C "$ROOT" rev-parse --short HEAD): $(du -h "$CARRY/deps.tar.xz" | cut -f1) deps, $(du -h "$CARRY/src.tar.xz" | cut -f1) source"
+}
+
+pack_deps() {
   local pkgs=(libgtest-dev nlohmann-json3-dev libcli11-dev libspdlog-dev libspdlog1.10 libfmt-dev libfmt9
               libopenblas-pthread-dev libopenblas0-pthread libgfortran5 libquadmath0)
   # Regular files and links of those packages, without docs and without the big static archives
@@ -41,8 +51,6 @@ pack() {
     echo "${f#/}"
   done >"$CARRY/deps.list"
   tar -C / -cf - -T "$CARRY/deps.list" | xz -T2 -6 >"$CARRY/deps.tar.xz"
-  git -C "$ROOT" archive --format=tar HEAD | xz -T2 -6 >"$CARRY/src.tar.xz"
-  echo "packed $(git -C "$ROOT" rev-parse --short HEAD): $(du -h "$CARRY/deps.tar.xz" | cut -f1) deps, $(du -h "$CARRY/src.tar.xz" | cut -f1) source"
 }
 
 run() {
