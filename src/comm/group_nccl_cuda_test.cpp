@@ -419,6 +419,91 @@ TEST(NcclGroupCuda, SymmetricMemoryLsaWriteToNextRank) {
   EXPECT_EQ(failed, "");
 }
 
+TEST(NcclGroupCuda, GraphReplayOfLsaKernelsAndCollective) {
+  const int n = gpus();
+  if (n < 1) GTEST_SKIP() << "needs 1 GPU, found " << n;
+  const int world = n;
+  const std::string path = fresh_dir() + "/uid";
+  const std::string failed = run_ranks_forked(world, 240.0, [&](int rank) {
+    auto g = make_nccl_group(path, rank, world, rank, 60.0);
+    auto* ng = dynamic_cast<comm::NcclGroup*>(g.get());
+    const int64_t words = 1 << 18;
+    SymmetricBuffer buf = g->alloc_symmetric(words * 4);
+    const int next = (rank + 1) % world, prev = (rank + world - 1) % world;
+    cudaStream_t stream;
+    cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
+    int* mismatches = to_device(std::vector<int>{0});
+    const int64_t n_red = 1024;
+    float* red = to_device(std::vector<float>(n_red, 1.0f));
+    g->all_reduce_sum(red, red, n_red, DType::fp32, Stream{stream});  // connect before capturing
+    cuda_ok(cudaStreamSynchronize(stream), "sync");
+    cuda_ok(cudaMemcpy(red, std::vector<float>(n_red, 1.0f).data(), n_red * 4, cudaMemcpyHostToDevice), "reset");
+    g->barrier();
+
+    // One graph: LSA stores into the next rank, the LSA barrier, the in-stream check, and a host
+    // collective. Replays must stay correct: barrier epochs live in device memory.
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    cuda_ok(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), "begin capture");
+    comm::launch_fill_pattern(static_cast<uint32_t*>(buf.peers[next]), words, 3000u + rank, stream);
+    ng->lsa_barrier(Stream{stream});
+    comm::launch_count_pattern_mismatches(static_cast<const uint32_t*>(buf.local), words, 3000u + prev, mismatches, stream);
+    g->all_reduce_sum(red, red, n_red, DType::fp32, Stream{stream});
+    cuda_ok(cudaStreamEndCapture(stream, &graph), "end capture");
+    cuda_ok(cudaGraphInstantiate(&exec, graph, 0), "instantiate");
+    constexpr int kReplays = 20;
+    for (int i = 0; i < kReplays; ++i) cuda_ok(cudaGraphLaunch(exec, stream), "launch");
+    cuda_ok(cudaStreamSynchronize(stream), "sync");
+    require(to_host(mismatches, 1)[0] == 0, "graph replays saw " + std::to_string(to_host(mismatches, 1)[0]) + " bad words");
+    const float want = std::pow(static_cast<float>(world), static_cast<float>(kReplays));
+    const auto got = to_host(red, static_cast<size_t>(n_red));
+    for (int64_t i = 0; i < n_red; ++i) require(got[i] == want, "all_reduce in graph: " + std::to_string(got[i]));
+    g->barrier();
+    cuda_ok(cudaGraphExecDestroy(exec), "exec destroy");
+    cuda_ok(cudaGraphDestroy(graph), "graph destroy");
+    cudaFree(mismatches);
+    cudaFree(red);
+    cuda_ok(cudaStreamDestroy(stream), "stream destroy");
+    if (rank == 0) std::printf("graph OK: %d replays of LSA stores + LSA barrier + all_reduce on %d ranks\n", kReplays, world);
+  });
+  EXPECT_EQ(failed, "");
+}
+
+TEST(NcclGroupCuda, DeadPeerFailsBarrierWithinTimeout) {
+  const int n = gpus();
+  if (n < 2) GTEST_SKIP() << "needs 2 GPUs, found " << n;
+  const std::string path = fresh_dir() + "/uid";
+  const std::string failed = run_ranks_forked(2, 120.0, [&](int rank) {
+    auto g = make_nccl_group(path, rank, 2, rank, 5.0);
+    g->barrier();  // both alive
+    if (rank == 1) {
+      std::fflush(stdout);
+      _exit(0);  // dies without cleanup, as a killed rank would
+    }
+    const auto t0 = std::chrono::steady_clock::now();
+    std::string what;
+    try {
+      g->barrier();
+    } catch (const Timeout& e) {
+      what = std::string("Timeout: ") + e.what();
+    } catch (const CommError& e) {
+      what = std::string("CommError: ") + e.what();
+    }
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    require(!what.empty(), "barrier with a dead peer must throw Timeout or CommError");
+    require(s < 30.0, "the failure came after " + std::to_string(s) + " s");
+    std::printf("expected after %.1f s: %s\n", s, what.c_str());
+    bool threw = false;
+    try {
+      g->barrier();
+    } catch (const CommError&) {
+      threw = true;  // aborted group: every later call fails at once
+    }
+    require(threw, "a call after the abort must throw CommError");
+  });
+  EXPECT_EQ(failed, "");
+}
+
 TEST(NcclGroupCuda, RecreateFromEnvironment) {
   const int n = gpus();
   if (n < 1) GTEST_SKIP() << "needs 1 GPU, found " << n;

@@ -14,11 +14,12 @@
 #         summary.json  what ran, versions, seconds per phase, pass/fail counts per label
 #         env.txt       nvidia-smi, topology, compilers, NCCL paths
 #         configure.log build.log gpu.log cpu.log   full logs
-#         gpu.xml cpu.xml                           JUnit results
+#         gpu1.log      the GPU label again with CUDA_VISIBLE_DEVICES=0 (the one-GPU machine's view)
+#         gpu.xml       JUnit results of the GPU label
 #
 # NVLink multicast stays off (NCCL_NVLS_ENABLE=0): on the shared GPU hosts it can take the GPUs out of
 # service. Options (environment): GPU_CHECK_SRC (a source tree to build instead of .carry/src.tar.xz),
-# GPU_CHECK_CPU=0 (skip the CPU label), GPU_CHECK_FILTER (a ctest -R regex applied to both labels),
+# GPU_CHECK_CPU=0 (skip the CPU label), GPU_CHECK_ONE_GPU=0 (skip the one-GPU pass), GPU_CHECK_FILTER (a ctest -R regex applied to both labels),
 # GPU_CHECK_NCCL (an NCCL install with include/ and lib/ instead of the wheel's; for a dry run elsewhere).
 set -uo pipefail
 
@@ -95,23 +96,28 @@ run() {
     cmake --build "$bdir" -j "$jobs" -- -k 0 >"$out/build.log" 2>&1
     build_rc=$?
   fi
-  local t_gpu=$SECONDS gpu_rc=-1 cpu_rc=-1 t_cpu t_end
+  local t_gpu=$SECONDS gpu_rc=-1 gpu1_rc=-1 cpu_rc=-1 t_gpu1 t_cpu t_end
   local filter=()
   [ -n "${GPU_CHECK_FILTER:-}" ] && filter=(-R "$GPU_CHECK_FILTER")
   if [ $conf_rc -eq 0 ]; then
     (cd "$bdir" && ctest -L gpu -V --timeout 300 --output-junit "$out/gpu.xml" "${filter[@]}") >"$out/gpu.log" 2>&1
     gpu_rc=$?
   fi
+  t_gpu1=$SECONDS
+  if [ $conf_rc -eq 0 ] && [ "${GPU_CHECK_ONE_GPU:-1}" != 0 ]; then
+    (cd "$bdir" && CUDA_VISIBLE_DEVICES=0 ctest -L gpu -V --timeout 300 "${filter[@]}") >"$out/gpu1.log" 2>&1
+    gpu1_rc=$?
+  fi
   t_cpu=$SECONDS
   if [ $conf_rc -eq 0 ] && [ "${GPU_CHECK_CPU:-1}" != 0 ]; then
-    (cd "$bdir" && ctest -L cpu --output-on-failure -j "$jobs" --timeout 240 --output-junit "$out/cpu.xml" "${filter[@]}") \
-      >"$out/cpu.log" 2>&1
+    (cd "$bdir" && ctest -L cpu --output-on-failure -j "$jobs" --timeout 240 "${filter[@]}") >"$out/cpu.log" 2>&1
     cpu_rc=$?
   fi
   t_end=$SECONDS
 
-  CONF_RC=$conf_rc BUILD_RC=$build_rc GPU_RC=$gpu_rc CPU_RC=$cpu_rc \
-  S_UNPACK=$((t_conf - t0)) S_CONF=$((t_build - t_conf)) S_BUILD=$((t_gpu - t_build)) S_GPU=$((t_cpu - t_gpu)) \
+  CONF_RC=$conf_rc BUILD_RC=$build_rc GPU_RC=$gpu_rc GPU1_RC=$gpu1_rc CPU_RC=$cpu_rc \
+  S_UNPACK=$((t_conf - t0)) S_CONF=$((t_build - t_conf)) S_BUILD=$((t_gpu - t_build)) S_GPU=$((t_gpu1 - t_gpu)) \
+  S_GPU1=$((t_cpu - t_gpu1)) \
   S_CPU=$((t_end - t_cpu)) python3 - "$out" "$src" "$nccl" <<'PY'
 import json, re, sys, os
 out, src, nccl = sys.argv[1:4]
@@ -119,29 +125,32 @@ def tally(name):
     p = os.path.join(out, name)
     if not os.path.exists(p): return None
     text = open(p, errors="replace").read()
-    m = re.search(r"(\d+)% tests passed, (\d+) tests failed out of (\d+)", text)
+    m = re.search(r"(\d+)% tests passed(?:, (\d+) tests? failed)? out of (\d+)", text)
     failed = re.findall(r"^\s*\d+ - (\S+) \(([^)]*)\)", text.split("The following tests FAILED:")[-1], re.M) if "The following tests FAILED:" in text else []
     skipped = re.findall(r"^(?:\d+: )?\[  SKIPPED \] (\S+)$", text, re.M)
-    return {"passed_pct": int(m.group(1)) if m else None, "failed": int(m.group(2)) if m else None,
+    return {"passed_pct": int(m.group(1)) if m else None, "failed": int(m.group(2) or 0) if m else None,
             "total": int(m.group(3)) if m else None, "failed_tests": [f"{a} ({b})" for a, b in failed],
-            "skipped_cases": sorted(set(skipped))}
+            "skipped_cases": sorted(set(skipped)),
+            "cases_ok": len(re.findall(r"^(?:\d+: )?\[       OK \] ", text, re.M)),
+            "cases_failed": sorted(set(re.findall(r"^(?:\d+: )?\[  FAILED  \] (\S+) \(", text, re.M)))}
 hdr = open(os.path.join(nccl, "include", "nccl.h")).read()
 code = re.search(r"#define NCCL_VERSION_CODE (\d+)", hdr)
 summary = {
   "what": "tools/device/gpu-check.sh run",
   "source": src,
   "nccl_wheel": nccl, "nccl_header_version": int(code.group(1)) if code else None,
-  "rc": {k: int(os.environ[v]) for k, v in [("configure", "CONF_RC"), ("build", "BUILD_RC"), ("gpu_tests", "GPU_RC"), ("cpu_tests", "CPU_RC")]},
-  "seconds": {k: int(os.environ[v]) for k, v in [("unpack", "S_UNPACK"), ("configure", "S_CONF"), ("build", "S_BUILD"), ("gpu_tests", "S_GPU"), ("cpu_tests", "S_CPU")]},
-  "gpu": tally("gpu.log"), "cpu": tally("cpu.log"),
+  "rc": {k: int(os.environ[v]) for k, v in [("configure", "CONF_RC"), ("build", "BUILD_RC"), ("gpu_tests", "GPU_RC"), ("gpu_tests_one_gpu", "GPU1_RC"), ("cpu_tests", "CPU_RC")]},
+  "seconds": {k: int(os.environ[v]) for k, v in [("unpack", "S_UNPACK"), ("configure", "S_CONF"), ("build", "S_BUILD"), ("gpu_tests", "S_GPU"), ("gpu_tests_one_gpu", "S_GPU1"), ("cpu_tests", "S_CPU")]},
+  "gpu": tally("gpu.log"), "gpu_one_gpu": tally("gpu1.log"), "cpu": tally("cpu.log"),
 }
 json.dump(summary, open(os.path.join(out, "summary.json"), "w"), indent=2)
 print(json.dumps(summary, indent=2))
 PY
   echo "== build errors (first 30 lines)"; grep -E "error|FAILED" "$out/build.log" | head -30
-  echo "== gpu tests"; grep -E "^\[  (PASSED|FAILED|SKIPPED) |^\[ RUN|OK \]|FAILED\]|FAILED:|NCCL (headers|version)|OK on|OK:|near-ties|expected:|tests passed|rank [0-9].*(FAILED|exited|still)" "$out/gpu.log" | head -150
+  echo "== gpu tests"; grep -E "^\[  (PASSED|FAILED|SKIPPED) |^\[ RUN|OK \]|FAILED\]|FAILED:|NCCL (headers|version)|OK on|OK:|near-ties|expected|tests passed|rank [0-9].*(FAILED|exited|still)" "$out/gpu.log" | head -150
+  echo "== gpu tests, CUDA_VISIBLE_DEVICES=0"; grep -E "OK \]|FAILED|tests passed|SKIPPED \]" "$out/gpu1.log" | head -40
   echo "== cpu tests"; grep -E "tests passed|\*\*\*Failed|Not Run|Timeout" "$out/cpu.log" | head -40
-  [ $conf_rc -eq 0 ] && [ $build_rc -eq 0 ] && [ $gpu_rc -eq 0 ] && { [ $cpu_rc -le 0 ]; }
+  [ $conf_rc -eq 0 ] && [ $build_rc -eq 0 ] && [ $gpu_rc -eq 0 ] && [ $gpu1_rc -le 0 ] && [ $cpu_rc -le 0 ]
 }
 
 case "$MODE" in
