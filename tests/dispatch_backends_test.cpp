@@ -363,3 +363,80 @@ TEST(DispatchRegistry, LlNeedsACapacity) {
   const auto in = make_inputs(d);
   expect_matches_oracle("all2allv", d, in, run_layer("all2allv", d, {in}));
 }
+
+TEST_P(Backend, RealSwigluExpertsMatchDirectComputation) {
+  // The backend with the library's CPU experts (make_experts_cpu, bf16 SwiGLU weights) against the
+  // direct sum over each token's experts (expert_mlp_cpu on the wire rows), bf16 and fp8 dispatch.
+  const std::string name = GetParam();
+  for (DType dt : {DType::bf16, DType::fp8_e4m3}) {
+    Case c;
+    c.R = 3;
+    c.E = 7;
+    c.K = 3;
+    c.H = 128;
+    c.cap = 6;
+    c.T = {6, 0, 3};
+    c.dups = true;
+    c.dtype = dt;
+    const int64_t I = 64;
+    std::vector<std::shared_ptr<const ExpertWeights>> weights;
+    for (int e = 0; e < c.E; ++e) weights.push_back(ExpertWeights::random(WeightFormat::bf16, c.H, I, 1000 + static_cast<uint64_t>(e)));
+    const auto in = make_inputs(c);
+    auto groups = make_cpu_groups(c.R, 20.0);
+    std::vector<Tensor> outs(static_cast<size_t>(c.R));
+    run_ranks(groups, [&](int r) {
+      auto pf = make_prepare_finalize(name, groups[static_cast<size_t>(r)], c.config());
+      const ExpertRange range = expert_range(c.E, c.R, r);
+      auto experts = make_experts_cpu({weights.begin() + range.begin, weights.begin() + range.end});
+      const RankInput& ri = in[static_cast<size_t>(r)];
+      PrepareResult p = pf->prepare({ri.x, ri.topk_idx, ri.topk_weights});
+      std::vector<int64_t> shape(p.x.shape.begin(), p.x.shape.begin() + p.x.ndim);
+      Tensor eo = Tensor::empty(shape, DType::bf16);
+      poison(eo);
+      experts->apply(p.experts_input(), eo);
+      outs[static_cast<size_t>(r)] = Tensor::empty({ri.x.size(0), c.H}, DType::bf16);
+      pf->finalize({eo, outs[static_cast<size_t>(r)]});
+    });
+    for (int r = 0; r < c.R; ++r) {
+      const RankInput& ri = in[static_cast<size_t>(r)];
+      Tensor ref = Tensor::empty({ri.x.size(0), c.H}, DType::bf16);
+      std::vector<float> y(static_cast<size_t>(c.H));
+      for (int64_t t = 0; t < ri.x.size(0); ++t) {
+        const std::vector<float> x = wire_row(c, ri, t);
+        std::vector<float> acc(static_cast<size_t>(c.H), 0.0f);
+        for (int k = 0; k < c.K; ++k) {
+          const int32_t e = id_at(ri, t, c.K, k);
+          if (e < 0) continue;
+          expert_mlp_cpu(*weights[static_cast<size_t>(e)], x.data(), 1, y.data());
+          for (int64_t i = 0; i < c.H; ++i) acc[static_cast<size_t>(i)] += ri.topk_weights.ptr<float>()[t * c.K + k] * y[static_cast<size_t>(i)];
+        }
+        for (int64_t i = 0; i < c.H; ++i) ref.ptr<uint16_t>()[t * c.H + i] = float_to_bf16_bits(acc[static_cast<size_t>(i)]);
+      }
+      if (ri.x.size(0) > 0) {
+        EXPECT_LT(rel_l2_error(outs[static_cast<size_t>(r)], ref), 1e-2) << name << " rank " << r << " " << c.describe();
+      }
+    }
+  }
+}
+
+TEST_P(Backend, TensorsOnAnotherDeviceAreUnsupportedOnAllRanks) {
+  const std::string name = GetParam();
+  Case c;
+  c.R = 2;
+  const auto in = make_inputs(c);
+  const auto errs = errors_on_ranks(name, c, [&](int r, std::shared_ptr<Group> g) {
+    auto pf = make_prepare_finalize(name, g, c.config());
+    const RankInput& ri = in[static_cast<size_t>(r)];
+    TensorView x = ri.x.view();
+    if (r == 0) {
+      x.device = Device::cuda(0);  // never dereferenced: rejected before any read
+      EXPECT_TRUE(pf->why_unsupported({x, ri.topk_idx, ri.topk_weights}).has_value());
+    }
+    EXPECT_EQ(pf->why_unsupported({ri.x, ri.topk_idx, ri.topk_weights}), std::nullopt);
+    pf->prepare({x, ri.topk_idx, ri.topk_weights});
+  });
+  for (int r = 0; r < c.R; ++r) {
+    EXPECT_EQ(errs[r].type, "Unsupported") << errs[r].what;
+    EXPECT_TRUE(contains(errs[r].what, "cuda:0")) << errs[r].what;
+  }
+}
