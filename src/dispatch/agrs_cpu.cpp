@@ -13,13 +13,13 @@ class AgrsCpu final : public GatherCpu {
   AgrsCpu(std::shared_ptr<Group> group, const DispatchConfig& cfg)
       : GatherCpu("allgather_reducescatter", ActivationLayout::Flat, false, std::move(group), cfg) {}
 
-  /// expert_out [N, H] bf16 (N of the last prepare); out [T, H] bf16.
+  /// expert_out [N, H] bf16 (N = num_recv_tokens of the last prepare); out [T, H] bf16.
   void finalize(const FinalizeArgs& args) override {
     const int64_t H = cfg_.hidden;
-    begin_finalize(args, {num_rows_, H});
+    begin_finalize(args, {num_exposed_rows_, H});
     std::vector<int64_t> counts(static_cast<size_t>(num_ranks_));
     for (int r = 0; r < num_ranks_; ++r) counts[static_cast<size_t>(r)] = tokens_per_rank_[static_cast<size_t>(r)] * H;
-    group_->reduce_scatterv(args.expert_out.data, args.out.data, counts, DType::bf16);
+    group_->reduce_scatterv(partials(args), args.out.data, counts, DType::bf16);
     stats_.remote_bytes_combine = (num_rows_ - tokens_per_rank_[static_cast<size_t>(rank_)]) * H * 2;
   }
 };

@@ -22,9 +22,16 @@ PrepareResult GatherCpu::prepare(const DispatchArgs& args) {
   std::vector<uint8_t> mine, all(static_cast<size_t>(num_rows_ * rb));
   c.encode(args.x, routing, mine);
   group_->all_gatherv(mine.data(), all.data(), bytes);
-  decode_flat(all.data(), num_rows_, src_rank, recv_);
+  num_exposed_rows_ = num_local_ > 0 ? num_rows_ : 0;
+  decode_flat(all.data(), num_exposed_rows_, src_rank, recv_);
   stats_.remote_bytes_dispatch = (num_ranks_ - 1) * routing.num_tokens * rb;
   return recv_.result();
+}
+
+const void* GatherCpu::partials(const FinalizeArgs& args) {
+  if (num_exposed_rows_ == num_rows_) return args.expert_out.data;
+  zeros_.assign(static_cast<size_t>(num_rows_ * cfg_.hidden), 0);
+  return zeros_.data();
 }
 
 }  // namespace epx::dispatch

@@ -15,12 +15,12 @@ class NaiveCpu final : public GatherCpu {
   NaiveCpu(std::shared_ptr<Group> group, const DispatchConfig& cfg)
       : GatherCpu("naive", ActivationLayout::Flat, false, std::move(group), cfg) {}
 
-  /// expert_out [N, H] bf16 (N of the last prepare); out [T, H] bf16.
+  /// expert_out [N, H] bf16 (N = num_recv_tokens of the last prepare); out [T, H] bf16.
   void finalize(const FinalizeArgs& args) override {
     const int64_t H = cfg_.hidden;
-    begin_finalize(args, {num_rows_, H});
+    begin_finalize(args, {num_exposed_rows_, H});
     reduced_.resize(static_cast<size_t>(num_rows_ * H));
-    group_->all_reduce_sum(args.expert_out.data, reduced_.data(), num_rows_ * H, DType::bf16);
+    group_->all_reduce_sum(partials(args), reduced_.data(), num_rows_ * H, DType::bf16);
     const int64_t T = tokens_per_rank_[static_cast<size_t>(rank_)];
     if (T > 0) std::memcpy(args.out.data, reduced_.data() + token_offset_ * H, static_cast<size_t>(T * H * 2));
     stats_.remote_bytes_combine = num_ranks_ > 1 ? 2 * (num_ranks_ - 1) * num_rows_ * H * 2 / num_ranks_ : 0;
