@@ -1,0 +1,322 @@
+// ModularMoE over R CPU ranks against moe_reference_cpu on the concatenated tokens: every "-mini"
+// preset x every dispatch backend x R in {1, 2, 4}, bf16 and fp8 dispatch, DP chunking with uneven
+// and zero token counts, the shared expert fused / separate / gated (counters prove the path), and
+// the argument errors (capacity, bad routing) raised on every rank instead of a hang.
+#include <gtest/gtest.h>
+
+#include <map>
+#include <memory>
+#include <mutex>
+#include <numeric>
+#include <string>
+#include <vector>
+
+#include "epx/config.h"
+#include "epx/dispatch.h"
+#include "epx/error.h"
+#include "epx/group.h"
+#include "epx/moe.h"
+#include "epx/routing.h"
+#include "test_util.h"
+
+using namespace epx;
+
+namespace {
+
+// Full-expert weights per preset, built once per process: the big minis (256/384 quantized
+// experts) take about a second each to build, every case after that milliseconds.
+std::shared_ptr<const MoEWeights> weights_for(const std::string& name) {
+  static std::mutex mu;
+  static std::map<std::string, std::shared_ptr<const MoEWeights>> cache;
+  std::lock_guard<std::mutex> lock(mu);
+  auto& w = cache[name];
+  if (!w) w = MoEWeights::random(preset(name), 2024);
+  return w;
+}
+
+struct LayerCase {
+  std::string preset;
+  std::string backend;
+  std::vector<int64_t> tokens;  // T per rank (R = tokens.size())
+  DType dispatch_dtype = DType::bf16;
+  ModularMoEOptions options{};
+  int capacity = 64;
+  bool given_routing = false;   // forward_routed with random routing (-1 and duplicates) instead of forward
+  uint64_t seed = 1;
+
+  std::string describe() const {
+    std::string t;
+    for (int64_t v : tokens) t += (t.empty() ? "" : ",") + std::to_string(v);
+    return preset + " backend=" + backend + " R=" + std::to_string(tokens.size()) + " T={" + t + "} dispatch=" +
+           std::string(dtype_name(dispatch_dtype)) + " chunk=" + std::to_string(options.chunk_size) +
+           " shared_mode=" + std::to_string(static_cast<int>(options.shared_mode)) +
+           " fhmoe_max_tokens=" + std::to_string(options.fhmoe_max_tokens) + (given_routing ? " routed" : "");
+  }
+};
+
+struct LayerResult {
+  double rel_l2 = 0;
+  std::vector<PathCounters> counters;  // per rank
+};
+
+// Runs the case on R rank threads and compares the concatenated outputs with the reference.
+// `shared_fused_reference`: what the reference assumes for the shared expert's input (matters for
+// fp8 dispatch only: fused, the shared expert sees the dispatched FP8 x).
+LayerResult run_case(const LayerCase& c, bool shared_fused_reference) {
+  auto w = weights_for(c.preset);
+  const MoEConfig& cfg = w->config;
+  const int R = static_cast<int>(c.tokens.size());
+  const int K = cfg.router.top_k;
+  const int64_t H = cfg.hidden;
+  std::vector<Tensor> x(R), idx(R), wts(R), out(R);
+  for (int r = 0; r < R; ++r) {
+    x[r] = test::random_bf16(c.tokens[r], H, c.seed * 100 + r);
+    out[r] = Tensor::empty({c.tokens[r], H}, DType::bf16);
+    test::poison(out[r]);
+    if (c.given_routing) {
+      test::random_routing(c.tokens[r], K, cfg.router.num_experts, c.seed * 100 + r + 50,
+                           {.masked_fraction = 0.15, .allow_duplicates = true}, idx[r], wts[r]);
+    } else {  // the layer's router on the same per-rank batch, so the reference sees identical routing
+      Tensor logits = Tensor::empty({c.tokens[r], cfg.router.num_experts}, DType::fp32);
+      idx[r] = Tensor::empty({c.tokens[r], K}, DType::int32);
+      wts[r] = Tensor::empty({c.tokens[r], K}, DType::fp32);
+      router_logits_cpu(*w, x[r], logits);
+      route(cfg.router, logits, w->correction_bias.view(), idx[r], wts[r]);
+    }
+  }
+  LayerResult res;
+  res.counters.resize(R);
+  auto groups = make_cpu_groups(R, 30.0);
+  run_ranks(groups, [&](int rank) {
+    DispatchConfig dc;
+    dc.num_max_dispatch_tokens_per_rank = c.capacity;
+    dc.dispatch_dtype = c.dispatch_dtype;
+    ModularMoE layer(w, groups[rank], c.backend, dc, Config{}, c.options);
+    if (c.given_routing) layer.forward_routed(x[rank], idx[rank], wts[rank], out[rank]);
+    else layer.forward(x[rank], out[rank]);
+    res.counters[rank] = layer.counters();
+  });
+
+  const int64_t T = std::accumulate(c.tokens.begin(), c.tokens.end(), int64_t{0});
+  Tensor x_all = Tensor::empty({T, H}, DType::bf16), out_all = Tensor::empty({T, H}, DType::bf16);
+  Tensor idx_all = Tensor::empty({T, K}, DType::int32), wts_all = Tensor::empty({T, K}, DType::fp32);
+  int64_t row = 0;
+  for (int r = 0; r < R; ++r) {
+    const int64_t n = c.tokens[r];
+    std::copy_n(x[r].ptr<uint16_t>(), n * H, x_all.ptr<uint16_t>() + row * H);
+    std::copy_n(out[r].ptr<uint16_t>(), n * H, out_all.ptr<uint16_t>() + row * H);
+    std::copy_n(idx[r].ptr<int32_t>(), n * K, idx_all.ptr<int32_t>() + row * K);
+    std::copy_n(wts[r].ptr<float>(), n * K, wts_all.ptr<float>() + row * K);
+    row += n;
+  }
+  Tensor want = Tensor::empty({T, H}, DType::bf16);
+  moe_reference_cpu(*w, x_all, idx_all, wts_all, want,
+                    {.dispatch_dtype = c.dispatch_dtype, .shared_fused = shared_fused_reference});
+  res.rel_l2 = test::rel_l2_error(out_all, want);
+  return res;
+}
+
+const std::vector<std::string>& mini_presets() {
+  static const std::vector<std::string> names = {"mixtral-8x7b-mini", "qwen1.5-moe-a2.7b-mini", "qwen3-30b-a3b-mini",
+                                                 "deepseek-v3-mini", "deepseek-v4-pro-mini"};
+  return names;
+}
+
+constexpr double kTol = 1e-2;  // rel L2: bf16 operands land between 1e-3 and 1e-2
+
+}  // namespace
+
+// The cross product: every mini preset x backend x R, the layer's own router, default options
+// (auto gate with small T: the shared expert runs fused).
+TEST(ModularMoE, EveryPresetBackendAndRankCountMatchesTheReference) {
+  const std::vector<std::vector<int64_t>> rank_tokens = {{9}, {7, 12}, {5, 0, 11, 3}};
+  int cases = 0;
+  for (const std::string& p : mini_presets()) {
+    const bool has_shared = preset(p).num_shared_experts > 0;
+    for (const std::string& b : backend_names()) {
+      for (const auto& tokens : rank_tokens) {
+        LayerCase c{.preset = p, .backend = b, .tokens = tokens, .seed = static_cast<uint64_t>(++cases)};
+        const LayerResult r = run_case(c, true);
+        EXPECT_LE(r.rel_l2, kTol) << c.describe();
+        for (size_t rank = 0; rank < tokens.size(); ++rank) {
+          const PathCounters& pc = r.counters[rank];
+          EXPECT_EQ(pc.backend, b);
+          EXPECT_EQ(pc.calls, 1);
+          EXPECT_EQ(pc.chunks, 1);
+          EXPECT_EQ(pc.idle_chunks, tokens[rank] == 0 ? 1 : 0) << c.describe() << " rank " << rank;
+          EXPECT_EQ(pc.shared_fused, has_shared ? 1 : 0) << c.describe();
+          EXPECT_EQ(pc.shared_separate, 0) << c.describe();
+        }
+      }
+    }
+  }
+}
+
+// FP8 dispatch (1x128 scales on the wire) with given routing (-1 and duplicate experts), every
+// backend, shared expert fused (it sees the FP8 x) and separate (it sees the bf16 x).
+TEST(ModularMoE, Fp8DispatchWithMaskedAndDuplicateRoutingMatchesTheReference) {
+  for (const std::string& p : {std::string("deepseek-v4-pro-mini"), std::string("qwen1.5-moe-a2.7b-mini")}) {
+    for (const std::string& b : backend_names()) {
+      for (SharedExpertMode mode : {SharedExpertMode::fused, SharedExpertMode::separate}) {
+        LayerCase c{.preset = p, .backend = b, .tokens = {6, 13}, .dispatch_dtype = DType::fp8_e4m3,
+                    .options = {.shared_mode = mode}, .given_routing = true, .seed = 77};
+        const LayerResult r = run_case(c, mode == SharedExpertMode::fused);
+        EXPECT_LE(r.rel_l2, kTol) << c.describe();
+        const bool fused = mode == SharedExpertMode::fused;
+        EXPECT_EQ(r.counters[0].shared_fused, fused ? 1 : 0) << c.describe();
+        EXPECT_EQ(r.counters[0].shared_separate, fused ? 0 : 1) << c.describe();
+      }
+    }
+  }
+}
+
+// DP chunking: chunk 4 over T = {10, 0, 3, 9} -> ceil(10/4) = 3 chunks on every rank; rank 1 idles
+// in all three, rank 2 in the last two. Every backend.
+TEST(ModularMoE, ChunkingWithUnevenAndZeroTokenRanks) {
+  const std::vector<int64_t> tokens = {10, 0, 3, 9};
+  const std::vector<int64_t> idle = {0, 3, 2, 0};
+  for (const std::string& p : {std::string("qwen1.5-moe-a2.7b-mini"), std::string("deepseek-v3-mini")}) {
+    for (const std::string& b : backend_names()) {
+      for (DType d : {DType::bf16, DType::fp8_e4m3}) {
+        LayerCase c{.preset = p, .backend = b, .tokens = tokens, .dispatch_dtype = d,
+                    .options = {.chunk_size = 4}, .capacity = 4, .seed = 5};
+        const LayerResult r = run_case(c, true);
+        EXPECT_LE(r.rel_l2, kTol) << c.describe();
+        for (int rank = 0; rank < 4; ++rank) {
+          EXPECT_EQ(r.counters[rank].chunks, 3) << c.describe();
+          EXPECT_EQ(r.counters[rank].idle_chunks, idle[rank]) << c.describe() << " rank " << rank;
+          EXPECT_EQ(r.counters[rank].shared_fused, 3) << c.describe();
+        }
+      }
+    }
+  }
+}
+
+// All ranks idle: one chunk of zero rows each, still collective, nothing written.
+TEST(ModularMoE, AllRanksIdle) {
+  for (const std::string& b : backend_names()) {
+    LayerCase c{.preset = "qwen1.5-moe-a2.7b-mini", .backend = b, .tokens = {0, 0}};
+    const LayerResult r = run_case(c, true);
+    EXPECT_EQ(r.rel_l2, 0.0) << c.describe();
+    EXPECT_EQ(r.counters[1].chunks, 1);
+    EXPECT_EQ(r.counters[1].idle_chunks, 1);
+  }
+}
+
+// The capability gate: M = max over ranks of a chunk's tokens. chunk 4, T = {10, 0, 3, 9} gives
+// M = 4, 4, 2; with fhmoe_max_tokens = 3 the first two chunks run the shared expert separately and
+// the last fused, on every rank alike (also the idle one). Explicit modes ignore the gate.
+TEST(ModularMoE, SharedExpertFusedSeparateAndGated) {
+  const std::vector<int64_t> tokens = {10, 0, 3, 9};
+  struct ModeCase {
+    ModularMoEOptions options{};
+    int64_t fused, separate;
+  };
+  const std::vector<ModeCase> modes = {
+      {{.shared_mode = SharedExpertMode::auto_gate, .chunk_size = 4, .fhmoe_max_tokens = 3}, 1, 2},
+      {{.shared_mode = SharedExpertMode::auto_gate, .chunk_size = 4, .fhmoe_max_tokens = 4}, 3, 0},
+      {{.shared_mode = SharedExpertMode::auto_gate, .chunk_size = 4, .fhmoe_max_tokens = 0}, 0, 3},
+      {{.shared_mode = SharedExpertMode::fused, .chunk_size = 4, .fhmoe_max_tokens = 0}, 3, 0},
+      {{.shared_mode = SharedExpertMode::separate, .chunk_size = 4, .fhmoe_max_tokens = 1000}, 0, 3},
+  };
+  for (const std::string& p : {std::string("qwen1.5-moe-a2.7b-mini"), std::string("deepseek-v3-mini")}) {
+    for (const std::string& b : {std::string("ll"), std::string("all2allv")}) {
+      for (const ModeCase& m : modes) {
+        LayerCase c{.preset = p, .backend = b, .tokens = tokens, .options = m.options, .capacity = 4, .seed = 9};
+        const LayerResult r = run_case(c, true);  // bf16 dispatch: both paths see the same x
+        EXPECT_LE(r.rel_l2, kTol) << c.describe();
+        for (int rank = 0; rank < 4; ++rank) {
+          EXPECT_EQ(r.counters[rank].shared_fused, m.fused) << c.describe() << " rank " << rank;
+          EXPECT_EQ(r.counters[rank].shared_separate, m.separate) << c.describe() << " rank " << rank;
+        }
+      }
+    }
+  }
+  // Without a shared expert neither counter moves.
+  LayerCase c{.preset = "mixtral-8x7b-mini", .backend = "naive", .tokens = {3, 5}};
+  const LayerResult r = run_case(c, true);
+  EXPECT_EQ(r.counters[0].shared_fused + r.counters[0].shared_separate, 0);
+}
+
+TEST(ModularMoE, CapacityBelowChunkOrTokensIsAnErrorNamingBoth) {
+  auto w = weights_for("mixtral-8x7b-mini");
+  auto groups = make_cpu_groups(2, 10.0);
+  // chunk 8 > capacity 4: rejected when the layer is built.
+  try {
+    run_ranks(groups, [&](int rank) {
+      DispatchConfig dc;
+      dc.num_max_dispatch_tokens_per_rank = 4;
+      ModularMoE layer(w, groups[rank], "ll", dc, Config{}, {.chunk_size = 8});
+    });
+    FAIL() << "no throw";
+  } catch (const InvalidArgument& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("num_max_dispatch_tokens_per_rank = 4"), std::string::npos) << m;
+    EXPECT_NE(m.find("chunk_size = 8"), std::string::npos) << m;
+  }
+  // Unchunked, rank 1 brings 6 tokens > capacity 4: every rank throws before dispatching.
+  groups = make_cpu_groups(2, 10.0);
+  std::vector<int> threw(2, 0);
+  try {
+    run_ranks(groups, [&](int rank) {
+      DispatchConfig dc;
+      dc.num_max_dispatch_tokens_per_rank = 4;
+      ModularMoE layer(w, groups[rank], "all2allv", dc, Config{});
+      Tensor x = test::random_bf16(rank == 1 ? 6 : 2, 256, 3), out = Tensor::empty({rank == 1 ? 6 : 2, 256}, DType::bf16);
+      try {
+        layer.forward(x, out);
+      } catch (const InvalidArgument&) {
+        threw[rank] = 1;
+        throw;
+      }
+    });
+    FAIL() << "no throw";
+  } catch (const InvalidArgument& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("= 6"), std::string::npos) << m;
+    EXPECT_NE(m.find("num_max_dispatch_tokens_per_rank = 4"), std::string::npos) << m;
+  }
+  EXPECT_EQ(threw, (std::vector<int>{1, 1}));
+}
+
+TEST(ModularMoE, BadRoutingOnOneRankStopsEveryRank) {
+  auto w = weights_for("mixtral-8x7b-mini");
+  auto groups = make_cpu_groups(2, 10.0);
+  std::vector<int> threw(2, 0);
+  EXPECT_THROW(run_ranks(groups,
+                         [&](int rank) {
+                           DispatchConfig dc;
+                           dc.num_max_dispatch_tokens_per_rank = 8;
+                           ModularMoE layer(w, groups[rank], "naive", dc, Config{});
+                           Tensor x = test::random_bf16(3, 256, 3), out = Tensor::empty({3, 256}, DType::bf16);
+                           Tensor idx = Tensor::zeros({3, 2}, DType::int64), wts = Tensor::zeros({3, 2}, DType::fp32);
+                           if (rank == 0) idx.ptr<int64_t>()[5] = 8;  // E = 8
+                           try {
+                             layer.forward_routed(x, idx, wts, out);
+                           } catch (const InvalidArgument&) {
+                             threw[rank] = 1;
+                             throw;
+                           }
+                         }),
+               InvalidArgument);
+  EXPECT_EQ(threw, (std::vector<int>{1, 1}));
+}
+
+TEST(ModularMoE, UnknownPresetOrBackendListsTheKnownNames) {
+  try {
+    preset("deepseek-v9");
+    FAIL() << "no throw";
+  } catch (const InvalidArgument& e) {
+    for (const std::string& n : preset_names()) EXPECT_NE(std::string(e.what()).find(n), std::string::npos) << e.what();
+  }
+  auto w = weights_for("mixtral-8x7b-mini");
+  auto groups = make_cpu_groups(1, 10.0);
+  try {
+    DispatchConfig dc;
+    dc.num_max_dispatch_tokens_per_rank = 8;
+    ModularMoE layer(w, groups[0], "nccl-magic", dc, Config{});
+    FAIL() << "no throw";
+  } catch (const InvalidArgument& e) {
+    for (const std::string& n : backend_names()) EXPECT_NE(std::string(e.what()).find(n), std::string::npos) << e.what();
+  }
+}
