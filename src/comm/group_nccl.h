@@ -60,6 +60,7 @@ struct NcclState {
   void abort() noexcept;
 };
 
+/// Not thread-safe: one host thread drives a group, as NCCL asks of one communicator.
 class NcclGroup final : public Group {
  public:
   NcclGroup(const UniqueId& uid, int rank, int world, int device, double timeout_s);
