@@ -30,6 +30,13 @@ std::shared_ptr<const MoEWeights> weights_for(const std::string& name) {
   static std::map<std::string, std::shared_ptr<const MoEWeights>> cache;
   std::lock_guard<std::mutex> lock(mu);
   auto& w = cache[name];
+  if (!w && name == "mixtral-2-experts") {  // E = 2 < R = 4: ranks 2 and 3 hold no expert
+    MoEConfig c = preset("mixtral-8x7b-mini");
+    c.name = name;
+    c.router.num_experts = 2;
+    c.router.top_k = 1;
+    w = MoEWeights::random(c, 2024);
+  }
   if (!w) w = MoEWeights::random(preset(name), 2024);
   return w;
 }
@@ -200,6 +207,14 @@ TEST(ModularMoE, AllRanksIdle) {
     EXPECT_EQ(r.rel_l2, 0.0) << c.describe();
     EXPECT_EQ(r.counters[1].chunks, 1);
     EXPECT_EQ(r.counters[1].idle_chunks, 1);
+  }
+}
+
+// Fewer experts than ranks: ranks without experts still dispatch their tokens and take part.
+TEST(ModularMoE, RanksWithoutExperts) {
+  for (const std::string& b : backend_names()) {
+    LayerCase c{.preset = "mixtral-2-experts", .backend = b, .tokens = {4, 7, 0, 5}, .seed = 3};
+    EXPECT_LE(run_case(c, true).rel_l2, kTol) << c.describe();
   }
 }
 
