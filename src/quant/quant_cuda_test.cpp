@@ -119,6 +119,28 @@ TEST(QuantCuda, Fp8PerTokenGroupMatchesCpuBitForBit) {
   for (const Case& c : cases) run_case(c, seed++);
 }
 
+TEST(QuantCuda, PublicEntryPointTakesCudaTensors) {
+  const int gpus = cuda::device_count();
+  if (gpus < 1) GTEST_SKIP() << "needs 1 GPU, found " << gpus;
+  const Device dev = Device::cuda(0);
+  const Tensor x = test::random_bf16(48, 1024, /*seed=*/77);
+  Tensor q_ref = Tensor::empty({48, 1024}, DType::fp8_e4m3), s_ref = Tensor::empty({48, 8}, DType::fp32);
+  quantize_fp8_per_token_group(x, q_ref, s_ref, 128, true);
+  const Tensor xd = x.to(dev);
+  Tensor q = Tensor::empty({48, 1024}, DType::fp8_e4m3, dev), s = Tensor::empty({48, 8}, DType::fp32, dev);
+  quantize_fp8_per_token_group(xd, q, s, 128, true);  // epx/quant.h hands CUDA tensors to quant_cuda.h
+  const Tensor qh = q.to(Device::cpu()), sh = s.to(Device::cpu());
+  EXPECT_EQ(std::memcmp(qh.data(), q_ref.data(), static_cast<size_t>(q_ref.nbytes())), 0);
+  EXPECT_EQ(std::memcmp(sh.data(), s_ref.data(), static_cast<size_t>(s_ref.nbytes())), 0);
+  Tensor out = Tensor::empty({48, 1024}, DType::bf16, dev), out_ref = Tensor::empty({48, 1024}, DType::bf16);
+  dequantize_fp8_per_token_group(q, s, out, 128);
+  dequantize_fp8_per_token_group(q_ref, s_ref, out_ref, 128);
+  const Tensor oh = out.to(Device::cpu());
+  EXPECT_EQ(std::memcmp(oh.data(), out_ref.data(), static_cast<size_t>(out_ref.nbytes())), 0);
+  Tensor q_cpu = Tensor::empty({48, 1024}, DType::fp8_e4m3);  // mixed devices: a clear error
+  EXPECT_THROW(quantize_fp8_per_token_group(xd, q_cpu, s, 128, false), InvalidArgument);
+}
+
 TEST(QuantCuda, AllZeroGroupGivesZerosAndFloorScale) {
   const int gpus = cuda::device_count();
   if (gpus < 1) GTEST_SKIP() << "needs 1 GPU, found " << gpus;

@@ -195,6 +195,35 @@ TEST(RoutingCuda, MatchesCpuRouter) {
   for (const Case& c : cases) run_case(c, seed++);
 }
 
+TEST(RoutingCuda, PublicRouteTakesCudaTensors) {
+  const int gpus = cuda::device_count();
+  if (gpus < 1) GTEST_SKIP() << "needs 1 GPU, found " << gpus;
+  const Device dev = Device::cuda(0);
+  const RouterConfig cfg = noaux_tc(256, 8, 8, 4, 2.5f, true);
+  const Tensor logits = test::random_f32(300, 256, /*seed=*/99);
+  const Tensor bias = test::random_f32(1, 256, /*seed=*/100, 0.05f);
+  TensorView bias_view = bias.view();
+  bias_view.ndim = 1;
+  bias_view.shape[0] = 256;
+  bias_view.strides[0] = 1;
+  Tensor idx_ref = Tensor::empty({300, 8}, DType::int64), w_ref = Tensor::empty({300, 8}, DType::fp32);
+  route(cfg, logits, bias_view, idx_ref, w_ref);
+  const Tensor ld = logits.to(dev), bd = bias.to(dev);
+  TensorView bd_view = bd.view();
+  bd_view.ndim = 1;
+  bd_view.shape[0] = 256;
+  bd_view.strides[0] = 1;
+  Tensor idx = Tensor::empty({300, 8}, DType::int64, dev), w = Tensor::empty({300, 8}, DType::fp32, dev);
+  route(cfg, ld, bd_view, idx, w);  // epx/routing.h hands CUDA tensors to routing_cuda.h
+  const Tensor ih = idx.to(Device::cpu()), wh = w.to(Device::cpu());
+  int64_t same_idx = 0;
+  for (int64_t i = 0; i < 300 * 8; ++i) {
+    same_idx += ih.ptr<int64_t>()[i] == idx_ref.ptr<int64_t>()[i];
+    EXPECT_NEAR(wh.ptr<float>()[i], w_ref.ptr<float>()[i], 1e-6f * std::fabs(w_ref.ptr<float>()[i])) << i;
+  }
+  EXPECT_EQ(same_idx, 300 * 8);
+}
+
 TEST(RoutingCuda, EmptyBatchAndBadArguments) {
   const int gpus = cuda::device_count();
   if (gpus < 1) GTEST_SKIP() << "needs 1 GPU, found " << gpus;

@@ -15,11 +15,11 @@
 #         env.txt       nvidia-smi, topology, compilers, NCCL paths
 #         configure.log build.log gpu.log cpu.log   full logs
 #         gpu1.log      the GPU label again with CUDA_VISIBLE_DEVICES=0 (the one-GPU machine's view)
-#         gpu.xml       JUnit results of the GPU label
+#         sanitizer.log compute-sanitizer memcheck + racecheck of the single-process kernel tests
 #
 # NVLink multicast stays off (NCCL_NVLS_ENABLE=0): on the shared GPU hosts it can take the GPUs out of
 # service. Options (environment): GPU_CHECK_SRC (a source tree to build instead of .carry/src.tar.xz),
-# GPU_CHECK_CPU=0 (skip the CPU label), GPU_CHECK_ONE_GPU=0 (skip the one-GPU pass), GPU_CHECK_FILTER (a ctest -R regex applied to both labels),
+# GPU_CHECK_CPU=0 (skip the CPU label), GPU_CHECK_ONE_GPU=0 (skip the one-GPU pass), GPU_CHECK_SANITIZE=0 (skip compute-sanitizer), GPU_CHECK_FILTER (a ctest -R regex applied to both labels),
 # GPU_CHECK_NCCL (an NCCL install with include/ and lib/ instead of the wheel's; for a dry run elsewhere).
 set -uo pipefail
 
@@ -100,7 +100,7 @@ run() {
   local filter=()
   [ -n "${GPU_CHECK_FILTER:-}" ] && filter=(-R "$GPU_CHECK_FILTER")
   if [ $conf_rc -eq 0 ]; then
-    (cd "$bdir" && ctest -L gpu -V --timeout 300 --output-junit "$out/gpu.xml" "${filter[@]}") >"$out/gpu.log" 2>&1
+    (cd "$bdir" && ctest -L gpu -V --timeout 300 "${filter[@]}") >"$out/gpu.log" 2>&1
     gpu_rc=$?
   fi
   t_gpu1=$SECONDS
@@ -113,12 +113,22 @@ run() {
     (cd "$bdir" && ctest -L cpu --output-on-failure -j "$jobs" --timeout 240 "${filter[@]}") >"$out/cpu.log" 2>&1
     cpu_rc=$?
   fi
+  local t_san=$SECONDS san_rc=-1
+  if [ $build_rc -eq 0 ] && [ "${GPU_CHECK_SANITIZE:-1}" != 0 ] && command -v compute-sanitizer >/dev/null; then
+    san_rc=0
+    for t in quant_cuda_test routing_cuda_test runtime_cuda_test; do
+      for tool in memcheck racecheck; do
+        echo "== compute-sanitizer --tool $tool $t"
+        (cd "$bdir" && timeout 240 compute-sanitizer --tool "$tool" --error-exitcode 9 "./$t") || san_rc=1
+      done
+    done >"$out/sanitizer.log" 2>&1
+  fi
   t_end=$SECONDS
 
   CONF_RC=$conf_rc BUILD_RC=$build_rc GPU_RC=$gpu_rc GPU1_RC=$gpu1_rc CPU_RC=$cpu_rc \
   S_UNPACK=$((t_conf - t0)) S_CONF=$((t_build - t_conf)) S_BUILD=$((t_gpu - t_build)) S_GPU=$((t_gpu1 - t_gpu)) \
   S_GPU1=$((t_cpu - t_gpu1)) \
-  S_CPU=$((t_end - t_cpu)) python3 - "$out" "$src" "$nccl" <<'PY'
+  S_CPU=$((t_san - t_cpu)) S_SAN=$((t_end - t_san)) SAN_RC=$san_rc python3 - "$out" "$src" "$nccl" <<'PY'
 import json, re, sys, os
 out, src, nccl = sys.argv[1:4]
 def tally(name):
@@ -139,8 +149,8 @@ summary = {
   "what": "tools/device/gpu-check.sh run",
   "source": src,
   "nccl_wheel": nccl, "nccl_header_version": int(code.group(1)) if code else None,
-  "rc": {k: int(os.environ[v]) for k, v in [("configure", "CONF_RC"), ("build", "BUILD_RC"), ("gpu_tests", "GPU_RC"), ("gpu_tests_one_gpu", "GPU1_RC"), ("cpu_tests", "CPU_RC")]},
-  "seconds": {k: int(os.environ[v]) for k, v in [("unpack", "S_UNPACK"), ("configure", "S_CONF"), ("build", "S_BUILD"), ("gpu_tests", "S_GPU"), ("gpu_tests_one_gpu", "S_GPU1"), ("cpu_tests", "S_CPU")]},
+  "rc": {k: int(os.environ[v]) for k, v in [("configure", "CONF_RC"), ("build", "BUILD_RC"), ("gpu_tests", "GPU_RC"), ("gpu_tests_one_gpu", "GPU1_RC"), ("cpu_tests", "CPU_RC"), ("sanitizer", "SAN_RC")]},
+  "seconds": {k: int(os.environ[v]) for k, v in [("unpack", "S_UNPACK"), ("configure", "S_CONF"), ("build", "S_BUILD"), ("gpu_tests", "S_GPU"), ("gpu_tests_one_gpu", "S_GPU1"), ("cpu_tests", "S_CPU"), ("sanitizer", "S_SAN")]},
   "gpu": tally("gpu.log"), "gpu_one_gpu": tally("gpu1.log"), "cpu": tally("cpu.log"),
 }
 json.dump(summary, open(os.path.join(out, "summary.json"), "w"), indent=2)
@@ -150,7 +160,8 @@ PY
   echo "== gpu tests"; grep -E "^\[  (PASSED|FAILED|SKIPPED) |^\[ RUN|OK \]|FAILED\]|FAILED:|NCCL (headers|version)|OK on|OK:|near-ties|expected|tests passed|rank [0-9].*(FAILED|exited|still)" "$out/gpu.log" | head -150
   echo "== gpu tests, CUDA_VISIBLE_DEVICES=0"; grep -E "OK \]|FAILED|tests passed|SKIPPED \]" "$out/gpu1.log" | head -40
   echo "== cpu tests"; grep -E "tests passed|\*\*\*Failed|Not Run|Timeout" "$out/cpu.log" | head -40
-  [ $conf_rc -eq 0 ] && [ $build_rc -eq 0 ] && [ $gpu_rc -eq 0 ] && [ $gpu1_rc -le 0 ] && [ $cpu_rc -le 0 ]
+  echo "== sanitizer"; grep -E "^== compute-sanitizer|ERROR SUMMARY|RACECHECK SUMMARY|PASSED|FAILED" "$out/sanitizer.log" 2>/dev/null | head -40
+  [ $conf_rc -eq 0 ] && [ $build_rc -eq 0 ] && [ $gpu_rc -eq 0 ] && [ $gpu1_rc -le 0 ] && [ $cpu_rc -le 0 ] && [ $san_rc -le 0 ]
 }
 
 case "$MODE" in
