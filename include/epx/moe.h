@@ -51,6 +51,10 @@ struct MoEWeights {
   /// Deterministic random weights from `seed`. Expert e depends only on (seed, e), so every rank
   /// can build just its own experts (`only_experts` = [begin, end); default all).
   static std::shared_ptr<MoEWeights> random(const MoEConfig& cfg, uint64_t seed, int expert_begin = 0, int expert_end = -1);
+  /// Builds experts[e] for every e in `expert_ids` still null, exactly as random(config, seed) does
+  /// (in parallel; ids outside [0, E) throw InvalidArgument). For a rank that validates a few tokens
+  /// against the reference and needs some other ranks' experts too.
+  void add_random_experts(uint64_t seed, const std::vector<int>& expert_ids);
 };
 
 enum class SharedExpertMode : uint8_t { separate, fused, auto_gate };

@@ -90,15 +90,40 @@ std::shared_ptr<MoEWeights> MoEWeights::random(const MoEConfig& cfg, uint64_t se
     for (int e = 0; e < E; ++e) w->correction_bias.ptr<float>()[e] = 0.1f * uniform01(key, e) - 0.05f;
   }
 
-  // Experts are independent, so they are built in parallel (full-size presets hold 10^8..10^9 values).
   w->experts.assign(E, nullptr);
-  const int num_threads = std::clamp<int>(static_cast<int>(std::thread::hardware_concurrency()), 1,
-                                          std::max(1, expert_end - expert_begin));
+  std::vector<int> ids;
+  for (int e = expert_begin; e < expert_end; ++e) ids.push_back(e);
+  w->add_random_experts(seed, ids);
+
+  if (cfg.num_shared_experts == 1) {
+    w->shared = ExpertWeights::random(cfg.shared_format, H, cfg.shared_intermediate, stream_key(seed, kTagShared));
+    if (cfg.shared_gate) {
+      w->shared_gate_weight = Tensor::empty({H}, DType::fp32);
+      fill_normal(w->shared_gate_weight.ptr<float>(), H, stream_key(seed, kTagSharedGate),
+                  1.0f / std::sqrt(static_cast<float>(H)));
+    }
+  }
+  return w;
+}
+
+void MoEWeights::add_random_experts(uint64_t seed, const std::vector<int>& expert_ids) {
+  const MoEConfig& cfg = config;
+  const int E = cfg.router.num_experts;
+  if (experts.size() != static_cast<size_t>(E)) experts.resize(static_cast<size_t>(E));
+  std::vector<int> todo;
+  for (int e : expert_ids) {
+    require_arg("MoEWeights::add_random_experts", "expert id", e, e >= 0 && e < E, "must be in [0, num_experts = " + std::to_string(E) + ")");
+    if (!experts[e] && std::find(todo.begin(), todo.end(), e) == todo.end()) todo.push_back(e);
+  }
+  if (todo.empty()) return;
+  // Experts are independent, so they are built in parallel (full-size presets hold 10^8..10^9 values).
+  const int num_threads = std::clamp<int>(static_cast<int>(std::thread::hardware_concurrency()), 1, static_cast<int>(todo.size()));
   std::vector<std::exception_ptr> errors(num_threads);
+  std::vector<std::shared_ptr<const ExpertWeights>> built(todo.size());
   auto build = [&](int tid) {
     try {
-      for (int e = expert_begin + tid; e < expert_end; e += num_threads)
-        w->experts[e] = ExpertWeights::random(cfg.routed_format, H, cfg.intermediate, stream_key(seed, kTagExpert, e));
+      for (size_t i = static_cast<size_t>(tid); i < todo.size(); i += static_cast<size_t>(num_threads))
+        built[i] = ExpertWeights::random(cfg.routed_format, cfg.hidden, cfg.intermediate, stream_key(seed, kTagExpert, todo[i]));
     } catch (...) {
       errors[tid] = std::current_exception();
     }
@@ -112,16 +137,7 @@ std::shared_ptr<MoEWeights> MoEWeights::random(const MoEConfig& cfg, uint64_t se
   }
   for (const auto& err : errors)
     if (err) std::rethrow_exception(err);
-
-  if (cfg.num_shared_experts == 1) {
-    w->shared = ExpertWeights::random(cfg.shared_format, H, cfg.shared_intermediate, stream_key(seed, kTagShared));
-    if (cfg.shared_gate) {
-      w->shared_gate_weight = Tensor::empty({H}, DType::fp32);
-      fill_normal(w->shared_gate_weight.ptr<float>(), H, stream_key(seed, kTagSharedGate),
-                  1.0f / std::sqrt(static_cast<float>(H)));
-    }
-  }
-  return w;
+  for (size_t i = 0; i < todo.size(); ++i) experts[todo[i]] = built[i];
 }
 
 }  // namespace epx

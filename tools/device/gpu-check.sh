@@ -16,11 +16,17 @@
 #         configure.log build.log gpu.log cpu.log   full logs
 #         gpu1.log      the GPU label again with CUDA_VISIBLE_DEVICES=0 (the one-GPU machine's view)
 #         sanitizer.log compute-sanitizer memcheck + racecheck of the single-process kernel tests
+#         results.tar.gz the benchmark step (after the tests): bench-ll-v3.json bench-ht-v3.json
+#                       moe-deepseek-v3.json moe-deepseek-v4-pro.json (2 ranks; RESULTS.md JSON, for
+#                       bench/results/h200x2/), bench-*-r1.json (1 rank, for bench/results/h200x1/), bench.log
+#                       (configure.log is then appended to build.log, to stay within 8 files)
 #
 # NVLink multicast stays off (NCCL_NVLS_ENABLE=0): on the shared GPU hosts it can take the GPUs out of
 # service. Options (environment): GPU_CHECK_SRC (a source tree to build instead of .carry/src.tar.xz),
 # GPU_CHECK_CPU=0 (skip the CPU label), GPU_CHECK_ONE_GPU=0 (skip the one-GPU pass), GPU_CHECK_SANITIZE=0 (skip compute-sanitizer), GPU_CHECK_FILTER (a ctest -R regex applied to both labels),
-# GPU_CHECK_NCCL (an NCCL install with include/ and lib/ instead of the wheel's; for a dry run elsewhere).
+# GPU_CHECK_NCCL (an NCCL install with include/ and lib/ instead of the wheel's; for a dry run elsewhere),
+# GPU_CHECK_BENCH=0 (skip the benchmark step), GPU_CHECK_MOE_STEPS (steps of the full-size layers, default 3),
+# GPU_CHECK_TESTS=0 (skip the GPU test label: benchmark-only runs).
 set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
@@ -35,6 +41,7 @@ pack() {
     pack_deps
   fi
   git -C "$ROOT" archive --format=tar HEAD | xz -T2 -6 >"$CARRY/src.tar.xz"
+  git -C "$ROOT" rev-parse --short=12 HEAD >"$CARRY/commit.txt"
   echo "packed $(git -C "$ROOT" rev-parse --short HEAD): $(du -h "$CARRY/deps.tar.xz" | cut -f1) deps, $(du -h "$CARRY/src.tar.xz" | cut -f1) source"
 }
 
@@ -99,7 +106,7 @@ run() {
   local t_gpu=$SECONDS gpu_rc=-1 gpu1_rc=-1 cpu_rc=-1 t_gpu1 t_cpu t_end
   local filter=()
   [ -n "${GPU_CHECK_FILTER:-}" ] && filter=(-R "$GPU_CHECK_FILTER")
-  if [ $conf_rc -eq 0 ]; then
+  if [ $conf_rc -eq 0 ] && [ "${GPU_CHECK_TESTS:-1}" != 0 ]; then
     (cd "$bdir" && ctest -L gpu -V --timeout 300 "${filter[@]}") >"$out/gpu.log" 2>&1
     gpu_rc=$?
   fi
@@ -125,10 +132,50 @@ run() {
   fi
   t_end=$SECONDS
 
+  # ---- benchmark step: epx bench + the full-size layers, after the tests (results.tar.gz) ----
+  local bench_rc=-1 t_bench=$SECONDS
+  if [ $build_rc -eq 0 ] && [ "${GPU_CHECK_BENCH:-1}" != 0 ]; then
+    bench_rc=0
+    local res="$work/results" epx="$bdir/epx" steps="${GPU_CHECK_MOE_STEPS:-3}"
+    mkdir -p "$res"
+    bench_one() {  # <limit_s> <epx args...>: one run, logged; a failure or timeout is counted, not fatal
+      local limit=$1; shift
+      echo "== $(date -u +%T) epx $*"
+      (cd "$src" && timeout -k 5 "$limit" "$epx" "$@") || { echo "== exit status $?"; bench_rc=1; }
+    }
+    {
+      bench_one 120 bench --case ll-v3 --backend all --ranks 2 --iters 200 --warmup 20 --json "$res/bench-ll-v3.json"
+      bench_one 180 bench --case ht-v3 --backend all --ranks 2 --iters 50 --warmup 5 --json "$res/bench-ht-v3.json"
+      bench_one 240 moe --device cuda --ranks 2 --preset deepseek-v3 --backend all --tokens-per-rank 128 --steps "$steps" \
+        --validate-tokens 8 --json "$res/moe-deepseek-v3.json"
+      bench_one 240 moe --device cuda --ranks 2 --preset deepseek-v4-pro --backend all --tokens-per-rank 128 --steps "$steps" \
+        --validate-tokens 8 --json "$res/moe-deepseek-v4-pro.json"
+      if [ "${GPU_CHECK_ONE_GPU:-1}" != 0 ]; then
+        bench_one 60 bench --case ll-v3 --backend all --ranks 1 --iters 200 --warmup 20 --json "$res/bench-ll-v3-r1.json"
+        bench_one 120 bench --case ht-v3 --backend all --ranks 1 --iters 50 --warmup 5 --json "$res/bench-ht-v3-r1.json"
+      fi
+    } >"$res/bench.log" 2>&1
+    # The source came from `git archive`, so epx cannot see its commit: name the packed one.
+    if [ -z "${GPU_CHECK_SRC:-}" ] && [ -f "$CARRY/commit.txt" ]; then
+      python3 - "$res" "$(cat "$CARRY/commit.txt")" <<'PY'
+import glob, json, os, sys
+for p in glob.glob(os.path.join(sys.argv[1], "*.json")):
+    d = json.load(open(p))
+    if d.get("git_commit") in (None, "unknown"):
+        d["git_commit"] = sys.argv[2]
+        json.dump(d, open(p, "w"), indent=2)
+PY
+    fi
+    tar -C "$res" -czf "$out/results.tar.gz" .
+    # Stay within the 8 files that come back.
+    cat "$out/configure.log" >>"$out/build.log" && rm -f "$out/configure.log"
+  fi
+  local t_bench_end=$SECONDS
+
   CONF_RC=$conf_rc BUILD_RC=$build_rc GPU_RC=$gpu_rc GPU1_RC=$gpu1_rc CPU_RC=$cpu_rc \
   S_UNPACK=$((t_conf - t0)) S_CONF=$((t_build - t_conf)) S_BUILD=$((t_gpu - t_build)) S_GPU=$((t_gpu1 - t_gpu)) \
   S_GPU1=$((t_cpu - t_gpu1)) \
-  S_CPU=$((t_san - t_cpu)) S_SAN=$((t_end - t_san)) SAN_RC=$san_rc python3 - "$out" "$src" "$nccl" <<'PY'
+  S_CPU=$((t_san - t_cpu)) S_SAN=$((t_end - t_san)) SAN_RC=$san_rc BENCH_RC=$bench_rc S_BENCH=$((t_bench_end - t_bench)) python3 - "$out" "$src" "$nccl" <<'PY'
 import json, re, sys, os
 out, src, nccl = sys.argv[1:4]
 def tally(name):
@@ -149,8 +196,8 @@ summary = {
   "what": "tools/device/gpu-check.sh run",
   "source": src,
   "nccl_wheel": nccl, "nccl_header_version": int(code.group(1)) if code else None,
-  "rc": {k: int(os.environ[v]) for k, v in [("configure", "CONF_RC"), ("build", "BUILD_RC"), ("gpu_tests", "GPU_RC"), ("gpu_tests_one_gpu", "GPU1_RC"), ("cpu_tests", "CPU_RC"), ("sanitizer", "SAN_RC")]},
-  "seconds": {k: int(os.environ[v]) for k, v in [("unpack", "S_UNPACK"), ("configure", "S_CONF"), ("build", "S_BUILD"), ("gpu_tests", "S_GPU"), ("gpu_tests_one_gpu", "S_GPU1"), ("cpu_tests", "S_CPU"), ("sanitizer", "S_SAN")]},
+  "rc": {k: int(os.environ[v]) for k, v in [("configure", "CONF_RC"), ("build", "BUILD_RC"), ("gpu_tests", "GPU_RC"), ("gpu_tests_one_gpu", "GPU1_RC"), ("cpu_tests", "CPU_RC"), ("sanitizer", "SAN_RC"), ("bench", "BENCH_RC")]},
+  "seconds": {k: int(os.environ[v]) for k, v in [("unpack", "S_UNPACK"), ("configure", "S_CONF"), ("build", "S_BUILD"), ("gpu_tests", "S_GPU"), ("gpu_tests_one_gpu", "S_GPU1"), ("cpu_tests", "S_CPU"), ("sanitizer", "S_SAN"), ("bench", "S_BENCH")]},
   "gpu": tally("gpu.log"), "gpu_one_gpu": tally("gpu1.log"), "cpu": tally("cpu.log"),
 }
 json.dump(summary, open(os.path.join(out, "summary.json"), "w"), indent=2)
@@ -161,7 +208,8 @@ PY
   echo "== gpu tests, CUDA_VISIBLE_DEVICES=0"; grep -E "OK \]|FAILED|tests passed|SKIPPED \]" "$out/gpu1.log" | head -40
   echo "== cpu tests"; grep -E "tests passed|\*\*\*Failed|Not Run|Timeout" "$out/cpu.log" | head -40
   echo "== sanitizer"; grep -E "^== compute-sanitizer|ERROR SUMMARY|RACECHECK SUMMARY|PASSED|FAILED" "$out/sanitizer.log" 2>/dev/null | head -40
-  [ $conf_rc -eq 0 ] && [ $build_rc -eq 0 ] && [ $gpu_rc -eq 0 ] && [ $gpu1_rc -le 0 ] && [ $cpu_rc -le 0 ] && [ $san_rc -le 0 ]
+  echo "== bench (results.tar.gz)"; [ -f "$work/results/bench.log" ] && grep -E "^== |validated|backends pass|wrote|error|rank [0-9]|^(ll|ht)-v" "$work/results/bench.log" | head -120
+  [ $conf_rc -eq 0 ] && [ $build_rc -eq 0 ] && [ $gpu_rc -le 0 ] && [ $gpu1_rc -le 0 ] && [ $cpu_rc -le 0 ] && [ $san_rc -le 0 ] && [ $bench_rc -le 0 ]
 }
 
 case "$MODE" in

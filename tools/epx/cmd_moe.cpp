@@ -6,6 +6,7 @@
 #include "commands.h"
 #include "epx/dispatch.h"
 #include "epx/error.h"
+#include "moe_cuda_run.h"
 #include "moe_report.h"
 
 namespace epx::cli {
@@ -13,16 +14,17 @@ namespace epx::cli {
 namespace {
 constexpr std::string_view kOp = "epx moe";
 
-// The layer runs on CPU ranks today; a CUDA build reaches the GPU layer with issue 7.
+// cpu: R ranks as threads of this process. cuda: one process per GPU (moe_cuda_run.h). auto stays
+// on the CPU: the GPU path is asked for by name.
 std::string resolve_device(const std::string& device) {
   if (device == "cuda") {
 #ifdef EPX_WITH_CUDA
-    throw InvalidArgument(arg_message(kOp, "--device", device, "the CUDA layer path is not available yet (issue 7); use --device cpu or auto"));
+    return "cuda";
 #else
     throw InvalidArgument(arg_message(kOp, "--device", device, "this build has no CUDA (configure with -DEPX_CUDA=ON on a machine with nvcc); use --device cpu or auto"));
 #endif
   }
-  return "cpu";  // auto: cpu until the CUDA layer exists
+  return "cpu";
 }
 
 std::vector<std::string> names_with_all(std::vector<std::string> v) {
@@ -51,7 +53,7 @@ void add_moe_command(CLI::App& root, MoeCommand& cmd) {
                   ->check(CLI::Range(1, 1 << 20))
                   ->capture_default_str();
   m->add_option("--warmup", o.warmup, "W: untimed, unvalidated steps run first")->check(CLI::Range(0, 1 << 20))->capture_default_str();
-  m->add_option("--device", o.device, "cpu, cuda, or auto (cuda when this build and machine can run the layer there, else cpu)")
+  m->add_option("--device", o.device, "cpu (ranks are threads), cuda (one process per GPU, forked by epx), or auto (= cpu)")
       ->check(CLI::IsMember({"cpu", "cuda", "auto"}))
       ->capture_default_str();
   cmd.routing = m->add_option("--routing", o.routing,
@@ -74,16 +76,27 @@ void add_moe_command(CLI::App& root, MoeCommand& cmd) {
   m->add_option("--seed", o.seed, "Seed of the weights, hidden states and synthetic routing")->capture_default_str();
   m->add_option("--trace", o.trace, "Replay recorded routing: an epx-trace JSON file or directory (docs/trace-format.md); "
                                     "gives R, T per rank and step, and optionally hidden states");
+  m->add_option("--validate-tokens", o.validate_tokens,
+                 "V: with --device cuda, the first V tokens of each rank and step are checked against the reference (0 = all)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  // Fault injection for the launcher's dead-rank test: rank N kills itself after its first step.
+  m->add_option("--debug-kill-rank", o.debug_kill_rank)->group("");
   m->add_option("--json", o.json, "Write the results as a RESULTS.md JSON file here");
   m->add_option("--config", o.config, "Config JSON file (default < this file < EPX_* env); see `epx info`");
   m->footer(
       "Every step's output (all ranks' rows) is compared with moe_reference_cpu on the concatenated tokens: pass when\n"
       "||out - ref||_2 / ||ref||_2 <= 1e-2 (NaN never passes). Capacity num_max_dispatch_tokens_per_rank = C, or the\n"
       "largest T of any rank and step when unchunked. Latency: per step, barrier to barrier, as rank 0 sees it.\n"
+      "--device cuda: one process per GPU (R <= visible GPUs), each building only its own experts; latency from CUDA\n"
+      "events around forward after a group barrier, the slowest rank's; the first V (--validate-tokens) tokens of each\n"
+      "rank and step are checked against moe_reference_cpu on rank 0. If a rank dies, the others are stopped and the\n"
+      "exit status is non-zero, naming it.\n"
       "Exit status: 0 every backend passed, 1 a validation failure or runtime error, 2 a bad flag or inconsistent shapes.\n"
       "Examples:\n"
       "  epx moe --preset deepseek-v3-mini --ranks 4 --backend all --json results.json\n"
       "  epx moe --preset qwen3-30b-a3b-mini --ranks 8 --backend ll --routing zipf --zipf-s 1.2 --dispatch-dtype fp8\n"
+      "  epx moe --device cuda --ranks 2 --preset deepseek-v3 --backend naive --steps 3\n"
       "  epx trace import routing.jsonl --ranks 4 -o t.json && epx moe --preset qwen1.5-moe-a2.7b --trace t.json");
 }
 
@@ -93,9 +106,10 @@ int run_moe(MoeCommand& cmd, const std::string& command) {
   o.tokens_given = cmd.tokens->count() > 0;
   o.steps_given = cmd.steps->count() > 0;
   o.routing_given = cmd.routing->count() > 0;
-  resolve_device(o.device);
+  const std::string device = resolve_device(o.device);
   const Config config = o.config.empty() ? Config::load() : Config::load(o.config);
   const std::vector<std::string> backends = o.backend == "all" ? backend_names() : std::vector<std::string>{o.backend};
+  if (device == "cuda") return run_moe_cuda(o, config, backends, o.backend == "all", command);
 
   Workload w = build_workload(o, config);
   print_header(std::cout, w);

@@ -7,6 +7,7 @@
 #include <CLI/CLI.hpp>
 #include <string>
 
+#include "bench_run.h"
 #include "moe_run.h"
 
 namespace epx::cli {
@@ -19,6 +20,13 @@ struct MoeCommand {
 void add_moe_command(CLI::App& root, MoeCommand& cmd);
 /// `command` is the full command line, recorded in the JSON and printed as the repro line.
 int run_moe(MoeCommand& cmd, const std::string& command);
+
+struct BenchCommand {
+  CLI::App* app = nullptr;
+  BenchOptions options;
+};
+void add_bench_command(CLI::App& root, BenchCommand& cmd);
+int run_bench(BenchCommand& cmd, const std::string& command);
 
 struct TraceCommand {
   CLI::App* app = nullptr;

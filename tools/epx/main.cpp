@@ -1,4 +1,4 @@
-// tools/epx/main.cpp: the `epx` CLI entry point (subcommands: moe, trace, info).
+// tools/epx/main.cpp: the `epx` CLI entry point (subcommands: moe, bench, trace, info).
 //
 // Exit status: 0 success; 1 a validation failure or runtime error; 2 a bad flag or inconsistent
 // shapes. Errors print as one line on stderr, "epx: error: <sentence>".
@@ -25,9 +25,11 @@ int main(int argc, char** argv) {
   app.require_subcommand(1);
   app.set_version_flag("--version", std::string("epx ") + EPX_VERSION);
   MoeCommand moe;
+  BenchCommand bench;
   TraceCommand trace;
   InfoCommand info;
   add_moe_command(app, moe);
+  add_bench_command(app, bench);
   add_trace_command(app, trace);
   add_info_command(app, info);
   try {
@@ -44,6 +46,7 @@ int main(int argc, char** argv) {
   }
   try {
     if (moe.app->parsed()) return run_moe(moe, command_line(argc, argv));
+    if (bench.app->parsed()) return run_bench(bench, command_line(argc, argv));
     if (trace.app->parsed()) return run_trace(trace);
     if (info.app->parsed()) return run_info(info);
     return 2;

@@ -100,7 +100,7 @@ void print_header(std::ostream& os, const Workload& w) {
      << " weights), " << w.num_ranks << " ranks, " << w.steps.size() << " steps (+" << w.warmup << " warm-up), routing "
      << w.routing << ", dispatch " << dtype_name(w.dispatch_dtype) << ", shared " << shared_mode_name(w.shared_mode)
      << ", chunk " << (w.chunk_size > 0 ? std::to_string(w.chunk_size) : std::string("none")) << ", capacity "
-     << w.capacity << ", device " << cpu_device_name() << "\n";
+     << w.capacity << ", device " << (w.device_name.empty() ? cpu_device_name() : w.device_name) << "\n";
   if (!w.trace_source.empty()) os << "trace: " << w.trace_source << "\n";
 }
 
@@ -124,7 +124,9 @@ void print_table(std::ostream& os, const Workload& w, const std::vector<BackendR
   int passed = 0;
   for (const BackendResult& r : results) passed += r.status == "pass";
   os << passed << "/" << results.size() << " backends pass (rel L2 <= " << kRelL2Tolerance << " against the single-rank "
-     << "no-EP reference on all " << total << " tokens of " << w.steps.size() << " steps; tokens/rank is the max per step)\n";
+     << "no-EP reference on "
+     << (!results.empty() && results[0].validated_tokens >= 0 ? std::to_string(results[0].validated_tokens) + " of " : std::string("all "))
+     << total << " tokens of " << w.steps.size() << " steps; tokens/rank is the max per step)\n";
 }
 
 void write_results_json(const std::string& path, const std::string& command, const Workload& w,
@@ -171,6 +173,7 @@ void write_results_json(const std::string& path, const std::string& command, con
         {"rel_l2_error", r.validated ? number_or_null(r.rel_l2_error) : json(nullptr)},
         {"tolerance_rel_l2", kRelL2Tolerance},
         {"status", r.status},
+        {"validated_tokens", r.validated_tokens >= 0 ? json(r.validated_tokens) : json(total)},
         {"counters", {{"calls", r.counters.calls}, {"chunks", r.counters.chunks}, {"idle_chunks", r.counters.idle_chunks},
                       {"shared_fused", r.counters.shared_fused}, {"shared_separate", r.counters.shared_separate}}},
     };
@@ -183,7 +186,8 @@ void write_results_json(const std::string& path, const std::string& command, con
   ::gmtime_r(&now, &tm);
   std::strftime(date, sizeof date, "%Y-%m-%dT%H:%M:%SZ", &tm);
   json doc = {{"tool", "epx moe"},       {"command", command},          {"git_commit", git_commit()},
-              {"date", date},            {"device", cpu_device_name()}, {"nccl_version", nullptr},
+              {"date", date},            {"device", w.device_name.empty() ? cpu_device_name() : w.device_name},
+              {"nccl_version", w.nccl_version.empty() ? json(nullptr) : json(w.nccl_version)},
               {"epx_version", EPX_VERSION}, {"results", std::move(rs)}};
   if (!w.trace_source.empty()) doc["trace_source"] = w.trace_source;
   doc["config"] = w.config.describe();  // effective values and where each came from (env/JSON are not in "command")

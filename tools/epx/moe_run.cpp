@@ -24,6 +24,8 @@ uint64_t mix(uint64_t x) {  // splitmix64: decorrelates (seed, step, rank) strea
   x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
   return x ^ (x >> 31);
 }
+}  // namespace
+
 uint64_t stream_seed(uint64_t seed, uint64_t what, uint64_t step, uint64_t rank) {
   return mix(mix(mix(seed) ^ what) ^ step) ^ rank;
 }
@@ -139,6 +141,7 @@ void errors_against(const Tensor& out, const Tensor& ref, double* max_rel, doubl
   *rel_l2 = sq_diff == 0 ? 0.0 : std::sqrt(sq_diff / std::max(sq_ref, 1e-300));
 }
 
+namespace {
 PathCounters minus(const PathCounters& a, const PathCounters& b) {
   PathCounters d = a;
   d.calls -= b.calls;
@@ -238,7 +241,7 @@ Workload build_workload(const MoeOptions& o, const Config& config) {
     for (const Tensor& x : st.x) w.max_tokens_per_rank = std::max(w.max_tokens_per_rank, x.size(0));
   w.chunk_size = o.chunk_size > 0 ? o.chunk_size : config.moe_chunk_size;
   w.capacity = w.chunk_size > 0 ? w.chunk_size : std::max<int64_t>(1, w.max_tokens_per_rank);
-  w.weights = MoEWeights::random(w.model, o.seed);
+  w.weights = MoEWeights::random(w.model, o.seed, o.expert_begin, o.expert_end);
   return w;
 }
 

@@ -34,6 +34,12 @@ struct MoeOptions {
   int warmup = 1;
   // Which flags the user gave explicitly (a trace fixes ranks, tokens and routing).
   bool ranks_given = false, tokens_given = false, steps_given = false, routing_given = false;
+  // The GPU path (--device cuda, moe_cuda_run.h): validated tokens per rank and step (0 = all), a
+  // hidden fault injection (rank to kill after its first step; -1 none), and the experts whose
+  // weights build_workload builds ([begin, end); end -1 = all): each GPU rank builds only its own.
+  int validate_tokens = 16;
+  int debug_kill_rank = -1;
+  int expert_begin = 0, expert_end = -1;
 };
 
 /// One step's inputs, per rank, plus its reference output on the concatenated tokens.
@@ -61,6 +67,9 @@ struct Workload {
   int64_t capacity = 0;               ///< num_max_dispatch_tokens_per_rank
   int64_t max_tokens_per_rank = 0;    ///< max over steps and ranks of T_r
   int warmup = 0;
+  // Set by the GPU path for the report (empty: the CPU defaults).
+  std::string device_name;            ///< e.g. "2 x NVIDIA H200"
+  std::string nccl_version;           ///< e.g. "2.28.9"
 };
 
 /// Result of one backend over all steps.
@@ -73,6 +82,7 @@ struct BackendResult {
   double rel_l2_error = 0.0;          ///< max over steps of ||out - ref||_2 / ||ref||_2
   bool validated = false;             ///< every step was compared with the reference in this run
   PathCounters counters;              ///< rank 0, measured steps only (warm-up excluded)
+  int64_t validated_tokens = -1;      ///< tokens compared with the reference over all steps (-1: all)
 };
 
 /// rel L2 at or below this passes (METHOD: bf16 operands land between 1e-3 and 1e-2; NaN never passes).
@@ -88,5 +98,24 @@ BackendResult run_backend(const Workload& workload, const std::string& backend);
 
 /// Linear-interpolated percentile p in [0, 100] of `values` (0 when empty).
 double percentile(std::vector<double> values, double p);
+
+// ---- input generators and checks shared with the GPU launcher path (moe_cuda_run.cpp, bench) ----
+
+/// Seed of stream `what` (1 hidden states, 2 expert order, 3 routing) for (step, rank).
+uint64_t stream_seed(uint64_t seed, uint64_t what, uint64_t step, uint64_t rank);
+/// [T, H] bf16 N(0, 1). Row t depends only on (seed, t): the first n rows equal random_hidden(n, H, seed).
+Tensor random_hidden(int64_t T, int64_t H, uint64_t seed);
+/// K distinct experts per token from popularity p(perm[i]) ~ 1/(i+1)^s (s = 0: uniform); weights
+/// positive, summing to 1. Token t depends only on (seed, t < T) in order.
+void synthetic_routing(int64_t T, int K, int E, double zipf_s, const std::vector<int>& perm, uint64_t seed, Tensor& idx,
+                       Tensor& wts);
+/// Rows of `parts` (each [T_r, cols] of `dtype`) stacked into [sum T_r, cols].
+Tensor concat_rows(const std::vector<Tensor>& parts, DType dtype, int64_t cols);
+/// Rows `rows` of t [N, cols] as a new contiguous tensor.
+Tensor gather_rows(const Tensor& t, const std::vector<int64_t>& rows);
+/// Per token of a step's concatenated tokens: did the layer run that token's shared expert fused?
+std::vector<char> fused_per_token(const Workload& workload, const StepInput& step);
+/// max |out - ref| / max |ref| and ||out - ref|| / ||ref|| of two bf16 tensors (inf with NaN/inf).
+void errors_against(const Tensor& out, const Tensor& ref, double* max_rel, double* rel_l2);
 
 }  // namespace epx::cli

@@ -1,0 +1,198 @@
+// moe/moe_cuda.cu: router logits (cuBLAS), the shared-route column and the shared expert's add for
+// ModularMoE on CUDA; see moe_cuda.h.
+#include <cublas_v2.h>
+
+#include <string>
+
+#include "cuda/check.h"
+#include "epx/dtype.h"
+#include "epx/error.h"
+#include "moe/moe_cuda.h"
+
+namespace epx::moe_cuda {
+namespace {
+
+constexpr std::string_view kOp = "ModularMoE(cuda)";
+
+void check_blas(cublasStatus_t s, const char* statement, std::source_location loc = std::source_location::current()) {
+  if (s == CUBLAS_STATUS_SUCCESS) return;
+  throw CudaError(std::string(statement) + ": " + cublasGetStatusString(s) + " (cublasStatus " + std::to_string(s) + ")" +
+                  detail::cuda_error_context(statement, loc));
+}
+#define EPX_CUBLAS_CHECK(expr) check_blas((expr), #expr)
+
+__global__ void bf16_to_f32_kernel(const uint16_t* __restrict__ x, float* __restrict__ y, int64_t n) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n; i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    y[i] = bf16_bits_to_float(x[i]);
+}
+
+constexpr int kColumnThreads = 256;
+
+/// One block per token: copies the K routed columns (int64 -> int32), computes g (sigmoid of the
+/// gate dot product, or 1) and writes column K.
+template <class Index>
+__global__ void route_columns_kernel(const Index* __restrict__ idx_in, const float* __restrict__ w_in, int K,
+                                     const uint16_t* __restrict__ x, int64_t H, const float* __restrict__ gate_w,
+                                     bool has_shared, bool fused, int num_experts, int32_t* __restrict__ idx_out,
+                                     float* __restrict__ w_out, float* __restrict__ gate_out) {
+  const int64_t t = blockIdx.x;
+  const int cols = K + (has_shared ? 1 : 0);
+  for (int k = threadIdx.x; k < K; k += blockDim.x) {
+    idx_out[t * cols + k] = static_cast<int32_t>(idx_in[t * K + k]);
+    w_out[t * cols + k] = w_in[t * K + k];
+  }
+  if (!has_shared) return;
+  float g = 1.0f;
+  if (gate_w != nullptr) {
+    __shared__ float partial[kColumnThreads];
+    float dot = 0.0f;
+    for (int64_t h = threadIdx.x; h < H; h += blockDim.x) dot += bf16_bits_to_float(x[t * H + h]) * gate_w[h];
+    partial[threadIdx.x] = dot;
+    __syncthreads();
+    for (int s = blockDim.x / 2; s > 0; s >>= 1) {
+      if (static_cast<int>(threadIdx.x) < s) partial[threadIdx.x] += partial[threadIdx.x + s];
+      __syncthreads();
+    }
+    g = 1.0f / (1.0f + expf(-partial[0]));
+  }
+  if (threadIdx.x == 0) {
+    idx_out[t * cols + K] = fused ? num_experts : -1;
+    w_out[t * cols + K] = fused ? g : 0.0f;
+    gate_out[t] = g;
+  }
+}
+
+__global__ void single_route_kernel(int32_t* __restrict__ idx, float* __restrict__ w, int64_t n) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n; i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    idx[i] = 0;
+    w[i] = 1.0f;
+  }
+}
+
+__global__ void add_shared_kernel(uint16_t* __restrict__ out, const uint16_t* __restrict__ y, const float* __restrict__ gate,
+                                  int64_t H, int64_t n) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n; i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const float g = gate[i / H];
+    out[i] = float_to_bf16_bits(bf16_bits_to_float(out[i]) + g * bf16_bits_to_float(y[i]));
+  }
+}
+
+void require_cuda_contiguous(std::string_view arg, const TensorView& t, std::initializer_list<DType> dtypes) {
+  require_arg(kOp, arg, t.device.str(), t.device.is_cuda(), "must be a CUDA tensor");
+  check_dtype(kOp, arg, t, dtypes);
+  check_contiguous(kOp, arg, t);
+}
+
+}  // namespace
+
+Blas::Blas(int device) : device_(device) {}
+
+Blas::~Blas() {
+  if (handle_) {
+    int previous = -1;
+    (void)cudaGetDevice(&previous);
+    (void)cudaSetDevice(device_);
+    (void)cublasDestroy(static_cast<cublasHandle_t>(handle_));
+    if (previous >= 0) (void)cudaSetDevice(previous);
+  }
+}
+
+void* Blas::handle() {
+  if (!handle_) {
+    cuda::DeviceGuard guard(device_);
+    cublasHandle_t h = nullptr;
+    EPX_CUBLAS_CHECK(cublasCreate(&h));
+    handle_ = h;
+    // Default math: fp32 FMA, no TF32 down-conversion (the CPU reference sums fp32 products).
+    EPX_CUBLAS_CHECK(cublasSetMathMode(h, CUBLAS_DEFAULT_MATH));
+  }
+  return handle_;
+}
+
+void router_logits(Blas& blas, const TensorView& router_weight, const TensorView& x, const TensorView& x_f32,
+                   const TensorView& logits, Stream stream) {
+  require_cuda_contiguous("router_weight", router_weight, {DType::fp32});
+  require_cuda_contiguous("x", x, {DType::bf16});
+  require_cuda_contiguous("x_f32", x_f32, {DType::fp32});
+  require_cuda_contiguous("logits", logits, {DType::fp32});
+  const int64_t T = x.shape[0], H = x.shape[1], E = router_weight.shape[0];
+  check_shape(kOp, "router_weight", router_weight, {E, H});
+  check_shape(kOp, "logits", logits, {T, E});
+  require_arg(kOp, "x_f32.numel()", x_f32.numel(), x_f32.numel() >= T * H, "must be >= T * H = " + std::to_string(T * H));
+  if (T == 0) return;
+  cuda::DeviceGuard guard(blas.device());
+  const cudaStream_t s = cuda::native(stream);
+  bf16_to_f32_kernel<<<cuda::grid_for(T * H, 256, 4096), 256, 0, s>>>(x.ptr<const uint16_t>(), x_f32.ptr<float>(), T * H);
+  cuda::check_launch("bf16_to_f32_kernel");
+  auto h = static_cast<cublasHandle_t>(blas.handle());
+  EPX_CUBLAS_CHECK(cublasSetStream(h, s));
+  // Column-major view: logits^T [E, T] = (W [H, E] col-major)^T . (X^T [H, T] col-major).
+  const float alpha = 1.0f, beta = 0.0f;
+  EPX_CUBLAS_CHECK(cublasSgemm(h, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(E), static_cast<int>(T), static_cast<int>(H), &alpha,
+                               router_weight.ptr<const float>(), static_cast<int>(H), x_f32.ptr<const float>(),
+                               static_cast<int>(H), &beta, logits.ptr<float>(), static_cast<int>(E)));
+}
+
+void build_route_columns(const RouteColumnsParams& p, const TensorView& out_idx, const TensorView& out_weights,
+                         const TensorView& gate, Stream stream) {
+  const int64_t n = p.topk_idx.shape[0], K = p.topk_idx.shape[1];
+  require_cuda_contiguous("topk_idx", p.topk_idx, {DType::int32, DType::int64});
+  require_cuda_contiguous("topk_weights", p.topk_weights, {DType::fp32});
+  check_shape(kOp, "topk_weights", p.topk_weights, {n, K});
+  const int64_t cols = K + (p.has_shared ? 1 : 0);
+  require_cuda_contiguous("route idx", out_idx, {DType::int32});
+  require_cuda_contiguous("route weights", out_weights, {DType::fp32});
+  check_shape(kOp, "route idx", out_idx, {n, cols});
+  check_shape(kOp, "route weights", out_weights, {n, cols});
+  const int64_t H = p.x.ndim == 2 ? p.x.shape[1] : 0;
+  if (p.has_shared) {
+    require_cuda_contiguous("gate", gate, {DType::fp32});
+    require_arg(kOp, "gate.numel()", gate.numel(), gate.numel() >= n, "must be >= n = " + std::to_string(n));
+    if (p.shared_gate_weight) {
+      require_cuda_contiguous("x", p.x, {DType::bf16});
+      check_shape(kOp, "x", p.x, {n, -1});
+    }
+  }
+  if (n == 0) return;
+  cuda::DeviceGuard guard(out_idx.device.index);
+  const cudaStream_t s = cuda::native(stream);
+  const auto* x = p.shared_gate_weight ? p.x.ptr<const uint16_t>() : nullptr;
+  float* g = p.has_shared ? gate.ptr<float>() : nullptr;
+  if (p.topk_idx.dtype == DType::int32) {
+    route_columns_kernel<int32_t><<<static_cast<unsigned>(n), kColumnThreads, 0, s>>>(
+        p.topk_idx.ptr<const int32_t>(), p.topk_weights.ptr<const float>(), static_cast<int>(K), x, H, p.shared_gate_weight,
+        p.has_shared, p.fused, p.num_experts, out_idx.ptr<int32_t>(), out_weights.ptr<float>(), g);
+  } else {
+    route_columns_kernel<int64_t><<<static_cast<unsigned>(n), kColumnThreads, 0, s>>>(
+        p.topk_idx.ptr<const int64_t>(), p.topk_weights.ptr<const float>(), static_cast<int>(K), x, H, p.shared_gate_weight,
+        p.has_shared, p.fused, p.num_experts, out_idx.ptr<int32_t>(), out_weights.ptr<float>(), g);
+  }
+  cuda::check_launch("route_columns_kernel");
+}
+
+void fill_single_route(const TensorView& idx, const TensorView& weights, Stream stream) {
+  require_cuda_contiguous("shared idx", idx, {DType::int32});
+  require_cuda_contiguous("shared weights", weights, {DType::fp32});
+  const int64_t n = idx.numel();
+  require_arg(kOp, "shared weights.numel()", weights.numel(), weights.numel() == n, "must equal idx.numel() = " + std::to_string(n));
+  if (n == 0) return;
+  cuda::DeviceGuard guard(idx.device.index);
+  single_route_kernel<<<cuda::grid_for(n, 256, 1024), 256, 0, cuda::native(stream)>>>(idx.ptr<int32_t>(), weights.ptr<float>(), n);
+  cuda::check_launch("single_route_kernel");
+}
+
+void add_shared(const TensorView& out, const TensorView& shared_y, const TensorView& gate, Stream stream) {
+  require_cuda_contiguous("out", out, {DType::bf16});
+  require_cuda_contiguous("shared_y", shared_y, {DType::bf16});
+  require_cuda_contiguous("gate", gate, {DType::fp32});
+  const int64_t n = out.shape[0], H = out.shape[1];
+  check_shape(kOp, "shared_y", shared_y, {n, H});
+  require_arg(kOp, "gate.numel()", gate.numel(), gate.numel() >= n, "must be >= n = " + std::to_string(n));
+  if (n == 0 || H == 0) return;
+  cuda::DeviceGuard guard(out.device.index);
+  add_shared_kernel<<<cuda::grid_for(n * H, 256, 8192), 256, 0, cuda::native(stream)>>>(
+      out.ptr<uint16_t>(), shared_y.ptr<const uint16_t>(), gate.ptr<const float>(), H, n * H);
+  cuda::check_launch("add_shared_kernel");
+}
+
+}  // namespace epx::moe_cuda

@@ -1,0 +1,58 @@
+// moe/moe_cuda.h: the device-side pieces of ModularMoE (modular_moe.cpp) when its group is on CUDA:
+// router logits through cuBLAS, the [T, K+1] routing with the shared-route column, and the
+// separate shared expert's add. Each is the twin of a CPU loop in modular_moe.cpp /
+// reference_cpu.cpp and follows the same arithmetic; differences are fp32 summation order only
+// (the GEMM, the shared gate's dot product). Free of CUDA headers.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+
+#include "epx/tensor.h"
+
+namespace epx::moe_cuda {
+
+/// A cuBLAS handle bound to one device (created on first use, destroyed with the object).
+class Blas {
+ public:
+  explicit Blas(int device);
+  ~Blas();
+  Blas(const Blas&) = delete;
+  Blas& operator=(const Blas&) = delete;
+  void* handle();  ///< cublasHandle_t
+  int device() const { return device_; }
+
+ private:
+  int device_ = 0;
+  void* handle_ = nullptr;
+};
+
+/// logits [T, E] fp32 = x [T, H] bf16 . router_weight [E, H] fp32 ^T, fp32 accumulation (x
+/// converted to fp32 into `x_f32` [>= T*H] fp32 scratch, then cublasSgemm with the default math
+/// mode: no TF32). All on the Blas device, contiguous; stream-ordered.
+void router_logits(Blas& blas, const TensorView& router_weight, const TensorView& x, const TensorView& x_f32,
+                   const TensorView& logits, Stream stream);
+
+struct RouteColumnsParams {
+  TensorView topk_idx;      ///< [n, K] int32 or int64 (rows of the chunk), CUDA
+  TensorView topk_weights;  ///< [n, K] fp32, CUDA
+  TensorView x;             ///< [n, H] bf16: read only with a shared gate
+  const float* shared_gate_weight = nullptr;  ///< [H] fp32 on the device, or null (g = 1)
+  bool has_shared = false;  ///< append column K
+  bool fused = false;       ///< column K = (num_experts, g) when fused, else (-1, 0)
+  int num_experts = 0;
+};
+/// out_idx [n, K(+1)] int32, out_weights [n, K(+1)] fp32 (contiguous), and gate [n] fp32 (g per
+/// token, written when has_shared; may be empty otherwise). Stream-ordered.
+void build_route_columns(const RouteColumnsParams& p, const TensorView& out_idx, const TensorView& out_weights,
+                         const TensorView& gate, Stream stream);
+
+/// The route of the separate shared expert as a one-expert Flat layout: idx [n, 1] int32 = 0,
+/// weights [n, 1] fp32 = 1.
+void fill_single_route(const TensorView& idx, const TensorView& weights, Stream stream);
+
+/// out [n, H] bf16 (in place) = round_bf16(out + gate[t] * shared_y[t]) with shared_y [n, H] bf16
+/// (the expert output, already bf16-rounded) and gate [n] fp32: the CPU's add, element for element.
+void add_shared(const TensorView& out, const TensorView& shared_y, const TensorView& gate, Stream stream);
+
+}  // namespace epx::moe_cuda

@@ -1,0 +1,102 @@
+// tests/bench_cli_test.cpp: `epx bench --device cpu` (the smoke path every build has): the RESULTS.md
+// JSON shape, one dispatch and one combine row per (case, dtype, backend), validation of every epx
+// backend against the identity formula, the accounting named, and one-line errors for bad flags.
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <array>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <string>
+
+namespace {
+
+const std::string kEpx = std::string(EPX_BINARY_DIR) + "/epx";
+
+struct CliResult {
+  int code = -1;
+  std::string out;
+};
+
+CliResult epx(const std::string& args) {
+  CliResult r;
+  FILE* p = ::popen((kEpx + " " + args + " 2>&1").c_str(), "r");
+  if (!p) return r;
+  std::array<char, 4096> buf{};
+  size_t n;
+  while ((n = std::fread(buf.data(), 1, buf.size(), p)) > 0) r.out.append(buf.data(), n);
+  const int status = ::pclose(p);
+  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  return r;
+}
+
+std::filesystem::path temp_path(const std::string& name) {
+  return std::filesystem::temp_directory_path() / ("epx_bench_cli_test_" + std::to_string(::getpid()) + "_" + name);
+}
+
+TEST(BenchCli, CpuSmokeWritesResultsJson) {
+  const auto out = temp_path("bench.json");
+  CliResult r = epx("bench --device cpu --case ll-v3,ht-v3 --backend all --ranks 2 --iters 3 --warmup 1 --json " + out.string());
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("repro: epx bench"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("deepep-ll"), std::string::npos) << r.out;
+  std::ifstream f(out);
+  const nlohmann::json j = nlohmann::json::parse(f);
+  EXPECT_EQ(j["tool"], "epx bench");
+  for (const char* key : {"command", "git_commit", "date", "device", "nccl_version", "results"}) EXPECT_TRUE(j.contains(key)) << key;
+  // (case, dtype, backend) -> ops seen
+  std::map<std::string, std::set<std::string>> ops;
+  for (const auto& res : j["results"]) {
+    for (const char* key : {"case", "backend", "op", "tokens_per_rank", "hidden", "top_k", "num_experts", "ranks", "dtype",
+                            "latency_us_p50", "latency_us_p10", "latency_us_p90", "gbps", "accounting", "iterations", "validated",
+                            "max_rel_error", "predicted_us", "ratio_to_predicted", "status"})
+      EXPECT_TRUE(res.contains(key)) << key << " in " << res.dump();
+    const std::string c = res["case"], b = res["backend"], op = res["op"];
+    ops[c + "/" + res["dispatch_dtype"].get<std::string>() + "/" + b].insert(op);
+    EXPECT_EQ(res["ranks"], 2);
+    EXPECT_EQ(res["hidden"], 7168);
+    EXPECT_EQ(res["tokens_per_rank"], 16);  // the CPU smoke size
+    EXPECT_EQ(res["accounting"], c == "ll-v3" ? "deepep-ll" : "deepep-ht");
+    EXPECT_EQ(res["iterations"], 3);
+    ASSERT_TRUE(res["latency_us_p50"].is_number()) << res.dump();
+    EXPECT_LE(res["latency_us_p10"].get<double>(), res["latency_us_p50"].get<double>());
+    EXPECT_LE(res["latency_us_p50"].get<double>(), res["latency_us_p90"].get<double>());
+    EXPECT_GT(res["gbps"].get<double>(), 0.0);
+    EXPECT_TRUE(res["predicted_us"].is_null()) << "predictions are for the GPUs at the case's own size";
+    if (b == "nccl_a2a_raw") {
+      EXPECT_EQ(res["validated"], false);
+    } else {
+      EXPECT_EQ(res["validated"], true) << res.dump();
+      EXPECT_LE(res["rel_l2_error"].get<double>(), 1e-2);
+    }
+    if (op == "combine") {
+      EXPECT_EQ(res["dtype"], "bf16");
+    }
+  }
+  // ll-v3: fp8; ht-v3: fp8 and bf16; each with 5 backends + nccl_a2a_raw, two ops each.
+  EXPECT_EQ(ops.size(), 3u * 6u);
+  for (const auto& [key, s] : ops) EXPECT_EQ(s, (std::set<std::string>{"dispatch", "combine"})) << key;
+  std::filesystem::remove(out);
+}
+
+TEST(BenchCli, BadFlagsExit2) {
+  for (const char* args : {"bench --case nope", "bench --backend nope", "bench --iters 0", "bench --routing banana"}) {
+    CliResult r = epx(args);
+    EXPECT_EQ(r.code, 2) << args << "\n" << r.out;
+  }
+}
+
+TEST(BenchCli, HelpNamesTheAccounting) {
+  CliResult r = epx("bench --help");
+  EXPECT_EQ(r.code, 0) << r.out;
+  for (const char* s : {"--case", "--backend", "--ranks", "--iters", "--warmup", "--json", "--routing", "deepep-ll", "deepep-ht",
+                        "nccl_a2a_raw"})
+    EXPECT_NE(r.out.find(s), std::string::npos) << s;
+}
+
+}  // namespace

@@ -1,0 +1,704 @@
+// tools/epx/bench_run.cpp: `epx bench` (see bench_run.h).
+#include "bench_run.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <ctime>
+#include <filesystem>
+#include <fstream>
+#include <iomanip>
+#include <iostream>
+#include <mutex>
+#include <nlohmann/json.hpp>
+#include <random>
+#include <sstream>
+
+#include "comm/launcher.h"
+#include "epx/cuda.h"
+#include "epx/dispatch.h"
+#include "epx/error.h"
+#include "epx/group.h"
+#include "epx/quant.h"
+#include "experts/identity.h"
+#include "moe_cuda_run.h"
+#include "moe_report.h"
+#include "moe_run.h"
+
+#ifdef EPX_WITH_CUDA
+#include <cuda_runtime_api.h>
+#endif
+
+namespace epx::cli {
+
+namespace {
+
+constexpr std::string_view kOp = "epx bench";
+constexpr const char* kRaw = "nccl_a2a_raw";
+constexpr uint64_t kWhatHidden = 101, kWhatRouting = 103, kWhatOrder = 102;  // stream_seed tags
+
+struct Job {
+  size_t case_idx = 0;
+  DType dtype = DType::bf16;
+  std::string backend;
+};
+
+/// One rank's inputs for one case, on the host, with its byte-accounting counts.
+struct RankInputs {
+  Tensor x, idx, wts;
+  int64_t valid_selections = 0;  ///< (t, k) with idx >= 0
+  int64_t dedup_rows = 0;        ///< sum over tokens of the distinct destination ranks (incl. self)
+};
+
+RankInputs make_inputs(const BenchCase& c, size_t case_idx, int64_t T, int rank, int R, const BenchOptions& o) {
+  RankInputs in;
+  in.x = random_hidden(T, c.hidden, stream_seed(o.seed, kWhatHidden, case_idx, static_cast<uint64_t>(rank)));
+  std::vector<int> perm(static_cast<size_t>(c.num_experts));
+  for (int e = 0; e < c.num_experts; ++e) perm[static_cast<size_t>(e)] = e;
+  std::shuffle(perm.begin(), perm.end(), std::mt19937_64(stream_seed(o.seed, kWhatOrder, case_idx, 0)));
+  synthetic_routing(T, c.top_k, c.num_experts, o.routing == "zipf" ? o.zipf_s : 0.0, perm,
+                    stream_seed(o.seed, kWhatRouting, case_idx, static_cast<uint64_t>(rank)), in.idx, in.wts);
+  std::vector<char> seen(static_cast<size_t>(R));
+  for (int64_t t = 0; t < T; ++t) {
+    std::fill(seen.begin(), seen.end(), 0);
+    for (int k = 0; k < c.top_k; ++k) {
+      const int32_t e = in.idx.ptr<const int32_t>()[t * c.top_k + k];
+      if (e < 0) continue;
+      ++in.valid_selections;
+      const int d = expert_rank(c.num_experts, R, e);
+      if (!seen[static_cast<size_t>(d)]) ++in.dedup_rows;
+      seen[static_cast<size_t>(d)] = 1;
+    }
+  }
+  return in;
+}
+
+/// What one rank measured for one job.
+struct RankJobResult {
+  int64_t status = 0;  ///< 0 ran, 1 unsupported, 2 error
+  std::string message;
+  std::vector<double> dispatch_us, combine_us;
+  Tensor out;                    ///< epx backends: [T, H] bf16 on the host, last iteration
+  int64_t valid_selections = 0, dedup_rows = 0;
+  int64_t moved_bytes_dispatch = 0, moved_bytes_combine = 0;  ///< nccl_a2a_raw: bytes sent incl. to self
+};
+
+struct JobResult {
+  Job job;
+  std::vector<RankJobResult> ranks;
+};
+
+/// Per-iteration timestamps: CUDA events on the rank's stream, or the host clock on the CPU.
+class IterTimer {
+ public:
+  IterTimer(bool cuda, Stream stream) : cuda_(cuda), stream_(stream) {
+#ifdef EPX_WITH_CUDA
+    if (cuda_)
+      for (auto& e : ev_) ok(cudaEventCreate(&e), "cudaEventCreate");
+#endif
+  }
+  ~IterTimer() {
+#ifdef EPX_WITH_CUDA
+    if (cuda_)
+      for (auto& e : ev_) (void)cudaEventDestroy(e);
+#endif
+  }
+  IterTimer(const IterTimer&) = delete;
+  IterTimer& operator=(const IterTimer&) = delete;
+  void mark(int i) {
+#ifdef EPX_WITH_CUDA
+    if (cuda_) {
+      ok(cudaEventRecord(ev_[i], static_cast<cudaStream_t>(stream_.handle)), "cudaEventRecord");
+      return;
+    }
+#endif
+    t_[i] = std::chrono::steady_clock::now();
+  }
+  /// Waits for mark 3; returns {us(0 -> 1), us(2 -> 3)}.
+  std::pair<double, double> finish() {
+#ifdef EPX_WITH_CUDA
+    if (cuda_) {
+      ok(cudaEventSynchronize(ev_[3]), "cudaEventSynchronize");
+      float a = 0, b = 0;
+      ok(cudaEventElapsedTime(&a, ev_[0], ev_[1]), "cudaEventElapsedTime");
+      ok(cudaEventElapsedTime(&b, ev_[2], ev_[3]), "cudaEventElapsedTime");
+      return {a * 1e3, b * 1e3};
+    }
+#endif
+    using us = std::chrono::duration<double, std::micro>;
+    return {us(t_[1] - t_[0]).count(), us(t_[3] - t_[2]).count()};
+  }
+  void sync() {
+#ifdef EPX_WITH_CUDA
+    if (cuda_) ok(cudaStreamSynchronize(static_cast<cudaStream_t>(stream_.handle)), "cudaStreamSynchronize");
+#endif
+  }
+
+ private:
+  bool cuda_;
+  Stream stream_;
+  std::chrono::steady_clock::time_point t_[4];
+#ifdef EPX_WITH_CUDA
+  cudaEvent_t ev_[4]{};
+  static void ok(cudaError_t e, const char* what) {
+    if (e != cudaSuccess) throw CudaError(std::string("epx bench: ") + what + ": " + cudaGetErrorString(e));
+  }
+#endif
+};
+
+DispatchConfig dispatch_config(const BenchCase& c, int64_t T, DType dtype) {
+  DispatchConfig cfg;
+  cfg.hidden = c.hidden;
+  cfg.num_experts = c.num_experts;
+  cfg.top_k = c.top_k;
+  cfg.num_max_dispatch_tokens_per_rank = static_cast<int>(std::max<int64_t>(T, 1));
+  cfg.dispatch_dtype = dtype;
+  return cfg;
+}
+
+/// The dispatch -> identity experts -> combine round trip of one backend on one rank, `warmup` +
+/// `iters` times; times prepare and finalize of the last `iters`. Collective.
+void run_epx_backend(const Job& job, const BenchCase& c, int64_t T, const std::shared_ptr<Group>& group, Device dev,
+                     const TensorView& x, const TensorView& idx, const TensorView& wts, int warmup, int iters, Stream stream,
+                     IterTimer& timer, RankJobResult& res) {
+  const int R = group->size(), rank = group->rank();
+  const DispatchConfig cfg = dispatch_config(c, T, job.dtype);
+  auto pf = make_prepare_finalize(job.backend, group, cfg);
+  auto experts = make_identity_experts(num_local_experts(cfg, R, rank), c.hidden, dev);
+  Tensor out = Tensor::empty({T, c.hidden}, DType::bf16, dev);
+  Tensor expert_out;
+  auto round_trip = [&](bool timed) {
+    if (timed) {
+      group->barrier();
+      timer.mark(0);
+    }
+    DispatchArgs a;
+    a.x = x;
+    a.topk_idx = idx;
+    a.topk_weights = wts;
+    a.stream = stream;
+    const PrepareResult p = pf->prepare(a);
+    if (timed) timer.mark(1);
+    std::vector<int64_t> dims(p.x.shape.begin(), p.x.shape.begin() + p.x.ndim);
+    TensorView eo(nullptr, DType::bf16, dims, dev);
+    if (!expert_out.defined() || expert_out.numel() < eo.numel())
+      expert_out = Tensor::empty({std::max<int64_t>(eo.numel(), 1)}, DType::bf16, dev);
+    eo.data = expert_out.data();
+    experts->apply(p.experts_input(), eo, stream);
+    if (timed) timer.mark(2);
+    FinalizeArgs f;
+    f.expert_out = eo;
+    f.out = out;
+    f.stream = stream;
+    pf->finalize(f);
+    if (timed) {
+      timer.mark(3);
+      const auto [d, cmb] = timer.finish();
+      res.dispatch_us.push_back(d);
+      res.combine_us.push_back(cmb);
+    }
+  };
+  for (int i = 0; i < warmup; ++i) round_trip(false);
+  timer.sync();
+  for (int i = 0; i < iters; ++i) round_trip(true);
+  timer.sync();
+  res.out = out.device().is_cpu() ? out : out.to(Device::cpu());
+}
+
+/// NCCL's (or the CPU group's) all-to-all of equal blocks: rows_per_peer rows of `row_bytes` to
+/// every rank (incl. self), once at the dispatch row size and once at the bf16 combine size.
+void run_raw_a2a(const BenchCase& c, DType dtype, int64_t rows_per_peer, const std::shared_ptr<Group>& group, Device dev,
+                 int warmup, int iters, Stream stream, IterTimer& timer, RankJobResult& res) {
+  const int R = group->size();
+  const int64_t disp_row = dtype == DType::fp8_e4m3 ? c.hidden + c.hidden / kFp8GroupSize * 4 : 2 * c.hidden;
+  const int64_t comb_row = 2 * c.hidden;
+  const std::vector<int64_t> disp(static_cast<size_t>(R), rows_per_peer * disp_row), comb(static_cast<size_t>(R), rows_per_peer * comb_row);
+  Tensor send_d = Tensor::zeros({std::max<int64_t>(1, R * rows_per_peer * disp_row)}, DType::uint8, dev);
+  Tensor recv_d = Tensor::zeros({std::max<int64_t>(1, R * rows_per_peer * disp_row)}, DType::uint8, dev);
+  Tensor send_c = Tensor::zeros({std::max<int64_t>(1, R * rows_per_peer * comb_row)}, DType::uint8, dev);
+  Tensor recv_c = Tensor::zeros({std::max<int64_t>(1, R * rows_per_peer * comb_row)}, DType::uint8, dev);
+  auto once = [&](bool timed) {
+    if (timed) {
+      group->barrier();
+      timer.mark(0);
+    }
+    group->all_to_allv(send_d.data(), disp, recv_d.data(), disp, stream);
+    if (timed) {
+      timer.mark(1);
+      timer.mark(2);
+    }
+    group->all_to_allv(send_c.data(), comb, recv_c.data(), comb, stream);
+    if (timed) {
+      timer.mark(3);
+      const auto [d, cmb] = timer.finish();
+      res.dispatch_us.push_back(d);
+      res.combine_us.push_back(cmb);
+    }
+  };
+  for (int i = 0; i < warmup; ++i) once(false);
+  timer.sync();
+  for (int i = 0; i < iters; ++i) once(true);
+  timer.sync();
+  res.moved_bytes_dispatch = R * rows_per_peer * disp_row;
+  res.moved_bytes_combine = R * rows_per_peer * comb_row;
+}
+
+/// The case's tokens per rank on this device.
+int64_t tokens_for(const BenchCase& c, const BenchOptions& o, bool cuda) {
+  if (o.tokens_per_rank > 0) return o.tokens_per_rank;
+  return cuda ? c.tokens_per_rank : std::min<int64_t>(c.tokens_per_rank, 16);
+}
+
+std::vector<Job> make_jobs(const BenchOptions& o, const std::vector<BenchCase>& cases) {
+  std::vector<std::string> backends = o.backend == "all" ? backend_names() : std::vector<std::string>{o.backend};
+  if (o.backend == "all") backends.push_back(kRaw);
+  std::vector<Job> jobs;
+  for (size_t ci = 0; ci < cases.size(); ++ci) {
+    std::vector<DType> dtypes = cases[ci].dtypes;
+    if (!o.dtype.empty()) dtypes = {parse_dtype(o.dtype)};
+    for (DType dt : dtypes)
+      for (const std::string& b : backends) jobs.push_back({ci, dt, b});
+  }
+  return jobs;
+}
+
+/// Runs every job on this rank. `publish(job index, result)` hands each result over (collective on
+/// multi-process groups). Inputs are made per case and uploaded to `dev` once.
+void run_jobs_on_rank(const BenchOptions& o, const std::vector<BenchCase>& cases, const std::vector<Job>& jobs,
+                      const std::shared_ptr<Group>& group, Stream stream,
+                      const std::function<void(size_t, RankJobResult&&)>& publish) {
+  const int R = group->size(), rank = group->rank();
+  const Device dev = group->device();
+  IterTimer timer(dev.is_cuda(), stream);
+  size_t cur_case = static_cast<size_t>(-1);
+  RankInputs in;
+  Tensor x, idx, wts;
+  int64_t T = 0, rows_per_peer = 0;
+  for (size_t j = 0; j < jobs.size(); ++j) {
+    const Job& job = jobs[j];
+    const BenchCase& c = cases[job.case_idx];
+    if (job.case_idx != cur_case) {
+      cur_case = job.case_idx;
+      T = tokens_for(c, o, dev.is_cuda());
+      in = make_inputs(c, job.case_idx, T, rank, R, o);
+      x = dev.is_cpu() ? in.x : in.x.to(dev);
+      idx = dev.is_cpu() ? in.idx : in.idx.to(dev);
+      wts = dev.is_cpu() ? in.wts : in.wts.to(dev);
+      // nccl_a2a_raw: the mean rank-deduplicated rows of this routing, in equal blocks per peer.
+      int64_t total = 0;
+      for (int64_t v : group->all_gather_i64(in.dedup_rows)) total += v;
+      rows_per_peer = (total / R + R - 1) / R;
+    }
+    RankJobResult res;
+    res.valid_selections = in.valid_selections;
+    res.dedup_rows = in.dedup_rows;
+    try {
+      if (job.backend == kRaw) run_raw_a2a(c, job.dtype, rows_per_peer, group, dev, o.warmup, o.iters, stream, timer, res);
+      else run_epx_backend(job, c, T, group, dev, x, idx, wts, o.warmup, o.iters, stream, timer, res);
+    } catch (const Unsupported& e) {
+      res.status = 1;
+      res.message = e.what();
+    } catch (const std::exception& e) {
+      res.status = 2;
+      res.message = e.what();
+    }
+    if (rank == 0 || res.status == 2)
+      std::cerr << "epx bench: rank " << rank << ": " << c.name << " " << dtype_name(job.dtype) << " " << job.backend << ": "
+                << (res.status == 0 ? "ran" : res.status == 1 ? "unsupported" : "error: " + res.message) << "\n";
+    publish(j, std::move(res));
+  }
+}
+
+/// Multi-process: every rank's result of one job reaches rank 0 (statuses, times, counts, outputs).
+[[maybe_unused]] void gather_to_rank0(Group& g, RankJobResult&& mine, JobResult& acc) {
+  const int R = g.size(), rank = g.rank();
+  const std::vector<int64_t> statuses = g.all_gather_i64(mine.status);
+  int64_t worst = 0;
+  for (int64_t s : statuses) worst = std::max(worst, s);
+  if (rank == 0) acc.ranks.assign(static_cast<size_t>(R), RankJobResult{});
+  if (worst != 0) {
+    if (rank == 0)
+      for (int q = 0; q < R; ++q) {
+        acc.ranks[q].status = statuses[q];
+        acc.ranks[q].message = q == 0 ? mine.message : "rank " + std::to_string(q) + ": see its stderr";
+      }
+    return;
+  }
+  const int64_t n = static_cast<int64_t>(mine.dispatch_us.size());
+  std::vector<double> d(static_cast<size_t>(n * R)), cmb(static_cast<size_t>(n * R));
+  g.all_gather(mine.dispatch_us.data(), d.data(), n * 8);
+  g.all_gather(mine.combine_us.data(), cmb.data(), n * 8);
+  const std::vector<int64_t> sel = g.all_gather_i64(mine.valid_selections), dd = g.all_gather_i64(mine.dedup_rows);
+  const std::vector<int64_t> md = g.all_gather_i64(mine.moved_bytes_dispatch), mc = g.all_gather_i64(mine.moved_bytes_combine);
+  const bool has_out = mine.out.defined();
+  std::vector<Tensor> outs;
+  if (has_out) {
+    const int64_t bytes = mine.out.nbytes();
+    Tensor all = Tensor::empty({R * mine.out.size(0), mine.out.size(1)}, DType::bf16);
+    g.all_gather(mine.out.data(), all.data(), bytes);
+    for (int q = 0; q < R && rank == 0; ++q) {
+      Tensor o = Tensor::empty({mine.out.size(0), mine.out.size(1)}, DType::bf16);
+      std::memcpy(o.data(), static_cast<const char*>(all.data()) + q * bytes, static_cast<size_t>(bytes));
+      outs.push_back(std::move(o));
+    }
+  }
+  if (rank != 0) return;
+  for (int q = 0; q < R; ++q) {
+    RankJobResult& r = acc.ranks[q];
+    r.dispatch_us.assign(d.begin() + q * n, d.begin() + (q + 1) * n);
+    r.combine_us.assign(cmb.begin() + q * n, cmb.begin() + (q + 1) * n);
+    r.valid_selections = sel[q];
+    r.dedup_rows = dd[q];
+    r.moved_bytes_dispatch = md[q];
+    r.moved_bytes_combine = mc[q];
+    if (has_out) r.out = outs[q];
+  }
+}
+
+/// out[t] = round_bf16(sum over valid k of w[t,k] * round_bf16(x~[t])): what any correct backend
+/// computes with identity experts (Flat backends round per-rank partials: within tolerance).
+Tensor identity_formula(const RankInputs& in, int K, DType dtype) {
+  const int64_t T = in.x.size(0), H = in.x.size(1);
+  Tensor out = Tensor::empty({T, H}, DType::bf16);
+  std::vector<float> row(static_cast<size_t>(H)), acc(static_cast<size_t>(H));
+  std::vector<uint8_t> q(static_cast<size_t>(H));
+  std::vector<float> sc(static_cast<size_t>(H / kFp8GroupSize + 1));
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t h = 0; h < H; ++h) row[h] = bf16_bits_to_float(in.x.ptr<const uint16_t>()[t * H + h]);
+    if (dtype == DType::fp8_e4m3) {
+      quantize_fp8_row(row.data(), H, q.data(), sc.data(), kFp8GroupSize, false);
+      dequantize_fp8_row(q.data(), sc.data(), H, row.data(), kFp8GroupSize);
+    }
+    for (float& v : row) v = round_bf16(v);
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    for (int k = 0; k < K; ++k) {
+      if (in.idx.ptr<const int32_t>()[t * K + k] < 0) continue;
+      const float w = in.wts.ptr<const float>()[t * K + k];
+      for (int64_t h = 0; h < H; ++h) acc[h] += w * row[h];
+    }
+    for (int64_t h = 0; h < H; ++h) out.ptr<uint16_t>()[t * H + h] = float_to_bf16_bits(acc[h]);
+  }
+  return out;
+}
+
+/// The same backend on CPU ranks (threads) with identity experts, on the same inputs.
+std::vector<Tensor> cpu_backend_outputs(const Job& job, const BenchCase& c, int64_t T, const std::vector<RankInputs>& ins,
+                                        double timeout_s) {
+  const int R = static_cast<int>(ins.size());
+  auto groups = make_cpu_groups(R, timeout_s);
+  std::vector<Tensor> outs(static_cast<size_t>(R));
+  run_ranks(groups, [&](int r) {
+    const DispatchConfig cfg = dispatch_config(c, T, job.dtype);
+    auto pf = make_prepare_finalize(job.backend, groups[r], cfg);
+    auto experts = make_identity_experts(num_local_experts(cfg, R, r), c.hidden, Device::cpu());
+    DispatchArgs a;
+    a.x = ins[r].x;
+    a.topk_idx = ins[r].idx;
+    a.topk_weights = ins[r].wts;
+    const PrepareResult p = pf->prepare(a);
+    std::vector<int64_t> dims(p.x.shape.begin(), p.x.shape.begin() + p.x.ndim);
+    Tensor eo = Tensor::empty(dims, DType::bf16);
+    experts->apply(p.experts_input(), eo, {});
+    outs[r] = Tensor::empty({T, c.hidden}, DType::bf16);
+    FinalizeArgs f;
+    f.expert_out = eo;
+    f.out = outs[r];
+    pf->finalize(f);
+  });
+  return outs;
+}
+
+std::string fixed(double v, int digits) {
+  if (!std::isfinite(v)) return "-";
+  std::ostringstream os;
+  os << std::fixed << std::setprecision(digits) << v;
+  return os.str();
+}
+
+int64_t bytes_per_selection(const BenchCase& c, DType dtype, const std::string& op) {
+  const int64_t H = c.hidden;
+  if (op == "combine") return 2 * H;
+  return dtype == DType::fp8_e4m3 ? H + H / kFp8GroupSize * 4 + (c.accounting == "deepep-ll" ? 16 : 0) : 2 * H;
+}
+
+/// Validation, table, JSON. Returns the exit code.
+int report(const BenchOptions& o, const std::vector<BenchCase>& cases, const std::vector<Job>& jobs, std::vector<JobResult>& results,
+           bool cuda, int R, const Config& config, const std::string& command) {
+  using json = nlohmann::ordered_json;
+  // Inputs of every rank, regenerated here (deterministic per (seed, case, rank)) for the references.
+  std::vector<std::vector<RankInputs>> inputs(cases.size());
+  auto inputs_of = [&](size_t ci) -> const std::vector<RankInputs>& {
+    if (inputs[ci].empty())
+      for (int r = 0; r < R; ++r) inputs[ci].push_back(make_inputs(cases[ci], ci, tokens_for(cases[ci], o, cuda), r, R, o));
+    return inputs[ci];
+  };
+  json rows = json::array();
+  bool ok = true;
+  std::ostringstream table;
+  table << std::left << std::setw(7) << "case" << std::setw(9) << "dtype" << std::setw(25) << "backend" << std::setw(9) << "op"
+        << std::right << std::setw(10) << "p50 us" << std::setw(10) << "p10 us" << std::setw(10) << "p90 us" << std::setw(9) << "GB/s"
+        << std::setw(11) << "predicted" << std::setw(7) << "ratio" << "  " << std::left << "validated\n";
+  for (size_t j = 0; j < jobs.size(); ++j) {
+    const Job& job = jobs[j];
+    const BenchCase& c = cases[job.case_idx];
+    JobResult& jr = results[j];
+    const int64_t T = tokens_for(c, o, cuda);
+    int64_t status = 0;
+    std::string message;
+    for (const RankJobResult& r : jr.ranks)
+      if (r.status > status) status = r.status, message = r.message;
+    // Validation of an epx backend's round trip.
+    bool validated = false;
+    double max_rel = 0, rel_l2 = 0;
+    std::string reference;
+    if (status == 0 && job.backend != kRaw) {
+      try {
+        const auto& ins = inputs_of(job.case_idx);
+        std::vector<Tensor> refs;
+        if (cuda) {
+          refs = cpu_backend_outputs(job, c, T, ins, config.timeout_s);
+          reference = "cpu backend " + job.backend + " + identity experts, same inputs";
+        } else {
+          for (const RankInputs& in : ins) refs.push_back(identity_formula(in, c.top_k, job.dtype));
+          reference = "identity formula sum_k w * round_bf16(x~)";
+        }
+        for (int r = 0; r < R; ++r) {
+          double a = 0, b = 0;
+          errors_against(jr.ranks[r].out, refs[r], &a, &b);
+          max_rel = std::max(max_rel, a);
+          rel_l2 = std::max(rel_l2, b);
+        }
+        validated = true;
+        if (!(rel_l2 <= kRelL2Tolerance)) {
+          ok = false;
+          message = "rel L2 error " + std::to_string(rel_l2) + " > " + std::to_string(kRelL2Tolerance) + " against the " + reference;
+        }
+      } catch (const std::exception& e) {
+        ok = false;
+        message = std::string("validation failed: ") + e.what();
+      }
+    }
+    if (status == 2) ok = false;
+    for (const char* op_name : {"dispatch", "combine"}) {
+      const std::string op = op_name;
+      std::vector<double> per_iter;
+      double bytes = 0, moved = 0;
+      if (status == 0) {
+        const size_t n = jr.ranks[0].dispatch_us.size();
+        per_iter.assign(n, 0.0);
+        for (const RankJobResult& r : jr.ranks) {
+          const auto& v = op == "dispatch" ? r.dispatch_us : r.combine_us;
+          for (size_t i = 0; i < n && i < v.size(); ++i) per_iter[i] = std::max(per_iter[i], v[i]);
+          const int64_t count = c.accounting == "deepep-ll" ? r.valid_selections : r.dedup_rows;
+          bytes += static_cast<double>(count * bytes_per_selection(c, job.dtype, op)) / R;
+          moved += static_cast<double>(op == "dispatch" ? r.moved_bytes_dispatch : r.moved_bytes_combine) / R;
+        }
+      }
+      const bool ran = !per_iter.empty();
+      const double p50 = ran ? percentile(per_iter, 50) : NAN;
+      const double gbps = ran && p50 > 0 ? bytes / (p50 * 1e3) : NAN;
+      const Prediction pred = predict(c.name, job.dtype, job.backend, op, R);
+      // Predictions were written for the GPUs at the case's own shape and uniform routing.
+      const bool has_pred = pred.predicted_us > 0 && cuda && T == c.tokens_per_rank && o.routing == "uniform";
+      json row = {
+          {"case", c.name},
+          {"backend", job.backend},
+          {"op", op},
+          {"tokens_per_rank", T},
+          {"hidden", c.hidden},
+          {"top_k", c.top_k},
+          {"num_experts", c.num_experts},
+          {"ranks", R},
+          {"dtype", std::string(dtype_name(op == "dispatch" ? job.dtype : DType::bf16))},
+          {"dispatch_dtype", std::string(dtype_name(job.dtype))},
+          {"routing", o.routing == "zipf" ? "zipf(s=" + fixed(o.zipf_s, 2) + ")" : o.routing},
+          {"latency_us_p50", ran ? json(p50) : json(nullptr)},
+          {"latency_us_p10", ran ? json(percentile(per_iter, 10)) : json(nullptr)},
+          {"latency_us_p90", ran ? json(percentile(per_iter, 90)) : json(nullptr)},
+          {"gbps", std::isfinite(gbps) ? json(gbps) : json(nullptr)},
+          {"accounting", c.accounting},
+          {"bytes_per_rank", ran ? json(bytes) : json(nullptr)},
+          {"tflops", nullptr},
+          {"fraction_of_peak", nullptr},
+          {"sms", nullptr},
+          {"iterations", ran ? json(per_iter.size()) : json(0)},
+          {"warmup", o.warmup},
+          {"validated", validated},
+          {"max_rel_error", validated ? json(max_rel) : json(nullptr)},
+          {"rel_l2_error", validated ? json(rel_l2) : json(nullptr)},
+          {"reference", validated ? json(reference) : json(job.backend == kRaw ? "none: data movement only" : "none")},
+          {"predicted_us", has_pred ? json(pred.predicted_us) : json(nullptr)},
+          {"prediction", has_pred ? json(pred.derivation) : json(nullptr)},
+          {"ratio_to_predicted", has_pred && ran ? json(p50 / pred.predicted_us) : json(nullptr)},
+          {"status", status == 0 ? (validated && !(rel_l2 <= kRelL2Tolerance) ? "FAIL" : "ran") : status == 1 ? "unsupported" : "error"},
+      };
+      if (job.backend == kRaw && ran) row["moved_bytes_per_rank"] = moved;
+      if (!message.empty()) row["message"] = message;
+      rows.push_back(row);
+      table << std::left << std::setw(7) << c.name << std::setw(9) << dtype_name(job.dtype) << std::setw(25) << job.backend
+            << std::setw(9) << op << std::right << std::setw(10) << (ran ? fixed(p50, 1) : "-") << std::setw(10)
+            << (ran ? fixed(percentile(per_iter, 10), 1) : "-") << std::setw(10) << (ran ? fixed(percentile(per_iter, 90), 1) : "-")
+            << std::setw(9) << fixed(gbps, 1) << std::setw(11) << (has_pred ? fixed(pred.predicted_us, 0) : "-") << std::setw(7)
+            << (has_pred && ran ? fixed(p50 / pred.predicted_us, 2) : "-") << "  " << std::left
+            << (status == 1 ? "unsupported" : status == 2 ? "ERROR" : validated ? (rel_l2 <= kRelL2Tolerance ? "yes" : "FAIL") : "n/a")
+            << "\n";
+    }
+    if (!message.empty()) table << "  " << job.backend << ": " << message << "\n";
+  }
+  std::cout << table.str();
+  std::cout << "GB/s: bytes per rank (mean over ranks) / p50; accounting per case (ANCHORS.md): ";
+  for (const BenchCase& c : cases) std::cout << c.name << " " << c.accounting << "  ";
+  std::cout << "\nlatency: per iteration the slowest rank's, " << (cuda ? "CUDA events" : "host clock") << ", after " << o.warmup
+            << " warm-up iterations; expert step = identity (untimed)\n";
+
+  if (!o.json.empty()) {
+    char date[32];
+    const std::time_t now = std::time(nullptr);
+    std::tm tm{};
+    ::gmtime_r(&now, &tm);
+    std::strftime(date, sizeof date, "%Y-%m-%dT%H:%M:%SZ", &tm);
+    json doc = {{"tool", "epx bench"},
+                {"command", command},
+                {"git_commit", git_commit()},
+                {"date", date},
+                {"device", cuda ? o.device_name_for_report : cpu_device_name()},
+                {"nccl_version", cuda ? json(nccl_version_string()) : json(nullptr)},
+                {"epx_version", EPX_VERSION},
+                {"results", std::move(rows)}};
+    doc["config"] = config.describe();
+    const auto parent = std::filesystem::path(o.json).parent_path();
+    std::error_code ec;
+    if (!parent.empty()) std::filesystem::create_directories(parent, ec);
+    std::ofstream f(o.json, std::ios::trunc);
+    require_arg(kOp, "--json", o.json, f.good(), "must be a writable file path");
+    f << doc.dump(2) << "\n";
+    std::cout << "wrote " << o.json << "\n";
+  }
+  std::cout << "repro: " << command << "\n" << std::flush;
+  return ok ? 0 : 1;
+}
+
+}  // namespace
+
+std::vector<BenchCase> bench_cases() {
+  return {
+      {"ll-v3", 128, 7168, 8, 256, {DType::fp8_e4m3}, "deepep-ll"},
+      {"ht-v3", 4096, 7168, 8, 256, {DType::fp8_e4m3, DType::bf16}, "deepep-ht"},
+      {"ll-v4", 128, 7168, 6, 384, {DType::fp8_e4m3}, "deepep-ll"},
+  };
+}
+
+Prediction predict(const std::string& case_name, DType dtype, const std::string& backend, const std::string& op, int ranks) {
+  // bench/NOTES.md, "2026-11-30: NCCL host-collective backends on CUDA (issue 3), 2 ranks"; ranges
+  // there, their midpoints here. 2 ranks only: nothing was written down for other R.
+  if (ranks != 2) return {};
+  const bool disp = op == "dispatch";
+  if (case_name == "ll-v3" && dtype == DType::fp8_e4m3) {
+    if (backend == kRaw) return {57, "ANCHORS: 1024 rows x 7168, 1-byte and bf16 both ~57 us (latency-bound)"};
+    if (backend == "naive")
+      return disp ? Prediction{80, "all-gather 0.95 MB fp8 ~20-30 us + host sync of T and routing ~15-30 us + mapping kernel: 60-100 us"}
+                  : Prediction{80, "all-reduce of [256, 7168] bf16 (3.7 MB) ~40 us + host sync: 60-100 us"};
+    if (backend == "allgather_reducescatter")
+      return disp ? Prediction{80, "same gather as naive: 60-100 us"} : Prediction{40, "reduce-scatter moves half of naive's all-reduce: 30-50 us"};
+    if (backend == "all2allv")
+      return disp ? Prediction{100, "host sync for per-destination counts + pack + grouped send/recv (~57 us like raw) + unpack: 80-120 us"}
+                  : Prediction{75, "grouped send/recv of bf16 rows + unpack: 60-90 us"};
+  }
+  if (case_name == "ht-v3") {
+    // bf16 figures from NOTES.md; fp8 dispatch scaled by its row bytes (7392 / 14336 = 0.52) on the
+    // bandwidth part (written with this harness, before the run); combine is bf16 either way.
+    const bool fp8 = dtype == DType::fp8_e4m3;
+    if (backend == kRaw)
+      return disp && fp8 ? Prediction{120, "4096 x 7392 B = 30 MB remote at ~291 GB/s (bf16 row of NOTES.md x 0.52)"}
+                         : Prediction{225, "4096 x 14336 B = 58.7 MB remote at ~291 GB/s: 200-250 us"};
+    if (backend == "all2allv")
+      return disp && fp8 ? Prediction{200, "~4096 remote rows of 7392 B (~105 us) + pack/unpack ~30 us + host sync + count exchange"}
+                         : Prediction{350, "~4096 remote rows each way + pack/unpack HBM passes (~30 us) + host sync: 300-400 us"};
+    if (backend == "naive" || backend == "allgather_reducescatter")
+      return disp ? (fp8 ? Prediction{200, "dispatch like all2allv (fp8 rows)"} : Prediction{350, "dispatch like all2allv: 300-400 us"})
+                  : Prediction{400, "reduce of [8192, 7168] bf16 = 117 MB at ~300 GB/s ~ 400 us"};
+  }
+  return {};
+}
+
+int run_bench(const BenchOptions& options, const std::string& command) {
+  BenchOptions o = options;
+  require_arg(kOp, "--ranks", o.ranks, o.ranks >= 1 && o.ranks <= 1024, "must be in [1, 1024]");
+  require_arg(kOp, "--iters", o.iters, o.iters >= 1, "must be >= 1");
+  require_arg(kOp, "--warmup", o.warmup, o.warmup >= 0, "must be >= 0");
+  require_arg(kOp, "--tokens-per-rank", o.tokens_per_rank, o.tokens_per_rank >= 0, "must be >= 0 (0 = the case's)");
+  if (!o.dtype.empty()) {
+    const DType d = parse_dtype(o.dtype);
+    require_arg(kOp, "--dtype", o.dtype, d == DType::bf16 || d == DType::fp8_e4m3, "must be bf16 or fp8");
+  }
+  const std::vector<BenchCase> all = bench_cases();
+  std::vector<BenchCase> cases;
+  std::string known;
+  for (const BenchCase& c : all) known += (known.empty() ? "" : ", ") + c.name;
+  for (const std::string& name : o.cases) {
+    if (name == "all") {
+      cases = all;
+      break;
+    }
+    auto it = std::find_if(all.begin(), all.end(), [&](const BenchCase& c) { return c.name == name; });
+    require_arg(kOp, "--case", name, it != all.end(), "must be one of {" + known + ", all}");
+    cases.push_back(*it);
+  }
+  const Config config = o.config.empty() ? Config::load() : Config::load(o.config);
+  bool cuda = o.device == "cuda";
+  if (o.device == "auto") cuda = cuda::built_with_cuda() && cuda::device_count() >= o.ranks;
+  if (cuda) {
+    require_arg(kOp, "--device", o.device, cuda::built_with_cuda(), "this build has no CUDA (configure with -DEPX_CUDA=ON); use --device cpu");
+    const int gpus = cuda::device_count();
+    require_arg(kOp, "--ranks", o.ranks, o.ranks <= gpus,
+                "must be <= the visible GPUs = " + std::to_string(gpus) + " with --device cuda (one process per GPU)");
+  }
+  const std::vector<Job> jobs = make_jobs(o, cases);
+  const int R = o.ranks;
+  std::cout << "epx bench: " << cases.size() << " case(s), " << jobs.size() << " (case, dtype, backend) jobs, " << R << " ranks on "
+            << (cuda ? "cuda (one process per GPU)" : "cpu (threads)") << ", " << o.iters << " iterations after " << o.warmup
+            << " warm-up, routing " << o.routing << "\n" << std::flush;
+
+  if (!cuda) {
+    std::vector<JobResult> results(jobs.size());
+    for (size_t j = 0; j < jobs.size(); ++j) {
+      results[j].job = jobs[j];
+      results[j].ranks.resize(static_cast<size_t>(R));
+    }
+    auto groups = make_cpu_groups(R, config.timeout_s);
+    run_ranks(groups, [&](int r) {
+      run_jobs_on_rank(o, cases, jobs, groups[r], Stream{}, [&](size_t j, RankJobResult&& res) { results[j].ranks[r] = std::move(res); });
+    });
+    return report(o, cases, jobs, results, false, R, config, command);
+  }
+#ifdef EPX_WITH_CUDA
+  comm::LaunchOptions lo;
+  lo.num_ranks = R;
+  lo.tag = "epx-bench";
+  lo.reporter_rank = 0;
+  lo.grace_s = std::min(10.0, config.timeout_s);
+  const comm::LaunchResult lr = comm::launch_ranks(lo, [&](const comm::RankEnv& env) -> int {
+    if (cudaSetDevice(env.rank) != cudaSuccess) throw CudaError("epx bench: cudaSetDevice(" + std::to_string(env.rank) + ") failed");
+    auto group = make_nccl_group(env.rendezvous_path, env.rank, env.world, env.rank, config.timeout_s);
+    cudaStream_t stream = nullptr;
+    if (cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) != cudaSuccess) throw CudaError("epx bench: cudaStreamCreate failed");
+    std::vector<JobResult> results(jobs.size());
+    run_jobs_on_rank(o, cases, jobs, group, Stream{stream}, [&](size_t j, RankJobResult&& res) {
+      results[j].job = jobs[j];
+      gather_to_rank0(*group, std::move(res), results[j]);
+    });
+    group->barrier();
+    if (env.rank != 0) return 0;  // rank 0 validates and reports after the others have left
+    BenchOptions ro = o;
+    ro.device_name_for_report = gpu_device_name(R);
+    return report(ro, cases, jobs, results, true, R, config, command);
+  });
+  if (!lr.failure.empty()) std::cerr << "epx: error: epx bench: " << lr.failure << "\n";
+  return lr.exit_code;
+#else
+  return 1;
+#endif
+}
+
+}  // namespace epx::cli

@@ -1,0 +1,75 @@
+// tools/epx/bench_run.h: `epx bench`, the dispatch/combine microbenchmark (STYLE.md §9).
+//
+// For each case (ANCHORS.md shapes), wire dtype and backend it times prepare (dispatch) and
+// finalize (combine) separately, with the expert step replaced by the identity expert
+// (src/experts/identity.h: one untimed pass over x), so only communication is measured:
+//   per iteration: group barrier (device sync + all-reduce), then CUDA events around prepare and
+//   around finalize on the rank's stream; an iteration's time is the slowest rank's; p10/p50/p90
+//   over the iterations after the warm-up.
+// In the same run it times NCCL's raw all-to-all of the same bytes (backend nccl_a2a_raw: grouped
+// ncclSend/ncclRecv through Group::all_to_allv, equal blocks, as many rows as the routing's
+// rank-deduplicated rows, at the dispatch row size; its combine moves bf16 rows).
+// GB/s under the case's accounting (ANCHORS.md): deepep-ll for ll-*, valid selections x
+// (H + H/128*4 + 16) bytes for an fp8 dispatch (2H for bf16) and x 2H for the combine; deepep-ht for
+// ht-*, rank-deduplicated rows incl. self x (H + H/128*4 | 2H) for the dispatch and x 2H for the
+// combine; per rank (mean over ranks) over the p50 latency.
+// Validation, each run: the output of the last iteration (every rank's [T, H]) is compared with the
+// same backend on CPU ranks (make_cpu_groups) on the same inputs; with --device cpu, with the
+// identity formula out[t] = sum_k w[t,k] * round_bf16(x~[t]) instead.
+// --device cuda: one process per GPU through the epx launcher; rank 0 validates and reports after
+// the other ranks have finished.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "epx/config.h"
+#include "epx/dtype.h"
+
+namespace epx::cli {
+
+struct BenchOptions {
+  std::vector<std::string> cases{"ll-v3"};
+  std::string backend = "all";      ///< a dispatch backend, nccl_a2a_raw, or all
+  int ranks = 2;
+  int iters = 100;
+  int warmup = 10;
+  std::string routing = "uniform";  ///< uniform | zipf
+  double zipf_s = 1.2;
+  std::string device = "auto";      ///< cpu | cuda | auto (cuda when built with it and R GPUs are visible)
+  int64_t tokens_per_rank = 0;      ///< 0: the case's (cuda) or min(case, 16) (cpu)
+  std::string dtype;                ///< "" = the case's dtypes; else bf16 or fp8
+  uint64_t seed = 1;
+  std::string json;
+  std::string config;
+  std::string device_name_for_report;  ///< set by run_bench on CUDA ("2 x NVIDIA H200")
+};
+
+/// A standard shape (ANCHORS.md "Standard shapes").
+struct BenchCase {
+  std::string name;
+  int64_t tokens_per_rank = 0;
+  int64_t hidden = 0;
+  int top_k = 0;
+  int num_experts = 0;
+  std::vector<DType> dtypes;        ///< dispatch dtypes to run
+  std::string accounting;           ///< deepep-ll | deepep-ht
+};
+/// ll-v3, ht-v3, ll-v4.
+std::vector<BenchCase> bench_cases();
+
+/// The prediction written before measuring (bench/NOTES.md): microseconds and its derivation, or
+/// predicted_us < 0 when none was written for this (case, dtype, backend, op, ranks).
+struct Prediction {
+  double predicted_us = -1;
+  std::string derivation;
+};
+Prediction predict(const std::string& case_name, DType dtype, const std::string& backend, const std::string& op, int ranks);
+
+/// Runs the benchmark, prints the table and the repro line, writes --json. Returns the exit code:
+/// 0 every epx backend that ran validated (unsupported ones are listed), 1 otherwise.
+/// Throws InvalidArgument for bad flags.
+int run_bench(const BenchOptions& options, const std::string& command);
+
+}  // namespace epx::cli

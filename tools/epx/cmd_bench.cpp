@@ -1,0 +1,60 @@
+// tools/epx/cmd_bench.cpp: `epx bench`, the dispatch/combine microbenchmark (bench_run.h).
+#include <iostream>
+
+#include "bench_run.h"
+#include "commands.h"
+#include "epx/dispatch.h"
+
+namespace epx::cli {
+
+void add_bench_command(CLI::App& root, BenchCommand& cmd) {
+  BenchOptions& o = cmd.options;
+  CLI::App* b = root.add_subcommand("bench", "Time dispatch (prepare) and combine (finalize) per backend at the ANCHORS.md shapes");
+  cmd.app = b;
+  std::vector<std::string> cases{"all"};
+  for (const BenchCase& c : bench_cases()) cases.push_back(c.name);
+  b->add_option("--case", o.cases, "Shape(s) from ANCHORS.md: ll-v3 (128 tok, fp8), ht-v3 (4096 tok, fp8 and bf16), ll-v4, or all")
+      ->delimiter(',')
+      ->check(CLI::IsMember(cases))
+      ->capture_default_str();
+  std::vector<std::string> backends = backend_names();
+  backends.push_back("nccl_a2a_raw");
+  backends.push_back("all");
+  b->add_option("--backend", o.backend, "Dispatch backend, nccl_a2a_raw (NCCL's all-to-all of the same bytes), or all (every backend + nccl_a2a_raw)")
+      ->check(CLI::IsMember(backends))
+      ->capture_default_str();
+  b->add_option("--ranks", o.ranks, "R: ranks (one process per GPU with --device cuda)")->check(CLI::Range(1, 1024))->capture_default_str();
+  b->add_option("--iters", o.iters, "Timed iterations per (case, dtype, backend)")->check(CLI::Range(1, 1 << 20))->capture_default_str();
+  b->add_option("--warmup", o.warmup, "Untimed iterations first")->check(CLI::Range(0, 1 << 20))->capture_default_str();
+  b->add_option("--routing", o.routing, "uniform: K distinct experts uniformly at random; zipf: skewed expert popularity (--zipf-s)")
+      ->check(CLI::IsMember({"uniform", "zipf"}))
+      ->capture_default_str();
+  b->add_option("--zipf-s", o.zipf_s, "Zipf exponent of --routing zipf")->check(CLI::PositiveNumber)->capture_default_str();
+  b->add_option("--device", o.device, "cuda, cpu (ranks are threads: a smoke test), or auto (cuda when built with it and R GPUs are visible)")
+      ->check(CLI::IsMember({"cpu", "cuda", "auto"}))
+      ->capture_default_str();
+  b->add_option("--tokens-per-rank", o.tokens_per_rank, "T: override the case's tokens per rank (0 = the case's; on cpu at most 16)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  b->add_option("--dtype", o.dtype, "Run only this dispatch dtype (bf16 or fp8); default: the case's")
+      ->check(CLI::IsMember({"bf16", "fp8", "fp8_e4m3"}));
+  b->add_option("--seed", o.seed, "Seed of the hidden states and routing")->capture_default_str();
+  b->add_option("--json", o.json, "Write the results as a RESULTS.md JSON file here");
+  b->add_option("--config", o.config, "Config JSON file (default < this file < EPX_* env); see `epx info`");
+  b->footer(
+      "Per iteration: a group barrier, then CUDA events around prepare and around finalize (the expert step between them\n"
+      "is the identity, untimed); an iteration counts as its slowest rank; p10/p50/p90 over the timed iterations.\n"
+      "GB/s = bytes per rank / p50 under the case's accounting (ANCHORS.md): deepep-ll (valid selections x (H + H/128*4 + 16)\n"
+      "fp8 dispatch, x 2H combine) or deepep-ht (rank-deduplicated rows incl. self x row bytes). validated: the last\n"
+      "iteration's output equals the same backend on CPU ranks (cuda) or the identity formula (cpu) within rel L2 1e-2.\n"
+      "predicted_us: bench/NOTES.md (2 ranks, the case's tokens, uniform routing).\n"
+      "Exit status: 0 every epx backend that ran validated, 1 otherwise, 2 a bad flag.\n"
+      "Examples:\n"
+      "  epx bench --case ll-v3 --backend all --ranks 2 --json bench/results/h200x2/bench-ll-v3.json\n"
+      "  epx bench --case ht-v3 --backend all2allv --ranks 2 --routing zipf\n"
+      "  epx bench --device cpu --case ll-v3 --ranks 2 --iters 5");
+}
+
+int run_bench(BenchCommand& cmd, const std::string& command) { return run_bench(cmd.options, command); }
+
+}  // namespace epx::cli

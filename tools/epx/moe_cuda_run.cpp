@@ -1,0 +1,379 @@
+// tools/epx/moe_cuda_run.cpp: `epx moe --device cuda` (see moe_cuda_run.h).
+#include "moe_cuda_run.h"
+
+#include <algorithm>
+#include <chrono>
+#include <csignal>
+#include <cstring>
+#include <iostream>
+#include <thread>
+
+#include "comm/launcher.h"
+#include "epx/cuda.h"
+#include "epx/dispatch.h"
+#include "epx/error.h"
+#include "epx/group.h"
+#include "epx/routing.h"
+#include "epx/trace.h"
+#include "moe_report.h"
+
+#ifdef EPX_WITH_CUDA
+#include <cuda_runtime_api.h>
+#endif
+
+namespace epx::cli {
+
+std::string nccl_version_string() {
+  const int v = cuda::nccl_runtime_version();
+  if (v <= 0) return "";
+  return std::to_string(v / 10000) + "." + std::to_string(v % 10000 / 100) + "." + std::to_string(v % 100);
+}
+
+#ifndef EPX_WITH_CUDA
+
+std::string gpu_device_name(int) { return ""; }
+
+int run_moe_cuda(const MoeOptions&, const Config&, const std::vector<std::string>&, bool, const std::string&) {
+  throw Unsupported("epx moe: --device = cuda: this build has no CUDA (configure with -DEPX_CUDA=ON)");
+}
+
+#else
+
+namespace {
+
+constexpr std::string_view kOp = "epx moe";
+
+void cuda_ok(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) throw CudaError(std::string("epx moe: ") + what + ": " + cudaGetErrorString(e));
+}
+
+/// Rows [0, V_r) of each rank's tokens in one step: V_r = min(V, T_r) (V = 0: all).
+std::vector<int64_t> validated_rows(const StepInput& st, int validate_tokens) {
+  std::vector<int64_t> v;
+  for (const Tensor& x : st.x) v.push_back(validate_tokens > 0 ? std::min<int64_t>(validate_tokens, x.size(0)) : x.size(0));
+  return v;
+}
+
+/// One backend's measurements on this rank (rank 0: also everyone's validated rows).
+struct RankBackendRun {
+  BackendResult result;
+  std::vector<Tensor> outputs;  ///< rank 0: per step, [sum_r V_r, H] bf16 (rank order)
+};
+
+/// The reference on the validated subset of every step: [sum_r V_r, H] bf16 per step. Builds the
+/// experts those rows select on top of this rank's (add_random_experts), their fp32 caches in
+/// parallel, then moe_reference_cpu, split by the path (fused or not) each token's chunk took.
+std::vector<Tensor> subset_references(const Workload& w, const MoeOptions& o) {
+  const int64_t H = w.model.hidden;
+  const int K = w.model.router.top_k, E = w.model.router.num_experts;
+  struct Subset { Tensor x, idx, wts; std::vector<char> fused; };
+  std::vector<Subset> subs;
+  std::vector<char> touched(static_cast<size_t>(E), 0);
+  for (const StepInput& st : w.steps) {
+    const std::vector<int64_t> v = validated_rows(st, o.validate_tokens);
+    std::vector<int64_t> rows;
+    int64_t offset = 0;
+    for (size_t r = 0; r < st.x.size(); ++r) {
+      for (int64_t t = 0; t < v[r]; ++t) rows.push_back(offset + t);
+      offset += st.x[r].size(0);
+    }
+    Subset s;
+    s.x = gather_rows(concat_rows(st.x, DType::bf16, H), rows);
+    const int64_t N = s.x.size(0);
+    if (w.use_router) {
+      Tensor logits = Tensor::empty({N, E}, DType::fp32);
+      s.idx = Tensor::empty({N, K}, DType::int32);
+      s.wts = Tensor::empty({N, K}, DType::fp32);
+      router_logits_cpu(*w.weights, s.x, logits);
+      route(w.model.router, logits, w.weights->correction_bias.view(), s.idx, s.wts);
+    } else {
+      s.idx = gather_rows(concat_rows(st.topk_idx, DType::int32, K), rows);
+      s.wts = gather_rows(concat_rows(st.topk_weights, DType::fp32, K), rows);
+    }
+    if (w.model.num_shared_experts > 0 && w.dispatch_dtype != DType::bf16) {
+      const std::vector<char> all = fused_per_token(w, st);
+      for (int64_t t : rows) s.fused.push_back(all[static_cast<size_t>(t)]);
+    }
+    for (int64_t i = 0; i < N * K; ++i) {
+      const int32_t e = s.idx.ptr<const int32_t>()[i];
+      if (e >= 0 && e < E) touched[static_cast<size_t>(e)] = 1;
+    }
+    subs.push_back(std::move(s));
+  }
+  // Reference weights: this rank's experts plus the selected others, from the same seed.
+  auto ref = std::make_shared<MoEWeights>(*w.weights);
+  std::vector<int> ids;
+  for (int e = 0; e < E; ++e)
+    if (touched[static_cast<size_t>(e)]) ids.push_back(e);
+  const auto t0 = std::chrono::steady_clock::now();
+  ref->add_random_experts(o.seed, ids);
+  // Dequantized fp32 copies, built in parallel (moe_reference_cpu would build them one by one).
+  std::vector<const ExpertWeights*> need;
+  for (int e : ids) need.push_back(ref->experts[static_cast<size_t>(e)].get());
+  if (ref->shared) need.push_back(ref->shared.get());
+  {
+    const size_t nt = std::clamp<size_t>(std::thread::hardware_concurrency(), 1, std::max<size_t>(need.size(), 1));
+    std::vector<std::thread> threads;
+    for (size_t t = 0; t < nt; ++t)
+      threads.emplace_back([&, t] {
+        for (size_t i = t; i < need.size(); i += nt) (void)need[i]->w13_f32();
+      });
+    for (auto& th : threads) th.join();
+  }
+  std::vector<Tensor> refs;
+  ReferenceOptions ro;
+  ro.dispatch_dtype = w.dispatch_dtype;
+  for (Subset& s : subs) {
+    const int64_t N = s.x.size(0);
+    Tensor out = Tensor::empty({N, H}, DType::bf16);
+    std::vector<int64_t> rows[2];
+    for (int64_t t = 0; t < N; ++t) rows[s.fused.empty() ? 0 : s.fused[static_cast<size_t>(t)]].push_back(t);
+    for (int f = 0; f < 2; ++f) {
+      ro.shared_fused = f == 1;
+      if (rows[f].size() == static_cast<size_t>(N)) {
+        moe_reference_cpu(*ref, s.x, s.idx, s.wts, out, ro);
+      } else if (!rows[f].empty()) {
+        Tensor part = Tensor::empty({static_cast<int64_t>(rows[f].size()), H}, DType::bf16);
+        moe_reference_cpu(*ref, gather_rows(s.x, rows[f]), gather_rows(s.idx, rows[f]), gather_rows(s.wts, rows[f]), part, ro);
+        for (size_t i = 0; i < rows[f].size(); ++i)
+          std::memcpy(out.ptr<uint16_t>() + rows[f][i] * H, part.ptr<uint16_t>() + i * H, static_cast<size_t>(H * 2));
+      }
+    }
+    refs.push_back(std::move(out));
+  }
+  std::cerr << "reference: " << ids.size() << " experts, " << subs.size() << " steps in "
+            << std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() << " s\n";
+  return refs;
+}
+
+/// Runs one backend over all steps on this rank. Collective; every rank returns with the same
+/// status (an exception on any rank reaches the others through the status all_gather or a
+/// collective's timeout).
+RankBackendRun run_backend_on_rank(const Workload& w, const MoeOptions& o, const std::string& backend,
+                                   const std::shared_ptr<Group>& group, cudaStream_t stream, const std::vector<Tensor>& x_dev,
+                                   const std::vector<Tensor>& idx_dev, const std::vector<Tensor>& wts_dev,
+                                   std::vector<Tensor>& out_dev) {
+  const int r = group->rank(), R = group->size();
+  const int64_t H = w.model.hidden;
+  const size_t S = w.steps.size();
+  RankBackendRun run;
+  BackendResult& res = run.result;
+  res.backend = backend;
+  std::vector<double> my_us(S, 0.0);
+  int64_t status = 0;  // 0 ok, 1 unsupported, 2 error
+  std::string message;
+  DispatchConfig dcfg;
+  dcfg.num_max_dispatch_tokens_per_rank = static_cast<int>(w.capacity);
+  dcfg.dispatch_dtype = w.dispatch_dtype;
+  ModularMoEOptions mo;
+  mo.shared_mode = w.shared_mode;
+  mo.chunk_size = w.chunk_size;
+  PathCounters counters;
+  try {
+    ModularMoE layer(w.weights, group, backend, dcfg, w.config, mo);
+    const Stream s{stream};
+    auto call = [&](size_t step, const TensorView& out) {
+      if (w.use_router) layer.forward(x_dev[step], out, s);
+      else layer.forward_routed(x_dev[step], idx_dev[step], wts_dev[step], out, s);
+    };
+    for (int i = 0; i < w.warmup; ++i) call(static_cast<size_t>(i) % S, out_dev[static_cast<size_t>(i) % S]);
+    cuda_ok(cudaStreamSynchronize(stream), "warm-up");
+    const PathCounters before = layer.counters();
+    cudaEvent_t e0, e1;
+    cuda_ok(cudaEventCreate(&e0), "cudaEventCreate");
+    cuda_ok(cudaEventCreate(&e1), "cudaEventCreate");
+    for (size_t st = 0; st < S; ++st) {
+      // NaN-poison the output, so a row the layer never writes fails validation.
+      cuda_ok(cudaMemsetAsync(out_dev[st].data(), 0xFF, static_cast<size_t>(out_dev[st].nbytes()), stream), "poison");
+      group->barrier();
+      cuda_ok(cudaEventRecord(e0, stream), "cudaEventRecord");
+      call(st, out_dev[st]);
+      cuda_ok(cudaEventRecord(e1, stream), "cudaEventRecord");
+      cuda_ok(cudaEventSynchronize(e1), "cudaEventSynchronize");
+      float ms = 0;
+      cuda_ok(cudaEventElapsedTime(&ms, e0, e1), "cudaEventElapsedTime");
+      my_us[st] = ms * 1e3;
+      if (r == o.debug_kill_rank) {
+        std::cerr << "epx moe: rank " << r << ": --debug-kill-rank: killing myself after step " << st << "\n";
+        std::raise(SIGKILL);
+      }
+    }
+    cudaEventDestroy(e0);
+    cudaEventDestroy(e1);
+    counters = layer.counters();
+    counters.calls -= before.calls;
+    counters.chunks -= before.chunks;
+    counters.idle_chunks -= before.idle_chunks;
+    counters.shared_fused -= before.shared_fused;
+    counters.shared_separate -= before.shared_separate;
+  } catch (const InvalidArgument&) {
+    throw;
+  } catch (const Unsupported& e) {
+    status = 1;
+    message = e.what();
+  } catch (const std::exception& e) {
+    status = 2;
+    message = e.what();
+  }
+  // Agree on the outcome (throws if the group died with a peer).
+  const std::vector<int64_t> statuses = group->all_gather_i64(status);
+  int64_t worst = 0;
+  int worst_rank = 0;
+  for (int q = 0; q < R; ++q)
+    if (statuses[q] > worst) worst = statuses[q], worst_rank = q;
+  if (worst != 0) {
+    res.status = worst == 1 ? "unsupported" : "error";
+    res.message = status != 0 ? message : "rank " + std::to_string(worst_rank) + " failed (see its error on stderr)";
+    if (status != 0 && R > 1) std::cerr << "epx moe: rank " << r << ": " << backend << ": " << message << "\n";
+    return run;
+  }
+  // Latency per step: the slowest rank's.
+  res.step_us.assign(S, 0.0);
+  for (size_t st = 0; st < S; ++st) {
+    const std::vector<int64_t> ns = group->all_gather_i64(static_cast<int64_t>(my_us[st] * 1e3));
+    for (int64_t v : ns) res.step_us[st] = std::max(res.step_us[st], static_cast<double>(v) * 1e-3);
+  }
+  res.counters = counters;
+  // Validated rows to rank 0.
+  for (size_t st = 0; st < S; ++st) {
+    const std::vector<int64_t> v = validated_rows(w.steps[st], o.validate_tokens);
+    std::vector<int64_t> bytes(static_cast<size_t>(R));
+    int64_t total = 0;
+    for (int q = 0; q < R; ++q) total += (bytes[q] = v[q] * H * 2);
+    Tensor mine = Tensor::empty({v[r], H}, DType::bf16);
+    if (v[r] > 0) copy(mine, out_dev[st].view().slice_rows(0, v[r]));
+    Tensor all = Tensor::empty({total / (H * 2), H}, DType::bf16);
+    group->all_gatherv(mine.data(), all.data(), bytes);
+    if (r == 0) run.outputs.push_back(std::move(all));
+  }
+  res.status = "ran";
+  return run;
+}
+
+int moe_rank(const MoeOptions& options, const Config& config, const std::vector<std::string>& backends, bool all_backends,
+             const std::string& command, const comm::RankEnv& env) {
+  const int r = env.rank, R = env.world;
+  cuda_ok(cudaSetDevice(r), "cudaSetDevice");
+  auto group = make_nccl_group(env.rendezvous_path, r, R, r, config.timeout_s);
+  // This rank's experts only (full-size presets hold 10^10 weights over all experts).
+  const MoEConfig model = preset(options.preset);
+  const ExpertRange range = expert_range(model.router.num_experts, R, r);
+  MoeOptions o = options;
+  o.expert_begin = range.begin;
+  o.expert_end = range.end;
+  const auto t_build = std::chrono::steady_clock::now();
+  Workload w = build_workload(o, config);
+  w.device_name = gpu_device_name(R);
+  w.nccl_version = nccl_version_string();
+  if (r == 0) {
+    print_header(std::cout, w);
+    std::cout << std::flush;
+    std::cerr << "rank 0: workload and experts [" << range.begin << ", " << range.end << ") built in "
+              << std::chrono::duration<double>(std::chrono::steady_clock::now() - t_build).count() << " s\n";
+  }
+  const size_t S = w.steps.size();
+  const int64_t H = w.model.hidden;
+  const Device dev = group->device();
+  std::vector<Tensor> x_dev, idx_dev, wts_dev, out_dev;
+  for (size_t st = 0; st < S; ++st) {
+    const StepInput& in = w.steps[st];
+    x_dev.push_back(in.x[r].to(dev));
+    if (!w.use_router) {
+      idx_dev.push_back(in.topk_idx[r].to(dev));
+      wts_dev.push_back(in.topk_weights[r].to(dev));
+    }
+    out_dev.push_back(Tensor::empty({in.x[r].size(0), H}, DType::bf16, dev));
+  }
+  cudaStream_t stream = nullptr;
+  cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate");
+  std::vector<RankBackendRun> runs;
+  for (const std::string& b : backends) {
+    const auto t0 = std::chrono::steady_clock::now();
+    runs.push_back(run_backend_on_rank(w, o, b, group, stream, x_dev, idx_dev, wts_dev, out_dev));
+    if (r == 0)
+      std::cerr << b << ": " << runs.back().result.status << " ("
+                << std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() << " s)\n";
+  }
+  group->barrier();
+  if (r != 0) return 0;  // rank 0 validates and reports after the others have left
+
+  // ---- rank 0: validate the gathered rows against the reference on the same subset ----
+  bool any_ran = false;
+  for (const auto& run : runs) any_ran = any_ran || run.result.status == "ran";
+  std::vector<Tensor> refs;
+  if (any_ran) refs = subset_references(w, o);
+  std::vector<BackendResult> results;
+  for (auto& run : runs) {
+    BackendResult res = run.result;
+    if (res.status == "ran") {
+      bool ok = true;
+      int64_t validated = 0;
+      for (size_t st = 0; st < S; ++st) {
+        double max_rel = 0, rel_l2 = 0;
+        errors_against(run.outputs[st], refs[st], &max_rel, &rel_l2);
+        validated += refs[st].size(0);
+        res.max_rel_error = std::max(res.max_rel_error, max_rel);
+        res.rel_l2_error = std::max(res.rel_l2_error, rel_l2);
+        if (!(rel_l2 <= kRelL2Tolerance)) {
+          if (ok) res.message = "step " + std::to_string(st) + ": rel L2 error " + std::to_string(rel_l2) + " > " + std::to_string(kRelL2Tolerance);
+          ok = false;
+        }
+      }
+      res.validated = true;
+      res.validated_tokens = validated;
+      res.status = ok ? "pass" : "FAIL";
+    }
+    results.push_back(std::move(res));
+  }
+  print_table(std::cout, w, results);
+  if (!o.json.empty()) {
+    write_results_json(o.json, command, w, results);
+    std::cout << "wrote " << o.json << "\n";
+  }
+  std::cout << "repro: " << command << "\n" << std::flush;
+  for (const BackendResult& res : results) {
+    if (res.status == "pass") continue;
+    if (res.status == "unsupported" && all_backends) continue;
+    return 1;
+  }
+  return 0;
+}
+
+}  // namespace
+
+std::string gpu_device_name(int num_gpus) {
+  cudaDeviceProp prop{};
+  if (cudaGetDeviceProperties(&prop, 0) != cudaSuccess) return std::to_string(num_gpus) + " x CUDA device";
+  return std::to_string(num_gpus) + " x " + prop.name;
+}
+
+int run_moe_cuda(const MoeOptions& options, const Config& config, const std::vector<std::string>& backends, bool all_backends,
+                 const std::string& command) {
+  int R = options.ranks;
+  if (!options.trace.empty()) R = load_trace(options.trace).num_ranks;
+  const int gpus = cuda::device_count();
+  require_arg(kOp, "--ranks", R, R >= 1 && R <= gpus,
+              "must be in [1, visible GPUs = " + std::to_string(gpus) + "] with --device cuda (one process per GPU)");
+  require_arg(kOp, "--validate-tokens", options.validate_tokens, options.validate_tokens >= 0, "must be >= 0 (0 = all)");
+  require_arg(kOp, "--debug-kill-rank", options.debug_kill_rank, options.debug_kill_rank < R, "must be < ranks");
+  // Flags and shapes are checked here, before any rank starts (no experts built: cheap).
+  {
+    MoeOptions probe = options;
+    probe.expert_begin = probe.expert_end = 0;
+    (void)build_workload(probe, config);
+  }
+  comm::LaunchOptions lo;
+  lo.num_ranks = R;
+  lo.tag = "epx-moe";
+  lo.reporter_rank = 0;
+  lo.grace_s = std::min(10.0, config.timeout_s);
+  const comm::LaunchResult lr = comm::launch_ranks(lo, [&](const comm::RankEnv& env) {
+    return moe_rank(options, config, backends, all_backends, command, env);
+  });
+  if (!lr.failure.empty()) std::cerr << "epx: error: epx moe: " << lr.failure << "\n";
+  return lr.exit_code;
+}
+
+#endif  // EPX_WITH_CUDA
+
+}  // namespace epx::cli
