@@ -26,7 +26,9 @@
 # GPU_CHECK_CPU=0 (skip the CPU label), GPU_CHECK_ONE_GPU=0 (skip the one-GPU pass), GPU_CHECK_SANITIZE=0 (skip compute-sanitizer), GPU_CHECK_FILTER (a ctest -R regex applied to both labels),
 # GPU_CHECK_NCCL (an NCCL install with include/ and lib/ instead of the wheel's; for a dry run elsewhere),
 # GPU_CHECK_BENCH=0 (skip the benchmark step), GPU_CHECK_MOE_STEPS (steps of the full-size layers, default 3),
-# GPU_CHECK_TESTS=0 (skip the GPU test label: benchmark-only runs).
+# GPU_CHECK_TESTS=0 (skip the GPU test label: benchmark-only runs), GPU_CHECK_BENCH_ONE_GPU=0 (skip the 1-rank
+# benchmarks; default: as GPU_CHECK_ONE_GPU), GPU_CHECK_DEADLINE_S (seconds since the script started after
+# which no benchmark run starts; each is cut to fit).
 set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
@@ -139,9 +141,12 @@ run() {
     local res="$work/results" epx="$bdir/epx" steps="${GPU_CHECK_MOE_STEPS:-3}"
     mkdir -p "$res"
     bench_one() {  # <limit_s> <epx args...>: one run, logged; a failure or timeout is counted, not fatal
-      local limit=$1; shift
-      echo "== $(date -u +%T) epx $*"
+      local limit=$1 left=$(( ${GPU_CHECK_DEADLINE_S:-100000} - SECONDS )); shift
+      [ "$left" -lt "$limit" ] && limit=$left
+      if [ "$limit" -lt 30 ]; then echo "== skipped (GPU_CHECK_DEADLINE_S): epx $*"; bench_rc=1; return; fi
+      echo "== $(date -u +%T) epx $* (limit ${limit} s)"
       (cd "$src" && timeout -k 5 "$limit" "$epx" "$@") || { echo "== exit status $?"; bench_rc=1; }
+      tar -C "$res" -czf "$out/results.tar.gz" .  # after every run: a later timeout keeps what ran
     }
     {
       bench_one 120 bench --case ll-v3 --backend all --ranks 2 --iters 200 --warmup 20 --json "$res/bench-ll-v3.json"
@@ -150,7 +155,7 @@ run() {
         --validate-tokens 8 --json "$res/moe-deepseek-v3.json"
       bench_one 240 moe --device cuda --ranks 2 --preset deepseek-v4-pro --backend all --tokens-per-rank 128 --steps "$steps" \
         --validate-tokens 8 --json "$res/moe-deepseek-v4-pro.json"
-      if [ "${GPU_CHECK_ONE_GPU:-1}" != 0 ]; then
+      if [ "${GPU_CHECK_BENCH_ONE_GPU:-${GPU_CHECK_ONE_GPU:-1}}" != 0 ]; then
         bench_one 60 bench --case ll-v3 --backend all --ranks 1 --iters 200 --warmup 20 --json "$res/bench-ll-v3-r1.json"
         bench_one 120 bench --case ht-v3 --backend all --ranks 1 --iters 50 --warmup 5 --json "$res/bench-ht-v3-r1.json"
       fi
