@@ -14,6 +14,11 @@
 //   all2allv                rank-deduplicated all-to-all(v) both ways; Flat
 //   ll                      low latency, static buffers, expert-major [L, R*maxT, H] (DeepEP LL layout)
 //   ht                      high throughput, rank-deduplicated flat [N_recv, H] + per-expert counts + handle
+// Devices: a CPU group runs all five (the reference). An NCCL group (one process per GPU) runs naive,
+// allgather_reducescatter and all2allv on tensors of its GPU, stream-ordered on DispatchArgs::stream /
+// FinalizeArgs::stream, with the same layouts, bytes and stats as the CPU; each prepare and finalize
+// waits on the host once (the sizes of the collectives that follow depend on every rank's counts),
+// so they are not graph-safe. ll and ht on CUDA come later (Unsupported until then).
 //
 // Expert placement: global expert e lives on rank expert_rank(e); E experts are split into R
 // contiguous ranges whose sizes differ by at most one (the first E % R ranks hold one more).

@@ -1,5 +1,6 @@
-// dispatch/backends.h: factories of the CPU backends, called only by the table in registry.cpp.
-// Each factory runs after the group agreed on `cfg` and validate_config accepted it.
+// dispatch/backends.h: factories of the CPU and CUDA backends, called only by the table in
+// registry.cpp. Each factory runs after the group agreed on `cfg` and validate_config accepted it.
+// The CUDA factories exist in EPX_CUDA builds only and take an NCCL group (comm/group_nccl.h).
 #pragma once
 
 #include <memory>
@@ -13,5 +14,9 @@ std::unique_ptr<PrepareFinalize> make_agrs_cpu(std::shared_ptr<Group> group, con
 std::unique_ptr<PrepareFinalize> make_all2allv_cpu(std::shared_ptr<Group> group, const DispatchConfig& cfg);
 std::unique_ptr<PrepareFinalize> make_ll_cpu(std::shared_ptr<Group> group, const DispatchConfig& cfg);
 std::unique_ptr<PrepareFinalize> make_ht_cpu(std::shared_ptr<Group> group, const DispatchConfig& cfg);
+
+std::unique_ptr<PrepareFinalize> make_naive_cuda(std::shared_ptr<Group> group, const DispatchConfig& cfg);
+std::unique_ptr<PrepareFinalize> make_agrs_cuda(std::shared_ptr<Group> group, const DispatchConfig& cfg);
+std::unique_ptr<PrepareFinalize> make_all2allv_cuda(std::shared_ptr<Group> group, const DispatchConfig& cfg);
 
 }  // namespace epx::dispatch

@@ -4,7 +4,8 @@
 #include <string>
 
 #include "dispatch/backends.h"
-#include "dispatch/prepare_finalize_cpu.h"
+#include "dispatch/placement.h"
+#include "dispatch/prepare_finalize_base.h"
 #include "epx/error.h"
 
 namespace epx {
@@ -16,15 +17,24 @@ struct BackendEntry {
   const char* name;
   Factory make_cpu;  ///< nullptr: no CPU implementation
   Factory make_cuda; ///< nullptr: no CUDA implementation in this build
+  const char* why_no_cuda;  ///< when make_cuda is nullptr in a CUDA build: why, one sentence
 };
+
+#ifdef EPX_WITH_CUDA
+constexpr Factory kNaiveCuda = &dispatch::make_naive_cuda;
+constexpr Factory kAgrsCuda = &dispatch::make_agrs_cuda;
+constexpr Factory kAll2allvCuda = &dispatch::make_all2allv_cuda;
+#else
+constexpr Factory kNaiveCuda = nullptr, kAgrsCuda = nullptr, kAll2allvCuda = nullptr;
+#endif
 
 // Order = backend_names() order = the order of the `epx info` table and the test cross product.
 constexpr BackendEntry kBackends[] = {
-    {"naive", &dispatch::make_naive_cpu, nullptr},
-    {"allgather_reducescatter", &dispatch::make_agrs_cpu, nullptr},
-    {"all2allv", &dispatch::make_all2allv_cpu, nullptr},
-    {"ll", &dispatch::make_ll_cpu, nullptr},
-    {"ht", &dispatch::make_ht_cpu, nullptr},
+    {"naive", &dispatch::make_naive_cpu, kNaiveCuda, nullptr},
+    {"allgather_reducescatter", &dispatch::make_agrs_cpu, kAgrsCuda, nullptr},
+    {"all2allv", &dispatch::make_all2allv_cpu, kAll2allvCuda, nullptr},
+    {"ll", &dispatch::make_ll_cpu, nullptr, "the LL kernels over NCCL symmetric memory come in a later issue"},
+    {"ht", &dispatch::make_ht_cpu, nullptr, "the HT kernels over NCCL symmetric memory come in a later issue"},
 };
 
 }  // namespace
@@ -34,18 +44,15 @@ ExpertRange expert_range(int num_experts, int num_ranks, int rank) {
   require_arg("expert_range", "rank", rank, rank >= 0 && rank < num_ranks, "must be in [0, num_ranks = " + std::to_string(num_ranks) + ")");
   require_arg("expert_range", "num_experts", num_experts, num_experts >= 0, "must be >= 0");
   // The first E % R ranks hold one expert more: sizes differ by at most one (BEHAVIOUR.md).
-  const int base = num_experts / num_ranks, extra = num_experts % num_ranks;
-  const int begin = rank * base + std::min(rank, extra);
-  return {begin, begin + base + (rank < extra ? 1 : 0)};
+  const dispatch::Placement p{num_experts, num_ranks, false};
+  return {p.range_begin(rank), p.range_end(rank)};
 }
 
 int expert_rank(int num_experts, int num_ranks, int expert) {
   require_arg("expert_rank", "expert", expert, expert >= 0 && expert < num_experts,
               "must be in [0, num_experts = " + std::to_string(num_experts) + ")");
   require_arg("expert_rank", "num_ranks", num_ranks, num_ranks >= 1, "must be >= 1");
-  const int base = num_experts / num_ranks, extra = num_experts % num_ranks;
-  const int big = extra * (base + 1);  // experts held by the ranks with one more
-  return expert < big ? expert / (base + 1) : extra + (expert - big) / base;
+  return dispatch::Placement{num_experts, num_ranks, false}.rank_of(expert);
 }
 
 int num_local_experts(const DispatchConfig& cfg, int num_ranks, int rank) {
@@ -84,8 +91,13 @@ std::unique_ptr<PrepareFinalize> make_prepare_finalize(const std::string& name, 
   dispatch::validate_config(name, cfg, group->size());
   const BackendEntry& entry = kBackends[index];
   const Factory make = group->device().is_cpu() ? entry.make_cpu : entry.make_cuda;
-  if (!make)
-    throw Unsupported(op + ": device = " + group->device().str() + ": backend " + name + " has no implementation for this device in this build");
+  if (!make) {
+    std::string why = "backend " + name + " has no implementation for this device in this build";
+#ifdef EPX_WITH_CUDA
+    if (group->device().is_cuda() && entry.why_no_cuda) why = "backend " + name + " has no CUDA implementation yet: " + entry.why_no_cuda;
+#endif
+    throw Unsupported(op + ": device = " + group->device().str() + ": " + why);
+  }
   return make(std::move(group), cfg);
 }
 

@@ -1,0 +1,92 @@
+// dispatch/all2allv_cuda.cpp: "all2allv" on an NCCL group, the CUDA twin of dedup_cpu.h: a token
+// goes once to each destination rank holding >= 1 of its selections; rows ordered by source rank,
+// then source token; the reverse all_to_allv brings each destination's weighted partial back and
+// the source sums them in fp32 in destination-rank order, rounding once (zeros for a token that
+// went nowhere). Stats as the CPU reference (deepep-ht accounting).
+//
+// prepare: plan (also each token's row in each destination block) + exchange (one host sync),
+// encode rows once, scatter them into destination blocks, one all_to_allv, decode.
+#include "cuda/check.h"
+#include "dispatch/backends.h"
+#include "dispatch/prepare_finalize_cuda.h"
+
+namespace epx::dispatch {
+namespace {
+
+class All2allvCuda final : public CudaPrepareFinalize {
+ public:
+  All2allvCuda(std::shared_ptr<Group> group, const DispatchConfig& cfg) : CudaPrepareFinalize("all2allv", std::move(group), cfg) {}
+
+  PrepareResult prepare(const DispatchArgs& args) override {
+    cuda::DeviceGuard guard(device().index);
+    const auto table = begin_prepare(args, /*rank_dedup=*/true);
+    const int R = num_ranks_;
+    const int64_t rb = codec().row_bytes(), T = args.x.shape[0];
+    count_matrix_.assign(static_cast<size_t>(R), std::vector<int64_t>(static_cast<size_t>(R)));
+    for (int s = 0; s < R; ++s)
+      for (int d = 0; d < R; ++d) count_matrix_[static_cast<size_t>(s)][static_cast<size_t>(d)] = table[static_cast<size_t>(s)][kPlanDestCounts + d];
+    encode_rows(args);
+
+    std::vector<int64_t> send_bytes(static_cast<size_t>(R)), recv_bytes(static_cast<size_t>(R));
+    num_send_ = 0;
+    stats_.remote_bytes_dispatch = 0;
+    for (int d = 0; d < R; ++d) {
+      const int64_t n = count_matrix_[static_cast<size_t>(rank_)][static_cast<size_t>(d)];
+      num_send_ += n;
+      send_bytes[static_cast<size_t>(d)] = n * rb;
+      if (d != rank_) stats_.remote_bytes_dispatch += n * rb;
+      recv_bytes[static_cast<size_t>(d)] = count_matrix_[static_cast<size_t>(d)][static_cast<size_t>(rank_)] * rb;
+    }
+    num_recv_ = src_row_offset_.back();
+    ScatterParams sp;
+    sp.rows = rows_.ptr<const uint8_t>();
+    sp.num_tokens = T;
+    sp.num_ranks = R;
+    sp.row_bytes = rb;
+    sp.send_pos = send_pos_.ptr<const int32_t>();
+    sp.dest_counts = device_record() + kPlanDestCounts;
+    sp.send = static_cast<uint8_t*>(send_.ensure(num_send_ * rb, device()));
+    launch_scatter_rows(sp, args.stream);
+    uint8_t* recv = static_cast<uint8_t*>(recv_.ensure(num_recv_ * rb, device()));
+    group_->all_to_allv(sp.send, send_bytes, recv, recv_bytes, args.stream);
+    return decode_rows(recv, num_recv_, args.stream);
+  }
+
+  /// expert_out [N_recv, H] bf16 (row = this rank's weighted partial for that token); out [T, H] bf16.
+  void finalize(const FinalizeArgs& args) override {
+    const int64_t H = cfg_.hidden, row = 2 * H;
+    const int R = num_ranks_;
+    cuda::DeviceGuard guard(device().index);
+    begin_finalize(args, {num_recv_, H}, args.stream);
+    std::vector<int64_t> send_bytes(static_cast<size_t>(R)), recv_bytes(static_cast<size_t>(R));
+    for (int r = 0; r < R; ++r) {
+      send_bytes[static_cast<size_t>(r)] = count_matrix_[static_cast<size_t>(r)][static_cast<size_t>(rank_)] * row;
+      recv_bytes[static_cast<size_t>(r)] = count_matrix_[static_cast<size_t>(rank_)][static_cast<size_t>(r)] * row;
+      if (r != rank_) stats_.remote_bytes_combine += send_bytes[static_cast<size_t>(r)];
+    }
+    uint16_t* back = static_cast<uint16_t*>(back_.ensure(num_send_ * row, device()));
+    group_->all_to_allv(args.expert_out.data, send_bytes, back, recv_bytes, args.stream);
+    CombineParams cp;
+    cp.back = back;
+    cp.num_tokens = prepared_tokens_;
+    cp.hidden = H;
+    cp.num_ranks = R;
+    cp.send_pos = send_pos_.ptr<const int32_t>();
+    cp.dest_counts = device_record() + kPlanDestCounts;
+    cp.out = args.out.ptr<uint16_t>();
+    launch_combine_rows(cp, args.stream);
+  }
+
+ private:
+  std::vector<std::vector<int64_t>> count_matrix_;  ///< [R src][R dst] rows, from the plan exchange
+  int64_t num_send_ = 0, num_recv_ = 0;
+  DeviceBuffer send_, recv_, back_;
+};
+
+}  // namespace
+
+std::unique_ptr<PrepareFinalize> make_all2allv_cuda(std::shared_ptr<Group> group, const DispatchConfig& cfg) {
+  return std::make_unique<All2allvCuda>(std::move(group), cfg);
+}
+
+}  // namespace epx::dispatch

@@ -1,0 +1,349 @@
+// dispatch/dispatch_cuda_test.cpp: naive, allgather_reducescatter and all2allv on NCCL groups, one
+// forked process per GPU (R = 1, and R = 2 where two GPUs exist), against the CPU backends run on
+// the same inputs: every prepare output (x, x_scales, local topk_idx, topk_weights, recv_count) and
+// every finalize output bit for bit, and the same DispatchStats.
+//
+// Inputs are fresh random tokens (never zeros) with uneven T per rank (T = 0 included), -1
+// selections, duplicate experts, the shared route, int32 and int64 ids, bf16 and fp8 (incl. UE8M0)
+// dispatch, hidden 7168 and 2048, a rank holding no expert; two rounds per backend object with
+// different shapes, and device outputs poisoned (NaN) before each call. The experts step is the
+// harness's deterministic TestExperts run on the host on copies of the prepare outputs, so this
+// test does not depend on the CUDA experts. The CPU oracle runs in the parent before the fork;
+// every child inherits it.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "dispatch_harness.h"
+#include "epx/cuda.h"
+#include "epx/dispatch.h"
+#include "epx/error.h"
+#include "forked_ranks.h"
+
+using namespace epx;
+using namespace epx::test;
+
+#ifdef EPX_WITH_CUDA
+#include <cuda_runtime_api.h>
+
+namespace {
+
+const std::vector<std::string> kBackends = {"naive", "allgather_reducescatter", "all2allv"};
+
+/// One rank's view of one prepare/experts/finalize round, as host bytes.
+struct Snapshot {
+  int64_t num_recv_tokens = -1;
+  std::string layout;
+  std::vector<uint8_t> x, x_scales, topk_idx, topk_weights, recv_count, out;
+  DispatchStats stats;
+};
+
+std::vector<uint8_t> host_bytes(const TensorView& v) {
+  std::vector<uint8_t> b(static_cast<size_t>(v.defined() ? v.nbytes() : 0));
+  if (b.empty()) return b;
+  TensorView dst(b.data(), v.dtype, std::vector<int64_t>(v.shape.begin(), v.shape.begin() + v.ndim));
+  copy(dst, v);
+  return b;
+}
+
+void take_prepare(const PrepareResult& p, Snapshot& s) {
+  s.num_recv_tokens = p.num_recv_tokens;
+  s.layout = std::string(layout_name(p.layout)) + " x" + p.x.describe().substr(0, p.x.describe().rfind(' ')) +
+             (p.x_scales.defined() ? " scales" + p.x_scales.describe().substr(0, p.x_scales.describe().rfind(' ')) : "");
+  s.x = host_bytes(p.x);
+  s.x_scales = host_bytes(p.x_scales);
+  s.topk_idx = host_bytes(p.topk_idx);
+  s.topk_weights = host_bytes(p.topk_weights);
+  s.recv_count = host_bytes(p.recv_count);
+}
+
+std::vector<int> local_ids(const Case& c, int rank) {
+  std::vector<int> ids;
+  const ExpertRange range = expert_range(c.E, c.R, rank);
+  for (int e = range.begin; e < range.end; ++e) ids.push_back(e);
+  if (c.shared) ids.push_back(c.E);
+  return ids;
+}
+
+/// The experts step on host copies of a prepare's outputs: expert_out [N, H] bf16 (Flat contract).
+Tensor experts_out(const Case& c, int rank, const Snapshot& s) {
+  const int64_t N = s.num_recv_tokens, H = c.H, K = c.K;
+  Tensor out = Tensor::empty({N, H}, DType::bf16);
+  poison(out);
+  const std::vector<int> ids = local_ids(c, rank);
+  if (ids.empty() || N == 0) return out;
+  const bool fp8 = c.dtype == DType::fp8_e4m3;
+  Tensor x = Tensor::empty({N, H}, fp8 ? DType::fp8_e4m3 : DType::bf16), scales;
+  std::memcpy(x.data(), s.x.data(), s.x.size());
+  if (fp8) {
+    scales = Tensor::empty({N, H / kFp8GroupSize}, DType::fp32);
+    std::memcpy(scales.data(), s.x_scales.data(), s.x_scales.size());
+  }
+  Tensor idx = Tensor::empty({N, K}, DType::int32), w = Tensor::empty({N, K}, DType::fp32);
+  Tensor counts = Tensor::empty({static_cast<int64_t>(ids.size())}, DType::int32);
+  std::memcpy(idx.data(), s.topk_idx.data(), s.topk_idx.size());
+  std::memcpy(w.data(), s.topk_weights.data(), s.topk_weights.size());
+  std::memcpy(counts.data(), s.recv_count.data(), s.recv_count.size());
+  TestExperts experts(ids, H);
+  experts.apply({ActivationLayout::Flat, x, scales, counts, idx, w}, out, {});
+  return out;
+}
+
+using Rounds = std::vector<std::vector<RankInput>>;  // [round][rank]
+
+struct GpuCase {
+  Case c;
+  Rounds rounds;
+  std::vector<std::vector<std::vector<Snapshot>>> want;  // [backend][round][rank] from the CPU backends
+};
+
+/// The case list for R ranks; round 2 reverses the token counts (and changes the seed), so buffers
+/// are reused with other sizes.
+std::vector<GpuCase> make_cases(int R) {
+  struct Spec {
+    int64_t H;
+    DType dtype;
+    bool ue8m0;
+    int E, K;
+    std::vector<int64_t> T1, T2;  // tokens per rank for R = 1 and R = 2
+    bool shared, dups, idx64;
+    double masked;
+  };
+  const std::vector<Spec> specs = {
+      {7168, DType::fp8_e4m3, false, 16, 8, {37}, {37, 0}, false, true, false, 0.2},
+      {2048, DType::bf16, false, 8, 4, {64}, {5, 64}, true, true, true, 0.15},
+      {2048, DType::fp8_e4m3, true, 3, 2, {1}, {0, 1}, false, false, false, 0.3},
+      {7168, DType::bf16, false, 1, 2, {16}, {16, 9}, false, true, false, 0.1},  // R = 2: rank 1 holds no expert
+      {2048, DType::bf16, false, 4, 2, {0}, {0, 0}, false, false, false, 0.0},
+  };
+  std::vector<GpuCase> cases;
+  uint64_t seed = 11;
+  for (const Spec& sp : specs) {
+    GpuCase g;
+    Case& c = g.c;
+    c.R = R;
+    c.E = sp.E;
+    c.K = sp.K;
+    c.H = sp.H;
+    c.cap = 64;
+    c.T = R == 1 ? sp.T1 : sp.T2;
+    c.dtype = sp.dtype;
+    c.ue8m0 = sp.ue8m0;
+    c.shared = sp.shared;
+    c.dups = sp.dups;
+    c.idx64 = sp.idx64;
+    c.masked = sp.masked;
+    c.seed = seed++;
+    Case c2 = c;
+    c2.T.assign(c.T.rbegin(), c.T.rend());
+    c2.seed = c.seed + 1000;
+    g.rounds = {make_inputs(c), make_inputs(c2)};
+    cases.push_back(std::move(g));
+  }
+  return cases;
+}
+
+/// The CPU backend `name` on R CPU ranks over all rounds of one object: [round][rank].
+std::vector<std::vector<Snapshot>> run_cpu(const std::string& name, const Case& c, const Rounds& rounds) {
+  auto groups = make_cpu_groups(c.R, 30.0);
+  std::vector<std::vector<Snapshot>> snaps(rounds.size(), std::vector<Snapshot>(static_cast<size_t>(c.R)));
+  run_ranks(groups, [&](int r) {
+    auto pf = make_prepare_finalize(name, groups[static_cast<size_t>(r)], c.config());
+    for (size_t i = 0; i < rounds.size(); ++i) {
+      const RankInput& ri = rounds[i][static_cast<size_t>(r)];
+      Snapshot& s = snaps[i][static_cast<size_t>(r)];
+      take_prepare(pf->prepare({ri.x, ri.topk_idx, ri.topk_weights}), s);
+      const Tensor eo = experts_out(c, r, s);
+      Tensor out = Tensor::empty({ri.x.size(0), c.H}, DType::bf16);
+      poison(out);
+      pf->finalize({eo, out});
+      s.out = host_bytes(out);
+      s.stats = pf->stats();
+    }
+  });
+  return snaps;
+}
+
+/// "" when equal, else where the first byte differs.
+std::string first_diff(const std::string& what, const std::vector<uint8_t>& got, const std::vector<uint8_t>& want) {
+  if (got.size() != want.size()) return what + ": " + std::to_string(got.size()) + " bytes, want " + std::to_string(want.size()) + "; ";
+  for (size_t i = 0; i < got.size(); ++i)
+    if (got[i] != want[i])
+      return what + ": byte " + std::to_string(i) + " is " + std::to_string(got[i]) + ", want " + std::to_string(want[i]) + "; ";
+  return "";
+}
+
+/// ||a - b|| / ||b|| over bf16 bytes.
+double rel_l2_bf16(const std::vector<uint8_t>& a, const std::vector<uint8_t>& b) {
+  if (a.size() != b.size()) return INFINITY;
+  double num = 0, den = 0;
+  for (size_t i = 0; i + 1 < a.size(); i += 2) {
+    uint16_t x, y;
+    std::memcpy(&x, a.data() + i, 2);
+    std::memcpy(&y, b.data() + i, 2);
+    const double d = static_cast<double>(bf16_bits_to_float(x)) - bf16_bits_to_float(y);
+    num += d * d;
+    den += static_cast<double>(bf16_bits_to_float(y)) * bf16_bits_to_float(y);
+  }
+  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+}
+
+std::string compare(const Snapshot& got, const Snapshot& want) {
+  std::string d;
+  if (got.num_recv_tokens != want.num_recv_tokens)
+    d += "num_recv_tokens " + std::to_string(got.num_recv_tokens) + ", want " + std::to_string(want.num_recv_tokens) + "; ";
+  if (got.layout != want.layout) d += "layout " + got.layout + ", want " + want.layout + "; ";
+  d += first_diff("x", got.x, want.x);
+  d += first_diff("x_scales", got.x_scales, want.x_scales);
+  d += first_diff("topk_idx", got.topk_idx, want.topk_idx);
+  d += first_diff("topk_weights", got.topk_weights, want.topk_weights);
+  d += first_diff("recv_count", got.recv_count, want.recv_count);
+  d += first_diff("out", got.out, want.out);
+  const DispatchStats& a = got.stats;
+  const DispatchStats& b = want.stats;
+  if (a.num_valid_selections != b.num_valid_selections || a.num_rank_dedup_rows != b.num_rank_dedup_rows ||
+      a.remote_bytes_dispatch != b.remote_bytes_dispatch || a.remote_bytes_combine != b.remote_bytes_combine)
+    d += "stats {" + std::to_string(a.num_valid_selections) + ", " + std::to_string(a.num_rank_dedup_rows) + ", " +
+         std::to_string(a.remote_bytes_dispatch) + ", " + std::to_string(a.remote_bytes_combine) + "}, want {" +
+         std::to_string(b.num_valid_selections) + ", " + std::to_string(b.num_rank_dedup_rows) + ", " +
+         std::to_string(b.remote_bytes_dispatch) + ", " + std::to_string(b.remote_bytes_combine) + "}; ";
+  return d;
+}
+
+void cuda_ok(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(e));
+}
+
+/// Backend `name` on this rank's NCCL group over all rounds of one object.
+std::vector<Snapshot> run_gpu(const std::string& name, const Case& c, const Rounds& rounds, const std::shared_ptr<Group>& g,
+                              cudaStream_t stream) {
+  const int r = g->rank();
+  const Device dev = g->device();
+  auto pf = make_prepare_finalize(name, g, c.config());
+  if (pf->capabilities().name != name) throw std::runtime_error("capabilities().name = " + pf->capabilities().name);
+  std::vector<Snapshot> snaps(rounds.size());
+  for (size_t i = 0; i < rounds.size(); ++i) {
+    const RankInput& ri = rounds[i][static_cast<size_t>(r)];
+    const Tensor x = ri.x.to(dev), idx = ri.topk_idx.to(dev), w = ri.topk_weights.to(dev);
+    if (pf->why_unsupported({x, idx, w, Stream{stream}})) throw std::runtime_error(*pf->why_unsupported({x, idx, w}));
+    const PrepareResult p = pf->prepare({x, idx, w, Stream{stream}});
+    cuda_ok(cudaStreamSynchronize(stream), "sync after prepare");
+    for (const TensorView* v : {&p.x, &p.topk_idx, &p.topk_weights, &p.recv_count})
+      if (v->device != dev) throw std::runtime_error("prepare output on " + v->device.str() + ", want " + dev.str());
+    Snapshot& s = snaps[i];
+    take_prepare(p, s);
+    const Tensor eo = experts_out(c, r, s).to(dev);
+    Tensor out = Tensor::empty({ri.x.size(0), c.H}, DType::bf16, dev);
+    cuda_ok(cudaMemset(out.data(), 0xFF, static_cast<size_t>(out.nbytes())), "poison out");
+    pf->finalize({eo, out, Stream{stream}});
+    cuda_ok(cudaStreamSynchronize(stream), "sync after finalize");
+    s.out = host_bytes(out);
+    s.stats = pf->stats();
+  }
+  return snaps;
+}
+
+/// A bad id on the last rank: InvalidArgument on every rank (before any data moves); the object
+/// stays usable.
+void check_bad_id_throws_everywhere(const std::string& name, const GpuCase& gc, const std::shared_ptr<Group>& g,
+                                    cudaStream_t stream, std::string& failures) {
+  const Case& c = gc.c;
+  const int r = g->rank();
+  auto pf = make_prepare_finalize(name, g, c.config());
+  const RankInput& ri = gc.rounds[0][static_cast<size_t>(r)];
+  Tensor idx = ri.topk_idx;
+  if (r == c.R - 1 && ri.x.size(0) > 0) {
+    idx = Tensor::empty({ri.x.size(0), c.K}, ri.topk_idx.dtype());
+    std::memcpy(idx.data(), ri.topk_idx.data(), static_cast<size_t>(idx.nbytes()));
+    const int64_t bad = c.shared ? c.E + 1 : c.E;
+    if (idx.dtype() == DType::int64) idx.ptr<int64_t>()[c.K * (ri.x.size(0) - 1)] = bad;
+    else idx.ptr<int32_t>()[c.K * (ri.x.size(0) - 1)] = static_cast<int32_t>(bad);
+  }
+  const Device dev = g->device();
+  const Tensor x = ri.x.to(dev), idx_d = idx.to(dev), w = ri.topk_weights.to(dev);
+  std::string what;
+  try {
+    pf->prepare({x, idx_d, w, Stream{stream}});
+  } catch (const InvalidArgument& e) {
+    what = e.what();
+  }
+  const std::string want = "topk_idx[" + std::to_string(ri.x.size(0) - 1) + ", 0]";
+  if (what.find("topk_idx[") == std::string::npos || (r == c.R - 1 && what.find(want) == std::string::npos) ||
+      (r != c.R - 1 && what.find("rank " + std::to_string(c.R - 1)) == std::string::npos))
+    failures += name + " bad id: rank " + std::to_string(r) + " threw '" + what + "'; ";
+  const Tensor idx_ok = ri.topk_idx.to(dev);
+  pf->prepare({x, idx_ok, w, Stream{stream}});  // usable afterwards
+  cuda_ok(cudaStreamSynchronize(stream), "sync");
+  if (r == 0) std::printf("bad id: %s\n", what.c_str());
+}
+
+/// Runs every backend on every case on R forked ranks and compares with the CPU snapshots.
+void run_world(int R) {
+  std::vector<GpuCase> cases = make_cases(R);
+  for (GpuCase& gc : cases)
+    for (const std::string& name : kBackends) gc.want.push_back(run_cpu(name, gc.c, gc.rounds));
+  const std::string path = fresh_dir() + "/uid";
+  const std::string failed = run_ranks_forked(R, 300.0, [&](int rank) {
+    auto g = make_nccl_group(path, rank, R, rank, 60.0);
+    cuda_ok(cudaSetDevice(rank), "cudaSetDevice");  // the test's own copies, memsets and stream
+    cudaStream_t stream;
+    cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
+    std::string failures;
+    int checked = 0;
+    for (const GpuCase& gc : cases) {
+      for (size_t b = 0; b < kBackends.size(); ++b) {
+        const auto got = run_gpu(kBackends[b], gc.c, gc.rounds, g, stream);
+        for (size_t i = 0; i < got.size(); ++i) {
+          const Snapshot& want = gc.want[b][i][static_cast<size_t>(rank)];
+          const std::string d = compare(got[i], want);
+          if (!d.empty()) failures += kBackends[b] + " round " + std::to_string(i) + " rank " + std::to_string(rank) + " " + gc.c.describe() + ": " + d + "\n";
+          ++checked;
+          if (rank == 0 && i + 1 == got.size())
+            std::printf("%-24s %s: N=%lld %s, prepare + finalize %s vs CPU (out rel_l2 %.1e)\n", kBackends[b].c_str(),
+                        gc.c.describe().c_str(), static_cast<long long>(got[i].num_recv_tokens), got[i].layout.c_str(),
+                        d.empty() ? "bit-exact" : "DIFFER", rel_l2_bf16(got[i].out, want.out));
+        }
+      }
+    }
+    for (const std::string& name : kBackends) check_bad_id_throws_everywhere(name, cases[1], g, stream, failures);
+    // ll and ht on CUDA groups come in later issues: Unsupported with a sentence, on every rank.
+    for (const std::string name : {"ll", "ht"}) {
+      std::string what;
+      try {
+        make_prepare_finalize(name, g, cases[0].c.config());
+      } catch (const Unsupported& e) {
+        what = e.what();
+      }
+      if (what.find("later issue") == std::string::npos) failures += name + " on CUDA: '" + what + "'; ";
+    }
+    g->barrier();
+    cuda_ok(cudaStreamDestroy(stream), "stream destroy");
+    if (!failures.empty()) throw std::runtime_error("mismatches:\n" + failures);
+    if (rank == 0) std::printf("dispatch CUDA OK on %d rank(s): %d rounds bit-exact vs the CPU backends\n", R, checked);
+  });
+  EXPECT_EQ(failed, "");
+}
+
+TEST(DispatchCuda, FlatBackendsMatchCpuOneRank) {
+  const int n = cuda::device_count();
+  if (n < 1) GTEST_SKIP() << "needs 1 GPU, found " << n;
+  run_world(1);
+}
+
+TEST(DispatchCuda, FlatBackendsMatchCpuTwoRanks) {
+  const int n = cuda::device_count();
+  if (n < 2) GTEST_SKIP() << "needs 2 GPUs, found " << n;
+  run_world(2);
+}
+
+}  // namespace
+
+#else
+
+TEST(DispatchCuda, NeedsACudaBuild) { GTEST_SKIP() << "CPU-only build (EPX_CUDA=OFF)"; }
+
+#endif  // EPX_WITH_CUDA

@@ -1,0 +1,109 @@
+// dispatch/gather_cuda.cpp: "naive" and "allgather_reducescatter" on an NCCL group, the CUDA twins
+// of gather_cpu.h / naive_cpu.cpp / agrs_cpu.cpp: the same gathered Flat layout (every token on
+// every rank, ordered by source rank then token), the same fp32 rank-order reductions (the NCCL
+// group sums bf16 partials in rank order and rounds once, as the CPU group), the same stats.
+//
+// prepare: plan + exchange (one host sync), encode this rank's rows, one all_gatherv of the rows,
+// decode. A rank holding no expert gets N = 0 rows and contributes zeros in finalize.
+#include <cuda_runtime_api.h>
+
+#include "cuda/check.h"
+#include "dispatch/backends.h"
+#include "dispatch/prepare_finalize_cuda.h"
+
+namespace epx::dispatch {
+namespace {
+
+class GatherCuda : public CudaPrepareFinalize {
+ public:
+  using CudaPrepareFinalize::CudaPrepareFinalize;
+
+  PrepareResult prepare(const DispatchArgs& args) override {
+    cuda::DeviceGuard guard(device().index);
+    const auto table = begin_prepare(args, /*rank_dedup=*/false);
+    const int64_t rb = codec().row_bytes();
+    tokens_per_rank_.assign(static_cast<size_t>(num_ranks_), 0);
+    std::vector<int64_t> bytes(static_cast<size_t>(num_ranks_));
+    for (int r = 0; r < num_ranks_; ++r) {
+      tokens_per_rank_[static_cast<size_t>(r)] = table[static_cast<size_t>(r)][kPlanTokens];
+      bytes[static_cast<size_t>(r)] = tokens_per_rank_[static_cast<size_t>(r)] * rb;
+    }
+    num_rows_ = src_row_offset_.back();
+    token_offset_ = src_row_offset_[static_cast<size_t>(rank_)];
+    encode_rows(args);
+    uint8_t* all = static_cast<uint8_t*>(gathered_.ensure(num_rows_ * rb, device()));
+    group_->all_gatherv(rows_.data(), all, bytes, args.stream);
+    num_exposed_rows_ = num_local_ > 0 ? num_rows_ : 0;
+    stats_.remote_bytes_dispatch = (num_ranks_ - 1) * args.x.shape[0] * rb;
+    return decode_rows(all, num_exposed_rows_, args.stream);
+  }
+
+ protected:
+  /// expert_out data to reduce: the caller's, or zeros [N, H] on a rank without experts.
+  const void* partials(const FinalizeArgs& args) {
+    if (num_exposed_rows_ == num_rows_) return args.expert_out.data;
+    const int64_t bytes = num_rows_ * cfg_.hidden * 2;
+    void* zeros = zeros_.ensure(bytes, device());
+    if (bytes > 0) EPX_CUDA_CHECK(cudaMemsetAsync(zeros, 0, static_cast<size_t>(bytes), cuda::native(args.stream)));
+    return zeros;
+  }
+
+  std::vector<int64_t> tokens_per_rank_;  ///< [R] T_r of the last prepare
+  int64_t token_offset_ = 0;              ///< first row of this rank's tokens in the gathered rows
+  int64_t num_rows_ = 0;                  ///< N gathered rows
+  int64_t num_exposed_rows_ = 0;          ///< rows handed to the experts: N, or 0 on a rank without experts
+  DeviceBuffer gathered_, zeros_;
+};
+
+/// finalize = all-reduce (sum) of every rank's [N, H] partials, then this rank keeps its own T rows.
+/// Combine bytes use ring all-reduce accounting: 2 (R-1)/R x N x H x 2.
+class NaiveCuda final : public GatherCuda {
+ public:
+  NaiveCuda(std::shared_ptr<Group> group, const DispatchConfig& cfg) : GatherCuda("naive", std::move(group), cfg) {}
+
+  /// expert_out [N, H] bf16 (N = num_recv_tokens of the last prepare); out [T, H] bf16.
+  void finalize(const FinalizeArgs& args) override {
+    const int64_t H = cfg_.hidden;
+    cuda::DeviceGuard guard(device().index);
+    begin_finalize(args, {num_exposed_rows_, H}, args.stream);
+    uint16_t* reduced = static_cast<uint16_t*>(reduced_.ensure(num_rows_ * H * 2, device()));
+    group_->all_reduce_sum(partials(args), reduced, num_rows_ * H, DType::bf16, args.stream);
+    const int64_t T = tokens_per_rank_[static_cast<size_t>(rank_)];
+    if (T > 0)
+      EPX_CUDA_CHECK(cudaMemcpyAsync(args.out.data, reduced + token_offset_ * H, static_cast<size_t>(T * H * 2),
+                                     cudaMemcpyDeviceToDevice, cuda::native(args.stream)));
+    stats_.remote_bytes_combine = num_ranks_ > 1 ? 2 * (num_ranks_ - 1) * num_rows_ * H * 2 / num_ranks_ : 0;
+  }
+
+ private:
+  DeviceBuffer reduced_;
+};
+
+/// finalize = reduce_scatterv of the [N, H] bf16 partials straight into out. Combine bytes: the rows
+/// of other ranks' tokens this rank sends, (N - T) x H x 2.
+class AgrsCuda final : public GatherCuda {
+ public:
+  AgrsCuda(std::shared_ptr<Group> group, const DispatchConfig& cfg) : GatherCuda("allgather_reducescatter", std::move(group), cfg) {}
+
+  void finalize(const FinalizeArgs& args) override {
+    const int64_t H = cfg_.hidden;
+    cuda::DeviceGuard guard(device().index);
+    begin_finalize(args, {num_exposed_rows_, H}, args.stream);
+    std::vector<int64_t> counts(static_cast<size_t>(num_ranks_));
+    for (int r = 0; r < num_ranks_; ++r) counts[static_cast<size_t>(r)] = tokens_per_rank_[static_cast<size_t>(r)] * H;
+    group_->reduce_scatterv(partials(args), args.out.data, counts, DType::bf16, args.stream);
+    stats_.remote_bytes_combine = (num_rows_ - tokens_per_rank_[static_cast<size_t>(rank_)]) * H * 2;
+  }
+};
+
+}  // namespace
+
+std::unique_ptr<PrepareFinalize> make_naive_cuda(std::shared_ptr<Group> group, const DispatchConfig& cfg) {
+  return std::make_unique<NaiveCuda>(std::move(group), cfg);
+}
+
+std::unique_ptr<PrepareFinalize> make_agrs_cuda(std::shared_ptr<Group> group, const DispatchConfig& cfg) {
+  return std::make_unique<AgrsCuda>(std::move(group), cfg);
+}
+
+}  // namespace epx::dispatch

@@ -1,0 +1,88 @@
+// tests/forked_ranks.h: multi-rank GPU tests with one forked process per GPU, as NCCL expects.
+//
+// The gtest process itself never initialises CUDA (cuda::device_count() asks a child), so the ranks
+// it forks can each open their GPU; data the parent computed before the fork (inputs, CPU oracles)
+// is there in every child. A rank reports through its exit status and stderr; the parent kills every
+// rank still running after a deadline, so a hang fails the test instead of the suite.
+#pragma once
+
+#include <signal.h>
+#include <stdlib.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <exception>
+#include <functional>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace epx::test {
+
+/// A fresh directory for one test's rendezvous files.
+inline std::string fresh_dir() {
+  char tmpl[] = "/tmp/epx_gpu_test_XXXXXX";
+  const char* d = mkdtemp(tmpl);
+  if (!d) throw std::runtime_error("mkdtemp failed");
+  return d;
+}
+
+/// Forks `world` ranks running fn(rank); returns "" when all exit 0 within deadline_s, else a
+/// description of the failed ranks (their own messages went to stderr).
+inline std::string run_ranks_forked(int world, double deadline_s, const std::function<void(int)>& fn) {
+  std::fflush(stdout);
+  std::fflush(stderr);
+  std::vector<pid_t> pids;
+  for (int r = 0; r < world; ++r) {
+    const pid_t pid = fork();
+    if (pid < 0) return "fork failed";
+    if (pid == 0) {
+      int code = 0;
+      try {
+        fn(r);
+      } catch (const std::exception& e) {
+        std::fprintf(stderr, "[rank %d] FAILED: %s\n", r, e.what());
+        code = 1;
+      } catch (...) {
+        std::fprintf(stderr, "[rank %d] FAILED: unknown exception\n", r);
+        code = 1;
+      }
+      std::fflush(stdout);
+      std::fflush(stderr);
+      _exit(code);
+    }
+    pids.push_back(pid);
+  }
+  std::string failures;
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(deadline_s);
+  std::vector<bool> done(pids.size(), false);
+  size_t remaining = pids.size();
+  while (remaining > 0) {
+    for (size_t r = 0; r < pids.size(); ++r) {
+      if (done[r]) continue;
+      int status = 0;
+      if (waitpid(pids[r], &status, WNOHANG) == pids[r]) {
+        done[r] = true;
+        --remaining;
+        if (!WIFEXITED(status) || WEXITSTATUS(status) != 0)
+          failures += "rank " + std::to_string(r) + " exited with status " + std::to_string(status) + "; ";
+      }
+    }
+    if (remaining > 0 && std::chrono::steady_clock::now() > deadline) {
+      for (size_t r = 0; r < pids.size(); ++r) {
+        if (done[r]) continue;
+        kill(pids[r], SIGKILL);
+        waitpid(pids[r], nullptr, 0);
+        failures += "rank " + std::to_string(r) + " still running after " + std::to_string(deadline_s) + " s (killed); ";
+      }
+      break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  return failures;
+}
+
+}  // namespace epx::test
