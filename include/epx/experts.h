@@ -95,4 +95,22 @@ class Experts {
 /// CPU experts over `local_experts` (index = local expert id). Supports both layouts.
 std::unique_ptr<Experts> make_experts_cpu(std::vector<std::shared_ptr<const ExpertWeights>> local_experts);
 
+/// CUDA experts over `local_experts` (index = local expert id) on cuda:`device`: the reference
+/// grouped expert MLP (simple tiled SIMT kernels; speed comes later). Uploads every expert's weights
+/// once, in their stored format, and dequantizes them inside the GEMMs; the precision rules above
+/// and both layouts are the CPU's (make_experts_cpu), up to fp32 summation order. Experts may mix
+/// formats and intermediate sizes (FHMoE); hidden and every intermediate must be multiples of 8,
+/// at most 2048 local experts.
+/// apply(): all tensors on cuda:`device`, contiguous, 16-byte aligned; stream-ordered on `stream`,
+///   no host sync; recv_count (ExpertMajor) and topk_idx (Flat) are read on the device only.
+///   A topk_idx outside [-1, L) or a recv_count outside [0, cap] cannot throw at once: the entry is
+///   treated as no selection (clamped count), and the next apply() on this object throws
+///   InvalidArgument naming it (synchronize the stream first to be sure it is seen).
+///   Workspace (about the size of x for ExpertMajor; [N*K, H] bf16 + [N*K, I] fp32 for Flat) is
+///   allocated on first use and grown when a larger shape arrives: to capture apply() in a CUDA
+///   graph, call it once eagerly with the largest shape first (growing during capture throws
+///   Unsupported). Calls on one object must be ordered (one stream, or synchronized).
+/// Throws Unsupported in a CPU-only build; InvalidArgument for bad weights or device.
+std::unique_ptr<Experts> make_experts_cuda(std::vector<std::shared_ptr<const ExpertWeights>> local_experts, int device);
+
 }  // namespace epx

@@ -1,0 +1,372 @@
+// experts/experts_cuda.cu: host side of the CUDA reference experts (make_experts_cuda in
+// epx/experts.h): argument checks, weight upload, the workspace, and the launches of the kernels in
+// experts_cuda_kernels.cuh (the pipeline is described there). The oracle is experts_cpu.cpp.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <array>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "cuda/check.h"
+#include "epx/cuda.h"
+#include "epx/error.h"
+#include "epx/experts.h"
+#include "epx/quant.h"
+#include "experts/experts_cuda_kernels.cuh"
+
+namespace epx {
+namespace {
+
+using experts_cuda::ActKind;
+using experts_cuda::ErrorRecord;
+using experts_cuda::ExpertDesc;
+using experts_cuda::GemmParams;
+using experts_cuda::Tile;
+
+constexpr std::string_view kMake = "make_experts_cuda";
+constexpr std::string_view kOp = "experts_cuda.apply";
+/// grid.y of the GEMMs: CTAs stride over the device-side tile list, so the grid never depends on
+/// the counts (which the host does not know) and stays bounded for large capacities.
+constexpr int64_t kMaxTileSlots = 1024;
+
+using GemmKernel = void (*)(GemmParams);
+
+/// Every GEMM instance this file compiles: gate_up for {bf16, fp8} x {3 formats}, down for the 3
+/// formats (its A operand is the fp32 intermediate).
+struct GemmInstance {
+  ActKind act;
+  WeightFormat format;
+  bool gate_up;
+  GemmKernel kernel;
+};
+const GemmInstance kGemmInstances[] = {
+    {ActKind::bf16, WeightFormat::bf16, true, experts_cuda::expert_gemm_kernel<ActKind::bf16, WeightFormat::bf16, true>},
+    {ActKind::bf16, WeightFormat::fp8_block, true, experts_cuda::expert_gemm_kernel<ActKind::bf16, WeightFormat::fp8_block, true>},
+    {ActKind::bf16, WeightFormat::mxfp4, true, experts_cuda::expert_gemm_kernel<ActKind::bf16, WeightFormat::mxfp4, true>},
+    {ActKind::fp8, WeightFormat::bf16, true, experts_cuda::expert_gemm_kernel<ActKind::fp8, WeightFormat::bf16, true>},
+    {ActKind::fp8, WeightFormat::fp8_block, true, experts_cuda::expert_gemm_kernel<ActKind::fp8, WeightFormat::fp8_block, true>},
+    {ActKind::fp8, WeightFormat::mxfp4, true, experts_cuda::expert_gemm_kernel<ActKind::fp8, WeightFormat::mxfp4, true>},
+    {ActKind::f32, WeightFormat::bf16, false, experts_cuda::expert_gemm_kernel<ActKind::f32, WeightFormat::bf16, false>},
+    {ActKind::f32, WeightFormat::fp8_block, false, experts_cuda::expert_gemm_kernel<ActKind::f32, WeightFormat::fp8_block, false>},
+    {ActKind::f32, WeightFormat::mxfp4, false, experts_cuda::expert_gemm_kernel<ActKind::f32, WeightFormat::mxfp4, false>},
+};
+
+GemmKernel gemm_instance(ActKind act, WeightFormat format, bool gate_up) {
+  for (const GemmInstance& g : kGemmInstances)
+    if (g.act == act && g.format == format && g.gate_up == gate_up) return g.kernel;
+  EPX_ASSERT(false, "no GEMM instance for act=", static_cast<int>(act), " format=", weight_format_name(format),
+             " gate_up=", gate_up);
+  return nullptr;
+}
+
+constexpr WeightFormat kFormats[] = {WeightFormat::bf16, WeightFormat::fp8_block, WeightFormat::mxfp4};
+
+int64_t align_up(int64_t n, int64_t a) { return (n + a - 1) / a * a; }
+int64_t ceil_div(int64_t n, int64_t d) { return (n + d - 1) / d; }
+
+/// Device pointers carved from the one workspace allocation.
+struct Workspace {
+  Tile* tiles = nullptr;           // [max_tiles]
+  int32_t* num_tiles = nullptr;    // [1]
+  int32_t* pair_row = nullptr;     // Flat [N*K]
+  int32_t* slot = nullptr;         // Flat [N*K]
+  float* h = nullptr;              // [row space, I_max] fp32
+  uint16_t* pair_out = nullptr;    // Flat [N*K, H] bf16
+};
+
+/// Byte offsets of a Workspace for the given sizes (one layout for sizing and carving).
+struct WorkspaceLayout {
+  int64_t tiles = 0, num_tiles = 0, pair_row = 0, slot = 0, h = 0, pair_out = 0, total = 0;
+  WorkspaceLayout(int64_t max_tiles, int64_t num_pairs, int64_t h_rows, int64_t h_cols, int64_t pair_out_rows,
+                  int64_t hidden) {
+    int64_t at = 0;
+    auto take = [&](int64_t bytes) {
+      const int64_t off = at;
+      at = align_up(at + bytes, 256);
+      return off;
+    };
+    tiles = take(max_tiles * static_cast<int64_t>(sizeof(Tile)));
+    num_tiles = take(sizeof(int32_t));
+    pair_row = take(num_pairs * 4);
+    slot = take(num_pairs * 4);
+    h = take(h_rows * h_cols * 4);
+    pair_out = take(pair_out_rows * hidden * 2);
+    total = at;
+  }
+  Workspace carve(void* base) const {
+    char* b = static_cast<char*>(base);
+    return {reinterpret_cast<Tile*>(b + tiles), reinterpret_cast<int32_t*>(b + num_tiles),
+            reinterpret_cast<int32_t*>(b + pair_row), reinterpret_cast<int32_t*>(b + slot),
+            reinterpret_cast<float*>(b + h), reinterpret_cast<uint16_t*>(b + pair_out)};
+  }
+};
+
+class CudaExperts final : public Experts {
+ public:
+  CudaExperts(std::vector<std::shared_ptr<const ExpertWeights>> experts, int device)
+      : experts_(std::move(experts)), device_(device) {
+    cuda::ensure_runtime();
+    const int64_t num_local = static_cast<int64_t>(experts_.size());
+    require_arg(kMake, "local_experts.size", num_local, num_local >= 1 && num_local <= experts_cuda::kMaxLocalExperts,
+                "must be in [1, " + std::to_string(experts_cuda::kMaxLocalExperts) + "]");
+    for (size_t l = 0; l < experts_.size(); ++l) {
+      const std::string arg = "local_experts[" + std::to_string(l) + "]";
+      require_arg(kMake, arg, "null", experts_[l] != nullptr, "must be non-null");
+      const ExpertWeights& w = *experts_[l];
+      require_arg(kMake, arg + ".hidden", w.hidden, w.hidden == experts_[0]->hidden,
+                  "must equal local_experts[0].hidden = " + std::to_string(experts_[0]->hidden));
+      require_arg(kMake, arg + ".hidden", w.hidden, w.hidden > 0 && w.hidden % 8 == 0,
+                  "must be a positive multiple of 8 (16-byte rows of bf16)");
+      require_arg(kMake, arg + ".intermediate", w.intermediate, w.intermediate > 0 && w.intermediate % 8 == 0,
+                  "must be a positive multiple of 8");
+      require_arg(kMake, arg + ".w13", w.w13.defined() ? "defined" : "undefined", w.w13.defined() && w.w2.defined(),
+                  "w13 and w2 must hold the weights");
+      inter_max_ = std::max(inter_max_, w.intermediate);
+      has_format_[static_cast<int>(w.format)] = true;
+    }
+    const int num_devices = cuda::device_count();
+    require_arg(kMake, "device", device, device >= 0 && device < num_devices,
+                "must be in [0, device_count = " + std::to_string(num_devices) + ")");
+
+    cuda::DeviceGuard guard(device_);
+    const Device dev = Device::cuda(device_);
+    std::vector<ExpertDesc> descs;
+    for (const auto& e : experts_) {
+      auto upload = [&](const Tensor& t) -> const void* {
+        if (!t.defined()) return nullptr;
+        device_weights_.push_back(t.to(dev));
+        return device_weights_.back().data();
+      };
+      ExpertDesc d{};
+      d.w13 = upload(e->w13);
+      d.w13_scale = upload(e->w13_scale);
+      d.w2 = upload(e->w2);
+      d.w2_scale = upload(e->w2_scale);
+      d.intermediate = static_cast<int32_t>(e->intermediate);
+      d.format = static_cast<int32_t>(e->format);
+      descs.push_back(d);
+    }
+    descs_ = Tensor::empty({num_local * static_cast<int64_t>(sizeof(ExpertDesc))}, DType::uint8, dev);
+    EPX_CUDA_CHECK(cudaMemcpy(descs_.data(), descs.data(), descs.size() * sizeof(ExpertDesc), cudaMemcpyHostToDevice));
+    void* rec = nullptr;
+    EPX_CUDA_CHECK(cudaHostAlloc(&rec, sizeof(ErrorRecord), cudaHostAllocMapped));
+    error_ = static_cast<ErrorRecord*>(rec);
+    std::memset(error_, 0, sizeof(ErrorRecord));
+    void* rec_dev = nullptr;
+    EPX_CUDA_CHECK(cudaHostGetDevicePointer(&rec_dev, rec, 0));
+    error_dev_ = static_cast<ErrorRecord*>(rec_dev);
+  }
+
+  ~CudaExperts() override {
+    if (error_ != nullptr) (void)cudaFreeHost(error_);  // waits for kernels that may still write it
+  }
+  CudaExperts(const CudaExperts&) = delete;
+  CudaExperts& operator=(const CudaExperts&) = delete;
+
+  int num_local_experts() const override { return static_cast<int>(experts_.size()); }
+  int64_t hidden() const override { return experts_[0]->hidden; }
+  bool supports(ActivationLayout) const override { return true; }
+
+  void apply(const ExpertsInput& in, const TensorView& out, Stream stream) override {
+    raise_device_error();
+    cuda::DeviceGuard guard(device_);
+    if (in.layout == ActivationLayout::ExpertMajor) apply_expert_major(in, out, cuda::native(stream));
+    else apply_flat(in, out, cuda::native(stream));
+  }
+
+ private:
+  void check_tensor(std::string_view arg, const TensorView& t, std::initializer_list<DType> dtypes,
+                    std::initializer_list<int64_t> shape, bool vector_aligned) const {
+    check_device(kOp, arg, t, Device::cuda(device_));
+    check_dtype(kOp, arg, t, dtypes);
+    check_shape(kOp, arg, t, shape);
+    check_contiguous(kOp, arg, t);
+    if (vector_aligned)
+      require_arg(kOp, std::string(arg) + ".data", t.data, reinterpret_cast<uintptr_t>(t.data) % 16 == 0,
+                  "must be 16-byte aligned (vector loads)");
+  }
+
+  void check_x(const ExpertsInput& in, std::initializer_list<int64_t> x_shape, std::initializer_list<int64_t> s_shape) const {
+    check_tensor("x", in.x, {DType::bf16, DType::fp8_e4m3}, x_shape, true);
+    if (in.x.dtype == DType::fp8_e4m3) {
+      require_arg(kOp, "hidden", hidden(), hidden() % kFp8GroupSize == 0, "must be a multiple of 128 for fp8_e4m3 input");
+      check_tensor("x_scales", in.x_scales, {DType::fp32}, s_shape, false);
+    }
+  }
+
+  /// Throws the bad input that a schedule kernel of an earlier apply() left in the mapped record.
+  void raise_device_error() {
+    volatile ErrorRecord* r = error_;
+    const int32_t code = r->code;
+    if (code == experts_cuda::kNoError) return;
+    const int32_t row = r->row, col = r->col;
+    const int64_t value = r->value;
+    r->code = experts_cuda::kNoError;
+    const std::string when = " (seen on the device by an earlier apply, which skipped it)";
+    if (code == experts_cuda::kBadTopkIdx)
+      throw InvalidArgument(arg_message(kOp, "topk_idx[" + std::to_string(row) + ", " + std::to_string(col) + "]", value,
+                                        "must be -1 (not on this rank) or a local expert index in [0, L = " +
+                                            std::to_string(num_local_experts()) + ")" + when));
+    throw InvalidArgument(arg_message(kOp, "recv_count[" + std::to_string(row) + "]", value,
+                                      "must be in [0, cap] (the x capacity per expert; clamped)" + when));
+  }
+
+  /// Grows the workspace to `bytes`. Not during graph capture (cudaMalloc is not capturable).
+  Workspace workspace(const WorkspaceLayout& layout, cudaStream_t stream) {
+    if (layout.total > workspace_bytes_) {
+      cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+      EPX_CUDA_CHECK(cudaStreamIsCapturing(stream, &status));
+      if (status != cudaStreamCaptureStatusNone)
+        throw Unsupported(arg_message(kOp, "workspace_bytes", layout.total,
+                                      "exceeds the " + std::to_string(workspace_bytes_) +
+                                          " bytes allocated so far while the stream is being captured (call apply "
+                                          "once eagerly with the largest shape before capturing)"));
+      EPX_CUDA_CHECK(cudaDeviceSynchronize());  // earlier applies may still use the old workspace
+      workspace_ = Tensor();
+      workspace_ = Tensor::empty({layout.total}, DType::uint8, Device::cuda(device_));
+      workspace_bytes_ = layout.total;
+    }
+    return layout.carve(workspace_.data());
+  }
+
+  void apply_expert_major(const ExpertsInput& in, const TensorView& out, cudaStream_t stream) {
+    const int64_t num_local = num_local_experts(), h = hidden();
+    require_arg(kOp, "x.ndim", in.x.ndim, in.x.ndim == 3, "must be 3 ([L, cap, H]) for the expert_major layout");
+    const int64_t cap = in.x.size(1);
+    check_x(in, {num_local, cap, h}, {num_local, cap, h / kFp8GroupSize});
+    check_tensor("recv_count", in.recv_count, {DType::int32}, {num_local}, false);
+    check_tensor("out", out, {DType::bf16}, {num_local, cap, h}, true);
+    require_arg(kOp, "L * cap", num_local * cap, num_local * cap < (int64_t{1} << 31), "must be < 2^31");
+    if (cap == 0) return;
+
+    const int64_t max_tiles = num_local * ceil_div(cap, experts_cuda::kTileRows);
+    const WorkspaceLayout layout(max_tiles, 0, num_local * cap, inter_max_, 0, h);
+    const Workspace ws = workspace(layout, stream);
+
+    experts_cuda::ScheduleParams sp{};
+    sp.num_local = static_cast<int>(num_local);
+    sp.cap = cap;
+    sp.recv_count = in.recv_count.ptr<const int32_t>();
+    sp.tiles = ws.tiles;
+    sp.num_tiles = ws.num_tiles;
+    sp.error = error_dev_;
+    experts_cuda::schedule_expert_major_kernel<<<1, experts_cuda::kScheduleThreads,
+                                                 experts_cuda::schedule_smem_bytes(sp.num_local), stream>>>(sp);
+    cuda::check_launch("schedule_expert_major_kernel");
+    run_mlp(in, nullptr, out.ptr<uint16_t>(), ws, max_tiles, stream);
+  }
+
+  void apply_flat(const ExpertsInput& in, const TensorView& out, cudaStream_t stream) {
+    const int64_t num_local = num_local_experts(), h = hidden();
+    require_arg(kOp, "x.ndim", in.x.ndim, in.x.ndim == 2, "must be 2 ([N, H]) for the flat layout");
+    const int64_t n = in.x.size(0);
+    check_x(in, {n, h}, {n, h / kFp8GroupSize});
+    require_arg(kOp, "topk_idx.ndim", in.topk_idx.ndim, in.topk_idx.ndim == 2, "must be 2 ([N, K])");
+    const int64_t k = in.topk_idx.size(1);
+    check_tensor("topk_idx", in.topk_idx, {DType::int32, DType::int64}, {n, k}, false);
+    check_tensor("topk_weights", in.topk_weights, {DType::fp32}, {n, k}, false);
+    check_tensor("out", out, {DType::bf16}, {n, h}, true);
+    const int64_t num_pairs = n * k;
+    require_arg(kOp, "N * K", num_pairs, num_pairs < (int64_t{1} << 31), "must be < 2^31");
+    if (n == 0) return;
+    if (k == 0) {  // no selections: every row is zero
+      EPX_CUDA_CHECK(cudaMemsetAsync(out.data, 0, static_cast<size_t>(out.nbytes()), stream));
+      return;
+    }
+
+    const int64_t max_tiles = ceil_div(num_pairs, experts_cuda::kTileRows) + num_local;
+    const WorkspaceLayout layout(max_tiles, num_pairs, num_pairs, inter_max_, num_pairs, h);
+    const Workspace ws = workspace(layout, stream);
+
+    experts_cuda::ScheduleParams sp{};
+    sp.num_local = static_cast<int>(num_local);
+    sp.topk_idx = in.topk_idx.data;
+    sp.idx_int64 = in.topk_idx.dtype == DType::int64;
+    sp.num_pairs = num_pairs;
+    sp.top_k = static_cast<int>(k);
+    sp.pair_row = ws.pair_row;
+    sp.slot = ws.slot;
+    sp.tiles = ws.tiles;
+    sp.num_tiles = ws.num_tiles;
+    sp.error = error_dev_;
+    experts_cuda::schedule_flat_kernel<<<1, experts_cuda::kScheduleThreads, experts_cuda::schedule_smem_bytes(sp.num_local),
+                                         stream>>>(sp);
+    cuda::check_launch("schedule_flat_kernel");
+    run_mlp(in, ws.pair_row, ws.pair_out, ws, max_tiles, stream);
+
+    experts_cuda::CombineParams cp{};
+    cp.pair_out = ws.pair_out;
+    cp.slot = ws.slot;
+    cp.topk_weights = in.topk_weights.ptr<const float>();
+    cp.out = out.ptr<uint16_t>();
+    cp.num_tokens = n;
+    cp.hidden = h;
+    cp.top_k = static_cast<int>(k);
+    experts_cuda::combine_kernel<<<static_cast<unsigned>(std::min<int64_t>(n, 65535)), experts_cuda::kCombineThreads, 0,
+                                   stream>>>(cp);
+    cuda::check_launch("combine_kernel");
+  }
+
+  /// gate_up (per format present), FP8 re-quantization of h (fp8_block experts), down.
+  void run_mlp(const ExpertsInput& in, const int32_t* gather, uint16_t* out_rows, const Workspace& ws, int64_t max_tiles,
+               cudaStream_t stream) {
+    const int64_t h = hidden();
+    GemmParams gp{};
+    gp.experts = descs_.ptr<const ExpertDesc>();
+    gp.tiles = ws.tiles;
+    gp.num_tiles = ws.num_tiles;
+    gp.a = in.x.data;
+    gp.a_scales = in.x.dtype == DType::fp8_e4m3 ? in.x_scales.ptr<const float>() : nullptr;
+    gp.gather = gather;
+    gp.a_stride = h;
+    gp.a_scales_stride = h / kFp8GroupSize;
+    gp.hidden = h;
+    gp.h = ws.h;
+    gp.h_stride = inter_max_;
+    gp.out = out_rows;
+    const unsigned tile_slots = static_cast<unsigned>(std::min(max_tiles, kMaxTileSlots));
+    const ActKind act = in.x.dtype == DType::fp8_e4m3 ? ActKind::fp8 : ActKind::bf16;
+    const dim3 gate_up_grid(static_cast<unsigned>(ceil_div(2 * inter_max_, experts_cuda::kTileCols)), tile_slots);
+    for (WeightFormat f : kFormats) {
+      if (!has_format_[static_cast<int>(f)]) continue;
+      gemm_instance(act, f, true)<<<gate_up_grid, experts_cuda::kGemmThreads, 0, stream>>>(gp);
+      cuda::check_launch("expert_gemm_kernel (gate_up)");
+    }
+    if (has_format_[static_cast<int>(WeightFormat::fp8_block)]) {
+      experts_cuda::QuantizeHParams qp{gp.experts, ws.tiles, ws.num_tiles, ws.h, inter_max_};
+      experts_cuda::quantize_h_kernel<<<tile_slots, experts_cuda::kQuantizeThreads, 0, stream>>>(qp);
+      cuda::check_launch("quantize_h_kernel");
+    }
+    gp.a = ws.h;
+    gp.a_scales = nullptr;
+    gp.gather = nullptr;
+    gp.a_stride = inter_max_;
+    const dim3 down_grid(static_cast<unsigned>(ceil_div(h, experts_cuda::kTileCols)), tile_slots);
+    for (WeightFormat f : kFormats) {
+      if (!has_format_[static_cast<int>(f)]) continue;
+      gemm_instance(ActKind::f32, f, false)<<<down_grid, experts_cuda::kGemmThreads, 0, stream>>>(gp);
+      cuda::check_launch("expert_gemm_kernel (down)");
+    }
+  }
+
+  std::vector<std::shared_ptr<const ExpertWeights>> experts_;
+  int device_;
+  int64_t inter_max_ = 0;
+  std::array<bool, 3> has_format_{};
+  std::vector<Tensor> device_weights_;  // uploaded w13 / scales / w2 / scales of every expert
+  Tensor descs_;                        // [L] ExpertDesc on the device
+  Tensor workspace_;
+  int64_t workspace_bytes_ = 0;
+  ErrorRecord* error_ = nullptr;        // host-mapped, pinned
+  ErrorRecord* error_dev_ = nullptr;
+};
+
+}  // namespace
+
+std::unique_ptr<Experts> make_experts_cuda(std::vector<std::shared_ptr<const ExpertWeights>> local_experts, int device) {
+  return std::make_unique<CudaExperts>(std::move(local_experts), device);
+}
+
+}  // namespace epx

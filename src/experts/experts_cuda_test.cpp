@@ -1,0 +1,544 @@
+// experts/experts_cuda_test.cpp: the CUDA reference experts (make_experts_cuda) against the CPU
+// experts (make_experts_cpu) on the same fresh random inputs: every weight format, both layouts,
+// bf16 and fp8 inputs, DeepSeek-V3 and V4-Pro expert shapes, experts without tokens, NaN-poisoned
+// padding and unused slots, duplicates, deferred errors, graph capture, and full-layer timing.
+// Outputs are poisoned (NaN) before every GPU run, so an unwritten valid element fails.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "epx/cuda.h"
+#include "epx/error.h"
+#include "epx/experts.h"
+#include "epx/quant.h"
+#include "test_util.h"
+
+#ifdef EPX_WITH_CUDA
+#include <cuda_runtime_api.h>
+#endif
+
+namespace epx {
+namespace {
+
+#ifdef EPX_WITH_CUDA
+
+constexpr double kMaxRelL2 = 1e-2;  // METHOD.md, bf16 operands; NaN never passes
+
+const Device kDev = Device::cuda(0);
+
+int gpus() { return cuda::device_count(); }
+
+std::vector<int64_t> shape_of(const TensorView& t) { return std::vector<int64_t>(t.shape.begin(), t.shape.begin() + t.ndim); }
+
+Tensor to_dev(const TensorView& t) {
+  Tensor d = Tensor::empty(shape_of(t), t.dtype, kDev);
+  if (t.nbytes() > 0) copy(d, t);
+  return d;
+}
+
+void poison_dev(const Tensor& t) {
+  if (t.nbytes() > 0) device_allocator(DeviceKind::cuda)->memset(t.data(), 0xFF, t.nbytes());
+}
+
+TensorView rows_2d(const Tensor& t, int64_t hidden, int64_t begin, int64_t end) {
+  TensorView v(static_cast<char*>(t.data()) + begin * hidden * dtype_size(t.dtype()), t.dtype(), {end - begin, hidden});
+  return v;
+}
+
+/// Compact activation rows: bf16 [rows, H], or fp8 [rows, H] + scales [rows, H/128] quantized on the CPU.
+struct Rows {
+  Tensor x, scales;
+};
+
+Rows random_rows(int64_t rows, int64_t hidden, DType dtype, uint64_t seed) {
+  Rows r;
+  Tensor b = test::random_bf16(std::max<int64_t>(rows, 1), hidden, seed);
+  if (dtype == DType::bf16) {
+    r.x = b;
+    return r;
+  }
+  r.x = Tensor::empty({std::max<int64_t>(rows, 1), hidden}, DType::fp8_e4m3);
+  r.scales = Tensor::empty({std::max<int64_t>(rows, 1), hidden / kFp8GroupSize}, DType::fp32);
+  quantize_fp8_per_token_group(b, r.x, r.scales);
+  return r;
+}
+
+/// Copies compact row `src` of `rows` to row `dst` of x (and its scales).
+void place_row(const Rows& rows, int64_t src, const Tensor& x, const Tensor& scales, int64_t dst, int64_t hidden) {
+  const int64_t xb = hidden * dtype_size(x.dtype());
+  std::memcpy(static_cast<char*>(x.data()) + dst * xb, static_cast<const char*>(rows.x.data()) + src * xb, xb);
+  if (scales.defined()) {
+    const int64_t sb = hidden / kFp8GroupSize * 4;
+    std::memcpy(static_cast<char*>(scales.data()) + dst * sb, static_cast<const char*>(rows.scales.data()) + src * sb, sb);
+  }
+}
+
+std::string fmt_name(const std::vector<std::shared_ptr<const ExpertWeights>>& experts) {
+  std::string s;
+  for (const auto& e : experts) s += std::string(weight_format_name(e->format)) + "/I" + std::to_string(e->intermediate) + " ";
+  return s;
+}
+
+/// Counts elements of a bf16 view that are not finite.
+int64_t count_non_finite(const TensorView& t) {
+  int64_t bad = 0;
+  const uint16_t* p = t.ptr<const uint16_t>();
+  for (int64_t i = 0; i < t.numel(); ++i) bad += !std::isfinite(bf16_bits_to_float(p[i]));
+  return bad;
+}
+
+struct EmResult {
+  double max_rel_l2 = 0;
+};
+
+/// ExpertMajor: x [L, cap, H] with rows >= counts[l] NaN-poisoned; out poisoned; CPU vs CUDA.
+EmResult run_expert_major(Experts& cpu, Experts& gpu, const std::vector<int32_t>& counts, int64_t cap, DType x_dtype,
+                          uint64_t seed, Stream stream = {}) {
+  const int64_t L = cpu.num_local_experts(), H = cpu.hidden();
+  SCOPED_TRACE("expert_major L=" + std::to_string(L) + " cap=" + std::to_string(cap) + " H=" + std::to_string(H) + " x=" +
+               std::string(dtype_name(x_dtype)) + " seed=" + std::to_string(seed));
+  int64_t total = 0;
+  for (int32_t c : counts) total += c;
+  const Rows rows = random_rows(total, H, x_dtype, seed);
+  Tensor x = Tensor::empty({L, cap, H}, x_dtype), scales;
+  test::poison(x);
+  if (x_dtype == DType::fp8_e4m3) {
+    scales = Tensor::empty({L, cap, H / kFp8GroupSize}, DType::fp32);
+    test::poison(scales);
+  }
+  Tensor recv = Tensor::empty({L}, DType::int32);
+  for (int64_t l = 0, src = 0; l < L; ++l) {
+    recv.ptr<int32_t>()[l] = counts[l];
+    for (int64_t j = 0; j < counts[l]; ++j) place_row(rows, src++, x, scales, l * cap + j, H);
+  }
+  Tensor out_ref = Tensor::empty({L, cap, H}, DType::bf16);
+  test::poison(out_ref);
+  ExpertsInput in{ActivationLayout::ExpertMajor, x, scales, recv, {}, {}};
+  cpu.apply(in, out_ref);
+
+  const Tensor xd = to_dev(x), sd = scales.defined() ? to_dev(scales) : Tensor(), rd = to_dev(recv);
+  Tensor out = Tensor::empty({L, cap, H}, DType::bf16, kDev);
+  poison_dev(out);
+  gpu.apply({ActivationLayout::ExpertMajor, xd, sd, rd, {}, {}}, out, stream);
+  const Tensor oh = out.to(Device::cpu());  // synchronous copy: waits for the kernels
+
+  EmResult res;
+  for (int64_t l = 0; l < L; ++l) {
+    if (counts[l] > 0) {
+      const TensorView got = rows_2d(oh, H, l * cap, l * cap + counts[l]), want = rows_2d(out_ref, H, l * cap, l * cap + counts[l]);
+      EXPECT_EQ(count_non_finite(got), 0) << "expert " << l << ": valid rows not written or not finite";
+      const double e = test::rel_l2_error(got, want);
+      EXPECT_LE(e, kMaxRelL2) << "expert " << l << " rows " << counts[l];
+      res.max_rel_l2 = std::max(res.max_rel_l2, e);
+    }
+    // Rows >= recv_count are never written: the poison survives byte for byte.
+    const uint16_t* pad = oh.ptr<const uint16_t>() + (l * cap + counts[l]) * H;
+    int64_t touched = 0;
+    for (int64_t i = 0; i < (cap - counts[l]) * H; ++i) touched += pad[i] != 0xFFFFu;
+    EXPECT_EQ(touched, 0) << "expert " << l << ": padding rows were written";
+  }
+  return res;
+}
+
+struct FlatOptions {
+  double masked = 0.3;
+  bool duplicates = true;
+  bool int64_idx = false;
+};
+
+/// Flat: x [N, H]; topk_idx local or -1, weights NaN at -1, x rows without a local selection NaN.
+double run_flat(Experts& cpu, Experts& gpu, int64_t N, int K, DType x_dtype, uint64_t seed, const FlatOptions& opt = {}) {
+  const int64_t L = cpu.num_local_experts(), H = cpu.hidden();
+  SCOPED_TRACE("flat L=" + std::to_string(L) + " N=" + std::to_string(N) + " K=" + std::to_string(K) + " H=" +
+               std::to_string(H) + " x=" + std::string(dtype_name(x_dtype)) + (opt.int64_idx ? " idx=int64" : "") +
+               " seed=" + std::to_string(seed));
+  Tensor idx32, weights;
+  test::random_routing(N, K, static_cast<int>(L), seed, {.masked_fraction = opt.masked, .allow_duplicates = opt.duplicates},
+                       idx32, weights);
+  const Rows rows = random_rows(N, H, x_dtype, seed + 1);
+  Tensor x = rows.x, scales = rows.scales;
+  if (N == 0) {
+    x = Tensor::empty({0, H}, x_dtype);
+    if (x_dtype == DType::fp8_e4m3) scales = Tensor::empty({0, H / kFp8GroupSize}, DType::fp32);
+  }
+  std::vector<bool> has_local(static_cast<size_t>(N), false);
+  for (int64_t n = 0; n < N; ++n) {
+    for (int k = 0; k < K; ++k) {
+      if (idx32.ptr<int32_t>()[n * K + k] >= 0) has_local[n] = true;
+      else weights.ptr<float>()[n * K + k] = std::nanf("");  // must never be read
+    }
+    if (!has_local[n]) {  // such rows must never be read either
+      std::memset(static_cast<char*>(x.data()) + n * H * dtype_size(x_dtype), 0xFF, H * dtype_size(x_dtype));
+      if (scales.defined()) std::memset(scales.ptr<float>() + n * (H / kFp8GroupSize), 0xFF, H / kFp8GroupSize * 4);
+    }
+  }
+  Tensor idx = idx32;
+  if (opt.int64_idx) {
+    idx = Tensor::empty({N, K}, DType::int64);
+    for (int64_t i = 0; i < N * K; ++i) idx.ptr<int64_t>()[i] = idx32.ptr<int32_t>()[i];
+  }
+  Tensor out_ref = Tensor::empty({N, H}, DType::bf16);
+  cpu.apply({ActivationLayout::Flat, x, scales, {}, idx, weights}, out_ref);
+
+  const Tensor xd = to_dev(x), sd = scales.defined() ? to_dev(scales) : Tensor(), id = to_dev(idx), wd = to_dev(weights);
+  Tensor out = Tensor::empty({N, H}, DType::bf16, kDev);
+  poison_dev(out);
+  gpu.apply({ActivationLayout::Flat, xd, sd, {}, id, wd}, out);
+  const Tensor oh = out.to(Device::cpu());
+  if (N == 0) return 0.0;
+
+  EXPECT_EQ(count_non_finite(oh), 0) << "rows not written or not finite";
+  int64_t nonzero_empty = 0;
+  for (int64_t n = 0; n < N; ++n)
+    if (!has_local[n])
+      for (int64_t i = 0; i < H; ++i) nonzero_empty += oh.ptr<const uint16_t>()[n * H + i] != 0;
+  EXPECT_EQ(nonzero_empty, 0) << "rows without a local selection must be exact zeros";
+  double worst_row = 0;
+  for (int64_t n = 0; n < N; ++n)
+    if (has_local[n]) worst_row = std::max(worst_row, test::rel_l2_error(rows_2d(oh, H, n, n + 1), rows_2d(out_ref, H, n, n + 1)));
+  const double e = test::rel_l2_error(oh, out_ref);
+  EXPECT_LE(e, kMaxRelL2);
+  EXPECT_LE(worst_row, kMaxRelL2) << "worst single row";
+  return e;
+}
+
+std::vector<std::shared_ptr<const ExpertWeights>> same_format(WeightFormat f, int L, int64_t H, int64_t I, uint64_t seed) {
+  std::vector<std::shared_ptr<const ExpertWeights>> e;
+  for (int l = 0; l < L; ++l) e.push_back(ExpertWeights::random(f, H, I, seed + l));
+  return e;
+}
+
+// ---- correctness ------------------------------------------------------------------------------
+
+TEST(ExpertsCuda, SmallShapesEveryFormatBothLayouts) {
+  if (gpus() < 1) GTEST_SKIP() << "needs 1 GPU, found " << gpus();
+  uint64_t seed = 900;
+  for (WeightFormat f : {WeightFormat::bf16, WeightFormat::fp8_block, WeightFormat::mxfp4}) {
+    const auto experts = same_format(f, 4, 256, 256, seed += 10);
+    auto cpu = make_experts_cpu(experts);
+    auto gpu = make_experts_cuda(experts, 0);
+    for (DType xt : {DType::bf16, DType::fp8_e4m3}) {
+      SCOPED_TRACE(fmt_name(experts));
+      const EmResult em = run_expert_major(*cpu, *gpu, {0, 1, 300, 77}, 300, xt, ++seed);
+      const double fl = run_flat(*cpu, *gpu, 200, 6, xt, ++seed);
+      const double fl64 = run_flat(*cpu, *gpu, 37, 3, xt, ++seed, {.masked = 0.5, .duplicates = true, .int64_idx = true});
+      std::printf("[ rel_l2 ] %-10s x=%-8s expert_major %.2e flat %.2e flat(int64) %.2e\n", weight_format_name(f).data(),
+                  dtype_name(xt).data(), em.max_rel_l2, fl, fl64);
+    }
+  }
+}
+
+TEST(ExpertsCuda, RowCountsFromOneToAFewHundred) {
+  if (gpus() < 1) GTEST_SKIP() << "needs 1 GPU, found " << gpus();
+  const auto experts = same_format(WeightFormat::fp8_block, 6, 384, 128, 31);
+  auto cpu = make_experts_cpu(experts);
+  auto gpu = make_experts_cuda(experts, 0);
+  // Tile edges: 1, 31, 32, 33, 64, 257 rows; one expert without tokens.
+  run_expert_major(*cpu, *gpu, {1, 31, 32, 33, 0, 257}, 257, DType::fp8_e4m3, 32);
+  run_expert_major(*cpu, *gpu, {64, 0, 0, 0, 0, 1}, 64, DType::bf16, 33);
+  for (int64_t n : {1, 2, 5, 64, 333}) run_flat(*cpu, *gpu, n, 8, DType::fp8_e4m3, 40 + n);
+  run_flat(*cpu, *gpu, 0, 8, DType::bf16, 50);  // N = 0
+}
+
+TEST(ExpertsCuda, OddShapesBf16) {
+  if (gpus() < 1) GTEST_SKIP() << "needs 1 GPU, found " << gpus();
+  // Hidden and intermediate multiples of 8 but not of 32/128: partial K and column tiles.
+  for (auto [H, I] : {std::pair<int64_t, int64_t>{264, 40}, {8, 8}, {520, 200}}) {
+    const auto experts = same_format(WeightFormat::bf16, 3, H, I, 70 + H);
+    auto cpu = make_experts_cpu(experts);
+    auto gpu = make_experts_cuda(experts, 0);
+    run_expert_major(*cpu, *gpu, {5, 0, 33}, 40, DType::bf16, 71 + H);
+    run_flat(*cpu, *gpu, 45, 4, DType::bf16, 72 + H);
+  }
+}
+
+TEST(ExpertsCuda, MixedFormatsAndWidths) {
+  if (gpus() < 1) GTEST_SKIP() << "needs 1 GPU, found " << gpus();
+  // FHMoE: experts of different formats and intermediate sizes behind one Experts.
+  const int64_t H = 256;
+  std::vector<std::shared_ptr<const ExpertWeights>> experts = {
+      ExpertWeights::random(WeightFormat::bf16, H, 128, 81), ExpertWeights::random(WeightFormat::fp8_block, H, 256, 82),
+      ExpertWeights::random(WeightFormat::mxfp4, H, 64, 83), ExpertWeights::random(WeightFormat::mxfp4, H, 96, 84)};
+  auto cpu = make_experts_cpu(experts);
+  auto gpu = make_experts_cuda(experts, 0);
+  for (DType xt : {DType::bf16, DType::fp8_e4m3}) {
+    run_expert_major(*cpu, *gpu, {7, 40, 0, 65}, 70, xt, 85);
+    run_flat(*cpu, *gpu, 150, 5, xt, 86, {.masked = 0.2, .duplicates = true, .int64_idx = xt == DType::bf16});
+  }
+}
+
+TEST(ExpertsCuda, DeepSeekV3ExpertShapes) {
+  if (gpus() < 1) GTEST_SKIP() << "needs 1 GPU, found " << gpus();
+  // DeepSeek-V3: hidden 7168, moe_intermediate 2048, FP8 128x128 block weights, FP8 dispatch.
+  const auto experts = same_format(WeightFormat::fp8_block, 3, 7168, 2048, 300);
+  auto cpu = make_experts_cpu(experts);
+  auto gpu = make_experts_cuda(experts, 0);
+  for (DType xt : {DType::fp8_e4m3, DType::bf16}) {
+    const EmResult em = run_expert_major(*cpu, *gpu, {0, 1, 45}, 48, xt, 301);
+    const double fl = run_flat(*cpu, *gpu, 40, 8, xt, 302, {.masked = 0.5, .duplicates = true});
+    std::printf("[ rel_l2 ] deepseek-v3 experts x=%-8s expert_major %.2e flat %.2e\n", dtype_name(xt).data(), em.max_rel_l2, fl);
+  }
+}
+
+TEST(ExpertsCuda, DeepSeekV4ProExpertShapes) {
+  if (gpus() < 1) GTEST_SKIP() << "needs 1 GPU, found " << gpus();
+  // DeepSeek-V4-Pro: hidden 7168, expert width 3072, MXFP4 routed experts; FP8 shared expert.
+  std::vector<std::shared_ptr<const ExpertWeights>> experts = same_format(WeightFormat::mxfp4, 2, 7168, 3072, 400);
+  experts.push_back(ExpertWeights::random(WeightFormat::fp8_block, 7168, 3072, 402));
+  auto cpu = make_experts_cpu(experts);
+  auto gpu = make_experts_cuda(experts, 0);
+  for (DType xt : {DType::fp8_e4m3, DType::bf16}) {
+    const EmResult em = run_expert_major(*cpu, *gpu, {17, 40, 1}, 40, xt, 403);
+    const double fl = run_flat(*cpu, *gpu, 24, 6, xt, 404, {.masked = 0.4, .duplicates = true});
+    std::printf("[ rel_l2 ] deepseek-v4-pro experts x=%-8s expert_major %.2e flat %.2e\n", dtype_name(xt).data(), em.max_rel_l2,
+                fl);
+  }
+}
+
+// ---- errors, graphs ---------------------------------------------------------------------------
+
+TEST(ExpertsCuda, RejectsBadArguments) {
+  if (gpus() < 1) GTEST_SKIP() << "needs 1 GPU, found " << gpus();
+  const auto experts = same_format(WeightFormat::bf16, 2, 256, 64, 500);
+  auto gpu = make_experts_cuda(experts, 0);
+  EXPECT_THROW(make_experts_cuda({}, 0), InvalidArgument);
+  EXPECT_THROW(make_experts_cuda(experts, cuda::device_count()), InvalidArgument);
+  EXPECT_THROW(make_experts_cuda({ExpertWeights::random(WeightFormat::bf16, 12, 8, 1)}, 0), InvalidArgument);  // H % 8
+  Tensor x_cpu = Tensor::empty({2, 4, 256}, DType::bf16), recv_cpu = Tensor::zeros({2}, DType::int32);
+  Tensor x = to_dev(x_cpu), recv = to_dev(recv_cpu), out = Tensor::empty({2, 4, 256}, DType::bf16, kDev);
+  EXPECT_THROW(gpu->apply({ActivationLayout::ExpertMajor, x_cpu, {}, recv, {}, {}}, out), InvalidArgument);  // CPU x
+  Tensor out_bad = Tensor::empty({2, 5, 256}, DType::bf16, kDev);
+  EXPECT_THROW(gpu->apply({ActivationLayout::ExpertMajor, x, {}, recv, {}, {}}, out_bad), InvalidArgument);  // shape
+  Tensor x8 = Tensor::empty({2, 4, 256}, DType::fp8_e4m3, kDev);
+  EXPECT_THROW(gpu->apply({ActivationLayout::ExpertMajor, x8, {}, recv, {}, {}}, out), InvalidArgument);  // no scales
+  EXPECT_NO_THROW(gpu->apply({ActivationLayout::ExpertMajor, x, {}, recv, {}, {}}, out));  // all counts 0
+}
+
+TEST(ExpertsCuda, BadDeviceIndicesAreSkippedAndReportedByTheNextApply) {
+  if (gpus() < 1) GTEST_SKIP() << "needs 1 GPU, found " << gpus();
+  const int64_t H = 128;
+  const auto experts = same_format(WeightFormat::bf16, 2, H, 64, 600);
+  auto gpu = make_experts_cuda(experts, 0);
+  Tensor x = to_dev(test::random_bf16(3, H, 601));
+  Tensor idx_h = Tensor::empty({3, 2}, DType::int32), w_h = Tensor::empty({3, 2}, DType::fp32);
+  const int32_t idx_vals[] = {0, 1, 2, -1, 1, -7};  // 2 and -7 are bad for L = 2
+  for (int i = 0; i < 6; ++i) idx_h.ptr<int32_t>()[i] = idx_vals[i], w_h.ptr<float>()[i] = 0.5f;
+  Tensor idx = to_dev(idx_h), w = to_dev(w_h), out = Tensor::empty({3, H}, DType::bf16, kDev);
+  gpu->apply({ActivationLayout::Flat, x, {}, {}, idx, w}, out);
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  // The bad entries contributed nothing: row 1 (only bad or -1) is zero.
+  const Tensor oh = out.to(Device::cpu());
+  for (int64_t i = 0; i < H; ++i) ASSERT_EQ(oh.ptr<uint16_t>()[H + i], 0) << i;
+  try {
+    gpu->apply({ActivationLayout::Flat, x, {}, {}, idx, w}, out);
+    ADD_FAILURE() << "expected InvalidArgument for topk_idx out of range";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("topk_idx["), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);  // that failed call launched nothing; drain the first
+  // recv_count above cap, clamped and reported.
+  Tensor recv_h = Tensor::empty({2}, DType::int32);
+  recv_h.ptr<int32_t>()[0] = 9, recv_h.ptr<int32_t>()[1] = 1;
+  Tensor xe = to_dev(test::random_bf16(2 * 4, H, 602)), recv = to_dev(recv_h), oute = Tensor::empty({2, 4, H}, DType::bf16, kDev);
+  TensorView xe3 = xe.view();
+  xe3.ndim = 3, xe3.shape = {2, 4, H, 0}, xe3.strides = {4 * H, H, 1, 0};
+  // Either apply may throw the pending topk_idx error first; the recv_count one must follow.
+  bool saw_recv = false;
+  for (int attempt = 0; attempt < 3 && !saw_recv; ++attempt) {
+    try {
+      gpu->apply({ActivationLayout::ExpertMajor, xe3, {}, recv, {}, {}}, oute);
+      EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    } catch (const InvalidArgument& e) {
+      saw_recv = std::string(e.what()).find("recv_count[0]") != std::string::npos;
+    }
+  }
+  EXPECT_TRUE(saw_recv);
+}
+
+TEST(ExpertsCuda, GraphCaptureAfterWarmUp) {
+  if (gpus() < 1) GTEST_SKIP() << "needs 1 GPU, found " << gpus();
+  const int64_t H = 256, cap = 48;
+  const auto experts = same_format(WeightFormat::mxfp4, 3, H, 128, 700);
+  auto cpu = make_experts_cpu(experts);
+  auto gpu = make_experts_cuda(experts, 0);
+  cudaStream_t stream = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  const Stream s{stream};
+
+  Tensor x = to_dev(test::random_bf16(3 * cap, H, 701));
+  TensorView x3 = x.view();
+  x3.ndim = 3, x3.shape = {3, cap, H, 0}, x3.strides = {cap * H, H, 1, 0};
+  Tensor recv = Tensor::zeros({3}, DType::int32, kDev), out = Tensor::empty({3, cap, H}, DType::bf16, kDev);
+  const ExpertsInput in{ActivationLayout::ExpertMajor, x3, {}, recv, {}, {}};
+
+  // Before any eager call the workspace must grow, which capture forbids.
+  cudaGraph_t graph = nullptr;
+  ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), cudaSuccess);
+  EXPECT_THROW(gpu->apply(in, out, s), Unsupported);
+  ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
+  if (graph) cudaGraphDestroy(graph);
+
+  gpu->apply(in, out, s);  // warm-up
+  ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), cudaSuccess);
+  gpu->apply(in, out, s);
+  ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
+  cudaGraphExec_t exec = nullptr;
+  ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+
+  // Replays with new counts written on the device: the graph reads them there.
+  const Tensor x_h = x.to(Device::cpu());
+  for (const std::vector<int32_t>& counts : {std::vector<int32_t>{3, 0, 48}, std::vector<int32_t>{1, 47, 2}}) {
+    Tensor recv_h = Tensor::empty({3}, DType::int32);
+    std::copy(counts.begin(), counts.end(), recv_h.ptr<int32_t>());
+    ASSERT_EQ(cudaMemcpyAsync(recv.data(), recv_h.data(), 12, cudaMemcpyHostToDevice, stream), cudaSuccess);
+    ASSERT_EQ(cudaMemsetAsync(out.data(), 0xFF, static_cast<size_t>(out.nbytes()), stream), cudaSuccess);
+    ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
+    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    Tensor ref = Tensor::empty({3, cap, H}, DType::bf16);
+    test::poison(ref);
+    TensorView xh3 = x_h.view();
+    xh3.ndim = 3, xh3.shape = {3, cap, H, 0}, xh3.strides = {cap * H, H, 1, 0};
+    cpu->apply({ActivationLayout::ExpertMajor, xh3, {}, recv_h, {}, {}}, ref);
+    const Tensor oh = out.to(Device::cpu());
+    for (int64_t l = 0; l < 3; ++l) {
+      if (counts[l] == 0) continue;
+      EXPECT_LE(test::rel_l2_error(rows_2d(oh, H, l * cap, l * cap + counts[l]), rows_2d(ref, H, l * cap, l * cap + counts[l])),
+                kMaxRelL2)
+          << "replay counts " << counts[0] << "," << counts[1] << "," << counts[2] << " expert " << l;
+      const uint16_t* pad = oh.ptr<const uint16_t>() + (l * cap + counts[l]) * H;
+      EXPECT_TRUE(std::all_of(pad, pad + (cap - counts[l]) * H, [](uint16_t v) { return v == 0xFFFFu; })) << "expert " << l;
+    }
+  }
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
+}
+
+// ---- full layers: time and check -----------------------------------------------------------------
+
+/// One rank's experts of a full layer (every local expert shares one weight set: the upload and
+/// the GEMM work are the real ones, the CPU check stays cheap). 256 tokens routed top-K over E
+/// experts; this rank holds experts [0, L). Times ExpertMajor (cap = 2 ranks x 256) and Flat.
+void full_layer(const char* name, WeightFormat f, int64_t H, int64_t I, int L, int E, int K) {
+  const int64_t T = 256, cap = 2 * T;
+  const auto w = ExpertWeights::random(f, H, I, 1000);
+  std::vector<std::shared_ptr<const ExpertWeights>> experts(static_cast<size_t>(L), w);
+  auto cpu = make_experts_cpu(experts);
+  const auto t0 = std::chrono::steady_clock::now();
+  auto gpu = make_experts_cuda(experts, 0);
+  const double upload_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+
+  Tensor idx_g, weights;
+  test::random_routing(T, K, E, 1001, {}, idx_g, weights);
+  // Flat: local ids or -1.
+  Tensor idx = Tensor::empty({T, K}, DType::int32);
+  std::vector<int32_t> counts(static_cast<size_t>(L), 0);
+  for (int64_t i = 0; i < T * K; ++i) {
+    const int32_t e = idx_g.ptr<int32_t>()[i];
+    idx.ptr<int32_t>()[i] = e < L ? e : -1;
+    if (e < L) ++counts[e];
+  }
+  int64_t pairs = 0;
+  for (int32_t c : counts) pairs += c;
+
+  cudaStream_t stream = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  cudaEvent_t start, stop;
+  cudaEventCreate(&start);
+  cudaEventCreate(&stop);
+  auto time_ms = [&](auto&& fn) {
+    fn();  // warm-up (workspace)
+    std::vector<float> ms;
+    for (int r = 0; r < 5; ++r) {
+      cudaEventRecord(start, stream);
+      fn();
+      cudaEventRecord(stop, stream);
+      cudaEventSynchronize(stop);
+      float v = 0;
+      cudaEventElapsedTime(&v, start, stop);
+      ms.push_back(v);
+    }
+    std::sort(ms.begin(), ms.end());
+    return ms[ms.size() / 2];
+  };
+
+  // ExpertMajor, fp8 dispatch.
+  const Rows rows = random_rows(pairs, H, DType::fp8_e4m3, 1002);
+  Tensor x = Tensor::empty({L, cap, H}, DType::fp8_e4m3), scales = Tensor::empty({L, cap, H / kFp8GroupSize}, DType::fp32);
+  test::poison(x);
+  test::poison(scales);
+  Tensor recv = Tensor::empty({L}, DType::int32);
+  for (int64_t l = 0, src = 0; l < L; ++l) {
+    recv.ptr<int32_t>()[l] = counts[l];
+    for (int64_t j = 0; j < counts[l]; ++j) place_row(rows, src++, x, scales, l * cap + j, H);
+  }
+  const Tensor xd = to_dev(x), sd = to_dev(scales), rd = to_dev(recv);
+  Tensor out = Tensor::empty({L, cap, H}, DType::bf16, kDev);
+  poison_dev(out);
+  const ExpertsInput in_em{ActivationLayout::ExpertMajor, xd, sd, rd, {}, {}};
+  const float em_ms = time_ms([&] { gpu->apply(in_em, out, Stream{stream}); });
+  ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  const Tensor oh = out.to(Device::cpu());
+  Tensor ref = Tensor::empty({L, cap, H}, DType::bf16);
+  test::poison(ref);
+  cpu->apply({ActivationLayout::ExpertMajor, x, scales, recv, {}, {}}, ref);
+  double em_err = 0;
+  for (int64_t l = 0; l < L; ++l)
+    if (counts[l] > 0)
+      em_err = std::max(em_err, test::rel_l2_error(rows_2d(oh, H, l * cap, l * cap + counts[l]),
+                                                   rows_2d(ref, H, l * cap, l * cap + counts[l])));
+  EXPECT_LE(em_err, kMaxRelL2);
+
+  // Flat, fp8 dispatch: T rows, each with its local selections.
+  const Rows frows = random_rows(T, H, DType::fp8_e4m3, 1003);
+  const Tensor fxd = to_dev(frows.x), fsd = to_dev(frows.scales), idd = to_dev(idx), wd = to_dev(weights);
+  Tensor fout = Tensor::empty({T, H}, DType::bf16, kDev);
+  const ExpertsInput in_flat{ActivationLayout::Flat, fxd, fsd, {}, idd, wd};
+  const float flat_ms = time_ms([&] { gpu->apply(in_flat, fout, Stream{stream}); });
+  ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  Tensor fref = Tensor::empty({T, H}, DType::bf16);
+  cpu->apply({ActivationLayout::Flat, frows.x, frows.scales, {}, idx, weights}, fref);
+  const double flat_err = test::rel_l2_error(fout.to(Device::cpu()), fref);
+  EXPECT_LE(flat_err, kMaxRelL2);
+
+  const double flop = 2.0 * pairs * 3.0 * static_cast<double>(H) * static_cast<double>(I);
+  std::printf("[ timing ] %s: L=%d %s H=%lld I=%lld, %lld tokens top-%d of %d -> %lld local pairs: expert_major %.2f ms "
+              "(%.1f TFLOP/s, rel_l2 %.1e), flat %.2f ms (rel_l2 %.1e); weight upload %.1f s\n",
+              name, L, weight_format_name(f).data(), static_cast<long long>(H), static_cast<long long>(I),
+              static_cast<long long>(T), K, E, static_cast<long long>(pairs), em_ms, flop / (em_ms * 1e-3) / 1e12, em_err,
+              flat_ms, flat_err, upload_s);
+  EXPECT_LT(em_ms, 500.0f) << "a full layer's experts must take well under a second";
+  EXPECT_LT(flat_ms, 500.0f);
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  cudaStreamDestroy(stream);
+}
+
+TEST(ExpertsCuda, FullLayerDeepSeekV3) {
+  if (gpus() < 1) GTEST_SKIP() << "needs 1 GPU, found " << gpus();
+  full_layer("deepseek-v3", WeightFormat::fp8_block, 7168, 2048, 128, 256, 8);
+}
+
+TEST(ExpertsCuda, FullLayerDeepSeekV4Pro) {
+  if (gpus() < 1) GTEST_SKIP() << "needs 1 GPU, found " << gpus();
+  full_layer("deepseek-v4-pro", WeightFormat::mxfp4, 7168, 3072, 192, 384, 6);
+}
+
+#else
+
+TEST(ExpertsCuda, CpuOnlyBuildThrowsUnsupported) {
+  const auto w = ExpertWeights::random(WeightFormat::bf16, 64, 32, 1);
+  EXPECT_THROW(make_experts_cuda({w}, 0), Unsupported);
+}
+
+#endif
+
+}  // namespace
+}  // namespace epx
