@@ -6,7 +6,8 @@
 // Inputs are fresh random tokens (never zeros) with uneven T per rank (T = 0 included), -1
 // selections, duplicate experts, the shared route, int32 and int64 ids, bf16 and fp8 (incl. UE8M0)
 // dispatch, hidden 7168 and 2048, a rank holding no expert; two rounds per backend object with
-// different shapes, and device outputs poisoned (NaN) before each call. The experts step is the
+// different shapes (the second on the legacy default stream, with x and out 2 bytes off alignment),
+// and device outputs poisoned (NaN) before each call. The experts step is the
 // harness's deterministic TestExperts run on the host on copies of the prepare outputs, so this
 // test does not depend on the CUDA experts. The CPU oracle runs in the parent before the fork;
 // every child inherits it.
@@ -228,21 +229,30 @@ std::vector<Snapshot> run_gpu(const std::string& name, const Case& c, const Roun
   std::vector<Snapshot> snaps(rounds.size());
   for (size_t i = 0; i < rounds.size(); ++i) {
     const RankInput& ri = rounds[i][static_cast<size_t>(r)];
-    const Tensor x = ri.x.to(dev), idx = ri.topk_idx.to(dev), w = ri.topk_weights.to(dev);
-    if (pf->why_unsupported({x, idx, w, Stream{stream}})) throw std::runtime_error(*pf->why_unsupported({x, idx, w}));
-    const PrepareResult p = pf->prepare({x, idx, w, Stream{stream}});
-    cuda_ok(cudaStreamSynchronize(stream), "sync after prepare");
+    const int64_t T = ri.x.size(0);
+    // Odd rounds: the legacy default stream, and x / out starting 2 bytes into their allocations
+    // (rows neither 4- nor 16-byte aligned: the narrow copy, quantize and combine paths).
+    const bool odd = i % 2 == 1;
+    const cudaStream_t s = odd ? nullptr : stream;
+    const Tensor x_store = Tensor::empty({T * c.H + 1}, DType::bf16, dev);
+    const TensorView x(x_store.ptr<uint16_t>() + (odd ? 1 : 0), DType::bf16, {T, c.H}, dev);
+    copy(x, ri.x);
+    const Tensor idx = ri.topk_idx.to(dev), w = ri.topk_weights.to(dev);
+    if (pf->why_unsupported({x, idx, w, Stream{s}})) throw std::runtime_error(*pf->why_unsupported({x, idx, w}));
+    const PrepareResult p = pf->prepare({x, idx, w, Stream{s}});
+    cuda_ok(cudaStreamSynchronize(s), "sync after prepare");
     for (const TensorView* v : {&p.x, &p.topk_idx, &p.topk_weights, &p.recv_count})
       if (v->device != dev) throw std::runtime_error("prepare output on " + v->device.str() + ", want " + dev.str());
-    Snapshot& s = snaps[i];
-    take_prepare(p, s);
-    const Tensor eo = experts_out(c, r, s).to(dev);
-    Tensor out = Tensor::empty({ri.x.size(0), c.H}, DType::bf16, dev);
-    cuda_ok(cudaMemset(out.data(), 0xFF, static_cast<size_t>(out.nbytes())), "poison out");
-    pf->finalize({eo, out, Stream{stream}});
-    cuda_ok(cudaStreamSynchronize(stream), "sync after finalize");
-    s.out = host_bytes(out);
-    s.stats = pf->stats();
+    Snapshot& snap = snaps[i];
+    take_prepare(p, snap);
+    const Tensor eo = experts_out(c, r, snap).to(dev);
+    const Tensor out_store = Tensor::empty({T * c.H + 1}, DType::bf16, dev);
+    cuda_ok(cudaMemset(out_store.data(), 0xFF, static_cast<size_t>(out_store.nbytes())), "poison out");
+    const TensorView out(out_store.ptr<uint16_t>() + (odd ? 1 : 0), DType::bf16, {T, c.H}, dev);
+    pf->finalize({eo, out, Stream{s}});
+    cuda_ok(cudaStreamSynchronize(s), "sync after finalize");
+    snap.out = host_bytes(out);
+    snap.stats = pf->stats();
   }
   return snaps;
 }
