@@ -60,8 +60,13 @@ std::string hex16(uint64_t v) {
 }
 
 // Short pauses first (most waits end within microseconds), then 1 ms sleeps.
+// Host waits on peers are latency-critical (the barrier, a backend's plan exchange): spin (yield)
+// for the first ~10 ms, then sleep 50 us, and 1 ms only after about a second. A 1 ms sleep after
+// 200 yields (~0.1 ms) added up to 1 ms to every host sync: epx bench measured a 1 MB all-to-all
+// at p50 1.2 ms against p10 0.15 ms on 2 x H200, the barrier's exit skew.
 void backoff(int64_t spins) {
-  if (spins < 200) std::this_thread::yield();
+  if (spins < 20000) std::this_thread::yield();
+  else if (spins < 40000) std::this_thread::sleep_for(std::chrono::microseconds(50));
   else std::this_thread::sleep_for(std::chrono::milliseconds(1));
 }
 

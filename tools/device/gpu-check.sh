@@ -18,7 +18,8 @@
 #         sanitizer.log compute-sanitizer memcheck + racecheck of the single-process kernel tests
 #         results.tar.gz the benchmark step (after the tests): bench-ll-v3.json bench-ht-v3.json
 #                       moe-deepseek-v3.json moe-deepseek-v4-pro.json (2 ranks; RESULTS.md JSON, for
-#                       bench/results/h200x2/), bench-*-r1.json (1 rank, for bench/results/h200x1/), bench.log
+#                       bench/results/h200x2/), bench-*-r1.json and moe-deepseek-v3-r1.json (1 rank, for
+#                       bench/results/h200x1/), bench.log
 #                       (configure.log is then appended to build.log, to stay within 8 files)
 #
 # NVLink multicast stays off (NCCL_NVLS_ENABLE=0): on the shared GPU hosts it can take the GPUs out of
@@ -150,14 +151,16 @@ run() {
     }
     {
       bench_one 120 bench --case ll-v3 --backend all --ranks 2 --iters 200 --warmup 20 --json "$res/bench-ll-v3.json"
-      bench_one 180 bench --case ht-v3 --backend all --ranks 2 --iters 50 --warmup 5 --json "$res/bench-ht-v3.json"
+      bench_one 180 bench --case ht-v3 --backend all --ranks 2 --iters 100 --warmup 10 --json "$res/bench-ht-v3.json"
       bench_one 240 moe --device cuda --ranks 2 --preset deepseek-v3 --backend all --tokens-per-rank 128 --steps "$steps" \
         --validate-tokens 8 --json "$res/moe-deepseek-v3.json"
       bench_one 240 moe --device cuda --ranks 2 --preset deepseek-v4-pro --backend all --tokens-per-rank 128 --steps "$steps" \
         --validate-tokens 8 --json "$res/moe-deepseek-v4-pro.json"
       if [ "${GPU_CHECK_BENCH_ONE_GPU:-${GPU_CHECK_ONE_GPU:-1}}" != 0 ]; then
         bench_one 60 bench --case ll-v3 --backend all --ranks 1 --iters 200 --warmup 20 --json "$res/bench-ll-v3-r1.json"
-        bench_one 120 bench --case ht-v3 --backend all --ranks 1 --iters 50 --warmup 5 --json "$res/bench-ht-v3-r1.json"
+        bench_one 120 bench --case ht-v3 --backend all --ranks 1 --iters 100 --warmup 10 --json "$res/bench-ht-v3-r1.json"
+        bench_one 180 moe --device cuda --ranks 1 --preset deepseek-v3 --backend all --tokens-per-rank 128 --steps 2 \
+          --validate-tokens 8 --json "$res/moe-deepseek-v3-r1.json"
       fi
     } >"$res/bench.log" 2>&1
     # The source came from `git archive`, so epx cannot see its commit: name the packed one.

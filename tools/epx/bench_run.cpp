@@ -157,6 +157,14 @@ DispatchConfig dispatch_config(const BenchCase& c, int64_t T, DType dtype) {
   return cfg;
 }
 
+/// Starts a timed iteration on every rank at the same moment: the group barrier (host), then a
+/// one-float all-reduce on the rank's stream, so the GPUs leave it together whatever the skew with
+/// which the hosts left the barrier; the caller records its first event after it.
+void align_ranks(Group& group, const Tensor& word, Stream stream) {
+  group.barrier();
+  group.all_reduce_sum(word.data(), word.data(), 1, DType::fp32, stream);
+}
+
 /// The dispatch -> identity experts -> combine round trip of one backend on one rank, `warmup` +
 /// `iters` times; times prepare and finalize of the last `iters`. Collective.
 void run_epx_backend(const Job& job, const BenchCase& c, int64_t T, const std::shared_ptr<Group>& group, Device dev,
@@ -168,9 +176,10 @@ void run_epx_backend(const Job& job, const BenchCase& c, int64_t T, const std::s
   auto experts = make_identity_experts(num_local_experts(cfg, R, rank), c.hidden, dev);
   Tensor out = Tensor::empty({T, c.hidden}, DType::bf16, dev);
   Tensor expert_out;
+  const Tensor word = Tensor::zeros({1}, DType::fp32, dev);
   auto round_trip = [&](bool timed) {
     if (timed) {
-      group->barrier();
+      align_ranks(*group, word, stream);
       timer.mark(0);
     }
     DispatchArgs a;
@@ -218,9 +227,10 @@ void run_raw_a2a(const BenchCase& c, DType dtype, int64_t rows_per_peer, const s
   Tensor recv_d = Tensor::zeros({std::max<int64_t>(1, R * rows_per_peer * disp_row)}, DType::uint8, dev);
   Tensor send_c = Tensor::zeros({std::max<int64_t>(1, R * rows_per_peer * comb_row)}, DType::uint8, dev);
   Tensor recv_c = Tensor::zeros({std::max<int64_t>(1, R * rows_per_peer * comb_row)}, DType::uint8, dev);
+  const Tensor word = Tensor::zeros({1}, DType::fp32, dev);
   auto once = [&](bool timed) {
     if (timed) {
-      group->barrier();
+      align_ranks(*group, word, stream);
       timer.mark(0);
     }
     group->all_to_allv(send_d.data(), disp, recv_d.data(), disp, stream);

@@ -3,7 +3,8 @@
 // For each case (ANCHORS.md shapes), wire dtype and backend it times prepare (dispatch) and
 // finalize (combine) separately, with the expert step replaced by the identity expert
 // (src/experts/identity.h: one untimed pass over x), so only communication is measured:
-//   per iteration: group barrier (device sync + all-reduce), then CUDA events around prepare and
+//   per iteration: group barrier (device sync + all-reduce) and a one-float all-reduce on the
+//   rank's stream (the GPUs then start together whatever the hosts' skew), then CUDA events around prepare and
 //   around finalize on the rank's stream; an iteration's time is the slowest rank's; p10/p50/p90
 //   over the iterations after the warm-up.
 // In the same run it times NCCL's raw all-to-all of the same bytes (backend nccl_a2a_raw: grouped

@@ -179,13 +179,17 @@ RankBackendRun run_backend_on_rank(const Workload& w, const MoeOptions& o, const
     for (int i = 0; i < w.warmup; ++i) call(static_cast<size_t>(i) % S, out_dev[static_cast<size_t>(i) % S]);
     cuda_ok(cudaStreamSynchronize(stream), "warm-up");
     const PathCounters before = layer.counters();
+    const Tensor word = Tensor::zeros({1}, DType::fp32, group->device());
     cudaEvent_t e0, e1;
     cuda_ok(cudaEventCreate(&e0), "cudaEventCreate");
     cuda_ok(cudaEventCreate(&e1), "cudaEventCreate");
     for (size_t st = 0; st < S; ++st) {
       // NaN-poison the output, so a row the layer never writes fails validation.
       cuda_ok(cudaMemsetAsync(out_dev[st].data(), 0xFF, static_cast<size_t>(out_dev[st].nbytes()), stream), "poison");
+      // Barrier, then a one-float all-reduce on the stream: the GPUs start the step together
+      // whatever the skew with which the hosts left the barrier.
       group->barrier();
+      group->all_reduce_sum(word.data(), word.data(), 1, DType::fp32, s);
       cuda_ok(cudaEventRecord(e0, stream), "cudaEventRecord");
       call(st, out_dev[st]);
       cuda_ok(cudaEventRecord(e1, stream), "cudaEventRecord");

@@ -173,7 +173,7 @@ void write_results_json(const std::string& path, const std::string& command, con
         {"rel_l2_error", r.validated ? number_or_null(r.rel_l2_error) : json(nullptr)},
         {"tolerance_rel_l2", kRelL2Tolerance},
         {"status", r.status},
-        {"validated_tokens", r.validated_tokens >= 0 ? json(r.validated_tokens) : json(total)},
+        {"validated_tokens", !r.validated ? json(0) : r.validated_tokens >= 0 ? json(r.validated_tokens) : json(total)},
         {"counters", {{"calls", r.counters.calls}, {"chunks", r.counters.chunks}, {"idle_chunks", r.counters.idle_chunks},
                       {"shared_fused", r.counters.shared_fused}, {"shared_separate", r.counters.shared_separate}}},
     };
