@@ -54,7 +54,8 @@ __global__ void identity_flat_kernel(IdentityParams p) {
       if (l < 0 || l >= p.num_local) continue;
       if (!loaded) y = load_x(p, row, h);
       loaded = true;
-      acc += p.topk_weights[row * p.top_k + k] * y;
+      // No fused multiply-add: the CPU twin rounds the product, then the sum (bit-identical outputs).
+      acc = __fadd_rn(acc, __fmul_rn(p.topk_weights[row * p.top_k + k], y));
     }
     p.out[row * p.hidden + h] = float_to_bf16_bits(acc);
   }

@@ -73,7 +73,8 @@ __global__ void add_shared_kernel(uint16_t* __restrict__ out, const uint16_t* __
                                   int64_t H, int64_t n) {
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n; i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const float g = gate[i / H];
-    out[i] = float_to_bf16_bits(bf16_bits_to_float(out[i]) + g * bf16_bits_to_float(y[i]));
+    // Product and sum rounded separately, as on the CPU (no fused multiply-add).
+    out[i] = float_to_bf16_bits(__fadd_rn(bf16_bits_to_float(out[i]), __fmul_rn(g, bf16_bits_to_float(y[i]))));
   }
 }
 
