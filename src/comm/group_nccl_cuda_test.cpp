@@ -29,77 +29,17 @@
 
 #include "comm/group_nccl.h"
 #endif
+#include "forked_ranks.h"
 
 namespace epx {
 namespace {
-
-/// A fresh directory for one test's rendezvous files.
-std::string fresh_dir() {
-  char tmpl[] = "/tmp/epx_nccl_test_XXXXXX";
-  const char* d = mkdtemp(tmpl);
-  if (!d) throw std::runtime_error("mkdtemp failed");
-  return d;
-}
 
 [[maybe_unused]] void require(bool ok, const std::string& what) {
   if (!ok) throw std::runtime_error(what);
 }
 
-/// Forks `world` ranks running fn(rank); returns "" when all exit 0 within deadline_s, else a
-/// description of the failed ranks (their own messages went to stderr).
-[[maybe_unused]] std::string run_ranks_forked(int world, double deadline_s, const std::function<void(int)>& fn) {
-  std::fflush(stdout);
-  std::fflush(stderr);
-  std::vector<pid_t> pids;
-  for (int r = 0; r < world; ++r) {
-    const pid_t pid = fork();
-    if (pid < 0) return "fork failed";
-    if (pid == 0) {
-      int code = 0;
-      try {
-        fn(r);
-      } catch (const std::exception& e) {
-        std::fprintf(stderr, "[rank %d] FAILED: %s\n", r, e.what());
-        code = 1;
-      } catch (...) {
-        std::fprintf(stderr, "[rank %d] FAILED: unknown exception\n", r);
-        code = 1;
-      }
-      std::fflush(stdout);
-      std::fflush(stderr);
-      _exit(code);
-    }
-    pids.push_back(pid);
-  }
-  std::string failures;
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(deadline_s);
-  std::vector<bool> done(pids.size(), false);
-  size_t remaining = pids.size();
-  while (remaining > 0) {
-    for (size_t r = 0; r < pids.size(); ++r) {
-      if (done[r]) continue;
-      int status = 0;
-      const pid_t got = waitpid(pids[r], &status, WNOHANG);
-      if (got == pids[r]) {
-        done[r] = true;
-        --remaining;
-        if (!WIFEXITED(status) || WEXITSTATUS(status) != 0)
-          failures += "rank " + std::to_string(r) + " exited with status " + std::to_string(status) + "; ";
-      }
-    }
-    if (remaining > 0 && std::chrono::steady_clock::now() > deadline) {
-      for (size_t r = 0; r < pids.size(); ++r) {
-        if (done[r]) continue;
-        kill(pids[r], SIGKILL);
-        waitpid(pids[r], nullptr, 0);
-        failures += "rank " + std::to_string(r) + " still running after " + std::to_string(deadline_s) + " s (killed); ";
-      }
-      break;
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(5));
-  }
-  return failures;
-}
+using test::fresh_dir;
+using test::run_ranks_forked;
 
 TEST(NcclRendezvous, TimesOutWhenRankZeroNeverWrites) {
   const std::string path = fresh_dir() + "/never_written";
