@@ -46,6 +46,11 @@ struct DispatchConfig {
   bool use_ue8m0 = false;                     ///< fp8: power-of-two scales
   bool shared_route = false;                  ///< FHMoE: id E routes to the source rank's shared replica
   int expert_alignment = 1;                   ///< ht: per-expert counts rounded up to this
+  /// ht on CUDA: graph-safe "worst-case" sizing (DeepEP num_worst_tokens): prepare never waits on the
+  /// host; every Flat output has R * num_max_dispatch_tokens_per_rank rows, N_recv stays on the device
+  /// (PrepareResult::num_recv_tokens_device), rows beyond it have topk_idx -1 (no expert work), and
+  /// finalize takes expert_out with that many rows. Off: one host read of N_recv per prepare.
+  bool use_worst_case_sizing = false;
 };
 
 /// Experts [begin, end) held by `rank` out of E split over R (sizes differ by at most one).
@@ -71,6 +76,9 @@ struct PrepareResult {
   TensorView topk_idx;      ///< Flat: [N_recv, K] int32 local expert index or -1
   TensorView topk_weights;  ///< Flat: [N_recv, K] fp32
   int64_t num_recv_tokens = 0;  ///< Flat: N_recv; ExpertMajor: sum of recv_count
+  /// ht on CUDA: [1] int32 on the device, N_recv of this prepare, valid once the stream reaches it
+  /// (with use_worst_case_sizing the host-side num_recv_tokens is the row capacity instead); else empty.
+  TensorView num_recv_tokens_device;
   /// As the Experts interface takes it.
   ExpertsInput experts_input() const { return {layout, x, x_scales, recv_count, topk_idx, topk_weights}; }
 };

@@ -18,5 +18,7 @@ std::unique_ptr<PrepareFinalize> make_ht_cpu(std::shared_ptr<Group> group, const
 std::unique_ptr<PrepareFinalize> make_naive_cuda(std::shared_ptr<Group> group, const DispatchConfig& cfg);
 std::unique_ptr<PrepareFinalize> make_agrs_cuda(std::shared_ptr<Group> group, const DispatchConfig& cfg);
 std::unique_ptr<PrepareFinalize> make_all2allv_cuda(std::shared_ptr<Group> group, const DispatchConfig& cfg);
+/// ht over NCCL symmetric memory (ht_cuda.h); SM budget and warps from Config (ht_num_sms, ht_warps_per_block).
+std::unique_ptr<PrepareFinalize> make_ht_cuda(std::shared_ptr<Group> group, const DispatchConfig& cfg);
 
 }  // namespace epx::dispatch

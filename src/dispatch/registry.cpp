@@ -24,8 +24,10 @@ struct BackendEntry {
 constexpr Factory kNaiveCuda = &dispatch::make_naive_cuda;
 constexpr Factory kAgrsCuda = &dispatch::make_agrs_cuda;
 constexpr Factory kAll2allvCuda = &dispatch::make_all2allv_cuda;
+constexpr Factory kHtCuda = &dispatch::make_ht_cuda;
 #else
 constexpr Factory kNaiveCuda = nullptr, kAgrsCuda = nullptr, kAll2allvCuda = nullptr;
+constexpr Factory kHtCuda = nullptr;
 #endif
 
 // Order = backend_names() order = the order of the `epx info` table and the test cross product.
@@ -34,7 +36,7 @@ constexpr BackendEntry kBackends[] = {
     {"allgather_reducescatter", &dispatch::make_agrs_cpu, kAgrsCuda, nullptr},
     {"all2allv", &dispatch::make_all2allv_cpu, kAll2allvCuda, nullptr},
     {"ll", &dispatch::make_ll_cpu, nullptr, "the LL kernels over NCCL symmetric memory come in a later issue"},
-    {"ht", &dispatch::make_ht_cpu, nullptr, "the HT kernels over NCCL symmetric memory come in a later issue"},
+    {"ht", &dispatch::make_ht_cpu, kHtCuda, nullptr},
 };
 
 }  // namespace
@@ -82,7 +84,8 @@ std::unique_ptr<PrepareFinalize> make_prepare_finalize(const std::string& name, 
                               {"dispatch_dtype", static_cast<int64_t>(cfg.dispatch_dtype)},
                               {"use_ue8m0", cfg.use_ue8m0},
                               {"shared_route", cfg.shared_route},
-                              {"expert_alignment", cfg.expert_alignment}});
+                              {"expert_alignment", cfg.expert_alignment},
+                              {"use_worst_case_sizing", cfg.use_worst_case_sizing}});
   if (index < 0) {
     std::string known;
     for (const auto& b : kBackends) known += (known.empty() ? "" : ", ") + std::string(b.name);

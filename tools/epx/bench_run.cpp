@@ -261,8 +261,19 @@ int64_t tokens_for(const BenchCase& c, const BenchOptions& o, bool cuda) {
 }
 
 std::vector<Job> make_jobs(const BenchOptions& o, const std::vector<BenchCase>& cases) {
-  std::vector<std::string> backends = o.backend == "all" ? backend_names() : std::vector<std::string>{o.backend};
-  if (o.backend == "all") backends.push_back(kRaw);
+  // A comma-separated list runs those backends in one run (e.g. "ht,nccl_a2a_raw"); "all" = every one.
+  std::vector<std::string> backends;
+  std::string list = o.backend + ",";
+  for (size_t at = list.find(','); at != std::string::npos; at = list.find(',')) {
+    const std::string b = list.substr(0, at);
+    list.erase(0, at + 1);
+    if (b == "all") {
+      for (const std::string& n : backend_names()) backends.push_back(n);
+      backends.push_back(kRaw);
+    } else if (!b.empty()) {
+      backends.push_back(b);
+    }
+  }
   std::vector<Job> jobs;
   for (size_t ci = 0; ci < cases.size(); ++ci) {
     std::vector<DType> dtypes = cases[ci].dtypes;
@@ -622,6 +633,10 @@ Prediction predict(const std::string& case_name, DType dtype, const std::string&
     if (backend == kRaw)
       return disp && fp8 ? Prediction{120, "4096 x 7392 B = 30 MB remote at ~291 GB/s (bf16 row of NOTES.md x 0.52)"}
                          : Prediction{225, "4096 x 14336 B = 58.7 MB remote at ~291 GB/s: 200-250 us"};
+    if (backend == "ht")  // bench/NOTES.md "HT kernels": written before the first measurement
+      return disp ? (fp8 ? Prediction{110, "~4055 remote rows x 7392 B = 30 MB at 362 GB/s (SM peer stores) = 83 us + layout/count exchange ~10 us + launches and the host read of N_recv ~15 us"}
+                         : Prediction{180, "~4055 remote rows x 14336 B = 58 MB at 362 GB/s = 160 us + layout ~10 us + launches/host read ~10 us"})
+                  : Prediction{250, "58 MB of partial rows at 362 GB/s = 160 us + handshake + local fp32 reduce of 8192 rows (176 MB of HBM traffic on the SM budget) ~80 us"};
     if (backend == "all2allv")
       return disp && fp8 ? Prediction{200, "~4096 remote rows of 7392 B (~105 us) + pack/unpack ~30 us + host sync + count exchange"}
                          : Prediction{350, "~4096 remote rows each way + pack/unpack HBM passes (~30 us) + host sync: 300-400 us"};

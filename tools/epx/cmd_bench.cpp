@@ -1,4 +1,5 @@
 // tools/epx/cmd_bench.cpp: `epx bench`, the dispatch/combine microbenchmark (bench_run.h).
+#include <algorithm>
 #include <iostream>
 
 #include "bench_run.h"
@@ -20,8 +21,18 @@ void add_bench_command(CLI::App& root, BenchCommand& cmd) {
   std::vector<std::string> backends = backend_names();
   backends.push_back("nccl_a2a_raw");
   backends.push_back("all");
-  b->add_option("--backend", o.backend, "Dispatch backend, nccl_a2a_raw (NCCL's all-to-all of the same bytes), or all (every backend + nccl_a2a_raw)")
-      ->check(CLI::IsMember(backends))
+  b->add_option("--backend", o.backend,
+                "Dispatch backend, nccl_a2a_raw (NCCL's all-to-all of the same bytes), all (every backend + nccl_a2a_raw), or a "
+                "comma-separated list of these (one run)")
+      ->check([backends](const std::string& v) {
+        std::string list = v + ",", bad;
+        for (size_t at = list.find(','); at != std::string::npos; at = list.find(',')) {
+          const std::string b = list.substr(0, at);
+          list.erase(0, at + 1);
+          if (std::find(backends.begin(), backends.end(), b) == backends.end()) bad = b;
+        }
+        return bad.empty() ? std::string() : "'" + bad + "' is not a backend (one of the names in epx info, nccl_a2a_raw, all)";
+      })
       ->capture_default_str();
   b->add_option("--ranks", o.ranks, "R: ranks (one process per GPU with --device cuda)")->check(CLI::Range(1, 1024))->capture_default_str();
   b->add_option("--iters", o.iters, "Timed iterations per (case, dtype, backend)")->check(CLI::Range(1, 1 << 20))->capture_default_str();

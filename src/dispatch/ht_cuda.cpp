@@ -1,0 +1,272 @@
+// dispatch/ht_cuda.cpp: the ht backend object on an NCCL group (contract: ht_cuda.h): argument
+// checks, the symmetric buffer, the host-mapped record, and the host side of prepare / finalize.
+//
+// Host waits: none in worst-case mode (use_worst_case_sizing; graph-safe). Otherwise prepare reads
+// N_recv once: it launches the layout and dispatch kernels back to back and then polls the
+// host-mapped record that the layout kernel writes (not the stream), bounded by timeout_s, so the
+// dispatch kernel is already running while the host reads. finalize never waits.
+// Errors: argument errors found on the host are published to the peers through the count exchange
+// (status word) before this rank throws, so every rank of a prepare throws InvalidArgument and
+// nothing moves; a bad topk_idx found by the layout kernel does the same (in worst-case mode that
+// dispatch moves nothing, N_recv = 0, and the next call throws). A finalize argument error throws on
+// this rank only (the peers' waits then expire with Timeout naming it).
+#include <cuda_runtime_api.h>
+
+#include <atomic>
+#include <chrono>
+#include <thread>
+
+#include "comm/group_nccl.h"
+#include "cuda/check.h"
+#include "dispatch/backends.h"
+#include "dispatch/ht_cuda.h"
+#include "epx/config.h"
+#include "epx/cuda.h"
+
+namespace epx::dispatch {
+namespace {
+
+const char* op_name(int32_t op) { return op == 2 ? "finalize (combine)" : op == 1 ? "prepare (dispatch rows)" : "prepare (layout)"; }
+
+std::string seconds(double s) {
+  std::string t = std::to_string(s);
+  while (!t.empty() && t.back() == '0') t.pop_back();
+  if (!t.empty() && t.back() == '.') t.pop_back();
+  return t;
+}
+
+}  // namespace
+
+HtCuda::HtCuda(std::shared_ptr<Group> group, const DispatchConfig& cfg)
+    : PrepareFinalizeBase("ht", ActivationLayout::Flat, true, std::move(group), cfg) {
+  const std::string op = "ht.create";
+  auto* nccl = dynamic_cast<comm::NcclGroup*>(group_.get());
+  if (!nccl) throw Unsupported(op + ": group " + group_->name() + " is not an NCCL group: ht on CUDA needs symmetric memory");
+  caps_.graph_safe = cfg_.use_worst_case_sizing;
+  require_arg(op, "num_ranks", num_ranks_, num_ranks_ <= kHtMaxRanks,
+              "must be <= " + std::to_string(kHtMaxRanks) + " for ht on CUDA (one NVLink domain; peer pointers ride in the kernel parameters)");
+  require_arg(op, "num_max_dispatch_tokens_per_rank", cfg_.num_max_dispatch_tokens_per_rank, cfg_.num_max_dispatch_tokens_per_rank >= 1,
+              "must be >= 1 for ht on CUDA (its buffers are sized for R * num_max_dispatch_tokens_per_rank rows at create)");
+  require_arg(op, "hidden", cfg_.hidden, cfg_.dispatch_dtype == DType::fp8_e4m3 || cfg_.hidden % 8 == 0, "must be a multiple of 8");
+  timeout_s_ = nccl->timeout_s();
+  const Config config = Config::load();
+  cuda::DeviceGuard guard(group_->device().index);
+  int sms = 0;
+  EPX_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, group_->device().index));
+  require_arg(op, "ht_num_sms", config.ht_num_sms, config.ht_num_sms >= 1 && config.ht_num_sms <= sms,
+              "must be in [1, SMs of " + group_->device().str() + " = " + std::to_string(sms) + "] (Config / EPX_HT_NUM_SMS)");
+  require_arg(op, "ht_warps_per_block", config.ht_warps_per_block, config.ht_warps_per_block >= 1 && config.ht_warps_per_block <= 32,
+              "must be in [1, 32] (Config / EPX_HT_WARPS_PER_BLOCK)");
+  num_sms_ = config.ht_num_sms;
+  warps_ = config.ht_warps_per_block;
+
+  layout_ = HtLayout::make(cfg_, num_ranks_, rank_);
+  arrays_ = HtDeviceArrays::make(layout_);
+  symmetric_ = group_->alloc_symmetric(layout_.symmetric_bytes);  // collective, zero-filled
+  for (int r = 0; r < num_ranks_; ++r)
+    if (symmetric_.peers[static_cast<size_t>(r)] == nullptr)
+      throw Unsupported(op + ": rank " + std::to_string(r) + " is not load/store-accessible from rank " + std::to_string(rank_) +
+                        ": ht on CUDA needs every rank in one NVLink (LSA) domain");
+  state_ = Tensor::zeros({arrays_.bytes}, DType::uint8, group_->device());
+  void* host = nullptr;
+  EPX_CUDA_CHECK(cudaHostAlloc(&host, sizeof(HtHostRecord), cudaHostAllocMapped));
+  record_host_ = new (host) HtHostRecord();
+  void* dev = nullptr;
+  EPX_CUDA_CHECK(cudaHostGetDevicePointer(&dev, host, 0));
+  record_dev_ = static_cast<HtHostRecord*>(dev);
+  // Every rank has zeroed its buffer before anyone's first prepare can publish into it.
+  group_->barrier();
+}
+
+HtCuda::~HtCuda() {
+  if (record_host_) (void)cudaFreeHost(record_host_);
+}
+
+void HtCuda::throw_sticky_error(const std::string& op) {
+  if (dead_) throw CommError(op + ": this ht object timed out earlier: create a new one (all ranks)");
+  const volatile HtHostRecord* rec = record_host_;
+  if (cfg_.use_worst_case_sizing && rec->any_bad && rec->layout_epoch > reported_bad_epoch_) {
+    // Worst-case mode never waits in prepare: a bad argument found by the layout kernel surfaces here.
+    reported_bad_epoch_ = rec->layout_epoch;
+    const int bad_rank = rec->bad_rank;
+    const int64_t bad_index = rec->bad_index;
+    throw InvalidArgument(op + ": an earlier prepare was rejected by rank " + std::to_string(bad_rank) +
+                          (bad_rank == rank_ && bad_index >= 0
+                               ? " (this rank: topk_idx[" + std::to_string(bad_index / cfg_.top_k) + ", " +
+                                     std::to_string(bad_index % cfg_.top_k) + "] out of range)"
+                               : std::string()) +
+                          ": it moved nothing (N_recv = 0, every topk_idx -1)");
+  }
+  if (rec->error_code != 0) {
+    dead_ = true;
+    throw Timeout(op + ": no signal from rank " + std::to_string(rec->error_peer) + " within timeout_s = " + seconds(timeout_s_) +
+                  " during " + op_name(rec->error_op) + ": peer dead or not calling the same prepare/finalize sequence");
+  }
+}
+
+void HtCuda::wait_layout(const std::string& op) {
+  const volatile HtHostRecord* rec = record_host_;
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s_ + 10.0);
+  int spins = 0;
+  while (rec->layout_epoch < host_epoch_) {
+    if (std::chrono::steady_clock::now() > deadline) {
+      dead_ = true;
+      throw Timeout(op + ": the layout kernel did not finish within timeout_s = " + seconds(timeout_s_) +
+                    " + 10 s (the stream is blocked by earlier work)");
+    }
+    if (++spins > 4096) std::this_thread::yield();
+  }
+  std::atomic_thread_fence(std::memory_order_acquire);
+  throw_sticky_error(op);
+}
+
+PrepareResult HtCuda::prepare(const DispatchArgs& args) {
+  const std::string& op = op_prepare_;
+  throw_sticky_error(op);
+  cuda::DeviceGuard guard(group_->device().index);
+  LocalError err = check_args(args);
+  HtParams p;
+  p.l = layout_;
+  p.a = arrays_;
+  p.state = state_.ptr<uint8_t>();
+  for (int r = 0; r < num_ranks_; ++r) p.peers[r] = static_cast<uint8_t*>(symmetric_.peers[static_cast<size_t>(r)]);
+  p.record = record_dev_;
+  p.timeout_ns = static_cast<uint64_t>(timeout_s_ * 1e9);
+  p.worst_case = cfg_.use_worst_case_sizing;
+  p.expert_alignment = cfg_.expert_alignment;
+  if (err.kind == LocalError::none) {
+    p.x = args.x.ptr<const uint16_t>();
+    p.x_aligned16 = reinterpret_cast<uintptr_t>(args.x.data) % 16 == 0;
+    p.topk_idx = args.topk_idx.data;
+    p.idx_is_i64 = args.topk_idx.dtype == DType::int64;
+    p.topk_weights = args.topk_weights.ptr<const float>();
+    p.num_tokens = args.x.shape[0];
+  } else {
+    p.local_status = 2;
+  }
+  prepared_ = false;
+  if (err.kind != LocalError::none) {
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    EPX_CUDA_CHECK(cudaStreamIsCapturing(cuda::native(args.stream), &capture));
+    if (capture != cudaStreamCaptureStatusNone) {  // nothing runs during a capture: fail it here
+      if (err.kind == LocalError::unsupported) throw Unsupported(err.message);
+      throw InvalidArgument(err.message);
+    }
+  }
+  launch_ht_layout(p, args.stream);
+  ++host_epoch_;
+  if (err.kind != LocalError::none) {
+    // The peers learn through the status word; wait until it is published, then throw.
+    wait_layout(op);
+    if (err.kind == LocalError::unsupported) throw Unsupported(err.message);
+    throw InvalidArgument(err.message);
+  }
+  launch_ht_dispatch(p, num_sms_, warps_, args.stream);
+
+  const int64_t T = p.num_tokens, H = cfg_.hidden, K = cfg_.top_k, L = num_local_;
+  const Device dev = group_->device();
+  int64_t N = layout_.rows();
+  if (!cfg_.use_worst_case_sizing) {
+    wait_layout(op);
+    const HtHostRecord rec = *const_cast<const HtHostRecord*>(record_host_);
+    if (rec.any_bad) {
+      if (rec.bad_index >= 0) {
+        int64_t value = 0;
+        if (p.idx_is_i64) {
+          EPX_CUDA_CHECK(cudaMemcpy(&value, args.topk_idx.ptr<const int64_t>() + rec.bad_index, 8, cudaMemcpyDeviceToHost));
+        } else {
+          int32_t v32 = 0;
+          EPX_CUDA_CHECK(cudaMemcpy(&v32, args.topk_idx.ptr<const int32_t>() + rec.bad_index, 4, cudaMemcpyDeviceToHost));
+          value = v32;
+        }
+        throw bad_topk_id(op, cfg_, rec.bad_index / K, rec.bad_index % K, value);
+      }
+      throw InvalidArgument(op + ": rank " + std::to_string(rec.bad_rank) + " rejected its arguments (see its own error): nothing was moved");
+    }
+    N = rec.num_recv;
+    cache_hits_ += rec.cache_hit;
+    stats_ = {};
+    stats_.num_valid_selections = rec.valid_selections;
+    stats_.num_rank_dedup_rows = rec.dedup_rows;
+    stats_.remote_bytes_dispatch = (rec.dedup_rows - rec.rows_to_self) * codec().row_bytes();
+  }
+  num_recv_ = N;
+  prepared_ = true;
+  prepared_tokens_ = T;
+
+  uint8_t* base = static_cast<uint8_t*>(symmetric_.local);
+  uint8_t* state = state_.ptr<uint8_t>();
+  PrepareResult r;
+  r.layout = ActivationLayout::Flat;
+  r.x = TensorView(base + layout_.off_x, layout_.use_fp8 ? DType::fp8_e4m3 : DType::bf16, {N, H}, dev);
+  if (layout_.use_fp8) r.x_scales = TensorView(base + layout_.off_scales, DType::fp32, {N, layout_.groups()}, dev);
+  r.recv_count = TensorView(state + arrays_.recv_count, DType::int32, {L}, dev);
+  r.topk_idx = TensorView(base + layout_.off_idx, DType::int32, {N, K}, dev);
+  r.topk_weights = TensorView(base + layout_.off_weights, DType::fp32, {N, K}, dev);
+  r.num_recv_tokens = N;
+  r.num_recv_tokens_device = TensorView(state + arrays_.num_recv_device, DType::int32, {1}, dev);
+
+  auto* st = reinterpret_cast<HtState*>(state);
+  handle_.rank_prefix_matrix = TensorView(st->rank_prefix_matrix, DType::int32, {num_ranks_, num_ranks_}, dev);
+  handle_.is_token_in_rank = TensorView(state + arrays_.is_token_in_rank, DType::uint8, {T, num_ranks_}, dev);
+  handle_.send_pos = TensorView(state + arrays_.send_pos, DType::int32, {T, num_ranks_}, dev);
+  handle_.recv_src_idx = TensorView(base + layout_.off_src_idx, DType::int32, {N}, dev);
+  handle_.num_recv_tokens_per_expert = r.recv_count;
+  handle_.layout_cache_hits = cache_hits_;
+  return r;
+}
+
+const DispatchStats& HtCuda::stats() const {
+  if (cfg_.use_worst_case_sizing && record_host_) {
+    // The record of the last completed layout (synchronize the stream first for the current call's).
+    const HtHostRecord rec = *const_cast<const HtHostRecord*>(record_host_);
+    stats_view_ = stats_;
+    stats_view_.num_valid_selections = rec.valid_selections;
+    stats_view_.num_rank_dedup_rows = rec.dedup_rows;
+    stats_view_.remote_bytes_dispatch = (rec.dedup_rows - rec.rows_to_self) * codec().row_bytes();
+    stats_view_.remote_bytes_combine = rec.rows_from_others * 2 * cfg_.hidden;
+    return stats_view_;
+  }
+  return stats_;
+}
+
+void HtCuda::finalize(const FinalizeArgs& args) {
+  const std::string& op = op_finalize_;
+  throw_sticky_error(op);
+  if (!prepared_) throw InvalidArgument(op + ": no prepare to finalize: every rank calls prepare first (also with T = 0)");
+  const int64_t H = cfg_.hidden;
+  for (const auto& [arg, t] : {std::pair<const char*, const TensorView*>{"expert_out", &args.expert_out}, {"out", &args.out}}) {
+    if (t->device != group_->device()) throw Unsupported(wrong_device(op, arg, t->device));
+    check_dtype(op, arg, *t, {DType::bf16});
+    check_contiguous(op, arg, *t);
+    require_arg(op, std::string(arg) + ".ndim", t->ndim, t->ndim == 2, "must be 2");
+  }
+  require_arg(op, "expert_out.shape[0]", args.expert_out.shape[0], args.expert_out.shape[0] == num_recv_,
+              std::string("must equal ") + (cfg_.use_worst_case_sizing ? "R * num_max_dispatch_tokens_per_rank = " : "N_recv = ") +
+                  std::to_string(num_recv_) + " (the rows of the last prepare)");
+  require_arg(op, "expert_out.shape[1]", args.expert_out.shape[1], args.expert_out.shape[1] == H, "must equal hidden = " + std::to_string(H));
+  require_arg(op, "out.shape[0]", args.out.shape[0], args.out.shape[0] == prepared_tokens_,
+              "must equal T = " + std::to_string(prepared_tokens_) + " of the last prepare");
+  require_arg(op, "out.shape[1]", args.out.shape[1], args.out.shape[1] == H, "must equal hidden = " + std::to_string(H));
+  cuda::DeviceGuard guard(group_->device().index);
+  HtParams p;
+  p.l = layout_;
+  p.a = arrays_;
+  p.state = state_.ptr<uint8_t>();
+  for (int r = 0; r < num_ranks_; ++r) p.peers[r] = static_cast<uint8_t*>(symmetric_.peers[static_cast<size_t>(r)]);
+  p.record = record_dev_;
+  p.timeout_ns = static_cast<uint64_t>(timeout_s_ * 1e9);
+  p.worst_case = cfg_.use_worst_case_sizing;
+  p.num_tokens = prepared_tokens_;
+  p.expert_out = args.expert_out.ptr<const uint16_t>();
+  p.out = args.out.ptr<uint16_t>();
+  p.io_aligned16 = (reinterpret_cast<uintptr_t>(args.expert_out.data) | reinterpret_cast<uintptr_t>(args.out.data) | (H * 2)) % 16 == 0;
+  launch_ht_combine(p, num_sms_, warps_, args.stream);
+  if (!cfg_.use_worst_case_sizing) stats_.remote_bytes_combine = record_host_->rows_from_others * 2 * H;
+}
+
+std::unique_ptr<PrepareFinalize> make_ht_cuda(std::shared_ptr<Group> group, const DispatchConfig& cfg) {
+  return std::make_unique<HtCuda>(std::move(group), cfg);
+}
+
+}  // namespace epx::dispatch

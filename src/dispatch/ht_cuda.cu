@@ -1,0 +1,85 @@
+// dispatch/ht_cuda.cu: buffer layout and kernel launchers of the ht backend on CUDA (contract:
+// ht_cuda.h; device code: ht_kernels.cuh).
+#include "cuda/check.h"
+#include "dispatch/ht_kernels.cuh"
+#include "epx/error.h"
+
+namespace epx::dispatch {
+namespace {
+
+int64_t round_up(int64_t v, int64_t a) { return (v + a - 1) / a * a; }
+
+}  // namespace
+
+HtLayout HtLayout::make(const DispatchConfig& cfg, int num_ranks, int rank) {
+  HtLayout l;
+  l.num_ranks = num_ranks;
+  l.rank = rank;
+  l.top_k = cfg.top_k;
+  l.hidden = cfg.hidden;
+  l.capacity = cfg.num_max_dispatch_tokens_per_rank;
+  l.use_fp8 = cfg.dispatch_dtype == DType::fp8_e4m3;
+  l.use_ue8m0 = cfg.use_ue8m0;
+  l.placement = {cfg.num_experts, num_ranks, cfg.shared_route};
+  l.max_local = 1;
+  for (int r = 0; r < num_ranks; ++r) l.max_local = std::max(l.max_local, l.placement.num_local(r));
+  const int64_t rows = l.rows(), K = l.top_k;
+  l.slot_bytes = round_up(4 * (num_ranks + 2 + l.max_local), 128);
+  int64_t off = 0;
+  l.off_slots = off;
+  off = round_up(off + num_ranks * l.slot_bytes, 4096);
+  l.off_flags = off;
+  off = round_up(off + 3 * num_ranks * 64, 4096);
+  l.off_x = off;
+  off = round_up(off + rows * l.payload_bytes(), 4096);
+  l.off_scales = off;
+  off = round_up(off + (l.use_fp8 ? rows * l.groups() * 4 : 0), 4096);
+  l.off_idx = off;
+  off = round_up(off + rows * K * 4, 4096);
+  l.off_weights = off;
+  off = round_up(off + rows * K * 4, 4096);
+  l.off_src_idx = off;
+  off = round_up(off + rows * 4, 4096);
+  l.off_back = off;
+  off = round_up(off + rows * 2 * l.hidden, 4096);
+  l.symmetric_bytes = off;
+  return l;
+}
+
+HtDeviceArrays HtDeviceArrays::make(const HtLayout& l) {
+  HtDeviceArrays a;
+  int64_t off = round_up(static_cast<int64_t>(sizeof(HtState)), 256);
+  auto take = [&](int64_t bytes) {
+    const int64_t at = off;
+    off = round_up(off + std::max<int64_t>(bytes, 4), 256);
+    return at;
+  };
+  a.expert_counts = take(4LL * l.num_ranks * l.max_local);
+  a.recv_count = take(4LL * l.max_local);
+  a.cached_idx = take(4 * l.capacity * l.top_k);
+  a.send_pos = take(4 * l.capacity * l.num_ranks);
+  a.is_token_in_rank = take(l.capacity * l.num_ranks);
+  a.num_recv_device = take(4);
+  a.bytes = off;
+  return a;
+}
+
+void launch_ht_layout(const HtParams& p, Stream stream) {
+  const size_t smem = sizeof(int) * static_cast<size_t>(p.l.num_ranks * p.l.max_local);
+  ht::layout_kernel<<<1, ht::kLayoutThreads, smem, cuda::native(stream)>>>(p);
+  cuda::check_launch("ht layout_kernel");
+}
+
+void launch_ht_dispatch(const HtParams& p, int blocks, int warps, Stream stream) {
+  ht::dispatch_kernel<<<blocks, warps * 32, 0, cuda::native(stream)>>>(p);
+  cuda::check_launch("ht dispatch_kernel");
+}
+
+void launch_ht_combine(const HtParams& p, int blocks, int warps, Stream stream) {
+  ht::combine_send_kernel<<<blocks, warps * 32, 0, cuda::native(stream)>>>(p);
+  cuda::check_launch("ht combine_send_kernel");
+  ht::combine_reduce_kernel<<<blocks, warps * 32, 0, cuda::native(stream)>>>(p);
+  cuda::check_launch("ht combine_reduce_kernel");
+}
+
+}  // namespace epx::dispatch

@@ -1,0 +1,185 @@
+// dispatch/ht_cuda.h: the "ht" (high-throughput) backend on an NCCL group: our own kernels over
+// NCCL symmetric memory (LSA peer pointers, comm/group_nccl.h), the CUDA twin of HtCpu (ht.h).
+//
+// Same outputs as HtCpu on the same inputs: the Flat layout of dedup_cpu.h, rows ordered by source
+// rank then source token; bf16 rows bit-exact, fp8 codes and 1x128 scales bit-exact (quantized
+// once on the source, in the dispatch kernel, with the arithmetic of quant_cuda.cu); recv_count
+// aligned to expert_alignment; combine = fp32 sum of the destinations' partial rows in
+// destination-rank order from 0.0f, one rounding (DedupCpu::finalize).
+//
+// One symmetric buffer per backend object (alloc_symmetric, sized at create for the worst case
+// R * num_max_dispatch_tokens_per_rank received rows), carved by HtLayout:
+//   slots     [R] per source: that source's row counts to every rank, its per-expert counts for
+//             this rank and its argument status (the count exchange; LSA stores + a release flag)
+//   flags     [3][R] uint64 epochs: counts published, dispatch rows stored, combine rows stored
+//   recv      x [R*cap, H] bf16|fp8, x_scales [R*cap, H/128] fp32, topk_idx [R*cap, K] int32 local
+//             expert or -1, topk_weights [R*cap, K] fp32, src_idx [R*cap] int32: the dispatch output
+//             itself (sources store straight into their final rows; no unpack pass)
+//   back      [R*cap, H] bf16: partial rows returned by destination d, block d at rows [d*cap, ...)
+// Three kernels per prepare/finalize pair step: (1) layout: one CTA scans the routing (skipped when
+// topk_idx equals the cached layout's), publishes the counts to every peer, waits for every peer's,
+// and derives the rank prefix matrix, each source's block in each destination, N_recv and the
+// per-expert counts: no host collective; (2) dispatch: ht_num_sms CTAs of ht_warps_per_block warps,
+// one warp per token, 16-byte peer stores of its row into every destination it goes to (local rows
+// are local stores), then the last CTA publishes "rows stored" and waits for every peer's;
+// (3) combine: the same CTAs store each received row's partial into its source's `back` block, then a
+// local reduce kernel sums them per token (the rows this rank processed itself are read in place).
+// Epochs are monotonic counters in device memory, so no flag is ever reset and graph replays work.
+//
+// Every device wait is bounded by the group's timeout_s (%globaltimer); a wait that expires writes
+// {timeout, peer, op} to host-mapped memory and the kernel returns (no trap); the host throws
+// epx::Timeout naming the peer on the same call (prepare, default mode) or on the next call.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "dispatch/placement.h"
+#include "dispatch/prepare_finalize_base.h"
+#include "epx/tensor.h"
+
+namespace epx::dispatch {
+
+/// Largest group ht supports on CUDA: the peer pointers travel in the kernel parameters.
+constexpr int kHtMaxRanks = 8;
+
+/// Byte offsets into the symmetric buffer (the same on every rank) and the local state buffer.
+struct HtLayout {
+  int num_ranks = 1, rank = 0, top_k = 1, max_local = 1;  ///< R, this rank, K, max over ranks of L
+  int64_t hidden = 0, capacity = 0;                      ///< H, cap = num_max_dispatch_tokens_per_rank
+  bool use_fp8 = false, use_ue8m0 = false;
+  Placement placement;
+  // symmetric buffer
+  int64_t slot_bytes = 0, off_slots = 0, off_flags = 0, off_x = 0, off_scales = 0, off_idx = 0, off_weights = 0,
+          off_src_idx = 0, off_back = 0, symmetric_bytes = 0;
+  // slot fields (int32 words): [0, R) rows to each rank, R status, R + 1 valid flag, then [Lmax] counts
+  static constexpr int kSlotStatus = 0;  ///< + R
+  EPX_HOST_DEVICE int64_t rows() const { return num_ranks * capacity; }  ///< worst-case received rows
+  EPX_HOST_DEVICE int64_t payload_bytes() const { return use_fp8 ? hidden : 2 * hidden; }
+  EPX_HOST_DEVICE int64_t groups() const { return hidden / 128; }
+  /// Flag word f (0 counts, 1 dispatch, 2 combine) of source s, uint64 index into the flags region.
+  EPX_HOST_DEVICE int64_t flag_index(int f, int s) const { return (static_cast<int64_t>(f) * num_ranks + s) * 8; }  // 64-byte stride
+  static HtLayout make(const DispatchConfig& cfg, int num_ranks, int rank);
+};
+
+/// Written by the device into host-mapped memory, read by the host (volatile; the epoch last).
+struct HtHostRecord {
+  int32_t num_recv = 0;         ///< N_recv of the last completed layout
+  int32_t any_bad = 0;          ///< 1: some rank's arguments were bad (nothing moved)
+  int32_t bad_rank = -1;        ///< lowest such rank
+  int32_t cache_hit = 0;        ///< the layout was the cached one
+  int64_t bad_index = -1;       ///< this rank: first bad flat topk_idx index t*K+k, else -1
+  int64_t valid_selections = 0, dedup_rows = 0, rows_to_self = 0, rows_from_others = 0;
+  int32_t error_code = 0;       ///< sticky: 1 = a device wait timed out
+  int32_t error_peer = -1;      ///< the peer waited for
+  int32_t error_op = 0;         ///< 0 layout (prepare), 1 dispatch (prepare), 2 combine (finalize)
+  int32_t pad = 0;
+  uint64_t layout_epoch = 0;    ///< epoch of the last completed layout kernel (written last)
+};
+
+/// Device-local state (one allocation): epochs, the cached layout, the derived offsets.
+struct HtState {
+  uint64_t epoch_dispatch, epoch_combine;
+  uint32_t ticket_dispatch, ticket_combine;
+  int32_t cache_valid, cache_tokens;
+  int32_t failed;                 ///< a wait timed out: later kernels move nothing
+  int32_t any_bad;                ///< the current epoch's arguments were bad on some rank
+  int32_t num_recv;               ///< N_recv
+  int32_t valid_selections, dedup_rows;
+  int32_t rows_to[kHtMaxRanks];               ///< rows this rank sends to rank d
+  int32_t dst_offset[kHtMaxRanks];            ///< first row of this rank's block in rank d's recv
+  int32_t recv_offset[kHtMaxRanks + 1];       ///< rows [recv_offset[s], recv_offset[s+1]) came from s
+  int32_t rank_prefix_matrix[kHtMaxRanks * kHtMaxRanks];  ///< [s, d]: rows d receives from ranks 0..s
+  // followed by (offsets in HtDeviceArrays)
+};
+
+/// Offsets of the arrays after HtState in the local state allocation.
+struct HtDeviceArrays {
+  int64_t expert_counts = 0;   ///< int32 [R, Lmax]: this rank's rows per (destination, local expert)
+  int64_t recv_count = 0;      ///< int32 [Lmax]: aligned rows per local expert on this rank
+  int64_t cached_idx = 0;      ///< int32 [cap, K]: the routing of the cached layout
+  int64_t send_pos = 0;        ///< int32 [cap, R]: row of token t in its block on rank d, -1 if not sent
+  int64_t is_token_in_rank = 0;  ///< uint8 [cap, R]
+  int64_t num_recv_device = 0; ///< int32 [1]: N_recv, for PrepareResult::num_recv_tokens_device
+  int64_t bytes = 0;
+  static HtDeviceArrays make(const HtLayout& l);
+};
+
+/// Parameters of every ht kernel (passed by value).
+struct HtParams {
+  HtLayout l;
+  HtDeviceArrays a;
+  uint8_t* state = nullptr;               ///< local state allocation (HtState + arrays)
+  uint8_t* peers[kHtMaxRanks] = {};       ///< symmetric buffer of rank r, mapped here (peers[rank] = local)
+  HtHostRecord* record = nullptr;         ///< device pointer of the host-mapped record
+  uint64_t timeout_ns = 0;
+  bool worst_case = false;
+  // prepare
+  const uint16_t* x = nullptr;            ///< [T, H] bf16 (row stride H)
+  bool x_aligned16 = false;
+  const void* topk_idx = nullptr;         ///< [T, K] int32 | int64
+  bool idx_is_i64 = false;
+  const float* topk_weights = nullptr;    ///< [T, K]
+  int64_t num_tokens = 0;                 ///< T
+  int32_t local_status = 0;               ///< 0 ok, 2 the host rejected the arguments
+  int expert_alignment = 1;
+  // finalize
+  const uint16_t* expert_out = nullptr;   ///< [N_recv or R*cap, H] bf16
+  uint16_t* out = nullptr;                ///< [T, H] bf16
+  bool io_aligned16 = false;              ///< expert_out and out 16-byte aligned
+};
+
+/// One CTA of 1024 threads: the layout step and the count exchange (see the file comment).
+void launch_ht_layout(const HtParams& p, Stream stream);
+/// `blocks` CTAs of 32 * warps threads: the dispatch rows, then the "rows stored" handshake.
+void launch_ht_dispatch(const HtParams& p, int blocks, int warps, Stream stream);
+/// Combine: partial rows back to their sources, handshake, then the per-token fp32 reduce.
+void launch_ht_combine(const HtParams& p, int blocks, int warps, Stream stream);
+
+/// The device-side handle of the last prepare (DeepEP's handle), views into backend-owned memory
+/// valid until the next prepare. Compare with HtHandle (ht.h).
+struct HtDeviceHandle {
+  TensorView rank_prefix_matrix;          ///< [R, R] int32: rows rank d receives from ranks 0..s
+  TensorView is_token_in_rank;            ///< [T, R] uint8
+  TensorView send_pos;                    ///< [T, R] int32: row of token t in its block on rank d, -1
+  TensorView recv_src_idx;                ///< [N_recv] int32 (worst case: [R*cap]) token index on the source
+  TensorView num_recv_tokens_per_expert;  ///< [L] int32 aligned (= recv_count)
+  int64_t layout_cache_hits = 0;          ///< prepares whose layout step was skipped (default mode)
+};
+
+/// The HT backend on CUDA. Created by make_ht_cuda (registry.cpp); the class is public for tests
+/// and for callers that want the device handle.
+class HtCuda final : public PrepareFinalizeBase {
+ public:
+  HtCuda(std::shared_ptr<Group> group, const DispatchConfig& cfg);
+  ~HtCuda() override;
+  PrepareResult prepare(const DispatchArgs& args) override;
+  void finalize(const FinalizeArgs& args) override;
+  const DispatchStats& stats() const override;
+  const HtDeviceHandle& handle() const { return handle_; }
+  int num_sms() const { return num_sms_; }
+  int warps_per_block() const { return warps_; }
+
+ private:
+  void throw_sticky_error(const std::string& op);
+  void wait_layout(const std::string& op);
+
+  HtLayout layout_;
+  HtDeviceArrays arrays_;
+  SymmetricBuffer symmetric_;
+  Tensor state_;
+  HtHostRecord* record_host_ = nullptr;
+  HtHostRecord* record_dev_ = nullptr;
+  uint64_t host_epoch_ = 0;
+  uint64_t reported_bad_epoch_ = 0;
+  double timeout_s_ = 60.0;
+  int num_sms_ = 24, warps_ = 16;
+  bool dead_ = false;
+  HtDeviceHandle handle_;
+  int64_t num_recv_ = 0;
+  int64_t cache_hits_ = 0;
+  mutable DispatchStats stats_view_;
+};
+
+}  // namespace epx::dispatch

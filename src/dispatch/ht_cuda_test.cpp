@@ -1,0 +1,521 @@
+// dispatch/ht_cuda_test.cpp: the ht backend on CUDA (ht_cuda.h) on 2 forked ranks against HtCpu
+// (ht.h) on CPU ranks with the same inputs: every prepare output (x, x_scales, local topk_idx,
+// topk_weights, recv_count, N_recv), the handle (rank prefix matrix, is_token_in_rank, recv_src_idx,
+// per-expert counts), the stats, and every finalize output, bit for bit.
+//
+// Inputs: fresh random tokens (never zeros); ht-v3 (H 7168, E 256, top-8) and hidden 2048; T per
+// rank in {0, 1, 4095, 4096, 8192}; uniform and Zipf routing; bf16 and fp8 (incl. UE8M0); -1
+// selections, duplicate experts, the shared route, int64 ids, expert_alignment > 1. Three rounds
+// per object: A, then A's routing with new tokens (the cached layout must be reused: one cache hit),
+// then a new routing. The experts step is replaced by a deterministic random expert_out [N_recv, H]
+// (a function of case, round and rank), the same on both sides, so combine is checked exactly.
+// Device outputs are poisoned before each call. Also: worst-case sizing under CUDA-graph capture and
+// replay (three replays with new inputs), a bad id and an oversized T (InvalidArgument on every
+// rank, object usable after), and a silent peer (Timeout naming it, no hang).
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "dispatch/ht.h"
+#include "dispatch_harness.h"
+#include "epx/cuda.h"
+#include "epx/dispatch.h"
+#include "epx/error.h"
+#include "forked_ranks.h"
+
+using namespace epx;
+using namespace epx::test;
+
+#ifdef EPX_WITH_CUDA
+#include <cuda_runtime_api.h>
+
+#include "dispatch/ht_cuda.h"
+
+namespace {
+
+void cuda_ok(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(e));
+}
+
+std::vector<uint8_t> host_bytes(const TensorView& v) {
+  std::vector<uint8_t> b(static_cast<size_t>(v.defined() ? v.nbytes() : 0));
+  if (b.empty()) return b;
+  TensorView dst(b.data(), v.dtype, std::vector<int64_t>(v.shape.begin(), v.shape.begin() + v.ndim));
+  copy(dst, v);
+  return b;
+}
+template <class T>
+std::vector<uint8_t> vec_bytes(const std::vector<T>& v) {
+  std::vector<uint8_t> b(v.size() * sizeof(T));
+  if (!b.empty()) std::memcpy(b.data(), v.data(), b.size());
+  return b;
+}
+
+struct Snapshot {
+  int64_t num_recv_tokens = -1;
+  std::vector<uint8_t> x, x_scales, topk_idx, topk_weights, recv_count, out;
+  std::vector<uint8_t> prefix, in_rank, src_idx, per_expert;
+  int64_t cache_hits = 0;
+  DispatchStats stats;
+};
+
+void take_prepare(const PrepareResult& p, Snapshot& s) {
+  s.num_recv_tokens = p.num_recv_tokens;
+  s.x = host_bytes(p.x);
+  s.x_scales = host_bytes(p.x_scales);
+  s.topk_idx = host_bytes(p.topk_idx);
+  s.topk_weights = host_bytes(p.topk_weights);
+  s.recv_count = host_bytes(p.recv_count);
+}
+
+/// Deterministic stand-in for the experts: [N, H] bf16 random values from (seed).
+Tensor expert_out_for(int64_t N, int64_t H, uint64_t seed) { return random_bf16(N, H, seed); }
+
+using Rounds = std::vector<std::vector<RankInput>>;  // [round][rank]
+
+struct HtCase {
+  Case c;
+  Rounds rounds;
+  std::vector<std::vector<Snapshot>> want;  // [round][rank]
+};
+
+uint64_t eo_seed(const Case& c, size_t round, int rank) { return c.seed * 7919 + round * 131 + static_cast<uint64_t>(rank) + 5; }
+
+std::vector<std::vector<Snapshot>> run_cpu(const Case& c, const Rounds& rounds) {
+  auto groups = make_cpu_groups(c.R, 120.0);
+  std::vector<std::vector<Snapshot>> snaps(rounds.size(), std::vector<Snapshot>(static_cast<size_t>(c.R)));
+  run_ranks(groups, [&](int r) {
+    auto pf = make_prepare_finalize("ht", groups[static_cast<size_t>(r)], c.config());
+    auto* ht = dynamic_cast<dispatch::HtCpu*>(pf.get());
+    if (!ht) throw std::runtime_error("ht on CPU is not HtCpu");
+    for (size_t i = 0; i < rounds.size(); ++i) {
+      const RankInput& ri = rounds[i][static_cast<size_t>(r)];
+      Snapshot& s = snaps[i][static_cast<size_t>(r)];
+      take_prepare(pf->prepare({ri.x, ri.topk_idx, ri.topk_weights}), s);
+      const dispatch::HtHandle& h = ht->handle();
+      s.prefix = vec_bytes(h.rank_prefix_matrix);
+      s.in_rank = vec_bytes(h.is_token_in_rank);
+      s.src_idx = vec_bytes(h.recv_src_idx);
+      s.per_expert = vec_bytes(h.num_recv_tokens_per_expert);
+      s.cache_hits = h.layout_cache_hits;
+      const Tensor eo = expert_out_for(s.num_recv_tokens, c.H, eo_seed(c, i, r));
+      Tensor out = Tensor::empty({ri.x.size(0), c.H}, DType::bf16);
+      poison(out);
+      pf->finalize({eo, out});
+      s.out = host_bytes(out);
+      s.stats = pf->stats();
+    }
+  });
+  return snaps;
+}
+
+std::string first_diff(const std::string& what, const std::vector<uint8_t>& got, const std::vector<uint8_t>& want) {
+  if (got.size() != want.size()) return what + ": " + std::to_string(got.size()) + " bytes, want " + std::to_string(want.size()) + "; ";
+  for (size_t i = 0; i < got.size(); ++i)
+    if (got[i] != want[i])
+      return what + ": byte " + std::to_string(i) + " is " + std::to_string(got[i]) + ", want " + std::to_string(want[i]) + "; ";
+  return "";
+}
+
+std::string compare(const Snapshot& got, const Snapshot& want) {
+  std::string d;
+  if (got.num_recv_tokens != want.num_recv_tokens)
+    d += "num_recv_tokens " + std::to_string(got.num_recv_tokens) + ", want " + std::to_string(want.num_recv_tokens) + "; ";
+  d += first_diff("x", got.x, want.x);
+  d += first_diff("x_scales", got.x_scales, want.x_scales);
+  d += first_diff("topk_idx", got.topk_idx, want.topk_idx);
+  d += first_diff("topk_weights", got.topk_weights, want.topk_weights);
+  d += first_diff("recv_count", got.recv_count, want.recv_count);
+  d += first_diff("out", got.out, want.out);
+  d += first_diff("rank_prefix_matrix", got.prefix, want.prefix);
+  d += first_diff("is_token_in_rank", got.in_rank, want.in_rank);
+  d += first_diff("recv_src_idx", got.src_idx, want.src_idx);
+  d += first_diff("num_recv_tokens_per_expert", got.per_expert, want.per_expert);
+  if (got.cache_hits != want.cache_hits)
+    d += "layout_cache_hits " + std::to_string(got.cache_hits) + ", want " + std::to_string(want.cache_hits) + "; ";
+  const DispatchStats& a = got.stats;
+  const DispatchStats& b = want.stats;
+  if (a.num_valid_selections != b.num_valid_selections || a.num_rank_dedup_rows != b.num_rank_dedup_rows ||
+      a.remote_bytes_dispatch != b.remote_bytes_dispatch || a.remote_bytes_combine != b.remote_bytes_combine)
+    d += "stats {" + std::to_string(a.num_valid_selections) + ", " + std::to_string(a.num_rank_dedup_rows) + ", " +
+         std::to_string(a.remote_bytes_dispatch) + ", " + std::to_string(a.remote_bytes_combine) + "}, want {" +
+         std::to_string(b.num_valid_selections) + ", " + std::to_string(b.num_rank_dedup_rows) + ", " +
+         std::to_string(b.remote_bytes_dispatch) + ", " + std::to_string(b.remote_bytes_combine) + "}; ";
+  return d;
+}
+
+std::vector<HtCase> make_cases() {
+  struct Spec {
+    int64_t H;
+    DType dtype;
+    bool ue8m0;
+    int E, K, cap;
+    std::vector<int64_t> T;
+    double zipf, masked;
+    bool shared, dups, idx64;
+    int align;
+  };
+  const std::vector<Spec> specs = {
+      {7168, DType::fp8_e4m3, false, 256, 8, 4096, {4096, 4096}, 0.0, 0.05, false, false, false, 1},   // ht-v3 fp8
+      {7168, DType::bf16, false, 256, 8, 4096, {4095, 1}, 1.2, 0.1, false, true, true, 1},            // ht-v3 bf16, Zipf
+      {2048, DType::fp8_e4m3, true, 256, 8, 8192, {8192, 0}, 1.1, 0.2, false, false, false, 128},     // UE8M0, aligned
+      {2048, DType::bf16, false, 64, 6, 16, {0, 0}, 0.0, 0.0, false, false, false, 1},                 // nobody sends
+      {7168, DType::bf16, false, 256, 9, 4096, {1, 4096}, 0.0, 0.1, true, true, false, 32},            // shared route
+      {2048, DType::fp8_e4m3, false, 16, 4, 8192, {8192, 8192}, 1.5, 0.3, false, true, true, 1},       // skewed, small E
+      {2048, DType::bf16, false, 3, 2, 300, {300, 299}, 0.0, 0.2, false, false, false, 1},             // a rank holds 1 expert
+  };
+  std::vector<HtCase> cases;
+  uint64_t seed = 41;
+  for (const Spec& sp : specs) {
+    HtCase g;
+    Case& c = g.c;
+    c.R = 2;
+    c.E = sp.E;
+    c.K = sp.K;
+    c.H = sp.H;
+    c.cap = sp.cap;
+    c.T = sp.T;
+    c.dtype = sp.dtype;
+    c.ue8m0 = sp.ue8m0;
+    c.shared = sp.shared;
+    c.dups = sp.dups;
+    c.idx64 = sp.idx64;
+    c.masked = sp.masked;
+    c.zipf = sp.zipf;
+    c.align = sp.align;
+    c.seed = seed++;
+    const std::vector<RankInput> a = make_inputs(c);
+    Case c2 = c;
+    c2.seed = c.seed + 1000;
+    std::vector<RankInput> a2 = make_inputs(c2);  // new tokens, A's routing
+    for (int r = 0; r < c.R; ++r) {
+      a2[static_cast<size_t>(r)].topk_idx = a[static_cast<size_t>(r)].topk_idx;
+      a2[static_cast<size_t>(r)].topk_weights = a[static_cast<size_t>(r)].topk_weights;
+    }
+    Case c3 = c;
+    c3.seed = c.seed + 2000;
+    g.rounds = {a, a2, make_inputs(c3)};
+    cases.push_back(std::move(g));
+  }
+  return cases;
+}
+
+std::vector<Snapshot> run_gpu(const Case& c, const Rounds& rounds, const std::shared_ptr<Group>& g, cudaStream_t stream) {
+  const int r = g->rank();
+  const Device dev = g->device();
+  auto pf = make_prepare_finalize("ht", g, c.config());
+  auto* ht = dynamic_cast<dispatch::HtCuda*>(pf.get());
+  if (!ht) throw std::runtime_error("ht on CUDA is not HtCuda");
+  std::vector<Snapshot> snaps(rounds.size());
+  for (size_t i = 0; i < rounds.size(); ++i) {
+    const RankInput& ri = rounds[i][static_cast<size_t>(r)];
+    const int64_t T = ri.x.size(0);
+    const Tensor x = ri.x.to(dev), idx = ri.topk_idx.to(dev), w = ri.topk_weights.to(dev);
+    const PrepareResult p = pf->prepare({x, idx, w, Stream{stream}});
+    cuda_ok(cudaStreamSynchronize(stream), "sync after prepare");
+    Snapshot& s = snaps[i];
+    take_prepare(p, s);
+    const dispatch::HtDeviceHandle& h = ht->handle();
+    s.prefix = host_bytes(h.rank_prefix_matrix);
+    s.in_rank = host_bytes(h.is_token_in_rank);
+    s.src_idx = host_bytes(h.recv_src_idx);
+    s.per_expert = host_bytes(h.num_recv_tokens_per_expert);
+    s.cache_hits = h.layout_cache_hits;
+    const Tensor eo = expert_out_for(s.num_recv_tokens, c.H, eo_seed(c, i, r)).to(dev);
+    const Tensor out = Tensor::empty({T, c.H}, DType::bf16, dev);
+    if (T > 0) cuda_ok(cudaMemset(out.data(), 0xFF, static_cast<size_t>(out.nbytes())), "poison out");
+    pf->finalize({eo, out, Stream{stream}});
+    cuda_ok(cudaStreamSynchronize(stream), "sync after finalize");
+    s.out = host_bytes(out);
+    s.stats = pf->stats();
+  }
+  return snaps;
+}
+
+// ---- worst-case sizing under a CUDA graph -----------------------------------------------------------
+
+/// The graph case: bf16, expert_out = the received x itself (a device copy inside the graph), so the
+/// combine output is known from HtCpu with the same "experts".
+struct GraphCase {
+  Case c;
+  Rounds rounds;
+  std::vector<std::vector<Snapshot>> want;
+};
+
+GraphCase make_graph_case() {
+  GraphCase g;
+  Case& c = g.c;
+  c.R = 2;
+  c.E = 32;
+  c.K = 4;
+  c.H = 2048;
+  c.cap = 512;
+  c.T = {500, 512};
+  c.dtype = DType::bf16;
+  c.masked = 0.2;
+  c.zipf = 1.1;
+  c.seed = 77;
+  const auto a = make_inputs(c);
+  Case c2 = c;
+  c2.seed = 78;
+  auto b = make_inputs(c2);
+  Case c3 = c;
+  c3.seed = 79;
+  auto a_again = make_inputs(c3);
+  for (int r = 0; r < c.R; ++r) {  // same routing as a, new tokens: the cached layout inside the graph
+    a_again[static_cast<size_t>(r)].topk_idx = a[static_cast<size_t>(r)].topk_idx;
+    a_again[static_cast<size_t>(r)].topk_weights = a[static_cast<size_t>(r)].topk_weights;
+  }
+  g.rounds = {a, b, a_again, b};
+  auto groups = make_cpu_groups(c.R, 60.0);
+  g.want.assign(g.rounds.size(), std::vector<Snapshot>(static_cast<size_t>(c.R)));
+  run_ranks(groups, [&](int r) {
+    auto pf = make_prepare_finalize("ht", groups[static_cast<size_t>(r)], c.config());
+    for (size_t i = 0; i < g.rounds.size(); ++i) {
+      const RankInput& ri = g.rounds[i][static_cast<size_t>(r)];
+      Snapshot& s = g.want[i][static_cast<size_t>(r)];
+      const PrepareResult p = pf->prepare({ri.x, ri.topk_idx, ri.topk_weights});
+      take_prepare(p, s);
+      Tensor out = Tensor::empty({ri.x.size(0), c.H}, DType::bf16);
+      pf->finalize({p.x, out});
+      s.out = host_bytes(out);
+    }
+  });
+  return g;
+}
+
+std::string run_graph(const GraphCase& gc, const std::shared_ptr<Group>& g, cudaStream_t stream) {
+  const Case& c = gc.c;
+  const int r = g->rank();
+  const Device dev = g->device();
+  DispatchConfig cfg = c.config();
+  cfg.use_worst_case_sizing = true;
+  auto pf = make_prepare_finalize("ht", g, cfg);
+  if (!pf->capabilities().graph_safe) return "worst-case ht does not report graph_safe; ";
+  const int64_t T = c.tokens(r), rows = static_cast<int64_t>(c.R) * c.cap;
+  const Tensor x = Tensor::empty({T, c.H}, DType::bf16, dev);
+  const Tensor idx = Tensor::empty({T, c.K}, DType::int32, dev), w = Tensor::empty({T, c.K}, DType::fp32, dev);
+  const Tensor eo = Tensor::empty({rows, c.H}, DType::bf16, dev), out = Tensor::empty({T, c.H}, DType::bf16, dev);
+  copy(x, gc.rounds[0][static_cast<size_t>(r)].x);
+  copy(idx, gc.rounds[0][static_cast<size_t>(r)].topk_idx);
+  copy(w, gc.rounds[0][static_cast<size_t>(r)].topk_weights);
+  g->barrier();
+  cudaGraph_t graph = nullptr;
+  PrepareResult p;
+  cuda_ok(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), "begin capture");
+  p = pf->prepare({x, idx, w, Stream{stream}});
+  cuda_ok(cudaMemcpyAsync(eo.data(), p.x.data, static_cast<size_t>(rows * c.H * 2), cudaMemcpyDeviceToDevice, stream), "experts copy");
+  pf->finalize({eo, out, Stream{stream}});
+  cuda_ok(cudaStreamEndCapture(stream, &graph), "end capture");
+  if (p.num_recv_tokens != rows) return "worst-case num_recv_tokens " + std::to_string(p.num_recv_tokens) + ", want " + std::to_string(rows) + "; ";
+  cudaGraphExec_t exec = nullptr;
+  cuda_ok(cudaGraphInstantiate(&exec, graph, 0), "instantiate");
+  std::string failures;
+  for (size_t i = 0; i < gc.rounds.size(); ++i) {
+    const RankInput& ri = gc.rounds[i][static_cast<size_t>(r)];
+    copy(x, ri.x);
+    copy(idx, ri.topk_idx);
+    copy(w, ri.topk_weights);
+    cuda_ok(cudaMemset(out.data(), 0xFF, static_cast<size_t>(out.nbytes())), "poison");
+    cuda_ok(cudaDeviceSynchronize(), "sync inputs");
+    cuda_ok(cudaGraphLaunch(exec, stream), "graph launch");
+    cuda_ok(cudaStreamSynchronize(stream), "graph sync");
+    const Snapshot& want = gc.want[i][static_cast<size_t>(r)];
+    int32_t n = -1;
+    cuda_ok(cudaMemcpy(&n, p.num_recv_tokens_device.data, 4, cudaMemcpyDeviceToHost), "read N_recv");
+    std::string d;
+    if (n != want.num_recv_tokens) d += "N_recv " + std::to_string(n) + ", want " + std::to_string(want.num_recv_tokens) + "; ";
+    const int64_t N = std::min<int64_t>(std::max(n, 0), rows);
+    Snapshot got;
+    got.x = host_bytes(p.x.slice_rows(0, N));
+    got.topk_idx = host_bytes(p.topk_idx.slice_rows(0, N));
+    got.topk_weights = host_bytes(p.topk_weights.slice_rows(0, N));
+    got.recv_count = host_bytes(p.recv_count);
+    got.out = host_bytes(out);
+    d += first_diff("x", got.x, want.x) + first_diff("topk_idx", got.topk_idx, want.topk_idx) +
+         first_diff("topk_weights", got.topk_weights, want.topk_weights) + first_diff("recv_count", got.recv_count, want.recv_count) +
+         first_diff("out", got.out, want.out);
+    const std::vector<uint8_t> pad = host_bytes(p.topk_idx.slice_rows(N, rows));
+    for (size_t j = 0; j < pad.size(); ++j)
+      if (pad[j] != 0xFF) {
+        d += "topk_idx beyond N_recv is not -1 at byte " + std::to_string(j) + "; ";
+        break;
+      }
+    if (!d.empty()) failures += "graph replay " + std::to_string(i) + " rank " + std::to_string(r) + ": " + d + "\n";
+  }
+  const DispatchStats& st = pf->stats();
+  if (st.num_rank_dedup_rows <= 0 && T > 0) failures += "worst-case stats not refreshed from the device record; ";
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  if (r == 0) std::printf("graph: %zu replays (worst-case sizing, %lld rows) %s\n", gc.rounds.size(), static_cast<long long>(rows),
+                          failures.empty() ? "bit-exact vs HtCpu" : "DIFFER");
+  return failures;
+}
+
+// ---- errors --------------------------------------------------------------------------------------
+
+std::string check_errors(const std::shared_ptr<Group>& g, cudaStream_t stream) {
+  const int r = g->rank();
+  const Device dev = g->device();
+  Case c;
+  c.R = 2;
+  c.E = 8;
+  c.K = 2;
+  c.H = 256;
+  c.cap = 32;
+  c.T = {20, 32};
+  c.seed = 5;
+  const auto in = make_inputs(c);
+  auto pf = make_prepare_finalize("ht", g, c.config());
+  const RankInput& ri = in[static_cast<size_t>(r)];
+  const Tensor x = ri.x.to(dev), w = ri.topk_weights.to(dev);
+  std::string failures;
+  // A bad id on rank 1: InvalidArgument everywhere, naming the entry on rank 1.
+  Tensor bad = ri.topk_idx;
+  if (r == 1) {
+    bad = Tensor::empty({ri.x.size(0), c.K}, DType::int32);
+    std::memcpy(bad.data(), ri.topk_idx.data(), static_cast<size_t>(bad.nbytes()));
+    bad.ptr<int32_t>()[c.K * 3 + 1] = c.E + 3;
+  }
+  std::string what;
+  try {
+    pf->prepare({x, bad.to(dev), w, Stream{stream}});
+  } catch (const InvalidArgument& e) {
+    what = e.what();
+  }
+  if ((r == 1 && what.find("topk_idx[3, 1]") == std::string::npos) || (r == 0 && what.find("rank 1") == std::string::npos))
+    failures += "bad id: rank " + std::to_string(r) + " threw '" + what + "'; ";
+  if (r == 0) std::printf("bad id: %s\n", what.c_str());
+  // T > capacity on rank 0.
+  const Tensor big_x = Tensor::empty({40, c.H}, DType::bf16, dev), big_i = Tensor::zeros({40, c.K}, DType::int32, dev),
+               big_w = Tensor::zeros({40, c.K}, DType::fp32, dev);
+  what.clear();
+  try {
+    if (r == 0) pf->prepare({big_x, big_i, big_w, Stream{stream}});
+    else pf->prepare({x, ri.topk_idx.to(dev), w, Stream{stream}});
+  } catch (const InvalidArgument& e) {
+    what = e.what();
+  }
+  if ((r == 0 && what.find("num_tokens = 40") == std::string::npos) || (r == 1 && what.find("rank 0") == std::string::npos))
+    failures += "T > capacity: rank " + std::to_string(r) + " threw '" + what + "'; ";
+  if (r == 0) std::printf("T > capacity: %s\n", what.c_str());
+  // Still usable.
+  const PrepareResult p = pf->prepare({x, ri.topk_idx.to(dev), w, Stream{stream}});
+  const Tensor eo = Tensor::zeros({p.num_recv_tokens, c.H}, DType::bf16, dev), out = Tensor::empty({ri.x.size(0), c.H}, DType::bf16, dev);
+  pf->finalize({eo, out, Stream{stream}});
+  cuda_ok(cudaStreamSynchronize(stream), "sync");
+  // A finalize with the wrong expert_out rows: InvalidArgument on this rank, before anything moves
+  // (both ranks make the same mistake, so neither waits).
+  what.clear();
+  try {
+    const Tensor eo_bad = Tensor::zeros({p.num_recv_tokens + 1, c.H}, DType::bf16, dev);
+    pf->finalize({eo_bad, out, Stream{stream}});
+  } catch (const InvalidArgument& e) {
+    what = e.what();
+  }
+  if (what.find("expert_out.shape[0]") == std::string::npos) failures += "finalize rows: '" + what + "'; ";
+  return failures;
+}
+
+void run_world() {
+  std::vector<HtCase> cases = make_cases();
+  for (HtCase& hc : cases) hc.want = run_cpu(hc.c, hc.rounds);
+  const GraphCase gc = make_graph_case();
+  const std::string path = fresh_dir() + "/uid";
+  const std::string failed = run_ranks_forked(2, 500.0, [&](int rank) {
+    auto g = make_nccl_group(path, rank, 2, rank, 60.0);
+    cuda_ok(cudaSetDevice(rank), "cudaSetDevice");
+    cudaStream_t stream;
+    cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
+    std::string failures;
+    for (const HtCase& hc : cases) {
+      const auto got = run_gpu(hc.c, hc.rounds, g, stream);
+      for (size_t i = 0; i < got.size(); ++i) {
+        const std::string d = compare(got[i], hc.want[i][static_cast<size_t>(rank)]);
+        if (!d.empty()) failures += "round " + std::to_string(i) + " rank " + std::to_string(rank) + " " + hc.c.describe() + ": " + d + "\n";
+      }
+      if (rank == 0)
+        std::printf("ht %s: N_recv %lld/%lld/%lld, cache hits %lld: %s\n", hc.c.describe().c_str(),
+                    static_cast<long long>(got[0].num_recv_tokens), static_cast<long long>(got[1].num_recv_tokens),
+                    static_cast<long long>(got[2].num_recv_tokens), static_cast<long long>(got[2].cache_hits),
+                    failures.empty() ? "bit-exact vs HtCpu" : "DIFFER");
+    }
+    failures += run_graph(gc, g, stream);
+    failures += check_errors(g, stream);
+    g->barrier();
+    cuda_ok(cudaStreamDestroy(stream), "stream destroy");
+    if (!failures.empty()) throw std::runtime_error("mismatches:\n" + failures);
+  });
+  EXPECT_EQ(failed, "");
+}
+
+/// Rank 1 never calls prepare: rank 0 gets Timeout naming rank 1 within about timeout_s, then
+/// CommError on the next call; nothing hangs.
+void run_timeout() {
+  const std::string path = fresh_dir() + "/uid";
+  const std::string failed = run_ranks_forked(2, 120.0, [&](int rank) {
+    auto g = make_nccl_group(path, rank, 2, rank, 3.0);
+    cuda_ok(cudaSetDevice(rank), "cudaSetDevice");
+    Case c;
+    c.R = 2;
+    c.E = 8;
+    c.K = 2;
+    c.H = 256;
+    c.cap = 16;
+    c.T = {8, 8};
+    const auto in = make_inputs(c);
+    auto pf = make_prepare_finalize("ht", g, c.config());
+    // Leak the group and the backend: the peer is gone, so no teardown that could wait on it.
+    static auto* keep_g = new std::shared_ptr<Group>(g);
+    static auto* keep_pf = new std::unique_ptr<PrepareFinalize>(std::move(pf));
+    (void)keep_g;
+    if (rank == 1) {
+      std::this_thread::sleep_for(std::chrono::seconds(6));
+      return;
+    }
+    const Device dev = g->device();
+    const RankInput& ri = in[0];
+    const auto t0 = std::chrono::steady_clock::now();
+    std::string what;
+    try {
+      (*keep_pf)->prepare({ri.x.to(dev), ri.topk_idx.to(dev), ri.topk_weights.to(dev)});
+    } catch (const Timeout& e) {
+      what = e.what();
+    }
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    std::printf("timeout after %.1f s: %s\n", s, what.c_str());
+    if (what.find("rank 1") == std::string::npos || s > 20) throw std::runtime_error("want Timeout naming rank 1 within ~3 s: '" + what + "'");
+    bool comm_error = false;
+    try {
+      (*keep_pf)->prepare({ri.x.to(dev), ri.topk_idx.to(dev), ri.topk_weights.to(dev)});
+    } catch (const CommError&) {
+      comm_error = true;
+    }
+    if (!comm_error) throw std::runtime_error("the call after a timeout did not throw CommError");
+  });
+  EXPECT_EQ(failed, "");
+}
+
+}  // namespace
+
+TEST(HtCuda, MatchesHtCpuTwoRanks) {
+  const int n = cuda::device_count();
+  if (n < 2) GTEST_SKIP() << "needs 2 GPUs, found " << n;
+  run_world();
+}
+
+TEST(HtCuda, SilentPeerTimesOut) {
+  const int n = cuda::device_count();
+  if (n < 2) GTEST_SKIP() << "needs 2 GPUs, found " << n;
+  run_timeout();
+}
+
+#else
+TEST(HtCuda, NeedsACudaBuild) { GTEST_SKIP() << "CPU-only build (EPX_CUDA=OFF)"; }
+#endif
