@@ -180,13 +180,14 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(HtParams p) {
       }
       for (int d = 0; d < R; ++d) {
         const int goes = live && ((dest_mask >> d) & 1u);
+        const int base = s_rows[d];  // read before the scan's barriers; thread 0 updates it after them
         int total = 0;
         const int before = block_exclusive_scan(goes, s_warp, total);
         if (live) {
-          send_pos[t * R + d] = goes ? s_rows[d] + before : -1;
+          send_pos[t * R + d] = goes ? base + before : -1;
           in_rank[t * R + d] = static_cast<uint8_t>(goes);
         }
-        if (threadIdx.x == 0) s_rows[d] += total;
+        if (threadIdx.x == 0) s_rows[d] = base + total;
         __syncthreads();
       }
     }
