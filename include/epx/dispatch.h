@@ -66,6 +66,10 @@ struct DispatchArgs {
   TensorView topk_idx;      ///< [T, K] int32 or int64; -1 = no selection; duplicates add
   TensorView topk_weights;  ///< [T, K] fp32
   Stream stream{};
+  /// Optional [1] int32 on the group's device: the valid rows of x this call (<= x.shape[0]), read
+  /// on the device, so one captured CUDA graph serves every batch size up to x.shape[0]. Only
+  /// graph-safe backends (Capabilities::graph_safe) take it; empty = all x.shape[0] rows.
+  TensorView num_tokens;
 };
 
 struct PrepareResult {
@@ -103,6 +107,10 @@ struct Capabilities {
   bool graph_safe = false;          ///< no host sync / allocation inside prepare/finalize
   bool supports_fp8_dispatch = false;
   bool static_buffers = false;
+  /// prepare hands every rank all ranks' tokens (Flat [sum_r T_r, H], source-rank order) and
+  /// finalize sums the partial outputs over ranks (naive, allgather_reducescatter): a partial any
+  /// rank adds to a gathered row reaches that row's source exactly once (the DP-sharded shared expert).
+  bool gathers_all_tokens = false;
 };
 
 class PrepareFinalize {

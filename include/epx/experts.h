@@ -24,6 +24,10 @@ enum class WeightFormat : uint8_t {
   mxfp4,      ///< e2m1 packed pairs + one e8m0 scale per 32 inputs (OCP MX; gpt-oss checkpoints)
 };
 std::string_view weight_format_name(WeightFormat f);
+/// The smallest step an intermediate slice may take in `f` without touching a scale block:
+/// fp8_block 128 (128x128 scale blocks), mxfp4 32 (one e8m0 scale per 32), bf16 8 (16-byte rows,
+/// what the CUDA experts need).
+int64_t intermediate_granularity(WeightFormat f);
 WeightFormat parse_weight_format(std::string_view name);  // throws InvalidArgument
 
 /// One expert's weights, CPU-resident. Layout follows HF checkpoints, gate and up stacked:
@@ -44,6 +48,14 @@ struct ExpertWeights {
   static std::shared_ptr<ExpertWeights> from_float(WeightFormat format, const TensorView& gate_up, const TensorView& down);
   /// Deterministic random weights ~ N(0, 1/fan_in) from `seed`, then quantized into `format`.
   static std::shared_ptr<ExpertWeights> random(WeightFormat format, int64_t hidden, int64_t intermediate, uint64_t seed);
+
+  /// Columns [begin, end) of the intermediate dimension, in the stored format (no re-quantization):
+  /// gate rows [begin, end), up rows [I + begin, I + end) of w13 and columns [begin, end) of w2, with
+  /// their scale blocks. The slices of one expert sum to it: down(h) = sum over slices of
+  /// down_s(h_s), the split the DP-sharded shared expert uses (Megatron-style intermediate split).
+  /// begin and end must be multiples of intermediate_granularity(format) (or end == I) with
+  /// 0 <= begin < end <= I. Throws InvalidArgument naming the bad bound.
+  std::shared_ptr<ExpertWeights> slice_intermediate(int64_t begin, int64_t end) const;
 
   /// Dequantized fp32 copies [2I, H] and [H, I], built once on first use (thread-safe), for the CPU path.
   const float* w13_f32() const;

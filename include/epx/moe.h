@@ -8,6 +8,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -61,17 +62,54 @@ enum class SharedExpertMode : uint8_t { separate, fused, auto_gate };
 
 struct PathCounters {
   std::string backend;
-  int64_t calls = 0;            ///< forward calls
+  int64_t calls = 0;            ///< forward calls (graph replays included)
   int64_t chunks = 0;           ///< prepare/finalize rounds (DP chunks), idle ones included
-  int64_t idle_chunks = 0;      ///< chunks in which this rank had 0 tokens
-  int64_t shared_fused = 0;     ///< chunks whose shared expert ran fused (FHMoE)
+  int64_t idle_chunks = 0;      ///< chunks in which this rank had 0 tokens (eager calls only: under
+                                ///< graph replay the token count lives on the device)
+  int64_t shared_fused = 0;     ///< chunks whose shared expert ran fused (FHMoE), sharded ones included
   int64_t shared_separate = 0;  ///< chunks whose shared expert ran separately
+  int64_t shared_sharded = 0;   ///< of shared_fused: chunks where it ran DP-sharded on the gathered tokens
+  int64_t graph_replays = 0;    ///< forward calls that were replays of the whole-layer CUDA graph
 };
+
+/// Builds the Experts for a rank's local experts (index = local expert id) on `device`: a way to
+/// compose ModularMoE with any experts implementation. The default is make_experts_cpu on a CPU
+/// group and make_experts_cuda on a CUDA group.
+using ExpertsFactory =
+    std::function<std::unique_ptr<Experts>(std::vector<std::shared_ptr<const ExpertWeights>> local_experts, Device device)>;
 
 struct ModularMoEOptions {
   SharedExpertMode shared_mode = SharedExpertMode::auto_gate;
   int chunk_size = 0;           ///< DP chunk (tokens per call per rank); 0 = Config::moe_chunk_size / unchunked
   int fhmoe_max_tokens = -1;    ///< -1 = Config::fhmoe_max_tokens
+  /// DP-shard the shared expert when the backend gathers every rank's tokens
+  /// (Capabilities::gathers_all_tokens: naive, allgather_reducescatter) and R > 1: rank r holds
+  /// columns [I_r) of its intermediate dimension (whole blocks of the weight format, sizes differ by
+  /// at most one block; used only when every rank gets at least one block) and adds its partial
+  /// for every gathered row before the reduce-scatter, which sums the shards: the shared output is
+  /// counted once, never R times. Applies to chunks that take the fused path (same numerics as
+  /// FHMoE: the shared expert sees the dispatched x); separate chunks run the whole expert locally.
+  bool shard_shared_expert = true;
+  ExpertsFactory make_experts;  ///< empty = make_experts_cpu / make_experts_cuda by the group's device
+};
+
+/// Data-parallel metadata of one forward call, computed once from one all_gather of T and reused by
+/// the capacity check, the chunk plan, the capability gate and the DP-sharded shared expert (whose
+/// gathered rows are rank r's at [cumulative_c[r], cumulative_c[r+1]) of chunk c).
+struct DPMetadata {
+  std::vector<int64_t> tokens_per_rank;  ///< [R] T_r of this call
+  std::vector<int64_t> cumulative;       ///< [R + 1] exclusive prefix sums of tokens_per_rank
+  int64_t max_tokens = 0;                ///< max_r T_r
+  int64_t chunk_size = 1;                ///< tokens per chunk per rank (max_tokens when unchunked; >= 1)
+  int64_t num_chunks = 1;                ///< ceil(max_tokens / chunk_size), at least 1 (idle calls still meet)
+
+  /// From T per rank and the layer's chunk size (0 = unchunked).
+  static DPMetadata from_tokens(std::vector<int64_t> tokens_per_rank, int64_t chunk_size);
+  /// Tokens of rank r in chunk c: clamp(T_r - c * chunk_size, 0, chunk_size).
+  int64_t chunk_tokens(int64_t chunk, int rank) const;
+  /// [R] tokens per rank of chunk c, and M = their max (the capability gate's input).
+  std::vector<int64_t> chunk_counts(int64_t chunk) const;
+  int64_t chunk_max(int64_t chunk) const;
 };
 
 /// The EP MoE layer on one rank.
@@ -90,6 +128,35 @@ class ModularMoE {
   void forward_routed(const TensorView& x, const TensorView& topk_idx, const TensorView& topk_weights,
                       const TensorView& out, Stream stream = {});
   const PathCounters& counters() const;
+  /// DP metadata of the last forward call (empty before the first).
+  const DPMetadata& dp_metadata() const;
+  /// Whether chunks on the fused path run the shared expert DP-sharded (see ModularMoEOptions).
+  bool shared_expert_sharded() const;
+
+  // ---- whole-layer CUDA graph (decode) ----
+  /// nullopt when capture_graph() can capture this layer for batches of up to `max_tokens` rows per
+  /// rank; else one sentence why not: a CPU group, a backend that is not graph-safe
+  /// (Capabilities::graph_safe: its prepare/finalize sync with the host), DP chunking, or a capacity
+  /// below max_tokens.
+  std::optional<std::string> why_no_graph(int64_t max_tokens) const;
+  /// Captures the whole layer (router when topk_idx is empty, else the given routing; routing
+  /// columns; prepare; experts; finalize; shared expert) on `stream` into a CUDA graph this object
+  /// keeps, on static buffers that the caller refills before every replay:
+  ///   x [T_max, H] bf16, out [T_max, H] bf16, topk_idx [T_max, K] int32/int64 and
+  ///   topk_weights [T_max, K] fp32 (or both empty: the layer's router), all on the group's GPU;
+  ///   num_tokens [1] int32 on the GPU: the valid rows of this step (0 <= n <= T_max), read by the
+  ///   backend on the device (DispatchArgs::num_tokens); rows >= n of out are undefined.
+  /// Every rank passes the same T_max (checked); the DP metadata is static (T_max per rank, one
+  /// chunk), so replays need no host collective and ranks may have different n. Runs the layer once
+  /// eagerly first (workspaces of the experts and the backend grow on first use, and growing is not
+  /// capturable), then captures. Collective. Throws Unsupported with why_no_graph()'s sentence,
+  /// InvalidArgument for bad buffers or a legacy-default stream, CudaError if capture fails.
+  void capture_graph(const TensorView& x, const TensorView& topk_idx, const TensorView& topk_weights, const TensorView& out,
+                     const TensorView& num_tokens, Stream stream);
+  /// Replays the captured layer on `stream` (collective: every rank replays). Counts a call, its
+  /// chunk and its shared path. Throws InvalidArgument when nothing was captured.
+  void replay_graph(Stream stream);
+  bool has_graph() const;
 
  private:
   struct Impl;

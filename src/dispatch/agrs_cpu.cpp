@@ -11,7 +11,7 @@ namespace {
 class AgrsCpu final : public GatherCpu {
  public:
   AgrsCpu(std::shared_ptr<Group> group, const DispatchConfig& cfg)
-      : GatherCpu("allgather_reducescatter", ActivationLayout::Flat, false, std::move(group), cfg) {}
+      : GatherCpu("allgather_reducescatter", ActivationLayout::Flat, false, std::move(group), cfg) { caps_.gathers_all_tokens = true; }
 
   /// expert_out [N, H] bf16 (N = num_recv_tokens of the last prepare); out [T, H] bf16.
   void finalize(const FinalizeArgs& args) override {

@@ -59,7 +59,7 @@ class GatherCuda : public CudaPrepareFinalize {
 /// Combine bytes use ring all-reduce accounting: 2 (R-1)/R x N x H x 2.
 class NaiveCuda final : public GatherCuda {
  public:
-  NaiveCuda(std::shared_ptr<Group> group, const DispatchConfig& cfg) : GatherCuda("naive", std::move(group), cfg) {}
+  NaiveCuda(std::shared_ptr<Group> group, const DispatchConfig& cfg) : GatherCuda("naive", std::move(group), cfg) { caps_.gathers_all_tokens = true; }
 
   /// expert_out [N, H] bf16 (N = num_recv_tokens of the last prepare); out [T, H] bf16.
   void finalize(const FinalizeArgs& args) override {
@@ -83,7 +83,7 @@ class NaiveCuda final : public GatherCuda {
 /// of other ranks' tokens this rank sends, (N - T) x H x 2.
 class AgrsCuda final : public GatherCuda {
  public:
-  AgrsCuda(std::shared_ptr<Group> group, const DispatchConfig& cfg) : GatherCuda("allgather_reducescatter", std::move(group), cfg) {}
+  AgrsCuda(std::shared_ptr<Group> group, const DispatchConfig& cfg) : GatherCuda("allgather_reducescatter", std::move(group), cfg) { caps_.gathers_all_tokens = true; }
 
   void finalize(const FinalizeArgs& args) override {
     const int64_t H = cfg_.hidden;

@@ -2,6 +2,7 @@
 // the lazily built fp32 copies the CPU path multiplies with) and the WeightFormat names.
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <exception>
 #include <thread>
 #include <vector>
@@ -241,6 +242,77 @@ std::shared_ptr<ExpertWeights> ExpertWeights::random(WeightFormat format, int64_
                      w->w13_scale);
   fill_random_matrix(format, hidden, intermediate, seed, 2, 1.0f / std::sqrt(static_cast<float>(intermediate)), w->w2,
                      w->w2_scale);
+  return w;
+}
+
+int64_t intermediate_granularity(WeightFormat f) {
+  switch (f) {
+    case WeightFormat::bf16: return 8;
+    case WeightFormat::fp8_block: return kFp8GroupSize;
+    case WeightFormat::mxfp4: return kMxfp4BlockSize;
+  }
+  return 1;
+}
+
+namespace {
+/// Rows [r0, r1) of `src` (2-D, any dtype) appended to `dst` at row `dst_row`.
+void copy_rows(const Tensor& src, int64_t r0, int64_t r1, Tensor& dst, int64_t dst_row) {
+  const int64_t row_bytes = src.size(1) * dtype_size(src.dtype());
+  if (r1 > r0)
+    std::memcpy(static_cast<char*>(dst.data()) + dst_row * row_bytes, static_cast<const char*>(src.data()) + r0 * row_bytes,
+                static_cast<size_t>((r1 - r0) * row_bytes));
+}
+/// Columns [c0, c1) of every row of `src` (2-D, storage elements) into `dst` [rows, c1 - c0].
+Tensor copy_cols(const Tensor& src, int64_t c0, int64_t c1) {
+  Tensor dst = Tensor::empty({src.size(0), c1 - c0}, src.dtype());
+  const int64_t es = dtype_size(src.dtype()), src_row = src.size(1) * es, dst_row = (c1 - c0) * es;
+  for (int64_t r = 0; r < src.size(0); ++r)
+    std::memcpy(static_cast<char*>(dst.data()) + r * dst_row, static_cast<const char*>(src.data()) + r * src_row + c0 * es,
+                static_cast<size_t>(dst_row));
+  return dst;
+}
+}  // namespace
+
+std::shared_ptr<ExpertWeights> ExpertWeights::slice_intermediate(int64_t begin, int64_t end) const {
+  constexpr std::string_view kOp = "ExpertWeights::slice_intermediate";
+  const int64_t I = intermediate, g = intermediate_granularity(format);
+  const std::string rule = "must be a multiple of " + std::to_string(g) + " (" + std::string(weight_format_name(format)) + ")";
+  require_arg(kOp, "begin", begin, begin >= 0 && begin < I, "must be in [0, intermediate = " + std::to_string(I) + ")");
+  require_arg(kOp, "end", end, end > begin && end <= I, "must be in (begin = " + std::to_string(begin) + ", intermediate = " + std::to_string(I) + "]");
+  require_arg(kOp, "begin", begin, begin % g == 0, rule);
+  require_arg(kOp, "end", end, end % g == 0 || end == I, rule + " or equal intermediate = " + std::to_string(I));
+  auto w = std::make_shared<ExpertWeights>();
+  w->format = format;
+  w->hidden = hidden;
+  w->intermediate = end - begin;
+  const int64_t n = end - begin;
+  // w13 [2I, *]: gate rows then up rows. Scale rows are per 128 rows (fp8_block) or per row (mxfp4).
+  w->w13 = Tensor::empty({2 * n, w13.size(1)}, w13.dtype());
+  copy_rows(w13, begin, end, w->w13, 0);
+  copy_rows(w13, I + begin, I + end, w->w13, n);
+  // w2 [H, I] (mxfp4: [H, I/2] packed pairs): columns of the slice.
+  switch (format) {
+    case WeightFormat::bf16:
+      w->w2 = copy_cols(w2, begin, end);
+      break;
+    case WeightFormat::fp8_block: {
+      const int64_t sb = begin / g, se = (end + g - 1) / g, sI = w13_scale.size(0) / 2;
+      w->w13_scale = Tensor::empty({2 * (se - sb), w13_scale.size(1)}, DType::fp32);
+      copy_rows(w13_scale, sb, se, w->w13_scale, 0);
+      copy_rows(w13_scale, sI + sb, sI + se, w->w13_scale, se - sb);
+      w->w2 = copy_cols(w2, begin, end);
+      w->w2_scale = copy_cols(w2_scale, sb, se);
+      break;
+    }
+    case WeightFormat::mxfp4: {
+      w->w13_scale = Tensor::empty({2 * n, w13_scale.size(1)}, w13_scale.dtype());
+      copy_rows(w13_scale, begin, end, w->w13_scale, 0);
+      copy_rows(w13_scale, I + begin, I + end, w->w13_scale, n);
+      w->w2 = copy_cols(w2, begin / 2, end / 2);
+      w->w2_scale = copy_cols(w2_scale, begin / g, (end + g - 1) / g);
+      break;
+    }
+  }
   return w;
 }
 

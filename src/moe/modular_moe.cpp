@@ -24,7 +24,16 @@
 // output is added to the finalized rows (a second bf16 rounding; the fused path rounds once).
 // Gate: fuse when M = max over ranks of this chunk's tokens <= fhmoe_max_tokens. M comes from the
 // gathered T, so every rank takes the same path and the collectives line up.
+// DP-sharded shared expert (backends with Capabilities::gathers_all_tokens, R > 1): local expert
+// L-1 is rank r's slice of the shared expert's intermediate dimension instead of a replica; on a
+// fused chunk column K stays -1, and after the routed experts the slice runs on every gathered row
+// (the dispatched x) and g(t) * its output is added to the partials, which finalize sums over ranks
+// (reduce-scatter / all-reduce): each slice once, so the shared expert once. g of remote rows comes
+// from one all_gatherv sized by the DP metadata (only for models with a shared gate).
+// Whole-layer CUDA graph: the same code with static DP metadata (T_max on every rank, one chunk),
+// no host collective, and the valid row count on the device (DispatchArgs::num_tokens).
 #include <algorithm>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -36,6 +45,35 @@
 #endif
 
 namespace epx {
+
+DPMetadata DPMetadata::from_tokens(std::vector<int64_t> tokens, int64_t chunk) {
+  DPMetadata d;
+  d.tokens_per_rank = std::move(tokens);
+  d.cumulative.assign(d.tokens_per_rank.size() + 1, 0);
+  for (size_t r = 0; r < d.tokens_per_rank.size(); ++r) {
+    d.cumulative[r + 1] = d.cumulative[r] + d.tokens_per_rank[r];
+    d.max_tokens = std::max(d.max_tokens, d.tokens_per_rank[r]);
+  }
+  d.chunk_size = chunk > 0 ? chunk : std::max<int64_t>(d.max_tokens, 1);
+  d.num_chunks = std::max<int64_t>(1, (d.max_tokens + d.chunk_size - 1) / d.chunk_size);
+  return d;
+}
+
+int64_t DPMetadata::chunk_tokens(int64_t chunk, int rank) const {
+  return std::clamp<int64_t>(tokens_per_rank[static_cast<size_t>(rank)] - chunk * chunk_size, 0, chunk_size);
+}
+
+std::vector<int64_t> DPMetadata::chunk_counts(int64_t chunk) const {
+  std::vector<int64_t> c(tokens_per_rank.size());
+  for (size_t r = 0; r < c.size(); ++r) c[r] = chunk_tokens(chunk, static_cast<int>(r));
+  return c;
+}
+
+int64_t DPMetadata::chunk_max(int64_t chunk) const {
+  int64_t m = 0;
+  for (size_t r = 0; r < tokens_per_rank.size(); ++r) m = std::max(m, chunk_tokens(chunk, static_cast<int>(r)));
+  return m;
+}
 
 struct ModularMoE::Impl {
   std::shared_ptr<const MoEWeights> weights;
@@ -49,7 +87,10 @@ struct ModularMoE::Impl {
   int num_experts = 0;           // E
   int top_k = 0;                 // K (routed columns)
   bool has_shared = false;
+  bool sharded = false;          // the shared expert runs DP-sharded on fused chunks (local expert L-1 = shard)
+  int shard_slot = -1;           // L-1
   PathCounters counters;
+  DPMetadata dp;                 // of the last forward call
 
   Device device;                 // the group's: where x, routing and out live
   std::vector<std::shared_ptr<const ExpertWeights>> shared_only;  // CUDA separate path: {weights->shared}
@@ -66,10 +107,27 @@ struct ModularMoE::Impl {
   std::unique_ptr<moe_cuda::Blas> blas;
   std::unique_ptr<Experts> shared_experts;  // one expert (the shared one), Flat, created on first use
   Tensor x_f32, shared_idx, shared_wts, shared_out;
+  Tensor gate_all;                           // [N] g of the gathered rows (sharded, shared gate)
+  std::unique_ptr<moe_cuda::Graph> graph;    // the whole-layer graph, once captured
 #endif
+  std::vector<float> gate_all_host;          // CPU: [N] g of the gathered rows (sharded)
+  Tensor shared_idx_any, shared_wts_any;     // [N, 1] route of the shard over the gathered rows
+  Tensor shard_out;                          // [N, H] bf16: the shard's output (sharded)
+  int64_t graph_max_tokens = 0;              // T_max of the captured graph
+  bool graph_fused = false;                  // the captured graph's shared path
+
+  /// The chunk loop of one call over `dp` (eager: from the gathered T; graph: static). `num_tokens`
+  /// (graph only) goes to the backend as DispatchArgs::num_tokens.
+  void run_chunks(const TensorView& x, const TensorView& topk_idx, const TensorView& topk_weights, const TensorView& out,
+                  const TensorView& num_tokens, Stream stream);
+  /// Router on x [T, H] into scratch: topk_idx [T, K] int32, topk_weights [T, K] fp32.
+  void route_rows(const TensorView& x, Stream stream, TensorView& topk_idx, TensorView& topk_weights);
+  /// The gathered rows' expert partials += g * shard(x): the DP-sharded shared expert (chunk `c`).
+  void add_sharded_shared(const PrepareResult& prepared, const TensorView& expert_view, const TensorView& g,
+                          const std::vector<float>& gate_host, int64_t c, Stream stream);
 
   void run_chunk(const TensorView& x, const TensorView& topk_idx, const TensorView& topk_weights, const TensorView& out,
-                 int64_t begin, int64_t end, bool fused, Stream stream);
+                 int64_t begin, int64_t end, bool fused, int64_t c, const TensorView& num_tokens, Stream stream);
   TensorView expert_out_like(const TensorView& recv_x);
   /// Grows `t` (1-D storage of `dtype` on `device`) to at least `numel` elements; returns a view of `dims`.
   TensorView scratch(Tensor& t, DType dtype, const std::vector<int64_t>& dims);
@@ -145,7 +203,7 @@ ModularMoE::ModularMoE(std::shared_ptr<const MoEWeights> weights, std::shared_pt
                 "must be >= chunk_size = " + std::to_string(m.chunk_size) + " (every chunk is one dispatch)");
   }
 
-  // Local experts: this rank's routed range, then the shared replica (local id L-1, route id E).
+  // Local experts: this rank's routed range, then the shared replica or shard (local id L-1, route id E).
   const int R = group->size(), rank = group->rank();
   const ExpertRange range = expert_range(m.num_experts, R, rank);
   std::vector<std::shared_ptr<const ExpertWeights>> local;
@@ -156,7 +214,6 @@ ModularMoE::ModularMoE(std::shared_ptr<const MoEWeights> weights, std::shared_pt
                     std::to_string(range.end) + ")");
     local.push_back(weights->experts[e]);
   }
-  if (m.has_shared) local.push_back(weights->shared);
   // A rank with no routed expert (E < R) and no shared replica still takes part in every collective;
   // it gets an Experts object only when it has something to run.
   m.device = group->device();
@@ -177,24 +234,85 @@ ModularMoE::ModularMoE(std::shared_ptr<const MoEWeights> weights, std::shared_pt
   dispatch_cfg.top_k = m.top_k + (m.has_shared ? 1 : 0);
   dispatch_cfg.shared_route = m.has_shared;
   m.prepare_finalize = make_prepare_finalize(backend, group, dispatch_cfg);
+  const Capabilities& caps = m.prepare_finalize->capabilities();
+
+  // DP-sharded shared expert: whole blocks of the weight format split as evenly as possible; only
+  // when every rank gets at least one (deterministic from the config, so every rank decides alike).
+  if (m.has_shared) {
+    const ExpertWeights& sw = *weights->shared;
+    const int64_t g = intermediate_granularity(sw.format), blocks = (sw.intermediate + g - 1) / g;
+    m.sharded = options.shard_shared_expert && R > 1 && caps.gathers_all_tokens && blocks >= R;
+    if (m.sharded) {
+      const int64_t base = blocks / R, extra = blocks % R;
+      const int64_t b0 = rank * base + std::min<int64_t>(rank, extra), b1 = b0 + base + (rank < extra ? 1 : 0);
+      local.push_back(sw.slice_intermediate(b0 * g, std::min(b1 * g, sw.intermediate)));
+    } else {
+      local.push_back(weights->shared);
+    }
+    m.shard_slot = static_cast<int>(local.size()) - 1;
+  }
   // After the backend (collective, and where an unsupported one stops): the CUDA experts upload
   // this rank's weights, which is not worth doing for a backend that cannot run.
-  if (!local.empty()) m.experts = m.device.is_cpu() ? make_experts_cpu(std::move(local)) : make_experts_cuda(std::move(local), m.device.index);
+  if (!local.empty()) {
+    if (options.make_experts) {
+      m.experts = options.make_experts(std::move(local), m.device);
+      require_arg(kCtorOp, "options.make_experts", "a null Experts", m.experts != nullptr, "must return an Experts object");
+    } else {
+      m.experts = m.device.is_cpu() ? make_experts_cpu(std::move(local)) : make_experts_cuda(std::move(local), m.device.index);
+    }
+  }
+  // Composition check, collective so every rank throws the same sentence: the experts must take the
+  // backend's activation layout (Flat for the gathered/deduplicated backends, ExpertMajor for ll).
+  const ActivationLayout layout = caps.layout;
+  const int64_t fit = !m.experts ? 2 : m.experts->supports(layout) ? 1 : 0;
+  const std::vector<int64_t> fits = group->all_gather_i64(fit);
+  for (int r = 0; r < R; ++r) {
+    if (fits[static_cast<size_t>(r)] != 0) continue;
+    std::string takes;
+    if (m.experts) {
+      for (ActivationLayout l : {ActivationLayout::Flat, ActivationLayout::ExpertMajor})
+        if (m.experts->supports(l)) takes += (takes.empty() ? "" : ", ") + std::string(layout_name(l));
+    }
+    throw Unsupported(arg_message(kCtorOp, "backend", backend,
+                                  "its activation layout " + std::string(layout_name(layout)) + " is not one the experts of rank " +
+                                      std::to_string(r) + " take" + (takes.empty() ? "" : " (" + takes + ")") +
+                                      ": compose it with experts that support " + std::string(layout_name(layout)) +
+                                      ", or pick a backend whose layout the experts take"));
+  }
   // Chunking and the gate decide how many collectives run; ranks must agree on them.
   group->check_agreement(std::string(kCtorOp), {{"chunk_size", m.chunk_size},
                                                 {"fhmoe_max_tokens", m.fhmoe_max_tokens},
-                                                {"shared_mode", static_cast<int64_t>(m.shared_mode)}});
-  const ActivationLayout layout = m.prepare_finalize->capabilities().layout;
-  if (m.experts && !m.experts->supports(layout)) {
-    throw Unsupported(arg_message(kCtorOp, "backend", backend,
-                                  "its layout " + std::string(layout_name(layout)) + " is not supported by the experts"));
-  }
+                                                {"shared_mode", static_cast<int64_t>(m.shared_mode)},
+                                                {"shared_sharded", m.sharded}});
   m.counters.backend = backend;
 }
 
 ModularMoE::~ModularMoE() = default;
 
 const PathCounters& ModularMoE::counters() const { return impl_->counters; }
+const DPMetadata& ModularMoE::dp_metadata() const { return impl_->dp; }
+bool ModularMoE::shared_expert_sharded() const { return impl_->sharded; }
+
+void ModularMoE::Impl::route_rows(const TensorView& x, Stream stream, TensorView& topk_idx, TensorView& topk_weights) {
+  const MoEWeights& w = *weights;
+  const int64_t T = x.shape[0];
+  // Scratch reused across calls: no allocation (on CUDA: no cudaMalloc) per forward.
+  const TensorView logits = scratch(this->logits, DType::fp32, {T, num_experts});
+  topk_idx = scratch(router_idx, DType::int32, {T, top_k});
+  topk_weights = scratch(router_wts, DType::fp32, {T, top_k});
+  if (device.is_cpu()) {
+    router_logits_cpu(w, x, logits);
+    route(w.config.router, logits, w.correction_bias.view(), topk_idx, topk_weights, stream);
+  } else {
+#ifdef EPX_WITH_CUDA
+    const TensorView xf = scratch(x_f32, DType::fp32, {T, w.config.hidden});
+    moe_cuda::router_logits(*blas, router_weight_dev, x, xf, logits, stream);
+    route(w.config.router, logits, correction_bias_dev.view(), topk_idx, topk_weights, stream);
+#else
+    no_cuda("x on " + device.str());
+#endif
+  }
+}
 
 void ModularMoE::forward(const TensorView& x, const TensorView& out, Stream stream) {
   Impl& m = *impl_;
@@ -202,10 +320,8 @@ void ModularMoE::forward(const TensorView& x, const TensorView& out, Stream stre
   // A local argument error still joins the T all_gather inside forward_routed (as -1) so peers
   // do not hang; here x is only read if its shape is right.
   bool ok = true;
-  int64_t T = 0;
   try {
     check_rows(kFwdOp, "x", x, -1, w.config.hidden, m.device);
-    T = x.shape[0];
   } catch (const InvalidArgument&) {
     ok = false;
   }
@@ -213,22 +329,8 @@ void ModularMoE::forward(const TensorView& x, const TensorView& out, Stream stre
     forward_routed(x, TensorView(), TensorView(), out, stream);  // throws on every rank
     return;
   }
-  // Scratch reused across calls: no allocation (on CUDA: no cudaMalloc) per forward.
-  const TensorView logits = m.scratch(m.logits, DType::fp32, {T, m.num_experts});
-  const TensorView topk_idx = m.scratch(m.router_idx, DType::int32, {T, m.top_k});
-  const TensorView topk_weights = m.scratch(m.router_wts, DType::fp32, {T, m.top_k});
-  if (m.device.is_cpu()) {
-    router_logits_cpu(w, x, logits);
-    route(w.config.router, logits, w.correction_bias.view(), topk_idx, topk_weights, stream);
-  } else {
-#ifdef EPX_WITH_CUDA
-    const TensorView x_f32 = m.scratch(m.x_f32, DType::fp32, {T, w.config.hidden});
-    moe_cuda::router_logits(*m.blas, m.router_weight_dev, x, x_f32, logits, stream);
-    route(w.config.router, logits, m.correction_bias_dev.view(), topk_idx, topk_weights, stream);
-#else
-    no_cuda("x on " + m.device.str());
-#endif
-  }
+  TensorView topk_idx, topk_weights;
+  m.route_rows(x, stream, topk_idx, topk_weights);
   forward_routed(x, topk_idx, topk_weights, out, stream);
 }
 
@@ -249,38 +351,44 @@ void ModularMoE::forward_routed(const TensorView& x, const TensorView& topk_idx,
   } catch (const InvalidArgument& e) {
     local_error = e.what();
   }
-  const std::vector<int64_t> tokens = m.group->all_gather_i64(local_error.empty() ? T : -1);
+  // The DP metadata: one all_gather of T per call, reused by everything below.
+  std::vector<int64_t> tokens = m.group->all_gather_i64(local_error.empty() ? T : -1);
   if (!local_error.empty()) throw InvalidArgument(local_error);
-  int64_t max_tokens = 0;
   for (size_t r = 0; r < tokens.size(); ++r) {
     if (tokens[r] < 0) {
       throw InvalidArgument(std::string(kFwdOp) + ": rank " + std::to_string(r) +
                             " rejected its arguments: every rank stops (see that rank's error)");
     }
-    max_tokens = std::max(max_tokens, tokens[r]);
   }
+  DPMetadata dp = DPMetadata::from_tokens(std::move(tokens), m.chunk_size);
   // Capacity is checked on the gathered sizes, so every rank raises it before anyone dispatches.
-  if (m.chunk_size == 0 && m.capacity > 0 && max_tokens > m.capacity) {
-    throw InvalidArgument(arg_message(kFwdOp, "max_r num_tokens", max_tokens,
+  if (m.chunk_size == 0 && m.capacity > 0 && dp.max_tokens > m.capacity) {
+    throw InvalidArgument(arg_message(kFwdOp, "max_r num_tokens", dp.max_tokens,
                                       "must be <= num_max_dispatch_tokens_per_rank = " + std::to_string(m.capacity) +
                                           " when unchunked (set chunk_size or raise the capacity)"));
   }
-  const int64_t chunk = m.chunk_size > 0 ? m.chunk_size : std::max<int64_t>(max_tokens, 1);
-  const int64_t num_chunks = std::max<int64_t>(1, (max_tokens + chunk - 1) / chunk);
-  ++m.counters.calls;
-  for (int64_t c = 0; c < num_chunks; ++c) {
-    int64_t chunk_max = 0;  // M: the largest chunk over ranks
-    for (int64_t t : tokens) chunk_max = std::max(chunk_max, std::clamp<int64_t>(t - c * chunk, 0, chunk));
+  m.dp = std::move(dp);
+  m.run_chunks(x, topk_idx, topk_weights, out, TensorView(), stream);
+}
+
+void ModularMoE::Impl::run_chunks(const TensorView& x, const TensorView& topk_idx, const TensorView& topk_weights,
+                                  const TensorView& out, const TensorView& num_tokens, Stream stream) {
+  const int rank = group->rank();
+  const int64_t T = dp.tokens_per_rank[static_cast<size_t>(rank)];
+  ++counters.calls;
+  for (int64_t c = 0; c < dp.num_chunks; ++c) {
+    const int64_t chunk_max = dp.chunk_max(c);  // M: the largest chunk over ranks
     bool fused = false;
-    if (m.has_shared) {
-      fused = m.shared_mode == SharedExpertMode::fused ||
-              (m.shared_mode == SharedExpertMode::auto_gate && chunk_max <= m.fhmoe_max_tokens);
-      ++(fused ? m.counters.shared_fused : m.counters.shared_separate);
+    if (has_shared) {
+      fused = shared_mode == SharedExpertMode::fused ||
+              (shared_mode == SharedExpertMode::auto_gate && chunk_max <= fhmoe_max_tokens);
+      ++(fused ? counters.shared_fused : counters.shared_separate);
+      if (fused && sharded) ++counters.shared_sharded;
     }
-    const int64_t begin = std::min(T, c * chunk), end = std::min(T, begin + chunk);
-    ++m.counters.chunks;
-    if (begin == end) ++m.counters.idle_chunks;
-    m.run_chunk(x, topk_idx, topk_weights, out, begin, end, fused, stream);
+    const int64_t begin = std::min(T, c * dp.chunk_size), end = begin + dp.chunk_tokens(c, rank);
+    ++counters.chunks;
+    if (begin == end) ++counters.idle_chunks;
+    run_chunk(x, topk_idx, topk_weights, out, begin, end, fused, c, num_tokens, stream);
   }
 }
 
@@ -369,12 +477,14 @@ void ModularMoE::Impl::add_separate_shared(const TensorView& x_chunk, const Tens
 }
 
 void ModularMoE::Impl::run_chunk(const TensorView& x, const TensorView& topk_idx, const TensorView& topk_weights,
-                                 const TensorView& out, int64_t begin, int64_t end, bool fused, Stream stream) {
+                                 const TensorView& out, int64_t begin, int64_t end, bool fused, int64_t c,
+                                 const TensorView& num_tokens, Stream stream) {
   const int64_t n = end - begin;
-  // Routing of the chunk with the shared column appended: [n, K(+1)] int32 / fp32.
+  // Routing of the chunk with the shared column appended: [n, K(+1)] int32 / fp32. Sharded, the
+  // column stays -1 (no traffic): the shard runs on the gathered rows after the routed experts.
   TensorView idx, wts, g;
   std::vector<float> gate_host;
-  route_columns(x, topk_idx, topk_weights, begin, end, fused, stream, idx, wts, g, gate_host);
+  route_columns(x, topk_idx, topk_weights, begin, end, fused && !sharded, stream, idx, wts, g, gate_host);
 
   const TensorView x_chunk = x.slice_rows(begin, end), out_chunk = out.slice_rows(begin, end);
   DispatchArgs args;
@@ -382,6 +492,7 @@ void ModularMoE::Impl::run_chunk(const TensorView& x, const TensorView& topk_idx
   args.topk_idx = idx;
   args.topk_weights = wts;
   args.stream = stream;
+  args.num_tokens = num_tokens;
   const PrepareResult prepared = prepare_finalize->prepare(args);
   const TensorView expert_view = expert_out_like(prepared.x);
   if (experts) {
@@ -389,6 +500,7 @@ void ModularMoE::Impl::run_chunk(const TensorView& x, const TensorView& topk_idx
   } else {
     EPX_ASSERT(prepared.num_recv_tokens == 0, "a rank without local experts received ", prepared.num_recv_tokens, " rows");
   }
+  if (has_shared && fused && sharded) add_sharded_shared(prepared, expert_view, g, gate_host, c, stream);
   FinalizeArgs fin;
   fin.expert_out = expert_view;
   fin.out = out_chunk;
@@ -396,6 +508,161 @@ void ModularMoE::Impl::run_chunk(const TensorView& x, const TensorView& topk_idx
   prepare_finalize->finalize(fin);
 
   if (has_shared && !fused && n > 0) add_separate_shared(x_chunk, out_chunk, g, gate_host, stream);
+}
+
+void ModularMoE::Impl::add_sharded_shared(const PrepareResult& prepared, const TensorView& expert_view, const TensorView& g,
+                                          const std::vector<float>& gate_host, int64_t c, Stream stream) {
+  const MoEWeights& w = *weights;
+  const int64_t H = w.config.hidden, N = prepared.x.shape[0];
+  const std::vector<int64_t> counts = dp.chunk_counts(c);
+  // Gathered rows are every rank's chunk rows in rank order (Capabilities::gathers_all_tokens).
+  int64_t total = 0;
+  std::vector<int64_t> gate_bytes;
+  for (int64_t k : counts) {
+    total += k;
+    gate_bytes.push_back(k * static_cast<int64_t>(sizeof(float)));
+  }
+  EPX_ASSERT(prepared.layout == ActivationLayout::Flat && N == total, "sharded shared expert: gathered rows ", N,
+             " but the DP metadata counts ", total);
+  const bool gated = w.shared_gate_weight.defined();
+  ExpertsInput in;
+  in.layout = ActivationLayout::Flat;
+  in.x = prepared.x;
+  in.x_scales = prepared.x_scales;
+  in.topk_idx = scratch(shared_idx_any, DType::int32, {N, 1});
+  in.topk_weights = scratch(shared_wts_any, DType::fp32, {N, 1});
+  const TensorView y = scratch(shard_out, DType::bf16, {N, H});
+  if (device.is_cuda()) {
+#ifdef EPX_WITH_CUDA
+    moe_cuda::fill_single_route(in.topk_idx, in.topk_weights, stream, shard_slot);
+    TensorView g_all = in.topk_weights;  // ones [N] when the model has no shared gate
+    if (gated) {
+      g_all = scratch(gate_all, DType::fp32, {N});
+      group->all_gatherv(g.data, g_all.data, gate_bytes, stream);
+    }
+    experts->apply(in, y, stream);
+    moe_cuda::add_shared(expert_view, y, g_all, stream);
+    return;
+#else
+    no_cuda("x on " + device.str());
+#endif
+  }
+  (void)g;
+  for (int64_t t = 0; t < N; ++t) {
+    in.topk_idx.ptr<int32_t>()[t] = shard_slot;
+    in.topk_weights.ptr<float>()[t] = 1.0f;
+  }
+  gate_all_host.assign(static_cast<size_t>(N), 1.0f);
+  if (gated) group->all_gatherv(gate_host.data(), gate_all_host.data(), gate_bytes);
+  experts->apply(in, y, stream);
+  uint16_t* o = expert_view.ptr<uint16_t>();
+  const uint16_t* yb = y.ptr<const uint16_t>();
+  for (int64_t t = 0; t < N; ++t)
+    for (int64_t h = 0; h < H; ++h)
+      o[t * H + h] = float_to_bf16_bits(bf16_bits_to_float(o[t * H + h]) + gate_all_host[t] * bf16_bits_to_float(yb[t * H + h]));
+}
+
+// ---- whole-layer CUDA graph ----
+
+std::optional<std::string> ModularMoE::why_no_graph(int64_t max_tokens) const {
+  const Impl& m = *impl_;
+  const std::string op = "ModularMoE.capture_graph";
+  if (!m.device.is_cuda()) return arg_message(op, "device", m.device.str(), "CUDA graphs need a group on a GPU");
+#ifndef EPX_WITH_CUDA
+  return arg_message(op, "device", m.device.str(), "this build has no CUDA");
+#else
+  const Capabilities& caps = m.prepare_finalize->capabilities();
+  if (!caps.graph_safe) {
+    return arg_message(op, "backend", caps.name,
+                       "is not graph-safe (Capabilities::graph_safe = false: its prepare/finalize wait on the host for every "
+                       "rank's counts); use a graph-safe backend such as ll");
+  }
+  if (max_tokens < 0) return arg_message(op, "max_tokens", max_tokens, "must be >= 0");
+  if (m.chunk_size > 0 && max_tokens > m.chunk_size) {
+    return arg_message(op, "chunk_size", m.chunk_size,
+                       "splits a batch of max_tokens = " + std::to_string(max_tokens) + " into several dispatches; a graph holds one (chunk_size 0 or >= max_tokens)");
+  }
+  if (m.capacity > 0 && max_tokens > m.capacity) {
+    return arg_message(op, "max_tokens", max_tokens, "must be <= num_max_dispatch_tokens_per_rank = " + std::to_string(m.capacity));
+  }
+  return std::nullopt;
+#endif
+}
+
+bool ModularMoE::has_graph() const {
+#ifdef EPX_WITH_CUDA
+  return impl_->graph && impl_->graph->captured();
+#else
+  return false;
+#endif
+}
+
+void ModularMoE::capture_graph(const TensorView& x, const TensorView& topk_idx, const TensorView& topk_weights,
+                               const TensorView& out, const TensorView& num_tokens, Stream stream) {
+  Impl& m = *impl_;
+  const std::string op = "ModularMoE.capture_graph";
+  const int64_t H = m.weights->config.hidden;
+  check_rows(op, "x", x, -1, H, m.device);
+  const int64_t T_max = x.shape[0];
+  if (auto why = why_no_graph(T_max)) throw Unsupported(*why);
+#ifndef EPX_WITH_CUDA
+  (void)topk_idx, (void)topk_weights, (void)out, (void)num_tokens, (void)stream;
+#else
+  check_rows(op, "out", out, T_max, H, m.device);
+  const bool routed = topk_idx.defined();
+  if (routed) check_routing_on(m.device, op, topk_idx, topk_weights, T_max, m.num_experts);
+  if (routed) require_arg(op, "topk_idx.shape[1]", topk_idx.shape[1], topk_idx.shape[1] == m.top_k, "must equal top_k = " + std::to_string(m.top_k));
+  check_device(op, "num_tokens", num_tokens, m.device);
+  check_dtype(op, "num_tokens", num_tokens, {DType::int32});
+  check_shape(op, "num_tokens", num_tokens, {1});
+  require_arg(op, "stream", "the legacy default stream", stream.handle != nullptr, "must be a created stream (it is captured)");
+  require_arg(op, "graph", "already captured", !has_graph(), "capture once per layer");
+  m.group->check_agreement(op, {{"max_tokens", T_max}, {"routed", routed}});
+  // Static DP metadata: T_max on every rank, one chunk; the valid count is on the device.
+  m.dp = DPMetadata::from_tokens(std::vector<int64_t>(static_cast<size_t>(m.group->size()), T_max), 0);
+  auto run = [&] {
+    TensorView idx = topk_idx, wts = topk_weights;
+    if (!routed) m.route_rows(x, stream, idx, wts);
+    m.run_chunks(x, idx, wts, out, num_tokens, stream);
+  };
+  const PathCounters before = m.counters;
+  // Warm-up: every workspace reaches its size for this shape (growing inside a capture is illegal).
+  run();
+  moe_cuda::synchronize(stream, m.device.index);
+  m.group->barrier();
+  auto graph = std::make_unique<moe_cuda::Graph>();
+  graph->begin(stream);
+  try {
+    run();
+    graph->end(stream);
+  } catch (...) {
+    graph->abort(stream);
+    m.counters = before;
+    throw;
+  }
+  m.counters = before;
+  m.graph = std::move(graph);
+  m.graph_max_tokens = T_max;
+  m.graph_fused = m.has_shared && (m.shared_mode == SharedExpertMode::fused ||
+                                   (m.shared_mode == SharedExpertMode::auto_gate && T_max <= m.fhmoe_max_tokens));
+#endif
+}
+
+void ModularMoE::replay_graph(Stream stream) {
+  Impl& m = *impl_;
+  require_arg("ModularMoE.replay_graph", "graph", "none", has_graph(), "capture_graph() must run first");
+#ifdef EPX_WITH_CUDA
+  m.graph->launch(stream);
+  ++m.counters.calls;
+  ++m.counters.chunks;
+  ++m.counters.graph_replays;
+  if (m.has_shared) {
+    ++(m.graph_fused ? m.counters.shared_fused : m.counters.shared_separate);
+    if (m.graph_fused && m.sharded) ++m.counters.shared_sharded;
+  }
+#else
+  (void)stream;
+#endif
 }
 
 }  // namespace epx

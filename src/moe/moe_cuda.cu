@@ -62,9 +62,9 @@ __global__ void route_columns_kernel(const Index* __restrict__ idx_in, const flo
   }
 }
 
-__global__ void single_route_kernel(int32_t* __restrict__ idx, float* __restrict__ w, int64_t n) {
+__global__ void single_route_kernel(int32_t* __restrict__ idx, float* __restrict__ w, int64_t n, int32_t expert) {
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n; i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    idx[i] = 0;
+    idx[i] = expert;
     w[i] = 1.0f;
   }
 }
@@ -89,6 +89,13 @@ void require_cuda_contiguous(std::string_view arg, const TensorView& t, std::ini
 Blas::Blas(int device) : device_(device) {}
 
 Blas::~Blas() {
+  if (workspace_) {
+    int previous = -1;
+    (void)cudaGetDevice(&previous);
+    (void)cudaSetDevice(device_);
+    (void)cudaFree(workspace_);
+    if (previous >= 0) (void)cudaSetDevice(previous);
+  }
   if (handle_) {
     int previous = -1;
     (void)cudaGetDevice(&previous);
@@ -110,6 +117,14 @@ void* Blas::handle() {
   return handle_;
 }
 
+void* Blas::workspace() {
+  if (!workspace_) {
+    cuda::DeviceGuard guard(device_);
+    EPX_CUDA_CHECK(cudaMalloc(&workspace_, kWorkspaceBytes));
+  }
+  return workspace_;
+}
+
 void router_logits(Blas& blas, const TensorView& router_weight, const TensorView& x, const TensorView& x_f32,
                    const TensorView& logits, Stream stream) {
   require_cuda_contiguous("router_weight", router_weight, {DType::fp32});
@@ -127,6 +142,9 @@ void router_logits(Blas& blas, const TensorView& router_weight, const TensorView
   cuda::check_launch("bf16_to_f32_kernel");
   auto h = static_cast<cublasHandle_t>(blas.handle());
   EPX_CUBLAS_CHECK(cublasSetStream(h, s));
+  // cublasSetStream resets the workspace to cuBLAS's pool, which may allocate inside a CUDA-graph
+  // capture; a workspace of our own keeps the GEMM capturable (the whole-layer graph).
+  EPX_CUBLAS_CHECK(cublasSetWorkspace(h, blas.workspace(), Blas::kWorkspaceBytes));
   // Column-major view: logits^T [E, T] = (W [H, E] col-major)^T . (X^T [H, T] col-major).
   const float alpha = 1.0f, beta = 0.0f;
   EPX_CUBLAS_CHECK(cublasSgemm(h, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(E), static_cast<int>(T), static_cast<int>(H), &alpha,
@@ -171,14 +189,14 @@ void build_route_columns(const RouteColumnsParams& p, const TensorView& out_idx,
   cuda::check_launch("route_columns_kernel");
 }
 
-void fill_single_route(const TensorView& idx, const TensorView& weights, Stream stream) {
+void fill_single_route(const TensorView& idx, const TensorView& weights, Stream stream, int local_expert) {
   require_cuda_contiguous("shared idx", idx, {DType::int32});
   require_cuda_contiguous("shared weights", weights, {DType::fp32});
   const int64_t n = idx.numel();
   require_arg(kOp, "shared weights.numel()", weights.numel(), weights.numel() == n, "must equal idx.numel() = " + std::to_string(n));
   if (n == 0) return;
   cuda::DeviceGuard guard(idx.device.index);
-  single_route_kernel<<<cuda::grid_for(n, 256, 1024), 256, 0, cuda::native(stream)>>>(idx.ptr<int32_t>(), weights.ptr<float>(), n);
+  single_route_kernel<<<cuda::grid_for(n, 256, 1024), 256, 0, cuda::native(stream)>>>(idx.ptr<int32_t>(), weights.ptr<float>(), n, local_expert);
   cuda::check_launch("single_route_kernel");
 }
 
@@ -194,6 +212,46 @@ void add_shared(const TensorView& out, const TensorView& shared_y, const TensorV
   add_shared_kernel<<<cuda::grid_for(n * H, 256, 8192), 256, 0, cuda::native(stream)>>>(
       out.ptr<uint16_t>(), shared_y.ptr<const uint16_t>(), gate.ptr<const float>(), H, n * H);
   cuda::check_launch("add_shared_kernel");
+}
+
+void synchronize(Stream stream, int device) {
+  cuda::DeviceGuard guard(device);
+  EPX_CUDA_CHECK(cudaStreamSynchronize(cuda::native(stream)));
+}
+
+Graph::~Graph() {
+  if (exec_) (void)cudaGraphExecDestroy(static_cast<cudaGraphExec_t>(exec_));
+  if (graph_) (void)cudaGraphDestroy(static_cast<cudaGraph_t>(graph_));
+}
+
+void Graph::begin(Stream stream) {
+  require_arg(kOp, "stream", "the legacy default stream", stream.handle != nullptr,
+              "must be a created stream to capture a CUDA graph (cudaStreamCreate)");
+  require_arg(kOp, "graph", "already captured", exec_ == nullptr, "capture once per object");
+  EPX_CUDA_CHECK(cudaStreamBeginCapture(cuda::native(stream), cudaStreamCaptureModeThreadLocal));
+}
+
+void Graph::end(Stream stream) {
+  cudaGraph_t g = nullptr;
+  EPX_CUDA_CHECK(cudaStreamEndCapture(cuda::native(stream), &g));
+  graph_ = g;
+  cudaGraphExec_t e = nullptr;
+  EPX_CUDA_CHECK(cudaGraphInstantiate(&e, g, 0));
+  exec_ = e;
+}
+
+void Graph::abort(Stream stream) noexcept {
+  cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(cuda::native(stream), &st) == cudaSuccess && st != cudaStreamCaptureStatusNone) {
+    cudaGraph_t g = nullptr;
+    if (cudaStreamEndCapture(cuda::native(stream), &g) == cudaSuccess && g) (void)cudaGraphDestroy(g);
+  }
+  (void)cudaGetLastError();  // clear the capture-invalidated error so later calls do not see it
+}
+
+void Graph::launch(Stream stream) {
+  require_arg(kOp, "graph", "none", exec_ != nullptr, "must be captured before it is replayed");
+  EPX_CUDA_CHECK(cudaGraphLaunch(static_cast<cudaGraphExec_t>(exec_), cuda::native(stream)));
 }
 
 }  // namespace epx::moe_cuda

@@ -5,6 +5,7 @@
 // (the GEMM, the shared gate's dot product). Free of CUDA headers.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <memory>
 
@@ -21,10 +22,14 @@ class Blas {
   Blas& operator=(const Blas&) = delete;
   void* handle();  ///< cublasHandle_t
   int device() const { return device_; }
+  /// The handle's own workspace (allocated on first use), so the GEMM never allocates (graph capture).
+  static constexpr size_t kWorkspaceBytes = size_t{32} << 20;
+  void* workspace();
 
  private:
   int device_ = 0;
   void* handle_ = nullptr;
+  void* workspace_ = nullptr;
 };
 
 /// logits [T, E] fp32 = x [T, H] bf16 . router_weight [E, H] fp32 ^T, fp32 accumulation (x
@@ -47,9 +52,38 @@ struct RouteColumnsParams {
 void build_route_columns(const RouteColumnsParams& p, const TensorView& out_idx, const TensorView& out_weights,
                          const TensorView& gate, Stream stream);
 
-/// The route of the separate shared expert as a one-expert Flat layout: idx [n, 1] int32 = 0,
-/// weights [n, 1] fp32 = 1.
-void fill_single_route(const TensorView& idx, const TensorView& weights, Stream stream);
+/// The route of the separate shared expert as a one-expert Flat layout: idx [n, 1] int32 =
+/// `local_expert` (0 for the one-expert shared layer; L-1 for the DP shard inside the routed
+/// experts), weights [n, 1] fp32 = 1.
+void fill_single_route(const TensorView& idx, const TensorView& weights, Stream stream, int local_expert = 0);
+
+/// cudaStreamSynchronize(stream) on `device`. Throws CudaError.
+void synchronize(Stream stream, int device);
+
+/// One captured CUDA graph (cudaGraph_t + its instantiation), for the whole-layer capture of
+/// ModularMoE. begin() starts stream capture in thread-local mode (other threads' CUDA calls are
+/// not affected); end() stops it and instantiates; launch() replays. A failure inside the captured
+/// region ends the capture before it throws, so the stream is usable afterwards.
+class Graph {
+ public:
+  Graph() = default;
+  ~Graph();
+  Graph(const Graph&) = delete;
+  Graph& operator=(const Graph&) = delete;
+  /// Throws InvalidArgument for the legacy default stream (it cannot be captured), CudaError.
+  void begin(Stream stream);
+  /// Ends the capture begun on `stream` and instantiates it. Throws CudaError (e.g. an operation
+  /// that is not capturable ran inside: an allocation, a host sync).
+  void end(Stream stream);
+  /// Abandons a capture in progress (after an exception inside it); no-op otherwise.
+  void abort(Stream stream) noexcept;
+  void launch(Stream stream);
+  bool captured() const { return exec_ != nullptr; }
+
+ private:
+  void* graph_ = nullptr;  ///< cudaGraph_t
+  void* exec_ = nullptr;   ///< cudaGraphExec_t
+};
 
 /// out [n, H] bf16 (in place) = round_bf16(out + gate[t] * shared_y[t]) with shared_y [n, H] bf16
 /// (the expert output, already bf16-rounded) and gate [n] fp32: the CPU's add, element for element.
