@@ -106,7 +106,8 @@ TEST(Cli, MoeHelpDocumentsEveryFlag) {
   CliRun r = epx("moe --help");
   EXPECT_EQ(r.code, 0) << r.out;
   for (const char* flag : {"--preset", "--ranks", "--backend", "--tokens-per-rank", "--steps", "--device", "--routing", "--zipf-s",
-                           "--dispatch-dtype", "--shared", "--chunk-size", "--seed", "--trace", "--json", "--config", "--warmup"})
+                           "--dispatch-dtype", "--shared", "--chunk-size", "--seed", "--trace", "--json", "--config", "--warmup",
+                           "--mode", "--compare", "--no-graph"})
     EXPECT_NE(r.out.find(flag), std::string::npos) << "moe --help does not mention " << flag;
   EXPECT_NE(r.out.find("Exit status"), std::string::npos);
   CliRun t = epx("trace import --help");
@@ -146,6 +147,47 @@ TEST(Cli, MainJobValidatesEveryBackendAndWritesResultsJson) {
       EXPECT_TRUE(res.contains(key)) << key;
   }
   EXPECT_EQ(backends, (std::set<std::string>{"naive", "allgather_reducescatter", "all2allv", "ll", "ht"}));
+  std::filesystem::remove(out);
+}
+
+// --mode decode (128 tokens/rank by default) --compare: every backend fused and separate, validated,
+// percentiles and tokens/s in the JSON, counters proving the path each run took (the gathering
+// backends shard the shared expert over the 2 ranks), the graph refusal's reason on CPU ranks, and
+// the delta tables in the output and the JSON.
+TEST(Cli, DecodeCompareWritesTheAbTablesAndCounters) {
+  const auto out = temp_path("ab.json");
+  CliRun r = epx("moe --preset qwen1.5-moe-a2.7b-mini --ranks 2 --backend all --mode decode --compare --steps 2 --json " + out.string());
+  ASSERT_EQ(r.code, 0) << r.out;
+  for (const char* s : {"p25 ms", "p75 ms", "tokens/s", "A/B: backends", "A/B: shared expert fused against separate", "baseline",
+                        "CUDA graphs need a group on a GPU"})
+    EXPECT_NE(r.out.find(s), std::string::npos) << s << "\n" << r.out;
+  const nlohmann::json j = read_json(out);
+  ASSERT_EQ(j["results"].size(), 10u);
+  for (const auto& res : j["results"]) {
+    const std::string b = res["backend"], mode = res["shared_mode"];
+    EXPECT_EQ(res["status"], "pass") << res.dump();
+    EXPECT_EQ(res["tokens_per_rank"], 128);
+    EXPECT_EQ(res["mode"], "decode");
+    EXPECT_EQ(res["graph"], false);
+    EXPECT_NE(res["graph_reason"].get<std::string>().find("GPU"), std::string::npos);
+    for (const char* key : {"latency_us_p25", "latency_us_p50", "latency_us_p75", "latency_us_p99", "latency_us_mean", "tokens_per_s"})
+      EXPECT_TRUE(res[key].is_number()) << key << " " << res.dump();
+    EXPECT_LE(res["latency_us_p25"].get<double>(), res["latency_us_p75"].get<double>());
+    const auto& c = res["counters"];
+    const bool gathers = b == "naive" || b == "allgather_reducescatter";
+    EXPECT_EQ(c["shared_fused"], mode == "fused" ? 2 : 0) << res.dump();
+    EXPECT_EQ(c["shared_separate"], mode == "separate" ? 2 : 0) << res.dump();
+    EXPECT_EQ(c["shared_sharded"], mode == "fused" && gathers ? 2 : 0) << res.dump();
+    EXPECT_EQ(res["shared_sharded"], gathers) << res.dump();
+  }
+  ASSERT_TRUE(j.contains("compare"));
+  EXPECT_EQ(j["compare"]["backends"].size(), 10u);
+  ASSERT_EQ(j["compare"]["shared_fused_vs_separate"].size(), 5u);
+  for (const auto& p : j["compare"]["shared_fused_vs_separate"]) {
+    EXPECT_TRUE(p["delta_pct_fused_vs_separate"].is_number()) << p.dump();
+    EXPECT_EQ(p["fused_counters"]["shared_fused"], 2) << p.dump();
+    EXPECT_EQ(p["separate_counters"]["shared_separate"], 2) << p.dump();
+  }
   std::filesystem::remove(out);
 }
 

@@ -66,10 +66,11 @@ struct DispatchArgs {
   TensorView topk_idx;      ///< [T, K] int32 or int64; -1 = no selection; duplicates add
   TensorView topk_weights;  ///< [T, K] fp32
   Stream stream{};
-  /// Optional [1] int32 on the group's device: the valid rows of x this call (<= x.shape[0]), read
-  /// on the device, so one captured CUDA graph serves every batch size up to x.shape[0]. Only
-  /// graph-safe backends (Capabilities::graph_safe) take it; empty = all x.shape[0] rows.
-  TensorView num_tokens;
+  /// Optional token count given on the device ([1] int32 on the group's GPU, 0 <= value <= x.shape[0]):
+  /// only rows [0, value) of x / topk_* take part, so one CUDA graph captured with x [max_T, H] serves
+  /// every T. Empty (default) = x.shape[0]. Read by ll on CUDA; every other backend throws
+  /// InvalidArgument when it is set.
+  TensorView num_tokens{};
 };
 
 struct PrepareResult {

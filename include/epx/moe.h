@@ -90,7 +90,7 @@ struct ModularMoEOptions {
   /// counted once, never R times. Applies to chunks that take the fused path (same numerics as
   /// FHMoE: the shared expert sees the dispatched x); separate chunks run the whole expert locally.
   bool shard_shared_expert = true;
-  ExpertsFactory make_experts;  ///< empty = make_experts_cpu / make_experts_cuda by the group's device
+  ExpertsFactory make_experts{};  ///< empty = make_experts_cpu / make_experts_cuda by the group's device
 };
 
 /// Data-parallel metadata of one forward call, computed once from one all_gather of T and reused by

@@ -1,5 +1,5 @@
-// tools/epx/cmd_info.cpp: `epx info`: version, devices, the effective Config with each value's
-// source, the dispatch backends with their capabilities, and the model presets.
+// tools/epx/cmd_info.cpp: `epx info`: version, devices (with a CUDA build: NCCL library and header
+// versions, GPU names and the peer/NVLink matrix), the effective Config with each value's source, the dispatch backends with their capabilities, and the model presets.
 #include <iomanip>
 #include <iostream>
 
@@ -8,6 +8,7 @@
 #include "epx/dispatch.h"
 #include "epx/group.h"
 #include "epx/moe.h"
+#include "moe_cuda_run.h"
 #include "moe_report.h"
 
 namespace epx::cli {
@@ -65,6 +66,15 @@ int run_info(InfoCommand& cmd) {
   const char* build = cuda::built_with_cuda() ? "CUDA" : "CPU-only";
   std::cout << "epx " << EPX_VERSION << " (" << build << " build, git " << git_commit() << ")\n\ndevices:\n";
   for (const std::string& d : devices()) std::cout << "  " << d << "\n";
+  if (cuda::built_with_cuda()) {
+    const int hv = cuda::nccl_header_version();
+    std::cout << "\nNCCL: library " << (nccl_version_string().empty() ? std::string("not loaded") : nccl_version_string())
+              << ", headers " << hv / 10000 << "." << hv % 10000 / 100 << "." << hv % 100 << "\n";
+    if (cuda::device_count() > 0) {
+      std::cout << "\ntopology (CUDA runtime):\n";
+      for (const std::string& line : gpu_topology_lines()) std::cout << "  " << line << "\n";
+    }
+  }
   std::cout << "\nconfig (default < JSON file (--config or EPX_CONFIG) < EPX_* env):\n";
   for (const std::string& line : config.describe()) std::cout << "  " << line << "\n";
   std::cout << "\nbackends:\n";

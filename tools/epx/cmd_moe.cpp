@@ -73,6 +73,15 @@ void add_moe_command(CLI::App& root, MoeCommand& cmd) {
   m->add_option("--chunk-size", o.chunk_size, "C: DP chunk, at most C tokens per MoE call per rank; 0 = moe.chunk_size of the config (0 = unchunked)")
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
+  m->add_option("--mode", o.mode,
+                 "decode: 128 tokens/rank unless --tokens-per-rank is given, and with --device cuda the whole layer captured "
+                 "once as a CUDA graph and replayed per step where the backend is graph-safe (else eager, with the reason); "
+                 "prefill: 4096 tokens/rank unless given, eager")
+      ->check(CLI::IsMember({"decode", "prefill"}));
+  m->add_flag("--compare", o.compare,
+              "A/B in one run: every chosen backend, each with the shared expert fused and separate (models with one), "
+              "then delta tables (backends against the first; fused against separate with the path counters); also in the JSON");
+  m->add_flag("--graph,!--no-graph", o.graph, "decode: replay a captured whole-layer graph where possible (default) or run eagerly");
   m->add_option("--seed", o.seed, "Seed of the weights, hidden states and synthetic routing")->capture_default_str();
   m->add_option("--trace", o.trace, "Replay recorded routing: an epx-trace JSON file or directory (docs/trace-format.md); "
                                     "gives R, T per rank and step, and optionally hidden states");
@@ -92,11 +101,14 @@ void add_moe_command(CLI::App& root, MoeCommand& cmd) {
       "events around forward after a group barrier, the slowest rank's; the first V (--validate-tokens) tokens of each\n"
       "rank and step are checked against moe_reference_cpu on rank 0. If a rank dies, the others are stopped and the\n"
       "exit status is non-zero, naming it.\n"
+      "--mode decode|prefill and --compare report per-step latency p25/p50/p75/p99 and mean, tokens/s (tokens of all\n"
+      "ranks over the summed step latencies), the path counters and the error against the reference.\n"
       "Exit status: 0 every backend passed, 1 a validation failure or runtime error, 2 a bad flag or inconsistent shapes.\n"
       "Examples:\n"
       "  epx moe --preset deepseek-v3-mini --ranks 4 --backend all --json results.json\n"
       "  epx moe --preset qwen3-30b-a3b-mini --ranks 8 --backend ll --routing zipf --zipf-s 1.2 --dispatch-dtype fp8\n"
       "  epx moe --device cuda --ranks 2 --preset deepseek-v3 --backend naive --steps 3\n"
+      "  epx moe --device cuda --ranks 2 --preset deepseek-v3 --mode decode --compare --backend all --steps 20\n"
       "  epx trace import routing.jsonl --ranks 4 -o t.json && epx moe --preset qwen1.5-moe-a2.7b --trace t.json");
 }
 
@@ -119,10 +131,12 @@ int run_moe(MoeCommand& cmd, const std::string& command) {
   ensure_references(w);
   std::cerr << "reference: " << w.steps.size() << " steps in "
             << std::chrono::duration<double>(std::chrono::steady_clock::now() - t_ref).count() << " s\n";
-  for (const std::string& b : backends) {
+  for (const RunVariant& v : run_variants(w, backends, o.compare)) {
+    set_shared_mode(w, v.shared_mode);
+    ensure_references(w);
     const auto t0 = std::chrono::steady_clock::now();
-    results.push_back(run_backend(w, b));
-    std::cerr << b << ": " << results.back().status << " ("
+    results.push_back(run_backend(w, v.backend));
+    std::cerr << v.backend << " [" << shared_mode_name(v.shared_mode) << "]: " << results.back().status << " ("
               << std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() << " s)\n";
   }
   print_table(std::cout, w, results);

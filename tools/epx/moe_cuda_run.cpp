@@ -4,8 +4,10 @@
 #include <algorithm>
 #include <chrono>
 #include <csignal>
+#include <cstdio>
 #include <cstring>
 #include <iostream>
+#include <optional>
 #include <thread>
 
 #include "comm/launcher.h"
@@ -32,6 +34,7 @@ std::string nccl_version_string() {
 #ifndef EPX_WITH_CUDA
 
 std::string gpu_device_name(int) { return ""; }
+std::vector<std::string> gpu_topology_lines() { return {}; }
 
 int run_moe_cuda(const MoeOptions&, const Config&, const std::vector<std::string>&, bool, const std::string&) {
   throw Unsupported("epx moe: --device = cuda: this build has no CUDA (configure with -DEPX_CUDA=ON)");
@@ -63,10 +66,10 @@ struct RankBackendRun {
 /// The reference on the validated subset of every step: [sum_r V_r, H] bf16 per step. Builds the
 /// experts those rows select on top of this rank's (add_random_experts), their fp32 caches in
 /// parallel, then moe_reference_cpu, split by the path (fused or not) each token's chunk took.
-std::vector<Tensor> subset_references(const Workload& w, const MoeOptions& o) {
+std::vector<std::vector<Tensor>> subset_references(const Workload& w, const MoeOptions& o, const std::vector<SharedExpertMode>& modes) {
   const int64_t H = w.model.hidden;
   const int K = w.model.router.top_k, E = w.model.router.num_experts;
-  struct Subset { Tensor x, idx, wts; std::vector<char> fused; };
+  struct Subset { Tensor x, idx, wts; std::vector<std::vector<char>> fused; };  // fused: per mode
   std::vector<Subset> subs;
   std::vector<char> touched(static_cast<size_t>(E), 0);
   for (const StepInput& st : w.steps) {
@@ -90,9 +93,13 @@ std::vector<Tensor> subset_references(const Workload& w, const MoeOptions& o) {
       s.idx = gather_rows(concat_rows(st.topk_idx, DType::int32, K), rows);
       s.wts = gather_rows(concat_rows(st.topk_weights, DType::fp32, K), rows);
     }
-    if (w.model.num_shared_experts > 0 && w.dispatch_dtype != DType::bf16) {
-      const std::vector<char> all = fused_per_token(w, st);
-      for (int64_t t : rows) s.fused.push_back(all[static_cast<size_t>(t)]);
+    for (SharedExpertMode mode : modes) {
+      s.fused.emplace_back();
+      if (w.model.num_shared_experts == 0 || w.dispatch_dtype == DType::bf16) continue;
+      Workload wm = w;  // shallow: tensors share storage
+      wm.shared_mode = mode;
+      const std::vector<char> all = fused_per_token(wm, st);
+      for (int64_t t : rows) s.fused.back().push_back(all[static_cast<size_t>(t)]);
     }
     for (int64_t i = 0; i < N * K; ++i) {
       const int32_t e = s.idx.ptr<const int32_t>()[i];
@@ -120,37 +127,46 @@ std::vector<Tensor> subset_references(const Workload& w, const MoeOptions& o) {
       });
     for (auto& th : threads) th.join();
   }
-  std::vector<Tensor> refs;
+  std::vector<std::vector<Tensor>> refs_per_mode;
   ReferenceOptions ro;
   ro.dispatch_dtype = w.dispatch_dtype;
-  for (Subset& s : subs) {
-    const int64_t N = s.x.size(0);
-    Tensor out = Tensor::empty({N, H}, DType::bf16);
-    std::vector<int64_t> rows[2];
-    for (int64_t t = 0; t < N; ++t) rows[s.fused.empty() ? 0 : s.fused[static_cast<size_t>(t)]].push_back(t);
-    for (int f = 0; f < 2; ++f) {
-      ro.shared_fused = f == 1;
-      if (rows[f].size() == static_cast<size_t>(N)) {
-        moe_reference_cpu(*ref, s.x, s.idx, s.wts, out, ro);
-      } else if (!rows[f].empty()) {
-        Tensor part = Tensor::empty({static_cast<int64_t>(rows[f].size()), H}, DType::bf16);
-        moe_reference_cpu(*ref, gather_rows(s.x, rows[f]), gather_rows(s.idx, rows[f]), gather_rows(s.wts, rows[f]), part, ro);
-        for (size_t i = 0; i < rows[f].size(); ++i)
-          std::memcpy(out.ptr<uint16_t>() + rows[f][i] * H, part.ptr<uint16_t>() + i * H, static_cast<size_t>(H * 2));
-      }
+  for (size_t mi = 0; mi < modes.size(); ++mi) {
+    std::vector<Tensor>& refs = refs_per_mode.emplace_back();
+    // Same routing and weights for every mode; the modes differ only in the fp8 wire's shared input.
+    if (mi > 0 && subs.front().fused[mi].empty()) {
+      refs = refs_per_mode.front();
+      continue;
     }
-    refs.push_back(std::move(out));
+    for (Subset& s : subs) {
+      const int64_t N = s.x.size(0);
+      Tensor out = Tensor::empty({N, H}, DType::bf16);
+      std::vector<int64_t> rows[2];
+      const std::vector<char>& fused = s.fused[mi];
+      for (int64_t t = 0; t < N; ++t) rows[fused.empty() ? 0 : fused[static_cast<size_t>(t)]].push_back(t);
+      for (int f = 0; f < 2; ++f) {
+        ro.shared_fused = f == 1;
+        if (rows[f].size() == static_cast<size_t>(N)) {
+          moe_reference_cpu(*ref, s.x, s.idx, s.wts, out, ro);
+        } else if (!rows[f].empty()) {
+          Tensor part = Tensor::empty({static_cast<int64_t>(rows[f].size()), H}, DType::bf16);
+          moe_reference_cpu(*ref, gather_rows(s.x, rows[f]), gather_rows(s.idx, rows[f]), gather_rows(s.wts, rows[f]), part, ro);
+          for (size_t i = 0; i < rows[f].size(); ++i)
+            std::memcpy(out.ptr<uint16_t>() + rows[f][i] * H, part.ptr<uint16_t>() + i * H, static_cast<size_t>(H * 2));
+        }
+      }
+      refs.push_back(std::move(out));
+    }
   }
-  std::cerr << "reference: " << ids.size() << " experts, " << subs.size() << " steps in "
+  std::cerr << "reference: " << ids.size() << " experts, " << subs.size() << " steps, " << modes.size() << " shared mode(s) in "
             << std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() << " s\n";
-  return refs;
+  return refs_per_mode;
 }
 
 /// Runs one backend over all steps on this rank. Collective; every rank returns with the same
 /// status (an exception on any rank reaches the others through the status all_gather or a
 /// collective's timeout).
 RankBackendRun run_backend_on_rank(const Workload& w, const MoeOptions& o, const std::string& backend,
-                                   const std::shared_ptr<Group>& group, cudaStream_t stream, const std::vector<Tensor>& x_dev,
+                                   SharedExpertMode shared_mode, const std::shared_ptr<Group>& group, cudaStream_t stream, const std::vector<Tensor>& x_dev,
                                    const std::vector<Tensor>& idx_dev, const std::vector<Tensor>& wts_dev,
                                    std::vector<Tensor>& out_dev) {
   const int r = group->rank(), R = group->size();
@@ -166,17 +182,67 @@ RankBackendRun run_backend_on_rank(const Workload& w, const MoeOptions& o, const
   dcfg.num_max_dispatch_tokens_per_rank = static_cast<int>(w.capacity);
   dcfg.dispatch_dtype = w.dispatch_dtype;
   ModularMoEOptions mo;
-  mo.shared_mode = w.shared_mode;
+  mo.shared_mode = shared_mode;
   mo.chunk_size = w.chunk_size;
+  res.shared_mode = shared_mode;
   PathCounters counters;
   try {
     ModularMoE layer(w.weights, group, backend, dcfg, w.config, mo);
+    res.shared_sharded = layer.shared_expert_sharded();
     const Stream s{stream};
+    // Decode: the whole layer as one CUDA graph on static buffers of T_max rows, refilled per step
+    // (outside the timed region); the valid row count goes to the device. Else eager.
+    const int64_t T_max = w.max_tokens_per_rank;
+    std::optional<std::string> why_not;
+    if (w.use_graph) why_not = layer.why_no_graph(T_max);
+    const bool graph = w.use_graph && !why_not;
+    if (why_not) res.graph_reason = *why_not;
+    const int K = w.model.router.top_k;
+    Tensor gx, gidx, gwts, gout, gcount;
+    if (graph) {
+      gx = Tensor::zeros({T_max, H}, DType::bf16, group->device());
+      gout = Tensor::empty({T_max, H}, DType::bf16, group->device());
+      gcount = Tensor::zeros({1}, DType::int32, group->device());
+      if (!w.use_router) {
+        gidx = Tensor::zeros({T_max, K}, idx_dev.front().dtype(), group->device());
+        gwts = Tensor::zeros({T_max, K}, DType::fp32, group->device());
+      }
+    }
+    // Refill the static buffers with step `step`'s rows (stream-ordered, before the timed region).
+    auto stage = [&](size_t step) {
+      const int64_t T = x_dev[step].size(0);
+      const int32_t count = static_cast<int32_t>(T);
+      cuda_ok(cudaMemcpyAsync(gcount.data(), &count, sizeof count, cudaMemcpyHostToDevice, stream), "stage num_tokens");
+      if (T == 0) return;
+      cuda_ok(cudaMemcpyAsync(gx.data(), x_dev[step].data(), static_cast<size_t>(x_dev[step].nbytes()), cudaMemcpyDeviceToDevice, stream), "stage x");
+      if (!w.use_router) {
+        cuda_ok(cudaMemcpyAsync(gidx.data(), idx_dev[step].data(), static_cast<size_t>(idx_dev[step].nbytes()), cudaMemcpyDeviceToDevice, stream), "stage topk_idx");
+        cuda_ok(cudaMemcpyAsync(gwts.data(), wts_dev[step].data(), static_cast<size_t>(wts_dev[step].nbytes()), cudaMemcpyDeviceToDevice, stream), "stage topk_weights");
+      }
+      cuda_ok(cudaStreamSynchronize(stream), "stage");  // count lives on the host stack
+    };
+    auto unstage = [&](size_t step) {
+      const int64_t bytes = out_dev[step].nbytes();
+      if (bytes > 0) cuda_ok(cudaMemcpyAsync(out_dev[step].data(), gout.data(), static_cast<size_t>(bytes), cudaMemcpyDeviceToDevice, stream), "unstage out");
+    };
     auto call = [&](size_t step, const TensorView& out) {
+      if (graph) {
+        layer.replay_graph(s);
+        return;
+      }
       if (w.use_router) layer.forward(x_dev[step], out, s);
       else layer.forward_routed(x_dev[step], idx_dev[step], wts_dev[step], out, s);
     };
-    for (int i = 0; i < w.warmup; ++i) call(static_cast<size_t>(i) % S, out_dev[static_cast<size_t>(i) % S]);
+    if (graph) {
+      stage(0);
+      layer.capture_graph(gx, gidx, gwts, gout, gcount, s);
+      res.graph = true;
+    }
+    for (int i = 0; i < w.warmup; ++i) {
+      const size_t st = static_cast<size_t>(i) % S;
+      if (graph) stage(st);
+      call(st, out_dev[st]);
+    }
     cuda_ok(cudaStreamSynchronize(stream), "warm-up");
     const PathCounters before = layer.counters();
     const Tensor word = Tensor::zeros({1}, DType::fp32, group->device());
@@ -186,6 +252,10 @@ RankBackendRun run_backend_on_rank(const Workload& w, const MoeOptions& o, const
     for (size_t st = 0; st < S; ++st) {
       // NaN-poison the output, so a row the layer never writes fails validation.
       cuda_ok(cudaMemsetAsync(out_dev[st].data(), 0xFF, static_cast<size_t>(out_dev[st].nbytes()), stream), "poison");
+      if (graph) {
+        cuda_ok(cudaMemsetAsync(gout.data(), 0xFF, static_cast<size_t>(gout.nbytes()), stream), "poison");
+        stage(st);
+      }
       // Barrier, then a one-float all-reduce on the stream: the GPUs start the step together
       // whatever the skew with which the hosts left the barrier.
       group->barrier();
@@ -193,6 +263,7 @@ RankBackendRun run_backend_on_rank(const Workload& w, const MoeOptions& o, const
       cuda_ok(cudaEventRecord(e0, stream), "cudaEventRecord");
       call(st, out_dev[st]);
       cuda_ok(cudaEventRecord(e1, stream), "cudaEventRecord");
+      if (graph) unstage(st);
       cuda_ok(cudaEventSynchronize(e1), "cudaEventSynchronize");
       float ms = 0;
       cuda_ok(cudaEventElapsedTime(&ms, e0, e1), "cudaEventElapsedTime");
@@ -210,6 +281,8 @@ RankBackendRun run_backend_on_rank(const Workload& w, const MoeOptions& o, const
     counters.idle_chunks -= before.idle_chunks;
     counters.shared_fused -= before.shared_fused;
     counters.shared_separate -= before.shared_separate;
+    counters.shared_sharded -= before.shared_sharded;
+    counters.graph_replays -= before.graph_replays;
   } catch (const InvalidArgument&) {
     throw;
   } catch (const Unsupported& e) {
@@ -291,11 +364,12 @@ int moe_rank(const MoeOptions& options, const Config& config, const std::vector<
   cudaStream_t stream = nullptr;
   cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate");
   std::vector<RankBackendRun> runs;
-  for (const std::string& b : backends) {
+  const std::vector<RunVariant> variants = run_variants(w, backends, o.compare);
+  for (const RunVariant& v : variants) {
     const auto t0 = std::chrono::steady_clock::now();
-    runs.push_back(run_backend_on_rank(w, o, b, group, stream, x_dev, idx_dev, wts_dev, out_dev));
+    runs.push_back(run_backend_on_rank(w, o, v.backend, v.shared_mode, group, stream, x_dev, idx_dev, wts_dev, out_dev));
     if (r == 0)
-      std::cerr << b << ": " << runs.back().result.status << " ("
+      std::cerr << v.backend << " [" << shared_mode_name(v.shared_mode) << "]: " << runs.back().result.status << " ("
                 << std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() << " s)\n";
   }
   group->barrier();
@@ -304,12 +378,17 @@ int moe_rank(const MoeOptions& options, const Config& config, const std::vector<
   // ---- rank 0: validate the gathered rows against the reference on the same subset ----
   bool any_ran = false;
   for (const auto& run : runs) any_ran = any_ran || run.result.status == "ran";
-  std::vector<Tensor> refs;
-  if (any_ran) refs = subset_references(w, o);
+  std::vector<SharedExpertMode> modes;
+  for (const RunVariant& v : variants)
+    if (std::find(modes.begin(), modes.end(), v.shared_mode) == modes.end()) modes.push_back(v.shared_mode);
+  std::vector<std::vector<Tensor>> refs_per_mode;
+  if (any_ran) refs_per_mode = subset_references(w, o, modes);
   std::vector<BackendResult> results;
   for (auto& run : runs) {
     BackendResult res = run.result;
     if (res.status == "ran") {
+      const size_t mi = static_cast<size_t>(std::find(modes.begin(), modes.end(), res.shared_mode) - modes.begin());
+      const std::vector<Tensor>& refs = refs_per_mode[mi];
       bool ok = true;
       int64_t validated = 0;
       for (size_t st = 0; st < S; ++st) {
@@ -349,6 +428,49 @@ std::string gpu_device_name(int num_gpus) {
   cudaDeviceProp prop{};
   if (cudaGetDeviceProperties(&prop, 0) != cudaSuccess) return std::to_string(num_gpus) + " x CUDA device";
   return std::to_string(num_gpus) + " x " + prop.name;
+}
+
+std::vector<std::string> gpu_topology_lines() {
+  std::vector<std::string> lines;
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) {
+    (void)cudaGetLastError();
+    return lines;
+  }
+  char buf[512];
+  for (int i = 0; i < n; ++i) {
+    cudaDeviceProp p{};
+    if (cudaGetDeviceProperties(&p, i) != cudaSuccess) continue;
+    char bus[32] = "?";
+    (void)cudaDeviceGetPCIBusId(bus, sizeof bus, i);
+    std::snprintf(buf, sizeof buf, "cuda:%d  %s  %.1f GiB  sm_%d%d  %d SMs  PCI %s", i, p.name,
+                  static_cast<double>(p.totalGlobalMem) / (1024.0 * 1024.0 * 1024.0), p.major, p.minor, p.multiProcessorCount, bus);
+    lines.emplace_back(buf);
+  }
+  if (n < 2) return lines;
+  // Peer matrix: X self; NV = P2P access with native atomics (NVLink-class); PCI = P2P access
+  // without native atomics; -- = no P2P. The number is cudaDevP2PAttrPerformanceRank (0 = best).
+  std::string header = "peers    ";
+  for (int j = 0; j < n; ++j) header += "  cuda:" + std::to_string(j) + std::string(j < 10 ? " " : "");
+  lines.push_back(header);
+  for (int i = 0; i < n; ++i) {
+    std::string row = "cuda:" + std::to_string(i) + std::string(i < 10 ? "   " : "  ");
+    for (int j = 0; j < n; ++j) {
+      std::string cell = "X";
+      if (i != j) {
+        int access = 0, atomics = 0, rank = 0;
+        (void)cudaDeviceCanAccessPeer(&access, i, j);
+        (void)cudaDeviceGetP2PAttribute(&atomics, cudaDevP2PAttrNativeAtomicSupported, i, j);
+        (void)cudaDeviceGetP2PAttribute(&rank, cudaDevP2PAttrPerformanceRank, i, j);
+        cell = !access ? "--" : (atomics ? "NV" : "PCI") + std::to_string(rank);
+      }
+      row += "  " + cell + std::string(cell.size() < 7 ? 7 - cell.size() : 0, ' ');
+    }
+    lines.push_back(row);
+  }
+  lines.emplace_back("(X self, NV<rank> P2P with native atomics: NVLink-class, PCI<rank> P2P without, -- no P2P; <rank> = P2P performance rank, 0 best)");
+  (void)cudaGetLastError();
+  return lines;
 }
 
 int run_moe_cuda(const MoeOptions& options, const Config& config, const std::vector<std::string>& backends, bool all_backends,

@@ -31,5 +31,11 @@ int run_moe_cuda(const MoeOptions& options, const Config& config, const std::vec
 std::string gpu_device_name(int num_gpus);
 /// "2.28.9" from the loaded NCCL (empty without CUDA).
 std::string nccl_version_string();
+/// `epx info`'s device section from CUDA runtime queries (initialises CUDA in this process): one
+/// line per visible GPU (name, memory, compute capability, SMs, PCI bus id), then the peer matrix
+/// (nvidia-smi topo style): per pair whether cudaDeviceCanAccessPeer holds, with native atomics
+/// over the link (NVLink-class) or without (PCIe-class), and the driver's P2P performance rank.
+/// Empty without CUDA or a visible GPU.
+std::vector<std::string> gpu_topology_lines();
 
 }  // namespace epx::cli

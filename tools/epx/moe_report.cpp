@@ -17,10 +17,6 @@
 namespace epx::cli {
 
 namespace {
-std::string shared_mode_name(SharedExpertMode m) {
-  return m == SharedExpertMode::separate ? "separate" : m == SharedExpertMode::fused ? "fused" : "auto";
-}
-
 std::string fixed(double v, int digits) {
   if (std::isinf(v) || std::isnan(v)) return "inf";
   std::ostringstream os;
@@ -100,33 +96,117 @@ void print_header(std::ostream& os, const Workload& w) {
      << " weights), " << w.num_ranks << " ranks, " << w.steps.size() << " steps (+" << w.warmup << " warm-up), routing "
      << w.routing << ", dispatch " << dtype_name(w.dispatch_dtype) << ", shared " << shared_mode_name(w.shared_mode)
      << ", chunk " << (w.chunk_size > 0 ? std::to_string(w.chunk_size) : std::string("none")) << ", capacity "
-     << w.capacity << ", device " << (w.device_name.empty() ? cpu_device_name() : w.device_name) << "\n";
+     << w.capacity << ", device " << (w.device_name.empty() ? cpu_device_name() : w.device_name)
+     << (w.mode.empty() ? std::string() : ", mode " + w.mode + (w.use_graph ? " (graph replay where graph-safe)" : ""))
+     << (w.compare ? ", A/B" : "") << "\n";
   if (!w.trace_source.empty()) os << "trace: " << w.trace_source << "\n";
 }
+
+namespace {
+std::string counters_text(const BackendResult& r) {
+  const PathCounters& c = r.counters;
+  return std::to_string(c.shared_fused) + "/" + std::to_string(c.shared_separate) + "/" + std::to_string(c.shared_sharded) + "/" +
+         std::to_string(c.graph_replays);
+}
+
+std::string row_name(const BackendResult& r, const Workload& w) {
+  return r.backend + (w.compare && w.model.num_shared_experts > 0 ? " [" + shared_mode_name(r.shared_mode) + "]" : "");
+}
+
+double pct(double a, double b) { return b > 0 ? (a - b) / b * 100.0 : 0.0; }
+
+std::string signed_pct(double v) {
+  std::ostringstream os;
+  os << std::showpos << std::fixed << std::setprecision(1) << v << "%";
+  return os.str();
+}
+
+/// The A/B pairs of --compare: rows of the same backend, fused and separate.
+struct SharedPair {
+  const BackendResult* fused = nullptr;
+  const BackendResult* separate = nullptr;
+};
+std::vector<SharedPair> shared_pairs(const std::vector<BackendResult>& results) {
+  std::vector<SharedPair> pairs;
+  for (const BackendResult& f : results) {
+    if (f.shared_mode != SharedExpertMode::fused) continue;
+    for (const BackendResult& s : results)
+      if (s.backend == f.backend && s.shared_mode == SharedExpertMode::separate) pairs.push_back({&f, &s});
+  }
+  return pairs;
+}
+
+/// The baseline of the backend comparison: the first row that ran, per shared mode.
+const BackendResult* baseline_for(const std::vector<BackendResult>& results, SharedExpertMode mode) {
+  for (const BackendResult& r : results)
+    if (r.shared_mode == mode && !r.step_us.empty()) return &r;
+  return nullptr;
+}
+}  // namespace
 
 void print_table(std::ostream& os, const Workload& w, const std::vector<BackendResult>& results) {
   int64_t total = 0;
   for (const auto& st : w.steps) total += st.num_tokens();
-  os << std::left << std::setw(25) << "backend" << std::right << std::setw(12) << "tokens/rank" << std::setw(10) << "p50 ms"
-     << std::setw(10) << "p90 ms" << std::setw(10) << "p99 ms" << std::setw(13) << "max rel err" << std::setw(11) << "rel L2"
-     << "  " << std::left << std::setw(12) << "result" << "shared fused/separate\n";
+  os << std::left << std::setw(36) << "backend" << std::right << std::setw(8) << "T/rank" << std::setw(7) << "graph" << std::setw(9)
+     << "p25 ms" << std::setw(9) << "p50 ms" << std::setw(9) << "p75 ms" << std::setw(9) << "p99 ms" << std::setw(9) << "mean ms"
+     << std::setw(12) << "tokens/s" << std::setw(11) << "rel L2" << "  " << std::left << std::setw(12) << "result"
+     << "fused/separate/sharded/graph\n";
   for (const BackendResult& r : results) {
     const bool ran = !r.step_us.empty();
-    os << std::left << std::setw(25) << r.backend << std::right << std::setw(12) << w.max_tokens_per_rank << std::setw(10)
-       << (ran ? fixed(percentile(r.step_us, 50) / 1e3, 3) : "-") << std::setw(10)
-       << (ran ? fixed(percentile(r.step_us, 90) / 1e3, 3) : "-") << std::setw(10)
-       << (ran ? fixed(percentile(r.step_us, 99) / 1e3, 3) : "-") << std::setw(13) << (r.validated ? sci(r.max_rel_error) : "-")
-       << std::setw(11) << (r.validated ? sci(r.rel_l2_error) : "-") << "  " << std::left << std::setw(12) << r.status
-       << (ran ? std::to_string(r.counters.shared_fused) + "/" + std::to_string(r.counters.shared_separate) : "-") << "\n";
+    auto ms = [&](double p) { return ran ? fixed(percentile(r.step_us, p) / 1e3, 3) : std::string("-"); };
+    os << std::left << std::setw(36) << row_name(r, w) << std::right << std::setw(8) << w.max_tokens_per_rank << std::setw(7)
+       << (r.graph ? "yes" : "no") << std::setw(9) << ms(25) << std::setw(9) << ms(50) << std::setw(9) << ms(75) << std::setw(9)
+       << ms(99) << std::setw(9) << (ran ? fixed(mean(r.step_us) / 1e3, 3) : "-") << std::setw(12)
+       << (ran ? fixed(tokens_per_second(w, r), 0) : "-") << std::setw(11) << (r.validated ? sci(r.rel_l2_error) : "-") << "  "
+       << std::left << std::setw(12) << r.status << (ran ? counters_text(r) : "-") << "\n";
   }
   for (const BackendResult& r : results)
-    if (!r.message.empty()) os << r.backend << ": " << r.message << "\n";
+    if (!r.message.empty()) os << row_name(r, w) << ": " << r.message << "\n";
+  // Graph refusals: one line when every run gives the same reason (e.g. CPU ranks), else per run.
+  std::vector<const BackendResult*> refused;
+  for (const BackendResult& r : results)
+    if (!r.graph_reason.empty() && !r.graph) refused.push_back(&r);
+  bool same = !refused.empty();
+  for (const BackendResult* r : refused) same = same && r->graph_reason == refused.front()->graph_reason;
+  if (same && refused.size() == results.size()) {
+    os << "all runs eager, no graph: " << refused.front()->graph_reason << "\n";
+  } else {
+    for (const BackendResult* r : refused) os << row_name(*r, w) << ": eager, no graph: " << r->graph_reason << "\n";
+  }
   int passed = 0;
   for (const BackendResult& r : results) passed += r.status == "pass";
-  os << passed << "/" << results.size() << " backends pass (rel L2 <= " << kRelL2Tolerance << " against the single-rank "
+  os << passed << "/" << results.size() << " runs pass (rel L2 <= " << kRelL2Tolerance << " against the single-rank "
      << "no-EP reference on "
      << (!results.empty() && results[0].validated_tokens >= 0 ? std::to_string(results[0].validated_tokens) + " of " : std::string("all "))
-     << total << " tokens of " << w.steps.size() << " steps; tokens/rank is the max per step)\n";
+     << total << " tokens of " << w.steps.size() << " steps; T/rank is the max per step; latency per step is the slowest rank's;"
+     << " counters: chunks whose shared expert ran fused / separate / DP-sharded, graph replays)\n";
+  if (w.compare) print_compare(os, w, results);
+}
+
+void print_compare(std::ostream& os, const Workload& w, const std::vector<BackendResult>& results) {
+  os << "\nA/B: backends (p50 against the first backend of the same shared mode)\n";
+  os << std::left << std::setw(36) << "backend" << std::right << std::setw(10) << "p50 ms" << std::setw(12) << "delta" << std::setw(12)
+     << "tokens/s\n";
+  for (const BackendResult& r : results) {
+    if (r.step_us.empty()) continue;
+    const BackendResult* base = baseline_for(results, r.shared_mode);
+    const double p50 = percentile(r.step_us, 50);
+    os << std::left << std::setw(36) << row_name(r, w) << std::right << std::setw(10) << fixed(p50 / 1e3, 3) << std::setw(12)
+       << (base == &r ? std::string("baseline") : signed_pct(pct(p50, percentile(base->step_us, 50)))) << std::setw(12)
+       << fixed(tokens_per_second(w, r), 0) << "\n";
+  }
+  const auto pairs = shared_pairs(results);
+  if (pairs.empty()) return;
+  os << "A/B: shared expert fused against separate (delta = fused / separate - 1; counters prove the path that ran)\n";
+  os << std::left << std::setw(26) << "backend" << std::right << std::setw(11) << "fused p50" << std::setw(11) << "sep. p50"
+     << std::setw(10) << "delta" << "   fused run f/s/sh/g   separate run f/s/sh/g\n";
+  for (const SharedPair& p : pairs) {
+    const bool ran = !p.fused->step_us.empty() && !p.separate->step_us.empty();
+    const double f = ran ? percentile(p.fused->step_us, 50) : 0, s = ran ? percentile(p.separate->step_us, 50) : 0;
+    os << std::left << std::setw(26) << p.fused->backend << std::right << std::setw(11) << (ran ? fixed(f / 1e3, 3) : "-")
+       << std::setw(11) << (ran ? fixed(s / 1e3, 3) : "-") << std::setw(10) << (ran ? signed_pct(pct(f, s)) : "-") << "   "
+       << std::left << std::setw(21) << counters_text(*p.fused) << counters_text(*p.separate) << "\n";
+  }
 }
 
 void write_results_json(const std::string& path, const std::string& command, const Workload& w,
@@ -154,14 +234,21 @@ void write_results_json(const std::string& path, const std::string& command, con
         {"dtype", std::string(dtype_name(w.dispatch_dtype))},
         {"weight_format", std::string(weight_format_name(m.routed_format))},
         {"routing", w.routing},
-        {"shared_mode", shared_mode_name(w.shared_mode)},
+        {"shared_mode", shared_mode_name(r.shared_mode)},
+        {"shared_sharded", r.shared_sharded},
+        {"mode", w.mode.empty() ? json(nullptr) : json(w.mode)},
+        {"graph", r.graph},
         {"chunk_size", w.chunk_size},
         {"num_max_dispatch_tokens_per_rank", w.capacity},
         {"latency_us_p50", lat(50)},
         {"latency_us_p10", lat(10)},
+        {"latency_us_p25", lat(25)},
+        {"latency_us_p75", lat(75)},
         {"latency_us_p90", lat(90)},
         {"latency_us_p99", lat(99)},
         {"latency_us_mean", ran ? json(mean(r.step_us)) : json(nullptr)},
+        {"tokens_per_s", ran ? json(tokens_per_second(w, r)) : json(nullptr)},
+        {"step_latency_us", r.step_us},
         {"gbps", nullptr},
         {"accounting", nullptr},
         {"tflops", nullptr},
@@ -175,9 +262,11 @@ void write_results_json(const std::string& path, const std::string& command, con
         {"status", r.status},
         {"validated_tokens", !r.validated ? json(0) : r.validated_tokens >= 0 ? json(r.validated_tokens) : json(total)},
         {"counters", {{"calls", r.counters.calls}, {"chunks", r.counters.chunks}, {"idle_chunks", r.counters.idle_chunks},
-                      {"shared_fused", r.counters.shared_fused}, {"shared_separate", r.counters.shared_separate}}},
+                      {"shared_fused", r.counters.shared_fused}, {"shared_separate", r.counters.shared_separate},
+                      {"shared_sharded", r.counters.shared_sharded}, {"graph_replays", r.counters.graph_replays}}},
     };
     if (!r.message.empty()) j["message"] = r.message;
+    if (!r.graph_reason.empty()) j["graph_reason"] = r.graph_reason;
     rs.push_back(std::move(j));
   }
   char date[32];
@@ -190,6 +279,29 @@ void write_results_json(const std::string& path, const std::string& command, con
               {"nccl_version", w.nccl_version.empty() ? json(nullptr) : json(w.nccl_version)},
               {"epx_version", EPX_VERSION}, {"results", std::move(rs)}};
   if (!w.trace_source.empty()) doc["trace_source"] = w.trace_source;
+  if (w.compare) {
+    json backends = json::array(), shared = json::array();
+    for (const BackendResult& r : results) {
+      if (r.step_us.empty()) continue;
+      const BackendResult* base = baseline_for(results, r.shared_mode);
+      const double p50 = percentile(r.step_us, 50);
+      backends.push_back({{"backend", r.backend}, {"shared_mode", shared_mode_name(r.shared_mode)}, {"latency_us_p50", p50},
+                          {"baseline", base->backend}, {"delta_pct_vs_baseline", pct(p50, percentile(base->step_us, 50))},
+                          {"tokens_per_s", tokens_per_second(w, r)}});
+    }
+    for (const SharedPair& p : shared_pairs(results)) {
+      if (p.fused->step_us.empty() || p.separate->step_us.empty()) continue;
+      const double f = percentile(p.fused->step_us, 50), s = percentile(p.separate->step_us, 50);
+      auto counters = [](const PathCounters& c) {
+        return json{{"shared_fused", c.shared_fused}, {"shared_separate", c.shared_separate}, {"shared_sharded", c.shared_sharded},
+                    {"graph_replays", c.graph_replays}};
+      };
+      shared.push_back({{"backend", p.fused->backend}, {"fused_latency_us_p50", f}, {"separate_latency_us_p50", s},
+                        {"delta_pct_fused_vs_separate", pct(f, s)}, {"fused_counters", counters(p.fused->counters)},
+                        {"separate_counters", counters(p.separate->counters)}});
+    }
+    doc["compare"] = {{"backends", std::move(backends)}, {"shared_fused_vs_separate", std::move(shared)}};
+  }
   doc["config"] = w.config.describe();  // effective values and where each came from (env/JSON are not in "command")
   const auto parent = std::filesystem::path(path).parent_path();
   std::error_code ec;

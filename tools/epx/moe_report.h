@@ -11,9 +11,14 @@ namespace epx::cli {
 
 /// One line naming the model, ranks, steps, routing, wire dtype, shared mode, chunk and device.
 void print_header(std::ostream& os, const Workload& workload);
-/// The table: backend, tokens/rank, per-step latency p50/p90/p99 [ms], max rel error, rel L2,
-/// pass/FAIL, shared fused/separate chunk counters; then each failure's reason and "N/M pass".
+/// The table: run (backend [shared mode]), tokens/rank, graph, per-step latency p25/p50/p75/p99 and
+/// mean [ms], tokens/s, rel L2, pass/FAIL, path counters (shared fused/separate/sharded chunks,
+/// graph replays); then each failure's and each graph refusal's reason, "N/M pass", and with
+/// --compare the delta tables.
 void print_table(std::ostream& os, const Workload& workload, const std::vector<BackendResult>& results);
+/// --compare: the delta tables (backends against the first one, fused against separate shared
+/// expert per backend, with the counters that prove which path ran). print_table calls it.
+void print_compare(std::ostream& os, const Workload& workload, const std::vector<BackendResult>& results);
 /// Writes the RESULTS.md document (tool "epx moe", one result per backend) to `path`
 /// (parent folders created). Throws InvalidArgument when it cannot be written.
 void write_results_json(const std::string& path, const std::string& command, const Workload& workload,

@@ -149,6 +149,8 @@ PathCounters minus(const PathCounters& a, const PathCounters& b) {
   d.idle_chunks -= b.idle_chunks;
   d.shared_fused -= b.shared_fused;
   d.shared_separate -= b.shared_separate;
+  d.shared_sharded -= b.shared_sharded;
+  d.graph_replays -= b.graph_replays;
   return d;
 }
 }  // namespace
@@ -167,8 +169,49 @@ double percentile(std::vector<double> v, double p) {
   return v[lo] + (v[hi] - v[lo]) * (pos - static_cast<double>(lo));
 }
 
-Workload build_workload(const MoeOptions& o, const Config& config) {
+std::string shared_mode_name(SharedExpertMode m) {
+  return m == SharedExpertMode::separate ? "separate" : m == SharedExpertMode::fused ? "fused" : "auto";
+}
+
+std::vector<RunVariant> run_variants(const Workload& w, const std::vector<std::string>& backends, bool compare) {
+  std::vector<RunVariant> v;
+  const bool ab = compare && w.model.num_shared_experts > 0;
+  for (const std::string& b : backends) {
+    if (!ab) {
+      v.push_back({b, w.shared_mode});
+      continue;
+    }
+    v.push_back({b, SharedExpertMode::fused});
+    v.push_back({b, SharedExpertMode::separate});
+  }
+  return v;
+}
+
+double tokens_per_second(const Workload& w, const BackendResult& r) {
+  double tokens = 0, seconds = 0;
+  for (size_t s = 0; s < r.step_us.size() && s < w.steps.size(); ++s) {
+    tokens += static_cast<double>(w.steps[s].num_tokens());
+    seconds += r.step_us[s] * 1e-6;
+  }
+  return seconds > 0 ? tokens / seconds : 0.0;
+}
+
+void set_shared_mode(Workload& w, SharedExpertMode mode) {
+  if (mode == w.shared_mode) return;
+  w.shared_mode = mode;
+  if (w.model.num_shared_experts > 0 && w.dispatch_dtype != DType::bf16)
+    for (StepInput& st : w.steps) st.reference = Tensor();
+}
+
+Workload build_workload(const MoeOptions& options, const Config& config) {
+  MoeOptions o = options;
+  require_arg(kOp, "--mode", o.mode, o.mode.empty() || o.mode == "decode" || o.mode == "prefill", "must be decode or prefill");
+  if (!o.tokens_given && o.trace.empty() && !o.mode.empty())
+    o.tokens_per_rank = o.mode == "decode" ? kDecodeTokensPerRank : kPrefillTokensPerRank;
   Workload w;
+  w.mode = o.mode;
+  w.use_graph = o.mode == "decode" && o.graph;
+  w.compare = o.compare;
   w.model = preset(o.preset);
   w.config = config;
   const int K = w.model.router.top_k, E = w.model.router.num_experts;
@@ -301,6 +344,7 @@ BackendResult run_backend(const Workload& w, const std::string& backend) {
     }
   std::vector<double> step_us(S, 0.0);
   std::vector<PathCounters> counters(R);
+  res.shared_mode = w.shared_mode;
 
   DispatchConfig dcfg;
   dcfg.num_max_dispatch_tokens_per_rank = static_cast<int>(w.capacity);
@@ -312,6 +356,11 @@ BackendResult run_backend(const Workload& w, const std::string& backend) {
   try {
     run_ranks(groups, [&](int r) {
       ModularMoE layer(w.weights, groups[r], backend, dcfg, w.config, mo);
+      if (r == 0) {
+        res.shared_sharded = layer.shared_expert_sharded();
+        // Ranks are threads here: a whole-layer graph needs a CUDA group (--device cuda).
+        if (w.use_graph) res.graph_reason = layer.why_no_graph(w.max_tokens_per_rank).value_or("");
+      }
       auto call = [&](size_t s, const TensorView& out) {
         const StepInput& st = w.steps[s];
         if (w.use_router) layer.forward(st.x[r], out);

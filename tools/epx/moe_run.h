@@ -40,7 +40,16 @@ struct MoeOptions {
   int validate_tokens = 16;
   int debug_kill_rank = -1;
   int expert_begin = 0, expert_end = -1;
+  /// "" (plain), "decode" (128 tokens/rank unless given; whole-layer CUDA graph replay where the
+  /// backend is graph-safe) or "prefill" (4096 tokens/rank unless given; eager).
+  std::string mode;
+  bool compare = false;  ///< A/B: every chosen backend x shared expert fused and separate, delta table
+  bool graph = true;     ///< decode: replay a captured graph where possible (--no-graph: eager)
 };
+
+/// tokens per rank of --mode decode / prefill when --tokens-per-rank is not given.
+constexpr int64_t kDecodeTokensPerRank = 128;
+constexpr int64_t kPrefillTokensPerRank = 4096;
 
 /// One step's inputs, per rank, plus its reference output on the concatenated tokens.
 struct StepInput {
@@ -67,6 +76,9 @@ struct Workload {
   int64_t capacity = 0;               ///< num_max_dispatch_tokens_per_rank
   int64_t max_tokens_per_rank = 0;    ///< max over steps and ranks of T_r
   int warmup = 0;
+  std::string mode;                   ///< "", "decode", "prefill"
+  bool use_graph = false;             ///< decode: try whole-layer graph replay (--device cuda)
+  bool compare = false;               ///< --compare: results are an A/B (delta table + JSON "compare")
   // Set by the GPU path for the report (empty: the CPU defaults).
   std::string device_name;            ///< e.g. "2 x NVIDIA H200"
   std::string nccl_version;           ///< e.g. "2.28.9"
@@ -83,7 +95,26 @@ struct BackendResult {
   bool validated = false;             ///< every step was compared with the reference in this run
   PathCounters counters;              ///< rank 0, measured steps only (warm-up excluded)
   int64_t validated_tokens = -1;      ///< tokens compared with the reference over all steps (-1: all)
+  SharedExpertMode shared_mode = SharedExpertMode::auto_gate;  ///< the shared-expert mode of this run
+  bool graph = false;                 ///< steps were replays of a captured whole-layer CUDA graph
+  std::string graph_reason;           ///< why not, when a graph was asked for (decode) and not used
+  bool shared_sharded = false;        ///< the layer DP-shards its shared expert (fused chunks)
 };
+
+/// One run of `epx moe`: (backend, shared-expert mode) pairs in order. Without --compare: each
+/// chosen backend with the workload's mode; with --compare and a shared expert: each backend fused,
+/// then separate.
+struct RunVariant {
+  std::string backend;
+  SharedExpertMode shared_mode = SharedExpertMode::auto_gate;
+};
+std::vector<RunVariant> run_variants(const Workload& workload, const std::vector<std::string>& backends, bool compare);
+std::string shared_mode_name(SharedExpertMode m);
+/// Sum over steps of tokens / sum of step latencies [tokens/s] (0 when nothing ran).
+double tokens_per_second(const Workload& workload, const BackendResult& result);
+/// Drops the references when `mode` changes what they are (fp8 wire with a shared expert: fused
+/// sees the wire's x) so the next ensure_references recomputes them for `mode`.
+void set_shared_mode(Workload& workload, SharedExpertMode mode);
 
 /// rel L2 at or below this passes (METHOD: bf16 operands land between 1e-3 and 1e-2; NaN never passes).
 constexpr double kRelL2Tolerance = 1e-2;

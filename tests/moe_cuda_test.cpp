@@ -1,0 +1,247 @@
+// ModularMoE on 2 GPUs (one forked process per GPU, NCCL group) against moe_reference_cpu computed
+// in the parent before the fork: the DP-sharded shared expert on allgather_reducescatter and naive
+// (bf16 and fp8 wires, a shared gate, an idle rank), the graph refusal of a backend that is not
+// graph-safe, and the whole-layer CUDA graph on ll: captured once at T_max, replayed with different
+// valid counts per rank (0 included), every replay's valid rows against the reference. The ll case
+// skips, naming the reason, while ll has no CUDA implementation. Outputs are NaN-poisoned first.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <numeric>
+#include <string>
+#include <vector>
+
+#include "epx/config.h"
+#include "epx/cuda.h"
+#include "epx/dispatch.h"
+#include "epx/error.h"
+#include "epx/group.h"
+#include "epx/moe.h"
+#include "forked_ranks.h"
+#include "test_util.h"
+
+#ifdef EPX_WITH_CUDA
+#include <cuda_runtime_api.h>
+#endif
+
+using namespace epx;
+
+#ifdef EPX_WITH_CUDA
+
+namespace {
+
+void cuda_ok(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(e));
+}
+
+std::shared_ptr<const MoEWeights> weights_for(const std::string& name) {
+  static std::map<std::string, std::shared_ptr<const MoEWeights>> cache;
+  auto& w = cache[name];
+  if (!w && name == "deepseek-v3-mini-wide-shared") {  // fp8_block shared 256 wide: one 128-block per rank
+    MoEConfig c = preset("deepseek-v3-mini");
+    c.name = name;
+    c.shared_intermediate = 256;
+    w = MoEWeights::random(c, 99);
+  }
+  if (!w) w = MoEWeights::random(preset(name), 2025);
+  return w;
+}
+
+/// Per-rank inputs [T_r rows] and the reference of the concatenated rows.
+struct Inputs {
+  std::vector<Tensor> x, idx, wts;
+  Tensor reference;              // [sum T_r, H]
+  std::vector<int64_t> offset;   // first reference row of each rank
+};
+
+/// Reference of rows [0, valid[r]) of each rank's inputs.
+Tensor reference_of(const MoEWeights& w, const Inputs& in, const std::vector<int64_t>& valid, DType wire) {
+  const int64_t H = w.config.hidden;
+  const int K = w.config.router.top_k;
+  const int64_t T = std::accumulate(valid.begin(), valid.end(), int64_t{0});
+  Tensor x = Tensor::empty({T, H}, DType::bf16), idx = Tensor::empty({T, K}, DType::int32), wts = Tensor::empty({T, K}, DType::fp32);
+  int64_t row = 0;
+  for (size_t r = 0; r < valid.size(); ++r) {
+    std::copy_n(in.x[r].ptr<uint16_t>(), valid[r] * H, x.ptr<uint16_t>() + row * H);
+    std::copy_n(in.idx[r].ptr<int32_t>(), valid[r] * K, idx.ptr<int32_t>() + row * K);
+    std::copy_n(in.wts[r].ptr<float>(), valid[r] * K, wts.ptr<float>() + row * K);
+    row += valid[r];
+  }
+  Tensor out = Tensor::empty({T, H}, DType::bf16);
+  moe_reference_cpu(w, x, idx, wts, out, {.dispatch_dtype = wire, .shared_fused = true});
+  return out;
+}
+
+Inputs make_inputs(const MoEWeights& w, const std::vector<int64_t>& tokens, uint64_t seed, DType wire) {
+  Inputs in;
+  const int K = w.config.router.top_k;
+  for (size_t r = 0; r < tokens.size(); ++r) {
+    in.x.push_back(test::random_bf16(tokens[r], w.config.hidden, seed * 17 + r));
+    Tensor i, v;
+    test::random_routing(tokens[r], K, w.config.router.num_experts, seed * 17 + 9 + r, {.masked_fraction = 0.1, .allow_duplicates = true},
+                         i, v);
+    in.idx.push_back(i);
+    in.wts.push_back(v);
+  }
+  in.reference = reference_of(w, in, tokens, wire);
+  int64_t off = 0;
+  for (int64_t t : tokens) {
+    in.offset.push_back(off);
+    off += t;
+  }
+  return in;
+}
+
+/// rel L2 of `got` (device [>= n, H]) rows [0, n) against reference rows [first, first + n).
+double rel_l2_rows(const TensorView& got_dev, const Tensor& reference, int64_t first, int64_t n) {
+  const int64_t H = reference.size(1);
+  Tensor got = Tensor::empty({n, H}, DType::bf16), want = Tensor::empty({n, H}, DType::bf16);
+  if (n == 0) return 0.0;
+  copy(got, got_dev.slice_rows(0, n));
+  std::copy_n(reference.ptr<uint16_t>() + first * H, n * H, want.ptr<uint16_t>());
+  return test::rel_l2_error(got, want);
+}
+
+constexpr double kTol = 1e-2;
+
+struct ShardCase {
+  std::string preset, backend;
+  std::vector<int64_t> tokens;
+  DType wire;
+};
+
+}  // namespace
+
+TEST(ModularMoECuda, ShardedSharedExpertOnGatheringBackendsMatchesTheReference) {
+  const int n = cuda::device_count();
+  if (n < 2) GTEST_SKIP() << "needs 2 GPUs, found " << n;
+  const std::vector<ShardCase> cases = {
+      {"qwen1.5-moe-a2.7b-mini", "allgather_reducescatter", {5, 0}, DType::bf16},
+      {"qwen1.5-moe-a2.7b-mini", "allgather_reducescatter", {6, 11}, DType::fp8_e4m3},
+      {"qwen1.5-moe-a2.7b-mini", "naive", {9, 4}, DType::bf16},
+      {"deepseek-v3-mini-wide-shared", "allgather_reducescatter", {7, 3}, DType::fp8_e4m3},
+  };
+  std::vector<Inputs> inputs;
+  for (size_t i = 0; i < cases.size(); ++i)
+    inputs.push_back(make_inputs(*weights_for(cases[i].preset), cases[i].tokens, 40 + i, cases[i].wire));
+  const std::string path = test::fresh_dir() + "/uid";
+  const std::string failed = test::run_ranks_forked(2, 300.0, [&](int rank) {
+    auto g = make_nccl_group(path, rank, 2, rank, 60.0);
+    cuda_ok(cudaSetDevice(rank), "cudaSetDevice");
+    cudaStream_t stream;
+    cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
+    const Device dev = g->device();
+    std::string failures;
+    for (size_t i = 0; i < cases.size(); ++i) {
+      const ShardCase& c = cases[i];
+      DispatchConfig dc;
+      dc.num_max_dispatch_tokens_per_rank = 16;
+      dc.dispatch_dtype = c.wire;
+      ModularMoEOptions o;
+      o.shared_mode = SharedExpertMode::fused;
+      ModularMoE layer(weights_for(c.preset), g, c.backend, dc, Config{}, o);
+      const Tensor x = inputs[i].x[rank].to(dev), idx = inputs[i].idx[rank].to(dev), wts = inputs[i].wts[rank].to(dev);
+      Tensor out = Tensor::empty({c.tokens[rank], weights_for(c.preset)->config.hidden}, DType::bf16, dev);
+      if (out.nbytes() > 0) cuda_ok(cudaMemset(out.data(), 0xFF, static_cast<size_t>(out.nbytes())), "poison");
+      layer.forward_routed(x, idx, wts, out, Stream{stream});
+      cuda_ok(cudaStreamSynchronize(stream), "sync");
+      const double e = rel_l2_rows(out, inputs[i].reference, inputs[i].offset[rank], c.tokens[rank]);
+      const PathCounters& pc = layer.counters();
+      if (!(e <= kTol) || !layer.shared_expert_sharded() || pc.shared_sharded != 1)
+        failures += c.preset + " " + c.backend + " rank " + std::to_string(rank) + ": rel L2 " + std::to_string(e) + " sharded " +
+                    std::to_string(layer.shared_expert_sharded()) + " counter " + std::to_string(pc.shared_sharded) + "; ";
+      if (rank == 0) std::printf("%s %s %s T={%lld,%lld}: rank 0 rel L2 %.2e (sharded)\n", c.preset.c_str(), c.backend.c_str(),
+                                 std::string(dtype_name(c.wire)).c_str(), static_cast<long long>(c.tokens[0]),
+                                 static_cast<long long>(c.tokens[1]), e);
+      // Not graph-safe: the refusal names the backend and the reason, and capture throws.
+      if (i == 0) {
+        const auto why = layer.why_no_graph(16);
+        if (!why || why->find("not graph-safe") == std::string::npos) failures += "why_no_graph: '" + why.value_or("nullopt") + "'; ";
+        bool threw = false;
+        try {
+          Tensor gx = Tensor::zeros({16, 256}, DType::bf16, dev), go = Tensor::zeros({16, 256}, DType::bf16, dev);
+          Tensor gn = Tensor::zeros({1}, DType::int32, dev);
+          layer.capture_graph(gx, TensorView(), TensorView(), go, gn, Stream{stream});
+        } catch (const Unsupported&) {
+          threw = true;
+        }
+        if (!threw) failures += "capture_graph on " + c.backend + " did not throw Unsupported; ";
+      }
+    }
+    g->barrier();
+    cuda_ok(cudaStreamDestroy(stream), "stream destroy");
+    if (!failures.empty()) throw std::runtime_error(failures);
+  });
+  EXPECT_EQ(failed, "");
+}
+
+TEST(ModularMoECuda, WholeLayerGraphOnLlReplaysWithDifferentCountsPerRank) {
+  const int n = cuda::device_count();
+  if (n < 2) GTEST_SKIP() << "needs 2 GPUs, found " << n;
+  constexpr int64_t kMax = 16;
+  auto w = weights_for("deepseek-v3-mini");
+  const int64_t H = w->config.hidden;
+  const Inputs in = make_inputs(*w, {kMax, kMax}, 77, DType::fp8_e4m3);
+  // Valid rows per replay and rank: equal, different, one rank idle.
+  const std::vector<std::vector<int64_t>> replays = {{kMax, kMax}, {7, kMax}, {0, 5}, {kMax, 1}};
+  std::vector<Tensor> refs;
+  for (const auto& v : replays) refs.push_back(reference_of(*w, in, v, DType::fp8_e4m3));
+  const std::string dir = test::fresh_dir();
+  const std::string path = dir + "/uid", skip_file = dir + "/skip";
+  const std::string failed = test::run_ranks_forked(2, 300.0, [&](int rank) {
+    auto g = make_nccl_group(path, rank, 2, rank, 60.0);
+    cuda_ok(cudaSetDevice(rank), "cudaSetDevice");
+    cudaStream_t stream;
+    cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
+    const Device dev = g->device();
+    DispatchConfig dc;
+    dc.num_max_dispatch_tokens_per_rank = kMax;
+    dc.dispatch_dtype = DType::fp8_e4m3;
+    std::unique_ptr<ModularMoE> layer;
+    try {
+      layer = std::make_unique<ModularMoE>(w, g, "ll", dc, Config{});
+    } catch (const Unsupported& e) {
+      if (rank == 0) std::ofstream(skip_file) << e.what();
+      return;  // every rank throws the same (creation is collective)
+    }
+    if (auto why = layer->why_no_graph(kMax)) throw std::runtime_error("ll not graph-capturable: " + *why);
+    const Tensor x = in.x[rank].to(dev), idx = in.idx[rank].to(dev), wts = in.wts[rank].to(dev);
+    Tensor out = Tensor::empty({kMax, H}, DType::bf16, dev), count = Tensor::zeros({1}, DType::int32, dev);
+    int32_t c = static_cast<int32_t>(kMax);
+    cuda_ok(cudaMemcpy(count.data(), &c, sizeof c, cudaMemcpyHostToDevice), "count");
+    layer->capture_graph(x, idx, wts, out, count, Stream{stream});
+    std::string failures;
+    for (size_t i = 0; i < replays.size(); ++i) {
+      c = static_cast<int32_t>(replays[i][rank]);
+      cuda_ok(cudaMemcpy(count.data(), &c, sizeof c, cudaMemcpyHostToDevice), "count");
+      cuda_ok(cudaMemset(out.data(), 0xFF, static_cast<size_t>(out.nbytes())), "poison");
+      layer->replay_graph(Stream{stream});
+      cuda_ok(cudaStreamSynchronize(stream), "sync");
+      const int64_t first = rank == 0 ? 0 : replays[i][0];
+      const double e = rel_l2_rows(out, refs[i], first, c);
+      if (!(e <= kTol)) failures += "replay " + std::to_string(i) + " rank " + std::to_string(rank) + ": rel L2 " + std::to_string(e) + "; ";
+      if (rank == 0) std::printf("graph replay %zu (n = %d, %d): rank 0 rel L2 %.2e\n", i, static_cast<int>(replays[i][0]),
+                                 static_cast<int>(replays[i][1]), e);
+    }
+    if (layer->counters().graph_replays != static_cast<int64_t>(replays.size())) failures += "graph_replays counter wrong; ";
+    g->barrier();
+    cuda_ok(cudaStreamDestroy(stream), "stream destroy");
+    if (!failures.empty()) throw std::runtime_error(failures);
+  });
+  EXPECT_EQ(failed, "");
+  std::ifstream skip(skip_file);
+  if (skip) {
+    std::string why((std::istreambuf_iterator<char>(skip)), std::istreambuf_iterator<char>());
+    GTEST_SKIP() << "ll has no CUDA implementation in this build: " << why;
+  }
+}
+
+#else
+
+TEST(ModularMoECuda, NeedsACudaBuild) { GTEST_SKIP() << "CPU-only build (EPX_CUDA=OFF)"; }
+
+#endif  // EPX_WITH_CUDA
