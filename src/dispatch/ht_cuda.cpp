@@ -14,6 +14,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstddef>
 #include <thread>
 
 #include "comm/group_nccl.h"
@@ -263,6 +264,16 @@ void HtCuda::finalize(const FinalizeArgs& args) {
   p.io_aligned16 = (reinterpret_cast<uintptr_t>(args.expert_out.data) | reinterpret_cast<uintptr_t>(args.out.data) | (H * 2)) % 16 == 0;
   launch_ht_combine(p, num_sms_, warps_, args.stream);
   if (!cfg_.use_worst_case_sizing) stats_.remote_bytes_combine = record_host_->rows_from_others * 2 * H;
+}
+
+std::vector<double> HtCuda::timeline_us() const {
+  cuda::DeviceGuard guard(group_->device().index);
+  EPX_CUDA_CHECK(cudaDeviceSynchronize());
+  unsigned long long tl[8] = {};
+  EPX_CUDA_CHECK(cudaMemcpy(tl, state_.ptr<uint8_t>() + offsetof(HtState, timeline), sizeof(tl), cudaMemcpyDeviceToHost));
+  std::vector<double> us(8, 0.0);
+  for (int i = 0; i < 8; ++i) us[static_cast<size_t>(i)] = (static_cast<double>(tl[i]) - static_cast<double>(tl[kTlLayoutStart])) * 1e-3;
+  return us;
 }
 
 std::unique_ptr<PrepareFinalize> make_ht_cuda(std::shared_ptr<Group> group, const DispatchConfig& cfg) {

@@ -30,6 +30,8 @@ HtLayout HtLayout::make(const DispatchConfig& cfg, int num_ranks, int rank) {
   off = round_up(off + num_ranks * l.slot_bytes, 4096);
   l.off_flags = off;
   off = round_up(off + 3 * num_ranks * 64, 4096);
+  l.off_chunk_flags = off;
+  off = round_up(off + num_ranks * l.chunks() * 8, 4096);
   l.off_x = off;
   off = round_up(off + rows * l.payload_bytes(), 4096);
   l.off_scales = off;
@@ -76,10 +78,8 @@ void launch_ht_dispatch(const HtParams& p, int blocks, int warps, Stream stream)
 }
 
 void launch_ht_combine(const HtParams& p, int blocks, int warps, Stream stream) {
-  ht::combine_send_kernel<<<blocks, warps * 32, 0, cuda::native(stream)>>>(p);
-  cuda::check_launch("ht combine_send_kernel");
-  ht::combine_reduce_kernel<<<blocks, warps * 32, 0, cuda::native(stream)>>>(p);
-  cuda::check_launch("ht combine_reduce_kernel");
+  ht::combine_kernel<<<blocks, warps * 32, 0, cuda::native(stream)>>>(p);
+  cuda::check_launch("ht combine_kernel");
 }
 
 }  // namespace epx::dispatch

@@ -34,6 +34,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "dispatch/placement.h"
 #include "dispatch/prepare_finalize_base.h"
@@ -41,6 +42,8 @@
 
 namespace epx::dispatch {
 
+/// Rows per combine chunk flag: a reducing warp waits per chunk, not per row or per peer.
+constexpr int kHtChunkRows = 16;
 /// Largest group ht supports on CUDA: the peer pointers travel in the kernel parameters.
 constexpr int kHtMaxRanks = 8;
 
@@ -51,7 +54,7 @@ struct HtLayout {
   bool use_fp8 = false, use_ue8m0 = false;
   Placement placement;
   // symmetric buffer
-  int64_t slot_bytes = 0, off_slots = 0, off_flags = 0, off_x = 0, off_scales = 0, off_idx = 0, off_weights = 0,
+  int64_t slot_bytes = 0, off_slots = 0, off_flags = 0, off_chunk_flags = 0, off_x = 0, off_scales = 0, off_idx = 0, off_weights = 0,
           off_src_idx = 0, off_back = 0, symmetric_bytes = 0;
   // slot fields (int32 words): [0, R) rows to each rank, R status, R + 1 valid flag, then [Lmax] counts
   static constexpr int kSlotStatus = 0;  ///< + R
@@ -60,6 +63,8 @@ struct HtLayout {
   EPX_HOST_DEVICE int64_t groups() const { return hidden / 128; }
   /// Flag word f (0 counts, 1 dispatch, 2 combine) of source s, uint64 index into the flags region.
   EPX_HOST_DEVICE int64_t flag_index(int f, int s) const { return (static_cast<int64_t>(f) * num_ranks + s) * 8; }  // 64-byte stride
+  /// Combine chunk flags per source: ceil(cap / kHtChunkRows); flag of (peer d, chunk c) at uint64 [d * chunks + c].
+  EPX_HOST_DEVICE int64_t chunks() const { return (capacity + kHtChunkRows - 1) / kHtChunkRows; }
   static HtLayout make(const DispatchConfig& cfg, int num_ranks, int rank);
 };
 
@@ -91,8 +96,15 @@ struct HtState {
   int32_t dst_offset[kHtMaxRanks];            ///< first row of this rank's block in rank d's recv
   int32_t recv_offset[kHtMaxRanks + 1];       ///< rows [recv_offset[s], recv_offset[s+1]) came from s
   int32_t rank_prefix_matrix[kHtMaxRanks * kHtMaxRanks];  ///< [s, d]: rows d receives from ranks 0..s
+  /// %globaltimer ns of the last prepare/finalize (diagnostics, HtTimeline order); reset by the layout kernel.
+  unsigned long long timeline[8];
   // followed by (offsets in HtDeviceArrays)
 };
+
+/// HtState::timeline slots: layout start / end, dispatch first CTA start / last CTA arrival / handshake
+/// end, combine first CTA start / last sender warp done / last CTA end.
+enum HtTimeline : int { kTlLayoutStart, kTlLayoutEnd, kTlDispatchStart, kTlDispatchArrive, kTlDispatchEnd, kTlCombineStart,
+                        kTlCombineSent, kTlCombineEnd };
 
 /// Offsets of the arrays after HtState in the local state allocation.
 struct HtDeviceArrays {
@@ -134,7 +146,8 @@ struct HtParams {
 void launch_ht_layout(const HtParams& p, Stream stream);
 /// `blocks` CTAs of 32 * warps threads: the dispatch rows, then the "rows stored" handshake.
 void launch_ht_dispatch(const HtParams& p, int blocks, int warps, Stream stream);
-/// Combine: partial rows back to their sources, handshake, then the per-token fp32 reduce.
+/// Combine: one kernel; half the warps store partial rows into their sources' `back` blocks and
+/// release a flag per chunk of kHtChunkRows rows, the other half reduce tokens as their chunks arrive.
 void launch_ht_combine(const HtParams& p, int blocks, int warps, Stream stream);
 
 /// The device-side handle of the last prepare (DeepEP's handle), views into backend-owned memory
@@ -160,6 +173,9 @@ class HtCuda final : public PrepareFinalizeBase {
   const HtDeviceHandle& handle() const { return handle_; }
   int num_sms() const { return num_sms_; }
   int warps_per_block() const { return warps_; }
+  /// The HtState::timeline of the last calls, in microseconds after the layout kernel's start (synchronizes
+  /// the device; diagnostics for tuning, not for the hot path).
+  std::vector<double> timeline_us() const;
 
  private:
   void throw_sticky_error(const std::string& op);

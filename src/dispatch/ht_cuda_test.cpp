@@ -502,7 +502,71 @@ void run_timeout() {
   EXPECT_EQ(failed, "");
 }
 
+/// Diagnostics (run with --gtest_also_run_disabled_tests): ht-v3 round trips, CUDA-event times of
+/// prepare and finalize and the device timeline of the last one, per rank; no correctness claim.
+void run_timeline() {
+  const std::string path = fresh_dir() + "/uid";
+  Case c;
+  c.R = 2;
+  c.E = 256;
+  c.K = 8;
+  c.H = 7168;
+  c.cap = 4096;
+  c.T = {4096, 4096};
+  c.masked = 0.0;
+  const auto in = make_inputs(c);
+  const std::string failed = run_ranks_forked(2, 200.0, [&](int rank) {
+    auto g = make_nccl_group(path, rank, 2, rank, 60.0);
+    cuda_ok(cudaSetDevice(rank), "cudaSetDevice");
+    cudaStream_t stream;
+    cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
+    const Device dev = g->device();
+    const Tensor x = in[static_cast<size_t>(rank)].x.to(dev), idx = in[static_cast<size_t>(rank)].topk_idx.to(dev),
+                 w = in[static_cast<size_t>(rank)].topk_weights.to(dev);
+    const Tensor out = Tensor::empty({4096, c.H}, DType::bf16, dev), eo = Tensor::zeros({2 * 4096, c.H}, DType::bf16, dev);
+    for (DType dt : {DType::fp8_e4m3, DType::bf16}) {
+      Case cc = c;
+      cc.dtype = dt;
+      auto pf = make_prepare_finalize("ht", g, cc.config());
+      auto* ht = dynamic_cast<dispatch::HtCuda*>(pf.get());
+      cudaEvent_t ev[3];
+      for (auto& e : ev) cuda_ok(cudaEventCreate(&e), "event");
+      float disp = 0, comb = 0;
+      const int iters = 20;
+      for (int i = 0; i < iters + 3; ++i) {
+        g->barrier();
+        cuda_ok(cudaEventRecord(ev[0], stream), "rec");
+        const PrepareResult p = pf->prepare({x, idx, w, Stream{stream}});
+        cuda_ok(cudaEventRecord(ev[1], stream), "rec");
+        pf->finalize({eo.view().slice_rows(0, p.num_recv_tokens), out, Stream{stream}});
+        cuda_ok(cudaEventRecord(ev[2], stream), "rec");
+        cuda_ok(cudaStreamSynchronize(stream), "sync");
+        float a = 0, b = 0;
+        cuda_ok(cudaEventElapsedTime(&a, ev[0], ev[1]), "elapsed");
+        cuda_ok(cudaEventElapsedTime(&b, ev[1], ev[2]), "elapsed");
+        if (i >= 3) {
+          disp += a * 1000 / iters;
+          comb += b * 1000 / iters;
+        }
+      }
+      const std::vector<double> tl = ht->timeline_us();
+      std::printf("rank %d %s sms=%d warps=%d: prepare %.1f us, finalize %.1f us | layout end %.1f, dispatch start %.1f arrive %.1f end %.1f, "
+                  "combine start %.1f sent %.1f end %.1f us\n",
+                  rank, std::string(dtype_name(dt)).c_str(), ht->num_sms(), ht->warps_per_block(), disp, comb, tl[1], tl[2], tl[3], tl[4], tl[5], tl[6], tl[7]);
+      std::fflush(stdout);
+    }
+    g->barrier();
+  });
+  EXPECT_EQ(failed, "");
+}
+
 }  // namespace
+
+TEST(HtCuda, DISABLED_Timeline) {
+  const int n = cuda::device_count();
+  if (n < 2) GTEST_SKIP() << "needs 2 GPUs, found " << n;
+  run_timeline();
+}
 
 TEST(HtCuda, MatchesHtCpuTwoRanks) {
   const int n = cuda::device_count();

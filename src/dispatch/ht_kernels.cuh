@@ -124,6 +124,8 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(HtParams p) {
   extern __shared__ int s_counts[];  // [R * Lmax]
 
   if (threadIdx.x == 0) {
+    for (int i = 0; i < 8; ++i) st.timeline[i] = (i == kTlDispatchStart || i == kTlCombineStart) ? ~0ull : 0ull;
+    st.timeline[kTlLayoutStart] = globaltimer_ns();
     s_epoch = st.epoch_dispatch + 1;
     s_bad = ULLONG_MAX;
     s_valid = 0;
@@ -298,6 +300,7 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(HtParams p) {
     rec->rows_to_self = any_bad ? 0 : st.rows_to[me];
     rec->rows_from_others = any_bad ? 0 : off - slot_word(me, me);
     st.epoch_dispatch = epoch;
+    st.timeline[kTlLayoutEnd] = globaltimer_ns();
     __threadfence_system();
     *reinterpret_cast<volatile uint64_t*>(&rec->layout_epoch) = epoch;
   }
@@ -355,9 +358,9 @@ __device__ __forceinline__ void dispatch_token(const HtParams& p, int64_t t, con
   const int64_t H = l.hidden;
   const uint16_t* src = p.x + t * H;
   if (!l.use_fp8) {
-    // bf16: 16-byte chunks, 4 per lane in flight, stored to every destination.
+    // bf16: 16-byte chunks, U per lane in flight (4 KiB per warp), stored to every destination.
     const int64_t n16 = H / 8;
-    constexpr int U = 4;
+    constexpr int U = 8;
     for (int64_t base = 0; base < n16; base += 32 * U) {
       uint4 v[U];
 #pragma unroll
@@ -375,33 +378,42 @@ __device__ __forceinline__ void dispatch_token(const HtParams& p, int64_t t, con
       }
     }
   } else {
-    // fp8: a lane owns 16 elements (two uint4 of bf16 -> one uint4 of codes); 8 lanes per 1x128 group,
-    // 4 groups per warp step.
+    // fp8: a lane owns 16 elements of a 1x128 group (two uint4 of bf16 -> one uint4 of codes); 8 lanes
+    // per group, 4 groups per warp step, U steps loaded before any is converted (bytes in flight).
     const int64_t G = H / 128;
     const int sub = lane & 7;
-    for (int64_t g0 = 0; g0 < G; g0 += 4) {
-      const int64_t g = g0 + (lane >> 3);
-      const bool live = g < G;
-      uint4 a = make_uint4(0, 0, 0, 0), b = make_uint4(0, 0, 0, 0);
-      if (live) {
-        const uint16_t* s = src + g * 128 + sub * 16;
-        a = load8(s, p.x_aligned16);
-        b = load8(s + 8, p.x_aligned16);
+    constexpr int U = 4;
+    for (int64_t g0 = 0; g0 < G; g0 += 4 * U) {
+      uint4 a[U], b[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int64_t g = g0 + 4 * u + (lane >> 3);
+        a[u] = make_uint4(0, 0, 0, 0);
+        b[u] = make_uint4(0, 0, 0, 0);
+        if (g < G) {
+          const uint16_t* s = src + g * 128 + sub * 16;
+          a[u] = load8(s, p.x_aligned16);
+          b[u] = load8(s + 8, p.x_aligned16);
+        }
       }
-      float amax = fmaxf(amax8(a), amax8(b));
-      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 4));
-      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
-      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
-      float scale = __fdiv_rn(fmaxf(amax, kAmaxFloor), kFp8E4m3Max);
-      if (l.use_ue8m0 && isfinite(scale)) scale = round_up_pow2(scale);
-      const float r = __frcp_rn(scale);
-      const uint2 qa = quant8(a, scale, r), qb = quant8(b, scale, r);
-      const uint4 q = make_uint4(qa.x, qa.y, qb.x, qb.y);
-      if (live) {
-        for (int j = 0; j < ds.n; ++j) {
-          uint8_t* base = p.peers[ds.rank[j]];
-          *reinterpret_cast<uint4*>(base + l.off_x + ds.row[j] * H + g * 128 + sub * 16) = q;
-          if (sub == 0) reinterpret_cast<float*>(base + l.off_scales)[ds.row[j] * G + g] = scale;
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int64_t g = g0 + 4 * u + (lane >> 3);
+        float amax = fmaxf(amax8(a[u]), amax8(b[u]));
+        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 4));
+        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+        float scale = __fdiv_rn(fmaxf(amax, kAmaxFloor), kFp8E4m3Max);
+        if (l.use_ue8m0 && isfinite(scale)) scale = round_up_pow2(scale);
+        const float r = __frcp_rn(scale);
+        const uint2 qa = quant8(a[u], scale, r), qb = quant8(b[u], scale, r);
+        const uint4 q = make_uint4(qa.x, qa.y, qb.x, qb.y);
+        if (g < G) {
+          for (int j = 0; j < ds.n; ++j) {
+            uint8_t* base = p.peers[ds.rank[j]];
+            *reinterpret_cast<uint4*>(base + l.off_x + ds.row[j] * H + g * 128 + sub * 16) = q;
+            if (sub == 0) reinterpret_cast<float*>(base + l.off_scales)[ds.row[j] * G + g] = scale;
+          }
         }
       }
     }
@@ -432,6 +444,7 @@ __device__ __forceinline__ void finish_and_handshake(const HtParams& p, uint32_t
   if (!s_last) return;
   const int R = p.l.num_ranks, me = p.l.rank;
   if (threadIdx.x == 0) {
+    state_of(p).timeline[kTlDispatchArrive] = globaltimer_ns();
     *ticket = 0;
     __threadfence_system();
     for (int d = 0; d < R; ++d) st_release_sys(flag_ptr(p, d, f, me), epoch);
@@ -442,6 +455,7 @@ __device__ __forceinline__ void finish_and_handshake(const HtParams& p, uint32_t
     state_of(p).failed = 1;
   }
   __syncthreads();
+  if (threadIdx.x == 0) state_of(p).timeline[kTlDispatchEnd] = globaltimer_ns();
 }
 
 __global__ void dispatch_kernel(HtParams p) {
@@ -459,6 +473,7 @@ __global__ void dispatch_kernel(HtParams p) {
   const HtLayout& l = p.l;
   const int R = l.num_ranks;
   const uint64_t epoch = st.epoch_dispatch;
+  if (threadIdx.x == 0) atomicMin(&state_of(p).timeline[kTlDispatchStart], globaltimer_ns());
   if (p.worst_case) {  // rows beyond N_recv select nothing
     int32_t* idx = reinterpret_cast<int32_t*>(p.peers[l.rank] + l.off_idx);
     const int64_t begin = static_cast<int64_t>(st.num_recv) * l.top_k, end = l.rows() * l.top_k;
@@ -486,10 +501,11 @@ __global__ void dispatch_kernel(HtParams p) {
 
 // ---- combine --------------------------------------------------------------------------------------
 
+/// One warp copies one bf16 row (16-byte vectors, U per lane in flight, when both ends allow).
 __device__ __forceinline__ void copy_row_bf16(uint16_t* dst, const uint16_t* src, int64_t H, bool aligned, int lane) {
   if (aligned) {
     const int64_t n16 = H / 8;
-    constexpr int U = 4;
+    constexpr int U = 8;
     for (int64_t base = 0; base < n16; base += 32 * U) {
       uint4 v[U];
 #pragma unroll
@@ -508,74 +524,162 @@ __device__ __forceinline__ void copy_row_bf16(uint16_t* dst, const uint16_t* src
   }
 }
 
-/// Received row n -> its source's `back` block; rows this rank sent itself stay in expert_out.
-__global__ void combine_send_kernel(HtParams p) {
-  HtState& st = state_of(p);
-  if (st.failed || st.any_bad) return;
-  const HtLayout& l = p.l;
-  const int R = l.num_ranks, me = l.rank;
-  const int64_t H = l.hidden;
-  const uint64_t epoch = st.epoch_combine + 1;
-  const int lane = threadIdx.x & 31;
-  const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x >> 5);
-  const int64_t N = st.num_recv;
-  for (int64_t n = blockIdx.x * static_cast<int64_t>(blockDim.x >> 5) + (threadIdx.x >> 5); n < N; n += warps) {
-    int s = 0;
-    while (s + 1 < R && n >= st.recv_offset[s + 1]) ++s;
-    if (s == me) continue;
-    uint16_t* dst = reinterpret_cast<uint16_t*>(p.peers[s] + l.off_back) + (me * l.capacity + (n - st.recv_offset[s])) * H;
-    const uint16_t* src = p.expert_out + n * H;
-    copy_row_bf16(dst, src, H, p.io_aligned16, lane);
-  }
-  finish_and_handshake(p, &st.ticket_combine, kFlagCombine, epoch, kOpCombine);
-}
-
-/// out[t] = round_bf16(sum over destinations d in rank order that token t went to of partial_d),
-/// fp32 from 0.0f (DedupCpu::finalize).
-__global__ void combine_reduce_kernel(HtParams p) {
-  HtState& st = state_of(p);
-  if (threadIdx.x == 0 && blockIdx.x == 0 && !st.failed && !st.any_bad) st.epoch_combine += 1;
-  if (st.failed || st.any_bad) return;
-  const HtLayout& l = p.l;
-  const int R = l.num_ranks, me = l.rank;
-  const int64_t H = l.hidden;
-  const int lane = threadIdx.x & 31;
-  const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x >> 5);
-  const int32_t* send_pos = arr<int32_t>(p, p.a.send_pos);
-  const uint16_t* back = reinterpret_cast<const uint16_t*>(p.peers[me] + l.off_back);
-  for (int64_t t = blockIdx.x * static_cast<int64_t>(blockDim.x >> 5) + (threadIdx.x >> 5); t < p.num_tokens; t += warps) {
-    const uint16_t* rows[kHtMaxRanks];
-    int n = 0;
-    for (int d = 0; d < R; ++d) {
-      const int32_t pos = send_pos[t * R + d];
-      if (pos < 0) continue;
-      rows[n++] = d == me ? p.expert_out + (st.recv_offset[me] + pos) * H : back + (d * l.capacity + pos) * H;
-    }
-    uint16_t* out = p.out + t * H;
-    if (p.io_aligned16) {
-      for (int64_t i = lane; i < H / 8; i += 32) {
-        float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-        for (int j = 0; j < n; ++j) {
-          const uint4 v = reinterpret_cast<const uint4*>(rows[j])[i];
-          const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+/// out[t] = round_bf16(sum over destinations d in rank order that token t went to of partial_d), fp32
+/// from 0.0f (DedupCpu::finalize); `rows` in destination-rank order.
+__device__ __forceinline__ void reduce_token(const uint16_t* const* rows, int n, uint16_t* out, int64_t H, bool aligned, int lane) {
+  if (aligned) {
+    const int64_t n16 = H / 8;
+    constexpr int U = 4;
+    for (int64_t base = 0; base < n16; base += 32 * U) {
+      float acc[U][8];
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+#pragma unroll
+        for (int q = 0; q < 8; ++q) acc[u][q] = 0.0f;
+      for (int j = 0; j < n; ++j) {
+        uint4 v[U];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+          const int64_t i = base + u * 32 + lane;
+          if (i < n16) v[u] = reinterpret_cast<const uint4*>(rows[j])[i];
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+          const uint32_t w[4] = {v[u].x, v[u].y, v[u].z, v[u].w};
 #pragma unroll
           for (int q = 0; q < 4; ++q) {
-            acc[2 * q] += lo_f(w[q]);
-            acc[2 * q + 1] += hi_f(w[q]);
+            acc[u][2 * q] += lo_f(w[q]);
+            acc[u][2 * q + 1] += hi_f(w[q]);
           }
         }
+      }
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int64_t i = base + u * 32 + lane;
+        if (i >= n16) continue;
         uint32_t o[4];
 #pragma unroll
         for (int q = 0; q < 4; ++q)
-          o[q] = static_cast<uint32_t>(float_to_bf16_bits(acc[2 * q])) | (static_cast<uint32_t>(float_to_bf16_bits(acc[2 * q + 1])) << 16);
+          o[q] = static_cast<uint32_t>(float_to_bf16_bits(acc[u][2 * q])) |
+                 (static_cast<uint32_t>(float_to_bf16_bits(acc[u][2 * q + 1])) << 16);
         reinterpret_cast<uint4*>(out)[i] = make_uint4(o[0], o[1], o[2], o[3]);
       }
-    } else {
-      for (int64_t i = lane; i < H; i += 32) {
-        float acc = 0.0f;
-        for (int j = 0; j < n; ++j) acc += bf16_bits_to_float(rows[j][i]);
-        out[i] = float_to_bf16_bits(acc);
+    }
+  } else {
+    for (int64_t i = lane; i < H; i += 32) {
+      float acc = 0.0f;
+      for (int j = 0; j < n; ++j) acc += bf16_bits_to_float(rows[j][i]);
+      out[i] = float_to_bf16_bits(acc);
+    }
+  }
+}
+
+/// Warp-specialised combine. Sender warps (even global warp ids): chunks of kHtChunkRows received rows
+/// from a remote source s -> s's `back` block, then one release of that chunk's flag in s's buffer.
+/// Reducer warps (odd ids; a lone warp does both, sends first): contiguous token ranges in order; a
+/// remote partial's chunk flag is polled once per chunk (ld.acquire.sys, bounded), then the token is
+/// reduced. Senders never wait, so no warp waits on work of its own GPU: no co-residency assumption.
+/// The last CTA (ticket) advances the combine epoch.
+__global__ void combine_kernel(HtParams p) {
+  HtState& st = state_of(p);
+  if (st.failed || st.any_bad) return;
+  const HtLayout& l = p.l;
+  const int R = l.num_ranks, me = l.rank;
+  const int64_t H = l.hidden, C = l.chunks();
+  const uint64_t epoch = st.epoch_combine + 1;
+  const int lane = threadIdx.x & 31;
+  const int64_t W = static_cast<int64_t>(gridDim.x) * (blockDim.x >> 5);
+  const int64_t gw = blockIdx.x * static_cast<int64_t>(blockDim.x >> 5) + (threadIdx.x >> 5);
+  if (threadIdx.x == 0) atomicMin(&st.timeline[kTlCombineStart], globaltimer_ns());
+  const bool both = W == 1;
+  const bool is_sender = both || gw % 2 == 0, is_reducer = both || gw % 2 == 1;
+  const int64_t num_senders = both ? 1 : (W + 1) / 2, num_reducers = both ? 1 : W / 2;
+  const int64_t my_index = both ? 0 : gw / 2;
+
+  if (is_sender) {
+    // Work items: (source s != me, chunk c) in source order.
+    int64_t item = 0;
+    for (int s = 0; s < R; ++s) {
+      if (s == me) continue;
+      const int64_t count = st.recv_offset[s + 1] - st.recv_offset[s];
+      const int64_t chunks = (count + kHtChunkRows - 1) / kHtChunkRows;
+      for (int64_t c = 0; c < chunks; ++c, ++item) {
+        if (item % num_senders != my_index) continue;
+        const int64_t j_end = min(count, (c + 1) * kHtChunkRows);
+        for (int64_t j = c * kHtChunkRows; j < j_end; ++j) {
+          uint16_t* dst = reinterpret_cast<uint16_t*>(p.peers[s] + l.off_back) + (me * l.capacity + j) * H;
+          copy_row_bf16(dst, p.expert_out + (st.recv_offset[s] + j) * H, H, p.io_aligned16, lane);
+        }
+        __syncwarp();
+        if (lane == 0) {
+          __threadfence_system();
+          st_release_sys(reinterpret_cast<uint64_t*>(p.peers[s] + l.off_chunk_flags) + me * C + c, epoch);
+        }
       }
+    }
+    if (lane == 0) atomicMax(&st.timeline[kTlCombineSent], globaltimer_ns());
+  }
+
+  if (is_reducer) {
+    const int64_t T = p.num_tokens;
+    const int64_t per = (T + num_reducers - 1) / num_reducers;
+    const int64_t t_begin = my_index * per, t_end = min(T, t_begin + per);
+    const int32_t* send_pos = arr<int32_t>(p, p.a.send_pos);
+    const uint16_t* back = reinterpret_cast<const uint16_t*>(p.peers[me] + l.off_back);
+    const uint64_t* chunk_flags = reinterpret_cast<const uint64_t*>(p.peers[me] + l.off_chunk_flags);
+    const uint64_t deadline = globaltimer_ns() + p.timeout_ns;
+    int64_t ready[kHtMaxRanks];
+    for (int d = 0; d < R; ++d) ready[d] = -1;
+    bool timed_out = false;
+    for (int64_t t = t_begin; t < t_end && !timed_out; ++t) {
+      const uint16_t* rows[kHtMaxRanks];
+      int n = 0;
+      for (int d = 0; d < R; ++d) {
+        const int32_t pos = send_pos[t * R + d];
+        if (pos < 0) continue;
+        if (d == me) {
+          rows[n++] = p.expert_out + (st.recv_offset[me] + pos) * H;
+          continue;
+        }
+        const int64_t c = pos / kHtChunkRows;
+        if (c != ready[d]) {
+          int ok = 1;
+          if (lane == 0) {
+            const uint64_t* flag = chunk_flags + d * C + c;
+            while (ld_acquire_sys(flag) < epoch) {
+              if (globaltimer_ns() > deadline) {
+                ok = 0;
+                break;
+              }
+            }
+          }
+          ok = __shfl_sync(0xffffffffu, ok, 0);
+          __syncwarp();
+          if (!ok) {
+            if (lane == 0) {
+              report_timeout(p, d, kOpCombine);
+              st.failed = 1;
+            }
+            timed_out = true;
+            break;
+          }
+          ready[d] = c;
+        }
+        rows[n++] = back + (d * l.capacity + pos) * H;
+      }
+      if (!timed_out) reduce_token(rows, n, p.out + t * H, H, p.io_aligned16, lane);
+    }
+  }
+
+  __shared__ int s_last;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    atomicMax(&st.timeline[kTlCombineEnd], globaltimer_ns());
+    __threadfence();
+    s_last = atomicAdd(&st.ticket_combine, 1u) == gridDim.x - 1;
+    if (s_last) {
+      st.ticket_combine = 0;
+      st.epoch_combine = epoch;
     }
   }
 }
