@@ -56,8 +56,8 @@ HtCuda::HtCuda(std::shared_ptr<Group> group, const DispatchConfig& cfg)
   EPX_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, group_->device().index));
   require_arg(op, "ht_num_sms", config.ht_num_sms, config.ht_num_sms >= 1 && config.ht_num_sms <= sms,
               "must be in [1, SMs of " + group_->device().str() + " = " + std::to_string(sms) + "] (Config / EPX_HT_NUM_SMS)");
-  require_arg(op, "ht_warps_per_block", config.ht_warps_per_block, config.ht_warps_per_block >= 1 && config.ht_warps_per_block <= 32,
-              "must be in [1, 32] (Config / EPX_HT_WARPS_PER_BLOCK)");
+  require_arg(op, "ht_warps_per_block", config.ht_warps_per_block, config.ht_warps_per_block >= 1 && config.ht_warps_per_block <= 16,
+              "must be in [1, 16] for ht on CUDA (512-thread CTAs keep 128 registers per thread; Config / EPX_HT_WARPS_PER_BLOCK)");
   num_sms_ = config.ht_num_sms;
   warps_ = config.ht_warps_per_block;
 

@@ -27,6 +27,9 @@
 namespace epx::dispatch::ht {
 
 constexpr int kLayoutThreads = 1024;
+/// Dispatch/combine CTAs: at most 16 warps (ht_warps_per_block <= 16), so up to 128 registers per thread
+/// stay available for the bytes a warp keeps in flight (a 1024-thread CTA would cap them at 64 and spill).
+constexpr int kMaxThreads = 512;
 constexpr float kAmaxFloor = 1e-4f;  // quant_cpu.cpp
 
 enum Op : int32_t { kOpLayout = 0, kOpDispatch = 1, kOpCombine = 2 };
@@ -458,7 +461,7 @@ __device__ __forceinline__ void finish_and_handshake(const HtParams& p, uint32_t
   if (threadIdx.x == 0) state_of(p).timeline[kTlDispatchEnd] = globaltimer_ns();
 }
 
-__global__ void dispatch_kernel(HtParams p) {
+__global__ void __launch_bounds__(kMaxThreads) dispatch_kernel(HtParams p) {
   const HtState& st = state_of(p);
   if (st.failed || st.any_bad) {
     // Worst-case mode still gets a well-formed empty result (N_recv = 0 was published).
@@ -580,7 +583,7 @@ __device__ __forceinline__ void reduce_token(const uint16_t* const* rows, int n,
 /// remote partial's chunk flag is polled once per chunk (ld.acquire.sys, bounded), then the token is
 /// reduced. Senders never wait, so no warp waits on work of its own GPU: no co-residency assumption.
 /// The last CTA (ticket) advances the combine epoch.
-__global__ void combine_kernel(HtParams p) {
+__global__ void __launch_bounds__(kMaxThreads) combine_kernel(HtParams p) {
   HtState& st = state_of(p);
   if (st.failed || st.any_bad) return;
   const HtLayout& l = p.l;
