@@ -19,7 +19,7 @@ struct Config {
   // ---- parameters that affect performance (launch shapes; defaults chosen by measurement) ----
   int ll_warps_per_block = 32;       ///< warps per block of LL kernels; multiple of 4
   int ll_num_blocks = 0;             ///< blocks of LL kernels; 0 = one per SM
-  int ht_num_sms = 24;               ///< SM budget of HT kernels
+  int ht_num_sms = 48;               ///< SM budget of HT kernels (48: measured, bench/NOTES.md "HT kernels")
   int ht_warps_per_block = 16;       ///< warps per block of HT kernels
   int moe_chunk_size = 0;            ///< DP chunk: at most this many tokens per MoE call per rank; 0 = no chunking
   int fhmoe_max_tokens = 256;        ///< capability gate: fuse the shared expert when M <= this

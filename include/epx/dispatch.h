@@ -18,7 +18,9 @@
 // allgather_reducescatter and all2allv on tensors of its GPU, stream-ordered on DispatchArgs::stream /
 // FinalizeArgs::stream, with the same layouts, bytes and stats as the CPU; each prepare and finalize
 // waits on the host once (the sizes of the collectives that follow depend on every rank's counts),
-// so they are not graph-safe. ll and ht on CUDA come later (Unsupported until then).
+// so they are not graph-safe. ht on CUDA (src/dispatch/ht_cuda.h) moves rows with its own kernels over
+// NCCL symmetric memory: one host read of N_recv per prepare, none with use_worst_case_sizing
+// (graph-safe). ll on CUDA comes later (Unsupported until then).
 //
 // Expert placement: global expert e lives on rank expert_rank(e); E experts are split into R
 // contiguous ranges whose sizes differ by at most one (the first E % R ranks hold one more).

@@ -30,7 +30,7 @@ void for_each_field(C& c, Visit&& v) {
   v(Field{"ll.warps_per_block", "EPX_LL_WARPS_PER_BLOCK", "warps", "warps per block of LL kernels; multiple of 4, 4..32"}, c.ll_warps_per_block);
   v(Field{"ll.num_blocks", "EPX_LL_NUM_BLOCKS", "blocks", "blocks of LL kernels; 0 = one per SM"}, c.ll_num_blocks);
   v(Field{"ht.num_sms", "EPX_HT_NUM_SMS", "SMs", "SM budget of HT kernels; 1..132"}, c.ht_num_sms);
-  v(Field{"ht.warps_per_block", "EPX_HT_WARPS_PER_BLOCK", "warps", "warps per block of HT kernels; 1..32"}, c.ht_warps_per_block);
+  v(Field{"ht.warps_per_block", "EPX_HT_WARPS_PER_BLOCK", "warps", "warps per block of HT kernels; 1..32 (ht on CUDA: 1..16)"}, c.ht_warps_per_block);
   v(Field{"moe.chunk_size", "EPX_MOE_CHUNK_SIZE", "tokens", "DP chunk: max tokens per MoE call per rank; 0 = unchunked"}, c.moe_chunk_size);
   v(Field{"fhmoe.max_tokens", "EPX_FHMOE_MAX_TOKENS", "tokens", "fuse the shared expert when M <= this (capability gate)"}, c.fhmoe_max_tokens);
 }

@@ -16,15 +16,25 @@
 //             expert or -1, topk_weights [R*cap, K] fp32, src_idx [R*cap] int32: the dispatch output
 //             itself (sources store straight into their final rows; no unpack pass)
 //   back      [R*cap, H] bf16: partial rows returned by destination d, block d at rows [d*cap, ...)
-// Three kernels per prepare/finalize pair step: (1) layout: one CTA scans the routing (skipped when
-// topk_idx equals the cached layout's), publishes the counts to every peer, waits for every peer's,
-// and derives the rank prefix matrix, each source's block in each destination, N_recv and the
-// per-expert counts: no host collective; (2) dispatch: ht_num_sms CTAs of ht_warps_per_block warps,
-// one warp per token, 16-byte peer stores of its row into every destination it goes to (local rows
-// are local stores), then the last CTA publishes "rows stored" and waits for every peer's;
-// (3) combine: the same CTAs store each received row's partial into its source's `back` block, then a
-// local reduce kernel sums them per token (the rows this rank processed itself are read in place).
+// Three kernels: (1) layout (prepare): one CTA scans the routing (the scan is skipped when topk_idx
+// equals the cached layout's: DeepEP's cached handle), publishes the counts to every peer, waits for
+// every peer's, and derives the rank prefix matrix, each source's block in each destination, N_recv and
+// the aligned per-expert counts: no host collective; (2) dispatch (prepare): ht_num_sms CTAs of
+// ht_warps_per_block warps, one warp per token, 16-byte peer stores of its row (fp8: quantized on the
+// fly) into every destination it goes to (local rows are local stores), then the last CTA publishes
+// "rows stored" and waits for every peer's; (3) combine (finalize): the same CTAs, warp-specialised:
+// sender warps store received rows' partials into their sources' `back` blocks and release one flag
+// per kHtChunkRows rows; reducer warps sum each token's partials in destination-rank order as the
+// chunks arrive (the rows this rank processed itself are read in place from expert_out).
 // Epochs are monotonic counters in device memory, so no flag is ever reset and graph replays work.
+//
+// Worst-case mode (DispatchConfig::use_worst_case_sizing) for CUDA graphs: prepare and finalize do
+// no host sync and no allocation; PrepareResult views have R * num_max_dispatch_tokens_per_rank rows,
+// N_recv is PrepareResult::num_recv_tokens_device ([1] int32, read it after the stream, or let the
+// experts skip rows whose topk_idx is -1 everywhere), finalize takes expert_out with that many rows.
+// Combine semantics = HtCpu: out[t] = sum of the destinations' partial rows (the experts applied
+// topk_weights); a separately weighted combine is not offered (issue 5, see bench/NOTES.md).
+// Measured speeds and the SM sweep: bench/NOTES.md "HT kernels".
 //
 // Every device wait is bounded by the group's timeout_s (%globaltimer); a wait that expires writes
 // {timeout, peer, op} to host-mapped memory and the kernel returns (no trap); the host throws
