@@ -126,6 +126,10 @@ PrepareResult HtCuda::prepare(const DispatchArgs& args) {
   throw_sticky_error(op);
   cuda::DeviceGuard guard(group_->device().index);
   LocalError err = check_args(args);
+  if (err.kind == LocalError::none && args.num_tokens.defined())
+    err = {LocalError::invalid_argument,
+           arg_message(op, "num_tokens", args.num_tokens.describe(),
+                       "must be empty for ht on CUDA: T is x.shape[0] (capture one graph per T; a device token count is not read yet)")};
   HtParams p;
   p.l = layout_;
   p.a = arrays_;
