@@ -1,5 +1,6 @@
 // epx/epx.h: the whole public surface.
 #pragma once
+#include "epx/checkpoint.h"
 #include "epx/config.h"
 #include "epx/dispatch.h"
 #include "epx/dtype.h"

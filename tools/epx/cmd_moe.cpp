@@ -6,6 +6,7 @@
 #include "commands.h"
 #include "epx/dispatch.h"
 #include "epx/error.h"
+#include "moe_checkpoint.h"
 #include "moe_cuda_run.h"
 #include "moe_report.h"
 
@@ -91,6 +92,7 @@ void add_moe_command(CLI::App& root, MoeCommand& cmd) {
       ->capture_default_str();
   // Fault injection for the launcher's dead-rank test: rank N kills itself after its first step.
   m->add_option("--debug-kill-rank", o.debug_kill_rank)->group("");
+  add_checkpoint_flags(*m, o);  // --checkpoint, --layer, --hidden
   m->add_option("--json", o.json, "Write the results as a RESULTS.md JSON file here");
   m->add_option("--config", o.config, "Config JSON file (default < this file < EPX_* env); see `epx info`");
   m->footer(
@@ -109,7 +111,8 @@ void add_moe_command(CLI::App& root, MoeCommand& cmd) {
       "  epx moe --preset qwen3-30b-a3b-mini --ranks 8 --backend ll --routing zipf --zipf-s 1.2 --dispatch-dtype fp8\n"
       "  epx moe --device cuda --ranks 2 --preset deepseek-v3 --backend naive --steps 3\n"
       "  epx moe --device cuda --ranks 2 --preset deepseek-v3 --mode decode --compare --backend all --steps 20\n"
-      "  epx trace import routing.jsonl --ranks 4 -o t.json && epx moe --preset qwen1.5-moe-a2.7b --trace t.json");
+      "  epx trace import routing.jsonl --ranks 4 -o t.json && epx moe --preset qwen1.5-moe-a2.7b --trace t.json\n"
+      "  epx moe --checkpoint /models/Qwen3-30B-A3B --layer 5 --ranks 4 --backend ll --hidden h.npy");
 }
 
 int run_moe(MoeCommand& cmd, const std::string& command) {
@@ -118,6 +121,7 @@ int run_moe(MoeCommand& cmd, const std::string& command) {
   o.tokens_given = cmd.tokens->count() > 0;
   o.steps_given = cmd.steps->count() > 0;
   o.routing_given = cmd.routing->count() > 0;
+  finish_checkpoint_options(o, *cmd.app);
   const std::string device = resolve_device(o.device);
   const Config config = o.config.empty() ? Config::load() : Config::load(o.config);
   const std::vector<std::string> backends = o.backend == "all" ? backend_names() : std::vector<std::string>{o.backend};

@@ -17,6 +17,7 @@
 #include "epx/group.h"
 #include "epx/routing.h"
 #include "epx/trace.h"
+#include "moe_checkpoint.h"
 #include "moe_report.h"
 
 #ifdef EPX_WITH_CUDA
@@ -113,7 +114,7 @@ std::vector<std::vector<Tensor>> subset_references(const Workload& w, const MoeO
   for (int e = 0; e < E; ++e)
     if (touched[static_cast<size_t>(e)]) ids.push_back(e);
   const auto t0 = std::chrono::steady_clock::now();
-  ref->add_random_experts(o.seed, ids);
+  add_workload_experts(o, *ref, ids);  // from the seed, or the --checkpoint
   // Dequantized fp32 copies, built in parallel (moe_reference_cpu would build them one by one).
   std::vector<const ExpertWeights*> need;
   for (int e : ids) need.push_back(ref->experts[static_cast<size_t>(e)].get());
@@ -333,7 +334,7 @@ int moe_rank(const MoeOptions& options, const Config& config, const std::vector<
   cuda_ok(cudaSetDevice(r), "cudaSetDevice");
   auto group = make_nccl_group(env.rendezvous_path, r, R, r, config.timeout_s);
   // This rank's experts only (full-size presets hold 10^10 weights over all experts).
-  const MoEConfig model = preset(options.preset);
+  const MoEConfig model = workload_model(options);
   const ExpertRange range = expert_range(model.router.num_experts, R, r);
   MoeOptions o = options;
   o.expert_begin = range.begin;

@@ -1,6 +1,8 @@
 // tools/epx/moe_run.cpp: workload construction, one backend's run over R CPU ranks, validation.
 #include "moe_run.h"
 
+#include "moe_checkpoint.h"
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -212,7 +214,7 @@ Workload build_workload(const MoeOptions& options, const Config& config) {
   w.mode = o.mode;
   w.use_graph = o.mode == "decode" && o.graph;
   w.compare = o.compare;
-  w.model = preset(o.preset);
+  w.model = workload_model(o);  // the preset, or the --checkpoint layer
   w.config = config;
   const int K = w.model.router.top_k, E = w.model.router.num_experts;
   const int64_t H = w.model.hidden;
@@ -267,13 +269,15 @@ Workload build_workload(const MoeOptions& options, const Config& config) {
     std::vector<int> perm(E);
     for (int e = 0; e < E; ++e) perm[e] = e;
     std::shuffle(perm.begin(), perm.end(), std::mt19937_64(stream_seed(o.seed, 2, 0, 0)));
+    const std::vector<Tensor> hidden = workload_hidden(o, H, o.ranks);  // --hidden FILE, else empty
     for (int s = 0; s < o.steps; ++s) {
       StepInput st;
       for (int r = 0; r < o.ranks; ++r) {
-        st.x.push_back(random_hidden(o.tokens_per_rank, H, stream_seed(o.seed, 1, s, r)));
+        const int64_t T = hidden.empty() ? o.tokens_per_rank : hidden[r].size(0);
+        st.x.push_back(hidden.empty() ? random_hidden(T, H, stream_seed(o.seed, 1, s, r)) : hidden[r]);
         if (w.use_router) continue;
         Tensor idx, wts;
-        synthetic_routing(o.tokens_per_rank, K, E, o.routing == "zipf" ? o.zipf_s : 0.0, perm, stream_seed(o.seed, 3, s, r), idx, wts);
+        synthetic_routing(T, K, E, o.routing == "zipf" ? o.zipf_s : 0.0, perm, stream_seed(o.seed, 3, s, r), idx, wts);
         st.topk_idx.push_back(idx);
         st.topk_weights.push_back(wts);
       }
@@ -284,7 +288,7 @@ Workload build_workload(const MoeOptions& options, const Config& config) {
     for (const Tensor& x : st.x) w.max_tokens_per_rank = std::max(w.max_tokens_per_rank, x.size(0));
   w.chunk_size = o.chunk_size > 0 ? o.chunk_size : config.moe_chunk_size;
   w.capacity = w.chunk_size > 0 ? w.chunk_size : std::max<int64_t>(1, w.max_tokens_per_rank);
-  w.weights = MoEWeights::random(w.model, o.seed, o.expert_begin, o.expert_end);
+  w.weights = workload_weights(o, w.model);  // random, or the --checkpoint experts [expert_begin, expert_end)
   return w;
 }
 

@@ -45,6 +45,11 @@ struct MoeOptions {
   std::string mode;
   bool compare = false;  ///< A/B: every chosen backend x shared expert fused and separate, delta table
   bool graph = true;     ///< decode: replay a captured graph where possible (--no-graph: eager)
+  // --checkpoint DIR --layer N [--hidden FILE] (moe_checkpoint.h): the layer and its weights from a
+  // checkpoint instead of the preset, hidden states from a file.
+  std::string checkpoint;
+  int layer = -1;
+  std::string hidden;
 };
 
 /// tokens per rank of --mode decode / prefill when --tokens-per-rank is not given.
