@@ -663,6 +663,7 @@ void ModularMoE::replay_graph(Stream stream) {
   }
 #else
   (void)stream;
+  (void)m;  // CPU-only build: nothing to replay (has_graph() is false there)
 #endif
 }
 
