@@ -171,10 +171,12 @@ struct MoELayerLoadOptions {
   std::vector<int> expert_ids;
   bool load_router = true;          ///< router_weight, correction_bias
   bool load_shared = true;          ///< the shared expert (+ gate) when the model has one
-  /// DP shard of the shared expert along its intermediate dimension: shard s of n keeps rows
-  /// [i0, i1) of gate and up and columns [i0, i1) of down, where [i0, i1) is part s of the width
-  /// split in units of the format's block (fp8_block 128, mxfp4 32, bf16 8) as evenly as possible
-  /// (expert_range over the units). The shards' outputs sum to the whole expert's (before rounding).
+  /// DP shard of the shared expert along its intermediate dimension: shard s of n is
+  /// ExpertWeights::slice_intermediate(i0, i1) (rows [i0, i1) of gate and up, columns [i0, i1) of
+  /// down), [i0, i1) being part s of the width in whole blocks of intermediate_granularity(format)
+  /// (fp8_block 128, mxfp4 32, bf16 8) split by expert_range: the same slice ModularMoE's
+  /// DP-sharded shared expert gives rank s of n (ModularMoE itself takes the whole expert and
+  /// slices it). The shards' outputs sum to the whole expert's (before rounding).
   int shared_shard = 0;
   int num_shared_shards = 1;
 };

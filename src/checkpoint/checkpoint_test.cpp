@@ -233,6 +233,12 @@ TEST(Checkpoint, SharedExpertShardsSliceTheIntermediateDimension) {
       const auto got = load_moe_layer(*ck, {.layer = 0, .expert_end = 0, .shared_shard = s, .num_shared_shards = c.shards});
       const ExpertWeights& sh = *got.weights->shared;
       const int64_t i0 = covered, w_s = sh.intermediate;
+      {  // exactly the slice ModularMoE's DP-sharded shared expert gives rank s of `shards`
+        const int64_t g = intermediate_granularity(sh.format);
+        const ExpertRange part = expert_range(static_cast<int>((S + g - 1) / g), c.shards, s);
+        EXPECT_EQ(i0, part.begin * g);
+        expect_same_expert(sh, *w->shared->slice_intermediate(part.begin * g, std::min<int64_t>(part.end * g, S)), "shard");
+      }
       EXPECT_EQ(got.weights->config.shared_intermediate, w_s);
       const float* a = sh.w13_f32();
       const float* b = sh.w2_f32();

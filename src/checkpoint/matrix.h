@@ -1,6 +1,5 @@
 // src/checkpoint/matrix.h: one weight matrix [rows, cols] in an ExpertWeights storage format
-// (weights + block scales), and the row/column slicing and stacking the loader and the writer
-// share. Layouts (include/epx/experts.h):
+// (weights + block scales), and the row slicing and stacking the loader and the writer share. Layouts (include/epx/experts.h):
 //   bf16      : w bf16 [rows, cols];            scale undefined
 //   fp8_block : w fp8_e4m3 [rows, cols];        scale fp32 [rows/128, cols/128]
 //   mxfp4     : w fp4_e2m1x2 [rows, cols/2];    scale e8m0 [rows, cols/32]
@@ -20,12 +19,6 @@ constexpr int64_t kMxBlock = 32;
 struct Matrix {
   Tensor w, scale;
 };
-
-/// Unit of a row or column cut that keeps whole scale blocks: 128 (fp8), 32 (mxfp4 columns), 1.
-inline int64_t row_unit(WeightFormat f) { return f == WeightFormat::fp8_block ? kFp8Block : 1; }
-inline int64_t col_unit(WeightFormat f) {
-  return f == WeightFormat::fp8_block ? kFp8Block : f == WeightFormat::mxfp4 ? kMxBlock : 1;
-}
 
 /// Rows [r0, r1) and byte columns [c0, c1) of a contiguous 2-D tensor, as a new tensor.
 inline Tensor slice2d(const Tensor& t, int64_t r0, int64_t r1, int64_t c0, int64_t c1) {
@@ -49,25 +42,12 @@ inline Tensor stack_rows(const Tensor& a, const Tensor& b) {
   return out;
 }
 
-/// Logical rows [r0, r1) (r0, r1 multiples of row_unit).
+/// Logical rows [r0, r1) (multiples of 128 for fp8_block: whole scale rows).
 inline Matrix rows_of(const Matrix& m, WeightFormat f, int64_t r0, int64_t r1) {
   Matrix out;
   out.w = slice2d(m.w, r0, r1, 0, m.w.size(1));
   if (f == WeightFormat::fp8_block) out.scale = slice2d(m.scale, r0 / kFp8Block, r1 / kFp8Block, 0, m.scale.size(1));
   if (f == WeightFormat::mxfp4) out.scale = slice2d(m.scale, r0, r1, 0, m.scale.size(1));
-  return out;
-}
-
-/// Logical columns [c0, c1) (multiples of col_unit).
-inline Matrix cols_of(const Matrix& m, WeightFormat f, int64_t c0, int64_t c1) {
-  Matrix out;
-  if (f == WeightFormat::mxfp4) {
-    out.w = slice2d(m.w, 0, m.w.size(0), c0 / 2, c1 / 2);
-    out.scale = slice2d(m.scale, 0, m.scale.size(0), c0 / kMxBlock, c1 / kMxBlock);
-  } else {
-    out.w = slice2d(m.w, 0, m.w.size(0), c0, c1);
-    if (f == WeightFormat::fp8_block) out.scale = slice2d(m.scale, 0, m.scale.size(0), c0 / kFp8Block, c1 / kFp8Block);
-  }
   return out;
 }
 

@@ -523,24 +523,21 @@ MoELayerCheckpoint load_moe_layer(const Checkpoint& ck, const MoELayerLoadOption
   if (o.load_shared && m.num_shared_experts > 0) {
     const WeightFormat f = m.shared_format;
     const int64_t S = m.shared_intermediate;
-    const int64_t unit = f == WeightFormat::fp8_block ? ckpt::kFp8Block : f == WeightFormat::mxfp4 ? ckpt::kMxBlock : (S % 8 == 0 ? 8 : 1);
-    const int64_t num_units = S / unit;
-    require_arg(kOp, "num_shared_shards", o.num_shared_shards, o.num_shared_shards >= 1 && o.num_shared_shards <= num_units,
-                "must be in [1, " + std::to_string(num_units) + "] (shared width " + std::to_string(S) + " in units of " + std::to_string(unit) + ")");
+    // The split ModularMoE's DP-sharded shared expert uses: whole blocks of the format, the first
+    // blocks % n shards one block more, the last block possibly partial (bf16 only).
+    const int64_t g = intermediate_granularity(f), num_blocks = (S + g - 1) / g;
+    require_arg(kOp, "num_shared_shards", o.num_shared_shards, o.num_shared_shards >= 1 && o.num_shared_shards <= num_blocks,
+                "must be in [1, " + std::to_string(num_blocks) + "] (shared width " + std::to_string(S) + " in blocks of " + std::to_string(g) + ")");
     require_arg(kOp, "shared_shard", o.shared_shard, o.shared_shard >= 0 && o.shared_shard < o.num_shared_shards,
                 "must be in [0, num_shared_shards = " + std::to_string(o.num_shared_shards) + ")");
-    const ExpertRange part = expert_range(static_cast<int>(num_units), o.num_shared_shards, o.shared_shard);
-    const int64_t i0 = part.begin * unit, i1 = part.end * unit;
+    const ExpertRange part = expert_range(static_cast<int>(num_blocks), o.num_shared_shards, o.shared_shard);
+    const int64_t i0 = part.begin * g, i1 = std::min<int64_t>(part.end * g, S);
     const std::string why = "shared width " + std::to_string(S) + " of config.json";
-    Matrix gate = load_matrix(r, n.shared(Proj::gate), f, S, H, "[shared intermediate, hidden_size], " + why, &converted);
-    Matrix up = load_matrix(r, n.shared(Proj::up), f, S, H, "[shared intermediate, hidden_size], " + why, &converted);
-    Matrix down = load_matrix(r, n.shared(Proj::down), f, H, S, "[hidden_size, shared intermediate], " + why, &converted);
-    if (i0 != 0 || i1 != S) {
-      gate = ckpt::rows_of(gate, f, i0, i1);
-      up = ckpt::rows_of(up, f, i0, i1);
-      down = ckpt::cols_of(down, f, i0, i1);
-    }
-    w->shared = make_expert(f, H, i1 - i0, ckpt::stack(gate, up, f), down);
+    const Matrix gate = load_matrix(r, n.shared(Proj::gate), f, S, H, "[shared intermediate, hidden_size], " + why, &converted);
+    const Matrix up = load_matrix(r, n.shared(Proj::up), f, S, H, "[shared intermediate, hidden_size], " + why, &converted);
+    const Matrix down = load_matrix(r, n.shared(Proj::down), f, H, S, "[hidden_size, shared intermediate], " + why, &converted);
+    w->shared = make_expert(f, H, S, ckpt::stack(gate, up, f), down);
+    if (i0 != 0 || i1 != S) w->shared = w->shared->slice_intermediate(i0, i1);
     w->config.shared_intermediate = i1 - i0;
     if (m.shared_gate) {
       const Tensor g = read_f32(r, n.shared_gate(), {1, H}, "[1, hidden_size]: Qwen2-MoE shared_expert_gate");
