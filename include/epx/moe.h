@@ -145,7 +145,9 @@ class ModularMoE {
   ///   x [T_max, H] bf16, out [T_max, H] bf16, topk_idx [T_max, K] int32/int64 and
   ///   topk_weights [T_max, K] fp32 (or both empty: the layer's router), all on the group's GPU;
   ///   num_tokens [1] int32 on the GPU: the valid rows of this step (0 <= n <= T_max), read by the
-  ///   backend on the device (DispatchArgs::num_tokens); rows >= n of out are undefined.
+  ///   backend on the device (DispatchArgs::num_tokens); rows >= n of out are undefined. Empty:
+  ///   every replay takes all T_max rows (for graph-safe backends that take no device count, such
+  ///   as ht with DispatchConfig::use_worst_case_sizing).
   /// Every rank passes the same T_max (checked); the DP metadata is static (T_max per rank, one
   /// chunk), so replays need no host collective and ranks may have different n. Runs the layer once
   /// eagerly first (workspaces of the experts and the backend grow on first use, and growing is not

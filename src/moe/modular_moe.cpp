@@ -613,9 +613,11 @@ void ModularMoE::capture_graph(const TensorView& x, const TensorView& topk_idx, 
   const bool routed = topk_idx.defined();
   if (routed) check_routing_on(m.device, op, topk_idx, topk_weights, T_max, m.num_experts);
   if (routed) require_arg(op, "topk_idx.shape[1]", topk_idx.shape[1], topk_idx.shape[1] == m.top_k, "must equal top_k = " + std::to_string(m.top_k));
-  check_device(op, "num_tokens", num_tokens, m.device);
-  check_dtype(op, "num_tokens", num_tokens, {DType::int32});
-  check_shape(op, "num_tokens", num_tokens, {1});
+  if (num_tokens.defined()) {
+    check_device(op, "num_tokens", num_tokens, m.device);
+    check_dtype(op, "num_tokens", num_tokens, {DType::int32});
+    check_shape(op, "num_tokens", num_tokens, {1});
+  }
   require_arg(op, "stream", "the legacy default stream", stream.handle != nullptr, "must be a created stream (it is captured)");
   require_arg(op, "graph", "already captured", !has_graph(), "capture once per layer");
   m.group->check_agreement(op, {{"max_tokens", T_max}, {"routed", routed}});
