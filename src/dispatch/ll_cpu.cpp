@@ -75,11 +75,11 @@ PrepareResult LlCpu::prepare(const DispatchArgs& args) {
       if (d != rank_) stats_.remote_bytes_dispatch += msg;
     }
   }
-  // The count, then the signal (one "send block" on the CPU): the CUDA kernels' protocol.
+  // The count, then the flag of the one "send block" of the CPU (the CUDA kernels' protocol).
   for (int d = 0; d < num_ranks_; ++d) {
     void* peer = buffer_.peers[static_cast<size_t>(d)];
     *signal(peer, lay.dispatch_count_offset(parity, rank_)) = static_cast<uint64_t>(num_sent[static_cast<size_t>(d)]);
-    *signal(peer, lay.dispatch_signal_offset(rank_)) += 1;
+    *signal(peer, lay.dispatch_flag_offset(rank_, 0)) = dispatch_calls_ + 1;
   }
   group_->barrier();
   ++dispatch_calls_;
@@ -91,8 +91,8 @@ PrepareResult LlCpu::prepare(const DispatchArgs& args) {
   int64_t* range = handle_.layout_range.ptr<int64_t>();
   std::vector<int32_t> ids(static_cast<size_t>(K));
   for (int s = 0; s < num_ranks_; ++s) {
-    EPX_ASSERT(*signal(buffer_.local, lay.dispatch_signal_offset(s)) == dispatch_calls_, "ll.prepare: dispatch_signal from rank ", s,
-               " = ", *signal(buffer_.local, lay.dispatch_signal_offset(s)), " after ", dispatch_calls_, " calls");
+    EPX_ASSERT(*signal(buffer_.local, lay.dispatch_flag_offset(s, 0)) == dispatch_calls_, "ll.prepare: dispatch_flag from rank ", s,
+               " = ", *signal(buffer_.local, lay.dispatch_flag_offset(s, 0)), " after ", dispatch_calls_, " calls");
     const int64_t n = static_cast<int64_t>(*signal(buffer_.local, lay.dispatch_count_offset(parity, s)));
     EPX_ASSERT(n >= 0 && n <= lay.max_tokens, "ll.prepare: dispatch_count from rank ", s, " = ", n);
     std::vector<int32_t> begin(counts, counts + num_local_);
@@ -149,7 +149,7 @@ void LlCpu::finalize(const FinalizeArgs& args) {
       std::memcpy(at(buffer_.peers[static_cast<size_t>(s)], lay.combine_row_offset(parity, t, k)), y + row * H, static_cast<size_t>(2 * H));
       if (s != rank_) stats_.remote_bytes_combine += 2 * H;
     }
-  for (int d = 0; d < num_ranks_; ++d) *signal(buffer_.peers[static_cast<size_t>(d)], lay.combine_signal_offset(rank_)) += 1;
+  for (int d = 0; d < num_ranks_; ++d) *signal(buffer_.peers[static_cast<size_t>(d)], lay.combine_flag_offset(rank_, 0)) = combine_calls_ + 1;
   group_->barrier();
   ++combine_calls_;
 

@@ -46,6 +46,8 @@ LlCuda::LlCuda(std::shared_ptr<Group> group, const DispatchConfig& cfg, const Ll
   int sms = 0;
   EPX_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, group_->device().index));
   blocks_ = launch.num_blocks > 0 ? launch.num_blocks : sms;
+  require_arg(op, "ll.num_blocks", blocks_, blocks_ <= LlLayout::kMaxSignalBlocks,
+              "must be <= " + std::to_string(LlLayout::kMaxSignalBlocks) + " (one signal word per send block, ll_layout.h)");
   const size_t dsmem = ll_dispatch_smem_bytes(layout_), csmem = ll_combine_smem_bytes(num_local_);
   require_arg(op, "num_max_dispatch_tokens_per_rank", cfg.num_max_dispatch_tokens_per_rank, dsmem <= 200 * 1024,
               "needs " + std::to_string(dsmem) + " bytes of shared memory per block with " + std::to_string(num_ranks_) +
@@ -114,11 +116,11 @@ std::optional<std::string> LlCuda::why_unsupported(const DispatchArgs& args) con
   return std::nullopt;
 }
 
-void LlCuda::throw_reported() {
+void LlCuda::throw_reported(bool argument_errors) {
   if (broken_) throw Timeout(broken_message_);
   const volatile LlErrorReport* r = report_host_;
   const int32_t kind = r->kind;
-  if (kind == LlErrorReport::none) return;
+  if (kind == LlErrorReport::none || (kind != LlErrorReport::timeout && !argument_errors)) return;
   const int peer = r->peer;
   const std::string op = r->op == LlErrorReport::dispatch ? "ll.prepare (dispatch)" : "ll.finalize (combine)";
   const long long value = r->value, index = r->index;
@@ -145,11 +147,11 @@ void LlCuda::throw_reported() {
 void LlCuda::check(Stream stream) {
   cuda::DeviceGuard guard(group_->device().index);
   EPX_CUDA_CHECK(cudaStreamSynchronize(cuda::native(stream)));
-  throw_reported();
+  throw_reported(true);
 }
 
 void LlCuda::check_prepare_args(const DispatchArgs& args) {
-  throw_reported();
+  throw_reported(true);
   LocalError err = check_args(args);
   if (err.kind == LocalError::unsupported) throw Unsupported(err.message);
   if (err.kind != LocalError::none) throw InvalidArgument(err.message);
@@ -221,13 +223,13 @@ PrepareResult LlCuda::prepare_send(const DispatchArgs& args) {
 
 void LlCuda::prepare_recv(Stream stream) {
   cuda::DeviceGuard guard(group_->device().index);
-  throw_reported();
+  throw_reported(false);
   require_arg(op_prepare_, "prepare_recv", "called", prepared_, "needs a prepare_send first");
   launch_ll_dispatch(dispatch_params(DispatchArgs{}, false, true), blocks_, threads_, cuda::native(stream));
 }
 
 void LlCuda::check_finalize_args(const FinalizeArgs& args) {
-  throw_reported();
+  throw_reported(false);  // a device-side argument error of the matching prepare: check() / the next prepare
   const std::string& op = op_finalize_;
   if (!prepared_) throw InvalidArgument(op + ": no prepare to finalize: every rank calls prepare first (also with T = 0)");
   for (const auto& [arg, t] : {std::pair<const char*, const TensorView*>{"expert_out", &args.expert_out}, {"out", &args.out}})
@@ -282,7 +284,7 @@ void LlCuda::finalize_send(const FinalizeArgs& args) {
 
 void LlCuda::finalize_recv(Stream stream) {
   cuda::DeviceGuard guard(group_->device().index);
-  throw_reported();
+  throw_reported(false);
   require_arg(op_finalize_, "finalize_recv", "called", pending_out_.defined(), "needs a finalize_send first");
   LlCombineParams p;
   p.c = common_;

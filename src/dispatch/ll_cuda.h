@@ -10,8 +10,9 @@
 //     at destination d (tokens before t going to d, a ballot scan); warps take (token, 512-element
 //     chunk) items, quantize in registers (fp8) and store 16-byte vectors straight into each
 //     destination's message slot (a token crosses NVLink once per destination rank). Then one
-//     thread per destination adds 1 to the destination's signal word with release order.
-//   dispatch recv: wait (acquire) until every source's signal reached (n + 1) B_s; then block-per-
+//     thread per destination stores n + 1 into this block's own flag word there (release order;
+//     one word per (source, block): no contended remote atomics).
+//   dispatch recv: wait (acquire) until all B_s flags of every source reached n + 1; then block-per-
 //     local-expert: which messages select it (ballots over 32 messages), an exclusive scan (slot
 //     order = source rank, then source token), and all warps copy (slot, chunk) items into x.
 //   combine send: (slot, chunk) items copy expert_out rows straight into the source's combine
@@ -20,8 +21,8 @@
 //     and round once to bf16.
 //
 // Protocol: call n of each part (dispatch/combine, send/recv) is derived on the device from a
-// per-object counter of finished blocks (n = counter / B), and signals are monotonic counters
-// ((n + 1) * B_s after call n); payload regions alternate by parity n % 2. So nothing is reset,
+// per-object counter of finished blocks (n = counter / B), and flags are monotonic (n + 1 after
+// call n); payload regions alternate by parity n % 2. So nothing is reset,
 // the host passes no per-call values, and CUDA graphs (any number, on one object, replayed in any
 // interleaving that keeps the per-rank call sequence the same on all ranks) stay consistent.
 // Why parity is enough: a source's send of call n + 2 comes (stream order) after its receive of
@@ -36,8 +37,8 @@
 // Unsupported, on this rank only: there is no host collective in a call, so a peer's call then
 // fails with Timeout naming this rank). Device-side checks (a device num_tokens outside
 // [0, x.shape[0]], a topk id outside [-1, max id]) cannot throw: the kernels send nothing for them
-// (T = 0, id = -1), write an error report into host-mapped memory, and the next call (or check())
-// throws InvalidArgument. Every device wait is bounded by timeout_s (globaltimer); a timeout is
+// (T = 0, id = -1), write an error report into host-mapped memory, and check() or the next prepare
+// throws InvalidArgument (finalize does not, so the matching combine still completes on every rank). Every device wait is bounded by timeout_s (globaltimer); a timeout is
 // reported the same way and the next call or check() throws Timeout naming the peer and the
 // operation, and so does every later call (the call numbers of the ranks no longer agree).
 // Never __trap().
@@ -99,7 +100,9 @@ class LlCuda final : public PrepareFinalizeBase {
   int threads_per_block() const { return threads_; }
 
  private:
-  void throw_reported();
+  /// Throws a reported timeout (always) or device-side argument error (when `argument_errors`:
+  /// check() and prepare; finalize and the hooks leave it to them, so the bad call's pair completes).
+  void throw_reported(bool argument_errors);
   LlDispatchParams dispatch_params(const DispatchArgs& args, bool send, bool recv);
   PrepareResult result() const;
   void check_prepare_args(const DispatchArgs& args);

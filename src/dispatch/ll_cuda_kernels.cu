@@ -28,8 +28,8 @@ __device__ __forceinline__ unsigned long long ld_acquire_sys(const void* p) {
   asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
   return v;
 }
-__device__ __forceinline__ void red_release_sys_add(void* p, unsigned long long v) {
-  asm volatile("red.release.sys.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+__device__ __forceinline__ void st_release_sys_u64(void* p, unsigned long long v) {
+  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
 __device__ __forceinline__ void st_relaxed_sys_u64(void* p, unsigned long long v) {
   asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
@@ -74,19 +74,27 @@ __device__ void report(const LlCommon& c, int kind, int peer, int op, long long 
   __threadfence_system();
 }
 
-/// Spins until *signal >= target (acquire); false after timeout_ns (reported, naming `peer`).
-__device__ bool wait_signal(const LlCommon& c, const void* signal, unsigned long long target, int peer, int op,
-                            unsigned long long call) {
-  if (ld_acquire_sys(signal) >= target) return true;
-  const unsigned long long start = globaltimer();
-  while (true) {
-    for (int i = 0; i < 256; ++i)
-      if (ld_acquire_sys(signal) >= target) return true;
-    if (static_cast<long long>(globaltimer() - start) > c.timeout_ns) {
-      report(c, LlErrorReport::timeout, peer, op, static_cast<long long>(call), static_cast<long long>(ld_relaxed_sys_u64(signal)));
-      return false;
+/// Warp-wide: spins until the n flags at `flags` (8 bytes apart: one per send block of `peer`)
+/// all reached `target` (acquire loads); false after timeout_ns (reported, naming `peer`).
+__device__ bool wait_flags(const LlCommon& c, const uint8_t* flags, int n, unsigned long long target, int peer, int op,
+                           unsigned long long call) {
+  const int lane = threadIdx.x & 31;
+  bool ok = true, timing = false;
+  unsigned long long start = 0;
+  for (int i = lane; i < n && ok; i += 32) {
+    const void* f = flags + 8 * static_cast<int64_t>(i);
+    while (ld_acquire_sys(f) < target) {
+      if (!timing) {
+        start = globaltimer();
+        timing = true;
+      } else if (static_cast<long long>(globaltimer() - start) > c.timeout_ns) {
+        report(c, LlErrorReport::timeout, peer, op, static_cast<long long>(call), static_cast<long long>(ld_relaxed_sys_u64(f)));
+        ok = false;
+        break;
+      }
     }
   }
+  return __all_sync(0xffffffffu, ok);
 }
 
 __device__ __forceinline__ float round_up_pow2(float s) {
@@ -244,10 +252,10 @@ __global__ void __launch_bounds__(1024, 1) ll_dispatch_kernel(const __grid_const
     }
     __syncthreads();
     if (blockIdx.x == 0 && threadIdx.x == 0) c.state->num_tokens = T;
-    if (threadIdx.x < R) {
+    if (threadIdx.x < R) {  // this block's flag at every destination, after all its stores (cumulative release)
       const int d = threadIdx.x;
       if (blockIdx.x == 0) st_relaxed_sys_u64(c.peers[d] + lay.dispatch_count_offset(parity, rank), static_cast<unsigned long long>(s_count[d]));
-      red_release_sys_add(c.peers[d] + lay.dispatch_signal_offset(rank), 1ull);
+      st_release_sys_u64(c.peers[d] + lay.dispatch_flag_offset(rank, blockIdx.x), s_call_send + 1);
     }
     if (threadIdx.x == 0) atomicAdd(&c.state->dispatch_send_blocks, 1ull);
   }
@@ -255,13 +263,13 @@ __global__ void __launch_bounds__(1024, 1) ll_dispatch_kernel(const __grid_const
   if (p.recv) {
     const unsigned long long call = s_call_recv;
     const int parity = static_cast<int>(call & 1);
-    if (threadIdx.x < R) {
-      const int s = threadIdx.x;
-      const bool ok = wait_signal(c, c.local + lay.dispatch_signal_offset(s), (call + 1) * static_cast<unsigned long long>(c.src_blocks[s]), s,
-                                  LlErrorReport::dispatch, call);
-      long long n = ok ? static_cast<long long>(ld_relaxed_sys_u64(c.local + lay.dispatch_count_offset(parity, s))) : 0;
-      if (n < 0 || n > max_t) n = 0;
-      s_n[s] = static_cast<int>(n);
+    for (int s = warp; s < R; s += W) {
+      const bool ok = wait_flags(c, c.local + lay.dispatch_flag_offset(s, 0), c.src_blocks[s], call + 1, s, LlErrorReport::dispatch, call);
+      if (lane == 0) {  // lane 0 acquired block 0's flag, which was released after the count
+        long long n = ok ? static_cast<long long>(ld_relaxed_sys_u64(c.local + lay.dispatch_count_offset(parity, s))) : 0;
+        if (n < 0 || n > max_t) n = 0;
+        s_n[s] = static_cast<int>(n);
+      }
     }
     __syncthreads();
     const int CPS = (max_t + 31) / 32, Q = R * CPS;
@@ -361,7 +369,6 @@ __global__ void __launch_bounds__(1024, 1) ll_combine_kernel(const __grid_consta
   const int R = lay.num_ranks, K = lay.top_k, max_t = lay.max_tokens, rank = c.rank, L = c.num_local;
   const int64_t H = lay.hidden, cap = static_cast<int64_t>(R) * max_t;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, W = blockDim.x >> 5;
-  const int nchunks = static_cast<int>((H + kLlChunkElems - 1) / kLlChunkElems);
   __shared__ unsigned long long s_call_send, s_call_recv;
   if (threadIdx.x == 0) {
     s_call_send = block_call_number(&c.state->combine_send_blocks, gridDim.x);
@@ -389,9 +396,11 @@ __global__ void __launch_bounds__(1024, 1) ll_combine_kernel(const __grid_consta
       if (lane == 0) s_pref[L] = running;
     }
     __syncthreads();
-    const int64_t items = static_cast<int64_t>(s_pref[L]) * nchunks;
+    // (slot, 1024-element chunk) items: 4 independent 16-byte loads per lane, then 4 stores.
+    const int nch = static_cast<int>((H + 1023) / 1024);
+    const int64_t items = static_cast<int64_t>(s_pref[L]) * nch;
     for (int64_t item = static_cast<int64_t>(blockIdx.x) * W + warp; item < items; item += static_cast<int64_t>(gridDim.x) * W) {
-      const int flat = static_cast<int>(item / nchunks), ch = static_cast<int>(item % nchunks);
+      const int flat = static_cast<int>(item / nch), ch = static_cast<int>(item % nch);
       int lo = 0, hi = L;  // largest l with s_pref[l] <= flat
       while (hi - lo > 1) {
         const int mid = (lo + hi) >> 1;
@@ -402,63 +411,90 @@ __global__ void __launch_bounds__(1024, 1) ll_combine_kernel(const __grid_consta
       const int s = p.src_rank[row], t = p.src_token[row], k = p.topk_column[row];
       const uint16_t* src = p.expert_out + row * H;
       uint8_t* dst = c.peers[s] + lay.combine_row_offset(parity, t, k);
-      const int64_t h0 = static_cast<int64_t>(ch) * kLlChunkElems + lane * 16;
-      if (h0 < H) st16(dst + 2 * h0, __ldg(reinterpret_cast<const uint4*>(src + h0)));
-      if (h0 + 8 < H) st16(dst + 2 * (h0 + 8), __ldg(reinterpret_cast<const uint4*>(src + h0 + 8)));
+      uint4 v[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int64_t h = static_cast<int64_t>(ch) * 1024 + i * 256 + lane * 8;
+        if (h < H) v[i] = __ldg(reinterpret_cast<const uint4*>(src + h));
+      }
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int64_t h = static_cast<int64_t>(ch) * 1024 + i * 256 + lane * 8;
+        if (h < H) st16(dst + 2 * h, v[i]);
+      }
     }
     __syncthreads();
-    if (threadIdx.x < R) red_release_sys_add(c.peers[threadIdx.x] + lay.combine_signal_offset(rank), 1ull);
+    if (threadIdx.x < R) st_release_sys_u64(c.peers[threadIdx.x] + lay.combine_flag_offset(rank, blockIdx.x), s_call_send + 1);
     if (threadIdx.x == 0) atomicAdd(&c.state->combine_send_blocks, 1ull);
   }
 
   if (p.recv) {
     const unsigned long long call = s_call_recv;
     const int parity = static_cast<int>(call & 1);
-    if (threadIdx.x < R) {
-      const int s = threadIdx.x;
-      wait_signal(c, c.local + lay.combine_signal_offset(s), (call + 1) * static_cast<unsigned long long>(c.src_blocks[s]), s,
-                  LlErrorReport::combine, call);
-    }
+    for (int s = warp; s < R; s += W)
+      wait_flags(c, c.local + lay.combine_flag_offset(s, 0), c.src_blocks[s], call + 1, s, LlErrorReport::combine, call);
     __syncthreads();
     const int T = *reinterpret_cast<const volatile int32_t*>(&c.state->num_tokens);
-    const int64_t items = static_cast<int64_t>(T) * nchunks;
+    // (token, 256-element chunk) items: a lane owns 8 elements; 4 columns' rows are loaded at once,
+    // then added in column order.
+    const int nch = static_cast<int>((H + 255) / 256);
+    const int64_t items = static_cast<int64_t>(T) * nch;
     for (int64_t item = static_cast<int64_t>(blockIdx.x) * W + warp; item < items; item += static_cast<int64_t>(gridDim.x) * W) {
-      const int t = static_cast<int>(item / nchunks), ch = static_cast<int>(item % nchunks);
+      const int t = static_cast<int>(item / nch), ch = static_cast<int>(item % nch);
       int32_t my_first = -1;
       float my_w = 0.0f;
       if (lane < K) {
         my_first = p.first_col[static_cast<int64_t>(t) * K + lane];
         my_w = p.weights[static_cast<int64_t>(t) * K + lane];
       }
-      const int64_t h0 = static_cast<int64_t>(ch) * kLlChunkElems + lane * 16;
-      const bool ok0 = h0 < H, ok1 = h0 + 8 < H;
-      float acc[16];
+      const int64_t h = static_cast<int64_t>(ch) * 256 + lane * 8;
+      const bool ok = h < H;
+      float acc[8];
 #pragma unroll
-      for (int i = 0; i < 16; ++i) acc[i] = 0.0f;
-      for (int k = 0; k < K; ++k) {
-        const int f = __shfl_sync(0xffffffffu, my_first, k);
-        const float w = __shfl_sync(0xffffffffu, my_w, k);
-        if (f < 0) continue;  // select, not multiply: a -1 column adds nothing
-        const uint8_t* row = c.local + lay.combine_row_offset(parity, t, f);
-        float y[16];
-        bf16x8_to_float(ok0 ? ld16(row + 2 * h0) : make_uint4(0, 0, 0, 0), y);
-        bf16x8_to_float(ok1 ? ld16(row + 2 * (h0 + 8)) : make_uint4(0, 0, 0, 0), y + 8);
+      for (int i = 0; i < 8; ++i) acc[i] = 0.0f;
+      for (int k0 = 0; k0 < K; k0 += 4) {
+        uint4 y[4];
+        int f[4];
+        float w[4];
 #pragma unroll
-        for (int i = 0; i < 16; ++i) acc[i] = __fadd_rn(acc[i], __fmul_rn(w, y[i]));
+        for (int j = 0; j < 4; ++j) {
+          const int k = k0 + j < K ? k0 + j : K - 1;
+          f[j] = __shfl_sync(0xffffffffu, my_first, k);
+          w[j] = __shfl_sync(0xffffffffu, my_w, k);
+          if (k0 + j >= K) f[j] = -1;
+          y[j] = make_uint4(0, 0, 0, 0);
+          if (f[j] >= 0 && ok) y[j] = ld16(c.local + lay.combine_row_offset(parity, t, f[j]) + 2 * h);
+        }
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          if (f[j] < 0) continue;  // select, not multiply: a -1 column adds nothing
+          float yf[8];
+          bf16x8_to_float(y[j], yf);
+#pragma unroll
+          for (int i = 0; i < 8; ++i) acc[i] = __fadd_rn(acc[i], __fmul_rn(w[j], yf[i]));
+        }
       }
-      uint32_t o[8];
+      uint32_t o[4];
 #pragma unroll
-      for (int i = 0; i < 8; ++i)
+      for (int i = 0; i < 4; ++i)
         o[i] = static_cast<uint32_t>(float_to_bf16_bits(acc[2 * i])) | (static_cast<uint32_t>(float_to_bf16_bits(acc[2 * i + 1])) << 16);
-      uint16_t* out = p.out + static_cast<int64_t>(t) * H;
-      if (ok0) st16(out + h0, make_uint4(o[0], o[1], o[2], o[3]));
-      if (ok1) st16(out + h0 + 8, make_uint4(o[4], o[5], o[6], o[7]));
+      if (ok) st16(p.out + static_cast<int64_t>(t) * H + h, make_uint4(o[0], o[1], o[2], o[3]));
     }
     if (threadIdx.x == 0) atomicAdd(&c.state->combine_recv_blocks, 1ull);
   }
 }
 
+__global__ void delay_kernel(long long ns) {
+  const unsigned long long start = globaltimer();
+  while (static_cast<long long>(globaltimer() - start) < ns) __nanosleep(1000);
+}
+
 }  // namespace
+
+void launch_gpu_delay(long long ns, cudaStream_t stream) {
+  delay_kernel<<<1, 32, 0, stream>>>(ns);
+  cuda::check_launch("delay_kernel");
+}
 
 size_t ll_dispatch_smem_bytes(const LlLayout& lay) {
   const size_t R = static_cast<size_t>(lay.num_ranks), max_t = static_cast<size_t>(lay.max_tokens);

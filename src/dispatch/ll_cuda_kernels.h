@@ -98,5 +98,8 @@ int ll_max_resident_blocks(int threads, size_t dispatch_smem, size_t combine_sme
 
 void launch_ll_dispatch(const LlDispatchParams& p, int blocks, int threads, cudaStream_t stream);
 void launch_ll_combine(const LlCombineParams& p, int blocks, int threads, cudaStream_t stream);
+/// A one-warp kernel that spins for `ns` nanoseconds (globaltimer): benchmarks put it between
+/// their rank alignment and their start event, so the host has queued the timed work before it.
+void launch_gpu_delay(long long ns, cudaStream_t stream);
 
 }  // namespace epx::dispatch

@@ -8,14 +8,15 @@
 // (the proof is in ll_cuda.h). Signals are monotonic: nobody resets them, so CUDA-graph replays of
 // any number of graphs stay consistent.
 //
-//   [0, signal_bytes)          signals, uint64 (8-byte aligned):
-//                                dispatch_signal[R]: source s adds 1 per send block (B_s blocks per
-//                                  call, exchanged at create) after its messages, release order;
-//                                  after call n it holds (n + 1) * B_s
+//   [0, signal_bytes)          signals, uint64 (8-byte aligned), one word per (source, send block) so
+//                              no two senders ever touch one word (no contended remote atomics):
+//                                dispatch_flag[R src][kMaxSignalBlocks]: block b of source s stores
+//                                  n + 1 (release order) after its messages of call n; a destination
+//                                  waits until all B_s flags of every source reached n + 1
+//                                combine_flag[R][kMaxSignalBlocks]: the same for the combine rows
+//                                  that expert rank s sent back here
 //                                dispatch_count[2][R]: source s writes the number of messages it
-//                                  sent here in call n at [n % 2][s] before its signal
-//                                combine_signal[R]: like dispatch_signal, for the combine rows that
-//                                  expert rank s sent back here
+//                                  sent here in call n at [n % 2][s] before block 0's flag
 //   [dispatch_recv_offset, ..) messages: [2 parity][R src][max_T slots][msg_bytes]; slot j of source
 //                                s is the j-th token s sent here in that call (source token order)
 //   [combine_recv_offset, ..)  this rank as a source: [2 parity][max_T][K][H] bf16; row (t, k) holds
@@ -62,12 +63,19 @@ struct LlLayout {
   EPX_HOST_DEVICE int64_t msg_bytes() const { return ll_align_up(msg_scales_offset() + scale_bytes(), kMsgAlignBytes); }
 
   // ---- the buffer ----
-  EPX_HOST_DEVICE int64_t dispatch_signal_offset(int src_rank) const { return 8 * static_cast<int64_t>(src_rank); }
-  EPX_HOST_DEVICE int64_t dispatch_count_offset(int parity, int src_rank) const {
-    return 8 * (static_cast<int64_t>(num_ranks) * (1 + parity) + src_rank);
+  static constexpr int kMaxSignalBlocks = 256;  ///< send blocks per rank (B <= this)
+  EPX_HOST_DEVICE int64_t dispatch_flag_offset(int src_rank, int block) const {
+    return 8 * (static_cast<int64_t>(src_rank) * kMaxSignalBlocks + block);
   }
-  EPX_HOST_DEVICE int64_t combine_signal_offset(int src_rank) const { return 8 * (3 * static_cast<int64_t>(num_ranks) + src_rank); }
-  EPX_HOST_DEVICE int64_t signal_bytes() const { return ll_align_up(32 * static_cast<int64_t>(num_ranks), kRegionAlignBytes); }
+  EPX_HOST_DEVICE int64_t combine_flag_offset(int src_rank, int block) const {
+    return 8 * ((static_cast<int64_t>(num_ranks) + src_rank) * kMaxSignalBlocks + block);
+  }
+  EPX_HOST_DEVICE int64_t dispatch_count_offset(int parity, int src_rank) const {
+    return 8 * (2 * static_cast<int64_t>(num_ranks) * kMaxSignalBlocks + static_cast<int64_t>(num_ranks) * parity + src_rank);
+  }
+  EPX_HOST_DEVICE int64_t signal_bytes() const {
+    return ll_align_up(8 * (2 * static_cast<int64_t>(num_ranks) * kMaxSignalBlocks + 2 * static_cast<int64_t>(num_ranks)), kRegionAlignBytes);
+  }
   EPX_HOST_DEVICE int64_t dispatch_recv_offset() const { return signal_bytes(); }
   EPX_HOST_DEVICE int64_t dispatch_region_bytes() const { return static_cast<int64_t>(num_ranks) * max_tokens * msg_bytes(); }
   EPX_HOST_DEVICE int64_t dispatch_msg_offset(int parity, int src_rank, int slot) const {
