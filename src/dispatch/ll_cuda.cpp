@@ -296,6 +296,18 @@ void LlCuda::finalize_recv(Stream stream) {
   pending_out_ = TensorView();
 }
 
+std::vector<double> LlCuda::trace() {
+  cuda::DeviceGuard guard(group_->device().index);
+  LlDeviceState st{};
+  EPX_CUDA_CHECK(cudaDeviceSynchronize());
+  EPX_CUDA_CHECK(cudaMemcpy(&st, state_.data(), sizeof st, cudaMemcpyDeviceToHost));
+  std::vector<double> out;
+  for (int base : {0, 4})
+    for (int i = 1; i < 4; ++i)
+      out.push_back((static_cast<double>(st.trace[base + i]) - static_cast<double>(st.trace[base])) * 1e-3);
+  return out;
+}
+
 std::unique_ptr<PrepareFinalize> make_ll_cuda(std::shared_ptr<Group> group, const DispatchConfig& cfg, const LlLaunch& launch) {
   return std::make_unique<LlCuda>(std::move(group), cfg, launch);
 }

@@ -46,6 +46,7 @@
 
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "dispatch/ll.h"
 #include "dispatch/ll_cuda_kernels.h"
@@ -97,6 +98,10 @@ class LlCuda final : public PrepareFinalizeBase {
   const LlHandle& handle() const { return handle_; }
   const LlLayout& layout() const { return layout_; }
   int num_blocks() const { return blocks_; }
+  /// Diagnostics: the kernels' timeline of the last dispatch and combine (LlDeviceState::trace) as
+  /// microseconds since each kernel's start: {flags stored, waits done, all done} x {dispatch,
+  /// combine}. Synchronizes the device.
+  std::vector<double> trace();
   int threads_per_block() const { return threads_; }
 
  private:

@@ -61,6 +61,15 @@ __device__ __forceinline__ unsigned long long block_call_number(const unsigned l
   return *reinterpret_cast<const volatile unsigned long long*>(counter) / static_cast<unsigned long long>(blocks);
 }
 
+/// Timeline of the last call (LlDeviceState::trace, globaltimer ns): block 0's start, the last
+/// block's flag stores (atomicMax), block 0's end of waiting, block 0's end.
+__device__ __forceinline__ void trace_at(const LlCommon& c, int slot) {
+  if (threadIdx.x == 0 && blockIdx.x == 0) c.state->trace[slot] = globaltimer();
+}
+__device__ __forceinline__ void trace_max(const LlCommon& c, int slot) {
+  if (threadIdx.x == 0) atomicMax(&c.state->trace[slot], globaltimer());
+}
+
 /// First reporter wins; the host reads `kind` last.
 __device__ void report(const LlCommon& c, int kind, int peer, int op, long long value, long long index) {
   if (atomicCAS(&c.state->error_claim, 0, 1) != 0) return;
@@ -133,6 +142,7 @@ __global__ void __launch_bounds__(1024, 1) ll_dispatch_kernel(const __grid_const
   __shared__ int s_T, s_total;
   __shared__ int s_count[kLlMaxRanks], s_n[kLlMaxRanks];
 
+  trace_at(c, 0);
   if (threadIdx.x == 0) {
     s_call_send = block_call_number(&c.state->dispatch_send_blocks, gridDim.x);
     s_call_recv = block_call_number(&c.state->dispatch_recv_blocks, gridDim.x);
@@ -258,6 +268,7 @@ __global__ void __launch_bounds__(1024, 1) ll_dispatch_kernel(const __grid_const
       st_release_sys_u64(c.peers[d] + lay.dispatch_flag_offset(rank, blockIdx.x), s_call_send + 1);
     }
     if (threadIdx.x == 0) atomicAdd(&c.state->dispatch_send_blocks, 1ull);
+    trace_max(c, 1);
   }
 
   if (p.recv) {
@@ -272,6 +283,7 @@ __global__ void __launch_bounds__(1024, 1) ll_dispatch_kernel(const __grid_const
       }
     }
     __syncthreads();
+    trace_at(c, 2);
     const int CPS = (max_t + 31) / 32, Q = R * CPS;
     const int64_t cap = static_cast<int64_t>(R) * max_t;  // slots per expert
     uint32_t* s_qmask = reinterpret_cast<uint32_t*>(smem);         // [Q]
@@ -357,6 +369,7 @@ __global__ void __launch_bounds__(1024, 1) ll_dispatch_kernel(const __grid_const
       __syncthreads();  // shared arrays are reused for the next expert
     }
     if (threadIdx.x == 0) atomicAdd(&c.state->dispatch_recv_blocks, 1ull);
+    trace_max(c, 3);
   }
 }
 
@@ -370,6 +383,7 @@ __global__ void __launch_bounds__(1024, 1) ll_combine_kernel(const __grid_consta
   const int64_t H = lay.hidden, cap = static_cast<int64_t>(R) * max_t;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, W = blockDim.x >> 5;
   __shared__ unsigned long long s_call_send, s_call_recv;
+  trace_at(c, 4);
   if (threadIdx.x == 0) {
     s_call_send = block_call_number(&c.state->combine_send_blocks, gridDim.x);
     s_call_recv = block_call_number(&c.state->combine_recv_blocks, gridDim.x);
@@ -379,11 +393,14 @@ __global__ void __launch_bounds__(1024, 1) ll_combine_kernel(const __grid_consta
   if (p.send) {
     const int parity = static_cast<int>(s_call_send & 1);
     int32_t* s_pref = reinterpret_cast<int32_t*>(smem);  // [L + 1]
+    // All threads load the counts at once (one memory latency), then warp 0 scans in shared memory.
+    for (int l = threadIdx.x; l < L; l += blockDim.x) s_pref[l] = p.recv_count[l];
+    __syncthreads();
     if (warp == 0) {
       int running = 0;
       for (int l0 = 0; l0 < L; l0 += 32) {
         const int l = l0 + lane;
-        const int cnt = l < L ? p.recv_count[l] : 0;
+        const int cnt = l < L ? s_pref[l] : 0;
         int incl = cnt;
 #pragma unroll
         for (int o = 1; o < 32; o <<= 1) {
@@ -426,6 +443,7 @@ __global__ void __launch_bounds__(1024, 1) ll_combine_kernel(const __grid_consta
     __syncthreads();
     if (threadIdx.x < R) st_release_sys_u64(c.peers[threadIdx.x] + lay.combine_flag_offset(rank, blockIdx.x), s_call_send + 1);
     if (threadIdx.x == 0) atomicAdd(&c.state->combine_send_blocks, 1ull);
+    trace_max(c, 5);
   }
 
   if (p.recv) {
@@ -434,6 +452,7 @@ __global__ void __launch_bounds__(1024, 1) ll_combine_kernel(const __grid_consta
     for (int s = warp; s < R; s += W)
       wait_flags(c, c.local + lay.combine_flag_offset(s, 0), c.src_blocks[s], call + 1, s, LlErrorReport::combine, call);
     __syncthreads();
+    trace_at(c, 6);
     const int T = *reinterpret_cast<const volatile int32_t*>(&c.state->num_tokens);
     // (token, 256-element chunk) items: a lane owns 8 elements; 4 columns' rows are loaded at once,
     // then added in column order.
@@ -481,6 +500,7 @@ __global__ void __launch_bounds__(1024, 1) ll_combine_kernel(const __grid_consta
       if (ok) st16(p.out + static_cast<int64_t>(t) * H + h, make_uint4(o[0], o[1], o[2], o[3]));
     }
     if (threadIdx.x == 0) atomicAdd(&c.state->combine_recv_blocks, 1ull);
+    trace_max(c, 7);
   }
 }
 

@@ -27,6 +27,10 @@ struct LlDeviceState {
   unsigned long long combine_recv_blocks;
   int32_t num_tokens;   ///< T of the last dispatch send (the combine's row count)
   int32_t error_claim;  ///< 0 until one thread claims the error report
+  /// globaltimer [ns] of the last calls: dispatch 0 start (block 0), 1 last block's flags stored
+  /// (max over blocks, never reset: the latest), 2 block 0 done waiting, 3 last block done;
+  /// combine 4..7 the same. Read by LlCuda::trace() (diagnostics).
+  unsigned long long trace[8];
 };
 
 /// The error report, in host-mapped memory: the kernels never trap; the host reads it.

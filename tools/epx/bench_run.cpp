@@ -206,9 +206,9 @@ class CapturedGraph {
   cudaGraphExec_t exec_ = nullptr;
 };
 
-/// --graph: after the rank alignment the GPU idles this long before the start event, so the host has
+/// --graph: after the rank alignment the GPU idles this long (200 us) before the start event, so the host has
 /// queued the timed replays by then and their launch latency on the host is not in the figure.
-constexpr long long kAlignDelayNs = 30000;
+constexpr long long kAlignDelayNs = 200000;
 
 /// --graph: prepare and finalize captured separately; per iteration: align, delay, event, prepare replay,
 /// event, identity experts (eager, untimed), event, finalize replay, event. Graph-safe backends only.
@@ -267,7 +267,18 @@ void run_epx_backend_graph(const Job& job, const BenchCase& c, int64_t T, const 
   timer.sync();
   for (int i = 0; i < iters; ++i) iteration(true, res.dispatch_us, res.combine_us);
   timer.sync();
+  auto print_trace = [&](const char* what) {
+    if (auto* ll = dynamic_cast<dispatch::LlCuda*>(pf.get())) {
+      const std::vector<double> tr = ll->trace();
+      std::ostringstream os;
+      os << std::fixed << std::setprecision(2) << "epx bench: ll kernel timeline, rank " << rank << ", " << what
+         << " (us from kernel start, last iteration): dispatch flags stored " << tr[0] << ", waits done " << tr[1] << ", done " << tr[2]
+         << "; combine flags stored " << tr[3] << ", waits done " << tr[4] << ", done " << tr[5] << "\n";
+      std::cerr << os.str();
+    }
+  };
   if (auto* ll = dynamic_cast<dispatch::LlCuda*>(pf.get())) ll->check(stream);
+  print_trace("T per rank");
   res.out = out.to(Device::cpu());
   // The fixed floor: the same graphs with one token per rank.
   set_tokens(std::min<int32_t>(1, static_cast<int32_t>(T)));
@@ -275,6 +286,7 @@ void run_epx_backend_graph(const Job& job, const BenchCase& c, int64_t T, const 
   timer.sync();
   for (int i = 0; i < iters; ++i) iteration(true, res.dispatch_us_1tok, res.combine_us_1tok);
   timer.sync();
+  print_trace("T = 1");
   if (auto* ll = dynamic_cast<dispatch::LlCuda*>(pf.get())) {
     ll->check(stream);
     int sms = 0;
@@ -800,6 +812,9 @@ Prediction predict(const std::string& case_name, DType dtype, const std::string&
                   : Prediction{80, "all-reduce of [256, 7168] bf16 (3.7 MB) ~40 us + host sync: 60-100 us"};
     if (backend == "allgather_reducescatter")
       return disp ? Prediction{80, "same gather as naive: 60-100 us"} : Prediction{40, "reduce-scatter moves half of naive's all-reduce: 30-50 us"};
+    if (backend == "ll")  // bench/NOTES.md "LL kernels (issue 4)", graph replay
+      return disp ? Prediction{9, "0.5 launch + ~2 send items + 0.95 MB remote at ~300 GB/s (overlapped) + 1.3 signal + ~3 expansion: 8-9 us"}
+                  : Prediction{27, "7.3 MB of bf16 slot rows remote at ~350 GB/s (~21 us) + 1.3 signal + ~4 column-order reduction: 26-28 us"};
     if (backend == "all2allv")
       return disp ? Prediction{100, "host sync for per-destination counts + pack + grouped send/recv (~57 us like raw) + unpack: 80-120 us"}
                   : Prediction{75, "grouped send/recv of bf16 rows + unpack: 60-90 us"};

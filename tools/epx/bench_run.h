@@ -22,7 +22,7 @@
 // --graph (cuda): prepare and finalize of each graph-safe backend (ll) are captured in two CUDA graphs
 // (separately; the identity expert step runs eagerly between them, untimed) and each timed
 // iteration replays them, with CUDA events around each replay (after the alignment the GPU idles
-// 30 us before the start event, so the host has queued the replay: its host launch cost is out); nccl_a2a_raw is captured the same
+// 200 us before the start event, so the host has queued the replay: its host launch cost is out); nccl_a2a_raw is captured the same
 // way (eager if NCCL refuses the capture). Backends that are not graph-safe (a host sync per call)
 // report "unsupported". ll also reports the latency at 1 token per rank (the fixed floor): the same
 // graphs replayed with the device-side token count (DispatchArgs::num_tokens) set to 1, and the
