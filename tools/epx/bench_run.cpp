@@ -715,7 +715,7 @@ int report(const BenchOptions& o, const std::vector<BenchCase>& cases, const std
           {"latency_us_p50", ran ? json(p50) : json(nullptr)},
           {"latency_us_p10", ran ? json(percentile(per_iter, 10)) : json(nullptr)},
           {"latency_us_p90", ran ? json(percentile(per_iter, 90)) : json(nullptr)},
-          {"gbps", std::isfinite(gbps) ? json(gbps) : json(nullptr)},
+          {"gbps", std::isfinite(gbps) && !one_token ? json(gbps) : json(nullptr)},
           {"accounting", c.accounting},
           {"bytes_per_rank", ran ? json(bytes) : json(nullptr)},
           {"tflops", nullptr},
@@ -742,7 +742,7 @@ int report(const BenchOptions& o, const std::vector<BenchCase>& cases, const std
       table << std::left << std::setw(7) << c.name << std::setw(9) << dtype_name(job.dtype) << std::setw(25)
             << (one_token ? job.backend + " (T=1)" : job.backend) << std::setw(9) << op << std::right << std::setw(10) << (ran ? fixed(p50, 1) : "-") << std::setw(10)
             << (ran ? fixed(percentile(per_iter, 10), 1) : "-") << std::setw(10) << (ran ? fixed(percentile(per_iter, 90), 1) : "-")
-            << std::setw(9) << fixed(gbps, 1) << std::setw(11) << (has_pred ? fixed(pred.predicted_us, 0) : "-") << std::setw(7)
+            << std::setw(9) << (one_token ? std::string("-") : fixed(gbps, 1)) << std::setw(11) << (has_pred ? fixed(pred.predicted_us, 0) : "-") << std::setw(7)
             << (has_pred && ran ? fixed(p50 / pred.predicted_us, 2) : "-") << "  " << std::left
             << (status == 1 ? "unsupported" : status == 2 ? "ERROR" : validated ? (rel_l2 <= kRelL2Tolerance ? "yes" : "FAIL") : "n/a")
             << "\n";
