@@ -20,7 +20,8 @@
 // waits on the host once (the sizes of the collectives that follow depend on every rank's counts),
 // so they are not graph-safe. ht on CUDA (src/dispatch/ht_cuda.h) moves rows with its own kernels over
 // NCCL symmetric memory: one host read of N_recv per prepare, none with use_worst_case_sizing
-// (graph-safe). ll on CUDA comes later (Unsupported until then).
+// (graph-safe). ll on CUDA (src/dispatch/ll_cuda.h) runs its own kernels over NCCL symmetric memory:
+// no host sync, graph-safe, the token count optionally on the device (DispatchArgs::num_tokens).
 //
 // Expert placement: global expert e lives on rank expert_rank(e); E experts are split into R
 // contiguous ranges whose sizes differ by at most one (the first E % R ranks hold one more).
@@ -82,7 +83,7 @@ struct PrepareResult {
   TensorView recv_count;    ///< [L] int32 tokens per local expert (ht: aligned to expert_alignment)
   TensorView topk_idx;      ///< Flat: [N_recv, K] int32 local expert index or -1
   TensorView topk_weights;  ///< Flat: [N_recv, K] fp32
-  int64_t num_recv_tokens = 0;  ///< Flat: N_recv; ExpertMajor: sum of recv_count
+  int64_t num_recv_tokens = 0;  ///< Flat: N_recv; ExpertMajor: sum of recv_count (-1 where only the device knows it: ll on CUDA)
   /// ht on CUDA: [1] int32 on the device, N_recv of this prepare, valid once the stream reaches it
   /// (with use_worst_case_sizing the host-side num_recv_tokens is the row capacity instead); else empty.
   TensorView num_recv_tokens_device;

@@ -20,5 +20,8 @@ std::unique_ptr<PrepareFinalize> make_agrs_cuda(std::shared_ptr<Group> group, co
 std::unique_ptr<PrepareFinalize> make_all2allv_cuda(std::shared_ptr<Group> group, const DispatchConfig& cfg);
 /// ht over NCCL symmetric memory (ht_cuda.h); SM budget and warps from Config (ht_num_sms, ht_warps_per_block).
 std::unique_ptr<PrepareFinalize> make_ht_cuda(std::shared_ptr<Group> group, const DispatchConfig& cfg);
+/// ll on CUDA (ll_cuda.h): launch shape from Config::load() (ll_warps_per_block, ll_num_blocks),
+/// device wait bound = the NCCL group's timeout_s.
+std::unique_ptr<PrepareFinalize> make_ll_cuda(std::shared_ptr<Group> group, const DispatchConfig& cfg);
 
 }  // namespace epx::dispatch

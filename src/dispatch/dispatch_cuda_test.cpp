@@ -320,16 +320,7 @@ void run_world(int R) {
       }
     }
     for (const std::string& name : kBackends) check_bad_id_throws_everywhere(name, cases[1], g, stream, failures);
-    // ll on CUDA groups comes in a later issue: Unsupported with a sentence, on every rank (ht: ht_cuda_test.cpp).
-    for (const std::string name : {"ll"}) {
-      std::string what;
-      try {
-        make_prepare_finalize(name, g, cases[0].c.config());
-      } catch (const Unsupported& e) {
-        what = e.what();
-      }
-      if (what.find("later issue") == std::string::npos) failures += name + " on CUDA: '" + what + "'; ";
-    }
+    // ll and ht on CUDA have their own tests: ll_cuda_test.cpp, ht_cuda_test.cpp.
     g->barrier();
     cuda_ok(cudaStreamDestroy(stream), "stream destroy");
     if (!failures.empty()) throw std::runtime_error("mismatches:\n" + failures);

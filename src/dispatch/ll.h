@@ -53,6 +53,7 @@ class LlCpu final : public CpuPrepareFinalize {
   std::vector<int32_t> idx_;       ///< [T, K] routing of the last prepare
   std::vector<float> weights_;     ///< [T, K]
   std::vector<int32_t> first_col_; ///< [T, K] first column with the same id (combine row), -1 for -1
+  uint64_t dispatch_calls_ = 0, combine_calls_ = 0;  ///< call numbers n (parity n % 2, ll_layout.h)
 };
 
 }  // namespace epx::dispatch

@@ -8,7 +8,7 @@ namespace epx::dispatch {
 namespace {
 
 uint8_t* at(void* base, int64_t offset) { return static_cast<uint8_t*>(base) + offset; }
-int32_t* signal(void* base, int64_t offset) { return reinterpret_cast<int32_t*>(at(base, offset)); }
+uint64_t* signal(void* base, int64_t offset) { return reinterpret_cast<uint64_t*>(at(base, offset)); }
 
 }  // namespace
 
@@ -36,6 +36,7 @@ PrepareResult LlCpu::prepare(const DispatchArgs& args) {
   const LlLayout& lay = layout_;
   const int64_t T = routing.num_tokens, H = lay.hidden, msg = lay.msg_bytes();
   const int K = lay.top_k;
+  const int parity = static_cast<int>(dispatch_calls_ % 2);
   idx_ = routing.idx;
   weights_.assign(routing.weights, routing.weights + T * K);
   first_col_.assign(static_cast<size_t>(T * K), -1);
@@ -70,12 +71,18 @@ PrepareResult LlCpu::prepare(const DispatchArgs& args) {
     for (int d = 0; d < num_ranks_; ++d) {
       if (!in_rank[static_cast<size_t>(d)]) continue;
       const int slot = num_sent[static_cast<size_t>(d)]++;
-      std::memcpy(at(buffer_.peers[static_cast<size_t>(d)], lay.dispatch_msg_offset(rank_, slot)), staging.data(), static_cast<size_t>(msg));
+      std::memcpy(at(buffer_.peers[static_cast<size_t>(d)], lay.dispatch_msg_offset(parity, rank_, slot)), staging.data(), static_cast<size_t>(msg));
       if (d != rank_) stats_.remote_bytes_dispatch += msg;
     }
   }
-  for (int d = 0; d < num_ranks_; ++d) *signal(buffer_.peers[static_cast<size_t>(d)], lay.dispatch_count_offset(rank_)) = num_sent[static_cast<size_t>(d)] + 1;
+  // The count, then the flag of the one "send block" of the CPU (the CUDA kernels' protocol).
+  for (int d = 0; d < num_ranks_; ++d) {
+    void* peer = buffer_.peers[static_cast<size_t>(d)];
+    *signal(peer, lay.dispatch_count_offset(parity, rank_)) = static_cast<uint64_t>(num_sent[static_cast<size_t>(d)]);
+    *signal(peer, lay.dispatch_flag_offset(rank_, 0)) = dispatch_calls_ + 1;
+  }
   group_->barrier();
+  ++dispatch_calls_;
 
   // 2. Receive: expand each message into one slot per distinct local expert, sources in rank order.
   int32_t* counts = recv_count_.ptr<int32_t>();
@@ -84,13 +91,13 @@ PrepareResult LlCpu::prepare(const DispatchArgs& args) {
   int64_t* range = handle_.layout_range.ptr<int64_t>();
   std::vector<int32_t> ids(static_cast<size_t>(K));
   for (int s = 0; s < num_ranks_; ++s) {
-    int32_t* count_word = signal(buffer_.local, lay.dispatch_count_offset(s));
-    const int32_t n = *count_word - 1;
-    EPX_ASSERT(n >= 0 && n <= lay.max_tokens, "ll.prepare: dispatch_count from rank ", s, " = ", n + 1);
-    *count_word = 0;  // reset for the next call (only this rank reads it; peers write it after the next status exchange)
+    EPX_ASSERT(*signal(buffer_.local, lay.dispatch_flag_offset(s, 0)) == dispatch_calls_, "ll.prepare: dispatch_flag from rank ", s,
+               " = ", *signal(buffer_.local, lay.dispatch_flag_offset(s, 0)), " after ", dispatch_calls_, " calls");
+    const int64_t n = static_cast<int64_t>(*signal(buffer_.local, lay.dispatch_count_offset(parity, s)));
+    EPX_ASSERT(n >= 0 && n <= lay.max_tokens, "ll.prepare: dispatch_count from rank ", s, " = ", n);
     std::vector<int32_t> begin(counts, counts + num_local_);
     for (int j = 0; j < n; ++j) {
-      const uint8_t* m = at(buffer_.local, lay.dispatch_msg_offset(s, j));
+      const uint8_t* m = at(buffer_.local, lay.dispatch_msg_offset(parity, s, j));
       int32_t src_token = 0;
       std::memcpy(&src_token, m, 4);
       std::memcpy(ids.data(), m + lay.msg_topk_offset(), 4 * static_cast<size_t>(K));
@@ -128,6 +135,7 @@ void LlCpu::finalize(const FinalizeArgs& args) {
   const int64_t H = lay.hidden, cap = x_.size(1);
   const int K = lay.top_k;
   begin_finalize(args, {num_local_, cap, H});
+  const int parity = static_cast<int>(combine_calls_ % 2);
 
   // 1. Every slot's (unweighted) expert output goes back to its source's combine region.
   const int32_t* counts = recv_count_.ptr<const int32_t>();
@@ -138,10 +146,12 @@ void LlCpu::finalize(const FinalizeArgs& args) {
       const int s = handle_.src_rank.ptr<const int32_t>()[row];
       const int t = handle_.src_token.ptr<const int32_t>()[row];
       const int k = handle_.topk_column.ptr<const int32_t>()[row];
-      std::memcpy(at(buffer_.peers[static_cast<size_t>(s)], lay.combine_row_offset(t, k)), y + row * H, static_cast<size_t>(2 * H));
+      std::memcpy(at(buffer_.peers[static_cast<size_t>(s)], lay.combine_row_offset(parity, t, k)), y + row * H, static_cast<size_t>(2 * H));
       if (s != rank_) stats_.remote_bytes_combine += 2 * H;
     }
+  for (int d = 0; d < num_ranks_; ++d) *signal(buffer_.peers[static_cast<size_t>(d)], lay.combine_flag_offset(rank_, 0)) = combine_calls_ + 1;
   group_->barrier();
+  ++combine_calls_;
 
   // 2. Weighted sum in column order, fp32, one rounding (select, not multiply: -1 columns are skipped).
   const int64_t T = prepared_tokens_;
@@ -153,7 +163,7 @@ void LlCpu::finalize(const FinalizeArgs& args) {
       const int first = first_col_[static_cast<size_t>(t * K + k)];
       if (first < 0) continue;
       const float w = weights_[static_cast<size_t>(t * K + k)];
-      const uint16_t* row = reinterpret_cast<const uint16_t*>(at(buffer_.local, lay.combine_row_offset(static_cast<int>(t), first)));
+      const uint16_t* row = reinterpret_cast<const uint16_t*>(at(buffer_.local, lay.combine_row_offset(parity, static_cast<int>(t), first)));
       for (int64_t i = 0; i < H; ++i) acc[static_cast<size_t>(i)] += w * bf16_bits_to_float(row[i]);
     }
     for (int64_t i = 0; i < H; ++i) out[t * H + i] = float_to_bf16_bits(acc[static_cast<size_t>(i)]);

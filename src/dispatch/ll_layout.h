@@ -1,18 +1,26 @@
 // dispatch/ll_layout.h: byte layout of the LL (low-latency) symmetric buffer, the one source of
-// offsets for the CPU reference (ll_cpu.cpp) and the CUDA kernels, so they cannot drift apart.
+// offsets for the CPU reference (ll_cpu.cpp) and the CUDA kernels (ll_cuda_kernels.cu), so they
+// cannot drift apart.
 //
-// Every rank holds one buffer of ll_buffer_bytes(cfg, R) bytes (Group::alloc_symmetric):
+// Every rank holds one buffer of ll_buffer_bytes(cfg, R) bytes (Group::alloc_symmetric). Calls are
+// numbered n = 0, 1, 2, ... per object (every rank makes the same calls); call n uses the payload
+// regions of parity p = n % 2, so a source may run one call ahead of a destination still reading
+// (the proof is in ll_cuda.h). Signals are monotonic: nobody resets them, so CUDA-graph replays of
+// any number of graphs stay consistent.
 //
-//   [0, signal_bytes)          signals, int32:
-//                                dispatch_count[R]: source s writes (n + 1) into slot s of the
-//                                  destination after its n messages (0 = not arrived yet); the
-//                                  destination resets the slot to 0 once it has read it
-//                                combine_flag[R]: reserved for the CUDA combine signal (the CPU
-//                                  reference orders combine with a group barrier)
-//   [dispatch_recv_offset, ..) messages from source s: [R src][max_T slots][msg_bytes]; slot j of
-//                                source s is the j-th token s sent here (source token order)
-//   [combine_recv_offset, ..)  this rank as a source: [max_T][K][H] bf16; row (t, k) holds the
-//                                unweighted expert output for token t's selection in column k,
+//   [0, signal_bytes)          signals, uint64 (8-byte aligned), one word per (source, send block) so
+//                              no two senders ever touch one word (no contended remote atomics):
+//                                dispatch_flag[R src][kMaxSignalBlocks]: block b of source s stores
+//                                  n + 1 (release order) after its messages of call n; a destination
+//                                  waits until all B_s flags of every source reached n + 1
+//                                combine_flag[R][kMaxSignalBlocks]: the same for the combine rows
+//                                  that expert rank s sent back here
+//                                dispatch_count[2][R]: source s writes the number of messages it
+//                                  sent here in call n at [n % 2][s] before block 0's flag
+//   [dispatch_recv_offset, ..) messages: [2 parity][R src][max_T slots][msg_bytes]; slot j of source
+//                                s is the j-th token s sent here in that call (source token order)
+//   [combine_recv_offset, ..)  this rank as a source: [2 parity][max_T][K][H] bf16; row (t, k) holds
+//                                the unweighted expert output for token t's selection in column k,
 //                                where k is the first column naming that expert (duplicates share it)
 //
 // One message (a token crosses to a destination rank once, whatever number of its experts live
@@ -55,21 +63,33 @@ struct LlLayout {
   EPX_HOST_DEVICE int64_t msg_bytes() const { return ll_align_up(msg_scales_offset() + scale_bytes(), kMsgAlignBytes); }
 
   // ---- the buffer ----
-  EPX_HOST_DEVICE int64_t dispatch_count_offset(int src_rank) const { return 4 * static_cast<int64_t>(src_rank); }
-  EPX_HOST_DEVICE int64_t combine_flag_offset(int src_rank) const { return 4 * (static_cast<int64_t>(num_ranks) + src_rank); }
-  EPX_HOST_DEVICE int64_t signal_bytes() const { return ll_align_up(8 * static_cast<int64_t>(num_ranks), kRegionAlignBytes); }
+  static constexpr int kMaxSignalBlocks = 256;  ///< send blocks per rank (B <= this)
+  EPX_HOST_DEVICE int64_t dispatch_flag_offset(int src_rank, int block) const {
+    return 8 * (static_cast<int64_t>(src_rank) * kMaxSignalBlocks + block);
+  }
+  EPX_HOST_DEVICE int64_t combine_flag_offset(int src_rank, int block) const {
+    return 8 * ((static_cast<int64_t>(num_ranks) + src_rank) * kMaxSignalBlocks + block);
+  }
+  EPX_HOST_DEVICE int64_t dispatch_count_offset(int parity, int src_rank) const {
+    return 8 * (2 * static_cast<int64_t>(num_ranks) * kMaxSignalBlocks + static_cast<int64_t>(num_ranks) * parity + src_rank);
+  }
+  EPX_HOST_DEVICE int64_t signal_bytes() const {
+    return ll_align_up(8 * (2 * static_cast<int64_t>(num_ranks) * kMaxSignalBlocks + 2 * static_cast<int64_t>(num_ranks)), kRegionAlignBytes);
+  }
   EPX_HOST_DEVICE int64_t dispatch_recv_offset() const { return signal_bytes(); }
-  EPX_HOST_DEVICE int64_t dispatch_msg_offset(int src_rank, int slot) const {
-    return dispatch_recv_offset() + (static_cast<int64_t>(src_rank) * max_tokens + slot) * msg_bytes();
+  EPX_HOST_DEVICE int64_t dispatch_region_bytes() const { return static_cast<int64_t>(num_ranks) * max_tokens * msg_bytes(); }
+  EPX_HOST_DEVICE int64_t dispatch_msg_offset(int parity, int src_rank, int slot) const {
+    return dispatch_recv_offset() + parity * dispatch_region_bytes() + (static_cast<int64_t>(src_rank) * max_tokens + slot) * msg_bytes();
   }
   EPX_HOST_DEVICE int64_t combine_recv_offset() const {
-    return ll_align_up(dispatch_recv_offset() + static_cast<int64_t>(num_ranks) * max_tokens * msg_bytes(), kRegionAlignBytes);
+    return ll_align_up(dispatch_recv_offset() + 2 * dispatch_region_bytes(), kRegionAlignBytes);
   }
-  EPX_HOST_DEVICE int64_t combine_row_offset(int token, int column) const {
-    return combine_recv_offset() + (static_cast<int64_t>(token) * top_k + column) * 2 * hidden;
+  EPX_HOST_DEVICE int64_t combine_region_bytes() const { return static_cast<int64_t>(max_tokens) * top_k * 2 * hidden; }
+  EPX_HOST_DEVICE int64_t combine_row_offset(int parity, int token, int column) const {
+    return combine_recv_offset() + parity * combine_region_bytes() + (static_cast<int64_t>(token) * top_k + column) * 2 * hidden;
   }
   EPX_HOST_DEVICE int64_t total_bytes() const {
-    return ll_align_up(combine_recv_offset() + static_cast<int64_t>(max_tokens) * top_k * 2 * hidden, kRegionAlignBytes);
+    return ll_align_up(combine_recv_offset() + 2 * combine_region_bytes(), kRegionAlignBytes);
   }
 
   /// DeepEP LL accounting (ANCHORS.md): bytes per valid (token, expert) selection in dispatch,

@@ -153,6 +153,10 @@ LocalError PrepareFinalizeBase::check_args(const DispatchArgs& a) const {
     check_dtype(op, "topk_weights", a.topk_weights, {DType::fp32});
     check_shape_vec(op, "topk_weights", a.topk_weights, {T, K});
     check_contiguous(op, "topk_weights", a.topk_weights);
+    if (a.num_tokens.defined())
+      require_arg(op, "num_tokens", a.num_tokens.describe(), accepts_device_num_tokens_,
+                  "must be empty for backend " + caps_.name + " on " + group_->device().str() +
+                      " (a token count on the device is read by ll on CUDA only; pass x with T rows)");
   } catch (const InvalidArgument& e) {
     return {LocalError::invalid_argument, e.what()};
   }

@@ -105,6 +105,7 @@ class PrepareFinalizeBase : public PrepareFinalize {
   std::string op_prepare_, op_finalize_;
   bool prepared_ = false;
   int64_t prepared_tokens_ = 0;
+  bool accepts_device_num_tokens_ = false;  ///< DispatchArgs::num_tokens (ll on CUDA); else InvalidArgument
 };
 
 }  // namespace epx::dispatch

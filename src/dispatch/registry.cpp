@@ -25,9 +25,10 @@ constexpr Factory kNaiveCuda = &dispatch::make_naive_cuda;
 constexpr Factory kAgrsCuda = &dispatch::make_agrs_cuda;
 constexpr Factory kAll2allvCuda = &dispatch::make_all2allv_cuda;
 constexpr Factory kHtCuda = &dispatch::make_ht_cuda;
+constexpr Factory kLlCuda = &dispatch::make_ll_cuda;
 #else
 constexpr Factory kNaiveCuda = nullptr, kAgrsCuda = nullptr, kAll2allvCuda = nullptr;
-constexpr Factory kHtCuda = nullptr;
+constexpr Factory kHtCuda = nullptr, kLlCuda = nullptr;
 #endif
 
 // Order = backend_names() order = the order of the `epx info` table and the test cross product.
@@ -35,7 +36,7 @@ constexpr BackendEntry kBackends[] = {
     {"naive", &dispatch::make_naive_cpu, kNaiveCuda, nullptr},
     {"allgather_reducescatter", &dispatch::make_agrs_cpu, kAgrsCuda, nullptr},
     {"all2allv", &dispatch::make_all2allv_cpu, kAll2allvCuda, nullptr},
-    {"ll", &dispatch::make_ll_cpu, nullptr, "the LL kernels over NCCL symmetric memory come in a later issue"},
+    {"ll", &dispatch::make_ll_cpu, kLlCuda, nullptr},
     {"ht", &dispatch::make_ht_cpu, kHtCuda, nullptr},
 };
 

@@ -49,7 +49,8 @@ TEST(LlLayout, DeepSeekV3DecodeNumbers) {
   EXPECT_EQ(lay.msg_payload_offset(), 48);
   EXPECT_EQ(lay.msg_scales_offset(), 48 + 7168);
   EXPECT_EQ(dispatch::ll_buffer_bytes(cfg, 2), lay.total_bytes());
-  EXPECT_EQ(lay.total_bytes(), 128 + 2 * 128 * 7440 + 128 * 8 * 7168 * 2);
+  EXPECT_EQ(lay.signal_bytes(), 8320);  // 8 * (2 R 256 + 2 R) = 8224, 128-byte aligned
+  EXPECT_EQ(lay.total_bytes(), lay.signal_bytes() + 2 * (2 * 128 * 7440) + 2 * (128 * 8 * 7168 * 2));
 }
 
 TEST(LlLayout, RegionsAreAlignedAndDisjoint) {
@@ -63,11 +64,17 @@ TEST(LlLayout, RegionsAreAlignedAndDisjoint) {
           EXPECT_EQ(lay.msg_payload_offset() % 16, 0);
           EXPECT_GE(lay.msg_payload_offset(), 16 + 4 * K);
           EXPECT_GE(lay.msg_bytes(), lay.msg_scales_offset() + lay.scale_bytes());
-          EXPECT_GE(lay.signal_bytes(), lay.combine_flag_offset(R - 1) + 4);
+          const int nb = dispatch::LlLayout::kMaxSignalBlocks;
+          EXPECT_GE(lay.combine_flag_offset(0, 0), lay.dispatch_flag_offset(R - 1, nb - 1) + 8);
+          EXPECT_GE(lay.dispatch_count_offset(0, 0), lay.combine_flag_offset(R - 1, nb - 1) + 8);
+          EXPECT_GE(lay.dispatch_count_offset(1, 0), lay.dispatch_count_offset(0, R - 1) + 8);
+          EXPECT_GE(lay.signal_bytes(), lay.dispatch_count_offset(1, R - 1) + 8);
           EXPECT_EQ(lay.dispatch_recv_offset() % 128, 0);
           EXPECT_EQ(lay.combine_recv_offset() % 128, 0);
-          EXPECT_GE(lay.combine_recv_offset(), lay.dispatch_msg_offset(R - 1, 4) + lay.msg_bytes());
-          EXPECT_GE(lay.total_bytes(), lay.combine_row_offset(4, K - 1) + 2 * H);
+          EXPECT_GE(lay.dispatch_msg_offset(1, 0, 0), lay.dispatch_msg_offset(0, R - 1, 4) + lay.msg_bytes());
+          EXPECT_GE(lay.combine_recv_offset(), lay.dispatch_msg_offset(1, R - 1, 4) + lay.msg_bytes());
+          EXPECT_GE(lay.combine_row_offset(1, 0, 0), lay.combine_row_offset(0, 4, K - 1) + 2 * H);
+          EXPECT_GE(lay.total_bytes(), lay.combine_row_offset(1, 4, K - 1) + 2 * H);
           EXPECT_EQ(lay.total_bytes() % 128, 0);
         }
 }

@@ -28,6 +28,8 @@
 
 #ifdef EPX_WITH_CUDA
 #include <cuda_runtime_api.h>
+
+#include "dispatch/ll_cuda.h"
 #endif
 
 namespace epx::cli {
@@ -79,6 +81,9 @@ struct RankJobResult {
   int64_t status = 0;  ///< 0 ran, 1 unsupported, 2 error
   std::string message;
   std::vector<double> dispatch_us, combine_us;
+  std::vector<double> dispatch_us_1tok, combine_us_1tok;  ///< --graph, ll: the same graphs at T = 1 (device-side count)
+  int64_t sms = -1;              ///< SMs the backend's kernels use (-1: unknown / host collectives)
+  bool graph = false;            ///< timed as CUDA-graph replays
   Tensor out;                    ///< epx backends: [T, H] bf16 on the host, last iteration
   int64_t valid_selections = 0, dedup_rows = 0;
   int64_t moved_bytes_dispatch = 0, moved_bytes_combine = 0;  ///< nccl_a2a_raw: bytes sent incl. to self
@@ -165,6 +170,134 @@ void align_ranks(Group& group, const Tensor& word, Stream stream) {
   group.all_reduce_sum(word.data(), word.data(), 1, DType::fp32, stream);
 }
 
+#ifdef EPX_WITH_CUDA
+/// One captured CUDA graph (stream capture of `body` on `stream`).
+class CapturedGraph {
+ public:
+  CapturedGraph() = default;
+  CapturedGraph(const CapturedGraph&) = delete;
+  CapturedGraph& operator=(const CapturedGraph&) = delete;
+  ~CapturedGraph() {
+    if (exec_) (void)cudaGraphExecDestroy(exec_);
+  }
+  void capture(Stream stream, const std::function<void()>& body) {
+    const cudaStream_t s = static_cast<cudaStream_t>(stream.handle);
+    ok(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal), "cudaStreamBeginCapture");
+    cudaGraph_t g = nullptr;
+    try {
+      body();
+    } catch (...) {
+      (void)cudaStreamEndCapture(s, &g);
+      if (g) (void)cudaGraphDestroy(g);
+      (void)cudaGetLastError();
+      throw;
+    }
+    ok(cudaStreamEndCapture(s, &g), "cudaStreamEndCapture");
+    const cudaError_t e = cudaGraphInstantiate(&exec_, g, 0);
+    (void)cudaGraphDestroy(g);
+    ok(e, "cudaGraphInstantiate");
+  }
+  void launch(Stream stream) { ok(cudaGraphLaunch(exec_, static_cast<cudaStream_t>(stream.handle)), "cudaGraphLaunch"); }
+
+ private:
+  static void ok(cudaError_t e, const char* what) {
+    if (e != cudaSuccess) throw CudaError(std::string("epx bench --graph: ") + what + ": " + cudaGetErrorString(e));
+  }
+  cudaGraphExec_t exec_ = nullptr;
+};
+
+/// --graph: after the rank alignment the GPU idles this long (200 us) before the start event, so the host has
+/// queued the timed replays by then and their launch latency on the host is not in the figure.
+constexpr long long kAlignDelayNs = 200000;
+
+/// --graph: prepare and finalize captured separately; per iteration: align, delay, event, prepare replay,
+/// event, identity experts (eager, untimed), event, finalize replay, event. Graph-safe backends only.
+void run_epx_backend_graph(const Job& job, const BenchCase& c, int64_t T, const std::shared_ptr<Group>& group, Device dev,
+                           const TensorView& x, const TensorView& idx, const TensorView& wts, int warmup, int iters, Stream stream,
+                           IterTimer& timer, RankJobResult& res) {
+  const int R = group->size(), rank = group->rank();
+  const DispatchConfig cfg = dispatch_config(c, T, job.dtype);
+  auto pf = make_prepare_finalize(job.backend, group, cfg);
+  if (!pf->capabilities().graph_safe)
+    throw Unsupported("epx bench --graph: backend " + job.backend + " is not graph-safe (it waits on the host in every call)");
+  auto experts = make_identity_experts(num_local_experts(cfg, R, rank), c.hidden, dev);
+  Tensor out = Tensor::empty({T, c.hidden}, DType::bf16, dev);
+  const Tensor word = Tensor::zeros({1}, DType::fp32, dev);
+  Tensor num_tokens = Tensor::empty({1}, DType::int32, dev);
+  auto set_tokens = [&](int32_t v) {
+    if (cudaMemcpy(num_tokens.data(), &v, 4, cudaMemcpyHostToDevice) != cudaSuccess) throw CudaError("epx bench --graph: num_tokens upload");
+  };
+  set_tokens(static_cast<int32_t>(T));
+  DispatchArgs a;
+  a.x = x;
+  a.topk_idx = idx;
+  a.topk_weights = wts;
+  a.stream = stream;
+  a.num_tokens = num_tokens;
+  // One eager round first (module load, first-touch), then capture.
+  PrepareResult p = pf->prepare(a);
+  std::vector<int64_t> dims(p.x.shape.begin(), p.x.shape.begin() + p.x.ndim);
+  Tensor expert_out = Tensor::empty(dims, DType::bf16, dev);
+  experts->apply(p.experts_input(), expert_out, stream);
+  pf->finalize({expert_out, out, stream});
+  timer.sync();
+  CapturedGraph gp, gf;
+  gp.capture(stream, [&] { p = pf->prepare(a); });
+  gf.capture(stream, [&] { pf->finalize({expert_out, out, stream}); });
+  auto iteration = [&](bool timed, std::vector<double>& d_us, std::vector<double>& c_us) {
+    if (timed) {
+      align_ranks(*group, word, stream);
+      dispatch::launch_gpu_delay(kAlignDelayNs, static_cast<cudaStream_t>(stream.handle));
+      timer.mark(0);
+    }
+    gp.launch(stream);
+    if (timed) timer.mark(1);
+    experts->apply(p.experts_input(), expert_out, stream);
+    if (timed) timer.mark(2);
+    gf.launch(stream);
+    if (timed) {
+      timer.mark(3);
+      const auto [d, cmb] = timer.finish();
+      d_us.push_back(d);
+      c_us.push_back(cmb);
+    }
+  };
+  std::vector<double> scratch_d, scratch_c;
+  for (int i = 0; i < warmup; ++i) iteration(false, scratch_d, scratch_c);
+  timer.sync();
+  for (int i = 0; i < iters; ++i) iteration(true, res.dispatch_us, res.combine_us);
+  timer.sync();
+  auto print_trace = [&](const char* what) {
+    if (auto* ll = dynamic_cast<dispatch::LlCuda*>(pf.get())) {
+      const std::vector<double> tr = ll->trace();
+      std::ostringstream os;
+      os << std::fixed << std::setprecision(2) << "epx bench: ll kernel timeline, rank " << rank << ", " << what
+         << " (us from kernel start, last iteration): dispatch flags stored " << tr[0] << ", waits done " << tr[1] << ", done " << tr[2]
+         << "; combine flags stored " << tr[3] << ", waits done " << tr[4] << ", done " << tr[5] << "\n";
+      std::cerr << os.str();
+    }
+  };
+  if (auto* ll = dynamic_cast<dispatch::LlCuda*>(pf.get())) ll->check(stream);
+  print_trace("T per rank");
+  res.out = out.to(Device::cpu());
+  // The fixed floor: the same graphs with one token per rank.
+  set_tokens(std::min<int32_t>(1, static_cast<int32_t>(T)));
+  for (int i = 0; i < warmup; ++i) iteration(false, scratch_d, scratch_c);
+  timer.sync();
+  for (int i = 0; i < iters; ++i) iteration(true, res.dispatch_us_1tok, res.combine_us_1tok);
+  timer.sync();
+  print_trace("T = 1");
+  if (auto* ll = dynamic_cast<dispatch::LlCuda*>(pf.get())) {
+    ll->check(stream);
+    int sms = 0;
+    (void)cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev.index);
+    res.sms = std::min(ll->num_blocks(), sms);
+  }
+  res.graph = true;
+  group->barrier();
+}
+#endif
+
 /// The dispatch -> identity experts -> combine round trip of one backend on one rank, `warmup` +
 /// `iters` times; times prepare and finalize of the last `iters`. Collective.
 void run_epx_backend(const Job& job, const BenchCase& c, int64_t T, const std::shared_ptr<Group>& group, Device dev,
@@ -218,7 +351,7 @@ void run_epx_backend(const Job& job, const BenchCase& c, int64_t T, const std::s
 /// NCCL's (or the CPU group's) all-to-all of equal blocks: rows_per_peer rows of `row_bytes` to
 /// every rank (incl. self), once at the dispatch row size and once at the bf16 combine size.
 void run_raw_a2a(const BenchCase& c, DType dtype, int64_t rows_per_peer, const std::shared_ptr<Group>& group, Device dev,
-                 int warmup, int iters, Stream stream, IterTimer& timer, RankJobResult& res) {
+                 int warmup, int iters, Stream stream, IterTimer& timer, RankJobResult& res, bool graph) {
   const int R = group->size();
   const int64_t disp_row = dtype == DType::fp8_e4m3 ? c.hidden + c.hidden / kFp8GroupSize * 4 : 2 * c.hidden;
   const int64_t comb_row = 2 * c.hidden;
@@ -228,17 +361,40 @@ void run_raw_a2a(const BenchCase& c, DType dtype, int64_t rows_per_peer, const s
   Tensor send_c = Tensor::zeros({std::max<int64_t>(1, R * rows_per_peer * comb_row)}, DType::uint8, dev);
   Tensor recv_c = Tensor::zeros({std::max<int64_t>(1, R * rows_per_peer * comb_row)}, DType::uint8, dev);
   const Tensor word = Tensor::zeros({1}, DType::fp32, dev);
+  std::function<void()> disp_call = [&] { group->all_to_allv(send_d.data(), disp, recv_d.data(), disp, stream); };
+  std::function<void()> comb_call = [&] { group->all_to_allv(send_c.data(), comb, recv_c.data(), comb, stream); };
+#ifdef EPX_WITH_CUDA
+  CapturedGraph gd, gc;
+  if (graph && dev.is_cuda()) {
+    // NCCL send/recv are capturable (NCCL >= 2.9); if this NCCL refuses, time eagerly and say so.
+    try {
+      gd.capture(stream, disp_call);
+      gc.capture(stream, comb_call);
+      disp_call = [&] { gd.launch(stream); };
+      comb_call = [&] { gc.launch(stream); };
+      res.graph = true;
+    } catch (const std::exception& e) {
+      std::cerr << "epx bench --graph: nccl_a2a_raw capture failed (" << e.what() << "), timing it eagerly\n";
+      group->barrier();
+    }
+  }
+#else
+  (void)graph;
+#endif
   auto once = [&](bool timed) {
     if (timed) {
       align_ranks(*group, word, stream);
+#ifdef EPX_WITH_CUDA
+      if (res.graph) dispatch::launch_gpu_delay(kAlignDelayNs, static_cast<cudaStream_t>(stream.handle));
+#endif
       timer.mark(0);
     }
-    group->all_to_allv(send_d.data(), disp, recv_d.data(), disp, stream);
+    disp_call();
     if (timed) {
       timer.mark(1);
       timer.mark(2);
     }
-    group->all_to_allv(send_c.data(), comb, recv_c.data(), comb, stream);
+    comb_call();
     if (timed) {
       timer.mark(3);
       const auto [d, cmb] = timer.finish();
@@ -315,8 +471,15 @@ void run_jobs_on_rank(const BenchOptions& o, const std::vector<BenchCase>& cases
     res.valid_selections = in.valid_selections;
     res.dedup_rows = in.dedup_rows;
     try {
-      if (job.backend == kRaw) run_raw_a2a(c, job.dtype, rows_per_peer, group, dev, o.warmup, o.iters, stream, timer, res);
-      else run_epx_backend(job, c, T, group, dev, x, idx, wts, o.warmup, o.iters, stream, timer, res);
+      if (job.backend == kRaw) {
+        run_raw_a2a(c, job.dtype, rows_per_peer, group, dev, o.warmup, o.iters, stream, timer, res, o.graph);
+      } else if (o.graph) {
+#ifdef EPX_WITH_CUDA
+        run_epx_backend_graph(job, c, T, group, dev, x, idx, wts, o.warmup, o.iters, stream, timer, res);
+#endif
+      } else {
+        run_epx_backend(job, c, T, group, dev, x, idx, wts, o.warmup, o.iters, stream, timer, res);
+      }
     } catch (const Unsupported& e) {
       res.status = 1;
       res.message = e.what();
@@ -350,6 +513,13 @@ void run_jobs_on_rank(const BenchOptions& o, const std::vector<BenchCase>& cases
   std::vector<double> d(static_cast<size_t>(n * R)), cmb(static_cast<size_t>(n * R));
   g.all_gather(mine.dispatch_us.data(), d.data(), n * 8);
   g.all_gather(mine.combine_us.data(), cmb.data(), n * 8);
+  const int64_t n1 = static_cast<int64_t>(mine.dispatch_us_1tok.size());  // the same on every rank (same job)
+  std::vector<double> d1(static_cast<size_t>(n1 * R)), c1(static_cast<size_t>(n1 * R));
+  if (n1 > 0) {
+    g.all_gather(mine.dispatch_us_1tok.data(), d1.data(), n1 * 8);
+    g.all_gather(mine.combine_us_1tok.data(), c1.data(), n1 * 8);
+  }
+  const std::vector<int64_t> sms = g.all_gather_i64(mine.sms), graphs = g.all_gather_i64(mine.graph ? 1 : 0);
   const std::vector<int64_t> sel = g.all_gather_i64(mine.valid_selections), dd = g.all_gather_i64(mine.dedup_rows);
   const std::vector<int64_t> md = g.all_gather_i64(mine.moved_bytes_dispatch), mc = g.all_gather_i64(mine.moved_bytes_combine);
   const bool has_out = mine.out.defined();
@@ -369,6 +539,10 @@ void run_jobs_on_rank(const BenchOptions& o, const std::vector<BenchCase>& cases
     RankJobResult& r = acc.ranks[q];
     r.dispatch_us.assign(d.begin() + q * n, d.begin() + (q + 1) * n);
     r.combine_us.assign(cmb.begin() + q * n, cmb.begin() + (q + 1) * n);
+    r.dispatch_us_1tok.assign(d1.begin() + q * n1, d1.begin() + (q + 1) * n1);
+    r.combine_us_1tok.assign(c1.begin() + q * n1, c1.begin() + (q + 1) * n1);
+    r.sms = sms[q];
+    r.graph = graphs[q] != 0;
     r.valid_selections = sel[q];
     r.dedup_rows = dd[q];
     r.moved_bytes_dispatch = md[q];
@@ -501,18 +675,21 @@ int report(const BenchOptions& o, const std::vector<BenchCase>& cases, const std
       }
     }
     if (status == 2) ok = false;
+    const bool has_1tok = status == 0 && !jr.ranks.empty() && !jr.ranks[0].dispatch_us_1tok.empty();
+    for (const bool one_token : {false, true})
     for (const char* op_name : {"dispatch", "combine"}) {
+      if (one_token && !has_1tok) continue;
       const std::string op = op_name;
       std::vector<double> per_iter;
       double bytes = 0, moved = 0;
       if (status == 0) {
-        const size_t n = jr.ranks[0].dispatch_us.size();
+        const size_t n = one_token ? jr.ranks[0].dispatch_us_1tok.size() : jr.ranks[0].dispatch_us.size();
         per_iter.assign(n, 0.0);
         for (const RankJobResult& r : jr.ranks) {
-          const auto& v = op == "dispatch" ? r.dispatch_us : r.combine_us;
+          const auto& v = one_token ? (op == "dispatch" ? r.dispatch_us_1tok : r.combine_us_1tok) : (op == "dispatch" ? r.dispatch_us : r.combine_us);
           for (size_t i = 0; i < n && i < v.size(); ++i) per_iter[i] = std::max(per_iter[i], v[i]);
           const int64_t count = c.accounting == "deepep-ll" ? r.valid_selections : r.dedup_rows;
-          bytes += static_cast<double>(count * bytes_per_selection(c, job.dtype, op)) / R;
+          if (!one_token) bytes += static_cast<double>(count * bytes_per_selection(c, job.dtype, op)) / R;
           moved += static_cast<double>(op == "dispatch" ? r.moved_bytes_dispatch : r.moved_bytes_combine) / R;
         }
       }
@@ -521,12 +698,13 @@ int report(const BenchOptions& o, const std::vector<BenchCase>& cases, const std
       const double gbps = ran && p50 > 0 ? bytes / (p50 * 1e3) : NAN;
       const Prediction pred = predict(c.name, job.dtype, job.backend, op, R);
       // Predictions were written for the GPUs at the case's own shape and uniform routing.
-      const bool has_pred = pred.predicted_us > 0 && cuda && T == c.tokens_per_rank && o.routing == "uniform";
+      const bool has_pred = !one_token && pred.predicted_us > 0 && cuda && T == c.tokens_per_rank && o.routing == "uniform";
+      const bool row_validated = validated && !one_token;
       json row = {
           {"case", c.name},
           {"backend", job.backend},
           {"op", op},
-          {"tokens_per_rank", T},
+          {"tokens_per_rank", one_token ? int64_t{1} : T},
           {"hidden", c.hidden},
           {"top_k", c.top_k},
           {"num_experts", c.num_experts},
@@ -537,40 +715,52 @@ int report(const BenchOptions& o, const std::vector<BenchCase>& cases, const std
           {"latency_us_p50", ran ? json(p50) : json(nullptr)},
           {"latency_us_p10", ran ? json(percentile(per_iter, 10)) : json(nullptr)},
           {"latency_us_p90", ran ? json(percentile(per_iter, 90)) : json(nullptr)},
-          {"gbps", std::isfinite(gbps) ? json(gbps) : json(nullptr)},
+          {"gbps", std::isfinite(gbps) && !one_token ? json(gbps) : json(nullptr)},
           {"accounting", c.accounting},
           {"bytes_per_rank", ran ? json(bytes) : json(nullptr)},
           {"tflops", nullptr},
           {"fraction_of_peak", nullptr},
-          {"sms", nullptr},
+          {"sms", status == 0 && jr.ranks[0].sms > 0 ? json(jr.ranks[0].sms) : json(nullptr)},
+          {"timing", status == 0 && jr.ranks[0].graph ? "cuda-graph replay" : "eager"},
           {"iterations", ran ? json(per_iter.size()) : json(0)},
           {"warmup", o.warmup},
-          {"validated", validated},
-          {"max_rel_error", validated ? json(max_rel) : json(nullptr)},
-          {"rel_l2_error", validated ? json(rel_l2) : json(nullptr)},
-          {"reference", validated ? json(reference) : json(job.backend == kRaw ? "none: data movement only" : "none")},
+          {"validated", row_validated},
+          {"max_rel_error", row_validated ? json(max_rel) : json(nullptr)},
+          {"rel_l2_error", row_validated ? json(rel_l2) : json(nullptr)},
+          {"reference", row_validated ? json(reference)
+                                      : json(job.backend == kRaw ? "none: data movement only"
+                                                                 : one_token ? "none: latency floor (same graphs, device-side T = 1)" : "none")},
           {"predicted_us", has_pred ? json(pred.predicted_us) : json(nullptr)},
           {"prediction", has_pred ? json(pred.derivation) : json(nullptr)},
           {"ratio_to_predicted", has_pred && ran ? json(p50 / pred.predicted_us) : json(nullptr)},
           {"status", status == 0 ? (validated && !(rel_l2 <= kRelL2Tolerance) ? "FAIL" : "ran") : status == 1 ? "unsupported" : "error"},
       };
       if (job.backend == kRaw && ran) row["moved_bytes_per_rank"] = moved;
+      if (one_token) row["note"] = "1 token per rank: the fixed floor, the same captured graphs replayed with num_tokens = 1 on the device";
       if (!message.empty()) row["message"] = message;
       rows.push_back(row);
-      table << std::left << std::setw(7) << c.name << std::setw(9) << dtype_name(job.dtype) << std::setw(25) << job.backend
-            << std::setw(9) << op << std::right << std::setw(10) << (ran ? fixed(p50, 1) : "-") << std::setw(10)
+      table << std::left << std::setw(7) << c.name << std::setw(9) << dtype_name(job.dtype) << std::setw(25)
+            << (one_token ? job.backend + " (T=1)" : job.backend) << std::setw(9) << op << std::right << std::setw(10) << (ran ? fixed(p50, 1) : "-") << std::setw(10)
             << (ran ? fixed(percentile(per_iter, 10), 1) : "-") << std::setw(10) << (ran ? fixed(percentile(per_iter, 90), 1) : "-")
-            << std::setw(9) << fixed(gbps, 1) << std::setw(11) << (has_pred ? fixed(pred.predicted_us, 0) : "-") << std::setw(7)
+            << std::setw(9) << (one_token ? std::string("-") : fixed(gbps, 1)) << std::setw(11) << (has_pred ? fixed(pred.predicted_us, 0) : "-") << std::setw(7)
             << (has_pred && ran ? fixed(p50 / pred.predicted_us, 2) : "-") << "  " << std::left
             << (status == 1 ? "unsupported" : status == 2 ? "ERROR" : validated ? (rel_l2 <= kRelL2Tolerance ? "yes" : "FAIL") : "n/a")
             << "\n";
     }
     if (!message.empty()) table << "  " << job.backend << ": " << message << "\n";
   }
+  // Ratio to NCCL's raw all-to-all measured in the same run (same case, dispatch dtype, op, tokens).
+  for (auto& row : rows) {
+    if (row["backend"] == kRaw || row["latency_us_p50"].is_null()) continue;
+    for (const auto& raw : rows)
+      if (raw["backend"] == kRaw && raw["case"] == row["case"] && raw["dispatch_dtype"] == row["dispatch_dtype"] && raw["op"] == row["op"] &&
+          raw["tokens_per_rank"] == row["tokens_per_rank"] && !raw["latency_us_p50"].is_null())
+        row["speedup_vs_nccl_a2a_raw"] = raw["latency_us_p50"].get<double>() / row["latency_us_p50"].get<double>();
+  }
   std::cout << table.str();
   std::cout << "GB/s: bytes per rank (mean over ranks) / p50; accounting per case (ANCHORS.md): ";
   for (const BenchCase& c : cases) std::cout << c.name << " " << c.accounting << "  ";
-  std::cout << "\nlatency: per iteration the slowest rank's, " << (cuda ? "CUDA events" : "host clock") << ", after " << o.warmup
+  std::cout << "\nlatency: per iteration the slowest rank's, " << (cuda ? (o.graph ? "CUDA events around CUDA-graph replays" : "CUDA events") : "host clock") << ", after " << o.warmup
             << " warm-up iterations; expert step = identity (untimed)\n";
 
   if (!o.json.empty()) {
@@ -622,6 +812,9 @@ Prediction predict(const std::string& case_name, DType dtype, const std::string&
                   : Prediction{80, "all-reduce of [256, 7168] bf16 (3.7 MB) ~40 us + host sync: 60-100 us"};
     if (backend == "allgather_reducescatter")
       return disp ? Prediction{80, "same gather as naive: 60-100 us"} : Prediction{40, "reduce-scatter moves half of naive's all-reduce: 30-50 us"};
+    if (backend == "ll")  // bench/NOTES.md "LL kernels (issue 4)", graph replay
+      return disp ? Prediction{9, "0.5 launch + ~2 send items + 0.95 MB remote at ~300 GB/s (overlapped) + 1.3 signal + ~3 expansion: 8-9 us"}
+                  : Prediction{27, "7.3 MB of bf16 slot rows remote at ~350 GB/s (~21 us) + 1.3 signal + ~4 column-order reduction: 26-28 us"};
     if (backend == "all2allv")
       return disp ? Prediction{100, "host sync for per-destination counts + pack + grouped send/recv (~57 us like raw) + unpack: 80-120 us"}
                   : Prediction{75, "grouped send/recv of bf16 rows + unpack: 60-90 us"};
@@ -679,6 +872,7 @@ int run_bench(const BenchOptions& options, const std::string& command) {
     require_arg(kOp, "--ranks", o.ranks, o.ranks <= gpus,
                 "must be <= the visible GPUs = " + std::to_string(gpus) + " with --device cuda (one process per GPU)");
   }
+  require_arg(kOp, "--graph", "set", !o.graph || cuda, "needs --device cuda (CUDA graphs)");
   const std::vector<Job> jobs = make_jobs(o, cases);
   const int R = o.ranks;
   std::cout << "epx bench: " << cases.size() << " case(s), " << jobs.size() << " (case, dtype, backend) jobs, " << R << " ranks on "

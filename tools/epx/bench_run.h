@@ -19,6 +19,14 @@
 // identity formula out[t] = sum_k w[t,k] * round_bf16(x~[t]) instead.
 // --device cuda: one process per GPU through the epx launcher; rank 0 validates and reports after
 // the other ranks have finished.
+// --graph (cuda): prepare and finalize of each graph-safe backend (ll) are captured in two CUDA graphs
+// (separately; the identity expert step runs eagerly between them, untimed) and each timed
+// iteration replays them, with CUDA events around each replay (after the alignment the GPU idles
+// 200 us before the start event, so the host has queued the replay: its host launch cost is out); nccl_a2a_raw is captured the same
+// way (eager if NCCL refuses the capture). Backends that are not graph-safe (a host sync per call)
+// report "unsupported". ll also reports the latency at 1 token per rank (the fixed floor): the same
+// graphs replayed with the device-side token count (DispatchArgs::num_tokens) set to 1, and the
+// SMs its kernels use; rows get speedup_vs_nccl_a2a_raw (raw p50 / p50, same case, dtype, op).
 #pragma once
 
 #include <cstdint>
@@ -45,6 +53,7 @@ struct BenchOptions {
   std::string json;
   std::string config;
   std::string device_name_for_report;  ///< set by run_bench on CUDA ("2 x NVIDIA H200")
+  bool graph = false;               ///< --graph: time CUDA-graph replays (cuda only)
 };
 
 /// A standard shape (ANCHORS.md "Standard shapes").

@@ -51,6 +51,9 @@ void add_bench_command(CLI::App& root, BenchCommand& cmd) {
       ->check(CLI::IsMember({"bf16", "fp8", "fp8_e4m3"}));
   b->add_option("--seed", o.seed, "Seed of the hidden states and routing")->capture_default_str();
   b->add_option("--json", o.json, "Write the results as a RESULTS.md JSON file here");
+  b->add_flag("--graph", o.graph,
+             "Capture prepare and finalize in CUDA graphs (separately) and time their replays (cuda; graph-safe backends + "
+             "nccl_a2a_raw); adds the 1-token-per-rank latency and the SMs used for ll");
   b->add_option("--config", o.config, "Config JSON file (default < this file < EPX_* env); see `epx info`");
   b->footer(
       "Per iteration: a group barrier, then CUDA events around prepare and around finalize (the expert step between them\n"

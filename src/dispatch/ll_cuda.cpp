@@ -1,0 +1,325 @@
+// dispatch/ll_cuda.cpp: the host side of the LL CUDA backend (ll_cuda.h).
+#include "dispatch/ll_cuda.h"
+
+#include <cuda_runtime_api.h>
+
+#include <cmath>
+#include <cstring>
+
+#include "comm/group_nccl.h"
+#include "cuda/check.h"
+#include "dispatch/backends.h"
+#include "epx/config.h"
+#include "epx/cuda.h"
+
+namespace epx::dispatch {
+namespace {
+
+std::string seconds_text(double s) {
+  char b[32];
+  std::snprintf(b, sizeof b, "%g", s);
+  return b;
+}
+
+bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
+}  // namespace
+
+LlCuda::LlCuda(std::shared_ptr<Group> group, const DispatchConfig& cfg, const LlLaunch& launch)
+    : PrepareFinalizeBase("ll", ActivationLayout::ExpertMajor, true, std::move(group), cfg), launch_(launch) {
+  const std::string op = "ll.create";
+  EPX_ASSERT(group_->device().is_cuda(), "group device = ", group_->device().str());
+  cuda::ensure_runtime();
+  cuda::DeviceGuard guard(group_->device().index);
+  accepts_device_num_tokens_ = true;
+  require_arg(op, "num_max_dispatch_tokens_per_rank", cfg.num_max_dispatch_tokens_per_rank, cfg.num_max_dispatch_tokens_per_rank > 0,
+              "must be > 0 (LL buffers are sized by it)");
+  require_arg(op, "num_ranks", num_ranks_, num_ranks_ <= kLlMaxRanks, "must be <= " + std::to_string(kLlMaxRanks) + " for the LL kernels");
+  require_arg(op, "top_k", cfg.top_k, cfg.top_k <= kLlMaxTopK, "must be <= " + std::to_string(kLlMaxTopK) + " for the LL kernels");
+  require_arg(op, "ll.warps_per_block", launch.warps_per_block, launch.warps_per_block >= 1 && launch.warps_per_block <= 32,
+              "must be in [1, 32]");
+  require_arg(op, "ll.num_blocks", launch.num_blocks, launch.num_blocks >= 0, "must be >= 0 (0 = one per SM)");
+  require_arg(op, "timeout_s", launch.timeout_s, launch.timeout_s > 0, "must be > 0");
+  layout_ = ll_layout(cfg_, num_ranks_);
+
+  threads_ = 32 * launch.warps_per_block;
+  int sms = 0;
+  EPX_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, group_->device().index));
+  blocks_ = launch.num_blocks > 0 ? launch.num_blocks : sms;
+  require_arg(op, "ll.num_blocks", blocks_, blocks_ <= LlLayout::kMaxSignalBlocks,
+              "must be <= " + std::to_string(LlLayout::kMaxSignalBlocks) + " (one signal word per send block, ll_layout.h)");
+  const size_t dsmem = ll_dispatch_smem_bytes(layout_), csmem = ll_combine_smem_bytes(num_local_);
+  require_arg(op, "num_max_dispatch_tokens_per_rank", cfg.num_max_dispatch_tokens_per_rank, dsmem <= 200 * 1024,
+              "needs " + std::to_string(dsmem) + " bytes of shared memory per block with " + std::to_string(num_ranks_) +
+                  " ranks (at most 204800): use a smaller capacity");
+  const int resident = ll_max_resident_blocks(threads_, dsmem, csmem);
+  require_arg(op, "ll.num_blocks", blocks_, blocks_ <= resident,
+              "must be <= " + std::to_string(resident) + " (blocks of " + std::to_string(threads_) +
+                  " threads that fit on the GPU at once; every LL block may wait on peers)");
+
+  // Every rank learns every rank's block count (the signal targets); collective, like the buffer.
+  const std::vector<int64_t> all_blocks = group_->all_gather_i64(blocks_);
+  buffer_ = group_->alloc_symmetric(layout_.total_bytes());
+  for (int r = 0; r < num_ranks_; ++r)
+    if (buffer_.peers[static_cast<size_t>(r)] == nullptr)
+      throw Unsupported(op + ": rank " + std::to_string(r) + " is not load/store accessible from rank " + std::to_string(rank_) +
+                        " (no LSA peer pointer): the LL kernels need all ranks in one NVLink domain");
+
+  const Device dev = group_->device();
+  state_ = Tensor::zeros({static_cast<int64_t>(sizeof(LlDeviceState))}, DType::uint8, dev);
+  void* host = nullptr;
+  EPX_CUDA_CHECK(cudaHostAlloc(&host, sizeof(LlErrorReport), cudaHostAllocMapped));
+  std::memset(host, 0, sizeof(LlErrorReport));
+  report_host_ = static_cast<LlErrorReport*>(host);
+  void* report_dev = nullptr;
+  EPX_CUDA_CHECK(cudaHostGetDevicePointer(&report_dev, host, 0));
+
+  common_.lay = layout_;
+  common_.placement = placement_;
+  common_.rank = rank_;
+  common_.num_local = num_local_;
+  common_.local = static_cast<uint8_t*>(buffer_.local);
+  for (int r = 0; r < num_ranks_; ++r) {
+    common_.peers[r] = static_cast<uint8_t*>(buffer_.peers[static_cast<size_t>(r)]);
+    common_.src_blocks[r] = static_cast<int32_t>(all_blocks[static_cast<size_t>(r)]);
+  }
+  common_.state = state_.ptr<LlDeviceState>();
+  common_.error = static_cast<LlErrorReport*>(report_dev);
+  common_.timeout_ns = static_cast<long long>(std::llround(launch.timeout_s * 1e9));
+
+  const int64_t L = num_local_, cap = static_cast<int64_t>(num_ranks_) * cfg.num_max_dispatch_tokens_per_rank, H = cfg.hidden;
+  const int64_t max_t = cfg.num_max_dispatch_tokens_per_rank, K = cfg.top_k;
+  x_ = Tensor::zeros({L, cap, H}, layout_.use_fp8 ? DType::fp8_e4m3 : DType::bf16, dev);
+  if (layout_.use_fp8) x_scales_ = Tensor::zeros({L, cap, H / kFp8GroupSize}, DType::fp32, dev);
+  recv_count_ = Tensor::zeros({L}, DType::int32, dev);
+  handle_.src_rank = Tensor::zeros({L, cap}, DType::int32, dev);
+  handle_.src_token = Tensor::zeros({L, cap}, DType::int32, dev);
+  handle_.topk_column = Tensor::zeros({L, cap}, DType::int32, dev);
+  handle_.layout_range = Tensor::zeros({L, num_ranks_}, DType::int64, dev);
+  first_col_ = Tensor::zeros({max_t, K}, DType::int32, dev);
+  weights_ = Tensor::zeros({max_t, K}, DType::fp32, dev);
+  EPX_CUDA_CHECK(cudaDeviceSynchronize());  // zero fills done before any peer can signal
+  group_->barrier();
+}
+
+LlCuda::~LlCuda() {
+  // Quiesce this GPU's kernels (each bounded by timeout_s) before the buffers go.
+  (void)cudaSetDevice(group_->device().index);
+  (void)cudaDeviceSynchronize();
+  if (report_host_) (void)cudaFreeHost(report_host_);
+}
+
+std::optional<std::string> LlCuda::why_unsupported(const DispatchArgs& args) const {
+  if (auto why = PrepareFinalizeBase::why_unsupported(args)) return why;
+  if (args.num_tokens.defined() && args.num_tokens.device != group_->device())
+    return wrong_device(op_prepare_, "num_tokens", args.num_tokens.device);
+  return std::nullopt;
+}
+
+void LlCuda::throw_reported(bool argument_errors) {
+  if (broken_) throw Timeout(broken_message_);
+  const volatile LlErrorReport* r = report_host_;
+  const int32_t kind = r->kind;
+  if (kind == LlErrorReport::none || (kind != LlErrorReport::timeout && !argument_errors)) return;
+  const int peer = r->peer;
+  const std::string op = r->op == LlErrorReport::dispatch ? "ll.prepare (dispatch)" : "ll.finalize (combine)";
+  const long long value = r->value, index = r->index;
+  if (kind == LlErrorReport::timeout) {
+    broken_ = true;
+    broken_message_ = op + ": rank " + std::to_string(rank_) + " waited more than timeout_s = " + seconds_text(launch_.timeout_s) +
+                      " s for rank " + std::to_string(peer) + " (call " + std::to_string(value) +
+                      " of this object): the peer did not make the same call, crashed, or its GPU is blocked; this object "
+                      "is unusable now (recreate the group)";
+    throw Timeout(broken_message_);
+  }
+  // A device-side argument error: the call sent nothing for it and the sequence stayed consistent,
+  // so the object stays usable once the report is cleared.
+  const_cast<LlErrorReport*>(report_host_)->kind = LlErrorReport::none;
+  EPX_CUDA_CHECK(cudaMemset(&state_.ptr<LlDeviceState>()->error_claim, 0, sizeof(int32_t)));
+  if (kind == LlErrorReport::bad_num_tokens)
+    throw InvalidArgument(arg_message(op_prepare_, "num_tokens", value,
+                                      "must be in [0, x.shape[0] = " + std::to_string(index) +
+                                          "] (read on the device; that call sent no tokens)"));
+  throw InvalidArgument(bad_topk_id(op_prepare_, cfg_, index / cfg_.top_k, index % cfg_.top_k, value).what() +
+                        std::string(" (read on the device; that selection was dropped)"));
+}
+
+void LlCuda::check(Stream stream) {
+  cuda::DeviceGuard guard(group_->device().index);
+  EPX_CUDA_CHECK(cudaStreamSynchronize(cuda::native(stream)));
+  throw_reported(true);
+}
+
+void LlCuda::check_prepare_args(const DispatchArgs& args) {
+  throw_reported(true);
+  LocalError err = check_args(args);
+  if (err.kind == LocalError::unsupported) throw Unsupported(err.message);
+  if (err.kind != LocalError::none) throw InvalidArgument(err.message);
+  if (auto why = why_unsupported(args)) throw Unsupported(*why);
+  const std::string& op = op_prepare_;
+  require_arg(op, "x.data", args.x.describe(), args.x.shape[0] == 0 || aligned16(args.x.data),
+              "must be 16-byte aligned (the LL kernels move 16-byte vectors)");
+  if (args.num_tokens.defined()) {
+    check_dtype(op, "num_tokens", args.num_tokens, {DType::int32});
+    require_arg(op, "num_tokens.numel", args.num_tokens.numel(), args.num_tokens.numel() == 1, "must be 1 ([1] int32 on the GPU)");
+  }
+}
+
+LlDispatchParams LlCuda::dispatch_params(const DispatchArgs& args, bool send, bool recv) {
+  LlDispatchParams p;
+  p.c = common_;
+  p.send = send;
+  p.recv = recv;
+  p.ue8m0 = cfg_.use_ue8m0;
+  if (send) {
+    p.x = args.x.ptr<const uint16_t>();
+    p.x_rows = args.x.shape[0];
+    p.topk_idx = args.topk_idx.data;
+    p.idx64 = args.topk_idx.dtype == DType::int64;
+    p.topk_weights = args.topk_weights.ptr<const float>();
+    p.num_tokens = args.num_tokens.defined() ? args.num_tokens.ptr<const int32_t>() : nullptr;
+  }
+  p.out_x = static_cast<uint8_t*>(x_.data());
+  p.out_scales = layout_.use_fp8 ? x_scales_.ptr<float>() : nullptr;
+  p.recv_count = recv_count_.ptr<int32_t>();
+  p.src_rank = handle_.src_rank.ptr<int32_t>();
+  p.src_token = handle_.src_token.ptr<int32_t>();
+  p.topk_column = handle_.topk_column.ptr<int32_t>();
+  p.layout_range = handle_.layout_range.ptr<int64_t>();
+  p.first_col = first_col_.ptr<int32_t>();
+  p.weights = weights_.ptr<float>();
+  return p;
+}
+
+PrepareResult LlCuda::result() const {
+  PrepareResult res;
+  res.layout = ActivationLayout::ExpertMajor;
+  res.x = x_.view();
+  res.x_scales = x_scales_.view();
+  res.recv_count = recv_count_.view();
+  res.num_recv_tokens = num_local_ == 0 ? 0 : -1;
+  return res;
+}
+
+PrepareResult LlCuda::prepare(const DispatchArgs& args) {
+  cuda::DeviceGuard guard(group_->device().index);
+  check_prepare_args(args);
+  stats_ = {};
+  launch_ll_dispatch(dispatch_params(args, true, true), blocks_, threads_, cuda::native(args.stream));
+  prepared_ = true;
+  prepared_tokens_ = args.x.shape[0];
+  return result();
+}
+
+PrepareResult LlCuda::prepare_send(const DispatchArgs& args) {
+  cuda::DeviceGuard guard(group_->device().index);
+  check_prepare_args(args);
+  stats_ = {};
+  launch_ll_dispatch(dispatch_params(args, true, false), blocks_, threads_, cuda::native(args.stream));
+  prepared_ = true;
+  prepared_tokens_ = args.x.shape[0];
+  return result();
+}
+
+void LlCuda::prepare_recv(Stream stream) {
+  cuda::DeviceGuard guard(group_->device().index);
+  throw_reported(false);
+  require_arg(op_prepare_, "prepare_recv", "called", prepared_, "needs a prepare_send first");
+  launch_ll_dispatch(dispatch_params(DispatchArgs{}, false, true), blocks_, threads_, cuda::native(stream));
+}
+
+void LlCuda::check_finalize_args(const FinalizeArgs& args) {
+  throw_reported(false);  // a device-side argument error of the matching prepare: check() / the next prepare
+  const std::string& op = op_finalize_;
+  if (!prepared_) throw InvalidArgument(op + ": no prepare to finalize: every rank calls prepare first (also with T = 0)");
+  for (const auto& [arg, t] : {std::pair<const char*, const TensorView*>{"expert_out", &args.expert_out}, {"out", &args.out}})
+    if (t->device != group_->device()) throw Unsupported(wrong_device(op, arg, t->device));
+  const int64_t cap = static_cast<int64_t>(num_ranks_) * cfg_.num_max_dispatch_tokens_per_rank;
+  check_dtype(op, "expert_out", args.expert_out, {DType::bf16});
+  require_arg(op, "expert_out.shape", args.expert_out.describe(),
+              args.expert_out.ndim == 3 && args.expert_out.shape[0] == num_local_ && args.expert_out.shape[1] == cap &&
+                  args.expert_out.shape[2] == cfg_.hidden,
+              "must be [" + std::to_string(num_local_) + ", " + std::to_string(cap) + ", " + std::to_string(cfg_.hidden) + "]");
+  check_contiguous(op, "expert_out", args.expert_out);
+  check_dtype(op, "out", args.out, {DType::bf16});
+  require_arg(op, "out.shape", args.out.describe(),
+              args.out.ndim == 2 && args.out.shape[0] == prepared_tokens_ && args.out.shape[1] == cfg_.hidden,
+              "must be [" + std::to_string(prepared_tokens_) + ", " + std::to_string(cfg_.hidden) + "] (T of the last prepare)");
+  check_contiguous(op, "out", args.out);
+  require_arg(op, "out.data", args.out.describe(), prepared_tokens_ == 0 || aligned16(args.out.data), "must be 16-byte aligned");
+  require_arg(op, "expert_out.data", args.expert_out.describe(), num_local_ == 0 || aligned16(args.expert_out.data),
+              "must be 16-byte aligned");
+}
+
+void LlCuda::finalize(const FinalizeArgs& args) {
+  cuda::DeviceGuard guard(group_->device().index);
+  check_finalize_args(args);
+  LlCombineParams p;
+  p.c = common_;
+  p.expert_out = args.expert_out.ptr<const uint16_t>();
+  p.out = args.out.ptr<uint16_t>();
+  p.recv_count = recv_count_.ptr<const int32_t>();
+  p.src_rank = handle_.src_rank.ptr<const int32_t>();
+  p.src_token = handle_.src_token.ptr<const int32_t>();
+  p.topk_column = handle_.topk_column.ptr<const int32_t>();
+  p.first_col = first_col_.ptr<const int32_t>();
+  p.weights = weights_.ptr<const float>();
+  launch_ll_combine(p, blocks_, threads_, cuda::native(args.stream));
+}
+
+void LlCuda::finalize_send(const FinalizeArgs& args) {
+  cuda::DeviceGuard guard(group_->device().index);
+  check_finalize_args(args);
+  LlCombineParams p;
+  p.c = common_;
+  p.recv = false;
+  p.expert_out = args.expert_out.ptr<const uint16_t>();
+  p.recv_count = recv_count_.ptr<const int32_t>();
+  p.src_rank = handle_.src_rank.ptr<const int32_t>();
+  p.src_token = handle_.src_token.ptr<const int32_t>();
+  p.topk_column = handle_.topk_column.ptr<const int32_t>();
+  launch_ll_combine(p, blocks_, threads_, cuda::native(args.stream));
+  pending_out_ = args.out;
+}
+
+void LlCuda::finalize_recv(Stream stream) {
+  cuda::DeviceGuard guard(group_->device().index);
+  throw_reported(false);
+  require_arg(op_finalize_, "finalize_recv", "called", pending_out_.defined(), "needs a finalize_send first");
+  LlCombineParams p;
+  p.c = common_;
+  p.send = false;
+  p.out = pending_out_.ptr<uint16_t>();
+  p.first_col = first_col_.ptr<const int32_t>();
+  p.weights = weights_.ptr<const float>();
+  launch_ll_combine(p, blocks_, threads_, cuda::native(stream));
+  pending_out_ = TensorView();
+}
+
+std::vector<double> LlCuda::trace() {
+  cuda::DeviceGuard guard(group_->device().index);
+  LlDeviceState st{};
+  EPX_CUDA_CHECK(cudaDeviceSynchronize());
+  EPX_CUDA_CHECK(cudaMemcpy(&st, state_.data(), sizeof st, cudaMemcpyDeviceToHost));
+  std::vector<double> out;
+  for (int base : {0, 4})
+    for (int i = 1; i < 4; ++i)
+      out.push_back((static_cast<double>(st.trace[base + i]) - static_cast<double>(st.trace[base])) * 1e-3);
+  return out;
+}
+
+std::unique_ptr<PrepareFinalize> make_ll_cuda(std::shared_ptr<Group> group, const DispatchConfig& cfg, const LlLaunch& launch) {
+  return std::make_unique<LlCuda>(std::move(group), cfg, launch);
+}
+
+std::unique_ptr<PrepareFinalize> make_ll_cuda(std::shared_ptr<Group> group, const DispatchConfig& cfg) {
+  const Config config = Config::load();
+  LlLaunch launch;
+  launch.warps_per_block = config.ll_warps_per_block;
+  launch.num_blocks = config.ll_num_blocks;
+  launch.timeout_s = config.timeout_s;
+  if (const auto* nccl = dynamic_cast<const comm::NcclGroup*>(group.get())) launch.timeout_s = nccl->timeout_s();
+  return make_ll_cuda(std::move(group), cfg, launch);
+}
+
+}  // namespace epx::dispatch

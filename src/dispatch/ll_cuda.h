@@ -1,0 +1,132 @@
+// dispatch/ll_cuda.h: the "ll" (low-latency) backend on CUDA: our own dispatch/combine kernels
+// over NCCL symmetric memory (LSA peer pointers of Group::alloc_symmetric), DeepEP-LL compatible,
+// bit-identical to the CPU reference LlCpu (ll.h) on the same inputs: the same packed expert-major
+// layout [L, R*max_T, H], slot order (source rank, then source token), handle, bf16 payload, fp8
+// codes and scales, and the combine's fp32 column-order sum with one rounding.
+//
+// Kernels (ll_cuda_kernels.cu): one per phase, B blocks (Config ll_num_blocks, 0 = one per SM) of
+// 32 x ll_warps_per_block threads, all resident at once (checked at create).
+//   dispatch send: every block computes the destination mask of every token and the slot of token t
+//     at destination d (tokens before t going to d, a ballot scan); warps take (token, 512-element
+//     chunk) items, quantize in registers (fp8) and store 16-byte vectors straight into each
+//     destination's message slot (a token crosses NVLink once per destination rank). Then one
+//     thread per destination stores n + 1 into this block's own flag word there (release order;
+//     one word per (source, block): no contended remote atomics).
+//   dispatch recv: wait (acquire) until all B_s flags of every source reached n + 1; then block-per-
+//     local-expert: which messages select it (ballots over 32 messages), an exclusive scan (slot
+//     order = source rank, then source token), and all warps copy (slot, chunk) items into x.
+//   combine send: (slot, chunk) items copy expert_out rows straight into the source's combine
+//     region at (token, first column of that expert); signal as above.
+//   combine recv: wait, then (token, chunk) items sum w * y over columns in column order in fp32
+//     and round once to bf16.
+//
+// Protocol: call n of each part (dispatch/combine, send/recv) is derived on the device from a
+// per-object counter of finished blocks (n = counter / B), and flags are monotonic (n + 1 after
+// call n); payload regions alternate by parity n % 2. So nothing is reset,
+// the host passes no per-call values, and CUDA graphs (any number, on one object, replayed in any
+// interleaving that keeps the per-rank call sequence the same on all ranks) stay consistent.
+// Why parity is enough: a source's send of call n + 2 comes (stream order) after its receive of
+// call n + 1, which waited for every peer's send of call n + 1, which each peer issued after its
+// receive of call n: so no one still reads the parity-n region when it is overwritten.
+//
+// Rules for the caller (as with DeepEP's LL buffers): every rank makes the same sequence of calls
+// (also with T = 0); calls on one object are ordered on one stream (or by the caller); between a
+// *_send and its *_recv no other call is made on the object.
+//
+// Errors: arguments are checked on the host before anything is launched (InvalidArgument /
+// Unsupported, on this rank only: there is no host collective in a call, so a peer's call then
+// fails with Timeout naming this rank). Device-side checks (a device num_tokens outside
+// [0, x.shape[0]], a topk id outside [-1, max id]) cannot throw: the kernels send nothing for them
+// (T = 0, id = -1), write an error report into host-mapped memory, and check() or the next prepare
+// throws InvalidArgument (finalize does not, so the matching combine still completes on every rank). Every device wait is bounded by timeout_s (globaltimer); a timeout is
+// reported the same way and the next call or check() throws Timeout naming the peer and the
+// operation, and so does every later call (the call numbers of the ranks no longer agree).
+// Never __trap().
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "dispatch/ll.h"
+#include "dispatch/ll_cuda_kernels.h"
+#include "dispatch/prepare_finalize_base.h"
+
+namespace epx::dispatch {
+
+/// Launch shape and wait bound (Config ll_warps_per_block, ll_num_blocks, timeout_s).
+struct LlLaunch {
+  int warps_per_block = 32;   ///< 4..32
+  int num_blocks = 0;         ///< 0 = one per SM
+  double timeout_s = 60.0;    ///< bound of every device-side wait on a peer
+};
+
+class LlCuda final : public PrepareFinalizeBase {
+ public:
+  /// Collective (alloc_symmetric, the exchange of every rank's block count). group: an NCCL group
+  /// whose ranks all share one LSA team (one NVLink domain). Throws InvalidArgument for
+  /// num_max_dispatch_tokens_per_rank = 0, R > 32, top_k > 32, or a launch shape whose blocks
+  /// cannot all be resident; Unsupported when a peer is not load/store accessible.
+  LlCuda(std::shared_ptr<Group> group, const DispatchConfig& cfg, const LlLaunch& launch);
+  ~LlCuda() override;
+
+  /// Dispatch = prepare_send + prepare_recv in one kernel. args.num_tokens (optional, [1] int32 on
+  /// the group's GPU) gives T on the device: rows [0, T) of x / topk_* are sent, T <= x.shape[0].
+  /// PrepareResult::num_recv_tokens is -1 (the counts exist only on the device: recv_count), or 0
+  /// on a rank without local experts. Graph-safe: no host sync, no allocation.
+  PrepareResult prepare(const DispatchArgs& args) override;
+  /// Combine = finalize_send + finalize_recv in one kernel. Writes rows [0, T) of out (T of the
+  /// matching prepare, as the device knew it); rows beyond are not touched. Graph-safe.
+  void finalize(const FinalizeArgs& args) override;
+  std::optional<std::string> why_unsupported(const DispatchArgs& args) const override;
+
+  /// The send half of prepare (DeepEP's return_recv_hook): launches the sends and returns; the
+  /// result's views hold data only after prepare_recv (the hook) has run on the stream. Overlap
+  /// other work between the two; make no other call on this object in between.
+  PrepareResult prepare_send(const DispatchArgs& args);
+  /// The receive hook of prepare_send: waits for every peer's messages and expands them, on `stream`.
+  void prepare_recv(Stream stream);
+  /// The send half of finalize; finalize_recv (the hook) waits and reduces into args.out.
+  void finalize_send(const FinalizeArgs& args);
+  void finalize_recv(Stream stream);
+
+  /// Waits for the work queued on `stream`, then throws what a kernel reported (Timeout naming the
+  /// peer and operation, InvalidArgument for a bad device-side num_tokens or topk id).
+  void check(Stream stream);
+
+  /// Where each slot came from (the last prepare; device tensors).
+  const LlHandle& handle() const { return handle_; }
+  const LlLayout& layout() const { return layout_; }
+  int num_blocks() const { return blocks_; }
+  /// Diagnostics: the kernels' timeline of the last dispatch and combine (LlDeviceState::trace) as
+  /// microseconds since each kernel's start: {flags stored, waits done, all done} x {dispatch,
+  /// combine}. Synchronizes the device.
+  std::vector<double> trace();
+  int threads_per_block() const { return threads_; }
+
+ private:
+  /// Throws a reported timeout (always) or device-side argument error (when `argument_errors`:
+  /// check() and prepare; finalize and the hooks leave it to them, so the bad call's pair completes).
+  void throw_reported(bool argument_errors);
+  LlDispatchParams dispatch_params(const DispatchArgs& args, bool send, bool recv);
+  PrepareResult result() const;
+  void check_prepare_args(const DispatchArgs& args);
+  void check_finalize_args(const FinalizeArgs& args);
+
+  LlLayout layout_;
+  LlLaunch launch_;
+  int blocks_ = 0, threads_ = 0;
+  SymmetricBuffer buffer_;
+  LlCommon common_;
+  Tensor state_;  ///< LlDeviceState
+  LlErrorReport* report_host_ = nullptr;
+  Tensor x_, x_scales_, recv_count_, first_col_, weights_;
+  LlHandle handle_;
+  TensorView pending_out_;  ///< finalize_send -> finalize_recv
+  bool broken_ = false;     ///< after a timeout: every call throws
+  std::string broken_message_;
+};
+
+std::unique_ptr<PrepareFinalize> make_ll_cuda(std::shared_ptr<Group> group, const DispatchConfig& cfg, const LlLaunch& launch);
+
+}  // namespace epx::dispatch

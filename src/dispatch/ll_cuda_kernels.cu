@@ -1,0 +1,558 @@
+// dispatch/ll_cuda_kernels.cu: the LL dispatch and combine kernels (one kernel per phase, all
+// blocks resident, warps on 512-element chunks of a row, 16-byte loads and stores straight into the
+// peers' symmetric buffers through their LSA pointers). Protocol: ll_cuda.h; layout: ll_layout.h.
+//
+// Memory ordering (NCCL-DEVICE-API.md §3): payload stores are weak; each block ends its send part
+// with __syncthreads() and then one thread per destination issues red.release.sys.add on the
+// destination's signal word (cumulative release, as NCCL's own barrier does). Receivers poll with
+// ld.acquire.sys, __syncthreads(), then read the payload with ordinary (coherent) loads, never
+// ld.global.nc.
+// Arithmetic matches the CPU reference bit for bit: the FP8 1x128 quantization of quant_cpu.cpp
+// (fmaxf amax, IEEE divisions, UE8M0 from the bits, RNE + saturation) and the combine's
+// acc = acc + w * y in fp32 with separate roundings (__fmul_rn / __fadd_rn: no FMA contraction).
+#include <cuda_fp8.h>
+
+#include "cuda/check.h"
+#include "dispatch/ll_cuda_kernels.h"
+#include "epx/dtype.h"
+#include "epx/error.h"
+
+namespace epx::dispatch {
+namespace {
+
+constexpr float kFp8Max = 448.0f;
+constexpr float kAmaxFloor = 1e-4f;  // quant_cpu.cpp
+
+__device__ __forceinline__ unsigned long long ld_acquire_sys(const void* p) {
+  unsigned long long v;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void st_release_sys_u64(void* p, unsigned long long v) {
+  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+__device__ __forceinline__ void st_relaxed_sys_u64(void* p, unsigned long long v) {
+  asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+__device__ __forceinline__ unsigned long long ld_relaxed_sys_u64(const void* p) {
+  unsigned long long v;
+  asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ unsigned long long globaltimer() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+// Coherent 16-byte load of data a peer wrote (after an acquire): a plain weak load, never .nc.
+__device__ __forceinline__ uint4 ld16(const void* p) {
+  uint4 v;
+  asm volatile("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void st16(void* p, const uint4& v) { *reinterpret_cast<uint4*>(p) = v; }
+__device__ __forceinline__ unsigned lanemask_lt() {
+  unsigned m;
+  asm("mov.u32 %0, %%lanemask_lt;" : "=r"(m));
+  return m;
+}
+
+__device__ __forceinline__ unsigned long long block_call_number(const unsigned long long* counter, int blocks) {
+  return *reinterpret_cast<const volatile unsigned long long*>(counter) / static_cast<unsigned long long>(blocks);
+}
+
+/// Timeline of the last call (LlDeviceState::trace, globaltimer ns): block 0's start, the last
+/// block's flag stores (atomicMax), block 0's end of waiting, block 0's end.
+__device__ __forceinline__ void trace_at(const LlCommon& c, int slot) {
+  if (threadIdx.x == 0 && blockIdx.x == 0) c.state->trace[slot] = globaltimer();
+}
+__device__ __forceinline__ void trace_max(const LlCommon& c, int slot) {
+  if (threadIdx.x == 0) atomicMax(&c.state->trace[slot], globaltimer());
+}
+
+/// First reporter wins; the host reads `kind` last.
+__device__ void report(const LlCommon& c, int kind, int peer, int op, long long value, long long index) {
+  if (atomicCAS(&c.state->error_claim, 0, 1) != 0) return;
+  volatile LlErrorReport* e = c.error;
+  e->peer = peer;
+  e->op = op;
+  e->value = value;
+  e->index = index;
+  __threadfence_system();
+  e->kind = kind;
+  __threadfence_system();
+}
+
+/// Warp-wide: spins until the n flags at `flags` (8 bytes apart: one per send block of `peer`)
+/// all reached `target` (acquire loads); false after timeout_ns (reported, naming `peer`).
+__device__ bool wait_flags(const LlCommon& c, const uint8_t* flags, int n, unsigned long long target, int peer, int op,
+                           unsigned long long call) {
+  const int lane = threadIdx.x & 31;
+  bool ok = true, timing = false;
+  unsigned long long start = 0;
+  for (int i = lane; i < n && ok; i += 32) {
+    const void* f = flags + 8 * static_cast<int64_t>(i);
+    while (ld_acquire_sys(f) < target) {
+      if (!timing) {
+        start = globaltimer();
+        timing = true;
+      } else if (static_cast<long long>(globaltimer() - start) > c.timeout_ns) {
+        report(c, LlErrorReport::timeout, peer, op, static_cast<long long>(call), static_cast<long long>(ld_relaxed_sys_u64(f)));
+        ok = false;
+        break;
+      }
+    }
+  }
+  return __all_sync(0xffffffffu, ok);
+}
+
+__device__ __forceinline__ float round_up_pow2(float s) {
+  uint32_t u = __float_as_uint(s);
+  if (u & 0x007fffffu) u = (u & 0xff800000u) + 0x00800000u;
+  return __uint_as_float(u);
+}
+__device__ __forceinline__ uint32_t fp8x2(float a, float b) {
+  return static_cast<uint32_t>(__nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3));
+}
+__device__ __forceinline__ void bf16x8_to_float(const uint4& v, float* f) {
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    f[2 * i] = __uint_as_float(w[i] << 16);
+    f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+  }
+}
+
+__device__ __forceinline__ int64_t load_id(const LlDispatchParams& p, int64_t i) {
+  return p.idx64 ? static_cast<const int64_t*>(p.topk_idx)[i] : static_cast<const int32_t*>(p.topk_idx)[i];
+}
+
+// ---- dispatch ----------------------------------------------------------------------------------
+
+template <bool kFp8>
+__global__ void __launch_bounds__(1024, 1) ll_dispatch_kernel(const __grid_constant__ LlDispatchParams p) {
+  extern __shared__ __align__(16) uint8_t smem[];
+  const LlCommon& c = p.c;
+  const LlLayout& lay = c.lay;
+  const int R = lay.num_ranks, K = lay.top_k, max_t = lay.max_tokens, rank = c.rank;
+  const int64_t H = lay.hidden;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, W = blockDim.x >> 5;
+  const int nchunks = static_cast<int>((H + kLlChunkElems - 1) / kLlChunkElems);
+  __shared__ unsigned long long s_call_send, s_call_recv;
+  __shared__ int s_T, s_total;
+  __shared__ int s_count[kLlMaxRanks], s_n[kLlMaxRanks];
+
+  trace_at(c, 0);
+  if (threadIdx.x == 0) {
+    s_call_send = block_call_number(&c.state->dispatch_send_blocks, gridDim.x);
+    s_call_recv = block_call_number(&c.state->dispatch_recv_blocks, gridDim.x);
+    int64_t T = p.num_tokens ? static_cast<int64_t>(*p.num_tokens) : p.x_rows;
+    if (T < 0 || T > p.x_rows) {
+      if (p.send && blockIdx.x == 0) report(c, LlErrorReport::bad_num_tokens, -1, LlErrorReport::dispatch, T, p.x_rows);
+      T = 0;  // send nothing: the peers still get their signals, nothing hangs
+    }
+    s_T = static_cast<int>(T);
+  }
+  __syncthreads();
+
+  if (p.send) {
+    const int T = s_T;
+    const int parity = static_cast<int>(s_call_send & 1);
+    uint32_t* s_mask = reinterpret_cast<uint32_t*>(smem);       // [max_t]
+    int32_t* s_slot = reinterpret_cast<int32_t*>(s_mask + max_t);  // [max_t][R]
+    const int max_id = c.placement.max_id();
+    for (int t = threadIdx.x; t < T; t += blockDim.x) {
+      uint32_t m = 0;
+      for (int k = 0; k < K; ++k) {
+        const int64_t id = load_id(p, static_cast<int64_t>(t) * K + k);
+        if (id < -1 || id > max_id) {
+          if (blockIdx.x == 0) report(c, LlErrorReport::bad_topk_id, -1, LlErrorReport::dispatch, id, static_cast<int64_t>(t) * K + k);
+          continue;  // treated as -1
+        }
+        const int d = c.placement.dest_rank(static_cast<int32_t>(id), rank);
+        if (d >= 0) m |= 1u << d;
+      }
+      s_mask[t] = m;
+    }
+    __syncthreads();
+    // Slot of token t at destination d = tokens before t that go to d (source token order).
+    for (int d = warp; d < R; d += W) {
+      int running = 0;
+      for (int t0 = 0; t0 < T; t0 += 32) {
+        const int t = t0 + lane;
+        const bool bit = t < T && ((s_mask[t] >> d) & 1u);
+        const unsigned b = __ballot_sync(0xffffffffu, bit);
+        if (bit) s_slot[t * R + d] = running + __popc(b & lanemask_lt());
+        running += __popc(b);
+      }
+      if (lane == 0) s_count[d] = running;
+    }
+    __syncthreads();
+
+    const int64_t items = static_cast<int64_t>(T) * nchunks;
+    for (int64_t item = static_cast<int64_t>(blockIdx.x) * W + warp; item < items; item += static_cast<int64_t>(gridDim.x) * W) {
+      const int t = static_cast<int>(item / nchunks), ch = static_cast<int>(item % nchunks);
+      const uint32_t m = s_mask[t];
+      const int64_t h0 = static_cast<int64_t>(ch) * kLlChunkElems + lane * 16;
+      const bool ok0 = h0 < H, ok1 = h0 + 8 < H;
+      const uint16_t* xr = p.x + static_cast<int64_t>(t) * H;
+      uint4 v0 = make_uint4(0, 0, 0, 0), v1 = make_uint4(0, 0, 0, 0);
+      if (ok0) v0 = __ldg(reinterpret_cast<const uint4*>(xr + h0));
+      if (ok1) v1 = __ldg(reinterpret_cast<const uint4*>(xr + h0 + 8));
+      // Header, ids and the combine's copy of the routing: the chunk-0 warp of each token.
+      int32_t my_id = -1, my_first = -1;
+      float my_w = 0.0f;
+      if (ch == 0) {
+        if (lane < K) {
+          const int64_t id = load_id(p, static_cast<int64_t>(t) * K + lane);
+          my_id = id < -1 || id > max_id ? -1 : static_cast<int32_t>(id);
+          my_w = p.topk_weights[static_cast<int64_t>(t) * K + lane];
+        }
+        my_first = my_id >= 0 ? lane : -1;
+        for (int k = 0; k < K; ++k) {
+          const int32_t other = __shfl_sync(0xffffffffu, my_id, k);
+          if (k < lane && my_first == lane && other == my_id) my_first = k;
+        }
+        if (lane < K) {
+          p.first_col[static_cast<int64_t>(t) * K + lane] = my_first;
+          p.weights[static_cast<int64_t>(t) * K + lane] = my_w;
+        }
+      }
+      uint4 q = make_uint4(0, 0, 0, 0);
+      float scale = 0.0f;
+      if constexpr (kFp8) {
+        float f[16];
+        bf16x8_to_float(v0, f);
+        bf16x8_to_float(v1, f + 8);
+        float amax = 0.0f;
+#pragma unroll
+        for (int i = 0; i < 16; ++i) amax = fmaxf(amax, fabsf(f[i]));
+        // 8 lanes x 16 elements = one 1x128 group.
+        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 4));
+        scale = __fdiv_rn(fmaxf(amax, kAmaxFloor), kFp8Max);
+        if (p.ue8m0 && isfinite(scale)) scale = round_up_pow2(scale);
+        uint32_t w[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const uint32_t lo = fp8x2(__fdiv_rn(f[4 * i], scale), __fdiv_rn(f[4 * i + 1], scale));
+          const uint32_t hi = fp8x2(__fdiv_rn(f[4 * i + 2], scale), __fdiv_rn(f[4 * i + 3], scale));
+          w[i] = lo | (hi << 16);
+        }
+        q = make_uint4(w[0], w[1], w[2], w[3]);
+      }
+      for (int d = 0; d < R; ++d) {
+        if (!((m >> d) & 1u)) continue;
+        uint8_t* msg = c.peers[d] + lay.dispatch_msg_offset(parity, rank, s_slot[t * R + d]);
+        if constexpr (kFp8) {
+          if (ok0) {
+            st16(msg + lay.msg_payload_offset() + h0, q);
+            if ((lane & 7) == 0) *reinterpret_cast<float*>(msg + lay.msg_scales_offset() + h0 / 128 * 4) = scale;
+          }
+        } else {
+          if (ok0) st16(msg + lay.msg_payload_offset() + 2 * h0, v0);
+          if (ok1) st16(msg + lay.msg_payload_offset() + 2 * (h0 + 8), v1);
+        }
+        if (ch == 0) {
+          if (lane == 0) st16(msg, make_uint4(static_cast<uint32_t>(t), 0, 0, 0));
+          if (lane < K) *reinterpret_cast<int32_t*>(msg + lay.msg_topk_offset() + 4 * lane) = my_id;
+        }
+      }
+    }
+    __syncthreads();
+    if (blockIdx.x == 0 && threadIdx.x == 0) c.state->num_tokens = T;
+    if (threadIdx.x < R) {  // this block's flag at every destination, after all its stores (cumulative release)
+      const int d = threadIdx.x;
+      if (blockIdx.x == 0) st_relaxed_sys_u64(c.peers[d] + lay.dispatch_count_offset(parity, rank), static_cast<unsigned long long>(s_count[d]));
+      st_release_sys_u64(c.peers[d] + lay.dispatch_flag_offset(rank, blockIdx.x), s_call_send + 1);
+    }
+    if (threadIdx.x == 0) atomicAdd(&c.state->dispatch_send_blocks, 1ull);
+    trace_max(c, 1);
+  }
+
+  if (p.recv) {
+    const unsigned long long call = s_call_recv;
+    const int parity = static_cast<int>(call & 1);
+    for (int s = warp; s < R; s += W) {
+      const bool ok = wait_flags(c, c.local + lay.dispatch_flag_offset(s, 0), c.src_blocks[s], call + 1, s, LlErrorReport::dispatch, call);
+      if (lane == 0) {  // lane 0 acquired block 0's flag, which was released after the count
+        long long n = ok ? static_cast<long long>(ld_relaxed_sys_u64(c.local + lay.dispatch_count_offset(parity, s))) : 0;
+        if (n < 0 || n > max_t) n = 0;
+        s_n[s] = static_cast<int>(n);
+      }
+    }
+    __syncthreads();
+    trace_at(c, 2);
+    const int CPS = (max_t + 31) / 32, Q = R * CPS;
+    const int64_t cap = static_cast<int64_t>(R) * max_t;  // slots per expert
+    uint32_t* s_qmask = reinterpret_cast<uint32_t*>(smem);         // [Q]
+    int32_t* s_qbase = reinterpret_cast<int32_t*>(s_qmask + Q);     // [Q]
+    int32_t* s_info = s_qbase + Q;                                  // [R * max_t]
+    int8_t* s_sel = reinterpret_cast<int8_t*>(s_info + cap);        // [Q * 32]
+    const int64_t gpr = H / 128;  // scale groups per row (fp8)
+    for (int l = blockIdx.x; l < c.num_local; l += gridDim.x) {
+      // 1. Which messages select l (first column naming it), 32 messages per ballot.
+      for (int qi = warp; qi < Q; qi += W) {
+        const int s = qi / CPS, j = (qi % CPS) * 32 + lane;
+        int sel = -1;
+        if (j < s_n[s]) {
+          const int32_t* ids = reinterpret_cast<const int32_t*>(c.local + lay.dispatch_msg_offset(parity, s, j) + lay.msg_topk_offset());
+          for (int k = 0; k < K; ++k) {
+            const int32_t id = *reinterpret_cast<const volatile int32_t*>(ids + k);
+            if (c.placement.local_index(id, s, rank) == l) {
+              sel = k;
+              break;
+            }
+          }
+        }
+        const unsigned b = __ballot_sync(0xffffffffu, sel >= 0);
+        if (lane == 0) s_qmask[qi] = b;
+        s_sel[qi * 32 + lane] = static_cast<int8_t>(sel);
+      }
+      __syncthreads();
+      // 2. Exclusive scan of the ballot counts: slots in (source rank, source token) order.
+      if (warp == 0) {
+        int running = 0;
+        for (int q0 = 0; q0 < Q; q0 += 32) {
+          const int qi = q0 + lane;
+          const int cnt = qi < Q ? __popc(s_qmask[qi]) : 0;
+          int incl = cnt;
+#pragma unroll
+          for (int o = 1; o < 32; o <<= 1) {
+            const int v = __shfl_up_sync(0xffffffffu, incl, o);
+            if (lane >= o) incl += v;
+          }
+          if (qi < Q) s_qbase[qi] = running + incl - cnt;
+          running += __shfl_sync(0xffffffffu, incl, 31);
+        }
+        if (lane == 0) s_total = running;
+      }
+      __syncthreads();
+      for (int qi = warp; qi < Q; qi += W) {
+        const unsigned b = s_qmask[qi];
+        if ((b >> lane) & 1u) s_info[s_qbase[qi] + __popc(b & lanemask_lt())] = (qi * 32 + lane) | (static_cast<int>(s_sel[qi * 32 + lane]) << 24);
+      }
+      const int total = s_total;
+      if (threadIdx.x < R) {
+        const int s = threadIdx.x;
+        const int begin = s_qbase[s * CPS], end = s + 1 < R ? s_qbase[(s + 1) * CPS] : total;
+        p.layout_range[static_cast<int64_t>(l) * R + s] = (static_cast<int64_t>(begin) << 32) | static_cast<int64_t>(end - begin);
+      }
+      if (threadIdx.x == 0) p.recv_count[l] = total;
+      __syncthreads();
+      // 3. Copy every selected message into its slot, (slot, chunk) per warp.
+      for (int item = warp; item < total * nchunks; item += W) {
+        const int slot = item / nchunks, ch = item % nchunks;
+        const int info = s_info[slot];
+        const int code = info & 0xffffff, sel = info >> 24;
+        const int s = code / (CPS * 32), j = code % (CPS * 32);
+        const uint8_t* msg = c.local + lay.dispatch_msg_offset(parity, s, j);
+        const int64_t row = static_cast<int64_t>(l) * cap + slot;
+        const int64_t h0 = static_cast<int64_t>(ch) * kLlChunkElems + lane * 16;
+        if constexpr (kFp8) {
+          if (h0 < H) {
+            st16(p.out_x + row * H + h0, ld16(msg + lay.msg_payload_offset() + h0));
+            if ((lane & 7) == 0)
+              p.out_scales[row * gpr + h0 / 128] = *reinterpret_cast<const volatile float*>(msg + lay.msg_scales_offset() + h0 / 128 * 4);
+          }
+        } else {
+          if (h0 < H) st16(p.out_x + (row * H + h0) * 2, ld16(msg + lay.msg_payload_offset() + 2 * h0));
+          if (h0 + 8 < H) st16(p.out_x + (row * H + h0 + 8) * 2, ld16(msg + lay.msg_payload_offset() + 2 * (h0 + 8)));
+        }
+        if (ch == 0 && lane == 0) {
+          p.src_rank[row] = s;
+          p.src_token[row] = *reinterpret_cast<const volatile int32_t*>(msg);
+          p.topk_column[row] = sel;
+        }
+      }
+      __syncthreads();  // shared arrays are reused for the next expert
+    }
+    if (threadIdx.x == 0) atomicAdd(&c.state->dispatch_recv_blocks, 1ull);
+    trace_max(c, 3);
+  }
+}
+
+// ---- combine -----------------------------------------------------------------------------------
+
+__global__ void __launch_bounds__(1024, 1) ll_combine_kernel(const __grid_constant__ LlCombineParams p) {
+  extern __shared__ __align__(16) uint8_t smem[];
+  const LlCommon& c = p.c;
+  const LlLayout& lay = c.lay;
+  const int R = lay.num_ranks, K = lay.top_k, max_t = lay.max_tokens, rank = c.rank, L = c.num_local;
+  const int64_t H = lay.hidden, cap = static_cast<int64_t>(R) * max_t;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, W = blockDim.x >> 5;
+  __shared__ unsigned long long s_call_send, s_call_recv;
+  trace_at(c, 4);
+  if (threadIdx.x == 0) {
+    s_call_send = block_call_number(&c.state->combine_send_blocks, gridDim.x);
+    s_call_recv = block_call_number(&c.state->combine_recv_blocks, gridDim.x);
+  }
+  __syncthreads();
+
+  if (p.send) {
+    const int parity = static_cast<int>(s_call_send & 1);
+    int32_t* s_pref = reinterpret_cast<int32_t*>(smem);  // [L + 1]
+    // All threads load the counts at once (one memory latency), then warp 0 scans in shared memory.
+    for (int l = threadIdx.x; l < L; l += blockDim.x) s_pref[l] = p.recv_count[l];
+    __syncthreads();
+    if (warp == 0) {
+      int running = 0;
+      for (int l0 = 0; l0 < L; l0 += 32) {
+        const int l = l0 + lane;
+        const int cnt = l < L ? s_pref[l] : 0;
+        int incl = cnt;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+          const int v = __shfl_up_sync(0xffffffffu, incl, o);
+          if (lane >= o) incl += v;
+        }
+        if (l < L) s_pref[l] = running + incl - cnt;
+        running += __shfl_sync(0xffffffffu, incl, 31);
+      }
+      if (lane == 0) s_pref[L] = running;
+    }
+    __syncthreads();
+    // (slot, 1024-element chunk) items: 4 independent 16-byte loads per lane, then 4 stores.
+    const int nch = static_cast<int>((H + 1023) / 1024);
+    const int64_t items = static_cast<int64_t>(s_pref[L]) * nch;
+    for (int64_t item = static_cast<int64_t>(blockIdx.x) * W + warp; item < items; item += static_cast<int64_t>(gridDim.x) * W) {
+      const int flat = static_cast<int>(item / nch), ch = static_cast<int>(item % nch);
+      int lo = 0, hi = L;  // largest l with s_pref[l] <= flat
+      while (hi - lo > 1) {
+        const int mid = (lo + hi) >> 1;
+        if (s_pref[mid] <= flat) lo = mid;
+        else hi = mid;
+      }
+      const int64_t row = static_cast<int64_t>(lo) * cap + (flat - s_pref[lo]);
+      const int s = p.src_rank[row], t = p.src_token[row], k = p.topk_column[row];
+      const uint16_t* src = p.expert_out + row * H;
+      uint8_t* dst = c.peers[s] + lay.combine_row_offset(parity, t, k);
+      uint4 v[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int64_t h = static_cast<int64_t>(ch) * 1024 + i * 256 + lane * 8;
+        if (h < H) v[i] = __ldg(reinterpret_cast<const uint4*>(src + h));
+      }
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int64_t h = static_cast<int64_t>(ch) * 1024 + i * 256 + lane * 8;
+        if (h < H) st16(dst + 2 * h, v[i]);
+      }
+    }
+    __syncthreads();
+    if (threadIdx.x < R) st_release_sys_u64(c.peers[threadIdx.x] + lay.combine_flag_offset(rank, blockIdx.x), s_call_send + 1);
+    if (threadIdx.x == 0) atomicAdd(&c.state->combine_send_blocks, 1ull);
+    trace_max(c, 5);
+  }
+
+  if (p.recv) {
+    const unsigned long long call = s_call_recv;
+    const int parity = static_cast<int>(call & 1);
+    for (int s = warp; s < R; s += W)
+      wait_flags(c, c.local + lay.combine_flag_offset(s, 0), c.src_blocks[s], call + 1, s, LlErrorReport::combine, call);
+    __syncthreads();
+    trace_at(c, 6);
+    const int T = *reinterpret_cast<const volatile int32_t*>(&c.state->num_tokens);
+    // (token, 256-element chunk) items: a lane owns 8 elements; 4 columns' rows are loaded at once,
+    // then added in column order.
+    const int nch = static_cast<int>((H + 255) / 256);
+    const int64_t items = static_cast<int64_t>(T) * nch;
+    for (int64_t item = static_cast<int64_t>(blockIdx.x) * W + warp; item < items; item += static_cast<int64_t>(gridDim.x) * W) {
+      const int t = static_cast<int>(item / nch), ch = static_cast<int>(item % nch);
+      int32_t my_first = -1;
+      float my_w = 0.0f;
+      if (lane < K) {
+        my_first = p.first_col[static_cast<int64_t>(t) * K + lane];
+        my_w = p.weights[static_cast<int64_t>(t) * K + lane];
+      }
+      const int64_t h = static_cast<int64_t>(ch) * 256 + lane * 8;
+      const bool ok = h < H;
+      float acc[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) acc[i] = 0.0f;
+      for (int k0 = 0; k0 < K; k0 += 4) {
+        uint4 y[4];
+        int f[4];
+        float w[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const int k = k0 + j < K ? k0 + j : K - 1;
+          f[j] = __shfl_sync(0xffffffffu, my_first, k);
+          w[j] = __shfl_sync(0xffffffffu, my_w, k);
+          if (k0 + j >= K) f[j] = -1;
+          y[j] = make_uint4(0, 0, 0, 0);
+          if (f[j] >= 0 && ok) y[j] = ld16(c.local + lay.combine_row_offset(parity, t, f[j]) + 2 * h);
+        }
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          if (f[j] < 0) continue;  // select, not multiply: a -1 column adds nothing
+          float yf[8];
+          bf16x8_to_float(y[j], yf);
+#pragma unroll
+          for (int i = 0; i < 8; ++i) acc[i] = __fadd_rn(acc[i], __fmul_rn(w[j], yf[i]));
+        }
+      }
+      uint32_t o[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+        o[i] = static_cast<uint32_t>(float_to_bf16_bits(acc[2 * i])) | (static_cast<uint32_t>(float_to_bf16_bits(acc[2 * i + 1])) << 16);
+      if (ok) st16(p.out + static_cast<int64_t>(t) * H + h, make_uint4(o[0], o[1], o[2], o[3]));
+    }
+    if (threadIdx.x == 0) atomicAdd(&c.state->combine_recv_blocks, 1ull);
+    trace_max(c, 7);
+  }
+}
+
+__global__ void delay_kernel(long long ns) {
+  const unsigned long long start = globaltimer();
+  while (static_cast<long long>(globaltimer() - start) < ns) __nanosleep(1000);
+}
+
+}  // namespace
+
+void launch_gpu_delay(long long ns, cudaStream_t stream) {
+  delay_kernel<<<1, 32, 0, stream>>>(ns);
+  cuda::check_launch("delay_kernel");
+}
+
+size_t ll_dispatch_smem_bytes(const LlLayout& lay) {
+  const size_t R = static_cast<size_t>(lay.num_ranks), max_t = static_cast<size_t>(lay.max_tokens);
+  const size_t send = 4 * max_t + 4 * max_t * R;
+  const size_t Q = R * ((max_t + 31) / 32);
+  const size_t recv = 4 * Q + 4 * Q + 4 * R * max_t + 32 * Q;
+  return (send > recv ? send : recv) + 16;
+}
+
+size_t ll_combine_smem_bytes(int num_local) { return 4 * (static_cast<size_t>(num_local) + 1) + 16; }
+
+int ll_max_resident_blocks(int threads, size_t dispatch_smem, size_t combine_smem) {
+  int dev = 0, sms = 0;
+  EPX_CUDA_CHECK(cudaGetDevice(&dev));
+  EPX_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  int worst = 1 << 30;
+  auto check = [&](const void* fn, size_t smem) {
+    EPX_CUDA_CHECK(cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+    int n = 0;
+    EPX_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, fn, threads, smem));
+    worst = n < worst ? n : worst;
+  };
+  check(reinterpret_cast<const void*>(&ll_dispatch_kernel<true>), dispatch_smem);
+  check(reinterpret_cast<const void*>(&ll_dispatch_kernel<false>), dispatch_smem);
+  check(reinterpret_cast<const void*>(&ll_combine_kernel), combine_smem);
+  return worst * sms;
+}
+
+void launch_ll_dispatch(const LlDispatchParams& p, int blocks, int threads, cudaStream_t stream) {
+  const size_t smem = ll_dispatch_smem_bytes(p.c.lay);
+  if (p.c.lay.use_fp8) ll_dispatch_kernel<true><<<blocks, threads, smem, stream>>>(p);
+  else ll_dispatch_kernel<false><<<blocks, threads, smem, stream>>>(p);
+  cuda::check_launch("ll_dispatch_kernel");
+}
+
+void launch_ll_combine(const LlCombineParams& p, int blocks, int threads, cudaStream_t stream) {
+  ll_combine_kernel<<<blocks, threads, ll_combine_smem_bytes(p.c.num_local), stream>>>(p);
+  cuda::check_launch("ll_combine_kernel");
+}
+
+}  // namespace epx::dispatch

@@ -1,0 +1,590 @@
+// dispatch/ll_cuda_test.cpp: the ll backend on CUDA (ll_cuda.h) against the CPU reference LlCpu on
+// the same inputs, one forked process per GPU (R = 2 where two GPUs exist, R = 1 otherwise):
+//   - prepare: recv_count, every valid row of x (bf16 bits / fp8 codes), x_scales, the handle
+//     (src_rank, src_token, topk_column of every valid slot) and layout_range, bit for bit;
+//   - finalize: out bit for bit (fp32 column-order sum, one rounding);
+// at the ll-v3 (H 7168, E 256, K 8, fp8) and ll-v4 (E 384, K 6, fp8) shapes and hidden 2048 / 4096
+// (bf16, fp8, fp8 + UE8M0, shared route, duplicates, int64 ids), T in {0, 1, 7, 128} with -1
+// selections and different T per rank, two rounds per object (both parities);
+// CUDA graphs: prepare and finalize captured separately, replayed with a device-side T that
+// changes between replays and differs between ranks; two graphs on one object replayed
+// interleaved; the send/recv split (hooks); errors: T > capacity (InvalidArgument before anything
+// is written; the next round still works), a bad device num_tokens (reported, InvalidArgument from
+// check(), then usable), and a rank that does not call (Timeout within the bound, naming it).
+// The expert step is the harness's TestExperts on host copies of the prepare outputs. Outputs are
+// poisoned before each call; inputs are fresh random values, never zeros.
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "dispatch_harness.h"
+#include "epx/cuda.h"
+#include "epx/dispatch.h"
+#include "epx/error.h"
+#include "forked_ranks.h"
+
+using namespace epx;
+using namespace epx::test;
+
+#ifdef EPX_WITH_CUDA
+#include <cuda_runtime_api.h>
+
+#include "dispatch/ll.h"
+#include "dispatch/ll_cuda.h"
+
+namespace {
+
+void cuda_ok(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(e));
+}
+
+std::vector<uint8_t> host_bytes(const TensorView& v) {
+  std::vector<uint8_t> b(static_cast<size_t>(v.defined() ? v.nbytes() : 0));
+  if (b.empty()) return b;
+  TensorView dst(b.data(), v.dtype, std::vector<int64_t>(v.shape.begin(), v.shape.begin() + v.ndim));
+  copy(dst, v);
+  return b;
+}
+
+/// What one rank's prepare + finalize produced, reduced to the parts both devices define (valid
+/// rows only: rows >= recv_count[l] are stale by contract).
+struct Snap {
+  std::vector<int32_t> recv_count;
+  std::vector<uint8_t> x, scales;               ///< valid rows, expert by expert
+  std::vector<int32_t> src_rank, src_token, col;  ///< valid slots
+  std::vector<int64_t> range;
+  std::vector<uint8_t> out;
+};
+
+/// Snapshot of a prepare result (any device) + handle views.
+Snap take(const PrepareResult& p, const TensorView& src_rank, const TensorView& src_token, const TensorView& col,
+          const TensorView& range) {
+  Snap s;
+  const std::vector<uint8_t> cnt = host_bytes(p.recv_count), x = host_bytes(p.x), sc = host_bytes(p.x_scales);
+  const std::vector<uint8_t> sr = host_bytes(src_rank), st = host_bytes(src_token), cl = host_bytes(col), rg = host_bytes(range);
+  const int64_t L = p.x.size(0), cap = p.x.size(1);
+  const int64_t row_bytes = p.x.size(2) * dtype_size(p.x.dtype), srow = p.x_scales.defined() ? p.x_scales.size(2) * 4 : 0;
+  s.recv_count.resize(static_cast<size_t>(L));
+  std::memcpy(s.recv_count.data(), cnt.data(), cnt.size());
+  for (int64_t l = 0; l < L; ++l) {
+    const int64_t n = s.recv_count[static_cast<size_t>(l)];
+    if (n < 0 || n > cap) throw std::runtime_error("recv_count[" + std::to_string(l) + "] = " + std::to_string(n));
+    s.x.insert(s.x.end(), x.begin() + l * cap * row_bytes, x.begin() + (l * cap + n) * row_bytes);
+    if (srow) s.scales.insert(s.scales.end(), sc.begin() + l * cap * srow, sc.begin() + (l * cap + n) * srow);
+    for (int64_t j = 0; j < n; ++j) {
+      int32_t v;
+      std::memcpy(&v, sr.data() + 4 * (l * cap + j), 4), s.src_rank.push_back(v);
+      std::memcpy(&v, st.data() + 4 * (l * cap + j), 4), s.src_token.push_back(v);
+      std::memcpy(&v, cl.data() + 4 * (l * cap + j), 4), s.col.push_back(v);
+    }
+  }
+  s.range.resize(rg.size() / 8);
+  std::memcpy(s.range.data(), rg.data(), rg.size());
+  return s;
+}
+
+std::string diff(const Snap& got, const Snap& want) {
+  std::string d;
+  auto cmp = [&](const char* what, const auto& a, const auto& b) {
+    if (a.size() != b.size()) {
+      d += std::string(what) + ": " + std::to_string(a.size()) + " elements, want " + std::to_string(b.size()) + "; ";
+      return;
+    }
+    for (size_t i = 0; i < a.size(); ++i)
+      if (a[i] != b[i]) {
+        d += std::string(what) + "[" + std::to_string(i) + "] = " + std::to_string(static_cast<long long>(a[i])) + ", want " +
+             std::to_string(static_cast<long long>(b[i])) + "; ";
+        return;
+      }
+  };
+  cmp("recv_count", got.recv_count, want.recv_count);
+  cmp("x", got.x, want.x);
+  cmp("x_scales", got.scales, want.scales);
+  cmp("src_rank", got.src_rank, want.src_rank);
+  cmp("src_token", got.src_token, want.src_token);
+  cmp("topk_column", got.col, want.col);
+  cmp("layout_range", got.range, want.range);
+  cmp("out", got.out, want.out);
+  return d;
+}
+
+std::vector<int> local_ids(const Case& c, int rank) {
+  std::vector<int> ids;
+  const ExpertRange range = expert_range(c.E, c.R, rank);
+  for (int e = range.begin; e < range.end; ++e) ids.push_back(e);
+  if (c.shared) ids.push_back(c.E);
+  return ids;
+}
+
+/// The experts step on the host: expert_out [L, cap, H] bf16 from a prepare result (any device).
+Tensor experts_out(const Case& c, int rank, const PrepareResult& p) {
+  const bool fp8 = c.dtype == DType::fp8_e4m3;
+  const int64_t L = p.x.size(0), cap = p.x.size(1), H = c.H;
+  Tensor x = Tensor::empty({L, cap, H}, fp8 ? DType::fp8_e4m3 : DType::bf16), scales, counts = Tensor::empty({L}, DType::int32);
+  copy(x, p.x);
+  if (fp8) {
+    scales = Tensor::empty({L, cap, H / kFp8GroupSize}, DType::fp32);
+    copy(scales, p.x_scales);
+  }
+  copy(counts, p.recv_count);
+  Tensor out = Tensor::empty({L, cap, H}, DType::bf16);
+  poison(out);
+  if (L == 0) return out;
+  TestExperts experts(local_ids(c, rank), H);
+  experts.apply({ActivationLayout::ExpertMajor, x, scales, counts, {}, {}}, out, {});
+  return out;
+}
+
+/// Rows [0, T) of a rank input.
+RankInput head(const RankInput& ri, int64_t T) {
+  RankInput h;
+  const int64_t H = ri.x.size(1), K = ri.topk_idx.size(1);
+  h.x = Tensor::empty({T, H}, DType::bf16);
+  h.topk_idx = Tensor::empty({T, K}, ri.topk_idx.dtype());
+  h.topk_weights = Tensor::empty({T, K}, DType::fp32);
+  std::memcpy(h.x.data(), ri.x.data(), static_cast<size_t>(h.x.nbytes()));
+  std::memcpy(h.topk_idx.data(), ri.topk_idx.data(), static_cast<size_t>(h.topk_idx.nbytes()));
+  std::memcpy(h.topk_weights.data(), ri.topk_weights.data(), static_cast<size_t>(h.topk_weights.nbytes()));
+  return h;
+}
+
+/// LlCpu on R CPU ranks over `rounds` (each [rank] inputs) on one object: [round][rank].
+std::vector<std::vector<Snap>> run_cpu(const Case& c, const std::vector<std::vector<RankInput>>& rounds) {
+  auto groups = make_cpu_groups(c.R, 60.0);
+  std::vector<std::vector<Snap>> snaps(rounds.size(), std::vector<Snap>(static_cast<size_t>(c.R)));
+  run_ranks(groups, [&](int r) {
+    auto pf = make_prepare_finalize("ll", groups[static_cast<size_t>(r)], c.config());
+    auto* ll = dynamic_cast<dispatch::LlCpu*>(pf.get());
+    for (size_t i = 0; i < rounds.size(); ++i) {
+      const RankInput& ri = rounds[i][static_cast<size_t>(r)];
+      const PrepareResult p = pf->prepare({ri.x, ri.topk_idx, ri.topk_weights});
+      const dispatch::LlHandle& h = ll->handle();
+      Snap s = take(p, h.src_rank, h.src_token, h.topk_column, h.layout_range);
+      const Tensor eo = experts_out(c, r, p);
+      Tensor out = Tensor::empty({ri.x.size(0), c.H}, DType::bf16);
+      poison(out);
+      pf->finalize({eo, out});
+      s.out = host_bytes(out);
+      snaps[i][static_cast<size_t>(r)] = std::move(s);
+    }
+  });
+  return snaps;
+}
+
+/// Device copies of a rank input, with x [rows, H] padded to `rows` >= T (rows beyond T poisoned).
+struct DevInput {
+  Tensor x, idx, w;
+};
+DevInput upload(const RankInput& ri, int64_t rows, Device dev) {
+  DevInput d;
+  const int64_t T = ri.x.size(0), H = ri.x.size(1), K = ri.topk_idx.size(1);
+  d.x = Tensor::empty({rows, H}, DType::bf16, dev);
+  d.idx = Tensor::empty({rows, K}, ri.topk_idx.dtype(), dev);
+  d.w = Tensor::empty({rows, K}, DType::fp32, dev);
+  cuda_ok(cudaMemset(d.x.data(), 0x7f, static_cast<size_t>(d.x.nbytes())), "poison x");
+  cuda_ok(cudaMemset(d.idx.data(), 0x7f, static_cast<size_t>(d.idx.nbytes())), "poison idx");  // invalid ids beyond T
+  cuda_ok(cudaMemset(d.w.data(), 0x7f, static_cast<size_t>(d.w.nbytes())), "poison w");
+  cuda_ok(cudaMemcpy(d.x.data(), ri.x.data(), static_cast<size_t>(T * H * 2), cudaMemcpyHostToDevice), "x");
+  cuda_ok(cudaMemcpy(d.idx.data(), ri.topk_idx.data(), static_cast<size_t>(ri.topk_idx.nbytes()), cudaMemcpyHostToDevice), "idx");
+  cuda_ok(cudaMemcpy(d.w.data(), ri.topk_weights.data(), static_cast<size_t>(ri.topk_weights.nbytes()), cudaMemcpyHostToDevice), "w");
+  return d;
+}
+
+void poison_outputs(const PrepareResult& p, dispatch::LlCuda& ll) {
+  // Only the receive counts and handle: rows of x beyond the counts are stale by contract, and
+  // every valid row is compared.
+  cuda_ok(cudaMemset(p.recv_count.data, 0xff, static_cast<size_t>(p.recv_count.nbytes())), "poison recv_count");
+  for (const Tensor* t : {&ll.handle().src_rank, &ll.handle().src_token, &ll.handle().topk_column, &ll.handle().layout_range})
+    cuda_ok(cudaMemset(t->data(), 0xff, static_cast<size_t>(t->nbytes())), "poison handle");
+}
+
+/// One eager round on the GPU: prepare (fused or split), host experts, finalize (fused or split).
+Snap gpu_round(const Case& c, dispatch::LlCuda& ll, const RankInput& ri, int rank, cudaStream_t s, bool split) {
+  const Device dev = ll.handle().src_rank.device();
+  const int64_t T = ri.x.size(0);
+  const DevInput in = upload(ri, T, dev);
+  const DispatchArgs a{in.x, in.idx, in.w, Stream{s}};
+  PrepareResult p;
+  if (split) {
+    p = ll.prepare_send(a);
+    ll.prepare_recv(Stream{s});
+  } else {
+    p = ll.prepare(a);
+  }
+  cuda_ok(cudaStreamSynchronize(s), "sync prepare");
+  ll.check(Stream{s});
+  Snap snap = take(p, ll.handle().src_rank, ll.handle().src_token, ll.handle().topk_column, ll.handle().layout_range);
+  const Tensor eo = experts_out(c, rank, p).to(dev);
+  Tensor out = Tensor::empty({T, c.H}, DType::bf16, dev);
+  cuda_ok(cudaMemset(out.data(), 0xff, static_cast<size_t>(out.nbytes())), "poison out");
+  if (split) {
+    ll.finalize_send({eo, out, Stream{s}});
+    ll.finalize_recv(Stream{s});
+  } else {
+    ll.finalize({eo, out, Stream{s}});
+  }
+  cuda_ok(cudaStreamSynchronize(s), "sync finalize");
+  ll.check(Stream{s});
+  snap.out = host_bytes(out);
+  // Poison the outputs for the next round (recv_count / handle must be rewritten).
+  poison_outputs(p, ll);
+  cuda_ok(cudaMemset(p.x.data, 0xff, static_cast<size_t>(p.x.nbytes())), "poison x");
+  if (p.x_scales.defined()) cuda_ok(cudaMemset(p.x_scales.data, 0xff, static_cast<size_t>(p.x_scales.nbytes())), "poison scales");
+  cuda_ok(cudaDeviceSynchronize(), "sync poison");
+  return snap;
+}
+
+struct EagerCase {
+  Case c;
+  std::vector<std::vector<RankInput>> rounds;  ///< [round][rank]
+  std::vector<std::vector<Snap>> want;
+};
+
+Case make_case(int R, int64_t H, int E, int K, DType dt, bool ue8m0, bool shared, bool dups, bool idx64, double masked, int cap,
+               std::vector<int64_t> T, uint64_t seed) {
+  Case c;
+  c.R = R, c.H = H, c.E = E, c.K = K, c.dtype = dt, c.ue8m0 = ue8m0, c.shared = shared, c.dups = dups, c.idx64 = idx64;
+  c.masked = masked, c.cap = cap, c.T = std::move(T), c.seed = seed;
+  return c;
+}
+
+std::vector<EagerCase> eager_cases(int R) {
+  auto t = [&](std::vector<int64_t> two) { return R == 2 ? two : std::vector<int64_t>{two[0]}; };
+  std::vector<Case> cs = {
+      // ll-v3: DeepSeek-V3 decode
+      make_case(R, 7168, 256, 8, DType::fp8_e4m3, false, false, false, false, 0.1, 128, t({128, 7}), 21),
+      // ll-v4: DeepSeek-V4-Pro decode (6 routed), and with the shared route as a 7th column
+      make_case(R, 7168, 384, 6, DType::fp8_e4m3, false, false, false, false, 0.1, 128, t({1, 128}), 22),
+      make_case(R, 7168, 384, 7, DType::fp8_e4m3, true, true, false, false, 0.1, 128, t({7, 0}), 23),
+      make_case(R, 4096, 64, 8, DType::bf16, false, false, true, true, 0.2, 128, t({128, 1}), 24),
+      make_case(R, 4096, 64, 4, DType::fp8_e4m3, true, false, true, false, 0.15, 16, t({0, 16}), 25),
+      make_case(R, 2048, 32, 8, DType::bf16, false, true, true, false, 0.3, 128, t({7, 128}), 26),
+      make_case(R, 2048, 8, 2, DType::fp8_e4m3, false, false, false, true, 0.0, 8, t({0, 0}), 27),
+      make_case(R, 2048, 3, 2, DType::bf16, false, false, false, false, 0.25, 40, t({33, 1}), 28),  // R = 2: E odd
+  };
+  std::vector<EagerCase> out;
+  for (const Case& c : cs) {
+    EagerCase e;
+    e.c = c;
+    Case c2 = c;
+    c2.T.assign(c.T.rbegin(), c.T.rend());
+    c2.seed += 1000;
+    Case c3 = c;
+    c3.seed += 2000;
+    e.rounds = {make_inputs(c), make_inputs(c2), make_inputs(c3)};
+    e.want = run_cpu(c, e.rounds);
+    out.push_back(std::move(e));
+  }
+  return out;
+}
+
+std::string nccl_path() { return fresh_dir() + "/uid"; }
+
+void run_eager(int R) {
+  const std::vector<EagerCase> cases = eager_cases(R);
+  const std::string path = nccl_path();
+  const std::string failed = run_ranks_forked(R, 400.0, [&](int rank) {
+    auto g = make_nccl_group(path, rank, R, rank, 60.0);
+    cuda_ok(cudaSetDevice(rank), "cudaSetDevice");
+    cudaStream_t s;
+    cuda_ok(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "stream");
+    std::string failures;
+    for (const EagerCase& ec : cases) {
+      auto pf = make_prepare_finalize("ll", g, ec.c.config());
+      auto* ll = dynamic_cast<dispatch::LlCuda*>(pf.get());
+      if (!ll) throw std::runtime_error("make_prepare_finalize(ll) on an NCCL group is not LlCuda");
+      if (!ll->capabilities().graph_safe || !ll->capabilities().static_buffers) throw std::runtime_error("capabilities");
+      for (size_t i = 0; i < ec.rounds.size(); ++i) {
+        const bool split = i == 2;  // the third round through the send/recv hooks
+        const Snap got = gpu_round(ec.c, *ll, ec.rounds[i][static_cast<size_t>(rank)], rank, s, split);
+        const std::string d = diff(got, ec.want[i][static_cast<size_t>(rank)]);
+        if (!d.empty()) failures += "round " + std::to_string(i) + " rank " + std::to_string(rank) + " " + ec.c.describe() + ": " + d + "\n";
+        if (rank == 0)
+          std::printf("ll cuda %s round %zu%s: %s\n", ec.c.describe().c_str(), i, split ? " (send/recv hooks)" : "",
+                      d.empty() ? "bit-exact vs LlCpu" : "DIFFERS");
+      }
+    }
+    g->barrier();
+    cuda_ok(cudaStreamDestroy(s), "stream destroy");
+    if (!failures.empty()) throw std::runtime_error("mismatches:\n" + failures);
+  });
+  EXPECT_EQ(failed, "");
+}
+
+// ---- graphs ------------------------------------------------------------------------------------
+
+struct GraphPair {
+  cudaGraphExec_t prepare = nullptr, finalize = nullptr;
+};
+
+void capture(cudaStream_t s, cudaGraphExec_t& exec, const std::function<void()>& body) {
+  cudaGraph_t graph;
+  cuda_ok(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal), "begin capture");
+  body();
+  cuda_ok(cudaStreamEndCapture(s, &graph), "end capture");
+  cuda_ok(cudaGraphInstantiate(&exec, graph, 0), "instantiate");
+  cuda_ok(cudaGraphDestroy(graph), "graph destroy");
+}
+
+/// Graph A: x [cap, H] with a device num_tokens; graph B: x [5, H] (host T = 5). Replays of A
+/// with T per (replay, rank) from `ta`, interleaved with B; every replay checked against LlCpu.
+void run_graphs(int R) {
+  const Case c = make_case(R, 7168, 256, 8, DType::fp8_e4m3, false, false, false, false, 0.1, 128, {}, 31);
+  Case cb = c;
+  cb.T.assign(static_cast<size_t>(R), 5);
+  cb.seed = 32;
+  const std::vector<std::vector<int64_t>> ta = {{128, 3}, {0, 128}, {7, 1}, {1, 0}, {64, 100}};  // [replay][rank]
+  Case cfull = c;
+  cfull.T.assign(static_cast<size_t>(R), 128);
+  const std::vector<RankInput> full = make_inputs(cfull), inb = make_inputs(cb);
+  // Schedule: A0 B A1 A2 B A3 A4 (B replays with the same inputs)
+  const std::vector<int> schedule = {0, -1, 1, 2, -1, 3, 4};
+  std::vector<std::vector<RankInput>> rounds;
+  for (int sidx : schedule) {
+    std::vector<RankInput> per_rank;
+    for (int r = 0; r < R; ++r)
+      per_rank.push_back(sidx < 0 ? inb[static_cast<size_t>(r)] : head(full[static_cast<size_t>(r)], ta[static_cast<size_t>(sidx)][static_cast<size_t>(r % 2)]));
+    rounds.push_back(std::move(per_rank));
+  }
+  const auto want = run_cpu(c, rounds);
+  const std::string path = nccl_path();
+  const std::string failed = run_ranks_forked(R, 300.0, [&](int rank) {
+    auto g = make_nccl_group(path, rank, R, rank, 60.0);
+    cuda_ok(cudaSetDevice(rank), "cudaSetDevice");
+    const Device dev = Device::cuda(rank);
+    cudaStream_t s;
+    cuda_ok(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "stream");
+    auto pf = make_prepare_finalize("ll", g, c.config());
+    auto* ll = dynamic_cast<dispatch::LlCuda*>(pf.get());
+    const DevInput a = upload(full[static_cast<size_t>(rank)], 128, dev), b = upload(inb[static_cast<size_t>(rank)], 5, dev);
+    Tensor nt = Tensor::zeros({1}, DType::int32, dev);
+    const int64_t L = num_local_experts(c.config(), R, rank), cap = static_cast<int64_t>(R) * c.cap;
+    Tensor eo_a = Tensor::empty({L, cap, c.H}, DType::bf16, dev), eo_b = Tensor::empty({L, cap, c.H}, DType::bf16, dev);
+    Tensor out_a = Tensor::empty({128, c.H}, DType::bf16, dev), out_b = Tensor::empty({5, c.H}, DType::bf16, dev);
+    GraphPair ga, gb;
+    PrepareResult pa, pb;
+    DispatchArgs args_a{a.x, a.idx, a.w, Stream{s}};
+    args_a.num_tokens = nt;
+    capture(s, ga.prepare, [&] { pa = pf->prepare(args_a); });
+    capture(s, ga.finalize, [&] { pf->finalize({eo_a, out_a, Stream{s}}); });
+    capture(s, gb.prepare, [&] { pb = pf->prepare({b.x, b.idx, b.w, Stream{s}}); });
+    capture(s, gb.finalize, [&] { pf->finalize({eo_b, out_b, Stream{s}}); });
+    std::string failures;
+    for (size_t i = 0; i < schedule.size(); ++i) {
+      const bool is_a = schedule[i] >= 0;
+      const int32_t T = is_a ? static_cast<int32_t>(ta[static_cast<size_t>(schedule[i])][static_cast<size_t>(rank % 2)]) : 5;
+      if (is_a) cuda_ok(cudaMemcpyAsync(nt.data(), &T, 4, cudaMemcpyHostToDevice, s), "num_tokens");
+      cuda_ok(cudaStreamSynchronize(s), "sync");
+      cuda_ok(cudaGraphLaunch(is_a ? ga.prepare : gb.prepare, s), "replay prepare");
+      cuda_ok(cudaStreamSynchronize(s), "sync prepare");
+      ll->check(Stream{s});
+      const PrepareResult& p = is_a ? pa : pb;
+      Snap snap = take(p, ll->handle().src_rank, ll->handle().src_token, ll->handle().topk_column, ll->handle().layout_range);
+      Tensor& eo = is_a ? eo_a : eo_b;
+      copy(eo, experts_out(c, rank, p));
+      Tensor& out = is_a ? out_a : out_b;
+      cuda_ok(cudaMemset(out.data(), 0xff, static_cast<size_t>(out.nbytes())), "poison out");
+      cuda_ok(cudaGraphLaunch(is_a ? ga.finalize : gb.finalize, s), "replay finalize");
+      cuda_ok(cudaStreamSynchronize(s), "sync finalize");
+      ll->check(Stream{s});
+      std::vector<uint8_t> ob = host_bytes(out);
+      // Rows >= T are not written (still poison); compare rows [0, T).
+      for (size_t k = static_cast<size_t>(T) * c.H * 2; k < ob.size(); ++k)
+        if (ob[k] != 0xff) {
+          failures += "replay " + std::to_string(i) + ": out row beyond T written; ";
+          break;
+        }
+      ob.resize(static_cast<size_t>(T) * c.H * 2);
+      snap.out = ob;
+      poison_outputs(p, *ll);
+      const std::string d = diff(snap, want[i][static_cast<size_t>(rank)]);
+      if (!d.empty()) failures += "replay " + std::to_string(i) + (is_a ? " (graph A, T=" + std::to_string(T) + ")" : " (graph B)") + ": " + d + "\n";
+      if (rank == 0) std::printf("graph replay %zu: graph %s, T = %d on rank 0: %s\n", i, is_a ? "A" : "B", T, d.empty() ? "bit-exact" : "DIFFERS");
+    }
+    for (cudaGraphExec_t e : {ga.prepare, ga.finalize, gb.prepare, gb.finalize}) cuda_ok(cudaGraphExecDestroy(e), "exec destroy");
+    g->barrier();
+    if (!failures.empty()) throw std::runtime_error(failures);
+  });
+  EXPECT_EQ(failed, "");
+}
+
+// ---- errors ------------------------------------------------------------------------------------
+
+void run_errors(int R) {
+  const Case c = make_case(R, 2048, 16, 4, DType::fp8_e4m3, false, false, false, false, 0.1, 16, {}, 41);
+  Case c8 = c;
+  c8.T.assign(static_cast<size_t>(R), 8);
+  const std::vector<RankInput> in = make_inputs(c8);
+  Case c17 = c;
+  c17.T.assign(static_cast<size_t>(R), 17);
+  const std::vector<RankInput> big = make_inputs(c17);
+  const auto want = run_cpu(c, {in, in});
+  const std::string path = nccl_path();
+  const std::string failed = run_ranks_forked(R, 120.0, [&](int rank) {
+    auto g = make_nccl_group(path, rank, R, rank, 60.0);
+    cuda_ok(cudaSetDevice(rank), "cudaSetDevice");
+    const Device dev = Device::cuda(rank);
+    cudaStream_t s;
+    cuda_ok(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "stream");
+    auto pf = make_prepare_finalize("ll", g, c.config());
+    auto* ll = dynamic_cast<dispatch::LlCuda*>(pf.get());
+    std::string failures;
+    // 1. T = 17 > capacity 16: InvalidArgument naming both numbers, nothing launched.
+    {
+      const DevInput d = upload(big[static_cast<size_t>(rank)], 17, dev);
+      std::string what;
+      try {
+        pf->prepare({d.x, d.idx, d.w, Stream{s}});
+      } catch (const InvalidArgument& e) {
+        what = e.what();
+      }
+      if (what.find("17") == std::string::npos || what.find("16") == std::string::npos) failures += "capacity error: '" + what + "'; ";
+      if (rank == 0) std::printf("capacity: %s\n", what.c_str());
+    }
+    // 2. The object still works (no call number was used by the failed call).
+    {
+      const Snap got = gpu_round(c, *ll, in[static_cast<size_t>(rank)], rank, s, false);
+      const std::string d = diff(got, want[0][static_cast<size_t>(rank)]);
+      if (!d.empty()) failures += "after capacity error: " + d + "; ";
+    }
+    // 3. A device num_tokens beyond x.shape[0] on the last rank: that rank sends nothing, check()
+    //    throws InvalidArgument there, and the next round is exact again.
+    {
+      const DevInput d = upload(in[static_cast<size_t>(rank)], 8, dev);
+      Tensor nt = Tensor::empty({1}, DType::int32, dev);
+      const int32_t v = rank == R - 1 ? 9 : 8;
+      cuda_ok(cudaMemcpy(nt.data(), &v, 4, cudaMemcpyHostToDevice), "nt");
+      DispatchArgs a{d.x, d.idx, d.w, Stream{s}};
+      a.num_tokens = nt;
+      const PrepareResult p = pf->prepare(a);
+      cuda_ok(cudaStreamSynchronize(s), "sync");
+      const int64_t L = p.x.size(0);
+      Tensor eo = Tensor::zeros({L, p.x.size(1), c.H}, DType::bf16, dev), out = Tensor::empty({8, c.H}, DType::bf16, dev);
+      pf->finalize({eo, out, Stream{s}});
+      std::string what;
+      try {
+        ll->check(Stream{s});
+      } catch (const InvalidArgument& e) {
+        what = e.what();
+      }
+      if (rank == R - 1 && what.find("num_tokens") == std::string::npos) failures += "bad num_tokens: '" + what + "'; ";
+      if (rank != R - 1 && !what.empty()) failures += "bad num_tokens on another rank threw here: '" + what + "'; ";
+      if (rank == R - 1) std::printf("bad device num_tokens: %s\n", what.c_str());
+      const Snap got = gpu_round(c, *ll, in[static_cast<size_t>(rank)], rank, s, false);
+      const std::string dd = diff(got, want[1][static_cast<size_t>(rank)]);
+      if (!dd.empty()) failures += "after bad num_tokens: " + dd + "; ";
+    }
+    // 4. Another backend rejects num_tokens.
+    if (rank == 0) {
+      std::string what;
+      try {
+        auto groups = make_cpu_groups(1);
+        auto cpu = make_prepare_finalize("ll", groups[0], c.config());
+        DispatchArgs a{in[0].x, in[0].topk_idx, in[0].topk_weights};
+        Tensor nt = Tensor::zeros({1}, DType::int32);
+        a.num_tokens = nt;
+        cpu->prepare(a);
+      } catch (const InvalidArgument& e) {
+        what = e.what();
+      }
+      if (what.find("num_tokens") == std::string::npos) failures += "CPU ll accepted num_tokens: '" + what + "'; ";
+    }
+    g->barrier();
+    if (!failures.empty()) throw std::runtime_error(failures);
+  });
+  EXPECT_EQ(failed, "");
+}
+
+/// Rank 1 never calls: rank 0's prepare fails within timeout_s (+ slack) with Timeout naming rank 1,
+/// and every later call throws too. Never a hang.
+void run_timeout() {
+  const Case c = make_case(2, 2048, 16, 4, DType::bf16, false, false, false, false, 0.0, 8, {4, 4}, 51);
+  const std::vector<RankInput> in = make_inputs(c);
+  const std::string path = nccl_path();
+  constexpr double kTimeout = 2.0;
+  const std::string failed = run_ranks_forked(2, 60.0, [&](int rank) {
+    auto g = make_nccl_group(path, rank, 2, rank, 60.0);
+    cuda_ok(cudaSetDevice(rank), "cudaSetDevice");
+    cudaStream_t s;
+    cuda_ok(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "stream");
+    dispatch::LlCuda ll(g, c.config(), {.warps_per_block = 8, .num_blocks = 0, .timeout_s = kTimeout});
+    std::string failures;
+    if (rank == 0) {
+      const DevInput d = upload(in[0], 4, Device::cuda(0));
+      const auto t0 = std::chrono::steady_clock::now();
+      std::string what;
+      try {
+        ll.prepare({d.x, d.idx, d.w, Stream{s}});
+        ll.check(Stream{s});
+      } catch (const Timeout& e) {
+        what = e.what();
+      }
+      const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      std::printf("timeout after %.2f s (bound %.1f s): %s\n", secs, kTimeout, what.c_str());
+      if (what.find("rank 1") == std::string::npos || what.find("prepare") == std::string::npos) failures += "timeout message: '" + what + "'; ";
+      if (secs < kTimeout * 0.9 || secs > kTimeout + 5.0) failures += "timeout took " + std::to_string(secs) + " s; ";
+      std::string again;
+      try {
+        ll.prepare({d.x, d.idx, d.w, Stream{s}});
+      } catch (const Timeout& e) {
+        again = e.what();
+      }
+      if (again.find("rank 1") == std::string::npos) failures += "the next call did not throw Timeout: '" + again + "'; ";
+    } else {
+      std::this_thread::sleep_for(std::chrono::duration<double>(kTimeout + 3.0));  // alive, but never calls
+    }
+    std::fflush(stdout);
+    if (!failures.empty()) {
+      std::fprintf(stderr, "[rank %d] FAILED: %s\n", rank, failures.c_str());
+      std::fflush(stderr);
+      _exit(1);
+    }
+    _exit(0);  // skip teardown: rank 0's messages to rank 1 were never consumed
+  });
+  EXPECT_EQ(failed, "");
+}
+
+int gpus() { return cuda::device_count(); }
+
+TEST(LlCuda, MatchesCpuOneRank) {
+  if (gpus() < 1) GTEST_SKIP() << "needs 1 GPU, found " << gpus();
+  run_eager(1);
+}
+
+TEST(LlCuda, MatchesCpuTwoRanks) {
+  if (gpus() < 2) GTEST_SKIP() << "needs 2 GPUs, found " << gpus();
+  run_eager(2);
+}
+
+TEST(LlCuda, GraphsWithDeviceTokenCountTwoRanks) {
+  if (gpus() < 2) GTEST_SKIP() << "needs 2 GPUs, found " << gpus();
+  run_graphs(2);
+}
+
+TEST(LlCuda, GraphsWithDeviceTokenCountOneRank) {
+  if (gpus() < 1) GTEST_SKIP() << "needs 1 GPU, found " << gpus();
+  run_graphs(1);
+}
+
+TEST(LlCuda, ErrorsTwoRanks) {
+  if (gpus() < 2) GTEST_SKIP() << "needs 2 GPUs, found " << gpus();
+  run_errors(2);
+}
+
+TEST(LlCuda, TimeoutNamesThePeer) {
+  if (gpus() < 2) GTEST_SKIP() << "needs 2 GPUs, found " << gpus();
+  run_timeout();
+}
+
+}  // namespace
+
+#else
+
+TEST(LlCuda, NeedsACudaBuild) { GTEST_SKIP() << "CPU-only build (EPX_CUDA=OFF)"; }
+
+#endif  // EPX_WITH_CUDA
