@@ -53,13 +53,20 @@ from ._epx import (  # noqa: F401
     num_local_experts,
     preset,
     preset_names,
-    quantize_fp8_per_token_group,
-    route,
     router_logits,
     run_ranks,
     zeros,
 )
-from ._api import Experts, ModularMoE, Prepared, PrepareFinalize, group_from_torch, make_prepare_finalize  # noqa: F401
+from ._api import (  # noqa: F401
+    Experts,
+    ModularMoE,
+    Prepared,
+    PrepareFinalize,
+    group_from_torch,
+    make_prepare_finalize,
+    quantize_fp8_per_token_group,
+    route,
+)
 from ._frameworks import bf16, resolve_stream, to_float32  # noqa: F401
 from . import deepep  # noqa: F401
 

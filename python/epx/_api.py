@@ -180,6 +180,18 @@ class ModularMoE:
         return _empty_rows_like(x, _rows(x), self.weights.config.hidden, framework(x), self.group.device)
 
 
+def route(config: _epx.RouterConfig, logits, correction_bias, topk_idx, topk_weights, stream=None) -> None:
+    """Routes T tokens (include/epx/routing.h): logits [T, E] fp32/bf16 -> topk_idx [T, K] int32/int64 and
+    topk_weights [T, K] fp32, written; correction_bias [E] fp32 or None. CPU or CUDA tensors (all on one device)."""
+    _epx.route(config, logits, correction_bias, topk_idx, topk_weights, resolve_stream(stream, logits, topk_idx))
+
+
+def quantize_fp8_per_token_group(x, q, scales, group_size: int = 128, ue8m0: bool = False, stream=None) -> None:
+    """x [T, H] bf16/fp32 -> q [T, H] fp8_e4m3 and scales [T, H/group_size] fp32, written (DeepSeek-V3 1x128
+    recipe: scale = max(amax, 1e-4) / 448; ue8m0 rounds it up to a power of two). CPU or CUDA tensors."""
+    _epx.quantize_fp8_per_token_group(x, q, scales, group_size, ue8m0, resolve_stream(stream, x, q))
+
+
 def group_from_torch(process_group=None, device: Optional[int] = None, timeout_s: float = 60.0) -> _epx.Group:
     """An NCCL epx group over the ranks of a torch.distributed process group (default: WORLD).
 

@@ -127,7 +127,7 @@ def to_float32(x):
             x = _epx.as_tensor(x, "fp8_e4m3")
         else:
             return x.astype(np.float32)
-    return np.from_dlpack(x.float())
+    return numpy_view(x.float())
 
 
 def bf16(x):

@@ -3,6 +3,7 @@
 
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <cstring>
 #include <string>
 
@@ -236,6 +237,13 @@ TensorView CallArgs::get(pyb::handle obj, const char* name_c, std::optional<DTyp
       s *= d.shape[i];
     }
     v.data = d.data ? static_cast<char*>(d.data) + d.byte_offset : nullptr;
+    if (v.numel() == 0) {  // an empty tensor's strides mean nothing (producers disagree on them)
+      int64_t c = 1;
+      for (int i = v.ndim - 1; i >= 0; --i) {
+        v.strides[i] = c;
+        c *= std::max<int64_t>(v.shape[i], 1);
+      }
+    }
     return v;
   } catch (...) {
     if (!error_) error_ = std::current_exception();

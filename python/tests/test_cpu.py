@@ -332,3 +332,28 @@ def test_experts_binding_matches_numpy(experts):
         return err
 
     assert max(run(groups, body)) < 1e-2
+
+
+def test_torch_cpu_tensors_in_and_out(experts):
+    """torch CPU tensors (bf16) through a CPU group: results are torch tensors sharing epx's memory, the
+    output is written in place, and the result matches the numpy reference. Skips without torch."""
+    torch = pytest.importorskip("torch")
+    weights, fns = experts
+    groups = epx.make_cpu_groups(R, timeout_s=20)
+    cfg = epx.DispatchConfig(hidden=H, num_experts=E, top_k=K, num_max_dispatch_tokens_per_rank=T)
+
+    def body(rank):
+        pf = epx.make_prepare_finalize("ht", groups[rank], cfg)
+        begin, end = epx.expert_range(E, R, rank)
+        x_bits, idx, w = make_inputs(np.random.default_rng(70 + rank), T)
+        x = torch.from_numpy(f32(x_bits)).to(torch.bfloat16)
+        p = pf.prepare(x, torch.from_numpy(idx).long(), torch.from_numpy(w))
+        assert isinstance(p.x, torch.Tensor) and p.x.dtype == torch.bfloat16 and p.x.data_ptr() == p.raw.x.data_ptr
+        assert isinstance(p.recv_count, torch.Tensor) and p.recv_count.dtype == torch.int32
+        y = epx.make_experts(weights[begin:end]).apply(p)
+        assert isinstance(y, torch.Tensor) and y.dtype == torch.bfloat16
+        out = torch.full((T, H), float("nan"), dtype=torch.bfloat16)
+        assert pf.finalize(y, out) is out
+        return rel_l2(out.float().numpy(), moe_out(fns, f32(x_bits), idx, w))
+
+    assert max(run(groups, body)) < 1.5e-2

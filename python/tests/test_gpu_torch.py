@@ -82,7 +82,8 @@ def part_dispatch(rank, group, out_dir):
                 for rnd, tokens in enumerate([T, 0 if rank == 1 else 7, T]):
                     x, idx, w = _inputs(rank, rnd, tokens, E, K, H)
                     p = pf.prepare(x, idx, w)
-                    copies += int(p.x.data_ptr() != p.raw.x.data_ptr)  # results are views, not copies
+                    if p.raw.x.numel():
+                        copies += int(p.x.data_ptr() != p.raw.x.data_ptr)  # results are views, not copies
                     y = experts_on_layout(p, [fns[e] for e in range(begin, end)])
                     out = torch.full((tokens, H), float("nan"), dtype=torch.bfloat16, device="cuda")
                     assert pf.finalize(y, out) is out
