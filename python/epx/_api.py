@@ -19,8 +19,9 @@ class Prepared:
                     per-row topk_idx / topk_weights [N_recv, K], local expert id or -1)
     x               bf16, or fp8_e4m3 when dispatch_dtype is fp8 (then x_scales [.., H/128] fp32)
     recv_count      [L] int32 tokens per local expert (ht: aligned to expert_alignment)
-    num_recv_tokens Flat: N_recv; ExpertMajor: sum of recv_count
+    num_recv_tokens Flat: N_recv (ht with use_worst_case_sizing: the row capacity); ExpertMajor: sum of recv_count
     raw             the epx._epx.PrepareResult (what Experts.apply takes)
+    num_recv_tokens_device  ht on CUDA: [1] int32 N_recv on the device; else None
     """
 
     layout: str
@@ -31,6 +32,7 @@ class Prepared:
     topk_weights: Any
     num_recv_tokens: int
     raw: Any
+    num_recv_tokens_device: Any = None
 
 
 class PrepareFinalize:
@@ -82,7 +84,8 @@ class PrepareFinalize:
         fw = framework(x)
         self._fw, self._out_like, self._out_rows = fw, x, _rows(x)
         return Prepared(r.layout, to_framework(r.x, fw), to_framework(r.x_scales, fw), to_framework(r.recv_count, fw),
-                        to_framework(r.topk_idx, fw), to_framework(r.topk_weights, fw), r.num_recv_tokens, r)
+                        to_framework(r.topk_idx, fw), to_framework(r.topk_weights, fw), r.num_recv_tokens, r,
+                        to_framework(r.num_recv_tokens_device, fw))
 
     def finalize(self, expert_out, out=None, stream=None):
         """Combine expert_out (ExpertMajor [L, cap, H] / Flat [N_recv, H] bf16, as the experts wrote it)

@@ -110,9 +110,13 @@ class Buffer:
     def dispatch(self, x, handle: Optional[Handle] = None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None,
                  is_token_in_rank=None, num_tokens_per_expert=None, topk_idx=None, topk_weights=None, expert_alignment: int = 1,
                  config=None, previous_event=None, async_finish: bool = False, allocate_on_comm_stream: bool = False, *,
-                 num_experts: Optional[int] = None, num_max_dispatch_tokens_per_rank: int = 0, use_fp8: bool = False, stream=None):
+                 num_experts: Optional[int] = None, num_max_dispatch_tokens_per_rank: int = 0, use_fp8: bool = False,
+                 num_worst_tokens: int = 0, stream=None):
         """x [T, H] bf16 -> (recv_x [N_recv, H], recv_topk_idx [N_recv, K] local expert or -1, recv_topk_weights,
-        num_recv_tokens_per_expert_list (Python ints; reading them synchronises), handle, None)."""
+        num_recv_tokens_per_expert_list (Python ints; reading them synchronises), handle, None).
+        num_worst_tokens > 0 (DeepEP's graph-safe mode): epx's use_worst_case_sizing, which needs
+        num_max_dispatch_tokens_per_rank; recv_x then has R * num_max_dispatch_tokens_per_rank rows (rows past
+        N_recv have recv_topk_idx -1) and the list is empty (no host read)."""
         if handle is not None:
             raise _epx.Unsupported("epx.deepep.Buffer.dispatch: handle = cached: epx recomputes the layout every call; "
                                    "pass topk_idx and topk_weights instead")
@@ -124,9 +128,10 @@ class Buffer:
             num_experts = int(num_tokens_per_expert.shape[0])
         pf = self._backend(self.ht_backend, hidden=int(x.shape[1]), num_experts=int(num_experts), top_k=int(topk_idx.shape[1]),
                            num_max_dispatch_tokens_per_rank=int(num_max_dispatch_tokens_per_rank),
-                           dispatch_dtype="fp8_e4m3" if use_fp8 else "bf16", expert_alignment=int(expert_alignment))
+                           dispatch_dtype="fp8_e4m3" if use_fp8 else "bf16", expert_alignment=int(expert_alignment),
+                           use_worst_case_sizing=num_worst_tokens > 0)
         p = pf.prepare(x, topk_idx, topk_weights, stream)
-        counts = [int(c) for c in p.recv_count.tolist()]
+        counts = [] if num_worst_tokens > 0 else [int(c) for c in p.recv_count.tolist()]
         recv_x = (p.x, p.x_scales) if use_fp8 else p.x
         return recv_x, p.topk_idx, p.topk_weights, counts, Handle(pf, p), None
 

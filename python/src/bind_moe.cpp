@@ -57,7 +57,7 @@ struct PyPrepareFinalize {
 struct PyPrepareResult {
   PrepareResult raw;
   std::string layout;
-  pyb::object x, x_scales, recv_count, topk_idx, topk_weights;
+  pyb::object x, x_scales, recv_count, topk_idx, topk_weights, num_recv_tokens_device;
   int64_t num_recv_tokens = 0;
 };
 
@@ -83,7 +83,7 @@ pyb::dict stats_dict(const DispatchStats& s) {
 void bind_dispatch(pyb::module_& m) {
   pyb::class_<DispatchConfig>(m, "DispatchConfig", "Backend configuration (include/epx/dispatch.h); all ranks must agree.")
       .def(pyb::init([](int64_t hidden, int num_experts, int top_k, int num_max_dispatch_tokens_per_rank, const std::string& dispatch_dtype,
-                        bool use_ue8m0, bool shared_route, int expert_alignment) {
+                        bool use_ue8m0, bool shared_route, int expert_alignment, bool use_worst_case_sizing) {
              DispatchConfig c;
              c.hidden = hidden;
              c.num_experts = num_experts;
@@ -93,11 +93,12 @@ void bind_dispatch(pyb::module_& m) {
              c.use_ue8m0 = use_ue8m0;
              c.shared_route = shared_route;
              c.expert_alignment = expert_alignment;
+             c.use_worst_case_sizing = use_worst_case_sizing;
              return c;
            }),
            pyb::kw_only(), pyb::arg("hidden") = 0, pyb::arg("num_experts") = 0, pyb::arg("top_k") = 0,
            pyb::arg("num_max_dispatch_tokens_per_rank") = 0, pyb::arg("dispatch_dtype") = "bf16", pyb::arg("use_ue8m0") = false,
-           pyb::arg("shared_route") = false, pyb::arg("expert_alignment") = 1)
+           pyb::arg("shared_route") = false, pyb::arg("expert_alignment") = 1, pyb::arg("use_worst_case_sizing") = false)
       .def_readwrite("hidden", &DispatchConfig::hidden, "H; multiple of 8 (bf16), of 128 for fp8 dispatch.")
       .def_readwrite("num_experts", &DispatchConfig::num_experts, "E, routed experts (global).")
       .def_readwrite("top_k", &DispatchConfig::top_k, "K, columns of topk_idx.")
@@ -108,6 +109,9 @@ void bind_dispatch(pyb::module_& m) {
       .def_readwrite("use_ue8m0", &DispatchConfig::use_ue8m0)
       .def_readwrite("shared_route", &DispatchConfig::shared_route)
       .def_readwrite("expert_alignment", &DispatchConfig::expert_alignment)
+      .def_readwrite("use_worst_case_sizing", &DispatchConfig::use_worst_case_sizing,
+                     "ht on CUDA: graph-safe worst-case sizing (DeepEP num_worst_tokens): Flat results have "
+                     "R * num_max_dispatch_tokens_per_rank rows, N_recv stays on the device (num_recv_tokens_device).")
       .def("__repr__", [](const DispatchConfig& c) {
         return "epx.DispatchConfig(hidden=" + std::to_string(c.hidden) + ", num_experts=" + std::to_string(c.num_experts) +
                ", top_k=" + std::to_string(c.top_k) + ", num_max_dispatch_tokens_per_rank=" +
@@ -135,6 +139,8 @@ The tensors are views into the backend's buffers, valid until the next prepare()
       .def_readonly("topk_idx", &PyPrepareResult::topk_idx)
       .def_readonly("topk_weights", &PyPrepareResult::topk_weights)
       .def_readonly("num_recv_tokens", &PyPrepareResult::num_recv_tokens)
+      .def_readonly("num_recv_tokens_device", &PyPrepareResult::num_recv_tokens_device,
+                    "ht on CUDA: [1] int32 N_recv on the device (valid once the stream reaches it); else None.")
       .def("__repr__", [](const PyPrepareResult& r) {
         return "epx.PrepareResult(layout=" + r.layout + ", x=" + r.raw.x.describe() + ", num_recv_tokens=" +
                std::to_string(r.num_recv_tokens) + ")";
@@ -166,6 +172,7 @@ both are collective (every rank calls them, also with 0 tokens). Create with mak
         r.recv_count = opt_view(r.raw.recv_count, self, stream);
         r.topk_idx = opt_view(r.raw.topk_idx, self, stream);
         r.topk_weights = opt_view(r.raw.topk_weights, self, stream);
+        r.num_recv_tokens_device = opt_view(r.raw.num_recv_tokens_device, self, stream);
         r.num_recv_tokens = r.raw.num_recv_tokens;
         return r;
       }, pyb::arg("x"), pyb::arg("topk_idx"), pyb::arg("topk_weights"), pyb::arg("stream") = 0, R"doc(

@@ -40,12 +40,12 @@ echo "pip install rc=$? in $((SECONDS - t0)) s" | tee -a "$OUT/py-env.txt"
 
 export PYTHONPATH="$target" PYTHONDONTWRITEBYTECODE=1
 t0=$SECONDS
-(cd "$SRC/python/tests" && timeout 120 $PY -m pytest -q -rA -p no:cacheprovider -m "not gpu" .) >"$OUT/pytest-cpu.log" 2>&1
+(cd "$SRC/python/tests" && timeout 60 $PY -m pytest -q -rA -p no:cacheprovider -m "not gpu" .) >"$OUT/pytest-cpu.log" 2>&1
 echo "pytest cpu rc=$? in $((SECONDS - t0)) s" | tee -a "$OUT/py-env.txt"
 t0=$SECONDS
 (cd "$SRC/python/tests" && PYTEST_EPX_JSON="$OUT/python-gpu.json" PYTEST_EPX_COMMIT="${PYTEST_EPX_COMMIT:-}" \
-  timeout 360 $PY -m pytest -v -rA -p no:cacheprovider -m gpu .) >"$OUT/pytest-gpu.log" 2>&1
+  timeout 200 $PY -m pytest -v -rA -p no:cacheprovider -m gpu .) >"$OUT/pytest-gpu.log" 2>&1
 echo "pytest gpu rc=$? in $((SECONDS - t0)) s" | tee -a "$OUT/py-env.txt"
 t0=$SECONDS
-(cd "$SRC" && timeout 120 $PY -m torch.distributed.run --nproc-per-node 2 examples/quickstart_torch.py) >"$OUT/quickstart.log" 2>&1
+(cd "$SRC" && timeout 60 $PY -m torch.distributed.run --nproc-per-node 2 examples/quickstart_torch.py) >"$OUT/quickstart.log" 2>&1
 echo "quickstart rc=$? in $((SECONDS - t0)) s" | tee -a "$OUT/py-env.txt"
