@@ -45,12 +45,18 @@ def _tag() -> str:
     return f"{py}-{abi}-{plat}"
 
 
+def _outer_env() -> dict:
+    """The environment without pip's build isolation (its PYTHONPATH hides the installing environment's
+    site-packages). Tools run with it: cmake and ninja may be pip-installed wrapper scripts of that
+    environment (as in a torch venv), which cannot import themselves inside the isolation."""
+    return {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONNOUSERSITE", "PYTHONHOME")}
+
+
 def _outer_python_query(code: str):
-    """Runs `code` in this interpreter *outside* pip's isolated build environment (no PYTHONPATH,
-    site-packages visible), to find packages installed next to the interpreter (pybind11, nvidia.nccl)."""
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONNOUSERSITE", "PYTHONHOME")}
+    """Runs `code` in this interpreter outside pip's isolated build environment, to find packages
+    installed next to the interpreter (pybind11, nvidia.nccl)."""
     try:
-        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60, cwd="/")
+        out = subprocess.run([sys.executable, "-c", code], env=_outer_env(), capture_output=True, text=True, timeout=60, cwd="/")
     except Exception:  # noqa: BLE001
         return None
     return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else None
@@ -77,9 +83,9 @@ def _build() -> Path:
     bdir = ROOT / "build-python" / _tag()
     cmd = ["cmake", "-S", str(ROOT), "-B", str(bdir)] + _cmake_args()
     print("epx build:", " ".join(cmd), flush=True)
-    subprocess.run(cmd, check=True)
+    subprocess.run(cmd, check=True, env=_outer_env())
     jobs = os.environ.get("CMAKE_BUILD_PARALLEL_LEVEL", str(os.cpu_count() or 2))
-    subprocess.run(["cmake", "--build", str(bdir), "--target", "_epx", "-j", jobs], check=True)
+    subprocess.run(["cmake", "--build", str(bdir), "--target", "_epx", "-j", jobs], check=True, env=_outer_env())
     pkg = bdir / "python" / NAME
     if not list(pkg.glob("_epx*.so")) and not list(pkg.glob("_epx*.pyd")):
         raise RuntimeError(f"epx build: no _epx module under {pkg}")

@@ -27,14 +27,20 @@ export LD_LIBRARY_PATH="$nccl/lib:$arch_lib:$arch_lib/openblas-pthread${LD_LIBRA
 {
   date -u; nvidia-smi -L; $PY --version; $PY -m pip --version; cmake --version | head -1; nvcc --version | tail -1
   $PY -c 'import torch, pybind11; print("torch", torch.__version__, "cuda", torch.version.cuda, "pybind11", pybind11.__version__)'
-  echo "nccl wheel: $nccl"
+  echo "nccl wheel: $nccl"; ls /usr/include/python3*/Python.h; command -v cmake ninja; head -1 "$(command -v cmake)"
 } >"$OUT/py-env.txt" 2>&1
 
 export CMAKE_ARGS="-DCMAKE_CUDA_ARCHITECTURES=90a -DCMAKE_PREFIX_PATH=$deps/usr -DBLA_VENDOR=OpenBLAS -DCMAKE_POLICY_VERSION_MINIMUM=3.5 \
 -DCMAKE_LIBRARY_PATH=$arch_lib/openblas-pthread;$arch_lib -DEPX_CBLAS_INCLUDE=$deps/usr/include/x86_64-linux-gnu/openblas-pthread"
 t0=$SECONDS
 (cd "$SRC" && $PY -m pip install -v --target "$target" .) >"$OUT/pip-install.log" 2>&1
-echo "pip install rc=$? in $((SECONDS - t0)) s" | tee -a "$OUT/py-env.txt"
+rc=$?
+echo "pip install rc=$rc in $((SECONDS - t0)) s" | tee -a "$OUT/py-env.txt"
+if [ $rc -ne 0 ]; then  # the documented fallback
+  t0=$SECONDS
+  (cd "$SRC" && $PY -m pip install -v --no-build-isolation --target "$target" .) >>"$OUT/pip-install.log" 2>&1
+  echo "pip install --no-build-isolation rc=$? in $((SECONDS - t0)) s" | tee -a "$OUT/py-env.txt"
+fi
 (cd / && PYTHONPATH="$target" $PY -c "import epx; print(epx.__version__, 'cuda' if epx.built_with_cuda() else 'cpu', epx.nccl_version())") \
   2>&1 | tee -a "$OUT/py-env.txt"
 
