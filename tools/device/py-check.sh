@@ -7,10 +7,11 @@
 #    on, nothing downloaded), CUDA on (sm_90a), NCCL from the nvidia-nccl wheel, pybind11 from the venv,
 #    the Debian C++ dependencies the GPU image lacks from deps.tar.xz (tools/device/gpu-check.sh pack);
 # 2. python -c "import epx; print(epx.__version__)" from another directory;
-# 3. the CPU pytest (numpy) and the GPU pytest (2 ranks, torch.multiprocessing; includes the vLLM-shaped
-#    example), results as RESULTS.md JSON;
+# 3. python/tests/gpu_smoke.py (staged, with markers and faulthandler: locates a crash), the CPU pytest
+#    (numpy) and the GPU pytest (2 ranks, torch.multiprocessing; includes the vLLM-shaped example),
+#    results as RESULTS.md JSON;
 # 4. the README quick start: torchrun --nproc-per-node 2 examples/quickstart_torch.py.
-# Writes under $OUT: py-env.txt pip-install.log pytest-cpu.log pytest-gpu.log python-gpu.json quickstart.log
+# Writes under $OUT: py-env.txt pip-install.log smoke.log pytest-cpu.log pytest-gpu.log python-gpu.json quickstart.log
 set -uo pipefail
 SRC="$(cd "${1:?source tree}" && pwd)"
 DEPS_TAR="${2:-$SRC/.carry/deps.tar.xz}"
@@ -44,7 +45,10 @@ fi
 (cd / && PYTHONPATH="$target" $PY -c "import epx; print(epx.__version__, 'cuda' if epx.built_with_cuda() else 'cpu', epx.nccl_version())") \
   2>&1 | tee -a "$OUT/py-env.txt"
 
-export PYTHONPATH="$target" PYTHONDONTWRITEBYTECODE=1
+export PYTHONPATH="$target" PYTHONDONTWRITEBYTECODE=1 PYTHONFAULTHANDLER=1
+t0=$SECONDS
+(cd "$SRC" && timeout 90 $PY -X faulthandler python/tests/gpu_smoke.py) >"$OUT/smoke.log" 2>&1
+echo "smoke rc=$? in $((SECONDS - t0)) s (last step: $(grep -E '\.\.\.|ok$' "$OUT/smoke.log" | tail -1))" | tee -a "$OUT/py-env.txt"
 t0=$SECONDS
 (cd "$SRC/python/tests" && timeout 60 $PY -m pytest -q -rA -p no:cacheprovider -m "not gpu" .) >"$OUT/pytest-cpu.log" 2>&1
 echo "pytest cpu rc=$? in $((SECONDS - t0)) s" | tee -a "$OUT/py-env.txt"
