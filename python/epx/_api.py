@@ -76,11 +76,12 @@ class PrepareFinalize:
     def why_unsupported(self, x, topk_idx, topk_weights) -> Optional[str]:
         return self._impl.why_unsupported(x, topk_idx, topk_weights)
 
-    def prepare(self, x, topk_idx, topk_weights, stream=None) -> Prepared:
+    def prepare(self, x, topk_idx, topk_weights, stream=None, num_tokens=None) -> Prepared:
         """Dispatch x [T, H] bf16 with topk_idx [T, K] int32/int64 (-1 = none) and topk_weights [T, K]
-        fp32 (applied in finalize). T <= num_max_dispatch_tokens_per_rank."""
+        fp32 (applied in finalize). T <= num_max_dispatch_tokens_per_rank. num_tokens: optional [1] int32
+        on the GPU, the rows of x that take part (ll on CUDA, so one captured CUDA graph serves every T)."""
         s = resolve_stream(stream, x, topk_idx, topk_weights)
-        r = self._impl.prepare(x, topk_idx, topk_weights, s)
+        r = self._impl.prepare(x, topk_idx, topk_weights, s, num_tokens)
         fw = framework(x)
         self._fw, self._out_like, self._out_rows = fw, x, _rows(x)
         return Prepared(r.layout, to_framework(r.x, fw), to_framework(r.x_scales, fw), to_framework(r.recv_count, fw),

@@ -160,10 +160,12 @@ both are collective (every rank calls them, also with 0 tokens). Create with mak
         a.rethrow_local();
         return p.pf->why_unsupported(d);
       }, pyb::arg("x"), pyb::arg("topk_idx"), pyb::arg("topk_weights"), "None when prepare can run these arguments, else one sentence why not.")
-      .def("prepare", [](pyb::object self, pyb::handle x, pyb::handle topk_idx, pyb::handle topk_weights, int64_t stream) {
+      .def("prepare", [](pyb::object self, pyb::handle x, pyb::handle topk_idx, pyb::handle topk_weights, int64_t stream,
+                         pyb::handle num_tokens) {
         PyPrepareFinalize& p = self.cast<PyPrepareFinalize&>();
         CallArgs a("epx.PrepareFinalize.prepare", stream);
-        DispatchArgs d{a.get(x, "x", DType::bf16), a.get(topk_idx, "topk_idx"), a.get(topk_weights, "topk_weights"), to_stream(stream)};
+        DispatchArgs d{a.get(x, "x", DType::bf16), a.get(topk_idx, "topk_idx"), a.get(topk_weights, "topk_weights"), to_stream(stream),
+                       a.get(num_tokens, "num_tokens", std::nullopt, true)};
         PyPrepareResult r;
         r.raw = call_released(a, [&] { return p.pf->prepare(d); });
         r.layout = std::string(layout_name(r.raw.layout));
@@ -175,10 +177,12 @@ both are collective (every rank calls them, also with 0 tokens). Create with mak
         r.num_recv_tokens_device = opt_view(r.raw.num_recv_tokens_device, self, stream);
         r.num_recv_tokens = r.raw.num_recv_tokens;
         return r;
-      }, pyb::arg("x"), pyb::arg("topk_idx"), pyb::arg("topk_weights"), pyb::arg("stream") = 0, R"doc(
+      }, pyb::arg("x"), pyb::arg("topk_idx"), pyb::arg("topk_weights"), pyb::arg("stream") = 0, pyb::arg("num_tokens") = pyb::none(), R"doc(
 Dispatch (collective). x [T, H] bf16, T <= num_max_dispatch_tokens_per_rank; topk_idx [T, K] int32/int64
 (-1 = no selection); topk_weights [T, K] fp32; all on the group's device, contiguous. stream: cudaStream_t
-as int (0 = legacy default). Raises InvalidArgument (on every rank), Unsupported, Timeout, CommError.)doc")
+as int (0 = legacy default). num_tokens: optional [1] int32 on the GPU, the rows of x that take part
+(ll on CUDA: one captured graph for every T; other backends raise InvalidArgument when it is set).
+Raises InvalidArgument (on every rank), Unsupported, Timeout, CommError.)doc")
       .def("finalize", [](PyPrepareFinalize& p, pyb::handle expert_out, pyb::handle out, int64_t stream) {
         CallArgs a("epx.PrepareFinalize.finalize", stream);
         FinalizeArgs f{a.get(expert_out, "expert_out", DType::bf16), a.get(out, "out", DType::bf16), to_stream(stream)};
