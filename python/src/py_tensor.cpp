@@ -344,10 +344,14 @@ pyb::object export_dlpack(pyb::object self, pyb::object stream, pyb::object max_
       order_streams(t.stream, consumer, dev.index);
     }
   }
+  // DLPack >= 1.0 when the consumer asks for it, at a version no newer than its max_version (the ABI
+  // of 1.0 and 1.1 is the same; 1.1 only added dtype codes).
   bool versioned = false;
+  uint32_t minor = 1;
   if (!max_version.is_none()) {
     auto mv = max_version.cast<std::pair<int, int>>();
     versioned = mv.first >= 1;
+    if (mv.first == 1 && mv.second < 1) minor = 0;
   }
   auto* c = new ExportCtx();
   c->self = self;
@@ -365,7 +369,7 @@ pyb::object export_dlpack(pyb::object self, pyb::object stream, pyb::object max_
   d.byte_offset = 0;
   PyObject* cap;
   if (versioned) {
-    c->versioned = dl::ManagedTensorVersioned{{1, 1}, c, &versioned_deleter, 0, d};
+    c->versioned = dl::ManagedTensorVersioned{{1, minor}, c, &versioned_deleter, 0, d};
     cap = PyCapsule_New(&c->versioned, kVersionedName, &versioned_capsule_destructor);
   } else {
     c->legacy = dl::ManagedTensor{d, c, &legacy_deleter};
