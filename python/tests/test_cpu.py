@@ -357,3 +357,22 @@ def test_torch_cpu_tensors_in_and_out(experts):
         return rel_l2(out.float().numpy(), moe_out(fns, f32(x_bits), idx, w))
 
     assert max(run(groups, body)) < 1.5e-2
+
+
+def test_versioned_dlpack_round_trip():
+    """DLPack 1.x (versioned) capsules: exported by epx.Tensor on request, consumed by epx, deleter run."""
+
+    class Versioned:
+        def __init__(self, t):
+            self.t = t
+
+        def __dlpack__(self, stream=None):
+            return self.t.__dlpack__(max_version=(1, 0))
+
+        def __dlpack_device__(self):
+            return self.t.__dlpack_device__()
+
+    t = epx.from_float(np.arange(6, dtype=np.float32).reshape(2, 3), "bf16")
+    v = epx.as_tensor(Versioned(t))
+    assert (v.data_ptr, v.shape, v.dtype) == (t.data_ptr, (2, 3), "bf16")
+    np.testing.assert_array_equal(np.from_dlpack(v.float()), np.arange(6, dtype=np.float32).reshape(2, 3))
