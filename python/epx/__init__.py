@@ -54,7 +54,9 @@ from ._epx import (  # noqa: F401
     preset,
     preset_names,
     router_logits,
+    load_moe_layer,
     run_ranks,
+    write_moe_checkpoint,
     zeros,
 )
 from ._api import (  # noqa: F401

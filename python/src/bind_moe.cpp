@@ -6,6 +6,7 @@
 #include <memory>
 #include <string>
 
+#include "epx/checkpoint.h"
 #include "epx/dispatch.h"
 #include "epx/error.h"
 #include "epx/experts.h"
@@ -423,9 +424,53 @@ expert (separate, fused as route id E, or auto by M <= fhmoe_max_tokens). Collec
         pyb::arg("stream") = 0, "x [T, H] bf16/fp32 -> q [T, H] fp8_e4m3, scales [T, H/group] fp32 (DeepSeek-V3 1x128 recipe).");
 }
 
+void bind_checkpoint(pyb::module_& m) {
+  m.def("load_moe_layer", [](const std::string& dir, int layer, int expert_begin, int expert_end, std::vector<int> expert_ids,
+                             bool load_router, bool load_shared) {
+    MoELayerLoadOptions o;
+    o.layer = layer;
+    o.expert_begin = expert_begin;
+    o.expert_end = expert_end;
+    o.expert_ids = std::move(expert_ids);
+    o.load_router = load_router;
+    o.load_shared = load_shared;
+    MoELayerCheckpoint c;
+    {
+      pyb::gil_scoped_release release;
+      c = load_moe_layer(dir, o);
+    }
+    pyb::dict info;
+    info["model_type"] = c.info.model_type;
+    info["convention"] = std::string(checkpoint_convention_name(c.info.convention));
+    info["layer"] = c.info.layer;
+    info["num_hidden_layers"] = c.info.num_hidden_layers;
+    info["prefix"] = c.info.prefix;
+    return pyb::make_tuple(c.weights, c.notes, info);
+  }, pyb::arg("dir"), pyb::arg("layer") = 0, pyb::kw_only(), pyb::arg("expert_begin") = 0, pyb::arg("expert_end") = -1,
+        pyb::arg("expert_ids") = std::vector<int>{}, pyb::arg("load_router") = true, pyb::arg("load_shared") = true, R"doc(
+One MoE layer of a Hugging Face safetensors checkpoint directory (include/epx/checkpoint.h): returns
+(MoEWeights, notes, info). Loads the router and the routed experts [expert_begin, expert_end) (or exactly
+expert_ids), e.g. epx.expert_range(E, R, rank) for a rank's own; others stay None. Conventions: DeepSeek-V3/V4,
+Qwen3/Qwen2-MoE, Mixtral, gpt-oss. Raises InvalidArgument / Unsupported naming the key or tensor.)doc");
+  m.def("write_moe_checkpoint", [](const std::string& dir, const MoEWeights& w, const std::string& convention, int layer,
+                                   int num_shards, const std::string& router_dtype, const std::string& model_type) {
+    CheckpointWriteOptions o;
+    o.convention = parse_checkpoint_convention(convention);
+    o.layer = layer;
+    o.num_shards = num_shards;
+    o.router_dtype = router_dtype;
+    o.model_type = model_type;
+    pyb::gil_scoped_release release;
+    write_moe_checkpoint(dir, w, o);
+  }, pyb::arg("dir"), pyb::arg("weights"), pyb::kw_only(), pyb::arg("convention") = "deepseek", pyb::arg("layer") = 0,
+        pyb::arg("num_shards") = 1, pyb::arg("router_dtype") = "BF16", pyb::arg("model_type") = "",
+        "Writes `weights` as one MoE layer of a checkpoint (config.json + safetensors) in `convention`.");
+}
+
 }  // namespace
 
 void bind_moe(pyb::module_& m) {
+  bind_checkpoint(m);
   bind_dispatch(m);
   bind_experts(m);
   bind_moe_layer(m);

@@ -376,3 +376,22 @@ def test_versioned_dlpack_round_trip():
     v = epx.as_tensor(Versioned(t))
     assert (v.data_ptr, v.shape, v.dtype) == (t.data_ptr, (2, 3), "bf16")
     np.testing.assert_array_equal(np.from_dlpack(v.float()), np.arange(6, dtype=np.float32).reshape(2, 3))
+
+
+def test_checkpoint_round_trip(tmp_path):
+    """write_moe_checkpoint then load_moe_layer (Mixtral convention, 2 shards): the same weights, and
+    rank 1's load holds only its experts."""
+    w = epx.MoEWeights.random("mixtral-8x7b-mini", seed=4)
+    epx.write_moe_checkpoint(str(tmp_path), w, convention="mixtral", layer=3, num_shards=2, router_dtype="F32")
+    loaded, notes, info = epx.load_moe_layer(str(tmp_path), 3)
+    assert info["convention"] == "mixtral" and info["layer"] == 3 and isinstance(notes, list)
+    assert loaded.config.router.num_experts == w.config.router.num_experts
+    np.testing.assert_array_equal(np.from_dlpack(loaded.router_weight), np.from_dlpack(w.router_weight))
+    for a, b in zip(loaded.experts, w.experts):
+        np.testing.assert_array_equal(np.from_dlpack(a.w13_float()), np.from_dlpack(b.w13_float()))
+        np.testing.assert_array_equal(np.from_dlpack(a.w2_float()), np.from_dlpack(b.w2_float()))
+    begin, end = epx.expert_range(w.config.router.num_experts, 2, 1)
+    part, _, _ = epx.load_moe_layer(str(tmp_path), 3, expert_begin=begin, expert_end=end)
+    assert [e is not None for e in part.experts] == [begin <= e < end for e in range(len(part.experts))]
+    with pytest.raises(ValueError):
+        epx.load_moe_layer(str(tmp_path / "missing"), 0)
