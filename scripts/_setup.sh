@@ -6,6 +6,8 @@
 #   BUILD_DIR   build directory (default: build, inside the repository)
 #   CMAKE_ARGS  extra arguments for the configure step, e.g. "-DEPX_CUDA=OFF"
 #   JOBS        parallel build jobs (default: nproc)
+#   PYTHON      interpreter the Python module and its tests are built for (default: /usr/bin/python3,
+#               Debian's, which has the python3-* packages below); PYTHON_BINDINGS=OFF skips them
 
 set -euo pipefail
 
@@ -13,8 +15,10 @@ EPX_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 BUILD_DIR="${BUILD_DIR:-build}"
 case "$BUILD_DIR" in /*) ;; *) BUILD_DIR="$EPX_ROOT/$BUILD_DIR" ;; esac
 
-# Debian 12 packages: the toolchain, gtest, nlohmann-json, CLI11, OpenBLAS (the CPU GEMMs), spdlog.
-EPX_PACKAGES=(cmake ninja-build g++ libgtest-dev nlohmann-json3-dev libcli11-dev libopenblas-dev libspdlog-dev)
+# Debian 12 packages: the toolchain, gtest, nlohmann-json, CLI11, OpenBLAS (the CPU GEMMs), spdlog;
+# the Python bindings (python/): headers, pybind11, numpy and pytest for their CPU tests.
+EPX_PACKAGES=(cmake ninja-build g++ libgtest-dev nlohmann-json3-dev libcli11-dev libopenblas-dev libspdlog-dev
+              python3-dev python3-pybind11 python3-numpy python3-pytest)
 
 epx_install_packages() {
   local missing=()
@@ -34,6 +38,9 @@ epx_install_packages() {
 
 epx_build() {
   # shellcheck disable=SC2086  # CMAKE_ARGS is a word list on purpose
-  cmake -S "$EPX_ROOT" -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release ${CMAKE_ARGS:-} >/dev/null
+  local py=(-DEPX_PYTHON="${PYTHON_BINDINGS:-ON}")
+  local python="${PYTHON:-/usr/bin/python3}"
+  [ -x "$python" ] && py+=(-DPython3_EXECUTABLE="$python")
+  cmake -S "$EPX_ROOT" -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release "${py[@]}" ${CMAKE_ARGS:-} >/dev/null
   cmake --build "$BUILD_DIR" -j "${JOBS:-$(nproc)}"
 }

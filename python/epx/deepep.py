@@ -1,0 +1,142 @@
+"""DeepEP-Buffer-shaped entry points over epx's ll and ht backends, for users migrating from DeepEP.
+
+Names, argument order and result tuples follow deep_ep.Buffer where that costs nothing:
+
+    buf = epx.deepep.Buffer(group)          # an epx.Group or a torch.distributed ProcessGroup
+    recv_x, recv_count, handle, event, hook = buf.low_latency_dispatch(x, topk_idx, num_max_dispatch_tokens_per_rank,
+                                                                       num_experts, topk_weights=w, use_fp8=True)
+    combined_x, event, hook = buf.low_latency_combine(expert_out, topk_idx, topk_weights, handle)
+
+    num_tokens_per_rank, _, num_tokens_per_expert, is_token_in_rank, _ = buf.get_dispatch_layout(topk_idx, num_experts)
+    recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle, event = buf.dispatch(
+        x, topk_idx=topk_idx, topk_weights=w, num_experts=num_experts)
+    combined_x, _, event = buf.combine(expert_out, handle)
+
+Differences from DeepEP, each one because epx's backends are stream-ordered prepare/finalize objects:
+- topk_weights go to the dispatch (as in vLLM's prepare), not the combine; the topk_idx/topk_weights
+  given to low_latency_combine must be those of the dispatch and are not read again.
+- event and hook are always None: every call is ordered on the caller's stream (stream=None means
+  torch.cuda.current_stream()); there is no async_finish / return_recv_hook split.
+- HT dispatch takes bf16 x (use_fp8=True quantizes to FP8 1x128 inside the dispatch) and recomputes the
+  layout itself: the get_dispatch_layout tensors are accepted and not needed; cached-handle dispatch is
+  not supported (Unsupported).
+- Buffer sizes (num_nvl_bytes, num_rdma_bytes) are derived by epx from the shapes; they are accepted and
+  ignored. The backends are created at the first call of each shape (collective), so the first call of
+  a shape must not be inside CUDA-graph capture.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from . import _epx
+from ._api import Prepared, PrepareFinalize, group_from_torch
+from ._frameworks import framework
+
+
+class Handle:
+    """What combine needs from its dispatch: the backend object and its prepare result."""
+
+    def __init__(self, backend: PrepareFinalize, prepared: Prepared):
+        self.backend = backend
+        self.prepared = prepared
+
+
+class Buffer:
+    def __init__(self, group, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0, low_latency_mode: bool = False,
+                 num_qps_per_rank: int = 1, *, ll_backend: str = "ll", ht_backend: str = "ht", **_ignored):
+        self.group = group if isinstance(group, _epx.Group) else group_from_torch(group)
+        self.low_latency_mode = low_latency_mode
+        self.ll_backend, self.ht_backend = ll_backend, ht_backend
+        self._backends = {}
+
+    def _backend(self, name: str, **cfg) -> PrepareFinalize:
+        key = (name,) + tuple(sorted(cfg.items()))
+        pf = self._backends.get(key)
+        if pf is None:
+            pf = PrepareFinalize(name, self.group, _epx.DispatchConfig(**cfg))
+            self._backends[key] = pf
+        return pf
+
+    # ---- low latency (ll: expert-major [L, R * num_max_dispatch_tokens_per_rank, H]) ----------------
+    def low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank: int, num_experts: int, *, topk_weights,
+                             use_fp8: bool = True, round_scale: bool = False, use_ue8m0: bool = False,
+                             async_finish: bool = False, return_recv_hook: bool = False, stream=None):
+        """x [T, H] bf16, topk_idx [T, K] (int64 as DeepEP, or int32), topk_weights [T, K] fp32.
+        Returns ((recv_x, recv_x_scales) if use_fp8 else recv_x, recv_count [L] int32, handle, None, None)
+        with recv_x [L, R * num_max_dispatch_tokens_per_rank, H] (fp8_e4m3 + fp32 scales [.., H/128])."""
+        pf = self._backend(self.ll_backend, hidden=int(x.shape[1]), num_experts=int(num_experts), top_k=int(topk_idx.shape[1]),
+                           num_max_dispatch_tokens_per_rank=int(num_max_dispatch_tokens_per_rank),
+                           dispatch_dtype="fp8_e4m3" if use_fp8 else "bf16", use_ue8m0=bool(use_ue8m0 or round_scale))
+        p = pf.prepare(x, topk_idx, topk_weights, stream)
+        recv_x = (p.x, p.x_scales) if use_fp8 else p.x
+        return recv_x, p.recv_count, Handle(pf, p), None, None
+
+    def low_latency_combine(self, x, topk_idx, topk_weights, handle: Handle, *, out=None, zero_copy: bool = False,
+                            async_finish: bool = False, return_recv_hook: bool = False, stream=None):
+        """x: expert outputs [L, R * num_max_dispatch_tokens_per_rank, H] bf16. Returns (combined_x [T, H], None, None)."""
+        return handle.backend.finalize(x, out, stream), None, None
+
+    # ---- high throughput (ht: flat [N_recv, H], rank-deduplicated) ----------------------------------
+    def get_dispatch_layout(self, topk_idx, num_experts: int, previous_event=None, async_finish: bool = False,
+                            allocate_on_comm_stream: bool = False):
+        """(num_tokens_per_rank [R] int32, None, num_tokens_per_expert [E] int32, is_token_in_rank [T, R] bool, None),
+        computed from topk_idx with epx's expert placement (contiguous ranges, sizes differ by at most one)."""
+        R = self.group.size
+        bounds = [_epx.expert_range(int(num_experts), R, r)[1] for r in range(R)]
+        if framework(topk_idx) == "torch":
+            import torch
+
+            idx = topk_idx.long()
+            valid = idx >= 0
+            rank_of = torch.bucketize(idx.clamp(min=0), torch.tensor(bounds, device=idx.device), right=True)
+            in_rank = torch.zeros((idx.shape[0], R), dtype=torch.bool, device=idx.device)
+            for r in range(R):
+                in_rank[:, r] = ((rank_of == r) & valid).any(dim=1)
+            per_rank = in_rank.sum(dim=0).to(torch.int32)
+            per_expert = torch.bincount(idx[valid], minlength=int(num_experts)).to(torch.int32)
+            return per_rank, None, per_expert, in_rank, None
+        import numpy as np
+
+        idx = np.from_dlpack(topk_idx).astype(np.int64)
+        valid = idx >= 0
+        rank_of = np.searchsorted(np.asarray(bounds), np.clip(idx, 0, None), side="right")
+        in_rank = np.stack([((rank_of == r) & valid).any(axis=1) for r in range(R)], axis=1) if idx.shape[0] else \
+            np.zeros((0, R), dtype=bool)
+        per_rank = in_rank.sum(axis=0).astype(np.int32)
+        per_expert = np.bincount(idx[valid], minlength=int(num_experts)).astype(np.int32)
+        return per_rank, None, per_expert, in_rank, None
+
+    def dispatch(self, x, handle: Optional[Handle] = None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None,
+                 is_token_in_rank=None, num_tokens_per_expert=None, topk_idx=None, topk_weights=None, expert_alignment: int = 1,
+                 config=None, previous_event=None, async_finish: bool = False, allocate_on_comm_stream: bool = False, *,
+                 num_experts: Optional[int] = None, num_max_dispatch_tokens_per_rank: int = 0, use_fp8: bool = False,
+                 num_worst_tokens: int = 0, stream=None):
+        """x [T, H] bf16 -> (recv_x [N_recv, H], recv_topk_idx [N_recv, K] local expert or -1, recv_topk_weights,
+        num_recv_tokens_per_expert_list (Python ints; reading them synchronises), handle, None).
+        num_worst_tokens > 0 (DeepEP's graph-safe mode): epx's use_worst_case_sizing, which needs
+        num_max_dispatch_tokens_per_rank; recv_x then has R * num_max_dispatch_tokens_per_rank rows (rows past
+        N_recv have recv_topk_idx -1) and the list is empty (no host read)."""
+        if handle is not None:
+            raise _epx.Unsupported("epx.deepep.Buffer.dispatch: handle = cached: epx recomputes the layout every call; "
+                                   "pass topk_idx and topk_weights instead")
+        if topk_idx is None or topk_weights is None:
+            raise _epx.InvalidArgument("epx.deepep.Buffer.dispatch: topk_idx/topk_weights = None: both are required")
+        if num_experts is None:
+            if num_tokens_per_expert is None:
+                raise _epx.InvalidArgument("epx.deepep.Buffer.dispatch: num_experts = None: pass num_experts= or num_tokens_per_expert")
+            num_experts = int(num_tokens_per_expert.shape[0])
+        pf = self._backend(self.ht_backend, hidden=int(x.shape[1]), num_experts=int(num_experts), top_k=int(topk_idx.shape[1]),
+                           num_max_dispatch_tokens_per_rank=int(num_max_dispatch_tokens_per_rank),
+                           dispatch_dtype="fp8_e4m3" if use_fp8 else "bf16", expert_alignment=int(expert_alignment),
+                           use_worst_case_sizing=num_worst_tokens > 0)
+        p = pf.prepare(x, topk_idx, topk_weights, stream)
+        counts = [] if num_worst_tokens > 0 else [int(c) for c in p.recv_count.tolist()]
+        recv_x = (p.x, p.x_scales) if use_fp8 else p.x
+        return recv_x, p.topk_idx, p.topk_weights, counts, Handle(pf, p), None
+
+    def combine(self, x, handle: Handle, topk_weights=None, bias=None, config=None, previous_event=None,
+                async_finish: bool = False, allocate_on_comm_stream: bool = False, *, out=None, stream=None):
+        """x: expert outputs [N_recv, H] bf16 (weighted per row as epx Experts Flat writes them).
+        Returns (combined_x [T, H], None, None)."""
+        return handle.backend.finalize(x, out, stream), None, None

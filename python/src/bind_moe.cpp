@@ -1,0 +1,479 @@
+// python/src/bind_moe.cpp: dispatch backends (prepare/finalize), experts, routing, quantization,
+// presets, weights and the ModularMoE layer. Names follow include/epx/{dispatch,experts,moe}.h.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <memory>
+#include <string>
+
+#include "epx/checkpoint.h"
+#include "epx/dispatch.h"
+#include "epx/error.h"
+#include "epx/experts.h"
+#include "epx/moe.h"
+#include "epx/quant.h"
+#include "epx/routing.h"
+#include "py_tensor.h"
+
+namespace epx::py {
+
+namespace {
+
+std::string scoring_name(ScoringFunc s) { return s == ScoringFunc::softmax ? "softmax" : "sigmoid"; }
+ScoringFunc parse_scoring(const std::string& s) {
+  if (s == "softmax") return ScoringFunc::softmax;
+  if (s == "sigmoid") return ScoringFunc::sigmoid;
+  throw InvalidArgument(arg_message("epx.RouterConfig", "scoring", s, "must be \"softmax\" or \"sigmoid\""));
+}
+SharedExpertMode parse_shared_mode(const std::string& s) {
+  if (s == "separate") return SharedExpertMode::separate;
+  if (s == "fused") return SharedExpertMode::fused;
+  if (s == "auto" || s == "auto_gate") return SharedExpertMode::auto_gate;
+  throw InvalidArgument(arg_message("epx.ModularMoE", "shared_mode", s, "must be \"separate\", \"fused\" or \"auto\""));
+}
+
+/// An owned CPU copy of an argument (weights are CPU-resident and outlive the call).
+Tensor owned_cpu_copy(const TensorView& v) {
+  if (!v.defined()) return Tensor();
+  std::vector<int64_t> dims(v.shape.begin(), v.shape.begin() + v.ndim);
+  Tensor t = Tensor::empty(dims, v.dtype);
+  copy(t.view(), v);
+  return t;
+}
+
+pyb::object opt_view(const TensorView& v, pyb::object owner, int64_t stream) {
+  if (!v.defined()) return pyb::none();
+  return wrap_view(v, std::move(owner), stream);
+}
+
+pyb::object opt_owned(const Tensor& t) { return t.defined() ? wrap_owned(t) : pyb::none(); }
+
+/// A backend plus the group it runs on (kept alive with it).
+struct PyPrepareFinalize {
+  std::shared_ptr<Group> group;
+  std::unique_ptr<PrepareFinalize> pf;
+};
+
+/// prepare()'s result: epx.Tensor views into the backend's buffers (valid until the next prepare).
+struct PyPrepareResult {
+  PrepareResult raw;
+  std::string layout;
+  pyb::object x, x_scales, recv_count, topk_idx, topk_weights, num_recv_tokens_device;
+  int64_t num_recv_tokens = 0;
+};
+
+pyb::dict capabilities_dict(const Capabilities& c) {
+  pyb::dict d;
+  d["name"] = c.name;
+  d["layout"] = std::string(layout_name(c.layout));
+  d["graph_safe"] = c.graph_safe;
+  d["supports_fp8_dispatch"] = c.supports_fp8_dispatch;
+  d["static_buffers"] = c.static_buffers;
+  return d;
+}
+
+pyb::dict stats_dict(const DispatchStats& s) {
+  pyb::dict d;
+  d["num_valid_selections"] = s.num_valid_selections;
+  d["num_rank_dedup_rows"] = s.num_rank_dedup_rows;
+  d["remote_bytes_dispatch"] = s.remote_bytes_dispatch;
+  d["remote_bytes_combine"] = s.remote_bytes_combine;
+  return d;
+}
+
+void bind_dispatch(pyb::module_& m) {
+  pyb::class_<DispatchConfig>(m, "DispatchConfig", "Backend configuration (include/epx/dispatch.h); all ranks must agree.")
+      .def(pyb::init([](int64_t hidden, int num_experts, int top_k, int num_max_dispatch_tokens_per_rank, const std::string& dispatch_dtype,
+                        bool use_ue8m0, bool shared_route, int expert_alignment, bool use_worst_case_sizing) {
+             DispatchConfig c;
+             c.hidden = hidden;
+             c.num_experts = num_experts;
+             c.top_k = top_k;
+             c.num_max_dispatch_tokens_per_rank = num_max_dispatch_tokens_per_rank;
+             c.dispatch_dtype = parse_dtype(dispatch_dtype);
+             c.use_ue8m0 = use_ue8m0;
+             c.shared_route = shared_route;
+             c.expert_alignment = expert_alignment;
+             c.use_worst_case_sizing = use_worst_case_sizing;
+             return c;
+           }),
+           pyb::kw_only(), pyb::arg("hidden") = 0, pyb::arg("num_experts") = 0, pyb::arg("top_k") = 0,
+           pyb::arg("num_max_dispatch_tokens_per_rank") = 0, pyb::arg("dispatch_dtype") = "bf16", pyb::arg("use_ue8m0") = false,
+           pyb::arg("shared_route") = false, pyb::arg("expert_alignment") = 1, pyb::arg("use_worst_case_sizing") = false)
+      .def_readwrite("hidden", &DispatchConfig::hidden, "H; multiple of 8 (bf16), of 128 for fp8 dispatch.")
+      .def_readwrite("num_experts", &DispatchConfig::num_experts, "E, routed experts (global).")
+      .def_readwrite("top_k", &DispatchConfig::top_k, "K, columns of topk_idx.")
+      .def_readwrite("num_max_dispatch_tokens_per_rank", &DispatchConfig::num_max_dispatch_tokens_per_rank,
+                     "Capacity per rank per call; all ranks agree.")
+      .def_property("dispatch_dtype", [](const DispatchConfig& c) { return std::string(dtype_name(c.dispatch_dtype)); },
+                    [](DispatchConfig& c, const std::string& s) { c.dispatch_dtype = parse_dtype(s); }, "\"bf16\" or \"fp8_e4m3\".")
+      .def_readwrite("use_ue8m0", &DispatchConfig::use_ue8m0)
+      .def_readwrite("shared_route", &DispatchConfig::shared_route)
+      .def_readwrite("expert_alignment", &DispatchConfig::expert_alignment)
+      .def_readwrite("use_worst_case_sizing", &DispatchConfig::use_worst_case_sizing,
+                     "ht on CUDA: graph-safe worst-case sizing (DeepEP num_worst_tokens): Flat results have "
+                     "R * num_max_dispatch_tokens_per_rank rows, N_recv stays on the device (num_recv_tokens_device).")
+      .def("__repr__", [](const DispatchConfig& c) {
+        return "epx.DispatchConfig(hidden=" + std::to_string(c.hidden) + ", num_experts=" + std::to_string(c.num_experts) +
+               ", top_k=" + std::to_string(c.top_k) + ", num_max_dispatch_tokens_per_rank=" +
+               std::to_string(c.num_max_dispatch_tokens_per_rank) + ", dispatch_dtype='" + std::string(dtype_name(c.dispatch_dtype)) + "')";
+      });
+
+  m.def("backend_names", &backend_names);
+  m.def("expert_range", [](int num_experts, int num_ranks, int rank) {
+    ExpertRange r = expert_range(num_experts, num_ranks, rank);
+    return std::make_pair(r.begin, r.end);
+  }, pyb::arg("num_experts"), pyb::arg("num_ranks"), pyb::arg("rank"),
+        "[begin, end) of the routed experts on `rank`: contiguous ranges whose sizes differ by at most one.");
+  m.def("expert_rank", &expert_rank, pyb::arg("num_experts"), pyb::arg("num_ranks"), pyb::arg("expert"));
+  m.def("num_local_experts", &num_local_experts, pyb::arg("config"), pyb::arg("num_ranks"), pyb::arg("rank"));
+
+  pyb::class_<PyPrepareResult>(m, "PrepareResult", R"doc(
+What prepare (dispatch) delivers to the experts. layout "expert_major": x [L, cap, H] with recv_count [L]
+valid rows per local expert (DeepEP LL layout); "flat": x [N_recv, H] with per-row topk_idx [N_recv, K]
+(local expert or -1) and topk_weights [N_recv, K]. x is bf16 or fp8_e4m3 (then x_scales [.., H/128] fp32).
+The tensors are views into the backend's buffers, valid until the next prepare().)doc")
+      .def_readonly("layout", &PyPrepareResult::layout)
+      .def_readonly("x", &PyPrepareResult::x)
+      .def_readonly("x_scales", &PyPrepareResult::x_scales)
+      .def_readonly("recv_count", &PyPrepareResult::recv_count)
+      .def_readonly("topk_idx", &PyPrepareResult::topk_idx)
+      .def_readonly("topk_weights", &PyPrepareResult::topk_weights)
+      .def_readonly("num_recv_tokens", &PyPrepareResult::num_recv_tokens)
+      .def_readonly("num_recv_tokens_device", &PyPrepareResult::num_recv_tokens_device,
+                    "ht on CUDA: [1] int32 N_recv on the device (valid once the stream reaches it); else None.")
+      .def("__repr__", [](const PyPrepareResult& r) {
+        return "epx.PrepareResult(layout=" + r.layout + ", x=" + r.raw.x.describe() + ", num_recv_tokens=" +
+               std::to_string(r.num_recv_tokens) + ")";
+      });
+
+  pyb::class_<PyPrepareFinalize, std::shared_ptr<PyPrepareFinalize>>(m, "PrepareFinalize", R"doc(
+One dispatch backend on one rank (vLLM: FusedMoEPrepareAndFinalize). prepare = dispatch, finalize = combine;
+both are collective (every rank calls them, also with 0 tokens). Create with make_prepare_finalize.)doc")
+      .def_property_readonly("capabilities", [](const PyPrepareFinalize& p) { return capabilities_dict(p.pf->capabilities()); })
+      .def_property_readonly("config", [](const PyPrepareFinalize& p) { return p.pf->config(); })
+      .def_property_readonly("group", [](const PyPrepareFinalize& p) { return p.group; })
+      .def_property_readonly("stats", [](const PyPrepareFinalize& p) { return stats_dict(p.pf->stats()); },
+                             "Byte accounting of the last prepare/finalize on this rank.")
+      .def("why_unsupported", [](PyPrepareFinalize& p, pyb::handle x, pyb::handle topk_idx, pyb::handle topk_weights) {
+        CallArgs a("epx.PrepareFinalize.why_unsupported", 0);
+        DispatchArgs d{a.get(x, "x", DType::bf16), a.get(topk_idx, "topk_idx"), a.get(topk_weights, "topk_weights"), {}};
+        a.rethrow_local();
+        return p.pf->why_unsupported(d);
+      }, pyb::arg("x"), pyb::arg("topk_idx"), pyb::arg("topk_weights"), "None when prepare can run these arguments, else one sentence why not.")
+      .def("prepare", [](pyb::object self, pyb::handle x, pyb::handle topk_idx, pyb::handle topk_weights, int64_t stream,
+                         pyb::handle num_tokens) {
+        PyPrepareFinalize& p = self.cast<PyPrepareFinalize&>();
+        CallArgs a("epx.PrepareFinalize.prepare", stream);
+        DispatchArgs d{a.get(x, "x", DType::bf16), a.get(topk_idx, "topk_idx"), a.get(topk_weights, "topk_weights"), to_stream(stream),
+                       a.get(num_tokens, "num_tokens", std::nullopt, true)};
+        PyPrepareResult r;
+        r.raw = call_released(a, [&] { return p.pf->prepare(d); });
+        r.layout = std::string(layout_name(r.raw.layout));
+        r.x = wrap_view(r.raw.x, self, stream);
+        r.x_scales = opt_view(r.raw.x_scales, self, stream);
+        r.recv_count = opt_view(r.raw.recv_count, self, stream);
+        r.topk_idx = opt_view(r.raw.topk_idx, self, stream);
+        r.topk_weights = opt_view(r.raw.topk_weights, self, stream);
+        r.num_recv_tokens_device = opt_view(r.raw.num_recv_tokens_device, self, stream);
+        r.num_recv_tokens = r.raw.num_recv_tokens;
+        return r;
+      }, pyb::arg("x"), pyb::arg("topk_idx"), pyb::arg("topk_weights"), pyb::arg("stream") = 0, pyb::arg("num_tokens") = pyb::none(), R"doc(
+Dispatch (collective). x [T, H] bf16, T <= num_max_dispatch_tokens_per_rank; topk_idx [T, K] int32/int64
+(-1 = no selection); topk_weights [T, K] fp32; all on the group's device, contiguous. stream: cudaStream_t
+as int (0 = legacy default). num_tokens: optional [1] int32 on the GPU, the rows of x that take part
+(ll on CUDA: one captured graph for every T; other backends raise InvalidArgument when it is set).
+Raises InvalidArgument (on every rank), Unsupported, Timeout, CommError.)doc")
+      .def("finalize", [](PyPrepareFinalize& p, pyb::handle expert_out, pyb::handle out, int64_t stream) {
+        CallArgs a("epx.PrepareFinalize.finalize", stream);
+        FinalizeArgs f{a.get(expert_out, "expert_out", DType::bf16), a.get(out, "out", DType::bf16), to_stream(stream)};
+        call_released(a, [&] { p.pf->finalize(f); });
+      }, pyb::arg("expert_out"), pyb::arg("out"), pyb::arg("stream") = 0, R"doc(
+Combine for the last prepare (collective). expert_out: as the experts wrote it (ExpertMajor [L, cap, H] /
+Flat [N_recv, H] bf16); out [T, H] bf16 is written: out[t] = sum_k w[t,k] * expert_{idx[t,k]}(x[t]),
+fp32 accumulation, one rounding.)doc");
+
+  m.def("make_prepare_finalize", [](const std::string& name, std::shared_ptr<Group> group, const DispatchConfig& cfg) {
+    auto p = std::make_shared<PyPrepareFinalize>();
+    p->group = group;
+    {
+      pyb::gil_scoped_release release;
+      p->pf = make_prepare_finalize(name, group, cfg);
+    }
+    return p;
+  }, pyb::arg("name"), pyb::arg("group"), pyb::arg("config"), R"doc(
+Creates backend `name` (backend_names(): naive, allgather_reducescatter, all2allv, ll, ht) on `group`.
+Collective: all ranks must agree on the DispatchConfig (CommError naming the field otherwise).)doc");
+}
+
+void bind_experts(pyb::module_& m) {
+  pyb::class_<ExpertWeights, std::shared_ptr<ExpertWeights>>(m, "ExpertWeights", R"doc(
+One expert's SwiGLU weights, CPU-resident, HF layout: w13 [2I, H] = gate_proj rows then up_proj rows,
+w2 [H, I] = down_proj. Formats: bf16; fp8_block (fp8_e4m3 + fp32 scale_inv per 128x128 block);
+mxfp4 (fp4 pairs [.., K/2] + e8m0 scale per 32 inputs).)doc")
+      .def_static("from_float", [](const std::string& format, pyb::handle gate_up, pyb::handle down) {
+        CallArgs a("epx.ExpertWeights.from_float", 0);
+        TensorView gu = a.get(gate_up, "gate_up"), dn = a.get(down, "down");
+        a.rethrow_local();
+        return std::const_pointer_cast<ExpertWeights>(ExpertWeights::from_float(parse_weight_format(format), gu, dn));
+      }, pyb::arg("format"), pyb::arg("gate_up"), pyb::arg("down"),
+                  "Quantizes fp32 gate_up [2I, H] and down [H, I] (CPU) into `format` (bf16, fp8_block, mxfp4).")
+      .def_static("random", [](const std::string& format, int64_t hidden, int64_t intermediate, uint64_t seed) {
+        return std::const_pointer_cast<ExpertWeights>(ExpertWeights::random(parse_weight_format(format), hidden, intermediate, seed));
+      }, pyb::arg("format"), pyb::arg("hidden"), pyb::arg("intermediate"), pyb::arg("seed"))
+      .def_property_readonly("format", [](const ExpertWeights& w) { return std::string(weight_format_name(w.format)); })
+      .def_readonly("hidden", &ExpertWeights::hidden)
+      .def_readonly("intermediate", &ExpertWeights::intermediate)
+      .def_property_readonly("w13", [](const ExpertWeights& w) { return opt_owned(w.w13); })
+      .def_property_readonly("w13_scale", [](const ExpertWeights& w) { return opt_owned(w.w13_scale); })
+      .def_property_readonly("w2", [](const ExpertWeights& w) { return opt_owned(w.w2); })
+      .def_property_readonly("w2_scale", [](const ExpertWeights& w) { return opt_owned(w.w2_scale); })
+      .def("w13_float", [](const ExpertWeights& w) {
+        Tensor t = Tensor::empty({2 * w.intermediate, w.hidden}, DType::fp32);
+        std::memcpy(t.data(), w.w13_f32(), static_cast<size_t>(t.nbytes()));
+        return wrap_owned(t);
+      }, "Dequantized fp32 copy [2I, H].")
+      .def("w2_float", [](const ExpertWeights& w) {
+        Tensor t = Tensor::empty({w.hidden, w.intermediate}, DType::fp32);
+        std::memcpy(t.data(), w.w2_f32(), static_cast<size_t>(t.nbytes()));
+        return wrap_owned(t);
+      }, "Dequantized fp32 copy [H, I].");
+
+  pyb::class_<Experts, std::shared_ptr<Experts>>(m, "Experts", R"doc(
+Grouped SwiGLU experts over this rank's local experts (vLLM: FusedMoEPermuteExpertsUnpermute).
+apply(prepared, out): ExpertMajor out [L, cap, H] (unweighted, rows < recv_count); Flat out [N, H]
+(weighted sum over the row's local selections). bf16 out.)doc")
+      .def_property_readonly("num_local_experts", &Experts::num_local_experts)
+      .def_property_readonly("hidden", &Experts::hidden)
+      .def("supports", [](const Experts& e, const std::string& layout) {
+        return e.supports(layout == "expert_major" ? ActivationLayout::ExpertMajor : ActivationLayout::Flat);
+      })
+      .def("apply", [](Experts& e, const PyPrepareResult& in, pyb::handle out, int64_t stream) {
+        CallArgs a("epx.Experts.apply", stream);
+        TensorView o = a.get(out, "out", DType::bf16);
+        a.rethrow_local();
+        const ExpertsInput ei = in.raw.experts_input();
+        call_released(a, [&] { e.apply(ei, o, to_stream(stream)); });
+      }, pyb::arg("prepared"), pyb::arg("out"), pyb::arg("stream") = 0);
+  m.def("make_experts", [](std::vector<std::shared_ptr<ExpertWeights>> local, const std::string& device) {
+    std::vector<std::shared_ptr<const ExpertWeights>> w(local.begin(), local.end());
+    const Device dev = device_from_string(device);
+    pyb::gil_scoped_release release;
+    return std::shared_ptr<Experts>(dev.is_cpu() ? make_experts_cpu(std::move(w)) : make_experts_cuda(std::move(w), dev.index));
+  }, pyb::arg("local_experts"), pyb::arg("device") = "cpu",
+        "Experts over `local_experts` (index = local expert id) on \"cpu\" (OpenBLAS) or \"cuda:N\" (uploads once).");
+}
+
+void bind_moe_layer(pyb::module_& m) {
+  pyb::class_<RouterConfig>(m, "RouterConfig")
+      .def(pyb::init<>())
+      .def_readwrite("num_experts", &RouterConfig::num_experts)
+      .def_readwrite("top_k", &RouterConfig::top_k)
+      .def_property("scoring", [](const RouterConfig& r) { return scoring_name(r.scoring); },
+                    [](RouterConfig& r, const std::string& s) { r.scoring = parse_scoring(s); }, "\"softmax\" or \"sigmoid\".")
+      .def_readwrite("renormalize", &RouterConfig::renormalize)
+      .def_readwrite("n_group", &RouterConfig::n_group)
+      .def_readwrite("topk_group", &RouterConfig::topk_group)
+      .def_readwrite("routed_scaling_factor", &RouterConfig::routed_scaling_factor)
+      .def_readwrite("use_correction_bias", &RouterConfig::use_correction_bias);
+
+  pyb::class_<MoEConfig>(m, "MoEConfig", "One MoE layer's shape and router (from a model's config.json; see preset()).")
+      .def(pyb::init<>())
+      .def_readwrite("name", &MoEConfig::name)
+      .def_readwrite("hidden", &MoEConfig::hidden)
+      .def_readwrite("intermediate", &MoEConfig::intermediate)
+      .def_readwrite("router", &MoEConfig::router)
+      .def_readwrite("num_shared_experts", &MoEConfig::num_shared_experts)
+      .def_readwrite("shared_intermediate", &MoEConfig::shared_intermediate)
+      .def_readwrite("shared_gate", &MoEConfig::shared_gate)
+      .def_property("routed_format", [](const MoEConfig& c) { return std::string(weight_format_name(c.routed_format)); },
+                    [](MoEConfig& c, const std::string& s) { c.routed_format = parse_weight_format(s); })
+      .def_property("shared_format", [](const MoEConfig& c) { return std::string(weight_format_name(c.shared_format)); },
+                    [](MoEConfig& c, const std::string& s) { c.shared_format = parse_weight_format(s); })
+      .def("__repr__", [](const MoEConfig& c) {
+        return "epx.MoEConfig(name='" + c.name + "', hidden=" + std::to_string(c.hidden) + ", intermediate=" +
+               std::to_string(c.intermediate) + ", num_experts=" + std::to_string(c.router.num_experts) + ", top_k=" +
+               std::to_string(c.router.top_k) + ", num_shared_experts=" + std::to_string(c.num_shared_experts) + ")";
+      });
+  m.def("preset_names", &preset_names);
+  m.def("preset", &preset, pyb::arg("name"), "deepseek-v3, deepseek-v4-pro, qwen3-30b-a3b, mixtral-8x7b, qwen1.5-moe-a2.7b (+ -mini).");
+
+  pyb::class_<MoEWeights, std::shared_ptr<MoEWeights>>(m, "MoEWeights", "All weights of one MoE layer (global), CPU-resident.")
+      .def_static("random", [](pyb::handle cfg, uint64_t seed, int expert_begin, int expert_end) {
+        const MoEConfig c = pyb::isinstance<pyb::str>(cfg) ? preset(cfg.cast<std::string>()) : cfg.cast<MoEConfig>();
+        pyb::gil_scoped_release release;
+        return MoEWeights::random(c, seed, expert_begin, expert_end);
+      }, pyb::arg("config"), pyb::arg("seed"), pyb::arg("expert_begin") = 0, pyb::arg("expert_end") = -1,
+                  "Deterministic random weights; expert e depends only on (seed, e), so a rank may build only its range "
+                  "[expert_begin, expert_end). `config`: a MoEConfig or a preset name.")
+      .def_static("from_parts", [](const MoEConfig& cfg, pyb::handle router_weight, std::vector<std::shared_ptr<ExpertWeights>> experts,
+                                   std::shared_ptr<ExpertWeights> shared, pyb::handle correction_bias, pyb::handle shared_gate_weight) {
+        CallArgs a("epx.MoEWeights.from_parts", 0);
+        TensorView rw = a.get(router_weight, "router_weight");
+        TensorView cb = a.get(correction_bias, "correction_bias", std::nullopt, true);
+        TensorView sg = a.get(shared_gate_weight, "shared_gate_weight", std::nullopt, true);
+        a.rethrow_local();
+        const std::string op = "epx.MoEWeights.from_parts";
+        check_dtype(op, "router_weight", rw, {DType::fp32});
+        check_shape(op, "router_weight", rw, {cfg.router.num_experts, cfg.hidden});
+        require_arg(op, "len(experts)", experts.size(), static_cast<int>(experts.size()) == cfg.router.num_experts,
+                    "must equal num_experts = " + std::to_string(cfg.router.num_experts) + " (None for experts another rank holds)");
+        auto w = std::make_shared<MoEWeights>();
+        w->config = cfg;
+        w->router_weight = owned_cpu_copy(rw);
+        w->correction_bias = owned_cpu_copy(cb);
+        w->shared_gate_weight = owned_cpu_copy(sg);
+        w->experts.assign(experts.begin(), experts.end());
+        w->shared = shared;
+        return w;
+      }, pyb::arg("config"), pyb::arg("router_weight"), pyb::arg("experts"), pyb::arg("shared") = nullptr,
+                  pyb::arg("correction_bias") = pyb::none(), pyb::arg("shared_gate_weight") = pyb::none(),
+                  "A layer from your own weights: router_weight [E, H] fp32; experts: E ExpertWeights (or None for experts "
+                  "not held here); copies the router tensors.")
+      .def("add_random_experts", &MoEWeights::add_random_experts, pyb::arg("seed"), pyb::arg("expert_ids"))
+      .def_readonly("config", &MoEWeights::config)
+      .def_property_readonly("router_weight", [](const MoEWeights& w) { return opt_owned(w.router_weight); })
+      .def_property_readonly("correction_bias", [](const MoEWeights& w) { return opt_owned(w.correction_bias); })
+      .def_property_readonly("shared_gate_weight", [](const MoEWeights& w) { return opt_owned(w.shared_gate_weight); })
+      .def_property_readonly("experts", [](const MoEWeights& w) {
+        std::vector<std::shared_ptr<ExpertWeights>> v;
+        for (const auto& e : w.experts) v.push_back(std::const_pointer_cast<ExpertWeights>(e));
+        return v;
+      })
+      .def_property_readonly("shared", [](const MoEWeights& w) { return std::const_pointer_cast<ExpertWeights>(w.shared); });
+
+  pyb::class_<ModularMoE>(m, "ModularMoE", R"doc(
+The EP MoE layer on one rank: router -> prepare (dispatch) -> experts -> finalize (combine), plus the shared
+expert (separate, fused as route id E, or auto by M <= fhmoe_max_tokens). Collective construction.)doc")
+      .def(pyb::init([](std::shared_ptr<MoEWeights> weights, std::shared_ptr<Group> group, const std::string& backend,
+                        int num_max_dispatch_tokens_per_rank, const std::string& dispatch_dtype, bool use_ue8m0, int expert_alignment,
+                        std::optional<Config> config, const std::string& shared_mode, int chunk_size, int fhmoe_max_tokens) {
+             DispatchConfig d;
+             d.num_max_dispatch_tokens_per_rank = num_max_dispatch_tokens_per_rank;
+             d.dispatch_dtype = parse_dtype(dispatch_dtype);
+             d.use_ue8m0 = use_ue8m0;
+             d.expert_alignment = expert_alignment;
+             ModularMoEOptions o;
+             o.shared_mode = parse_shared_mode(shared_mode);
+             o.chunk_size = chunk_size;
+             o.fhmoe_max_tokens = fhmoe_max_tokens;
+             const Config c = config ? *config : Config::load();
+             pyb::gil_scoped_release release;
+             return std::make_unique<ModularMoE>(weights, group, backend, d, c, o);
+           }),
+           pyb::arg("weights"), pyb::arg("group"), pyb::arg("backend"), pyb::kw_only(), pyb::arg("num_max_dispatch_tokens_per_rank") = 0,
+           pyb::arg("dispatch_dtype") = "bf16", pyb::arg("use_ue8m0") = false, pyb::arg("expert_alignment") = 1,
+           pyb::arg("config") = pyb::none(), pyb::arg("shared_mode") = "auto", pyb::arg("chunk_size") = 0, pyb::arg("fhmoe_max_tokens") = -1,
+           pyb::keep_alive<1, 2>(), pyb::keep_alive<1, 3>())
+      .def("forward", [](ModularMoE& l, pyb::handle x, pyb::handle out, int64_t stream) {
+        CallArgs a("epx.ModularMoE.forward", stream);
+        TensorView xv = a.get(x, "x", DType::bf16), ov = a.get(out, "out", DType::bf16);
+        call_released(a, [&] { l.forward(xv, ov, to_stream(stream)); });
+      }, pyb::arg("x"), pyb::arg("out"), pyb::arg("stream") = 0, "x [T, H] bf16 -> out [T, H] bf16 (written). Collective.")
+      .def("forward_routed", [](ModularMoE& l, pyb::handle x, pyb::handle topk_idx, pyb::handle topk_weights, pyb::handle out, int64_t stream) {
+        CallArgs a("epx.ModularMoE.forward_routed", stream);
+        TensorView xv = a.get(x, "x", DType::bf16), iv = a.get(topk_idx, "topk_idx"), wv = a.get(topk_weights, "topk_weights"),
+                   ov = a.get(out, "out", DType::bf16);
+        call_released(a, [&] { l.forward_routed(xv, iv, wv, ov, to_stream(stream)); });
+      }, pyb::arg("x"), pyb::arg("topk_idx"), pyb::arg("topk_weights"), pyb::arg("out"), pyb::arg("stream") = 0,
+           "Same with given routing: topk_idx [T, K] int32/int64, topk_weights [T, K] fp32. Collective.")
+      .def_property_readonly("counters", [](const ModularMoE& l) {
+        const PathCounters& c = l.counters();
+        pyb::dict d;
+        d["backend"] = c.backend;
+        d["calls"] = c.calls;
+        d["chunks"] = c.chunks;
+        d["idle_chunks"] = c.idle_chunks;
+        d["shared_fused"] = c.shared_fused;
+        d["shared_separate"] = c.shared_separate;
+        return d;
+      });
+
+  m.def("moe_reference", [](const MoEWeights& w, pyb::handle x, pyb::handle topk_idx, pyb::handle topk_weights, pyb::handle out,
+                            const std::string& dispatch_dtype, bool use_ue8m0, bool shared_fused) {
+    CallArgs a("epx.moe_reference", 0);
+    TensorView xv = a.get(x, "x", DType::bf16), iv = a.get(topk_idx, "topk_idx"), wv = a.get(topk_weights, "topk_weights"),
+               ov = a.get(out, "out", DType::bf16);
+    a.rethrow_local();
+    ReferenceOptions o{parse_dtype(dispatch_dtype), use_ue8m0, shared_fused};
+    call_released(a, [&] { moe_reference_cpu(w, xv, iv, wv, ov, o); });
+  }, pyb::arg("weights"), pyb::arg("x"), pyb::arg("topk_idx"), pyb::arg("topk_weights"), pyb::arg("out"), pyb::kw_only(),
+        pyb::arg("dispatch_dtype") = "bf16", pyb::arg("use_ue8m0") = false, pyb::arg("shared_fused") = false,
+        "Single-rank no-EP reference of the whole layer on CPU (include/epx/moe.h moe_reference_cpu).");
+  m.def("router_logits", [](const MoEWeights& w, pyb::handle x, pyb::handle logits) {
+    CallArgs a("epx.router_logits", 0);
+    TensorView xv = a.get(x, "x", DType::bf16), lv = a.get(logits, "logits");
+    a.rethrow_local();
+    call_released(a, [&] { router_logits_cpu(w, xv, lv); });
+  }, pyb::arg("weights"), pyb::arg("x"), pyb::arg("logits"), "logits [T, E] fp32 = x [T, H] bf16 . router_weight^T (CPU).");
+  m.def("route", [](const RouterConfig& cfg, pyb::handle logits, pyb::handle correction_bias, pyb::handle topk_idx,
+                    pyb::handle topk_weights, int64_t stream) {
+    CallArgs a("epx.route", stream);
+    TensorView lv = a.get(logits, "logits"), cb = a.get(correction_bias, "correction_bias", std::nullopt, true),
+               iv = a.get(topk_idx, "topk_idx"), wv = a.get(topk_weights, "topk_weights");
+    a.rethrow_local();
+    call_released(a, [&] { route(cfg, lv, cb, iv, wv, to_stream(stream)); });
+  }, pyb::arg("config"), pyb::arg("logits"), pyb::arg("correction_bias"), pyb::arg("topk_idx"), pyb::arg("topk_weights"),
+        pyb::arg("stream") = 0, "Routes T tokens (include/epx/routing.h): logits [T, E] -> topk_idx, topk_weights [T, K] (written).");
+  m.def("quantize_fp8_per_token_group", [](pyb::handle x, pyb::handle q, pyb::handle scales, int group_size, bool ue8m0, int64_t stream) {
+    CallArgs a("epx.quantize_fp8_per_token_group", stream);
+    TensorView xv = a.get(x, "x", DType::bf16), qv = a.get(q, "q", DType::fp8_e4m3), sv = a.get(scales, "scales");
+    a.rethrow_local();
+    call_released(a, [&] { quantize_fp8_per_token_group(xv, qv, sv, group_size, ue8m0, to_stream(stream)); });
+  }, pyb::arg("x"), pyb::arg("q"), pyb::arg("scales"), pyb::arg("group_size") = kFp8GroupSize, pyb::arg("ue8m0") = false,
+        pyb::arg("stream") = 0, "x [T, H] bf16/fp32 -> q [T, H] fp8_e4m3, scales [T, H/group] fp32 (DeepSeek-V3 1x128 recipe).");
+}
+
+void bind_checkpoint(pyb::module_& m) {
+  m.def("load_moe_layer", [](const std::string& dir, int layer, int expert_begin, int expert_end, std::vector<int> expert_ids,
+                             bool load_router, bool load_shared) {
+    MoELayerLoadOptions o;
+    o.layer = layer;
+    o.expert_begin = expert_begin;
+    o.expert_end = expert_end;
+    o.expert_ids = std::move(expert_ids);
+    o.load_router = load_router;
+    o.load_shared = load_shared;
+    MoELayerCheckpoint c;
+    {
+      pyb::gil_scoped_release release;
+      c = load_moe_layer(dir, o);
+    }
+    pyb::dict info;
+    info["model_type"] = c.info.model_type;
+    info["convention"] = std::string(checkpoint_convention_name(c.info.convention));
+    info["layer"] = c.info.layer;
+    info["num_hidden_layers"] = c.info.num_hidden_layers;
+    info["prefix"] = c.info.prefix;
+    return pyb::make_tuple(c.weights, c.notes, info);
+  }, pyb::arg("dir"), pyb::arg("layer") = 0, pyb::kw_only(), pyb::arg("expert_begin") = 0, pyb::arg("expert_end") = -1,
+        pyb::arg("expert_ids") = std::vector<int>{}, pyb::arg("load_router") = true, pyb::arg("load_shared") = true, R"doc(
+One MoE layer of a Hugging Face safetensors checkpoint directory (include/epx/checkpoint.h): returns
+(MoEWeights, notes, info). Loads the router and the routed experts [expert_begin, expert_end) (or exactly
+expert_ids), e.g. epx.expert_range(E, R, rank) for a rank's own; others stay None. Conventions: DeepSeek-V3/V4,
+Qwen3/Qwen2-MoE, Mixtral, gpt-oss. Raises InvalidArgument / Unsupported naming the key or tensor.)doc");
+  m.def("write_moe_checkpoint", [](const std::string& dir, const MoEWeights& w, const std::string& convention, int layer,
+                                   int num_shards, const std::string& router_dtype, const std::string& model_type) {
+    CheckpointWriteOptions o;
+    o.convention = parse_checkpoint_convention(convention);
+    o.layer = layer;
+    o.num_shards = num_shards;
+    o.router_dtype = router_dtype;
+    o.model_type = model_type;
+    pyb::gil_scoped_release release;
+    write_moe_checkpoint(dir, w, o);
+  }, pyb::arg("dir"), pyb::arg("weights"), pyb::kw_only(), pyb::arg("convention") = "deepseek", pyb::arg("layer") = 0,
+        pyb::arg("num_shards") = 1, pyb::arg("router_dtype") = "BF16", pyb::arg("model_type") = "",
+        "Writes `weights` as one MoE layer of a checkpoint (config.json + safetensors) in `convention`.");
+}
+
+}  // namespace
+
+void bind_moe(pyb::module_& m) {
+  bind_checkpoint(m);
+  bind_dispatch(m);
+  bind_experts(m);
+  bind_moe_layer(m);
+}
+
+}  // namespace epx::py

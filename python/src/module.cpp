@@ -1,0 +1,180 @@
+// python/src/module.cpp: the epx._epx extension module: errors, version, config, groups.
+// Dispatch, experts and the MoE layer are bound in bind_moe.cpp, tensors in py_tensor.cpp.
+//
+// Errors (include/epx/error.h) become Python exceptions that also derive from the builtin a caller
+// would catch: InvalidArgument -> ValueError, Unsupported -> NotImplementedError, Timeout ->
+// TimeoutError; CommError and CudaError derive from epx.Error (a RuntimeError) only.
+// Every call that may wait on a peer rank releases the GIL (ranks of a CPU group are threads).
+#include <pybind11/functional.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <string>
+
+#include "epx/config.h"
+#include "epx/cuda.h"
+#include "epx/error.h"
+#include "epx/group.h"
+#include "epx/log.h"
+#include "py_tensor.h"
+
+namespace epx::py {
+
+void bind_moe(pyb::module_& m);
+
+namespace {
+
+PyObject* g_error = nullptr;
+PyObject* g_invalid = nullptr;
+PyObject* g_unsupported = nullptr;
+PyObject* g_timeout = nullptr;
+PyObject* g_comm = nullptr;
+PyObject* g_cuda = nullptr;
+
+PyObject* new_exception(pyb::module_& m, const char* name, pyb::tuple bases, const char* doc) {
+  const std::string full = std::string("epx.") + name;
+  PyObject* e = PyErr_NewExceptionWithDoc(full.c_str(), doc, bases.ptr(), nullptr);
+  if (!e) throw pyb::error_already_set();
+  m.add_object(name, pyb::handle(e));
+  return e;
+}
+
+void bind_errors(pyb::module_& m) {
+  pyb::module_ builtins = pyb::module_::import("builtins");
+  g_error = new_exception(m, "Error", pyb::make_tuple(builtins.attr("RuntimeError")),
+                          "Base of every error epx raises (epx::Error).");
+  pyb::handle err(g_error);
+  g_invalid = new_exception(m, "InvalidArgument", pyb::make_tuple(err, builtins.attr("ValueError")),
+                            "An argument breaks a documented rule: shape, dtype, device, range, capacity.");
+  g_unsupported = new_exception(m, "Unsupported", pyb::make_tuple(err, builtins.attr("NotImplementedError")),
+                                "Valid in general, but this backend/device/build cannot run it.");
+  g_timeout = new_exception(m, "Timeout", pyb::make_tuple(err, builtins.attr("TimeoutError")),
+                            "A wait on a peer rank exceeded Config.timeout_s.");
+  g_comm = new_exception(m, "CommError", pyb::make_tuple(err),
+                         "A collective or transport failed, or ranks disagree on the configuration.");
+  g_cuda = new_exception(m, "CudaError", pyb::make_tuple(err), "A CUDA or NCCL runtime call failed.");
+  pyb::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const InvalidArgument& e) {
+      PyErr_SetString(g_invalid, e.what());
+    } catch (const Unsupported& e) {
+      PyErr_SetString(g_unsupported, e.what());
+    } catch (const Timeout& e) {
+      PyErr_SetString(g_timeout, e.what());
+    } catch (const CommError& e) {
+      PyErr_SetString(g_comm, e.what());
+    } catch (const CudaError& e) {
+      PyErr_SetString(g_cuda, e.what());
+    } catch (const Error& e) {
+      PyErr_SetString(g_error, e.what());
+    }
+  });
+}
+
+void bind_config(pyb::module_& m) {
+  pyb::class_<Config>(m, "Config", R"doc(
+epx's one configuration struct (include/epx/config.h). Precedence: default < JSON file (EPX_CONFIG or
+Config.load(path)) < EPX_* environment < explicit set(). Unknown keys raise InvalidArgument (ValueError)
+with the nearest known key. describe() lists "key = value  [source]  description" as `epx info` prints.)doc")
+      .def(pyb::init<>(), "Defaults only (no file, no environment).")
+      .def_static("load", [](std::optional<std::string> path) { return path ? Config::load(*path) : Config::load(); },
+                  pyb::arg("path") = pyb::none(), "default < JSON file (`path`, else $EPX_CONFIG if set) < EPX_* environment.")
+      .def("apply_json", &Config::apply_json_text, pyb::arg("text"), pyb::arg("origin") = "python",
+           "Apply a JSON object of \"key\": value (unknown keys raise).")
+      .def("apply_env", &Config::apply_env)
+      .def("set", [](Config& c, const std::string& key, pyb::handle value) {
+        std::string text;
+        if (pyb::isinstance<pyb::bool_>(value)) text = value.cast<bool>() ? "true" : "false";
+        else if (pyb::isinstance<pyb::str>(value)) text = value.cast<std::string>();
+        else text = pyb::str(value).cast<std::string>();
+        c.set(key, text, "api");
+      }, pyb::arg("key"), pyb::arg("value"), "Set one field by key (value as text or a number); raises InvalidArgument.")
+      .def("validate", &Config::validate)
+      .def("describe", &Config::describe)
+      .def_readonly("sources", &Config::sources, "(key, source) pairs: default, json <file>, env EPX_..., api.")
+      .def_readwrite("timeout_s", &Config::timeout_s, "Longest wait on a peer before Timeout [s].")
+      .def_readwrite("log_level", &Config::log_level)
+      .def_readwrite("ll_warps_per_block", &Config::ll_warps_per_block)
+      .def_readwrite("ll_num_blocks", &Config::ll_num_blocks)
+      .def_readwrite("ht_num_sms", &Config::ht_num_sms)
+      .def_readwrite("ht_warps_per_block", &Config::ht_warps_per_block)
+      .def_readwrite("moe_chunk_size", &Config::moe_chunk_size)
+      .def_readwrite("fhmoe_max_tokens", &Config::fhmoe_max_tokens)
+      .def("__repr__", [](const Config& c) {
+        std::string s = "epx.Config(";
+        for (const auto& line : c.describe()) s += "\n  " + line;
+        return s + ")";
+      });
+}
+
+void bind_groups(pyb::module_& m) {
+  pyb::class_<Group, std::shared_ptr<Group>>(m, "Group", R"doc(
+A group of R ranks (the EP group). CPU groups (make_cpu_groups) are threads of this process; NCCL groups
+(make_nccl_group, group_from_torch) are one process per GPU. Every wait on a peer is bounded by timeout_s.)doc")
+      .def_property_readonly("rank", &Group::rank)
+      .def_property_readonly("size", &Group::size)
+      .def_property_readonly("device", [](const Group& g) { return g.device().str(); })
+      .def_property_readonly("name", &Group::name)
+      .def("barrier", &Group::barrier, pyb::call_guard<pyb::gil_scoped_release>(), "Collective.")
+      .def("all_gather_i64", &Group::all_gather_i64, pyb::arg("value"), pyb::call_guard<pyb::gil_scoped_release>(),
+           "Collective: one int64 from every rank, in rank order.")
+      .def("__repr__", [](const Group& g) {
+        return "epx.Group(rank=" + std::to_string(g.rank()) + ", size=" + std::to_string(g.size()) + ", device=" + g.device().str() + ")";
+      });
+
+  m.def("make_cpu_groups", &make_cpu_groups, pyb::arg("num_ranks"), pyb::arg("timeout_s") = 60.0,
+        "R CPU groups sharing one in-process world; element r is rank r. Drive each from its own thread (run_ranks).");
+  m.def("run_ranks", [](const std::vector<std::shared_ptr<Group>>& groups, const std::function<void(int)>& fn) {
+    pyb::gil_scoped_release release;
+    run_ranks(groups, [&](int rank) {
+      pyb::gil_scoped_acquire acquire;
+      fn(rank);
+    });
+  }, pyb::arg("groups"), pyb::arg("fn"), R"doc(
+Runs fn(rank) on one thread per rank of `groups` (CPU groups). If a rank raises, the world is aborted
+(peers blocked in a collective raise CommError instead of hanging) and the first exception is raised
+here once every thread has finished. epx calls release the GIL, so the ranks run in parallel.)doc");
+
+  pyb::class_<UniqueId>(m, "UniqueId", "The 128-byte NCCL unique id that names one NCCL group; rank 0 creates it.")
+      .def_static("create", &UniqueId::create, "A fresh id (ncclGetUniqueId). Raises Unsupported in a CPU-only build.")
+      .def_static("parse", &UniqueId::parse, pyb::arg("hex"), "Inverse of hex(); raises InvalidArgument.")
+      .def("hex", &UniqueId::hex, "256 lowercase hex digits.")
+      .def("__eq__", [](const UniqueId& a, const UniqueId& b) { return a == b; })
+      .def("__repr__", [](const UniqueId& u) { return "epx.UniqueId('" + u.hex().substr(0, 16) + "...')"; });
+  m.def("exchange_unique_id", &exchange_unique_id, pyb::arg("path"), pyb::arg("rank"), pyb::arg("timeout_s") = 60.0,
+        pyb::call_guard<pyb::gil_scoped_release>(),
+        "File rendezvous: rank 0 writes a fresh id to `path`, the others wait for it (path must be fresh per group).");
+  m.def("make_nccl_group",
+        pyb::overload_cast<const UniqueId&, int, int, int, double>(&make_nccl_group),
+        pyb::arg("uid"), pyb::arg("rank"), pyb::arg("world"), pyb::arg("device"), pyb::arg("timeout_s") = 60.0,
+        pyb::call_guard<pyb::gil_scoped_release>(),
+        "The NCCL group of `rank` of `world` on CUDA device `device` (collective). Raises Timeout, CommError, CudaError, "
+        "Unsupported (CPU-only build).");
+  m.def("make_nccl_group",
+        pyb::overload_cast<const std::string&, int, int, int, double>(&make_nccl_group),
+        pyb::arg("rendezvous_path"), pyb::arg("rank"), pyb::arg("world"), pyb::arg("device"), pyb::arg("timeout_s") = 60.0,
+        pyb::call_guard<pyb::gil_scoped_release>(), "Same, with a file rendezvous (exchange_unique_id).");
+  m.def("make_nccl_group_from_env", &make_nccl_group_from_env, pyb::arg("timeout_s") = 60.0,
+        pyb::call_guard<pyb::gil_scoped_release>(),
+        "From EPX_RANK, EPX_WORLD_SIZE, EPX_RENDEZVOUS (a file path) and EPX_LOCAL_RANK, as `epx moe --ranks` sets them.");
+
+  m.def("built_with_cuda", &cuda::built_with_cuda);
+  m.def("cuda_device_count", &cuda::device_count, "CUDA devices this process may use; 0 without a GPU or a CUDA build.");
+  m.def("nccl_version", [] { return std::make_pair(cuda::nccl_header_version(), cuda::nccl_runtime_version()); },
+        "(NCCL_VERSION_CODE of the headers, ncclGetVersion() of the loaded library); (0, 0) in a CPU-only build.");
+}
+
+}  // namespace
+}  // namespace epx::py
+
+PYBIND11_MODULE(_epx, m) {
+  using namespace epx::py;
+  m.doc() = "epx: expert-parallel MoE dispatch/combine and the modular MoE layer (C++ core; see the epx package).";
+  m.attr("__version__") = EPX_VERSION;
+  bind_errors(m);
+  bind_tensor(m);
+  bind_config(m);
+  bind_groups(m);
+  bind_moe(m);
+}

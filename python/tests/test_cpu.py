@@ -1,0 +1,397 @@
+"""CPU tests of the Python bindings (numpy only; ranks are threads of CPU groups). Run by ctest as
+python_test (label cpu). Every result is compared with the plain-numpy reference in np_reference.py
+on fresh random inputs; outputs are poisoned (NaN bit patterns) before the call that writes them."""
+
+import json
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import epx
+from np_reference import bits_bf16, expert_fn, moe_out, rel_l2, round_bf16
+
+H, I, E, K, R, T = 128, 64, 8, 3, 2, 12
+NAN_BF16 = np.uint16(0x7FC1)
+
+
+def poisoned(shape):
+    return np.full(shape, NAN_BF16, dtype=np.uint16)
+
+
+def f32(bits):
+    return epx.to_float32(bits)
+
+
+@pytest.fixture(scope="module")
+def experts():
+    ws = [epx.ExpertWeights.random("bf16", H, I, seed=100 + e) for e in range(E)]
+    return ws, [expert_fn(w) for w in ws]
+
+
+def make_inputs(rng, tokens, with_gaps=True):
+    x_bits = bits_bf16(rng.standard_normal((tokens, H)).astype(np.float32))
+    idx = np.stack([rng.choice(E, size=K, replace=False) for _ in range(tokens)]).astype(np.int32) if tokens else \
+        np.zeros((0, K), np.int32)
+    if with_gaps and tokens:
+        idx[rng.random((tokens, K)) < 0.15] = -1  # no selection
+    w = rng.random((tokens, K)).astype(np.float32)
+    return x_bits, idx, w
+
+
+def run(groups, fn):
+    """run_ranks, returning each rank's result."""
+    results = [None] * len(groups)
+
+    def body(rank):
+        results[rank] = fn(rank)
+
+    epx.run_ranks(groups, body)
+    return results
+
+
+def numpy_experts(prepared, local_fns, scales_group=128):
+    """The experts step written in numpy against prepare's layout (both layouts, bf16 or fp8)."""
+    x = f32(prepared.x)
+    if prepared.x_scales is not None:  # fp8: dequantize 1x128 groups
+        s = np.asarray(prepared.x_scales, dtype=np.float32)
+        x = x * np.repeat(s, scales_group, axis=-1)
+    out = poisoned(prepared.x.shape)
+    if prepared.layout == "expert_major":
+        counts = np.asarray(prepared.recv_count)
+        for l, n in enumerate(counts):
+            if n:
+                out[l, :n] = bits_bf16(local_fns[l](x[l, :n]))
+    else:
+        idx, w = np.asarray(prepared.topk_idx), np.asarray(prepared.topk_weights)
+        for n in range(x.shape[0]):
+            acc = np.zeros(H, np.float32)
+            for k in range(idx.shape[1]):
+                if idx[n, k] >= 0:
+                    acc += w[n, k] * local_fns[idx[n, k]](x[n:n + 1])[0]
+            out[n] = bits_bf16(acc)
+    return out
+
+
+def test_version_and_build():
+    assert epx.__version__.count(".") == 2
+    assert isinstance(epx.built_with_cuda(), bool)
+    assert epx.backend_names() == ["naive", "allgather_reducescatter", "all2allv", "ll", "ht"]
+    assert "deepseek-v3-mini" in epx.preset_names()
+
+
+def test_error_hierarchy():
+    assert issubclass(epx.InvalidArgument, ValueError) and issubclass(epx.InvalidArgument, epx.Error)
+    assert issubclass(epx.Unsupported, NotImplementedError) and issubclass(epx.Unsupported, epx.Error)
+    assert issubclass(epx.Timeout, TimeoutError) and issubclass(epx.Timeout, epx.Error)
+    assert issubclass(epx.CommError, epx.Error) and issubclass(epx.Error, RuntimeError)
+    with pytest.raises(ValueError, match="deepseek-v3"):
+        epx.preset("deepseek-v9")
+
+
+def test_dlpack_zero_copy_both_ways():
+    rng = np.random.default_rng(1)
+    a = rng.standard_normal((5, 16)).astype(np.float32)
+    t = epx.from_float(a, "bf16")
+    assert (t.shape, t.dtype, t.device, t.strides) == ((5, 16), "bf16", "cpu", (16, 1))
+    np.testing.assert_array_equal(np.from_dlpack(t.float()), round_bf16(a))
+    bits = np.from_dlpack(t.bits())  # numpy reads epx memory (read-only array in numpy 1.x)
+    assert bits.dtype == np.uint16 and bits.ctypes.data == t.data_ptr
+    view = epx.as_tensor(bits, "bf16")  # and epx reads numpy memory back, also from a read-only array
+    assert view.data_ptr == t.data_ptr and view.dtype == "bf16"
+    f = np.arange(12, dtype=np.float32).reshape(3, 4)
+    ft = epx.as_tensor(f)
+    assert ft.data_ptr == f.ctypes.data and ft.dtype == "fp32"
+    f[1, 2] = 42.0  # same memory
+    assert np.from_dlpack(ft)[1, 2] == 42.0
+    # DLPack 1.x capsules (versioned) as well as legacy ones
+    assert type(t.__dlpack__(max_version=(1, 0))).__name__ == "PyCapsule"
+    assert t.__dlpack_device__() == (1, 0)
+
+
+def test_bad_tensor_arguments_raise():
+    with pytest.raises(TypeError, match="expected a tensor"):
+        epx.as_tensor([1.0, 2.0])
+    with pytest.raises(ValueError, match="float64"):
+        epx.as_tensor(np.zeros(3))
+    with pytest.raises(ValueError, match="ndim"):
+        epx.as_tensor(np.zeros((1, 1, 1, 1, 2), np.float32))
+    if not epx.built_with_cuda():
+        with pytest.raises(NotImplementedError, match="CUDA"):
+            epx.empty([2, 2], "bf16", "cuda:0")
+    with pytest.raises(ValueError, match="device"):
+        epx.empty([2], "bf16", "tpu")
+
+
+def test_config_json_and_env(tmp_path):
+    p = tmp_path / "epx.json"
+    p.write_text(json.dumps({"timeout_s": 7.5, "moe.chunk_size": 32}))
+    c = epx.Config.load(str(p))
+    assert c.timeout_s == 7.5 and c.moe_chunk_size == 32
+    assert dict(c.sources)["timeout_s"].startswith("json")
+    c.set("fhmoe.max_tokens", 64)
+    assert c.fhmoe_max_tokens == 64 and dict(c.sources)["fhmoe.max_tokens"] == "api"
+    with pytest.raises(ValueError, match="timeout_s"):
+        c.set("timeout_sec", 1)  # unknown key: the nearest known one is suggested
+    assert any(line.startswith("timeout_s") for line in c.describe())
+
+
+@pytest.mark.parametrize("backend", epx.backend_names())
+@pytest.mark.parametrize("dispatch_dtype", ["bf16", "fp8_e4m3"])
+def test_prepare_finalize_numpy_experts(experts, backend, dispatch_dtype):
+    """Dispatch with each backend, run the experts in numpy on the layout prepare returns, combine, and
+    compare every rank's output with the numpy reference MoE. Rank 1 has 0 tokens in one round."""
+    weights, fns = experts
+    groups = epx.make_cpu_groups(R, timeout_s=20)
+    cfg = epx.DispatchConfig(hidden=H, num_experts=E, top_k=K, num_max_dispatch_tokens_per_rank=T,
+                             dispatch_dtype=dispatch_dtype)
+
+    def body(rank):
+        pf = epx.make_prepare_finalize(backend, groups[rank], cfg)
+        begin, end = epx.expert_range(E, R, rank)
+        errs = []
+        for rnd, tokens in enumerate([T, 0 if rank == 1 else 5]):
+            rng = np.random.default_rng(1000 * rnd + rank)
+            x, idx, w = make_inputs(rng, tokens)
+            prepared = pf.prepare(x, idx, w)
+            assert prepared.layout == pf.capabilities["layout"]
+            assert prepared.x.ctypes.data == prepared.raw.x.data_ptr  # a view of the backend's buffer
+            expert_out = numpy_experts(prepared, fns[begin:end])
+            out = poisoned((tokens, H))
+            assert pf.finalize(expert_out, out) is out
+            if tokens:
+                errs.append(rel_l2(f32(out), moe_out(fns, f32(x), idx, w)))
+        return errs
+
+    errs = [e for r in run(groups, body) for e in r]
+    tol = 1.5e-2 if dispatch_dtype == "bf16" else 8e-2
+    assert errs and max(errs) < tol, errs
+
+
+def test_modular_moe_matches_reference():
+    """ModularMoE.forward on 2 ranks (ll, DeepSeek-V3-mini with its shared expert) vs moe_reference of
+    all tokens with the same routing (router_logits + route on the whole batch)."""
+    weights = epx.MoEWeights.random("deepseek-v3-mini", seed=7)
+    cfg = weights.config
+    groups = epx.make_cpu_groups(R, timeout_s=30)
+    tokens = [9, 4]
+    rng = np.random.default_rng(3)
+    xs = [bits_bf16(rng.standard_normal((t, cfg.hidden)).astype(np.float32)) for t in tokens]
+
+    def body(rank):
+        layer = epx.ModularMoE(weights, groups[rank], "ll", num_max_dispatch_tokens_per_rank=16, shared_mode="separate")
+        out = layer.forward(xs[rank])
+        assert out.dtype == np.uint16 and out.shape == xs[rank].shape
+        assert layer.counters["calls"] == 1
+        return out
+
+    outs = run(groups, body)
+    x_all = np.concatenate(xs)
+    logits = np.zeros((x_all.shape[0], cfg.router.num_experts), np.float32)
+    epx.router_logits(weights, x_all, logits)
+    idx = np.zeros((x_all.shape[0], cfg.router.top_k), np.int32)
+    w = np.zeros((x_all.shape[0], cfg.router.top_k), np.float32)
+    epx.route(cfg.router, logits, weights.correction_bias, idx, w)
+    ref = poisoned(x_all.shape)
+    epx.moe_reference(weights, x_all, idx, w, ref)
+    assert rel_l2(f32(np.concatenate(outs)), f32(ref)) < 1e-2
+
+
+def _both_ranks(groups, bad_rank_args, good_args, call):
+    """Rank 0 calls with bad arguments, rank 1 with good ones; returns the exceptions (None = no error)."""
+    errors = [None, None]
+
+    def body(rank):
+        try:
+            call(rank, bad_rank_args if rank == 0 else good_args)
+        except Exception as e:  # noqa: BLE001 - the test inspects it
+            errors[rank] = e
+
+    t0 = time.monotonic()
+    epx.run_ranks(groups, body)
+    assert time.monotonic() - t0 < 10, "a bad argument on one rank must not leave the other waiting"
+    return errors
+
+
+@pytest.mark.parametrize("case", ["float32_x", "float64_x", "strided_x", "wrong_hidden", "over_capacity", "float_idx", "list_x"])
+def test_bad_arguments_fail_on_every_rank(case):
+    groups = epx.make_cpu_groups(R, timeout_s=20)
+    cfg = epx.DispatchConfig(hidden=H, num_experts=E, top_k=K, num_max_dispatch_tokens_per_rank=T)
+    rng = np.random.default_rng(5)
+    x, idx, w = make_inputs(rng, 4)
+    bad = {
+        "float32_x": (f32(x), idx, w),
+        "float64_x": (f32(x).astype(np.float64), idx, w),
+        "strided_x": (np.asfortranarray(x), idx, w),
+        "wrong_hidden": (x[:, :64].copy(), idx, w),
+        "over_capacity": make_inputs(rng, T + 1),
+        "float_idx": (x, idx.astype(np.float32), w),
+        "list_x": (x.tolist(), idx, w),
+    }[case]
+    pfs = [None, None]
+
+    def call(rank, args):
+        if pfs[rank] is None:
+            pfs[rank] = epx.make_prepare_finalize("ll", groups[rank], cfg)
+        pfs[rank].prepare(*args)
+
+    errors = _both_ranks(groups, bad, (x, idx, w), call)
+    expected = TypeError if case == "list_x" else ValueError
+    assert isinstance(errors[0], expected), repr(errors[0])
+    assert isinstance(errors[1], epx.Error), repr(errors[1])  # the good rank is told, not left hanging
+    # the objects stay usable: a good round on both ranks still works
+    def again(rank, args):
+        p = pfs[rank].prepare(*args)
+        pfs[rank].finalize(np.zeros(p.x.shape, np.uint16))
+
+    assert _both_ranks(groups, (x, idx, w), (x, idx, w), again) == [None, None]
+
+
+def test_run_ranks_propagates_python_errors():
+    groups = epx.make_cpu_groups(R, timeout_s=30)
+
+    def body(rank):
+        if rank == 0:
+            raise KeyError("rank 0 fails")
+        groups[rank].barrier()  # would wait for rank 0 forever without the abort
+
+    t0 = time.monotonic()
+    with pytest.raises(KeyError, match="rank 0 fails"):
+        epx.run_ranks(groups, body)
+    assert time.monotonic() - t0 < 10
+
+
+def test_ranks_run_in_parallel_without_the_gil():
+    """Both ranks must be inside a collective at once: holding the GIL there would deadlock."""
+    groups = epx.make_cpu_groups(R, timeout_s=10)
+    seen = []
+    lock = threading.Lock()
+
+    def body(rank):
+        v = groups[rank].all_gather_i64(10 + rank)
+        with lock:
+            seen.append(tuple(v))
+
+    epx.run_ranks(groups, body)
+    assert seen == [(10, 11), (10, 11)]
+
+
+def test_deepep_buffer_aliases(experts):
+    """low_latency_dispatch/combine and get_dispatch_layout/dispatch/combine give the reference result."""
+    weights, fns = experts
+    groups = epx.make_cpu_groups(R, timeout_s=20)
+
+    def body(rank):
+        buf = epx.deepep.Buffer(groups[rank])
+        begin, end = epx.expert_range(E, R, rank)
+        rng = np.random.default_rng(50 + rank)
+        x, idx, w = make_inputs(rng, T)
+        idx64 = idx.astype(np.int64)
+        ref = moe_out(fns, f32(x), idx, w)
+        recv, counts, handle, event, hook = buf.low_latency_dispatch(x, idx64, T, E, topk_weights=w, use_fp8=False)
+        assert event is None and hook is None and recv.shape == (end - begin, R * T, H)
+        y = numpy_experts(handle.prepared, fns[begin:end])
+        out_ll, _, _ = buf.low_latency_combine(y, idx64, w, handle)
+        per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx64, E)
+        exp_in_rank = np.zeros((T, R), bool)
+        for t in range(T):
+            for e in idx[t]:
+                if e >= 0:
+                    exp_in_rank[t, epx.expert_rank(E, R, int(e))] = True
+        np.testing.assert_array_equal(in_rank, exp_in_rank)
+        np.testing.assert_array_equal(per_rank, exp_in_rank.sum(0))
+        np.testing.assert_array_equal(per_expert, np.bincount(idx[idx >= 0], minlength=E))
+        recv_x, recv_idx, recv_w, counts_list, h2, _ = buf.dispatch(x, topk_idx=idx64, topk_weights=w, num_experts=E)
+        assert isinstance(counts_list, list) and len(counts_list) == end - begin
+        y2 = numpy_experts(h2.prepared, fns[begin:end])
+        out_ht, _, _ = buf.combine(y2, h2)
+        return rel_l2(f32(out_ll), ref), rel_l2(f32(out_ht), ref)
+
+    for e_ll, e_ht in run(groups, body):
+        assert e_ll < 1.5e-2 and e_ht < 1.5e-2
+
+
+def test_experts_binding_matches_numpy(experts):
+    """epx.Experts (CPU) on a Flat prepare result equals the numpy experts."""
+    weights, fns = experts
+    groups = epx.make_cpu_groups(R, timeout_s=20)
+    cfg = epx.DispatchConfig(hidden=H, num_experts=E, top_k=K, num_max_dispatch_tokens_per_rank=T)
+
+    def body(rank):
+        begin, end = epx.expert_range(E, R, rank)
+        ex = epx.make_experts(weights[begin:end], "cpu")
+        assert ex.num_local_experts == end - begin
+        pf = epx.make_prepare_finalize("all2allv", groups[rank], cfg)
+        x, idx, w = make_inputs(np.random.default_rng(9 + rank), T)
+        prepared = pf.prepare(x, idx, w)
+        mine = ex.apply(prepared)
+        ref = numpy_experts(prepared, fns[begin:end])
+        err = rel_l2(f32(mine), f32(ref))
+        pf.finalize(mine)
+        return err
+
+    assert max(run(groups, body)) < 1e-2
+
+
+def test_torch_cpu_tensors_in_and_out(experts):
+    """torch CPU tensors (bf16) through a CPU group: results are torch tensors sharing epx's memory, the
+    output is written in place, and the result matches the numpy reference. Skips without torch."""
+    torch = pytest.importorskip("torch")
+    weights, fns = experts
+    groups = epx.make_cpu_groups(R, timeout_s=20)
+    cfg = epx.DispatchConfig(hidden=H, num_experts=E, top_k=K, num_max_dispatch_tokens_per_rank=T)
+
+    def body(rank):
+        pf = epx.make_prepare_finalize("ht", groups[rank], cfg)
+        begin, end = epx.expert_range(E, R, rank)
+        x_bits, idx, w = make_inputs(np.random.default_rng(70 + rank), T)
+        x = torch.from_numpy(f32(x_bits)).to(torch.bfloat16)
+        p = pf.prepare(x, torch.from_numpy(idx).long(), torch.from_numpy(w))
+        assert isinstance(p.x, torch.Tensor) and p.x.dtype == torch.bfloat16 and p.x.data_ptr() == p.raw.x.data_ptr
+        assert isinstance(p.recv_count, torch.Tensor) and p.recv_count.dtype == torch.int32
+        y = epx.make_experts(weights[begin:end]).apply(p)
+        assert isinstance(y, torch.Tensor) and y.dtype == torch.bfloat16
+        out = torch.full((T, H), float("nan"), dtype=torch.bfloat16)
+        assert pf.finalize(y, out) is out
+        return rel_l2(out.float().numpy(), moe_out(fns, f32(x_bits), idx, w))
+
+    assert max(run(groups, body)) < 1.5e-2
+
+
+def test_versioned_dlpack_round_trip():
+    """DLPack 1.x (versioned) capsules: exported by epx.Tensor on request, consumed by epx, deleter run."""
+
+    class Versioned:
+        def __init__(self, t):
+            self.t = t
+
+        def __dlpack__(self, stream=None):
+            return self.t.__dlpack__(max_version=(1, 0))
+
+        def __dlpack_device__(self):
+            return self.t.__dlpack_device__()
+
+    t = epx.from_float(np.arange(6, dtype=np.float32).reshape(2, 3), "bf16")
+    v = epx.as_tensor(Versioned(t))
+    assert (v.data_ptr, v.shape, v.dtype) == (t.data_ptr, (2, 3), "bf16")
+    np.testing.assert_array_equal(np.from_dlpack(v.float()), np.arange(6, dtype=np.float32).reshape(2, 3))
+
+
+def test_checkpoint_round_trip(tmp_path):
+    """write_moe_checkpoint then load_moe_layer (Mixtral convention, 2 shards): the same weights, and
+    rank 1's load holds only its experts."""
+    w = epx.MoEWeights.random("mixtral-8x7b-mini", seed=4)
+    epx.write_moe_checkpoint(str(tmp_path), w, convention="mixtral", layer=3, num_shards=2, router_dtype="F32")
+    loaded, notes, info = epx.load_moe_layer(str(tmp_path), 3)
+    assert info["convention"] == "mixtral" and info["layer"] == 3 and isinstance(notes, list)
+    assert loaded.config.router.num_experts == w.config.router.num_experts
+    np.testing.assert_array_equal(np.from_dlpack(loaded.router_weight), np.from_dlpack(w.router_weight))
+    for a, b in zip(loaded.experts, w.experts):
+        np.testing.assert_array_equal(np.from_dlpack(a.w13_float()), np.from_dlpack(b.w13_float()))
+        np.testing.assert_array_equal(np.from_dlpack(a.w2_float()), np.from_dlpack(b.w2_float()))
+    begin, end = epx.expert_range(w.config.router.num_experts, 2, 1)
+    part, _, _ = epx.load_moe_layer(str(tmp_path), 3, expert_begin=begin, expert_end=end)
+    assert [e is not None for e in part.experts] == [begin <= e < end for e in range(len(part.experts))]
+    with pytest.raises(ValueError):
+        epx.load_moe_layer(str(tmp_path / "missing"), 0)

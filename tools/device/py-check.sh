@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# tools/device/py-check.sh: the Python bindings on the GPU machine, in one device call.
+#
+#   bash tools/device/py-check.sh <source tree> [<deps.tar.xz>]
+#
+# 1. `pip install --target /tmp/epx-py <src>` with the venv's python (the in-tree backend; build isolation
+#    on, nothing downloaded), CUDA on (sm_90a), NCCL from the nvidia-nccl wheel, pybind11 from the venv,
+#    the Debian C++ dependencies the GPU image lacks from deps.tar.xz (tools/device/gpu-check.sh pack);
+# 2. python -c "import epx; print(epx.__version__)" from another directory;
+# 3. python/tests/gpu_smoke.py (staged, with markers and faulthandler: locates a crash), the CPU pytest
+#    (numpy) and the GPU pytest (2 ranks, torch.multiprocessing; includes the vLLM-shaped example),
+#    results as RESULTS.md JSON;
+# 4. the README quick start: torchrun --nproc-per-node 2 examples/quickstart_torch.py.
+# Writes under $OUT: py-env.txt pip-install.log smoke.log pytest-cpu.log pytest-gpu.log python-gpu.json quickstart.log
+set -uo pipefail
+SRC="$(cd "${1:?source tree}" && pwd)"
+DEPS_TAR="${2:-$SRC/.carry/deps.tar.xz}"
+OUT="${OUT:-/tmp/epx-py-out}"
+mkdir -p "$OUT"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 NCCL_DEBUG="${NCCL_DEBUG:-WARN}"
+PY="${PYTHON:-python3}"
+deps=/tmp/epx-py-deps target=/tmp/epx-py
+rm -rf "$deps" "$target" && mkdir -p "$deps"
+tar -C "$deps" -xJf "$DEPS_TAR" || { echo "cannot unpack $DEPS_TAR"; exit 1; }
+arch_lib="$deps/usr/lib/x86_64-linux-gnu"
+nccl="$($PY -c 'import nvidia.nccl as m; print(list(m.__path__)[0])')"
+export LD_LIBRARY_PATH="$nccl/lib:$arch_lib:$arch_lib/openblas-pthread${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+{
+  date -u; nvidia-smi -L; $PY --version; $PY -m pip --version; cmake --version | head -1; nvcc --version | tail -1
+  $PY -c 'import torch, pybind11; print("torch", torch.__version__, "cuda", torch.version.cuda, "pybind11", pybind11.__version__)'
+  echo "nccl wheel: $nccl"; ls /usr/include/python3*/Python.h; command -v cmake ninja; head -1 "$(command -v cmake)"
+} >"$OUT/py-env.txt" 2>&1
+
+export CMAKE_ARGS="-DCMAKE_CUDA_ARCHITECTURES=90a -DCMAKE_PREFIX_PATH=$deps/usr -DBLA_VENDOR=OpenBLAS -DCMAKE_POLICY_VERSION_MINIMUM=3.5 \
+-DCMAKE_LIBRARY_PATH=$arch_lib/openblas-pthread;$arch_lib -DEPX_CBLAS_INCLUDE=$deps/usr/include/x86_64-linux-gnu/openblas-pthread"
+t0=$SECONDS
+(cd "$SRC" && $PY -m pip install -v --target "$target" .) >"$OUT/pip-install.log" 2>&1
+rc=$?
+echo "pip install rc=$rc in $((SECONDS - t0)) s" | tee -a "$OUT/py-env.txt"
+if [ $rc -ne 0 ]; then  # the documented fallback
+  t0=$SECONDS
+  (cd "$SRC" && $PY -m pip install -v --no-build-isolation --target "$target" .) >>"$OUT/pip-install.log" 2>&1
+  echo "pip install --no-build-isolation rc=$? in $((SECONDS - t0)) s" | tee -a "$OUT/py-env.txt"
+fi
+(cd / && PYTHONPATH="$target" $PY -c "import epx; print(epx.__version__, 'cuda' if epx.built_with_cuda() else 'cpu', epx.nccl_version())") \
+  2>&1 | tee -a "$OUT/py-env.txt"
+
+export PYTHONPATH="$target" PYTHONDONTWRITEBYTECODE=1 PYTHONFAULTHANDLER=1
+t0=$SECONDS
+(cd "$SRC" && timeout 90 $PY -X faulthandler python/tests/gpu_smoke.py) >"$OUT/smoke.log" 2>&1
+echo "smoke rc=$? in $((SECONDS - t0)) s (last step: $(grep -E '\.\.\.|ok$' "$OUT/smoke.log" | tail -1))" | tee -a "$OUT/py-env.txt"
+t0=$SECONDS
+(cd "$SRC/python/tests" && timeout 60 $PY -m pytest -q -rA -p no:cacheprovider -m "not gpu" .) >"$OUT/pytest-cpu.log" 2>&1
+echo "pytest cpu rc=$? in $((SECONDS - t0)) s" | tee -a "$OUT/py-env.txt"
+t0=$SECONDS
+(cd "$SRC/python/tests" && PYTEST_EPX_JSON="$OUT/python-gpu.json" PYTEST_EPX_COMMIT="${PYTEST_EPX_COMMIT:-}" \
+  timeout 200 $PY -m pytest -v -rA -p no:cacheprovider -m gpu .) >"$OUT/pytest-gpu.log" 2>&1
+echo "pytest gpu rc=$? in $((SECONDS - t0)) s" | tee -a "$OUT/py-env.txt"
+t0=$SECONDS
+(cd "$SRC" && timeout 60 $PY -m torch.distributed.run --nproc-per-node 2 examples/quickstart_torch.py) >"$OUT/quickstart.log" 2>&1
+echo "quickstart rc=$? in $((SECONDS - t0)) s" | tee -a "$OUT/py-env.txt"
