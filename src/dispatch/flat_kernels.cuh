@@ -12,6 +12,7 @@
 #include <climits>
 #include <cstdint>
 
+#include "dispatch/block_primitives.cuh"
 #include "dispatch/flat_cuda.h"
 #include "epx/dtype.h"
 
@@ -21,50 +22,9 @@ constexpr int kPlanThreads = 1024;  // one CTA scans the whole routing: T is a D
 constexpr int kRowThreads = 128;    // one CTA per row or token for the copy kernels
 constexpr int kCombineThreads = 256;
 
-__device__ __forceinline__ int64_t load_id(const void* idx, bool is_i64, int64_t i) {
-  return is_i64 ? static_cast<const int64_t*>(idx)[i] : static_cast<int64_t>(static_cast<const int32_t*>(idx)[i]);
-}
-
-/// The CTA copies `bytes` from src to dst with the widest access all three allow (16, 4 or 1 bytes).
-__device__ __forceinline__ void block_copy_bytes(uint8_t* dst, const uint8_t* src, int64_t bytes) {
-  const uintptr_t bits = reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) | static_cast<uintptr_t>(bytes);
-  if ((bits & 15u) == 0) {
-    for (int64_t i = threadIdx.x; i < bytes / 16; i += blockDim.x)
-      reinterpret_cast<uint4*>(dst)[i] = reinterpret_cast<const uint4*>(src)[i];
-  } else if ((bits & 3u) == 0) {
-    for (int64_t i = threadIdx.x; i < bytes / 4; i += blockDim.x)
-      reinterpret_cast<uint32_t*>(dst)[i] = reinterpret_cast<const uint32_t*>(src)[i];
-  } else {
-    for (int64_t i = threadIdx.x; i < bytes; i += blockDim.x) dst[i] = src[i];
-  }
-}
-
-/// Exclusive prefix sum of `value` over the CTA (blockDim.x a multiple of 32, at most 1024);
-/// `total` gets the CTA's sum. Every thread must call it. s_warp: 32 ints of shared memory, free
-/// again once the caller has passed a __syncthreads after the call.
-__device__ __forceinline__ int block_exclusive_scan(int value, int* s_warp, int& total) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, num_warps = blockDim.x >> 5;
-  int x = value;
-#pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {
-    const int y = __shfl_up_sync(0xffffffffu, x, o);
-    if (lane >= o) x += y;
-  }
-  if (lane == 31) s_warp[warp] = x;
-  __syncthreads();
-  if (warp == 0) {
-    int w = lane < num_warps ? s_warp[lane] : 0;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const int y = __shfl_up_sync(0xffffffffu, w, o);
-      if (lane >= o) w += y;
-    }
-    if (lane < num_warps) s_warp[lane] = w;
-  }
-  __syncthreads();
-  total = s_warp[num_warps - 1];
-  return (warp > 0 ? s_warp[warp - 1] : 0) + x - value;
-}
+using device::block_copy_bytes;
+using device::block_exclusive_scan;
+using device::load_id;
 
 /// One CTA: chunks of blockDim.x tokens; per chunk and destination rank, a CTA-wide scan of "token
 /// goes to d" gives each token its row in d's block (token order within a block, as the CPU plan).

@@ -21,6 +21,7 @@
 #include <climits>
 #include <cstdint>
 
+#include "dispatch/block_primitives.cuh"
 #include "dispatch/ht_cuda.h"
 #include "epx/dtype.h"
 
@@ -76,33 +77,12 @@ __device__ __forceinline__ bool wait_flag(const HtParams& p, int f, int s, uint6
   return true;
 }
 
-__device__ __forceinline__ int64_t load_id(const void* idx, bool is_i64, int64_t i) {
-  return is_i64 ? static_cast<const int64_t*>(idx)[i] : static_cast<int64_t>(static_cast<const int32_t*>(idx)[i]);
-}
+using device::load_id;
 
-/// Exclusive prefix sum over the CTA (as flat_kernels.cuh); every thread calls it.
+/// device::block_exclusive_scan (block_primitives.cuh) followed by a __syncthreads, so that s_warp is
+/// free again when it returns; every thread calls it.
 __device__ __forceinline__ int block_exclusive_scan(int value, int* s_warp, int& total) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, num_warps = blockDim.x >> 5;
-  int x = value;
-#pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {
-    const int y = __shfl_up_sync(0xffffffffu, x, o);
-    if (lane >= o) x += y;
-  }
-  if (lane == 31) s_warp[warp] = x;
-  __syncthreads();
-  if (warp == 0) {
-    int w = lane < num_warps ? s_warp[lane] : 0;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const int y = __shfl_up_sync(0xffffffffu, w, o);
-      if (lane >= o) w += y;
-    }
-    if (lane < num_warps) s_warp[lane] = w;
-  }
-  __syncthreads();
-  total = s_warp[num_warps - 1];
-  const int result = (warp > 0 ? s_warp[warp - 1] : 0) + x - value;
+  const int result = device::block_exclusive_scan(value, s_warp, total);
   __syncthreads();
   return result;
 }
