@@ -20,6 +20,11 @@
 #include <thread>
 #include <vector>
 
+#include "epx/tensor.h"
+#ifdef EPX_WITH_CUDA
+#include <cuda_runtime_api.h>
+#endif
+
 namespace epx::test {
 
 /// A fresh directory for one test's rendezvous files.
@@ -84,5 +89,21 @@ inline std::string run_ranks_forked(int world, double deadline_s, const std::fun
   }
   return failures;
 }
+
+/// The bytes of `v` (any device) on the host; empty for an undefined or empty view.
+inline std::vector<uint8_t> host_bytes(const TensorView& v) {
+  std::vector<uint8_t> b(static_cast<size_t>(v.defined() ? v.nbytes() : 0));
+  if (b.empty()) return b;
+  TensorView dst(b.data(), v.dtype, std::vector<int64_t>(v.shape.begin(), v.shape.begin() + v.ndim));
+  copy(dst, v);
+  return b;
+}
+
+#ifdef EPX_WITH_CUDA
+/// Throws std::runtime_error "<what>: <CUDA error string>" unless e is cudaSuccess.
+inline void cuda_ok(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(e));
+}
+#endif
 
 }  // namespace epx::test

@@ -34,9 +34,7 @@ using namespace epx;
 
 namespace {
 
-void cuda_ok(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(e));
-}
+using test::cuda_ok;
 
 std::shared_ptr<const MoEWeights> weights_for(const std::string& name) {
   static std::map<std::string, std::shared_ptr<const MoEWeights>> cache;

@@ -63,9 +63,7 @@ TEST(NcclRendezvous, UniqueIdHexRoundTrip) {
 /// Visible GPUs, counted without initialising CUDA here.
 int gpus() { return cuda::device_count(); }
 
-void cuda_ok(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(e));
-}
+using test::cuda_ok;
 
 template <class T>
 T* to_device(const std::vector<T>& h) {

@@ -43,14 +43,6 @@ struct Snapshot {
   DispatchStats stats;
 };
 
-std::vector<uint8_t> host_bytes(const TensorView& v) {
-  std::vector<uint8_t> b(static_cast<size_t>(v.defined() ? v.nbytes() : 0));
-  if (b.empty()) return b;
-  TensorView dst(b.data(), v.dtype, std::vector<int64_t>(v.shape.begin(), v.shape.begin() + v.ndim));
-  copy(dst, v);
-  return b;
-}
-
 void take_prepare(const PrepareResult& p, Snapshot& s) {
   s.num_recv_tokens = p.num_recv_tokens;
   s.layout = std::string(layout_name(p.layout)) + " x" + p.x.describe().substr(0, p.x.describe().rfind(' ')) +
@@ -213,10 +205,6 @@ std::string compare(const Snapshot& got, const Snapshot& want) {
          std::to_string(b.num_valid_selections) + ", " + std::to_string(b.num_rank_dedup_rows) + ", " +
          std::to_string(b.remote_bytes_dispatch) + ", " + std::to_string(b.remote_bytes_combine) + "}; ";
   return d;
-}
-
-void cuda_ok(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(e));
 }
 
 /// Backend `name` on this rank's NCCL group over all rounds of one object.

@@ -39,18 +39,6 @@ using namespace epx::test;
 
 namespace {
 
-void cuda_ok(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(e));
-}
-
-std::vector<uint8_t> host_bytes(const TensorView& v) {
-  std::vector<uint8_t> b(static_cast<size_t>(v.defined() ? v.nbytes() : 0));
-  if (b.empty()) return b;
-  TensorView dst(b.data(), v.dtype, std::vector<int64_t>(v.shape.begin(), v.shape.begin() + v.ndim));
-  copy(dst, v);
-  return b;
-}
-
 /// What one rank's prepare + finalize produced, reduced to the parts both devices define (valid
 /// rows only: rows >= recv_count[l] are stale by contract).
 struct Snap {
