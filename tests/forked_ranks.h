@@ -99,6 +99,15 @@ inline std::vector<uint8_t> host_bytes(const TensorView& v) {
   return b;
 }
 
+/// "" when equal, else "<what>: byte i is g, want w; " for the first byte that differs (or the sizes).
+inline std::string first_diff(const std::string& what, const std::vector<uint8_t>& got, const std::vector<uint8_t>& want) {
+  if (got.size() != want.size()) return what + ": " + std::to_string(got.size()) + " bytes, want " + std::to_string(want.size()) + "; ";
+  for (size_t i = 0; i < got.size(); ++i)
+    if (got[i] != want[i])
+      return what + ": byte " + std::to_string(i) + " is " + std::to_string(got[i]) + ", want " + std::to_string(want[i]) + "; ";
+  return "";
+}
+
 #ifdef EPX_WITH_CUDA
 /// Throws std::runtime_error "<what>: <CUDA error string>" unless e is cudaSuccess.
 inline void cuda_ok(cudaError_t e, const char* what) {

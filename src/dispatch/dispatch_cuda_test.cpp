@@ -161,15 +161,6 @@ std::vector<std::vector<Snapshot>> run_cpu(const std::string& name, const Case& 
   return snaps;
 }
 
-/// "" when equal, else where the first byte differs.
-std::string first_diff(const std::string& what, const std::vector<uint8_t>& got, const std::vector<uint8_t>& want) {
-  if (got.size() != want.size()) return what + ": " + std::to_string(got.size()) + " bytes, want " + std::to_string(want.size()) + "; ";
-  for (size_t i = 0; i < got.size(); ++i)
-    if (got[i] != want[i])
-      return what + ": byte " + std::to_string(i) + " is " + std::to_string(got[i]) + ", want " + std::to_string(want[i]) + "; ";
-  return "";
-}
-
 /// ||a - b|| / ||b|| over bf16 bytes.
 double rel_l2_bf16(const std::vector<uint8_t>& a, const std::vector<uint8_t>& b) {
   if (a.size() != b.size()) return INFINITY;

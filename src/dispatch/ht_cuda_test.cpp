@@ -104,14 +104,6 @@ std::vector<std::vector<Snapshot>> run_cpu(const Case& c, const Rounds& rounds) 
   return snaps;
 }
 
-std::string first_diff(const std::string& what, const std::vector<uint8_t>& got, const std::vector<uint8_t>& want) {
-  if (got.size() != want.size()) return what + ": " + std::to_string(got.size()) + " bytes, want " + std::to_string(want.size()) + "; ";
-  for (size_t i = 0; i < got.size(); ++i)
-    if (got[i] != want[i])
-      return what + ": byte " + std::to_string(i) + " is " + std::to_string(got[i]) + ", want " + std::to_string(want[i]) + "; ";
-  return "";
-}
-
 std::string compare(const Snapshot& got, const Snapshot& want) {
   std::string d;
   if (got.num_recv_tokens != want.num_recv_tokens)

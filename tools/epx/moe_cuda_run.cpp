@@ -393,15 +393,8 @@ int moe_rank(const MoeOptions& options, const Config& config, const std::vector<
       bool ok = true;
       int64_t validated = 0;
       for (size_t st = 0; st < S; ++st) {
-        double max_rel = 0, rel_l2 = 0;
-        errors_against(run.outputs[st], refs[st], &max_rel, &rel_l2);
         validated += refs[st].size(0);
-        res.max_rel_error = std::max(res.max_rel_error, max_rel);
-        res.rel_l2_error = std::max(res.rel_l2_error, rel_l2);
-        if (!(rel_l2 <= kRelL2Tolerance)) {
-          if (ok) res.message = "step " + std::to_string(st) + ": rel L2 error " + std::to_string(rel_l2) + " > " + std::to_string(kRelL2Tolerance);
-          ok = false;
-        }
+        if (!check_step(run.outputs[st], refs[st], st, res)) ok = false;
       }
       res.validated = true;
       res.validated_tokens = validated;

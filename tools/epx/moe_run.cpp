@@ -120,6 +120,17 @@ std::vector<char> fused_per_token(const Workload& w, const StepInput& st) {
   return fused;
 }
 
+bool check_step(const Tensor& out, const Tensor& ref, size_t step, BackendResult& res) {
+  double max_rel = 0, rel_l2 = 0;
+  errors_against(out, ref, &max_rel, &rel_l2);
+  res.max_rel_error = std::max(res.max_rel_error, max_rel);
+  res.rel_l2_error = std::max(res.rel_l2_error, rel_l2);
+  if (rel_l2 <= kRelL2Tolerance) return true;
+  if (res.message.empty())
+    res.message = "step " + std::to_string(step) + ": rel L2 error " + std::to_string(rel_l2) + " > " + std::to_string(kRelL2Tolerance);
+  return false;
+}
+
 void errors_against(const Tensor& out, const Tensor& ref, double* max_rel, double* rel_l2) {
   const int64_t n = ref.numel();
   const uint16_t* a = out.ptr<uint16_t>();
@@ -401,14 +412,7 @@ BackendResult run_backend(const Workload& w, const std::string& backend) {
   res.counters = counters[0];
   bool ok = true;
   for (size_t s = 0; s < S; ++s) {
-    double max_rel = 0, rel_l2 = 0;
-    errors_against(concat_rows(outs[s], DType::bf16, H), w.steps[s].reference, &max_rel, &rel_l2);
-    res.max_rel_error = std::max(res.max_rel_error, max_rel);
-    res.rel_l2_error = std::max(res.rel_l2_error, rel_l2);
-    if (!(rel_l2 <= kRelL2Tolerance)) {
-      if (ok) res.message = "step " + std::to_string(s) + ": rel L2 error " + std::to_string(rel_l2) + " > " + std::to_string(kRelL2Tolerance);
-      ok = false;
-    }
+    if (!check_step(concat_rows(outs[s], DType::bf16, H), w.steps[s].reference, s, res)) ok = false;
   }
   res.validated = true;
   res.status = ok ? "pass" : "FAIL";

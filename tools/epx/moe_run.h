@@ -153,5 +153,8 @@ Tensor gather_rows(const Tensor& t, const std::vector<int64_t>& rows);
 std::vector<char> fused_per_token(const Workload& workload, const StepInput& step);
 /// max |out - ref| / max |ref| and ||out - ref|| / ||ref|| of two bf16 tensors (inf with NaN/inf).
 void errors_against(const Tensor& out, const Tensor& ref, double* max_rel, double* rel_l2);
+/// Compares step `step`'s output with its reference into `res` (max of the errors; the first failing
+/// step's message). Returns false when rel L2 > kRelL2Tolerance (or NaN).
+bool check_step(const Tensor& out, const Tensor& ref, size_t step, BackendResult& res);
 
 }  // namespace epx::cli
