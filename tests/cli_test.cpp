@@ -159,7 +159,7 @@ TEST(Cli, DecodeCompareWritesTheAbTablesAndCounters) {
   CliRun r = epx("moe --preset qwen1.5-moe-a2.7b-mini --ranks 2 --backend all --mode decode --compare --steps 2 --json " + out.string());
   ASSERT_EQ(r.code, 0) << r.out;
   for (const char* s : {"p25 ms", "p75 ms", "tokens/s", "A/B: backends", "A/B: shared expert fused against separate", "baseline",
-                        "CUDA graphs need a group on a GPU"})
+                        "CUDA graphs need a group on a GPU", "phases, p50 ms"})
     EXPECT_NE(r.out.find(s), std::string::npos) << s << "\n" << r.out;
   const nlohmann::json j = read_json(out);
   ASSERT_EQ(j["results"].size(), 10u);
@@ -173,6 +173,15 @@ TEST(Cli, DecodeCompareWritesTheAbTablesAndCounters) {
     for (const char* key : {"latency_us_p25", "latency_us_p50", "latency_us_p75", "latency_us_p99", "latency_us_mean", "tokens_per_s"})
       EXPECT_TRUE(res[key].is_number()) << key << " " << res.dump();
     EXPECT_LE(res["latency_us_p25"].get<double>(), res["latency_us_p75"].get<double>());
+    // Eager steps report where the time went; the separate shared expert only on the separate path.
+    ASSERT_TRUE(res.contains("phase_us_p50")) << res.dump();
+    for (const char* key : {"prepare", "experts", "finalize", "shared_separate"})
+      EXPECT_GE(res["phase_us_p50"][key].get<double>(), 0.0) << key << " " << res.dump();
+    EXPECT_GT(res["phase_us_p50"]["experts"].get<double>(), 0.0) << res.dump();
+    EXPECT_LE(res["phase_us_p50"]["experts"].get<double>(), res["latency_us_p99"].get<double>()) << res.dump();
+    if (mode == "separate") {
+      EXPECT_GT(res["phase_us_p50"]["shared_separate"].get<double>(), 0.0) << res.dump();
+    }
     const auto& c = res["counters"];
     const bool gathers = b == "naive" || b == "allgather_reducescatter";
     EXPECT_EQ(c["shared_fused"], mode == "fused" ? 2 : 0) << res.dump();

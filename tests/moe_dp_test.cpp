@@ -91,6 +91,7 @@ struct Outcome {
   std::vector<PathCounters> counters;
   std::vector<DPMetadata> dp;
   std::vector<int> sharded;
+  std::vector<PhaseTimes> phases;
 };
 
 // Runs forward_routed with random routing (-1 and duplicate experts included) on R rank threads and
@@ -113,6 +114,7 @@ Outcome run_case(const Case& c) {
   res.counters.resize(R);
   res.dp.resize(R);
   res.sharded.resize(R);
+  res.phases.resize(R);
   auto groups = make_cpu_groups(R, 30.0);
   run_ranks(groups, [&](int rank) {
     DispatchConfig dc;
@@ -123,6 +125,7 @@ Outcome run_case(const Case& c) {
     res.counters[rank] = layer.counters();
     res.dp[rank] = layer.dp_metadata();
     res.sharded[rank] = layer.shared_expert_sharded();
+    res.phases[rank] = layer.last_phase_times();
   });
   const int64_t T = std::accumulate(c.tokens.begin(), c.tokens.end(), int64_t{0});
   Tensor x_all = Tensor::empty({T, H}, DType::bf16), out_all = Tensor::empty({T, H}, DType::bf16);
@@ -224,6 +227,31 @@ TEST(DPMetadata, OneCallGathersItOnceAndEveryRankSeesTheSame) {
     EXPECT_EQ(r.dp[rank].num_chunks, 3);
     EXPECT_EQ(r.counters[rank].chunks, 3);
   }
+}
+
+// Phase timing: one set of marks per chunk, idle ranks and chunks included; off by default.
+TEST(ModularMoEPhases, OnePerChunkAndOnlyWhenAsked) {
+  Case c{.preset = "qwen1.5-moe-a2.7b-mini", .backend = "all2allv", .tokens = {10, 0, 3}, .capacity = 4, .seed = 9};
+  c.options.chunk_size = 4;
+  c.options.time_phases = true;
+  c.options.shared_mode = SharedExpertMode::separate;
+  const Outcome r = run_case(c);
+  EXPECT_LE(r.rel_l2, kTol);
+  for (int rank = 0; rank < 3; ++rank) {
+    SCOPED_TRACE("rank " + std::to_string(rank));
+    const PhaseTimes& p = r.phases[rank];
+    EXPECT_EQ(p.chunks, 3);
+    EXPECT_GE(p.prepare_us, 0.0);
+    EXPECT_GE(p.finalize_us, 0.0);
+    EXPECT_GT(p.experts_us, 0.0);  // every rank holds experts and runs them on what it receives
+    EXPECT_GE(p.shared_us, 0.0);
+    if (c.tokens[rank] > 0) {
+      EXPECT_GT(p.shared_us, 0.0);
+    }
+  }
+  c.options.time_phases = false;
+  const Outcome off = run_case(c);
+  for (int rank = 0; rank < 3; ++rank) EXPECT_EQ(off.phases[rank].chunks, 0);
 }
 
 // ---- the DP-sharded shared expert ----

@@ -91,6 +91,23 @@ struct ModularMoEOptions {
   /// FHMoE: the shared expert sees the dispatched x); separate chunks run the whole expert locally.
   bool shard_shared_expert = true;
   ExpertsFactory make_experts{};  ///< empty = make_experts_cpu / make_experts_cuda by the group's device
+  /// Time the phases of every eager forward call (see ModularMoE::last_phase_times): on CUDA five
+  /// events per chunk recorded on the call's stream (no host sync inside the call); on CPU host
+  /// clocks. Off under graph capture and replay.
+  bool time_phases = false;
+};
+
+/// Device time of the phases of the last eager forward call, summed over its chunks, in
+/// microseconds (CUDA: cudaEventElapsedTime between events recorded on the call's stream; CPU:
+/// steady_clock). The phases of one chunk, in stream order:
+///   prepare  = quantize + dispatch (PrepareFinalize::prepare)
+///   experts  = the grouped expert MLPs (Experts::apply), the DP-sharded shared expert included
+///   finalize = combine (PrepareFinalize::finalize)
+///   shared   = the separate shared expert (0 on the fused path)
+/// The router and the routing columns are outside these phases.
+struct PhaseTimes {
+  int64_t chunks = 0;  ///< chunks timed; 0 when timing is off or the last call was a graph replay
+  double prepare_us = 0, experts_us = 0, finalize_us = 0, shared_us = 0;
 };
 
 /// Data-parallel metadata of one forward call, computed once from one all_gather of T and reused by
@@ -128,6 +145,9 @@ class ModularMoE {
   void forward_routed(const TensorView& x, const TensorView& topk_idx, const TensorView& topk_weights,
                       const TensorView& out, Stream stream = {});
   const PathCounters& counters() const;
+  /// Phase times of the last eager forward call (ModularMoEOptions::time_phases). On CUDA this
+  /// waits for that call's last event (a host sync). Throws CudaError.
+  PhaseTimes last_phase_times();
   /// DP metadata of the last forward call (empty before the first).
   const DPMetadata& dp_metadata() const;
   /// Whether chunks on the fused path run the shared expert DP-sharded (see ModularMoEOptions).

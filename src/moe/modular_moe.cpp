@@ -33,6 +33,7 @@
 // Whole-layer CUDA graph: the same code with static DP metadata (T_max on every rank, one chunk),
 // no host collective, and the valid row count on the device (DispatchArgs::num_tokens).
 #include <algorithm>
+#include <chrono>
 #include <optional>
 #include <string>
 #include <vector>
@@ -114,6 +115,32 @@ struct ModularMoE::Impl {
   Tensor shared_idx_any, shared_wts_any;     // [N, 1] route of the shard over the gathered rows
   Tensor shard_out;                          // [N, H] bf16: the shard's output (sharded)
   int64_t graph_max_tokens = 0;              // T_max of the captured graph
+  // Phase timing (ModularMoEOptions::time_phases): kPhaseMarks marks per chunk, reset per eager call.
+  static constexpr int kPhaseMarks = 5;
+  bool time_phases = false;
+  bool capturing = false;                    // inside capture_graph (its warm-up included): no marks
+  std::vector<std::chrono::steady_clock::time_point> host_marks;  // CPU
+#ifdef EPX_WITH_CUDA
+  std::unique_ptr<moe_cuda::PhaseEvents> phase_events;             // CUDA
+#endif
+  void reset_phases() {
+    host_marks.clear();
+#ifdef EPX_WITH_CUDA
+    if (phase_events) phase_events->reset();
+#endif
+  }
+  void mark_phase(Stream stream) {
+    if (!time_phases || capturing) return;
+#ifdef EPX_WITH_CUDA
+    if (device.is_cuda()) {
+      if (!phase_events) phase_events = std::make_unique<moe_cuda::PhaseEvents>(device.index, kPhaseMarks);
+      phase_events->mark(stream);
+      return;
+    }
+#endif
+    (void)stream;
+    host_marks.push_back(std::chrono::steady_clock::now());
+  }
   bool graph_fused = false;                  // the captured graph's shared path
 
   /// The chunk loop of one call over `dp` (eager: from the gathered T; graph: static). `num_tokens`
@@ -190,6 +217,7 @@ ModularMoE::ModularMoE(std::shared_ptr<const MoEWeights> weights, std::shared_pt
   m.top_k = mc.router.top_k;
   m.has_shared = mc.num_shared_experts > 0;
   m.shared_mode = options.shared_mode;
+  m.time_phases = options.time_phases;
   if (m.has_shared) require_arg(kCtorOp, "weights.shared", "null", weights->shared != nullptr, "must be set: the model has a shared expert");
 
   require_arg(kCtorOp, "options.chunk_size", options.chunk_size, options.chunk_size >= 0, "must be >= 0 (0 = Config::moe_chunk_size)");
@@ -290,6 +318,30 @@ ModularMoE::ModularMoE(std::shared_ptr<const MoEWeights> weights, std::shared_pt
 ModularMoE::~ModularMoE() = default;
 
 const PathCounters& ModularMoE::counters() const { return impl_->counters; }
+
+PhaseTimes ModularMoE::last_phase_times() {
+  Impl& m = *impl_;
+  PhaseTimes t;
+  std::vector<double> us(Impl::kPhaseMarks - 1, 0.0);
+#ifdef EPX_WITH_CUDA
+  if (m.device.is_cuda()) {
+    if (m.phase_events) us = m.phase_events->elapsed_us(t.chunks);
+  } else
+#endif
+  {
+    t.chunks = static_cast<int64_t>(m.host_marks.size() / Impl::kPhaseMarks);
+    for (int64_t c = 0; c < t.chunks; ++c)
+      for (int k = 0; k + 1 < Impl::kPhaseMarks; ++k) {
+        const size_t i = static_cast<size_t>(c * Impl::kPhaseMarks + k);
+        us[static_cast<size_t>(k)] += std::chrono::duration<double, std::micro>(m.host_marks[i + 1] - m.host_marks[i]).count();
+      }
+  }
+  t.prepare_us = us[0];
+  t.experts_us = us[1];
+  t.finalize_us = us[2];
+  t.shared_us = us[3];
+  return t;
+}
 const DPMetadata& ModularMoE::dp_metadata() const { return impl_->dp; }
 bool ModularMoE::shared_expert_sharded() const { return impl_->sharded; }
 
@@ -368,6 +420,7 @@ void ModularMoE::forward_routed(const TensorView& x, const TensorView& topk_idx,
                                           " when unchunked (set chunk_size or raise the capacity)"));
   }
   m.dp = std::move(dp);
+  m.reset_phases();
   m.run_chunks(x, topk_idx, topk_weights, out, TensorView(), stream);
 }
 
@@ -493,7 +546,9 @@ void ModularMoE::Impl::run_chunk(const TensorView& x, const TensorView& topk_idx
   args.topk_weights = wts;
   args.stream = stream;
   args.num_tokens = num_tokens;
+  mark_phase(stream);
   const PrepareResult prepared = prepare_finalize->prepare(args);
+  mark_phase(stream);
   const TensorView expert_view = expert_out_like(prepared.x);
   if (experts) {
     experts->apply(prepared.experts_input(), expert_view, stream);
@@ -502,13 +557,16 @@ void ModularMoE::Impl::run_chunk(const TensorView& x, const TensorView& topk_idx
     EPX_ASSERT(prepared.num_recv_tokens <= 0, "a rank without local experts received ", prepared.num_recv_tokens, " rows");
   }
   if (has_shared && fused && sharded) add_sharded_shared(prepared, expert_view, g, gate_host, c, stream);
+  mark_phase(stream);
   FinalizeArgs fin;
   fin.expert_out = expert_view;
   fin.out = out_chunk;
   fin.stream = stream;
   prepare_finalize->finalize(fin);
+  mark_phase(stream);
 
   if (has_shared && !fused && n > 0) add_separate_shared(x_chunk, out_chunk, g, gate_host, stream);
+  mark_phase(stream);
 }
 
 void ModularMoE::Impl::add_sharded_shared(const PrepareResult& prepared, const TensorView& expert_view, const TensorView& g,
@@ -629,6 +687,12 @@ void ModularMoE::capture_graph(const TensorView& x, const TensorView& topk_idx, 
     m.run_chunks(x, idx, wts, out, num_tokens, stream);
   };
   const PathCounters before = m.counters;
+  m.capturing = true;
+  m.reset_phases();
+  struct CaptureFlag {
+    bool& f;
+    ~CaptureFlag() { f = false; }
+  } capture_flag{m.capturing};
   // Warm-up: every workspace reaches its size for this shape (growing inside a capture is illegal).
   run();
   moe_cuda::synchronize(stream, m.device.index);
@@ -655,6 +719,7 @@ void ModularMoE::replay_graph(Stream stream) {
   Impl& m = *impl_;
   require_arg("ModularMoE.replay_graph", "graph", "none", has_graph(), "capture_graph() must run first");
 #ifdef EPX_WITH_CUDA
+  m.reset_phases();
   m.graph->launch(stream);
   ++m.counters.calls;
   ++m.counters.chunks;

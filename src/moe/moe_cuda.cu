@@ -214,6 +214,36 @@ void add_shared(const TensorView& out, const TensorView& shared_y, const TensorV
   cuda::check_launch("add_shared_kernel");
 }
 
+PhaseEvents::~PhaseEvents() {
+  for (void* e : events_) (void)cudaEventDestroy(static_cast<cudaEvent_t>(e));
+}
+
+void PhaseEvents::mark(Stream stream) {
+  cuda::DeviceGuard guard(device_);
+  if (next_ == events_.size()) {
+    cudaEvent_t e = nullptr;
+    EPX_CUDA_CHECK(cudaEventCreate(&e));
+    events_.push_back(e);
+  }
+  EPX_CUDA_CHECK(cudaEventRecord(static_cast<cudaEvent_t>(events_[next_++]), cuda::native(stream)));
+}
+
+std::vector<double> PhaseEvents::elapsed_us(int64_t& chunks) {
+  cuda::DeviceGuard guard(device_);
+  std::vector<double> us(static_cast<size_t>(marks_ - 1), 0.0);
+  chunks = static_cast<int64_t>(next_ / static_cast<size_t>(marks_));
+  if (chunks == 0) return us;
+  EPX_CUDA_CHECK(cudaEventSynchronize(static_cast<cudaEvent_t>(events_[static_cast<size_t>(chunks * marks_) - 1])));
+  for (int64_t c = 0; c < chunks; ++c)
+    for (int k = 0; k + 1 < marks_; ++k) {
+      float ms = 0;
+      const size_t i = static_cast<size_t>(c * marks_ + k);
+      EPX_CUDA_CHECK(cudaEventElapsedTime(&ms, static_cast<cudaEvent_t>(events_[i]), static_cast<cudaEvent_t>(events_[i + 1])));
+      us[static_cast<size_t>(k)] += static_cast<double>(ms) * 1e3;
+    }
+  return us;
+}
+
 void synchronize(Stream stream, int device) {
   cuda::DeviceGuard guard(device);
   EPX_CUDA_CHECK(cudaStreamSynchronize(cuda::native(stream)));

@@ -8,6 +8,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <vector>
 
 #include "epx/tensor.h"
 
@@ -56,6 +57,26 @@ void build_route_columns(const RouteColumnsParams& p, const TensorView& out_idx,
 /// `local_expert` (0 for the one-expert shared layer; L-1 for the DP shard inside the routed
 /// experts), weights [n, 1] fp32 = 1.
 void fill_single_route(const TensorView& idx, const TensorView& weights, Stream stream, int local_expert = 0);
+
+/// CUDA events marking phase boundaries, `marks` per chunk (ModularMoEOptions::time_phases): the
+/// events are created on first use and reused by later calls, so timing allocates nothing per call.
+class PhaseEvents {
+ public:
+  PhaseEvents(int device, int marks) : device_(device), marks_(marks) {}
+  ~PhaseEvents();
+  PhaseEvents(const PhaseEvents&) = delete;
+  PhaseEvents& operator=(const PhaseEvents&) = delete;
+  void reset() { next_ = 0; }                 ///< a new call: forget the marks of the last
+  void mark(Stream stream);                   ///< records the next event on `stream`
+  /// [marks - 1] microseconds between consecutive marks, summed over the recorded chunks (waits for
+  /// the last event). Returns the chunk count in `chunks`.
+  std::vector<double> elapsed_us(int64_t& chunks);
+
+ private:
+  int device_, marks_;
+  size_t next_ = 0;
+  std::vector<void*> events_;
+};
 
 /// cudaStreamSynchronize(stream) on `device`. Throws CudaError.
 void synchronize(Stream stream, int device);

@@ -6,6 +6,10 @@
 #            (128 tokens/rank; whole-layer CUDA graph replay where the backend is graph-safe)
 #   prefill: epx moe --device cuda --ranks 2 --preset deepseek-v3 --mode prefill --compare --backend all
 #            (4096 tokens/rank, eager)
+#   v4-pro : epx moe --device cuda --ranks 2 --preset deepseek-v4-pro --mode decode --backend all
+#            (every backend on the full-size V4-Pro layer: 384 experts, top-6, MXFP4 routed, FP8 shared)
+# Eager steps also report each phase's device time (prepare / experts / finalize / separate shared:
+# `phase_us_p50` in the JSON), which says where a backend's layer time goes.
 #
 # Both validate the first V tokens of every rank and step against moe_reference_cpu on rank 0 (a
 # full-size reference over every token would take tens of GB: each selected expert is dequantized to
@@ -13,7 +17,8 @@
 # (RESULTS.md JSON, for bench/results/h200x2/), their logs and `epx info`. The tree was built from a
 # git archive (no .git), so the JSON's git_commit is stamped from EPX_COMMIT when given.
 # Environment: EPX_BIN (default /tmp/epx-gpu-check/build/epx), EPX_COMMIT, MOE_AB_DECODE_STEPS (10),
-# MOE_AB_PREFILL_STEPS (3), MOE_AB_VALIDATE (2 tokens per rank and step), MOE_AB_TIMEOUT_S (per run, 120).
+# MOE_AB_PREFILL_STEPS (3), MOE_AB_V4_STEPS (3; 0 skips it), MOE_AB_VALIDATE (2 tokens per rank and step),
+# MOE_AB_TIMEOUT_S (per run, 120).
 set -uo pipefail
 
 B="${EPX_BIN:-/tmp/epx-gpu-check/build/epx}"
@@ -28,18 +33,21 @@ limit="${MOE_AB_TIMEOUT_S:-120}"
 
 "$B" info >"$work/info.txt" 2>&1
 
-run() {  # name mode steps
-  local t0=$SECONDS
-  timeout "$limit" "$B" moe --device cuda --ranks 2 --preset deepseek-v3 --mode "$2" --compare --backend all \
-    --steps "$3" --validate-tokens "$validate" --json "$work/moe-$1-deepseek-v3.json" >"$work/moe-$1.log" 2>&1
-  echo "exit $? after $((SECONDS - t0)) s" >>"$work/moe-$1.log"
-  tail -40 "$work/moe-$1.log"
+run() {  # name mode steps preset [extra args]
+  local t0=$SECONDS name=$1 mode=$2 steps=$3 preset=$4
+  shift 4
+  timeout "$limit" "$B" moe --device cuda --ranks 2 --preset "$preset" --mode "$mode" --backend all "$@" \
+    --steps "$steps" --validate-tokens "$validate" --json "$work/moe-$name-$preset.json" >"$work/moe-$name-$preset.log" 2>&1
+  echo "exit $? after $((SECONDS - t0)) s" >>"$work/moe-$name-$preset.log"
+  tail -40 "$work/moe-$name-$preset.log"
 }
-run decode decode "$decode_steps"
-run prefill prefill "$prefill_steps"
+run decode decode "$decode_steps" deepseek-v3 --compare
+run prefill prefill "$prefill_steps" deepseek-v3 --compare
+v4_steps="${MOE_AB_V4_STEPS:-3}"
+[ "$v4_steps" -gt 0 ] && run decode decode "$v4_steps" deepseek-v4-pro
 
 if [ -n "${EPX_COMMIT:-}" ]; then
-  for f in "$work"/moe-*-deepseek-v3.json; do
+  for f in "$work"/moe-*.json; do
     [ -f "$f" ] || continue
     python3 - "$f" "$EPX_COMMIT" <<'EOF'
 import json, sys

@@ -177,6 +177,7 @@ RankBackendRun run_backend_on_rank(const Workload& w, const MoeOptions& o, const
   BackendResult& res = run.result;
   res.backend = backend;
   std::vector<double> my_us(S, 0.0);
+  std::vector<PhaseTimes> my_phases(S);
   int64_t status = 0;  // 0 ok, 1 unsupported, 2 error
   std::string message;
   DispatchConfig dcfg;
@@ -185,6 +186,7 @@ RankBackendRun run_backend_on_rank(const Workload& w, const MoeOptions& o, const
   ModularMoEOptions mo;
   mo.shared_mode = shared_mode;
   mo.chunk_size = w.chunk_size;
+  mo.time_phases = true;  // eager steps: five events per chunk, read after the step's end event
   res.shared_mode = shared_mode;
   PathCounters counters;
   try {
@@ -269,6 +271,7 @@ RankBackendRun run_backend_on_rank(const Workload& w, const MoeOptions& o, const
       float ms = 0;
       cuda_ok(cudaEventElapsedTime(&ms, e0, e1), "cudaEventElapsedTime");
       my_us[st] = ms * 1e3;
+      if (!graph) my_phases[st] = layer.last_phase_times();
       if (r == o.debug_kill_rank) {
         std::cerr << "epx moe: rank " << r << ": --debug-kill-rank: killing myself after step " << st << "\n";
         std::raise(SIGKILL);
@@ -310,6 +313,23 @@ RankBackendRun run_backend_on_rank(const Workload& w, const MoeOptions& o, const
   for (size_t st = 0; st < S; ++st) {
     const std::vector<int64_t> ns = group->all_gather_i64(static_cast<int64_t>(my_us[st] * 1e3));
     for (int64_t v : ns) res.step_us[st] = std::max(res.step_us[st], static_cast<double>(v) * 1e-3);
+  }
+  // Phase times per step: each phase's slowest rank (eager steps only).
+  bool any_phases = false;
+  for (const PhaseTimes& p : my_phases) any_phases = any_phases || p.chunks > 0;
+  bool all_phases = true;  // every rank timed its steps (same decision everywhere: no collective mismatch)
+  for (int64_t v : group->all_gather_i64(any_phases ? 1 : 0)) all_phases = all_phases && v == 1;
+  if (all_phases) {
+    for (size_t st = 0; st < S; ++st) {
+      const PhaseTimes& p = my_phases[st];
+      PhaseTimes m;
+      m.chunks = p.chunks;
+      double* dst[4] = {&m.prepare_us, &m.experts_us, &m.finalize_us, &m.shared_us};
+      const double src[4] = {p.prepare_us, p.experts_us, p.finalize_us, p.shared_us};
+      for (int k = 0; k < 4; ++k)
+        for (int64_t v : group->all_gather_i64(static_cast<int64_t>(src[k] * 1e3))) *dst[k] = std::max(*dst[k], static_cast<double>(v) * 1e-3);
+      res.phases.push_back(m);
+    }
   }
   res.counters = counters;
   // Validated rows to rank 0.

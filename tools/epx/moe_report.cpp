@@ -121,6 +121,24 @@ std::string signed_pct(double v) {
   return os.str();
 }
 
+/// p50 over steps of each phase (ModularMoE::last_phase_times, the slowest rank per step).
+std::array<double, 4> phase_p50(const std::vector<PhaseTimes>& phases) {
+  std::array<std::vector<double>, 4> v;
+  for (const PhaseTimes& p : phases) {
+    v[0].push_back(p.prepare_us);
+    v[1].push_back(p.experts_us);
+    v[2].push_back(p.finalize_us);
+    v[3].push_back(p.shared_us);
+  }
+  return {percentile(v[0], 50), percentile(v[1], 50), percentile(v[2], 50), percentile(v[3], 50)};
+}
+
+nlohmann::ordered_json phase_p50_json(const std::vector<PhaseTimes>& phases) {
+  const auto p = phase_p50(phases);
+  return {{"prepare", p[0]}, {"experts", p[1]}, {"finalize", p[2]}, {"shared_separate", p[3]},
+          {"what", "eager steps, summed over chunks: CUDA runs device time (CUDA events), slowest rank per step; CPU runs rank 0 host time"}};
+}
+
 /// The A/B pairs of --compare: rows of the same backend, fused and separate.
 struct SharedPair {
   const BackendResult* fused = nullptr;
@@ -180,6 +198,18 @@ void print_table(std::ostream& os, const Workload& w, const std::vector<BackendR
      << (!results.empty() && results[0].validated_tokens >= 0 ? std::to_string(results[0].validated_tokens) + " of " : std::string("all "))
      << total << " tokens of " << w.steps.size() << " steps; T/rank is the max per step; latency per step is the slowest rank's;"
      << " counters: chunks whose shared expert ran fused / separate / DP-sharded, graph replays)\n";
+  bool any_phases = false;
+  for (const BackendResult& r : results) any_phases = any_phases || !r.phases.empty();
+  if (any_phases) {
+    os << "phases, p50 ms (eager steps; CUDA: slowest rank per step, CPU: rank 0): prepare = quantize + dispatch, experts, finalize = combine, "
+          "separate shared expert\n";
+    for (const BackendResult& r : results) {
+      if (r.phases.empty()) continue;
+      const auto p = phase_p50(r.phases);
+      os << "  " << std::left << std::setw(34) << row_name(r, w) << std::right << " prepare " << fixed(p[0] / 1e3, 3) << "  experts "
+         << fixed(p[1] / 1e3, 3) << "  finalize " << fixed(p[2] / 1e3, 3) << "  shared " << fixed(p[3] / 1e3, 3) << "\n";
+    }
+  }
   if (w.compare) print_compare(os, w, results);
 }
 
@@ -267,6 +297,7 @@ void write_results_json(const std::string& path, const std::string& command, con
     };
     if (!r.message.empty()) j["message"] = r.message;
     if (!r.graph_reason.empty()) j["graph_reason"] = r.graph_reason;
+    if (!r.phases.empty()) j["phase_us_p50"] = phase_p50_json(r.phases);
     rs.push_back(std::move(j));
   }
   char date[32];

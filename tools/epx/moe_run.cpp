@@ -367,6 +367,8 @@ BackendResult run_backend(const Workload& w, const std::string& backend) {
   ModularMoEOptions mo;
   mo.shared_mode = w.shared_mode;
   mo.chunk_size = w.chunk_size;
+  mo.time_phases = true;
+  std::vector<PhaseTimes> phases(S);  // rank 0's (ranks are threads sharing the cores)
   auto groups = make_cpu_groups(R, w.config.timeout_s);
   try {
     run_ranks(groups, [&](int r) {
@@ -394,6 +396,7 @@ BackendResult run_backend(const Workload& w, const std::string& backend) {
         groups[r]->barrier();
         const auto t1 = std::chrono::steady_clock::now();
         if (r == 0) step_us[s] = std::chrono::duration<double, std::micro>(t1 - t0).count();
+        if (r == 0) phases[s] = layer.last_phase_times();
       }
       counters[r] = minus(layer.counters(), before);
     });
@@ -409,6 +412,7 @@ BackendResult run_backend(const Workload& w, const std::string& backend) {
     return res;
   }
   res.step_us = step_us;
+  res.phases = phases;
   res.counters = counters[0];
   bool ok = true;
   for (size_t s = 0; s < S; ++s) {

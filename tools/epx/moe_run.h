@@ -104,6 +104,9 @@ struct BackendResult {
   bool graph = false;                 ///< steps were replays of a captured whole-layer CUDA graph
   std::string graph_reason;           ///< why not, when a graph was asked for (decode) and not used
   bool shared_sharded = false;        ///< the layer DP-shards its shared expert (fused chunks)
+  /// Per eager step: each phase's time (ModularMoE::last_phase_times): CUDA runs the max over
+  /// ranks of device time, CPU runs rank 0's host time; empty under graph replay (one launch).
+  std::vector<PhaseTimes> phases;
 };
 
 /// One run of `epx moe`: (backend, shared-expert mode) pairs in order. Without --compare: each
