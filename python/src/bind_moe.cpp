@@ -186,7 +186,7 @@ as int (0 = legacy default). num_tokens: optional [1] int32 on the GPU, the rows
 Raises InvalidArgument (on every rank), Unsupported, Timeout, CommError.)doc")
       .def("finalize", [](PyPrepareFinalize& p, pyb::handle expert_out, pyb::handle out, int64_t stream) {
         CallArgs a("epx.PrepareFinalize.finalize", stream);
-        FinalizeArgs f{a.get(expert_out, "expert_out", DType::bf16), a.get(out, "out", DType::bf16), to_stream(stream)};
+        FinalizeArgs f{a.get(expert_out, "expert_out", DType::bf16), a.get_out(out, "out", DType::bf16), to_stream(stream)};
         call_released(a, [&] { p.pf->finalize(f); });
       }, pyb::arg("expert_out"), pyb::arg("out"), pyb::arg("stream") = 0, R"doc(
 Combine for the last prepare (collective). expert_out: as the experts wrote it (ExpertMajor [L, cap, H] /
@@ -250,7 +250,7 @@ apply(prepared, out): ExpertMajor out [L, cap, H] (unweighted, rows < recv_count
       })
       .def("apply", [](Experts& e, const PyPrepareResult& in, pyb::handle out, int64_t stream) {
         CallArgs a("epx.Experts.apply", stream);
-        TensorView o = a.get(out, "out", DType::bf16);
+        TensorView o = a.get_out(out, "out", DType::bf16);
         a.rethrow_local();
         const ExpertsInput ei = in.raw.experts_input();
         call_released(a, [&] { e.apply(ei, o, to_stream(stream)); });
@@ -367,13 +367,13 @@ expert (separate, fused as route id E, or auto by M <= fhmoe_max_tokens). Collec
            pyb::keep_alive<1, 2>(), pyb::keep_alive<1, 3>())
       .def("forward", [](ModularMoE& l, pyb::handle x, pyb::handle out, int64_t stream) {
         CallArgs a("epx.ModularMoE.forward", stream);
-        TensorView xv = a.get(x, "x", DType::bf16), ov = a.get(out, "out", DType::bf16);
+        TensorView xv = a.get(x, "x", DType::bf16), ov = a.get_out(out, "out", DType::bf16);
         call_released(a, [&] { l.forward(xv, ov, to_stream(stream)); });
       }, pyb::arg("x"), pyb::arg("out"), pyb::arg("stream") = 0, "x [T, H] bf16 -> out [T, H] bf16 (written). Collective.")
       .def("forward_routed", [](ModularMoE& l, pyb::handle x, pyb::handle topk_idx, pyb::handle topk_weights, pyb::handle out, int64_t stream) {
         CallArgs a("epx.ModularMoE.forward_routed", stream);
         TensorView xv = a.get(x, "x", DType::bf16), iv = a.get(topk_idx, "topk_idx"), wv = a.get(topk_weights, "topk_weights"),
-                   ov = a.get(out, "out", DType::bf16);
+                   ov = a.get_out(out, "out", DType::bf16);
         call_released(a, [&] { l.forward_routed(xv, iv, wv, ov, to_stream(stream)); });
       }, pyb::arg("x"), pyb::arg("topk_idx"), pyb::arg("topk_weights"), pyb::arg("out"), pyb::arg("stream") = 0,
            "Same with given routing: topk_idx [T, K] int32/int64, topk_weights [T, K] fp32. Collective.")
@@ -393,7 +393,7 @@ expert (separate, fused as route id E, or auto by M <= fhmoe_max_tokens). Collec
                             const std::string& dispatch_dtype, bool use_ue8m0, bool shared_fused) {
     CallArgs a("epx.moe_reference", 0);
     TensorView xv = a.get(x, "x", DType::bf16), iv = a.get(topk_idx, "topk_idx"), wv = a.get(topk_weights, "topk_weights"),
-               ov = a.get(out, "out", DType::bf16);
+               ov = a.get_out(out, "out", DType::bf16);
     a.rethrow_local();
     ReferenceOptions o{parse_dtype(dispatch_dtype), use_ue8m0, shared_fused};
     call_released(a, [&] { moe_reference_cpu(w, xv, iv, wv, ov, o); });
@@ -402,7 +402,7 @@ expert (separate, fused as route id E, or auto by M <= fhmoe_max_tokens). Collec
         "Single-rank no-EP reference of the whole layer on CPU (include/epx/moe.h moe_reference_cpu).");
   m.def("router_logits", [](const MoEWeights& w, pyb::handle x, pyb::handle logits) {
     CallArgs a("epx.router_logits", 0);
-    TensorView xv = a.get(x, "x", DType::bf16), lv = a.get(logits, "logits");
+    TensorView xv = a.get(x, "x", DType::bf16), lv = a.get_out(logits, "logits");
     a.rethrow_local();
     call_released(a, [&] { router_logits_cpu(w, xv, lv); });
   }, pyb::arg("weights"), pyb::arg("x"), pyb::arg("logits"), "logits [T, E] fp32 = x [T, H] bf16 . router_weight^T (CPU).");
@@ -410,14 +410,14 @@ expert (separate, fused as route id E, or auto by M <= fhmoe_max_tokens). Collec
                     pyb::handle topk_weights, int64_t stream) {
     CallArgs a("epx.route", stream);
     TensorView lv = a.get(logits, "logits"), cb = a.get(correction_bias, "correction_bias", std::nullopt, true),
-               iv = a.get(topk_idx, "topk_idx"), wv = a.get(topk_weights, "topk_weights");
+               iv = a.get_out(topk_idx, "topk_idx"), wv = a.get_out(topk_weights, "topk_weights");
     a.rethrow_local();
     call_released(a, [&] { route(cfg, lv, cb, iv, wv, to_stream(stream)); });
   }, pyb::arg("config"), pyb::arg("logits"), pyb::arg("correction_bias"), pyb::arg("topk_idx"), pyb::arg("topk_weights"),
         pyb::arg("stream") = 0, "Routes T tokens (include/epx/routing.h): logits [T, E] -> topk_idx, topk_weights [T, K] (written).");
   m.def("quantize_fp8_per_token_group", [](pyb::handle x, pyb::handle q, pyb::handle scales, int group_size, bool ue8m0, int64_t stream) {
     CallArgs a("epx.quantize_fp8_per_token_group", stream);
-    TensorView xv = a.get(x, "x", DType::bf16), qv = a.get(q, "q", DType::fp8_e4m3), sv = a.get(scales, "scales");
+    TensorView xv = a.get(x, "x", DType::bf16), qv = a.get_out(q, "q", DType::fp8_e4m3), sv = a.get_out(scales, "scales");
     a.rethrow_local();
     call_released(a, [&] { quantize_fp8_per_token_group(xv, qv, sv, group_size, ue8m0, to_stream(stream)); });
   }, pyb::arg("x"), pyb::arg("q"), pyb::arg("scales"), pyb::arg("group_size") = kFp8GroupSize, pyb::arg("ue8m0") = false,

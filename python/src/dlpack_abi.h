@@ -4,6 +4,7 @@
 // the ABI every producer (torch, numpy) uses, so it must not change.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
 namespace epx::py::dl {
@@ -50,6 +51,16 @@ struct ManagedTensorVersioned {
   Tensor dl_tensor;
 };
 
-constexpr uint64_t kFlagReadOnly = 1;
+constexpr uint64_t kFlagReadOnly = 1;  ///< DLPACK_FLAG_BITMASK_READ_ONLY: the consumer must not write
+constexpr uint64_t kFlagIsCopied = 2;  ///< DLPACK_FLAG_BITMASK_IS_COPIED: the producer made a copy (writes are lost)
+
+/// The newest DLPack this side speaks (the ABI of 1.0 and 1.1 is the same; 1.1 added dtype codes).
+constexpr uint32_t kMaxMajor = 1;
+constexpr uint32_t kMaxMinor = 1;
+
+static_assert(sizeof(Tensor) == 48, "DLTensor is 48 bytes on LP64");
+static_assert(sizeof(ManagedTensor) == 64, "DLManagedTensor is 64 bytes on LP64");
+static_assert(sizeof(ManagedTensorVersioned) == 80 && offsetof(ManagedTensorVersioned, dl_tensor) == 32,
+              "DLManagedTensorVersioned: version, manager_ctx, deleter, flags, then the DLTensor at byte 32");
 
 }  // namespace epx::py::dl

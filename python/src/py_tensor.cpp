@@ -4,6 +4,7 @@
 #include <pybind11/stl.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <cstring>
 #include <string>
 
@@ -23,6 +24,12 @@ constexpr const char* kLegacyName = "dltensor";
 constexpr const char* kLegacyUsed = "used_dltensor";
 constexpr const char* kVersionedName = "dltensor_versioned";
 constexpr const char* kVersionedUsed = "used_dltensor_versioned";
+
+std::string to_hex(uintptr_t x) {
+  char buf[2 * sizeof(uintptr_t) + 1];
+  std::snprintf(buf, sizeof buf, "%llx", static_cast<unsigned long long>(x));
+  return buf;
+}
 
 std::string dl_dtype_name(const dl::DataType& t) {
   std::string base;
@@ -71,25 +78,53 @@ std::optional<DType> from_dl_dtype(const dl::DataType& t, std::optional<DType> b
   return std::nullopt;
 }
 
-/// Consumes a DLPack capsule into `keep`; returns its DLTensor.
-const dl::Tensor& consume_capsule(pyb::handle cap, const std::string& op, const std::string& name, Borrowed& keep) {
+/// What a consumed capsule holds, whichever ABI it came in.
+struct Imported {
+  const dl::Tensor* tensor = nullptr;
+  bool read_only = false;
+  bool is_copied = false;
+};
+
+/// Consumes a DLPack capsule into `keep` (the producer's deleter then runs exactly once, when `keep`
+/// dies, whatever happens after this point). Versioned capsules ("dltensor_versioned") and legacy ones
+/// ("dltensor") have different struct layouts (DLManagedTensorVersioned puts version, manager_ctx,
+/// deleter and flags before the DLTensor): each is read through its own type.
+Imported consume_capsule(pyb::handle cap, const std::string& op, const std::string& name, Borrowed& keep) {
   PyObject* c = cap.ptr();
+  if (!PyCapsule_CheckExact(c)) {
+    throw InvalidArgument(arg_message(op, name + ".__dlpack__()", pyb::str(pyb::type::of(cap)).cast<std::string>(),
+                                      "must return a DLPack capsule (\"dltensor\" or \"dltensor_versioned\")"));
+  }
+  Imported out;
   if (PyCapsule_IsValid(c, kVersionedName)) {
     auto* m = static_cast<dl::ManagedTensorVersioned*>(PyCapsule_GetPointer(c, kVersionedName));
-    PyCapsule_SetName(c, kVersionedUsed);
+    if (PyCapsule_SetName(c, kVersionedUsed) != 0) throw pyb::error_already_set();
     keep.versioned = m;
-    if (m->version.major != 1)
-      throw InvalidArgument(arg_message(op, name + ".__dlpack__ version", m->version.major, "must be DLPack 1.x"));
-    return m->dl_tensor;
+    // DLPack: a consumer may read only version and deleter of a major version it does not know.
+    if (m->version.major != dl::kMaxMajor) {
+      throw InvalidArgument(arg_message(op, name + ".__dlpack__ version",
+                                        std::to_string(m->version.major) + "." + std::to_string(m->version.minor),
+                                        "must be DLPack 1.x (epx asked for max_version = (1, 1))"));
+    }
+    out.tensor = &m->dl_tensor;
+    out.read_only = (m->flags & dl::kFlagReadOnly) != 0;
+    out.is_copied = (m->flags & dl::kFlagIsCopied) != 0;
+    return out;
   }
   if (PyCapsule_IsValid(c, kLegacyName)) {
     auto* m = static_cast<dl::ManagedTensor*>(PyCapsule_GetPointer(c, kLegacyName));
-    PyCapsule_SetName(c, kLegacyUsed);
+    if (PyCapsule_SetName(c, kLegacyUsed) != 0) throw pyb::error_already_set();
     keep.legacy = m;
-    return m->dl_tensor;
+    out.tensor = &m->dl_tensor;  // DLPack 0.x cannot say read-only: producers export writable memory only
+    return out;
   }
-  throw InvalidArgument(arg_message(op, name + ".__dlpack__()", pyb::str(pyb::type::of(cap)).cast<std::string>(),
-                                    "must return an unused DLPack capsule (\"dltensor\" or \"dltensor_versioned\")"));
+  const char* cname = PyCapsule_GetName(c);
+  PyErr_Clear();
+  const std::string got = cname ? std::string("capsule \"") + cname + "\"" : std::string("unnamed capsule");
+  const bool used = cname && (std::string(cname) == kLegacyUsed || std::string(cname) == kVersionedUsed);
+  throw InvalidArgument(arg_message(op, name + ".__dlpack__()", got,
+                                    used ? "was already consumed (a DLPack capsule is used once)"
+                                         : "must be an unused DLPack capsule (\"dltensor\" or \"dltensor_versioned\")"));
 }
 
 bool is_torch_fp8(pyb::handle obj) {
@@ -101,7 +136,7 @@ bool is_torch_fp8(pyb::handle obj) {
 /// numpy 1.x cannot export a read-only array through DLPack (e.g. one that numpy.from_dlpack made):
 /// those are borrowed through the numpy array interface (__array_interface__), still without a copy.
 std::optional<TensorView> from_array_interface(pyb::handle obj, const std::string& op, const std::string& name,
-                                               std::optional<DType> bits_as) {
+                                               std::optional<DType> bits_as, bool* read_only) {
   if (!pyb::hasattr(obj, "__array_interface__")) return std::nullopt;
   pyb::dict ai = obj.attr("__array_interface__");
   const std::string ts = ai["typestr"].cast<std::string>();
@@ -129,6 +164,7 @@ std::optional<TensorView> from_array_interface(pyb::handle obj, const std::strin
   v.device = Device::cpu();
   auto data = ai["data"].cast<std::pair<intptr_t, bool>>();
   v.data = reinterpret_cast<void*>(data.first);
+  *read_only = data.second;
   pyb::object strides = ai.contains("strides") ? pyb::object(ai["strides"]) : pyb::object(pyb::none());
   std::vector<int64_t> st;
   if (!strides.is_none()) st = strides.cast<std::vector<int64_t>>();
@@ -175,8 +211,9 @@ void order_streams(int64_t producer_stream, int64_t consumer_stream, int device)
 #endif
 }
 
-TensorView CallArgs::get(pyb::handle obj, const char* name_c, std::optional<DType> bits_as, bool optional) {
+TensorView CallArgs::get_impl(pyb::handle obj, const char* name_c, std::optional<DType> bits_as, bool optional, bool writes) {
   const std::string name(name_c);
+  last_read_only_ = false;
   try {
     if (obj.is_none()) {
       if (optional) return TensorView();
@@ -184,73 +221,139 @@ TensorView CallArgs::get(pyb::handle obj, const char* name_c, std::optional<DTyp
     }
     if (pyb::isinstance<PyTensor>(obj)) {
       const PyTensor& t = obj.cast<const PyTensor&>();
+      if (writes && t.read_only)
+        throw InvalidArgument(arg_message(op_, name, "a read-only epx.Tensor", "must be writable: epx writes this output"));
       if (t.view.device.is_cuda()) order_streams(t.stream, stream_, t.view.device.index);
+      last_read_only_ = t.read_only;
       return t.view;
     }
     if (!pyb::hasattr(obj, "__dlpack__")) {
       throw pyb::type_error(op_ + ": " + name + ": expected a tensor (torch.Tensor, numpy.ndarray, epx.Tensor or any object with "
                             "__dlpack__), got " + pyb::str(pyb::type::of(obj)).cast<std::string>());
     }
-    pyb::object src = pyb::reinterpret_borrow<pyb::object>(obj);
-    std::optional<DType> forced;
-    pyb::dict kw;
-    if (pyb::hasattr(src, "__dlpack_device__")) {
-      auto dev = src.attr("__dlpack_device__")().cast<std::pair<int, int>>();
-      // DLPack stream convention for CUDA: 1 = the legacy default stream (0 is not allowed).
-      if (dev.first == dl::kCUDA) kw["stream"] = stream_ == 0 ? int64_t{1} : stream_;
-    }
-    pyb::object cap;
-    try {
-      cap = src.attr("__dlpack__")(**kw);
-    } catch (pyb::error_already_set& e) {
-      if (auto v = from_array_interface(src, op_, name, bits_as)) return *v;
-      // torch exports no float8 through DLPack in some versions: borrow the same bytes as uint8.
-      if (!is_torch_fp8(src)) throw InvalidArgument(op_ + ": " + name + ".__dlpack__() failed: " + e.what());
-      src = src.attr("view")(pyb::module_::import("torch").attr("uint8"));
-      forced = DType::fp8_e4m3;
-      cap = src.attr("__dlpack__")(**kw);
-    }
-    keep_.push_back(std::make_unique<Borrowed>());
-    const dl::Tensor& d = consume_capsule(cap, op_, name, *keep_.back());
-    auto dtype = forced ? forced : from_dl_dtype(d.dtype, bits_as);
-    if (!dtype) {
-      throw InvalidArgument(arg_message(op_, name + ".dtype", dl_dtype_name(d.dtype),
-                                        "epx takes fp32, bf16, fp16, fp8_e4m3, e8m0, int32, int64 or uint8"
-                                        " (numpy: bf16 as uint16 bit patterns)"));
-    }
-    require_arg(op_, name + ".ndim", d.ndim, d.ndim >= 0 && d.ndim <= kMaxDims, "must be <= 4");
-    TensorView v;
-    v.dtype = *dtype;
-    v.ndim = d.ndim;
-    if (d.device.device_type == dl::kCPU) {
-      v.device = Device::cpu();
-    } else if (d.device.device_type == dl::kCUDA || d.device.device_type == dl::kCUDAManaged) {
-      v.device = Device::cuda(d.device.device_id);
-    } else {
-      throw InvalidArgument(arg_message(op_, name + ".device", "DLPack device type " + std::to_string(d.device.device_type),
-                                        "must be CPU memory or CUDA device memory"));
-    }
-    int64_t s = 1;
-    for (int i = d.ndim - 1; i >= 0; --i) {
-      v.shape[i] = d.shape[i];
-      v.strides[i] = d.strides ? d.strides[i] : s;
-      s *= d.shape[i];
-    }
-    v.data = d.data ? static_cast<char*>(d.data) + d.byte_offset : nullptr;
-    if (v.numel() == 0) {  // an empty tensor's strides mean nothing (producers disagree on them)
-      int64_t c = 1;
-      for (int i = v.ndim - 1; i >= 0; --i) {
-        v.strides[i] = c;
-        c *= std::max<int64_t>(v.shape[i], 1);
-      }
-    }
-    return v;
+    return import_dlpack(obj, name, bits_as, writes);
   } catch (...) {
     if (!error_) error_ = std::current_exception();
     TensorView poison;  // 0-d uint8: every entry point rejects it, on every rank
     poison.dtype = DType::uint8;
     return poison;
   }
+}
+
+namespace {
+
+/// (device_type, device_id) of a producer's __dlpack_device__(), or (kCPU, 0) when it has none.
+std::pair<int, int> dlpack_device_of(pyb::handle src, const std::string& op, const std::string& name) {
+  if (!pyb::hasattr(src, "__dlpack_device__")) return {dl::kCPU, 0};
+  pyb::object d = src.attr("__dlpack_device__")();
+  try {
+    auto t = d.cast<pyb::tuple>();
+    if (t.size() == 2) return {t[0].cast<int>(), t[1].cast<int>()};
+  } catch (const pyb::cast_error&) {
+  }
+  throw InvalidArgument(arg_message(op, name + ".__dlpack_device__()", pyb::repr(d).cast<std::string>(),
+                                    "must be a (device_type, device_id) tuple of ints"));
+}
+
+bool is_cuda_device_type(int t) { return t == dl::kCUDA || t == dl::kCUDAManaged; }
+
+}  // namespace
+
+TensorView CallArgs::import_dlpack(pyb::handle obj, const std::string& name, std::optional<DType> bits_as, bool writes) {
+  pyb::object src = pyb::reinterpret_borrow<pyb::object>(obj);
+  std::optional<DType> forced;
+  const auto dev = dlpack_device_of(src, op_, name);
+  // The Python array API protocol: stream only for CUDA producers (None for CPU ones; numpy refuses
+  // any other value), where 1 names the legacy default stream (0 is ambiguous and not allowed);
+  // max_version asks for a versioned (DLPack 1.x) capsule, which can say read-only.
+  const bool cuda = is_cuda_device_type(dev.first);
+  auto call = [&](bool versioned) -> pyb::object {
+    pyb::dict k;  // a fresh dict per call (a pyb::dict copy would alias the same Python dict)
+    if (cuda) k["stream"] = stream_ == 0 ? int64_t{1} : stream_;
+    if (versioned) k["max_version"] = pyb::make_tuple(dl::kMaxMajor, dl::kMaxMinor);
+    return src.attr("__dlpack__")(**k);
+  };
+  pyb::object cap;
+  try {
+    try {
+      cap = call(true);
+    } catch (pyb::error_already_set& e) {
+      // Producers older than DLPack 1.0 (numpy < 2, torch < 2.4) take no max_version: TypeError.
+      if (!e.matches(PyExc_TypeError)) throw;
+      cap = call(false);
+    }
+  } catch (pyb::error_already_set& e) {
+    // numpy 1.x cannot export a read-only array through DLPack 0.x: borrow it through the array
+    // interface instead, still without a copy.
+    bool ro = false;
+    if (auto v = from_array_interface(src, op_, name, bits_as, &ro)) {
+      if (writes && ro)
+        throw InvalidArgument(arg_message(op_, name, "a read-only array", "must be writable: epx writes this output"));
+      last_read_only_ = ro;
+      return *v;
+    }
+    // torch exports no float8 through DLPack in some versions: borrow the same bytes as uint8.
+    if (!is_torch_fp8(src)) throw InvalidArgument(op_ + ": " + name + ".__dlpack__() failed: " + e.what());
+    src = src.attr("view")(pyb::module_::import("torch").attr("uint8"));
+    forced = DType::fp8_e4m3;
+    try {
+      cap = call(true);
+    } catch (pyb::error_already_set& e2) {
+      if (!e2.matches(PyExc_TypeError)) throw;
+      cap = call(false);
+    }
+  }
+  keep_.push_back(std::make_unique<Borrowed>());
+  const Imported im = consume_capsule(cap, op_, name, *keep_.back());
+  const dl::Tensor& d = *im.tensor;
+  if (writes && im.read_only)
+    throw InvalidArgument(arg_message(op_, name, "a read-only DLPack tensor", "must be writable: epx writes this output"));
+  if (writes && im.is_copied)
+    throw InvalidArgument(arg_message(op_, name, "a copy made by its producer (DLPack IS_COPIED)",
+                                      "must be the caller's memory: epx writes this output"));
+  auto dtype = forced ? forced : from_dl_dtype(d.dtype, bits_as);
+  if (!dtype) {
+    throw InvalidArgument(arg_message(op_, name + ".dtype", dl_dtype_name(d.dtype),
+                                      "epx takes fp32, bf16, fp16, fp8_e4m3, e8m0, int32, int64 or uint8"
+                                      " (numpy: bf16 as uint16 bit patterns)"));
+  }
+  require_arg(op_, name + ".ndim", d.ndim, d.ndim >= 0 && d.ndim <= kMaxDims, "must be in [0, 4]");
+  if (d.ndim > 0 && !d.shape) throw InvalidArgument(arg_message(op_, name + ".shape", "NULL", "must be given for ndim > 0"));
+  TensorView v;
+  v.dtype = *dtype;
+  v.ndim = d.ndim;
+  if (d.device.device_type == dl::kCPU || d.device.device_type == dl::kCUDAHost) {
+    v.device = Device::cpu();  // pinned host memory is host memory
+  } else if (is_cuda_device_type(d.device.device_type)) {
+    require_arg(op_, name + ".device_id", d.device.device_id, d.device.device_id >= 0, "must be >= 0");
+    v.device = Device::cuda(d.device.device_id);
+  } else {
+    throw InvalidArgument(arg_message(op_, name + ".device", "DLPack device type " + std::to_string(d.device.device_type),
+                                      "must be CPU memory (1), CUDA host memory (3), CUDA device memory (2) or CUDA managed memory (13)"));
+  }
+  int64_t s = 1;
+  for (int i = d.ndim - 1; i >= 0; --i) {
+    require_arg(op_, name + ".shape[" + std::to_string(i) + "]", d.shape[i], d.shape[i] >= 0, "must be >= 0");
+    v.shape[i] = d.shape[i];
+    v.strides[i] = d.strides ? d.strides[i] : s;
+    s *= d.shape[i];
+  }
+  v.data = d.data ? static_cast<char*>(d.data) + d.byte_offset : nullptr;
+  if (v.numel() == 0) {  // an empty tensor's strides mean nothing (producers disagree on them)
+    int64_t c = 1;
+    for (int i = v.ndim - 1; i >= 0; --i) {
+      v.strides[i] = c;
+      c *= std::max<int64_t>(v.shape[i], 1);
+    }
+  } else {
+    if (!v.data) throw InvalidArgument(arg_message(op_, name + ".data", "NULL", "must point to the elements of a non-empty tensor"));
+    const auto addr = reinterpret_cast<uintptr_t>(v.data);
+    const int64_t align = dtype_size(v.dtype);
+    require_arg(op_, name + ".data", "0x" + to_hex(addr), align <= 1 || addr % static_cast<uintptr_t>(align) == 0,
+                "must be aligned to the element size (" + std::to_string(align) + " bytes)");
+  }
+  last_read_only_ = im.read_only;
+  return v;
 }
 
 dl::DataType to_dl_dtype(DType t, bool as_bits) {
@@ -301,6 +404,9 @@ struct ExportCtx {
 };
 
 void release_ctx(ExportCtx* c) {
+  // A deleter called after the interpreter is gone (a consumer's C++ static destructor) leaks
+  // rather than touching Python.
+  if (!Py_IsInitialized()) return;
   // Consumers may call the deleter without the GIL (DLPack spec).
   PyGILState_STATE s = PyGILState_Ensure();
   delete c;
@@ -347,12 +453,22 @@ pyb::object export_dlpack(pyb::object self, pyb::object stream, pyb::object max_
   // DLPack >= 1.0 when the consumer asks for it, at a version no newer than its max_version (the ABI
   // of 1.0 and 1.1 is the same; 1.1 only added dtype codes).
   bool versioned = false;
-  uint32_t minor = 1;
+  uint32_t minor = dl::kMaxMinor;
   if (!max_version.is_none()) {
-    auto mv = max_version.cast<std::pair<int, int>>();
+    std::pair<int, int> mv;
+    try {
+      mv = max_version.cast<std::pair<int, int>>();
+    } catch (const pyb::cast_error&) {
+      throw pyb::type_error("epx.Tensor.__dlpack__: max_version = " + pyb::repr(max_version).cast<std::string>() +
+                            ": must be None or a (major, minor) tuple of ints");
+    }
     versioned = mv.first >= 1;
-    if (mv.first == 1 && mv.second < 1) minor = 0;
+    if (mv.first == 1 && mv.second < static_cast<int>(dl::kMaxMinor)) minor = static_cast<uint32_t>(std::max(mv.second, 0));
   }
+  // DLPack 0.x has no read-only flag: memory epx borrowed read-only is not handed out as writable.
+  if (t.read_only && !versioned)
+    throw pyb::buffer_error("epx.Tensor.__dlpack__: the tensor is read-only, which only DLPack >= 1.0 can say: "
+                            "pass max_version=(1, 0) or newer");
   auto* c = new ExportCtx();
   c->self = self;
   for (int i = 0; i < t.view.ndim; ++i) {
@@ -369,7 +485,7 @@ pyb::object export_dlpack(pyb::object self, pyb::object stream, pyb::object max_
   d.byte_offset = 0;
   PyObject* cap;
   if (versioned) {
-    c->versioned = dl::ManagedTensorVersioned{{1, minor}, c, &versioned_deleter, 0, d};
+    c->versioned = dl::ManagedTensorVersioned{{dl::kMaxMajor, minor}, c, &versioned_deleter, t.read_only ? dl::kFlagReadOnly : 0, d};
     cap = PyCapsule_New(&c->versioned, kVersionedName, &versioned_capsule_destructor);
   } else {
     c->legacy = dl::ManagedTensor{d, c, &legacy_deleter};
@@ -471,6 +587,9 @@ Views returned by prepare() stay valid until the next prepare() of the same obje
       .def_property_readonly("device", [](const PyTensor& t) { return t.view.device.str(); })
       .def_property_readonly("data_ptr", [](const PyTensor& t) { return reinterpret_cast<intptr_t>(t.view.data); })
       .def_property_readonly("nbytes", [](const PyTensor& t) { return t.view.nbytes(); })
+      .def_property_readonly("read_only", [](const PyTensor& t) { return t.read_only; },
+                             "Borrowed from a read-only producer (DLPack read-only flag, numpy writeable=False): "
+                             "epx never writes it, and exports it read-only (DLPack >= 1.0 only).")
       .def_property_readonly("stream", [](const PyTensor& t) { return t.stream; },
                              "cudaStream_t (int) the data was produced on; 0 = legacy default stream.")
       .def("numel", [](const PyTensor& t) { return t.view.numel(); })
@@ -489,6 +608,7 @@ Views returned by prepare() stay valid until the next prepare() of the same obje
         b.owner = self;
         b.stream = t.stream;
         b.as_bits = true;
+        b.read_only = t.read_only;
         return b;
       }, "The same memory exported as unsigned integers of the element width (bf16 -> uint16, fp8 -> uint8), for numpy.")
       .def("float", [](const PyTensor& t) { return wrap_owned(to_float32(t.view)); },
@@ -519,6 +639,7 @@ Views returned by prepare() stay valid until the next prepare() of the same obje
     PyTensor t;
     t.view = v;
     t.owner = pyb::reinterpret_borrow<pyb::object>(x);
+    t.read_only = a.last_read_only();
     return t;
   }, pyb::arg("x"), pyb::arg("dtype") = pyb::none(),
         "Borrow an array (no copy) as an epx.Tensor; with dtype, unsigned bit patterns are read as that dtype "

@@ -34,9 +34,12 @@ struct PyTensor {
   pyb::object owner;     ///< a Python object owning the memory `view` points into (or None)
   int64_t stream = 0;    ///< cudaStream_t (as an integer) the data was produced on; 0 = legacy default
   bool as_bits = false;  ///< export bf16/fp16 as uint16 and fp8_e4m3/e8m0 as uint8 (for numpy)
+  bool read_only = false;  ///< borrowed from a read-only producer: never an output, exported read-only
 };
 
-/// A DLPack capsule consumed for one call; runs the producer's deleter on destruction (GIL held).
+/// A DLPack capsule consumed for one call; runs the producer's deleter exactly once, on destruction
+/// (GIL held). Legacy (DLPack 0.x, "dltensor") or versioned (DLPack 1.x, "dltensor_versioned"): the two
+/// structs differ in layout, so each is kept as its own type and only its own deleter is called.
 class Borrowed {
  public:
   Borrowed() = default;
@@ -54,9 +57,18 @@ class Borrowed {
 class CallArgs {
  public:
   CallArgs(std::string op, int64_t stream) : op_(std::move(op)), stream_(stream) {}
-  /// `bits_as`: read a uint array of the same width as this dtype (numpy has no bf16/fp8).
+  /// An input. `bits_as`: read a uint array of the same width as this dtype (numpy has no bf16/fp8).
   /// `optional`: None gives an empty view.
-  TensorView get(pyb::handle obj, const char* name, std::optional<DType> bits_as = std::nullopt, bool optional = false);
+  TensorView get(pyb::handle obj, const char* name, std::optional<DType> bits_as = std::nullopt, bool optional = false) {
+    return get_impl(obj, name, bits_as, optional, false);
+  }
+  /// An output epx writes: a read-only (DLPack flag, numpy writeable=False) or copied (DLPack
+  /// IS_COPIED) tensor is rejected, as the write would fail or be lost.
+  TensorView get_out(pyb::handle obj, const char* name, std::optional<DType> bits_as = std::nullopt, bool optional = false) {
+    return get_impl(obj, name, bits_as, optional, true);
+  }
+  /// Whether the last get() borrowed read-only memory (as_tensor keeps it on the epx.Tensor).
+  bool last_read_only() const { return last_read_only_; }
   bool failed() const { return static_cast<bool>(error_); }
   void rethrow_local() const {
     if (error_) std::rethrow_exception(error_);
@@ -64,8 +76,12 @@ class CallArgs {
   int64_t stream() const { return stream_; }
 
  private:
+  TensorView get_impl(pyb::handle obj, const char* name, std::optional<DType> bits_as, bool optional, bool writes);
+  TensorView import_dlpack(pyb::handle obj, const std::string& name, std::optional<DType> bits_as, bool writes);
+
   std::string op_;
   int64_t stream_;
+  bool last_read_only_ = false;
   std::exception_ptr error_;
   std::vector<std::unique_ptr<Borrowed>> keep_;
 };

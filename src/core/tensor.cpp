@@ -177,7 +177,11 @@ void check_shape(std::string_view op, std::string_view arg, const TensorView& t,
 }
 
 void check_contiguous(std::string_view op, std::string_view arg, const TensorView& t) {
-  require_arg(op, std::string(arg) + ".strides", t.describe(), t.is_contiguous(), "must be contiguous (row-major); call .contiguous() first");
+  if (t.is_contiguous()) return;  // the message (an ostringstream) only on failure: this runs on every call
+  std::string strides = "[";
+  for (int i = 0; i < t.ndim; ++i) strides += (i ? ", " : "") + std::to_string(t.strides[i]);
+  require_arg(op, std::string(arg) + ".strides", strides + "] of " + t.describe(), false,
+              "must be contiguous (row-major); call .contiguous() first");
 }
 
 void check_device(std::string_view op, std::string_view arg, const TensorView& t, Device expected) {

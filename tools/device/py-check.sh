@@ -7,9 +7,10 @@
 #    on, nothing downloaded), CUDA on (sm_90a), NCCL from the nvidia-nccl wheel, pybind11 from the venv,
 #    the Debian C++ dependencies the GPU image lacks from deps.tar.xz (tools/device/gpu-check.sh pack);
 # 2. python -c "import epx; print(epx.__version__)" from another directory;
-# 3. python/tests/gpu_smoke.py (staged, with markers and faulthandler: locates a crash), the CPU pytest
+# 3. the module's C++ runtime (NEEDED libstdc++.so.6, no libstdc++ symbols of its own), the CPU pytest
 #    (numpy) and the GPU pytest (2 ranks, torch.multiprocessing; includes the vLLM-shaped example),
-#    results as RESULTS.md JSON;
+#    results as RESULTS.md JSON; python/tests/gpu_smoke.py (staged, markers + faulthandler) only when
+#    the GPU pytest fails (or PY_CHECK_SMOKE=1);
 # 4. the README quick start: torchrun --nproc-per-node 2 examples/quickstart_torch.py.
 # Writes under $OUT: py-env.txt pip-install.log smoke.log pytest-cpu.log pytest-gpu.log python-gpu.json quickstart.log
 set -uo pipefail
@@ -44,18 +45,30 @@ if [ $rc -ne 0 ]; then  # the documented fallback
 fi
 (cd / && PYTHONPATH="$target" $PY -c "import epx; print(epx.__version__, 'cuda' if epx.built_with_cuda() else 'cpu', epx.nccl_version())") \
   2>&1 | tee -a "$OUT/py-env.txt"
+# One C++ runtime per process (python/CMakeLists.txt): the module must need libstdc++.so.6 and export
+# none of libstdc++'s own symbols (the device's g++ links libstdc++ statically otherwise).
+so="$(ls "$target"/epx/_epx*.so 2>/dev/null | head -1)"
+if [ -n "$so" ]; then
+  echo "module NEEDED: $(readelf -d "$so" | sed -n 's/.*Shared library: \[\(.*\)\]/\1/p' | tr '\n' ' ')" | tee -a "$OUT/py-env.txt"
+  echo "module exports of libstdc++'s own symbols: $(nm -D --defined-only "$so" | awk '{print $NF}' | \
+    grep -cxE '_Znwm|_ZdlPv|_ZNSt6locale7classicEv|_ZNSo9_M_insertIlEERSoT_|__cxa_throw') (must be 0)" | tee -a "$OUT/py-env.txt"
+fi
 
 export PYTHONPATH="$target" PYTHONDONTWRITEBYTECODE=1 PYTHONFAULTHANDLER=1
 t0=$SECONDS
-(cd "$SRC" && timeout 90 $PY -X faulthandler python/tests/gpu_smoke.py) >"$OUT/smoke.log" 2>&1
-echo "smoke rc=$? in $((SECONDS - t0)) s (last step: $(grep -E '\.\.\.|ok$' "$OUT/smoke.log" | tail -1))" | tee -a "$OUT/py-env.txt"
-t0=$SECONDS
-(cd "$SRC/python/tests" && timeout 60 $PY -m pytest -q -rA -p no:cacheprovider -m "not gpu" .) >"$OUT/pytest-cpu.log" 2>&1
-echo "pytest cpu rc=$? in $((SECONDS - t0)) s" | tee -a "$OUT/py-env.txt"
+(cd "$SRC/python/tests" && timeout 60 $PY -m pytest -q -rfE -p no:cacheprovider -m "not gpu" .) >"$OUT/pytest-cpu.log" 2>&1
+echo "pytest cpu rc=$? in $((SECONDS - t0)) s: $(tail -1 "$OUT/pytest-cpu.log")" | tee -a "$OUT/py-env.txt"
 t0=$SECONDS
 (cd "$SRC/python/tests" && PYTEST_EPX_JSON="$OUT/python-gpu.json" PYTEST_EPX_COMMIT="${PYTEST_EPX_COMMIT:-}" \
-  timeout 200 $PY -m pytest -v -rA -p no:cacheprovider -m gpu .) >"$OUT/pytest-gpu.log" 2>&1
-echo "pytest gpu rc=$? in $((SECONDS - t0)) s" | tee -a "$OUT/py-env.txt"
+  timeout "${PY_CHECK_GPU_TIMEOUT:-150}" $PY -m pytest -v -rA -p no:cacheprovider -m gpu .) >"$OUT/pytest-gpu.log" 2>&1
+rc_gpu=$?
+echo "pytest gpu rc=$rc_gpu in $((SECONDS - t0)) s: $(tail -1 "$OUT/pytest-gpu.log")" | tee -a "$OUT/py-env.txt"
+if [ $rc_gpu -ne 0 ] || [ -n "${PY_CHECK_SMOKE:-}" ]; then
+  # Staged steps with markers + faulthandler: says where a failing GPU run broke.
+  t0=$SECONDS
+  (cd "$SRC" && timeout 60 $PY -X faulthandler python/tests/gpu_smoke.py) >"$OUT/smoke.log" 2>&1
+  echo "smoke rc=$? in $((SECONDS - t0)) s (last step: $(grep -E '\.\.\.|ok$' "$OUT/smoke.log" | tail -1))" | tee -a "$OUT/py-env.txt"
+fi
 t0=$SECONDS
 (cd "$SRC" && timeout 60 $PY -m torch.distributed.run --nproc-per-node 2 examples/quickstart_torch.py) >"$OUT/quickstart.log" 2>&1
-echo "quickstart rc=$? in $((SECONDS - t0)) s" | tee -a "$OUT/py-env.txt"
+echo "quickstart rc=$? in $((SECONDS - t0)) s: $(tail -1 "$OUT/quickstart.log")" | tee -a "$OUT/py-env.txt"
