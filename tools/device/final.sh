@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# tools/device/final.sh: the session's integrated device run of main, in at most two calls.
+#
+#   part 1: OUT=... bash tools/device/final.sh 1 <seconds>   build + every GPU test + the MoE A/B
+#                                                           (moe-ab.sh) + each tools/device/final-*.sh
+#   part 2: OUT=... bash tools/device/final.sh 2 <seconds>   (same warm machine) the Python check
+#                                                           (py-check.sh) + final-*.sh not run yet
+# Run from a copy of main whose .carry/ holds deps.tar.xz and src.tar.xz + commit.txt
+# (`bash tools/device/gpu-check.sh pack`). Everything is cut to <seconds>; what ran is under $OUT
+# (at most 8 files: logs are tarred).
+set -u
+PART=${1:-1}
+END=${2:-580}
+T0=$SECONDS
+left() { echo $(( END - (SECONDS - T0) )); }
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+ROOT=$(pwd)
+C=$(cat .carry/commit.txt 2>/dev/null || echo unknown)
+S=/tmp/s-final
+W=/tmp/final-work; mkdir -p $W
+B=/tmp/epx-gpu-check/build
+log() { echo "== $(date -u +%T) +$((SECONDS - T0)) s: $*" | tee -a $OUT/times.txt; }
+finals() {  # runs tools/device/final-<name>.sh not run yet, each with its allowance, while time is left
+  for spec in gemm:60 ht:40 ll:30 mn:30; do
+    local n=${spec%%:*} a=${spec##*:}
+    [ -f "$S/tools/device/final-$n.sh" ] || continue
+    [ -f "$W/done-$n" ] && continue
+    local l=$(( $(left) - 10 )); [ $l -lt $a ] && a=$l
+    if [ $a -lt 15 ]; then log "final-$n skipped (time)"; continue; fi
+    mkdir -p $W/final-$n
+    (cd $S && OUT=$W/final-$n SRC=$S timeout -k 3 $a bash tools/device/final-$n.sh) > $W/final-$n/stdout.txt 2>&1
+    log "final-$n rc=$? (limit $a)"; touch $W/done-$n
+    tail -15 $W/final-$n/stdout.txt
+  done
+}
+if [ "$PART" = 1 ]; then
+  rm -rf $S $W && mkdir -p $S $W && tar -C $S -xJf .carry/src.tar.xz && mkdir -p $S/.carry && cp .carry/deps.tar.xz $S/.carry/
+  log "commit $C"
+  GPU_CHECK_SRC=$S GPU_CHECK_ONE_GPU=0 GPU_CHECK_SANITIZE=0 GPU_CHECK_CPU=0 GPU_CHECK_BENCH=0 \
+    timeout -k 5 $(( $(left) - 200 )) bash $S/tools/device/gpu-check.sh run > $W/gpu-check.out 2>&1
+  log "gpu-check rc=$?"
+  cat $OUT/configure.log >> $OUT/build.log 2>/dev/null; rm -f $OUT/configure.log $OUT/env.txt
+  grep -E "tests passed|Passed|Failed|\*\*\*|Timeout" $OUT/gpu.log | tail -30
+  L=$(( $(left) - 40 )); [ $L -gt 300 ] && L=300
+  if [ $L -ge 60 ]; then
+    (cd $S && OUT=$W EPX_COMMIT=$C MOE_AB_TIMEOUT_S=$(( L / 3 )) timeout -k 5 $L bash tools/device/moe-ab.sh) > $W/moe-ab.out 2>&1
+    log "moe-ab rc=$? (limit $L)"
+    grep -E "runs pass|^(naive|allgather|all2allv|ll|ht)|prepare|exit" $W/moe-ab.out | head -60
+  else log "moe-ab skipped (time)"; fi
+  finals
+else
+  finals
+  L=$(( $(left) - 5 )); [ $L -gt 130 ] && L=130
+  if [ $L -ge 60 ]; then
+    mkdir -p $W/py && (cd $S && OUT=$W/py PYTEST_EPX_COMMIT=$C timeout -k 5 $L bash tools/device/py-check.sh $S $S/.carry/deps.tar.xz) > $W/py/stdout.txt 2>&1
+    log "py-check rc=$? (limit $L)"; tail -12 $W/py/stdout.txt
+  else log "py-check skipped (time)"; fi
+fi
+tar -C $W -czf $OUT/final-part$PART.tar.gz . 2>/dev/null
+log "end part $PART"
