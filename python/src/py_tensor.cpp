@@ -431,19 +431,29 @@ void versioned_capsule_destructor(PyObject* cap) {
 
 int dl_device_type(const Device& d) { return d.is_cpu() ? dl::kCPU : dl::kCUDA; }
 
+/// A __dlpack__ keyword argument of the wrong type is a TypeError naming it (not pybind11's cast error).
+template <class T>
+T arg_cast(pyb::handle v, const char* name, const char* rule) {
+  try {
+    return v.cast<T>();
+  } catch (const pyb::cast_error&) {
+    throw pyb::type_error(std::string("epx.Tensor.__dlpack__: ") + name + " = " + pyb::repr(v).cast<std::string>() + ": must be " + rule);
+  }
+}
+
 pyb::object export_dlpack(pyb::object self, pyb::object stream, pyb::object max_version, pyb::object dl_device, pyb::object copy) {
   const PyTensor& t = self.cast<const PyTensor&>();
   const Device dev = t.view.device;
-  if (!copy.is_none() && copy.cast<bool>())
+  if (!copy.is_none() && arg_cast<bool>(copy, "copy", "None or a bool"))
     throw pyb::buffer_error("epx.Tensor.__dlpack__: copy = True: epx exports without copying only");
   if (!dl_device.is_none()) {
-    auto want = dl_device.cast<std::pair<int, int>>();
+    auto want = arg_cast<std::pair<int, int>>(dl_device, "dl_device", "None or a (device_type, device_id) tuple of ints");
     if (want.first != dl_device_type(dev) || want.second != dev.index)
       throw pyb::buffer_error("epx.Tensor.__dlpack__: dl_device = (" + std::to_string(want.first) + ", " +
                               std::to_string(want.second) + "): the tensor is on " + dev.str() + " and is not copied");
   }
   if (dev.is_cuda() && !stream.is_none()) {
-    const int64_t s = stream.cast<int64_t>();
+    const int64_t s = arg_cast<int64_t>(stream, "stream", "None or an int (1 = legacy default stream, 2 = per-thread, else a cudaStream_t)");
     if (s != -1) {
       // DLPack: 1 = legacy default stream, 2 = per-thread default stream, else a cudaStream_t.
       const int64_t consumer = s == 1 ? 0 : s;
@@ -455,13 +465,7 @@ pyb::object export_dlpack(pyb::object self, pyb::object stream, pyb::object max_
   bool versioned = false;
   uint32_t minor = dl::kMaxMinor;
   if (!max_version.is_none()) {
-    std::pair<int, int> mv;
-    try {
-      mv = max_version.cast<std::pair<int, int>>();
-    } catch (const pyb::cast_error&) {
-      throw pyb::type_error("epx.Tensor.__dlpack__: max_version = " + pyb::repr(max_version).cast<std::string>() +
-                            ": must be None or a (major, minor) tuple of ints");
-    }
+    const auto mv = arg_cast<std::pair<int, int>>(max_version, "max_version", "None or a (major, minor) tuple of ints");
     versioned = mv.first >= 1;
     if (mv.first == 1 && mv.second < static_cast<int>(dl::kMaxMinor)) minor = static_cast<uint32_t>(std::max(mv.second, 0));
   }

@@ -210,3 +210,9 @@ def test_export_capsules():
     np.testing.assert_array_equal(np.from_dlpack(back), a)
     with pytest.raises(TypeError, match="max_version"):
         t.__dlpack__(max_version="1.0")
+    with pytest.raises(TypeError, match="dl_device"):
+        t.__dlpack__(dl_device="cpu")
+    with pytest.raises(BufferError, match="dl_device"):
+        t.__dlpack__(dl_device=(2, 0))  # no copies to another device
+    with pytest.raises(BufferError, match="copy"):
+        t.__dlpack__(copy=True)
