@@ -21,7 +21,8 @@ Differences from DeepEP, each one because epx's backends are stream-ordered prep
   layout itself: the get_dispatch_layout tensors are accepted and not needed; cached-handle dispatch is
   not supported (Unsupported).
 - Buffer sizes (num_nvl_bytes, num_rdma_bytes) are derived by epx from the shapes; they are accepted and
-  ignored. The backends are created at the first call of each shape (collective), so the first call of
+  ignored. HT dispatch without num_max_dispatch_tokens_per_rank agrees on a capacity over the ranks each
+  call (the largest T rounded up to a power of two >= 128: one small all-gather on the host). The backends are created at the first call of each shape (collective), so the first call of
   a shape must not be inside CUDA-graph capture.
 """
 
@@ -126,14 +127,28 @@ class Buffer:
             if num_tokens_per_expert is None:
                 raise _epx.InvalidArgument("epx.deepep.Buffer.dispatch: num_experts = None: pass num_experts= or num_tokens_per_expert")
             num_experts = int(num_tokens_per_expert.shape[0])
+        capacity = int(num_max_dispatch_tokens_per_rank)
+        if capacity <= 0 and num_worst_tokens <= 0:
+            capacity = self._ht_capacity(int(x.shape[0]) if len(x.shape) else 0)
         pf = self._backend(self.ht_backend, hidden=int(x.shape[1]), num_experts=int(num_experts), top_k=int(topk_idx.shape[1]),
-                           num_max_dispatch_tokens_per_rank=int(num_max_dispatch_tokens_per_rank),
+                           num_max_dispatch_tokens_per_rank=capacity,
                            dispatch_dtype="fp8_e4m3" if use_fp8 else "bf16", expert_alignment=int(expert_alignment),
                            use_worst_case_sizing=num_worst_tokens > 0)
         p = pf.prepare(x, topk_idx, topk_weights, stream)
         counts = [] if num_worst_tokens > 0 else [int(c) for c in p.recv_count.tolist()]
         recv_x = (p.x, p.x_scales) if use_fp8 else p.x
         return recv_x, p.topk_idx, p.topk_weights, counts, Handle(pf, p), None
+
+    def _ht_capacity(self, tokens: int) -> int:
+        """num_max_dispatch_tokens_per_rank for an ht dispatch that names none: DeepEP's normal mode has no
+        such bound, but epx's ht on CUDA sizes its buffers at create and all ranks must agree on it. So: the
+        largest T of any rank in this call (one all_gather of an int64: collective, as the dispatch is),
+        rounded up to a power of two >= 128, so that later calls up to that size reuse the backend."""
+        t = max(self.group.all_gather_i64(int(tokens)))
+        capacity = 128
+        while capacity < t:
+            capacity *= 2
+        return capacity
 
     def combine(self, x, handle: Handle, topk_weights=None, bias=None, config=None, previous_event=None,
                 async_finish: bool = False, allocate_on_comm_stream: bool = False, *, out=None, stream=None):

@@ -41,7 +41,7 @@ export LD_LIBRARY_PATH="$nccl/lib:$arch_lib:$arch_lib/openblas-pthread${LD_LIBRA
 export CMAKE_ARGS="-DCMAKE_CUDA_ARCHITECTURES=90a -DCMAKE_PREFIX_PATH=$deps/usr -DBLA_VENDOR=OpenBLAS -DCMAKE_POLICY_VERSION_MINIMUM=3.5 \
 -DCMAKE_LIBRARY_PATH=$arch_lib/openblas-pthread;$arch_lib -DEPX_CBLAS_INCLUDE=$deps/usr/include/x86_64-linux-gnu/openblas-pthread"
 t0=$SECONDS
-(cd "$SRC" && timeout "${PY_CHECK_PIP_TIMEOUT:-150}" $PY -m pip install -v --target "$target" .) >"$OUT/pip-install.log" 2>&1
+(cd "$SRC" && timeout "${PY_CHECK_PIP_TIMEOUT:-80}" $PY -m pip install -v --target "$target" .) >"$OUT/pip-install.log" 2>&1
 rc=$?
 echo "pip install rc=$rc in $((SECONDS - t0)) s" | tee -a "$OUT/py-env.txt"
 if [ $rc -ne 0 ]; then  # the documented fallback
@@ -64,20 +64,20 @@ export PYTHONPATH="$target" PYTHONDONTWRITEBYTECODE=1 PYTHONFAULTHANDLER=1
 # Most telling first (a caller's time limit may cut the tail): GPU pytest, quick start, CPU pytest.
 t0=$SECONDS
 (cd "$SRC/python/tests" && PYTEST_EPX_JSON="$OUT/python-gpu.json" PYTEST_EPX_COMMIT="${PYTEST_EPX_COMMIT:-}" \
-  timeout "${PY_CHECK_GPU_TIMEOUT:-150}" $PY -m pytest -v -rA -p no:cacheprovider -m gpu .) >"$OUT/pytest-gpu.log" 2>&1
+  timeout "${PY_CHECK_GPU_TIMEOUT:-70}" $PY -m pytest -v -rA -p no:cacheprovider -m gpu .) >"$OUT/pytest-gpu.log" 2>&1
 rc_gpu=$?
 echo "pytest gpu rc=$rc_gpu in $((SECONDS - t0)) s: $(tail -1 "$OUT/pytest-gpu.log")" | tee -a "$OUT/py-env.txt"
 if [ $rc_gpu -ne 0 ] || [ -n "${PY_CHECK_SMOKE:-}" ]; then
   # Staged steps with markers + faulthandler: says where a failing GPU run broke.
   t0=$SECONDS
-  (cd "$SRC" && timeout "${PY_CHECK_SMOKE_TIMEOUT:-60}" $PY -X faulthandler python/tests/gpu_smoke.py) >"$OUT/smoke.log" 2>&1
+  (cd "$SRC" && timeout "${PY_CHECK_SMOKE_TIMEOUT:-20}" $PY -X faulthandler python/tests/gpu_smoke.py) >"$OUT/smoke.log" 2>&1
   echo "smoke rc=$? in $((SECONDS - t0)) s (last step: $(grep -E '\.\.\.|ok$' "$OUT/smoke.log" | tail -1))" | tee -a "$OUT/py-env.txt"
 fi
 t0=$SECONDS
-(cd "$SRC" && timeout "${PY_CHECK_QUICKSTART_TIMEOUT:-60}" $PY -m torch.distributed.run --nproc-per-node 2 examples/quickstart_torch.py) \
+(cd "$SRC" && timeout "${PY_CHECK_QUICKSTART_TIMEOUT:-30}" $PY -m torch.distributed.run --nproc-per-node 2 examples/quickstart_torch.py) \
   >"$OUT/quickstart.log" 2>&1
 echo "quickstart rc=$? in $((SECONDS - t0)) s: $(tail -1 "$OUT/quickstart.log")" | tee -a "$OUT/py-env.txt"
 t0=$SECONDS
-(cd "$SRC/python/tests" && timeout "${PY_CHECK_CPU_TIMEOUT:-60}" $PY -m pytest -q -rfE -p no:cacheprovider -m "not gpu" .) \
+(cd "$SRC/python/tests" && timeout "${PY_CHECK_CPU_TIMEOUT:-30}" $PY -m pytest -q -rfE -p no:cacheprovider -m "not gpu" .) \
   >"$OUT/pytest-cpu.log" 2>&1
 echo "pytest cpu rc=$? in $((SECONDS - t0)) s: $(tail -1 "$OUT/pytest-cpu.log")" | tee -a "$OUT/py-env.txt"
