@@ -122,6 +122,7 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(HtParams p) {
   // 1. Same routing as the cached layout? (ids are compared as the cache stores them: int32)
   if (!s_differs) {
     bool differs = false;
+#pragma unroll 8
     for (int64_t i = threadIdx.x; i < T * K; i += blockDim.x) differs |= load_id(p.topk_idx, p.idx_is_i64, i) != cached_idx[i];
     if (__syncthreads_or(differs) && threadIdx.x == 0) s_differs = 1;
     __syncthreads();
@@ -557,11 +558,11 @@ __device__ __forceinline__ void reduce_token(const uint16_t* const* rows, int n,
   }
 }
 
-/// Warp-specialised combine. Sender warps (even global warp ids): chunks of kHtChunkRows received rows
-/// from a remote source s -> s's `back` block, then one release of that chunk's flag in s's buffer.
-/// Reducer warps (odd ids; a lone warp does both, sends first): contiguous token ranges in order; a
-/// remote partial's chunk flag is polled once per chunk (ld.acquire.sys, bounded), then the token is
-/// reduced. Senders never wait, so no warp waits on work of its own GPU: no co-residency assumption.
+/// Combine. Every warp first sends: chunks of kHtChunkRows received rows from a remote source s ->
+/// s's `back` block, then one release of that chunk's flag in s's buffer. Then it reduces a contiguous
+/// token range in order; a remote partial's chunk flag is polled once per chunk (ld.acquire.sys,
+/// bounded), then the token is reduced. Sending never waits, so no warp waits on work of its own GPU:
+/// no co-residency assumption.
 /// The last CTA (ticket) advances the combine epoch.
 __global__ void __launch_bounds__(kMaxThreads) combine_kernel(HtParams p) {
   HtState& st = state_of(p);
@@ -574,10 +575,11 @@ __global__ void __launch_bounds__(kMaxThreads) combine_kernel(HtParams p) {
   const int64_t W = static_cast<int64_t>(gridDim.x) * (blockDim.x >> 5);
   const int64_t gw = blockIdx.x * static_cast<int64_t>(blockDim.x >> 5) + (threadIdx.x >> 5);
   if (threadIdx.x == 0) atomicMin(&st.timeline[kTlCombineStart], globaltimer_ns());
-  const bool both = W == 1;
-  const bool is_sender = both || gw % 2 == 0, is_reducer = both || gw % 2 == 1;
-  const int64_t num_senders = both ? 1 : (W + 1) / 2, num_reducers = both ? 1 : W / 2;
-  const int64_t my_index = both ? 0 : gw / 2;
+  // Every warp sends its share first, then reduces (measured at c8ec6b1: splitting the warps into
+  // senders and reducers left the reducers 150-380 us behind the last chunk).
+  const bool is_sender = true, is_reducer = true;
+  const int64_t num_senders = W, num_reducers = W;
+  const int64_t my_index = gw;
 
   if (is_sender) {
     // Work items: (source s != me, chunk c) in source order.
