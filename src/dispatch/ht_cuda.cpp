@@ -15,6 +15,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstddef>
+#include <cstdlib>
 #include <thread>
 
 #include "comm/group_nccl.h"
@@ -60,6 +61,15 @@ HtCuda::HtCuda(std::shared_ptr<Group> group, const DispatchConfig& cfg)
               "must be in [1, 16] for ht on CUDA (512-thread CTAs keep 128 registers per thread; Config / EPX_HT_WARPS_PER_BLOCK)");
   num_sms_ = config.ht_num_sms;
   warps_ = config.ht_warps_per_block;
+  // Tuning knobs of the combine kernel (bench/NOTES.md "HT kernels"), not part of Config.
+  if (const char* v = std::getenv("EPX_HT_COMBINE_MODE")) {
+    combine_mode_ = std::atoi(v);
+    require_arg(op, "EPX_HT_COMBINE_MODE", v, combine_mode_ == 0 || combine_mode_ == 1, "must be 0 (send all, then reduce) or 1 (pipelined)");
+  }
+  if (const char* v = std::getenv("EPX_HT_CHUNK_ROWS")) {
+    chunk_rows_ = std::atoi(v);
+    require_arg(op, "EPX_HT_CHUNK_ROWS", v, chunk_rows_ >= 1 && chunk_rows_ <= 4096, "must be in [1, 4096] rows");
+  }
 
   layout_ = HtLayout::make(cfg_, num_ranks_, rank_);
   arrays_ = HtDeviceArrays::make(layout_);
@@ -266,6 +276,8 @@ void HtCuda::finalize(const FinalizeArgs& args) {
   p.expert_out = args.expert_out.ptr<const uint16_t>();
   p.out = args.out.ptr<uint16_t>();
   p.io_aligned16 = (reinterpret_cast<uintptr_t>(args.expert_out.data) | reinterpret_cast<uintptr_t>(args.out.data) | (H * 2)) % 16 == 0;
+  p.combine_mode = combine_mode_;
+  p.chunk_rows = chunk_rows_;
   launch_ht_combine(p, num_sms_, warps_, args.stream);
   if (!cfg_.use_worst_case_sizing) stats_.remote_bytes_combine = record_host_->rows_from_others * 2 * H;
 }

@@ -60,6 +60,7 @@ HtDeviceArrays HtDeviceArrays::make(const HtLayout& l) {
   a.recv_count = take(4LL * l.max_local);
   a.cached_idx = take(4 * l.capacity * l.top_k);
   a.send_pos = take(4 * l.capacity * l.num_ranks);
+  a.send_tok = take(4 * l.capacity * l.num_ranks);
   a.is_token_in_rank = take(l.capacity * l.num_ranks);
   a.num_recv_device = take(4);
   a.bytes = off;

@@ -52,8 +52,9 @@
 
 namespace epx::dispatch {
 
-/// Rows per combine chunk flag: a reducing warp waits per chunk, not per row or per peer.
-constexpr int kHtChunkRows = 16;
+/// Default rows per combine chunk flag (a reducing warp waits per chunk, not per row or per peer);
+/// EPX_HT_CHUNK_ROWS overrides it (tuning).
+constexpr int kHtChunkRows = 4;
 /// Largest group ht supports on CUDA: the peer pointers travel in the kernel parameters.
 constexpr int kHtMaxRanks = 8;
 
@@ -73,8 +74,9 @@ struct HtLayout {
   EPX_HOST_DEVICE int64_t groups() const { return hidden / 128; }
   /// Flag word f (0 counts, 1 dispatch, 2 combine) of source s, uint64 index into the flags region.
   EPX_HOST_DEVICE int64_t flag_index(int f, int s) const { return (static_cast<int64_t>(f) * num_ranks + s) * 8; }  // 64-byte stride
-  /// Combine chunk flags per source: ceil(cap / kHtChunkRows); flag of (peer d, chunk c) at uint64 [d * chunks + c].
-  EPX_HOST_DEVICE int64_t chunks() const { return (capacity + kHtChunkRows - 1) / kHtChunkRows; }
+  /// Combine chunk flags per source: one per row (the chunk size is chosen at create, >= 1 row); flag of
+  /// (source d, chunk c) at uint64 [d * chunks() + c].
+  EPX_HOST_DEVICE int64_t chunks() const { return capacity; }
   static HtLayout make(const DispatchConfig& cfg, int num_ranks, int rank);
 };
 
@@ -122,6 +124,7 @@ struct HtDeviceArrays {
   int64_t recv_count = 0;      ///< int32 [Lmax]: aligned rows per local expert on this rank
   int64_t cached_idx = 0;      ///< int32 [cap, K]: the routing of the cached layout
   int64_t send_pos = 0;        ///< int32 [cap, R]: row of token t in its block on rank d, -1 if not sent
+  int64_t send_tok = 0;        ///< int32 [R, cap]: the inverse, token of row j of this rank's block on rank d
   int64_t is_token_in_rank = 0;  ///< uint8 [cap, R]
   int64_t num_recv_device = 0; ///< int32 [1]: N_recv, for PrepareResult::num_recv_tokens_device
   int64_t bytes = 0;
@@ -150,6 +153,10 @@ struct HtParams {
   const uint16_t* expert_out = nullptr;   ///< [N_recv or R*cap, H] bf16
   uint16_t* out = nullptr;                ///< [T, H] bf16
   bool io_aligned16 = false;              ///< expert_out and out 16-byte aligned
+  int combine_mode = 1;                   ///< 0: send all, then reduce; 1: pipelined (combine_kernel)
+  int chunk_rows = 4;                     ///< rows per combine chunk flag, 1..capacity
+  const int32_t* pair_row = nullptr;      ///< expert-contiguous: [rows, K] contiguous row of pair (n, k) or -1; null = Flat
+  const float* combine_weights = nullptr; ///< expert-contiguous: [rows, K] weights of the pairs, null = unweighted
 };
 
 /// One CTA of 1024 threads: the layout step and the count exchange (see the file comment).
@@ -201,6 +208,7 @@ class HtCuda final : public PrepareFinalizeBase {
   uint64_t reported_bad_epoch_ = 0;
   double timeout_s_ = 60.0;
   int num_sms_ = 24, warps_ = 16;
+  int combine_mode_ = 1, chunk_rows_ = kHtChunkRows;
   bool dead_ = false;
   HtDeviceHandle handle_;
   int64_t num_recv_ = 0;

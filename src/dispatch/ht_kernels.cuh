@@ -97,6 +97,7 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(HtParams p) {
   int32_t* expert_counts = arr<int32_t>(p, p.a.expert_counts);
   int32_t* cached_idx = arr<int32_t>(p, p.a.cached_idx);
   int32_t* send_pos = arr<int32_t>(p, p.a.send_pos);
+  int32_t* send_tok = arr<int32_t>(p, p.a.send_tok);
   uint8_t* in_rank = arr<uint8_t>(p, p.a.is_token_in_rank);
 
   __shared__ int s_warp[32];
@@ -171,6 +172,7 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(HtParams p) {
         const int before = block_exclusive_scan(goes, s_warp, total);
         if (live) {
           send_pos[t * R + d] = goes ? base + before : -1;
+          if (goes) send_tok[d * l.capacity + base + before] = static_cast<int32_t>(t);
           in_rank[t * R + d] = static_cast<uint8_t>(goes);
         }
         if (threadIdx.x == 0) s_rows[d] = base + total;
@@ -558,102 +560,211 @@ __device__ __forceinline__ void reduce_token(const uint16_t* const* rows, int n,
   }
 }
 
-/// Combine. Every warp first sends: chunks of kHtChunkRows received rows from a remote source s ->
-/// s's `back` block, then one release of that chunk's flag in s's buffer. Then it reduces a contiguous
-/// token range in order; a remote partial's chunk flag is polled once per chunk (ld.acquire.sys,
-/// bounded), then the token is reduced. Sending never waits, so no warp waits on work of its own GPU:
-/// no co-residency assumption.
+/// Index of this warp with consecutive indices in different CTAs (warp w of CTA b -> w * gridDim + b):
+/// work dealt round-robin by this index spreads over every SM of the budget, not over the first CTAs.
+__device__ __forceinline__ int64_t spread_warp_index() {
+  return static_cast<int64_t>(threadIdx.x >> 5) * gridDim.x + blockIdx.x;
+}
+
+/// Partial row of received row n, 8 bf16 at vector index i (16 bytes): Flat = expert_out[n] as is;
+/// expert-contiguous = round_bf16(sum over k in order with pair_row[n,k] >= 0 of w[n,k] * y[pair_row[n,k]])
+/// in fp32 from 0.0f (products and sums rounded separately, no contraction: HtCpu); w = 1 unweighted.
+__device__ __forceinline__ uint4 partial8(const HtParams& p, int64_t n, int64_t i) {
+  const int64_t H = p.l.hidden;
+  if (!p.pair_row) return reinterpret_cast<const uint4*>(p.expert_out + n * H)[i];
+  float acc[8];
+#pragma unroll
+  for (int q = 0; q < 8; ++q) acc[q] = 0.0f;
+  const int K = p.l.top_k;
+  for (int k = 0; k < K; ++k) {
+    const int32_t m = p.pair_row[n * K + k];
+    if (m < 0) continue;
+    const float w = p.combine_weights ? p.combine_weights[n * K + k] : 1.0f;
+    const uint4 v = reinterpret_cast<const uint4*>(p.expert_out + m * H)[i];
+    const uint32_t wv[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      acc[2 * q] = __fadd_rn(acc[2 * q], __fmul_rn(w, lo_f(wv[q])));
+      acc[2 * q + 1] = __fadd_rn(acc[2 * q + 1], __fmul_rn(w, hi_f(wv[q])));
+    }
+  }
+  uint32_t o[4];
+#pragma unroll
+  for (int q = 0; q < 4; ++q)
+    o[q] = static_cast<uint32_t>(float_to_bf16_bits(acc[2 * q])) | (static_cast<uint32_t>(float_to_bf16_bits(acc[2 * q + 1])) << 16);
+  return make_uint4(o[0], o[1], o[2], o[3]);
+}
+
+/// One warp stores the partial row of received row n to dst (16-byte vectors, U per lane in flight).
+/// Needs H % 8 == 0 and 16-byte aligned rows (checked on the host: io_aligned16).
+__device__ __forceinline__ void send_partial(const HtParams& p, int64_t n, uint16_t* dst, int lane) {
+  const int64_t n16 = p.l.hidden / 8;
+  constexpr int U = 8;
+  for (int64_t base = 0; base < n16; base += 32 * U) {
+    uint4 v[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int64_t i = base + u * 32 + lane;
+      if (i < n16) v[u] = partial8(p, n, i);
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int64_t i = base + u * 32 + lane;
+      if (i < n16) reinterpret_cast<uint4*>(dst)[i] = v[u];
+    }
+  }
+}
+
+/// Combine destinations of one token: which ranks' rows are summed, in rank order.
+struct CombineCtx {
+  int R, me, nt;             ///< ranks, this rank, targets
+  int target_slot[kHtMaxRanks];  ///< slot of rank d among the targets (-1: not a target)
+  int64_t C;                 ///< flags per source in chunk_flags
+  int chunk_rows;
+  uint64_t epoch, deadline;
+};
+
+/// Reduces token t: its rows from every destination d in rank order; rows from a target d (a rank
+/// whose rows travel through `back`) wait for their chunk flag first (bounded). False on timeout.
+__device__ __forceinline__ bool reduce_one(const HtParams& p, const CombineCtx& cx, int64_t t, int lane) {
+  const HtLayout& l = p.l;
+  const HtState& st = state_of(p);
+  const int64_t H = l.hidden;
+  const int32_t* send_pos = arr<int32_t>(p, p.a.send_pos);
+  const uint16_t* back = reinterpret_cast<const uint16_t*>(p.peers[cx.me] + l.off_back);
+  const uint64_t* chunk_flags = reinterpret_cast<const uint64_t*>(p.peers[cx.me] + l.off_chunk_flags);
+  const uint16_t* rows[kHtMaxRanks];
+  int n = 0;
+  for (int d = 0; d < cx.R; ++d) {
+    const int32_t pos = send_pos[t * cx.R + d];
+    if (pos < 0) continue;
+    if (cx.target_slot[d] < 0) {  // Flat, d == me: read in place
+      rows[n++] = p.expert_out + (st.recv_offset[cx.me] + pos) * H;
+      continue;
+    }
+    int ok = 1;
+    if (lane == 0) {
+      const uint64_t* flag = chunk_flags + d * cx.C + pos / cx.chunk_rows;
+      while (ld_acquire_sys(flag) < cx.epoch) {
+        if (globaltimer_ns() > cx.deadline) {
+          ok = 0;
+          break;
+        }
+      }
+    }
+    ok = __shfl_sync(0xffffffffu, ok, 0);
+    __syncwarp();
+    if (!ok) {
+      if (lane == 0) {
+        report_timeout(p, d, kOpCombine);
+        state_of(p).failed = 1;
+      }
+      return false;
+    }
+    rows[n++] = back + (d * l.capacity + pos) * H;
+  }
+  reduce_token(rows, n, p.out + t * H, H, p.io_aligned16, lane);
+  return true;
+}
+
+/// Combine (one kernel, every warp does both halves; file comment of ht_cuda.h).
+/// Targets: the ranks whose partial rows come back through `back` (every remote rank; this rank too
+/// with the expert-contiguous layout, whose partials are computed, not read in place). Items: (chunk
+/// c of chunk_rows rows, target slot), item = c * nt + slot; item i's send half stores the partials of
+/// received rows [c * chunk_rows, ...) of source `target` into target's back block and releases that
+/// chunk's flag there; its reduce half sums this rank's tokens whose first target row lies in the
+/// same chunk (send_tok: the inverse of send_pos). Warps are numbered CTA-major (spread_warp_index).
+///   mode 0: every warp sends all its items, then reduces all its items (no wait on its own GPU
+///           before its sends are out);
+///   mode 1 (pipelined): round k: send item k * W + w, then reduce item (k - 1) * W + w (the peer's
+///           warp w sent it one round earlier), then the last round's reduce.
+/// Then tokens with no target row (Flat: only this rank, or nowhere) are reduced by contiguous ranges.
+/// Waits assume the grid is resident on every rank (grid <= SMs); a wait that expires reports Timeout.
 /// The last CTA (ticket) advances the combine epoch.
 __global__ void __launch_bounds__(kMaxThreads) combine_kernel(HtParams p) {
   HtState& st = state_of(p);
   if (st.failed || st.any_bad) return;
   const HtLayout& l = p.l;
   const int R = l.num_ranks, me = l.rank;
-  const int64_t H = l.hidden, C = l.chunks();
-  const uint64_t epoch = st.epoch_combine + 1;
+  const int64_t H = l.hidden;
   const int lane = threadIdx.x & 31;
   const int64_t W = static_cast<int64_t>(gridDim.x) * (blockDim.x >> 5);
-  const int64_t gw = blockIdx.x * static_cast<int64_t>(blockDim.x >> 5) + (threadIdx.x >> 5);
+  const int64_t wi = spread_warp_index();
   if (threadIdx.x == 0) atomicMin(&st.timeline[kTlCombineStart], globaltimer_ns());
-  // Every warp sends its share first, then reduces (measured at c8ec6b1: splitting the warps into
-  // senders and reducers left the reducers 150-380 us behind the last chunk).
-  const bool is_sender = true, is_reducer = true;
-  const int64_t num_senders = W, num_reducers = W;
-  const int64_t my_index = gw;
+  CombineCtx cx;
+  cx.R = R;
+  cx.me = me;
+  cx.nt = 0;
+  const bool contig = p.pair_row != nullptr;
+  for (int d = 0; d < R; ++d) cx.target_slot[d] = (d != me || contig) ? cx.nt++ : -1;
+  cx.C = l.capacity;  // one flag per row: chunk index < ceil(cap / chunk_rows) <= cap
+  cx.chunk_rows = p.chunk_rows;
+  cx.epoch = st.epoch_combine + 1;
+  cx.deadline = globaltimer_ns() + p.timeout_ns;
+  const int32_t* send_pos = arr<int32_t>(p, p.a.send_pos);
+  const int32_t* send_tok = arr<int32_t>(p, p.a.send_tok);
+  int64_t max_rows = 0;
+  for (int d = 0; d < R; ++d)
+    if (cx.target_slot[d] >= 0)
+      max_rows = max(max_rows, static_cast<int64_t>(max(st.recv_offset[d + 1] - st.recv_offset[d], st.rows_to[d])));
+  const int64_t CR = cx.chunk_rows;
+  const int64_t items = (max_rows + CR - 1) / CR * cx.nt;
+  int target_of_slot[kHtMaxRanks];
+  for (int d = 0; d < R; ++d)
+    if (cx.target_slot[d] >= 0) target_of_slot[cx.target_slot[d]] = d;
 
-  if (is_sender) {
-    // Work items: (source s != me, chunk c) in source order.
-    int64_t item = 0;
-    for (int s = 0; s < R; ++s) {
-      if (s == me) continue;
-      const int64_t count = st.recv_offset[s + 1] - st.recv_offset[s];
-      const int64_t chunks = (count + kHtChunkRows - 1) / kHtChunkRows;
-      for (int64_t c = 0; c < chunks; ++c, ++item) {
-        if (item % num_senders != my_index) continue;
-        const int64_t j_end = min(count, (c + 1) * kHtChunkRows);
-        for (int64_t j = c * kHtChunkRows; j < j_end; ++j) {
-          uint16_t* dst = reinterpret_cast<uint16_t*>(p.peers[s] + l.off_back) + (me * l.capacity + j) * H;
-          copy_row_bf16(dst, p.expert_out + (st.recv_offset[s] + j) * H, H, p.io_aligned16, lane);
-        }
-        __syncwarp();
-        if (lane == 0) {
-          __threadfence_system();
-          st_release_sys(reinterpret_cast<uint64_t*>(p.peers[s] + l.off_chunk_flags) + me * C + c, epoch);
-        }
-      }
+  auto send_item = [&](int64_t i) {
+    const int64_t c = i / cx.nt;
+    const int s = target_of_slot[i % cx.nt];
+    const int64_t count = st.recv_offset[s + 1] - st.recv_offset[s];
+    const int64_t j_end = min(count, (c + 1) * CR);
+    if (c * CR >= j_end) return;
+    for (int64_t j = c * CR; j < j_end; ++j) {
+      uint16_t* dst = reinterpret_cast<uint16_t*>(p.peers[s] + l.off_back) + (me * l.capacity + j) * H;
+      if (p.io_aligned16) send_partial(p, st.recv_offset[s] + j, dst, lane);
+      else copy_row_bf16(dst, p.expert_out + (st.recv_offset[s] + j) * H, H, false, lane);  // Flat only
     }
-    if (lane == 0) atomicMax(&st.timeline[kTlCombineSent], globaltimer_ns());
+    __syncwarp();
+    if (lane == 0) {
+      __threadfence_system();
+      st_release_sys(reinterpret_cast<uint64_t*>(p.peers[s] + l.off_chunk_flags) + me * cx.C + c, cx.epoch);
+    }
+  };
+  bool ok = true;
+  auto reduce_item = [&](int64_t i) {
+    const int64_t c = i / cx.nt;
+    const int d = target_of_slot[i % cx.nt];
+    const int64_t j_end = min(static_cast<int64_t>(st.rows_to[d]), (c + 1) * CR);
+    for (int64_t j = c * CR; j < j_end && ok; ++j) {
+      const int64_t t = send_tok[d * l.capacity + j];
+      int first = -1;  // the token's first target in rank order owns it
+      for (int e = 0; e < R && first < 0; ++e)
+        if (cx.target_slot[e] >= 0 && send_pos[t * R + e] >= 0) first = e;
+      if (first == d) ok = reduce_one(p, cx, t, lane);
+    }
+  };
+
+  if (p.combine_mode == 1) {
+    for (int64_t k = 0; ok; ++k) {
+      const int64_t i_send = k * W + wi, i_red = (k - 1) * W + wi;
+      if (i_send >= items && (k == 0 || i_red >= items)) break;
+      if (i_send < items) send_item(i_send);
+      if (k >= 1 && i_red < items) reduce_item(i_red);
+    }
+  } else {
+    for (int64_t i = wi; i < items; i += W) send_item(i);
+    for (int64_t i = wi; i < items && ok; i += W) reduce_item(i);
   }
+  if (lane == 0) atomicMax(&st.timeline[kTlCombineSent], globaltimer_ns());
 
-  if (is_reducer) {
-    const int64_t T = p.num_tokens;
-    const int64_t per = (T + num_reducers - 1) / num_reducers;
-    const int64_t t_begin = my_index * per, t_end = min(T, t_begin + per);
-    const int32_t* send_pos = arr<int32_t>(p, p.a.send_pos);
-    const uint16_t* back = reinterpret_cast<const uint16_t*>(p.peers[me] + l.off_back);
-    const uint64_t* chunk_flags = reinterpret_cast<const uint64_t*>(p.peers[me] + l.off_chunk_flags);
-    const uint64_t deadline = globaltimer_ns() + p.timeout_ns;
-    int64_t ready[kHtMaxRanks];
-    for (int d = 0; d < R; ++d) ready[d] = -1;
-    bool timed_out = false;
-    for (int64_t t = t_begin; t < t_end && !timed_out; ++t) {
-      const uint16_t* rows[kHtMaxRanks];
-      int n = 0;
-      for (int d = 0; d < R; ++d) {
-        const int32_t pos = send_pos[t * R + d];
-        if (pos < 0) continue;
-        if (d == me) {
-          rows[n++] = p.expert_out + (st.recv_offset[me] + pos) * H;
-          continue;
-        }
-        const int64_t c = pos / kHtChunkRows;
-        if (c != ready[d]) {
-          int ok = 1;
-          if (lane == 0) {
-            const uint64_t* flag = chunk_flags + d * C + c;
-            while (ld_acquire_sys(flag) < epoch) {
-              if (globaltimer_ns() > deadline) {
-                ok = 0;
-                break;
-              }
-            }
-          }
-          ok = __shfl_sync(0xffffffffu, ok, 0);
-          __syncwarp();
-          if (!ok) {
-            if (lane == 0) {
-              report_timeout(p, d, kOpCombine);
-              st.failed = 1;
-            }
-            timed_out = true;
-            break;
-          }
-          ready[d] = c;
-        }
-        rows[n++] = back + (d * l.capacity + pos) * H;
-      }
-      if (!timed_out) reduce_token(rows, n, p.out + t * H, H, p.io_aligned16, lane);
-    }
+  // Tokens without a target row: Flat rows that stayed on this rank (or went nowhere: zeros).
+  const int64_t T = p.num_tokens;
+  const int64_t per = (T + W - 1) / W;
+  const int64_t t_begin = wi * per, t_end = min(T, t_begin + per);
+  for (int64_t t = t_begin; t < t_end && ok; ++t) {
+    bool any = false;
+    for (int e = 0; e < R; ++e) any |= cx.target_slot[e] >= 0 && send_pos[t * R + e] >= 0;
+    if (!any) ok = reduce_one(p, cx, t, lane);
   }
 
   __shared__ int s_last;
@@ -664,7 +775,7 @@ __global__ void __launch_bounds__(kMaxThreads) combine_kernel(HtParams p) {
     s_last = atomicAdd(&st.ticket_combine, 1u) == gridDim.x - 1;
     if (s_last) {
       st.ticket_combine = 0;
-      st.epoch_combine = epoch;
+      st.epoch_combine = cx.epoch;
     }
   }
 }
