@@ -54,6 +54,11 @@ struct DispatchConfig {
   /// (PrepareResult::num_recv_tokens_device), rows beyond it have topk_idx -1 (no expert work), and
   /// finalize takes expert_out with that many rows. Off: one host read of N_recv per prepare.
   bool use_worst_case_sizing = false;
+  /// ht only: prepare also lays the received rows out expert-contiguous for a grouped GEMM
+  /// (PrepareResult::contiguous; the Flat outputs stay as they are), and finalize then takes one
+  /// unweighted output row per (received row, local expert) of that layout, weighting them itself
+  /// when FinalizeArgs::topk_weights is given. Off: Flat only (Experts::apply weights the rows).
+  bool expert_contiguous = false;
 };
 
 /// Experts [begin, end) held by `rank` out of E split over R (sizes differ by at most one).
@@ -76,6 +81,23 @@ struct DispatchArgs {
   TensorView num_tokens{};
 };
 
+/// ht with DispatchConfig::expert_contiguous: the received rows again, grouped by local expert, the
+/// m-grouped contiguous layout of DeepGEMM / vLLM's DeepEP-HT path, and the map back for combine.
+/// Received row n appears once per distinct local expert l it selects; expert l owns rows
+/// [expert_offsets[l], expert_offsets[l + 1]) (recv_count[l] rows, aligned to expert_alignment): its
+/// rows in received-row order, then zero padding rows (row_expert -1).
+struct ExpertContiguousLayout {
+  TensorView x;               ///< [M, H] bf16 | fp8_e4m3 (as PrepareResult::x)
+  TensorView x_scales;        ///< fp8: [M, H/128] fp32 (0 in padding rows); else empty
+  TensorView expert_offsets;  ///< [L + 1] int32: exclusive prefix sum of recv_count, offsets[L] = M
+  TensorView row_expert;      ///< [M] int32 local expert of each row, -1 = padding (DeepGEMM m_indices)
+  TensorView pair_row;        ///< [N_recv, K] int32 row of (n, topk_idx[n, k]) in x, -1 where topk_idx is -1 (duplicates share one)
+  /// M = sum of recv_count. ht on CUDA with use_worst_case_sizing: the capacity
+  /// R * num_max_dispatch_tokens_per_rank * min(K, L) + L * (expert_alignment - 1) (M itself is
+  /// expert_offsets[L] on the device; rows beyond it have row_expert -1 and are not written).
+  int64_t num_rows = 0;
+};
+
 struct PrepareResult {
   ActivationLayout layout = ActivationLayout::Flat;
   TensorView x;             ///< ExpertMajor [L, cap, H] / Flat [N_recv, H]; bf16 or fp8_e4m3
@@ -87,14 +109,25 @@ struct PrepareResult {
   /// ht on CUDA: [1] int32 on the device, N_recv of this prepare, valid once the stream reaches it
   /// (with use_worst_case_sizing the host-side num_recv_tokens is the row capacity instead); else empty.
   TensorView num_recv_tokens_device;
+  /// ht with DispatchConfig::expert_contiguous; else empty views.
+  ExpertContiguousLayout contiguous;
   /// As the Experts interface takes it.
   ExpertsInput experts_input() const { return {layout, x, x_scales, recv_count, topk_idx, topk_weights}; }
 };
 
 struct FinalizeArgs {
   TensorView expert_out;  ///< as Experts::apply wrote it: ExpertMajor [L, cap, H] / Flat [N_recv, H] bf16
+                          ///< (ht with expert_contiguous: [M, H], row i = expert row_expert[i] on contiguous.x[i], unweighted)
   TensorView out;         ///< [T, H] bf16 (T of the matching prepare), written
   Stream stream{};
+  /// ht with expert_contiguous only (DeepEP's optional combine weights; vLLM's weight-and-reduce in
+  /// finalize): [N_recv, K] fp32, usually PrepareResult::topk_weights. Given: received row n's partial
+  /// is sum over k with pair_row[n, k] >= 0 of topk_weights[n, k] * expert_out[pair_row[n, k]]
+  /// (weighted); empty: the same sum with weight 1 (unweighted: the weights were applied before the
+  /// experts). fp32 from 0, product and sum rounded separately, k in order, rounded to bf16 once per
+  /// rank; the source then sums the ranks' partials as always. Every other backend and the Flat
+  /// layout (whose rows Experts::apply already weighted) throw InvalidArgument when it is set.
+  TensorView topk_weights{};
 };
 
 /// Byte accounting of the last prepare/finalize on this rank (ANCHORS.md).

@@ -8,6 +8,13 @@
 //   permute, the flat rows themselves are not padded).
 // The layout (who sends what where) is computed once per distinct routing and cached: a prepare
 // whose topk_idx equals the previous call's reuses it (DeepEP's cached-handle dispatch).
+// Optional expert-contiguous layout (DispatchConfig::expert_contiguous, epx::ExpertContiguousLayout):
+// after the Flat rows, for each received row n in order and each k in order whose local expert e
+// is not an earlier column's, the row is appended to e's segment (offsets = exclusive prefix sum
+// of the aligned recv_count; padding rows zero, row_expert -1); pair_row[n, k] is that row (a
+// duplicate column shares it). finalize then takes expert_out [M, H] (one unweighted row per pair)
+// and forms each received row's partial as round_bf16(sum_k w[n,k] * expert_out[pair_row[n,k]]) in
+// fp32 (w = FinalizeArgs::topk_weights, or 1), before the usual return and rank-order sum.
 // Data movement and combine as dispatch/dedup_cpu.h (the CPU reference moves rows with
 // all_to_allv; the CUDA kernel may use worst-case static buffers, same layout).
 #pragma once
@@ -30,11 +37,14 @@ class HtCpu final : public DedupCpu {
  public:
   HtCpu(std::shared_ptr<Group> group, const DispatchConfig& cfg) : DedupCpu("ht", std::move(group), cfg, /*cache_layout=*/true) {}
   PrepareResult prepare(const DispatchArgs& args) override;
+  void finalize(const FinalizeArgs& args) override;
   /// The handle of the last prepare.
   const HtHandle& handle() const { return handle_; }
 
  private:
   HtHandle handle_;
+  // expert-contiguous layout of the last prepare (cfg_.expert_contiguous)
+  Tensor contig_x_, contig_scales_, contig_offsets_, contig_row_expert_, contig_pair_row_;
 };
 
 }  // namespace epx::dispatch

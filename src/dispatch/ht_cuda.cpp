@@ -15,8 +15,8 @@
 #include <atomic>
 #include <chrono>
 #include <cstddef>
-#include <cstdlib>
 #include <thread>
+#include <algorithm>
 
 #include "comm/group_nccl.h"
 #include "cuda/check.h"
@@ -61,15 +61,8 @@ HtCuda::HtCuda(std::shared_ptr<Group> group, const DispatchConfig& cfg)
               "must be in [1, 16] for ht on CUDA (512-thread CTAs keep 128 registers per thread; Config / EPX_HT_WARPS_PER_BLOCK)");
   num_sms_ = config.ht_num_sms;
   warps_ = config.ht_warps_per_block;
-  // Tuning knobs of the combine kernel (bench/NOTES.md "HT kernels"), not part of Config.
-  if (const char* v = std::getenv("EPX_HT_COMBINE_MODE")) {
-    combine_mode_ = std::atoi(v);
-    require_arg(op, "EPX_HT_COMBINE_MODE", v, combine_mode_ == 0 || combine_mode_ == 1, "must be 0 (send all, then reduce) or 1 (pipelined)");
-  }
-  if (const char* v = std::getenv("EPX_HT_CHUNK_ROWS")) {
-    chunk_rows_ = std::atoi(v);
-    require_arg(op, "EPX_HT_CHUNK_ROWS", v, chunk_rows_ >= 1 && chunk_rows_ <= 4096, "must be in [1, 4096] rows");
-  }
+  combine_mode_ = config.ht_combine_mode;
+  chunk_rows_ = config.ht_chunk_rows;
 
   layout_ = HtLayout::make(cfg_, num_ranks_, rank_);
   arrays_ = HtDeviceArrays::make(layout_);
@@ -79,6 +72,18 @@ HtCuda::HtCuda(std::shared_ptr<Group> group, const DispatchConfig& cfg)
       throw Unsupported(op + ": rank " + std::to_string(r) + " is not load/store-accessible from rank " + std::to_string(rank_) +
                         ": ht on CUDA needs every rank in one NVLink (LSA) domain");
   state_ = Tensor::zeros({arrays_.bytes}, DType::uint8, group_->device());
+  if (cfg_.expert_contiguous) {
+    // Worst case: every received row selects min(K, L) distinct local experts, plus the padding.
+    const int64_t L = num_local_, K = cfg_.top_k;
+    contig_cap_ = layout_.rows() * std::min(K, L) + L * (cfg_.expert_alignment - 1);
+    const Device dev = group_->device();
+    contig_x_ = Tensor::empty({std::max<int64_t>(contig_cap_, 1), layout_.payload_bytes()}, DType::uint8, dev);
+    if (layout_.use_fp8) contig_scales_ = Tensor::empty({std::max<int64_t>(contig_cap_, 1), layout_.groups()}, DType::fp32, dev);
+    contig_offsets_ = Tensor::zeros({L + 1}, DType::int32, dev);
+    contig_row_expert_ = Tensor::empty({std::max<int64_t>(contig_cap_, 1)}, DType::int32, dev);
+    contig_src_ = Tensor::empty({std::max<int64_t>(contig_cap_, 1)}, DType::int32, dev);
+    contig_pair_row_ = Tensor::empty({layout_.rows(), K}, DType::int32, dev);
+  }
   void* host = nullptr;
   EPX_CUDA_CHECK(cudaHostAlloc(&host, sizeof(HtHostRecord), cudaHostAllocMapped));
   record_host_ = new (host) HtHostRecord();
@@ -177,10 +182,22 @@ PrepareResult HtCuda::prepare(const DispatchArgs& args) {
     throw InvalidArgument(err.message);
   }
   launch_ht_dispatch(p, num_sms_, warps_, args.stream);
+  if (cfg_.expert_contiguous) {
+    p.contig_x = contig_x_.ptr<uint8_t>();
+    p.contig_scales = layout_.use_fp8 ? contig_scales_.ptr<float>() : nullptr;
+    p.contig_offsets = contig_offsets_.ptr<int32_t>();
+    p.contig_row_expert = contig_row_expert_.ptr<int32_t>();
+    p.contig_src = contig_src_.ptr<int32_t>();
+    p.contig_pair_row = contig_pair_row_.ptr<int32_t>();
+    p.contig_cap = contig_cap_;
+    p.num_local = num_local_;
+    launch_ht_contiguous(p, num_sms_, warps_, args.stream);
+  }
 
   const int64_t T = p.num_tokens, H = cfg_.hidden, K = cfg_.top_k, L = num_local_;
   const Device dev = group_->device();
   int64_t N = layout_.rows();
+  int64_t M = contig_cap_;
   if (!cfg_.use_worst_case_sizing) {
     wait_layout(op);
     const HtHostRecord rec = *const_cast<const HtHostRecord*>(record_host_);
@@ -199,6 +216,7 @@ PrepareResult HtCuda::prepare(const DispatchArgs& args) {
       throw InvalidArgument(op + ": rank " + std::to_string(rec.bad_rank) + " rejected its arguments (see its own error): nothing was moved");
     }
     N = rec.num_recv;
+    M = rec.contig_rows;
     cache_hits_ += rec.cache_hit;
     stats_ = {};
     stats_.num_valid_selections = rec.valid_selections;
@@ -206,6 +224,7 @@ PrepareResult HtCuda::prepare(const DispatchArgs& args) {
     stats_.remote_bytes_dispatch = (rec.dedup_rows - rec.rows_to_self) * codec().row_bytes();
   }
   num_recv_ = N;
+  contig_rows_ = M;
   prepared_ = true;
   prepared_tokens_ = T;
 
@@ -220,6 +239,15 @@ PrepareResult HtCuda::prepare(const DispatchArgs& args) {
   r.topk_weights = TensorView(base + layout_.off_weights, DType::fp32, {N, K}, dev);
   r.num_recv_tokens = N;
   r.num_recv_tokens_device = TensorView(state + arrays_.num_recv_device, DType::int32, {1}, dev);
+  if (cfg_.expert_contiguous) {
+    ExpertContiguousLayout& c = r.contiguous;
+    c.x = TensorView(contig_x_.data(), layout_.use_fp8 ? DType::fp8_e4m3 : DType::bf16, {M, H}, dev);
+    if (layout_.use_fp8) c.x_scales = TensorView(contig_scales_.data(), DType::fp32, {M, layout_.groups()}, dev);
+    c.expert_offsets = contig_offsets_;
+    c.row_expert = TensorView(contig_row_expert_.data(), DType::int32, {M}, dev);
+    c.pair_row = TensorView(contig_pair_row_.data(), DType::int32, {N, K}, dev);
+    c.num_rows = M;
+  }
 
   auto* st = reinterpret_cast<HtState*>(state);
   handle_.rank_prefix_matrix = TensorView(st->rank_prefix_matrix, DType::int32, {num_ranks_, num_ranks_}, dev);
@@ -256,9 +284,26 @@ void HtCuda::finalize(const FinalizeArgs& args) {
     check_contiguous(op, arg, *t);
     require_arg(op, std::string(arg) + ".ndim", t->ndim, t->ndim == 2, "must be 2");
   }
-  require_arg(op, "expert_out.shape[0]", args.expert_out.shape[0], args.expert_out.shape[0] == num_recv_,
-              std::string("must equal ") + (cfg_.use_worst_case_sizing ? "R * num_max_dispatch_tokens_per_rank = " : "N_recv = ") +
-                  std::to_string(num_recv_) + " (the rows of the last prepare)");
+  if (cfg_.expert_contiguous) {
+    require_arg(op, "expert_out.shape[0]", args.expert_out.shape[0], args.expert_out.shape[0] == contig_rows_,
+                std::string("must equal ") + (cfg_.use_worst_case_sizing ? "the expert-contiguous capacity " : "M = ") +
+                    std::to_string(contig_rows_) + " (expert_contiguous: one row per (received row, local expert) of the last prepare)");
+    const bool aligned = (reinterpret_cast<uintptr_t>(args.expert_out.data) | reinterpret_cast<uintptr_t>(args.out.data)) % 16 == 0;
+    require_arg(op, "expert_out.data", args.expert_out.describe(), aligned, "must be 16-byte aligned, and out too (expert_contiguous)");
+    if (args.topk_weights.defined()) {
+      if (args.topk_weights.device != group_->device()) throw Unsupported(wrong_device(op, "topk_weights", args.topk_weights.device));
+      check_dtype(op, "topk_weights", args.topk_weights, {DType::fp32});
+      check_shape(op, "topk_weights", args.topk_weights, {num_recv_, cfg_.top_k});
+      check_contiguous(op, "topk_weights", args.topk_weights);
+    }
+  } else {
+    require_arg(op, "expert_out.shape[0]", args.expert_out.shape[0], args.expert_out.shape[0] == num_recv_,
+                std::string("must equal ") + (cfg_.use_worst_case_sizing ? "R * num_max_dispatch_tokens_per_rank = " : "N_recv = ") +
+                    std::to_string(num_recv_) + " (the rows of the last prepare)");
+    if (args.topk_weights.defined())
+      require_arg(op, "topk_weights", args.topk_weights.describe(), false,
+                  "must be empty without expert_contiguous (Flat rows come weighted from Experts::apply)");
+  }
   require_arg(op, "expert_out.shape[1]", args.expert_out.shape[1], args.expert_out.shape[1] == H, "must equal hidden = " + std::to_string(H));
   require_arg(op, "out.shape[0]", args.out.shape[0], args.out.shape[0] == prepared_tokens_,
               "must equal T = " + std::to_string(prepared_tokens_) + " of the last prepare");
@@ -278,6 +323,10 @@ void HtCuda::finalize(const FinalizeArgs& args) {
   p.io_aligned16 = (reinterpret_cast<uintptr_t>(args.expert_out.data) | reinterpret_cast<uintptr_t>(args.out.data) | (H * 2)) % 16 == 0;
   p.combine_mode = combine_mode_;
   p.chunk_rows = chunk_rows_;
+  if (cfg_.expert_contiguous) {
+    p.pair_row = contig_pair_row_.ptr<const int32_t>();
+    p.combine_weights = args.topk_weights.defined() ? args.topk_weights.ptr<const float>() : nullptr;
+  }
   launch_ht_combine(p, num_sms_, warps_, args.stream);
   if (!cfg_.use_worst_case_sizing) stats_.remote_bytes_combine = record_host_->rows_from_others * 2 * H;
 }

@@ -78,6 +78,13 @@ void launch_ht_dispatch(const HtParams& p, int blocks, int warps, Stream stream)
   cuda::check_launch("ht dispatch_kernel");
 }
 
+void launch_ht_contiguous(const HtParams& p, int blocks, int warps, Stream stream) {
+  ht::contig_map_kernel<<<std::max(p.num_local, 1), ht::kContigThreads, 0, cuda::native(stream)>>>(p);
+  cuda::check_launch("ht contig_map_kernel");
+  ht::contig_copy_kernel<<<blocks, warps * 32, 0, cuda::native(stream)>>>(p);
+  cuda::check_launch("ht contig_copy_kernel");
+}
+
 void launch_ht_combine(const HtParams& p, int blocks, int warps, Stream stream) {
   ht::combine_kernel<<<blocks, warps * 32, 0, cuda::native(stream)>>>(p);
   cuda::check_launch("ht combine_kernel");

@@ -22,20 +22,29 @@
 // the aligned per-expert counts: no host collective; (2) dispatch (prepare): ht_num_sms CTAs of
 // ht_warps_per_block warps, one warp per token, 16-byte peer stores of its row (fp8: quantized on the
 // fly) into every destination it goes to (local rows are local stores), then the last CTA publishes
-// "rows stored" and waits for every peer's; (3) combine (finalize): the same CTAs, warp-specialised:
-// sender warps store received rows' partials into their sources' `back` blocks and release one flag
-// per kHtChunkRows rows; reducer warps sum each token's partials in destination-rank order as the
-// chunks arrive (the rows this rank processed itself are read in place from expert_out).
+// "rows stored" and waits for every peer's; (2b) with expert_contiguous, a map kernel (one CTA per
+// local expert, a block scan over the received rows) and a copy kernel build the expert-contiguous
+// layout; (3) combine (finalize): the same CTAs, every warp sends and reduces: items are (chunk of
+// chunk_rows received rows, target rank), dealt to warps CTA-major; an item's send half stores those
+// rows' partials into the target's `back` block and releases one flag per chunk there, its reduce
+// half sums this rank's tokens whose rows went out in the matching chunk (the peer's same warp sends
+// it), pipelined one round behind the sends (mode 1; mode 0 = all sends, then all reduces); tokens
+// whose rows stayed here are summed at the end, reading expert_out in place. With expert_contiguous
+// the partials are formed from the per-pair outputs (weighted by FinalizeArgs::topk_weights or not)
+// and this rank's own rows travel through `back` too.
 // Epochs are monotonic counters in device memory, so no flag is ever reset and graph replays work.
 //
 // Worst-case mode (DispatchConfig::use_worst_case_sizing) for CUDA graphs: prepare and finalize do
 // no host sync and no allocation; PrepareResult views have R * num_max_dispatch_tokens_per_rank rows,
 // N_recv is PrepareResult::num_recv_tokens_device ([1] int32, read it after the stream, or let the
 // experts skip rows whose topk_idx is -1 everywhere), finalize takes expert_out with that many rows.
-// Combine semantics = HtCpu: out[t] = sum of the destinations' partial rows (the experts applied
-// topk_weights); a separately weighted combine is not offered (issue 5, see bench/NOTES.md).
+// Combine semantics = HtCpu: out[t] = sum of the destinations' partial rows; Flat: the experts applied
+// topk_weights; expert_contiguous: the partials are weighted here when FinalizeArgs::topk_weights is
+// given (ht.h).
 // Measured speeds and the SM sweep: bench/NOTES.md "HT kernels".
 //
+// The combine's waits assume the grid (ht_num_sms CTAs <= SMs) is resident on every rank at once;
+// a GPU kept busy by other kernels delays it, and at worst a wait expires (Timeout), it never hangs.
 // Every device wait is bounded by the group's timeout_s (%globaltimer); a wait that expires writes
 // {timeout, peer, op} to host-mapped memory and the kernel returns (no trap); the host throws
 // epx::Timeout naming the peer on the same call (prepare, default mode) or on the next call.
@@ -53,7 +62,7 @@
 namespace epx::dispatch {
 
 /// Default rows per combine chunk flag (a reducing warp waits per chunk, not per row or per peer);
-/// EPX_HT_CHUNK_ROWS overrides it (tuning).
+/// Config::ht_chunk_rows (EPX_HT_CHUNK_ROWS) chooses it.
 constexpr int kHtChunkRows = 4;
 /// Largest group ht supports on CUDA: the peer pointers travel in the kernel parameters.
 constexpr int kHtMaxRanks = 8;
@@ -88,6 +97,7 @@ struct HtHostRecord {
   int32_t cache_hit = 0;        ///< the layout was the cached one
   int64_t bad_index = -1;       ///< this rank: first bad flat topk_idx index t*K+k, else -1
   int64_t valid_selections = 0, dedup_rows = 0, rows_to_self = 0, rows_from_others = 0;
+  int64_t contig_rows = 0;      ///< sum of the aligned recv_count (rows of the expert-contiguous layout)
   int32_t error_code = 0;       ///< sticky: 1 = a device wait timed out
   int32_t error_peer = -1;      ///< the peer waited for
   int32_t error_op = 0;         ///< 0 layout (prepare), 1 dispatch (prepare), 2 combine (finalize)
@@ -157,15 +167,29 @@ struct HtParams {
   int chunk_rows = 4;                     ///< rows per combine chunk flag, 1..capacity
   const int32_t* pair_row = nullptr;      ///< expert-contiguous: [rows, K] contiguous row of pair (n, k) or -1; null = Flat
   const float* combine_weights = nullptr; ///< expert-contiguous: [rows, K] weights of the pairs, null = unweighted
+  // expert-contiguous layout (prepare; DispatchConfig::expert_contiguous)
+  uint8_t* contig_x = nullptr;            ///< [contig_cap, payload bytes]
+  float* contig_scales = nullptr;         ///< fp8: [contig_cap, H/128]
+  int32_t* contig_offsets = nullptr;      ///< [L + 1]
+  int32_t* contig_row_expert = nullptr;   ///< [contig_cap]
+  int32_t* contig_src = nullptr;          ///< [contig_cap] received row of each contiguous row, -1 padding
+  int32_t* contig_pair_row = nullptr;     ///< [rows, K]
+  int64_t contig_cap = 0;
+  int num_local = 0;                      ///< L of this rank
 };
 
 /// One CTA of 1024 threads: the layout step and the count exchange (see the file comment).
 void launch_ht_layout(const HtParams& p, Stream stream);
 /// `blocks` CTAs of 32 * warps threads: the dispatch rows, then the "rows stored" handshake.
 void launch_ht_dispatch(const HtParams& p, int blocks, int warps, Stream stream);
-/// Combine: one kernel; half the warps store partial rows into their sources' `back` blocks and
-/// release a flag per chunk of kHtChunkRows rows, the other half reduce tokens as their chunks arrive.
+/// Combine: one kernel; every warp stores partial rows into their sources' `back` blocks (a flag per
+/// chunk of chunk_rows rows) and reduces tokens as their chunks arrive (see the file comment).
 void launch_ht_combine(const HtParams& p, int blocks, int warps, Stream stream);
+
+/// Expert-contiguous layout (after the dispatch kernel, same stream): max(L, 1) CTAs of 512 threads,
+/// one per local expert, scan the received rows in order and place each row selecting that expert
+/// (ht.h); then `blocks` CTAs copy the rows (and zero the padding rows).
+void launch_ht_contiguous(const HtParams& p, int blocks, int warps, Stream stream);
 
 /// The device-side handle of the last prepare (DeepEP's handle), views into backend-owned memory
 /// valid until the next prepare. Compare with HtHandle (ht.h).
@@ -209,6 +233,9 @@ class HtCuda final : public PrepareFinalizeBase {
   double timeout_s_ = 60.0;
   int num_sms_ = 24, warps_ = 16;
   int combine_mode_ = 1, chunk_rows_ = kHtChunkRows;
+  // expert-contiguous layout (cfg_.expert_contiguous): buffers sized for contig_cap_ rows at create
+  int64_t contig_cap_ = 0, contig_rows_ = 0;
+  Tensor contig_x_, contig_scales_, contig_offsets_, contig_row_expert_, contig_src_, contig_pair_row_;
   bool dead_ = false;
   HtDeviceHandle handle_;
   int64_t num_recv_ = 0;

@@ -50,12 +50,21 @@ struct Snapshot {
   int64_t num_recv_tokens = -1;
   std::vector<uint8_t> x, x_scales, topk_idx, topk_weights, recv_count, out;
   std::vector<uint8_t> prefix, in_rank, src_idx, per_expert;
+  // expert-contiguous layout; out2 = the unweighted finalize (out: weighted with topk_weights)
+  int64_t contig_rows = -1;
+  std::vector<uint8_t> cx, cscales, coffsets, crow_expert, cpair_row, out2;
   int64_t cache_hits = 0;
   DispatchStats stats;
 };
 
 void take_prepare(const PrepareResult& p, Snapshot& s) {
   s.num_recv_tokens = p.num_recv_tokens;
+  s.contig_rows = p.contiguous.num_rows;
+  s.cx = host_bytes(p.contiguous.x);
+  s.cscales = host_bytes(p.contiguous.x_scales);
+  s.coffsets = host_bytes(p.contiguous.expert_offsets);
+  s.crow_expert = host_bytes(p.contiguous.row_expert);
+  s.cpair_row = host_bytes(p.contiguous.pair_row);
   s.x = host_bytes(p.x);
   s.x_scales = host_bytes(p.x_scales);
   s.topk_idx = host_bytes(p.topk_idx);
@@ -70,34 +79,49 @@ using Rounds = std::vector<std::vector<RankInput>>;  // [round][rank]
 
 struct HtCase {
   Case c;
+  bool contig = false;  ///< DispatchConfig::expert_contiguous (finalize weighted, then unweighted)
   Rounds rounds;
   std::vector<std::vector<Snapshot>> want;  // [round][rank]
 };
 
 uint64_t eo_seed(const Case& c, size_t round, int rank) { return c.seed * 7919 + round * 131 + static_cast<uint64_t>(rank) + 5; }
 
-std::vector<std::vector<Snapshot>> run_cpu(const Case& c, const Rounds& rounds) {
+DispatchConfig config_of(const Case& c, bool contig) {
+  DispatchConfig cfg = c.config();
+  cfg.expert_contiguous = contig;
+  return cfg;
+}
+
+std::vector<std::vector<Snapshot>> run_cpu(const Case& c, const Rounds& rounds, bool contig) {
   auto groups = make_cpu_groups(c.R, 120.0);
   std::vector<std::vector<Snapshot>> snaps(rounds.size(), std::vector<Snapshot>(static_cast<size_t>(c.R)));
   run_ranks(groups, [&](int r) {
-    auto pf = make_prepare_finalize("ht", groups[static_cast<size_t>(r)], c.config());
+    auto pf = make_prepare_finalize("ht", groups[static_cast<size_t>(r)], config_of(c, contig));
     auto* ht = dynamic_cast<dispatch::HtCpu*>(pf.get());
     if (!ht) throw std::runtime_error("ht on CPU is not HtCpu");
     for (size_t i = 0; i < rounds.size(); ++i) {
       const RankInput& ri = rounds[i][static_cast<size_t>(r)];
       Snapshot& s = snaps[i][static_cast<size_t>(r)];
-      take_prepare(pf->prepare({ri.x, ri.topk_idx, ri.topk_weights}), s);
+      const PrepareResult p = pf->prepare({ri.x, ri.topk_idx, ri.topk_weights});
+      take_prepare(p, s);
       const dispatch::HtHandle& h = ht->handle();
       s.prefix = vec_bytes(h.rank_prefix_matrix);
       s.in_rank = vec_bytes(h.is_token_in_rank);
       s.src_idx = vec_bytes(h.recv_src_idx);
       s.per_expert = vec_bytes(h.num_recv_tokens_per_expert);
       s.cache_hits = h.layout_cache_hits;
-      const Tensor eo = expert_out_for(s.num_recv_tokens, c.H, eo_seed(c, i, r));
+      const Tensor eo = expert_out_for(contig ? s.contig_rows : s.num_recv_tokens, c.H, eo_seed(c, i, r));
       Tensor out = Tensor::empty({ri.x.size(0), c.H}, DType::bf16);
       poison(out);
-      pf->finalize({eo, out});
+      FinalizeArgs fa{eo, out};
+      if (contig) fa.topk_weights = p.topk_weights;
+      pf->finalize(fa);
       s.out = host_bytes(out);
+      if (contig) {
+        poison(out);
+        pf->finalize({eo, out});
+        s.out2 = host_bytes(out);
+      }
       s.stats = pf->stats();
     }
   });
@@ -114,6 +138,14 @@ std::string compare(const Snapshot& got, const Snapshot& want) {
   d += first_diff("topk_weights", got.topk_weights, want.topk_weights);
   d += first_diff("recv_count", got.recv_count, want.recv_count);
   d += first_diff("out", got.out, want.out);
+  if (got.contig_rows != want.contig_rows)
+    d += "contiguous.num_rows " + std::to_string(got.contig_rows) + ", want " + std::to_string(want.contig_rows) + "; ";
+  d += first_diff("contiguous.x", got.cx, want.cx);
+  d += first_diff("contiguous.x_scales", got.cscales, want.cscales);
+  d += first_diff("contiguous.expert_offsets", got.coffsets, want.coffsets);
+  d += first_diff("contiguous.row_expert", got.crow_expert, want.crow_expert);
+  d += first_diff("contiguous.pair_row", got.cpair_row, want.cpair_row);
+  d += first_diff("out (unweighted)", got.out2, want.out2);
   d += first_diff("rank_prefix_matrix", got.prefix, want.prefix);
   d += first_diff("is_token_in_rank", got.in_rank, want.in_rank);
   d += first_diff("recv_src_idx", got.src_idx, want.src_idx);
@@ -141,6 +173,7 @@ std::vector<HtCase> make_cases() {
     double zipf, masked;
     bool shared, dups, idx64;
     int align;
+    bool contig = false;
   };
   const std::vector<Spec> specs = {
       {7168, DType::fp8_e4m3, false, 256, 8, 4096, {4096, 4096}, 0.0, 0.05, false, false, false, 1},   // ht-v3 fp8
@@ -150,11 +183,15 @@ std::vector<HtCase> make_cases() {
       {7168, DType::bf16, false, 256, 9, 4096, {1, 4096}, 0.0, 0.1, true, true, false, 32},            // shared route
       {2048, DType::fp8_e4m3, false, 16, 4, 8192, {8192, 8192}, 1.5, 0.3, false, true, true, 1},       // skewed, small E
       {2048, DType::bf16, false, 3, 2, 300, {300, 299}, 0.0, 0.2, false, false, false, 1},             // a rank holds 1 expert
+      {2048, DType::fp8_e4m3, false, 256, 8, 4096, {4096, 4095}, 1.2, 0.1, false, true, false, 128, true},  // expert-contiguous, Zipf
+      {7168, DType::bf16, false, 64, 6, 1024, {1000, 1}, 0.0, 0.1, true, true, true, 32, true},        // expert-contiguous, shared
+      {2048, DType::bf16, false, 16, 4, 64, {0, 0}, 0.0, 0.0, false, false, false, 8, true},            // expert-contiguous, empty
   };
   std::vector<HtCase> cases;
   uint64_t seed = 41;
   for (const Spec& sp : specs) {
     HtCase g;
+    g.contig = sp.contig;
     Case& c = g.c;
     c.R = 2;
     c.E = sp.E;
@@ -187,10 +224,10 @@ std::vector<HtCase> make_cases() {
   return cases;
 }
 
-std::vector<Snapshot> run_gpu(const Case& c, const Rounds& rounds, const std::shared_ptr<Group>& g, cudaStream_t stream) {
+std::vector<Snapshot> run_gpu(const Case& c, const Rounds& rounds, bool contig, const std::shared_ptr<Group>& g, cudaStream_t stream) {
   const int r = g->rank();
   const Device dev = g->device();
-  auto pf = make_prepare_finalize("ht", g, c.config());
+  auto pf = make_prepare_finalize("ht", g, config_of(c, contig));
   auto* ht = dynamic_cast<dispatch::HtCuda*>(pf.get());
   if (!ht) throw std::runtime_error("ht on CUDA is not HtCuda");
   std::vector<Snapshot> snaps(rounds.size());
@@ -208,12 +245,20 @@ std::vector<Snapshot> run_gpu(const Case& c, const Rounds& rounds, const std::sh
     s.src_idx = host_bytes(h.recv_src_idx);
     s.per_expert = host_bytes(h.num_recv_tokens_per_expert);
     s.cache_hits = h.layout_cache_hits;
-    const Tensor eo = expert_out_for(s.num_recv_tokens, c.H, eo_seed(c, i, r)).to(dev);
+    const Tensor eo = expert_out_for(contig ? s.contig_rows : s.num_recv_tokens, c.H, eo_seed(c, i, r)).to(dev);
     const Tensor out = Tensor::empty({T, c.H}, DType::bf16, dev);
     if (T > 0) cuda_ok(cudaMemset(out.data(), 0xFF, static_cast<size_t>(out.nbytes())), "poison out");
-    pf->finalize({eo, out, Stream{stream}});
+    FinalizeArgs fa{eo, out, Stream{stream}};
+    if (contig) fa.topk_weights = p.topk_weights;
+    pf->finalize(fa);
     cuda_ok(cudaStreamSynchronize(stream), "sync after finalize");
     s.out = host_bytes(out);
+    if (contig) {
+      if (T > 0) cuda_ok(cudaMemset(out.data(), 0xFF, static_cast<size_t>(out.nbytes())), "poison out");
+      pf->finalize({eo, out, Stream{stream}});
+      cuda_ok(cudaStreamSynchronize(stream), "sync after finalize");
+      s.out2 = host_bytes(out);
+    }
     s.stats = pf->stats();
   }
   return snaps;
@@ -401,12 +446,22 @@ std::string check_errors(const std::shared_ptr<Group>& g, cudaStream_t stream) {
     what = e.what();
   }
   if (what.find("expert_out.shape[0]") == std::string::npos) failures += "finalize rows: '" + what + "'; ";
+  // Combine weights need the expert-contiguous layout (Flat rows come weighted from the experts).
+  what.clear();
+  try {
+    FinalizeArgs fa{eo, out, Stream{stream}};
+    fa.topk_weights = p.topk_weights;
+    pf->finalize(fa);
+  } catch (const InvalidArgument& e) {
+    what = e.what();
+  }
+  if (what.find("topk_weights") == std::string::npos) failures += "finalize topk_weights without expert_contiguous: '" + what + "'; ";
   return failures;
 }
 
 void run_world() {
   std::vector<HtCase> cases = make_cases();
-  for (HtCase& hc : cases) hc.want = run_cpu(hc.c, hc.rounds);
+  for (HtCase& hc : cases) hc.want = run_cpu(hc.c, hc.rounds, hc.contig);
   const GraphCase gc = make_graph_case();
   const std::string path = fresh_dir() + "/uid";
   const std::string failed = run_ranks_forked(2, 500.0, [&](int rank) {
@@ -416,14 +471,14 @@ void run_world() {
     cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
     std::string failures;
     for (const HtCase& hc : cases) {
-      const auto got = run_gpu(hc.c, hc.rounds, g, stream);
+      const auto got = run_gpu(hc.c, hc.rounds, hc.contig, g, stream);
       for (size_t i = 0; i < got.size(); ++i) {
         const std::string d = compare(got[i], hc.want[i][static_cast<size_t>(rank)]);
         if (!d.empty()) failures += "round " + std::to_string(i) + " rank " + std::to_string(rank) + " " + hc.c.describe() + ": " + d + "\n";
       }
       if (rank == 0)
-        std::printf("ht %s: N_recv %lld/%lld/%lld, cache hits %lld: %s\n", hc.c.describe().c_str(),
-                    static_cast<long long>(got[0].num_recv_tokens), static_cast<long long>(got[1].num_recv_tokens),
+        std::printf("ht%s %s: N_recv %lld/%lld/%lld, cache hits %lld: %s\n", hc.contig ? " expert_contiguous" : "",
+                    hc.c.describe().c_str(), static_cast<long long>(got[0].num_recv_tokens), static_cast<long long>(got[1].num_recv_tokens),
                     static_cast<long long>(got[2].num_recv_tokens), static_cast<long long>(got[2].cache_hits),
                     failures.empty() ? "bit-exact vs HtCpu" : "DIFFER");
     }

@@ -79,6 +79,13 @@ __device__ __forceinline__ bool wait_flag(const HtParams& p, int f, int s, uint6
 
 using device::load_id;
 
+/// Index of this warp with consecutive indices in different CTAs (warp w of CTA b -> w * gridDim + b):
+/// work dealt round-robin by this index spreads over every SM of the budget, not over the first CTAs.
+__device__ __forceinline__ int64_t spread_warp_index() {
+  return static_cast<int64_t>(threadIdx.x >> 5) * gridDim.x + blockIdx.x;
+}
+
+
 /// device::block_exclusive_scan (block_primitives.cuh) followed by a __syncthreads, so that s_warp is
 /// free again when it returns; every thread calls it.
 __device__ __forceinline__ int block_exclusive_scan(int value, int* s_warp, int& total) {
@@ -103,7 +110,7 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(HtParams p) {
   __shared__ int s_warp[32];
   __shared__ unsigned long long s_bad;
   __shared__ int s_rows[kHtMaxRanks];
-  __shared__ int s_valid, s_fail, s_differs;
+  __shared__ int s_valid, s_fail, s_differs, s_contig;
   __shared__ uint64_t s_epoch;
   extern __shared__ int s_counts[];  // [R * Lmax]
 
@@ -114,6 +121,7 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(HtParams p) {
     s_bad = ULLONG_MAX;
     s_valid = 0;
     s_fail = 0;
+    s_contig = 0;
     s_differs = !(st.cache_valid && st.cache_tokens == T) || p.local_status != 0;
   }
   __syncthreads();
@@ -253,7 +261,9 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(HtParams p) {
     for (int s = 0; s < R; ++s) sum += slot_word(s, R + 2 + e);
     const int a = p.expert_alignment;
     recv_count[e] = any_bad ? 0 : (sum + a - 1) / a * a;
+    atomicAdd(&s_contig, recv_count[e]);
   }
+  __syncthreads();
   if (threadIdx.x == 0) {
     for (int d = 0; d < R; ++d) {
       int acc = 0;
@@ -285,6 +295,7 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(HtParams p) {
     rec->dedup_rows = any_bad ? 0 : st.dedup_rows;
     rec->rows_to_self = any_bad ? 0 : st.rows_to[me];
     rec->rows_from_others = any_bad ? 0 : off - slot_word(me, me);
+    rec->contig_rows = s_contig;
     st.epoch_dispatch = epoch;
     st.timeline[kTlLayoutEnd] = globaltimer_ns();
     __threadfence_system();
@@ -485,6 +496,109 @@ __global__ void __launch_bounds__(kMaxThreads) dispatch_kernel(HtParams p) {
   finish_and_handshake(p, &state_of(p).ticket_dispatch, kFlagDispatch, epoch, kOpDispatch);
 }
 
+// ---- expert-contiguous layout ----------------------------------------------------------------------
+
+constexpr int kContigThreads = 512;
+
+/// CTA e < L: the rows of local expert e in received-row order (a block-wide scan per 512 rows),
+/// their pair_row entries, and its padding rows; CTA 0 also writes the offsets and the -1 pairs.
+__global__ void __launch_bounds__(kContigThreads) contig_map_kernel(HtParams p) {
+  const HtState& st = state_of(p);
+  if (st.failed) return;
+  const int L = p.num_local, K = p.l.top_k, e = blockIdx.x;
+  const int64_t N = st.any_bad ? 0 : st.num_recv;
+  const int32_t* recv_count = arr<int32_t>(p, p.a.recv_count);
+  const int32_t* idx = reinterpret_cast<const int32_t*>(p.peers[p.l.rank] + p.l.off_idx);
+  __shared__ int s_warp[32];
+  __shared__ int s_base;
+  if (e == 0) {
+    const int64_t end = (p.worst_case ? p.l.rows() : N) * K;
+    for (int64_t i = threadIdx.x; i < end; i += blockDim.x)
+      if (i >= N * K || idx[i] < 0) p.contig_pair_row[i] = -1;
+    if (threadIdx.x == 0) {
+      int off = 0;
+      for (int l = 0; l < L; ++l) {
+        p.contig_offsets[l] = off;
+        off += recv_count[l];
+      }
+      p.contig_offsets[L] = off;
+    }
+  }
+  if (e >= L) return;
+  if (threadIdx.x == 0) {
+    int off = 0;
+    for (int l = 0; l < e; ++l) off += recv_count[l];
+    s_base = off;
+  }
+  __syncthreads();
+  const int base = s_base;
+  int running = 0;
+  for (int64_t chunk = 0; chunk < N; chunk += blockDim.x) {
+    const int64_t n = chunk + threadIdx.x;
+    int first = -1;
+    if (n < N)
+      for (int k = 0; k < K && first < 0; ++k)
+        if (idx[n * K + k] == e) first = k;
+    int total = 0;
+    const int before = block_exclusive_scan(first >= 0 ? 1 : 0, s_warp, total);
+    if (first >= 0) {
+      const int pos = base + running + before;
+      p.contig_row_expert[pos] = e;
+      p.contig_src[pos] = static_cast<int32_t>(n);
+      for (int k = first; k < K; ++k)
+        if (idx[n * K + k] == e) p.contig_pair_row[n * K + k] = pos;
+    }
+    running += total;
+  }
+  for (int j = running + threadIdx.x; j < recv_count[e]; j += blockDim.x) {
+    p.contig_row_expert[base + j] = -1;
+    p.contig_src[base + j] = -1;
+  }
+}
+
+/// One warp per contiguous row: copies received row contig_src[i] (payload, and fp8 scales), or zeros
+/// a padding row; worst-case mode marks rows [M, contig_cap) with row_expert -1.
+__global__ void __launch_bounds__(kMaxThreads) contig_copy_kernel(HtParams p) {
+  const HtState& st = state_of(p);
+  if (st.failed) return;
+  const HtLayout& l = p.l;
+  const int64_t M = p.contig_offsets[p.num_local];
+  const int lane = threadIdx.x & 31;
+  const int64_t W = static_cast<int64_t>(gridDim.x) * (blockDim.x >> 5);
+  const int64_t n16 = l.payload_bytes() / 16, G = l.use_fp8 ? l.groups() : 0;
+  const uint8_t* x = p.peers[l.rank] + l.off_x;
+  const float* scales = reinterpret_cast<const float*>(p.peers[l.rank] + l.off_scales);
+  for (int64_t i = spread_warp_index(); i < M; i += W) {
+    const int32_t src = p.contig_src[i];
+    uint4* dst = reinterpret_cast<uint4*>(p.contig_x + i * l.payload_bytes());
+    if (src < 0) {
+      for (int64_t v = lane; v < n16; v += 32) dst[v] = make_uint4(0, 0, 0, 0);
+      for (int64_t g = lane; g < G; g += 32) p.contig_scales[i * G + g] = 0.0f;
+      continue;
+    }
+    const uint4* s = reinterpret_cast<const uint4*>(x + src * l.payload_bytes());
+    constexpr int U = 4;
+    for (int64_t base = 0; base < n16; base += 32 * U) {
+      uint4 v[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int64_t j = base + u * 32 + lane;
+        if (j < n16) v[u] = s[j];
+      }
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int64_t j = base + u * 32 + lane;
+        if (j < n16) dst[j] = v[u];
+      }
+    }
+    for (int64_t g = lane; g < G; g += 32) p.contig_scales[i * G + g] = scales[src * G + g];
+  }
+  if (p.worst_case)
+    for (int64_t i = M + blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < p.contig_cap;
+         i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+      p.contig_row_expert[i] = -1;
+}
+
 // ---- combine --------------------------------------------------------------------------------------
 
 /// One warp copies one bf16 row (16-byte vectors, U per lane in flight, when both ends allow).
@@ -560,12 +674,6 @@ __device__ __forceinline__ void reduce_token(const uint16_t* const* rows, int n,
   }
 }
 
-/// Index of this warp with consecutive indices in different CTAs (warp w of CTA b -> w * gridDim + b):
-/// work dealt round-robin by this index spreads over every SM of the budget, not over the first CTAs.
-__device__ __forceinline__ int64_t spread_warp_index() {
-  return static_cast<int64_t>(threadIdx.x >> 5) * gridDim.x + blockIdx.x;
-}
-
 /// Partial row of received row n, 8 bf16 at vector index i (16 bytes): Flat = expert_out[n] as is;
 /// expert-contiguous = round_bf16(sum over k in order with pair_row[n,k] >= 0 of w[n,k] * y[pair_row[n,k]])
 /// in fp32 from 0.0f (products and sums rounded separately, no contraction: HtCpu); w = 1 unweighted.
@@ -626,7 +734,8 @@ struct CombineCtx {
 
 /// Reduces token t: its rows from every destination d in rank order; rows from a target d (a rank
 /// whose rows travel through `back`) wait for their chunk flag first (bounded). False on timeout.
-__device__ __forceinline__ bool reduce_one(const HtParams& p, const CombineCtx& cx, int64_t t, int lane) {
+/// ready[d]: the chunk of source d last seen released (a chunk's flag is polled once per warp).
+__device__ __forceinline__ bool reduce_one(const HtParams& p, const CombineCtx& cx, int64_t t, int64_t* ready, int lane) {
   const HtLayout& l = p.l;
   const HtState& st = state_of(p);
   const int64_t H = l.hidden;
@@ -642,9 +751,14 @@ __device__ __forceinline__ bool reduce_one(const HtParams& p, const CombineCtx& 
       rows[n++] = p.expert_out + (st.recv_offset[cx.me] + pos) * H;
       continue;
     }
+    const int64_t chunk = pos / cx.chunk_rows;
+    if (ready[d] == chunk) {
+      rows[n++] = back + (d * l.capacity + pos) * H;
+      continue;
+    }
     int ok = 1;
     if (lane == 0) {
-      const uint64_t* flag = chunk_flags + d * cx.C + pos / cx.chunk_rows;
+      const uint64_t* flag = chunk_flags + d * cx.C + chunk;
       while (ld_acquire_sys(flag) < cx.epoch) {
         if (globaltimer_ns() > cx.deadline) {
           ok = 0;
@@ -661,6 +775,7 @@ __device__ __forceinline__ bool reduce_one(const HtParams& p, const CombineCtx& 
       }
       return false;
     }
+    ready[d] = chunk;
     rows[n++] = back + (d * l.capacity + pos) * H;
   }
   reduce_token(rows, n, p.out + t * H, H, p.io_aligned16, lane);
@@ -731,6 +846,8 @@ __global__ void __launch_bounds__(kMaxThreads) combine_kernel(HtParams p) {
     }
   };
   bool ok = true;
+  int64_t ready[kHtMaxRanks];
+  for (int d = 0; d < R; ++d) ready[d] = -1;
   auto reduce_item = [&](int64_t i) {
     const int64_t c = i / cx.nt;
     const int d = target_of_slot[i % cx.nt];
@@ -740,7 +857,7 @@ __global__ void __launch_bounds__(kMaxThreads) combine_kernel(HtParams p) {
       int first = -1;  // the token's first target in rank order owns it
       for (int e = 0; e < R && first < 0; ++e)
         if (cx.target_slot[e] >= 0 && send_pos[t * R + e] >= 0) first = e;
-      if (first == d) ok = reduce_one(p, cx, t, lane);
+      if (first == d) ok = reduce_one(p, cx, t, ready, lane);
     }
   };
 
@@ -764,7 +881,7 @@ __global__ void __launch_bounds__(kMaxThreads) combine_kernel(HtParams p) {
   for (int64_t t = t_begin; t < t_end && ok; ++t) {
     bool any = false;
     for (int e = 0; e < R; ++e) any |= cx.target_slot[e] >= 0 && send_pos[t * R + e] >= 0;
-    if (!any) ok = reduce_one(p, cx, t, lane);
+    if (!any) ok = reduce_one(p, cx, t, ready, lane);
   }
 
   __shared__ int s_last;

@@ -90,6 +90,8 @@ void validate_config(const std::string& backend, const DispatchConfig& cfg, int 
               "must be >= 0 (0 = no limit, dynamic backends only)");
   require_arg(op, "expert_alignment", cfg.expert_alignment, cfg.expert_alignment >= 1, "must be >= 1");
   require_arg(op, "num_ranks", num_ranks, num_ranks >= 1, "must be >= 1");
+  if (cfg.expert_contiguous)
+    require_arg(op, "expert_contiguous", "true", backend == "ht", "is an ht option (the expert-contiguous layout of its Flat rows)");
 }
 
 InvalidArgument bad_topk_id(const std::string& op, const DispatchConfig& cfg, int64_t t, int64_t k, int64_t value) {
@@ -177,6 +179,10 @@ void PrepareFinalizeBase::begin_finalize(const FinalizeArgs& a, const std::vecto
     check_dtype(op, "out", a.out, {DType::bf16});
     check_shape_vec(op, "out", a.out, {prepared_tokens_, cfg_.hidden});
     check_contiguous(op, "out", a.out);
+    if (a.topk_weights.defined())
+      require_arg(op, "topk_weights", a.topk_weights.describe(), false,
+                  "must be empty for backend " + caps_.name +
+                      " (combine weights apply to ht's expert-contiguous layout; here Experts::apply weights the rows)");
   } catch (const Unsupported& e) {
     err = {LocalError::unsupported, e.what()};
   } catch (const InvalidArgument& e) {

@@ -86,7 +86,8 @@ std::unique_ptr<PrepareFinalize> make_prepare_finalize(const std::string& name, 
                               {"use_ue8m0", cfg.use_ue8m0},
                               {"shared_route", cfg.shared_route},
                               {"expert_alignment", cfg.expert_alignment},
-                              {"use_worst_case_sizing", cfg.use_worst_case_sizing}});
+                              {"use_worst_case_sizing", cfg.use_worst_case_sizing},
+                              {"expert_contiguous", cfg.expert_contiguous}});
   if (index < 0) {
     std::string known;
     for (const auto& b : kBackends) known += (known.empty() ? "" : ", ") + std::string(b.name);

@@ -30,6 +30,7 @@
 #include <cuda_runtime_api.h>
 
 #include "dispatch/ll_cuda.h"
+#include "dispatch/ht_cuda.h"
 #endif
 
 namespace epx::cli {
@@ -306,6 +307,9 @@ void run_epx_backend(const Job& job, const BenchCase& c, int64_t T, const std::s
   const int R = group->size(), rank = group->rank();
   const DispatchConfig cfg = dispatch_config(c, T, job.dtype);
   auto pf = make_prepare_finalize(job.backend, group, cfg);
+#ifdef EPX_WITH_CUDA
+  if (auto* ht = dynamic_cast<dispatch::HtCuda*>(pf.get())) res.sms = ht->num_sms();
+#endif
   auto experts = make_identity_experts(num_local_experts(cfg, R, rank), c.hidden, dev);
   Tensor out = Tensor::empty({T, c.hidden}, DType::bf16, dev);
   Tensor expert_out;

@@ -1,0 +1,227 @@
+// dispatch/ht_contiguous_test.cpp: ht's optional expert-contiguous layout on CPU ranks (HtCpu, the
+// reference of ht on CUDA): the layout's invariants against the Flat rows of the same prepare, and
+// finalize through it, weighted and unweighted, against the per-rank-partial oracle of
+// dispatch_harness.h (bit for bit) with the test experts run on the contiguous rows.
+#include <gtest/gtest.h>
+
+#include <cstring>
+
+#include "dispatch_harness.h"
+#include "epx/error.h"
+
+using namespace epx;
+using namespace epx::test;
+
+namespace {
+
+struct RankError {
+  std::string type, what;
+};
+
+/// Runs fn(rank, group) on every rank of a fresh CPU group; collects what each threw.
+template <class Fn>
+std::vector<RankError> errors_on_ranks(const Case& c, Fn fn) {
+  auto groups = make_cpu_groups(c.R, 10.0);
+  std::vector<RankError> errs(static_cast<size_t>(c.R));
+  run_ranks(groups, [&](int r) {
+    try {
+      fn(r, groups[static_cast<size_t>(r)]);
+    } catch (const InvalidArgument& e) {
+      errs[static_cast<size_t>(r)] = {"InvalidArgument", e.what()};
+    } catch (const Error& e) {
+      errs[static_cast<size_t>(r)] = {"other", e.what()};
+    }
+  });
+  return errs;
+}
+
+bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
+
+/// Global expert id of local expert l on rank r (the shared route is the last local expert).
+int global_id(const Case& c, int r, int l) {
+  const ExpertRange range = expert_range(c.E, c.R, r);
+  return l < range.size() ? range.begin + l : c.E;
+}
+
+void check_contiguous_case(const Case& c) {
+  SCOPED_TRACE(c.describe());
+  const auto in = make_inputs(c);
+  std::vector<RankInput> ones = in;  // the same routing with every weight 1: the unweighted oracle
+  for (int r = 0; r < c.R; ++r) {
+    Tensor w = Tensor::empty({in[static_cast<size_t>(r)].x.size(0), c.K}, DType::fp32);
+    for (int64_t i = 0; i < w.numel(); ++i) w.ptr<float>()[i] = 1.0f;
+    ones[static_cast<size_t>(r)].topk_weights = w;
+  }
+  auto groups = make_cpu_groups(c.R, 30.0);
+  std::vector<Tensor> weighted(static_cast<size_t>(c.R)), unweighted(static_cast<size_t>(c.R));
+  std::vector<std::string> problems(static_cast<size_t>(c.R));
+  run_ranks(groups, [&](int r) {
+    DispatchConfig cfg = c.config();
+    cfg.expert_contiguous = true;
+    auto pf = make_prepare_finalize("ht", groups[static_cast<size_t>(r)], cfg);
+    const RankInput& ri = in[static_cast<size_t>(r)];
+    const PrepareResult p = pf->prepare({ri.x, ri.topk_idx, ri.topk_weights});
+    const ExpertContiguousLayout& cl = p.contiguous;
+    std::string& bad = problems[static_cast<size_t>(r)];
+    const int64_t N = p.num_recv_tokens, H = c.H, K = c.K, L = p.recv_count.numel(), M = cl.num_rows;
+    const bool fp8 = c.dtype == DType::fp8_e4m3;
+    const int64_t payload = fp8 ? H : 2 * H, G = H / kFp8GroupSize;
+    const int32_t* off = cl.expert_offsets.ptr<const int32_t>();
+    const int32_t* count = p.recv_count.ptr<const int32_t>();
+    // Offsets = exclusive prefix sum of the aligned counts.
+    int64_t acc = 0;
+    for (int64_t l = 0; l < L; ++l) {
+      if (off[l] != acc) bad += "offsets[" + std::to_string(l) + "]; ";
+      if (count[l] % c.align != 0) bad += "recv_count not aligned; ";
+      acc += count[l];
+    }
+    if (off[L] != acc || M != acc) bad += "M = " + std::to_string(M) + ", want " + std::to_string(acc) + "; ";
+    // Every pair: its row holds the Flat row, belongs to the expert, duplicates share it; each
+    // expert's rows in received order, then padding.
+    std::vector<int64_t> used(static_cast<size_t>(M), -1);
+    const int32_t* idx = p.topk_idx.ptr<const int32_t>();
+    const int32_t* pair = cl.pair_row.ptr<const int32_t>();
+    const int32_t* row_expert = cl.row_expert.ptr<const int32_t>();
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t k = 0; k < K; ++k) {
+        const int32_t e = idx[n * K + k], row = pair[n * K + k];
+        if (e < 0) {
+          if (row != -1) bad += "pair_row of a -1 selection; ";
+          continue;
+        }
+        if (row < off[e] || row >= off[e + 1] || row_expert[row] != e) {
+          bad += "pair (" + std::to_string(n) + ", " + std::to_string(k) + ") outside its expert; ";
+          continue;
+        }
+        if (used[static_cast<size_t>(row)] >= 0 && used[static_cast<size_t>(row)] != n) bad += "a row shared by two received rows; ";
+        used[static_cast<size_t>(row)] = n;
+        if (std::memcmp(cl.x.ptr<const uint8_t>() + row * payload, p.x.ptr<const uint8_t>() + n * payload, static_cast<size_t>(payload)) ||
+            (fp8 && std::memcmp(cl.x_scales.ptr<const float>() + row * G, p.x_scales.ptr<const float>() + n * G, static_cast<size_t>(G * 4))))
+          bad += "row " + std::to_string(row) + " is not received row " + std::to_string(n) + "; ";
+      }
+    for (int64_t l = 0; l < L; ++l) {
+      int64_t prev = -1;
+      bool padding = false;
+      for (int64_t row = off[l]; row < off[l + 1]; ++row) {
+        const int64_t n = used[static_cast<size_t>(row)];
+        if (n < 0) {
+          padding = true;
+          if (row_expert[row] != -1) bad += "padding row_expert; ";
+          for (int64_t b = 0; b < payload; ++b)
+            if (cl.x.ptr<const uint8_t>()[row * payload + b] != 0) {
+              bad += "padding row not zero; ";
+              break;
+            }
+        } else if (padding || n <= prev) {
+          bad += "expert " + std::to_string(l) + " rows out of order; ";
+        }
+        if (n >= 0) prev = n;
+      }
+    }
+    // The experts on the contiguous rows, unweighted; finalize weights them (or not).
+    Tensor eo = Tensor::empty({M, H}, DType::bf16);
+    poison(eo);
+    std::vector<float> xr(static_cast<size_t>(H)), y(static_cast<size_t>(H));
+    for (int64_t row = 0; row < M; ++row) {
+      if (row_expert[row] < 0) continue;
+      if (fp8)
+        dequantize_fp8_row(cl.x.ptr<const uint8_t>() + row * H, cl.x_scales.ptr<const float>() + row * G, H, xr.data(), kFp8GroupSize);
+      else
+        for (int64_t i = 0; i < H; ++i) xr[static_cast<size_t>(i)] = bf16_bits_to_float(cl.x.ptr<const uint16_t>()[row * H + i]);
+      expert_fn(global_id(c, r, row_expert[row]), xr.data(), H, y.data());
+      for (int64_t i = 0; i < H; ++i) eo.ptr<uint16_t>()[row * H + i] = float_to_bf16_bits(y[static_cast<size_t>(i)]);
+    }
+    const int64_t T = ri.x.size(0);
+    weighted[static_cast<size_t>(r)] = Tensor::empty({T, H}, DType::bf16);
+    unweighted[static_cast<size_t>(r)] = Tensor::empty({T, H}, DType::bf16);
+    poison(weighted[static_cast<size_t>(r)]);
+    poison(unweighted[static_cast<size_t>(r)]);
+    FinalizeArgs fa{eo, weighted[static_cast<size_t>(r)]};
+    fa.topk_weights = p.topk_weights;
+    pf->finalize(fa);
+    pf->finalize({eo, unweighted[static_cast<size_t>(r)]});
+  });
+  for (int r = 0; r < c.R; ++r) {
+    EXPECT_EQ(problems[static_cast<size_t>(r)], "") << "rank " << r;
+    EXPECT_EQ(count_bit_diffs(weighted[static_cast<size_t>(r)], oracle_out(c, in[static_cast<size_t>(r)], r, true)), 0) << "weighted, rank " << r;
+    EXPECT_EQ(count_bit_diffs(unweighted[static_cast<size_t>(r)], oracle_out(c, ones[static_cast<size_t>(r)], r, true)), 0)
+        << "unweighted, rank " << r;
+  }
+}
+
+}  // namespace
+
+TEST(HtContiguous, MatchesTheFlatRowsAndTheOracle) {
+  Case c;
+  c.R = 2;
+  c.E = 16;
+  c.K = 4;
+  c.H = 256;
+  c.cap = 64;
+  c.T = {64, 37};
+  c.dups = true;
+  c.masked = 0.2;
+  c.align = 8;
+  c.seed = 11;
+  check_contiguous_case(c);
+  c.dtype = DType::fp8_e4m3;
+  c.zipf = 1.3;
+  c.seed = 12;
+  check_contiguous_case(c);
+  c.R = 3;
+  c.E = 7;
+  c.K = 3;
+  c.shared = true;
+  c.align = 1;
+  c.T = {0, 5, 64};
+  c.seed = 13;
+  check_contiguous_case(c);
+  c.T = {0, 0, 0};
+  check_contiguous_case(c);
+}
+
+TEST(HtContiguous, ErrorsNameTheArgument) {
+  Case c;
+  c.R = 2;
+  c.E = 8;
+  c.K = 2;
+  c.H = 64;
+  c.cap = 16;
+  const auto in = make_inputs(c);
+  // expert_contiguous is an ht option.
+  auto errs = errors_on_ranks(c, [&](int, std::shared_ptr<Group> g) {
+    DispatchConfig cfg = c.config();
+    cfg.expert_contiguous = true;
+    make_prepare_finalize("all2allv", g, cfg);
+  });
+  for (int r = 0; r < c.R; ++r) EXPECT_TRUE(contains(errs[r].what, "expert_contiguous")) << errs[r].what;
+  // Combine weights without the contiguous layout: InvalidArgument on every rank.
+  errs = errors_on_ranks(c, [&](int r, std::shared_ptr<Group> g) {
+    auto pf = make_prepare_finalize("ht", g, c.config());
+    const RankInput& ri = in[static_cast<size_t>(r)];
+    const PrepareResult p = pf->prepare({ri.x, ri.topk_idx, ri.topk_weights});
+    Tensor eo = Tensor::zeros({p.num_recv_tokens, c.H}, DType::bf16), out = Tensor::empty({ri.x.size(0), c.H}, DType::bf16);
+    FinalizeArgs fa{eo, out};
+    fa.topk_weights = p.topk_weights;
+    pf->finalize(fa);
+  });
+  for (int r = 0; r < c.R; ++r) {
+    EXPECT_EQ(errs[r].type, "InvalidArgument") << "rank " << r;
+    EXPECT_TRUE(contains(errs[r].what, "topk_weights")) << errs[r].what;
+  }
+  // Contiguous: expert_out with N_recv rows instead of M on rank 1 -> every rank throws.
+  errs = errors_on_ranks(c, [&](int r, std::shared_ptr<Group> g) {
+    DispatchConfig cfg = c.config();
+    cfg.expert_contiguous = true;
+    auto pf = make_prepare_finalize("ht", g, cfg);
+    const RankInput& ri = in[static_cast<size_t>(r)];
+    const PrepareResult p = pf->prepare({ri.x, ri.topk_idx, ri.topk_weights});
+    Tensor eo = Tensor::zeros({r == 1 ? p.contiguous.num_rows + 1 : p.contiguous.num_rows, c.H}, DType::bf16);
+    Tensor out = Tensor::empty({ri.x.size(0), c.H}, DType::bf16);
+    pf->finalize({eo, out});
+  });
+  for (int r = 0; r < c.R; ++r) {
+    EXPECT_EQ(errs[r].type, "InvalidArgument") << "rank " << r;
+    EXPECT_TRUE(contains(errs[r].what, r == 1 ? "expert_out.shape" : "rank 1")) << errs[r].what;
+  }
+}

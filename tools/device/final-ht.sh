@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# tools/device/final-ht.sh: the ht benchmark figures of issue 5 in the final integrated device run
+# (after tools/device/gpu-check.sh built the tree). Environment: OUT (results folder), SRC (source
+# root; default: this checkout), EPX (the epx binary; default /tmp/epx-gpu-check/build/epx),
+# HT_FINAL_S (seconds for all of it, default 85). Writes $OUT/ht-v3-sms{48,24,16,8}.json and
+# $OUT/ht-v3-zipf-sms{48,24}.json (RESULTS.md format; for bench/results/h200x2/) and ht-final.log.
+# Each run: `epx bench --case ht-v3 --backend ht,nccl_a2a_raw --ranks 2` (fp8 and bf16 dispatch,
+# combine; nccl_a2a_raw in the same run), with EPX_HT_NUM_SMS set; every ht row validated vs HtCpu.
+set -uo pipefail
+T0=$SECONDS
+BUDGET=${HT_FINAL_S:-85}
+OUT=${OUT:-/tmp/ht-final-out}
+SRC=${SRC:-$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)}
+EPX=${EPX:-/tmp/epx-gpu-check/build/epx}
+mkdir -p "$OUT"
+export NCCL_NVLS_ENABLE=0
+cd "$SRC" || exit 1
+run() {  # run <name> <limit_s> <sms> [extra epx args]
+  local name=$1 lim=$2 sms=$3
+  shift 3
+  local l=$((BUDGET - (SECONDS - T0)))
+  [ "$l" -lt "$lim" ] && lim=$l
+  if [ "$lim" -lt 5 ]; then echo "== skipped $name (no time left)"; return; fi
+  echo "== $(date -u +%T) $name: EPX_HT_NUM_SMS=$sms (limit $lim s)"
+  EPX_HT_NUM_SMS=$sms timeout -k 2 "$lim" "$EPX" bench --case ht-v3 --backend ht,nccl_a2a_raw --ranks 2 --warmup 5 --iters 30 "$@" \
+    --json "$OUT/$name.json"
+  echo "   rc=$?"
+}
+{
+  run ht-v3-sms48 20 48
+  run ht-v3-sms24 20 24
+  run ht-v3-sms16 20 16
+  run ht-v3-sms8 25 8
+  run ht-v3-zipf-sms48 20 48 --routing zipf
+  run ht-v3-zipf-sms24 20 24 --routing zipf
+} >"$OUT/ht-final.log" 2>&1
+grep -E "^==|rc=|^ht|nccl_a2a_raw" "$OUT/ht-final.log" | head -80
