@@ -20,7 +20,7 @@
 // waits on the host once (the sizes of the collectives that follow depend on every rank's counts),
 // so they are not graph-safe. ht on CUDA (src/dispatch/ht_cuda.h) moves rows with its own kernels over
 // NCCL symmetric memory: one host read of N_recv per prepare, none with use_worst_case_sizing
-// (graph-safe). ll on CUDA (src/dispatch/ll_cuda.h) runs its own kernels over NCCL symmetric memory:
+// (graph-safe; with DispatchArgs::num_tokens one graph serves every T). ll on CUDA (src/dispatch/ll_cuda.h) runs its own kernels over NCCL symmetric memory:
 // no host sync, graph-safe, the token count optionally on the device (DispatchArgs::num_tokens).
 //
 // Expert placement: global expert e lives on rank expert_rank(e); E experts are split into R
@@ -76,8 +76,8 @@ struct DispatchArgs {
   Stream stream{};
   /// Optional token count given on the device ([1] int32 on the group's GPU, 0 <= value <= x.shape[0]):
   /// only rows [0, value) of x / topk_* take part, so one CUDA graph captured with x [max_T, H] serves
-  /// every T. Empty (default) = x.shape[0]. Read by ll on CUDA; every other backend throws
-  /// InvalidArgument when it is set.
+  /// every T. Empty (default) = x.shape[0]. Read by ll and ht on CUDA (finalize then writes rows
+  /// [0, value) of out only); every other backend throws InvalidArgument when it is set.
   TensorView num_tokens{};
 };
 

@@ -36,7 +36,7 @@ PrepareResult HtCpu::prepare(const DispatchArgs& args) {
     int32_t* off = contig_offsets_.ptr<int32_t>();
     for (int64_t l = 0; l < L; ++l) off[l + 1] = off[l] + counts[l];
     const int64_t M = off[L];
-    contig_x_ = Tensor::zeros({M, H}, recv_.x.dtype());
+    contig_x_ = Tensor::zeros({M, H}, fp8 ? DType::fp8_e4m3 : DType::bf16);
     contig_scales_ = fp8 ? Tensor::zeros({M, G}, DType::fp32) : Tensor();
     contig_row_expert_ = Tensor::empty({M}, DType::int32);
     std::fill_n(contig_row_expert_.ptr<int32_t>(), M, -1);

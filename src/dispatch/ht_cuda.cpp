@@ -45,6 +45,7 @@ HtCuda::HtCuda(std::shared_ptr<Group> group, const DispatchConfig& cfg)
   auto* nccl = dynamic_cast<comm::NcclGroup*>(group_.get());
   if (!nccl) throw Unsupported(op + ": group " + group_->name() + " is not an NCCL group: ht on CUDA needs symmetric memory");
   caps_.graph_safe = cfg_.use_worst_case_sizing;
+  accepts_device_num_tokens_ = true;
   require_arg(op, "num_ranks", num_ranks_, num_ranks_ <= kHtMaxRanks,
               "must be <= " + std::to_string(kHtMaxRanks) + " for ht on CUDA (one NVLink domain; peer pointers ride in the kernel parameters)");
   require_arg(op, "num_max_dispatch_tokens_per_rank", cfg_.num_max_dispatch_tokens_per_rank, cfg_.num_max_dispatch_tokens_per_rank >= 1,
@@ -106,6 +107,9 @@ void HtCuda::throw_sticky_error(const std::string& op) {
     reported_bad_epoch_ = rec->layout_epoch;
     const int bad_rank = rec->bad_rank;
     const int64_t bad_index = rec->bad_index;
+    if (rec->bad_num_tokens)
+      throw InvalidArgument(op + ": an earlier prepare was rejected: its num_tokens = " + std::to_string(rec->bad_num_tokens_value) +
+                            " (read on the device) was outside [0, x.shape[0]]: it moved nothing (N_recv = 0, every topk_idx -1)");
     throw InvalidArgument(op + ": an earlier prepare was rejected by rank " + std::to_string(bad_rank) +
                           (bad_rank == rank_ && bad_index >= 0
                                ? " (this rank: topk_idx[" + std::to_string(bad_index / cfg_.top_k) + ", " +
@@ -141,10 +145,12 @@ PrepareResult HtCuda::prepare(const DispatchArgs& args) {
   throw_sticky_error(op);
   cuda::DeviceGuard guard(group_->device().index);
   LocalError err = check_args(args);
-  if (err.kind == LocalError::none && args.num_tokens.defined())
-    err = {LocalError::invalid_argument,
-           arg_message(op, "num_tokens", args.num_tokens.describe(),
-                       "must be empty for ht on CUDA: T is x.shape[0] (capture one graph per T; a device token count is not read yet)")};
+  if (err.kind == LocalError::none && args.num_tokens.defined()) {
+    if (args.num_tokens.device != group_->device())
+      err = {LocalError::unsupported, wrong_device(op, "num_tokens", args.num_tokens.device)};
+    else if (args.num_tokens.dtype != DType::int32 || args.num_tokens.numel() != 1)
+      err = {LocalError::invalid_argument, arg_message(op, "num_tokens", args.num_tokens.describe(), "must be [1] int32 on the GPU")};
+  }
   HtParams p;
   p.l = layout_;
   p.a = arrays_;
@@ -161,6 +167,7 @@ PrepareResult HtCuda::prepare(const DispatchArgs& args) {
     p.idx_is_i64 = args.topk_idx.dtype == DType::int64;
     p.topk_weights = args.topk_weights.ptr<const float>();
     p.num_tokens = args.x.shape[0];
+    p.num_tokens_dev = args.num_tokens.defined() ? args.num_tokens.ptr<const int32_t>() : nullptr;
   } else {
     p.local_status = 2;
   }
@@ -202,6 +209,9 @@ PrepareResult HtCuda::prepare(const DispatchArgs& args) {
     wait_layout(op);
     const HtHostRecord rec = *const_cast<const HtHostRecord*>(record_host_);
     if (rec.any_bad) {
+      if (rec.bad_num_tokens)
+        throw InvalidArgument(arg_message(op, "num_tokens", rec.bad_num_tokens_value,
+                                          "must be in [0, x.shape[0] = " + std::to_string(args.x.shape[0]) + "] (read on the device): nothing was moved"));
       if (rec.bad_index >= 0) {
         int64_t value = 0;
         if (p.idx_is_i64) {

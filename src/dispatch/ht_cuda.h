@@ -34,6 +34,11 @@
 // and this rank's own rows travel through `back` too.
 // Epochs are monotonic counters in device memory, so no flag is ever reset and graph replays work.
 //
+// Token count on the device (DispatchArgs::num_tokens, [1] int32, 0 <= value <= x.shape[0]): the
+// layout kernel reads it; only rows [0, value) of x / topk_* take part and finalize writes rows
+// [0, value) of out (the rest untouched); the handle's [T, R] views keep T = x.shape[0] rows, of
+// which rows >= value are stale. A value out of range is a bad argument (nothing moves; InvalidArgument
+// on this call, or on the next one in worst-case mode).
 // Worst-case mode (DispatchConfig::use_worst_case_sizing) for CUDA graphs: prepare and finalize do
 // no host sync and no allocation; PrepareResult views have R * num_max_dispatch_tokens_per_rank rows,
 // N_recv is PrepareResult::num_recv_tokens_device ([1] int32, read it after the stream, or let the
@@ -98,6 +103,8 @@ struct HtHostRecord {
   int64_t bad_index = -1;       ///< this rank: first bad flat topk_idx index t*K+k, else -1
   int64_t valid_selections = 0, dedup_rows = 0, rows_to_self = 0, rows_from_others = 0;
   int64_t contig_rows = 0;      ///< sum of the aligned recv_count (rows of the expert-contiguous layout)
+  int32_t bad_num_tokens = 0;   ///< this rank's device num_tokens was out of [0, x.shape[0]] (value below)
+  int32_t bad_num_tokens_value = 0;
   int32_t error_code = 0;       ///< sticky: 1 = a device wait timed out
   int32_t error_peer = -1;      ///< the peer waited for
   int32_t error_op = 0;         ///< 0 layout (prepare), 1 dispatch (prepare), 2 combine (finalize)
@@ -113,6 +120,7 @@ struct HtState {
   int32_t failed;                 ///< a wait timed out: later kernels move nothing
   int32_t any_bad;                ///< the current epoch's arguments were bad on some rank
   int32_t num_recv;               ///< N_recv
+  int32_t num_tokens;             ///< T of the last prepare (DispatchArgs::num_tokens if given, else x.shape[0])
   int32_t valid_selections, dedup_rows;
   int32_t rows_to[kHtMaxRanks];               ///< rows this rank sends to rank d
   int32_t dst_offset[kHtMaxRanks];            ///< first row of this rank's block in rank d's recv
@@ -156,7 +164,8 @@ struct HtParams {
   const void* topk_idx = nullptr;         ///< [T, K] int32 | int64
   bool idx_is_i64 = false;
   const float* topk_weights = nullptr;    ///< [T, K]
-  int64_t num_tokens = 0;                 ///< T
+  int64_t num_tokens = 0;                 ///< T = x.shape[0] (rows of x; an upper bound with num_tokens_dev)
+  const int32_t* num_tokens_dev = nullptr;  ///< DispatchArgs::num_tokens ([1] int32) or null
   int32_t local_status = 0;               ///< 0 ok, 2 the host rejected the arguments
   int expert_alignment = 1;
   // finalize

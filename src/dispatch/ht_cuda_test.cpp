@@ -384,6 +384,136 @@ std::string run_graph(const GraphCase& gc, const std::shared_ptr<Group>& g, cuda
   return failures;
 }
 
+/// Device token count (DispatchArgs::num_tokens) under one captured graph: x / topk_* buffers of
+/// cap rows, a different T per replay (0 and cap included), rows beyond T hold stale tokens of an
+/// earlier replay; out rows beyond T must stay untouched (poison).
+struct DeviceTCase {
+  Case c;
+  Rounds rounds;  // [replay][rank], x with T rows of that replay
+  std::vector<std::vector<Snapshot>> want;
+};
+
+DeviceTCase make_device_t_case() {
+  DeviceTCase g;
+  Case& c = g.c;
+  c.R = 2;
+  c.E = 32;
+  c.K = 4;
+  c.H = 1024;
+  c.cap = 256;
+  c.dtype = DType::fp8_e4m3;
+  c.masked = 0.1;
+  c.zipf = 1.2;
+  const std::vector<std::vector<int64_t>> Ts = {{256, 200}, {0, 17}, {1, 256}, {130, 0}};
+  for (size_t i = 0; i < Ts.size(); ++i) {
+    Case ci = c;
+    ci.T = Ts[i];
+    ci.seed = 300 + i;
+    g.rounds.push_back(make_inputs(ci));
+  }
+  auto groups = make_cpu_groups(c.R, 60.0);
+  g.want.assign(g.rounds.size(), std::vector<Snapshot>(static_cast<size_t>(c.R)));
+  run_ranks(groups, [&](int r) {
+    auto pf = make_prepare_finalize("ht", groups[static_cast<size_t>(r)], c.config());
+    for (size_t i = 0; i < g.rounds.size(); ++i) {
+      const RankInput& ri = g.rounds[i][static_cast<size_t>(r)];
+      Snapshot& s = g.want[i][static_cast<size_t>(r)];
+      const PrepareResult p = pf->prepare({ri.x, ri.topk_idx, ri.topk_weights});
+      take_prepare(p, s);
+      Tensor eo = expert_out_for(p.num_recv_tokens, c.H, eo_seed(c, i, r));
+      Tensor out = Tensor::empty({ri.x.size(0), c.H}, DType::bf16);
+      pf->finalize({eo, out});
+      s.out = host_bytes(out);
+    }
+  });
+  return g;
+}
+
+std::string run_device_t(const DeviceTCase& dc, const std::shared_ptr<Group>& g, cudaStream_t stream) {
+  const Case& c = dc.c;
+  const int r = g->rank();
+  const Device dev = g->device();
+  DispatchConfig cfg = c.config();
+  cfg.use_worst_case_sizing = true;
+  auto pf = make_prepare_finalize("ht", g, cfg);
+  const int64_t cap = c.cap, rows = static_cast<int64_t>(c.R) * cap;
+  const Tensor x = Tensor::empty({cap, c.H}, DType::bf16, dev), idx = Tensor::empty({cap, c.K}, DType::int32, dev),
+               w = Tensor::empty({cap, c.K}, DType::fp32, dev), nt = Tensor::zeros({1}, DType::int32, dev);
+  const Tensor eo = Tensor::empty({rows, c.H}, DType::bf16, dev), out = Tensor::empty({cap, c.H}, DType::bf16, dev);
+  cuda_ok(cudaMemset(x.data(), 0, static_cast<size_t>(x.nbytes())), "x");
+  cuda_ok(cudaMemset(idx.data(), 0, static_cast<size_t>(idx.nbytes())), "idx");  // expert 0 everywhere: stale rows that would move
+  cuda_ok(cudaMemset(w.data(), 0, static_cast<size_t>(w.nbytes())), "w");
+  cuda_ok(cudaDeviceSynchronize(), "sync");
+  g->barrier();
+  cudaGraph_t graph = nullptr;
+  PrepareResult p;
+  DispatchArgs a{x, idx, w, Stream{stream}};
+  a.num_tokens = nt;
+  cuda_ok(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), "begin capture");
+  p = pf->prepare(a);
+  pf->finalize({eo, out, Stream{stream}});
+  cuda_ok(cudaStreamEndCapture(stream, &graph), "end capture");
+  cudaGraphExec_t exec = nullptr;
+  cuda_ok(cudaGraphInstantiate(&exec, graph, 0), "instantiate");
+  std::string failures;
+  for (size_t i = 0; i < dc.rounds.size(); ++i) {
+    const RankInput& ri = dc.rounds[i][static_cast<size_t>(r)];
+    const Snapshot& want = dc.want[i][static_cast<size_t>(r)];
+    const int64_t T = ri.x.size(0);
+    if (T > 0) {
+      cuda_ok(cudaMemcpy(x.data(), ri.x.data(), static_cast<size_t>(ri.x.nbytes()), cudaMemcpyHostToDevice), "x");
+      cuda_ok(cudaMemcpy(idx.data(), ri.topk_idx.data(), static_cast<size_t>(ri.topk_idx.nbytes()), cudaMemcpyHostToDevice), "idx");
+      cuda_ok(cudaMemcpy(w.data(), ri.topk_weights.data(), static_cast<size_t>(ri.topk_weights.nbytes()), cudaMemcpyHostToDevice), "w");
+    }
+    const int32_t t32 = static_cast<int32_t>(T);
+    cuda_ok(cudaMemcpy(nt.data(), &t32, 4, cudaMemcpyHostToDevice), "num_tokens");
+    // The experts' stand-in: the same random rows as HtCpu's, in the first N_recv rows (known from the CPU).
+    const int64_t N = want.num_recv_tokens;
+    if (N > 0) {
+      const Tensor e = expert_out_for(N, c.H, eo_seed(c, i, r));
+      cuda_ok(cudaMemcpy(eo.data(), e.data(), static_cast<size_t>(e.nbytes()), cudaMemcpyHostToDevice), "eo");
+    }
+    cuda_ok(cudaMemset(out.data(), 0xFF, static_cast<size_t>(out.nbytes())), "poison");
+    cuda_ok(cudaDeviceSynchronize(), "sync inputs");
+    g->barrier();
+    cuda_ok(cudaGraphLaunch(exec, stream), "graph launch");
+    cuda_ok(cudaStreamSynchronize(stream), "graph sync");
+    int32_t n = -1;
+    cuda_ok(cudaMemcpy(&n, p.num_recv_tokens_device.data, 4, cudaMemcpyDeviceToHost), "read N_recv");
+    std::string d;
+    if (n != N) d += "N_recv " + std::to_string(n) + ", want " + std::to_string(N) + "; ";
+    const int64_t Ng = std::min<int64_t>(std::max(n, 0), rows);
+    d += first_diff("x", host_bytes(p.x.slice_rows(0, Ng)), want.x) + first_diff("x_scales", host_bytes(p.x_scales.slice_rows(0, Ng)), want.x_scales) +
+         first_diff("topk_idx", host_bytes(p.topk_idx.slice_rows(0, Ng)), want.topk_idx) +
+         first_diff("recv_count", host_bytes(p.recv_count), want.recv_count) + first_diff("out", host_bytes(out.view().slice_rows(0, T)), want.out);
+    const std::vector<uint8_t> beyond = host_bytes(out.view().slice_rows(T, cap));
+    for (size_t j = 0; j < beyond.size(); ++j)
+      if (beyond[j] != 0xFF) {
+        d += "out row " + std::to_string(T + static_cast<int64_t>(j) / (2 * c.H)) + " >= num_tokens was written; ";
+        break;
+      }
+    if (!d.empty()) failures += "device-T replay " + std::to_string(i) + " (T = " + std::to_string(T) + ") rank " + std::to_string(r) + ": " + d + "\n";
+  }
+  // A device count above x.shape[0]: InvalidArgument on the next call, nothing moved, object usable.
+  const int32_t too_many = static_cast<int32_t>(cap + 1 + r);
+  cuda_ok(cudaMemcpy(nt.data(), &too_many, 4, cudaMemcpyHostToDevice), "num_tokens");
+  cuda_ok(cudaGraphLaunch(exec, stream), "graph launch");
+  cuda_ok(cudaStreamSynchronize(stream), "graph sync");
+  std::string what;
+  try {
+    pf->prepare(a);
+  } catch (const InvalidArgument& e) {
+    what = e.what();
+  }
+  if (what.find("num_tokens = " + std::to_string(too_many)) == std::string::npos)
+    failures += "device num_tokens " + std::to_string(too_many) + " on rank " + std::to_string(r) + ": '" + what + "'; ";
+  cuda_ok(cudaStreamSynchronize(stream), "sync");
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  if (r == 0) std::printf("device num_tokens: %zu graph replays, T per replay varies: %s\n", dc.rounds.size(), failures.empty() ? "bit-exact vs HtCpu" : "DIFFER");
+  return failures;
+}
+
 // ---- errors --------------------------------------------------------------------------------------
 
 std::string check_errors(const std::shared_ptr<Group>& g, cudaStream_t stream) {
@@ -463,6 +593,7 @@ void run_world() {
   std::vector<HtCase> cases = make_cases();
   for (HtCase& hc : cases) hc.want = run_cpu(hc.c, hc.rounds, hc.contig);
   const GraphCase gc = make_graph_case();
+  const DeviceTCase dc = make_device_t_case();
   const std::string path = fresh_dir() + "/uid";
   const std::string failed = run_ranks_forked(2, 500.0, [&](int rank) {
     auto g = make_nccl_group(path, rank, 2, rank, 60.0);
@@ -483,6 +614,7 @@ void run_world() {
                     failures.empty() ? "bit-exact vs HtCpu" : "DIFFER");
     }
     failures += run_graph(gc, g, stream);
+    failures += run_device_t(dc, g, stream);
     failures += check_errors(g, stream);
     g->barrier();
     cuda_ok(cudaStreamDestroy(stream), "stream destroy");

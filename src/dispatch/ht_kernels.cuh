@@ -99,7 +99,6 @@ __device__ __forceinline__ int block_exclusive_scan(int value, int* s_warp, int&
 __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(HtParams p) {
   const HtLayout& l = p.l;
   const int R = l.num_ranks, K = l.top_k, me = l.rank, Lmax = l.max_local;
-  const int64_t T = p.num_tokens;
   HtState& st = state_of(p);
   int32_t* expert_counts = arr<int32_t>(p, p.a.expert_counts);
   int32_t* cached_idx = arr<int32_t>(p, p.a.cached_idx);
@@ -110,7 +109,8 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(HtParams p) {
   __shared__ int s_warp[32];
   __shared__ unsigned long long s_bad;
   __shared__ int s_rows[kHtMaxRanks];
-  __shared__ int s_valid, s_fail, s_differs, s_contig;
+  __shared__ int s_valid, s_fail, s_differs, s_contig, s_bad_tokens;
+  __shared__ int64_t s_T;
   __shared__ uint64_t s_epoch;
   extern __shared__ int s_counts[];  // [R * Lmax]
 
@@ -122,9 +122,22 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(HtParams p) {
     s_valid = 0;
     s_fail = 0;
     s_contig = 0;
-    s_differs = !(st.cache_valid && st.cache_tokens == T) || p.local_status != 0;
+    // T: the device token count when given (0 <= value <= x.shape[0], else a bad argument: nothing moves).
+    int64_t t_now = p.num_tokens;
+    s_bad_tokens = 0;
+    if (p.num_tokens_dev) {
+      const int32_t v = *p.num_tokens_dev;
+      s_bad_tokens = v < 0 || v > p.num_tokens;
+      p.record->bad_num_tokens_value = v;
+      t_now = s_bad_tokens ? 0 : v;
+    }
+    p.record->bad_num_tokens = s_bad_tokens;
+    s_T = t_now;
+    st.num_tokens = static_cast<int32_t>(t_now);
+    s_differs = !(st.cache_valid && st.cache_tokens == t_now) || p.local_status != 0 || s_bad_tokens;
   }
   __syncthreads();
+  const int64_t T = s_T;
   const uint64_t epoch = s_epoch;
   const uint64_t deadline = globaltimer_ns() + p.timeout_ns;
 
@@ -137,7 +150,7 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(HtParams p) {
     __syncthreads();
   }
   const bool hit = !s_differs;
-  int32_t status = p.local_status;
+  int32_t status = s_bad_tokens ? 1 : p.local_status;
 
   // 2. Validate and plan (DedupCpu::plan), unless cached.
   if (!hit && status == 0) {
@@ -481,7 +494,7 @@ __global__ void __launch_bounds__(kMaxThreads) dispatch_kernel(HtParams p) {
   const int lane = threadIdx.x & 31;
   const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x >> 5);
   const int32_t* send_pos = arr<int32_t>(p, p.a.send_pos);
-  for (int64_t t = blockIdx.x * static_cast<int64_t>(blockDim.x >> 5) + (threadIdx.x >> 5); t < p.num_tokens; t += warps) {
+  for (int64_t t = blockIdx.x * static_cast<int64_t>(blockDim.x >> 5) + (threadIdx.x >> 5); t < st.num_tokens; t += warps) {
     Dests ds;
     for (int d = 0; d < R; ++d) {
       const int32_t pos = send_pos[t * R + d];
@@ -875,7 +888,7 @@ __global__ void __launch_bounds__(kMaxThreads) combine_kernel(HtParams p) {
   if (lane == 0) atomicMax(&st.timeline[kTlCombineSent], globaltimer_ns());
 
   // Tokens without a target row: Flat rows that stayed on this rank (or went nowhere: zeros).
-  const int64_t T = p.num_tokens;
+  const int64_t T = st.num_tokens;
   const int64_t per = (T + W - 1) / W;
   const int64_t t_begin = wi * per, t_end = min(T, t_begin + per);
   for (int64_t t = t_begin; t < t_end && ok; ++t) {
