@@ -716,11 +716,17 @@ __device__ __forceinline__ uint4 partial8(const HtParams& p, int64_t n, int64_t 
   return make_uint4(o[0], o[1], o[2], o[3]);
 }
 
-/// One warp stores the partial row of received row n to dst (16-byte vectors, U per lane in flight).
-/// Needs H % 8 == 0 and 16-byte aligned rows (checked on the host: io_aligned16).
+/// One warp stores the partial row of received row n to dst: Flat = a copy (copy_row_bf16, 8 vectors
+/// per lane in flight); expert-contiguous = partial8, 2 vectors per lane in flight (it reads K rows
+/// per vector, so fewer are needed to cover the latency, and registers stay free).
 __device__ __forceinline__ void send_partial(const HtParams& p, int64_t n, uint16_t* dst, int lane) {
-  const int64_t n16 = p.l.hidden / 8;
-  constexpr int U = 8;
+  const int64_t H = p.l.hidden;
+  if (!p.pair_row) {
+    copy_row_bf16(dst, p.expert_out + n * H, H, p.io_aligned16, lane);
+    return;
+  }
+  const int64_t n16 = H / 8;
+  constexpr int U = 2;
   for (int64_t base = 0; base < n16; base += 32 * U) {
     uint4 v[U];
 #pragma unroll
@@ -849,8 +855,7 @@ __global__ void __launch_bounds__(kMaxThreads) combine_kernel(HtParams p) {
     if (c * CR >= j_end) return;
     for (int64_t j = c * CR; j < j_end; ++j) {
       uint16_t* dst = reinterpret_cast<uint16_t*>(p.peers[s] + l.off_back) + (me * l.capacity + j) * H;
-      if (p.io_aligned16) send_partial(p, st.recv_offset[s] + j, dst, lane);
-      else copy_row_bf16(dst, p.expert_out + (st.recv_offset[s] + j) * H, H, false, lane);  // Flat only
+      send_partial(p, st.recv_offset[s] + j, dst, lane);
     }
     __syncwarp();
     if (lane == 0) {

@@ -48,15 +48,17 @@ bench() {  # bench <name> <limit> [ENV=...] -- epx bench args
   step "$name" "$lim" env "$@"
 }
 A=(bench --case ht-v3 --backend ht,nccl_a2a_raw --ranks 2 --warmup 5)
-bench ht-v3-sms48 25 EPX_HT_NUM_SMS=48 "$B/epx" "${A[@]}" --iters 30 --json "$OUT/ht-v3-sms48.json"
+bench ht-v3-sms48 20 EPX_HT_NUM_SMS=48 "$B/epx" "${A[@]}" --iters 20 --json "$OUT/ht-v3-sms48.json"
+bench ht-v3-sms48-mode0 15 EPX_HT_NUM_SMS=48 EPX_HT_COMBINE_MODE=0 "$B/epx" "${A[@]}" --iters 20 --json "$OUT/ht-v3-sms48-mode0.json"
 step ht_cuda_test 75 "$B/ht_cuda_test" --gtest_filter='HtCuda.MatchesHtCpuTwoRanks'
-bench ht-v3-sms48-mode0 20 EPX_HT_NUM_SMS=48 EPX_HT_COMBINE_MODE=0 "$B/epx" "${A[@]}" --iters 30 --json "$OUT/ht-v3-sms48-mode0.json"
-bench ht-v3-sms48-chunk1 20 EPX_HT_NUM_SMS=48 EPX_HT_CHUNK_ROWS=1 "$B/epx" "${A[@]}" --iters 30 --json "$OUT/ht-v3-sms48-chunk1.json"
-bench ht-v3-sms24 20 EPX_HT_NUM_SMS=24 "$B/epx" "${A[@]}" --iters 30 --json "$OUT/ht-v3-sms24.json"
-bench ht-v3-sms48-chunk16 20 EPX_HT_NUM_SMS=48 EPX_HT_CHUNK_ROWS=16 "$B/epx" "${A[@]}" --iters 30 --json "$OUT/ht-v3-sms48-chunk16.json"
+bench ht-v3-sms48-chunk1 15 EPX_HT_NUM_SMS=48 EPX_HT_CHUNK_ROWS=1 "$B/epx" "${A[@]}" --iters 20 --json "$OUT/ht-v3-sms48-chunk1.json"
+bench ht-v3-sms24 15 EPX_HT_NUM_SMS=24 "$B/epx" "${A[@]}" --iters 20 --json "$OUT/ht-v3-sms24.json"
+bench ht-v3-sms48-chunk16 15 EPX_HT_NUM_SMS=48 EPX_HT_CHUNK_ROWS=16 "$B/epx" "${A[@]}" --iters 20 --json "$OUT/ht-v3-sms48-chunk16.json"
+step ht-timeline 15 env EPX_HT_NUM_SMS=48 "$B/ht_cuda_test" --gtest_also_run_disabled_tests --gtest_filter='*Timeline*'
 
 echo "== summary (+$((SECONDS - T0)) s)"
 grep -E "OK \]|FAILED|PASSED|bit-exact|DIFFER|mismatch" "$OUT/ht_cuda_test.log" 2>/dev/null | head -20
+grep -E "^rank" "$OUT/ht-timeline.log" 2>/dev/null | head -8
 for f in "$OUT"/ht-v3-*.json; do
   [ -f "$f" ] || continue
   python3 - "$f" <<'PY'
