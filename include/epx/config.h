@@ -21,7 +21,7 @@ struct Config {
   int ll_num_blocks = 0;             ///< blocks of LL kernels; 0 = one per SM
   int ht_num_sms = 48;               ///< SM budget of HT kernels (48: measured, bench/NOTES.md "HT kernels")
   int ht_warps_per_block = 16;       ///< warps per block of HT kernels
-  int ht_combine_mode = 1;           ///< HT combine on CUDA: 1 pipelined, 0 all sends then all reduces (bench/NOTES.md)
+  int ht_combine_mode = 0;           ///< HT combine on CUDA: 0 all sends then all reduces, 1 pipelined (bench/NOTES.md)
   int ht_chunk_rows = 4;             ///< HT combine on CUDA: rows per chunk flag (bench/NOTES.md "HT kernels")
   int moe_chunk_size = 0;            ///< DP chunk: at most this many tokens per MoE call per rank; 0 = no chunking
   int fhmoe_max_tokens = 256;        ///< capability gate: fuse the shared expert when M <= this

@@ -31,7 +31,7 @@ void for_each_field(C& c, Visit&& v) {
   v(Field{"ll.num_blocks", "EPX_LL_NUM_BLOCKS", "blocks", "blocks of LL kernels; 0 = one per SM"}, c.ll_num_blocks);
   v(Field{"ht.num_sms", "EPX_HT_NUM_SMS", "SMs", "SM budget of HT kernels; 1..132"}, c.ht_num_sms);
   v(Field{"ht.warps_per_block", "EPX_HT_WARPS_PER_BLOCK", "warps", "warps per block of HT kernels; 1..32 (ht on CUDA: 1..16)"}, c.ht_warps_per_block);
-  v(Field{"ht.combine_mode", "EPX_HT_COMBINE_MODE", "", "HT combine on CUDA: 1 pipelined, 0 all sends then all reduces"}, c.ht_combine_mode);
+  v(Field{"ht.combine_mode", "EPX_HT_COMBINE_MODE", "", "HT combine on CUDA: 0 all sends then all reduces, 1 pipelined (one target per token only)"}, c.ht_combine_mode);
   v(Field{"ht.chunk_rows", "EPX_HT_CHUNK_ROWS", "rows", "HT combine on CUDA: rows per chunk flag; 1..4096"}, c.ht_chunk_rows);
   v(Field{"moe.chunk_size", "EPX_MOE_CHUNK_SIZE", "tokens", "DP chunk: max tokens per MoE call per rank; 0 = unchunked"}, c.moe_chunk_size);
   v(Field{"fhmoe.max_tokens", "EPX_FHMOE_MAX_TOKENS", "tokens", "fuse the shared expert when M <= this (capability gate)"}, c.fhmoe_max_tokens);

@@ -28,7 +28,7 @@
 // chunk_rows received rows, target rank), dealt to warps CTA-major; an item's send half stores those
 // rows' partials into the target's `back` block and releases one flag per chunk there, its reduce
 // half sums this rank's tokens whose rows went out in the matching chunk (the peer's same warp sends
-// it), pipelined one round behind the sends (mode 1; mode 0 = all sends, then all reduces); tokens
+// it), after all of the warp's sends (mode 0, the default) or one round behind them (mode 1); tokens
 // whose rows stayed here are summed at the end, reading expert_out in place. With expert_contiguous
 // the partials are formed from the per-pair outputs (weighted by FinalizeArgs::topk_weights or not)
 // and this rank's own rows travel through `back` too.
@@ -172,7 +172,7 @@ struct HtParams {
   const uint16_t* expert_out = nullptr;   ///< [N_recv or R*cap, H] bf16
   uint16_t* out = nullptr;                ///< [T, H] bf16
   bool io_aligned16 = false;              ///< expert_out and out 16-byte aligned
-  int combine_mode = 1;                   ///< 0: send all, then reduce; 1: pipelined (combine_kernel)
+  int combine_mode = 0;                   ///< 0: send all, then reduce; 1: pipelined (combine_kernel)
   int chunk_rows = 4;                     ///< rows per combine chunk flag, 1..capacity
   const int32_t* pair_row = nullptr;      ///< expert-contiguous: [rows, K] contiguous row of pair (n, k) or -1; null = Flat
   const float* combine_weights = nullptr; ///< expert-contiguous: [rows, K] weights of the pairs, null = unweighted
@@ -241,7 +241,7 @@ class HtCuda final : public PrepareFinalizeBase {
   uint64_t reported_bad_epoch_ = 0;
   double timeout_s_ = 60.0;
   int num_sms_ = 24, warps_ = 16;
-  int combine_mode_ = 1, chunk_rows_ = kHtChunkRows;
+  int combine_mode_ = 0, chunk_rows_ = kHtChunkRows;
   // expert-contiguous layout (cfg_.expert_contiguous): buffers sized for contig_cap_ rows at create
   int64_t contig_cap_ = 0, contig_rows_ = 0;
   Tensor contig_x_, contig_scales_, contig_offsets_, contig_row_expert_, contig_src_, contig_pair_row_;
