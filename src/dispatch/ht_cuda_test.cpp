@@ -196,7 +196,7 @@ std::vector<HtCase> make_cases() {
       {7168, DType::bf16, false, 256, 9, 4096, {1, 4096}, 0.0, 0.1, true, true, false, 32},            // shared route
       {2048, DType::fp8_e4m3, false, 16, 4, 8192, {8192, 8192}, 1.5, 0.3, false, true, true, 1},       // skewed, small E
       {2048, DType::bf16, false, 3, 2, 300, {300, 299}, 0.0, 0.2, false, false, false, 1},             // a rank holds 1 expert
-      {2048, DType::fp8_e4m3, false, 256, 8, 4096, {4096, 4095}, 1.2, 0.1, false, true, false, 128, true},  // expert-contiguous, Zipf
+      {2048, DType::fp8_e4m3, false, 256, 8, 2048, {2048, 2047}, 1.2, 0.1, false, true, false, 128, true},  // expert-contiguous, Zipf
       {7168, DType::bf16, false, 64, 6, 1024, {1000, 1}, 0.0, 0.1, true, true, true, 32, true},        // expert-contiguous, shared
       {2048, DType::bf16, false, 16, 4, 64, {0, 0}, 0.0, 0.0, false, false, false, 8, true},            // expert-contiguous, empty
   };
