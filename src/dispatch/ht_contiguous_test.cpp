@@ -209,6 +209,23 @@ TEST(HtContiguous, ErrorsNameTheArgument) {
     EXPECT_EQ(errs[r].type, "InvalidArgument") << "rank " << r;
     EXPECT_TRUE(contains(errs[r].what, "topk_weights")) << errs[r].what;
   }
+  // Every other backend: FinalizeArgs::topk_weights is rejected on every rank.
+  for (const std::string name : {"naive", "allgather_reducescatter", "all2allv", "ll"}) {
+    errs = errors_on_ranks(c, [&](int r, std::shared_ptr<Group> g) {
+      auto pf = make_prepare_finalize(name, g, c.config());
+      const RankInput& ri = in[static_cast<size_t>(r)];
+      const PrepareResult p = pf->prepare({ri.x, ri.topk_idx, ri.topk_weights});
+      std::vector<int64_t> shape(p.x.shape.begin(), p.x.shape.begin() + p.x.ndim);
+      Tensor eo = Tensor::zeros(shape, DType::bf16), out = Tensor::empty({ri.x.size(0), c.H}, DType::bf16);
+      FinalizeArgs fa{eo, out};
+      fa.topk_weights = ri.topk_weights;
+      pf->finalize(fa);
+    });
+    for (int r = 0; r < c.R; ++r) {
+      EXPECT_EQ(errs[r].type, "InvalidArgument") << name << " rank " << r;
+      EXPECT_TRUE(contains(errs[r].what, "topk_weights")) << name << ": " << errs[r].what;
+    }
+  }
   // Contiguous: expert_out with N_recv rows instead of M on rank 1 -> every rank throws.
   errs = errors_on_ranks(c, [&](int r, std::shared_ptr<Group> g) {
     DispatchConfig cfg = c.config();

@@ -234,6 +234,9 @@ void LlCuda::check_finalize_args(const FinalizeArgs& args) {
   if (!prepared_) throw InvalidArgument(op + ": no prepare to finalize: every rank calls prepare first (also with T = 0)");
   for (const auto& [arg, t] : {std::pair<const char*, const TensorView*>{"expert_out", &args.expert_out}, {"out", &args.out}})
     if (t->device != group_->device()) throw Unsupported(wrong_device(op, arg, t->device));
+  if (args.topk_weights.defined())  // FinalizeArgs::topk_weights is ht's expert-contiguous option
+    require_arg(op, "topk_weights", args.topk_weights.describe(), false,
+                "must be empty for ll (its combine weights the slots with the prepare's topk_weights itself)");
   const int64_t cap = static_cast<int64_t>(num_ranks_) * cfg_.num_max_dispatch_tokens_per_rank;
   check_dtype(op, "expert_out", args.expert_out, {DType::bf16});
   require_arg(op, "expert_out.shape", args.expert_out.describe(),
