@@ -107,8 +107,14 @@ class Experts {
 /// CPU experts over `local_experts` (index = local expert id). Supports both layouts.
 std::unique_ptr<Experts> make_experts_cpu(std::vector<std::shared_ptr<const ExpertWeights>> local_experts);
 
-/// CUDA experts over `local_experts` (index = local expert id) on cuda:`device`: the reference
-/// grouped expert MLP (simple tiled SIMT kernels; speed comes later). Uploads every expert's weights
+/// CUDA experts over `local_experts` (index = local expert id) on cuda:`device`: the grouped expert
+/// MLP. fp8_block experts fed FP8 x run on sm_90a tensor-core grouped GEMMs (wgmma e4m3, weights in
+/// the M slot and tokens in N, 128x128 block scales promoted into fp32 after every 128-deep K block
+/// as DeepSeek-V3's recipe; SiLU-and-mul and the FP8 1x128 requantization of h fused into the
+/// gate_up epilogue; src/experts/experts_fp8_cuda.cu) on a compute-capability 9.0 GPU of a build
+/// that carries sm_90a code; every other case (bf16 x, bf16 / mxfp4 experts, other GPUs, or the
+/// environment variable EPX_EXPERTS_SIMT=1 at construction) runs the simple tiled SIMT reference
+/// kernels. Both paths hold the same precision rules. Uploads every expert's weights
 /// once, in their stored format, and dequantizes them inside the GEMMs; the precision rules above
 /// and both layouts are the CPU's (make_experts_cpu), up to fp32 summation order. Experts may mix
 /// formats and intermediate sizes (FHMoE); hidden and every intermediate must be multiples of 8,
@@ -118,7 +124,8 @@ std::unique_ptr<Experts> make_experts_cpu(std::vector<std::shared_ptr<const Expe
 ///   A topk_idx outside [-1, L) or a recv_count outside [0, cap] cannot throw at once: the entry is
 ///   treated as no selection (clamped count), and the next apply() on this object throws
 ///   InvalidArgument naming it (synchronize the stream first to be sure it is seen).
-///   Workspace (about the size of x for ExpertMajor; [N*K, H] bf16 + [N*K, I] fp32 for Flat) is
+///   Workspace (about the size of x for ExpertMajor; [N*K, H] bf16 + [N*K, I] fp32 for Flat; plus
+///   [rows, I] FP8 + [rows, I/128] fp32 of h on the tensor-core path) is
 ///   allocated on first use and grown when a larger shape arrives: to capture apply() in a CUDA
 ///   graph, call it once eagerly with the largest shape first (growing during capture throws
 ///   Unsupported). Calls on one object must be ordered (one stream, or synchronized).

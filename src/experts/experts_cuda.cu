@@ -4,6 +4,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <array>
 #include <cstring>
 #include <string>
@@ -15,6 +16,7 @@
 #include "epx/experts.h"
 #include "epx/quant.h"
 #include "experts/experts_cuda_kernels.cuh"
+#include "experts/experts_fp8_cuda.h"
 
 namespace epx {
 namespace {
@@ -74,13 +76,16 @@ struct Workspace {
   int32_t* slot = nullptr;         // Flat [N*K]
   float* h = nullptr;              // [row space, I_max] fp32
   uint16_t* pair_out = nullptr;    // Flat [N*K, H] bf16
+  uint8_t* hq = nullptr;           // fp8 tensor-core path: [row space, hq_stride] FP8 h
+  float* hs = nullptr;             // fp8 tensor-core path: [row space, hq_stride / 128] fp32 scales
 };
 
 /// Byte offsets of a Workspace for the given sizes (one layout for sizing and carving).
 struct WorkspaceLayout {
-  int64_t tiles = 0, num_tiles = 0, pair_row = 0, slot = 0, h = 0, pair_out = 0, total = 0;
+  int64_t tiles = 0, num_tiles = 0, pair_row = 0, slot = 0, h = 0, pair_out = 0, hq = 0, hs = 0, total = 0;
+  /// hq_cols: bytes per FP8 h row of the tensor-core path (0 = not used).
   WorkspaceLayout(int64_t max_tiles, int64_t num_pairs, int64_t h_rows, int64_t h_cols, int64_t pair_out_rows,
-                  int64_t hidden) {
+                  int64_t hidden, int64_t hq_cols) {
     int64_t at = 0;
     auto take = [&](int64_t bytes) {
       const int64_t off = at;
@@ -93,13 +98,16 @@ struct WorkspaceLayout {
     slot = take(num_pairs * 4);
     h = take(h_rows * h_cols * 4);
     pair_out = take(pair_out_rows * hidden * 2);
+    hq = take(h_rows * hq_cols);
+    hs = take(h_rows * (hq_cols / kFp8GroupSize) * 4);
     total = at;
   }
   Workspace carve(void* base) const {
     char* b = static_cast<char*>(base);
     return {reinterpret_cast<Tile*>(b + tiles), reinterpret_cast<int32_t*>(b + num_tiles),
             reinterpret_cast<int32_t*>(b + pair_row), reinterpret_cast<int32_t*>(b + slot),
-            reinterpret_cast<float*>(b + h), reinterpret_cast<uint16_t*>(b + pair_out)};
+            reinterpret_cast<float*>(b + h), reinterpret_cast<uint16_t*>(b + pair_out),
+            reinterpret_cast<uint8_t*>(b + hq), reinterpret_cast<float*>(b + hs)};
   }
 };
 
@@ -124,6 +132,7 @@ class CudaExperts final : public Experts {
       require_arg(kMake, arg + ".w13", w.w13.defined() ? "defined" : "undefined", w.w13.defined() && w.w2.defined(),
                   "w13 and w2 must hold the weights");
       inter_max_ = std::max(inter_max_, w.intermediate);
+      if (w.format == WeightFormat::fp8_block) fp8_inter_max_ = std::max(fp8_inter_max_, w.intermediate);
       has_format_[static_cast<int>(w.format)] = true;
     }
     const int num_devices = cuda::device_count();
@@ -132,6 +141,14 @@ class CudaExperts final : public Experts {
 
     cuda::DeviceGuard guard(device_);
     const Device dev = Device::cuda(device_);
+    // fp8_block experts fed FP8 activations run on the sm_90a tensor-core GEMMs
+    // (experts_fp8_cuda.cu) where the GPU and the build have them; EPX_EXPERTS_SIMT=1 keeps the
+    // SIMT reference GEMMs (A/B comparisons).
+    const char* simt = std::getenv("EPX_EXPERTS_SIMT");
+    fp8_tensor_cores_ = has_format_[static_cast<int>(WeightFormat::fp8_block)] &&
+                        !(simt != nullptr && simt[0] != '\0' && simt[0] != '0') &&
+                        experts_cuda::fp8_tensor_cores_available(device_);
+    EPX_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms_, cudaDevAttrMultiProcessorCount, device_));
     std::vector<ExpertDesc> descs;
     for (const auto& e : experts_) {
       auto upload = [&](const Tensor& t) -> const void* {
@@ -196,6 +213,11 @@ class CudaExperts final : public Experts {
     }
   }
 
+  /// The FP8 tensor-core path runs this apply's fp8_block experts (FP8 x).
+  bool use_fp8_tc(const ExpertsInput& in) const { return fp8_tensor_cores_ && in.x.dtype == DType::fp8_e4m3; }
+  /// Bytes per FP8 h row of the tensor-core path (0 when it does not run).
+  int64_t hq_cols(const ExpertsInput& in) const { return use_fp8_tc(in) ? fp8_inter_max_ : 0; }
+
   /// Throws the bad input that a schedule kernel of an earlier apply() left in the mapped record.
   void raise_device_error() {
     volatile ErrorRecord* r = error_;
@@ -242,7 +264,7 @@ class CudaExperts final : public Experts {
     if (cap == 0) return;
 
     const int64_t max_tiles = num_local * ceil_div(cap, experts_cuda::kTileRows);
-    const WorkspaceLayout layout(max_tiles, 0, num_local * cap, inter_max_, 0, h);
+    const WorkspaceLayout layout(max_tiles, 0, num_local * cap, inter_max_, 0, h, hq_cols(in));
     const Workspace ws = workspace(layout, stream);
 
     experts_cuda::ScheduleParams sp{};
@@ -277,7 +299,7 @@ class CudaExperts final : public Experts {
     }
 
     const int64_t max_tiles = ceil_div(num_pairs, experts_cuda::kTileRows) + num_local;
-    const WorkspaceLayout layout(max_tiles, num_pairs, num_pairs, inter_max_, num_pairs, h);
+    const WorkspaceLayout layout(max_tiles, num_pairs, num_pairs, inter_max_, num_pairs, h, hq_cols(in));
     const Workspace ws = workspace(layout, stream);
 
     experts_cuda::ScheduleParams sp{};
@@ -328,13 +350,38 @@ class CudaExperts final : public Experts {
     gp.out = out_rows;
     const unsigned tile_slots = static_cast<unsigned>(std::min(max_tiles, kMaxTileSlots));
     const ActKind act = in.x.dtype == DType::fp8_e4m3 ? ActKind::fp8 : ActKind::bf16;
+    const bool tc = use_fp8_tc(in);  // fp8_block experts on the tensor cores, not the SIMT GEMMs
+    auto simt_runs = [&](WeightFormat f) { return has_format_[static_cast<int>(f)] && !(tc && f == WeightFormat::fp8_block); };
+    if (tc) {
+      experts_cuda::Fp8GemmParams fp{};
+      fp.experts = gp.experts;
+      fp.tiles = ws.tiles;
+      fp.num_tiles = ws.num_tiles;
+      fp.hidden = h;
+      fp.x = in.x.ptr<const uint8_t>();
+      fp.x_scales = in.x_scales.ptr<const float>();
+      fp.gather = gather;
+      fp.hq = ws.hq;
+      fp.hs = ws.hs;
+      fp.h_stride = fp8_inter_max_;
+      fp.hs_stride = fp8_inter_max_ / kFp8GroupSize;
+      fp.out = out_rows;
+      // Persistent grids of one CTA per multiprocessor (the kernels take ~205 KiB of shared memory).
+      fp.max_weight_tiles = static_cast<int32_t>(fp8_inter_max_ / kFp8GroupSize);
+      const int64_t up_items = max_tiles * fp.max_weight_tiles;
+      experts_cuda::launch_fp8_gate_up(fp, static_cast<int>(std::clamp<int64_t>(up_items, 1, num_sms_)), stream);
+      fp.gather = nullptr;
+      fp.max_weight_tiles = static_cast<int32_t>(ceil_div(h, experts_cuda::kFp8TileWeightRows));
+      const int64_t down_items = max_tiles * fp.max_weight_tiles;
+      experts_cuda::launch_fp8_down(fp, static_cast<int>(std::clamp<int64_t>(down_items, 1, num_sms_)), stream);
+    }
     const dim3 gate_up_grid(static_cast<unsigned>(ceil_div(2 * inter_max_, experts_cuda::kTileCols)), tile_slots);
     for (WeightFormat f : kFormats) {
-      if (!has_format_[static_cast<int>(f)]) continue;
+      if (!simt_runs(f)) continue;
       gemm_instance(act, f, true)<<<gate_up_grid, experts_cuda::kGemmThreads, 0, stream>>>(gp);
       cuda::check_launch("expert_gemm_kernel (gate_up)");
     }
-    if (has_format_[static_cast<int>(WeightFormat::fp8_block)]) {
+    if (simt_runs(WeightFormat::fp8_block)) {
       experts_cuda::QuantizeHParams qp{gp.experts, ws.tiles, ws.num_tiles, ws.h, inter_max_};
       experts_cuda::quantize_h_kernel<<<tile_slots, experts_cuda::kQuantizeThreads, 0, stream>>>(qp);
       cuda::check_launch("quantize_h_kernel");
@@ -345,7 +392,7 @@ class CudaExperts final : public Experts {
     gp.a_stride = inter_max_;
     const dim3 down_grid(static_cast<unsigned>(ceil_div(h, experts_cuda::kTileCols)), tile_slots);
     for (WeightFormat f : kFormats) {
-      if (!has_format_[static_cast<int>(f)]) continue;
+      if (!simt_runs(f)) continue;
       gemm_instance(ActKind::f32, f, false)<<<down_grid, experts_cuda::kGemmThreads, 0, stream>>>(gp);
       cuda::check_launch("expert_gemm_kernel (down)");
     }
@@ -354,6 +401,9 @@ class CudaExperts final : public Experts {
   std::vector<std::shared_ptr<const ExpertWeights>> experts_;
   int device_;
   int64_t inter_max_ = 0;
+  int64_t fp8_inter_max_ = 0;     // widest fp8_block expert (I % 128 == 0)
+  bool fp8_tensor_cores_ = false; // fp8_block experts with FP8 x run on the sm_90a wgmma GEMMs
+  int num_sms_ = 1;
   std::array<bool, 3> has_format_{};
   std::vector<Tensor> device_weights_;  // uploaded w13 / scales / w2 / scales of every expert
   Tensor descs_;                        // [L] ExpertDesc on the device

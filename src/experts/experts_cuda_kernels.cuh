@@ -14,7 +14,7 @@
 //   5. combine    (Flat)   out[n] = sum over valid k, in column order, of w[n,k] * y[pair(n,k)], fp32
 //                          (separate multiply and add, as the CPU), rounded to bf16 once.
 //
-// The GEMMs are plain SIMT tiles (kTileRows x kTileCols outputs per CTA, kTileK-deep shared-memory
+// The GEMMs are plain SIMT tiles (kSimtRows x kTileCols outputs per CTA, a list tile in passes, kTileK-deep shared-memory
 // stages, 4 x 4 outputs per thread, register prefetch of the next stage): a reference, not the fast
 // path. Every output row depends only on its own input row, and each row's fp32 sums run in a fixed
 // order, so results do not depend on how rows are grouped into tiles.
@@ -27,36 +27,17 @@
 
 #include "epx/dtype.h"
 #include "epx/experts.h"
+#include "experts/experts_cuda_types.h"
 
 namespace epx::experts_cuda {
 
-constexpr int kTileRows = 32;   ///< rows (tokens) per GEMM tile
+constexpr int kSimtRows = 32;   ///< rows (tokens) per SIMT GEMM pass (a tile is done in passes)
 constexpr int kTileCols = 64;   ///< output columns per GEMM tile (gate_up: 32 gate + 32 up, interleaved)
 constexpr int kTileK = 32;      ///< reduction depth per shared-memory stage (one MXFP4 block)
 constexpr int kGemmThreads = 128;
 constexpr int kScheduleThreads = 1024;
 constexpr int kMaxLocalExperts = 2048;  ///< bounds the schedule kernel's shared memory (4 int arrays of L)
 constexpr int kFp8Group = 128;
-
-/// One tile of work: rows [row0, row0 + num_rows) of the row space, all of expert `expert`.
-/// Row space: ExpertMajor r = l * cap + j (x, h and out rows alike); Flat r = position of a
-/// (token, k) pair after grouping by expert (h and the per-pair output rows; x row = gather[r]).
-struct Tile {
-  int32_t expert;
-  int32_t row0;
-  int32_t num_rows;
-  int32_t pad;
-};
-
-/// One local expert's device weights (layouts of ExpertWeights in epx/experts.h).
-struct ExpertDesc {
-  const void* w13;        ///< [2I, H] bf16 | fp8_e4m3 | packed e2m1 [2I, H/2]
-  const void* w13_scale;  ///< fp8: fp32 [2I/128, H/128]; mxfp4: e8m0 [2I, H/32]; bf16: null
-  const void* w2;         ///< [H, I] likewise
-  const void* w2_scale;   ///< fp8: fp32 [H/128, I/128]; mxfp4: e8m0 [H, I/32]; bf16: null
-  int32_t intermediate;   ///< I
-  int32_t format;         ///< WeightFormat
-};
 
 /// Error codes the schedule kernels leave in the host-mapped ErrorRecord.
 enum ErrorCode : int32_t { kNoError = 0, kBadTopkIdx = 1, kBadRecvCount = 2 };
@@ -281,10 +262,10 @@ __global__ void __launch_bounds__(kScheduleThreads) schedule_flat_kernel(Schedul
 
 // ---- GEMM stage loaders -------------------------------------------------------------------------
 
-constexpr int kAStride = kTileRows + 4;  // As[k][m]: +4 keeps float4 rows 16-byte aligned
+constexpr int kAStride = kSimtRows + 4;  // As[k][m]: +4 keeps float4 rows 16-byte aligned
 constexpr int kBStride = kTileCols + 4;  // Bs[k][n]
 
-/// One stage of the A operand (kTileRows x kTileK), prefetched to registers, then stored to
+/// One stage of the A operand (kSimtRows x kTileK), prefetched to registers, then stored to
 /// shared memory transposed as fp32 (fp8 x dequantized: code * scale, as dequantize_fp8_row).
 template <ActKind kA>
 struct AStage {
@@ -446,80 +427,83 @@ template <ActKind kA, WeightFormat kW, bool kGateUp>
 __global__ void __launch_bounds__(kGemmThreads, 4) expert_gemm_kernel(GemmParams p) {
   __shared__ __align__(16) float As[kTileK][kAStride];
   __shared__ __align__(16) float Bs[kTileK][kBStride];
-  __shared__ int64_t rows[kTileRows];
+  __shared__ int64_t rows[kSimtRows];
   const int tid = threadIdx.x, ty = tid >> 4, tx = tid & 15;
   const int64_t col0 = static_cast<int64_t>(blockIdx.x) * kTileCols;  // gate_up: interleaved gate/up columns
   const int num_tiles = *p.num_tiles;
 
   for (int t = blockIdx.y; t < num_tiles; t += gridDim.y) {
-    const Tile tile = p.tiles[t];
-    const ExpertDesc e = p.experts[tile.expert];
-    if (e.format != static_cast<int32_t>(kW)) continue;  // CTA-uniform
-    const int64_t inter = e.intermediate;
-    const int64_t K = kGateUp ? p.hidden : inter;
-    if (col0 >= (kGateUp ? 2 * inter : p.hidden)) continue;
-    const void* w = kGateUp ? e.w13 : e.w2;
-    const void* w_scale = kGateUp ? e.w13_scale : e.w2_scale;
+    const Tile list_tile = p.tiles[t];
+    for (int pass0 = 0; pass0 < list_tile.num_rows; pass0 += kSimtRows) {  // kSimtRows rows per pass
+      const Tile tile{list_tile.expert, list_tile.row0 + pass0, min(kSimtRows, list_tile.num_rows - pass0), 0};
+      const ExpertDesc e = p.experts[tile.expert];
+      if (e.format != static_cast<int32_t>(kW)) continue;  // CTA-uniform
+      const int64_t inter = e.intermediate;
+      const int64_t K = kGateUp ? p.hidden : inter;
+      if (col0 >= (kGateUp ? 2 * inter : p.hidden)) continue;
+      const void* w = kGateUp ? e.w13 : e.w2;
+      const void* w_scale = kGateUp ? e.w13_scale : e.w2_scale;
 
-    if (tid < kTileRows) {
-      const int64_t r = tile.row0 + tid;
-      rows[tid] = tid >= tile.num_rows ? -1 : (kGateUp && p.gather != nullptr ? p.gather[r] : r);
-    }
-    __syncthreads();
-
-    float acc[4][4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i)
-#pragma unroll
-      for (int j = 0; j < 4; ++j) acc[i][j] = 0.0f;
-
-    AStage<kA> a;
-    BStage<kW, kGateUp> b;
-    a.load(p, rows, 0, K);
-    b.load(w, w_scale, col0, 0, K, inter, p.hidden);
-    for (int64_t k0 = 0; k0 < K; k0 += kTileK) {
-      a.store(As);
-      b.store(Bs);
-      __syncthreads();
-      if (k0 + kTileK < K) {
-        a.load(p, rows, k0 + kTileK, K);
-        b.load(w, w_scale, col0, k0 + kTileK, K, inter, p.hidden);
-      }
-#pragma unroll
-      for (int kk = 0; kk < kTileK; ++kk) {
-        const float4 av = *reinterpret_cast<const float4*>(&As[kk][ty * 4]);
-        const float4 bv = *reinterpret_cast<const float4*>(&Bs[kk][tx * 4]);
-        const float am[4] = {av.x, av.y, av.z, av.w}, bn[4] = {bv.x, bv.y, bv.z, bv.w};
-#pragma unroll
-        for (int i = 0; i < 4; ++i)
-#pragma unroll
-          for (int j = 0; j < 4; ++j) acc[i][j] = fmaf(am[i], bn[j], acc[i][j]);
+      if (tid < kSimtRows) {
+        const int64_t r = tile.row0 + tid;
+        rows[tid] = tid >= tile.num_rows ? -1 : (kGateUp && p.gather != nullptr ? p.gather[r] : r);
       }
       __syncthreads();
-    }
 
+      float acc[4][4];
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int m = ty * 4 + i;
-      if (m >= tile.num_rows) continue;
-      const int64_t r = tile.row0 + m;
-      if constexpr (kGateUp) {
-        const int64_t col = col0 / 2 + tx * 2;  // h columns col, col + 1 (inter is even)
-        if (col >= inter) continue;
-        float hv[2];
+      for (int i = 0; i < 4; ++i)
 #pragma unroll
-        for (int j = 0; j < 2; ++j) {
-          const float g = acc[i][2 * j], u = acc[i][2 * j + 1];
-          hv[j] = g / (1.0f + expf(-g)) * u;  // silu(g) * u in fp32, the CPU's expression
-          if constexpr (kW != WeightFormat::fp8_block) hv[j] = round_bf16(hv[j]);
+        for (int j = 0; j < 4; ++j) acc[i][j] = 0.0f;
+
+      AStage<kA> a;
+      BStage<kW, kGateUp> b;
+      a.load(p, rows, 0, K);
+      b.load(w, w_scale, col0, 0, K, inter, p.hidden);
+      for (int64_t k0 = 0; k0 < K; k0 += kTileK) {
+        a.store(As);
+        b.store(Bs);
+        __syncthreads();
+        if (k0 + kTileK < K) {
+          a.load(p, rows, k0 + kTileK, K);
+          b.load(w, w_scale, col0, k0 + kTileK, K, inter, p.hidden);
         }
-        *reinterpret_cast<float2*>(p.h + r * p.h_stride + col) = make_float2(hv[0], hv[1]);
-      } else {
-        const int64_t col = col0 + tx * 4;  // hidden % 8 == 0: all four in or all out
-        if (col >= p.hidden) continue;
-        const uint32_t lo = float_to_bf16_bits(acc[i][0]) | (static_cast<uint32_t>(float_to_bf16_bits(acc[i][1])) << 16);
-        const uint32_t hi = float_to_bf16_bits(acc[i][2]) | (static_cast<uint32_t>(float_to_bf16_bits(acc[i][3])) << 16);
-        *reinterpret_cast<uint2*>(p.out + r * p.hidden + col) = make_uint2(lo, hi);
+#pragma unroll
+        for (int kk = 0; kk < kTileK; ++kk) {
+          const float4 av = *reinterpret_cast<const float4*>(&As[kk][ty * 4]);
+          const float4 bv = *reinterpret_cast<const float4*>(&Bs[kk][tx * 4]);
+          const float am[4] = {av.x, av.y, av.z, av.w}, bn[4] = {bv.x, bv.y, bv.z, bv.w};
+#pragma unroll
+          for (int i = 0; i < 4; ++i)
+#pragma unroll
+            for (int j = 0; j < 4; ++j) acc[i][j] = fmaf(am[i], bn[j], acc[i][j]);
+        }
+        __syncthreads();
+      }
+
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int m = ty * 4 + i;
+        if (m >= tile.num_rows) continue;
+        const int64_t r = tile.row0 + m;
+        if constexpr (kGateUp) {
+          const int64_t col = col0 / 2 + tx * 2;  // h columns col, col + 1 (inter is even)
+          if (col >= inter) continue;
+          float hv[2];
+#pragma unroll
+          for (int j = 0; j < 2; ++j) {
+            const float g = acc[i][2 * j], u = acc[i][2 * j + 1];
+            hv[j] = g / (1.0f + expf(-g)) * u;  // silu(g) * u in fp32, the CPU's expression
+            if constexpr (kW != WeightFormat::fp8_block) hv[j] = round_bf16(hv[j]);
+          }
+          *reinterpret_cast<float2*>(p.h + r * p.h_stride + col) = make_float2(hv[0], hv[1]);
+        } else {
+          const int64_t col = col0 + tx * 4;  // hidden % 8 == 0: all four in or all out
+          if (col >= p.hidden) continue;
+          const uint32_t lo = float_to_bf16_bits(acc[i][0]) | (static_cast<uint32_t>(float_to_bf16_bits(acc[i][1])) << 16);
+          const uint32_t hi = float_to_bf16_bits(acc[i][2]) | (static_cast<uint32_t>(float_to_bf16_bits(acc[i][3])) << 16);
+          *reinterpret_cast<uint2*>(p.out + r * p.hidden + col) = make_uint2(lo, hi);
+        }
       }
     }
   }

@@ -301,6 +301,39 @@ TEST(ExpertsCuda, DeepSeekV4ProExpertShapes) {
   }
 }
 
+TEST(ExpertsCuda, Fp8TensorCoreRowCountsOneTo8192) {
+  if (gpus() < 1) GTEST_SKIP() << "needs 1 GPU, found " << gpus();
+  // fp8_block experts with FP8 x take the sm_90a wgmma GEMMs (N=16 tiles up to 16 rows, N=64
+  // above): DeepSeek-V3 shapes, total rows 1, 7, 128, 1000 (ExpertMajor, experts without tokens
+  // among them) and 8192 (Flat, contiguous rows grouped by expert on the device).
+  const auto experts = same_format(WeightFormat::fp8_block, 3, 7168, 2048, 500);
+  auto cpu = make_experts_cpu(experts);
+  auto gpu = make_experts_cuda(experts, 0);
+  const std::vector<std::vector<int32_t>> cases = {{0, 1, 0}, {7, 0, 0}, {16, 17, 95}, {0, 1000, 0}};
+  uint64_t seed = 501;
+  for (const auto& counts : cases) {
+    const int64_t cap = *std::max_element(counts.begin(), counts.end()) + 3;
+    const EmResult em = run_expert_major(*cpu, *gpu, counts, cap, DType::fp8_e4m3, ++seed);
+    std::printf("[ rel_l2 ] fp8 tensor cores deepseek-v3 expert_major counts %d,%d,%d: %.2e\n", counts[0], counts[1], counts[2],
+                em.max_rel_l2);
+  }
+  const double fl = run_flat(*cpu, *gpu, 4096, 2, DType::fp8_e4m3, ++seed, {.masked = 0.0, .duplicates = false});
+  std::printf("[ rel_l2 ] fp8 tensor cores deepseek-v3 flat 8192 rows: %.2e\n", fl);
+}
+
+TEST(ExpertsCuda, Fp8TensorCoreV4ProSharedExpertWidth) {
+  if (gpus() < 1) GTEST_SKIP() << "needs 1 GPU, found " << gpus();
+  // DeepSeek-V4-Pro's FP8 shared expert width (I 3072) beside a V3-width FP8 expert (I 2048): the
+  // tensor-core GEMMs with two intermediate sizes in one launch, both layouts.
+  std::vector<std::shared_ptr<const ExpertWeights>> experts = {ExpertWeights::random(WeightFormat::fp8_block, 7168, 3072, 510),
+                                                               ExpertWeights::random(WeightFormat::fp8_block, 7168, 2048, 511)};
+  auto cpu = make_experts_cpu(experts);
+  auto gpu = make_experts_cuda(experts, 0);
+  const EmResult em = run_expert_major(*cpu, *gpu, {70, 9}, 72, DType::fp8_e4m3, 512);
+  const double fl = run_flat(*cpu, *gpu, 300, 2, DType::fp8_e4m3, 513, {.masked = 0.3, .duplicates = true});
+  std::printf("[ rel_l2 ] fp8 tensor cores v4-pro width expert_major %.2e flat %.2e\n", em.max_rel_l2, fl);
+}
+
 // ---- errors, graphs ---------------------------------------------------------------------------
 
 TEST(ExpertsCuda, RejectsBadArguments) {

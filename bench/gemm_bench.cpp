@@ -1,0 +1,413 @@
+// bench/gemm_bench.cpp: `epx-gemm-bench`, the grouped expert GEMM benchmark of issue 6 on one GPU.
+//
+// DeepSeek-V3 expert shapes (H 7168, I 2048, fp8_block weights, FP8 1x128 activations), 128 local
+// experts (EP2 of 256), the whole expert MLP per call (gate_up, SiLU-and-mul, FP8 requantization
+// of h, down), in the same process:
+//   ceilings   HBM copy bandwidth (1 GiB device-to-device copy, bytes read + written) and the dense
+//              FP8 tensor-core rate (cuBLASLt e4m3 8192^3, bf16 out, per-tensor scales 1.0);
+//   epx-wgmma  make_experts_cuda (the sm_90a tensor-core path for fp8_block);
+//   epx-simt   the same with EPX_EXPERTS_SIMT=1 (the SIMT reference GEMMs);
+//   cublaslt   a per-expert loop of cuBLASLt FP8 GEMMs (gate_up then down, per-tensor scales 1.0,
+//              bf16 out; GEMMs only: no SiLU, no requantization, h is random FP8).
+// Cases: decode = ExpertMajor (masked) with 8 tokens per expert (cap 32); prefill = Flat
+// (contiguous rows grouped by expert on the device), 4096 tokens top-8, 256 rows per expert, and
+// ExpertMajor with every row of cap 256 valid. Decode reports weight bytes / time against the HBM
+// copy rate; prefill reports TFLOP/s (2 * rows * H * 3I) against the measured FP8 rate.
+// Timing: CUDA events around each call, median (p10/p90) over --iters calls after 3 warm-up calls.
+// Validation: the wgmma outputs against the SIMT outputs of the same inputs (normwise rel. L2), and
+// the decode case also against the CPU experts.
+// Usage: epx-gemm-bench [--json PATH] [--iters N] [--experts L] [--no-simt] [--no-cublas]
+#include <cublasLt.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <ctime>
+#include <fstream>
+#include <functional>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "epx/dtype.h"
+#include "epx/experts.h"
+#include "epx/quant.h"
+#include "epx/tensor.h"
+
+namespace {
+
+using namespace epx;
+using json = nlohmann::json;
+
+#define CK(x)                                                                                          \
+  do {                                                                                                 \
+    cudaError_t e_ = (x);                                                                              \
+    if (e_ != cudaSuccess) {                                                                           \
+      std::fprintf(stderr, "%s: %s at %s:%d\n", #x, cudaGetErrorString(e_), __FILE__, __LINE__);      \
+      std::exit(2);                                                                                    \
+    }                                                                                                  \
+  } while (0)
+#define CKL(x)                                                                                         \
+  do {                                                                                                 \
+    cublasStatus_t s_ = (x);                                                                           \
+    if (s_ != CUBLAS_STATUS_SUCCESS) {                                                                 \
+      std::fprintf(stderr, "%s: cublas status %d at %s:%d\n", #x, static_cast<int>(s_), __FILE__, __LINE__); \
+      std::exit(2);                                                                                    \
+    }                                                                                                  \
+  } while (0)
+
+constexpr int64_t kH = 7168, kI = 2048;
+
+struct Stats {
+  double p10 = 0, p50 = 0, p90 = 0;  // microseconds
+};
+
+Stats time_us(cudaStream_t s, int iters, const std::function<void()>& fn) {
+  for (int i = 0; i < 3; ++i) fn();
+  CK(cudaStreamSynchronize(s));
+  std::vector<cudaEvent_t> ev(2 * iters);
+  for (auto& e : ev) CK(cudaEventCreate(&e));
+  for (int i = 0; i < iters; ++i) {
+    CK(cudaEventRecord(ev[2 * i], s));
+    fn();
+    CK(cudaEventRecord(ev[2 * i + 1], s));
+  }
+  CK(cudaStreamSynchronize(s));
+  std::vector<double> us;
+  for (int i = 0; i < iters; ++i) {
+    float ms = 0;
+    CK(cudaEventElapsedTime(&ms, ev[2 * i], ev[2 * i + 1]));
+    us.push_back(ms * 1e3);
+  }
+  for (auto& e : ev) CK(cudaEventDestroy(e));
+  std::sort(us.begin(), us.end());
+  auto at = [&](double q) { return us[std::min<size_t>(us.size() - 1, static_cast<size_t>(q * (us.size() - 1) + 0.5))]; };
+  return {at(0.1), at(0.5), at(0.9)};
+}
+
+/// Random FP8 e4m3 codes of N(0, 1) * 64 values (|v| < 448, never NaN) and scales 1/64 per 128.
+void random_fp8(int64_t rows, int64_t cols, uint64_t seed, std::vector<uint8_t>& q, std::vector<float>& s) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  q.resize(static_cast<size_t>(rows * cols));
+  s.resize(static_cast<size_t>(rows * cols / 128));
+  for (auto& b : q) b = float_to_fp8_e4m3_bits(std::clamp(nd(rng), -6.9f, 6.9f) * 64.0f);
+  for (auto& v : s) v = (0.75f + 0.5f * std::uniform_real_distribution<float>(0, 1)(rng)) / 64.0f;
+}
+
+Tensor dev_from(const void* src, std::vector<int64_t> shape, DType dt) {
+  Tensor t = Tensor::empty(shape, dt, Device::cuda(0));
+  CK(cudaMemcpy(t.data(), src, t.nbytes(), cudaMemcpyHostToDevice));
+  return t;
+}
+
+std::vector<uint16_t> host_bf16(const Tensor& t) {
+  std::vector<uint16_t> h(static_cast<size_t>(t.nbytes() / 2));
+  CK(cudaMemcpy(h.data(), t.data(), t.nbytes(), cudaMemcpyDeviceToHost));
+  return h;
+}
+
+/// ||a - b|| / ||b|| over the listed row ranges [r0, r1) of [*, H] bf16 (NaN -> inf).
+double rel_l2(const std::vector<uint16_t>& a, const std::vector<uint16_t>& b, const std::vector<std::pair<int64_t, int64_t>>& ranges) {
+  double num = 0, den = 0;
+  for (auto [r0, r1] : ranges)
+    for (int64_t i = r0 * kH; i < r1 * kH; ++i) {
+      const double x = bf16_bits_to_float(a[i]), y = bf16_bits_to_float(b[i]);
+      if (!std::isfinite(x)) return INFINITY;
+      num += (x - y) * (x - y);
+      den += y * y;
+    }
+  return std::sqrt(num / std::max(den, 1e-30));
+}
+
+std::string utc_now() {
+  char buf[32];
+  const std::time_t t = std::time(nullptr);
+  std::strftime(buf, sizeof buf, "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&t));
+  return buf;
+}
+
+/// cuBLASLt FP8 GEMM out[M, N] (bf16, row-major) = a[M, K] (fp8 rows) . w[N, K]^T (fp8 rows),
+/// per-tensor scales 1.0: column-major C[N, M] = W^T(op T) . A (op N), the "TN" layout FP8 needs.
+struct LtGemm {
+  cublasLtHandle_t lt;
+  cublasLtMatmulDesc_t desc{};
+  cublasLtMatrixLayout_t la{}, lb{}, lc{};
+  cublasLtMatmulHeuristicResult_t heur{};
+  void* ws;
+  size_t ws_bytes;
+  LtGemm(cublasLtHandle_t h, int64_t M, int64_t N, int64_t K, void* workspace, size_t workspace_bytes)
+      : lt(h), ws(workspace), ws_bytes(workspace_bytes) {
+    CKL(cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+    const cublasOperation_t t = CUBLAS_OP_T, n = CUBLAS_OP_N;
+    CKL(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, &t, sizeof t));
+    CKL(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSB, &n, sizeof n));
+    CKL(cublasLtMatrixLayoutCreate(&la, CUDA_R_8F_E4M3, K, N, K));  // W^T: [K, N] col-major, ld K
+    CKL(cublasLtMatrixLayoutCreate(&lb, CUDA_R_8F_E4M3, K, M, K));  // A:   [K, M] col-major, ld K
+    CKL(cublasLtMatrixLayoutCreate(&lc, CUDA_R_16BF, N, M, N));     // C:   [N, M] col-major = out rows
+    cublasLtMatmulPreference_t pref;
+    CKL(cublasLtMatmulPreferenceCreate(&pref));
+    CKL(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws_bytes, sizeof ws_bytes));
+    int found = 0;
+    CKL(cublasLtMatmulAlgoGetHeuristic(lt, desc, la, lb, lc, lc, pref, 1, &heur, &found));
+    cublasLtMatmulPreferenceDestroy(pref);
+    if (found == 0) {
+      std::fprintf(stderr, "cuBLASLt: no FP8 algorithm for M=%lld N=%lld K=%lld\n", (long long)M, (long long)N, (long long)K);
+      std::exit(2);
+    }
+  }
+  void run(const void* a, const void* w, void* out, cudaStream_t s) const {
+    const float one = 1.0f, zero = 0.0f;
+    CKL(cublasLtMatmul(lt, desc, &one, w, la, a, lb, &zero, out, lc, out, lc, &heur.algo, ws, ws_bytes, s));
+  }
+  ~LtGemm() {
+    cublasLtMatrixLayoutDestroy(la);
+    cublasLtMatrixLayoutDestroy(lb);
+    cublasLtMatrixLayoutDestroy(lc);
+    cublasLtMatmulDescDestroy(desc);
+  }
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string json_path;
+  int iters = 20, L = 128;
+  bool do_simt = true, do_cublas = true;
+  std::string command = "epx-gemm-bench";
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    command += " " + a;
+    if (a == "--json" && i + 1 < argc) json_path = argv[++i], command += std::string(" ") + argv[i];
+    else if (a == "--iters" && i + 1 < argc) iters = std::atoi(argv[++i]), command += std::string(" ") + argv[i];
+    else if (a == "--experts" && i + 1 < argc) L = std::atoi(argv[++i]), command += std::string(" ") + argv[i];
+    else if (a == "--no-simt") do_simt = false;
+    else if (a == "--no-cublas") do_cublas = false;
+    else {
+      std::fprintf(stderr, "usage: epx-gemm-bench [--json PATH] [--iters N] [--experts L] [--no-simt] [--no-cublas]\n");
+      return 1;
+    }
+  }
+  int ndev = 0;
+  if (cudaGetDeviceCount(&ndev) != cudaSuccess || ndev < 1) {
+    std::fprintf(stderr, "epx-gemm-bench: no CUDA device\n");
+    return 1;
+  }
+  CK(cudaSetDevice(0));
+  cudaDeviceProp prop{};
+  CK(cudaGetDeviceProperties(&prop, 0));
+  cudaStream_t stream;
+  CK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  json rows = json::array();
+  const double weight_bytes = static_cast<double>(L) * (3.0 * kH * kI + 3.0 * (kH / 128) * (kI / 128) * 4);
+
+  // ---- ceilings ----
+  double hbm_gbps = 0, fp8_tflops = 0;
+  {
+    const size_t bytes = size_t{1} << 30;
+    void *a, *b;
+    CK(cudaMalloc(&a, bytes));
+    CK(cudaMalloc(&b, bytes));
+    CK(cudaMemset(a, 0x3c, bytes));
+    const Stats st = time_us(stream, iters, [&] { CK(cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice, stream)); });
+    hbm_gbps = 2.0 * bytes / (st.p50 * 1e-6) / 1e9;
+    rows.push_back({{"case", "hbm-copy-1GiB"}, {"backend", "cudaMemcpyAsync"}, {"op", "copy"}, {"latency_us_p50", st.p50},
+                    {"latency_us_p10", st.p10}, {"latency_us_p90", st.p90}, {"gbps", hbm_gbps},
+                    {"accounting", "bytes read + written"}, {"iterations", iters}});
+    std::printf("ceiling  HBM copy 1 GiB: %.1f us, %.0f GB/s (read + write)\n", st.p50, hbm_gbps);
+    CK(cudaFree(a));
+    CK(cudaFree(b));
+  }
+  cublasLtHandle_t lt;
+  CKL(cublasLtCreate(&lt));
+  const size_t lt_ws_bytes = size_t{64} << 20;
+  void* lt_ws;
+  CK(cudaMalloc(&lt_ws, lt_ws_bytes));
+  {
+    const int64_t n = 8192;
+    std::vector<uint8_t> q;
+    std::vector<float> s;
+    random_fp8(n, n, 7, q, s);
+    Tensor a = dev_from(q.data(), {n, n}, DType::fp8_e4m3), w = dev_from(q.data(), {n, n}, DType::fp8_e4m3);
+    Tensor c = Tensor::empty({n, n}, DType::bf16, Device::cuda(0));
+    LtGemm g(lt, n, n, n, lt_ws, lt_ws_bytes);
+    const Stats st = time_us(stream, iters, [&] { g.run(a.data(), w.data(), c.data(), stream); });
+    fp8_tflops = 2.0 * n * n * n / (st.p50 * 1e-6) / 1e12;
+    rows.push_back({{"case", "dense-fp8-8192"}, {"backend", "cublaslt"}, {"op", "gemm"}, {"latency_us_p50", st.p50},
+                    {"latency_us_p10", st.p10}, {"latency_us_p90", st.p90}, {"tflops", fp8_tflops},
+                    {"accounting", "flops"}, {"iterations", iters}, {"dtype", "fp8_e4m3 per-tensor scale, bf16 out"}});
+    std::printf("ceiling  cuBLASLt FP8 8192^3: %.1f us, %.0f TFLOP/s\n", st.p50, fp8_tflops);
+  }
+
+  // ---- experts ----
+  const auto t0 = std::chrono::steady_clock::now();
+  std::vector<std::shared_ptr<const ExpertWeights>> experts;
+  {
+    auto w0 = ExpertWeights::random(WeightFormat::fp8_block, kH, kI, 11), w1 = ExpertWeights::random(WeightFormat::fp8_block, kH, kI, 12);
+    for (int l = 0; l < L; ++l) experts.push_back(l % 2 ? w1 : w0);  // distinct device copies per expert
+  }
+  unsetenv("EPX_EXPERTS_SIMT");
+  auto tc = make_experts_cuda(experts, 0);
+  std::unique_ptr<Experts> simt;
+  if (do_simt) {
+    setenv("EPX_EXPERTS_SIMT", "1", 1);
+    simt = make_experts_cuda(experts, 0);
+    unsetenv("EPX_EXPERTS_SIMT");
+  }
+  std::printf("weights: %d experts, %.2f GB of FP8 weights + scales per backend, ready in %.1f s\n", L, weight_bytes / 1e9,
+              std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+
+  auto add_row = [&](const std::string& cas, const std::string& backend, const std::string& layout, int64_t rows_per_expert,
+                     const Stats& st, bool decode, bool validated, double err, const std::string& note) {
+    const double flops = 2.0 * L * rows_per_expert * kH * 3.0 * kI;
+    const double gbps = weight_bytes / (st.p50 * 1e-6) / 1e9, tfl = flops / (st.p50 * 1e-6) / 1e12;
+    json r = {{"case", cas}, {"backend", backend}, {"op", "gemm"}, {"layout", layout}, {"num_local_experts", L},
+              {"hidden", kH}, {"intermediate", kI}, {"rows_per_expert", rows_per_expert}, {"dtype", "fp8_block"},
+              {"latency_us_p50", st.p50}, {"latency_us_p10", st.p10}, {"latency_us_p90", st.p90}, {"gbps", gbps},
+              {"tflops", tfl}, {"accounting", decode ? "weight-bytes" : "flops"},
+              {"fraction_of_peak", decode ? gbps / hbm_gbps : tfl / fp8_tflops},
+              {"fraction_of_peak_basis", decode ? "measured HBM copy GB/s" : "measured cuBLASLt FP8 8192^3 TFLOP/s"},
+              {"iterations", iters}, {"validated", validated}, {"max_rel_error", err}};
+    if (!note.empty()) r["note"] = note;
+    rows.push_back(r);
+    std::printf("%-16s %-10s %-13s %4lld rows/expert: %9.1f us  %7.0f GB/s weights  %6.1f TFLOP/s  (%.0f %% of %s)  rel_l2 %.2e\n",
+                cas.c_str(), backend.c_str(), layout.c_str(), static_cast<long long>(rows_per_expert), st.p50, gbps, tfl,
+                100.0 * (decode ? gbps / hbm_gbps : tfl / fp8_tflops), decode ? "HBM copy" : "FP8 dense", err);
+  };
+
+  // ---- decode: ExpertMajor, 8 tokens per expert, cap 32 ----
+  {
+    const int64_t cap = 32, m = 8;
+    std::vector<uint8_t> q;
+    std::vector<float> s;
+    random_fp8(L * cap, kH, 21, q, s);
+    const Tensor x = dev_from(q.data(), {L, cap, kH}, DType::fp8_e4m3), xs = dev_from(s.data(), {L, cap, kH / 128}, DType::fp32);
+    std::vector<int32_t> cnt(static_cast<size_t>(L), static_cast<int32_t>(m));
+    const Tensor rc = dev_from(cnt.data(), {L}, DType::int32);
+    Tensor out = Tensor::empty({L, cap, kH}, DType::bf16, Device::cuda(0)), out2 = Tensor::empty({L, cap, kH}, DType::bf16, Device::cuda(0));
+    CK(cudaMemset(out.data(), 0xFF, out.nbytes()));
+    const ExpertsInput in{ActivationLayout::ExpertMajor, x, xs, rc, {}, {}};
+    const Stats st = time_us(stream, iters, [&] { tc->apply(in, out, Stream{stream}); });
+    CK(cudaStreamSynchronize(stream));
+    std::vector<std::pair<int64_t, int64_t>> ranges;
+    for (int64_t l = 0; l < L; ++l) ranges.push_back({l * cap, l * cap + m});
+    const std::vector<uint16_t> got = host_bf16(out);
+    // CPU reference (the oracle) on the same inputs.
+    Tensor xh = Tensor::empty({L, cap, kH}, DType::fp8_e4m3), xsh = Tensor::empty({L, cap, kH / 128}, DType::fp32);
+    std::memcpy(xh.data(), q.data(), q.size());
+    std::memcpy(xsh.data(), s.data(), s.size() * 4);
+    Tensor rch = Tensor::empty({L}, DType::int32), ref = Tensor::empty({L, cap, kH}, DType::bf16);
+    std::memcpy(rch.data(), cnt.data(), cnt.size() * 4);
+    std::memset(ref.data(), 0, ref.nbytes());
+    make_experts_cpu(experts)->apply({ActivationLayout::ExpertMajor, xh, xsh, rch, {}, {}}, ref);
+    std::vector<uint16_t> refv(static_cast<size_t>(ref.nbytes() / 2));
+    std::memcpy(refv.data(), ref.data(), ref.nbytes());
+    const double err = rel_l2(got, refv, ranges);
+    add_row("decode-v3", "epx-wgmma", "expert_major", m, st, true, true, err, "validated against the CPU experts");
+    if (simt) {
+      const Stats s2 = time_us(stream, std::max(3, iters / 4), [&] { simt->apply(in, out2, Stream{stream}); });
+      CK(cudaStreamSynchronize(stream));
+      add_row("decode-v3", "epx-simt", "expert_major", m, s2, true, true, rel_l2(host_bf16(out2), refv, ranges), "validated against the CPU experts");
+    }
+  }
+
+  // ---- prefill: Flat, 4096 tokens top-8 over the L experts, 256 rows per expert ----
+  {
+    const int64_t T = 4096, K = 8, m = T * K / L;
+    std::vector<uint8_t> q;
+    std::vector<float> s;
+    random_fp8(T, kH, 31, q, s);
+    const Tensor x = dev_from(q.data(), {T, kH}, DType::fp8_e4m3), xs = dev_from(s.data(), {T, kH / 128}, DType::fp32);
+    std::vector<int32_t> idx(static_cast<size_t>(T * K));
+    std::vector<float> wts(static_cast<size_t>(T * K));
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t k = 0; k < K; ++k) idx[t * K + k] = static_cast<int32_t>((t * K + k) % L), wts[t * K + k] = 0.125f;
+    const Tensor id = dev_from(idx.data(), {T, K}, DType::int32), wd = dev_from(wts.data(), {T, K}, DType::fp32);
+    Tensor out = Tensor::empty({T, kH}, DType::bf16, Device::cuda(0)), out2 = Tensor::empty({T, kH}, DType::bf16, Device::cuda(0));
+    CK(cudaMemset(out.data(), 0xFF, out.nbytes()));
+    const ExpertsInput in{ActivationLayout::Flat, x, xs, {}, id, wd};
+    const Stats st = time_us(stream, iters, [&] { tc->apply(in, out, Stream{stream}); });
+    double err = -1;
+    if (simt) {
+      const Stats s2 = time_us(stream, 3, [&] { simt->apply(in, out2, Stream{stream}); });
+      CK(cudaStreamSynchronize(stream));
+      err = rel_l2(host_bf16(out), host_bf16(out2), {{0, T}});
+      add_row("prefill-v3", "epx-simt", "flat", m, s2, false, false, 0, "");
+    }
+    add_row("prefill-v3", "epx-wgmma", "flat", m, st, false, simt != nullptr, err,
+            "Flat layout: includes the device schedule, gather and the top-k weighted combine; validated against epx-simt");
+  }
+  // ---- prefill: ExpertMajor with every row of cap 256 valid ----
+  {
+    const int64_t cap = 256;
+    std::vector<uint8_t> q;
+    std::vector<float> s;
+    random_fp8(L * cap, kH, 41, q, s);
+    const Tensor x = dev_from(q.data(), {L, cap, kH}, DType::fp8_e4m3), xs = dev_from(s.data(), {L, cap, kH / 128}, DType::fp32);
+    std::vector<int32_t> cnt(static_cast<size_t>(L), static_cast<int32_t>(cap));
+    const Tensor rc = dev_from(cnt.data(), {L}, DType::int32);
+    Tensor out = Tensor::empty({L, cap, kH}, DType::bf16, Device::cuda(0)), out2 = Tensor::empty({L, cap, kH}, DType::bf16, Device::cuda(0));
+    CK(cudaMemset(out.data(), 0xFF, out.nbytes()));
+    const ExpertsInput in{ActivationLayout::ExpertMajor, x, xs, rc, {}, {}};
+    const Stats st = time_us(stream, iters, [&] { tc->apply(in, out, Stream{stream}); });
+    double err = -1;
+    if (simt) {
+      const Stats s2 = time_us(stream, 3, [&] { simt->apply(in, out2, Stream{stream}); });
+      CK(cudaStreamSynchronize(stream));
+      err = rel_l2(host_bf16(out), host_bf16(out2), {{0, L * cap}});
+      add_row("prefill-v3", "epx-simt", "expert_major", cap, s2, false, false, 0, "");
+    }
+    add_row("prefill-v3", "epx-wgmma", "expert_major", cap, st, false, simt != nullptr, err, "validated against epx-simt");
+  }
+  tc.reset();
+  simt.reset();
+
+  // ---- cuBLASLt per-expert loop ----
+  if (do_cublas) {
+    std::vector<uint8_t> w13h, w2h, junk;
+    std::vector<float> js;
+    random_fp8(2 * kI, kH, 51, w13h, js);
+    random_fp8(kH, kI, 52, w2h, js);
+    std::vector<Tensor> w13, w2;
+    for (int l = 0; l < L; ++l) {
+      w13.push_back(dev_from(w13h.data(), {2 * kI, kH}, DType::fp8_e4m3));
+      w2.push_back(dev_from(w2h.data(), {kH, kI}, DType::fp8_e4m3));
+    }
+    for (int64_t m : {int64_t{8}, int64_t{256}}) {
+      random_fp8(L * m, kH, 61, junk, js);
+      const Tensor x = dev_from(junk.data(), {L * m, kH}, DType::fp8_e4m3);
+      random_fp8(L * m, kI, 62, junk, js);
+      const Tensor h = dev_from(junk.data(), {L * m, kI}, DType::fp8_e4m3);
+      Tensor gu = Tensor::empty({L * m, 2 * kI}, DType::bf16, Device::cuda(0)), y = Tensor::empty({L * m, kH}, DType::bf16, Device::cuda(0));
+      LtGemm g1(lt, m, 2 * kI, kH, lt_ws, lt_ws_bytes), g2(lt, m, kH, kI, lt_ws, lt_ws_bytes);
+      const Stats st = time_us(stream, std::max(3, iters / 2), [&] {
+        for (int l = 0; l < L; ++l) {
+          g1.run(static_cast<const uint8_t*>(x.data()) + l * m * kH, w13[l].data(), static_cast<uint16_t*>(gu.data()) + l * m * 2 * kI, stream);
+          g2.run(static_cast<const uint8_t*>(h.data()) + l * m * kI, w2[l].data(), static_cast<uint16_t*>(y.data()) + l * m * kH, stream);
+        }
+      });
+      add_row(m == 8 ? "decode-v3" : "prefill-v3", "cublaslt-loop", "per-expert", m, st, m == 8, false, 0,
+              "cuBLASLt FP8 e4m3 per-tensor scales 1.0 (not 128x128 blocks), bf16 out, 2 GEMMs per expert, eager loop; "
+              "GEMMs only (no SiLU, no requantization)");
+    }
+  }
+  cublasLtDestroy(lt);
+  CK(cudaFree(lt_ws));
+
+  if (!json_path.empty()) {
+    const char* commit = std::getenv("EPX_GIT_COMMIT");
+    json doc = {{"tool", "gemm bench"}, {"command", command}, {"git_commit", commit ? commit : "unknown"},
+                {"date", utc_now()}, {"device", std::string("1 x ") + prop.name}, {"results", rows}};
+    std::ofstream(json_path) << doc.dump(2) << "\n";
+    std::printf("wrote %s\n", json_path.c_str());
+  }
+  CK(cudaStreamDestroy(stream));
+  return 0;
+}

@@ -1,0 +1,50 @@
+// experts/experts_fp8_cuda.h: the tensor-core grouped GEMMs of the fp8_block experts on sm_90a
+// (wgmma e4m3, fp32 accumulation, DeepSeek-V3 block-scale promotion), used by experts_cuda.cu for
+// fp8_block experts fed FP8 activations. Host-side declarations; the kernels are in
+// experts_fp8_cuda.cu. Layout and precision rules: epx/experts.h (fp8_block).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "experts/experts_cuda_types.h"
+
+namespace epx::experts_cuda {
+
+/// Arguments of one fp8 GEMM launch (gate_up or down) over the device-side tile list.
+/// Row space: as Tile (experts_cuda_kernels.cuh). Tiles hold at most kTileRows (64) rows.
+struct Fp8GemmParams {
+  const ExpertDesc* experts;  ///< [L]; only fp8_block experts are computed, the others skipped
+  const Tile* tiles;          ///< device tile list (schedule kernels)
+  const int32_t* num_tiles;   ///< [1] on the device
+  int32_t max_weight_tiles;   ///< weight tiles per row tile, upper bound over experts (work = tiles x this)
+  int64_t hidden;             ///< H
+  // gate_up input: x rows (FP8 e4m3 [*, H]) + scales [*, H/128]; gather = row space -> x row (Flat) or null
+  const uint8_t* x;
+  const float* x_scales;
+  const int32_t* gather;
+  // gate_up output / down input: h FP8 e4m3 [row space, h_stride] + scales [row space, hs_stride]
+  uint8_t* hq;
+  float* hs;
+  int64_t h_stride;   ///< bytes per h row (>= max I over the fp8 experts, multiple of 128)
+  int64_t hs_stride;  ///< floats per h-scale row (h_stride / 128)
+  // down output: bf16 [row space, H]
+  uint16_t* out;
+};
+
+/// Weight rows per CTA tile: gate_up 128 gate + 128 up rows (128 h columns = one FP8 group);
+/// down 256 output columns.
+constexpr int kFp8TileWeightRows = 256;
+
+/// True when this build carries the sm_90a kernels and `device` is a compute-capability 9.0 GPU
+/// (probed once per device with a one-thread kernel).
+bool fp8_tensor_cores_available(int device);
+
+/// h = silu(x W_gate^T) * (x W_up^T), quantized to FP8 1x128 (hq, hs), for every tile of every
+/// fp8_block expert. `grid` = number of persistent CTAs (>= 1). Stream-ordered, no host sync.
+void launch_fp8_gate_up(const Fp8GemmParams& p, int grid, cudaStream_t stream);
+/// out = bf16(h W_down^T) for every tile of every fp8_block expert.
+void launch_fp8_down(const Fp8GemmParams& p, int grid, cudaStream_t stream);
+
+}  // namespace epx::experts_cuda

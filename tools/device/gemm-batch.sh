@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# tools/device/gemm-batch.sh: the grouped-GEMM helper's device batch (issue 6). Run from a copy of
+# main that carries .carry/deps.tar.xz and .carry-gemm/src.tar.xz, as
+#   OUT=<dir> timeout -k 5 <allowance> bash .carry-gemm/batch.sh
+# Builds the packed tree with tools/device/gpu-check.sh (experts GPU tests only), then runs
+# epx-gemm-bench (JSON) and bench/gemm_torch.py. Every step has its own timeout; logs go to $OUT.
+set -uo pipefail
+OUT="${OUT:-/tmp/gemm-out}"
+mkdir -p "$OUT"
+HERE="$(pwd)"
+S=/tmp/s-gemm
+rm -rf "$S" && mkdir -p "$S/.carry"
+tar -C "$S" -xJf "$HERE/.carry-gemm/src.tar.xz"
+cp "$HERE/.carry/deps.tar.xz" "$S/.carry/"
+export NCCL_NVLS_ENABLE=0
+t0=$SECONDS
+GPU_CHECK_SRC="$S" GPU_CHECK_ONE_GPU=0 GPU_CHECK_SANITIZE=0 GPU_CHECK_CPU=0 GPU_CHECK_BENCH=0 \
+  GPU_CHECK_FILTER='experts_cuda_test' timeout -k 5 100 bash "$S/tools/device/gpu-check.sh" run >"$OUT/gpu-check.out" 2>&1
+echo "gpu-check rc=$? in $((SECONDS - t0)) s" | tee -a "$OUT/summary.txt"
+B=/tmp/epx-gpu-check/build
+deps=/tmp/epx-gpu-check/deps/usr/lib/x86_64-linux-gnu
+nccl="$(python3 -c 'import nvidia.nccl as m; print(list(m.__path__)[0])' 2>/dev/null)"
+export LD_LIBRARY_PATH="$nccl/lib:$deps:$deps/openblas-pthread${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+grep -E "^\[ *(OK|FAILED|RUN) *\]|timing|rel_l2|Failure|Expected|Which is|actual" "$OUT/gpu.log" 2>/dev/null | head -80 >"$OUT/tests-brief.txt"
+if [ -x "$B/epx-gemm-bench" ]; then
+  t1=$SECONDS
+  EPX_GIT_COMMIT="$(cat "$HERE/.carry-gemm/commit.txt" 2>/dev/null || echo unknown)" timeout -k 5 60 "$B/epx-gemm-bench" --iters 20 \
+    --json "$OUT/gemm-bench.json" >"$OUT/gemm-bench.log" 2>&1
+  echo "gemm-bench rc=$? in $((SECONDS - t1)) s" | tee -a "$OUT/summary.txt"
+  cuobjdump -sass "$B/epx-gemm-bench" 2>/dev/null | grep -c QGMMA >"$OUT/sass-qgmma-count.txt" 2>&1
+fi
+t2=$SECONDS
+timeout -k 5 35 python3 "$S/bench/gemm_torch.py" --iters 20 --json "$OUT/gemm-torch.json" >"$OUT/gemm-torch.log" 2>&1
+echo "torch rc=$? in $((SECONDS - t2)) s" | tee -a "$OUT/summary.txt"
+echo "== tests"; grep -E "^\[  (FAILED|PASSED) |tests passed|timing" "$OUT/gpu.log" 2>/dev/null | tail -12
+echo "== bench"; grep -vE "^wrote" "$OUT/gemm-bench.log" 2>/dev/null | tail -14
+echo "== torch"; tail -5 "$OUT/gemm-torch.log" 2>/dev/null
