@@ -380,8 +380,7 @@ __global__ void __launch_bounds__(kThreads, 1) fp8_gemm_kernel(Fp8GemmParams) {
 
 template <bool kGateUp>
 void launch(const Fp8GemmParams& p, int grid, cudaStream_t stream) {
-  // Per launch: the attribute belongs to the current device's context (cheap host call).
-  EPX_CUDA_CHECK(cudaFuncSetAttribute(fp8_gemm_kernel<kGateUp>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
+  // The shared-memory limit was raised on this device by fp8_tensor_cores_available().
   fp8_gemm_kernel<kGateUp><<<grid, kThreads, kSmemBytes, stream>>>(p);
   cuda::check_launch(kGateUp ? "fp8_gemm_kernel (gate_up)" : "fp8_gemm_kernel (down)");
 }
@@ -405,6 +404,10 @@ bool fp8_tensor_cores_available(int device) {
     const cudaError_t launched = cudaGetLastError();
     if (launched == cudaSuccess) EPX_CUDA_CHECK(cudaMemcpy(&ok, d, sizeof(int), cudaMemcpyDeviceToHost));
     EPX_CUDA_CHECK(cudaFree(d));
+    if (ok == 1) {  // once per device, outside any graph capture: the kernels' shared-memory limit
+      EPX_CUDA_CHECK(cudaFuncSetAttribute(fp8_gemm_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
+      EPX_CUDA_CHECK(cudaFuncSetAttribute(fp8_gemm_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
+    }
   }
   known[device] = ok;
   return ok == 1;

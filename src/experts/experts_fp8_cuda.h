@@ -38,7 +38,8 @@ struct Fp8GemmParams {
 constexpr int kFp8TileWeightRows = 256;
 
 /// True when this build carries the sm_90a kernels and `device` is a compute-capability 9.0 GPU
-/// (probed once per device with a one-thread kernel).
+/// (probed once per device with a one-thread kernel; the first call on a device also raises the
+/// GEMM kernels' shared-memory limit there, so call it before launching and outside graph capture).
 bool fp8_tensor_cores_available(int device);
 
 /// h = silu(x W_gate^T) * (x W_up^T), quantized to FP8 1x128 (hq, hs), for every tile of every
