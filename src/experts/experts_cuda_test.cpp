@@ -11,6 +11,7 @@
 #include <cstdio>
 #include <cstring>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "epx/cuda.h"
@@ -93,6 +94,22 @@ int64_t count_non_finite(const TensorView& t) {
   return bad;
 }
 
+/// " got/want: ..." for the first row and column of each of a few rows, to read a failure's shape
+/// (zeros, a scale factor, a transposition) from the log.
+std::string sample(const TensorView& got, const TensorView& want, int64_t hidden) {
+  std::string s = " got/want:";
+  const int64_t rows = got.numel() / hidden;
+  for (int64_t r : {int64_t{0}, rows / 2, rows - 1})
+    for (int64_t c : {int64_t{0}, int64_t{1}, hidden / 2, hidden - 1}) {
+      char buf[64];
+      std::snprintf(buf, sizeof buf, " [%lld,%lld] %.4g/%.4g", static_cast<long long>(r), static_cast<long long>(c),
+                    bf16_bits_to_float(got.ptr<const uint16_t>()[r * hidden + c]),
+                    bf16_bits_to_float(want.ptr<const uint16_t>()[r * hidden + c]));
+      s += buf;
+    }
+  return s;
+}
+
 struct EmResult {
   double max_rel_l2 = 0;
 };
@@ -134,7 +151,7 @@ EmResult run_expert_major(Experts& cpu, Experts& gpu, const std::vector<int32_t>
       const TensorView got = rows_2d(oh, H, l * cap, l * cap + counts[l]), want = rows_2d(out_ref, H, l * cap, l * cap + counts[l]);
       EXPECT_EQ(count_non_finite(got), 0) << "expert " << l << ": valid rows not written or not finite";
       const double e = test::rel_l2_error(got, want);
-      EXPECT_LE(e, kMaxRelL2) << "expert " << l << " rows " << counts[l];
+      EXPECT_LE(e, kMaxRelL2) << "expert " << l << " rows " << counts[l] << sample(got, want, H);
       res.max_rel_l2 = std::max(res.max_rel_l2, e);
     }
     // Rows >= recv_count are never written: the poison survives byte for byte.
@@ -203,7 +220,7 @@ double run_flat(Experts& cpu, Experts& gpu, int64_t N, int K, DType x_dtype, uin
   for (int64_t n = 0; n < N; ++n)
     if (has_local[n]) worst_row = std::max(worst_row, test::rel_l2_error(rows_2d(oh, H, n, n + 1), rows_2d(out_ref, H, n, n + 1)));
   const double e = test::rel_l2_error(oh, out_ref);
-  EXPECT_LE(e, kMaxRelL2);
+  EXPECT_LE(e, kMaxRelL2) << sample(oh, out_ref, H);
   EXPECT_LE(worst_row, kMaxRelL2) << "worst single row";
   return e;
 }
