@@ -4,8 +4,8 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <array>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <vector>
