@@ -340,6 +340,21 @@ int main(int argc, char** argv) {
     }
   }
 
+  // ---- decode at 32 tokens per expert (the N=64 tile path; timing only) ----
+  {
+    const int64_t cap = 32, m = 32;
+    std::vector<uint8_t> q;
+    std::vector<float> s;
+    random_fp8(L * cap, kH, 22, q, s);
+    const Tensor x = dev_from(q.data(), {L, cap, kH}, DType::fp8_e4m3), xs = dev_from(s.data(), {L, cap, kH / 128}, DType::fp32);
+    std::vector<int32_t> cnt(static_cast<size_t>(L), static_cast<int32_t>(m));
+    const Tensor rc = dev_from(cnt.data(), {L}, DType::int32);
+    Tensor out = Tensor::empty({L, cap, kH}, DType::bf16, Device::cuda(0));
+    const ExpertsInput in{ActivationLayout::ExpertMajor, x, xs, rc, {}, {}};
+    const Stats st = time_us(stream, iters, [&] { tc->apply(in, out, Stream{stream}); });
+    add_row("decode-v3-m32", "epx-wgmma", "expert_major", m, st, true, false, 0, "timing only (tiles of 17-64 rows)");
+  }
+
   // ---- prefill: Flat, 4096 tokens top-8 over the L experts, 256 rows per expert ----
   {
     const int64_t T = 4096, K = 8, m = T * K / L;
