@@ -269,6 +269,9 @@ int main(int argc, char** argv) {
   }
   unsetenv("EPX_EXPERTS_SIMT");
   auto tc = make_experts_cuda(experts, 0);
+  setenv("EPX_EXPERTS_FP8_PAIRS", "1", 1);  // the paired-K-block mainloop variant
+  auto tcp = make_experts_cuda(experts, 0);
+  unsetenv("EPX_EXPERTS_FP8_PAIRS");
   std::unique_ptr<Experts> simt;
   if (do_simt) {
     setenv("EPX_EXPERTS_SIMT", "1", 1);
@@ -333,6 +336,13 @@ int main(int argc, char** argv) {
     std::memcpy(refv.data(), ref.data(), ref.nbytes());
     const double err = rel_l2(got, refv, ranges);
     add_row("decode-v3", "epx-wgmma", "expert_major", m, st, true, true, err, "validated against the CPU experts");
+    {
+      CK(cudaMemset(out2.data(), 0xFF, out2.nbytes()));
+      const Stats sp = time_us(stream, iters, [&] { tcp->apply(in, out2, Stream{stream}); });
+      CK(cudaStreamSynchronize(stream));
+      add_row("decode-v3", "epx-wgmma-pairs", "expert_major", m, sp, true, true, rel_l2(host_bf16(out2), refv, ranges),
+              "EPX_EXPERTS_FP8_PAIRS=1 mainloop; validated against the CPU experts");
+    }
     if (simt) {
       const Stats s2 = time_us(stream, std::max(3, iters / 4), [&] { simt->apply(in, out2, Stream{stream}); });
       CK(cudaStreamSynchronize(stream));
@@ -380,6 +390,15 @@ int main(int argc, char** argv) {
     }
     add_row("prefill-v3", "epx-wgmma", "flat", m, st, false, simt != nullptr, err,
             "Flat layout: includes the device schedule, gather and the top-k weighted combine; validated against epx-simt");
+    {
+      Tensor out3 = Tensor::empty({T, kH}, DType::bf16, Device::cuda(0));
+      CK(cudaMemset(out3.data(), 0xFF, out3.nbytes()));
+      const Stats sp = time_us(stream, iters, [&] { tcp->apply(in, out3, Stream{stream}); });
+      CK(cudaStreamSynchronize(stream));
+      add_row("prefill-v3", "epx-wgmma-pairs", "flat", m, sp, false, simt != nullptr,
+              simt ? rel_l2(host_bf16(out3), host_bf16(out2), {{0, T}}) : -1.0,
+              "EPX_EXPERTS_FP8_PAIRS=1 mainloop; validated against epx-simt");
+    }
   }
   // ---- prefill: ExpertMajor with every row of cap 256 valid ----
   {
@@ -402,8 +421,18 @@ int main(int argc, char** argv) {
       add_row("prefill-v3", "epx-simt", "expert_major", cap, s2, false, false, 0, "");
     }
     add_row("prefill-v3", "epx-wgmma", "expert_major", cap, st, false, simt != nullptr, err, "validated against epx-simt");
+    {
+      Tensor out3 = Tensor::empty({L, cap, kH}, DType::bf16, Device::cuda(0));
+      CK(cudaMemset(out3.data(), 0xFF, out3.nbytes()));
+      const Stats sp = time_us(stream, iters, [&] { tcp->apply(in, out3, Stream{stream}); });
+      CK(cudaStreamSynchronize(stream));
+      add_row("prefill-v3", "epx-wgmma-pairs", "expert_major", cap, sp, false, simt != nullptr,
+              simt ? rel_l2(host_bf16(out3), host_bf16(out2), {{0, L * cap}}) : -1.0,
+              "EPX_EXPERTS_FP8_PAIRS=1 mainloop; validated against epx-simt");
+    }
   }
   tc.reset();
+  tcp.reset();
   simt.reset();
 
   // ---- cuBLASLt per-expert loop ----

@@ -148,6 +148,10 @@ class CudaExperts final : public Experts {
     fp8_tensor_cores_ = has_format_[static_cast<int>(WeightFormat::fp8_block)] &&
                         !(simt != nullptr && simt[0] != '\0' && simt[0] != '0') &&
                         experts_cuda::fp8_tensor_cores_available(device_);
+    // EPX_EXPERTS_FP8_PAIRS=1: the mainloop variant that runs K blocks in pairs (experts_fp8_cuda.h,
+    // Fp8GemmParams::overlap); same results.
+    const char* pairs = std::getenv("EPX_EXPERTS_FP8_PAIRS");
+    fp8_pairs_ = pairs != nullptr && pairs[0] == '1';
     EPX_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms_, cudaDevAttrMultiProcessorCount, device_));
     std::vector<ExpertDesc> descs;
     for (const auto& e : experts_) {
@@ -366,6 +370,7 @@ class CudaExperts final : public Experts {
       fp.h_stride = fp8_inter_max_;
       fp.hs_stride = fp8_inter_max_ / kFp8GroupSize;
       fp.out = out_rows;
+      fp.overlap = fp8_pairs_;
       // Persistent grids of one CTA per multiprocessor (the kernels take ~205 KiB of shared memory).
       fp.max_weight_tiles = static_cast<int32_t>(fp8_inter_max_ / kFp8GroupSize);
       const int64_t up_items = max_tiles * fp.max_weight_tiles;
@@ -403,6 +408,7 @@ class CudaExperts final : public Experts {
   int64_t inter_max_ = 0;
   int64_t fp8_inter_max_ = 0;     // widest fp8_block expert (I % 128 == 0)
   bool fp8_tensor_cores_ = false; // fp8_block experts with FP8 x run on the sm_90a wgmma GEMMs
+  bool fp8_pairs_ = false;        // their mainloop variant (EPX_EXPERTS_FP8_PAIRS)
   int num_sms_ = 1;
   std::array<bool, 3> has_format_{};
   std::vector<Tensor> device_weights_;  // uploaded w13 / scales / w2 / scales of every expert

@@ -77,7 +77,17 @@ __device__ __forceinline__ void cp_async_wait() {
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+/// cp.async.wait_group with a run-time count (0..3; larger counts wait for fewer groups: never wrong).
+__device__ __forceinline__ void cp_async_wait_dyn(int n) {
+  if (n >= 3) cp_async_wait<3>();
+  else if (n == 2) cp_async_wait<2>();
+  else if (n == 1) cp_async_wait<1>();
+  else cp_async_wait<0>();
+}
 __device__ __forceinline__ void fence_operand(float& r) { asm volatile("" : "+f"(r)::"memory"); }
 
 /// Shared-memory matrix descriptor of a K-major tile with 128-byte swizzle: rows of 128 bytes,
@@ -151,7 +161,7 @@ __device__ __forceinline__ bool sub_valid(const Item& it, int t) {
 }
 
 /// One (row tile, weight tile) item with BN token columns. smem: 1024-aligned base.
-template <int BN, bool kGateUp>
+template <int BN, bool kGateUp, bool kOverlap>
 __device__ __forceinline__ void run_item(const Fp8GemmParams& p, const Item& it, uint8_t* smem, uint32_t smem_s) {
   constexpr int kFrag = BN / 2;  // accumulator floats per thread per m64nBN
   const int tid = threadIdx.x, wg = tid >> 7, warp_in_wg = (tid >> 5) & 3, lane = tid & 31;
@@ -198,52 +208,89 @@ __device__ __forceinline__ void run_item(const Fp8GemmParams& p, const Item& it,
     }
   };
 
-  float acc[2][kFrag], tmp[2][kFrag];
+  float acc[2][kFrag], tmp[2][kFrag], tmp2[2][kFrag];
 #pragma unroll
   for (int s = 0; s < 2; ++s)
 #pragma unroll
-    for (int i = 0; i < kFrag; ++i) acc[s][i] = 0.0f, tmp[s][i] = 0.0f;
+    for (int i = 0; i < kFrag; ++i) acc[s][i] = 0.0f, tmp[s][i] = 0.0f, tmp2[s][i] = 0.0f;
 
-#pragma unroll
-  for (int s = 0; s < kStages - 1; ++s) {
-    if (s < nk) load_stage(s, s);
-    cp_async_commit();
-  }
-  for (int64_t kb = 0; kb < nk; ++kb) {
-    const int s = static_cast<int>(kb % kStages);
-    cp_async_wait<kStages - 2>();
-    fence_proxy_async();  // cp.async wrote through the generic proxy; wgmma reads through the async one
-    __syncthreads();
-    if (kb + kStages - 1 < nk) load_stage(static_cast<int>((kb + kStages - 1) % kStages), kb + kStages - 1);
-    cp_async_commit();
-
-    const uint32_t a_s = smem_s + s * kStageBytes, b_s = a_s + kAStageBytes;
+  // The 8 wgmmas of K block kb (stage kb % kStages) into t, committed as one group.
+  auto issue = [&](int64_t kb, float (&t)[2][kFrag]) {
+    const uint32_t a_s = smem_s + static_cast<int>(kb % kStages) * kStageBytes, b_s = a_s + kAStageBytes;
     const uint64_t da0 = smem_desc(a_s + wg * kSubBytes), da1 = smem_desc(a_s + (2 + wg) * kSubBytes);
     const uint64_t db = smem_desc(b_s);
-#pragma unroll
-    for (int sub = 0; sub < 2; ++sub)
-#pragma unroll
-      for (int i = 0; i < kFrag; ++i) fence_operand(tmp[sub][i]);
     wgmma_fence();
 #pragma unroll
     for (int k = 0; k < kBK / 32; ++k) {
-      Wgmma<BN>::mma(tmp[0], da0 + 2 * k, db + 2 * k, k);  // +32 bytes along K = +2 in the descriptor
-      Wgmma<BN>::mma(tmp[1], da1 + 2 * k, db + 2 * k, k);
+      Wgmma<BN>::mma(t[0], da0 + 2 * k, db + 2 * k, k);  // +32 bytes along K = +2 in the descriptor
+      Wgmma<BN>::mma(t[1], da1 + 2 * k, db + 2 * k, k);
     }
     wgmma_commit();
-    wgmma_wait0();
+  };
+  // acc += t * (w_scale * x_scale) with the scales of K block kb (after its wgmmas completed).
+  auto promote = [&](int64_t kb, float (&t)[2][kFrag]) {
 #pragma unroll
     for (int sub = 0; sub < 2; ++sub)
 #pragma unroll
-      for (int i = 0; i < kFrag; ++i) fence_operand(tmp[sub][i]);
-    const float* sc = scales + s * kScaleFloats;
+      for (int i = 0; i < kFrag; ++i) fence_operand(t[sub][i]);
+    const float* sc = scales + static_cast<int>(kb % kStages) * kScaleFloats;
     const float wsc0 = sc[wg], wsc1 = sc[2 + wg];
 #pragma unroll
     for (int i = 0; i < kFrag; ++i) {
       const int col = 8 * (i >> 2) + 2 * (lane & 3) + (i & 1);
       const float xs = sc[4 + col];
-      acc[0][i] = fmaf(tmp[0][i], wsc0 * xs, acc[0][i]);
-      acc[1][i] = fmaf(tmp[1][i], wsc1 * xs, acc[1][i]);
+      acc[0][i] = fmaf(t[0][i], wsc0 * xs, acc[0][i]);
+      acc[1][i] = fmaf(t[1][i], wsc1 * xs, acc[1][i]);
+    }
+  };
+  auto wait_stage = [&](int64_t kb, int distance) {
+    cp_async_wait_dyn(distance);
+    fence_proxy_async();  // cp.async wrote through the generic proxy; wgmma reads through the async one
+    __syncthreads();
+    if (kb + distance + 1 < nk) load_stage(static_cast<int>((kb + distance + 1) % kStages), kb + distance + 1);
+    cp_async_commit();
+  };
+
+  if constexpr (!kOverlap) {
+    // Prefetch distance kStages - 1; each K block's wgmmas complete before its promotion.
+#pragma unroll
+    for (int s = 0; s < kStages - 1; ++s) {
+      if (s < nk) load_stage(s, s);
+      cp_async_commit();
+    }
+    for (int64_t kb = 0; kb < nk; ++kb) {
+      wait_stage(kb, kStages - 2);
+      issue(kb, tmp);
+      wgmma_wait<0>();
+      promote(kb, tmp);
+    }
+  } else {
+    // K blocks in pairs: both pairs' wgmmas issued back to back (two accumulator sets), the first
+    // block promoted while the second runs; one barrier per pair. Block b lives in stage b % 5;
+    // while pair (2p, 2p+1) computes, blocks 2p+2..2p+4 are in flight. No wgmma is in flight
+    // across the loop's back edge. For odd nk the last pair's second wgmma reads a stale stage and
+    // is not promoted.
+    static_assert(kStages == 5, "pair schedule assumes 5 stages");
+#pragma unroll
+    for (int s = 0; s < 3; ++s) {
+      if (s < nk) load_stage(s, s);
+      cp_async_commit();
+    }
+    for (int64_t kb = 0; kb < nk; kb += 2) {
+      cp_async_wait<1>();  // blocks kb, kb + 1 landed (block kb + 2 may be in flight)
+      fence_proxy_async();
+      __syncthreads();     // every thread is past the previous pair's wgmmas and promotions
+#pragma unroll
+      for (int j = 3; j < 5; ++j) {
+        if (kb + j < nk) load_stage(static_cast<int>((kb + j) % kStages), kb + j);
+        cp_async_commit();
+      }
+      issue(kb, tmp);
+      issue(kb + 1, tmp2);
+      wgmma_wait<1>();
+      promote(kb, tmp);
+      wgmma_wait<0>();
+      if (kb + 1 < nk) promote(kb + 1, tmp2);
     }
   }
   cp_async_wait<0>();
@@ -321,7 +368,7 @@ __device__ __forceinline__ void run_item(const Fp8GemmParams& p, const Item& it,
   __syncthreads();  // staging and rows[] are reused by the next item
 }
 
-template <bool kGateUp>
+template <bool kGateUp, bool kOverlap>
 __global__ void __launch_bounds__(kThreads, 1) fp8_gemm_kernel(Fp8GemmParams p) {
   extern __shared__ uint8_t smem_raw[];
   const uint32_t raw_s = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
@@ -362,14 +409,14 @@ __global__ void __launch_bounds__(kThreads, 1) fp8_gemm_kernel(Fp8GemmParams p) 
       rows[j] = r;
     }
     __syncthreads();
-    if (tile.num_rows <= 16) run_item<16, kGateUp>(p, it, smem, smem_s);
-    else run_item<64, kGateUp>(p, it, smem, smem_s);
+    if (tile.num_rows <= 16) run_item<16, kGateUp, kOverlap>(p, it, smem, smem_s);
+    else run_item<64, kGateUp, kOverlap>(p, it, smem, smem_s);
   }
 }
 
 #else  // not sm_90a: the host never launches these (fp8_tensor_cores_available is false)
 
-template <bool kGateUp>
+template <bool kGateUp, bool kOverlap>
 __global__ void __launch_bounds__(kThreads, 1) fp8_gemm_kernel(Fp8GemmParams) {
 #ifdef __CUDA_ARCH__
   __trap();
@@ -381,7 +428,8 @@ __global__ void __launch_bounds__(kThreads, 1) fp8_gemm_kernel(Fp8GemmParams) {
 template <bool kGateUp>
 void launch(const Fp8GemmParams& p, int grid, cudaStream_t stream) {
   // The shared-memory limit was raised on this device by fp8_tensor_cores_available().
-  fp8_gemm_kernel<kGateUp><<<grid, kThreads, kSmemBytes, stream>>>(p);
+  if (p.overlap) fp8_gemm_kernel<kGateUp, true><<<grid, kThreads, kSmemBytes, stream>>>(p);
+  else fp8_gemm_kernel<kGateUp, false><<<grid, kThreads, kSmemBytes, stream>>>(p);
   cuda::check_launch(kGateUp ? "fp8_gemm_kernel (gate_up)" : "fp8_gemm_kernel (down)");
 }
 
@@ -405,8 +453,9 @@ bool fp8_tensor_cores_available(int device) {
     if (launched == cudaSuccess) EPX_CUDA_CHECK(cudaMemcpy(&ok, d, sizeof(int), cudaMemcpyDeviceToHost));
     EPX_CUDA_CHECK(cudaFree(d));
     if (ok == 1) {  // once per device, outside any graph capture: the kernels' shared-memory limit
-      EPX_CUDA_CHECK(cudaFuncSetAttribute(fp8_gemm_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
-      EPX_CUDA_CHECK(cudaFuncSetAttribute(fp8_gemm_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
+      for (auto* k : {fp8_gemm_kernel<true, false>, fp8_gemm_kernel<true, true>, fp8_gemm_kernel<false, false>,
+                      fp8_gemm_kernel<false, true>})
+        EPX_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
     }
   }
   known[device] = ok;

@@ -31,6 +31,11 @@ struct Fp8GemmParams {
   int64_t hs_stride;  ///< floats per h-scale row (h_stride / 128)
   // down output: bf16 [row space, H]
   uint16_t* out;
+  /// Mainloop variant: false = each 128-deep K block's wgmmas complete before its promotion
+  /// (4 blocks in flight); true = K blocks in pairs, both issued back to back into two accumulator
+  /// sets, the first promoted while the second runs, one barrier per pair (3 blocks in flight).
+  /// Same results either way.
+  bool overlap;
 };
 
 /// Weight rows per CTA tile: gate_up 128 gate + 128 up rows (128 h columns = one FP8 group);
