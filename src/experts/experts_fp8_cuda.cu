@@ -265,7 +265,7 @@ __device__ __forceinline__ void run_item(const Fp8GemmParams& p, const Item& it,
       promote(kb, tmp);
     }
   } else {
-    // K blocks in pairs: both pairs' wgmmas issued back to back (two accumulator sets), the first
+    // K blocks in pairs: both blocks' wgmmas issued back to back (two accumulator sets), the first
     // block promoted while the second runs; one barrier per pair. Block b lives in stage b % 5;
     // while pair (2p, 2p+1) computes, blocks 2p+2..2p+4 are in flight. No wgmma is in flight
     // across the loop's back edge. For odd nk the last pair's second wgmma reads a stale stage and
