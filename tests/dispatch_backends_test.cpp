@@ -442,3 +442,46 @@ TEST_P(Backend, TensorsOnAnotherDeviceAreUnsupportedOnAllRanks) {
     EXPECT_TRUE(contains(errs[r].what, "cuda:0")) << errs[r].what;
   }
 }
+
+TEST(DispatchLl, PartialCombineModesMatchTheirOracles) {
+  // LlCombine::partial_fp32 / partial_bf16 (expert-side partial reduction): bit for bit the
+  // per-rank-partial oracle (fp32 partials unrounded, or rounded to bf16), within bf16 noise of the
+  // no-EP reference; over ranks, uneven splits, a rank without experts, shared route, duplicates,
+  // fp8, -1 selections, T = 0 and repeated calls (both parities).
+  for (LlCombine mode : {LlCombine::partial_fp32, LlCombine::partial_bf16}) {
+    for (int R : {1, 2, 3, 4}) {
+      Case c;
+      c.R = R;
+      c.E = 2 * R + 1;
+      c.K = 3;
+      c.cap = 9;
+      c.masked = 0.25;
+      c.seed = static_cast<uint64_t>(R) + 40;
+      c.ll_combine = mode;
+      for (int r = 0; r < R; ++r) c.T.push_back((r * 5 + 3) % 10);
+      check_case("ll", c, 3);
+    }
+    Case f;  // rank 3 holds no expert
+    f.R = 4, f.E = 3, f.K = 2, f.T = {3, 0, 5, 4}, f.ll_combine = mode;
+    check_case("ll", f);
+    Case s;  // shared route, duplicates, fp8
+    s.R = 3, s.E = 6, s.K = 4, s.shared = true, s.dups = true, s.dtype = DType::fp8_e4m3, s.H = 256, s.T = {5, 0, 7};
+    s.masked = 0.3, s.ll_combine = mode;
+    check_case("ll", s);
+    Case a = s, b = s;  // alternating inputs on one object, ending on the second
+    b.seed = 77, b.T = {1, 7, 0};
+    const auto ia = make_inputs(a), ib = make_inputs(b);
+    expect_matches_oracle("ll", b, ib, run_layer("ll", a, {ia, ib, ia, ib}, 4));
+  }
+}
+
+TEST(DispatchLl, CombineModeNames) {
+  EXPECT_EQ(parse_ll_combine("partial_fp32", "ll.combine"), LlCombine::partial_fp32);
+  EXPECT_STREQ(ll_combine_name(LlCombine::partial_bf16), "partial_bf16");
+  try {
+    parse_ll_combine("rank", "ll.combine");
+    FAIL() << "no throw";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("ll.combine = \"rank\""), std::string::npos) << e.what();
+  }
+}

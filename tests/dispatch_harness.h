@@ -6,10 +6,13 @@
 // so a token sent to the wrong expert, twice, or not at all changes the result.
 // Oracles, on the tokens as the wire carries them (x~ = x, or x quantized to FP8 1x128 and back):
 //   reference_out : out[t] = round_bf16(sum over valid k, in column order, of w[t,k] * f_{e_k}(x~[t]))
-//                   (the no-EP layer; the LL backend must match it bit for bit)
+//                   (the no-EP layer; the LL backend must match it bit for bit with
+//                   LlCombine::column, its default)
 //   flat_out      : the same sum split by destination rank: partial_d = round_bf16(sum over columns on
 //                   rank d), out = round_bf16(sum over d in rank order of partial_d); what the Flat
-//                   backends compute given the Experts contract (bf16 per-rank partials)
+//                   backends compute given the Experts contract (bf16 per-rank partials); ll with
+//                   LlCombine::partial_bf16 computes exactly this too, and with partial_fp32 the same
+//                   without the partials' rounding (round_partials = false)
 #pragma once
 
 #include <gtest/gtest.h>
@@ -108,6 +111,7 @@ struct Case {
   int align = 1;
   bool idx64 = false;
   uint64_t seed = 1;
+  LlCombine ll_combine = LlCombine::column;  ///< ll only (the "bit for bit" rule holds for column)
 
   int64_t tokens(int r) const { return T.empty() ? cap / 2 + r : T[static_cast<size_t>(r)]; }
   DispatchConfig config() const {
@@ -120,6 +124,7 @@ struct Case {
     c.use_ue8m0 = ue8m0;
     c.shared_route = shared;
     c.expert_alignment = align;
+    c.ll_combine = ll_combine;
     return c;
   }
   std::string describe() const {
@@ -127,7 +132,8 @@ struct Case {
     os << "R=" << R << " E=" << E << " K=" << K << " H=" << H << " cap=" << cap << " T=[";
     for (int r = 0; r < R; ++r) os << (r ? "," : "") << tokens(r);
     os << "] dtype=" << dtype_name(dtype) << (ue8m0 ? " ue8m0" : "") << (shared ? " shared_route" : "") << " masked=" << masked
-       << (dups ? " dups" : "") << " zipf=" << zipf << " align=" << align << (idx64 ? " int64" : "") << " seed=" << seed;
+       << (dups ? " dups" : "") << " zipf=" << zipf << " align=" << align << (idx64 ? " int64" : "") << " seed=" << seed
+       << (ll_combine != LlCombine::column ? std::string(" ll_combine=") + ll_combine_name(ll_combine) : std::string());
     return os.str();
   }
 };
@@ -180,7 +186,7 @@ inline std::vector<float> wire_row(const Case& c, const RankInput& ri, int64_t t
 }
 
 /// Oracle outputs [T, H] bf16 of rank `src` (see the file comment); flat = split by destination rank.
-inline Tensor oracle_out(const Case& c, const RankInput& ri, int src, bool flat) {
+inline Tensor oracle_out(const Case& c, const RankInput& ri, int src, bool flat, bool round_partials = true) {
   const int64_t T = ri.x.size(0), H = c.H;
   Tensor out = Tensor::empty({T, H}, DType::bf16);
   std::vector<float> y(static_cast<size_t>(H)), acc(static_cast<size_t>(H)), part(static_cast<size_t>(H));
@@ -198,7 +204,8 @@ inline Tensor oracle_out(const Case& c, const RankInput& ri, int src, bool flat)
         const float w = ri.topk_weights.ptr<float>()[t * c.K + k];
         for (int64_t i = 0; i < H; ++i) part[static_cast<size_t>(i)] += w * y[static_cast<size_t>(i)];
       }
-      for (int64_t i = 0; i < H; ++i) acc[static_cast<size_t>(i)] += flat ? round_bf16(part[static_cast<size_t>(i)]) : part[static_cast<size_t>(i)];
+      for (int64_t i = 0; i < H; ++i)
+        acc[static_cast<size_t>(i)] += flat && round_partials ? round_bf16(part[static_cast<size_t>(i)]) : part[static_cast<size_t>(i)];
     }
     for (int64_t i = 0; i < H; ++i) out.ptr<uint16_t>()[t * H + i] = float_to_bf16_bits(acc[static_cast<size_t>(i)]);
   }
@@ -258,16 +265,18 @@ inline std::vector<RankResult> run_layer(const std::string& name, const Case& c,
   return res;
 }
 
-/// Checks every rank's output against the oracle for `name`: bit-exact (LL: the no-EP reference;
-/// Flat backends: the per-rank-partial oracle) and within bf16 noise of the no-EP reference.
+/// Checks every rank's output against the oracle for `name`: bit-exact (LL: the no-EP reference, or
+/// with a partial c.ll_combine the per-rank-partial oracle, fp32 partials unrounded; Flat backends:
+/// the per-rank-partial oracle) and within bf16 noise of the no-EP reference.
 inline void expect_matches_oracle(const std::string& name, const Case& c, const std::vector<RankInput>& in,
                                   const std::vector<RankResult>& res) {
-  const bool flat = name != "ll";
+  const bool flat = name != "ll" || c.ll_combine != LlCombine::column;
+  const bool round_partials = name != "ll" || c.ll_combine == LlCombine::partial_bf16;
   for (int r = 0; r < c.R; ++r) {
     const RankInput& ri = in[static_cast<size_t>(r)];
     const Tensor& out = res[static_cast<size_t>(r)].out;
     ASSERT_EQ(out.size(0), ri.x.size(0)) << name << " rank " << r << " " << c.describe();
-    const Tensor exact = oracle_out(c, ri, r, flat);
+    const Tensor exact = oracle_out(c, ri, r, flat, round_partials);
     EXPECT_EQ(count_bit_diffs(out, exact), 0) << name << " rank " << r << " " << c.describe();
     if (ri.x.size(0) > 0) {
       const Tensor ref = oracle_out(c, ri, r, false);

@@ -40,6 +40,25 @@
 
 namespace epx {
 
+/// How the ll backend reduces in combine (DispatchConfig::ll_combine; JSON "ll.combine",
+/// EPX_LL_COMBINE). Every mode accumulates in fp32 and is bit-identical between LlCpu and LlCuda.
+enum class LlCombine : int32_t {
+  /// Every (token, expert) row goes back to the source, which sums w * y over the topk columns in
+  /// column order and rounds once: the no-EP reference's arithmetic (dispatch_harness.h), bit for bit.
+  column = 0,
+  /// Expert-side partial reduction (DeepEP-style): each rank sums, in fp32 and column order, w * y of
+  /// its own experts for each received token and sends one fp32 row per (token, rank) back; the
+  /// source adds the ranks' partials in rank order and rounds once. Fewer bytes (4H per token and
+  /// holding rank instead of 2H per selection); a different summation order than `column`.
+  partial_fp32 = 1,
+  /// As partial_fp32, but the partial is rounded to bf16 before it is sent (half the bytes again);
+  /// the source sums the bf16 partials in fp32 and rounds once more: two roundings.
+  partial_bf16 = 2,
+};
+/// "column" | "partial_fp32" | "partial_bf16"; throws InvalidArgument naming `what` otherwise.
+LlCombine parse_ll_combine(const std::string& text, const std::string& what);
+const char* ll_combine_name(LlCombine mode);
+
 struct DispatchConfig {
   int64_t hidden = 0;                         ///< H; multiple of 8 (bf16) and of 128 for fp8 dispatch
   int num_experts = 0;                        ///< E (routed experts, global)
@@ -59,6 +78,8 @@ struct DispatchConfig {
   /// unweighted output row per (received row, local expert) of that layout, weighting them itself
   /// when FinalizeArgs::topk_weights is given. Off: Flat only (Experts::apply weights the rows).
   bool expert_contiguous = false;
+  /// ll only: the combine's reduction (LlCombine); sizes the ll buffer (ll_buffer_bytes).
+  LlCombine ll_combine = LlCombine::column;
 };
 
 /// Experts [begin, end) held by `rank` out of E split over R (sizes differ by at most one).

@@ -48,7 +48,7 @@ LlCuda::LlCuda(std::shared_ptr<Group> group, const DispatchConfig& cfg, const Ll
   blocks_ = launch.num_blocks > 0 ? launch.num_blocks : sms;
   require_arg(op, "ll.num_blocks", blocks_, blocks_ <= LlLayout::kMaxSignalBlocks,
               "must be <= " + std::to_string(LlLayout::kMaxSignalBlocks) + " (one signal word per send block, ll_layout.h)");
-  const size_t dsmem = ll_dispatch_smem_bytes(layout_), csmem = ll_combine_smem_bytes(num_local_);
+  const size_t dsmem = ll_dispatch_smem_bytes(layout_), csmem = ll_combine_smem_bytes(num_local_, num_ranks_);
   require_arg(op, "num_max_dispatch_tokens_per_rank", cfg.num_max_dispatch_tokens_per_rank, dsmem <= 200 * 1024,
               "needs " + std::to_string(dsmem) + " bytes of shared memory per block with " + std::to_string(num_ranks_) +
                   " ranks (at most 204800): use a smaller capacity");
@@ -98,6 +98,12 @@ LlCuda::LlCuda(std::shared_ptr<Group> group, const DispatchConfig& cfg, const Ll
   handle_.layout_range = Tensor::zeros({L, num_ranks_}, DType::int64, dev);
   first_col_ = Tensor::zeros({max_t, K}, DType::int32, dev);
   weights_ = Tensor::zeros({max_t, K}, DType::fp32, dev);
+  dest_mask_ = Tensor::zeros({max_t}, DType::int32, dev);
+  const int64_t R = num_ranks_;
+  handle_.msg_count = Tensor::zeros({R}, DType::int32, dev);
+  handle_.msg_src_token = Tensor::zeros({R, max_t}, DType::int32, dev);
+  handle_.msg_rows = Tensor::zeros({R, max_t, K}, DType::int32, dev);
+  handle_.msg_weights = Tensor::zeros({R, max_t, K}, DType::fp32, dev);
   EPX_CUDA_CHECK(cudaDeviceSynchronize());  // zero fills done before any peer can signal
   group_->barrier();
 }
@@ -188,6 +194,11 @@ LlDispatchParams LlCuda::dispatch_params(const DispatchArgs& args, bool send, bo
   p.layout_range = handle_.layout_range.ptr<int64_t>();
   p.first_col = first_col_.ptr<int32_t>();
   p.weights = weights_.ptr<float>();
+  p.dest_mask = dest_mask_.ptr<uint32_t>();
+  p.msg_count = handle_.msg_count.ptr<int32_t>();
+  p.msg_src_token = handle_.msg_src_token.ptr<int32_t>();
+  p.msg_rows = handle_.msg_rows.ptr<int32_t>();
+  p.msg_weights = handle_.msg_weights.ptr<float>();
   return p;
 }
 
@@ -267,6 +278,7 @@ void LlCuda::finalize(const FinalizeArgs& args) {
   p.topk_column = handle_.topk_column.ptr<const int32_t>();
   p.first_col = first_col_.ptr<const int32_t>();
   p.weights = weights_.ptr<const float>();
+  set_partial(p);
   launch_ll_combine(p, blocks_, threads_, cuda::native(args.stream));
 }
 
@@ -281,6 +293,7 @@ void LlCuda::finalize_send(const FinalizeArgs& args) {
   p.src_rank = handle_.src_rank.ptr<const int32_t>();
   p.src_token = handle_.src_token.ptr<const int32_t>();
   p.topk_column = handle_.topk_column.ptr<const int32_t>();
+  set_partial(p);
   launch_ll_combine(p, blocks_, threads_, cuda::native(args.stream));
   pending_out_ = args.out;
 }
@@ -295,8 +308,17 @@ void LlCuda::finalize_recv(Stream stream) {
   p.out = pending_out_.ptr<uint16_t>();
   p.first_col = first_col_.ptr<const int32_t>();
   p.weights = weights_.ptr<const float>();
+  set_partial(p);
   launch_ll_combine(p, blocks_, threads_, cuda::native(stream));
   pending_out_ = TensorView();
+}
+
+void LlCuda::set_partial(LlCombineParams& p) const {
+  p.dest_mask = dest_mask_.ptr<const uint32_t>();
+  p.msg_count = handle_.msg_count.ptr<const int32_t>();
+  p.msg_src_token = handle_.msg_src_token.ptr<const int32_t>();
+  p.msg_rows = handle_.msg_rows.ptr<const int32_t>();
+  p.msg_weights = handle_.msg_weights.ptr<const float>();
 }
 
 std::vector<double> LlCuda::trace() {
@@ -308,6 +330,8 @@ std::vector<double> LlCuda::trace() {
   for (int base : {0, 4})
     for (int i = 1; i < 4; ++i)
       out.push_back((static_cast<double>(st.trace[base + i]) - static_cast<double>(st.trace[base])) * 1e-3);
+  out.push_back((static_cast<double>(st.trace[8]) - static_cast<double>(st.trace[0])) * 1e-3);
+  out.push_back((static_cast<double>(st.trace[9]) - static_cast<double>(st.trace[4])) * 1e-3);
   return out;
 }
 

@@ -19,6 +19,11 @@
 //     region at (token, first column of that expert); signal as above.
 //   combine recv: wait, then (token, chunk) items sum w * y over columns in column order in fp32
 //     and round once to bf16.
+//   Partial combine modes (DispatchConfig::ll_combine, LlCombine): the dispatch also carries the
+//     weights, the expansion records per message its local rows (LlHandle::msg_*), the combine send
+//     sums each message's local rows weighted in column order in fp32 and stores one partial row
+//     (fp32, or bf16 rounded) per (token, rank) at the source, which adds them in rank order (fp32,
+//     one more rounding). Bit-identical to LlCpu in the same mode.
 //
 // Protocol: call n of each part (dispatch/combine, send/recv) is derived on the device from a
 // per-object counter of finished blocks (n = counter / B), and flags are monotonic (n + 1 after
@@ -100,7 +105,7 @@ class LlCuda final : public PrepareFinalizeBase {
   int num_blocks() const { return blocks_; }
   /// Diagnostics: the kernels' timeline of the last dispatch and combine (LlDeviceState::trace) as
   /// microseconds since each kernel's start: {flags stored, waits done, all done} x {dispatch,
-  /// combine}. Synchronizes the device.
+  /// combine}, then the last block's start {dispatch, combine} (the launch spread). Synchronizes.
   std::vector<double> trace();
   int threads_per_block() const { return threads_; }
 
@@ -112,6 +117,7 @@ class LlCuda final : public PrepareFinalizeBase {
   PrepareResult result() const;
   void check_prepare_args(const DispatchArgs& args);
   void check_finalize_args(const FinalizeArgs& args);
+  void set_partial(LlCombineParams& p) const;
 
   LlLayout layout_;
   LlLaunch launch_;
@@ -120,7 +126,7 @@ class LlCuda final : public PrepareFinalizeBase {
   LlCommon common_;
   Tensor state_;  ///< LlDeviceState
   LlErrorReport* report_host_ = nullptr;
-  Tensor x_, x_scales_, recv_count_, first_col_, weights_;
+  Tensor x_, x_scales_, recv_count_, first_col_, weights_, dest_mask_;
   LlHandle handle_;
   TensorView pending_out_;  ///< finalize_send -> finalize_recv
   bool broken_ = false;     ///< after a timeout: every call throws

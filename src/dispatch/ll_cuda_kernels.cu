@@ -69,6 +69,17 @@ __device__ __forceinline__ void trace_at(const LlCommon& c, int slot) {
 __device__ __forceinline__ void trace_max(const LlCommon& c, int slot) {
   if (threadIdx.x == 0) atomicMax(&c.state->trace[slot], globaltimer());
 }
+/// Up to 8 16-byte loads issued back to back (one round trip), n <= 8.
+__device__ __forceinline__ void ld16_batch(const uint8_t* p, int n, uint4 (&v)[8]) {
+#pragma unroll
+  for (int i = 0; i < 8; ++i)
+    if (i < n) v[i] = ld16(p + 16 * i);
+}
+__device__ __forceinline__ int32_t word_of(const uint4 (&v)[8], int k) {
+  const uint4 q = v[k >> 2];
+  const int r = k & 3;
+  return static_cast<int32_t>(r == 0 ? q.x : r == 1 ? q.y : r == 2 ? q.z : q.w);
+}
 
 /// First reporter wins; the host reads `kind` last.
 __device__ void report(const LlCommon& c, int kind, int peer, int op, long long value, long long index) {
@@ -129,8 +140,10 @@ __device__ __forceinline__ int64_t load_id(const LlDispatchParams& p, int64_t i)
 
 // ---- dispatch ----------------------------------------------------------------------------------
 
-template <bool kFp8>
-__global__ void __launch_bounds__(1024, 1) ll_dispatch_kernel(const __grid_constant__ LlDispatchParams p) {
+// kMaxThreads: 1024 (64 registers per thread, a few spilled) or 512 (128 registers); the launch picks
+// the smallest that holds the block.
+template <bool kFp8, int kMaxThreads>
+__global__ void __launch_bounds__(kMaxThreads, 1) ll_dispatch_kernel(const __grid_constant__ LlDispatchParams p) {
   extern __shared__ __align__(16) uint8_t smem[];
   const LlCommon& c = p.c;
   const LlLayout& lay = c.lay;
@@ -143,6 +156,7 @@ __global__ void __launch_bounds__(1024, 1) ll_dispatch_kernel(const __grid_const
   __shared__ int s_count[kLlMaxRanks], s_n[kLlMaxRanks];
 
   trace_at(c, 0);
+  trace_max(c, 8);
   if (threadIdx.x == 0) {
     s_call_send = block_call_number(&c.state->dispatch_send_blocks, gridDim.x);
     s_call_recv = block_call_number(&c.state->dispatch_recv_blocks, gridDim.x);
@@ -163,14 +177,20 @@ __global__ void __launch_bounds__(1024, 1) ll_dispatch_kernel(const __grid_const
     const int max_id = c.placement.max_id();
     for (int t = threadIdx.x; t < T; t += blockDim.x) {
       uint32_t m = 0;
-      for (int k = 0; k < K; ++k) {
-        const int64_t id = load_id(p, static_cast<int64_t>(t) * K + k);
-        if (id < -1 || id > max_id) {
-          if (blockIdx.x == 0) report(c, LlErrorReport::bad_topk_id, -1, LlErrorReport::dispatch, id, static_cast<int64_t>(t) * K + k);
-          continue;  // treated as -1
+      for (int k0 = 0; k0 < K; k0 += 8) {
+        int64_t id8[8];  // all loads first (one round trip), then the checks
+#pragma unroll
+        for (int i = 0; i < 8; ++i) id8[i] = k0 + i < K ? load_id(p, static_cast<int64_t>(t) * K + k0 + i) : -1;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          const int64_t id = id8[i];
+          if (id < -1 || id > max_id) {
+            if (blockIdx.x == 0) report(c, LlErrorReport::bad_topk_id, -1, LlErrorReport::dispatch, id, static_cast<int64_t>(t) * K + k0 + i);
+            continue;  // treated as -1
+          }
+          const int d = c.placement.dest_rank(static_cast<int32_t>(id), rank);
+          if (d >= 0) m |= 1u << d;
         }
-        const int d = c.placement.dest_rank(static_cast<int32_t>(id), rank);
-        if (d >= 0) m |= 1u << d;
       }
       s_mask[t] = m;
     }
@@ -213,10 +233,11 @@ __global__ void __launch_bounds__(1024, 1) ll_dispatch_kernel(const __grid_const
           const int32_t other = __shfl_sync(0xffffffffu, my_id, k);
           if (k < lane && my_first == lane && other == my_id) my_first = k;
         }
-        if (lane < K) {
+        if (!lay.partial() && lane < K) {
           p.first_col[static_cast<int64_t>(t) * K + lane] = my_first;
           p.weights[static_cast<int64_t>(t) * K + lane] = my_w;
         }
+        if (lay.partial() && lane == 0) p.dest_mask[t] = m;
       }
       uint4 q = make_uint4(0, 0, 0, 0);
       float scale = 0.0f;
@@ -257,6 +278,7 @@ __global__ void __launch_bounds__(1024, 1) ll_dispatch_kernel(const __grid_const
         if (ch == 0) {
           if (lane == 0) st16(msg, make_uint4(static_cast<uint32_t>(t), 0, 0, 0));
           if (lane < K) *reinterpret_cast<int32_t*>(msg + lay.msg_topk_offset() + 4 * lane) = my_id;
+          if (lay.partial() && lane < K) *reinterpret_cast<float*>(msg + lay.msg_weights_offset() + 4 * lane) = my_w;
         }
       }
     }
@@ -286,25 +308,40 @@ __global__ void __launch_bounds__(1024, 1) ll_dispatch_kernel(const __grid_const
     trace_at(c, 2);
     const int CPS = (max_t + 31) / 32, Q = R * CPS;
     const int64_t cap = static_cast<int64_t>(R) * max_t;  // slots per expert
-    uint32_t* s_qmask = reinterpret_cast<uint32_t*>(smem);         // [Q]
-    int32_t* s_qbase = reinterpret_cast<int32_t*>(s_qmask + Q);     // [Q]
-    int32_t* s_info = s_qbase + Q;                                  // [R * max_t]
-    int8_t* s_sel = reinterpret_cast<int8_t*>(s_info + cap);        // [Q * 32]
+    int16_t* s_loc = reinterpret_cast<int16_t*>(smem);                                    // [R * max_t * K]
+    uint32_t* s_qmask = reinterpret_cast<uint32_t*>(smem + ll_align_up(2 * cap * K, 16)); // [Q]
+    int32_t* s_qbase = reinterpret_cast<int32_t*>(s_qmask + Q);                           // [Q]
+    int32_t* s_info = s_qbase + Q;                                                        // [R * max_t]
+    int8_t* s_sel = reinterpret_cast<int8_t*>(s_info + cap);                              // [Q * 32]
     const int64_t gpr = H / 128;  // scale groups per row (fp8)
+    // 0. Every block: the local expert index of every column of every message, into shared memory
+    //    (16-byte id loads, one round trip for R * max_t * K / 4 <= blockDim ids vectors).
+    if (blockIdx.x < c.num_local) {
+      const int nvec = (K + 3) / 4, per_src = max_t * nvec;
+      for (int v = threadIdx.x; v < R * per_src; v += blockDim.x) {
+        const int s = v / per_src, r = v - s * per_src, j = r / nvec, i = r - j * nvec;
+        if (j >= s_n[s]) continue;
+        const uint4 q = ld16(c.local + lay.dispatch_msg_offset(parity, s, j) + lay.msg_topk_offset() + 16 * i);
+        const int32_t w4[4] = {static_cast<int32_t>(q.x), static_cast<int32_t>(q.y), static_cast<int32_t>(q.z), static_cast<int32_t>(q.w)};
+        int16_t* dst = s_loc + (static_cast<int64_t>(s) * max_t + j) * K + 4 * i;
+#pragma unroll
+        for (int u = 0; u < 4; ++u)
+          if (4 * i + u < K) dst[u] = static_cast<int16_t>(c.placement.local_index(w4[u], s, rank));
+      }
+    }
+    __syncthreads();
     for (int l = blockIdx.x; l < c.num_local; l += gridDim.x) {
-      // 1. Which messages select l (first column naming it), 32 messages per ballot.
+      // 1. Which messages select l (first column naming it), 32 messages per ballot, from shared memory.
       for (int qi = warp; qi < Q; qi += W) {
         const int s = qi / CPS, j = (qi % CPS) * 32 + lane;
         int sel = -1;
         if (j < s_n[s]) {
-          const int32_t* ids = reinterpret_cast<const int32_t*>(c.local + lay.dispatch_msg_offset(parity, s, j) + lay.msg_topk_offset());
-          for (int k = 0; k < K; ++k) {
-            const int32_t id = *reinterpret_cast<const volatile int32_t*>(ids + k);
-            if (c.placement.local_index(id, s, rank) == l) {
+          const int16_t* loc = s_loc + (static_cast<int64_t>(s) * max_t + j) * K;
+          for (int k = 0; k < K; ++k)
+            if (loc[k] == l) {
               sel = k;
               break;
             }
-          }
         }
         const unsigned b = __ballot_sync(0xffffffffu, sel >= 0);
         if (lane == 0) s_qmask[qi] = b;
@@ -341,29 +378,80 @@ __global__ void __launch_bounds__(1024, 1) ll_dispatch_kernel(const __grid_const
       }
       if (threadIdx.x == 0) p.recv_count[l] = total;
       __syncthreads();
-      // 3. Copy every selected message into its slot, (slot, chunk) per warp.
-      for (int item = warp; item < total * nchunks; item += W) {
-        const int slot = item / nchunks, ch = item % nchunks;
-        const int info = s_info[slot];
-        const int code = info & 0xffffff, sel = info >> 24;
-        const int s = code / (CPS * 32), j = code % (CPS * 32);
-        const uint8_t* msg = c.local + lay.dispatch_msg_offset(parity, s, j);
-        const int64_t row = static_cast<int64_t>(l) * cap + slot;
-        const int64_t h0 = static_cast<int64_t>(ch) * kLlChunkElems + lane * 16;
-        if constexpr (kFp8) {
-          if (h0 < H) {
-            st16(p.out_x + row * H + h0, ld16(msg + lay.msg_payload_offset() + h0));
-            if ((lane & 7) == 0)
-              p.out_scales[row * gpr + h0 / 128] = *reinterpret_cast<const volatile float*>(msg + lay.msg_scales_offset() + h0 / 128 * 4);
-          }
-        } else {
-          if (h0 < H) st16(p.out_x + (row * H + h0) * 2, ld16(msg + lay.msg_payload_offset() + 2 * h0));
-          if (h0 + 8 < H) st16(p.out_x + (row * H + h0 + 8) * 2, ld16(msg + lay.msg_payload_offset() + 2 * (h0 + 8)));
+      if (lay.partial()) {
+        // The handle's per-message rows: every column naming l (duplicates too) -> l's slot.
+        for (int slot = threadIdx.x; slot < total; slot += blockDim.x) {
+          const int code = s_info[slot] & 0xffffff;
+          const int s = code / (CPS * 32), j = code % (CPS * 32);
+          const int64_t mi = static_cast<int64_t>(s) * max_t + j;
+          for (int k = 0; k < K; ++k)
+            if (s_loc[mi * K + k] == l) p.msg_rows[mi * K + k] = static_cast<int32_t>(l * cap + slot);
         }
-        if (ch == 0 && lane == 0) {
-          p.src_rank[row] = s;
-          p.src_token[row] = *reinterpret_cast<const volatile int32_t*>(msg);
-          p.topk_column[row] = sel;
+        if (l == 0) {  // one block writes the rest: -1 rows, weights, source tokens, counts
+          const int nvec = (K + 3) / 4;
+          for (int v = threadIdx.x; v < R * max_t; v += blockDim.x) {
+            const int s = v / max_t, j = v - s * max_t;
+            if (j >= s_n[s]) continue;
+            const uint8_t* msg = c.local + lay.dispatch_msg_offset(parity, s, j);
+            uint4 wv[8];
+            ld16_batch(msg + lay.msg_weights_offset(), nvec, wv);
+            const int32_t src_token = static_cast<int32_t>(ld16(msg).x);
+            p.msg_src_token[v] = src_token;
+#pragma unroll
+            for (int k = 0; k < kLlMaxTopK; ++k) {  // unrolled: wv stays in registers
+              if (k >= K) break;
+              p.msg_weights[static_cast<int64_t>(v) * K + k] = __int_as_float(word_of(wv, k));
+              if (s_loc[static_cast<int64_t>(v) * K + k] < 0) p.msg_rows[static_cast<int64_t>(v) * K + k] = -1;
+            }
+          }
+          if (threadIdx.x < R) p.msg_count[threadIdx.x] = s_n[threadIdx.x];
+        }
+      }
+      // 3. Copy every selected message into its slot: (slot, chunk) items, kInFlight per warp with
+      //    all their loads issued before the stores.
+      constexpr int kInFlight = kFp8 ? 4 : 2;
+      const int copy_items = total * nchunks;
+      for (int base = warp; base < copy_items; base += kInFlight * W) {
+        uint4 a[kInFlight], b2[kInFlight];
+        float sc[kInFlight];
+#pragma unroll
+        for (int u = 0; u < kInFlight; ++u) {
+          const int item = base + u * W;
+          if (item >= copy_items) continue;
+          const int slot = item / nchunks, ch = item - slot * nchunks;
+          const int code = s_info[slot] & 0xffffff;
+          const uint8_t* msg = c.local + lay.dispatch_msg_offset(parity, code / (CPS * 32), code % (CPS * 32));
+          const int64_t h0 = static_cast<int64_t>(ch) * kLlChunkElems + lane * 16;
+          if constexpr (kFp8) {
+            if (h0 < H) a[u] = ld16(msg + lay.msg_payload_offset() + h0);
+            if (h0 < H && (lane & 7) == 0) sc[u] = *reinterpret_cast<const float*>(msg + lay.msg_scales_offset() + h0 / 128 * 4);
+          } else {
+            if (h0 < H) a[u] = ld16(msg + lay.msg_payload_offset() + 2 * h0);
+            if (h0 + 8 < H) b2[u] = ld16(msg + lay.msg_payload_offset() + 2 * (h0 + 8));
+          }
+        }
+#pragma unroll
+        for (int u = 0; u < kInFlight; ++u) {
+          const int item = base + u * W;
+          if (item >= copy_items) continue;
+          const int slot = item / nchunks, ch = item - slot * nchunks;
+          const int info = s_info[slot];
+          const int code = info & 0xffffff, sel = info >> 24;
+          const int s = code / (CPS * 32), j = code % (CPS * 32);
+          const int64_t row = static_cast<int64_t>(l) * cap + slot;
+          const int64_t h0 = static_cast<int64_t>(ch) * kLlChunkElems + lane * 16;
+          if constexpr (kFp8) {
+            if (h0 < H) st16(p.out_x + row * H + h0, a[u]);
+            if (h0 < H && (lane & 7) == 0) p.out_scales[row * gpr + h0 / 128] = sc[u];
+          } else {
+            if (h0 < H) st16(p.out_x + (row * H + h0) * 2, a[u]);
+            if (h0 + 8 < H) st16(p.out_x + (row * H + h0 + 8) * 2, b2[u]);
+          }
+          if (ch == 0 && lane == 0) {
+            p.src_rank[row] = s;
+            p.src_token[row] = static_cast<int32_t>(ld16(c.local + lay.dispatch_msg_offset(parity, s, j)).x);
+            p.topk_column[row] = sel;
+          }
         }
       }
       __syncthreads();  // shared arrays are reused for the next expert
@@ -375,15 +463,31 @@ __global__ void __launch_bounds__(1024, 1) ll_dispatch_kernel(const __grid_const
 
 // ---- combine -----------------------------------------------------------------------------------
 
-__global__ void __launch_bounds__(1024, 1) ll_combine_kernel(const __grid_constant__ LlCombineParams p) {
+/// Partial modes, one lane's 8 elements of a partial row: fp32 (two 16-byte vectors) or bf16 (one).
+template <bool kF32>
+__device__ __forceinline__ void load_partial(const uint8_t* row, int64_t h, float (&v)[8]) {
+  if constexpr (kF32) {
+    const uint4 a = ld16(row + 4 * h), b = ld16(row + 4 * h + 16);
+    const uint32_t w[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+#pragma unroll
+    for (int i = 0; i < 8; ++i) v[i] = __uint_as_float(w[i]);
+  } else {
+    bf16x8_to_float(ld16(row + 2 * h), v);
+  }
+}
+
+template <int kMaxThreads>
+__global__ void __launch_bounds__(kMaxThreads, 1) ll_combine_kernel(const __grid_constant__ LlCombineParams p) {
   extern __shared__ __align__(16) uint8_t smem[];
   const LlCommon& c = p.c;
   const LlLayout& lay = c.lay;
   const int R = lay.num_ranks, K = lay.top_k, max_t = lay.max_tokens, rank = c.rank, L = c.num_local;
   const int64_t H = lay.hidden, cap = static_cast<int64_t>(R) * max_t;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, W = blockDim.x >> 5;
+  const bool partial = lay.partial(), f32 = lay.combine == 1;
   __shared__ unsigned long long s_call_send, s_call_recv;
   trace_at(c, 4);
+  trace_max(c, 9);
   if (threadIdx.x == 0) {
     s_call_send = block_call_number(&c.state->combine_send_blocks, gridDim.x);
     s_call_recv = block_call_number(&c.state->combine_recv_blocks, gridDim.x);
@@ -392,52 +496,118 @@ __global__ void __launch_bounds__(1024, 1) ll_combine_kernel(const __grid_consta
 
   if (p.send) {
     const int parity = static_cast<int>(s_call_send & 1);
-    int32_t* s_pref = reinterpret_cast<int32_t*>(smem);  // [L + 1]
+    // Items are (row group, chunk): column mode a group is one slot of some local expert (prefix over
+    // recv_count[L]); partial modes one received message (prefix over msg_count[R]).
+    const int G = partial ? R : L;
+    int32_t* s_pref = reinterpret_cast<int32_t*>(smem);  // [G + 1]
     // All threads load the counts at once (one memory latency), then warp 0 scans in shared memory.
-    for (int l = threadIdx.x; l < L; l += blockDim.x) s_pref[l] = p.recv_count[l];
+    if (!partial || L > 0)
+      for (int g = threadIdx.x; g < G; g += blockDim.x) s_pref[g] = partial ? p.msg_count[g] : p.recv_count[g];
+    else
+      for (int g = threadIdx.x; g < G; g += blockDim.x) s_pref[g] = 0;  // no local experts: nothing to send
     __syncthreads();
     if (warp == 0) {
       int running = 0;
-      for (int l0 = 0; l0 < L; l0 += 32) {
-        const int l = l0 + lane;
-        const int cnt = l < L ? s_pref[l] : 0;
+      for (int g0 = 0; g0 < G; g0 += 32) {
+        const int g = g0 + lane;
+        const int cnt = g < G ? s_pref[g] : 0;
         int incl = cnt;
 #pragma unroll
         for (int o = 1; o < 32; o <<= 1) {
           const int v = __shfl_up_sync(0xffffffffu, incl, o);
           if (lane >= o) incl += v;
         }
-        if (l < L) s_pref[l] = running + incl - cnt;
+        if (g < G) s_pref[g] = running + incl - cnt;
         running += __shfl_sync(0xffffffffu, incl, 31);
       }
-      if (lane == 0) s_pref[L] = running;
+      if (lane == 0) s_pref[G] = running;
     }
     __syncthreads();
-    // (slot, 1024-element chunk) items: 4 independent 16-byte loads per lane, then 4 stores.
-    const int nch = static_cast<int>((H + 1023) / 1024);
-    const int64_t items = static_cast<int64_t>(s_pref[L]) * nch;
-    for (int64_t item = static_cast<int64_t>(blockIdx.x) * W + warp; item < items; item += static_cast<int64_t>(gridDim.x) * W) {
-      const int flat = static_cast<int>(item / nch), ch = static_cast<int>(item % nch);
-      int lo = 0, hi = L;  // largest l with s_pref[l] <= flat
-      while (hi - lo > 1) {
-        const int mid = (lo + hi) >> 1;
-        if (s_pref[mid] <= flat) lo = mid;
-        else hi = mid;
-      }
-      const int64_t row = static_cast<int64_t>(lo) * cap + (flat - s_pref[lo]);
-      const int s = p.src_rank[row], t = p.src_token[row], k = p.topk_column[row];
-      const uint16_t* src = p.expert_out + row * H;
-      uint8_t* dst = c.peers[s] + lay.combine_row_offset(parity, t, k);
-      uint4 v[4];
+    if (!partial) {
+      // (slot, 1024-element chunk) items: 4 independent 16-byte loads per lane, then 4 stores.
+      const int nch = static_cast<int>((H + 1023) / 1024);
+      const int64_t items = static_cast<int64_t>(s_pref[L]) * nch;
+      for (int64_t item = static_cast<int64_t>(blockIdx.x) * W + warp; item < items; item += static_cast<int64_t>(gridDim.x) * W) {
+        const int flat = static_cast<int>(item / nch), ch = static_cast<int>(item % nch);
+        int lo = 0, hi = L;  // largest l with s_pref[l] <= flat
+        while (hi - lo > 1) {
+          const int mid = (lo + hi) >> 1;
+          if (s_pref[mid] <= flat) lo = mid;
+          else hi = mid;
+        }
+        const int64_t row = static_cast<int64_t>(lo) * cap + (flat - s_pref[lo]);
+        const int s = p.src_rank[row], t = p.src_token[row], k = p.topk_column[row];
+        const uint16_t* src = p.expert_out + row * H;
+        uint8_t* dst = c.peers[s] + lay.combine_row_offset(parity, t, k);
+        uint4 v[4];
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int64_t h = static_cast<int64_t>(ch) * 1024 + i * 256 + lane * 8;
-        if (h < H) v[i] = __ldg(reinterpret_cast<const uint4*>(src + h));
-      }
+        for (int i = 0; i < 4; ++i) {
+          const int64_t h = static_cast<int64_t>(ch) * 1024 + i * 256 + lane * 8;
+          if (h < H) v[i] = __ldg(reinterpret_cast<const uint4*>(src + h));
+        }
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int64_t h = static_cast<int64_t>(ch) * 1024 + i * 256 + lane * 8;
-        if (h < H) st16(dst + 2 * h, v[i]);
+        for (int i = 0; i < 4; ++i) {
+          const int64_t h = static_cast<int64_t>(ch) * 1024 + i * 256 + lane * 8;
+          if (h < H) st16(dst + 2 * h, v[i]);
+        }
+      }
+    } else {
+      // (message, 256-element chunk) items: the message's local rows weighted and summed in column
+      // order in fp32 (4 rows' loads in flight), one partial row to the source.
+      const int nch = static_cast<int>((H + 255) / 256);
+      const int64_t items = static_cast<int64_t>(s_pref[R]) * nch;
+      for (int64_t item = static_cast<int64_t>(blockIdx.x) * W + warp; item < items; item += static_cast<int64_t>(gridDim.x) * W) {
+        const int flat = static_cast<int>(item / nch), ch = static_cast<int>(item % nch);
+        int s = 0;
+        while (s + 1 < R && s_pref[s + 1] <= flat) ++s;
+        const int64_t mi = static_cast<int64_t>(s) * max_t + (flat - s_pref[s]);
+        int32_t my_row = -1;
+        float my_w = 0.0f;
+        if (lane < K) {
+          my_row = p.msg_rows[mi * K + lane];
+          my_w = p.msg_weights[mi * K + lane];
+        }
+        const int t = p.msg_src_token[mi];
+        const int64_t h = static_cast<int64_t>(ch) * 256 + lane * 8;
+        const bool ok = h < H;
+        float acc[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) acc[i] = 0.0f;
+        for (int k0 = 0; k0 < K; k0 += 4) {
+          uint4 y[4];
+          int f[4];
+          float w[4];
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            const int k = k0 + j < K ? k0 + j : K - 1;
+            f[j] = __shfl_sync(0xffffffffu, my_row, k);
+            w[j] = __shfl_sync(0xffffffffu, my_w, k);
+            if (k0 + j >= K) f[j] = -1;
+            y[j] = make_uint4(0, 0, 0, 0);
+            if (f[j] >= 0 && ok) y[j] = __ldg(reinterpret_cast<const uint4*>(p.expert_out + static_cast<int64_t>(f[j]) * H + h));
+          }
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            if (f[j] < 0) continue;  // select, not multiply
+            float yf[8];
+            bf16x8_to_float(y[j], yf);
+#pragma unroll
+            for (int i = 0; i < 8; ++i) acc[i] = __fadd_rn(acc[i], __fmul_rn(w[j], yf[i]));
+          }
+        }
+        if (ok) {
+          uint8_t* dst = c.peers[s] + lay.combine_partial_offset(parity, t, rank);
+          if (f32) {
+            st16(dst + 4 * h, make_uint4(__float_as_uint(acc[0]), __float_as_uint(acc[1]), __float_as_uint(acc[2]), __float_as_uint(acc[3])));
+            st16(dst + 4 * h + 16, make_uint4(__float_as_uint(acc[4]), __float_as_uint(acc[5]), __float_as_uint(acc[6]), __float_as_uint(acc[7])));
+          } else {
+            uint32_t o[4];
+#pragma unroll
+            for (int i = 0; i < 4; ++i)
+              o[i] = static_cast<uint32_t>(float_to_bf16_bits(acc[2 * i])) | (static_cast<uint32_t>(float_to_bf16_bits(acc[2 * i + 1])) << 16);
+            st16(dst + 2 * h, make_uint4(o[0], o[1], o[2], o[3]));
+          }
+        }
       }
     }
     __syncthreads();
@@ -449,48 +619,77 @@ __global__ void __launch_bounds__(1024, 1) ll_combine_kernel(const __grid_consta
   if (p.recv) {
     const unsigned long long call = s_call_recv;
     const int parity = static_cast<int>(call & 1);
+    // This rank's own routing (written by its dispatch, an earlier kernel) is loaded before the wait
+    // on the peers, for the warp's first item: its latency hides behind the wait.
+    const int T = *reinterpret_cast<const volatile int32_t*>(&c.state->num_tokens);
+    const int nch = static_cast<int>((H + 255) / 256);
+    const int64_t items = static_cast<int64_t>(T) * nch;
+    const int64_t first_item = static_cast<int64_t>(blockIdx.x) * W + warp;
+    int32_t my_first = -1;
+    float my_w = 0.0f;
+    uint32_t my_mask = 0;
+    auto load_routing = [&](int t) {
+      if (partial) {
+        my_mask = p.dest_mask[t];
+      } else if (lane < K) {
+        my_first = p.first_col[static_cast<int64_t>(t) * K + lane];
+        my_w = p.weights[static_cast<int64_t>(t) * K + lane];
+      }
+    };
+    if (first_item < items) load_routing(static_cast<int>(first_item / nch));
     for (int s = warp; s < R; s += W)
       wait_flags(c, c.local + lay.combine_flag_offset(s, 0), c.src_blocks[s], call + 1, s, LlErrorReport::combine, call);
     __syncthreads();
     trace_at(c, 6);
-    const int T = *reinterpret_cast<const volatile int32_t*>(&c.state->num_tokens);
-    // (token, 256-element chunk) items: a lane owns 8 elements; 4 columns' rows are loaded at once,
-    // then added in column order.
-    const int nch = static_cast<int>((H + 255) / 256);
-    const int64_t items = static_cast<int64_t>(T) * nch;
-    for (int64_t item = static_cast<int64_t>(blockIdx.x) * W + warp; item < items; item += static_cast<int64_t>(gridDim.x) * W) {
+    // (token, 256-element chunk) items: a lane owns 8 elements; 4 rows are loaded at once, then added
+    // in order (column order, or rank order for the partials).
+    for (int64_t item = first_item; item < items; item += static_cast<int64_t>(gridDim.x) * W) {
       const int t = static_cast<int>(item / nch), ch = static_cast<int>(item % nch);
-      int32_t my_first = -1;
-      float my_w = 0.0f;
-      if (lane < K) {
-        my_first = p.first_col[static_cast<int64_t>(t) * K + lane];
-        my_w = p.weights[static_cast<int64_t>(t) * K + lane];
-      }
+      if (item != first_item) load_routing(t);
       const int64_t h = static_cast<int64_t>(ch) * 256 + lane * 8;
       const bool ok = h < H;
       float acc[8];
 #pragma unroll
       for (int i = 0; i < 8; ++i) acc[i] = 0.0f;
-      for (int k0 = 0; k0 < K; k0 += 4) {
-        uint4 y[4];
-        int f[4];
-        float w[4];
+      if (partial) {
+        for (int r0 = 0; r0 < R; r0 += 2) {  // 2 ranks' loads in flight (64 registers at 1024 threads)
+          float v[2][8];
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const int k = k0 + j < K ? k0 + j : K - 1;
-          f[j] = __shfl_sync(0xffffffffu, my_first, k);
-          w[j] = __shfl_sync(0xffffffffu, my_w, k);
-          if (k0 + j >= K) f[j] = -1;
-          y[j] = make_uint4(0, 0, 0, 0);
-          if (f[j] >= 0 && ok) y[j] = ld16(c.local + lay.combine_row_offset(parity, t, f[j]) + 2 * h);
+          for (int j = 0; j < 2; ++j)
+            if (r0 + j < R && ((my_mask >> (r0 + j)) & 1u) && ok) {
+              const uint8_t* row = c.local + lay.combine_partial_offset(parity, t, r0 + j);
+              if (f32) load_partial<true>(row, h, v[j]);
+              else load_partial<false>(row, h, v[j]);
+            }
+#pragma unroll
+          for (int j = 0; j < 2; ++j) {
+            if (r0 + j >= R || !((my_mask >> (r0 + j)) & 1u)) continue;
+#pragma unroll
+            for (int i = 0; i < 8; ++i) acc[i] = __fadd_rn(acc[i], v[j][i]);
+          }
         }
+      } else {
+        for (int k0 = 0; k0 < K; k0 += 4) {
+          uint4 y[4];
+          int f[4];
+          float w[4];
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          if (f[j] < 0) continue;  // select, not multiply: a -1 column adds nothing
-          float yf[8];
-          bf16x8_to_float(y[j], yf);
+          for (int j = 0; j < 4; ++j) {
+            const int k = k0 + j < K ? k0 + j : K - 1;
+            f[j] = __shfl_sync(0xffffffffu, my_first, k);
+            w[j] = __shfl_sync(0xffffffffu, my_w, k);
+            if (k0 + j >= K) f[j] = -1;
+            y[j] = make_uint4(0, 0, 0, 0);
+            if (f[j] >= 0 && ok) y[j] = ld16(c.local + lay.combine_row_offset(parity, t, f[j]) + 2 * h);
+          }
 #pragma unroll
-          for (int i = 0; i < 8; ++i) acc[i] = __fadd_rn(acc[i], __fmul_rn(w[j], yf[i]));
+          for (int j = 0; j < 4; ++j) {
+            if (f[j] < 0) continue;  // select, not multiply: a -1 column adds nothing
+            float yf[8];
+            bf16x8_to_float(y[j], yf);
+#pragma unroll
+            for (int i = 0; i < 8; ++i) acc[i] = __fadd_rn(acc[i], __fmul_rn(w[j], yf[i]));
+          }
         }
       }
       uint32_t o[4];
@@ -517,14 +716,16 @@ void launch_gpu_delay(long long ns, cudaStream_t stream) {
 }
 
 size_t ll_dispatch_smem_bytes(const LlLayout& lay) {
-  const size_t R = static_cast<size_t>(lay.num_ranks), max_t = static_cast<size_t>(lay.max_tokens);
+  const size_t R = static_cast<size_t>(lay.num_ranks), max_t = static_cast<size_t>(lay.max_tokens), K = static_cast<size_t>(lay.top_k);
   const size_t send = 4 * max_t + 4 * max_t * R;
   const size_t Q = R * ((max_t + 31) / 32);
-  const size_t recv = 4 * Q + 4 * Q + 4 * R * max_t + 32 * Q;
+  const size_t recv = static_cast<size_t>(ll_align_up(static_cast<int64_t>(2 * R * max_t * K), 16)) + 4 * Q + 4 * Q + 4 * R * max_t + 32 * Q;
   return (send > recv ? send : recv) + 16;
 }
 
-size_t ll_combine_smem_bytes(int num_local) { return 4 * (static_cast<size_t>(num_local) + 1) + 16; }
+size_t ll_combine_smem_bytes(int num_local, int num_ranks) {
+  return 4 * (static_cast<size_t>(num_local > num_ranks ? num_local : num_ranks) + 1) + 16;
+}
 
 int ll_max_resident_blocks(int threads, size_t dispatch_smem, size_t combine_smem) {
   int dev = 0, sms = 0;
@@ -537,21 +738,34 @@ int ll_max_resident_blocks(int threads, size_t dispatch_smem, size_t combine_sme
     EPX_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, fn, threads, smem));
     worst = n < worst ? n : worst;
   };
-  check(reinterpret_cast<const void*>(&ll_dispatch_kernel<true>), dispatch_smem);
-  check(reinterpret_cast<const void*>(&ll_dispatch_kernel<false>), dispatch_smem);
-  check(reinterpret_cast<const void*>(&ll_combine_kernel), combine_smem);
+  if (threads > 512) {
+    check(reinterpret_cast<const void*>(&ll_dispatch_kernel<true, 1024>), dispatch_smem);
+    check(reinterpret_cast<const void*>(&ll_dispatch_kernel<false, 1024>), dispatch_smem);
+    check(reinterpret_cast<const void*>(&ll_combine_kernel<1024>), combine_smem);
+  } else {
+    check(reinterpret_cast<const void*>(&ll_dispatch_kernel<true, 512>), dispatch_smem);
+    check(reinterpret_cast<const void*>(&ll_dispatch_kernel<false, 512>), dispatch_smem);
+    check(reinterpret_cast<const void*>(&ll_combine_kernel<512>), combine_smem);
+  }
   return worst * sms;
 }
 
 void launch_ll_dispatch(const LlDispatchParams& p, int blocks, int threads, cudaStream_t stream) {
   const size_t smem = ll_dispatch_smem_bytes(p.c.lay);
-  if (p.c.lay.use_fp8) ll_dispatch_kernel<true><<<blocks, threads, smem, stream>>>(p);
-  else ll_dispatch_kernel<false><<<blocks, threads, smem, stream>>>(p);
+  if (threads > 512) {
+    if (p.c.lay.use_fp8) ll_dispatch_kernel<true, 1024><<<blocks, threads, smem, stream>>>(p);
+    else ll_dispatch_kernel<false, 1024><<<blocks, threads, smem, stream>>>(p);
+  } else {
+    if (p.c.lay.use_fp8) ll_dispatch_kernel<true, 512><<<blocks, threads, smem, stream>>>(p);
+    else ll_dispatch_kernel<false, 512><<<blocks, threads, smem, stream>>>(p);
+  }
   cuda::check_launch("ll_dispatch_kernel");
 }
 
 void launch_ll_combine(const LlCombineParams& p, int blocks, int threads, cudaStream_t stream) {
-  ll_combine_kernel<<<blocks, threads, ll_combine_smem_bytes(p.c.num_local), stream>>>(p);
+  const size_t smem = ll_combine_smem_bytes(p.c.num_local, p.c.lay.num_ranks);
+  if (threads > 512) ll_combine_kernel<1024><<<blocks, threads, smem, stream>>>(p);
+  else ll_combine_kernel<512><<<blocks, threads, smem, stream>>>(p);
   cuda::check_launch("ll_combine_kernel");
 }
 

@@ -29,8 +29,9 @@ struct LlDeviceState {
   int32_t error_claim;  ///< 0 until one thread claims the error report
   /// globaltimer [ns] of the last calls: dispatch 0 start (block 0), 1 last block's flags stored
   /// (max over blocks, never reset: the latest), 2 block 0 done waiting, 3 last block done;
-  /// combine 4..7 the same. Read by LlCuda::trace() (diagnostics).
-  unsigned long long trace[8];
+  /// combine 4..7 the same; 8 / 9 the last block's start (dispatch / combine: the launch spread).
+  /// Read by LlCuda::trace() (diagnostics).
+  unsigned long long trace[10];
 };
 
 /// The error report, in host-mapped memory: the kernels never trap; the host reads it.
@@ -76,8 +77,14 @@ struct LlDispatchParams {
   int32_t* topk_column = nullptr;
   int64_t* layout_range = nullptr; ///< [L, R]
   // routing kept for the combine (send)
-  int32_t* first_col = nullptr;    ///< [max_T, K] first column with the same id, -1 for none
-  float* weights = nullptr;        ///< [max_T, K]
+  int32_t* first_col = nullptr;    ///< [max_T, K] first column with the same id, -1 for none (column mode)
+  float* weights = nullptr;        ///< [max_T, K] (column mode)
+  uint32_t* dest_mask = nullptr;   ///< [max_T] ranks holding one of the token's experts (partial modes)
+  // partial modes: the handle's per-message routing (LlHandle::msg_*)
+  int32_t* msg_count = nullptr;     ///< [R]
+  int32_t* msg_src_token = nullptr; ///< [R, max_T]
+  int32_t* msg_rows = nullptr;      ///< [R, max_T, K]
+  float* msg_weights = nullptr;     ///< [R, max_T, K]
 };
 
 struct LlCombineParams {
@@ -91,11 +98,16 @@ struct LlCombineParams {
   const int32_t* topk_column = nullptr;
   const int32_t* first_col = nullptr;
   const float* weights = nullptr;
+  const uint32_t* dest_mask = nullptr;      ///< partial modes (recv)
+  const int32_t* msg_count = nullptr;       ///< partial modes (send)
+  const int32_t* msg_src_token = nullptr;
+  const int32_t* msg_rows = nullptr;
+  const float* msg_weights = nullptr;
 };
 
 /// Dynamic shared memory of the kernels for a layout (bytes).
 size_t ll_dispatch_smem_bytes(const LlLayout& lay);
-size_t ll_combine_smem_bytes(int num_local);
+size_t ll_combine_smem_bytes(int num_local, int num_ranks);
 /// Blocks of `threads` threads that can be resident at once on the device (all SMs), for the
 /// heavier of the two kernels: every block of an LL kernel may spin on peers, so all must fit.
 int ll_max_resident_blocks(int threads, size_t dispatch_smem, size_t combine_smem);

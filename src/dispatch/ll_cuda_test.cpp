@@ -2,7 +2,9 @@
 // the same inputs, one forked process per GPU (R = 2 where two GPUs exist, R = 1 otherwise):
 //   - prepare: recv_count, every valid row of x (bf16 bits / fp8 codes), x_scales, the handle
 //     (src_rank, src_token, topk_column of every valid slot) and layout_range, bit for bit;
-//   - finalize: out bit for bit (fp32 column-order sum, one rounding);
+//   - finalize: out bit for bit (fp32 column-order sum, one rounding; with the expert-side partial
+//     combine modes LlCombine::partial_fp32 / partial_bf16, LlCpu in the same mode, plus the
+//     handle's per-message rows msg_count / msg_src_token / msg_rows / msg_weights);
 // at the ll-v3 (H 7168, E 256, K 8, fp8) and ll-v4 (E 384, K 6, fp8) shapes and hidden 2048 / 4096
 // (bf16, fp8, fp8 + UE8M0, shared route, duplicates, int64 ids), T in {0, 1, 7, 128} with -1
 // selections and different T per rank, two rounds per object (both parities);
@@ -47,7 +49,30 @@ struct Snap {
   std::vector<int32_t> src_rank, src_token, col;  ///< valid slots
   std::vector<int64_t> range;
   std::vector<uint8_t> out;
+  std::vector<int32_t> msg_rows, msg_src;  ///< partial modes: rows / source tokens of valid messages
+  std::vector<float> msg_w;
 };
+
+/// The partial modes' per-message handle (valid messages only: j < msg_count[s]).
+void take_msgs(Snap& s, const dispatch::LlHandle& h, int K) {
+  const std::vector<uint8_t> cnt = host_bytes(h.msg_count), rows = host_bytes(h.msg_rows), src = host_bytes(h.msg_src_token),
+                             w = host_bytes(h.msg_weights);
+  const int64_t R = h.msg_count.size(0), max_t = h.msg_src_token.size(1);
+  for (int64_t r = 0; r < R; ++r) {
+    int32_t n;
+    std::memcpy(&n, cnt.data() + 4 * r, 4);
+    if (n < 0 || n > max_t) throw std::runtime_error("msg_count[" + std::to_string(r) + "] = " + std::to_string(n));
+    for (int64_t j = 0; j < n; ++j) {
+      int32_t v;
+      std::memcpy(&v, src.data() + 4 * (r * max_t + j), 4), s.msg_src.push_back(v);
+      for (int k = 0; k < K; ++k) {
+        float f;
+        std::memcpy(&v, rows.data() + 4 * ((r * max_t + j) * K + k), 4), s.msg_rows.push_back(v);
+        std::memcpy(&f, w.data() + 4 * ((r * max_t + j) * K + k), 4), s.msg_w.push_back(f);
+      }
+    }
+  }
+}
 
 /// Snapshot of a prepare result (any device) + handle views.
 Snap take(const PrepareResult& p, const TensorView& src_rank, const TensorView& src_token, const TensorView& col,
@@ -98,6 +123,12 @@ std::string diff(const Snap& got, const Snap& want) {
   cmp("topk_column", got.col, want.col);
   cmp("layout_range", got.range, want.range);
   cmp("out", got.out, want.out);
+  cmp("msg_rows", got.msg_rows, want.msg_rows);
+  cmp("msg_src_token", got.msg_src, want.msg_src);
+  std::vector<uint32_t> gw(got.msg_w.size()), ww(want.msg_w.size());  // weights as bits
+  if (!gw.empty()) std::memcpy(gw.data(), got.msg_w.data(), 4 * gw.size());
+  if (!ww.empty()) std::memcpy(ww.data(), want.msg_w.data(), 4 * ww.size());
+  cmp("msg_weights", gw, ww);
   return d;
 }
 
@@ -153,6 +184,7 @@ std::vector<std::vector<Snap>> run_cpu(const Case& c, const std::vector<std::vec
       const PrepareResult p = pf->prepare({ri.x, ri.topk_idx, ri.topk_weights});
       const dispatch::LlHandle& h = ll->handle();
       Snap s = take(p, h.src_rank, h.src_token, h.topk_column, h.layout_range);
+      if (c.ll_combine != LlCombine::column) take_msgs(s, h, c.K);
       const Tensor eo = experts_out(c, r, p);
       Tensor out = Tensor::empty({ri.x.size(0), c.H}, DType::bf16);
       poison(out);
@@ -187,7 +219,8 @@ void poison_outputs(const PrepareResult& p, dispatch::LlCuda& ll) {
   // Only the receive counts and handle: rows of x beyond the counts are stale by contract, and
   // every valid row is compared.
   cuda_ok(cudaMemset(p.recv_count.data, 0xff, static_cast<size_t>(p.recv_count.nbytes())), "poison recv_count");
-  for (const Tensor* t : {&ll.handle().src_rank, &ll.handle().src_token, &ll.handle().topk_column, &ll.handle().layout_range})
+  for (const Tensor* t : {&ll.handle().src_rank, &ll.handle().src_token, &ll.handle().topk_column, &ll.handle().layout_range,
+                          &ll.handle().msg_count, &ll.handle().msg_src_token, &ll.handle().msg_rows, &ll.handle().msg_weights})
     cuda_ok(cudaMemset(t->data(), 0xff, static_cast<size_t>(t->nbytes())), "poison handle");
 }
 
@@ -207,6 +240,7 @@ Snap gpu_round(const Case& c, dispatch::LlCuda& ll, const RankInput& ri, int ran
   cuda_ok(cudaStreamSynchronize(s), "sync prepare");
   ll.check(Stream{s});
   Snap snap = take(p, ll.handle().src_rank, ll.handle().src_token, ll.handle().topk_column, ll.handle().layout_range);
+  if (c.ll_combine != LlCombine::column) take_msgs(snap, ll.handle(), c.K);
   const Tensor eo = experts_out(c, rank, p).to(dev);
   Tensor out = Tensor::empty({T, c.H}, DType::bf16, dev);
   cuda_ok(cudaMemset(out.data(), 0xff, static_cast<size_t>(out.nbytes())), "poison out");
@@ -241,7 +275,7 @@ Case make_case(int R, int64_t H, int E, int K, DType dt, bool ue8m0, bool shared
   return c;
 }
 
-std::vector<EagerCase> eager_cases(int R) {
+std::vector<EagerCase> eager_cases(int R, LlCombine mode, bool all) {
   auto t = [&](std::vector<int64_t> two) { return R == 2 ? two : std::vector<int64_t>{two[0]}; };
   std::vector<Case> cs = {
       // ll-v3: DeepSeek-V3 decode
@@ -255,8 +289,10 @@ std::vector<EagerCase> eager_cases(int R) {
       make_case(R, 2048, 8, 2, DType::fp8_e4m3, false, false, false, true, 0.0, 8, t({0, 0}), 27),
       make_case(R, 2048, 3, 2, DType::bf16, false, false, false, false, 0.25, 40, t({33, 1}), 28),  // R = 2: E odd
   };
+  if (!all) cs = {cs[0], cs[1], cs[3], cs[5]};  // partial modes: ll-v3, ll-v4, hidden 4096 / 2048
   std::vector<EagerCase> out;
-  for (const Case& c : cs) {
+  for (Case c : cs) {
+    c.ll_combine = mode;
     EagerCase e;
     e.c = c;
     Case c2 = c;
@@ -273,8 +309,8 @@ std::vector<EagerCase> eager_cases(int R) {
 
 std::string nccl_path() { return fresh_dir() + "/uid"; }
 
-void run_eager(int R) {
-  const std::vector<EagerCase> cases = eager_cases(R);
+void run_eager(int R, LlCombine mode = LlCombine::column) {
+  const std::vector<EagerCase> cases = eager_cases(R, mode, mode == LlCombine::column);
   const std::string path = nccl_path();
   const std::string failed = run_ranks_forked(R, 400.0, [&](int rank) {
     auto g = make_nccl_group(path, rank, R, rank, 60.0);
@@ -321,8 +357,9 @@ void capture(cudaStream_t s, cudaGraphExec_t& exec, const std::function<void()>&
 
 /// Graph A: x [cap, H] with a device num_tokens; graph B: x [5, H] (host T = 5). Replays of A
 /// with T per (replay, rank) from `ta`, interleaved with B; every replay checked against LlCpu.
-void run_graphs(int R) {
-  const Case c = make_case(R, 7168, 256, 8, DType::fp8_e4m3, false, false, false, false, 0.1, 128, {}, 31);
+void run_graphs(int R, LlCombine mode = LlCombine::column) {
+  Case c = make_case(R, 7168, 256, 8, DType::fp8_e4m3, false, false, false, false, 0.1, 128, {}, 31);
+  c.ll_combine = mode;
   Case cb = c;
   cb.T.assign(static_cast<size_t>(R), 5);
   cb.seed = 32;
@@ -373,6 +410,7 @@ void run_graphs(int R) {
       ll->check(Stream{s});
       const PrepareResult& p = is_a ? pa : pb;
       Snap snap = take(p, ll->handle().src_rank, ll->handle().src_token, ll->handle().topk_column, ll->handle().layout_range);
+      if (mode != LlCombine::column) take_msgs(snap, ll->handle(), c.K);
       Tensor& eo = is_a ? eo_a : eo_b;
       copy(eo, experts_out(c, rank, p));
       Tensor& out = is_a ? out_a : out_b;
@@ -557,6 +595,24 @@ TEST(LlCuda, GraphsWithDeviceTokenCountTwoRanks) {
 TEST(LlCuda, GraphsWithDeviceTokenCountOneRank) {
   if (gpus() < 1) GTEST_SKIP() << "needs 1 GPU, found " << gpus();
   run_graphs(1);
+}
+
+// Expert-side partial combine (LlCombine::partial_fp32 / partial_bf16) against LlCpu in the same mode.
+TEST(LlCuda, PartialCombineMatchesCpuTwoRanks) {
+  if (gpus() < 2) GTEST_SKIP() << "needs 2 GPUs, found " << gpus();
+  run_eager(2, LlCombine::partial_fp32);
+  run_eager(2, LlCombine::partial_bf16);
+}
+
+TEST(LlCuda, PartialCombineMatchesCpuOneRank) {
+  if (gpus() < 1) GTEST_SKIP() << "needs 1 GPU, found " << gpus();
+  run_eager(1, LlCombine::partial_fp32);
+}
+
+TEST(LlCuda, PartialCombineGraphsTwoRanks) {
+  if (gpus() < 2) GTEST_SKIP() << "needs 2 GPUs, found " << gpus();
+  run_graphs(2, LlCombine::partial_fp32);
+  run_graphs(2, LlCombine::partial_bf16);
 }
 
 TEST(LlCuda, ErrorsTwoRanks) {

@@ -22,11 +22,15 @@
 //   [combine_recv_offset, ..)  this rank as a source: [2 parity][max_T][K][H] bf16; row (t, k) holds
 //                                the unweighted expert output for token t's selection in column k,
 //                                where k is the first column naming that expert (duplicates share it)
+//                              partial modes (LlCombine): [2 parity][max_T][R][H] fp32 | bf16; row
+//                                (t, r) holds rank r's partial sum for token t
 //
 // One message (a token crosses to a destination rank once, whatever number of its experts live
 // there; the destination expands it into per-expert slots):
 //   [0, 16)                    header: int32 src_token_idx, int32 reserved[3]
 //   [16, 16 + align16(4K))     topk ids int32 [K] as the source gave them (global ids; E = shared route)
+//   [.., + align16(4K))        partial combine modes only: topk weights fp32 [K] (the expert side
+//                              weights its rows before it sums them)
 //   [payload_offset, +P)       bf16 [H] (P = 2H) | fp8_e4m3 [H] (P = H)
 //   [scales_offset, +H/128*4)  fp32 scales [H/128] (fp8 only), as quantized on the source
 //   padded to 16 bytes
@@ -48,6 +52,7 @@ struct LlLayout {
   int max_tokens = 0;   ///< num_max_dispatch_tokens_per_rank
   int top_k = 0;        ///< K
   bool use_fp8 = false; ///< fp8_e4m3 payload + fp32 1x128 scales
+  int combine = 0;      ///< LlCombine: 0 column, 1 partial_fp32, 2 partial_bf16
 
   static constexpr int64_t kMsgAlignBytes = 16;     ///< one 128-bit vector store
   static constexpr int64_t kRegionAlignBytes = 128; ///< regions start on their own cache lines
@@ -57,8 +62,12 @@ struct LlLayout {
   // ---- one message ----
   EPX_HOST_DEVICE int64_t payload_bytes() const { return use_fp8 ? hidden : 2 * hidden; }
   EPX_HOST_DEVICE int64_t scale_bytes() const { return use_fp8 ? hidden / kScaleGroup * 4 : 0; }
+  EPX_HOST_DEVICE bool partial() const { return combine != 0; }
   EPX_HOST_DEVICE int64_t msg_topk_offset() const { return kHeaderBytes; }
-  EPX_HOST_DEVICE int64_t msg_payload_offset() const { return kHeaderBytes + ll_align_up(4 * static_cast<int64_t>(top_k), kMsgAlignBytes); }
+  EPX_HOST_DEVICE int64_t msg_weights_offset() const { return kHeaderBytes + ll_align_up(4 * static_cast<int64_t>(top_k), kMsgAlignBytes); }
+  EPX_HOST_DEVICE int64_t msg_payload_offset() const {
+    return kHeaderBytes + (partial() ? 2 : 1) * ll_align_up(4 * static_cast<int64_t>(top_k), kMsgAlignBytes);
+  }
   EPX_HOST_DEVICE int64_t msg_scales_offset() const { return msg_payload_offset() + payload_bytes(); }
   EPX_HOST_DEVICE int64_t msg_bytes() const { return ll_align_up(msg_scales_offset() + scale_bytes(), kMsgAlignBytes); }
 
@@ -84,7 +93,15 @@ struct LlLayout {
   EPX_HOST_DEVICE int64_t combine_recv_offset() const {
     return ll_align_up(dispatch_recv_offset() + 2 * dispatch_region_bytes(), kRegionAlignBytes);
   }
-  EPX_HOST_DEVICE int64_t combine_region_bytes() const { return static_cast<int64_t>(max_tokens) * top_k * 2 * hidden; }
+  /// Bytes of one partial row (partial modes): fp32 or bf16 [H].
+  EPX_HOST_DEVICE int64_t partial_row_bytes() const { return (combine == 1 ? 4 : 2) * hidden; }
+  EPX_HOST_DEVICE int64_t combine_region_bytes() const {
+    return partial() ? static_cast<int64_t>(max_tokens) * num_ranks * partial_row_bytes() : static_cast<int64_t>(max_tokens) * top_k * 2 * hidden;
+  }
+  /// Partial modes: where expert rank r's partial for token `token` lands on the source.
+  EPX_HOST_DEVICE int64_t combine_partial_offset(int parity, int token, int r) const {
+    return combine_recv_offset() + parity * combine_region_bytes() + (static_cast<int64_t>(token) * num_ranks + r) * partial_row_bytes();
+  }
   EPX_HOST_DEVICE int64_t combine_row_offset(int parity, int token, int column) const {
     return combine_recv_offset() + parity * combine_region_bytes() + (static_cast<int64_t>(token) * top_k + column) * 2 * hidden;
   }
@@ -100,7 +117,8 @@ struct LlLayout {
 
 /// Layout for a config on R ranks (host).
 inline LlLayout ll_layout(const DispatchConfig& cfg, int num_ranks) {
-  return {cfg.hidden, num_ranks, cfg.num_max_dispatch_tokens_per_rank, cfg.top_k, cfg.dispatch_dtype == DType::fp8_e4m3};
+  return {cfg.hidden, num_ranks, cfg.num_max_dispatch_tokens_per_rank, cfg.top_k, cfg.dispatch_dtype == DType::fp8_e4m3,
+          static_cast<int>(cfg.ll_combine)};
 }
 
 /// Size hint (DeepEP get_low_latency_rdma_size_hint): bytes of the symmetric buffer each rank

@@ -51,6 +51,22 @@ ExpertRange expert_range(int num_experts, int num_ranks, int rank) {
   return {p.range_begin(rank), p.range_end(rank)};
 }
 
+LlCombine parse_ll_combine(const std::string& text, const std::string& what) {
+  if (text == "column") return LlCombine::column;
+  if (text == "partial_fp32") return LlCombine::partial_fp32;
+  if (text == "partial_bf16") return LlCombine::partial_bf16;
+  throw InvalidArgument(what + " = \"" + text + "\": must be one of column, partial_fp32, partial_bf16");
+}
+
+const char* ll_combine_name(LlCombine mode) {
+  switch (mode) {
+    case LlCombine::column: return "column";
+    case LlCombine::partial_fp32: return "partial_fp32";
+    case LlCombine::partial_bf16: return "partial_bf16";
+  }
+  return "?";
+}
+
 int expert_rank(int num_experts, int num_ranks, int expert) {
   require_arg("expert_rank", "expert", expert, expert >= 0 && expert < num_experts,
               "must be in [0, num_experts = " + std::to_string(num_experts) + ")");

@@ -160,6 +160,9 @@ DispatchConfig dispatch_config(const BenchCase& c, int64_t T, DType dtype) {
   cfg.top_k = c.top_k;
   cfg.num_max_dispatch_tokens_per_rank = static_cast<int>(std::max<int64_t>(T, 1));
   cfg.dispatch_dtype = dtype;
+  // ll's combine reduction from the config (JSON "ll.combine" / EPX_LL_COMBINE; the ranks and the
+  // CPU reference of the validation read the same).
+  cfg.ll_combine = parse_ll_combine(Config::load().ll_combine, "ll.combine");
   return cfg;
 }
 
@@ -211,7 +214,17 @@ class CapturedGraph {
 /// queued the timed replays by then and their launch latency on the host is not in the figure.
 constexpr long long kAlignDelayNs = 200000;
 
-/// --graph: prepare and finalize captured separately; per iteration: align, delay, event, prepare replay,
+/// --graph alignment: host barrier, the delay kernel (the hosts queue the rest meanwhile), *then* the
+/// device-side 1-float all-reduce, so the GPUs leave it within a signal latency of each other. (The
+/// delay after the all-reduce, as before, started on each GPU when its own host launched it: the
+/// host jitter, tens of us, became start skew in the dispatch figure; bench/NOTES.md.)
+void align_ranks_delayed(Group& group, const Tensor& word, Stream stream) {
+  group.barrier();
+  dispatch::launch_gpu_delay(kAlignDelayNs, static_cast<cudaStream_t>(stream.handle));
+  group.all_reduce_sum(word.data(), word.data(), 1, DType::fp32, stream);
+}
+
+/// --graph: prepare and finalize captured separately; per iteration: barrier, delay, device-side align, event, prepare replay,
 /// event, identity experts (eager, untimed), event, finalize replay, event. Graph-safe backends only.
 void run_epx_backend_graph(const Job& job, const BenchCase& c, int64_t T, const std::shared_ptr<Group>& group, Device dev,
                            const TensorView& x, const TensorView& idx, const TensorView& wts, int warmup, int iters, Stream stream,
@@ -247,8 +260,7 @@ void run_epx_backend_graph(const Job& job, const BenchCase& c, int64_t T, const 
   gf.capture(stream, [&] { pf->finalize({expert_out, out, stream}); });
   auto iteration = [&](bool timed, std::vector<double>& d_us, std::vector<double>& c_us) {
     if (timed) {
-      align_ranks(*group, word, stream);
-      dispatch::launch_gpu_delay(kAlignDelayNs, static_cast<cudaStream_t>(stream.handle));
+      align_ranks_delayed(*group, word, stream);
       timer.mark(0);
     }
     gp.launch(stream);
@@ -274,7 +286,8 @@ void run_epx_backend_graph(const Job& job, const BenchCase& c, int64_t T, const 
       std::ostringstream os;
       os << std::fixed << std::setprecision(2) << "epx bench: ll kernel timeline, rank " << rank << ", " << what
          << " (us from kernel start, last iteration): dispatch flags stored " << tr[0] << ", waits done " << tr[1] << ", done " << tr[2]
-         << "; combine flags stored " << tr[3] << ", waits done " << tr[4] << ", done " << tr[5] << "\n";
+         << "; combine flags stored " << tr[3] << ", waits done " << tr[4] << ", done " << tr[5]
+         << "; last block started: dispatch " << tr[6] << ", combine " << tr[7] << "\n";
       std::cerr << os.str();
     }
   };
@@ -387,9 +400,11 @@ void run_raw_a2a(const BenchCase& c, DType dtype, int64_t rows_per_peer, const s
 #endif
   auto once = [&](bool timed) {
     if (timed) {
-      align_ranks(*group, word, stream);
 #ifdef EPX_WITH_CUDA
-      if (res.graph) dispatch::launch_gpu_delay(kAlignDelayNs, static_cast<cudaStream_t>(stream.handle));
+      if (res.graph) align_ranks_delayed(*group, word, stream);
+      else align_ranks(*group, word, stream);
+#else
+      align_ranks(*group, word, stream);
 #endif
       timer.mark(0);
     }
@@ -716,6 +731,7 @@ int report(const BenchOptions& o, const std::vector<BenchCase>& cases, const std
           {"dtype", std::string(dtype_name(op == "dispatch" ? job.dtype : DType::bf16))},
           {"dispatch_dtype", std::string(dtype_name(job.dtype))},
           {"routing", o.routing == "zipf" ? "zipf(s=" + fixed(o.zipf_s, 2) + ")" : o.routing},
+          {"ll_combine", job.backend == "ll" ? json(config.ll_combine) : json(nullptr)},
           {"latency_us_p50", ran ? json(p50) : json(nullptr)},
           {"latency_us_p10", ran ? json(percentile(per_iter, 10)) : json(nullptr)},
           {"latency_us_p90", ran ? json(percentile(per_iter, 90)) : json(nullptr)},
