@@ -573,16 +573,19 @@ __global__ void __launch_bounds__(kMaxThreads, 1) ll_combine_kernel(const __grid
         float acc[8];
 #pragma unroll
         for (int i = 0; i < 8; ++i) acc[i] = 0.0f;
-        for (int k0 = 0; k0 < K; k0 += 4) {
+        // Only the columns with a local row, 4 at a time in column order (one round trip per 4).
+        unsigned live = __ballot_sync(0xffffffffu, my_row >= 0);
+        while (live) {
           uint4 y[4];
           int f[4];
           float w[4];
 #pragma unroll
           for (int j = 0; j < 4; ++j) {
-            const int k = k0 + j < K ? k0 + j : K - 1;
+            const int k = live ? __ffs(live) - 1 : 0;
             f[j] = __shfl_sync(0xffffffffu, my_row, k);
             w[j] = __shfl_sync(0xffffffffu, my_w, k);
-            if (k0 + j >= K) f[j] = -1;
+            if (!live) f[j] = -1;
+            live &= live - 1;
             y[j] = make_uint4(0, 0, 0, 0);
             if (f[j] >= 0 && ok) y[j] = __ldg(reinterpret_cast<const uint4*>(p.expert_out + static_cast<int64_t>(f[j]) * H + h));
           }
@@ -669,16 +672,18 @@ __global__ void __launch_bounds__(kMaxThreads, 1) ll_combine_kernel(const __grid
           }
         }
       } else {
-        for (int k0 = 0; k0 < K; k0 += 4) {
+        unsigned live = __ballot_sync(0xffffffffu, my_first >= 0);  // valid columns, 4 at a time in column order
+        while (live) {
           uint4 y[4];
           int f[4];
           float w[4];
 #pragma unroll
           for (int j = 0; j < 4; ++j) {
-            const int k = k0 + j < K ? k0 + j : K - 1;
+            const int k = live ? __ffs(live) - 1 : 0;
             f[j] = __shfl_sync(0xffffffffu, my_first, k);
             w[j] = __shfl_sync(0xffffffffu, my_w, k);
-            if (k0 + j >= K) f[j] = -1;
+            if (!live) f[j] = -1;
+            live &= live - 1;
             y[j] = make_uint4(0, 0, 0, 0);
             if (f[j] >= 0 && ok) y[j] = ld16(c.local + lay.combine_row_offset(parity, t, f[j]) + 2 * h);
           }

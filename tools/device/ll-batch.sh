@@ -44,6 +44,9 @@ step test-partial 30 "$B/ll_cuda_test" --gtest_filter='LlCuda.PartialCombineMatc
 step v4-column 14 "$E" "${BENCH[@]}" --case ll-v4 --json "$OUT/ll-v4.json"
 EPX_LL_COMBINE=partial_fp32 step v4-partial_fp32 14 "$E" "${BENCH[@]}" --case ll-v4 --json "$OUT/ll-v4-partial_fp32.json"
 EPX_LL_WARPS_PER_BLOCK=16 step v3-column-w16 14 "$E" "${BENCH[@]}" --case ll-v3 --json "$OUT/ll-v3-w16.json"
+if command -v compute-sanitizer >/dev/null; then
+  step memcheck 25 compute-sanitizer --tool memcheck --target-processes all --error-exitcode 9 "$B/ll_cuda_test" --gtest_filter='LlCuda.ErrorsTwoRanks'
+fi
 step test-column 60 "$B/ll_cuda_test" --gtest_filter='LlCuda.MatchesCpuTwoRanks:LlCuda.GraphsWithDeviceTokenCountTwoRanks:LlCuda.ErrorsTwoRanks'
 echo "== summary ($(( SECONDS - T0 )) s)"
 cat "$OUT/summary.txt"
