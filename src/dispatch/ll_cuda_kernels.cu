@@ -329,6 +329,7 @@ __global__ void __launch_bounds__(kMaxThreads, 1) ll_dispatch_kernel(const __gri
           if (4 * i + u < K) dst[u] = static_cast<int16_t>(c.placement.local_index(w4[u], s, rank));
       }
     }
+    if (lay.partial() && blockIdx.x == 0 && threadIdx.x < R) p.msg_count[threadIdx.x] = s_n[threadIdx.x];
     __syncthreads();
     for (int l = blockIdx.x; l < c.num_local; l += gridDim.x) {
       // 1. Which messages select l (first column naming it), 32 messages per ballot, from shared memory.
@@ -387,7 +388,7 @@ __global__ void __launch_bounds__(kMaxThreads, 1) ll_dispatch_kernel(const __gri
           for (int k = 0; k < K; ++k)
             if (s_loc[mi * K + k] == l) p.msg_rows[mi * K + k] = static_cast<int32_t>(l * cap + slot);
         }
-        if (l == 0) {  // one block writes the rest: -1 rows, weights, source tokens, counts
+        if (l == 0) {  // one block writes the rest: -1 rows, weights, source tokens
           const int nvec = (K + 3) / 4;
           for (int v = threadIdx.x; v < R * max_t; v += blockDim.x) {
             const int s = v / max_t, j = v - s * max_t;
@@ -404,7 +405,6 @@ __global__ void __launch_bounds__(kMaxThreads, 1) ll_dispatch_kernel(const __gri
               if (s_loc[static_cast<int64_t>(v) * K + k] < 0) p.msg_rows[static_cast<int64_t>(v) * K + k] = -1;
             }
           }
-          if (threadIdx.x < R) p.msg_count[threadIdx.x] = s_n[threadIdx.x];
         }
       }
       // 3. Copy every selected message into its slot: (slot, chunk) items, kInFlight per warp with
