@@ -3,10 +3,10 @@
 // peers' symmetric buffers through their LSA pointers). Protocol: ll_cuda.h; layout: ll_layout.h.
 //
 // Memory ordering (NCCL-DEVICE-API.md §3): payload stores are weak; each block ends its send part
-// with __syncthreads() and then one thread per destination issues red.release.sys.add on the
-// destination's signal word (cumulative release, as NCCL's own barrier does). Receivers poll with
-// ld.acquire.sys, __syncthreads(), then read the payload with ordinary (coherent) loads, never
-// ld.global.nc.
+// with __syncthreads() and then one thread per destination issues st.release.sys on the block's own
+// flag word there (cumulative release, as NCCL's own barrier does). Receivers poll with
+// ld.acquire.sys, one flag per thread (wait_all_flags), __syncthreads(), then read the payload with
+// ordinary (coherent) loads, never ld.global.nc.
 // Arithmetic matches the CPU reference bit for bit: the FP8 1x128 quantization of quant_cpu.cpp
 // (fmaxf amax, IEEE divisions, UE8M0 from the bits, RNE + saturation) and the combine's
 // acc = acc + w * y in fp32 with separate roundings (__fmul_rn / __fadd_rn: no FMA contraction).
@@ -94,27 +94,39 @@ __device__ void report(const LlCommon& c, int kind, int peer, int op, long long 
   __threadfence_system();
 }
 
-/// Warp-wide: spins until the n flags at `flags` (8 bytes apart: one per send block of `peer`)
-/// all reached `target` (acquire loads); false after timeout_ns (reported, naming `peer`).
-__device__ bool wait_flags(const LlCommon& c, const uint8_t* flags, int n, unsigned long long target, int peer, int op,
-                           unsigned long long call) {
-  const int lane = threadIdx.x & 31;
-  bool ok = true, timing = false;
-  unsigned long long start = 0;
-  for (int i = lane; i < n && ok; i += 32) {
-    const void* f = flags + 8 * static_cast<int64_t>(i);
+/// Block-wide: waits until every flag of every source (one 8-byte word per (source s, send block
+/// b < src_blocks[s]) at base_of(s) + 8 b) reached `target`, one flag per thread where the block has
+/// enough threads, so the wait ends about one round trip after the last flag lands (a warp per
+/// source walking its ~B/32 flags in turn took several). Acquire loads, then the caller's
+/// __syncthreads() (NCCL-DEVICE-API.md rule 4). s_bad[s] = 1 when a wait on source s timed out
+/// (reported, naming s); the caller clears s_bad before and syncs after. `on_block0(s)` runs right
+/// after the acquire of (s, 0) (the dispatch reads the message count that block 0 released).
+template <class BaseOf, class OnBlock0>
+__device__ void wait_all_flags(const LlCommon& c, BaseOf base_of, unsigned long long target, int op, unsigned long long call, int* s_bad,
+                               OnBlock0 on_block0) {
+  const int R = c.lay.num_ranks;
+  for (int i = threadIdx.x; i < R * LlLayout::kMaxSignalBlocks; i += blockDim.x) {
+    const int s = i / LlLayout::kMaxSignalBlocks, b = i - s * LlLayout::kMaxSignalBlocks;
+    if (b >= c.src_blocks[s]) continue;
+    const void* f = base_of(s) + 8 * static_cast<int64_t>(b);
+    bool timing = false, ok = true;
+    unsigned long long start = 0;
     while (ld_acquire_sys(f) < target) {
       if (!timing) {
         start = globaltimer();
         timing = true;
       } else if (static_cast<long long>(globaltimer() - start) > c.timeout_ns) {
-        report(c, LlErrorReport::timeout, peer, op, static_cast<long long>(call), static_cast<long long>(ld_relaxed_sys_u64(f)));
+        report(c, LlErrorReport::timeout, s, op, static_cast<long long>(call), static_cast<long long>(ld_relaxed_sys_u64(f)));
         ok = false;
         break;
       }
     }
+    if (!ok) {
+      s_bad[s] = 1;
+      continue;
+    }
+    if (b == 0) on_block0(s);
   }
-  return __all_sync(0xffffffffu, ok);
 }
 
 __device__ __forceinline__ float round_up_pow2(float s) {
@@ -153,7 +165,7 @@ __global__ void __launch_bounds__(kMaxThreads, 1) ll_dispatch_kernel(const __gri
   const int nchunks = static_cast<int>((H + kLlChunkElems - 1) / kLlChunkElems);
   __shared__ unsigned long long s_call_send, s_call_recv;
   __shared__ int s_T, s_total;
-  __shared__ int s_count[kLlMaxRanks], s_n[kLlMaxRanks];
+  __shared__ int s_count[kLlMaxRanks], s_n[kLlMaxRanks], s_bad[kLlMaxRanks];
 
   trace_at(c, 0);
   trace_max(c, 8);
@@ -296,14 +308,17 @@ __global__ void __launch_bounds__(kMaxThreads, 1) ll_dispatch_kernel(const __gri
   if (p.recv) {
     const unsigned long long call = s_call_recv;
     const int parity = static_cast<int>(call & 1);
-    for (int s = warp; s < R; s += W) {
-      const bool ok = wait_flags(c, c.local + lay.dispatch_flag_offset(s, 0), c.src_blocks[s], call + 1, s, LlErrorReport::dispatch, call);
-      if (lane == 0) {  // lane 0 acquired block 0's flag, which was released after the count
-        long long n = ok ? static_cast<long long>(ld_relaxed_sys_u64(c.local + lay.dispatch_count_offset(parity, s))) : 0;
-        if (n < 0 || n > max_t) n = 0;
-        s_n[s] = static_cast<int>(n);
-      }
-    }
+    if (threadIdx.x < R) s_bad[threadIdx.x] = 0;
+    __syncthreads();
+    wait_all_flags(
+        c, [&](int s) { return c.local + lay.dispatch_flag_offset(s, 0); }, call + 1, LlErrorReport::dispatch, call, s_bad,
+        [&](int s) {  // block 0's flag of s was released after the count
+          long long n = static_cast<long long>(ld_relaxed_sys_u64(c.local + lay.dispatch_count_offset(parity, s)));
+          if (n < 0 || n > max_t) n = 0;
+          s_n[s] = static_cast<int>(n);
+        });
+    __syncthreads();
+    if (threadIdx.x < R && s_bad[threadIdx.x]) s_n[threadIdx.x] = 0;
     __syncthreads();
     trace_at(c, 2);
     const int CPS = (max_t + 31) / 32, Q = R * CPS;
@@ -486,6 +501,7 @@ __global__ void __launch_bounds__(kMaxThreads, 1) ll_combine_kernel(const __grid
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, W = blockDim.x >> 5;
   const bool partial = lay.partial(), f32 = lay.combine == 1;
   __shared__ unsigned long long s_call_send, s_call_recv;
+  __shared__ int s_bad[kLlMaxRanks];
   trace_at(c, 4);
   trace_max(c, 9);
   if (threadIdx.x == 0) {
@@ -640,8 +656,9 @@ __global__ void __launch_bounds__(kMaxThreads, 1) ll_combine_kernel(const __grid
       }
     };
     if (first_item < items) load_routing(static_cast<int>(first_item / nch));
-    for (int s = warp; s < R; s += W)
-      wait_flags(c, c.local + lay.combine_flag_offset(s, 0), c.src_blocks[s], call + 1, s, LlErrorReport::combine, call);
+    if (threadIdx.x < R) s_bad[threadIdx.x] = 0;
+    __syncthreads();
+    wait_all_flags(c, [&](int s) { return c.local + lay.combine_flag_offset(s, 0); }, call + 1, LlErrorReport::combine, call, s_bad, [](int) {});
     __syncthreads();
     trace_at(c, 6);
     // (token, 256-element chunk) items: a lane owns 8 elements; 4 rows are loaded at once, then added
