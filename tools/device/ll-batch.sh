@@ -7,7 +7,7 @@ set -u
 T0=$SECONDS
 BUDGET=${LL_BUDGET_S:-125}
 OUT=${OUT:-/tmp/ll-out}
-mkdir -p "$OUT"
+mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
 left() { echo $(( BUDGET - (SECONDS - T0) )); }
 step() {  # <name> <limit_s> <cmd...>: run with min(limit, time left - 2); log to $OUT/<name>.log
   local name=$1 lim=$2; shift 2
@@ -39,15 +39,15 @@ cd "$S"
 BENCH=(bench --backend ll,nccl_a2a_raw --ranks 2 --graph --iters 200 --warmup 20)
 step v3-column 14 "$E" "${BENCH[@]}" --case ll-v3 --json "$OUT/ll-v3.json"
 EPX_LL_COMBINE=partial_fp32 step v3-partial_fp32 14 "$E" "${BENCH[@]}" --case ll-v3 --json "$OUT/ll-v3-partial_fp32.json"
+step test-partial 35 "$B/ll_cuda_test" --gtest_filter='LlCuda.PartialCombineMatchesCpuTwoRanks:LlCuda.PartialCombineGraphsTwoRanks'
 EPX_LL_COMBINE=partial_bf16 step v3-partial_bf16 14 "$E" "${BENCH[@]}" --case ll-v3 --json "$OUT/ll-v3-partial_bf16.json"
-step test-partial 30 "$B/ll_cuda_test" --gtest_filter='LlCuda.PartialCombineMatchesCpuTwoRanks:LlCuda.PartialCombineGraphsTwoRanks'
 step v4-column 14 "$E" "${BENCH[@]}" --case ll-v4 --json "$OUT/ll-v4.json"
-EPX_LL_COMBINE=partial_fp32 step v4-partial_fp32 14 "$E" "${BENCH[@]}" --case ll-v4 --json "$OUT/ll-v4-partial_fp32.json"
 EPX_LL_WARPS_PER_BLOCK=16 step v3-column-w16 14 "$E" "${BENCH[@]}" --case ll-v3 --json "$OUT/ll-v3-w16.json"
+EPX_LL_COMBINE=partial_fp32 step v4-partial_fp32 14 "$E" "${BENCH[@]}" --case ll-v4 --json "$OUT/ll-v4-partial_fp32.json"
+step test-column 60 "$B/ll_cuda_test" --gtest_filter='LlCuda.MatchesCpuTwoRanks:LlCuda.GraphsWithDeviceTokenCountTwoRanks:LlCuda.ErrorsTwoRanks:LlCuda.TimeoutNamesThePeer'
 if command -v compute-sanitizer >/dev/null; then
   step memcheck 25 compute-sanitizer --tool memcheck --target-processes all --error-exitcode 9 "$B/ll_cuda_test" --gtest_filter='LlCuda.ErrorsTwoRanks'
 fi
-step test-column 60 "$B/ll_cuda_test" --gtest_filter='LlCuda.MatchesCpuTwoRanks:LlCuda.GraphsWithDeviceTokenCountTwoRanks:LlCuda.ErrorsTwoRanks'
 echo "== summary ($(( SECONDS - T0 )) s)"
 cat "$OUT/summary.txt"
 for f in "$OUT"/v*.log; do echo "-- $f"; grep -E "^ll-v. .* (ll|nccl_a2a_raw)|timeline" "$f" | head -12; done
