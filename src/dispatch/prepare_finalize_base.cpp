@@ -89,6 +89,8 @@ void validate_config(const std::string& backend, const DispatchConfig& cfg, int 
   require_arg(op, "num_max_dispatch_tokens_per_rank", cfg.num_max_dispatch_tokens_per_rank, cfg.num_max_dispatch_tokens_per_rank >= 0,
               "must be >= 0 (0 = no limit, dynamic backends only)");
   require_arg(op, "expert_alignment", cfg.expert_alignment, cfg.expert_alignment >= 1, "must be >= 1");
+  const auto mode = static_cast<int64_t>(cfg.ll_combine);
+  require_arg(op, "ll_combine", mode, mode >= 0 && mode <= 2, "must be an LlCombine (0 column, 1 partial_fp32, 2 partial_bf16)");
   require_arg(op, "num_ranks", num_ranks, num_ranks >= 1, "must be >= 1");
   if (cfg.expert_contiguous)
     require_arg(op, "expert_contiguous", "true", backend == "ht", "is an ht option (the expert-contiguous layout of its Flat rows)");

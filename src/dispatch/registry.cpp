@@ -103,7 +103,8 @@ std::unique_ptr<PrepareFinalize> make_prepare_finalize(const std::string& name, 
                               {"shared_route", cfg.shared_route},
                               {"expert_alignment", cfg.expert_alignment},
                               {"use_worst_case_sizing", cfg.use_worst_case_sizing},
-                              {"expert_contiguous", cfg.expert_contiguous}});
+                              {"expert_contiguous", cfg.expert_contiguous},
+                              {"ll_combine", static_cast<int64_t>(cfg.ll_combine)}});
   if (index < 0) {
     std::string known;
     for (const auto& b : kBackends) known += (known.empty() ? "" : ", ") + std::string(b.name);
