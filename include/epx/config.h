@@ -19,9 +19,9 @@ struct Config {
   // ---- parameters that affect performance (launch shapes; defaults chosen by measurement) ----
   int ll_warps_per_block = 32;       ///< warps per block of LL kernels; multiple of 4
   int ll_num_blocks = 0;             ///< blocks of LL kernels; 0 = one per SM
-  /// ll combine reduction for the CLI (epx bench / moe): column | partial_fp32 | partial_bf16
-  /// (epx::LlCombine; the API takes DispatchConfig::ll_combine).
-  std::string ll_combine = "column";
+  /// ll combine reduction for epx bench: column | partial_fp32 | partial_bf16 (epx::LlCombine; the
+  /// API takes DispatchConfig::ll_combine, the same default, chosen by measurement).
+  std::string ll_combine = "partial_fp32";
   int ht_num_sms = 48;               ///< SM budget of HT kernels (48: measured, bench/NOTES.md "HT kernels")
   int ht_warps_per_block = 16;       ///< warps per block of HT kernels
   int ht_combine_mode = 0;           ///< HT combine on CUDA: 0 all sends then all reduces, 1 pipelined (bench/NOTES.md)

@@ -78,8 +78,11 @@ struct DispatchConfig {
   /// unweighted output row per (received row, local expert) of that layout, weighting them itself
   /// when FinalizeArgs::topk_weights is given. Off: Flat only (Experts::apply weights the rows).
   bool expert_contiguous = false;
-  /// ll only: the combine's reduction (LlCombine); sizes the ll buffer (ll_buffer_bytes).
-  LlCombine ll_combine = LlCombine::column;
+  /// ll only: the combine's reduction (LlCombine); sizes the ll buffer (ll_buffer_bytes). Default
+  /// partial_fp32, chosen by measurement (bench/NOTES.md "LL fixed cost ... partial combine": ll-v3
+  /// FP8 combine 31.1 us against 40.1 us for column, still fp32 with one rounding); `column` keeps the
+  /// no-EP reference's summation order bit for bit.
+  LlCombine ll_combine = LlCombine::partial_fp32;
 };
 
 /// Experts [begin, end) held by `rank` out of E split over R (sizes differ by at most one).

@@ -12,17 +12,18 @@
 ///   expands it into one slot per distinct local expert it selects (a duplicate expert gets one
 ///   slot; its columns' weights both apply in finalize).
 /// finalize (DeepEP low_latency_combine): expert_out [L, R*max_T, H] bf16 unweighted.
-///   LlCombine::column (default): every slot goes back to its source's combine region at (token,
+///   LlCombine::column: every slot goes back to its source's combine region at (token,
 ///   first column of that expert); the source computes out[t] = round_bf16(sum over valid k in
 ///   column order of w[t,k] * y[t,k]) in fp32, exactly the no-EP reference's arithmetic.
-///   LlCombine::partial_fp32: each rank r computes, per received token, p_r = sum in fp32 over the
+///   LlCombine::partial_fp32 (the default, DispatchConfig::ll_combine): each rank r computes, per received token, p_r = sum in fp32 over the
 ///   token's columns k (column order) whose expert is local to r of w[t,k] * y[t,k], and sends p_r
 ///   (fp32 [H]) to the source, which computes out[t] = round_bf16(sum over ranks r in rank order that
 ///   hold one of t's experts of p_r). partial_bf16: p_r is rounded to bf16 before it is sent.
 /// Static buffers: one symmetric buffer of ll_buffer_bytes(cfg, R) and fixed output tensors,
 /// allocated at create; views in a PrepareResult stay valid until the next prepare.
 /// Bytes reported: num_valid_selections for the deepep-ll accounting (LlLayout); remote bytes are
-/// messages to other ranks x msg_bytes (dispatch) and slots of other ranks' tokens x 2H (combine).
+/// messages to other ranks x msg_bytes (dispatch) and slots of other ranks' tokens x 2H (combine;
+/// partial modes: partial rows to other ranks x 4H or 2H).
 /// Throws InvalidArgument (every rank, before any write), Timeout, CommError.
 #pragma once
 

@@ -2,7 +2,8 @@
 // over NCCL symmetric memory (LSA peer pointers of Group::alloc_symmetric), DeepEP-LL compatible,
 // bit-identical to the CPU reference LlCpu (ll.h) on the same inputs: the same packed expert-major
 // layout [L, R*max_T, H], slot order (source rank, then source token), handle, bf16 payload, fp8
-// codes and scales, and the combine's fp32 column-order sum with one rounding.
+// codes and scales, and the combine's sums in the order of its LlCombine mode (column order, or the
+// expert-side partials; fp32).
 //
 // Kernels (ll_cuda_kernels.cu): one per phase, B blocks (Config ll_num_blocks, 0 = one per SM) of
 // 32 x ll_warps_per_block threads, all resident at once (checked at create).
