@@ -291,6 +291,9 @@ std::vector<EagerCase> eager_cases(int R, LlCombine mode, bool all) {
   };
   // Partial modes: ll-v3 (T 128 / 7), ll-v4 (T 1 / 128), hidden 4096 (fp8, T 0 / 16) and 2048 (bf16,
   // shared route, duplicates); partial_bf16 only the two small ones (the GPU test label's time).
+  // One rank (nothing crosses NVLink): the ll-v3 shape, shared route + UE8M0, hidden 4096 fp8 with
+  // T 0 / 16, and 2048 with T 0; the GPU test label's time.
+  if (all && R == 1) cs = {cs[0], cs[2], cs[4], cs[6]};
   if (!all) cs = mode == LlCombine::partial_bf16 ? std::vector<Case>{cs[4], cs[5]} : std::vector<Case>{cs[0], cs[1], cs[4], cs[5]};
   std::vector<EagerCase> out;
   for (Case c : cs) {
