@@ -41,6 +41,7 @@ TEST(LlLayout, DeepSeekV3DecodeNumbers) {
   cfg.top_k = 8;
   cfg.num_max_dispatch_tokens_per_rank = 128;
   cfg.dispatch_dtype = DType::fp8_e4m3;
+  cfg.ll_combine = LlCombine::column;
   const dispatch::LlLayout lay = dispatch::ll_layout(cfg, 2);
   EXPECT_EQ(lay.deepep_dispatch_bytes_per_selection(), 7408);  // ANCHORS.md: H + H/128*4 + 16
   EXPECT_EQ(lay.deepep_combine_bytes_per_selection(), 14336);
@@ -51,15 +52,35 @@ TEST(LlLayout, DeepSeekV3DecodeNumbers) {
   EXPECT_EQ(dispatch::ll_buffer_bytes(cfg, 2), lay.total_bytes());
   EXPECT_EQ(lay.signal_bytes(), 8320);  // 8 * (2 R 256 + 2 R) = 8224, 128-byte aligned
   EXPECT_EQ(lay.total_bytes(), lay.signal_bytes() + 2 * (2 * 128 * 7440) + 2 * (128 * 8 * 7168 * 2));
+  // partial_fp32 (the default): the message carries the K weights too; the combine region holds one
+  // fp32 row per (token, rank)
+  cfg.ll_combine = LlCombine::partial_fp32;
+  const dispatch::LlLayout part = dispatch::ll_layout(cfg, 2);
+  EXPECT_EQ(part.msg_weights_offset(), 48);
+  EXPECT_EQ(part.msg_payload_offset(), 80);
+  EXPECT_EQ(part.msg_bytes(), 16 + 32 + 32 + 7168 + 224);
+  EXPECT_EQ(part.total_bytes(), part.signal_bytes() + 2 * (2 * 128 * 7472) + 2 * (128 * 2 * 7168 * 4));
+  EXPECT_EQ(dispatch::ll_buffer_bytes(cfg, 2), part.total_bytes());
+  cfg.ll_combine = LlCombine::partial_bf16;
+  EXPECT_EQ(dispatch::ll_layout(cfg, 2).total_bytes(), part.signal_bytes() + 2 * (2 * 128 * 7472) + 2 * (128 * 2 * 7168 * 2));
 }
 
 TEST(LlLayout, RegionsAreAlignedAndDisjoint) {
   for (int R : {1, 2, 3, 8})
     for (int K : {1, 3, 8, 9})
       for (int64_t H : {8, 128, 7168})
-        for (bool fp8 : {false, true}) {
+        for (bool fp8 : {false, true})
+        for (int mode : {0, 1, 2}) {
           if (fp8 && H % 128) continue;
-          const dispatch::LlLayout lay{H, R, 5, K, fp8};
+          const dispatch::LlLayout lay{H, R, 5, K, fp8, mode};
+          if (lay.partial()) {
+            EXPECT_GE(lay.msg_weights_offset(), 16 + 4 * K);
+            EXPECT_GE(lay.msg_payload_offset(), lay.msg_weights_offset() + 4 * K);
+            EXPECT_GE(lay.combine_partial_offset(1, 0, 0), lay.combine_partial_offset(0, 4, R - 1) + lay.partial_row_bytes());
+            EXPECT_GE(lay.combine_partial_offset(0, 0, 0), lay.dispatch_msg_offset(1, R - 1, 4) + lay.msg_bytes());
+            EXPECT_GE(lay.total_bytes(), lay.combine_partial_offset(1, 4, R - 1) + lay.partial_row_bytes());
+            EXPECT_EQ(lay.combine_partial_offset(0, 0, 0) % 16, 0);
+          }
           EXPECT_EQ(lay.msg_bytes() % 16, 0);
           EXPECT_EQ(lay.msg_payload_offset() % 16, 0);
           EXPECT_GE(lay.msg_payload_offset(), 16 + 4 * K);
@@ -73,8 +94,10 @@ TEST(LlLayout, RegionsAreAlignedAndDisjoint) {
           EXPECT_EQ(lay.combine_recv_offset() % 128, 0);
           EXPECT_GE(lay.dispatch_msg_offset(1, 0, 0), lay.dispatch_msg_offset(0, R - 1, 4) + lay.msg_bytes());
           EXPECT_GE(lay.combine_recv_offset(), lay.dispatch_msg_offset(1, R - 1, 4) + lay.msg_bytes());
-          EXPECT_GE(lay.combine_row_offset(1, 0, 0), lay.combine_row_offset(0, 4, K - 1) + 2 * H);
-          EXPECT_GE(lay.total_bytes(), lay.combine_row_offset(1, 4, K - 1) + 2 * H);
+          if (!lay.partial()) {  // column mode's rows (the partial modes' rows are checked above)
+            EXPECT_GE(lay.combine_row_offset(1, 0, 0), lay.combine_row_offset(0, 4, K - 1) + 2 * H);
+            EXPECT_GE(lay.total_bytes(), lay.combine_row_offset(1, 4, K - 1) + 2 * H);
+          }
           EXPECT_EQ(lay.total_bytes() % 128, 0);
         }
 }
