@@ -9,6 +9,13 @@ OUT=${OUT:?OUT must name the results folder}
 SRC=${SRC:-$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)}
 E=${EPX_BIN:-/tmp/epx-gpu-check/build/epx}
 export NCCL_NVLS_ENABLE=0
+# The libraries gpu-check.sh run() puts on the path (NCCL wheel, carried deps), if the caller did not.
+case "${LD_LIBRARY_PATH:-}" in
+  *nccl*) ;;
+  *) NCCL=$(python3 -c 'import nvidia.nccl as m; print(list(m.__path__)[0])' 2>/dev/null)
+     AL=/tmp/epx-gpu-check/deps/usr/lib/x86_64-linux-gnu
+     export LD_LIBRARY_PATH="$NCCL/lib:$AL:$AL/openblas-pthread${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" ;;
+esac
 mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
 cd "$SRC" || exit 1
 T0=$SECONDS
