@@ -28,6 +28,43 @@ struct SymmetricBuffer {
   std::shared_ptr<void> owner;  ///< keeps the allocation alive
 };
 
+/// Which ranks of a group share one NVLink (LSA) domain, a "node", as found at group creation.
+///
+/// Nodes are numbered by their lowest rank; a node's ranks keep their group order (local rank =
+/// position among them). NCCL groups detect it from NCCL's own rules (node_key_from_env: one key per
+/// host, NCCL_HOSTID overriding the host, and every rank its own node when NCCL_P2P_DISABLE and
+/// NCCL_SHM_DISABLE are both set, as NCCL then has no intra-node transport; NCCL-DEVICE-API.md
+/// §1.4) and then check it against NCCL: lsa_size is the LSA team size NCCL reports for the
+/// per-node device communicator. CPU groups are one node (threads of one process share memory).
+struct NodeLayout {
+  int num_nodes = 1;
+  int node = 0;        ///< this rank's node id, in [0, num_nodes)
+  int local_rank = 0;  ///< this rank's position among its node's ranks
+  int local_size = 1;  ///< ranks on this rank's node
+  std::vector<int> node_of_rank;  ///< [R]: the node of every rank
+  /// NCCL's LSA team size on this rank's node communicator (0: no device communicator; the reason is
+  /// in NcclGroup::dev_comm's Unsupported). Equal to local_size when NCCL agrees with the layout.
+  int lsa_size = 0;
+
+  /// Layout of R ranks from one key per rank (equal keys = one node). Throws InvalidArgument when
+  /// rank is not in [0, keys.size()).
+  static NodeLayout from_keys(const std::vector<int64_t>& keys, int rank);
+  /// Every node's rank count when all nodes have the same, else 0.
+  int ranks_per_node() const;
+  /// True when every node's ranks are consecutive group ranks (NCCL's LSA teams assume it).
+  bool contiguous() const;
+  /// Ranks of node n in group order. Throws InvalidArgument for n outside [0, num_nodes).
+  std::vector<int> ranks_of_node(int n) const;
+  /// "2 nodes x 1 rank", "1 node x 2 ranks", or "3 nodes of 2+2+1 ranks" when uneven.
+  std::string describe() const;
+};
+
+/// This process's node key for NodeLayout::from_keys, from NCCL's rules (NCCL-DEVICE-API.md §1.4):
+/// a hash of NCCL_HOSTID when set, else of the host name and boot id; when NCCL_P2P_DISABLE and
+/// NCCL_SHM_DISABLE are both set to a non-zero integer, `rank` is mixed in, so every rank is its own
+/// node (NCCL then connects even the GPUs of one host through its network transport).
+int64_t node_key_from_env(int rank);
+
 class Group {
  public:
   virtual ~Group() = default;
@@ -54,6 +91,17 @@ class Group {
                            const std::vector<int64_t>& recv_bytes, Stream s = {}) = 0;
   /// Collective: `bytes` on every rank, zero-filled; all ranks must pass the same size.
   virtual SymmetricBuffer alloc_symmetric(int64_t bytes) = 0;
+  /// Which ranks share an NVLink domain (found at creation; see NodeLayout). Default: one node of
+  /// every rank (CPU groups).
+  virtual NodeLayout node_layout() const;
+  /// node_layout().node: this rank's node id in [0, num_nodes()).
+  int node_id() const { return node_layout().node; }
+  /// node_layout().local_rank: this rank's position among the ranks of its node.
+  int local_rank() const { return node_layout().local_rank; }
+  /// node_layout().ranks_per_node(): ranks on every node (0 when nodes differ in size).
+  int ranks_per_node() const { return node_layout().ranks_per_node(); }
+  /// node_layout().num_nodes: NVLink domains the group spans (1: the single-node fast path).
+  int num_nodes() const { return node_layout().num_nodes; }
 
   /// Collective configuration check (BEHAVIOUR.md): every rank passes the same field names; throws
   /// CommError "<op>: <field> = <v0> on rank 0 but <v> on rank r: all ranks must agree" on every rank.
@@ -102,12 +150,35 @@ UniqueId exchange_unique_id(const std::string& path, int rank, double timeout_s 
 /// Throws Timeout (a rank did not join within timeout_s), CommError, CudaError; Unsupported in a
 /// CPU-only build.
 std::shared_ptr<Group> make_nccl_group(const UniqueId& uid, int rank, int world, int device, double timeout_s = 60.0);
-/// exchange_unique_id(rendezvous_path, ...) then make_nccl_group; rank 0 removes the file once
-/// every rank has joined.
-std::shared_ptr<Group> make_nccl_group(const std::string& rendezvous_path, int rank, int world, int device,
+/// Rendezvous over TCP, for ranks on several hosts: rank 0 listens on `port` (every interface),
+/// waits until the other world - 1 ranks have connected and said hello (rank, world), then sends
+/// each the id (`*id` when given, else UniqueId::create()) and returns it; the others connect to
+/// host:port (retrying until rank 0 listens) and read it. Every wait is bounded by timeout_s.
+/// Throws InvalidArgument (bad host, port, rank or world), Timeout naming the ranks that never
+/// connected (rank 0) or the address that never answered (others), CommError for a port already in
+/// use, a peer with another world size, a duplicate rank, or a malformed reply.
+UniqueId exchange_unique_id_tcp(const std::string& host, int port, int rank, int world, double timeout_s = 60.0,
+                                const UniqueId* id = nullptr);
+
+/// Where ranks meet (EPX_RENDEZVOUS): "tcp://host:port" (exchange_unique_id_tcp) or a file path
+/// (exchange_unique_id).
+struct RendezvousAddress {
+  bool tcp = false;
+  std::string path;  ///< file rendezvous
+  std::string host;  ///< tcp: rank 0's host name or address
+  int port = 0;      ///< tcp: in [1, 65535]
+  /// Throws InvalidArgument naming the text and the rule ("tcp://host:port", port in [1, 65535]).
+  static RendezvousAddress parse(std::string_view text);
+  /// The id of this group through the address (file or TCP), bounded by timeout_s.
+  UniqueId exchange(int rank, int world, double timeout_s) const;
+};
+
+/// exchange through `rendezvous` ("tcp://host:port" or a file path, RendezvousAddress) then
+/// make_nccl_group; with a file, rank 0 removes it once every rank has joined.
+std::shared_ptr<Group> make_nccl_group(const std::string& rendezvous, int rank, int world, int device,
                                        double timeout_s = 60.0);
-/// From the environment a launcher sets: EPX_RANK, EPX_WORLD_SIZE, EPX_RENDEZVOUS (a file path),
-/// and EPX_LOCAL_RANK (the device; default EPX_RANK modulo the visible devices).
+/// From the environment a launcher sets: EPX_RANK, EPX_WORLD_SIZE, EPX_RENDEZVOUS (a file path or
+/// tcp://host:port), and EPX_LOCAL_RANK (the device; default EPX_RANK modulo the visible devices).
 /// Throws InvalidArgument naming a missing or malformed variable.
 std::shared_ptr<Group> make_nccl_group_from_env(double timeout_s = 60.0);
 

@@ -1,10 +1,78 @@
 // comm/group.cpp: the parts of epx::Group common to every transport (built on its collectives).
+#include <algorithm>
 #include <string>
 
 #include "epx/error.h"
 #include "epx/group.h"
 
 namespace epx {
+
+NodeLayout NodeLayout::from_keys(const std::vector<int64_t>& keys, int rank) {
+  const int R = static_cast<int>(keys.size());
+  require_arg("NodeLayout.from_keys", "rank", rank, rank >= 0 && rank < R, "must be in [0, keys.size() = " + std::to_string(R) + ")");
+  NodeLayout l;
+  l.node_of_rank.assign(static_cast<size_t>(R), -1);
+  std::vector<int64_t> node_keys;  // node n's key, in order of each node's lowest rank
+  for (int r = 0; r < R; ++r) {
+    const auto it = std::find(node_keys.begin(), node_keys.end(), keys[static_cast<size_t>(r)]);
+    l.node_of_rank[static_cast<size_t>(r)] = static_cast<int>(it - node_keys.begin());
+    if (it == node_keys.end()) node_keys.push_back(keys[static_cast<size_t>(r)]);
+  }
+  l.num_nodes = static_cast<int>(node_keys.size());
+  l.node = l.node_of_rank[static_cast<size_t>(rank)];
+  l.local_rank = 0;
+  l.local_size = 0;
+  for (int r = 0; r < R; ++r) {
+    if (l.node_of_rank[static_cast<size_t>(r)] != l.node) continue;
+    if (r < rank) ++l.local_rank;
+    ++l.local_size;
+  }
+  return l;
+}
+
+int NodeLayout::ranks_per_node() const {
+  std::vector<int> count(static_cast<size_t>(num_nodes), 0);
+  for (int n : node_of_rank) ++count[static_cast<size_t>(n)];
+  if (node_of_rank.empty()) return local_size;
+  for (int c : count)
+    if (c != count[0]) return 0;
+  return count[0];
+}
+
+bool NodeLayout::contiguous() const {
+  for (size_t r = 1; r < node_of_rank.size(); ++r)
+    if (node_of_rank[r] != node_of_rank[r - 1] && node_of_rank[r] != node_of_rank[r - 1] + 1) return false;
+  return true;
+}
+
+std::vector<int> NodeLayout::ranks_of_node(int n) const {
+  require_arg("NodeLayout.ranks_of_node", "n", n, n >= 0 && n < num_nodes, "must be in [0, num_nodes = " + std::to_string(num_nodes) + ")");
+  std::vector<int> out;
+  for (size_t r = 0; r < node_of_rank.size(); ++r)
+    if (node_of_rank[r] == n) out.push_back(static_cast<int>(r));
+  return out;
+}
+
+std::string NodeLayout::describe() const {
+  auto plural = [](int n, const char* word) { return std::to_string(n) + " " + word + (n == 1 ? "" : "s"); };
+  const int per = ranks_per_node();
+  if (per > 0) return plural(num_nodes, "node") + " x " + plural(per, "rank");
+  std::string sizes;
+  for (int n = 0; n < num_nodes; ++n) sizes += (n ? "+" : "") + std::to_string(ranks_of_node(n).size());
+  return plural(num_nodes, "node") + " of " + sizes + " ranks";
+}
+
+NodeLayout Group::node_layout() const {
+  NodeLayout l;
+  const int R = size();
+  l.num_nodes = 1;
+  l.node = 0;
+  l.local_rank = rank();
+  l.local_size = R;
+  l.node_of_rank.assign(static_cast<size_t>(R), 0);
+  l.lsa_size = R;
+  return l;
+}
 
 std::vector<int64_t> Group::all_gather_i64(int64_t value) {
   std::vector<int64_t> out(static_cast<size_t>(size()));

@@ -189,6 +189,10 @@ void NcclState::require_alive(std::string_view op) const {
 }
 
 void NcclState::abort() noexcept {
+  if (node_comm != nullptr) {
+    (void)ncclCommAbort(node_comm);
+    node_comm = nullptr;
+  }
   if (comm != nullptr) {
     (void)ncclCommAbort(comm);
     comm = nullptr;
@@ -197,21 +201,32 @@ void NcclState::abort() noexcept {
 }
 
 void NcclState::wait(ncclResult_t r, const char* statement, std::string_view op, std::source_location loc) {
+  wait_on(comm, r, statement, op, loc);
+}
+
+void NcclState::wait_on(ncclComm_t c, ncclResult_t r, const char* statement, std::string_view op, std::source_location loc) {
   auto fail = [&](ncclResult_t code, bool broken) {
     std::string m = std::string(op) + ": " + statement + " failed on rank " + std::to_string(rank) + ": " +
                     ncclGetErrorString(code);
-    const char* last = comm ? ncclGetLastError(comm) : nullptr;
+    const char* last = c ? ncclGetLastError(c) : nullptr;
     if (last && *last) m += std::string(" (") + last + ")";
     m += " at " + where(loc) + " on cuda:" + std::to_string(device);
-    if (broken) abort();
+    if (broken && c != nullptr && c == node_comm) {
+      // Only the per-node communicator broke (e.g. its device communicator): the global one and
+      // its host collectives stay usable; the group then has no device communicator.
+      (void)ncclCommAbort(node_comm);
+      node_comm = nullptr;
+    } else if (broken) {
+      abort();
+    }
     throw CommError(m);
   };
   if (r != ncclSuccess && r != ncclInProgress) fail(r, false);
-  if (comm == nullptr) return;
+  if (c == nullptr) return;
   const auto deadline = Clock::now() + std::chrono::duration<double>(timeout_s);
   for (int64_t spins = 0;; ++spins) {
     ncclResult_t state = ncclSuccess;
-    const ncclResult_t q = ncclCommGetAsyncError(comm, &state);
+    const ncclResult_t q = ncclCommGetAsyncError(c, &state);
     if (q != ncclSuccess) fail(q, true);
     if (state == ncclSuccess) return;
     if (state != ncclInProgress) fail(state, true);
@@ -261,7 +276,7 @@ NcclState::~NcclState() {
   if (comm != nullptr) {
     (void)cudaDeviceSynchronize();
     // Quiet, bounded version of wait(): a destructor reports instead of throwing.
-    auto settle = [&](ncclResult_t r, const char* what) {
+    auto settle_on = [&](ncclComm_t c, ncclResult_t r, const char* what) {
       if (r != ncclSuccess && r != ncclInProgress) {
         log::warn(name + ": " + what + " failed: " + ncclGetErrorString(r));
         return false;
@@ -269,7 +284,7 @@ NcclState::~NcclState() {
       const auto deadline = Clock::now() + std::chrono::duration<double>(timeout_s);
       for (int64_t spins = 0;; ++spins) {
         ncclResult_t state = ncclSuccess;
-        if (ncclCommGetAsyncError(comm, &state) != ncclSuccess) return false;
+        if (ncclCommGetAsyncError(c, &state) != ncclSuccess) return false;
         if (state == ncclSuccess) return true;
         if (state != ncclInProgress || Clock::now() > deadline) {
           log::warn(name + ": " + what + " did not complete (" + ncclGetErrorString(state) + "); aborting");
@@ -278,8 +293,16 @@ NcclState::~NcclState() {
         backoff(spins);
       }
     };
+    auto settle = [&](ncclResult_t r, const char* what) { return settle_on(comm, r, what); };
     bool ok = true;
-    if (has_dev_comm) ok = settle(ncclDevCommDestroy(comm, &dev_comm), "ncclDevCommDestroy");
+    if (has_dev_comm) ok = settle_on(lsa_comm(), ncclDevCommDestroy(lsa_comm(), &dev_comm), "ncclDevCommDestroy");
+    if (ok && node_comm != nullptr) {
+      ok = settle_on(node_comm, ncclCommFinalize(node_comm), "ncclCommFinalize (node)");
+      if (ok) {
+        (void)ncclCommDestroy(node_comm);
+        node_comm = nullptr;
+      }
+    }
     if (ok) ok = settle(ncclCommFinalize(comm), "ncclCommFinalize");
     if (ok) {
       (void)ncclCommDestroy(comm);
@@ -326,31 +349,42 @@ NcclGroup::NcclGroup(const UniqueId& uid, int rank, int world, int device, doubl
   EPX_CUDA_CHECK(cudaMalloc(&st.barrier_word, sizeof(int)));
   EPX_CUDA_CHECK(cudaMemset(st.barrier_word, 0, sizeof(int)));
 
-  // A device communicator needs every rank in one NVLink (LSA) domain here: NCCL 2.28.9 brings GIN
-  // up for a communicator that spans nodes, and our machines have none (NCCL-DEVICE-API.md §1.4).
-  char host[256] = {};
-  (void)gethostname(host, sizeof host - 1);
-  const auto hosts = all_gather_i64(static_cast<int64_t>(fnv1a(host, std::strlen(host))));
-  bool one_host = true;
-  for (int64_t h : hosts) one_host = one_host && h == hosts[0];
-  if (!one_host) {
-    st.dev_comm_unsupported = "ranks of " + st.name + " run on several hosts: NCCL 2.28.9 needs GIN for a device "
-                              "communicator then (NCCL-DEVICE-API.md §1.4)";
-    st.lsa_rank = 0;
-    st.lsa_size = 1;
-    return;
+  // Node structure (NCCL-DEVICE-API.md §1.4). NCCL 2.28.9 brings GIN up for a device communicator
+  // of a communicator that spans nodes, and our machines have none, so the device communicator and
+  // the windows live on a per-node communicator when there are several nodes; host collectives stay
+  // on the global one. The keys follow NCCL's rules; NCCL's LSA team size on the node communicator
+  // then confirms them (st.layout.lsa_size).
+  st.layout = NodeLayout::from_keys(all_gather_i64(node_key_from_env(rank)), rank);
+  st.layout.lsa_size = 0;
+  if (st.layout.num_nodes > 1) {
+    ncclConfig_t node_cfg = NCCL_CONFIG_INITIALIZER;
+    node_cfg.blocking = 0;
+    const std::string node_name = st.name + "-node" + std::to_string(st.layout.node);
+    node_cfg.commName = node_name.c_str();
+    const ncclResult_t r = ncclCommSplit(st.comm, st.layout.node, rank, &st.node_comm, &node_cfg);
+    st.wait(r, "ncclCommSplit (per node)", op);
+    if (st.node_comm == nullptr)
+      throw CommError(std::string(op) + ": ncclCommSplit (per node) gave no communicator on rank " + std::to_string(rank));
+    st.wait_on(st.node_comm, ncclSuccess, "ncclCommSplit (per node)", op);
   }
   ncclDevCommRequirements reqs;
   std::memset(&reqs, 0, sizeof reqs);  // 2.28.9 has no initializer macro
   reqs.lsaBarrierCount = kNumLsaBarriers;
   try {
-    st.wait(ncclDevCommCreate(st.comm, &reqs, &st.dev_comm), "ncclDevCommCreate", op);
+    st.wait_on(st.lsa_comm(), ncclDevCommCreate(st.lsa_comm(), &reqs, &st.dev_comm), "ncclDevCommCreate", op);
     st.has_dev_comm = true;
     st.lsa_rank = st.dev_comm.lsaRank;
     st.lsa_size = st.dev_comm.lsaSize;
+    st.layout.lsa_size = st.dev_comm.lsaSize;
+    if (st.lsa_size != st.layout.local_size)
+      log::warn(st.name + ": NCCL's LSA team on node " + std::to_string(st.layout.node) + " has " + std::to_string(st.lsa_size) +
+                " ranks, the node layout (" + st.layout.describe() + ") " + std::to_string(st.layout.local_size) +
+                ": ranks outside the LSA team get no peer pointers");
   } catch (const CommError& e) {
     if (st.aborted) throw;  // the communicator itself broke
     st.dev_comm_unsupported = e.what();
+    st.lsa_rank = 0;
+    st.lsa_size = 1;
     log::warn(st.name + ": no device communicator (LL/HT kernels and symmetric memory unavailable): " + e.what());
   }
 }
@@ -565,7 +599,8 @@ SymmetricBuffer NcclGroup::alloc_symmetric(int64_t bytes) {
   EPX_CUDA_CHECK(cudaMemsetAsync(p, 0, static_cast<size_t>(size), st.stream));
   EPX_CUDA_CHECK(cudaStreamSynchronize(st.stream));
   ncclWindow_t win = nullptr;
-  st.wait(ncclCommWindowRegister(st.comm, p, static_cast<size_t>(size), &win, NCCL_WIN_DEFAULT), "ncclCommWindowRegister", op);
+  st.wait_on(st.lsa_comm(), ncclCommWindowRegister(st.lsa_comm(), p, static_cast<size_t>(size), &win, NCCL_WIN_DEFAULT),
+             "ncclCommWindowRegister", op);
   if (win == nullptr)
     throw Unsupported(std::string(op) + ": NCCL returned no window on rank " + std::to_string(st.rank) +
                       " (symmetric memory needs CUDA P2P between the GPUs, cuMem and NCCL_WIN_ENABLE=1)");
@@ -580,8 +615,12 @@ SymmetricBuffer NcclGroup::alloc_symmetric(int64_t bytes) {
     launch_lsa_peer_pointers(win, st.lsa_size, reinterpret_cast<void**>(table.get()), st.stream);
     EPX_CUDA_CHECK(cudaMemcpyAsync(lsa.data(), table.get(), sizeof(void*) * lsa.size(), cudaMemcpyDeviceToHost, st.stream));
     st.wait_stream(st.stream, op);
-    const int lsa_base = st.rank - st.lsa_rank;  // LSA teams are contiguous world ranks
-    for (int q = 0; q < st.lsa_size; ++q) buf.peers[static_cast<size_t>(lsa_base + q)] = lsa[static_cast<size_t>(q)];
+    // LSA teams are contiguous ranks of the node communicator, whose ranks are the node's ranks in
+    // group order (ncclCommSplit key = group rank).
+    const std::vector<int> node_ranks = st.layout.ranks_of_node(st.layout.node);
+    const int lsa_base = st.layout.local_rank - st.lsa_rank;
+    for (int q = 0; q < st.lsa_size; ++q)
+      buf.peers[static_cast<size_t>(node_ranks[static_cast<size_t>(lsa_base + q)])] = lsa[static_cast<size_t>(q)];
   }
   buf.peers[static_cast<size_t>(st.rank)] = p;
   {
@@ -598,13 +637,13 @@ SymmetricBuffer NcclGroup::alloc_symmetric(int64_t bytes) {
     if (cudaSetDevice(keep->device) != cudaSuccess) (void)cudaGetLastError();
     if (keep->comm != nullptr && !keep->aborted) {
       (void)cudaDeviceSynchronize();  // local work on the buffer has finished
-      const ncclResult_t r = ncclCommWindowDeregister(keep->comm, win);
+      const ncclResult_t r = ncclCommWindowDeregister(keep->lsa_comm(), win);
       if (r != ncclSuccess && r != ncclInProgress)
         log::warn(keep->name + ": ncclCommWindowDeregister failed: " + ncclGetErrorString(r));
       const auto deadline = Clock::now() + std::chrono::duration<double>(keep->timeout_s);
       for (int64_t spins = 0; r == ncclInProgress; ++spins) {
         ncclResult_t state = ncclSuccess;
-        if (ncclCommGetAsyncError(keep->comm, &state) != ncclSuccess || state != ncclInProgress) break;
+        if (ncclCommGetAsyncError(keep->lsa_comm(), &state) != ncclSuccess || state != ncclInProgress) break;
         if (Clock::now() > deadline) {
           log::warn(keep->name + ": ncclCommWindowDeregister did not complete within timeout_s");
           break;

@@ -32,7 +32,11 @@ constexpr int kFirstKernelBarrierIndex = 1;
 /// The communicator and what hangs off it. Shared by the group and every SymmetricBuffer it made,
 /// so buffers may outlive the group object and teardown still runs in a valid order.
 struct NcclState {
-  ncclComm_t comm = nullptr;
+  ncclComm_t comm = nullptr;       ///< the global communicator: host collectives over every rank
+  /// The per-node communicator (ncclCommSplit by node) when the group spans nodes, else nullptr (the
+  /// global one is the node's): device communicator and windows live on lsa_comm().
+  ncclComm_t node_comm = nullptr;
+  NodeLayout layout;               ///< found at creation (NodeLayout)
   int rank = 0, world = 0, device = 0;
   double timeout_s = 60.0;
   std::string name;
@@ -47,6 +51,11 @@ struct NcclState {
   std::map<const void*, ncclWindow_t> windows;  ///< SymmetricBuffer::local -> its window
 
   ~NcclState();
+  /// The communicator of this rank's node: node_comm, or comm on a single node.
+  ncclComm_t lsa_comm() const { return layout.num_nodes > 1 ? node_comm : comm; }
+  /// wait() for an operation of communicator `c` (comm or node_comm).
+  void wait_on(ncclComm_t c, ncclResult_t r, const char* statement, std::string_view op,
+               std::source_location loc = std::source_location::current());
   /// Checks an NCCL result and, for a non-blocking communicator, polls until the operation has left
   /// ncclInProgress; bounded by timeout_s (then the communicator is aborted and Timeout thrown).
   void wait(ncclResult_t r, const char* statement, std::string_view op,
@@ -56,7 +65,7 @@ struct NcclState {
   void wait_stream(cudaStream_t s, std::string_view op);
   /// Throws CommError if the communicator was aborted earlier.
   void require_alive(std::string_view op) const;
-  /// Aborts the communicator (no-op if already done).
+  /// Aborts the communicators (no-op if already done).
   void abort() noexcept;
 };
 
@@ -91,11 +100,20 @@ class NcclGroup final : public Group {
   /// peers[rank()] == local. Freeing (last owner copy dropped) deregisters locally: every rank must
   /// be quiescent on the buffer first (NCCL-DEVICE-API.md §1.5).
   SymmetricBuffer alloc_symmetric(int64_t bytes) override;
+  /// Node structure found at creation: the node key of every rank (node_key_from_env, NCCL's rules)
+  /// gathered over the global communicator; lsa_size is the LSA team size NCCL reports for the
+  /// per-node device communicator (0 without one). Single node: the device communicator and windows
+  /// are on the global communicator (the fast path); several: on a per-node ncclCommSplit.
+  NodeLayout node_layout() const override { return state_->layout; }
 
   // ---- for CUDA kernels ----
+  /// The global communicator (every rank; host collectives).
   ncclComm_t comm() const { return state_->comm; }
-  /// The device communicator (lsaBarrierCount = kNumLsaBarriers). Throws Unsupported with NCCL's
-  /// reason where there is none (ranks on several nodes without GIN, no symmetric-memory support).
+  /// This rank's node communicator (the ranks of node_layout().node; == comm() on one node).
+  ncclComm_t node_comm() const { return state_->lsa_comm(); }
+  /// The device communicator of node_comm() (lsaBarrierCount = kNumLsaBarriers): its lsaRank and
+  /// lsaSize count node ranks. Throws Unsupported with NCCL's reason where there is none (no
+  /// symmetric-memory support).
   const ncclDevComm& dev_comm() const;
   int lsa_rank() const { return state_->lsa_rank; }
   /// The bound on every wait of this group [s] (device-side waits of the LL and HT kernels use it too).

@@ -3,7 +3,6 @@
 #include "comm/launcher.h"
 
 #include <signal.h>
-#include <stdlib.h>
 #include <string.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -14,6 +13,7 @@
 #include <iostream>
 #include <thread>
 
+#include "epx/config.h"
 #include "epx/error.h"
 
 namespace epx::comm {
@@ -71,11 +71,15 @@ LaunchResult launch_ranks(const LaunchOptions& options, const std::function<int(
   const std::string run_dir = tmpl;
 
   const int R = options.num_ranks;
+  // EPX_RENDEZVOUS=tcp://host:port makes the ranks meet over TCP (rank 0 listens) instead of the
+  // run directory's file; a file path there is ignored (each run needs a fresh file).
+  const std::string tcp = env_or("EPX_RENDEZVOUS", "");
+  const std::string rendezvous = tcp.rfind("tcp://", 0) == 0 ? tcp : run_dir + "/rendezvous";
   std::vector<pid_t> pids;
   flush_all();
   const auto t0 = Clock::now();
   for (int r = 0; r < R; ++r) {
-    RankEnv env{r, R, run_dir + "/rendezvous", run_dir};
+    RankEnv env{r, R, rendezvous, run_dir};
     const pid_t pid = ::fork();
     if (pid == 0) run_child(env, fn);
     if (pid < 0) {

@@ -29,7 +29,9 @@ struct LaunchOptions {
 struct RankEnv {
   int rank = 0;
   int world = 1;
-  std::string rendezvous_path;  ///< fresh per run: pass to make_nccl_group(path, rank, world, device)
+  /// pass to make_nccl_group(rendezvous_path, rank, world, device): a fresh file of this run, or
+  /// EPX_RENDEZVOUS when the parent's environment sets it to tcp://host:port
+  std::string rendezvous_path;
   std::string run_dir;          ///< a private directory of this run, removed by the parent at the end
 };
 

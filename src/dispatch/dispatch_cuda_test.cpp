@@ -270,18 +270,68 @@ void check_bad_id_throws_everywhere(const std::string& name, const GpuCase& gc, 
   if (r == 0) std::printf("bad id: %s\n", what.c_str());
 }
 
+/// How the forked ranks see each other: as NCCL normally does (one host: one node, the single-node
+/// fast path), or as virtual nodes, one GPU each, NCCL over its network (socket) transport.
+enum class Nodes { one_host, virtual_nodes };
+
+/// Sets (virtual_nodes) or clears the NCCL variables that make every GPU its own node; each forked
+/// rank calls it before its first NCCL call (NCCL reads its environment once per process).
+void set_node_env(Nodes nodes) {
+  for (const char* v : {"NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE"}) {
+    if (nodes == Nodes::virtual_nodes) ::setenv(v, "1", 1);
+    else ::unsetenv(v);
+  }
+}
+
+/// "" when the group's node layout is the one `nodes` must give (and NCCL's LSA team agrees), else
+/// what differs. Proves which path ran: 1 node x R ranks = single-node fast path (device comm on the
+/// global communicator), R nodes x 1 rank = per-node communicators, host collectives across nodes.
+std::string check_node_layout(const Group& g, Nodes nodes) {
+  const NodeLayout l = g.node_layout();
+  const int R = g.size();
+  std::string d;
+  const int want_nodes = nodes == Nodes::virtual_nodes ? R : 1;
+  if (l.num_nodes != want_nodes || g.num_nodes() != want_nodes)
+    d += "num_nodes " + std::to_string(l.num_nodes) + ", want " + std::to_string(want_nodes) + " (" + l.describe() + "); ";
+  if (g.ranks_per_node() != R / want_nodes) d += "ranks_per_node " + std::to_string(g.ranks_per_node()) + "; ";
+  if (g.node_id() != (nodes == Nodes::virtual_nodes ? g.rank() : 0)) d += "node_id " + std::to_string(g.node_id()) + "; ";
+  if (g.local_rank() != (nodes == Nodes::virtual_nodes ? 0 : g.rank())) d += "local_rank " + std::to_string(g.local_rank()) + "; ";
+  if (l.lsa_size != l.local_size)
+    d += "NCCL's LSA team has " + std::to_string(l.lsa_size) + " ranks, the node " + std::to_string(l.local_size) + "; ";
+  return d;
+}
+
 /// Runs every backend on every case on R forked ranks and compares with the CPU snapshots.
-void run_world(int R) {
+void run_world(int R, Nodes nodes = Nodes::one_host) {
   std::vector<GpuCase> cases = make_cases(R);
   for (GpuCase& gc : cases)
     for (const std::string& name : kBackends) gc.want.push_back(run_cpu(name, gc.c, gc.rounds));
   const std::string path = fresh_dir() + "/uid";
   const std::string failed = run_ranks_forked(R, 300.0, [&](int rank) {
+    set_node_env(nodes);
     auto g = make_nccl_group(path, rank, R, rank, 60.0);
     cuda_ok(cudaSetDevice(rank), "cudaSetDevice");  // the test's own copies, memsets and stream
     cudaStream_t stream;
     cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
-    std::string failures;
+    std::string failures = check_node_layout(*g, nodes);
+    if (rank == 0)
+      std::printf("node layout: %s (NCCL LSA team %d)%s\n", g->node_layout().describe().c_str(), g->node_layout().lsa_size,
+                  failures.empty() ? "" : (" WRONG: " + failures).c_str());
+    if (nodes == Nodes::virtual_nodes) {
+      // ll and ht have no inter-node stage: every rank says so, naming the layout, instead of hanging.
+      for (const char* name : {"ll", "ht"}) {
+        std::string what;
+        try {
+          make_prepare_finalize(name, g, cases[0].c.config());
+        } catch (const Unsupported& e) {
+          what = e.what();
+        }
+        if (what.find("node layout = " + g->node_layout().describe()) == std::string::npos)
+          failures += std::string(name) + " across nodes: want Unsupported naming the node layout, got '" + what + "'; ";
+        else if (rank == 0)
+          std::printf("%s across nodes: %s\n", name, what.c_str());
+      }
+    }
     int checked = 0;
     for (const GpuCase& gc : cases) {
       for (size_t b = 0; b < kBackends.size(); ++b) {
@@ -318,6 +368,14 @@ TEST(DispatchCuda, FlatBackendsMatchCpuTwoRanks) {
   const int n = cuda::device_count();
   if (n < 2) GTEST_SKIP() << "needs 2 GPUs, found " << n;
   run_world(2);
+}
+
+// The same backends across 2 virtual nodes (1 GPU each; NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1:
+// NCCL's socket transport between the GPUs): per-node communicators, host collectives across.
+TEST(DispatchCuda, FlatBackendsMatchCpuTwoVirtualNodes) {
+  const int n = cuda::device_count();
+  if (n < 2) GTEST_SKIP() << "needs 2 GPUs, found " << n;
+  run_world(2, Nodes::virtual_nodes);
 }
 
 }  // namespace

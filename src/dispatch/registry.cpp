@@ -111,6 +111,15 @@ std::unique_ptr<PrepareFinalize> make_prepare_finalize(const std::string& name, 
     throw InvalidArgument(arg_message("make_prepare_finalize", "name", name, "must be one of {" + known + "}"));
   }
   dispatch::validate_config(name, cfg, group->size());
+  // ll and ht on CUDA are LSA (NVLink load/store) kernels: a group that spans nodes has no peer
+  // pointers across them. Every rank sees the same layout, so every rank throws the same here.
+  if (group->device().is_cuda() && (name == "ll" || name == "ht")) {
+    const NodeLayout nodes = group->node_layout();
+    if (nodes.num_nodes > 1)
+      throw Unsupported(op + ": node layout = " + nodes.describe() + ": " + name +
+                        " on CUDA needs every rank in one NVLink (LSA) domain and has no inter-node stage yet; "
+                        "across nodes use naive, allgather_reducescatter or all2allv");
+  }
   const BackendEntry& entry = kBackends[index];
   const Factory make = group->device().is_cpu() ? entry.make_cpu : entry.make_cuda;
   if (!make) {

@@ -777,7 +777,8 @@ int report(const BenchOptions& o, const std::vector<BenchCase>& cases, const std
           raw["tokens_per_rank"] == row["tokens_per_rank"] && !raw["latency_us_p50"].is_null())
         row["speedup_vs_nccl_a2a_raw"] = raw["latency_us_p50"].get<double>() / row["latency_us_p50"].get<double>();
   }
-  std::cout << table.str();
+  std::cout << "node layout: " << o.node_layout_for_report.describe() << " (NCCL LSA team " << o.node_layout_for_report.lsa_size << ")\n"
+            << table.str();
   std::cout << "GB/s: bytes per rank (mean over ranks) / p50; accounting per case (ANCHORS.md): ";
   for (const BenchCase& c : cases) std::cout << c.name << " " << c.accounting << "  ";
   std::cout << "\nlatency: per iteration the slowest rank's, " << (cuda ? (o.graph ? "CUDA events around CUDA-graph replays" : "CUDA events") : "host clock") << ", after " << o.warmup
@@ -798,6 +799,7 @@ int report(const BenchOptions& o, const std::vector<BenchCase>& cases, const std
                 {"epx_version", EPX_VERSION},
                 {"results", std::move(rows)}};
     doc["config"] = config.describe();
+    doc["node_layout"] = node_layout_json(o.node_layout_for_report);
     const auto parent = std::filesystem::path(o.json).parent_path();
     std::error_code ec;
     if (!parent.empty()) std::filesystem::create_directories(parent, ec);
@@ -909,7 +911,9 @@ int run_bench(const BenchOptions& options, const std::string& command) {
     run_ranks(groups, [&](int r) {
       run_jobs_on_rank(o, cases, jobs, groups[r], Stream{}, [&](size_t j, RankJobResult&& res) { results[j].ranks[r] = std::move(res); });
     });
-    return report(o, cases, jobs, results, false, R, config, command);
+    BenchOptions ro = o;
+    ro.node_layout_for_report = groups[0]->node_layout();
+    return report(ro, cases, jobs, results, false, R, config, command);
   }
 #ifdef EPX_WITH_CUDA
   comm::LaunchOptions lo;
@@ -931,6 +935,7 @@ int run_bench(const BenchOptions& options, const std::string& command) {
     if (env.rank != 0) return 0;  // rank 0 validates and reports after the others have left
     BenchOptions ro = o;
     ro.device_name_for_report = gpu_device_name(R);
+    ro.node_layout_for_report = group->node_layout();
     return report(ro, cases, jobs, results, true, R, config, command);
   });
   if (!lr.failure.empty()) std::cerr << "epx: error: epx bench: " << lr.failure << "\n";

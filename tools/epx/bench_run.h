@@ -35,6 +35,7 @@
 
 #include "epx/config.h"
 #include "epx/dtype.h"
+#include "epx/group.h"
 
 namespace epx::cli {
 
@@ -53,6 +54,7 @@ struct BenchOptions {
   std::string json;
   std::string config;
   std::string device_name_for_report;  ///< set by run_bench on CUDA ("2 x NVIDIA H200")
+  NodeLayout node_layout_for_report;   ///< set by run_bench: the group's node layout (JSON "node_layout")
   bool graph = false;               ///< --graph: time CUDA-graph replays (cuda only)
 };
 

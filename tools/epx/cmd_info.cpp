@@ -1,5 +1,6 @@
 // tools/epx/cmd_info.cpp: `epx info`: version, devices (with a CUDA build: NCCL library and header
 // versions, GPU names and the peer/NVLink matrix), the effective Config with each value's source, the dispatch backends with their capabilities, and the model presets.
+#include <cstdlib>
 #include <iomanip>
 #include <iostream>
 
@@ -73,6 +74,17 @@ int run_info(InfoCommand& cmd) {
     if (cuda::device_count() > 0) {
       std::cout << "\ntopology (CUDA runtime):\n";
       for (const std::string& line : gpu_topology_lines()) std::cout << "  " << line << "\n";
+      // What make_nccl_group will find for one process per visible GPU (NodeLayout, NCCL's rules).
+      const int n = cuda::device_count();
+      std::vector<int64_t> keys;
+      for (int r = 0; r < n; ++r) keys.push_back(node_key_from_env(r));
+      const NodeLayout nodes = NodeLayout::from_keys(keys, 0);
+      std::cout << "\nnode layout (one rank per visible GPU, NCCL's rules): " << nodes.describe() << " ("
+                << (nodes.num_nodes > 1 ? "multi-node path: per-node communicators; ll/ht unsupported across nodes"
+                                        : "single-node fast path")
+                << ")\n";
+      for (const char* v : {"NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE", "NCCL_HOSTID"})
+        if (const char* x = std::getenv(v)) std::cout << "  " << v << "=" << x << "\n";
     }
   }
   std::cout << "\nconfig (default < JSON file (--config or EPX_CONFIG) < EPX_* env):\n";

@@ -362,6 +362,8 @@ int moe_rank(const MoeOptions& options, const Config& config, const std::vector<
   const auto t_build = std::chrono::steady_clock::now();
   Workload w = build_workload(o, config);
   w.device_name = gpu_device_name(R);
+  w.nodes = group->node_layout();
+  w.has_nodes = true;
   w.nccl_version = nccl_version_string();
   if (r == 0) {
     print_header(std::cout, w);

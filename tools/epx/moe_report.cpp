@@ -1,9 +1,11 @@
 // tools/epx/moe_report.cpp: the `epx moe` table and its RESULTS.md JSON file.
 #include "moe_report.h"
 
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <ctime>
 #include <filesystem>
 #include <fstream>
@@ -89,6 +91,22 @@ std::string cpu_device_name() {
   return "cpu (" + std::to_string(n ? n : 1) + " threads)";
 }
 
+nlohmann::ordered_json node_layout_json(const NodeLayout& l) {
+  nlohmann::ordered_json env = nlohmann::ordered_json::object();
+  for (const char* v : {"NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE", "NCCL_HOSTID"}) {
+    const char* x = std::getenv(v);
+    env[v] = x ? nlohmann::ordered_json(x) : nlohmann::ordered_json(nullptr);
+  }
+  return {{"num_nodes", l.num_nodes},
+          {"ranks_per_node", l.ranks_per_node()},
+          {"node_of_rank", l.node_of_rank},
+          {"describe", l.describe()},
+          {"nccl_lsa_size", l.lsa_size},
+          {"path", l.num_nodes > 1 ? "multi-node: per-node NCCL communicators (device API), host collectives on the global one"
+                                   : "single-node: device communicator on the global NCCL communicator"},
+          {"env", env}};
+}
+
 void print_header(std::ostream& os, const Workload& w) {
   const MoEConfig& m = w.model;
   os << "epx moe: " << m.name << " (H=" << m.hidden << " I=" << m.intermediate << " E=" << m.router.num_experts
@@ -100,6 +118,7 @@ void print_header(std::ostream& os, const Workload& w) {
      << (w.mode.empty() ? std::string() : ", mode " + w.mode + (w.use_graph ? " (graph replay where graph-safe)" : ""))
      << (w.compare ? ", A/B" : "") << "\n";
   if (!w.trace_source.empty()) os << "trace: " << w.trace_source << "\n";
+  if (w.has_nodes) os << "node layout: " << w.nodes.describe() << " (NCCL LSA team " << w.nodes.lsa_size << ")\n";
 }
 
 namespace {
@@ -310,6 +329,7 @@ void write_results_json(const std::string& path, const std::string& command, con
               {"nccl_version", w.nccl_version.empty() ? json(nullptr) : json(w.nccl_version)},
               {"epx_version", EPX_VERSION}, {"results", std::move(rs)}};
   if (!w.trace_source.empty()) doc["trace_source"] = w.trace_source;
+  doc["node_layout"] = node_layout_json(w.has_nodes ? w.nodes : NodeLayout::from_keys(std::vector<int64_t>(static_cast<size_t>(std::max(1, w.num_ranks)), 0), 0));
   if (w.compare) {
     json backends = json::array(), shared = json::array();
     for (const BackendResult& r : results) {

@@ -1,6 +1,7 @@
 // tools/epx/moe_report.h: printing and saving what `epx moe` measured (RESULTS.md JSON).
 #pragma once
 
+#include <nlohmann/json.hpp>
 #include <ostream>
 #include <string>
 #include <vector>
@@ -31,5 +32,10 @@ std::string git_commit();
 std::string command_line(int argc, char** argv);
 /// "cpu (N threads)".
 std::string cpu_device_name();
+/// The JSON "node_layout" of a run (RESULTS.md; issue 11): num_nodes, ranks_per_node (0 when
+/// uneven), node_of_rank, describe ("2 nodes x 1 rank"), nccl_lsa_size (NCCL's LSA team on rank 0's
+/// node; for CPU threads the node itself), path ("single-node" or "multi-node: ...") and the NCCL
+/// variables that decide it (NCCL_P2P_DISABLE, NCCL_SHM_DISABLE, NCCL_HOSTID; null when unset).
+nlohmann::ordered_json node_layout_json(const NodeLayout& layout);
 
 }  // namespace epx::cli

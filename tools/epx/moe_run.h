@@ -68,6 +68,8 @@ struct StepInput {
 /// Everything a backend run needs; built once, shared by all backends.
 struct Workload {
   MoEConfig model;
+  NodeLayout nodes;        ///< the group's node layout (CUDA runs; has_nodes)
+  bool has_nodes = false;
   std::shared_ptr<MoEWeights> weights;
   Config config;
   std::vector<StepInput> steps;
