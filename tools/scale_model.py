@@ -73,8 +73,9 @@ def table(tokens, samples):
             flat_rank = tokens * e["ranks_remote_node"]    # all2allv: once per remote rank
             hier = tokens * e["nodes_remote"]              # hierarchical: once per remote node
             fan = tokens * e["nvl_fanout"]
+            worst = tokens * (nodes - 1)                   # graph-safe over host NCCL: sizes fixed at capture
             rows.append(dict(
-                ep=ep, nodes=nodes, limited=limited, nodes_per_tok=e["nodes_total"], remote_nodes=e["nodes_remote"],
+                ep=ep, d_graph_mb=worst * FP8_ROW / 1e6, c_graph_mb=worst * BF16_ROW / 1e6, nodes=nodes, limited=limited, nodes_per_tok=e["nodes_total"], remote_nodes=e["nodes_remote"],
                 ranks_per_tok=e["ranks_total"],
                 d_flat_sel_mb=flat_sel * LL_ROW / 1e6, d_flat_rank_mb=flat_rank * FP8_ROW / 1e6, d_hier_mb=hier * FP8_ROW / 1e6,
                 d_nvl_mb=fan * FP8_ROW / 1e6,
@@ -112,6 +113,11 @@ def main():
         print(f"| {r['ep']} | {r['nodes']} | {'node-limited (4 groups)' if r['limited'] else 'uniform'} | {r['nodes_per_tok']:.2f} "
               f"| {r['remote_nodes']:.2f} | {r['ranks_per_tok']:.2f} | {r['d_flat_sel_mb']:.2f} | {r['d_flat_rank_mb']:.2f} "
               f"| {r['d_hier_mb']:.2f} | {r['d_nvl_mb']:.2f} | {r['c_flat_sel_mb']:.2f} | {r['c_hier_mb']:.2f} | {r['c_nvl_mb']:.2f} |")
+    print("\ngraph-safe hierarchical over host NCCL (ncclSend sizes fixed at capture: T rows to every remote node), MB per rank:")
+    print("| EP | dispatch RDMA | combine RDMA | vs hierarchical with exact counts (uniform / node-limited) |")
+    print("|---|---|---|---|")
+    for u, l in zip(rows[0::2], rows[1::2]):
+        print(f"| {u['ep']} | {u['d_graph_mb']:.2f} | {u['c_graph_mb']:.2f} | {u['d_graph_mb'] / u['d_hier_mb']:.2f}x / {l['d_graph_mb'] / l['d_hier_mb']:.2f}x |")
     print(f"\npredicted time per call (us), hierarchical; RDMA at {RDMA_EFF_GBPS:.0f} GB/s (at {RDMA_GBPS:.0f} in brackets), "
           f"alpha_net {ALPHA_NET_US:.0f} us, NVLink {NVL_GBPS:.0f} GB/s + {ALPHA_NVL_US:.0f} us:")
     print("| EP | routing | dispatch: RDMA stage | NVLink stage | total | combine: NVLink stage | RDMA stage | total "

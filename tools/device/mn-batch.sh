@@ -40,13 +40,17 @@ cmake -S "$S" -B "$B" -G Ninja -DCMAKE_BUILD_TYPE=Release -DEPX_CUDA=ON -DCMAKE_
 step build 62 ninja -C "$B" epx dispatch_cuda_test || { echo "build failed"; tail -30 "$OUT/build.log"; exit 1; }
 E="$B/epx"
 cd "$S"
-VN=(env NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_DEBUG=WARN)
+VN=(env NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1)
 step test-virtual-nodes 30 "$B/dispatch_cuda_test" --gtest_filter='DispatchCuda.FlatBackendsMatchCpuTwoVirtualNodes'
 BENCH=(bench --case ll-v3 --backend naive,allgather_reducescatter,all2allv,ll,ht --ranks 2 --iters 30 --warmup 5)
-step bench-virtual-nodes 20 "${VN[@]}" EPX_RENDEZVOUS=tcp://127.0.0.1:29517 "$E" "${BENCH[@]}" --json "$OUT/multinode-ll-v3-2x1.json"
+step bench-virtual-nodes 20 "${VN[@]}" NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,NET EPX_RENDEZVOUS=tcp://127.0.0.1:29517 "$E" "${BENCH[@]}" --json "$OUT/multinode-ll-v3-2x1.json"
 step test-one-node 20 "$B/dispatch_cuda_test" --gtest_filter='DispatchCuda.FlatBackendsMatchCpuTwoRanks'
 step bench-one-node 15 "$E" "${BENCH[@]}" --json "$OUT/multinode-ll-v3-1x2.json"
+step moe-virtual-nodes 20 "${VN[@]}" "$E" moe --device cuda --ranks 2 --preset deepseek-v3-mini --backend all \
+  --steps 2 --tokens-per-rank 24 --json "$OUT/multinode-moe-deepseek-v3-mini-2x1.json"
+step info-virtual-nodes 10 "${VN[@]}" "$E" info
 echo "== summary ($(( SECONDS - T0 )) s)"
 cat "$OUT/summary.txt"
 for f in "$OUT"/test-*.log; do echo "-- $f"; grep -E "node layout|across nodes|OK \]|FAILED|PASSED|DIFFER|WRONG" "$f" | head -12; done
-for f in "$OUT"/bench-*.log; do echo "-- $f"; grep -E "node layout|^ll-v3|error" "$f" | head -14; done
+for f in "$OUT"/bench-*.log "$OUT"/moe-*.log; do echo "-- $f"; grep -E "node layout|^ll-v3|error|pass|FAIL|nNodes|Using network|NET/" "$f" | head -16; done
+grep -A3 "node layout" "$OUT/info-virtual-nodes.log"
