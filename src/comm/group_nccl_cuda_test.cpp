@@ -6,6 +6,8 @@
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <stdlib.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -300,6 +302,9 @@ TEST(NcclGroupCuda, SymmetricMemoryLsaWriteToNextRank) {
     auto* ng = dynamic_cast<comm::NcclGroup*>(g.get());
     require(ng != nullptr, "make_nccl_group returns an NcclGroup");
     require(ng->lsa_size() == world, "one LSA team on one host: lsa_size = " + std::to_string(ng->lsa_size()));
+    // The single-node fast path: one node, the device communicator on the global communicator.
+    require(g->num_nodes() == 1 && g->node_layout().lsa_size == world && ng->node_comm() == ng->comm(),
+            "one host is one node: layout " + g->node_layout().describe());
     const int64_t bytes = (8 << 20) + 12;  // not a multiple of the 4 KiB window alignment
     const int64_t words = bytes / 4;
     SymmetricBuffer buf = g->alloc_symmetric(bytes);
@@ -459,6 +464,64 @@ TEST(NcclGroupCuda, RecreateFromEnvironment) {
       SymmetricBuffer b = g->alloc_symmetric(1 << 16);
       g->barrier();
     }
+  });
+  EXPECT_EQ(failed, "");
+}
+
+// Two virtual nodes (NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1: NCCL's socket transport between the
+// GPUs of one host, every GPU its own NCCL node), meeting over TCP: the layout is found and agrees
+// with NCCL, host collectives run across the nodes, and each node gets its own communicator with a
+// device communicator and windows (LSA team of 1: no peer pointer across nodes).
+TEST(NcclGroupCuda, VirtualNodesOverTcp) {
+  const int n = gpus();
+  if (n < 2) GTEST_SKIP() << "needs 2 GPUs, found " << n;
+  const int world = 2;
+  int port = 0;
+  {  // a free port: bind to 0 and read it back
+    const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t len = sizeof a;
+    ASSERT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a), 0);
+    ASSERT_EQ(::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len), 0);
+    port = ntohs(a.sin_port);
+    ::close(fd);
+  }
+  const std::string failed = run_ranks_forked(world, 240.0, [&](int rank) {
+    setenv("NCCL_P2P_DISABLE", "1", 1);
+    setenv("NCCL_SHM_DISABLE", "1", 1);
+    setenv("EPX_RANK", std::to_string(rank).c_str(), 1);
+    setenv("EPX_WORLD_SIZE", std::to_string(world).c_str(), 1);
+    setenv("EPX_LOCAL_RANK", std::to_string(rank).c_str(), 1);
+    setenv("EPX_RENDEZVOUS", ("tcp://127.0.0.1:" + std::to_string(port)).c_str(), 1);
+    auto g = make_nccl_group_from_env(60.0);
+    auto* ng = dynamic_cast<comm::NcclGroup*>(g.get());
+    require(ng != nullptr, "make_nccl_group returns an NcclGroup");
+    const NodeLayout l = g->node_layout();
+    require(l.describe() == "2 nodes x 1 rank" && g->num_nodes() == 2 && g->node_id() == rank && g->local_rank() == 0 &&
+                g->ranks_per_node() == 1 && l.node_of_rank == std::vector<int>({0, 1}),
+            "layout " + l.describe() + ", node " + std::to_string(g->node_id()));
+    require(l.lsa_size == 1 && ng->lsa_size() == 1, "NCCL's LSA team on a virtual node: " + std::to_string(l.lsa_size));
+    require(ng->node_comm() != ng->comm(), "a per-node communicator beside the global one");
+    cudaStream_t stream;
+    cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
+    check_collectives(*g, stream);  // across the nodes, NCCL's network transport
+    // Symmetric memory on the node communicator: this rank's own buffer only.
+    const int64_t words = 1 << 16;
+    SymmetricBuffer buf = g->alloc_symmetric(words * 4);
+    require(buf.peers[static_cast<size_t>(rank)] == buf.local && buf.peers[static_cast<size_t>(1 - rank)] == nullptr,
+            "peers: own buffer, none across nodes");
+    int* mismatches = to_device(std::vector<int>{0});
+    comm::launch_fill_pattern(static_cast<uint32_t*>(buf.peers[static_cast<size_t>(rank)]), words, 77u + rank, stream);
+    ng->lsa_barrier(Stream{stream});
+    comm::launch_count_pattern_mismatches(static_cast<const uint32_t*>(buf.local), words, 77u + rank, mismatches, stream);
+    cuda_ok(cudaStreamSynchronize(stream), "sync");
+    require(to_host(mismatches, 1)[0] == 0, "LSA store + barrier on the node communicator");
+    g->barrier();
+    cudaFree(mismatches);
+    cuda_ok(cudaStreamDestroy(stream), "stream destroy");
+    if (rank == 0) std::printf("virtual nodes OK: %s, NCCL LSA team %d, collectives across nodes\n", l.describe().c_str(), l.lsa_size);
   });
   EXPECT_EQ(failed, "");
 }

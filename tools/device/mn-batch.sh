@@ -37,11 +37,12 @@ cmake -S "$S" -B "$B" -G Ninja -DCMAKE_BUILD_TYPE=Release -DEPX_CUDA=ON -DCMAKE_
   -DEPX_NCCL_ROOT="$NCCL" -DCMAKE_PREFIX_PATH="$DEPS/usr" -DBLA_VENDOR=OpenBLAS -DCMAKE_POLICY_VERSION_MINIMUM=3.5 \
   -DCMAKE_LIBRARY_PATH="$AL/openblas-pthread;$AL" -DEPX_CBLAS_INCLUDE="$DEPS/usr/include/x86_64-linux-gnu/openblas-pthread" \
   >"$OUT/configure.log" 2>&1
-step build 62 ninja -C "$B" epx dispatch_cuda_test || { echo "build failed"; tail -30 "$OUT/build.log"; exit 1; }
+step build 62 ninja -C "$B" epx dispatch_cuda_test group_nccl_cuda_test || { echo "build failed"; tail -30 "$OUT/build.log"; exit 1; }
 E="$B/epx"
 cd "$S"
 VN=(env NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1)
 step test-virtual-nodes 30 "$B/dispatch_cuda_test" --gtest_filter='DispatchCuda.FlatBackendsMatchCpuTwoVirtualNodes'
+step test-group-virtual-nodes 20 "$B/group_nccl_cuda_test" --gtest_filter='NcclGroupCuda.VirtualNodesOverTcp:NcclGroupCuda.SymmetricMemoryLsaWriteToNextRank'
 BENCH=(bench --case ll-v3 --backend naive,allgather_reducescatter,all2allv,ll,ht --ranks 2 --iters 30 --warmup 5)
 step bench-virtual-nodes 20 "${VN[@]}" NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,NET EPX_RENDEZVOUS=tcp://127.0.0.1:29517 "$E" "${BENCH[@]}" --json "$OUT/multinode-ll-v3-2x1.json"
 step test-one-node 20 "$B/dispatch_cuda_test" --gtest_filter='DispatchCuda.FlatBackendsMatchCpuTwoRanks'
