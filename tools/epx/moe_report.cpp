@@ -103,7 +103,7 @@ nlohmann::ordered_json node_layout_json(const NodeLayout& l) {
           {"describe", l.describe()},
           {"nccl_lsa_size", l.lsa_size},
           {"path", l.num_nodes > 1 ? "multi-node: per-node NCCL communicators (device API), host collectives on the global one"
-                                   : "single-node: device communicator on the global NCCL communicator"},
+                                   : "single-node: one NVLink domain (NCCL: device communicator on the global communicator)"},
           {"env", env}};
 }
 

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# tools/device/final-mn.sh: the multi-node step of the final integrated run (issue 11). Receives OUT,
+# the built tree at /tmp/epx-gpu-check/build and the source at $SRC; stays within MN_FINAL_BUDGET_S
+# (default 60 s). Writes under $OUT:
+#   multinode-ll-v3-2x1.json   epx bench, 2 virtual nodes of 1 GPU (NCCL_P2P_DISABLE=1
+#                              NCCL_SHM_DISABLE=1: NCCL's socket transport), ranks meeting over TCP
+#   multinode-ll-v3-1x2.json   the same on one node (the single-node fast path), for comparison
+#   multinode-moe-deepseek-v3-mini-2x1.json   epx moe across the virtual nodes, every backend
+#   final-mn.log               their output
+set -u
+T0=$SECONDS
+BUDGET=${MN_FINAL_BUDGET_S:-60}
+OUT=${OUT:-/tmp/final-mn-out}
+E=${EPX:-/tmp/epx-gpu-check/build/epx}
+mkdir -p "$OUT"
+export NCCL_NVLS_ENABLE=0
+run() {  # <limit_s> <cmd...>: cut to the time left
+  local lim=$1; shift
+  local l=$(( BUDGET - (SECONDS - T0) - 2 ))
+  [ "$l" -lt "$lim" ] && lim=$l
+  if [ "$lim" -lt 5 ]; then echo "== skipped (no time left): $*"; return 1; fi
+  echo "== $(date -u +%T) $* (limit $lim s)"
+  timeout -k 2 "$lim" "$@"
+  echo "== exit status $?"
+}
+cd "${SRC:-.}" || exit 1
+BENCH=(bench --case ll-v3 --backend naive,allgather_reducescatter,all2allv,ll,ht --ranks 2 --iters 50 --warmup 5)
+{
+  run 22 env NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 EPX_RENDEZVOUS=tcp://127.0.0.1:29531 "$E" "${BENCH[@]}" --json "$OUT/multinode-ll-v3-2x1.json"
+  run 15 "$E" "${BENCH[@]}" --json "$OUT/multinode-ll-v3-1x2.json"
+  run 20 env NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 "$E" moe --device cuda --ranks 2 --preset deepseek-v3-mini --backend all \
+    --steps 2 --tokens-per-rank 24 --json "$OUT/multinode-moe-deepseek-v3-mini-2x1.json"
+} >"$OUT/final-mn.log" 2>&1
+grep -E "^== |node layout|^ll-v3|pass|FAIL|error" "$OUT/final-mn.log" | head -40
