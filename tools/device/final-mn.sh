@@ -24,7 +24,7 @@ run() {  # <limit_s> <cmd...>: cut to the time left
   echo "== exit status $?"
 }
 cd "${SRC:-.}" || exit 1
-BENCH=(bench --case ll-v3 --backend naive,allgather_reducescatter,all2allv,ll,ht --ranks 2 --iters 50 --warmup 5)
+BENCH=(bench --case ll-v3 --backend naive,allgather_reducescatter,all2allv,ll,ht,nccl_a2a_raw --ranks 2 --iters 50 --warmup 5)
 {
   run 22 env NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 EPX_RENDEZVOUS=tcp://127.0.0.1:29531 "$E" "${BENCH[@]}" --json "$OUT/multinode-ll-v3-2x1.json"
   run 15 "$E" "${BENCH[@]}" --json "$OUT/multinode-ll-v3-1x2.json"

@@ -43,7 +43,7 @@ cd "$S"
 VN=(env NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1)
 step test-virtual-nodes 30 "$B/dispatch_cuda_test" --gtest_filter='DispatchCuda.FlatBackendsMatchCpuTwoVirtualNodes'
 step test-group-virtual-nodes 20 "$B/group_nccl_cuda_test" --gtest_filter='NcclGroupCuda.VirtualNodesOverTcp:NcclGroupCuda.SymmetricMemoryLsaWriteToNextRank'
-BENCH=(bench --case ll-v3 --backend naive,allgather_reducescatter,all2allv,ll,ht --ranks 2 --iters 30 --warmup 5)
+BENCH=(bench --case ll-v3 --backend naive,allgather_reducescatter,all2allv,ll,ht,nccl_a2a_raw --ranks 2 --iters 30 --warmup 5)
 step bench-virtual-nodes 20 "${VN[@]}" NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,NET EPX_RENDEZVOUS=tcp://127.0.0.1:29517 "$E" "${BENCH[@]}" --json "$OUT/multinode-ll-v3-2x1.json"
 step test-one-node 20 "$B/dispatch_cuda_test" --gtest_filter='DispatchCuda.FlatBackendsMatchCpuTwoRanks'
 step bench-one-node 15 "$E" "${BENCH[@]}" --json "$OUT/multinode-ll-v3-1x2.json"
