@@ -2,7 +2,9 @@
 // codes pass through, a rank that dies or fails early stops its peers within the grace period and is
 // named, exceptions become exit codes, and the rendezvous directory is fresh and removed.
 #include <gtest/gtest.h>
+#include <netinet/in.h>
 #include <signal.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -12,6 +14,7 @@
 
 #include "comm/launcher.h"
 #include "epx/error.h"
+#include "epx/group.h"
 
 namespace epx::comm {
 namespace {
@@ -133,6 +136,42 @@ TEST(Launcher, RunDirectoryIsRemoved) {
   std::filesystem::remove(marker);
   ASSERT_FALSE(dir.empty());
   EXPECT_FALSE(std::filesystem::exists(dir)) << dir;
+}
+
+TEST(Launcher, TcpRendezvousFromTheEnvironment) {
+  // EPX_RENDEZVOUS=tcp://... reaches every rank, and the ranks meet over it (fake id, no NCCL).
+  int port = 0;
+  {
+    const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t len = sizeof a;
+    ASSERT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a), 0);
+    ASSERT_EQ(::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len), 0);
+    port = ntohs(a.sin_port);
+    ::close(fd);
+  }
+  const std::string where = "tcp://127.0.0.1:" + std::to_string(port);
+  ::setenv("EPX_RENDEZVOUS", where.c_str(), 1);
+  UniqueId id;
+  for (int i = 0; i < UniqueId::kBytes; ++i) id.bytes[static_cast<size_t>(i)] = static_cast<uint8_t>(i * 3 + 1);
+  LaunchOptions o;
+  o.num_ranks = 3;
+  LaunchResult r = launch_ranks(o, [&](const RankEnv& env) {
+    if (env.rendezvous_path != where) return 5;
+    const RendezvousAddress a = RendezvousAddress::parse(env.rendezvous_path);
+    if (!a.tcp || a.port != port) return 6;
+    const UniqueId got = exchange_unique_id_tcp(a.host, a.port, env.rank, env.world, 20.0, env.rank == 0 ? &id : nullptr);
+    return got == id ? 0 : 7;
+  });
+  ::unsetenv("EPX_RENDEZVOUS");
+  EXPECT_EQ(r.exit_code, 0) << r.failure;
+  // A file path in EPX_RENDEZVOUS is not used: every run needs a fresh file of its own.
+  ::setenv("EPX_RENDEZVOUS", "/tmp/some/shared/file", 1);
+  r = launch_ranks(o, [](const RankEnv& env) { return env.rendezvous_path.rfind(env.run_dir, 0) == 0 ? 0 : 8; });
+  ::unsetenv("EPX_RENDEZVOUS");
+  EXPECT_EQ(r.exit_code, 0) << r.failure;
 }
 
 TEST(Launcher, RejectsBadOptions) {
