@@ -12,7 +12,7 @@ T0=$SECONDS
 BUDGET=${MN_FINAL_BUDGET_S:-60}
 OUT=${OUT:-/tmp/final-mn-out}
 E=${EPX:-/tmp/epx-gpu-check/build/epx}
-mkdir -p "$OUT"
+mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
 export NCCL_NVLS_ENABLE=0
 run() {  # <limit_s> <cmd...>: cut to the time left
   local lim=$1; shift

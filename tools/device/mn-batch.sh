@@ -11,7 +11,7 @@ set -u
 T0=$SECONDS
 BUDGET=${MN_BUDGET_S:-100}
 OUT=${OUT:-/tmp/mn-out}
-mkdir -p "$OUT"
+mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
 left() { echo $(( BUDGET - (SECONDS - T0) )); }
 step() {  # <name> <limit_s> <cmd...>: run with min(limit, time left - 2); log to $OUT/<name>.log
   local name=$1 lim=$2; shift 2
