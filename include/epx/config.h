@@ -26,6 +26,8 @@ struct Config {
   int ht_warps_per_block = 16;       ///< warps per block of HT kernels
   int ht_combine_mode = 0;           ///< HT combine on CUDA: 0 all sends then all reduces, 1 pipelined (bench/NOTES.md)
   int ht_chunk_rows = 4;             ///< HT combine on CUDA: rows per chunk flag (bench/NOTES.md "HT kernels")
+  int experts_simt = 0;              ///< 1: CUDA experts always take the SIMT reference GEMMs (A/B, debugging)
+  int experts_fp8_pairs = 0;         ///< 1: the FP8 tensor-core mainloop that runs K blocks in pairs (bench/NOTES.md)
   int moe_chunk_size = 0;            ///< DP chunk: at most this many tokens per MoE call per rank; 0 = no chunking
   int fhmoe_max_tokens = 256;        ///< capability gate: fuse the shared expert when M <= this
 

@@ -113,7 +113,8 @@ std::unique_ptr<Experts> make_experts_cpu(std::vector<std::shared_ptr<const Expe
 /// as DeepSeek-V3's recipe; SiLU-and-mul and the FP8 1x128 requantization of h fused into the
 /// gate_up epilogue; src/experts/experts_fp8_cuda.cu) on a compute-capability 9.0 GPU of a build
 /// that carries sm_90a code; every other case (bf16 x, bf16 / mxfp4 experts, other GPUs, or the
-/// environment variable EPX_EXPERTS_SIMT=1 at construction) runs the simple tiled SIMT reference
+/// Config::experts_simt = 1, from EPX_EXPERTS_SIMT=1 or EPX_CONFIG, read by Config::load() at
+/// construction) runs the simple tiled SIMT reference
 /// kernels. Both paths hold the same precision rules. Uploads every expert's weights
 /// once, in their stored format, and dequantizes them inside the GEMMs; the precision rules above
 /// and both layouts are the CPU's (make_experts_cpu), up to fp32 summation order. Experts may mix
@@ -129,7 +130,8 @@ std::unique_ptr<Experts> make_experts_cpu(std::vector<std::shared_ptr<const Expe
 ///   allocated on first use and grown when a larger shape arrives: to capture apply() in a CUDA
 ///   graph, call it once eagerly with the largest shape first (growing during capture throws
 ///   Unsupported). Calls on one object must be ordered (one stream, or synchronized).
-/// Throws Unsupported in a CPU-only build; InvalidArgument for bad weights or device.
+/// Throws Unsupported in a CPU-only build; InvalidArgument for bad weights or device, or a bad
+/// EPX_* variable / EPX_CONFIG file (Config::load()).
 std::unique_ptr<Experts> make_experts_cuda(std::vector<std::shared_ptr<const ExpertWeights>> local_experts, int device);
 
 }  // namespace epx

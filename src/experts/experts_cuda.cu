@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "cuda/check.h"
+#include "epx/config.h"
 #include "epx/cuda.h"
 #include "epx/error.h"
 #include "epx/experts.h"
@@ -142,16 +143,14 @@ class CudaExperts final : public Experts {
     cuda::DeviceGuard guard(device_);
     const Device dev = Device::cuda(device_);
     // fp8_block experts fed FP8 activations run on the sm_90a tensor-core GEMMs
-    // (experts_fp8_cuda.cu) where the GPU and the build have them; EPX_EXPERTS_SIMT=1 keeps the
-    // SIMT reference GEMMs (A/B comparisons).
-    const char* simt = std::getenv("EPX_EXPERTS_SIMT");
-    fp8_tensor_cores_ = has_format_[static_cast<int>(WeightFormat::fp8_block)] &&
-                        !(simt != nullptr && simt[0] != '\0' && simt[0] != '0') &&
+    // (experts_fp8_cuda.cu) where the GPU and the build have them; Config::experts_simt
+    // (EPX_EXPERTS_SIMT=1) keeps the SIMT reference GEMMs (A/B comparisons).
+    const Config config = Config::load();
+    fp8_tensor_cores_ = has_format_[static_cast<int>(WeightFormat::fp8_block)] && config.experts_simt == 0 &&
                         experts_cuda::fp8_tensor_cores_available(device_);
-    // EPX_EXPERTS_FP8_PAIRS=1: the mainloop variant that runs K blocks in pairs (experts_fp8_cuda.h,
-    // Fp8GemmParams::overlap); same results.
-    const char* pairs = std::getenv("EPX_EXPERTS_FP8_PAIRS");
-    fp8_pairs_ = pairs != nullptr && pairs[0] == '1';
+    // Config::experts_fp8_pairs (EPX_EXPERTS_FP8_PAIRS=1): the mainloop variant that runs K blocks
+    // in pairs (experts_fp8_cuda.h, Fp8GemmParams::overlap); same results.
+    fp8_pairs_ = config.experts_fp8_pairs == 1;
     EPX_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms_, cudaDevAttrMultiProcessorCount, device_));
     std::vector<ExpertDesc> descs;
     for (const auto& e : experts_) {

@@ -2,9 +2,9 @@
 # tools/device/moe-ab.sh: the decode and prefill A/B of the full-size DeepSeek-V3 layer on the
 # 2-GPU device machine (issue 7), run after `gpu-check.sh run` has built epx in the same call:
 #
-#   decode : epx moe --device cuda --ranks 2 --preset deepseek-v3 --mode decode  --compare --backend all
+#   decode : epx moe --device cuda --ranks 2 --preset deepseek-v3 --mode decode  --compare --backend all --dispatch-dtype fp8
 #            (128 tokens/rank; whole-layer CUDA graph replay where the backend is graph-safe)
-#   prefill: epx moe --device cuda --ranks 2 --preset deepseek-v3 --mode prefill --compare --backend all
+#   prefill: epx moe --device cuda --ranks 2 --preset deepseek-v3 --mode prefill --compare --backend all --dispatch-dtype fp8
 #            (4096 tokens/rank, eager)
 #   v4-pro : epx moe --device cuda --ranks 2 --preset deepseek-v4-pro --mode decode --backend all
 #            (every backend on the full-size V4-Pro layer: 384 experts, top-6, MXFP4 routed, FP8 shared)
@@ -41,8 +41,10 @@ run() {  # name mode steps preset [extra args]
   echo "exit $? after $((SECONDS - t0)) s" >>"$work/moe-$name-$preset.log"
   tail -40 "$work/moe-$name-$preset.log"
 }
-run decode decode "$decode_steps" deepseek-v3 --compare
-run prefill prefill "$prefill_steps" deepseek-v3 --compare
+# DeepSeek-V3 with FP8 dispatch (the serving configuration, DeepEP's LL FP8): the experts then take
+# the sm_90a tensor-core GEMMs (bf16 x keeps the SIMT reference GEMMs, which would hide the backends).
+run decode decode "$decode_steps" deepseek-v3 --compare --dispatch-dtype fp8
+run prefill prefill "$prefill_steps" deepseek-v3 --compare --dispatch-dtype fp8
 v4_steps="${MOE_AB_V4_STEPS:-3}"
 [ "$v4_steps" -gt 0 ] && run decode decode "$v4_steps" deepseek-v4-pro
 
