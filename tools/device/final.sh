@@ -4,7 +4,7 @@
 #   part 1: OUT=... bash tools/device/final.sh 1 <seconds>   build + every GPU test + the MoE A/B
 #                                                           (moe-ab.sh) + each tools/device/final-*.sh
 #   part 2: OUT=... bash tools/device/final.sh 2 <seconds>   (same warm machine) the Python check
-#                                                           (py-check.sh) + final-*.sh not run yet
+#                                                           (py-check.sh), then final-*.sh not run yet
 # Run from a copy of main whose .carry/ holds deps.tar.xz and src.tar.xz + commit.txt
 # (`bash tools/device/gpu-check.sh pack`). Everything is cut to <seconds>; what ran is under $OUT
 # (at most 8 files: logs are tarred).
@@ -49,12 +49,13 @@ if [ "$PART" = 1 ]; then
   else log "moe-ab skipped (time)"; fi
   finals
 else
-  finals
+  [ -d $S ] || { log "no $S: the machine of part 1 is gone"; exit 1; }
   L=$(( $(left) - 5 )); [ $L -gt 130 ] && L=130
   if [ $L -ge 60 ]; then
     mkdir -p $W/py && (cd $S && OUT=$W/py PYTEST_EPX_COMMIT=$C timeout -k 5 $L bash tools/device/py-check.sh $S $S/.carry/deps.tar.xz) > $W/py/stdout.txt 2>&1
     log "py-check rc=$? (limit $L)"; tail -12 $W/py/stdout.txt
   else log "py-check skipped (time)"; fi
+  finals
 fi
 tar -C $W -czf $OUT/final-part$PART.tar.gz . 2>/dev/null
 log "end part $PART"
