@@ -43,7 +43,7 @@ if [ "$PART" = 1 ]; then
   grep -E "tests passed|Passed|Failed|\*\*\*|Timeout" $OUT/gpu.log | tail -30
   L=$(( $(left) - 40 )); [ $L -gt 300 ] && L=300
   if [ $L -ge 60 ]; then
-    (cd $S && OUT=$W EPX_COMMIT=$C MOE_AB_TIMEOUT_S=$(( L / 3 )) timeout -k 5 $L bash tools/device/moe-ab.sh) > $W/moe-ab.out 2>&1
+    (cd $S && OUT=$W MOE_AB_COMMIT=$C MOE_AB_TIMEOUT_S=$(( L / 3 )) timeout -k 5 $L bash tools/device/moe-ab.sh) > $W/moe-ab.out 2>&1
     log "moe-ab rc=$? (limit $L)"
     grep -E "runs pass|^(naive|allgather|all2allv|ll|ht)|prepare|exit" $W/moe-ab.out | head -60
   else log "moe-ab skipped (time)"; fi

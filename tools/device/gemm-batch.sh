@@ -28,7 +28,7 @@ t3=$SECONDS
 echo "experts_cuda_test (pairs) rc=$? in $((SECONDS - t3)) s" | tee -a "$OUT/summary.txt"
 if [ -x "$B/epx-gemm-bench" ]; then
   t1=$SECONDS
-  EPX_GIT_COMMIT="$(cat "$HERE/.carry-gemm/commit.txt" 2>/dev/null || echo unknown)" timeout -k 5 70 "$B/epx-gemm-bench" --iters 20 \
+  GEMM_BENCH_COMMIT="$(cat "$HERE/.carry-gemm/commit.txt" 2>/dev/null || echo unknown)" timeout -k 5 70 "$B/epx-gemm-bench" --iters 20 \
     --json "$OUT/gemm-bench.json" >"$OUT/gemm-bench.log" 2>&1
   echo "gemm-bench rc=$? in $((SECONDS - t1)) s" | tee -a "$OUT/summary.txt"
   cuobjdump -sass "$B/epx-gemm-bench" 2>/dev/null | grep -c QGMMA >"$OUT/sass-qgmma-count.txt" 2>&1

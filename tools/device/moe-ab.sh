@@ -15,13 +15,19 @@
 # full-size reference over every token would take tens of GB: each selected expert is dequantized to
 # fp32 on the CPU). Writes $OUT/moe-ab.tar.gz: moe-decode-deepseek-v3.json, moe-prefill-deepseek-v3.json
 # (RESULTS.md JSON, for bench/results/h200x2/), their logs and `epx info`. The tree was built from a
-# git archive (no .git), so the JSON's git_commit is stamped from EPX_COMMIT when given.
-# Environment: EPX_BIN (default /tmp/epx-gpu-check/build/epx), EPX_COMMIT, MOE_AB_DECODE_STEPS (10),
+# git archive (no .git), so the JSON's git_commit is stamped from MOE_AB_COMMIT when given.
+# Environment: EPX_BIN (default /tmp/epx-gpu-check/build/epx), MOE_AB_COMMIT, MOE_AB_DECODE_STEPS (10),
 # MOE_AB_PREFILL_STEPS (3), MOE_AB_V4_STEPS (3; 0 skips it), MOE_AB_VALIDATE (2 tokens per rank and step),
 # MOE_AB_TIMEOUT_S (per run, 120).
 set -uo pipefail
+# The commit to stamp: MOE_AB_COMMIT (EPX_COMMIT is still read, then unset: epx's Config rejects
+# unknown EPX_* environment variables, so it must not reach the epx processes).
+EPX_COMMIT="${MOE_AB_COMMIT:-${EPX_COMMIT:-}}"
+unset MOE_AB_COMMIT
+export -n EPX_COMMIT 2>/dev/null
 
 B="${EPX_BIN:-/tmp/epx-gpu-check/build/epx}"
+export -n EPX_BIN 2>/dev/null
 out="${OUT:-/tmp/moe-ab-out}"
 work="$(mktemp -d)"
 mkdir -p "$out"
