@@ -283,7 +283,8 @@ int main(int argc, char** argv) {
 
   auto write_json = [&] {
     if (json_path.empty()) return;
-    const char* commit = std::getenv("GEMM_BENCH_COMMIT")  // not EPX_*: Config::load() rejects unknown EPX_* names;
+    // GEMM_BENCH_COMMIT, not EPX_*: Config::load() (inside make_experts_cuda) rejects unknown EPX_* names.
+    const char* commit = std::getenv("GEMM_BENCH_COMMIT");
     json doc = {{"tool", "gemm bench"}, {"command", command}, {"git_commit", commit ? commit : "unknown"},
                 {"date", utc_now()}, {"device", std::string("1 x ") + prop.name}, {"results", rows}};
     std::ofstream(json_path) << doc.dump(2) << "\n";
