@@ -84,7 +84,8 @@ pyb::dict stats_dict(const DispatchStats& s) {
 void bind_dispatch(pyb::module_& m) {
   pyb::class_<DispatchConfig>(m, "DispatchConfig", "Backend configuration (include/epx/dispatch.h); all ranks must agree.")
       .def(pyb::init([](int64_t hidden, int num_experts, int top_k, int num_max_dispatch_tokens_per_rank, const std::string& dispatch_dtype,
-                        bool use_ue8m0, bool shared_route, int expert_alignment, bool use_worst_case_sizing) {
+                        bool use_ue8m0, bool shared_route, int expert_alignment, bool use_worst_case_sizing,
+                        const std::string& ll_combine) {
              DispatchConfig c;
              c.hidden = hidden;
              c.num_experts = num_experts;
@@ -95,11 +96,18 @@ void bind_dispatch(pyb::module_& m) {
              c.shared_route = shared_route;
              c.expert_alignment = expert_alignment;
              c.use_worst_case_sizing = use_worst_case_sizing;
+             c.ll_combine = parse_ll_combine(ll_combine, "DispatchConfig.ll_combine");
              return c;
            }),
            pyb::kw_only(), pyb::arg("hidden") = 0, pyb::arg("num_experts") = 0, pyb::arg("top_k") = 0,
            pyb::arg("num_max_dispatch_tokens_per_rank") = 0, pyb::arg("dispatch_dtype") = "bf16", pyb::arg("use_ue8m0") = false,
-           pyb::arg("shared_route") = false, pyb::arg("expert_alignment") = 1, pyb::arg("use_worst_case_sizing") = false)
+           pyb::arg("shared_route") = false, pyb::arg("expert_alignment") = 1, pyb::arg("use_worst_case_sizing") = false,
+           pyb::arg("ll_combine") = "partial_fp32")
+      .def_property("ll_combine", [](const DispatchConfig& c) { return std::string(ll_combine_name(c.ll_combine)); },
+                    [](DispatchConfig& c, const std::string& s) { c.ll_combine = parse_ll_combine(s, "DispatchConfig.ll_combine"); },
+                    "ll combine reduction (epx::LlCombine): \"partial_fp32\" (default: expert-side fp32 partial sums, one "
+                    "rounding), \"partial_bf16\" (bf16 partials, two roundings) or \"column\" (every (token, expert) row "
+                    "back, summed in column order: the no-EP reference bit for bit). ValueError otherwise.")
       .def_readwrite("hidden", &DispatchConfig::hidden, "H; multiple of 8 (bf16), of 128 for fp8 dispatch.")
       .def_readwrite("num_experts", &DispatchConfig::num_experts, "E, routed experts (global).")
       .def_readwrite("top_k", &DispatchConfig::top_k, "K, columns of topk_idx.")
@@ -347,12 +355,14 @@ The EP MoE layer on one rank: router -> prepare (dispatch) -> experts -> finaliz
 expert (separate, fused as route id E, or auto by M <= fhmoe_max_tokens). Collective construction.)doc")
       .def(pyb::init([](std::shared_ptr<MoEWeights> weights, std::shared_ptr<Group> group, const std::string& backend,
                         int num_max_dispatch_tokens_per_rank, const std::string& dispatch_dtype, bool use_ue8m0, int expert_alignment,
-                        std::optional<Config> config, const std::string& shared_mode, int chunk_size, int fhmoe_max_tokens) {
+                        std::optional<Config> config, const std::string& shared_mode, int chunk_size, int fhmoe_max_tokens,
+                        const std::string& ll_combine) {
              DispatchConfig d;
              d.num_max_dispatch_tokens_per_rank = num_max_dispatch_tokens_per_rank;
              d.dispatch_dtype = parse_dtype(dispatch_dtype);
              d.use_ue8m0 = use_ue8m0;
              d.expert_alignment = expert_alignment;
+             d.ll_combine = parse_ll_combine(ll_combine, "ModularMoE.ll_combine");
              ModularMoEOptions o;
              o.shared_mode = parse_shared_mode(shared_mode);
              o.chunk_size = chunk_size;
@@ -364,7 +374,7 @@ expert (separate, fused as route id E, or auto by M <= fhmoe_max_tokens). Collec
            pyb::arg("weights"), pyb::arg("group"), pyb::arg("backend"), pyb::kw_only(), pyb::arg("num_max_dispatch_tokens_per_rank") = 0,
            pyb::arg("dispatch_dtype") = "bf16", pyb::arg("use_ue8m0") = false, pyb::arg("expert_alignment") = 1,
            pyb::arg("config") = pyb::none(), pyb::arg("shared_mode") = "auto", pyb::arg("chunk_size") = 0, pyb::arg("fhmoe_max_tokens") = -1,
-           pyb::keep_alive<1, 2>(), pyb::keep_alive<1, 3>())
+           pyb::arg("ll_combine") = "partial_fp32", pyb::keep_alive<1, 2>(), pyb::keep_alive<1, 3>())
       .def("forward", [](ModularMoE& l, pyb::handle x, pyb::handle out, int64_t stream) {
         CallArgs a("epx.ModularMoE.forward", stream);
         TensorView xv = a.get(x, "x", DType::bf16), ov = a.get_out(out, "out", DType::bf16);

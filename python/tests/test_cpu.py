@@ -169,6 +169,33 @@ def test_prepare_finalize_numpy_experts(experts, backend, dispatch_dtype):
     assert errs and max(errs) < tol, errs
 
 
+@pytest.mark.parametrize("mode", ["column", "partial_fp32", "partial_bf16"])
+def test_ll_combine_modes(experts, mode):
+    """DispatchConfig.ll_combine picks ll's combine reduction; every mode matches the numpy reference MoE, and
+    a bad name raises ValueError naming the field."""
+    weights, fns = experts
+    cfg = epx.DispatchConfig(hidden=H, num_experts=E, top_k=K, num_max_dispatch_tokens_per_rank=T, ll_combine=mode)
+    assert cfg.ll_combine == mode
+    groups = epx.make_cpu_groups(R, timeout_s=20)
+
+    def body(rank):
+        pf = epx.make_prepare_finalize("ll", groups[rank], cfg)
+        begin, end = epx.expert_range(E, R, rank)
+        rng = np.random.default_rng(77 + rank)
+        x, idx, w = make_inputs(rng, T)
+        prepared = pf.prepare(x, idx, w)
+        out = poisoned((T, H))
+        pf.finalize(numpy_experts(prepared, fns[begin:end]), out)
+        return rel_l2(f32(out), moe_out(fns, f32(x), idx, w))
+
+    errs = run(groups, body)
+    assert max(errs) < 1.5e-2, errs
+    with pytest.raises(ValueError, match="ll_combine"):
+        epx.DispatchConfig(ll_combine="rows")
+    with pytest.raises(ValueError, match="ll_combine"):
+        cfg.ll_combine = "partial_fp16"
+
+
 def test_modular_moe_matches_reference():
     """ModularMoE.forward on 2 ranks (ll, DeepSeek-V3-mini with its shared expert) vs moe_reference of
     all tokens with the same routing (router_logits + route on the whole batch)."""
