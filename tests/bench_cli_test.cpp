@@ -13,6 +13,7 @@
 #include <nlohmann/json.hpp>
 #include <set>
 #include <string>
+#include "test_util.h"
 
 namespace {
 
@@ -23,16 +24,9 @@ struct CliResult {
   std::string out;
 };
 
-CliResult epx(const std::string& args) {
-  CliResult r;
-  FILE* p = ::popen((kEpx + " " + args + " 2>&1").c_str(), "r");
-  if (!p) return r;
-  std::array<char, 4096> buf{};
-  size_t n;
-  while ((n = std::fread(buf.data(), 1, buf.size(), p)) > 0) r.out.append(buf.data(), n);
-  const int status = ::pclose(p);
-  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  return r;
+CliResult run_epx(const std::string& args) {
+  const epx::test::CommandResult c = epx::test::run_command(kEpx + " " + args + " 2>&1");
+  return {c.code, c.out};
 }
 
 std::filesystem::path temp_path(const std::string& name) {
@@ -41,7 +35,7 @@ std::filesystem::path temp_path(const std::string& name) {
 
 TEST(BenchCli, CpuSmokeWritesResultsJson) {
   const auto out = temp_path("bench.json");
-  CliResult r = epx("bench --device cpu --case ll-v3,ht-v3 --backend all --ranks 2 --iters 3 --warmup 1 --json " + out.string());
+  CliResult r = run_epx("bench --device cpu --case ll-v3,ht-v3 --backend all --ranks 2 --iters 3 --warmup 1 --json " + out.string());
   ASSERT_EQ(r.code, 0) << r.out;
   EXPECT_NE(r.out.find("repro: epx bench"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("deepep-ll"), std::string::npos) << r.out;
@@ -86,13 +80,13 @@ TEST(BenchCli, CpuSmokeWritesResultsJson) {
 
 TEST(BenchCli, BadFlagsExit2) {
   for (const char* args : {"bench --case nope", "bench --backend nope", "bench --iters 0", "bench --routing banana"}) {
-    CliResult r = epx(args);
+    CliResult r = run_epx(args);
     EXPECT_EQ(r.code, 2) << args << "\n" << r.out;
   }
 }
 
 TEST(BenchCli, HelpNamesTheAccounting) {
-  CliResult r = epx("bench --help");
+  CliResult r = run_epx("bench --help");
   EXPECT_EQ(r.code, 0) << r.out;
   for (const char* s : {"--case", "--backend", "--ranks", "--iters", "--warmup", "--json", "--routing", "deepep-ll", "deepep-ht",
                         "nccl_a2a_raw"})

@@ -13,6 +13,7 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "test_util.h"
 #include "epx/checkpoint.h"
 #include "epx/moe.h"
 #include "epx/trace.h"
@@ -40,20 +41,8 @@ struct CliRun {
 
 CliRun epx(const std::string& args) {
   fs::create_directories(root());
-  const fs::path err = root() / "stderr.txt";
-  CliRun r;
-  FILE* p = ::popen((kEpx + " " + args + " 2>" + err.string()).c_str(), "r");
-  if (!p) return r;
-  std::array<char, 4096> buf{};
-  size_t n;
-  while ((n = std::fread(buf.data(), 1, buf.size(), p)) > 0) r.out.append(buf.data(), n);
-  const int status = ::pclose(p);
-  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  std::ifstream f(err);
-  std::stringstream ss;
-  ss << f.rdbuf();
-  r.err = ss.str();
-  return r;
+  const test::CommandResult c = test::run_command(kEpx + " " + args, /*capture_stderr=*/true);
+  return {c.code, c.out, c.err};
 }
 
 std::string checkpoint(const std::string& name, const MoEConfig& cfg, CheckpointConvention conv, int layer, int shards = 1) {

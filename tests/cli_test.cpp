@@ -12,6 +12,7 @@
 #include <set>
 #include <sstream>
 #include <string>
+#include "test_util.h"
 
 namespace {
 
@@ -23,25 +24,10 @@ struct CliRun {
   std::string err;  // stderr alone
 };
 
-// Runs `epx <args>`; stderr also goes to a file so its line count can be checked on its own.
-CliRun epx(const std::string& args) {
-  const auto err_file = std::filesystem::temp_directory_path() / ("epx_cli_test_err_" + std::to_string(::getpid()));
-  const std::string cmd = kEpx + " " + args + " 2>" + err_file.string();
-  CliRun r;
-  FILE* p = ::popen(cmd.c_str(), "r");
-  if (!p) return r;
-  std::array<char, 4096> buf{};
-  size_t n;
-  while ((n = std::fread(buf.data(), 1, buf.size(), p)) > 0) r.out.append(buf.data(), n);
-  const int status = ::pclose(p);
-  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  std::ifstream f(err_file);
-  std::stringstream ss;
-  ss << f.rdbuf();
-  r.err = ss.str();
-  r.out += r.err;
-  std::filesystem::remove(err_file);
-  return r;
+// Runs `epx <args>`; stderr is also captured on its own so its line count can be checked.
+CliRun run_epx(const std::string& args) {
+  const epx::test::CommandResult c = epx::test::run_command(kEpx + " " + args, /*capture_stderr=*/true);
+  return {c.code, c.out + c.err, c.err};
 }
 
 std::filesystem::path temp_path(const std::string& name) {
@@ -67,7 +53,7 @@ TEST(Cli, BinaryExists) { ASSERT_TRUE(std::filesystem::exists(kEpx)) << kEpx; }
 TEST(Cli, BadFlagExits2WithOneLine) {
   for (const char* args : {"moe --no-such-flag", "moe --ranks zero", "moe --routing banana", "moe --backend nope",
                                   "no-such-command", "trace import", "moe --dispatch-dtype fp4"}) {
-    CliRun r = epx(args);
+    CliRun r = run_epx(args);
     EXPECT_EQ(r.code, 2) << args << "\n" << r.out;
     expect_one_line(r.err);
     EXPECT_EQ(r.err.rfind("epx: error: ", 0), 0u) << r.err;
@@ -79,23 +65,23 @@ TEST(Cli, InconsistentShapesExit2WithOneLine) {
   const auto trace = temp_path("k2.json");
   std::ofstream(trace) << R"({"format": "epx-trace", "version": 1, "num_ranks": 2, "num_experts": 4, "top_k": 2,
     "steps": [{"ranks": [{"topk_idx": [[0, 1]], "topk_weights": [[0.5, 0.5]]}, {"topk_idx": [], "topk_weights": []}]}]})";
-  CliRun r = epx("moe --preset deepseek-v3-mini --trace " + trace.string());
+  CliRun r = run_epx("moe --preset deepseek-v3-mini --trace " + trace.string());
   EXPECT_EQ(r.code, 2) << r.out;
   expect_one_line(r.err);
   EXPECT_NE(r.err.find("top_k = 2"), std::string::npos) << r.err;
-  r = epx("moe --preset deepseek-v3-mini --ranks 3 --trace " + trace.string());
+  r = run_epx("moe --preset deepseek-v3-mini --ranks 3 --trace " + trace.string());
   EXPECT_EQ(r.code, 2) << r.out;
   expect_one_line(r.err);
   EXPECT_NE(r.err.find("--ranks = 3"), std::string::npos) << r.err;
-  r = epx("moe --preset deepseek-v3-mini --tokens-per-rank 4 --trace " + trace.string());
+  r = run_epx("moe --preset deepseek-v3-mini --tokens-per-rank 4 --trace " + trace.string());
   EXPECT_EQ(r.code, 2) << r.out;
   expect_one_line(r.err);
   std::filesystem::remove(trace);
-  r = epx("moe --preset deepseek-v3-mini --trace /nonexistent/trace.json");
+  r = run_epx("moe --preset deepseek-v3-mini --trace /nonexistent/trace.json");
   EXPECT_EQ(r.code, 2) << r.out;
   expect_one_line(r.err);
 #ifndef EPX_WITH_CUDA
-  r = epx("moe --device cuda");
+  r = run_epx("moe --device cuda");
   EXPECT_EQ(r.code, 2) << r.out;
   expect_one_line(r.err);
   EXPECT_NE(r.err.find("no CUDA"), std::string::npos) << r.err;
@@ -103,21 +89,21 @@ TEST(Cli, InconsistentShapesExit2WithOneLine) {
 }
 
 TEST(Cli, MoeHelpDocumentsEveryFlag) {
-  CliRun r = epx("moe --help");
+  CliRun r = run_epx("moe --help");
   EXPECT_EQ(r.code, 0) << r.out;
   for (const char* flag : {"--preset", "--ranks", "--backend", "--tokens-per-rank", "--steps", "--device", "--routing", "--zipf-s",
                            "--dispatch-dtype", "--shared", "--chunk-size", "--seed", "--trace", "--json", "--config", "--warmup",
                            "--mode", "--compare", "--no-graph"})
     EXPECT_NE(r.out.find(flag), std::string::npos) << "moe --help does not mention " << flag;
   EXPECT_NE(r.out.find("Exit status"), std::string::npos);
-  CliRun t = epx("trace import --help");
+  CliRun t = run_epx("trace import --help");
   EXPECT_EQ(t.code, 0);
   for (const char* flag : {"--ranks", "--skip-passes", "--max-tokens-per-step", "--num-experts", "--output"})
     EXPECT_NE(t.out.find(flag), std::string::npos) << "trace import --help does not mention " << flag;
 }
 
 TEST(Cli, InfoPrintsConfigBackendsAndPresets) {
-  CliRun r = epx("info");
+  CliRun r = run_epx("info");
   EXPECT_EQ(r.code, 0) << r.out;
   for (const char* s : {"epx ", "devices:", "cpu (", "timeout_s", "backends:", "naive", "presets:", "deepseek-v3-mini"})
     EXPECT_NE(r.out.find(s), std::string::npos) << "epx info lacks " << s << "\n" << r.out;
@@ -125,7 +111,7 @@ TEST(Cli, InfoPrintsConfigBackendsAndPresets) {
 
 TEST(Cli, MainJobValidatesEveryBackendAndWritesResultsJson) {
   const auto out = temp_path("moe.json");
-  CliRun r = epx("moe --preset deepseek-v3-mini --ranks 2 --backend all --steps 2 --tokens-per-rank 8 --json " + out.string());
+  CliRun r = run_epx("moe --preset deepseek-v3-mini --ranks 2 --backend all --steps 2 --tokens-per-rank 8 --json " + out.string());
   ASSERT_EQ(r.code, 0) << r.out;
   EXPECT_NE(r.out.find("p50 ms"), std::string::npos) << r.out;
   const nlohmann::json j = read_json(out);
@@ -156,7 +142,7 @@ TEST(Cli, MainJobValidatesEveryBackendAndWritesResultsJson) {
 // the delta tables in the output and the JSON.
 TEST(Cli, DecodeCompareWritesTheAbTablesAndCounters) {
   const auto out = temp_path("ab.json");
-  CliRun r = epx("moe --preset qwen1.5-moe-a2.7b-mini --ranks 2 --backend all --mode decode --compare --steps 2 --json " + out.string());
+  CliRun r = run_epx("moe --preset qwen1.5-moe-a2.7b-mini --ranks 2 --backend all --mode decode --compare --steps 2 --json " + out.string());
   ASSERT_EQ(r.code, 0) << r.out;
   for (const char* s : {"p25 ms", "p75 ms", "tokens/s", "A/B: backends", "A/B: shared expert fused against separate", "baseline",
                         "CUDA graphs need a group on a GPU", "phases, p50 ms"})
@@ -214,10 +200,10 @@ TEST(Cli, TraceImportThenReplayValidates) {
           << (row * 7 + 1) % 60 << ", " << (row * 13 + 2) % 60 << ", " << (row * 29 + 3) % 60
           << R"(], "topk_weights": [0.3, 0.2, 0.1, 0.05]})" << "\n";
   }
-  CliRun im = epx("trace import " + log.string() + " --ranks 2 --skip-passes 1 --num-experts 60 -o " + trace.string());
+  CliRun im = run_epx("trace import " + log.string() + " --ranks 2 --skip-passes 1 --num-experts 60 -o " + trace.string());
   ASSERT_EQ(im.code, 0) << im.out;
   EXPECT_NE(im.out.find("steps 2, ranks 2"), std::string::npos) << im.out;
-  CliRun mo = epx("moe --preset qwen1.5-moe-a2.7b-mini --trace " + trace.string() + " --backend ll --json " + out.string());
+  CliRun mo = run_epx("moe --preset qwen1.5-moe-a2.7b-mini --trace " + trace.string() + " --backend ll --json " + out.string());
   ASSERT_EQ(mo.code, 0) << mo.out;
   const nlohmann::json j = read_json(out);
   ASSERT_EQ(j["results"].size(), 1u);

@@ -16,6 +16,7 @@
 #include <set>
 #include <string>
 
+#include "test_util.h"
 #include "epx/cuda.h"
 
 namespace {
@@ -28,18 +29,10 @@ struct CliResult {
   double seconds = 0;
 };
 
-CliResult epx(const std::string& args) {
-  CliResult r;
+CliResult run_epx(const std::string& args) {
   const auto t0 = std::chrono::steady_clock::now();
-  FILE* p = ::popen((kEpx + " " + args + " 2>&1").c_str(), "r");
-  if (!p) return r;
-  std::array<char, 4096> buf{};
-  size_t n;
-  while ((n = std::fread(buf.data(), 1, buf.size(), p)) > 0) r.out.append(buf.data(), n);
-  const int status = ::pclose(p);
-  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  return r;
+  const epx::test::CommandResult c = epx::test::run_command(kEpx + " " + args + " 2>&1");
+  return {c.code, c.out, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count()};
 }
 
 std::filesystem::path temp_path(const std::string& name) {
@@ -80,7 +73,7 @@ void expect_layer_results(const nlohmann::json& j, int ranks, const std::string&
 TEST(LauncherCuda, MoeTwoRanksEveryBackend) {
   REQUIRE_GPUS(2);
   const auto out = temp_path("moe2.json");
-  CliResult r = epx("moe --device cuda --ranks 2 --preset deepseek-v3-mini --backend all --steps 2 --tokens-per-rank 24 --json " +
+  CliResult r = run_epx("moe --device cuda --ranks 2 --preset deepseek-v3-mini --backend all --steps 2 --tokens-per-rank 24 --json " +
               out.string());
   ASSERT_EQ(r.code, 0) << r.out;
   const nlohmann::json j = read_json(out);
@@ -94,7 +87,7 @@ TEST(LauncherCuda, MoeOneRankRouterFp8SeparateGatedShared) {
   REQUIRE_GPUS(1);
   const auto out = temp_path("moe1.json");
   // Qwen1.5-MoE: shared expert with a sigmoid gate, run separately; the model's router on the GPU.
-  CliResult r = epx("moe --device cuda --ranks 1 --preset qwen1.5-moe-a2.7b-mini --backend naive --routing router --shared separate "
+  CliResult r = run_epx("moe --device cuda --ranks 1 --preset qwen1.5-moe-a2.7b-mini --backend naive --routing router --shared separate "
               "--dispatch-dtype fp8 --steps 2 --tokens-per-rank 40 --validate-tokens 0 --json " + out.string());
   ASSERT_EQ(r.code, 0) << r.out;
   const nlohmann::json j = read_json(out);
@@ -109,7 +102,7 @@ TEST(LauncherCuda, MoeTwoRanksChunkedAutoShared) {
   REQUIRE_GPUS(2);
   const auto out = temp_path("moe2c.json");
   // 20 tokens in chunks of 8: three chunks per step; auto gate fuses chunks of M <= fhmoe.max_tokens.
-  CliResult r = epx("moe --device cuda --ranks 2 --preset qwen1.5-moe-a2.7b-mini --backend all2allv --routing router --shared auto "
+  CliResult r = run_epx("moe --device cuda --ranks 2 --preset qwen1.5-moe-a2.7b-mini --backend all2allv --routing router --shared auto "
               "--chunk-size 8 --dispatch-dtype fp8 --steps 2 --tokens-per-rank 20 --validate-tokens 0 --json " + out.string());
   ASSERT_EQ(r.code, 0) << r.out;
   const nlohmann::json j = read_json(out);
@@ -120,7 +113,7 @@ TEST(LauncherCuda, MoeTwoRanksChunkedAutoShared) {
 
 TEST(LauncherCuda, DeadRankMakesMoeExitNonZeroNamingIt) {
   REQUIRE_GPUS(2);
-  CliResult r = epx("moe --device cuda --ranks 2 --preset deepseek-v3-mini --backend naive --steps 3 --debug-kill-rank 1");
+  CliResult r = run_epx("moe --device cuda --ranks 2 --preset deepseek-v3-mini --backend naive --steps 3 --debug-kill-rank 1");
   EXPECT_NE(r.code, 0) << r.out;
   EXPECT_LT(r.seconds, 60.0) << r.out;
   EXPECT_NE(r.out.find("rank 1 was killed by signal 9"), std::string::npos) << r.out;
@@ -129,7 +122,7 @@ TEST(LauncherCuda, DeadRankMakesMoeExitNonZeroNamingIt) {
 TEST(LauncherCuda, TooManyRanksIsABadFlag) {
   const int gpus = epx::cuda::device_count();
   if (gpus < 1) GTEST_SKIP() << "no GPU";
-  CliResult r = epx("moe --device cuda --ranks " + std::to_string(gpus + 1) + " --preset deepseek-v3-mini");
+  CliResult r = run_epx("moe --device cuda --ranks " + std::to_string(gpus + 1) + " --preset deepseek-v3-mini");
   EXPECT_EQ(r.code, 2) << r.out;
   EXPECT_NE(r.out.find("--ranks"), std::string::npos) << r.out;
 }
@@ -137,7 +130,7 @@ TEST(LauncherCuda, TooManyRanksIsABadFlag) {
 TEST(LauncherCuda, BenchValidatesEveryNcclBackend) {
   REQUIRE_GPUS(2);
   const auto out = temp_path("bench.json");
-  CliResult r = epx("bench --case ll-v3 --backend all --ranks 2 --iters 5 --warmup 2 --json " + out.string());
+  CliResult r = run_epx("bench --case ll-v3 --backend all --ranks 2 --iters 5 --warmup 2 --json " + out.string());
   ASSERT_EQ(r.code, 0) << r.out;
   const nlohmann::json j = read_json(out);
   std::set<std::string> validated, raw_ops;

@@ -12,6 +12,7 @@
 #include <fstream>
 #include <thread>
 
+#include "test_util.h"
 #include "comm/launcher.h"
 #include "epx/error.h"
 #include "epx/group.h"
@@ -140,18 +141,8 @@ TEST(Launcher, RunDirectoryIsRemoved) {
 
 TEST(Launcher, TcpRendezvousFromTheEnvironment) {
   // EPX_RENDEZVOUS=tcp://... reaches every rank, and the ranks meet over it (fake id, no NCCL).
-  int port = 0;
-  {
-    const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-    sockaddr_in a{};
-    a.sin_family = AF_INET;
-    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    socklen_t len = sizeof a;
-    ASSERT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a), 0);
-    ASSERT_EQ(::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len), 0);
-    port = ntohs(a.sin_port);
-    ::close(fd);
-  }
+  const int port = epx::test::free_tcp_port();
+  ASSERT_GT(port, 0);
   const std::string where = "tcp://127.0.0.1:" + std::to_string(port);
   ::setenv("EPX_RENDEZVOUS", where.c_str(), 1);
   UniqueId id;

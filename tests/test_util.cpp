@@ -1,6 +1,18 @@
 #include "test_util.h"
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <array>
+#include <atomic>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
 #include <cmath>
 #include <cstring>
 
@@ -115,6 +127,43 @@ double rel_l2_error(const TensorView& a, const TensorView& b) {
 void poison(const TensorView& t) {
   EPX_ASSERT(t.device.is_cpu());
   std::memset(t.data, 0xFF, static_cast<size_t>(t.nbytes()));
+}
+
+CommandResult run_command(const std::string& command, bool capture_stderr) {
+  static std::atomic<int> counter{0};
+  const std::filesystem::path err_file =
+      std::filesystem::temp_directory_path() /
+      ("epx_test_stderr_" + std::to_string(::getpid()) + "_" + std::to_string(counter++) + ".txt");
+  CommandResult r;
+  FILE* p = ::popen((capture_stderr ? command + " 2>" + err_file.string() : command).c_str(), "r");
+  if (!p) return r;
+  std::array<char, 4096> buf{};
+  size_t n;
+  while ((n = std::fread(buf.data(), 1, buf.size(), p)) > 0) r.out.append(buf.data(), n);
+  const int status = ::pclose(p);
+  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  if (capture_stderr) {
+    std::ifstream f(err_file);
+    std::stringstream ss;
+    ss << f.rdbuf();
+    r.err = ss.str();
+    std::filesystem::remove(err_file);
+  }
+  return r;
+}
+
+int free_tcp_port() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) return -1;
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  a.sin_port = 0;
+  socklen_t len = sizeof a;
+  const bool ok = ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0 &&
+                  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0;
+  ::close(fd);
+  return ok ? ntohs(a.sin_port) : -1;
 }
 
 }  // namespace epx::test

@@ -32,4 +32,19 @@ double rel_l2_error(const TensorView& a, const TensorView& b);
 /// Fills a tensor's bytes with a poison pattern (0xFF: NaN in bf16/fp32/fp8).
 void poison(const TensorView& t);
 
+/// What a shell command printed and how it ended.
+struct CommandResult {
+  int code = -1;    ///< exit status; -1 when the command could not start or did not exit normally
+  std::string out;  ///< stdout (and stderr where the command redirects it, e.g. "2>&1")
+  std::string err;  ///< stderr, when `capture_stderr` (else it goes where the command sends it)
+};
+/// Runs `command` through /bin/sh (popen). With `capture_stderr`, stderr goes to a temporary file
+/// that is read into `err` and removed.
+CommandResult run_command(const std::string& command, bool capture_stderr = false);
+
+/// A TCP port on 127.0.0.1 that nobody listens on right now (bind to port 0, read it back, close),
+/// or -1 if the socket calls fail. Racy in principle: another process could take the port before
+/// the caller binds it (the test then fails loudly).
+int free_tcp_port();
+
 }  // namespace epx::test

@@ -22,6 +22,7 @@
 #include <thread>
 #include <vector>
 
+#include "test_util.h"
 #include "epx/cuda.h"
 #include "epx/error.h"
 #include "epx/group.h"
@@ -476,18 +477,8 @@ TEST(NcclGroupCuda, VirtualNodesOverTcp) {
   const int n = gpus();
   if (n < 2) GTEST_SKIP() << "needs 2 GPUs, found " << n;
   const int world = 2;
-  int port = 0;
-  {  // a free port: bind to 0 and read it back
-    const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-    sockaddr_in a{};
-    a.sin_family = AF_INET;
-    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    socklen_t len = sizeof a;
-    ASSERT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a), 0);
-    ASSERT_EQ(::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len), 0);
-    port = ntohs(a.sin_port);
-    ::close(fd);
-  }
+  const int port = test::free_tcp_port();
+  ASSERT_GT(port, 0);
   const std::string failed = run_ranks_forked(world, 240.0, [&](int rank) {
     setenv("NCCL_P2P_DISABLE", "1", 1);
     setenv("NCCL_SHM_DISABLE", "1", 1);

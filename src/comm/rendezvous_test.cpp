@@ -12,6 +12,7 @@
 #include <thread>
 #include <vector>
 
+#include "test_util.h"
 #include "epx/config.h"
 #include "epx/error.h"
 #include "epx/group.h"
@@ -20,19 +21,11 @@ using namespace epx;
 
 namespace {
 
-// A port nobody listens on right now (bind to 0, read it back, close). Racy in principle; the
-// tests that use it accept that another process could take it in between (then they fail loudly).
+// A port nobody listens on right now (test::free_tcp_port; racy in principle, see there).
 int free_port() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  a.sin_port = 0;
-  EXPECT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a), 0);
-  socklen_t len = sizeof a;
-  EXPECT_EQ(::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len), 0);
-  ::close(fd);
-  return ntohs(a.sin_port);
+  const int port = test::free_tcp_port();
+  EXPECT_GT(port, 0);
+  return port;
 }
 
 UniqueId fake_id(uint8_t seed) {
