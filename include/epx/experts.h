@@ -18,6 +18,8 @@
 
 namespace epx {
 
+struct Config;  // epx/config.h
+
 enum class WeightFormat : uint8_t {
   bf16,       ///< bf16 weights
   fp8_block,  ///< fp8_e4m3 weights, one fp32 scale_inv per 128x128 block (DeepSeek-V3 checkpoints)
@@ -130,8 +132,12 @@ std::unique_ptr<Experts> make_experts_cpu(std::vector<std::shared_ptr<const Expe
 ///   allocated on first use and grown when a larger shape arrives: to capture apply() in a CUDA
 ///   graph, call it once eagerly with the largest shape first (growing during capture throws
 ///   Unsupported). Calls on one object must be ordered (one stream, or synchronized).
-/// Throws Unsupported in a CPU-only build; InvalidArgument for bad weights or device, or a bad
-/// EPX_* variable / EPX_CONFIG file (Config::load()).
+/// The path choices experts.simt / experts.fp8_pairs come from `config` (ModularMoE passes its own);
+/// the two-argument form reads them with Config::load().
+/// Throws Unsupported in a CPU-only build; InvalidArgument for bad weights or device, or (two-argument
+/// form) a bad EPX_* variable / EPX_CONFIG file.
 std::unique_ptr<Experts> make_experts_cuda(std::vector<std::shared_ptr<const ExpertWeights>> local_experts, int device);
+std::unique_ptr<Experts> make_experts_cuda(std::vector<std::shared_ptr<const ExpertWeights>> local_experts, int device,
+                                           const Config& config);
 
 }  // namespace epx

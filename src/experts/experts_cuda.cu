@@ -114,7 +114,7 @@ struct WorkspaceLayout {
 
 class CudaExperts final : public Experts {
  public:
-  CudaExperts(std::vector<std::shared_ptr<const ExpertWeights>> experts, int device)
+  CudaExperts(std::vector<std::shared_ptr<const ExpertWeights>> experts, int device, const Config& config)
       : experts_(std::move(experts)), device_(device) {
     cuda::ensure_runtime();
     const int64_t num_local = static_cast<int64_t>(experts_.size());
@@ -145,7 +145,6 @@ class CudaExperts final : public Experts {
     // fp8_block experts fed FP8 activations run on the sm_90a tensor-core GEMMs
     // (experts_fp8_cuda.cu) where the GPU and the build have them; Config::experts_simt
     // (EPX_EXPERTS_SIMT=1) keeps the SIMT reference GEMMs (A/B comparisons).
-    const Config config = Config::load();
     fp8_tensor_cores_ = has_format_[static_cast<int>(WeightFormat::fp8_block)] && config.experts_simt == 0 &&
                         experts_cuda::fp8_tensor_cores_available(device_);
     // Config::experts_fp8_pairs (EPX_EXPERTS_FP8_PAIRS=1): the mainloop variant that runs K blocks
@@ -421,7 +420,12 @@ class CudaExperts final : public Experts {
 }  // namespace
 
 std::unique_ptr<Experts> make_experts_cuda(std::vector<std::shared_ptr<const ExpertWeights>> local_experts, int device) {
-  return std::make_unique<CudaExperts>(std::move(local_experts), device);
+  return make_experts_cuda(std::move(local_experts), device, Config::load());
+}
+
+std::unique_ptr<Experts> make_experts_cuda(std::vector<std::shared_ptr<const ExpertWeights>> local_experts, int device,
+                                           const Config& config) {
+  return std::make_unique<CudaExperts>(std::move(local_experts), device, config);
 }
 
 }  // namespace epx

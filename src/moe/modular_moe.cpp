@@ -115,6 +115,7 @@ struct ModularMoE::Impl {
   Tensor shared_idx_any, shared_wts_any;     // [N, 1] route of the shard over the gathered rows
   Tensor shard_out;                          // [N, H] bf16: the shard's output (sharded)
   int64_t graph_max_tokens = 0;              // T_max of the captured graph
+  Config experts_config;                     // the layer's Config, for experts built later (separate shared expert)
   // Phase timing (ModularMoEOptions::time_phases): kPhaseMarks marks per chunk, reset per eager call.
   static constexpr int kPhaseMarks = 5;
   bool time_phases = false;
@@ -218,6 +219,7 @@ ModularMoE::ModularMoE(std::shared_ptr<const MoEWeights> weights, std::shared_pt
   m.has_shared = mc.num_shared_experts > 0;
   m.shared_mode = options.shared_mode;
   m.time_phases = options.time_phases;
+  m.experts_config = config;
   if (m.has_shared) require_arg(kCtorOp, "weights.shared", "null", weights->shared != nullptr, "must be set: the model has a shared expert");
 
   require_arg(kCtorOp, "options.chunk_size", options.chunk_size, options.chunk_size >= 0, "must be >= 0 (0 = Config::moe_chunk_size)");
@@ -286,7 +288,7 @@ ModularMoE::ModularMoE(std::shared_ptr<const MoEWeights> weights, std::shared_pt
       m.experts = options.make_experts(std::move(local), m.device);
       require_arg(kCtorOp, "options.make_experts", "a null Experts", m.experts != nullptr, "must return an Experts object");
     } else {
-      m.experts = m.device.is_cpu() ? make_experts_cpu(std::move(local)) : make_experts_cuda(std::move(local), m.device.index);
+      m.experts = m.device.is_cpu() ? make_experts_cpu(std::move(local)) : make_experts_cuda(std::move(local), m.device.index, config);
     }
   }
   // Composition check, collective so every rank throws the same sentence: the experts must take the
@@ -504,7 +506,7 @@ void ModularMoE::Impl::add_separate_shared(const TensorView& x_chunk, const Tens
 #ifdef EPX_WITH_CUDA
     // The shared expert as a one-expert Flat layer with weight 1; g is applied in the add (in fp32,
     // as the CPU does), so there is one rounding of out + g * y.
-    if (!shared_experts) shared_experts = make_experts_cuda(shared_only, device.index);
+    if (!shared_experts) shared_experts = make_experts_cuda(shared_only, device.index, experts_config);
     ExpertsInput in;
     in.layout = ActivationLayout::Flat;
     in.x = x_chunk;
