@@ -24,7 +24,7 @@
 #
 # NVLink multicast stays off (NCCL_NVLS_ENABLE=0): on the shared GPU hosts it can take the GPUs out of
 # service. Options (environment): GPU_CHECK_SRC (a source tree to build instead of .carry/src.tar.xz),
-# GPU_CHECK_CPU=0 (skip the CPU label), GPU_CHECK_ONE_GPU=0 (skip the one-GPU pass), GPU_CHECK_SANITIZE=0 (skip compute-sanitizer), GPU_CHECK_FILTER (a ctest -R regex applied to both labels),
+# GPU_CHECK_TARGETS (build only these ninja targets), GPU_CHECK_CPU=0 (skip the CPU label), GPU_CHECK_ONE_GPU=0 (skip the one-GPU pass), GPU_CHECK_SANITIZE=0 (skip compute-sanitizer), GPU_CHECK_FILTER (a ctest -R regex applied to both labels),
 # GPU_CHECK_NCCL (an NCCL install with include/ and lib/ instead of the wheel's; for a dry run elsewhere),
 # GPU_CHECK_BENCH=0 (skip the benchmark step), GPU_CHECK_MOE_STEPS (steps of the full-size layers, default 3),
 # GPU_CHECK_TESTS=0 (skip the GPU test label: benchmark-only runs), GPU_CHECK_BENCH_ONE_GPU=0 (skip the 1-rank
@@ -103,7 +103,8 @@ run() {
   local conf_rc=$?
   local t_build=$SECONDS build_rc=1
   if [ $conf_rc -eq 0 ]; then
-    cmake --build "$bdir" -j "$jobs" -- -k 0 >"$out/build.log" 2>&1
+    # GPU_CHECK_TARGETS (space-separated ninja targets, e.g. "epx ll_cuda_test") builds only those.
+    cmake --build "$bdir" -j "$jobs" -- -k 0 ${GPU_CHECK_TARGETS:-} >"$out/build.log" 2>&1
     build_rc=$?
   fi
   local t_gpu=$SECONDS gpu_rc=-1 gpu1_rc=-1 cpu_rc=-1 t_gpu1 t_cpu t_end
