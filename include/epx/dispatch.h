@@ -14,6 +14,9 @@
 //   all2allv                rank-deduplicated all-to-all(v) both ways; Flat
 //   ll                      low latency, static buffers, expert-major [L, R*maxT, H] (DeepEP LL layout)
 //   ht                      high throughput, rank-deduplicated flat [N_recv, H] + per-expert counts + handle
+// Across nodes (Group::num_nodes() > 1) ll and ht run hierarchically (src/dispatch/hier.h): a token
+// crosses to each destination node once (grouped ncclSend/ncclRecv of fixed-size blocks), then the
+// backend runs inside the node; Capabilities::hierarchical says so.
 // Devices: a CPU group runs all five (the reference). An NCCL group (one process per GPU) runs naive,
 // allgather_reducescatter and all2allv on tensors of its GPU, stream-ordered on DispatchArgs::stream /
 // FinalizeArgs::stream, with the same layouts, bytes and stats as the CPU; each prepare and finalize
@@ -172,6 +175,10 @@ struct Capabilities {
   /// finalize sums the partial outputs over ranks (naive, allgather_reducescatter): a partial any
   /// rank adds to a gathered row reaches that row's source exactly once (the DP-sharded shared expert).
   bool gathers_all_tokens = false;
+  /// ll / ht on a group that spans nodes (Group::num_nodes() > 1): the hierarchical path
+  /// (src/dispatch/hier.h: inter-node NCCL stage, then the backend inside each node). false on one
+  /// node: the flat backend, the single-node fast path.
+  bool hierarchical = false;
 };
 
 class PrepareFinalize {

@@ -112,6 +112,11 @@ class Group {
 
 /// R CPU groups sharing one in-process world; element r is rank r. timeout_s bounds every wait.
 std::vector<std::shared_ptr<Group>> make_cpu_groups(int num_ranks, double timeout_s = 60.0);
+/// As above, but the ranks report a node layout of num_ranks / ranks_per_node nodes of consecutive
+/// ranks (Group::node_layout), as NCCL groups spanning hosts do: the CPU twin of a multi-node group,
+/// on which ll and ht take their hierarchical path (src/dispatch/hier.h). Memory is still shared.
+/// Throws InvalidArgument unless ranks_per_node >= 1 divides num_ranks.
+std::vector<std::shared_ptr<Group>> make_cpu_groups(int num_ranks, double timeout_s, int ranks_per_node);
 
 /// Runs fn(rank) on R threads, one per rank of `groups`. If any rank throws, the world is aborted
 /// (peers blocked in a collective throw CommError instead of hanging) and the first exception is

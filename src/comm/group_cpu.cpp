@@ -180,13 +180,23 @@ void store_elem(void* base, int64_t i, DType dt, float v) {
 
 class CpuGroup final : public Group {
  public:
-  CpuGroup(std::shared_ptr<World> world, int rank) : world_(std::move(world)), rank_(rank) {}
+  CpuGroup(std::shared_ptr<World> world, int rank, int ranks_per_node = 0)
+      : world_(std::move(world)), rank_(rank), ranks_per_node_(ranks_per_node) {}
 
   int rank() const override { return rank_; }
   int size() const override { return world_->size(); }
   Device device() const override { return Device::cpu(); }
   std::string name() const override { return world_->name(); }
   World& world() { return *world_; }
+  const std::shared_ptr<World>& world_ptr() const { return world_; }
+  NodeLayout node_layout() const override {
+    if (ranks_per_node_ <= 0) return Group::node_layout();
+    std::vector<int64_t> keys(static_cast<size_t>(size()));
+    for (int r = 0; r < size(); ++r) keys[static_cast<size_t>(r)] = r / ranks_per_node_;
+    NodeLayout l = NodeLayout::from_keys(keys, rank_);
+    l.lsa_size = l.local_size;  // shared memory: every rank of a (virtual) node is load/store accessible
+    return l;
+  }
 
   void barrier() override {
     world_->collective(rank_, "group.barrier", {}, [] {}, [] {});
@@ -380,6 +390,7 @@ class CpuGroup final : public Group {
 
   std::shared_ptr<World> world_;
   int rank_;
+  int ranks_per_node_ = 0;  ///< 0: one node (the default layout)
 };
 
 }  // namespace
@@ -391,6 +402,17 @@ std::vector<std::shared_ptr<Group>> make_cpu_groups(int num_ranks, double timeou
   std::vector<std::shared_ptr<Group>> groups;
   groups.reserve(static_cast<size_t>(num_ranks));
   for (int r = 0; r < num_ranks; ++r) groups.push_back(std::make_shared<CpuGroup>(world, r));
+  return groups;
+}
+
+std::vector<std::shared_ptr<Group>> make_cpu_groups(int num_ranks, double timeout_s, int ranks_per_node) {
+  require_arg("make_cpu_groups", "ranks_per_node", ranks_per_node, ranks_per_node >= 1 && num_ranks % ranks_per_node == 0,
+              "must be >= 1 and divide num_ranks = " + std::to_string(num_ranks));
+  std::vector<std::shared_ptr<Group>> groups = make_cpu_groups(num_ranks, timeout_s);
+  for (int r = 0; r < num_ranks; ++r) {
+    auto* g = static_cast<CpuGroup*>(groups[static_cast<size_t>(r)].get());
+    groups[static_cast<size_t>(r)] = std::make_shared<CpuGroup>(g->world_ptr(), r, ranks_per_node);
+  }
   return groups;
 }
 

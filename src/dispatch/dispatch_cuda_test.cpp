@@ -19,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "dispatch/hier.h"
 #include "dispatch_harness.h"
 #include "epx/cuda.h"
 #include "epx/dispatch.h"
@@ -317,20 +318,16 @@ void run_world(int R, Nodes nodes = Nodes::one_host) {
     if (rank == 0)
       std::printf("node layout: %s (NCCL LSA team %d)%s\n", g->node_layout().describe().c_str(), g->node_layout().lsa_size,
                   failures.empty() ? "" : (" WRONG: " + failures).c_str());
-    if (nodes == Nodes::virtual_nodes) {
-      // ll and ht have no inter-node stage: every rank says so, naming the layout, instead of hanging.
-      for (const char* name : {"ll", "ht"}) {
-        std::string what;
-        try {
-          make_prepare_finalize(name, g, cases[0].c.config());
-        } catch (const Unsupported& e) {
-          what = e.what();
-        }
-        if (what.find("node layout = " + g->node_layout().describe()) == std::string::npos)
-          failures += std::string(name) + " across nodes: want Unsupported naming the node layout, got '" + what + "'; ";
-        else if (rank == 0)
-          std::printf("%s across nodes: %s\n", name, what.c_str());
-      }
+    // Which path ll and ht take: hierarchical across the virtual nodes, the flat backend (the
+    // single-node fast path) on one host. Proven by the object's capabilities and its node backend.
+    for (const char* name : {"ll", "ht"}) {
+      auto pf = make_prepare_finalize(name, g, cases[0].c.config());
+      const bool hier = pf->capabilities().hierarchical, inner = dispatch::hierarchical_node_backend(*pf) != nullptr;
+      const bool want = nodes == Nodes::virtual_nodes;
+      if (hier != want || inner != want)
+        failures += std::string(name) + ": hierarchical = " + (hier ? "true" : "false") + ", want " + (want ? "true" : "false") + "; ";
+      else if (rank == 0)
+        std::printf("%s on %s: %s path\n", name, g->node_layout().describe().c_str(), hier ? "hierarchical" : "single-node (flat)");
     }
     int checked = 0;
     for (const GpuCase& gc : cases) {
@@ -356,6 +353,212 @@ void run_world(int R, Nodes nodes = Nodes::one_host) {
     if (rank == 0) std::printf("dispatch CUDA OK on %d rank(s): %d rounds bit-exact vs the CPU backends\n", R, checked);
   });
   EXPECT_EQ(failed, "");
+}
+
+// ---- hierarchical ll / ht (src/dispatch/hier.h) across virtual nodes ------------------------------
+
+/// One rank's prepare/experts/finalize round of ll or ht as host bytes; ExpertMajor keeps only the
+/// valid rows [0, recv_count[l]) of each expert (the rest is stale by contract).
+struct HierSnap {
+  int64_t num_recv_tokens = -1;
+  std::vector<int64_t> x_shape;
+  std::vector<int32_t> recv_count;
+  std::vector<uint8_t> x, x_scales, topk_idx, topk_weights, out;
+};
+
+Tensor to_host(const TensorView& v) {
+  if (!v.defined() || v.numel() == 0) return {};
+  std::vector<int64_t> shape(v.shape.begin(), v.shape.begin() + v.ndim);
+  Tensor h = Tensor::empty(shape, v.dtype);
+  copy(h, v);
+  return h;
+}
+
+/// Snapshot of p, and the TestExperts output for it ([L, cap, H] or [N, H] bf16, host, poisoned first).
+Tensor hier_take(const Case& c, int rank, const PrepareResult& p, HierSnap& s) {
+  const Tensor x = to_host(p.x), scales = to_host(p.x_scales), counts = to_host(p.recv_count);
+  const Tensor idx = to_host(p.topk_idx), w = to_host(p.topk_weights);
+  s.num_recv_tokens = p.num_recv_tokens;
+  s.x_shape.assign(p.x.shape.begin(), p.x.shape.begin() + p.x.ndim);
+  s.recv_count.assign(counts.ptr<int32_t>(), counts.ptr<int32_t>() + counts.numel());
+  if (p.layout == ActivationLayout::ExpertMajor) {
+    const int64_t cap = p.x.shape[1], row = x.nbytes() / std::max<int64_t>(1, p.x.shape[0] * cap);
+    const int64_t srow = scales.defined() ? scales.nbytes() / std::max<int64_t>(1, p.x.shape[0] * cap) : 0;
+    for (size_t l = 0; l < s.recv_count.size(); ++l) {
+      const auto* xb = static_cast<const uint8_t*>(x.data()) + static_cast<int64_t>(l) * cap * row;
+      s.x.insert(s.x.end(), xb, xb + s.recv_count[l] * row);
+      if (srow > 0) {
+        const auto* sb = static_cast<const uint8_t*>(scales.data()) + static_cast<int64_t>(l) * cap * srow;
+        s.x_scales.insert(s.x_scales.end(), sb, sb + s.recv_count[l] * srow);
+      }
+    }
+  } else {
+    s.x = host_bytes(x);
+    s.x_scales = host_bytes(scales);
+    s.topk_idx = host_bytes(idx);
+    s.topk_weights = host_bytes(w);
+  }
+  Tensor out = Tensor::empty(s.x_shape, DType::bf16);
+  poison(out);
+  const std::vector<int> ids = local_ids(c, rank);
+  if (!ids.empty() && !(p.layout == ActivationLayout::Flat && p.num_recv_tokens == 0)) {
+    TestExperts experts(ids, c.H);
+    experts.apply({p.layout, x, scales, counts, idx, w}, out, {});
+  }
+  return out;
+}
+
+/// ll / ht on CPU groups: hierarchical with ranks_per_node > 0 (the CPU twin), flat with 0.
+std::vector<std::vector<HierSnap>> run_hier_cpu(const std::string& name, const Case& c, const Rounds& rounds, int ranks_per_node) {
+  auto groups = ranks_per_node > 0 ? make_cpu_groups(c.R, 30.0, ranks_per_node) : make_cpu_groups(c.R, 30.0);
+  std::vector<std::vector<HierSnap>> snaps(rounds.size(), std::vector<HierSnap>(static_cast<size_t>(c.R)));
+  run_ranks(groups, [&](int r) {
+    auto pf = make_prepare_finalize(name, groups[static_cast<size_t>(r)], c.config());
+    for (size_t i = 0; i < rounds.size(); ++i) {
+      const RankInput& ri = rounds[i][static_cast<size_t>(r)];
+      HierSnap& s = snaps[i][static_cast<size_t>(r)];
+      const Tensor eo = hier_take(c, r, pf->prepare({ri.x, ri.topk_idx, ri.topk_weights}), s);
+      Tensor out = Tensor::empty({ri.x.size(0), c.H}, DType::bf16);
+      poison(out);
+      pf->finalize({eo, out});
+      s.out = host_bytes(out);
+    }
+  });
+  return snaps;
+}
+
+std::vector<HierSnap> run_hier_gpu(const std::string& name, const Case& c, const Rounds& rounds, const std::shared_ptr<Group>& g,
+                                   cudaStream_t stream) {
+  const int r = g->rank();
+  const Device dev = g->device();
+  auto pf = make_prepare_finalize(name, g, c.config());
+  if (!pf->capabilities().hierarchical) throw std::runtime_error(name + " did not take the hierarchical path");
+  std::vector<HierSnap> snaps(rounds.size());
+  for (size_t i = 0; i < rounds.size(); ++i) {
+    const RankInput& ri = rounds[i][static_cast<size_t>(r)];
+    const int64_t T = ri.x.size(0);
+    const bool odd = i % 2 == 1;  // odd rounds: legacy default stream, x / out 2 bytes off alignment
+    const cudaStream_t s = odd ? nullptr : stream;
+    const Tensor x_store = Tensor::empty({T * c.H + 1}, DType::bf16, dev);
+    const TensorView x(x_store.ptr<uint16_t>() + (odd ? 1 : 0), DType::bf16, {T, c.H}, dev);
+    copy(x, ri.x);
+    const Tensor idx = ri.topk_idx.to(dev), w = ri.topk_weights.to(dev);
+    const PrepareResult p = pf->prepare({x, idx, w, Stream{s}});
+    cuda_ok(cudaStreamSynchronize(s), "sync after prepare");
+    const Tensor eo = hier_take(c, r, p, snaps[i]).to(dev);
+    const Tensor out_store = Tensor::empty({T * c.H + 1}, DType::bf16, dev);
+    cuda_ok(cudaMemset(out_store.data(), 0xFF, static_cast<size_t>(out_store.nbytes())), "poison out");
+    const TensorView out(out_store.ptr<uint16_t>() + (odd ? 1 : 0), DType::bf16, {T, c.H}, dev);
+    pf->finalize({eo, out, Stream{s}});
+    cuda_ok(cudaStreamSynchronize(s), "sync after finalize");
+    snaps[i].out = host_bytes(out);
+  }
+  return snaps;
+}
+
+std::string compare_hier(const HierSnap& got, const HierSnap& want) {
+  std::string d;
+  if (got.num_recv_tokens != want.num_recv_tokens && want.num_recv_tokens >= 0 && got.num_recv_tokens >= 0)
+    d += "num_recv_tokens " + std::to_string(got.num_recv_tokens) + ", want " + std::to_string(want.num_recv_tokens) + "; ";
+  if (got.x_shape != want.x_shape) d += "x shape differs; ";
+  if (got.recv_count != want.recv_count) d += "recv_count differs; ";
+  d += first_diff("x", got.x, want.x);
+  d += first_diff("x_scales", got.x_scales, want.x_scales);
+  d += first_diff("topk_idx", got.topk_idx, want.topk_idx);
+  d += first_diff("topk_weights", got.topk_weights, want.topk_weights);
+  d += first_diff("out", got.out, want.out);
+  return d;
+}
+
+/// ll and ht across R virtual nodes (1 GPU each, NCCL over sockets) against (a) the CPU twin of the
+/// hierarchical path, bit for bit, and (b) the flat CPU backends (LlCpu / HtCpu): the same rows bit
+/// for bit (one rank per node keeps the slot order) and the combine within bf16 noise (one extra
+/// rounding of each node's partial, hier.h).
+void run_hier_world(int R) {
+  struct HierCase {
+    std::string name;
+    GpuCase g;
+    std::vector<std::vector<HierSnap>> twin, flat;  // [round][rank]
+    bool unsupported = false;                     // a node holds no routed expert
+  };
+  std::vector<HierCase> hcs;
+  for (const std::string name : {"ll", "ht"}) {
+    std::vector<GpuCase> cases = make_cases(R);
+    for (size_t i = 0; i < cases.size(); ++i) {
+      HierCase h{name, cases[i], {}, {}, false};
+      h.unsupported = dispatch::why_no_hierarchical(name, *make_cpu_groups(R, 30.0, 1)[0], h.g.c.config()).has_value();
+      hcs.push_back(std::move(h));
+      if (name == "ll" && i == 0) {  // the default combine mode too
+        HierCase p{name, cases[i], {}, {}, false};
+        p.g.c.ll_combine = LlCombine::partial_fp32;
+        hcs.push_back(std::move(p));
+      }
+    }
+  }
+  for (HierCase& h : hcs) {
+    if (h.unsupported) continue;
+    h.twin = run_hier_cpu(h.name, h.g.c, h.g.rounds, 1);
+    h.flat = run_hier_cpu(h.name, h.g.c, h.g.rounds, 0);
+  }
+  const std::string path = fresh_dir() + "/uid";
+  const std::string failed = run_ranks_forked(R, 300.0, [&](int rank) {
+    set_node_env(Nodes::virtual_nodes);
+    auto g = make_nccl_group(path, rank, R, rank, 60.0);
+    cuda_ok(cudaSetDevice(rank), "cudaSetDevice");
+    cudaStream_t stream;
+    cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
+    std::string failures = check_node_layout(*g, Nodes::virtual_nodes);
+    if (rank == 0) std::printf("node layout: %s (NCCL LSA team %d)\n", g->node_layout().describe().c_str(), g->node_layout().lsa_size);
+    int checked = 0;
+    for (const HierCase& h : hcs) {
+      const Case& c = h.g.c;
+      const std::string what = h.name + (c.ll_combine != LlCombine::column && h.name == "ll" ? std::string("/") + ll_combine_name(c.ll_combine) : "") +
+                               " " + c.describe();
+      if (h.unsupported) {
+        std::string msg;
+        try {
+          make_prepare_finalize(h.name, g, c.config());
+        } catch (const Unsupported& e) {
+          msg = e.what();
+        }
+        if (msg.find("node layout = " + g->node_layout().describe()) == std::string::npos)
+          failures += what + ": want Unsupported naming the node layout, got '" + msg + "'\n";
+        else if (rank == 0)
+          std::printf("%s: Unsupported as expected: %s\n", what.c_str(), msg.c_str());
+        continue;
+      }
+      const auto got = run_hier_gpu(h.name, c, h.g.rounds, g, stream);
+      for (size_t i = 0; i < got.size(); ++i) {
+        const HierSnap& twin = h.twin[i][static_cast<size_t>(rank)];
+        const HierSnap& flat = h.flat[i][static_cast<size_t>(rank)];
+        const std::string d = compare_hier(got[i], twin);
+        HierSnap flat_rows = flat, got_rows = got[i];
+        flat_rows.out.clear();
+        got_rows.out.clear();
+        const std::string df = compare_hier(got_rows, flat_rows);
+        const double rel = rel_l2_bf16(got[i].out, flat.out);
+        const int64_t T = h.g.rounds[i][static_cast<size_t>(rank)].x.size(0);
+        if (!d.empty()) failures += what + " round " + std::to_string(i) + " rank " + std::to_string(rank) + " vs CPU twin: " + d + "\n";
+        if (!df.empty()) failures += what + " round " + std::to_string(i) + " rank " + std::to_string(rank) + " rows vs flat CPU: " + df + "\n";
+        if (T > 0 && !(rel < 1e-2)) failures += what + " round " + std::to_string(i) + " rank " + std::to_string(rank) + " out vs flat CPU rel_l2 " + std::to_string(rel) + "\n";
+        ++checked;
+        if (rank == 0 && i + 1 == got.size())
+          std::printf("%-28s: prepare + finalize %s vs the CPU twin; rows %s vs flat %s, out rel_l2 %.1e\n", what.c_str(),
+                      d.empty() ? "bit-exact" : "DIFFER", df.empty() ? "bit-exact" : "DIFFER", h.name == "ll" ? "LlCpu" : "HtCpu", rel);
+      }
+    }
+    g->barrier();
+    cuda_ok(cudaStreamDestroy(stream), "stream destroy");
+    if (!failures.empty()) throw std::runtime_error("mismatches:\n" + failures);
+    if (rank == 0) std::printf("hierarchical ll/ht OK on %d virtual nodes: %d rounds checked\n", R, checked);
+  });
+  EXPECT_EQ(failed, "");
+}
+
+TEST(DispatchCuda, HierarchicalLlHtMatchCpuTwoVirtualNodes) {
+  const int n = cuda::device_count();
+  if (n < 2) GTEST_SKIP() << "needs 2 GPUs, found " << n;
+  run_hier_world(2);
 }
 
 TEST(DispatchCuda, FlatBackendsMatchCpuOneRank) {

@@ -19,6 +19,7 @@
 #include <algorithm>
 
 #include "comm/group_nccl.h"
+#include "comm/node_group.h"
 #include "cuda/check.h"
 #include "dispatch/backends.h"
 #include "dispatch/ht_cuda.h"
@@ -42,7 +43,7 @@ std::string seconds(double s) {
 HtCuda::HtCuda(std::shared_ptr<Group> group, const DispatchConfig& cfg)
     : PrepareFinalizeBase("ht", ActivationLayout::Flat, true, std::move(group), cfg) {
   const std::string op = "ht.create";
-  auto* nccl = dynamic_cast<comm::NcclGroup*>(group_.get());
+  const auto* nccl = dynamic_cast<const comm::NcclGroup*>(&comm::root_group(*group_));  // a node group: its parent's
   if (!nccl) throw Unsupported(op + ": group " + group_->name() + " is not an NCCL group: ht on CUDA needs symmetric memory");
   caps_.graph_safe = cfg_.use_worst_case_sizing;
   accepts_device_num_tokens_ = true;

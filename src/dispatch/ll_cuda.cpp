@@ -7,6 +7,7 @@
 #include <cstring>
 
 #include "comm/group_nccl.h"
+#include "comm/node_group.h"
 #include "cuda/check.h"
 #include "dispatch/backends.h"
 #include "epx/config.h"
@@ -345,7 +346,7 @@ std::unique_ptr<PrepareFinalize> make_ll_cuda(std::shared_ptr<Group> group, cons
   launch.warps_per_block = config.ll_warps_per_block;
   launch.num_blocks = config.ll_num_blocks;
   launch.timeout_s = config.timeout_s;
-  if (const auto* nccl = dynamic_cast<const comm::NcclGroup*>(group.get())) launch.timeout_s = nccl->timeout_s();
+  if (const auto* nccl = dynamic_cast<const comm::NcclGroup*>(&comm::root_group(*group))) launch.timeout_s = nccl->timeout_s();
   return make_ll_cuda(std::move(group), cfg, launch);
 }
 

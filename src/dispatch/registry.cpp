@@ -4,6 +4,7 @@
 #include <string>
 
 #include "dispatch/backends.h"
+#include "dispatch/hier.h"
 #include "dispatch/placement.h"
 #include "dispatch/prepare_finalize_base.h"
 #include "epx/error.h"
@@ -111,17 +112,13 @@ std::unique_ptr<PrepareFinalize> make_prepare_finalize(const std::string& name, 
     throw InvalidArgument(arg_message("make_prepare_finalize", "name", name, "must be one of {" + known + "}"));
   }
   dispatch::validate_config(name, cfg, group->size());
-  // ll and ht on CUDA are LSA (NVLink load/store) kernels: a group that spans nodes has no peer
-  // pointers across them. Every rank sees the same layout, so every rank throws the same here.
-  if (group->device().is_cuda() && (name == "ll" || name == "ht")) {
-    const NodeLayout nodes = group->node_layout();
-    if (nodes.num_nodes > 1)
-      throw Unsupported(op + ": node layout = " + nodes.describe() + ": " + name +
-                        " on CUDA needs every rank in one NVLink (LSA) domain and has no inter-node stage yet; "
-                        "across nodes use naive, allgather_reducescatter or all2allv");
-  }
   const BackendEntry& entry = kBackends[index];
   const Factory make = group->device().is_cpu() ? entry.make_cpu : entry.make_cuda;
+  // ll and ht move rows with load/store (LSA) kernels inside one NVLink domain: across nodes they
+  // run hierarchically (hier.h): an NCCL stage between nodes, then the same backend on each node.
+  // Every rank sees the same layout, so every rank takes the same path (or throws the same).
+  if (make && (name == "ll" || name == "ht") && group->num_nodes() > 1)
+    return dispatch::make_hierarchical(name, std::move(group), cfg, make);
   if (!make) {
     std::string why = "backend " + name + " has no implementation for this device in this build";
 #ifdef EPX_WITH_CUDA

@@ -85,6 +85,7 @@ struct RankJobResult {
   std::vector<double> dispatch_us_1tok, combine_us_1tok;  ///< --graph, ll: the same graphs at T = 1 (device-side count)
   int64_t sms = -1;              ///< SMs the backend's kernels use (-1: unknown / host collectives)
   bool graph = false;            ///< timed as CUDA-graph replays
+  bool hierarchical = false;     ///< ll / ht across nodes: the hierarchical path (Capabilities::hierarchical)
   Tensor out;                    ///< epx backends: [T, H] bf16 on the host, last iteration
   int64_t valid_selections = 0, dedup_rows = 0;
   int64_t moved_bytes_dispatch = 0, moved_bytes_combine = 0;  ///< nccl_a2a_raw: bytes sent incl. to self
@@ -234,6 +235,7 @@ void run_epx_backend_graph(const Job& job, const BenchCase& c, int64_t T, const 
   auto pf = make_prepare_finalize(job.backend, group, cfg);
   if (!pf->capabilities().graph_safe)
     throw Unsupported("epx bench --graph: backend " + job.backend + " is not graph-safe (it waits on the host in every call)");
+  res.hierarchical = pf->capabilities().hierarchical;
   auto experts = make_identity_experts(num_local_experts(cfg, R, rank), c.hidden, dev);
   Tensor out = Tensor::empty({T, c.hidden}, DType::bf16, dev);
   const Tensor word = Tensor::zeros({1}, DType::fp32, dev);
@@ -320,6 +322,7 @@ void run_epx_backend(const Job& job, const BenchCase& c, int64_t T, const std::s
   const int R = group->size(), rank = group->rank();
   const DispatchConfig cfg = dispatch_config(c, T, job.dtype);
   auto pf = make_prepare_finalize(job.backend, group, cfg);
+  res.hierarchical = pf->capabilities().hierarchical;
 #ifdef EPX_WITH_CUDA
   if (auto* ht = dynamic_cast<dispatch::HtCuda*>(pf.get())) res.sms = ht->num_sms();
 #endif
@@ -538,7 +541,7 @@ void run_jobs_on_rank(const BenchOptions& o, const std::vector<BenchCase>& cases
     g.all_gather(mine.dispatch_us_1tok.data(), d1.data(), n1 * 8);
     g.all_gather(mine.combine_us_1tok.data(), c1.data(), n1 * 8);
   }
-  const std::vector<int64_t> sms = g.all_gather_i64(mine.sms), graphs = g.all_gather_i64(mine.graph ? 1 : 0);
+  const std::vector<int64_t> sms = g.all_gather_i64(mine.sms), graphs = g.all_gather_i64((mine.graph ? 1 : 0) | (mine.hierarchical ? 2 : 0));
   const std::vector<int64_t> sel = g.all_gather_i64(mine.valid_selections), dd = g.all_gather_i64(mine.dedup_rows);
   const std::vector<int64_t> md = g.all_gather_i64(mine.moved_bytes_dispatch), mc = g.all_gather_i64(mine.moved_bytes_combine);
   const bool has_out = mine.out.defined();
@@ -561,7 +564,8 @@ void run_jobs_on_rank(const BenchOptions& o, const std::vector<BenchCase>& cases
     r.dispatch_us_1tok.assign(d1.begin() + q * n1, d1.begin() + (q + 1) * n1);
     r.combine_us_1tok.assign(c1.begin() + q * n1, c1.begin() + (q + 1) * n1);
     r.sms = sms[q];
-    r.graph = graphs[q] != 0;
+    r.graph = (graphs[q] & 1) != 0;
+    r.hierarchical = (graphs[q] & 2) != 0;
     r.valid_selections = sel[q];
     r.dedup_rows = dd[q];
     r.moved_bytes_dispatch = md[q];
@@ -742,6 +746,8 @@ int report(const BenchOptions& o, const std::vector<BenchCase>& cases, const std
           {"fraction_of_peak", nullptr},
           {"sms", status == 0 && jr.ranks[0].sms > 0 ? json(jr.ranks[0].sms) : json(nullptr)},
           {"timing", status == 0 && jr.ranks[0].graph ? "cuda-graph replay" : "eager"},
+          {"path", status == 0 && jr.ranks[0].hierarchical ? "hierarchical (inter-node NCCL blocks, then the backend inside each node)"
+                                                           : "flat"},
           {"iterations", ran ? json(per_iter.size()) : json(0)},
           {"warmup", o.warmup},
           {"validated", row_validated},
