@@ -83,6 +83,15 @@ class HierPrepareFinalize final : public PrepareFinalizeBase {
   PrepareResult prepare(const DispatchArgs& args) override {
     const std::string& op = op_prepare_;
     LocalError err = check_args(args);
+    if (err.kind == LocalError::none && args.num_tokens.defined()) {
+      try {
+        check_dtype(op, "num_tokens", args.num_tokens, {DType::int32});
+        require_arg(op, "num_tokens.numel()", args.num_tokens.numel(), args.num_tokens.numel() == 1, "must be 1 ([1] int32 on the group's GPU)");
+        if (args.num_tokens.device != group_->device()) err = {LocalError::unsupported, wrong_device(op, "num_tokens", args.num_tokens.device)};
+      } catch (const InvalidArgument& e) {
+        err = {LocalError::invalid_argument, e.what()};
+      }
+    }
     if (err.kind == LocalError::none && !cuda_) err = check_ids_host(args);
 #ifdef EPX_WITH_CUDA
     if (err.kind == LocalError::none && cuda_ && report_host_->bad_count > 0) {
