@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
 # tools/device/final-mn.sh: the multi-node step of the final integrated run (issue 11). Receives OUT,
 # the built tree at /tmp/epx-gpu-check/build and the source at $SRC; stays within MN_FINAL_BUDGET_S
-# (default 30 s; each step took 2-4 s in batch 1). Writes under $OUT:
+# (default 60 s; each step took 2-10 s in the batches). Writes under $OUT:
 #   multinode-ll-v3-2x1.json   epx bench, 2 virtual nodes of 1 GPU (NCCL_P2P_DISABLE=1
-#                              NCCL_SHM_DISABLE=1: NCCL's socket transport), ranks meeting over TCP
+#                              NCCL_SHM_DISABLE=1: NCCL's socket transport), ranks meeting over TCP;
+#                              ll and ht take the hierarchical path there (src/dispatch/hier.h)
+#   multinode-ll-v3-2x1-graph.json  hierarchical ll across the virtual nodes, CUDA-graph replays
 #   multinode-ll-v3-1x2.json   the same on one node (the single-node fast path), for comparison
 #   multinode-moe-deepseek-v3-mini-2x1.json   epx moe across the virtual nodes, every backend
 #   final-mn.log               their output
 set -u
 T0=$SECONDS
-BUDGET=${MN_FINAL_BUDGET_S:-30}
+BUDGET=${MN_FINAL_BUDGET_S:-60}
 OUT=${OUT:-/tmp/final-mn-out}
 E=${EPX:-/tmp/epx-gpu-check/build/epx}
 mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
@@ -28,7 +30,9 @@ BENCH=(bench --case ll-v3 --backend naive,allgather_reducescatter,all2allv,ll,ht
 {
   run 12 env NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 EPX_RENDEZVOUS=tcp://127.0.0.1:29531 "$E" "${BENCH[@]}" --json "$OUT/multinode-ll-v3-2x1.json"
   run 8 "$E" "${BENCH[@]}" --json "$OUT/multinode-ll-v3-1x2.json"
-  run 8 env NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 "$E" moe --device cuda --ranks 2 --preset deepseek-v3-mini --backend all \
+  run 12 env NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 EPX_RENDEZVOUS=tcp://127.0.0.1:29532 "$E" bench --case ll-v3 --backend ll \
+    --ranks 2 --iters 50 --warmup 5 --graph --json "$OUT/multinode-ll-v3-2x1-graph.json"
+  run 15 env NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 "$E" moe --device cuda --ranks 2 --preset deepseek-v3-mini --backend all \
     --steps 2 --tokens-per-rank 24 --json "$OUT/multinode-moe-deepseek-v3-mini-2x1.json"
 } >"$OUT/final-mn.log" 2>&1
 grep -E "^== |node layout|^ll-v3|pass|FAIL|error" "$OUT/final-mn.log" | head -40

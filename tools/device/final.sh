@@ -21,7 +21,7 @@ W=/tmp/final-work; mkdir -p $W
 B=/tmp/epx-gpu-check/build
 log() { echo "== $(date -u +%T) +$((SECONDS - T0)) s: $*" | tee -a $OUT/times.txt; }
 finals() {  # runs tools/device/final-<name>.sh not run yet, each with its allowance, while time is left
-  for spec in gemm:60 ht:40 ll:30 mn:30; do
+  for spec in gemm:60 ht:40 ll:30 mn:60; do
     local n=${spec%%:*} a=${spec##*:}
     [ -f "$S/tools/device/final-$n.sh" ] || continue
     [ -f "$W/done-$n" ] && continue
