@@ -58,7 +58,7 @@ class PrepareFinalize:
 
     @property
     def capabilities(self) -> dict:
-        """name, layout, graph_safe, supports_fp8_dispatch, static_buffers."""
+        """name, layout, graph_safe, supports_fp8_dispatch, static_buffers, hierarchical (ll / ht across nodes)."""
         return self._impl.capabilities
 
     @property

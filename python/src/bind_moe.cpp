@@ -69,6 +69,7 @@ pyb::dict capabilities_dict(const Capabilities& c) {
   d["graph_safe"] = c.graph_safe;
   d["supports_fp8_dispatch"] = c.supports_fp8_dispatch;
   d["static_buffers"] = c.static_buffers;
+  d["hierarchical"] = c.hierarchical;
   return d;
 }
 
