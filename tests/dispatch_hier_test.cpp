@@ -5,7 +5,8 @@
 //     bit against the per-node-partial oracle (each node's partial rounded to bf16, summed in fp32,
 //     rounded once: the one extra rounding hier.h documents);
 //   - several ranks per node (the NVLink fan-out stage, which our 2-GPU machine cannot exercise):
-//     combine within bf16 noise of the no-EP reference;
+//     combine bit for bit against the hierarchical arithmetic (hier_oracle: the node backend's own
+//     combine per node, rounded, summed over nodes) and within bf16 noise of the no-EP reference;
 //   - a group on one node never takes the hierarchical path (Capabilities::hierarchical, no node
 //     backend), so the single-node fast path is what runs there;
 //   - bad input on one rank throws on every rank; a node without experts is Unsupported everywhere.
@@ -87,6 +88,44 @@ bool same_valid_rows(const Snap& a, const Snap& b, const std::vector<uint8_t>& x
   return true;
 }
 
+/// The hierarchical combine's exact arithmetic for rank `src` (nodes of P ranks): out[t] =
+/// round(sum over nodes n in order of round_bf16(node partial n)), fp32, where the node partial is
+/// the node backend's own combine of the token's selections on node n: ll column mode: sum over
+/// those columns in column order; otherwise sum over the node's ranks q in order of g(sum over q's
+/// columns in column order), g = identity (ll partial_fp32) or round_bf16 (ll partial_bf16; ht,
+/// whose rows the Flat experts already weighted and rounded).
+Tensor hier_oracle(const std::string& name, const Case& c, const RankInput& ri, int src, int P) {
+  const int64_t T = ri.x.size(0), H = c.H;
+  Tensor out = Tensor::empty({T, H}, DType::bf16);
+  std::vector<float> y(static_cast<size_t>(H)), acc(static_cast<size_t>(H)), node(static_cast<size_t>(H)), rank(static_cast<size_t>(H));
+  const bool column = name == "ll" && c.ll_combine == LlCombine::column;
+  const bool round_rank = name == "ht" || c.ll_combine == LlCombine::partial_bf16;
+  auto rank_of = [&](int32_t e) { return e == c.E ? src : expert_rank(c.E, c.R, e); };
+  for (int64_t t = 0; t < T; ++t) {
+    const std::vector<float> x = wire_row(c, ri, t);
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    for (int n = 0; n < c.R / P; ++n) {
+      std::fill(node.begin(), node.end(), 0.0f);
+      for (int q = column ? -1 : n * P; q < (column ? 0 : (n + 1) * P); ++q) {  // column: one pass over the node
+        std::fill(rank.begin(), rank.end(), 0.0f);
+        for (int k = 0; k < c.K; ++k) {
+          const int32_t e = id_at(ri, t, c.K, k);
+          if (e < 0) continue;
+          if (column ? rank_of(e) / P != n : rank_of(e) != q) continue;
+          expert_fn(e, x.data(), H, y.data());
+          const float w = ri.topk_weights.ptr<float>()[t * c.K + k];
+          for (int64_t i = 0; i < H; ++i) rank[static_cast<size_t>(i)] += w * y[static_cast<size_t>(i)];
+        }
+        for (int64_t i = 0; i < H; ++i)
+          node[static_cast<size_t>(i)] += round_rank && !column ? round_bf16(rank[static_cast<size_t>(i)]) : rank[static_cast<size_t>(i)];
+      }
+      for (int64_t i = 0; i < H; ++i) acc[static_cast<size_t>(i)] += round_bf16(node[static_cast<size_t>(i)]);
+    }
+    for (int64_t i = 0; i < H; ++i) out.ptr<uint16_t>()[t * H + i] = float_to_bf16_bits(acc[static_cast<size_t>(i)]);
+  }
+  return out;
+}
+
 /// Hierarchical (ranks_per_node P) against the flat backend on the same inputs (see the file comment).
 void check(const std::string& name, const Case& c, int P, int rounds = 2) {
   std::vector<std::vector<RankInput>> inputs;
@@ -115,6 +154,7 @@ void check(const std::string& name, const Case& c, int P, int rounds = 2) {
       EXPECT_LT(rel_l2_error(h.out, ref), 1e-2) << what << " rank " << r;
       EXPECT_LT(rel_l2_error(f.out, ref), 1e-2) << what << " rank " << r;
     }
+    EXPECT_EQ(count_bit_diffs(h.out, hier_oracle(name, c, ri, r, P)), 0) << what << " rank " << r << " (the hierarchical combine's arithmetic)";
     if (P != 1) continue;
     // One rank per node: the same rows in the same order, and the per-node-partial combine exactly.
     const bool fp8 = c.dtype == DType::fp8_e4m3;
