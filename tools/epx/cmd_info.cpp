@@ -80,7 +80,7 @@ int run_info(InfoCommand& cmd) {
       for (int r = 0; r < n; ++r) keys.push_back(node_key_from_env(r));
       const NodeLayout nodes = NodeLayout::from_keys(keys, 0);
       std::cout << "\nnode layout (one rank per visible GPU, NCCL's rules): " << nodes.describe() << " ("
-                << (nodes.num_nodes > 1 ? "multi-node path: per-node communicators; ll/ht unsupported across nodes"
+                << (nodes.num_nodes > 1 ? "multi-node path: per-node communicators; ll/ht hierarchical across nodes"
                                         : "single-node fast path")
                 << ")\n";
       for (const char* v : {"NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE", "NCCL_HOSTID"})
