@@ -547,6 +547,43 @@ void run_hier_world(int R) {
                       d.empty() ? "bit-exact" : "DIFFER", df.empty() ? "bit-exact" : "DIFFER", h.name == "ll" ? "LlCpu" : "HtCpu", rel);
       }
     }
+    // A bad id on the last rank of graph-safe hierarchical ll: the device sends nothing for it and that
+    // rank's finalize reports it after enqueuing all its work, so the other rank's round completes
+    // (no rank is left in an NCCL step), and the object stays usable.
+    {
+      const GpuCase& gc = hcs[2].g;  // ll, bf16, shared route, int64 ids, T = [5, 64]
+      const Case& c = gc.c;
+      if (hcs[2].name != "ll" || !c.idx64 || c.tokens(R - 1) < 1) throw std::runtime_error("bad-id case: " + hcs[2].name + " " + c.describe());
+      const RankInput& ri = gc.rounds[0][static_cast<size_t>(rank)];
+      const Device dev = g->device();
+      auto pf = make_prepare_finalize("ll", g, c.config());
+      Tensor idx = Tensor::empty({ri.x.size(0), c.K}, DType::int64);
+      std::memcpy(idx.data(), ri.topk_idx.data(), static_cast<size_t>(idx.nbytes()));
+      if (rank == R - 1) idx.ptr<int64_t>()[0] = c.E + 1;
+      const Tensor x = ri.x.to(dev), idx_d = idx.to(dev), w = ri.topk_weights.to(dev);
+      const Tensor out = Tensor::empty({ri.x.size(0), c.H}, DType::bf16, dev);
+      auto round = [&](const Tensor& ids) {
+        const PrepareResult p = pf->prepare({x, ids, w, Stream{stream}});
+        cuda_ok(cudaStreamSynchronize(stream), "sync after prepare");
+        Tensor eo = Tensor::zeros(std::vector<int64_t>(p.x.shape.begin(), p.x.shape.begin() + p.x.ndim), DType::bf16, dev);
+        std::string what;
+        try {
+          pf->finalize({eo, out, Stream{stream}});
+        } catch (const InvalidArgument& e) {
+          what = e.what();
+        }
+        cuda_ok(cudaStreamSynchronize(stream), "sync after finalize");
+        return what;
+      };
+      const std::string what = round(idx_d);
+      const bool want = rank == R - 1;
+      if (want != (what.find("topk_idx[0, 0]") != std::string::npos) || (!want && !what.empty()))
+        failures += "hierarchical ll bad id: rank " + std::to_string(rank) + " got '" + what + "'\n";
+      else if (want)
+        std::printf("hierarchical ll bad id on rank %d: %s\n", rank, what.c_str());
+      const std::string again = round(ri.topk_idx.to(dev));
+      if (!again.empty()) failures += "hierarchical ll after a bad id: rank " + std::to_string(rank) + " threw '" + again + "'\n";
+    }
     g->barrier();
     cuda_ok(cudaStreamDestroy(stream), "stream destroy");
     if (!failures.empty()) throw std::runtime_error("mismatches:\n" + failures);

@@ -93,15 +93,6 @@ class HierPrepareFinalize final : public PrepareFinalizeBase {
       }
     }
     if (err.kind == LocalError::none && !cuda_) err = check_ids_host(args);
-#ifdef EPX_WITH_CUDA
-    if (err.kind == LocalError::none && cuda_ && report_host_->bad_count > 0) {
-      // A bad id an earlier prepare refused on the device (it sent nothing for it).
-      const HierErrorReport rep = *report_host_;
-      report_host_->bad_count = 0;
-      err = {LocalError::invalid_argument, std::string(bad_topk_id(op, cfg_, rep.bad_token, rep.bad_column, rep.bad_value).what()) +
-                                               " (found on the device by an earlier prepare, which sent nothing for it)"};
-    }
-#endif
     if (local_checks_only_) {
       if (err.kind != LocalError::none) throw_local(err);
     } else {
@@ -158,6 +149,17 @@ class HierPrepareFinalize final : public PrepareFinalizeBase {
     else sum_host(args);
     const DispatchStats& ns = node_->stats();
     stats_.remote_bytes_combine = ns.remote_bytes_combine + static_cast<int64_t>(lay_.num_nodes - 1) * lay_.max_tokens * lay_.hidden * 2;
+#ifdef EPX_WITH_CUDA
+    if (cuda_ && report_host_->bad_count > 0) {
+      // A bad id a prepare refused on the device (it sent nothing for it). Thrown only here, after
+      // this round's work is enqueued on every path, so no peer is left waiting in an NCCL step
+      // (NCCL send/recv have no timeout): the peers' rounds complete, this rank learns of it.
+      const HierErrorReport rep = *report_host_;
+      report_host_->bad_count = 0;
+      throw InvalidArgument(std::string(bad_topk_id(op_prepare_, cfg_, rep.bad_token, rep.bad_column, rep.bad_value).what()) +
+                            " (found on the device by a prepare, which sent nothing for it; reported by the finalize after it)");
+    }
+#endif
   }
 
  private:

@@ -46,7 +46,9 @@
 // none; ht: one host read of N_recv unless use_worst_case_sizing), so hierarchical ll is
 // graph-safe. Bad arguments: as the node backend: graph-safe backends check on this rank only;
 // the others exchange the verdict over the global group, so every rank throws. A bad topk id on
-// CUDA is not sent (treated as -1) and reported by the next prepare on that rank (InvalidArgument).
+// CUDA is not sent (treated as -1) and reported by a later finalize on that rank (InvalidArgument),
+// thrown after that finalize has enqueued all its work: the inter-node steps are NCCL send/recv,
+// which have no timeout, so no rank may skip one its peers have posted.
 #pragma once
 
 #include <cstdint>
