@@ -269,9 +269,13 @@ int main(int argc, char** argv) {
   }
   unsetenv("EPX_EXPERTS_SIMT");
   auto tc = make_experts_cuda(experts, 0);
-  setenv("EPX_EXPERTS_FP8_PAIRS", "1", 1);  // the paired-K-block mainloop variant
+  // The 64-row kernels alone (EPX_EXPERTS_FP8_PREFILL=0): the prefill kernels' A/B reference.
+  setenv("EPX_EXPERTS_FP8_PREFILL", "0", 1);
+  auto tc64 = make_experts_cuda(experts, 0);
+  setenv("EPX_EXPERTS_FP8_PAIRS", "1", 1);  // the paired-K-block mainloop variant (64-row kernels)
   auto tcp = make_experts_cuda(experts, 0);
   unsetenv("EPX_EXPERTS_FP8_PAIRS");
+  unsetenv("EPX_EXPERTS_FP8_PREFILL");
   std::unique_ptr<Experts> simt;
   if (do_simt) {
     setenv("EPX_EXPERTS_SIMT", "1", 1);
@@ -392,6 +396,14 @@ int main(int argc, char** argv) {
     add_row("prefill-v3", "epx-wgmma", "flat", m, st, false, simt != nullptr, err,
             "Flat layout: includes the device schedule, gather and the top-k weighted combine; validated against epx-simt");
     {
+      Tensor out4 = Tensor::empty({T, kH}, DType::bf16, Device::cuda(0));
+      CK(cudaMemset(out4.data(), 0xFF, out4.nbytes()));
+      const Stats s4 = time_us(stream, iters, [&] { tc64->apply(in, out4, Stream{stream}); });
+      CK(cudaStreamSynchronize(stream));
+      add_row("prefill-v3", "epx-wgmma-64", "flat", m, s4, false, true, rel_l2(host_bf16(out), host_bf16(out4), {{0, T}}),
+              "EPX_EXPERTS_FP8_PREFILL=0 (64-row kernels only); max_rel_error = epx-wgmma (prefill kernels) against this");
+    }
+    {
       Tensor out3 = Tensor::empty({T, kH}, DType::bf16, Device::cuda(0));
       CK(cudaMemset(out3.data(), 0xFF, out3.nbytes()));
       const Stats sp = time_us(stream, iters, [&] { tcp->apply(in, out3, Stream{stream}); });
@@ -423,6 +435,15 @@ int main(int argc, char** argv) {
     }
     add_row("prefill-v3", "epx-wgmma", "expert_major", cap, st, false, simt != nullptr, err, "validated against epx-simt");
     {
+      Tensor out4 = Tensor::empty({L, cap, kH}, DType::bf16, Device::cuda(0));
+      CK(cudaMemset(out4.data(), 0xFF, out4.nbytes()));
+      const Stats s4 = time_us(stream, iters, [&] { tc64->apply(in, out4, Stream{stream}); });
+      CK(cudaStreamSynchronize(stream));
+      add_row("prefill-v3", "epx-wgmma-64", "expert_major", cap, s4, false, true,
+              rel_l2(host_bf16(out), host_bf16(out4), {{0, L * cap}}),
+              "EPX_EXPERTS_FP8_PREFILL=0 (64-row kernels only); max_rel_error = epx-wgmma (prefill kernels) against this");
+    }
+    {
       Tensor out3 = Tensor::empty({L, cap, kH}, DType::bf16, Device::cuda(0));
       CK(cudaMemset(out3.data(), 0xFF, out3.nbytes()));
       const Stats sp = time_us(stream, iters, [&] { tcp->apply(in, out3, Stream{stream}); });
@@ -433,6 +454,7 @@ int main(int argc, char** argv) {
     }
   }
   tc.reset();
+  tc64.reset();
   tcp.reset();
   simt.reset();
 

@@ -132,7 +132,9 @@ std::unique_ptr<Experts> make_experts_cpu(std::vector<std::shared_ptr<const Expe
 ///   allocated on first use and grown when a larger shape arrives: to capture apply() in a CUDA
 ///   graph, call it once eagerly with the largest shape first (growing during capture throws
 ///   Unsupported). Calls on one object must be ordered (one stream, or synchronized).
-/// The path choices experts.simt / experts.fp8_pairs come from `config` (ModularMoE passes its own);
+/// Experts with more than 64 rows in one apply() run on the warp-specialized FP8 prefill GEMMs
+/// (128-token tiles, src/experts/experts_fp8_prefill_cuda.cu) unless Config::experts_fp8_prefill = 0.
+/// The path choices experts.simt / experts.fp8_pairs / experts.fp8_prefill come from `config` (ModularMoE passes its own);
 /// the two-argument form reads them with Config::load().
 /// Throws Unsupported in a CPU-only build; InvalidArgument for bad weights or device, or (two-argument
 /// form) a bad EPX_* variable / EPX_CONFIG file.

@@ -94,7 +94,7 @@ struct WorkspaceLayout {
       return off;
     };
     tiles = take(max_tiles * static_cast<int64_t>(sizeof(Tile)));
-    num_tiles = take(sizeof(int32_t));
+    num_tiles = take(2 * sizeof(int32_t));
     pair_row = take(num_pairs * 4);
     slot = take(num_pairs * 4);
     h = take(h_rows * h_cols * 4);
@@ -150,6 +150,10 @@ class CudaExperts final : public Experts {
     // Config::experts_fp8_pairs (EPX_EXPERTS_FP8_PAIRS=1): the mainloop variant that runs K blocks
     // in pairs (experts_fp8_cuda.h, Fp8GemmParams::overlap); same results.
     fp8_pairs_ = config.experts_fp8_pairs == 1;
+    // Config::experts_fp8_prefill (EPX_EXPERTS_FP8_PREFILL, default 1): experts with more than
+    // kTileRows rows run in 128-row tiles on the warp-specialized prefill GEMMs
+    // (experts_fp8_prefill_cuda.cu); 0 keeps every tile on the 64-row kernels.
+    fp8_prefill_ = config.experts_fp8_prefill == 1;
     EPX_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms_, cudaDevAttrMultiProcessorCount, device_));
     std::vector<ExpertDesc> descs;
     for (const auto& e : experts_) {
@@ -217,6 +221,8 @@ class CudaExperts final : public Experts {
 
   /// The FP8 tensor-core path runs this apply's fp8_block experts (FP8 x).
   bool use_fp8_tc(const ExpertsInput& in) const { return fp8_tensor_cores_ && in.x.dtype == DType::fp8_e4m3; }
+  /// ... and its experts with more than kTileRows rows on the prefill kernels (128-row tiles).
+  bool use_prefill(const ExpertsInput& in) const { return use_fp8_tc(in) && fp8_prefill_; }
   /// Bytes per FP8 h row of the tensor-core path (0 when it does not run).
   int64_t hq_cols(const ExpertsInput& in) const { return use_fp8_tc(in) ? fp8_inter_max_ : 0; }
 
@@ -275,11 +281,14 @@ class CudaExperts final : public Experts {
     sp.recv_count = in.recv_count.ptr<const int32_t>();
     sp.tiles = ws.tiles;
     sp.num_tiles = ws.num_tiles;
+    // No expert can exceed kTileRows rows when cap <= kTileRows (decode): no prefill section.
+    const bool big = use_prefill(in) && cap > experts_cuda::kTileRows;
+    sp.big_rows = big ? experts_cuda::kFp8PrefillRows : 0;
     sp.error = error_dev_;
     experts_cuda::schedule_expert_major_kernel<<<1, experts_cuda::kScheduleThreads,
                                                  experts_cuda::schedule_smem_bytes(sp.num_local), stream>>>(sp);
     cuda::check_launch("schedule_expert_major_kernel");
-    run_mlp(in, nullptr, out.ptr<uint16_t>(), ws, max_tiles, stream);
+    run_mlp(in, nullptr, out.ptr<uint16_t>(), ws, max_tiles, big, stream);
   }
 
   void apply_flat(const ExpertsInput& in, const TensorView& out, cudaStream_t stream) {
@@ -314,11 +323,13 @@ class CudaExperts final : public Experts {
     sp.slot = ws.slot;
     sp.tiles = ws.tiles;
     sp.num_tiles = ws.num_tiles;
+    const bool big = use_prefill(in) && num_pairs > experts_cuda::kTileRows;
+    sp.big_rows = big ? experts_cuda::kFp8PrefillRows : 0;
     sp.error = error_dev_;
     experts_cuda::schedule_flat_kernel<<<1, experts_cuda::kScheduleThreads, experts_cuda::schedule_smem_bytes(sp.num_local),
                                          stream>>>(sp);
     cuda::check_launch("schedule_flat_kernel");
-    run_mlp(in, ws.pair_row, ws.pair_out, ws, max_tiles, stream);
+    run_mlp(in, ws.pair_row, ws.pair_out, ws, max_tiles, big, stream);
 
     experts_cuda::CombineParams cp{};
     cp.pair_out = ws.pair_out;
@@ -334,8 +345,10 @@ class CudaExperts final : public Experts {
   }
 
   /// gate_up (per format present), FP8 re-quantization of h (fp8_block experts), down.
+  /// `big`: the schedule split the tile list (ScheduleParams::big_rows); the tiles past
+  /// num_tiles[1] run on the FP8 prefill kernels.
   void run_mlp(const ExpertsInput& in, const int32_t* gather, uint16_t* out_rows, const Workspace& ws, int64_t max_tiles,
-               cudaStream_t stream) {
+               bool big, cudaStream_t stream) {
     const int64_t h = hidden();
     GemmParams gp{};
     gp.experts = descs_.ptr<const ExpertDesc>();
@@ -369,14 +382,17 @@ class CudaExperts final : public Experts {
       fp.hs_stride = fp8_inter_max_ / kFp8GroupSize;
       fp.out = out_rows;
       fp.overlap = fp8_pairs_;
-      // Persistent grids of one CTA per multiprocessor (the kernels take ~205 KiB of shared memory).
+      fp.num_small = big ? ws.num_tiles + 1 : nullptr;
+      // Persistent grids of one CTA per multiprocessor (the kernels take ~205-217 KiB of shared memory).
       fp.max_weight_tiles = static_cast<int32_t>(fp8_inter_max_ / kFp8GroupSize);
-      const int64_t up_items = max_tiles * fp.max_weight_tiles;
-      experts_cuda::launch_fp8_gate_up(fp, static_cast<int>(std::clamp<int64_t>(up_items, 1, num_sms_)), stream);
+      const int up_grid = static_cast<int>(std::clamp<int64_t>(max_tiles * fp.max_weight_tiles, 1, num_sms_));
+      experts_cuda::launch_fp8_gate_up(fp, up_grid, stream);
+      if (big) experts_cuda::launch_fp8_prefill_gate_up(fp, up_grid, stream);
       fp.gather = nullptr;
       fp.max_weight_tiles = static_cast<int32_t>(ceil_div(h, experts_cuda::kFp8TileWeightRows));
-      const int64_t down_items = max_tiles * fp.max_weight_tiles;
-      experts_cuda::launch_fp8_down(fp, static_cast<int>(std::clamp<int64_t>(down_items, 1, num_sms_)), stream);
+      const int down_grid = static_cast<int>(std::clamp<int64_t>(max_tiles * fp.max_weight_tiles, 1, num_sms_));
+      experts_cuda::launch_fp8_down(fp, down_grid, stream);
+      if (big) experts_cuda::launch_fp8_prefill_down(fp, down_grid, stream);
     }
     const dim3 gate_up_grid(static_cast<unsigned>(ceil_div(2 * inter_max_, experts_cuda::kTileCols)), tile_slots);
     for (WeightFormat f : kFormats) {
@@ -407,6 +423,7 @@ class CudaExperts final : public Experts {
   int64_t fp8_inter_max_ = 0;     // widest fp8_block expert (I % 128 == 0)
   bool fp8_tensor_cores_ = false; // fp8_block experts with FP8 x run on the sm_90a wgmma GEMMs
   bool fp8_pairs_ = false;        // their mainloop variant (EPX_EXPERTS_FP8_PAIRS)
+  bool fp8_prefill_ = false;      // experts with > 64 rows on the prefill kernels (EPX_EXPERTS_FP8_PREFILL)
   int num_sms_ = 1;
   std::array<bool, 3> has_format_{};
   std::vector<Tensor> device_weights_;  // uploaded w13 / scales / w2 / scales of every expert

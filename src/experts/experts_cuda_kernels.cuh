@@ -64,7 +64,11 @@ struct ScheduleParams {
   int32_t* pair_row;      ///< Flat out [N*K]: token of each grouped pair
   int32_t* slot;          ///< Flat out [N*K]: grouped position of (n, k), -1 = not on this rank
   Tile* tiles;            ///< out [max tiles]
-  int32_t* num_tiles;     ///< out [1]
+  int32_t* num_tiles;     ///< out [2]: [0] tiles, [1] tiles of the small section (big_rows > 0)
+  /// 0: every expert in tiles of kTileRows rows. > 0: experts with more than kTileRows rows are
+  /// tiled by big_rows rows after all the others' tiles (the FP8 prefill kernels' section,
+  /// Fp8GemmParams::num_small); num_tiles[1] = first tile of that section.
+  int32_t big_rows;
   ErrorRecord* error;     ///< host-mapped
 };
 
@@ -185,10 +189,10 @@ constexpr int64_t schedule_smem_bytes(int num_local) { return 4LL * 4 * num_loca
 __global__ void __launch_bounds__(kScheduleThreads) schedule_expert_major_kernel(ScheduleParams p) {
   extern __shared__ int32_t smem[];
   int32_t* counts = smem;                    // [L] rows
-  int32_t* row_off = counts + p.num_local;   // zeros: rows are l * cap + j (scanned along, unused)
-  int32_t* tile_off = row_off + p.num_local; // [L] tiles per expert -> first tile
+  int32_t* big_off = counts + p.num_local;   // [L] big tiles per expert -> first big tile (big_rows > 0)
+  int32_t* tile_off = big_off + p.num_local; // [L] tiles per expert -> first tile
   __shared__ int claimed;
-  __shared__ int32_t total_rows, total_tiles;
+  __shared__ int32_t total_big, total_tiles;
   const int tid = threadIdx.x, L = p.num_local;
   if (tid == 0) claimed = 0;
   __syncthreads();
@@ -199,17 +203,20 @@ __global__ void __launch_bounds__(kScheduleThreads) schedule_expert_major_kernel
       c = c < 0 ? 0 : p.cap;
     }
     counts[l] = static_cast<int32_t>(c);
-    row_off[l] = 0;
-    tile_off[l] = static_cast<int32_t>((c + kTileRows - 1) / kTileRows);
+    const bool big = p.big_rows > 0 && c > kTileRows;
+    big_off[l] = big ? static_cast<int32_t>((c + p.big_rows - 1) / p.big_rows) : 0;
+    tile_off[l] = big ? 0 : static_cast<int32_t>((c + kTileRows - 1) / kTileRows);
   }
   __syncthreads();
-  block_exclusive_scan2(row_off, tile_off, L, &total_rows, &total_tiles);
+  block_exclusive_scan2(big_off, tile_off, L, &total_big, &total_tiles);
   for (int l = tid; l < L; l += kScheduleThreads) {
     const int32_t c = counts[l];
-    for (int32_t j = 0, t = tile_off[l]; j < c; j += kTileRows, ++t)
-      p.tiles[t] = Tile{l, static_cast<int32_t>(l * p.cap + j), min(kTileRows, c - j), 0};
+    const bool big = p.big_rows > 0 && c > kTileRows;
+    const int32_t step = big ? p.big_rows : kTileRows;
+    for (int32_t j = 0, t = big ? total_tiles + big_off[l] : tile_off[l]; j < c; j += step, ++t)
+      p.tiles[t] = Tile{l, static_cast<int32_t>(l * p.cap + j), min(step, c - j), 0};
   }
-  if (tid == 0) *p.num_tiles = total_tiles;
+  if (tid == 0) p.num_tiles[0] = total_tiles + total_big, p.num_tiles[1] = total_tiles;
 }
 
 /// Flat: groups the valid (n, k) pairs by expert (order inside an expert is arbitrary: results do
@@ -236,17 +243,28 @@ __global__ void __launch_bounds__(kScheduleThreads) schedule_flat_kernel(Schedul
                                    static_cast<int32_t>(i % p.top_k), e);
   }
   __syncthreads();
+  __shared__ int32_t total_big, total_rows2;
   for (int l = tid; l < L; l += kScheduleThreads) {
+    const bool big = p.big_rows > 0 && counts[l] > kTileRows;
     row_off[l] = counts[l];
-    tile_off[l] = (counts[l] + kTileRows - 1) / kTileRows;
+    tile_off[l] = big ? 0 : (counts[l] + kTileRows - 1) / kTileRows;
+    fill[l] = big ? (counts[l] + p.big_rows - 1) / p.big_rows : 0;  // big tiles (big_rows > 0)
   }
   __syncthreads();
   block_exclusive_scan2(row_off, tile_off, L, &total_rows, &total_tiles);
+  // The big tiles' offsets, scanned in `fill` (reset to the pair cursor below); `counts` is scanned
+  // alongside (it becomes row_off; the counts are recovered from row_off's differences).
+  block_exclusive_scan2(fill, counts, L, &total_big, &total_rows2);
   for (int l = tid; l < L; l += kScheduleThreads) {
-    const int32_t c = counts[l];
-    for (int32_t j = 0, t = tile_off[l]; j < c; j += kTileRows, ++t)
-      p.tiles[t] = Tile{l, row_off[l] + j, min(kTileRows, c - j), 0};
+    const int32_t c = (l + 1 < L ? row_off[l + 1] : total_rows) - row_off[l];
+    const bool big = p.big_rows > 0 && c > kTileRows;
+    const int32_t step = big ? p.big_rows : kTileRows;
+    for (int32_t j = 0, t = big ? total_tiles + fill[l] : tile_off[l]; j < c; j += step, ++t)
+      p.tiles[t] = Tile{l, row_off[l] + j, min(step, c - j), 0};
   }
+  __syncthreads();
+  for (int l = tid; l < L; l += kScheduleThreads) fill[l] = 0;
+  __syncthreads();
   for (int64_t i = tid; i < p.num_pairs; i += kScheduleThreads) {
     const int64_t e = expert_of(i);
     if (e >= 0 && e < L) {
@@ -257,7 +275,7 @@ __global__ void __launch_bounds__(kScheduleThreads) schedule_flat_kernel(Schedul
       p.slot[i] = -1;
     }
   }
-  if (tid == 0) *p.num_tiles = total_tiles;
+  if (tid == 0) p.num_tiles[0] = total_tiles + total_big, p.num_tiles[1] = total_tiles;
 }
 
 // ---- GEMM stage loaders -------------------------------------------------------------------------

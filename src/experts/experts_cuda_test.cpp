@@ -346,19 +346,25 @@ TEST(ExpertsCuda, DeepSeekV4ProExpertShapes) {
 TEST(ExpertsCuda, Fp8TensorCoreRowCountsOneTo8192) {
   if (gpus() < 1) GTEST_SKIP() << "needs 1 GPU, found " << gpus();
   // fp8_block experts with FP8 x take the sm_90a wgmma GEMMs (N=16 tiles up to 16 rows, N=64
-  // above): DeepSeek-V3 shapes, total rows 1, 7, 128, 1000 (ExpertMajor, experts without tokens
-  // among them) and 8192 (Flat, contiguous rows grouped by expert on the device).
-  // The same cases through the paired-K-block mainloop variant (EPX_EXPERTS_FP8_PAIRS=1).
+  // up to 64; experts with more rows: the prefill kernels' 128-row tiles, N=128): DeepSeek-V3
+  // shapes, total rows 1, 7, 128, 258, 1000 (ExpertMajor, experts without tokens among them; 64 /
+  // 65 / 129 rows straddle the tile boundaries, small and prefill tiles in one call) and 200 /
+  // 8192 (Flat, contiguous rows grouped by expert on the device; 200 pairs: ~67 per expert).
+  // The same cases through the paired-K-block mainloop variant (EPX_EXPERTS_FP8_PAIRS=1) and
+  // with the prefill kernels off (EPX_EXPERTS_FP8_PREFILL=0: every tile on the 64-row kernels).
   const auto experts = same_format(WeightFormat::fp8_block, 3, 7168, 2048, 500);
   auto cpu = make_experts_cpu(experts);
   auto gpu = make_experts_cuda(experts, 0);
   setenv("EPX_EXPERTS_FP8_PAIRS", "1", 1);
   auto gpu_pairs = make_experts_cuda(experts, 0);
   unsetenv("EPX_EXPERTS_FP8_PAIRS");
+  setenv("EPX_EXPERTS_FP8_PREFILL", "0", 1);
+  auto gpu_small = make_experts_cuda(experts, 0);
+  unsetenv("EPX_EXPERTS_FP8_PREFILL");
   const double tol = kMaxRelL2Fp8TensorCores;
-  const std::vector<std::vector<int32_t>> cases = {{0, 1, 0}, {7, 0, 0}, {16, 17, 95}, {0, 1000, 0}};
-  for (auto* g : {gpu.get(), gpu_pairs.get()}) {
-    const char* variant = g == gpu.get() ? "" : " (pairs)";
+  const std::vector<std::vector<int32_t>> cases = {{0, 1, 0}, {7, 0, 0}, {16, 17, 95}, {64, 65, 129}, {0, 1000, 0}};
+  for (auto* g : {gpu.get(), gpu_pairs.get(), gpu_small.get()}) {
+    const char* variant = g == gpu.get() ? "" : g == gpu_pairs.get() ? " (pairs)" : " (no prefill kernels)";
     uint64_t seed = 501;
     for (const auto& counts : cases) {
       const int64_t cap = *std::max_element(counts.begin(), counts.end()) + 3;
@@ -368,6 +374,8 @@ TEST(ExpertsCuda, Fp8TensorCoreRowCountsOneTo8192) {
     }
     const double fl = run_flat(*cpu, *g, 4096, 2, DType::fp8_e4m3, ++seed, {.masked = 0.0, .duplicates = false, .tol = tol});
     std::printf("[ rel_l2 ] fp8 tensor cores%s deepseek-v3 flat 8192 rows: %.2e\n", variant, fl);
+    const double f2 = run_flat(*cpu, *g, 100, 2, DType::fp8_e4m3, ++seed, {.masked = 0.0, .duplicates = false, .tol = tol});
+    std::printf("[ rel_l2 ] fp8 tensor cores%s deepseek-v3 flat 200 rows: %.2e\n", variant, f2);
   }
 }
 

@@ -20,6 +20,7 @@
 // all weight tiles of one row tile, and all row tiles of one expert, close in time (L2 reuse).
 #include "experts/experts_fp8_cuda.h"
 
+#include <algorithm>
 #include <mutex>
 #include <vector>
 
@@ -27,12 +28,14 @@
 #include "epx/dtype.h"
 #include "epx/error.h"
 #include "epx/experts.h"
+#include "experts/experts_fp8_wgmma.cuh"
 
 namespace epx::experts_cuda {
 namespace {
 
+using namespace wg;
+
 constexpr int kThreads = 256;
-constexpr int kBK = 128;                        // K per stage = one FP8 scale block = one 128B swizzle row
 constexpr int kStages = 5;
 constexpr int kMaxBN = 64;
 constexpr int kSubBytes = 64 * kBK;             // one m64 weight sub-tile (8 KiB)
@@ -49,10 +52,6 @@ constexpr int kHStageStride = kBK + 16;         // gate_up epilogue: FP8 h rows 
 constexpr int kOutStageStride = kFp8TileWeightRows + 8;  // down epilogue: bf16 out rows (elements), padded
 static_assert(kMaxBN * kOutStageStride * 2 <= kStages * kStageBytes, "epilogue staging fits the ring");
 
-#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define EPX_FP8_WGMMA 1
-#endif
-
 __global__ void probe_kernel(int* ok) {
 #ifdef EPX_FP8_WGMMA
   *ok = 1;
@@ -62,103 +61,6 @@ __global__ void probe_kernel(int* ok) {
 }
 
 #ifdef EPX_FP8_WGMMA
-
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0) : "memory");
-}
-__device__ __forceinline__ void cp_async4(uint32_t dst, const void* src, bool valid) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 4 : 0) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
-__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void wgmma_wait() {
-  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
-}
-/// cp.async.wait_group with a run-time count (0..3; larger counts wait for fewer groups: never wrong).
-__device__ __forceinline__ void cp_async_wait_dyn(int n) {
-  if (n >= 3) cp_async_wait<3>();
-  else if (n == 2) cp_async_wait<2>();
-  else if (n == 1) cp_async_wait<1>();
-  else cp_async_wait<0>();
-}
-__device__ __forceinline__ void fence_operand(float& r) { asm volatile("" : "+f"(r)::"memory"); }
-
-/// Shared-memory matrix descriptor of a K-major tile with 128-byte swizzle: rows of 128 bytes,
-/// 8-row groups 1024 bytes apart (SBO); LBO unused for this layout. Base 1024-byte aligned.
-__device__ __forceinline__ uint64_t smem_desc(uint32_t addr) {
-  uint64_t d = static_cast<uint64_t>((addr & 0x3FFFFu) >> 4);
-  d |= static_cast<uint64_t>(1) << 16;
-  d |= static_cast<uint64_t>(1024 >> 4) << 32;
-  d |= static_cast<uint64_t>(1) << 62;
-  return d;
-}
-
-/// Byte offset of 16-byte chunk c (0..7) of row r in a 128B-swizzled tile.
-__device__ __forceinline__ uint32_t swz(int r, int c) { return static_cast<uint32_t>(r * 128 + ((c ^ (r & 7)) << 4)); }
-
-template <int BN>
-struct Wgmma;
-
-template <>
-struct Wgmma<16> {
-  __device__ __forceinline__ static void mma(float (&d)[8], uint64_t a, uint64_t b, int acc) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3 "
-        "{%0,%1,%2,%3,%4,%5,%6,%7}, %8, %9, p, 1, 1;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
-        : "l"(a), "l"(b), "r"(acc));
-  }
-};
-
-template <>
-struct Wgmma<64> {
-  __device__ __forceinline__ static void mma(float (&d)[32], uint64_t a, uint64_t b, int acc) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 "
-        "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
-        "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, %32, %33, p, 1, 1;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-        : "l"(a), "l"(b), "r"(acc));
-  }
-};
-
-/// What one work item needs, resolved by every thread.
-struct Item {
-  const uint8_t* w;        // w13 or w2 (fp8 codes, K-major rows)
-  const float* w_scale;    // [rows/128, K/128]
-  int64_t K;               // reduction length (multiple of 128)
-  int64_t inter;           // I of the expert
-  int64_t hidden;          // H
-  int32_t row0, num_rows;  // row-space rows of the tile
-  int64_t col0;            // gate_up: first h column; down: first output column
-};
-
-/// First weight row of m64 sub-tile t (0..3): gate_up gate/gate/up/up halves of 128 h columns;
-/// down 4 consecutive 64-row blocks of output columns.
-template <bool kGateUp>
-__device__ __forceinline__ int64_t sub_row(const Item& it, int t) {
-  if constexpr (kGateUp) return (t >= 2 ? it.inter : 0) + it.col0 + (t & 1) * 64;
-  else return it.col0 + t * 64;
-}
-/// Sub-tile t lies inside the weight matrix (gate_up always; down: H % 128 == 0 keeps 64-row
-/// blocks whole).
-template <bool kGateUp>
-__device__ __forceinline__ bool sub_valid(const Item& it, int t) {
-  if constexpr (kGateUp) return true;
-  else return it.col0 + t * 64 < it.hidden;
-}
 
 /// One (row tile, weight tile) item with BN token columns. smem: 1024-aligned base.
 template <int BN, bool kGateUp, bool kOverlap>
@@ -377,7 +279,9 @@ __global__ void __launch_bounds__(kThreads, 1) fp8_gemm_kernel(Fp8GemmParams p) 
   const uint32_t smem_s = raw_s + pad;
   int32_t* rows = reinterpret_cast<int32_t*>(smem + kRowsOff);
 
-  const int64_t num_items = static_cast<int64_t>(*p.num_tiles) * p.max_weight_tiles;
+  // Tiles [0, *num_small) when the prefill kernel takes the rest (Fp8GemmParams::num_small).
+  const int32_t num_tiles = p.num_small != nullptr ? *p.num_small : *p.num_tiles;
+  const int64_t num_items = static_cast<int64_t>(num_tiles) * p.max_weight_tiles;
   for (int64_t item = blockIdx.x; item < num_items; item += gridDim.x) {
     const Tile tile = p.tiles[item / p.max_weight_tiles];
     const int wt = static_cast<int>(item % p.max_weight_tiles);
@@ -445,7 +349,8 @@ bool fp8_tensor_cores_available(int device) {
   cudaDeviceProp prop{};
   EPX_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
   int ok = 0;
-  if (prop.major == 9 && prop.minor == 0 && prop.sharedMemPerBlockOptin >= static_cast<size_t>(kSmemBytes)) {
+  if (prop.major == 9 && prop.minor == 0 &&
+      prop.sharedMemPerBlockOptin >= static_cast<size_t>(std::max(kSmemBytes, fp8_prefill_smem_bytes()))) {
     int* d = nullptr;
     EPX_CUDA_CHECK(cudaMalloc(&d, sizeof(int)));
     probe_kernel<<<1, 1>>>(d);
@@ -456,6 +361,7 @@ bool fp8_tensor_cores_available(int device) {
       for (auto* k : {fp8_gemm_kernel<true, false>, fp8_gemm_kernel<true, true>, fp8_gemm_kernel<false, false>,
                       fp8_gemm_kernel<false, true>})
         EPX_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
+      fp8_prefill_set_smem_limits();
     }
   }
   known[device] = ok;

@@ -36,11 +36,18 @@ struct Fp8GemmParams {
   /// sets, the first promoted while the second runs, one barrier per pair (3 blocks in flight).
   /// Same results either way.
   bool overlap;
+  /// [1] on the device, or null. Non-null: the schedule split the tile list (ScheduleParams::
+  /// big_rows): tiles [0, *num_small) hold <= kTileRows rows and run on launch_fp8_gate_up/down,
+  /// tiles [*num_small, *num_tiles) hold <= kFp8PrefillRows rows and run on the prefill kernels.
+  const int32_t* num_small;
 };
 
 /// Weight rows per CTA tile: gate_up 128 gate + 128 up rows (128 h columns = one FP8 group);
 /// down 256 output columns.
 constexpr int kFp8TileWeightRows = 256;
+
+/// Rows (tokens) per tile of the prefill kernels (wgmma N = 128).
+constexpr int kFp8PrefillRows = 128;
 
 /// True when this build carries the sm_90a kernels and `device` is a compute-capability 9.0 GPU
 /// (probed once per device with a one-thread kernel; the first call on a device also raises the
@@ -52,5 +59,18 @@ bool fp8_tensor_cores_available(int device);
 void launch_fp8_gate_up(const Fp8GemmParams& p, int grid, cudaStream_t stream);
 /// out = bf16(h W_down^T) for every tile of every fp8_block expert.
 void launch_fp8_down(const Fp8GemmParams& p, int grid, cudaStream_t stream);
+
+/// The prefill kernels (experts_fp8_prefill_cuda.cu): the same two GEMMs (same results up to the
+/// fp32 summation order inside a K block) over tiles [*p.num_small, *p.num_tiles) of up to
+/// kFp8PrefillRows rows; p.num_small must be non-null. One warp-specialized CTA per SM: a producer
+/// warpgroup streams 256 weight rows x 128 tokens x 128 K per stage (cp.async into a 128B-swizzled
+/// ring, mbarrier hand-off), two consumer warpgroups run m64n128k32 wgmmas and the block-scale
+/// promotion. `grid` = persistent CTAs (>= 1); stream-ordered, graph-safe (counts read on the device).
+void launch_fp8_prefill_gate_up(const Fp8GemmParams& p, int grid, cudaStream_t stream);
+void launch_fp8_prefill_down(const Fp8GemmParams& p, int grid, cudaStream_t stream);
+/// Shared bytes of the larger prefill kernel (fp8_tensor_cores_available checks the device's opt-in
+/// limit against it) and the one-time raise of their limit (called by fp8_tensor_cores_available).
+int fp8_prefill_smem_bytes();
+void fp8_prefill_set_smem_limits();
 
 }  // namespace epx::experts_cuda

@@ -1,0 +1,317 @@
+// experts/experts_fp8_prefill_cuda.cu: the prefill (many rows per expert) FP8 block-scaled grouped
+// GEMMs on sm_90a: the same two GEMMs as experts_fp8_cuda.cu (weights in wgmma's M slot, tokens in
+// N, 128x128 weight block scales x 1x128 activation scales promoted in fp32 registers after every
+// 128-deep K block, DeepSeek-V3 / DeepGEMM's recipe; gate_up fuses silu(g) * u and the FP8 1x128
+// requantization of h, down rounds to bf16 once), over tiles of up to 128 tokens.
+//
+// One CTA per SM, 384 threads, warp-specialized:
+//   warpgroup 0 (producer, 40 registers): streams each K block's operands into a kStages-deep ring
+//     of 128-byte-swizzled K-major tiles with 16-byte cp.async (each thread: 2 weight rows and 1
+//     token row, 8 chunks each, plus its token's scale) and hands a stage over with
+//     cp.async.mbarrier.arrive (the `full` barrier completes when all 128 threads' copies landed);
+//     the gather of the Flat layout is a per-thread row index, so Flat and ExpertMajor cost the same;
+//   warpgroups 1, 2 (consumers, 232 registers): warpgroup c owns weight sub-tiles c and 2 + c
+//     (gate_up: gate and up rows of the same 64 h columns, so one thread holds g and u of the same
+//     (h column, token)); per K block: 4 m64n128k32 wgmmas into a temporary, wait, promote
+//     (acc += tmp * w_scale * x_scale), the same for the second sub-tile, then one arrive per warp on
+//     the stage's `empty` barrier. While one warpgroup promotes, the other's wgmmas keep the tensor
+//     cores busy; the producer runs up to kStages blocks ahead, across work items, so the next
+//     item's first stages load under the current epilogue (its staging buffer is not the ring).
+// Work items: (128-row tile, weight tile) pairs over the tile list's prefill section, walked by a
+// persistent grid in tile-major order (all weight tiles of one row tile, then the expert's next row
+// tile: the weight tile's second reader hits L2).
+#include <algorithm>
+
+#include "cuda/check.h"
+#include "epx/dtype.h"
+#include "epx/experts.h"
+#include "experts/experts_fp8_cuda.h"
+#include "experts/experts_fp8_wgmma.cuh"
+
+namespace epx::experts_cuda {
+namespace {
+
+using namespace wg;
+
+constexpr int kPfThreads = 384;
+constexpr int kBN = kFp8PrefillRows;                     // 128 tokens = wgmma N
+constexpr int kWRows = kFp8TileWeightRows;               // 256 weight rows
+[[maybe_unused]] constexpr int kSub = 64 * kBK;                           // one m64 weight sub-tile (8 KiB)
+constexpr int kABytes = kWRows * kBK;                    // 32 KiB
+constexpr int kBBytes = kBN * kBK;                       // 16 KiB
+constexpr int kStageBytes = kABytes + kBBytes;           // 48 KiB (multiple of 1024: swizzle atoms)
+constexpr int kScaleFloats = 4 + kBN;                    // per stage: 4 weight sub-tile scales + 128 token scales
+constexpr int kHStride = kBK + 16;                       // gate_up staging: FP8 h bytes per token, padded
+constexpr int kOutStride = kWRows + 8;                   // down staging: bf16 per token, padded
+
+/// Shared-memory layout of the gate_up (kGateUp) or down kernel; base 1024-byte aligned.
+template <bool kGateUp>
+struct Layout {
+  static constexpr int kStages = kGateUp ? 4 : 3;        // down's 66 KiB staging leaves room for 3
+  static constexpr int kScaleOff = kStages * kStageBytes;
+  static constexpr int kBarOff = kScaleOff + kStages * kScaleFloats * 4;  // full[kStages], empty[kStages]
+  static constexpr int kRedOff = kBarOff + 2 * kStages * 8;              // gate_up: [8 warps][128] amax
+  static constexpr int kOutOff = (kRedOff + (kGateUp ? 8 * kBN * 4 : 0) + 127) / 128 * 128;
+  static constexpr int kOutBytes = kGateUp ? kBN * kHStride : kBN * kOutStride * 2;
+  static constexpr int kSmemBytes = kOutOff + kOutBytes + 1024;  // + alignment of the base
+};
+static_assert(Layout<true>::kSmemBytes <= 227 * 1024 && Layout<false>::kSmemBytes <= 227 * 1024, "fits an SM");
+static_assert((kScaleFloats * 4) % 16 == 0, "stage scale blocks stay 16-byte aligned");
+
+#ifdef EPX_FP8_WGMMA
+
+/// Work item `item` of the prefill section, or false when this CTA-uniform item has nothing to do
+/// (expert not fp8_block, weight tile past the expert's I or the model's H).
+template <bool kGateUp>
+__device__ __forceinline__ bool resolve(const Fp8GemmParams& p, int32_t tile0, int64_t item, Item& it) {
+  const Tile tile = p.tiles[tile0 + item / p.max_weight_tiles];
+  const int wt = static_cast<int>(item % p.max_weight_tiles);
+  const ExpertDesc e = p.experts[tile.expert];
+  if (e.format != static_cast<int32_t>(WeightFormat::fp8_block)) return false;
+  it.row0 = tile.row0;
+  it.num_rows = tile.num_rows;
+  it.inter = e.intermediate;
+  it.hidden = p.hidden;
+  if constexpr (kGateUp) {
+    if (static_cast<int64_t>(wt) * kBK >= it.inter) return false;
+    it.w = static_cast<const uint8_t*>(e.w13);
+    it.w_scale = static_cast<const float*>(e.w13_scale);
+    it.K = p.hidden;
+    it.col0 = static_cast<int64_t>(wt) * kBK;
+  } else {
+    it.col0 = static_cast<int64_t>(wt) * kWRows;
+    if (it.col0 >= p.hidden) return false;
+    it.w = static_cast<const uint8_t*>(e.w2);
+    it.w_scale = static_cast<const float*>(e.w2_scale);
+    it.K = it.inter;
+  }
+  return true;
+}
+
+template <bool kGateUp>
+__device__ __forceinline__ void producer(const Fp8GemmParams& p, int32_t tile0, int64_t num_items, uint32_t smem_s) {
+  using L = Layout<kGateUp>;
+  const int pt = threadIdx.x;  // 0..127
+  const int64_t b_stride = kGateUp ? p.hidden : p.h_stride;  // bytes per B row
+  const int64_t bs_stride = kGateUp ? p.hidden / kBK : p.hs_stride;
+  const uint8_t* b_base = kGateUp ? p.x : p.hq;
+  const float* bs_base = kGateUp ? p.x_scales : p.hs;
+  const uint32_t full0 = smem_s + L::kBarOff, empty0 = full0 + L::kStages * 8;
+  uint32_t cnt = 0;  // K blocks produced so far (all items): stage cnt % kStages, use cnt / kStages
+  for (int64_t item = blockIdx.x; item < num_items; item += gridDim.x) {
+    Item it;
+    if (!resolve<kGateUp>(p, tile0, item, it)) continue;
+    const int64_t nk = it.K / kBK;
+    // This thread's rows: token pt; weight rows pt (sub-tile pt / 64) and 128 + pt (2 + pt / 64).
+    const bool bv = pt < it.num_rows;
+    int64_t brow = 0;
+    if (bv) brow = kGateUp && p.gather != nullptr ? p.gather[it.row0 + pt] : it.row0 + pt;
+    const uint8_t* bsrc = b_base + brow * b_stride;
+    const float* bssrc = bs_base + brow * bs_stride;
+    const int ta = pt >> 6, tb = 2 + (pt >> 6);
+    const bool va = sub_valid<kGateUp>(it, ta), vb = sub_valid<kGateUp>(it, tb);
+    const uint8_t* asrc0 = it.w + (va ? (sub_row<kGateUp>(it, ta) + (pt & 63)) * it.K : 0);
+    const uint8_t* asrc1 = it.w + (vb ? (sub_row<kGateUp>(it, tb) + (pt & 63)) * it.K : 0);
+    const bool wsv = pt < 4 && sub_valid<kGateUp>(it, pt & 3);
+    const float* wssrc = it.w_scale + (wsv ? (sub_row<kGateUp>(it, pt & 3) / kBK) * (it.K / kBK) : 0);
+    for (int64_t kb = 0; kb < nk; ++kb, ++cnt) {
+      const uint32_t s = cnt % L::kStages;
+      if (cnt >= static_cast<uint32_t>(L::kStages)) mbar_wait(empty0 + s * 8, ((cnt / L::kStages) - 1) & 1);
+      const uint32_t a_s = smem_s + s * kStageBytes, b_s = a_s + kABytes;
+      const int64_t k0 = kb * kBK;
+#pragma unroll
+      for (int c = 0; c < 8; ++c) {
+        cp_async16(a_s + swz(pt, c), asrc0 + k0 + c * 16, va);
+        cp_async16(a_s + swz(pt + 128, c), asrc1 + k0 + c * 16, vb);
+        cp_async16(b_s + swz(pt, c), bsrc + k0 + c * 16, bv);
+      }
+      const uint32_t sc = smem_s + L::kScaleOff + s * kScaleFloats * 4;
+      cp_async4(sc + (4 + pt) * 4, bssrc + kb, bv);  // token scale; 0 for rows past the tile
+      if (pt < 4) cp_async4(sc + pt * 4, wssrc + kb, wsv);
+      cp_async_mbar_arrive(full0 + s * 8);
+    }
+  }
+  cp_async_wait<0>();
+}
+
+template <bool kGateUp>
+__device__ __forceinline__ void consumer(const Fp8GemmParams& p, int32_t tile0, int64_t num_items, uint8_t* smem,
+                                         uint32_t smem_s) {
+  using L = Layout<kGateUp>;
+  constexpr int kFrag = kBN / 2;  // 64 accumulator floats per thread per m64n128
+  const int ct = threadIdx.x - 128, cwg = ct >> 7, warp = ct >> 5, warp_in_wg = warp & 3, lane = ct & 31;
+  const float* scales = reinterpret_cast<const float*>(smem + L::kScaleOff);
+  const uint32_t full0 = smem_s + L::kBarOff, empty0 = full0 + L::kStages * 8;
+  float acc[2][kFrag], tmp[kFrag];
+#pragma unroll
+  for (int i = 0; i < kFrag; ++i) tmp[i] = 0.0f;
+  uint32_t cnt = 0;
+  for (int64_t item = blockIdx.x; item < num_items; item += gridDim.x) {
+    Item it;
+    if (!resolve<kGateUp>(p, tile0, item, it)) continue;
+    const int64_t nk = it.K / kBK;
+#pragma unroll
+    for (int sub = 0; sub < 2; ++sub)
+#pragma unroll
+      for (int i = 0; i < kFrag; ++i) acc[sub][i] = 0.0f;
+    for (int64_t kb = 0; kb < nk; ++kb, ++cnt) {
+      const uint32_t s = cnt % L::kStages;
+      mbar_wait(full0 + s * 8, (cnt / L::kStages) & 1);
+      fence_proxy_async();  // cp.async wrote through the generic proxy; wgmma reads through the async one
+      const uint32_t a_s = smem_s + s * kStageBytes, b_s = a_s + kABytes;
+      const uint64_t db = smem_desc(b_s);
+      const float* sc = scales + s * kScaleFloats;
+#pragma unroll
+      for (int sub = 0; sub < 2; ++sub) {
+        const uint64_t da = smem_desc(a_s + (2 * sub + cwg) * kSub);
+        wgmma_fence();
+#pragma unroll
+        for (int k = 0; k < kBK / 32; ++k) Wgmma<kBN>::mma(tmp, da + 2 * k, db + 2 * k, k);
+        wgmma_commit();
+        wgmma_wait<0>();
+#pragma unroll
+        for (int i = 0; i < kFrag; ++i) fence_operand(tmp[i]);
+        const float wsc = sc[2 * sub + cwg];
+#pragma unroll
+        for (int i = 0; i < kFrag; i += 2) {
+          const int col = 8 * (i >> 2) + 2 * (lane & 3);  // columns col, col + 1 for i, i + 1
+          const float2 xs = *reinterpret_cast<const float2*>(sc + 4 + col);
+          acc[sub][i] = fmaf(tmp[i], wsc * xs.x, acc[sub][i]);
+          acc[sub][i + 1] = fmaf(tmp[i + 1], wsc * xs.y, acc[sub][i + 1]);
+        }
+      }
+      __syncwarp();
+      if (lane == 0) mbar_arrive(empty0 + s * 8);  // 8 consumer warps release the stage
+    }
+
+    if constexpr (kGateUp) {
+      // h for (h column cwg*64 + row, token col): gate in acc[0], up in acc[1].
+      float* red = reinterpret_cast<float*>(smem + L::kRedOff);  // [8 warps][kBN] amax
+      uint8_t* stage = smem + L::kOutOff;                         // [kBN][kHStride] FP8 h
+      float cmax[kFrag / 2];  // per distinct column: index (i >> 2) * 2 + (i & 1)
+#pragma unroll
+      for (int j = 0; j < kFrag / 2; ++j) cmax[j] = 0.0f;
+#pragma unroll
+      for (int i = 0; i < kFrag; ++i) {
+        const float g = acc[0][i], u = acc[1][i];
+        acc[0][i] = g / (1.0f + expf(-g)) * u;  // silu(g) * u in fp32, the CPU's expression
+        const int j = (i >> 2) * 2 + (i & 1);
+        cmax[j] = fmaxf(cmax[j], fabsf(acc[0][i]));
+      }
+#pragma unroll
+      for (int j = 0; j < kFrag / 2; ++j) {
+#pragma unroll
+        for (int m = 4; m < 32; m <<= 1) cmax[j] = fmaxf(cmax[j], __shfl_xor_sync(0xffffffffu, cmax[j], m));
+      }
+      if (lane < 4) {
+#pragma unroll
+        for (int j = 0; j < kFrag / 2; ++j) red[warp * kBN + 8 * (j >> 1) + 2 * lane + (j & 1)] = cmax[j];
+      }
+      named_bar_sync(1, 256);
+#pragma unroll
+      for (int i = 0; i < kFrag; ++i) {
+        const int col = 8 * (i >> 2) + 2 * (lane & 3) + (i & 1);
+        float amax = 0.0f;
+#pragma unroll
+        for (int w = 0; w < 8; ++w) amax = fmaxf(amax, red[w * kBN + col]);
+        const float scale = __fdiv_rn(fmaxf(amax, 1e-4f), kFp8E4m3Max);
+        const int hrow = cwg * 64 + 16 * warp_in_wg + (lane >> 2) + 8 * ((i >> 1) & 1);
+        stage[col * kHStride + hrow] = float_to_fp8_e4m3_bits(__fdiv_rn(acc[0][i], scale));
+      }
+      if (ct < it.num_rows) {
+        float amax = 0.0f;
+        for (int w = 0; w < 8; ++w) amax = fmaxf(amax, red[w * kBN + ct]);
+        p.hs[static_cast<int64_t>(it.row0 + ct) * p.hs_stride + it.col0 / kBK] = __fdiv_rn(fmaxf(amax, 1e-4f), kFp8E4m3Max);
+      }
+      named_bar_sync(1, 256);
+      for (int q = ct; q < it.num_rows * 8; q += 256) {
+        const int j = q >> 3, c = q & 7;
+        *reinterpret_cast<uint4*>(p.hq + static_cast<int64_t>(it.row0 + j) * p.h_stride + it.col0 + c * 16) =
+            *reinterpret_cast<const uint4*>(stage + j * kHStride + c * 16);
+      }
+    } else {
+      uint16_t* stage = reinterpret_cast<uint16_t*>(smem + L::kOutOff);  // [kBN][kOutStride] bf16
+#pragma unroll
+      for (int sub = 0; sub < 2; ++sub) {
+        const int t = sub * 2 + cwg;
+#pragma unroll
+        for (int i = 0; i < kFrag; ++i) {
+          const int col = 8 * (i >> 2) + 2 * (lane & 3) + (i & 1);
+          const int wrow = t * 64 + 16 * warp_in_wg + (lane >> 2) + 8 * ((i >> 1) & 1);
+          stage[col * kOutStride + wrow] = float_to_bf16_bits(acc[sub][i]);
+        }
+      }
+      named_bar_sync(1, 256);
+      constexpr int kChunks = kWRows / 8;  // 16-byte chunks per output row
+      for (int q = ct; q < it.num_rows * kChunks; q += 256) {
+        const int j = q / kChunks, c = q % kChunks;
+        const int64_t n = it.col0 + c * 8;
+        if (n < p.hidden)
+          *reinterpret_cast<uint4*>(p.out + static_cast<int64_t>(it.row0 + j) * p.hidden + n) =
+              *reinterpret_cast<const uint4*>(stage + j * kOutStride + c * 8);
+      }
+    }
+    named_bar_sync(1, 256);  // staging (and red) are reused by the next item's epilogue
+  }
+}
+
+template <bool kGateUp>
+__global__ void __launch_bounds__(kPfThreads, 1) fp8_prefill_kernel(Fp8GemmParams p) {
+  using L = Layout<kGateUp>;
+  extern __shared__ uint8_t smem_raw[];
+  const uint32_t raw_s = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
+  const uint32_t pad = (1024u - (raw_s & 1023u)) & 1023u;
+  uint8_t* smem = smem_raw + pad;
+  const uint32_t smem_s = raw_s + pad;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < L::kStages; ++s) {
+      mbar_init(smem_s + L::kBarOff + s * 8, 128);                  // full: every producer thread's copies
+      mbar_init(smem_s + L::kBarOff + (L::kStages + s) * 8, 8);     // empty: every consumer warp
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+  const int32_t tile0 = *p.num_small, tile1 = *p.num_tiles;
+  const int64_t num_items = static_cast<int64_t>(max(tile1 - tile0, 0)) * p.max_weight_tiles;
+  if (threadIdx.x < 128) {
+    setmaxnreg_dec<56>();
+    producer<kGateUp>(p, tile0, num_items, smem_s);
+  } else {
+    setmaxnreg_inc<224>();
+    consumer<kGateUp>(p, tile0, num_items, smem, smem_s);
+  }
+}
+
+#else  // not sm_90a: the host never launches these (fp8_tensor_cores_available is false)
+
+template <bool kGateUp>
+__global__ void __launch_bounds__(kPfThreads, 1) fp8_prefill_kernel(Fp8GemmParams) {
+#ifdef __CUDA_ARCH__
+  __trap();
+#endif
+}
+
+#endif  // EPX_FP8_WGMMA
+
+}  // namespace
+
+int fp8_prefill_smem_bytes() { return std::max(Layout<true>::kSmemBytes, Layout<false>::kSmemBytes); }
+
+void fp8_prefill_set_smem_limits() {
+  EPX_CUDA_CHECK(cudaFuncSetAttribute(fp8_prefill_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      Layout<true>::kSmemBytes));
+  EPX_CUDA_CHECK(cudaFuncSetAttribute(fp8_prefill_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      Layout<false>::kSmemBytes));
+}
+
+void launch_fp8_prefill_gate_up(const Fp8GemmParams& p, int grid, cudaStream_t stream) {
+  fp8_prefill_kernel<true><<<grid, kPfThreads, Layout<true>::kSmemBytes, stream>>>(p);
+  cuda::check_launch("fp8_prefill_kernel (gate_up)");
+}
+
+void launch_fp8_prefill_down(const Fp8GemmParams& p, int grid, cudaStream_t stream) {
+  fp8_prefill_kernel<false><<<grid, kPfThreads, Layout<false>::kSmemBytes, stream>>>(p);
+  cuda::check_launch("fp8_prefill_kernel (down)");
+}
+
+}  // namespace epx::experts_cuda
