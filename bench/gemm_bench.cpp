@@ -442,6 +442,18 @@ int main(int argc, char** argv) {
       add_row("prefill-v3", "epx-wgmma-64", "expert_major", cap, s4, false, true,
               rel_l2(host_bf16(out), host_bf16(out4), {{0, L * cap}}),
               "EPX_EXPERTS_FP8_PREFILL=0 (64-row kernels only); max_rel_error = epx-wgmma (prefill kernels) against this");
+      // The prefill kernels' ring depth (EPX_EXPERTS_FP8_PREFILL_STAGES; default: gate_up 4, down 3).
+      for (const char* stages : {"3", "2"}) {
+        setenv("EPX_EXPERTS_FP8_PREFILL_STAGES", stages, 1);
+        auto tcs = make_experts_cuda(experts, 0);
+        unsetenv("EPX_EXPERTS_FP8_PREFILL_STAGES");
+        CK(cudaMemset(out4.data(), 0xFF, out4.nbytes()));
+        const Stats s5 = time_us(stream, iters, [&] { tcs->apply(in, out4, Stream{stream}); });
+        CK(cudaStreamSynchronize(stream));
+        add_row("prefill-v3", std::string("epx-wgmma-stages") + stages, "expert_major", cap, s5, false, true,
+                rel_l2(host_bf16(out4), host_bf16(out), {{0, L * cap}}),
+                std::string("EPX_EXPERTS_FP8_PREFILL_STAGES=") + stages + "; max_rel_error against epx-wgmma");
+      }
     }
     {
       Tensor out3 = Tensor::empty({L, cap, kH}, DType::bf16, Device::cuda(0));

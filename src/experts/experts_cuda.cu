@@ -154,6 +154,7 @@ class CudaExperts final : public Experts {
     // kTileRows rows run in 128-row tiles on the warp-specialized prefill GEMMs
     // (experts_fp8_prefill_cuda.cu); 0 keeps every tile on the 64-row kernels.
     fp8_prefill_ = config.experts_fp8_prefill == 1;
+    fp8_prefill_stages_ = config.experts_fp8_prefill_stages;
     EPX_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms_, cudaDevAttrMultiProcessorCount, device_));
     std::vector<ExpertDesc> descs;
     for (const auto& e : experts_) {
@@ -383,6 +384,7 @@ class CudaExperts final : public Experts {
       fp.out = out_rows;
       fp.overlap = fp8_pairs_;
       fp.num_small = big ? ws.num_tiles + 1 : nullptr;
+      fp.prefill_stages = fp8_prefill_stages_;
       // Persistent grids of one CTA per multiprocessor (the kernels take ~205-217 KiB of shared memory).
       fp.max_weight_tiles = static_cast<int32_t>(fp8_inter_max_ / kFp8GroupSize);
       const int up_grid = static_cast<int>(std::clamp<int64_t>(max_tiles * fp.max_weight_tiles, 1, num_sms_));
@@ -424,6 +426,7 @@ class CudaExperts final : public Experts {
   bool fp8_tensor_cores_ = false; // fp8_block experts with FP8 x run on the sm_90a wgmma GEMMs
   bool fp8_pairs_ = false;        // their mainloop variant (EPX_EXPERTS_FP8_PAIRS)
   bool fp8_prefill_ = false;      // experts with > 64 rows on the prefill kernels (EPX_EXPERTS_FP8_PREFILL)
+  int fp8_prefill_stages_ = 0;    // their ring depth (EPX_EXPERTS_FP8_PREFILL_STAGES; 0 = maximum)
   int num_sms_ = 1;
   std::array<bool, 3> has_format_{};
   std::vector<Tensor> device_weights_;  // uploaded w13 / scales / w2 / scales of every expert

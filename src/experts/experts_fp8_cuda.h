@@ -40,6 +40,9 @@ struct Fp8GemmParams {
   /// big_rows): tiles [0, *num_small) hold <= kTileRows rows and run on launch_fp8_gate_up/down,
   /// tiles [*num_small, *num_tiles) hold <= kFp8PrefillRows rows and run on the prefill kernels.
   const int32_t* num_small;
+  /// Prefill kernels' ring depth (stages of 48 KiB): 0 = their maximum (gate_up 4, down 3), else
+  /// clamped to [2, maximum]. Same results for every depth.
+  int32_t prefill_stages;
 };
 
 /// Weight rows per CTA tile: gate_up 128 gate + 128 up rows (128 h columns = one FP8 group);

@@ -5,12 +5,12 @@
 // requantization of h, down rounds to bf16 once), over tiles of up to 128 tokens.
 //
 // One CTA per SM, 384 threads, warp-specialized:
-//   warpgroup 0 (producer, 40 registers): streams each K block's operands into a kStages-deep ring
+//   warpgroup 0 (producer, 64 registers): streams each K block's operands into a kStages-deep ring
 //     of 128-byte-swizzled K-major tiles with 16-byte cp.async (each thread: 2 weight rows and 1
 //     token row, 8 chunks each, plus its token's scale) and hands a stage over with
 //     cp.async.mbarrier.arrive (the `full` barrier completes when all 128 threads' copies landed);
 //     the gather of the Flat layout is a per-thread row index, so Flat and ExpertMajor cost the same;
-//   warpgroups 1, 2 (consumers, 232 registers): warpgroup c owns weight sub-tiles c and 2 + c
+//   warpgroups 1, 2 (consumers, 216 registers): warpgroup c owns weight sub-tiles c and 2 + c
 //     (gate_up: gate and up rows of the same 64 h columns, so one thread holds g and u of the same
 //     (h column, token)); per K block: 4 m64n128k32 wgmmas into a temporary, wait, promote
 //     (acc += tmp * w_scale * x_scale), the same for the second sub-tile, then one arrive per warp on
@@ -88,8 +88,17 @@ __device__ __forceinline__ bool resolve(const Fp8GemmParams& p, int32_t tile0, i
   return true;
 }
 
+/// The ring position of the next K block: stage (0 .. stages-1) and the parity of its use.
+struct RingPos {
+  uint32_t stage = 0, phase = 0;
+  __device__ __forceinline__ void advance(uint32_t stages) {
+    if (++stage == stages) stage = 0, phase ^= 1u;
+  }
+};
+
 template <bool kGateUp>
-__device__ __forceinline__ void producer(const Fp8GemmParams& p, int32_t tile0, int64_t num_items, uint32_t smem_s) {
+__device__ __forceinline__ void producer(const Fp8GemmParams& p, int32_t tile0, int64_t num_items, uint32_t stages,
+                                         uint32_t smem_s) {
   using L = Layout<kGateUp>;
   const int pt = threadIdx.x;  // 0..127
   const int64_t b_stride = kGateUp ? p.hidden : p.h_stride;  // bytes per B row
@@ -97,7 +106,8 @@ __device__ __forceinline__ void producer(const Fp8GemmParams& p, int32_t tile0, 
   const uint8_t* b_base = kGateUp ? p.x : p.hq;
   const float* bs_base = kGateUp ? p.x_scales : p.hs;
   const uint32_t full0 = smem_s + L::kBarOff, empty0 = full0 + L::kStages * 8;
-  uint32_t cnt = 0;  // K blocks produced so far (all items): stage cnt % kStages, use cnt / kStages
+  RingPos pos;
+  bool wrapped = false;  // every stage was filled once (from then on, wait for its release)
   for (int64_t item = blockIdx.x; item < num_items; item += gridDim.x) {
     Item it;
     if (!resolve<kGateUp>(p, tile0, item, it)) continue;
@@ -114,9 +124,9 @@ __device__ __forceinline__ void producer(const Fp8GemmParams& p, int32_t tile0, 
     const uint8_t* asrc1 = it.w + (vb ? (sub_row<kGateUp>(it, tb) + (pt & 63)) * it.K : 0);
     const bool wsv = pt < 4 && sub_valid<kGateUp>(it, pt & 3);
     const float* wssrc = it.w_scale + (wsv ? (sub_row<kGateUp>(it, pt & 3) / kBK) * (it.K / kBK) : 0);
-    for (int64_t kb = 0; kb < nk; ++kb, ++cnt) {
-      const uint32_t s = cnt % L::kStages;
-      if (cnt >= static_cast<uint32_t>(L::kStages)) mbar_wait(empty0 + s * 8, ((cnt / L::kStages) - 1) & 1);
+    for (int64_t kb = 0; kb < nk; ++kb) {
+      const uint32_t s = pos.stage;
+      if (wrapped) mbar_wait(empty0 + s * 8, pos.phase ^ 1u);  // the consumers released the previous use
       const uint32_t a_s = smem_s + s * kStageBytes, b_s = a_s + kABytes;
       const int64_t k0 = kb * kBK;
 #pragma unroll
@@ -129,14 +139,16 @@ __device__ __forceinline__ void producer(const Fp8GemmParams& p, int32_t tile0, 
       cp_async4(sc + (4 + pt) * 4, bssrc + kb, bv);  // token scale; 0 for rows past the tile
       if (pt < 4) cp_async4(sc + pt * 4, wssrc + kb, wsv);
       cp_async_mbar_arrive(full0 + s * 8);
+      pos.advance(stages);
+      wrapped = wrapped || pos.stage == 0;
     }
   }
   cp_async_wait<0>();
 }
 
 template <bool kGateUp>
-__device__ __forceinline__ void consumer(const Fp8GemmParams& p, int32_t tile0, int64_t num_items, uint8_t* smem,
-                                         uint32_t smem_s) {
+__device__ __forceinline__ void consumer(const Fp8GemmParams& p, int32_t tile0, int64_t num_items, uint32_t stages,
+                                         uint8_t* smem, uint32_t smem_s) {
   using L = Layout<kGateUp>;
   constexpr int kFrag = kBN / 2;  // 64 accumulator floats per thread per m64n128
   const int ct = threadIdx.x - 128, cwg = ct >> 7, warp = ct >> 5, warp_in_wg = warp & 3, lane = ct & 31;
@@ -145,7 +157,7 @@ __device__ __forceinline__ void consumer(const Fp8GemmParams& p, int32_t tile0, 
   float acc[2][kFrag], tmp[kFrag];
 #pragma unroll
   for (int i = 0; i < kFrag; ++i) tmp[i] = 0.0f;
-  uint32_t cnt = 0;
+  RingPos pos;
   for (int64_t item = blockIdx.x; item < num_items; item += gridDim.x) {
     Item it;
     if (!resolve<kGateUp>(p, tile0, item, it)) continue;
@@ -154,9 +166,9 @@ __device__ __forceinline__ void consumer(const Fp8GemmParams& p, int32_t tile0, 
     for (int sub = 0; sub < 2; ++sub)
 #pragma unroll
       for (int i = 0; i < kFrag; ++i) acc[sub][i] = 0.0f;
-    for (int64_t kb = 0; kb < nk; ++kb, ++cnt) {
-      const uint32_t s = cnt % L::kStages;
-      mbar_wait(full0 + s * 8, (cnt / L::kStages) & 1);
+    for (int64_t kb = 0; kb < nk; ++kb) {
+      const uint32_t s = pos.stage;
+      mbar_wait(full0 + s * 8, pos.phase);
       fence_proxy_async();  // cp.async wrote through the generic proxy; wgmma reads through the async one
       const uint32_t a_s = smem_s + s * kStageBytes, b_s = a_s + kABytes;
       const uint64_t db = smem_desc(b_s);
@@ -182,6 +194,7 @@ __device__ __forceinline__ void consumer(const Fp8GemmParams& p, int32_t tile0, 
       }
       __syncwarp();
       if (lane == 0) mbar_arrive(empty0 + s * 8);  // 8 consumer warps release the stage
+      pos.advance(stages);
     }
 
     if constexpr (kGateUp) {
@@ -272,13 +285,15 @@ __global__ void __launch_bounds__(kPfThreads, 1) fp8_prefill_kernel(Fp8GemmParam
   }
   __syncthreads();
   const int32_t tile0 = *p.num_small, tile1 = *p.num_tiles;
+  // Ring depth: Fp8GemmParams::prefill_stages clamped to [2, kStages] (0 = kStages).
+  const uint32_t stages = p.prefill_stages <= 0 ? L::kStages : min(max(p.prefill_stages, 2), L::kStages);
   const int64_t num_items = static_cast<int64_t>(max(tile1 - tile0, 0)) * p.max_weight_tiles;
   if (threadIdx.x < 128) {
-    setmaxnreg_dec<56>();
-    producer<kGateUp>(p, tile0, num_items, smem_s);
+    setmaxnreg_dec<64>();
+    producer<kGateUp>(p, tile0, num_items, stages, smem_s);
   } else {
-    setmaxnreg_inc<224>();
-    consumer<kGateUp>(p, tile0, num_items, smem, smem_s);
+    setmaxnreg_inc<216>();
+    consumer<kGateUp>(p, tile0, num_items, stages, smem, smem_s);
   }
 }
 
