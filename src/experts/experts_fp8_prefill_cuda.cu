@@ -51,7 +51,8 @@ struct Layout {
   static constexpr int kScaleOff = kStages * kStageBytes;
   static constexpr int kBarOff = kScaleOff + kStages * kScaleFloats * 4;  // full[kStages], empty[kStages]
   static constexpr int kRedOff = kBarOff + 2 * kStages * 8;              // gate_up: [8 warps][128] amax
-  static constexpr int kOutOff = (kRedOff + (kGateUp ? 8 * kBN * 4 : 0) + 127) / 128 * 128;
+  static constexpr int kRowsOff = kRedOff + (kGateUp ? 8 * kBN * 4 : 0);  // producer: [kBN] B row byte offsets
+  static constexpr int kOutOff = (kRowsOff + kBN * 8 + 127) / 128 * 128;
   static constexpr int kOutBytes = kGateUp ? kBN * kHStride : kBN * kOutStride * 2;
   static constexpr int kSmemBytes = kOutOff + kOutBytes + 1024;  // + alignment of the base
 };
@@ -96,15 +97,21 @@ struct RingPos {
   }
 };
 
+/// Loads are coalesced: thread pt copies 16-byte chunk pt % 8 of rows pt / 8 + 16 i, so 8
+/// consecutive lanes read one row's 128 contiguous bytes (a thread per row would split every
+/// 32-byte sector between two instructions: twice the L2 -> SM traffic, measured slower than the
+/// 64-row kernels).
 template <bool kGateUp>
 __device__ __forceinline__ void producer(const Fp8GemmParams& p, int32_t tile0, int64_t num_items, uint32_t stages,
-                                         uint32_t smem_s) {
+                                         uint8_t* smem, uint32_t smem_s) {
   using L = Layout<kGateUp>;
   const int pt = threadIdx.x;  // 0..127
+  const int c = pt & 7, r8 = pt >> 3;
   const int64_t b_stride = kGateUp ? p.hidden : p.h_stride;  // bytes per B row
   const int64_t bs_stride = kGateUp ? p.hidden / kBK : p.hs_stride;
   const uint8_t* b_base = kGateUp ? p.x : p.hq;
   const float* bs_base = kGateUp ? p.x_scales : p.hs;
+  int64_t* rows = reinterpret_cast<int64_t*>(smem + L::kRowsOff);  // byte offset of token j's B row
   const uint32_t full0 = smem_s + L::kBarOff, empty0 = full0 + L::kStages * 8;
   RingPos pos;
   bool wrapped = false;  // every stage was filled once (from then on, wait for its release)
@@ -112,16 +119,23 @@ __device__ __forceinline__ void producer(const Fp8GemmParams& p, int32_t tile0, 
     Item it;
     if (!resolve<kGateUp>(p, tile0, item, it)) continue;
     const int64_t nk = it.K / kBK;
-    // This thread's rows: token pt; weight rows pt (sub-tile pt / 64) and 128 + pt (2 + pt / 64).
+    // Token pt's B row (gather for Flat gate_up); its scale row stays in this thread.
     const bool bv = pt < it.num_rows;
     int64_t brow = 0;
     if (bv) brow = kGateUp && p.gather != nullptr ? p.gather[it.row0 + pt] : it.row0 + pt;
-    const uint8_t* bsrc = b_base + brow * b_stride;
     const float* bssrc = bs_base + brow * bs_stride;
-    const int ta = pt >> 6, tb = 2 + (pt >> 6);
-    const bool va = sub_valid<kGateUp>(it, ta), vb = sub_valid<kGateUp>(it, tb);
-    const uint8_t* asrc0 = it.w + (va ? (sub_row<kGateUp>(it, ta) + (pt & 63)) * it.K : 0);
-    const uint8_t* asrc1 = it.w + (vb ? (sub_row<kGateUp>(it, tb) + (pt & 63)) * it.K : 0);
+    named_bar_sync(2, 128);  // every producer thread is past the previous item's reads of rows[]
+    rows[pt] = brow * b_stride;
+    named_bar_sync(2, 128);
+    // Weight rows r8 + 16 i, i = 0..15: sub-tile i / 4, row (r8 + 16 (i % 4)) inside it.
+    const uint8_t* abase[4];
+    bool av[4];
+#pragma unroll
+    for (int t = 0; t < 4; ++t) {
+      av[t] = sub_valid<kGateUp>(it, t);
+      abase[t] = it.w + (av[t] ? (sub_row<kGateUp>(it, t) + r8) * it.K : 0) + c * 16;
+    }
+    const int64_t k16 = 16 * it.K;
     const bool wsv = pt < 4 && sub_valid<kGateUp>(it, pt & 3);
     const float* wssrc = it.w_scale + (wsv ? (sub_row<kGateUp>(it, pt & 3) / kBK) * (it.K / kBK) : 0);
     for (int64_t kb = 0; kb < nk; ++kb) {
@@ -130,10 +144,15 @@ __device__ __forceinline__ void producer(const Fp8GemmParams& p, int32_t tile0, 
       const uint32_t a_s = smem_s + s * kStageBytes, b_s = a_s + kABytes;
       const int64_t k0 = kb * kBK;
 #pragma unroll
-      for (int c = 0; c < 8; ++c) {
-        cp_async16(a_s + swz(pt, c), asrc0 + k0 + c * 16, va);
-        cp_async16(a_s + swz(pt + 128, c), asrc1 + k0 + c * 16, vb);
-        cp_async16(b_s + swz(pt, c), bsrc + k0 + c * 16, bv);
+      for (int i = 0; i < 16; ++i) {
+        const int t = i >> 2;
+        cp_async16(a_s + swz(r8 + 16 * i, c), abase[t] + (av[t] ? (i & 3) * k16 + k0 : 0), av[t]);
+      }
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        const int j = r8 + 16 * i;
+        const bool v = j < it.num_rows;
+        cp_async16(b_s + swz(j, c), b_base + (v ? rows[j] + k0 + c * 16 : 0), v);
       }
       const uint32_t sc = smem_s + L::kScaleOff + s * kScaleFloats * 4;
       cp_async4(sc + (4 + pt) * 4, bssrc + kb, bv);  // token scale; 0 for rows past the tile
@@ -290,7 +309,7 @@ __global__ void __launch_bounds__(kPfThreads, 1) fp8_prefill_kernel(Fp8GemmParam
   const int64_t num_items = static_cast<int64_t>(max(tile1 - tile0, 0)) * p.max_weight_tiles;
   if (threadIdx.x < 128) {
     setmaxnreg_dec<64>();
-    producer<kGateUp>(p, tile0, num_items, stages, smem_s);
+    producer<kGateUp>(p, tile0, num_items, stages, smem, smem_s);
   } else {
     setmaxnreg_inc<216>();
     consumer<kGateUp>(p, tile0, num_items, stages, smem, smem_s);
