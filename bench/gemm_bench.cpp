@@ -16,7 +16,8 @@
 // Timing: CUDA events around each call, median (p10/p90) over --iters calls after 3 warm-up calls.
 // Validation: the wgmma outputs against the SIMT outputs of the same inputs (normwise rel. L2), and
 // the decode case also against the CPU experts.
-// Usage: epx-gemm-bench [--json PATH] [--iters N] [--experts L] [--no-simt] [--no-cublas]
+// Usage: epx-gemm-bench [--json PATH] [--iters N] [--experts L] [--no-simt] [--no-cublas] [--prefill-variants]
+// (--prefill-variants: also the FP8 prefill kernels at ring depths 3 and 2, EPX_EXPERTS_FP8_PREFILL_STAGES)
 #include <cublasLt.h>
 #include <cuda_runtime.h>
 
@@ -191,7 +192,7 @@ struct LtGemm {
 int main(int argc, char** argv) {
   std::string json_path;
   int iters = 20, L = 128;
-  bool do_simt = true, do_cublas = true;
+  bool do_simt = true, do_cublas = true, do_variants = false;
   std::string command = "epx-gemm-bench";
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -201,8 +202,9 @@ int main(int argc, char** argv) {
     else if (a == "--experts" && i + 1 < argc) L = std::atoi(argv[++i]), command += std::string(" ") + argv[i];
     else if (a == "--no-simt") do_simt = false;
     else if (a == "--no-cublas") do_cublas = false;
+    else if (a == "--prefill-variants") do_variants = true;
     else {
-      std::fprintf(stderr, "usage: epx-gemm-bench [--json PATH] [--iters N] [--experts L] [--no-simt] [--no-cublas]\n");
+      std::fprintf(stderr, "usage: epx-gemm-bench [--json PATH] [--iters N] [--experts L] [--no-simt] [--no-cublas] [--prefill-variants]\n");
       return 1;
     }
   }
@@ -444,6 +446,7 @@ int main(int argc, char** argv) {
               "EPX_EXPERTS_FP8_PREFILL=0 (64-row kernels only); max_rel_error = epx-wgmma (prefill kernels) against this");
       // The prefill kernels' ring depth (EPX_EXPERTS_FP8_PREFILL_STAGES; default: gate_up 4, down 3).
       for (const char* stages : {"3", "2"}) {
+        if (!do_variants) break;
         setenv("EPX_EXPERTS_FP8_PREFILL_STAGES", stages, 1);
         auto tcs = make_experts_cuda(experts, 0);
         unsetenv("EPX_EXPERTS_FP8_PREFILL_STAGES");

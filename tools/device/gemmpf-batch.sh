@@ -26,12 +26,12 @@ nccl="$(python3 -c 'import nvidia.nccl as m; print(list(m.__path__)[0])' 2>/dev/
 export LD_LIBRARY_PATH="$nccl/lib:$deps:$deps/openblas-pthread${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export CUDA_VISIBLE_DEVICES=0
 left() { echo $((140 - (SECONDS - T0))); }
-(cd "$B" && timeout -k 3 25 ./experts_cuda_test --gtest_filter='ExpertsCuda.Fp8TensorCoreRowCountsOneTo8192') >"$OUT/test-fp8.log" 2>&1
+(cd "$B" && timeout -k 3 35 ./experts_cuda_test --gtest_filter='ExpertsCuda.Fp8TensorCoreRowCountsOneTo8192') >"$OUT/test-fp8.log" 2>&1
 echo "test Fp8TensorCoreRowCountsOneTo8192 rc=$? at $((SECONDS - T0)) s" | tee -a "$OUT/summary.txt"
 b=$(( $(left) - 22 )); [ $b -gt 60 ] && b=60
 if [ -x "$B/epx-gemm-bench" ] && [ $b -gt 10 ]; then
   GEMM_BENCH_COMMIT="$(cat "$HERE/.carry-gemmpf/commit.txt" 2>/dev/null || echo unknown)" timeout -k 3 $b "$B/epx-gemm-bench" \
-    --iters 10 --no-simt --json "$OUT/gemm-bench.json" >"$OUT/gemm-bench.log" 2>&1
+    --iters 10 --no-simt --prefill-variants --json "$OUT/gemm-bench.json" >"$OUT/gemm-bench.log" 2>&1
   echo "gemm-bench rc=$? (limit $b s) at $((SECONDS - T0)) s" | tee -a "$OUT/summary.txt"
 fi
 b=$(( $(left) - 2 )); [ $b -gt 40 ] && b=40
