@@ -2,10 +2,11 @@
 # tools/device/final-gemm.sh: the grouped-GEMM benchmark of issue 6 in the final integrated run, after
 # tools/device/gpu-check.sh built the tree. Environment: OUT (results folder), SRC (source tree;
 # default: this script's repository), B (build folder; default /tmp/epx-gpu-check/build).
-# Writes $OUT/gemm-bench.json (epx-gemm-bench: epx wgmma, both mainloops, cuBLASLt loop, ceilings) and
-# $OUT/gemm-torch.json (torch._scaled_grouped_mm / torch._grouped_mm), with logs; within 60 s (no SIMT
-# rows: the GPU tests check correctness; the JSON is rewritten after every row, so a timeout keeps
-# what ran).
+# Writes $OUT/gemm-bench.json (epx-gemm-bench: epx wgmma (prefill rows: the FP8 prefill kernels;
+# epx-wgmma-64: the 64-row kernels alone, with the prefill kernels' rel. error against them), the
+# pairs mainloop, cuBLASLt loop, ceilings) and $OUT/gemm-torch.json (torch._scaled_grouped_mm /
+# torch._grouped_mm), with logs; within 50-60 s (the bench ~35 s: no SIMT rows, no --prefill-variants;
+# the GPU tests check correctness; the JSON is rewritten after every row, so a timeout keeps what ran).
 set -uo pipefail
 OUT="${OUT:-/tmp/gemm-final-out}"
 SRC="${SRC:-$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)}"
