@@ -8,7 +8,9 @@
 namespace epx::experts_cuda {
 
 /// Rows (tokens) per tile of the device-side tile list; the fp8 tensor-core GEMM runs a tile as one
-/// N=16 or N=64 wgmma column block, the SIMT GEMM in passes of kSimtRows.
+/// N=16 or N=64 wgmma column block, the SIMT GEMM in passes of kSimtRows. With
+/// ScheduleParams::big_rows > 0 the experts with more rows are tiled by big_rows (128: the FP8
+/// prefill kernels' N) after all the others' tiles.
 constexpr int kTileRows = 64;
 
 /// One tile of work: rows [row0, row0 + num_rows) of the row space, all of expert `expert`.
