@@ -27,7 +27,7 @@ HtLayout HtLayout::make(const DispatchConfig& cfg, int num_ranks, int rank) {
   l.slot_bytes = round_up(4 * (num_ranks + 2 + l.max_local), 128);
   int64_t off = 0;
   l.off_slots = off;
-  off = round_up(off + num_ranks * l.slot_bytes, 4096);
+  off = round_up(off + 2 * num_ranks * l.slot_bytes, 4096);  // two sets (HtLayout::slot_offset)
   l.off_flags = off;
   off = round_up(off + 3 * num_ranks * 64, 4096);
   l.off_chunk_flags = off;

@@ -9,9 +9,11 @@
 //
 // One symmetric buffer per backend object (alloc_symmetric, sized at create for the worst case
 // R * num_max_dispatch_tokens_per_rank received rows), carved by HtLayout:
-//   slots     [R] per source: that source's row counts to every rank, its per-expert counts for
-//             this rank and its argument status (the count exchange; LSA stores + a release flag)
-//   flags     [3][R] uint64 epochs: counts published, dispatch rows stored, combine rows stored
+//   slots     [2][R] per source: that source's row counts to every rank, its per-expert counts for
+//             this rank and its argument status (the count exchange; LSA stores + a release flag),
+//             two sets used by layout epoch parity
+//   flags     [3][R] uint64 epochs: counts published, dispatch rows stored, combine done (the
+//             source has finished reading its `back` block: its peers' next combine may overwrite it)
 //   recv      x [R*cap, H] bf16|fp8, x_scales [R*cap, H/128] fp32, topk_idx [R*cap, K] int32 local
 //             expert or -1, topk_weights [R*cap, K] fp32, src_idx [R*cap] int32: the dispatch output
 //             itself (sources store straight into their final rows; no unpack pass)
@@ -32,6 +34,11 @@
 // whose rows stayed here are summed at the end, reading expert_out in place. With expert_contiguous
 // the partials are formed from the per-pair outputs (weighted by FinalizeArgs::topk_weights or not)
 // and this rank's own rows travel through `back` too.
+// Reuse of `back` across finalizes: a combine's senders first wait (one poll per CTA) until every
+// target has published "combine done" for the previous combine epoch (its last CTA, after all its
+// reads of `back`). Without it two finalizes of one prepare (expert_contiguous: weighted, then
+// unweighted; or any caller that finalizes twice) let a rank that has nothing to wait for overwrite
+// its peer's `back` while the peer is still reducing the first one (bench/NOTES.md, "ht ordering bug").
 // Epochs are monotonic counters in device memory, so no flag is ever reset and graph replays work.
 //
 // Token count on the device (DispatchArgs::num_tokens, [1] int32, 0 <= value <= x.shape[0]): the
@@ -83,10 +90,16 @@ struct HtLayout {
           off_src_idx = 0, off_back = 0, symmetric_bytes = 0;
   // slot fields (int32 words): [0, R) rows to each rank, R status, R + 1 valid flag, then [Lmax] counts
   static constexpr int kSlotStatus = 0;  ///< + R
+  /// Slot of source s for layout epoch e: two sets by epoch parity. A peer's next layout (e + 1) may
+  /// publish while this rank still reads epoch e's slots (after a rejected prepare no later handshake
+  /// orders them); it cannot reach e + 2 before this rank has published e + 1, i.e. finished reading e.
+  EPX_HOST_DEVICE int64_t slot_offset(uint64_t epoch, int s) const {
+    return off_slots + (static_cast<int64_t>(epoch & 1) * num_ranks + s) * slot_bytes;
+  }
   EPX_HOST_DEVICE int64_t rows() const { return num_ranks * capacity; }  ///< worst-case received rows
   EPX_HOST_DEVICE int64_t payload_bytes() const { return use_fp8 ? hidden : 2 * hidden; }
   EPX_HOST_DEVICE int64_t groups() const { return hidden / 128; }
-  /// Flag word f (0 counts, 1 dispatch, 2 combine) of source s, uint64 index into the flags region.
+  /// Flag word f (0 counts, 1 dispatch, 2 combine done) of source s, uint64 index into the flags region.
   EPX_HOST_DEVICE int64_t flag_index(int f, int s) const { return (static_cast<int64_t>(f) * num_ranks + s) * 8; }  // 64-byte stride
   /// Combine chunk flags per source: one per row (the chunk size is chosen at create, >= 1 row); flag of
   /// (source d, chunk c) at uint64 [d * chunks() + c].

@@ -99,13 +99,26 @@ struct HtCase {
 
 uint64_t eo_seed(const Case& c, size_t round, int rank) { return c.seed * 7919 + round * 131 + static_cast<uint64_t>(rank) + 5; }
 
+/// How run_cpu / run_gpu drive an object. twice: a Flat object is finalized twice per prepare (the
+/// second time with other expert_out rows, into Snapshot::out2; expert_contiguous always finalizes
+/// twice). late_rank: that rank sleeps late_ms on the host before its first finalize of every round,
+/// so its peer runs ahead (on the GPU only; HtCpu is synchronous).
+struct Drive {
+  bool twice = false;
+  int late_rank = -1;
+  int late_ms = 0;
+};
+
+/// expert_out seed of the second Flat finalize (Drive::twice).
+uint64_t eo_seed2(const Case& c, size_t round, int rank) { return eo_seed(c, round, rank) + 0x5EED; }
+
 DispatchConfig config_of(const Case& c, bool contig) {
   DispatchConfig cfg = c.config();
   cfg.expert_contiguous = contig;
   return cfg;
 }
 
-std::vector<std::vector<Snapshot>> run_cpu(const Case& c, const Rounds& rounds, bool contig) {
+std::vector<std::vector<Snapshot>> run_cpu(const Case& c, const Rounds& rounds, bool contig, const Drive& drive = {}) {
   auto groups = make_cpu_groups(c.R, 120.0);
   std::vector<std::vector<Snapshot>> snaps(rounds.size(), std::vector<Snapshot>(static_cast<size_t>(c.R)));
   run_ranks(groups, [&](int r) {
@@ -133,6 +146,11 @@ std::vector<std::vector<Snapshot>> run_cpu(const Case& c, const Rounds& rounds, 
       if (contig) {
         poison(out);
         pf->finalize({eo, out});
+        s.out2 = host_bytes(out);
+      } else if (drive.twice) {
+        const Tensor eo2 = expert_out_for(s.num_recv_tokens, c.H, eo_seed2(c, i, r));
+        poison(out);
+        pf->finalize({eo2, out});
         s.out2 = host_bytes(out);
       }
       s.stats = pf->stats();
@@ -237,7 +255,8 @@ std::vector<HtCase> make_cases() {
   return cases;
 }
 
-std::vector<Snapshot> run_gpu(const Case& c, const Rounds& rounds, bool contig, const std::shared_ptr<Group>& g, cudaStream_t stream) {
+std::vector<Snapshot> run_gpu(const Case& c, const Rounds& rounds, bool contig, const std::shared_ptr<Group>& g, cudaStream_t stream,
+                              const Drive& drive = {}) {
   const int r = g->rank();
   const Device dev = g->device();
   auto pf = make_prepare_finalize("ht", g, config_of(c, contig));
@@ -263,12 +282,14 @@ std::vector<Snapshot> run_gpu(const Case& c, const Rounds& rounds, bool contig, 
     if (T > 0) cuda_ok(cudaMemset(out.data(), 0xFF, static_cast<size_t>(out.nbytes())), "poison out");
     FinalizeArgs fa{eo, out, Stream{stream}};
     if (contig) fa.topk_weights = p.topk_weights;
+    if (r == drive.late_rank) std::this_thread::sleep_for(std::chrono::milliseconds(drive.late_ms));
     pf->finalize(fa);
     cuda_ok(cudaStreamSynchronize(stream), "sync after finalize");
     s.out = host_bytes(out);
-    if (contig) {
+    if (contig || drive.twice) {
+      const Tensor eo2 = contig ? eo : expert_out_for(s.num_recv_tokens, c.H, eo_seed2(c, i, r)).to(dev);
       if (T > 0) cuda_ok(cudaMemset(out.data(), 0xFF, static_cast<size_t>(out.nbytes())), "poison out");
-      pf->finalize({eo, out, Stream{stream}});
+      pf->finalize({eo2, out, Stream{stream}});
       cuda_ok(cudaStreamSynchronize(stream), "sync after finalize");
       s.out2 = host_bytes(out);
     }
@@ -618,20 +639,88 @@ void run_world() {
     std::string failures;
     for (const HtCase& hc : cases) {
       const auto got = run_gpu(hc.c, hc.rounds, hc.contig, g, stream);
+      std::string case_failures;  // this case only (the summary line is per case)
       for (size_t i = 0; i < got.size(); ++i) {
         const std::string d = compare(got[i], hc.want[i][static_cast<size_t>(rank)]);
-        if (!d.empty()) failures += "round " + std::to_string(i) + " rank " + std::to_string(rank) + " " + hc.c.describe() + ": " + d + "\n";
+        if (!d.empty()) case_failures += "round " + std::to_string(i) + " rank " + std::to_string(rank) + " " + hc.c.describe() + ": " + d + "\n";
       }
+      failures += case_failures;
       if (rank == 0)
         std::printf("ht%s %s: N_recv %lld/%lld/%lld, cache hits %lld: %s\n", hc.contig ? " expert_contiguous" : "",
                     hc.c.describe().c_str(), static_cast<long long>(got[0].num_recv_tokens), static_cast<long long>(got[1].num_recv_tokens),
                     static_cast<long long>(got[2].num_recv_tokens), static_cast<long long>(got[2].cache_hits),
-                    failures.empty() ? "bit-exact vs HtCpu" : "DIFFER");
+                    case_failures.empty() ? "bit-exact vs HtCpu (rank 0)" : "DIFFER");
       std::fflush(stdout);  // a later hang or timeout must not lose the lines before it
     }
     failures += run_graph(gc, g, stream);
     failures += run_device_t(dc, g, stream);
     failures += check_errors(g, stream);
+    g->barrier();
+    cuda_ok(cudaStreamDestroy(stream), "stream destroy");
+    if (!failures.empty()) throw std::runtime_error("mismatches:\n" + failures);
+  });
+  EXPECT_EQ(failed, "");
+}
+
+/// A late rank must not be overrun (the ordering bug that compute-sanitizer's slow-down exposed:
+/// bench/NOTES.md "ht ordering bug"). Rank 1 has no tokens, so its combines wait for nothing; rank 0
+/// sleeps before its first finalize of every round; each prepare is finalized twice (expert_contiguous:
+/// weighted, then unweighted; Flat: two expert_out). Before the fix rank 1's second combine stored
+/// into rank 0's `back` before rank 0 had reduced the first one, deterministically: rank 0's first out
+/// came out of the second combine's rows.
+void run_late_rank() {
+  struct Spec {
+    bool contig;
+    DType dtype;
+    int64_t H;
+  };
+  const std::vector<Spec> specs = {{true, DType::bf16, 2048}, {false, DType::fp8_e4m3, 2048}, {false, DType::bf16, 7168}};
+  std::vector<HtCase> cases;
+  uint64_t seed = 90;
+  for (const Spec& sp : specs) {
+    HtCase g;
+    g.contig = sp.contig;
+    Case& c = g.c;
+    c.R = 2;
+    c.E = 16;
+    c.K = 4;
+    c.H = sp.H;
+    c.cap = 512;
+    c.T = {512, 0};
+    c.dtype = sp.dtype;
+    c.masked = 0.1;
+    c.align = sp.contig ? 8 : 1;
+    c.seed = seed++;
+    Case c2 = c;
+    c2.seed = c.seed + 1000;
+    g.rounds = {make_inputs(c), make_inputs(c2)};
+    cases.push_back(std::move(g));
+  }
+  Drive drive;
+  drive.twice = true;
+  drive.late_rank = 0;
+  drive.late_ms = 300;
+  for (HtCase& hc : cases) hc.want = run_cpu(hc.c, hc.rounds, hc.contig, drive);
+  const std::string path = fresh_dir() + "/uid";
+  const std::string failed = run_ranks_forked(2, 200.0, [&](int rank) {
+    auto g = make_nccl_group(path, rank, 2, rank, 60.0);
+    cuda_ok(cudaSetDevice(rank), "cudaSetDevice");
+    cudaStream_t stream;
+    cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
+    std::string failures;
+    for (const HtCase& hc : cases) {
+      const auto got = run_gpu(hc.c, hc.rounds, hc.contig, g, stream, drive);
+      std::string case_failures;
+      for (size_t i = 0; i < got.size(); ++i) {
+        const std::string d = compare(got[i], hc.want[i][static_cast<size_t>(rank)]);
+        if (!d.empty()) case_failures += "round " + std::to_string(i) + " rank " + std::to_string(rank) + " " + hc.c.describe() + ": " + d + "\n";
+      }
+      failures += case_failures;
+      if (rank == 0)
+        std::printf("late rank 0 (%d ms), two finalizes per prepare, ht%s %s: %s\n", drive.late_ms, hc.contig ? " expert_contiguous" : "",
+                    hc.c.describe().c_str(), case_failures.empty() ? "bit-exact vs HtCpu (rank 0)" : "DIFFER");
+      std::fflush(stdout);
+    }
     g->barrier();
     cuda_ok(cudaStreamDestroy(stream), "stream destroy");
     if (!failures.empty()) throw std::runtime_error("mismatches:\n" + failures);
@@ -756,6 +845,12 @@ TEST(HtCuda, MatchesHtCpuTwoRanks) {
   const int n = cuda::device_count();
   if (n < 2) GTEST_SKIP() << "needs 2 GPUs, found " << n;
   run_world();
+}
+
+TEST(HtCuda, LateRankIsNotOverrun) {
+  const int n = cuda::device_count();
+  if (n < 2) GTEST_SKIP() << "needs 2 GPUs, found " << n;
+  run_late_rank();
 }
 
 TEST(HtCuda, SilentPeerTimesOut) {

@@ -34,7 +34,10 @@ constexpr int kMaxThreads = 512;
 constexpr float kAmaxFloor = 1e-4f;  // quant_cpu.cpp
 
 enum Op : int32_t { kOpLayout = 0, kOpDispatch = 1, kOpCombine = 2 };
-enum Flag : int { kFlagCounts = 0, kFlagDispatch = 1, kFlagCombine = 2 };
+/// Flag words [3][R] (uint64 epochs) in each rank's buffer, word (f, s) written by source s:
+/// counts published (layout), dispatch rows stored, and combine done: s has finished reading its own
+/// `back` block for that combine epoch, so its peers may overwrite it (the next combine's sends).
+enum Flag : int { kFlagCounts = 0, kFlagDispatch = 1, kFlagCombineDone = 2 };
 
 __device__ __forceinline__ uint64_t globaltimer_ns() {
   uint64_t t;
@@ -144,8 +147,19 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(HtParams p) {
   // 1. Same routing as the cached layout? (ids are compared as the cache stores them: int32)
   if (!s_differs) {
     bool differs = false;
+    if (!p.idx_is_i64 && reinterpret_cast<uintptr_t>(p.topk_idx) % 16 == 0 && (T * K) % 4 == 0) {
+      // int32 ids, 16-byte vectors: 8 loads per thread at ht-v3 (32 K ids), all in flight at once.
+      const int4* a = reinterpret_cast<const int4*>(p.topk_idx);
+      const int4* b = reinterpret_cast<const int4*>(cached_idx);
 #pragma unroll 8
-    for (int64_t i = threadIdx.x; i < T * K; i += blockDim.x) differs |= load_id(p.topk_idx, p.idx_is_i64, i) != cached_idx[i];
+      for (int64_t i = threadIdx.x; i < T * K / 4; i += blockDim.x) {
+        const int4 x = a[i], y = b[i];
+        differs |= x.x != y.x || x.y != y.y || x.z != y.z || x.w != y.w;
+      }
+    } else {
+#pragma unroll 8
+      for (int64_t i = threadIdx.x; i < T * K; i += blockDim.x) differs |= load_id(p.topk_idx, p.idx_is_i64, i) != cached_idx[i];
+    }
     if (__syncthreads_or(differs) && threadIdx.x == 0) s_differs = 1;
     __syncthreads();
   }
@@ -228,7 +242,7 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(HtParams p) {
 
   // 3. Publish this rank's slot to every rank (itself included), then the counts flag.
   for (int d = 0; d < R; ++d) {
-    int32_t* slot = reinterpret_cast<int32_t*>(p.peers[d] + l.off_slots + me * l.slot_bytes);
+    int32_t* slot = reinterpret_cast<int32_t*>(p.peers[d] + l.slot_offset(epoch, me));
     const int n = R + 2 + Lmax;
     for (int i = threadIdx.x; i < n; i += blockDim.x) {
       int32_t v;
@@ -261,7 +275,7 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(HtParams p) {
   }
 
   // 5. Derive: count matrix, rank prefix matrix, offsets, N_recv, aligned per-expert counts.
-  const int32_t* my_slots = reinterpret_cast<const int32_t*>(p.peers[me] + l.off_slots);
+  const int32_t* my_slots = reinterpret_cast<const int32_t*>(p.peers[me] + l.slot_offset(epoch, 0));
   auto slot_word = [&](int s, int i) { return my_slots[s * (l.slot_bytes / 4) + i]; };
   int32_t* recv_count = arr<int32_t>(p, p.a.recv_count);
   const int L = l.placement.num_local(me);
@@ -393,6 +407,11 @@ __device__ __forceinline__ void dispatch_token(const HtParams& p, int64_t t, con
     const int64_t G = H / 128;
     const int sub = lane & 7;
     constexpr int U = 4;
+    // Scales of groups `lane` and `lane + 32`, gathered by shuffles and stored once per row and
+    // destination as one coalesced run of G floats (G <= 64), instead of G / 4 stores of 16 bytes
+    // from 4 lanes each (small NVLink writes). Larger G: each group's lane 0 stores its own.
+    const bool gather_scales = G <= 64;
+    float sc0 = 0.0f, sc1 = 0.0f;
     for (int64_t g0 = 0; g0 < G; g0 += 4 * U) {
       uint4 a[U], b[U];
 #pragma unroll
@@ -418,15 +437,27 @@ __device__ __forceinline__ void dispatch_token(const HtParams& p, int64_t t, con
         const float r = __frcp_rn(scale);
         const uint2 qa = quant8(a[u], scale, r), qb = quant8(b[u], scale, r);
         const uint4 q = make_uint4(qa.x, qa.y, qb.x, qb.y);
+        // Groups gb .. gb + 3 were done by lanes 0, 8, 16, 24 (+ sub); group lane (or lane + 32)
+        // sits in lane (lane & 3) * 8 when it is one of them (gb is a multiple of 4).
+        const int64_t gb = g0 + 4 * u;
+        const float sh = __shfl_sync(0xffffffffu, scale, (lane & 3) * 8);
+        if (lane >= gb && lane < gb + 4) sc0 = sh;
+        if (lane + 32 >= gb && lane + 32 < gb + 4) sc1 = sh;
         if (g < G) {
           for (int j = 0; j < ds.n; ++j) {
             uint8_t* base = p.peers[ds.rank[j]];
             *reinterpret_cast<uint4*>(base + l.off_x + ds.row[j] * H + g * 128 + sub * 16) = q;
-            if (sub == 0) reinterpret_cast<float*>(base + l.off_scales)[ds.row[j] * G + g] = scale;
+            if (!gather_scales && sub == 0) reinterpret_cast<float*>(base + l.off_scales)[ds.row[j] * G + g] = scale;
           }
         }
       }
     }
+    if (gather_scales)
+      for (int j = 0; j < ds.n; ++j) {
+        float* srow = reinterpret_cast<float*>(p.peers[ds.rank[j]] + l.off_scales) + ds.row[j] * G;
+        if (lane < G) srow[lane] = sc0;
+        if (lane + 32 < G) srow[lane + 32] = sc1;
+      }
   }
   // Metadata: local expert ids for each destination, weights, source token.
   const int K = l.top_k;
@@ -637,9 +668,48 @@ __device__ __forceinline__ void copy_row_bf16(uint16_t* dst, const uint16_t* src
   }
 }
 
+/// reduce_token for exactly two rows (16-byte aligned): both rows' U vectors per lane are loaded
+/// before any is summed (2U loads in flight, one memory latency per step instead of two); the sums are
+/// the same operations in the same order as the general path (acc = 0.0f, += row 0, += row 1).
+template <int U>
+__device__ __forceinline__ void reduce_two_rows(const uint4* r0, const uint4* r1, uint4* out, int64_t n16, int lane) {
+  for (int64_t base = 0; base < n16; base += 32 * U) {
+    uint4 a[U], b[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int64_t i = base + u * 32 + lane;
+      if (i < n16) {
+        a[u] = r0[i];
+        b[u] = r1[i];
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int64_t i = base + u * 32 + lane;
+      if (i >= n16) continue;
+      const uint32_t wa[4] = {a[u].x, a[u].y, a[u].z, a[u].w}, wb[4] = {b[u].x, b[u].y, b[u].z, b[u].w};
+      uint32_t o[4];
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        float lo = 0.0f, hi = 0.0f;
+        lo += lo_f(wa[q]);
+        hi += hi_f(wa[q]);
+        lo += lo_f(wb[q]);
+        hi += hi_f(wb[q]);
+        o[q] = static_cast<uint32_t>(float_to_bf16_bits(lo)) | (static_cast<uint32_t>(float_to_bf16_bits(hi)) << 16);
+      }
+      out[i] = make_uint4(o[0], o[1], o[2], o[3]);
+    }
+  }
+}
+
 /// out[t] = round_bf16(sum over destinations d in rank order that token t went to of partial_d), fp32
 /// from 0.0f (DedupCpu::finalize); `rows` in destination-rank order.
 __device__ __forceinline__ void reduce_token(const uint16_t* const* rows, int n, uint16_t* out, int64_t H, bool aligned, int lane) {
+  if (aligned && n == 2) {  // the common case at 2 ranks (Flat: self + peer; expert-contiguous: both)
+    reduce_two_rows<4>(reinterpret_cast<const uint4*>(rows[0]), reinterpret_cast<const uint4*>(rows[1]), reinterpret_cast<uint4*>(out), H / 8, lane);
+    return;
+  }
   if (aligned) {
     const int64_t n16 = H / 8;
     constexpr int U = 4;
@@ -837,6 +907,22 @@ __global__ void __launch_bounds__(kMaxThreads) combine_kernel(HtParams p) {
   cx.deadline = globaltimer_ns() + p.timeout_ns;
   const int32_t* send_pos = arr<int32_t>(p, p.a.send_pos);
   const int32_t* send_tok = arr<int32_t>(p, p.a.send_tok);
+  // Before any store into a peer's `back`: that peer has finished reading it in the previous combine
+  // (its "combine done" flag, published by its last CTA). One poll per CTA; in the prepare/finalize
+  // sequence it passed long ago (the dispatch handshake already orders it), so this costs one load.
+  {
+    __shared__ int s_fail;
+    if (threadIdx.x == 0) s_fail = 0;
+    __syncthreads();
+    if (threadIdx.x < R && static_cast<int>(threadIdx.x) != me &&
+        !wait_flag(p, kFlagCombineDone, threadIdx.x, cx.epoch - 1, cx.deadline)) {
+      report_timeout(p, threadIdx.x, kOpCombine);
+      st.failed = 1;
+      s_fail = 1;
+    }
+    __syncthreads();
+    if (s_fail) return;
+  }
   int64_t max_rows = 0;
   for (int d = 0; d < R; ++d)
     if (cx.target_slot[d] >= 0)
@@ -853,9 +939,16 @@ __global__ void __launch_bounds__(kMaxThreads) combine_kernel(HtParams p) {
     const int64_t count = st.recv_offset[s + 1] - st.recv_offset[s];
     const int64_t j_end = min(count, (c + 1) * CR);
     if (c * CR >= j_end) return;
-    for (int64_t j = c * CR; j < j_end; ++j) {
-      uint16_t* dst = reinterpret_cast<uint16_t*>(p.peers[s] + l.off_back) + (me * l.capacity + j) * H;
-      send_partial(p, st.recv_offset[s] + j, dst, lane);
+    if (!p.pair_row) {
+      // Flat: the chunk's rows are contiguous on both sides (expert_out rows recv_offset[s] + j, back
+      // rows me * cap + j): one copy of (j_end - c * CR) rows keeps every lane's vectors in flight.
+      uint16_t* dst = reinterpret_cast<uint16_t*>(p.peers[s] + l.off_back) + (me * l.capacity + c * CR) * H;
+      copy_row_bf16(dst, p.expert_out + (st.recv_offset[s] + c * CR) * H, (j_end - c * CR) * H, p.io_aligned16, lane);
+    } else {
+      for (int64_t j = c * CR; j < j_end; ++j) {
+        uint16_t* dst = reinterpret_cast<uint16_t*>(p.peers[s] + l.off_back) + (me * l.capacity + j) * H;
+        send_partial(p, st.recv_offset[s] + j, dst, lane);
+      }
     }
     __syncwarp();
     if (lane == 0) {
@@ -915,6 +1008,10 @@ __global__ void __launch_bounds__(kMaxThreads) combine_kernel(HtParams p) {
     if (s_last) {
       st.ticket_combine = 0;
       st.epoch_combine = cx.epoch;
+      // Every CTA has finished reading `back` (the ticket): the peers' next combine may overwrite it.
+      __threadfence_system();
+      for (int d = 0; d < R; ++d)
+        if (d != me) st_release_sys(flag_ptr(p, d, kFlagCombineDone, me), cx.epoch);
     }
   }
 }
