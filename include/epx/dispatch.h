@@ -202,6 +202,13 @@ class PrepareFinalize {
 /// that does not exist.
 std::unique_ptr<PrepareFinalize> make_prepare_finalize(const std::string& name, std::shared_ptr<Group> group,
                                                        const DispatchConfig& cfg);
+struct Config;  // epx/config.h
+/// The same, with the caller's Config for the launch settings of the CUDA kernels (ht on CUDA:
+/// ht_num_sms, ht_warps_per_block, ht_combine_mode, ht_chunk_rows) instead of a Config::load() inside
+/// the backend (which re-reads EPX_CONFIG and the EPX_* variables); ModularMoE passes its own.
+/// Backends without such settings ignore it.
+std::unique_ptr<PrepareFinalize> make_prepare_finalize(const std::string& name, std::shared_ptr<Group> group,
+                                                       const DispatchConfig& cfg, const Config& config);
 /// naive, allgather_reducescatter, all2allv, ll, ht.
 std::vector<std::string> backend_names();
 

@@ -18,8 +18,10 @@ std::unique_ptr<PrepareFinalize> make_ht_cpu(std::shared_ptr<Group> group, const
 std::unique_ptr<PrepareFinalize> make_naive_cuda(std::shared_ptr<Group> group, const DispatchConfig& cfg);
 std::unique_ptr<PrepareFinalize> make_agrs_cuda(std::shared_ptr<Group> group, const DispatchConfig& cfg);
 std::unique_ptr<PrepareFinalize> make_all2allv_cuda(std::shared_ptr<Group> group, const DispatchConfig& cfg);
-/// ht over NCCL symmetric memory (ht_cuda.h); SM budget and warps from Config (ht_num_sms, ht_warps_per_block).
+/// ht over NCCL symmetric memory (ht_cuda.h); SM budget, warps, combine mode and chunk rows from
+/// `config` (ht_num_sms, ht_warps_per_block, ht_combine_mode, ht_chunk_rows), or Config::load().
 std::unique_ptr<PrepareFinalize> make_ht_cuda(std::shared_ptr<Group> group, const DispatchConfig& cfg);
+std::unique_ptr<PrepareFinalize> make_ht_cuda(std::shared_ptr<Group> group, const DispatchConfig& cfg, const Config& config);
 /// ll on CUDA (ll_cuda.h): launch shape from Config::load() (ll_warps_per_block, ll_num_blocks),
 /// device wait bound = the NCCL group's timeout_s.
 std::unique_ptr<PrepareFinalize> make_ll_cuda(std::shared_ptr<Group> group, const DispatchConfig& cfg);

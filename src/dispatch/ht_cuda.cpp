@@ -40,7 +40,9 @@ std::string seconds(double s) {
 
 }  // namespace
 
-HtCuda::HtCuda(std::shared_ptr<Group> group, const DispatchConfig& cfg)
+HtCuda::HtCuda(std::shared_ptr<Group> group, const DispatchConfig& cfg) : HtCuda(std::move(group), cfg, Config::load()) {}
+
+HtCuda::HtCuda(std::shared_ptr<Group> group, const DispatchConfig& cfg, const Config& config)
     : PrepareFinalizeBase("ht", ActivationLayout::Flat, true, std::move(group), cfg) {
   const std::string op = "ht.create";
   const auto* nccl = dynamic_cast<const comm::NcclGroup*>(&comm::root_group(*group_));  // a node group: its parent's
@@ -53,7 +55,6 @@ HtCuda::HtCuda(std::shared_ptr<Group> group, const DispatchConfig& cfg)
               "must be >= 1 for ht on CUDA (its buffers are sized for R * num_max_dispatch_tokens_per_rank rows at create)");
   require_arg(op, "hidden", cfg_.hidden, cfg_.dispatch_dtype == DType::fp8_e4m3 || cfg_.hidden % 8 == 0, "must be a multiple of 8");
   timeout_s_ = nccl->timeout_s();
-  const Config config = Config::load();
   cuda::DeviceGuard guard(group_->device().index);
   int sms = 0;
   EPX_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, group_->device().index));
@@ -354,6 +355,10 @@ std::vector<double> HtCuda::timeline_us() const {
 
 std::unique_ptr<PrepareFinalize> make_ht_cuda(std::shared_ptr<Group> group, const DispatchConfig& cfg) {
   return std::make_unique<HtCuda>(std::move(group), cfg);
+}
+
+std::unique_ptr<PrepareFinalize> make_ht_cuda(std::shared_ptr<Group> group, const DispatchConfig& cfg, const Config& config) {
+  return std::make_unique<HtCuda>(std::move(group), cfg, config);
 }
 
 }  // namespace epx::dispatch

@@ -228,6 +228,9 @@ struct HtDeviceHandle {
 /// and for callers that want the device handle.
 class HtCuda final : public PrepareFinalizeBase {
  public:
+  /// Launch settings (ht_num_sms, ht_warps_per_block, ht_combine_mode, ht_chunk_rows) from `config`;
+  /// the two-argument form reads them with Config::load().
+  HtCuda(std::shared_ptr<Group> group, const DispatchConfig& cfg, const Config& config);
   HtCuda(std::shared_ptr<Group> group, const DispatchConfig& cfg);
   ~HtCuda() override;
   PrepareResult prepare(const DispatchArgs& args) override;

@@ -24,6 +24,7 @@
 
 #include "dispatch/ht.h"
 #include "dispatch_harness.h"
+#include "epx/config.h"
 #include "epx/cuda.h"
 #include "epx/dispatch.h"
 #include "epx/error.h"
@@ -728,6 +729,44 @@ void run_late_rank() {
   EXPECT_EQ(failed, "");
 }
 
+/// make_prepare_finalize(name, group, cfg, config): HtCuda takes its launch settings from the caller's
+/// Config (ModularMoE passes its own), not from a Config::load() of its own; and still round-trips.
+void run_callers_config() {
+  const std::string path = fresh_dir() + "/uid";
+  Case c;
+  c.R = 2;
+  c.E = 8;
+  c.K = 2;
+  c.H = 256;
+  c.cap = 32;
+  c.T = {20, 32};
+  c.seed = 7;
+  const auto in = make_inputs(c);
+  const auto want = run_cpu(c, {in}, false);
+  const std::string failed = run_ranks_forked(2, 120.0, [&](int rank) {
+    auto g = make_nccl_group(path, rank, 2, rank, 60.0);
+    cuda_ok(cudaSetDevice(rank), "cudaSetDevice");
+    cudaStream_t stream;
+    cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
+    Config config;  // defaults, then two fields: whatever EPX_HT_* says must not matter
+    config.ht_num_sms = 5;
+    config.ht_warps_per_block = 3;
+    auto pf = make_prepare_finalize("ht", g, c.config(), config);
+    auto* ht = dynamic_cast<dispatch::HtCuda*>(pf.get());
+    std::string failures;
+    if (!ht) failures += "not HtCuda; ";
+    else if (ht->num_sms() != 5 || ht->warps_per_block() != 3)
+      failures += "num_sms " + std::to_string(ht->num_sms()) + " warps " + std::to_string(ht->warps_per_block()) + ", want 5 and 3; ";
+    pf.reset();
+    const auto got = run_gpu(c, {in}, false, g, stream);  // the default object still matches HtCpu
+    failures += compare(got[0], want[0][static_cast<size_t>(rank)]);
+    g->barrier();
+    cuda_ok(cudaStreamDestroy(stream), "stream destroy");
+    if (!failures.empty()) throw std::runtime_error("rank " + std::to_string(rank) + ": " + failures);
+  });
+  EXPECT_EQ(failed, "");
+}
+
 /// Rank 1 never calls prepare: rank 0 gets Timeout naming rank 1 within about timeout_s, then
 /// CommError on the next call; nothing hangs.
 void run_timeout() {
@@ -851,6 +890,12 @@ TEST(HtCuda, LateRankIsNotOverrun) {
   const int n = cuda::device_count();
   if (n < 2) GTEST_SKIP() << "needs 2 GPUs, found " << n;
   run_late_rank();
+}
+
+TEST(HtCuda, TakesTheCallersConfig) {
+  const int n = cuda::device_count();
+  if (n < 2) GTEST_SKIP() << "needs 2 GPUs, found " << n;
+  run_callers_config();
 }
 
 TEST(HtCuda, SilentPeerTimesOut) {

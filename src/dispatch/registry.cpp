@@ -13,12 +13,14 @@ namespace epx {
 namespace {
 
 using Factory = std::unique_ptr<PrepareFinalize> (*)(std::shared_ptr<Group>, const DispatchConfig&);
+using ConfigFactory = std::unique_ptr<PrepareFinalize> (*)(std::shared_ptr<Group>, const DispatchConfig&, const Config&);
 
 struct BackendEntry {
   const char* name;
   Factory make_cpu;  ///< nullptr: no CPU implementation
   Factory make_cuda; ///< nullptr: no CUDA implementation in this build
   const char* why_no_cuda;  ///< when make_cuda is nullptr in a CUDA build: why, one sentence
+  ConfigFactory make_cuda_with_config = nullptr;  ///< the CUDA factory taking the caller's Config, if it reads one
 };
 
 #ifdef EPX_WITH_CUDA
@@ -26,10 +28,12 @@ constexpr Factory kNaiveCuda = &dispatch::make_naive_cuda;
 constexpr Factory kAgrsCuda = &dispatch::make_agrs_cuda;
 constexpr Factory kAll2allvCuda = &dispatch::make_all2allv_cuda;
 constexpr Factory kHtCuda = &dispatch::make_ht_cuda;
+constexpr ConfigFactory kHtCudaWithConfig = &dispatch::make_ht_cuda;
 constexpr Factory kLlCuda = &dispatch::make_ll_cuda;
 #else
 constexpr Factory kNaiveCuda = nullptr, kAgrsCuda = nullptr, kAll2allvCuda = nullptr;
 constexpr Factory kHtCuda = nullptr, kLlCuda = nullptr;
+constexpr ConfigFactory kHtCudaWithConfig = nullptr;
 #endif
 
 // Order = backend_names() order = the order of the `epx info` table and the test cross product.
@@ -38,7 +42,7 @@ constexpr BackendEntry kBackends[] = {
     {"allgather_reducescatter", &dispatch::make_agrs_cpu, kAgrsCuda, nullptr},
     {"all2allv", &dispatch::make_all2allv_cpu, kAll2allvCuda, nullptr},
     {"ll", &dispatch::make_ll_cpu, kLlCuda, nullptr},
-    {"ht", &dispatch::make_ht_cpu, kHtCuda, nullptr},
+    {"ht", &dispatch::make_ht_cpu, kHtCuda, nullptr, kHtCudaWithConfig},
 };
 
 }  // namespace
@@ -85,8 +89,11 @@ std::vector<std::string> backend_names() {
   return names;
 }
 
-std::unique_ptr<PrepareFinalize> make_prepare_finalize(const std::string& name, std::shared_ptr<Group> group,
-                                                       const DispatchConfig& cfg) {
+namespace {
+
+/// make_prepare_finalize with the caller's Config (nullptr: backends that read one call Config::load()).
+std::unique_ptr<PrepareFinalize> make_backend(const std::string& name, std::shared_ptr<Group> group, const DispatchConfig& cfg,
+                                              const Config* config) {
   require_arg("make_prepare_finalize", "group", "null", group != nullptr, "must be a group");
   int index = -1;
   for (size_t i = 0; i < std::size(kBackends); ++i)
@@ -126,7 +133,20 @@ std::unique_ptr<PrepareFinalize> make_prepare_finalize(const std::string& name, 
 #endif
     throw Unsupported(op + ": device = " + group->device().str() + ": " + why);
   }
+  if (config && group->device().is_cuda() && entry.make_cuda_with_config) return entry.make_cuda_with_config(std::move(group), cfg, *config);
   return make(std::move(group), cfg);
+}
+
+}  // namespace
+
+std::unique_ptr<PrepareFinalize> make_prepare_finalize(const std::string& name, std::shared_ptr<Group> group,
+                                                       const DispatchConfig& cfg) {
+  return make_backend(name, std::move(group), cfg, nullptr);
+}
+
+std::unique_ptr<PrepareFinalize> make_prepare_finalize(const std::string& name, std::shared_ptr<Group> group,
+                                                       const DispatchConfig& cfg, const Config& config) {
+  return make_backend(name, std::move(group), cfg, &config);
 }
 
 }  // namespace epx

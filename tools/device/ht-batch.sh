@@ -4,7 +4,7 @@
 # .carry-ht/src.tar.xz:   OUT=<dir> timeout -k 5 <allowance> bash .carry-ht/batch.sh
 # Builds epx + ht_cuda_test through gpu-check.sh (GPU_CHECK_TARGETS), then, each step under its own
 # time limit so that everything fits HT_BATCH_S seconds (default 145):
-#   1. HtCuda.LateRankIsNotOverrun (the ordering bug's test, no sanitizer)
+#   1. HtCuda.LateRankIsNotOverrun (the ordering bug's test, no sanitizer), HtCuda.TakesTheCallersConfig
 #   2. HtCuda.MatchesHtCpuTwoRanks under compute-sanitizer memcheck (where the bug showed)
 #   3. epx bench --case ht-v3 --backend ht,nccl_a2a_raw at 48 SMs, then variants while time is left
 set -uo pipefail
@@ -41,7 +41,7 @@ ARCH=/tmp/epx-gpu-check/deps/usr/lib/x86_64-linux-gnu
 export LD_LIBRARY_PATH="$NCCL/lib:$ARCH:$ARCH/openblas-pthread${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 cd "$S" || exit 1
 
-step late-rank 25 "$B/ht_cuda_test" --gtest_filter='HtCuda.LateRankIsNotOverrun'
+step late-rank 25 "$B/ht_cuda_test" --gtest_filter='HtCuda.LateRankIsNotOverrun:HtCuda.TakesTheCallersConfig'
 step memcheck-ht-test 85 env EPX_TIMEOUT_S=900 compute-sanitizer --target-processes all --report-api-errors no --error-exitcode 9 \
   --tool memcheck "$B/ht_cuda_test" --gtest_filter='HtCuda.MatchesHtCpuTwoRanks'
 A=(bench --case ht-v3 --backend ht,nccl_a2a_raw --ranks 2 --warmup 5 --iters 20)
