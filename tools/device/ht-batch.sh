@@ -6,7 +6,8 @@
 # time limit so that everything fits HT_BATCH_S seconds (default 145):
 #   1. HtCuda.LateRankIsNotOverrun (the ordering bug's test, no sanitizer), HtCuda.TakesTheCallersConfig
 #   2. HtCuda.MatchesHtCpuTwoRanks under compute-sanitizer memcheck (where the bug showed)
-#   3. epx bench --case ht-v3 --backend ht,nccl_a2a_raw at 48 SMs, then variants while time is left
+#   3. epx bench --case ht-v3 --backend ht,nccl_a2a_raw at 48 SMs, then (while time is left) mode 1 with
+#      1-row chunks, the device timeline (DISABLED_Timeline) and 64 SMs
 set -uo pipefail
 T0=$SECONDS
 BUDGET=${HT_BATCH_S:-145}
@@ -47,11 +48,12 @@ step memcheck-ht-test 85 env EPX_TIMEOUT_S=900 compute-sanitizer --target-proces
 A=(bench --case ht-v3 --backend ht,nccl_a2a_raw --ranks 2 --warmup 5 --iters 20)
 step ht-v3-sms48 14 env EPX_HT_NUM_SMS=48 "$B/epx" "${A[@]}" --json "$OUT/ht-v3-sms48.json"
 step ht-v3-sms48-mode1-chunk1 12 env EPX_HT_NUM_SMS=48 EPX_HT_COMBINE_MODE=1 EPX_HT_CHUNK_ROWS=1 "$B/epx" "${A[@]}" --json "$OUT/ht-v3-sms48-mode1-chunk1.json"
+step ht-timeline 12 env EPX_HT_NUM_SMS=48 "$B/ht_cuda_test" --gtest_also_run_disabled_tests --gtest_filter='HtCuda.DISABLED_Timeline'
 step ht-v3-sms64 12 env EPX_HT_NUM_SMS=64 "$B/epx" "${A[@]}" --json "$OUT/ht-v3-sms64.json"
-step ht-v3-sms24 12 env EPX_HT_NUM_SMS=24 "$B/epx" "${A[@]}" --json "$OUT/ht-v3-sms24.json"
 
 echo "== summary (+$((SECONDS - T0)) s)"
 grep -E "OK \]|FAILED|PASSED|bit-exact|DIFFER|mismatch|ERROR SUMMARY" "$OUT/late-rank.log" "$OUT/memcheck-ht-test.log" 2>/dev/null | cut -c1-220 | head -30
+grep -E "^rank" "$OUT/ht-timeline.log" 2>/dev/null | head -4
 for f in "$OUT"/ht-v3-*.json; do
   [ -f "$f" ] || continue
   python3 - "$f" <<'PY'
