@@ -22,7 +22,7 @@ struct Config {
   /// ll combine reduction for epx bench: column | partial_fp32 | partial_bf16 (epx::LlCombine; the
   /// API takes DispatchConfig::ll_combine, the same default, chosen by measurement).
   std::string ll_combine = "partial_fp32";
-  int ht_num_sms = 48;               ///< SM budget of HT kernels (48: measured, bench/NOTES.md "HT kernels")
+  int ht_num_sms = 64;               ///< SM budget of HT kernels (64: measured, bench/NOTES.md "Fourth session: bandwidth")
   int ht_warps_per_block = 16;       ///< warps per block of HT kernels
   int ht_combine_mode = 0;           ///< HT combine on CUDA: 0 all sends then all reduces, 1 pipelined (bench/NOTES.md)
   int ht_chunk_rows = 4;             ///< HT combine on CUDA: rows per chunk flag (bench/NOTES.md "HT kernels")
