@@ -18,6 +18,7 @@
 #include "epx/quant.h"
 #include "experts/experts_cuda_kernels.cuh"
 #include "experts/experts_fp8_cuda.h"
+#include "experts/experts_mxfp4_cuda.h"
 
 namespace epx {
 namespace {
@@ -79,14 +80,16 @@ struct Workspace {
   uint16_t* pair_out = nullptr;    // Flat [N*K, H] bf16
   uint8_t* hq = nullptr;           // fp8 tensor-core path: [row space, hq_stride] FP8 h
   float* hs = nullptr;             // fp8 tensor-core path: [row space, hq_stride / 128] fp32 scales
+  uint16_t* hb = nullptr;          // mxfp4 tensor-core path: [row space, hb_cols / 2] bf16 h
 };
 
 /// Byte offsets of a Workspace for the given sizes (one layout for sizing and carving).
 struct WorkspaceLayout {
-  int64_t tiles = 0, num_tiles = 0, pair_row = 0, slot = 0, h = 0, pair_out = 0, hq = 0, hs = 0, total = 0;
-  /// hq_cols: bytes per FP8 h row of the tensor-core path (0 = not used).
+  int64_t tiles = 0, num_tiles = 0, pair_row = 0, slot = 0, h = 0, pair_out = 0, hq = 0, hs = 0, hb = 0, total = 0;
+  /// hq_cols: bytes per FP8 h row of the tensor-core path (0 = not used); hb_bytes: bytes per bf16
+  /// h row of the mxfp4 tensor-core path (0 = not used).
   WorkspaceLayout(int64_t max_tiles, int64_t num_pairs, int64_t h_rows, int64_t h_cols, int64_t pair_out_rows,
-                  int64_t hidden, int64_t hq_cols) {
+                  int64_t hidden, int64_t hq_cols, int64_t hb_bytes = 0) {
     int64_t at = 0;
     auto take = [&](int64_t bytes) {
       const int64_t off = at;
@@ -101,6 +104,7 @@ struct WorkspaceLayout {
     pair_out = take(pair_out_rows * hidden * 2);
     hq = take(h_rows * hq_cols);
     hs = take(h_rows * (hq_cols / kFp8GroupSize) * 4);
+    hb = take(h_rows * hb_bytes);
     total = at;
   }
   Workspace carve(void* base) const {
@@ -108,7 +112,7 @@ struct WorkspaceLayout {
     return {reinterpret_cast<Tile*>(b + tiles), reinterpret_cast<int32_t*>(b + num_tiles),
             reinterpret_cast<int32_t*>(b + pair_row), reinterpret_cast<int32_t*>(b + slot),
             reinterpret_cast<float*>(b + h), reinterpret_cast<uint16_t*>(b + pair_out),
-            reinterpret_cast<uint8_t*>(b + hq), reinterpret_cast<float*>(b + hs)};
+            reinterpret_cast<uint8_t*>(b + hq), reinterpret_cast<float*>(b + hs), reinterpret_cast<uint16_t*>(b + hb)};
   }
 };
 
@@ -118,6 +122,7 @@ class CudaExperts final : public Experts {
       : experts_(std::move(experts)), device_(device) {
     cuda::ensure_runtime();
     const int64_t num_local = static_cast<int64_t>(experts_.size());
+    bool mx_shapes_ok = true;
     require_arg(kMake, "local_experts.size", num_local, num_local >= 1 && num_local <= experts_cuda::kMaxLocalExperts,
                 "must be in [1, " + std::to_string(experts_cuda::kMaxLocalExperts) + "]");
     for (size_t l = 0; l < experts_.size(); ++l) {
@@ -134,6 +139,9 @@ class CudaExperts final : public Experts {
                   "w13 and w2 must hold the weights");
       inter_max_ = std::max(inter_max_, w.intermediate);
       if (w.format == WeightFormat::fp8_block) fp8_inter_max_ = std::max(fp8_inter_max_, w.intermediate);
+      if (w.format == WeightFormat::mxfp4) mx_inter_max_ = std::max(mx_inter_max_, w.intermediate);
+      // the mixed tensor-core kernels take fp8_block and mxfp4 experts whose I is a multiple of 128
+      if (w.format == WeightFormat::bf16 || w.intermediate % kFp8GroupSize != 0) mx_shapes_ok = false;
       has_format_[static_cast<int>(w.format)] = true;
     }
     const int num_devices = cuda::device_count();
@@ -155,6 +163,12 @@ class CudaExperts final : public Experts {
     // (experts_fp8_prefill_cuda.cu); 0 keeps every tile on the 64-row kernels.
     fp8_prefill_ = config.experts_fp8_prefill == 1;
     fp8_prefill_stages_ = config.experts_fp8_prefill_stages;
+    // Objects with mxfp4 experts, all of them fp8_block or mxfp4 with I % 128 == 0 and H % 128 == 0,
+    // fed FP8 x, run every expert on the mixed sm_90a kernels (experts_mxfp4_cuda.cu): one grouped
+    // launch per GEMM for both formats (FHMoE: FP8 shared + MXFP4 routed).
+    mx_tensor_cores_ = has_format_[static_cast<int>(WeightFormat::mxfp4)] && mx_shapes_ok &&
+                       experts_[0]->hidden % kFp8GroupSize == 0 && config.experts_simt == 0 &&
+                       experts_cuda::mxfp4_tensor_cores_available(device_);
     EPX_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms_, cudaDevAttrMultiProcessorCount, device_));
     std::vector<ExpertDesc> descs;
     for (const auto& e : experts_) {
@@ -220,12 +234,18 @@ class CudaExperts final : public Experts {
     }
   }
 
+  /// The mixed fp8_block + mxfp4 tensor-core path runs every expert of this apply (FP8 x).
+  bool use_mixed_tc(const ExpertsInput& in) const { return mx_tensor_cores_ && in.x.dtype == DType::fp8_e4m3; }
   /// The FP8 tensor-core path runs this apply's fp8_block experts (FP8 x).
-  bool use_fp8_tc(const ExpertsInput& in) const { return fp8_tensor_cores_ && in.x.dtype == DType::fp8_e4m3; }
+  bool use_fp8_tc(const ExpertsInput& in) const {
+    return fp8_tensor_cores_ && in.x.dtype == DType::fp8_e4m3 && !use_mixed_tc(in);
+  }
   /// ... and its experts with more than kTileRows rows on the prefill kernels (128-row tiles).
   bool use_prefill(const ExpertsInput& in) const { return use_fp8_tc(in) && fp8_prefill_; }
-  /// Bytes per FP8 h row of the tensor-core path (0 when it does not run).
-  int64_t hq_cols(const ExpertsInput& in) const { return use_fp8_tc(in) ? fp8_inter_max_ : 0; }
+  /// Bytes per FP8 h row of the tensor-core paths (0 when none runs).
+  int64_t hq_cols(const ExpertsInput& in) const { return use_fp8_tc(in) || use_mixed_tc(in) ? fp8_inter_max_ : 0; }
+  /// Bytes per bf16 h row of the mxfp4 tensor-core path (0 when it does not run).
+  int64_t hb_bytes(const ExpertsInput& in) const { return use_mixed_tc(in) ? 2 * mx_inter_max_ : 0; }
 
   /// Throws the bad input that a schedule kernel of an earlier apply() left in the mapped record.
   void raise_device_error() {
@@ -273,7 +293,7 @@ class CudaExperts final : public Experts {
     if (cap == 0) return;
 
     const int64_t max_tiles = num_local * ceil_div(cap, experts_cuda::kTileRows);
-    const WorkspaceLayout layout(max_tiles, 0, num_local * cap, inter_max_, 0, h, hq_cols(in));
+    const WorkspaceLayout layout(max_tiles, 0, num_local * cap, inter_max_, 0, h, hq_cols(in), hb_bytes(in));
     const Workspace ws = workspace(layout, stream);
 
     experts_cuda::ScheduleParams sp{};
@@ -311,7 +331,7 @@ class CudaExperts final : public Experts {
     }
 
     const int64_t max_tiles = ceil_div(num_pairs, experts_cuda::kTileRows) + num_local;
-    const WorkspaceLayout layout(max_tiles, num_pairs, num_pairs, inter_max_, num_pairs, h, hq_cols(in));
+    const WorkspaceLayout layout(max_tiles, num_pairs, num_pairs, inter_max_, num_pairs, h, hq_cols(in), hb_bytes(in));
     const Workspace ws = workspace(layout, stream);
 
     experts_cuda::ScheduleParams sp{};
@@ -367,7 +387,35 @@ class CudaExperts final : public Experts {
     const unsigned tile_slots = static_cast<unsigned>(std::min(max_tiles, kMaxTileSlots));
     const ActKind act = in.x.dtype == DType::fp8_e4m3 ? ActKind::fp8 : ActKind::bf16;
     const bool tc = use_fp8_tc(in);  // fp8_block experts on the tensor cores, not the SIMT GEMMs
-    auto simt_runs = [&](WeightFormat f) { return has_format_[static_cast<int>(f)] && !(tc && f == WeightFormat::fp8_block); };
+    const bool mixed = use_mixed_tc(in);  // fp8_block and mxfp4 experts on the mixed tensor-core GEMMs
+    auto simt_runs = [&](WeightFormat f) {
+      return has_format_[static_cast<int>(f)] && !(tc && f == WeightFormat::fp8_block) && !(mixed && f != WeightFormat::bf16);
+    };
+    if (mixed) {
+      experts_cuda::MixedGemmParams mp{};
+      mp.experts = gp.experts;
+      mp.tiles = ws.tiles;
+      mp.num_tiles = ws.num_tiles;
+      mp.hidden = h;
+      mp.x = in.x.ptr<const uint8_t>();
+      mp.x_scales = in.x_scales.ptr<const float>();
+      mp.gather = gather;
+      mp.hq = ws.hq;
+      mp.hs = ws.hs;
+      mp.h_stride = fp8_inter_max_;
+      mp.hs_stride = fp8_inter_max_ / kFp8GroupSize;
+      mp.hb = ws.hb;
+      mp.hb_stride = mx_inter_max_;
+      mp.out = out_rows;
+      // Persistent grids of one CTA per multiprocessor (~219 KiB of shared memory each).
+      mp.max_weight_tiles = static_cast<int32_t>(inter_max_ / kFp8GroupSize);
+      const int64_t up_items = max_tiles * mp.max_weight_tiles;
+      experts_cuda::launch_mixed_gate_up(mp, static_cast<int>(std::clamp<int64_t>(up_items, 1, num_sms_)), stream);
+      mp.gather = nullptr;
+      mp.max_weight_tiles = static_cast<int32_t>(ceil_div(h, experts_cuda::kFp8TileWeightRows));
+      const int64_t down_items = max_tiles * mp.max_weight_tiles;
+      experts_cuda::launch_mixed_down(mp, static_cast<int>(std::clamp<int64_t>(down_items, 1, num_sms_)), stream);
+    }
     if (tc) {
       experts_cuda::Fp8GemmParams fp{};
       fp.experts = gp.experts;
@@ -427,6 +475,8 @@ class CudaExperts final : public Experts {
   bool fp8_pairs_ = false;        // their mainloop variant (EPX_EXPERTS_FP8_PAIRS)
   bool fp8_prefill_ = false;      // experts with > 64 rows on the prefill kernels (EPX_EXPERTS_FP8_PREFILL)
   int fp8_prefill_stages_ = 0;    // their ring depth (EPX_EXPERTS_FP8_PREFILL_STAGES; 0 = maximum)
+  int64_t mx_inter_max_ = 0;      // widest mxfp4 expert
+  bool mx_tensor_cores_ = false;  // fp8_block + mxfp4 experts with FP8 x run on the mixed sm_90a GEMMs
   int num_sms_ = 1;
   std::array<bool, 3> has_format_{};
   std::vector<Tensor> device_weights_;  // uploaded w13 / scales / w2 / scales of every expert

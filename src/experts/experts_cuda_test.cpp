@@ -393,6 +393,55 @@ TEST(ExpertsCuda, Fp8TensorCoreV4ProSharedExpertWidth) {
   std::printf("[ rel_l2 ] fp8 tensor cores v4-pro width expert_major %.2e flat %.2e\n", em.max_rel_l2, fl);
 }
 
+TEST(ExpertsCuda, Mxfp4TensorCoreRowCountsOneTo8192) {
+  if (gpus() < 1) GTEST_SKIP() << "needs 1 GPU, found " << gpus();
+  // MXFP4 experts with FP8 x take the mixed sm_90a GEMMs (experts_mxfp4_cuda.cu), here beside the
+  // FP8 shared expert in the same launches (FHMoE, DeepSeek-V4-Pro shapes: H 7168, I 3072): total
+  // rows 1, 10, 128, 1005 (ExpertMajor, experts without tokens among them) and 8192 (Flat).
+  std::vector<std::shared_ptr<const ExpertWeights>> experts = same_format(WeightFormat::mxfp4, 3, 7168, 3072, 520);
+  experts.push_back(ExpertWeights::random(WeightFormat::fp8_block, 7168, 3072, 524));
+  auto cpu = make_experts_cpu(experts);
+  auto gpu = make_experts_cuda(experts, 0);
+  const double tol = tolerance(DType::fp8_e4m3, experts);
+  const std::vector<std::vector<int32_t>> cases = {{0, 1, 0, 0}, {7, 0, 0, 3}, {16, 17, 95, 0}, {0, 1000, 0, 5}};
+  uint64_t seed = 530;
+  for (const auto& counts : cases) {
+    const int64_t cap = *std::max_element(counts.begin(), counts.end()) + 3;
+    const EmResult em = run_expert_major(*cpu, *gpu, counts, cap, DType::fp8_e4m3, ++seed, tol);
+    std::printf("[ rel_l2 ] mxfp4 tensor cores deepseek-v4-pro expert_major counts %d,%d,%d,%d: %.2e\n", counts[0], counts[1],
+                counts[2], counts[3], em.max_rel_l2);
+  }
+  const double fl = run_flat(*cpu, *gpu, 4096, 2, DType::fp8_e4m3, ++seed, {.masked = 0.0, .duplicates = false, .tol = tol});
+  std::printf("[ rel_l2 ] mxfp4 tensor cores deepseek-v4-pro flat 8192 rows: %.2e\n", fl);
+  // MXFP4 experts alone (no fp8_block expert): the MXFP4 tolerance.
+  const std::vector<std::shared_ptr<const ExpertWeights>> routed(experts.begin(), experts.end() - 1);
+  auto cpu_r = make_experts_cpu(routed);
+  auto gpu_r = make_experts_cuda(routed, 0);
+  const EmResult em = run_expert_major(*cpu_r, *gpu_r, {33, 0, 2}, 40, DType::fp8_e4m3, ++seed, kMaxRelL2);
+  const double fr = run_flat(*cpu_r, *gpu_r, 300, 6, DType::fp8_e4m3, ++seed, {.masked = 0.2, .duplicates = true, .tol = kMaxRelL2});
+  std::printf("[ rel_l2 ] mxfp4 tensor cores routed only expert_major %.2e flat %.2e\n", em.max_rel_l2, fr);
+}
+
+TEST(ExpertsCuda, Mxfp4TensorCoreWideScaleSpread) {
+  if (gpus() < 1) GTEST_SKIP() << "needs 1 GPU, found " << gpus();
+  // The gate_up expansion writes e2m1 * 2^(e_group - e_max + 6) as e4m3: groups 2^4, 2^12 and 2^17
+  // below their row's largest take the table path, the exact fp32 path and the rounded one.
+  const int64_t H = 512, I = 256;
+  std::mt19937_64 rng(540);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  Tensor gu = Tensor::empty({2 * I, H}, DType::fp32), dn = Tensor::empty({H, I}, DType::fp32);
+  const float spread[4] = {1.0f, std::ldexp(1.0f, -4), std::ldexp(1.0f, -12), std::ldexp(1.0f, -17)};
+  for (int64_t r = 0; r < 2 * I; ++r)
+    for (int64_t c = 0; c < H; ++c) gu.ptr<float>()[r * H + c] = nd(rng) * spread[((c / 32) + r) % 4] / 16.0f;
+  for (int64_t i = 0; i < H * I; ++i) dn.ptr<float>()[i] = nd(rng) / 16.0f;
+  std::vector<std::shared_ptr<const ExpertWeights>> experts = {ExpertWeights::from_float(WeightFormat::mxfp4, gu, dn),
+                                                               ExpertWeights::random(WeightFormat::mxfp4, H, I, 541)};
+  auto cpu = make_experts_cpu(experts);
+  auto gpu = make_experts_cuda(experts, 0);
+  const EmResult em = run_expert_major(*cpu, *gpu, {20, 3}, 20, DType::fp8_e4m3, 542, kMaxRelL2);
+  std::printf("[ rel_l2 ] mxfp4 tensor cores wide scale spread: %.2e\n", em.max_rel_l2);
+}
+
 // ---- errors, graphs ---------------------------------------------------------------------------
 
 TEST(ExpertsCuda, RejectsBadArguments) {

@@ -1,0 +1,659 @@
+// experts/experts_mxfp4_cuda.cu: tensor-core grouped GEMMs for MXFP4 experts on sm_90a, with the
+// fp8_block experts of the same object in the same launch (FHMoE: FP8 shared + MXFP4 routed).
+//
+// Structure as experts_fp8_cuda.cu (read it first): weights in wgmma's M slot, tokens in N (BN = 16
+// or 64 per tile, chosen on the device), one CTA of 2 warpgroups computes 256 weight rows x BN
+// tokens per (row tile, weight tile) item, persistent grid over the device-side tile list (counts
+// read on the device, graph-safe). Every item picks its path from its expert's format (CTA-uniform):
+//   fp8_block  as experts_fp8_cuda.cu: e4m3 weights cp.async'd straight into the 128B-swizzled
+//              operand tile, 128x128 block scales promoted per 128-deep K block, FP8 1x128 h.
+//   mxfp4      the packed e2m1 codes (half the bytes of FP8) and their e8m0 scales stream into a
+//              raw ring (cp.async, 5-7 stages); each thread expands its own weight row of a stage
+//              into one of two swizzled operand tiles while the tensor cores run the previous
+//              stage, then wgmma reads it:
+//     gate_up  e4m3 wgmma against the FP8 x. Per (weight row, 128-deep K block) the block exponent
+//              E = max of the row's 4 group exponents e_g; each element is written as the e4m3
+//              value e2m1 * 2^(e_g - E + 6) (<= 6 * 64 = 384 < 448) and 2^(E - 127 - 6) * x_scale
+//              is applied at the block's promotion (a per-row scale instead of the 128x128 block
+//              scale). Exact while e_g - E >= -14 (e4m3 subnormals reach 2^-9); groups more than
+//              11 binades below their row's largest use an RNE float path (exact down to -14,
+//              then rounded to e4m3 / flushed to zero: a group 2^14 below its neighbours). h =
+//              silu(g) * u is rounded to bf16 (the mxfp4 rule of epx/experts.h).
+//     down     bf16 wgmma: h bf16 against the weights expanded to bf16 with the e8m0 scale folded
+//              in (e2m1 * 2^(e - 127) is exact in bf16 for 2 <= e <= 252; other scales take an RNE
+//              float path), fp32 accumulation across the whole K, no promotion.
+//   Both expansions are byte permutes (prmt) through per-group 8-entry tables, ~1.5-2.5 integer
+//   operations per weight.
+#include "experts/experts_mxfp4_cuda.h"
+
+#include <mutex>
+#include <vector>
+
+#include "cuda/check.h"
+#include "epx/dtype.h"
+#include "epx/error.h"
+#include "epx/experts.h"
+#include "experts/experts_fp8_cuda.h"
+
+namespace epx::experts_cuda {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kRows = kFp8TileWeightRows;  // 256 weight rows per item
+constexpr int kMaxBN = 64;
+constexpr int kSubBytes = 64 * 128;        // one m64 sub-tile of the operand (8 KiB)
+constexpr int kConvBytes = kRows * 128;    // one expanded operand tile (32 KiB)
+constexpr int kScaleFloats = 4 + kMaxBN;   // per stage: 4 fp8 sub-tile scales + BN token scales
+constexpr int kMaxStages = 8;
+constexpr int kExtraOff = 212 * 1024;      // above every kind's ring (+ conversion tiles)
+constexpr int kScaleOff = kExtraOff;
+constexpr int kRowScaleOff = kScaleOff + kMaxStages * kScaleFloats * 4;
+constexpr int kRowsOff = kRowScaleOff + 2 * kRows * 4;
+constexpr int kRedOff = kRowsOff + kMaxBN * 4;
+constexpr int kSmemUsed = kRedOff + 8 * kMaxBN * 4;
+constexpr int kSmemBytes = kSmemUsed + 1024;  // + alignment of the base to 1024 (swizzle atom)
+constexpr int kHStageStride = 128 + 16;       // fp8 gate_up epilogue: FP8 h rows (bytes), padded
+constexpr int kHbStageStride = 128 + 8;       // mxfp4 gate_up epilogue: bf16 h rows (elements), padded
+constexpr int kOutStageStride = kRows + 8;    // down epilogue: bf16 out rows (elements), padded
+
+/// The four item kinds: (format, GEMM).
+enum Kind : int { kFp8GateUp = 0, kFp8Down = 1, kMxGateUp = 2, kMxDown = 3 };
+
+/// Shared-memory plan and shape of each kind. Stage s of the ring starts at s * kStageBytes.
+template <int kK>
+struct KT {
+  static constexpr bool kMx = kK == kMxGateUp || kK == kMxDown;
+  static constexpr bool kGateUp = kK == kFp8GateUp || kK == kMxGateUp;
+  static constexpr bool kBf16 = kK == kMxDown;          // bf16 wgmma (k16) instead of e4m3 (k32)
+  static constexpr int kKPerStage = kBf16 ? 64 : 128;   // elements of K per stage (128 bytes per operand row)
+  static constexpr int kStages = kK == kMxDown ? 7 : 5;
+  // fp8: [A 32 KiB | B 8 KiB]; mxfp4: [B 8 KiB | raw codes, rows padded | raw scales 1 KiB]
+  static constexpr int kRawStride = kK == kMxGateUp ? 80 : 48;  // 64 / 32 code bytes + 16 (conflict-free reads)
+  static constexpr int kStageBytes = !kMx ? 40 * 1024 : (kK == kMxGateUp ? 29 * 1024 : 21 * 1024);
+  static constexpr int kAOff = 0;                        // fp8: the operand tile itself
+  static constexpr int kBOff = kMx ? 0 : 32 * 1024;
+  static constexpr int kRawOff = 8 * 1024;
+  static constexpr int kRawScaleOff = kRawOff + kRows * kRawStride;
+  static constexpr int kConvOff = kStages * kStageBytes;  // mxfp4: two expanded tiles
+  static constexpr int kRingEnd = kConvOff + (kMx ? 2 * kConvBytes : 0);
+  static_assert(kRingEnd <= kExtraOff, "ring below the extras");
+  static_assert(!kMx || kRawScaleOff + kRows * 4 <= kStageBytes, "mxfp4 stage fits");
+  static_assert(kStageBytes % 1024 == 0 && kConvOff % 1024 == 0, "swizzled tiles 1024-aligned");
+  static_assert(kStages <= kMaxStages, "scale ring");
+};
+static_assert(kMaxBN * kOutStageStride * 2 <= 5 * 21 * 1024, "epilogue staging fits the ring");
+static_assert(kSmemBytes <= 227 * 1024, "shared memory of one CTA");
+
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define EPX_MX_WGMMA 1
+#endif
+
+#ifdef EPX_MX_WGMMA
+
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0) : "memory");
+}
+__device__ __forceinline__ void cp_async4(uint32_t dst, const void* src, bool valid) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 4 : 0) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+__device__ __forceinline__ void fence_operand(float& r) { asm volatile("" : "+f"(r)::"memory"); }
+
+/// K-major 128B-swizzle descriptor (as experts_fp8_cuda.cu).
+__device__ __forceinline__ uint64_t smem_desc(uint32_t addr) {
+  uint64_t d = static_cast<uint64_t>((addr & 0x3FFFFu) >> 4);
+  d |= static_cast<uint64_t>(1) << 16;
+  d |= static_cast<uint64_t>(1024 >> 4) << 32;
+  d |= static_cast<uint64_t>(1) << 62;
+  return d;
+}
+/// Byte offset of 16-byte chunk c (0..7) of row r in a 128B-swizzled tile.
+__device__ __forceinline__ uint32_t swz(int r, int c) { return static_cast<uint32_t>(r * 128 + ((c ^ (r & 7)) << 4)); }
+
+/// PTX prmt (default mode): byte i of the result = byte (s_i & 7) of {a, b}, or that byte's sign
+/// replicated when s_i & 8 (s_i = nibble i of s).
+__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t s) {
+  uint32_t d;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(s));
+  return d;
+}
+/// 0x80 in byte i (i < 4) where e2m1 nibble i of w is negative, else 0.
+__device__ __forceinline__ uint32_t nibble_signs(uint32_t w) {
+  return (prmt(0x80808080u, 0x80808080u, w) & 0x40404040u) << 1;
+}
+
+template <bool kBf16, int BN>
+struct Mma;
+template <>
+struct Mma<false, 16> {
+  __device__ __forceinline__ static void run(float (&d)[8], uint64_t a, uint64_t b, int acc) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3 "
+        "{%0,%1,%2,%3,%4,%5,%6,%7}, %8, %9, p, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+        : "l"(a), "l"(b), "r"(acc));
+  }
+};
+template <>
+struct Mma<true, 16> {
+  __device__ __forceinline__ static void run(float (&d)[8], uint64_t a, uint64_t b, int acc) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 "
+        "{%0,%1,%2,%3,%4,%5,%6,%7}, %8, %9, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+        : "l"(a), "l"(b), "r"(acc));
+  }
+};
+#define EPX_MMA64_OUTS                                                                                            \
+  "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),   \
+      "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),    \
+      "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),   \
+      "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+template <>
+struct Mma<false, 64> {
+  __device__ __forceinline__ static void run(float (&d)[32], uint64_t a, uint64_t b, int acc) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 "
+        "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+        "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, %32, %33, p, 1, 1;\n}\n"
+        : EPX_MMA64_OUTS
+        : "l"(a), "l"(b), "r"(acc));
+  }
+};
+template <>
+struct Mma<true, 64> {
+  __device__ __forceinline__ static void run(float (&d)[32], uint64_t a, uint64_t b, int acc) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+        "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+        "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+        : EPX_MMA64_OUTS
+        : "l"(a), "l"(b), "r"(acc));
+  }
+};
+#undef EPX_MMA64_OUTS
+
+/// What one work item needs, resolved by every thread.
+struct Item {
+  const uint8_t* w;        // w13 or w2 (fp8 codes or packed e2m1 pairs, K-major rows)
+  const void* w_scale;     // fp8: fp32 [rows/128, K/128]; mxfp4: e8m0 [rows, K/32]
+  int64_t K;               // reduction length (elements; multiple of 128)
+  int64_t inter;           // I of the expert
+  int64_t hidden;          // H
+  int32_t row0, num_rows;  // row-space rows of the tile
+  int64_t col0;            // gate_up: first h column; down: first output column
+};
+
+template <bool kGateUp>
+__device__ __forceinline__ int64_t sub_row(const Item& it, int t) {
+  if constexpr (kGateUp) return (t >= 2 ? it.inter : 0) + it.col0 + (t & 1) * 64;
+  else return it.col0 + t * 64;
+}
+template <bool kGateUp>
+__device__ __forceinline__ bool sub_valid(const Item& it, int t) {
+  if constexpr (kGateUp) return true;
+  else return it.col0 + t * 64 < it.hidden;
+}
+
+/// e4m3 codes of 8 e2m1 codes (word w, element i = nibble i) through the group table (lo, hi).
+__device__ __forceinline__ uint2 e2m1x8_to_e4m3(uint32_t w, uint32_t lo, uint32_t hi) {
+  const uint32_t m = w & 0x77777777u;
+  return make_uint2(prmt(lo, hi, m) | nibble_signs(w), prmt(lo, hi, m >> 16) | nibble_signs(w >> 16));
+}
+/// bf16 values of 8 e2m1 codes through the group tables (hi bytes, lo bytes).
+__device__ __forceinline__ uint4 e2m1x8_to_bf16(uint32_t w, uint32_t hl, uint32_t hh, uint32_t ll, uint32_t lh) {
+  const uint32_t m = w & 0x77777777u;
+  const uint32_t h0 = prmt(hl, hh, m) | nibble_signs(w), l0 = prmt(ll, lh, m);
+  const uint32_t h1 = prmt(hl, hh, m >> 16) | nibble_signs(w >> 16), l1 = prmt(ll, lh, m >> 16);
+  return make_uint4(prmt(l0, h0, 0x5140u), prmt(l0, h0, 0x7362u), prmt(l1, h1, 0x5140u), prmt(l1, h1, 0x7362u));
+}
+
+/// Expands this thread's weight row (row = threadIdx.x) of ring stage `stage` into operand tile
+/// `conv` (128B-swizzled, 256 rows x 128 bytes); gate_up also writes the row's scale 2^(E-133).
+template <int kK>
+__device__ __forceinline__ void convert_row(const uint8_t* stage, uint8_t* conv, float* row_scale, int64_t scale_byte) {
+  using T = KT<kK>;
+  const int r = threadIdx.x;
+  const uint8_t* raw = stage + T::kRawOff + r * T::kRawStride;
+  const uint32_t scw = *reinterpret_cast<const uint32_t*>(stage + T::kRawScaleOff + r * 4);
+  if constexpr (kK == kMxGateUp) {
+    const int e0 = scw & 0xFF, e1 = (scw >> 8) & 0xFF, e2 = (scw >> 16) & 0xFF, e3 = scw >> 24;
+    const int E = max(max(e0, e1), max(e2, e3));
+    // 2^(E - 133) as an fp32 (normal for E >= 7, else a denormal); NaN scale -> NaN row
+    row_scale[r] = E == 255 ? __uint_as_float(0x7fc00000u)
+                            : (E >= 7 ? __uint_as_float(static_cast<uint32_t>(E - 6) << 23) : __uint_as_float(1u << (E + 16)));
+#pragma unroll
+    for (int g = 0; g < 4; ++g) {
+      const uint4 q = *reinterpret_cast<const uint4*>(raw + g * 16);
+      const int d = ((scw >> (8 * g)) & 0xFF) - E + 6;  // <= 6
+      uint4 o0, o1;
+      if (d >= -5) {
+        const uint32_t B = static_cast<uint32_t>(6 + d) << 3;  // e4m3 code of 0.5 * 2^d
+        const uint32_t lo = (B << 8) | ((B + 8) << 16) | ((B + 12) << 24);
+        const uint32_t hi = (B + 16) | ((B + 20) << 8) | ((B + 24) << 16) | ((B + 28) << 24);
+        const uint2 a = e2m1x8_to_e4m3(q.x, lo, hi), b = e2m1x8_to_e4m3(q.y, lo, hi);
+        const uint2 c = e2m1x8_to_e4m3(q.z, lo, hi), e = e2m1x8_to_e4m3(q.w, lo, hi);
+        o0 = make_uint4(a.x, a.y, b.x, b.y);
+        o1 = make_uint4(c.x, c.y, e.x, e.y);
+      } else {  // a group far below its row's largest: RNE through fp32 (exact down to d = -8)
+        const float f = exp2f(static_cast<float>(d));
+        uint32_t out[8];
+        const uint32_t words[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+        for (int wi = 0; wi < 4; ++wi) {
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            uint32_t v = 0;
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+              const uint32_t code = (words[wi] >> (16 * half + 4 * j)) & 0xFu;
+              v |= static_cast<uint32_t>(float_to_fp8_e4m3_bits(fp4_e2m1_bits_to_float(static_cast<uint8_t>(code)) * f)) << (8 * j);
+            }
+            out[2 * wi + half] = v;
+          }
+        }
+        o0 = make_uint4(out[0], out[1], out[2], out[3]);
+        o1 = make_uint4(out[4], out[5], out[6], out[7]);
+      }
+      *reinterpret_cast<uint4*>(conv + swz(r, 2 * g)) = o0;
+      *reinterpret_cast<uint4*>(conv + swz(r, 2 * g + 1)) = o1;
+    }
+  } else {  // kMxDown: 64 elements = 2 groups; the scale pair sits at byte (scale_byte & 2) of the word
+    const uint32_t pair = scw >> (8 * (scale_byte & 2));
+#pragma unroll
+    for (int g = 0; g < 2; ++g) {
+      const uint4 q = *reinterpret_cast<const uint4*>(raw + g * 16);
+      const uint32_t e = (pair >> (8 * g)) & 0xFFu;
+      const uint32_t words[4] = {q.x, q.y, q.z, q.w};
+      if (e >= 2 && e <= 252) {
+        // bf16 of code c: exponent field F = e - 1 (c = 1), e (2, 3), e + 1 (4, 5), e + 2 (6, 7); the
+        // mantissa's top bit for c = 3, 5, 7. High byte F >> 1, low byte (F & 1) << 7 | mantissa.
+        const uint32_t hl = (((e - 1) >> 1) << 8) | ((e >> 1) << 16) | ((e >> 1) << 24);
+        const uint32_t hh = ((e + 1) >> 1) | (((e + 1) >> 1) << 8) | (((e + 2) >> 1) << 16) | (((e + 2) >> 1) << 24);
+        const uint32_t b1 = ((e - 1) & 1) << 7, b2 = (e & 1) << 7, b4 = ((e + 1) & 1) << 7;
+        const uint32_t ll = (b1 << 8) | (b2 << 16) | ((b2 | 0x40u) << 24);
+        const uint32_t lh = b4 | ((b4 | 0x40u) << 8) | (b2 << 16) | ((b2 | 0x40u) << 24);
+#pragma unroll
+        for (int wi = 0; wi < 4; ++wi)
+          *reinterpret_cast<uint4*>(conv + swz(r, 4 * g + wi)) = e2m1x8_to_bf16(words[wi], hl, hh, ll, lh);
+      } else {  // extreme scales: RNE through fp32
+        const float s = e8m0_bits_to_float(static_cast<uint8_t>(e));
+#pragma unroll
+        for (int wi = 0; wi < 4; ++wi) {
+          uint32_t o[4];
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            const uint32_t c0 = (words[wi] >> (8 * j)) & 0xFu, c1 = (words[wi] >> (8 * j + 4)) & 0xFu;
+            o[j] = float_to_bf16_bits(fp4_e2m1_bits_to_float(static_cast<uint8_t>(c0)) * s) |
+                   (static_cast<uint32_t>(float_to_bf16_bits(fp4_e2m1_bits_to_float(static_cast<uint8_t>(c1)) * s)) << 16);
+          }
+          *reinterpret_cast<uint4*>(conv + swz(r, 4 * g + wi)) = make_uint4(o[0], o[1], o[2], o[3]);
+        }
+      }
+    }
+  }
+}
+
+/// One (row tile, weight tile) item of kind kK with BN token columns. smem: 1024-aligned base.
+template <int kK, int BN>
+__device__ __forceinline__ void run_item(const MixedGemmParams& p, const Item& it, uint8_t* smem, uint32_t smem_s) {
+  using T = KT<kK>;
+  constexpr bool kGateUp = T::kGateUp;
+  constexpr int kFrag = BN / 2;
+  constexpr int S = T::kStages;
+  const int tid = threadIdx.x, wg = tid >> 7, warp_in_wg = (tid >> 5) & 3, lane = tid & 31;
+  int32_t* rows = reinterpret_cast<int32_t*>(smem + kRowsOff);
+  float* scales = reinterpret_cast<float*>(smem + kScaleOff);
+  float* row_scales = reinterpret_cast<float*>(smem + kRowScaleOff);
+  const int64_t nk = it.K / T::kKPerStage;
+  // B operand: 128 bytes per row per stage
+  const uint8_t* b_base = kGateUp ? p.x : (T::kMx ? reinterpret_cast<const uint8_t*>(p.hb) : p.hq);
+  const int64_t b_stride = kGateUp ? p.hidden : (T::kMx ? p.hb_stride * 2 : p.h_stride);  // bytes
+  const float* bs_base = kGateUp ? p.x_scales : p.hs;
+  const int64_t bs_stride = kGateUp ? p.hidden / 128 : p.hs_stride;
+  // mxfp4: this thread's weight row (row r = tid of the 256-row tile)
+  const int my_t = tid >> 6;
+  const bool my_valid = sub_valid<kGateUp>(it, my_t);
+  const int64_t my_row = sub_row<kGateUp>(it, my_t) + (tid & 63);
+  const int64_t my_scale0 = T::kMx ? my_row * (it.K / 32) : 0;  // byte of this row's first e8m0 scale
+
+  auto load_stage = [&](int s, int64_t kb) {
+    const uint32_t st = smem_s + s * T::kStageBytes;
+#pragma unroll
+    for (int i = 0; i < (BN * 8 + kThreads - 1) / kThreads; ++i) {
+      const int q = tid + i * kThreads;
+      if (q < BN * 8) {
+        const int j = q >> 3, c = q & 7;
+        const bool v = j < it.num_rows;
+        const uint8_t* src = v ? b_base + static_cast<int64_t>(rows[j]) * b_stride + kb * 128 + c * 16 : b_base;
+        cp_async16(st + T::kBOff + swz(j, c), src, v);
+      }
+    }
+    if constexpr (!T::kMx) {
+#pragma unroll
+      for (int i = 0; i < (kRows * 8) / kThreads; ++i) {
+        const int t = i >> 1, r = (tid >> 3) + 32 * i, c = tid & 7;
+        const bool v = sub_valid<kGateUp>(it, t);
+        const uint8_t* src = v ? it.w + (sub_row<kGateUp>(it, t) + (r & 63)) * it.K + kb * 128 + c * 16 : it.w;
+        cp_async16(st + T::kAOff + swz(r, c), src, v);
+      }
+    } else {
+      constexpr int kChunks = T::kKPerStage / 32;  // 16-byte code chunks per row per stage
+      const uint8_t* src_row = it.w + my_row * (it.K / 2) + kb * (T::kKPerStage / 2);
+#pragma unroll
+      for (int c = 0; c < kChunks; ++c)
+        cp_async16(st + T::kRawOff + tid * T::kRawStride + c * 16, my_valid ? src_row + c * 16 : it.w, my_valid);
+      // the aligned word holding this stage's scale bytes (gate_up: 4 at a multiple of 4; down: 2 at an even byte)
+      const int64_t sb = my_scale0 + kb * (T::kKPerStage / 32);
+      const uint8_t* ssrc = static_cast<const uint8_t*>(it.w_scale) + (sb & ~int64_t{3});
+      cp_async4(st + T::kRawScaleOff + tid * 4, my_valid ? ssrc : it.w_scale, my_valid);
+    }
+    if constexpr (!T::kBf16) {
+      const uint32_t sc = smem_s + kScaleOff + s * kScaleFloats * 4;
+      if constexpr (!T::kMx) {
+        if (tid < 4) {
+          const bool v = sub_valid<kGateUp>(it, tid);
+          const float* ws = static_cast<const float*>(it.w_scale);
+          const float* src = v ? ws + (sub_row<kGateUp>(it, tid) / 128) * (it.K / 128) + kb : ws;
+          cp_async4(sc + tid * 4, src, v);
+        }
+      }
+      if (tid >= 32 && tid < 32 + BN) {
+        const int j = tid - 32;
+        const bool v = j < it.num_rows;
+        const float* src = v ? bs_base + static_cast<int64_t>(rows[j]) * bs_stride + kb : bs_base;
+        cp_async4(sc + (4 + j) * 4, src, v);
+      }
+    }
+  };
+  auto convert = [&](int64_t kb) {
+    if constexpr (T::kMx)
+      convert_row<kK>(smem + static_cast<int>(kb % S) * T::kStageBytes, smem + T::kConvOff + static_cast<int>(kb & 1) * kConvBytes,
+                      row_scales + static_cast<int>(kb & 1) * kRows, my_scale0 + kb * (T::kKPerStage / 32));
+  };
+
+  float acc[2][kFrag], tmp[2][kFrag];
+#pragma unroll
+  for (int s = 0; s < 2; ++s)
+#pragma unroll
+    for (int i = 0; i < kFrag; ++i) acc[s][i] = 0.0f, tmp[s][i] = 0.0f;
+
+  // The 8 wgmmas of K block kb into t (kMxDown: into acc, accumulating after the first).
+  auto issue = [&](int64_t kb, float (&t)[2][kFrag]) {
+    const uint32_t st = smem_s + static_cast<int>(kb % S) * T::kStageBytes;
+    const uint32_t a_s = T::kMx ? smem_s + T::kConvOff + static_cast<int>(kb & 1) * kConvBytes : st + T::kAOff;
+    const uint64_t da0 = smem_desc(a_s + wg * kSubBytes), da1 = smem_desc(a_s + (2 + wg) * kSubBytes);
+    const uint64_t db = smem_desc(st + T::kBOff);
+    wgmma_fence();
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {  // 4 steps of 32 bytes along K (+2 in the descriptor)
+      const int accumulate = T::kBf16 ? (kb > 0 || k > 0) : k;
+      Mma<T::kBf16, BN>::run(t[0], da0 + 2 * k, db + 2 * k, accumulate);
+      Mma<T::kBf16, BN>::run(t[1], da1 + 2 * k, db + 2 * k, accumulate);
+    }
+    wgmma_commit();
+  };
+  // acc += t * (w_scale * token_scale) for K block kb (its wgmmas completed).
+  auto promote = [&](int64_t kb, float (&t)[2][kFrag]) {
+#pragma unroll
+    for (int sub = 0; sub < 2; ++sub)
+#pragma unroll
+      for (int i = 0; i < kFrag; ++i) fence_operand(t[sub][i]);
+    const float* sc = scales + static_cast<int>(kb % S) * kScaleFloats;
+    float w[2][2];
+    if constexpr (T::kMx) {
+      const float* rs = row_scales + static_cast<int>(kb & 1) * kRows;
+#pragma unroll
+      for (int sub = 0; sub < 2; ++sub) {
+        const int r = (2 * sub + wg) * 64 + 16 * warp_in_wg + (lane >> 2);
+        w[sub][0] = rs[r];
+        w[sub][1] = rs[r + 8];
+      }
+    } else {
+      w[0][0] = w[0][1] = sc[wg];
+      w[1][0] = w[1][1] = sc[2 + wg];
+    }
+#pragma unroll
+    for (int i = 0; i < kFrag; ++i) {
+      const int col = 8 * (i >> 2) + 2 * (lane & 3) + (i & 1);
+      const float xs = sc[4 + col];
+      const int h = (i >> 1) & 1;
+      acc[0][i] = fmaf(t[0][i], w[0][h] * xs, acc[0][i]);
+      acc[1][i] = fmaf(t[1][i], w[1][h] * xs, acc[1][i]);
+    }
+  };
+
+  // Prologue: blocks 0 .. S-2 in flight, block 0 expanded, block S-1 issued.
+#pragma unroll
+  for (int s = 0; s < S - 1; ++s) {
+    if (s < nk) load_stage(s, s);
+    cp_async_commit();
+  }
+  cp_async_wait<S - 2>();
+  convert(0);
+  fence_proxy_async();
+  __syncthreads();
+  if (S - 1 < nk) load_stage(S - 1, S - 1);
+  cp_async_commit();
+  // Invariant at the top of iteration kb: block kb is expanded and visible, blocks kb+1 .. kb+S-1
+  // are in flight (one cp.async group each), and no wgmma is outstanding.
+  for (int64_t kb = 0; kb < nk; ++kb) {
+    if constexpr (T::kBf16) issue(kb, acc);
+    else issue(kb, tmp);
+    if (kb + 1 < nk) {
+      cp_async_wait<S - 2>();  // this thread's copies of block kb + 1
+      convert(kb + 1);         // into the other operand tile, under the wgmmas of block kb
+    }
+    wgmma_wait<0>();
+    if constexpr (!T::kBf16) promote(kb, tmp);
+    fence_proxy_async();  // generic-proxy writes (cp.async, expansion) before wgmma's async-proxy reads
+    __syncthreads();      // block kb + 1 visible; stage kb and operand tile kb & 1 free
+    if (kb + S < nk) load_stage(static_cast<int>(kb % S), kb + S);
+    cp_async_commit();
+  }
+  cp_async_wait<0>();
+  __syncthreads();  // the ring is free for the epilogue staging
+
+  if constexpr (kGateUp) {
+    float hv[kFrag];
+#pragma unroll
+    for (int i = 0; i < kFrag; ++i) {
+      const float g = acc[0][i], u = acc[1][i];
+      hv[i] = g / (1.0f + expf(-g)) * u;  // silu(g) * u in fp32, the CPU's expression
+    }
+    if constexpr (T::kMx) {
+      uint16_t* stage = reinterpret_cast<uint16_t*>(smem);  // [BN][kHbStageStride] bf16 h
+#pragma unroll
+      for (int i = 0; i < kFrag; ++i) {
+        const int col = 8 * (i >> 2) + 2 * (lane & 3) + (i & 1);
+        const int hrow = wg * 64 + 16 * warp_in_wg + (lane >> 2) + 8 * ((i >> 1) & 1);
+        stage[col * kHbStageStride + hrow] = float_to_bf16_bits(hv[i]);
+      }
+      __syncthreads();
+      for (int q = tid; q < it.num_rows * 16; q += kThreads) {
+        const int j = q >> 4, c = q & 15;
+        *reinterpret_cast<uint4*>(p.hb + static_cast<int64_t>(it.row0 + j) * p.hb_stride + it.col0 + c * 8) =
+            *reinterpret_cast<const uint4*>(stage + j * kHbStageStride + c * 8);
+      }
+    } else {
+      // FP8 1x128 h over the CTA's 128 h columns, as experts_fp8_cuda.cu.
+      float* red = reinterpret_cast<float*>(smem + kRedOff);  // [8 warps][BN] amax
+      float cmax[kFrag / 2];
+#pragma unroll
+      for (int j = 0; j < kFrag / 2; ++j) cmax[j] = 0.0f;
+#pragma unroll
+      for (int i = 0; i < kFrag; ++i) {
+        const int j = (i >> 2) * 2 + (i & 1);
+        cmax[j] = fmaxf(cmax[j], fabsf(hv[i]));
+      }
+#pragma unroll
+      for (int j = 0; j < kFrag / 2; ++j) {
+#pragma unroll
+        for (int m = 4; m < 32; m <<= 1) cmax[j] = fmaxf(cmax[j], __shfl_xor_sync(0xffffffffu, cmax[j], m));
+      }
+      const int warp = tid >> 5;
+      if (lane < 4) {
+#pragma unroll
+        for (int j = 0; j < kFrag / 2; ++j) red[warp * kMaxBN + 8 * (j >> 1) + 2 * lane + (j & 1)] = cmax[j];
+      }
+      __syncthreads();
+      uint8_t* stage = smem;  // [BN][kHStageStride] FP8 h
+#pragma unroll
+      for (int i = 0; i < kFrag; ++i) {
+        const int col = 8 * (i >> 2) + 2 * (lane & 3) + (i & 1);
+        float amax = 0.0f;
+#pragma unroll
+        for (int w = 0; w < 8; ++w) amax = fmaxf(amax, red[w * kMaxBN + col]);
+        const float scale = __fdiv_rn(fmaxf(amax, 1e-4f), kFp8E4m3Max);
+        const int hrow = wg * 64 + 16 * warp_in_wg + (lane >> 2) + 8 * ((i >> 1) & 1);
+        stage[col * kHStageStride + hrow] = float_to_fp8_e4m3_bits(__fdiv_rn(hv[i], scale));
+      }
+      if (tid < it.num_rows) {
+        float amax = 0.0f;
+        for (int w = 0; w < 8; ++w) amax = fmaxf(amax, red[w * kMaxBN + tid]);
+        p.hs[static_cast<int64_t>(it.row0 + tid) * p.hs_stride + it.col0 / 128] = __fdiv_rn(fmaxf(amax, 1e-4f), kFp8E4m3Max);
+      }
+      __syncthreads();
+      for (int q = tid; q < it.num_rows * 8; q += kThreads) {
+        const int j = q >> 3, c = q & 7;
+        *reinterpret_cast<uint4*>(p.hq + static_cast<int64_t>(it.row0 + j) * p.h_stride + it.col0 + c * 16) =
+            *reinterpret_cast<const uint4*>(stage + j * kHStageStride + c * 16);
+      }
+    }
+  } else {
+    uint16_t* stage = reinterpret_cast<uint16_t*>(smem);  // [BN][kOutStageStride] bf16
+#pragma unroll
+    for (int sub = 0; sub < 2; ++sub) {
+      const int t = sub * 2 + wg;
+#pragma unroll
+      for (int i = 0; i < kFrag; ++i) {
+        const int col = 8 * (i >> 2) + 2 * (lane & 3) + (i & 1);
+        const int wrow = t * 64 + 16 * warp_in_wg + (lane >> 2) + 8 * ((i >> 1) & 1);
+        stage[col * kOutStageStride + wrow] = float_to_bf16_bits(acc[sub][i]);
+      }
+    }
+    __syncthreads();
+    constexpr int kChunks = kRows / 8;  // 16-byte chunks per output row
+    for (int q = tid; q < it.num_rows * kChunks; q += kThreads) {
+      const int j = q / kChunks, c = q % kChunks;
+      const int64_t n = it.col0 + c * 8;
+      if (n < p.hidden)
+        *reinterpret_cast<uint4*>(p.out + static_cast<int64_t>(it.row0 + j) * p.hidden + n) =
+            *reinterpret_cast<const uint4*>(stage + j * kOutStageStride + c * 8);
+    }
+  }
+  __syncthreads();  // staging and rows[] are reused by the next item
+}
+
+template <bool kGateUp>
+__global__ void __launch_bounds__(kThreads, 1) mixed_gemm_kernel(MixedGemmParams p) {
+  extern __shared__ uint8_t smem_raw[];
+  const uint32_t raw_s = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
+  const uint32_t pad = (1024u - (raw_s & 1023u)) & 1023u;
+  uint8_t* smem = smem_raw + pad;
+  const uint32_t smem_s = raw_s + pad;
+  int32_t* rows = reinterpret_cast<int32_t*>(smem + kRowsOff);
+
+  const int64_t num_items = static_cast<int64_t>(*p.num_tiles) * p.max_weight_tiles;
+  for (int64_t item = blockIdx.x; item < num_items; item += gridDim.x) {
+    const Tile tile = p.tiles[item / p.max_weight_tiles];
+    const int wt = static_cast<int>(item % p.max_weight_tiles);
+    const ExpertDesc e = p.experts[tile.expert];
+    const bool mx = e.format == static_cast<int32_t>(WeightFormat::mxfp4);
+    if (!mx && e.format != static_cast<int32_t>(WeightFormat::fp8_block)) continue;  // CTA-uniform
+    Item it;
+    const int64_t inter = e.intermediate;
+    it.row0 = tile.row0;
+    it.num_rows = tile.num_rows;
+    it.inter = inter;
+    it.hidden = p.hidden;
+    if constexpr (kGateUp) {
+      if (static_cast<int64_t>(wt) * 128 >= inter) continue;
+      it.w = static_cast<const uint8_t*>(e.w13);
+      it.w_scale = e.w13_scale;
+      it.K = p.hidden;
+      it.col0 = static_cast<int64_t>(wt) * 128;
+    } else {
+      it.col0 = static_cast<int64_t>(wt) * kRows;
+      if (it.col0 >= p.hidden) continue;
+      it.w = static_cast<const uint8_t*>(e.w2);
+      it.w_scale = e.w2_scale;
+      it.K = inter;
+    }
+    if (threadIdx.x < kMaxBN) {
+      const int j = threadIdx.x;
+      int32_t r = 0;
+      if (j < tile.num_rows) r = kGateUp && p.gather != nullptr ? p.gather[tile.row0 + j] : tile.row0 + j;
+      rows[j] = r;
+    }
+    __syncthreads();
+    constexpr int kFp8 = kGateUp ? kFp8GateUp : kFp8Down, kMx = kGateUp ? kMxGateUp : kMxDown;
+    if (mx) {
+      if (tile.num_rows <= 16) run_item<kMx, 16>(p, it, smem, smem_s);
+      else run_item<kMx, 64>(p, it, smem, smem_s);
+    } else {
+      if (tile.num_rows <= 16) run_item<kFp8, 16>(p, it, smem, smem_s);
+      else run_item<kFp8, 64>(p, it, smem, smem_s);
+    }
+  }
+}
+
+#else  // not sm_90a: the host never launches these (mxfp4_tensor_cores_available is false)
+
+template <bool kGateUp>
+__global__ void __launch_bounds__(kThreads, 1) mixed_gemm_kernel(MixedGemmParams) {
+#ifdef __CUDA_ARCH__
+  __trap();
+#endif
+}
+
+#endif  // EPX_MX_WGMMA
+
+}  // namespace
+
+bool mxfp4_tensor_cores_available(int device) {
+  if (!fp8_tensor_cores_available(device)) return false;
+  static std::mutex mu;
+  static std::vector<int> done;  // per device: 1 = attribute set
+  std::lock_guard<std::mutex> lock(mu);
+  if (device >= static_cast<int>(done.size())) done.resize(device + 1, 0);
+  if (done[device] == 0) {
+    cuda::DeviceGuard guard(device);
+    cudaDeviceProp prop{};
+    EPX_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
+    if (prop.sharedMemPerBlockOptin < static_cast<size_t>(kSmemBytes)) {
+      done[device] = -1;
+    } else {
+      for (auto* k : {mixed_gemm_kernel<true>, mixed_gemm_kernel<false>})
+        EPX_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
+      done[device] = 1;
+    }
+  }
+  return done[device] == 1;
+}
+
+void launch_mixed_gate_up(const MixedGemmParams& p, int grid, cudaStream_t stream) {
+  mixed_gemm_kernel<true><<<grid, kThreads, kSmemBytes, stream>>>(p);
+  cuda::check_launch("mixed_gemm_kernel (gate_up)");
+}
+void launch_mixed_down(const MixedGemmParams& p, int grid, cudaStream_t stream) {
+  mixed_gemm_kernel<false><<<grid, kThreads, kSmemBytes, stream>>>(p);
+  cuda::check_launch("mixed_gemm_kernel (down)");
+}
+
+}  // namespace epx::experts_cuda

@@ -1,0 +1,50 @@
+// experts/experts_mxfp4_cuda.h: the tensor-core grouped GEMMs for MXFP4 experts on sm_90a, which
+// also run fp8_block experts in the same launch (FHMoE: an FP8 shared expert next to MXFP4 routed
+// experts, one grouped launch per GEMM). Used by experts_cuda.cu for objects whose experts are all
+// fp8_block or mxfp4, fed FP8 activations. Host-side declarations; the kernels are in
+// experts_mxfp4_cuda.cu. Layout and precision rules: epx/experts.h.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "experts/experts_cuda_types.h"
+
+namespace epx::experts_cuda {
+
+/// Arguments of one mixed-format GEMM launch (gate_up or down) over the device-side tile list.
+/// Row space: as Tile (experts_cuda_types.h). Tiles hold at most kTileRows (64) rows.
+struct MixedGemmParams {
+  const ExpertDesc* experts;  ///< [L]; fp8_block and mxfp4 experts are computed, bf16 ones skipped
+  const Tile* tiles;          ///< device tile list (schedule kernels)
+  const int32_t* num_tiles;   ///< [1] on the device
+  int32_t max_weight_tiles;   ///< weight tiles per row tile, upper bound over experts
+  int64_t hidden;             ///< H (multiple of 128)
+  // gate_up input: x rows (FP8 e4m3 [*, H]) + scales [*, H/128]; gather = row space -> x row (Flat) or null
+  const uint8_t* x;
+  const float* x_scales;
+  const int32_t* gather;
+  // h of fp8_block experts: FP8 e4m3 [row space, h_stride] bytes + fp32 scales [row space, hs_stride]
+  uint8_t* hq;
+  float* hs;
+  int64_t h_stride;
+  int64_t hs_stride;
+  // h of mxfp4 experts: bf16 [row space, hb_stride] (elements; multiple of 128)
+  uint16_t* hb;
+  int64_t hb_stride;
+  // down output: bf16 [row space, H]
+  uint16_t* out;
+};
+
+/// True when fp8_tensor_cores_available(device) and the mixed kernels' shared-memory limit is
+/// raised on `device` (first call per device; call before launching, outside graph capture).
+bool mxfp4_tensor_cores_available(int device);
+
+/// gate_up of every tile: fp8_block experts write FP8 1x128 h (hq, hs) as launch_fp8_gate_up;
+/// mxfp4 experts (intermediate % 128 == 0) write h rounded to bf16 (hb).
+void launch_mixed_gate_up(const MixedGemmParams& p, int grid, cudaStream_t stream);
+/// down of every tile: out = bf16(h W_down^T) for the fp8_block and mxfp4 experts.
+void launch_mixed_down(const MixedGemmParams& p, int grid, cudaStream_t stream);
+
+}  // namespace epx::experts_cuda
