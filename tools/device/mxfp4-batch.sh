@@ -29,7 +29,7 @@ grep -E "error|FAILED" "$OUT/build.log" 2>/dev/null | head -20 >"$OUT/build-erro
 commit="$(cat "$HERE/.carry-mxfp4/commit.txt" 2>/dev/null || echo unknown)"
 if [ -x "$B/experts_cuda_test" ]; then
   t1=$SECONDS
-  (cd "$B" && timeout -k 5 40 ./experts_cuda_test \
+  (cd "$B" && timeout -k 5 45 ./experts_cuda_test \
      --gtest_filter='*Mxfp4*:*DeepSeekV4Pro*:*SmallShapesEveryFormat*:*MixedFormats*:*GraphCapture*') >"$OUT/gpu-tests.log" 2>&1
   echo "experts_cuda_test (mxfp4 filter) rc=$? in $((SECONDS - t1)) s" | tee -a "$OUT/summary.txt"
 fi
