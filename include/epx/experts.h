@@ -114,7 +114,12 @@ std::unique_ptr<Experts> make_experts_cpu(std::vector<std::shared_ptr<const Expe
 /// the M slot and tokens in N, 128x128 block scales promoted into fp32 after every 128-deep K block
 /// as DeepSeek-V3's recipe; SiLU-and-mul and the FP8 1x128 requantization of h fused into the
 /// gate_up epilogue; src/experts/experts_fp8_cuda.cu) on a compute-capability 9.0 GPU of a build
-/// that carries sm_90a code; every other case (bf16 x, bf16 / mxfp4 experts, other GPUs, or the
+/// that carries sm_90a code. Objects with mxfp4 experts whose experts are all mxfp4 or fp8_block
+/// with I % 128 == 0 (H % 128 == 0), fed FP8 x, run every expert on the mixed sm_90a kernels
+/// (src/experts/experts_mxfp4_cuda.cu): e2m1 + e8m0 streamed at 0.53 B per weight and expanded in
+/// shared memory (gate_up as e4m3 with a per-row block exponent, down as bf16 with h kept bf16),
+/// fp8_block experts in the same grouped launch (FHMoE: FP8 shared + MXFP4 routed experts, one
+/// launch per GEMM). Every other case (bf16 x, bf16 experts, other GPUs, or the
 /// Config::experts_simt = 1, from EPX_EXPERTS_SIMT=1 or EPX_CONFIG, read by Config::load() at
 /// construction) runs the simple tiled SIMT reference
 /// kernels. Both paths hold the same precision rules. Uploads every expert's weights

@@ -570,7 +570,11 @@ __global__ void __launch_bounds__(kThreads, 1) mixed_gemm_kernel(MixedGemmParams
   int32_t* rows = reinterpret_cast<int32_t*>(smem + kRowsOff);
 
   const int64_t num_items = static_cast<int64_t>(*p.num_tiles) * p.max_weight_tiles;
-  for (int64_t item = blockIdx.x; item < num_items; item += gridDim.x) {
+  // Items walk the tile list from its end: the last local expert (the FHMoE shared expert, with a
+  // row for every token and twice the weight bytes of an MXFP4 expert) starts first instead of
+  // forming the tail of the persistent grid (longest items first).
+  for (int64_t walk = blockIdx.x; walk < num_items; walk += gridDim.x) {
+    const int64_t item = num_items - 1 - walk;
     const Tile tile = p.tiles[item / p.max_weight_tiles];
     const int wt = static_cast<int>(item % p.max_weight_tiles);
     const ExpertDesc e = p.experts[tile.expert];
