@@ -165,9 +165,10 @@ class CudaExperts final : public Experts {
     fp8_prefill_stages_ = config.experts_fp8_prefill_stages;
     // Objects with mxfp4 experts, all of them fp8_block or mxfp4 with I % 128 == 0 and H % 128 == 0,
     // fed FP8 x, run every expert on the mixed sm_90a kernels (experts_mxfp4_cuda.cu): one grouped
-    // launch per GEMM for both formats (FHMoE: FP8 shared + MXFP4 routed).
+    // launch per GEMM for both formats (FHMoE: FP8 shared + MXFP4 routed). Config::experts_mxfp4_tc
+    // = 0 (EPX_EXPERTS_MXFP4_TC=0) keeps them on the SIMT GEMMs (A/B comparisons).
     mx_tensor_cores_ = has_format_[static_cast<int>(WeightFormat::mxfp4)] && mx_shapes_ok &&
-                       experts_[0]->hidden % kFp8GroupSize == 0 && config.experts_simt == 0 &&
+                       experts_[0]->hidden % kFp8GroupSize == 0 && config.experts_simt == 0 && config.experts_mxfp4_tc == 1 &&
                        experts_cuda::mxfp4_tensor_cores_available(device_);
     EPX_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms_, cudaDevAttrMultiProcessorCount, device_));
     std::vector<ExpertDesc> descs;
