@@ -141,6 +141,7 @@ int main(int argc, char** argv) {
   std::string json_path;
   int iters = 20, L = 192;
   int64_t max_tokens = 4096;
+  std::vector<int> fhmoe_experts;  // routed experts per FHMoE sweep (default: L)
   bool do_simt = true;
   std::string command = "epx-gemm-mxfp4-bench";
   for (int i = 1; i < argc; ++i) {
@@ -151,8 +152,18 @@ int main(int argc, char** argv) {
     else if (a == "--experts" && i + 1 < argc) L = std::atoi(argv[++i]), command += std::string(" ") + argv[i];
     else if (a == "--max-tokens" && i + 1 < argc) max_tokens = std::atoll(argv[++i]), command += std::string(" ") + argv[i];
     else if (a == "--no-simt") do_simt = false;
-    else {
-      std::fprintf(stderr, "usage: epx-gemm-mxfp4-bench [--json PATH] [--iters N] [--experts L] [--no-simt] [--max-tokens T]\n");
+    else if (a == "--fhmoe-experts" && i + 1 < argc) {
+      const std::string list = argv[++i];
+      command += " " + list;
+      for (size_t b = 0; b < list.size();) {
+        const size_t e = std::min(list.find(',', b), list.size());
+        fhmoe_experts.push_back(std::atoi(list.substr(b, e - b).c_str()));
+        b = e + 1;
+      }
+    } else {
+      std::fprintf(stderr,
+                   "usage: epx-gemm-mxfp4-bench [--json PATH] [--iters N] [--experts L] [--no-simt] [--max-tokens T] "
+                   "[--fhmoe-experts L1,L2,...]\n");
       return 1;
     }
   }
@@ -197,8 +208,6 @@ int main(int argc, char** argv) {
     for (int l = 0; l < L; ++l) routed.push_back(l % 2 ? w1 : w0);  // distinct device copies per expert
   }
   const std::shared_ptr<const ExpertWeights> shared = ExpertWeights::random(WeightFormat::fp8_block, kH, kI, 13);
-  std::vector<std::shared_ptr<const ExpertWeights>> fused_set = routed;
-  fused_set.push_back(shared);
   unsetenv("EPX_EXPERTS_SIMT");
   auto tc = make_experts_cuda(routed, 0);
   std::printf("weights: %d MXFP4 experts, %.2f GB, ready in %.1f s\n", L, weight_bytes / 1e9,
@@ -305,9 +314,15 @@ int main(int argc, char** argv) {
   tc.reset();
 
   // ---- FHMoE: fused (one launch pair for routed + shared) vs separate shared expert ----
-  {
-    auto fused = make_experts_cuda(fused_set, 0);
-    auto routed_only = make_experts_cuda(routed, 0);
+  if (fhmoe_experts.empty()) fhmoe_experts.push_back(L);
+  json gates = json::array();
+  for (const int FL : fhmoe_experts) {
+    const std::vector<std::shared_ptr<const ExpertWeights>> routed_fl(routed.begin(), routed.begin() + std::min(FL, L));
+    std::vector<std::shared_ptr<const ExpertWeights>> fused_fl = routed_fl;
+    fused_fl.push_back(shared);
+    const int L = static_cast<int>(routed_fl.size());  // this sweep's routed experts
+    auto fused = make_experts_cuda(fused_fl, 0);
+    auto routed_only = make_experts_cuda(routed_fl, 0);
     auto shared_only = make_experts_cuda({shared}, 0);
     std::unique_ptr<Experts> cpu_fused;
     std::vector<int64_t> sweep;
@@ -316,8 +331,8 @@ int main(int argc, char** argv) {
       if (t <= max_tokens) sweep.push_back(t);
     std::sort(sweep.begin(), sweep.end());
     std::mt19937_64 rng(77);
-    int64_t threshold = 0;
-    bool crossed = false;
+    int64_t threshold = 0, threshold10 = 0;
+    bool crossed = false, crossed10 = false;
     for (int64_t T : sweep) {
       const int64_t K = kTopK, K1 = kTopK + 1;
       std::vector<uint8_t> q;
@@ -358,7 +373,7 @@ int main(int argc, char** argv) {
       double ef = -1, es = -1;
       const bool validate = T <= 64;
       if (validate) {
-        if (!cpu_fused) cpu_fused = make_experts_cpu(fused_set);
+        if (!cpu_fused) cpu_fused = make_experts_cpu(fused_fl);
         Tensor ref = Tensor::empty({T, kH}, DType::bf16);
         cpu_fused->apply({ActivationLayout::Flat, host_from(q.data(), {T, kH}, DType::fp8_e4m3),
                           host_from(s.data(), {T, kH / 128}, DType::fp32), {}, host_from(idx1.data(), {T, K1}, DType::int32),
@@ -376,6 +391,8 @@ int main(int argc, char** argv) {
       const double speedup = ssep.p50 / sf.p50;
       if (!crossed && sf.p50 <= ssep.p50) threshold = T;
       if (sf.p50 > ssep.p50) crossed = true;
+      if (!crossed10 && speedup >= 1.1) threshold10 = T;
+      if (speedup < 1.1) crossed10 = true;
       const double bytes = L * mx_expert_bytes + fp8_expert_bytes;  // upper bound: every expert touched
       json base = {{"case", "fhmoe-v4pro"}, {"layout", "flat"}, {"num_local_experts", L}, {"tokens", T}, {"top_k", K},
                    {"dtype", "mxfp4 routed + fp8_block shared"}, {"accounting", "weight-bytes"},
@@ -391,10 +408,15 @@ int main(int argc, char** argv) {
       add_row(rf, sf, ("T=" + std::to_string(T)).c_str());
       add_row(rs, ssep, ("T=" + std::to_string(T) + " speedup fused " + std::to_string(speedup)).c_str());
     }
-    gate = {{"rule", "largest T of the sweep, scanning upward, before the first T where fused is slower than separate"},
-            {"threshold_tokens", threshold}, {"sweep", sweep}};
+    gates.push_back({{"num_local_experts", L},
+                     {"rule", "largest T of the sweep, scanning upward, before the first T where fused is slower than separate"},
+                     {"threshold_tokens", threshold},
+                     {"fused_10pct_faster_up_to_tokens", threshold10},
+                     {"sweep", sweep}});
+    gate = {{"per_num_local_experts", gates}};
     write_json();
-    std::printf("FHMoE gate threshold (fused <= separate up to): T = %lld\n", static_cast<long long>(threshold));
+    std::printf("FHMoE L=%d: fused <= separate up to T = %lld; fused >= 10 %% faster up to T = %lld\n", L,
+                static_cast<long long>(threshold), static_cast<long long>(threshold10));
   }
 
   write_json();

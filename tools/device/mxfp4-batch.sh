@@ -45,7 +45,7 @@ fi
 if [ -x "$B/epx-gemm-mxfp4-bench" ] && [ "$hung" = 0 ]; then
   t2=$SECONDS
   left=$(( 140 - (SECONDS - T0) )); [ "$left" -gt 60 ] && left=60; [ "$left" -lt 10 ] && left=10
-  GEMM_BENCH_COMMIT="$commit" timeout -k 5 "$left" "$B/epx-gemm-mxfp4-bench" --iters 10 \
+  GEMM_BENCH_COMMIT="$commit" timeout -k 5 "$left" "$B/epx-gemm-mxfp4-bench" --iters 10 --fhmoe-experts 192,48 \
     --json "$OUT/gemm-mxfp4.json" >"$OUT/gemm-mxfp4.log" 2>&1
   echo "gemm-mxfp4-bench rc=$? in $((SECONDS - t2)) s" | tee -a "$OUT/summary.txt"
 fi
