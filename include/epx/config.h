@@ -32,7 +32,10 @@ struct Config {
   int experts_fp8_prefill_stages = 0; ///< their ring depth in 48 KiB stages: 0 = maximum (gate_up 4, down 3), 2..4
   int experts_mxfp4_tc = 1;          ///< 0: mxfp4 experts keep the SIMT GEMMs (the mixed tensor-core kernels off)
   int moe_chunk_size = 0;            ///< DP chunk: at most this many tokens per MoE call per rank; 0 = no chunking
-  int fhmoe_max_tokens = 256;        ///< capability gate: fuse the shared expert when M <= this
+  /// capability gate: fuse the shared expert when M <= this. 4096 = measured (one H200, DeepSeek-V4-Pro
+  /// experts, bench/results/h200x1/gemm-mxfp4.json): the fused launch is no slower than a separate
+  /// shared expert at every M of 1..4096 (23 % faster at M = 1, 2-4 % at 8-64, within 1 % above 128).
+  int fhmoe_max_tokens = 4096;
 
   /// Where each field's value came from ("default", "json <file>", "env EPX_...", "api").
   std::vector<std::pair<std::string, std::string>> sources;
