@@ -20,7 +20,7 @@ if [ ! -x "$B/epx-gemm-mxfp4-bench" ]; then
   (cd "$B" && timeout -k 5 40 cmake --build . -j "$(nproc)" --target epx_gemm_mxfp4_bench) >"$OUT/gemm-mxfp4-build.log" 2>&1
 fi
 t0=$SECONDS
-CUDA_VISIBLE_DEVICES=0 GEMM_BENCH_COMMIT="$commit" timeout -k 5 55 "$B/epx-gemm-mxfp4-bench" --iters 10 --no-simt \
+CUDA_VISIBLE_DEVICES=0 GEMM_BENCH_COMMIT="$commit" timeout -k 5 55 "$B/epx-gemm-mxfp4-bench" --iters 10 --no-simt --fhmoe-experts 192,48 \
   --json "$OUT/gemm-mxfp4.json" >"$OUT/gemm-mxfp4.log" 2>&1
 echo "gemm-mxfp4-bench rc=$? in $((SECONDS - t0)) s"
 grep -vE "^wrote" "$OUT/gemm-mxfp4.log" | tail -40
