@@ -57,19 +57,23 @@ constexpr int kHbStageStride = 128 + 8;       // mxfp4 gate_up epilogue: bf16 h 
 constexpr int kOutStageStride = kRows + 8;    // down epilogue: bf16 out rows (elements), padded
 
 /// The four item kinds: (format, GEMM).
-enum Kind : int { kFp8GateUp = 0, kFp8Down = 1, kMxGateUp = 2, kMxDown = 3 };
+/// kMx*C: the same with coalesced raw loads (4 / 2 threads per weight row instead of one; opt-in,
+/// Config::experts_mxfp4_tc = 2).
+enum Kind : int { kFp8GateUp = 0, kFp8Down = 1, kMxGateUp = 2, kMxDown = 3, kMxGateUpC = 4, kMxDownC = 5 };
 
 /// Shared-memory plan and shape of each kind. Stage s of the ring starts at s * kStageBytes.
 template <int kK>
 struct KT {
-  static constexpr bool kMx = kK == kMxGateUp || kK == kMxDown;
-  static constexpr bool kGateUp = kK == kFp8GateUp || kK == kMxGateUp;
-  static constexpr bool kBf16 = kK == kMxDown;          // bf16 wgmma (k16) instead of e4m3 (k32)
+  static constexpr bool kMx = kK >= kMxGateUp;
+  static constexpr bool kCoal = kK >= kMxGateUpC;
+  static constexpr bool kGateUp = kK == kFp8GateUp || kK == kMxGateUp || kK == kMxGateUpC;
+  static constexpr bool kBf16 = kK == kMxDown || kK == kMxDownC;  // bf16 wgmma (k16) instead of e4m3 (k32)
   static constexpr int kKPerStage = kBf16 ? 64 : 128;   // elements of K per stage (128 bytes per operand row)
-  static constexpr int kStages = kK == kMxDown ? 7 : 5;
+  static constexpr int kStages = kBf16 ? 7 : 5;
   // fp8: [A 32 KiB | B 8 KiB]; mxfp4: [B 8 KiB | raw codes, rows padded | raw scales 1 KiB]
-  static constexpr int kRawStride = kK == kMxGateUp ? 80 : 48;  // 64 / 32 code bytes + 16 (conflict-free reads)
-  static constexpr int kStageBytes = !kMx ? 40 * 1024 : (kK == kMxGateUp ? 29 * 1024 : 21 * 1024);
+  // 64 / 32 code bytes per row and stage; + 16 for the row-per-thread reads (conflict-free)
+  static constexpr int kRawStride = (kGateUp ? 64 : 32) + (kCoal ? 0 : 16);
+  static constexpr int kStageBytes = !kMx ? 40 * 1024 : (kGateUp ? 29 * 1024 : 21 * 1024);
   static constexpr int kAOff = 0;                        // fp8: the operand tile itself
   static constexpr int kBOff = kMx ? 0 : 32 * 1024;
   static constexpr int kRawOff = 8 * 1024;
@@ -77,7 +81,9 @@ struct KT {
   static constexpr int kConvOff = kStages * kStageBytes;  // mxfp4: two expanded tiles
   static constexpr int kRingEnd = kConvOff + (kMx ? 2 * kConvBytes : 0);
   static_assert(kRingEnd <= kExtraOff, "ring below the extras");
-  static_assert(!kMx || kRawScaleOff + kRows * 4 <= kStageBytes, "mxfp4 stage fits");
+  // raw scale words: one per row, or (coalesced) one per loading thread of a row
+  static constexpr int kRawScaleBytes = kRows * 4 * (kCoal ? (kGateUp ? 4 : 2) : 1);
+  static_assert(!kMx || kRawScaleOff + kRawScaleBytes <= kStageBytes, "mxfp4 stage fits");
   static_assert(kStageBytes % 1024 == 0 && kConvOff % 1024 == 0, "swizzled tiles 1024-aligned");
   static_assert(kStages <= kMaxStages, "scale ring");
 };
@@ -223,88 +229,125 @@ __device__ __forceinline__ uint4 e2m1x8_to_bf16(uint32_t w, uint32_t hl, uint32_
   return make_uint4(prmt(l0, h0, 0x5140u), prmt(l0, h0, 0x7362u), prmt(l1, h1, 0x5140u), prmt(l1, h1, 0x7362u));
 }
 
-/// Expands this thread's weight row (row = threadIdx.x) of ring stage `stage` into operand tile
-/// `conv` (128B-swizzled, 256 rows x 128 bytes); gate_up also writes the row's scale 2^(E-133).
-template <int kK>
-__device__ __forceinline__ void convert_row(const uint8_t* stage, uint8_t* conv, float* row_scale, int64_t scale_byte) {
-  using T = KT<kK>;
-  const int r = threadIdx.x;
-  const uint8_t* raw = stage + T::kRawOff + r * T::kRawStride;
-  const uint32_t scw = *reinterpret_cast<const uint32_t*>(stage + T::kRawScaleOff + r * 4);
-  if constexpr (kK == kMxGateUp) {
-    const int e0 = scw & 0xFF, e1 = (scw >> 8) & 0xFF, e2 = (scw >> 16) & 0xFF, e3 = scw >> 24;
-    const int E = max(max(e0, e1), max(e2, e3));
-    // 2^(E - 133) as an fp32 (normal for E >= 7, else a denormal); NaN scale -> NaN row
-    row_scale[r] = E == 255 ? __uint_as_float(0x7fc00000u)
-                            : (E >= 7 ? __uint_as_float(static_cast<uint32_t>(E - 6) << 23) : __uint_as_float(1u << (E + 16)));
+/// gate_up: group g (32 codes, the 16 bytes at `chunk`) of weight row r with group exponent e_g and
+/// row exponent E into chunks 2g, 2g + 1 of row r of operand tile `conv` as e4m3 e2m1 * 2^(e_g - E + 6).
+__device__ __forceinline__ void expand_gate_up_group(const uint8_t* chunk, int e_g, int E, uint8_t* conv, int r, int g) {
+  const uint4 q = *reinterpret_cast<const uint4*>(chunk);
+  const int d = e_g - E + 6;  // <= 6
+  uint4 o0, o1;
+  if (d >= -5) {
+    const uint32_t B = static_cast<uint32_t>(6 + d) << 3;  // e4m3 code of 0.5 * 2^d
+    const uint32_t lo = (B << 8) | ((B + 8) << 16) | ((B + 12) << 24);
+    const uint32_t hi = (B + 16) | ((B + 20) << 8) | ((B + 24) << 16) | ((B + 28) << 24);
+    const uint2 a = e2m1x8_to_e4m3(q.x, lo, hi), b = e2m1x8_to_e4m3(q.y, lo, hi);
+    const uint2 c = e2m1x8_to_e4m3(q.z, lo, hi), e = e2m1x8_to_e4m3(q.w, lo, hi);
+    o0 = make_uint4(a.x, a.y, b.x, b.y);
+    o1 = make_uint4(c.x, c.y, e.x, e.y);
+  } else {  // a group far below its row's largest: RNE through fp32 (exact down to d = -8)
+    const float f = exp2f(static_cast<float>(d));
+    uint32_t out[8];
+    const uint32_t words[4] = {q.x, q.y, q.z, q.w};
 #pragma unroll
-    for (int g = 0; g < 4; ++g) {
-      const uint4 q = *reinterpret_cast<const uint4*>(raw + g * 16);
-      const int d = ((scw >> (8 * g)) & 0xFF) - E + 6;  // <= 6
-      uint4 o0, o1;
-      if (d >= -5) {
-        const uint32_t B = static_cast<uint32_t>(6 + d) << 3;  // e4m3 code of 0.5 * 2^d
-        const uint32_t lo = (B << 8) | ((B + 8) << 16) | ((B + 12) << 24);
-        const uint32_t hi = (B + 16) | ((B + 20) << 8) | ((B + 24) << 16) | ((B + 28) << 24);
-        const uint2 a = e2m1x8_to_e4m3(q.x, lo, hi), b = e2m1x8_to_e4m3(q.y, lo, hi);
-        const uint2 c = e2m1x8_to_e4m3(q.z, lo, hi), e = e2m1x8_to_e4m3(q.w, lo, hi);
-        o0 = make_uint4(a.x, a.y, b.x, b.y);
-        o1 = make_uint4(c.x, c.y, e.x, e.y);
-      } else {  // a group far below its row's largest: RNE through fp32 (exact down to d = -8)
-        const float f = exp2f(static_cast<float>(d));
-        uint32_t out[8];
-        const uint32_t words[4] = {q.x, q.y, q.z, q.w};
+    for (int wi = 0; wi < 4; ++wi) {
 #pragma unroll
-        for (int wi = 0; wi < 4; ++wi) {
+      for (int half = 0; half < 2; ++half) {
+        uint32_t v = 0;
 #pragma unroll
-          for (int half = 0; half < 2; ++half) {
-            uint32_t v = 0;
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-              const uint32_t code = (words[wi] >> (16 * half + 4 * j)) & 0xFu;
-              v |= static_cast<uint32_t>(float_to_fp8_e4m3_bits(fp4_e2m1_bits_to_float(static_cast<uint8_t>(code)) * f)) << (8 * j);
-            }
-            out[2 * wi + half] = v;
-          }
+        for (int j = 0; j < 4; ++j) {
+          const uint32_t code = (words[wi] >> (16 * half + 4 * j)) & 0xFu;
+          v |= static_cast<uint32_t>(float_to_fp8_e4m3_bits(fp4_e2m1_bits_to_float(static_cast<uint8_t>(code)) * f)) << (8 * j);
         }
-        o0 = make_uint4(out[0], out[1], out[2], out[3]);
-        o1 = make_uint4(out[4], out[5], out[6], out[7]);
+        out[2 * wi + half] = v;
       }
-      *reinterpret_cast<uint4*>(conv + swz(r, 2 * g)) = o0;
-      *reinterpret_cast<uint4*>(conv + swz(r, 2 * g + 1)) = o1;
     }
-  } else {  // kMxDown: 64 elements = 2 groups; the scale pair sits at byte (scale_byte & 2) of the word
-    const uint32_t pair = scw >> (8 * (scale_byte & 2));
+    o0 = make_uint4(out[0], out[1], out[2], out[3]);
+    o1 = make_uint4(out[4], out[5], out[6], out[7]);
+  }
+  *reinterpret_cast<uint4*>(conv + swz(r, 2 * g)) = o0;
+  *reinterpret_cast<uint4*>(conv + swz(r, 2 * g + 1)) = o1;
+}
+
+/// down: group g (32 codes at `chunk`, e8m0 exponent e) of weight row r into chunks 4g .. 4g + 3 of
+/// row r of operand tile `conv` as bf16 e2m1 * 2^(e - 127).
+__device__ __forceinline__ void expand_down_group(const uint8_t* chunk, uint32_t e, uint8_t* conv, int r, int g) {
+  const uint4 q = *reinterpret_cast<const uint4*>(chunk);
+  const uint32_t words[4] = {q.x, q.y, q.z, q.w};
+  if (e >= 2 && e <= 252) {
+    // bf16 of code c: exponent field F = e - 1 (c = 1), e (2, 3), e + 1 (4, 5), e + 2 (6, 7); the
+    // mantissa's top bit for c = 3, 5, 7. High byte F >> 1, low byte (F & 1) << 7 | mantissa.
+    const uint32_t hl = (((e - 1) >> 1) << 8) | ((e >> 1) << 16) | ((e >> 1) << 24);
+    const uint32_t hh = ((e + 1) >> 1) | (((e + 1) >> 1) << 8) | (((e + 2) >> 1) << 16) | (((e + 2) >> 1) << 24);
+    const uint32_t b1 = ((e - 1) & 1) << 7, b2 = (e & 1) << 7, b4 = ((e + 1) & 1) << 7;
+    const uint32_t ll = (b1 << 8) | (b2 << 16) | ((b2 | 0x40u) << 24);
+    const uint32_t lh = b4 | ((b4 | 0x40u) << 8) | (b2 << 16) | ((b2 | 0x40u) << 24);
 #pragma unroll
-    for (int g = 0; g < 2; ++g) {
-      const uint4 q = *reinterpret_cast<const uint4*>(raw + g * 16);
-      const uint32_t e = (pair >> (8 * g)) & 0xFFu;
-      const uint32_t words[4] = {q.x, q.y, q.z, q.w};
-      if (e >= 2 && e <= 252) {
-        // bf16 of code c: exponent field F = e - 1 (c = 1), e (2, 3), e + 1 (4, 5), e + 2 (6, 7); the
-        // mantissa's top bit for c = 3, 5, 7. High byte F >> 1, low byte (F & 1) << 7 | mantissa.
-        const uint32_t hl = (((e - 1) >> 1) << 8) | ((e >> 1) << 16) | ((e >> 1) << 24);
-        const uint32_t hh = ((e + 1) >> 1) | (((e + 1) >> 1) << 8) | (((e + 2) >> 1) << 16) | (((e + 2) >> 1) << 24);
-        const uint32_t b1 = ((e - 1) & 1) << 7, b2 = (e & 1) << 7, b4 = ((e + 1) & 1) << 7;
-        const uint32_t ll = (b1 << 8) | (b2 << 16) | ((b2 | 0x40u) << 24);
-        const uint32_t lh = b4 | ((b4 | 0x40u) << 8) | (b2 << 16) | ((b2 | 0x40u) << 24);
+    for (int wi = 0; wi < 4; ++wi)
+      *reinterpret_cast<uint4*>(conv + swz(r, 4 * g + wi)) = e2m1x8_to_bf16(words[wi], hl, hh, ll, lh);
+  } else {  // extreme scales: RNE through fp32
+    const float s = e8m0_bits_to_float(static_cast<uint8_t>(e));
 #pragma unroll
-        for (int wi = 0; wi < 4; ++wi)
-          *reinterpret_cast<uint4*>(conv + swz(r, 4 * g + wi)) = e2m1x8_to_bf16(words[wi], hl, hh, ll, lh);
-      } else {  // extreme scales: RNE through fp32
-        const float s = e8m0_bits_to_float(static_cast<uint8_t>(e));
+    for (int wi = 0; wi < 4; ++wi) {
+      uint32_t o[4];
 #pragma unroll
-        for (int wi = 0; wi < 4; ++wi) {
-          uint32_t o[4];
-#pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            const uint32_t c0 = (words[wi] >> (8 * j)) & 0xFu, c1 = (words[wi] >> (8 * j + 4)) & 0xFu;
-            o[j] = float_to_bf16_bits(fp4_e2m1_bits_to_float(static_cast<uint8_t>(c0)) * s) |
-                   (static_cast<uint32_t>(float_to_bf16_bits(fp4_e2m1_bits_to_float(static_cast<uint8_t>(c1)) * s)) << 16);
-          }
-          *reinterpret_cast<uint4*>(conv + swz(r, 4 * g + wi)) = make_uint4(o[0], o[1], o[2], o[3]);
-        }
+      for (int j = 0; j < 4; ++j) {
+        const uint32_t c0 = (words[wi] >> (8 * j)) & 0xFu, c1 = (words[wi] >> (8 * j + 4)) & 0xFu;
+        o[j] = float_to_bf16_bits(fp4_e2m1_bits_to_float(static_cast<uint8_t>(c0)) * s) |
+               (static_cast<uint32_t>(float_to_bf16_bits(fp4_e2m1_bits_to_float(static_cast<uint8_t>(c1)) * s)) << 16);
       }
+      *reinterpret_cast<uint4*>(conv + swz(r, 4 * g + wi)) = make_uint4(o[0], o[1], o[2], o[3]);
+    }
+  }
+}
+
+/// 2^(E - 133) as an fp32 (normal for E >= 7, else a denormal); a NaN scale (255) gives NaN.
+__device__ __forceinline__ float row_scale_of(int E) {
+  return E == 255 ? __uint_as_float(0x7fc00000u)
+                  : (E >= 7 ? __uint_as_float(static_cast<uint32_t>(E - 6) << 23) : __uint_as_float(1u << (E + 16)));
+}
+
+/// Expands this thread's share of ring stage `stage` into operand tile `conv` (128B-swizzled, 256
+/// rows x 128 bytes); gate_up also writes each row's scale 2^(E-133). Row-per-thread kinds: row =
+/// threadIdx.x, every group of it. Coalesced kinds: the (row, group) pairs this thread loaded
+/// (gate_up: row (tid >> 2) + 64 i, group tid & 3; down: row (tid >> 1) + 128 i, group tid & 1).
+/// scale_byte: byte offset of the stage's first e8m0 scale of the thread's (first) row (down only).
+template <int kK>
+__device__ __forceinline__ void convert_row(const uint8_t* stage, uint8_t* conv, float* row_scale, const int64_t* scale_byte) {
+  using T = KT<kK>;
+  const int tid = threadIdx.x;
+  if constexpr (!T::kCoal) {
+    const int r = tid;
+    const uint8_t* raw = stage + T::kRawOff + r * T::kRawStride;
+    const uint32_t scw = *reinterpret_cast<const uint32_t*>(stage + T::kRawScaleOff + r * 4);
+    if constexpr (T::kGateUp) {
+      const int e0 = scw & 0xFF, e1 = (scw >> 8) & 0xFF, e2 = (scw >> 16) & 0xFF, e3 = scw >> 24;
+      const int E = max(max(e0, e1), max(e2, e3));
+      row_scale[r] = row_scale_of(E);
+#pragma unroll
+      for (int g = 0; g < 4; ++g) expand_gate_up_group(raw + g * 16, (scw >> (8 * g)) & 0xFF, E, conv, r, g);
+    } else {  // 64 elements = 2 groups; the scale pair sits at byte (scale_byte & 2) of the word
+      const uint32_t pair = scw >> (8 * (scale_byte[0] & 2));
+#pragma unroll
+      for (int g = 0; g < 2; ++g) expand_down_group(raw + g * 16, (pair >> (8 * g)) & 0xFFu, conv, r, g);
+    }
+  } else if constexpr (T::kGateUp) {
+    const int g = tid & 3;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int r = (tid >> 2) + 64 * i;
+      const uint32_t scw = *reinterpret_cast<const uint32_t*>(stage + T::kRawScaleOff + (r * 4 + g) * 4);
+      const int e0 = scw & 0xFF, e1 = (scw >> 8) & 0xFF, e2 = (scw >> 16) & 0xFF, e3 = scw >> 24;
+      const int E = max(max(e0, e1), max(e2, e3));
+      if (g == 0) row_scale[r] = row_scale_of(E);
+      expand_gate_up_group(stage + T::kRawOff + r * T::kRawStride + g * 16, (scw >> (8 * g)) & 0xFF, E, conv, r, g);
+    }
+  } else {
+    const int g = tid & 1;
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int r = (tid >> 1) + 128 * i;
+      const uint32_t scw = *reinterpret_cast<const uint32_t*>(stage + T::kRawScaleOff + (r * 2 + g) * 4);
+      const uint32_t pair = scw >> (8 * (scale_byte[i] & 2));
+      expand_down_group(stage + T::kRawOff + r * T::kRawStride + g * 16, (pair >> (8 * g)) & 0xFFu, conv, r, g);
     }
   }
 }
@@ -352,6 +395,21 @@ __device__ __forceinline__ void run_item(const MixedGemmParams& p, const Item& i
         const uint8_t* src = v ? it.w + (sub_row<kGateUp>(it, t) + (r & 63)) * it.K + kb * 128 + c * 16 : it.w;
         cp_async16(st + T::kAOff + swz(r, c), src, v);
       }
+    } else if constexpr (T::kCoal) {
+      constexpr int kTpr = T::kGateUp ? 4 : 2;         // threads per weight row (one 16-byte group each)
+      constexpr int kRowsPerPass = kThreads / kTpr;    // 64 | 128
+      const int g = tid % kTpr;
+#pragma unroll
+      for (int i = 0; i < kRows / kRowsPerPass; ++i) {
+        const int r = tid / kTpr + kRowsPerPass * i, t = r >> 6;
+        const bool v = sub_valid<kGateUp>(it, t);
+        const int64_t wrow = sub_row<kGateUp>(it, t) + (r & 63);
+        const uint8_t* src = it.w + wrow * (it.K / 2) + kb * (T::kKPerStage / 2) + g * 16;
+        cp_async16(st + T::kRawOff + r * T::kRawStride + g * 16, v ? src : it.w, v);
+        const int64_t sb = wrow * (it.K / 32) + kb * (T::kKPerStage / 32);
+        const uint8_t* ssrc = static_cast<const uint8_t*>(it.w_scale) + (sb & ~int64_t{3});
+        cp_async4(st + T::kRawScaleOff + (r * kTpr + g) * 4, v ? ssrc : it.w_scale, v);
+      }
     } else {
       constexpr int kChunks = T::kKPerStage / 32;  // 16-byte code chunks per row per stage
       const uint8_t* src_row = it.w + my_row * (it.K / 2) + kb * (T::kKPerStage / 2);
@@ -381,10 +439,22 @@ __device__ __forceinline__ void run_item(const MixedGemmParams& p, const Item& i
       }
     }
   };
+  // coalesced down: the first scale byte of this thread's two rows (r = (tid >> 1) + 128 i)
+  int64_t coal_scale0[2] = {0, 0};
+  if constexpr (T::kCoal && !kGateUp) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int r = (tid >> 1) + 128 * i;
+      coal_scale0[i] = (sub_row<kGateUp>(it, r >> 6) + (r & 63)) * (it.K / 32);
+    }
+  }
   auto convert = [&](int64_t kb) {
-    if constexpr (T::kMx)
+    if constexpr (T::kMx) {
+      const int64_t step = kb * (T::kKPerStage / 32);
+      const int64_t sbs[2] = {(T::kCoal ? coal_scale0[0] : my_scale0) + step, coal_scale0[1] + step};
       convert_row<kK>(smem + static_cast<int>(kb % S) * T::kStageBytes, smem + T::kConvOff + static_cast<int>(kb & 1) * kConvBytes,
-                      row_scales + static_cast<int>(kb & 1) * kRows, my_scale0 + kb * (T::kKPerStage / 32));
+                      row_scales + static_cast<int>(kb & 1) * kRows, sbs);
+    }
   };
 
   float acc[2][kFrag], tmp[2][kFrag];
@@ -607,7 +677,11 @@ __global__ void __launch_bounds__(kThreads, 1) mixed_gemm_kernel(MixedGemmParams
     }
     __syncthreads();
     constexpr int kFp8 = kGateUp ? kFp8GateUp : kFp8Down, kMx = kGateUp ? kMxGateUp : kMxDown;
-    if (mx) {
+    constexpr int kMxC = kGateUp ? kMxGateUpC : kMxDownC;
+    if (mx && p.coalesced) {
+      if (tile.num_rows <= 16) run_item<kMxC, 16>(p, it, smem, smem_s);
+      else run_item<kMxC, 64>(p, it, smem, smem_s);
+    } else if (mx) {
       if (tile.num_rows <= 16) run_item<kMx, 16>(p, it, smem, smem_s);
       else run_item<kMx, 64>(p, it, smem, smem_s);
     } else {

@@ -35,6 +35,10 @@ struct MixedGemmParams {
   int64_t hb_stride;
   // down output: bf16 [row space, H]
   uint16_t* out;
+  /// mxfp4 raw loads: false = one weight row per thread (the measured default); true = 4 (gate_up) /
+  /// 2 (down) threads per row, 64 / 32 contiguous bytes per row per warp instruction (opt-in,
+  /// Config::experts_mxfp4_tc = 2). Same results either way.
+  bool coalesced;
 };
 
 /// True when fp8_tensor_cores_available(device) and the mixed kernels' shared-memory limit is
