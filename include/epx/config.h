@@ -17,11 +17,19 @@ struct Config {
   std::string log_level = "warn";    ///< trace | debug | info | warn | error | off
 
   // ---- parameters that affect performance (launch shapes; defaults chosen by measurement) ----
-  int ll_warps_per_block = 32;       ///< warps per block of LL kernels; multiple of 4
+  int ll_warps_per_block = 16;       ///< warps per block of LL kernels; multiple of 4 (16: bench/NOTES.md, fourth session)
   int ll_num_blocks = 0;             ///< blocks of LL kernels; 0 = one per SM
   /// ll combine reduction for epx bench: column | partial_fp32 | partial_bf16 (epx::LlCombine; the
   /// API takes DispatchConfig::ll_combine, the same default, chosen by measurement).
   std::string ll_combine = "partial_fp32";
+  /// ll completion signal: block (one flag word per (source, send block), the receiver polls all;
+  /// default, by measurement) | rank (the source's last block to finish stores one word per
+  /// destination: +2-3 us at ll-v3 for its fence and atomic chain; bench/NOTES.md).
+  std::string ll_signal = "block";
+  /// ll dispatch expansion: message (default, by measurement: the sender ranks each token per expert,
+  /// warps copy (message, chunk) items; -10 us at ll-v3) | expert (a block per local expert scans
+  /// all messages; bench/NOTES.md).
+  std::string ll_expand = "message";
   int ht_num_sms = 64;               ///< SM budget of HT kernels (64: measured, bench/NOTES.md "Fourth session: bandwidth")
   int ht_warps_per_block = 16;       ///< warps per block of HT kernels
   int ht_combine_mode = 0;           ///< HT combine on CUDA: 0 all sends then all reduces, 1 pipelined (bench/NOTES.md)

@@ -49,7 +49,10 @@ LlCuda::LlCuda(std::shared_ptr<Group> group, const DispatchConfig& cfg, const Ll
   blocks_ = launch.num_blocks > 0 ? launch.num_blocks : sms;
   require_arg(op, "ll.num_blocks", blocks_, blocks_ <= LlLayout::kMaxSignalBlocks,
               "must be <= " + std::to_string(LlLayout::kMaxSignalBlocks) + " (one signal word per send block, ll_layout.h)");
-  const size_t dsmem = ll_dispatch_smem_bytes(layout_), csmem = ll_combine_smem_bytes(num_local_, num_ranks_);
+  // ll.expand = message needs per-(id, token) bitmaps in shared memory: where they do not fit, the
+  // expert expansion (same results) is used; every rank then uses it (the all-gather below).
+  const bool want_message = launch.expand_message && ll_dispatch_smem_bytes(layout_, true, num_local_) <= 200 * 1024;
+  const size_t dsmem = ll_dispatch_smem_bytes(layout_, want_message, num_local_), csmem = ll_combine_smem_bytes(num_local_, num_ranks_);
   require_arg(op, "num_max_dispatch_tokens_per_rank", cfg.num_max_dispatch_tokens_per_rank, dsmem <= 200 * 1024,
               "needs " + std::to_string(dsmem) + " bytes of shared memory per block with " + std::to_string(num_ranks_) +
                   " ranks (at most 204800): use a smaller capacity");
@@ -58,8 +61,19 @@ LlCuda::LlCuda(std::shared_ptr<Group> group, const DispatchConfig& cfg, const Ll
               "must be <= " + std::to_string(resident) + " (blocks of " + std::to_string(threads_) +
                   " threads that fit on the GPU at once; every LL block may wait on peers)");
 
-  // Every rank learns every rank's block count (the signal targets); collective, like the buffer.
-  const std::vector<int64_t> all_blocks = group_->all_gather_i64(blocks_);
+  // Every rank learns every rank's block count (the signal targets) and protocol modes; collective,
+  // like the buffer. Bits 32 / 33: ll.signal = rank / message expansion possible and asked for.
+  const int64_t mine = static_cast<int64_t>(blocks_) | (launch.signal_rank ? int64_t{1} << 32 : 0) | (want_message ? int64_t{1} << 33 : 0);
+  const std::vector<int64_t> all_blocks = group_->all_gather_i64(mine);
+  bool all_message = true;
+  for (int r = 0; r < num_ranks_; ++r) {
+    const int64_t v = all_blocks[static_cast<size_t>(r)];
+    require_arg(op, "ll.signal", launch.signal_rank ? "rank" : "block", ((v >> 32) & 1) == (launch.signal_rank ? 1 : 0),
+                "must be the same on every rank (rank " + std::to_string(r) + " differs)");
+    all_message = all_message && ((v >> 33) & 1) != 0;
+  }
+  common_.signal_rank = launch.signal_rank;
+  common_.expand_message = all_message;
   buffer_ = group_->alloc_symmetric(layout_.total_bytes());
   for (int r = 0; r < num_ranks_; ++r)
     if (buffer_.peers[static_cast<size_t>(r)] == nullptr)
@@ -82,7 +96,7 @@ LlCuda::LlCuda(std::shared_ptr<Group> group, const DispatchConfig& cfg, const Ll
   common_.local = static_cast<uint8_t*>(buffer_.local);
   for (int r = 0; r < num_ranks_; ++r) {
     common_.peers[r] = static_cast<uint8_t*>(buffer_.peers[static_cast<size_t>(r)]);
-    common_.src_blocks[r] = static_cast<int32_t>(all_blocks[static_cast<size_t>(r)]);
+    common_.src_blocks[r] = static_cast<int32_t>(all_blocks[static_cast<size_t>(r)] & 0xffffffff);
   }
   common_.state = state_.ptr<LlDeviceState>();
   common_.error = static_cast<LlErrorReport*>(report_dev);
@@ -333,6 +347,8 @@ std::vector<double> LlCuda::trace() {
       out.push_back((static_cast<double>(st.trace[base + i]) - static_cast<double>(st.trace[base])) * 1e-3);
   out.push_back((static_cast<double>(st.trace[8]) - static_cast<double>(st.trace[0])) * 1e-3);
   out.push_back((static_cast<double>(st.trace[9]) - static_cast<double>(st.trace[4])) * 1e-3);
+  out.push_back((static_cast<double>(st.trace[10]) - static_cast<double>(st.trace[0])) * 1e-3);
+  out.push_back((static_cast<double>(st.trace[11]) - static_cast<double>(st.trace[4])) * 1e-3);
   return out;
 }
 
@@ -346,6 +362,8 @@ std::unique_ptr<PrepareFinalize> make_ll_cuda(std::shared_ptr<Group> group, cons
   launch.warps_per_block = config.ll_warps_per_block;
   launch.num_blocks = config.ll_num_blocks;
   launch.timeout_s = config.timeout_s;
+  launch.signal_rank = config.ll_signal == "rank";
+  launch.expand_message = config.ll_expand == "message";
   if (const auto* nccl = dynamic_cast<const comm::NcclGroup*>(&comm::root_group(*group))) launch.timeout_s = nccl->timeout_s();
   return make_ll_cuda(std::move(group), cfg, launch);
 }

@@ -12,10 +12,19 @@
 //     chunk) items, quantize in registers (fp8) and store 16-byte vectors straight into each
 //     destination's message slot (a token crosses NVLink once per destination rank). Then one
 //     thread per destination stores n + 1 into this block's own flag word there (release order;
-//     one word per (source, block): no contended remote atomics).
+//     one word per (source, block): no contended remote atomics). With ll.signal = rank instead every
+//     block makes its stores visible (fence.acq_rel.sys) and counts itself on a local counter; the
+//     last block of the call (fence, the counter chain carries the other blocks' releases) stores
+//     n + 1 into block 0's word at each destination, so a receiver polls R words, not R x B.
 //   dispatch recv: wait (acquire) until all B_s flags of every source reached n + 1; then block-per-
 //     local-expert: which messages select it (ballots over 32 messages), an exclusive scan (slot
 //     order = source rank, then source token), and all warps copy (slot, chunk) items into x.
+//     ll.expand = message: the sender also ranks each token among its own tokens per expert id
+//     (shared-memory bitmaps, one bit per (id, token)) and stores that rank per column in the
+//     message, and the per-(source, local expert) counts at the destination; the receiver then
+//     needs no scan: slot = (tokens of lower source ranks for that expert) + rank, and all warps of
+//     the grid take (message, chunk) items, load the chunk once and store it into each of its local
+//     experts' slots.
 //   combine send: (slot, chunk) items copy expert_out rows straight into the source's combine
 //     region at (token, first column of that expert); signal as above.
 //   combine recv: wait, then (token, chunk) items sum w * y over columns in column order in fp32
@@ -62,9 +71,11 @@ namespace epx::dispatch {
 
 /// Launch shape and wait bound (Config ll_warps_per_block, ll_num_blocks, timeout_s).
 struct LlLaunch {
-  int warps_per_block = 32;   ///< 4..32
+  int warps_per_block = 16;   ///< 4..32 (Config's default)
   int num_blocks = 0;         ///< 0 = one per SM
   double timeout_s = 60.0;    ///< bound of every device-side wait on a peer
+  bool signal_rank = false;   ///< Config ll.signal = rank (LlCommon::signal_rank); every rank must agree
+  bool expand_message = true;  ///< Config ll.expand = message (LlCommon::expand_message); every rank must agree
 };
 
 class LlCuda final : public PrepareFinalizeBase {
@@ -106,7 +117,8 @@ class LlCuda final : public PrepareFinalizeBase {
   int num_blocks() const { return blocks_; }
   /// Diagnostics: the kernels' timeline of the last dispatch and combine (LlDeviceState::trace) as
   /// microseconds since each kernel's start: {flags stored, waits done, all done} x {dispatch,
-  /// combine}, then the last block's start {dispatch, combine} (the launch spread). Synchronizes.
+  /// combine}, then the last block's start {dispatch, combine} (the launch spread), then the last
+  /// block's end of waiting {dispatch, combine}. Synchronizes.
   std::vector<double> trace();
   int threads_per_block() const { return threads_; }
 

@@ -39,6 +39,12 @@ __device__ __forceinline__ unsigned long long ld_relaxed_sys_u64(const void* p) 
   asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
   return v;
 }
+__device__ __forceinline__ void fence_acq_rel_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
+__device__ __forceinline__ int32_t ld32(const void* p) {  // coherent 4-byte load (see ld16)
+  int32_t v;
+  asm volatile("ld.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
 __device__ __forceinline__ unsigned long long globaltimer() {
   unsigned long long t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
@@ -55,6 +61,25 @@ __device__ __forceinline__ unsigned lanemask_lt() {
   unsigned m;
   asm("mov.u32 %0, %%lanemask_lt;" : "=r"(m));
   return m;
+}
+
+__device__ __forceinline__ unsigned lanemask_of(int i) { return (1u << i) - 1u; }  // bits below i, i < 32
+
+/// ll.signal = rank: every block counts itself on `blocks` (the part's finished-block counter) after
+/// a system-scope fence, so the counter's RMW chain carries each block's stores; the block that
+/// completes the call (old = n B + B - 1) fences again (acquire) and returns true: its stores and
+/// releases after this are ordered after every block's stores (cumulativity, NCCL-DEVICE-API.md §3).
+/// Block-wide (one __syncthreads), s_flag: a __shared__ int.
+__device__ __forceinline__ bool last_block(unsigned long long* blocks, int* s_flag) {
+  if (threadIdx.x == 0) {
+    fence_acq_rel_sys();
+    const unsigned long long old = atomicAdd(blocks, 1ull);
+    const bool last = old % gridDim.x == gridDim.x - 1;
+    if (last) fence_acq_rel_sys();
+    *s_flag = last ? 1 : 0;
+  }
+  __syncthreads();
+  return *s_flag != 0;
 }
 
 __device__ __forceinline__ unsigned long long block_call_number(const unsigned long long* counter, int blocks) {
@@ -96,7 +121,8 @@ __device__ void report(const LlCommon& c, int kind, int peer, int op, long long 
 
 /// Block-wide: waits until every flag of every source (one 8-byte word per (source s, send block
 /// b < src_blocks[s]) at base_of(s) + 8 b) reached `target`, one flag per thread where the block has
-/// enough threads, so the wait ends about one round trip after the last flag lands (a warp per
+/// enough threads (ll.signal = rank: one word per source, b = 0), so the wait ends about one round
+/// trip after the last flag lands (a warp per
 /// source walking its ~B/32 flags in turn took several). Acquire loads, then the caller's
 /// __syncthreads() (NCCL-DEVICE-API.md rule 4). s_bad[s] = 1 when a wait on source s timed out
 /// (reported, naming s); the caller clears s_bad before and syncs after. `on_block0(s)` runs right
@@ -107,7 +133,7 @@ __device__ void wait_all_flags(const LlCommon& c, BaseOf base_of, unsigned long 
   const int R = c.lay.num_ranks;
   for (int i = threadIdx.x; i < R * LlLayout::kMaxSignalBlocks; i += blockDim.x) {
     const int s = i / LlLayout::kMaxSignalBlocks, b = i - s * LlLayout::kMaxSignalBlocks;
-    if (b >= c.src_blocks[s]) continue;
+    if (b >= (c.signal_rank ? 1 : c.src_blocks[s])) continue;  // ll.signal = rank: block 0's word only
     const void* f = base_of(s) + 8 * static_cast<int64_t>(b);
     bool timing = false, ok = true;
     unsigned long long start = 0;
@@ -150,6 +176,41 @@ __device__ __forceinline__ int64_t load_id(const LlDispatchParams& p, int64_t i)
   return p.idx64 ? static_cast<const int64_t*>(p.topk_idx)[i] : static_cast<const int32_t*>(p.topk_idx)[i];
 }
 
+/// The combine's column-order gather (column mode on the source, and the partial modes' expert
+/// side): acc += w_k * row_k for the lanes' columns k with my_row >= 0, in column order, fp32 with
+/// separate roundings; 4 rows' 16-byte loads in flight per round trip. row_at(r) is the address of
+/// this lane's 8 bf16 elements of row r; kReadOnly: the rows are read-only for the kernel (__ldg).
+template <bool kReadOnly, class RowAt>
+__device__ __forceinline__ void gather_columns(int32_t my_row, float my_w, bool ok, RowAt row_at, float (&acc)[8]) {
+  unsigned live = __ballot_sync(0xffffffffu, my_row >= 0);
+  while (live) {
+    uint4 y[4];
+    int f[4];
+    float w[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int k = live ? __ffs(live) - 1 : 0;
+      f[j] = __shfl_sync(0xffffffffu, my_row, k);
+      w[j] = __shfl_sync(0xffffffffu, my_w, k);
+      if (!live) f[j] = -1;
+      live &= live - 1;
+      y[j] = make_uint4(0, 0, 0, 0);
+      if (f[j] >= 0 && ok) {
+        if constexpr (kReadOnly) y[j] = __ldg(reinterpret_cast<const uint4*>(row_at(f[j])));
+        else y[j] = ld16(row_at(f[j]));
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      if (f[j] < 0) continue;  // select, not multiply: a -1 column adds nothing
+      float yf[8];
+      bf16x8_to_float(y[j], yf);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) acc[i] = __fadd_rn(acc[i], __fmul_rn(w[j], yf[i]));
+    }
+  }
+}
+
 // ---- dispatch ----------------------------------------------------------------------------------
 
 // kMaxThreads: 1024 (64 registers per thread, a few spilled) or 512 (128 registers); the launch picks
@@ -164,11 +225,43 @@ __global__ void __launch_bounds__(kMaxThreads, 1) ll_dispatch_kernel(const __gri
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, W = blockDim.x >> 5;
   const int nchunks = static_cast<int>((H + kLlChunkElems - 1) / kLlChunkElems);
   __shared__ unsigned long long s_call_send, s_call_recv;
-  __shared__ int s_T, s_total;
-  __shared__ int s_count[kLlMaxRanks], s_n[kLlMaxRanks], s_bad[kLlMaxRanks];
+  __shared__ int s_T, s_total, s_last;
+  __shared__ int s_count[kLlMaxRanks], s_n[kLlMaxRanks], s_bad[kLlMaxRanks], s_mp[kLlMaxRanks + 1];
+  // ll.expand = message, send part: s_bm[id][w] bit i = token 32 w + i selects id; s_pre[id][w] =
+  // tokens before 32 w that select id; s_tot[id] = all tokens that select it.
+  const bool by_message = c.expand_message;
+  const int NI = lay.num_ids, Wm = (max_t + 31) / 32;
+  uint32_t* s_bm = reinterpret_cast<uint32_t*>(smem) + max_t + static_cast<int64_t>(max_t) * R;  // after s_mask, s_slot
+  int32_t* s_pre = reinterpret_cast<int32_t*>(s_bm + static_cast<int64_t>(NI) * Wm);
+  int32_t* s_tot = s_pre + static_cast<int64_t>(NI) * Wm;
+  if (p.send && by_message)
+    for (int i = threadIdx.x; i < NI * Wm; i += blockDim.x) s_bm[i] = 0;
 
   trace_at(c, 0);
   trace_max(c, 8);
+  // The send part's first loads go out before T is known (rows < x.shape[0] are readable), so the
+  // round trips of T, the ids and x overlap: this thread's token's first 8 ids (the mask loop) and
+  // this warp's first item (x chunk; ids and weights for chunk 0).
+  int64_t pre_id[8];
+  if (p.send && threadIdx.x < p.x_rows) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) pre_id[i] = i < K ? load_id(p, static_cast<int64_t>(threadIdx.x) * K + i) : -1;
+  }
+  const int64_t first_item = static_cast<int64_t>(blockIdx.x) * W + warp;
+  uint4 pre_v0 = make_uint4(0, 0, 0, 0), pre_v1 = make_uint4(0, 0, 0, 0);
+  int64_t pre_k = -1;
+  float pre_w = 0.0f;
+  if (p.send && first_item < p.x_rows * nchunks) {
+    const int t = static_cast<int>(first_item / nchunks), ch = static_cast<int>(first_item % nchunks);
+    const int64_t h0 = static_cast<int64_t>(ch) * kLlChunkElems + lane * 16;
+    const uint16_t* xr = p.x + static_cast<int64_t>(t) * H;
+    if (h0 < H) pre_v0 = __ldg(reinterpret_cast<const uint4*>(xr + h0));
+    if (h0 + 8 < H) pre_v1 = __ldg(reinterpret_cast<const uint4*>(xr + h0 + 8));
+    if (ch == 0 && lane < K) {
+      pre_k = load_id(p, static_cast<int64_t>(t) * K + lane);
+      pre_w = p.topk_weights[static_cast<int64_t>(t) * K + lane];
+    }
+  }
   if (threadIdx.x == 0) {
     s_call_send = block_call_number(&c.state->dispatch_send_blocks, gridDim.x);
     s_call_recv = block_call_number(&c.state->dispatch_recv_blocks, gridDim.x);
@@ -191,8 +284,13 @@ __global__ void __launch_bounds__(kMaxThreads, 1) ll_dispatch_kernel(const __gri
       uint32_t m = 0;
       for (int k0 = 0; k0 < K; k0 += 8) {
         int64_t id8[8];  // all loads first (one round trip), then the checks
+        if (k0 == 0 && t == static_cast<int>(threadIdx.x)) {  // loaded before T (t < T <= x.shape[0])
 #pragma unroll
-        for (int i = 0; i < 8; ++i) id8[i] = k0 + i < K ? load_id(p, static_cast<int64_t>(t) * K + k0 + i) : -1;
+          for (int i = 0; i < 8; ++i) id8[i] = pre_id[i];
+        } else {
+#pragma unroll
+          for (int i = 0; i < 8; ++i) id8[i] = k0 + i < K ? load_id(p, static_cast<int64_t>(t) * K + k0 + i) : -1;
+        }
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
           const int64_t id = id8[i];
@@ -202,11 +300,23 @@ __global__ void __launch_bounds__(kMaxThreads, 1) ll_dispatch_kernel(const __gri
           }
           const int d = c.placement.dest_rank(static_cast<int32_t>(id), rank);
           if (d >= 0) m |= 1u << d;
+          if (by_message && id >= 0) atomicOr(&s_bm[id * Wm + (t >> 5)], 1u << (t & 31));  // duplicates: the same bit
         }
       }
       s_mask[t] = m;
     }
     __syncthreads();
+    if (by_message) {  // per id, the running count of its tokens by 32-token word
+      const int WT = (T + 31) / 32;
+      for (int id = threadIdx.x; id < NI; id += blockDim.x) {
+        int running = 0;
+        for (int w = 0; w < WT; ++w) {
+          s_pre[id * Wm + w] = running;
+          running += __popc(s_bm[id * Wm + w]);
+        }
+        s_tot[id] = running;
+      }
+    }
     // Slot of token t at destination d = tokens before t that go to d (source token order).
     for (int d = warp; d < R; d += W) {
       int running = 0;
@@ -228,17 +338,18 @@ __global__ void __launch_bounds__(kMaxThreads, 1) ll_dispatch_kernel(const __gri
       const int64_t h0 = static_cast<int64_t>(ch) * kLlChunkElems + lane * 16;
       const bool ok0 = h0 < H, ok1 = h0 + 8 < H;
       const uint16_t* xr = p.x + static_cast<int64_t>(t) * H;
-      uint4 v0 = make_uint4(0, 0, 0, 0), v1 = make_uint4(0, 0, 0, 0);
-      if (ok0) v0 = __ldg(reinterpret_cast<const uint4*>(xr + h0));
-      if (ok1) v1 = __ldg(reinterpret_cast<const uint4*>(xr + h0 + 8));
+      const bool pre = item == first_item;  // loaded before T
+      uint4 v0 = pre_v0, v1 = pre_v1;
+      if (!pre && ok0) v0 = __ldg(reinterpret_cast<const uint4*>(xr + h0));
+      if (!pre && ok1) v1 = __ldg(reinterpret_cast<const uint4*>(xr + h0 + 8));
       // Header, ids and the combine's copy of the routing: the chunk-0 warp of each token.
-      int32_t my_id = -1, my_first = -1;
+      int32_t my_id = -1, my_first = -1, my_u = -1;
       float my_w = 0.0f;
       if (ch == 0) {
         if (lane < K) {
-          const int64_t id = load_id(p, static_cast<int64_t>(t) * K + lane);
+          const int64_t id = pre ? pre_k : load_id(p, static_cast<int64_t>(t) * K + lane);
           my_id = id < -1 || id > max_id ? -1 : static_cast<int32_t>(id);
-          my_w = p.topk_weights[static_cast<int64_t>(t) * K + lane];
+          my_w = pre ? pre_w : p.topk_weights[static_cast<int64_t>(t) * K + lane];
         }
         my_first = my_id >= 0 ? lane : -1;
         for (int k = 0; k < K; ++k) {
@@ -250,6 +361,8 @@ __global__ void __launch_bounds__(kMaxThreads, 1) ll_dispatch_kernel(const __gri
           p.weights[static_cast<int64_t>(t) * K + lane] = my_w;
         }
         if (lay.partial() && lane == 0) p.dest_mask[t] = m;
+        if (by_message && my_id >= 0)  // this token's rank among the source's tokens selecting my_id
+          my_u = s_pre[my_id * Wm + (t >> 5)] + __popc(s_bm[my_id * Wm + (t >> 5)] & lanemask_of(t & 31));
       }
       uint4 q = make_uint4(0, 0, 0, 0);
       float scale = 0.0f;
@@ -291,17 +404,31 @@ __global__ void __launch_bounds__(kMaxThreads, 1) ll_dispatch_kernel(const __gri
           if (lane == 0) st16(msg, make_uint4(static_cast<uint32_t>(t), 0, 0, 0));
           if (lane < K) *reinterpret_cast<int32_t*>(msg + lay.msg_topk_offset() + 4 * lane) = my_id;
           if (lay.partial() && lane < K) *reinterpret_cast<float*>(msg + lay.msg_weights_offset() + 4 * lane) = my_w;
+          if (by_message && lane < K) *reinterpret_cast<int32_t*>(msg + lay.msg_slots_offset() + 4 * lane) = my_u;
         }
       }
     }
     __syncthreads();
     if (blockIdx.x == 0 && threadIdx.x == 0) c.state->num_tokens = T;
-    if (threadIdx.x < R) {  // this block's flag at every destination, after all its stores (cumulative release)
-      const int d = threadIdx.x;
-      if (blockIdx.x == 0) st_relaxed_sys_u64(c.peers[d] + lay.dispatch_count_offset(parity, rank), static_cast<unsigned long long>(s_count[d]));
-      st_release_sys_u64(c.peers[d] + lay.dispatch_flag_offset(rank, blockIdx.x), s_call_send + 1);
+    // The block that stores the counts: block 0 (ll.signal = block), or the last block to finish.
+    const bool counter = c.signal_rank ? last_block(&c.state->dispatch_send_blocks, &s_last) : blockIdx.x == 0;
+    if (by_message && counter) {  // tokens per (destination, local expert) for the receivers' slot bases
+      for (int d = 0; d < R; ++d) {
+        const int Ld = c.placement.num_local(d);
+        for (int l = threadIdx.x; l < Ld; l += blockDim.x) {
+          const int id = c.placement.shared_route && l == Ld - 1 ? c.placement.num_experts : c.placement.range_begin(d) + l;
+          const int n = c.placement.local_index(id, rank, d) == l ? s_tot[id] : 0;
+          *reinterpret_cast<int32_t*>(c.peers[d] + lay.expert_count_offset(parity, rank, l)) = n;
+        }
+      }
+      __syncthreads();
     }
-    if (threadIdx.x == 0) atomicAdd(&c.state->dispatch_send_blocks, 1ull);
+    if (threadIdx.x < R && (counter || !c.signal_rank)) {  // flags after all the block's stores (cumulative release)
+      const int d = threadIdx.x;
+      if (counter) st_relaxed_sys_u64(c.peers[d] + lay.dispatch_count_offset(parity, rank), static_cast<unsigned long long>(s_count[d]));
+      st_release_sys_u64(c.peers[d] + lay.dispatch_flag_offset(rank, c.signal_rank ? 0 : blockIdx.x), s_call_send + 1);
+    }
+    if (!c.signal_rank && threadIdx.x == 0) atomicAdd(&c.state->dispatch_send_blocks, 1ull);
     trace_max(c, 1);
   }
 
@@ -318,158 +445,270 @@ __global__ void __launch_bounds__(kMaxThreads, 1) ll_dispatch_kernel(const __gri
           s_n[s] = static_cast<int>(n);
         });
     __syncthreads();
-    if (threadIdx.x < R && s_bad[threadIdx.x]) s_n[threadIdx.x] = 0;
-    __syncthreads();
-    trace_at(c, 2);
-    const int CPS = (max_t + 31) / 32, Q = R * CPS;
-    const int64_t cap = static_cast<int64_t>(R) * max_t;  // slots per expert
-    int16_t* s_loc = reinterpret_cast<int16_t*>(smem);                                    // [R * max_t * K]
-    uint32_t* s_qmask = reinterpret_cast<uint32_t*>(smem + ll_align_up(2 * cap * K, 16)); // [Q]
-    int32_t* s_qbase = reinterpret_cast<int32_t*>(s_qmask + Q);                           // [Q]
-    int32_t* s_info = s_qbase + Q;                                                        // [R * max_t]
-    int8_t* s_sel = reinterpret_cast<int8_t*>(s_info + cap);                              // [Q * 32]
-    const int64_t gpr = H / 128;  // scale groups per row (fp8)
-    // 0. Every block: the local expert index of every column of every message, into shared memory
-    //    (16-byte id loads, one round trip for R * max_t * K / 4 <= blockDim ids vectors).
-    if (blockIdx.x < c.num_local) {
-      const int nvec = (K + 3) / 4, per_src = max_t * nvec;
-      for (int v = threadIdx.x; v < R * per_src; v += blockDim.x) {
-        const int s = v / per_src, r = v - s * per_src, j = r / nvec, i = r - j * nvec;
-        if (j >= s_n[s]) continue;
-        const uint4 q = ld16(c.local + lay.dispatch_msg_offset(parity, s, j) + lay.msg_topk_offset() + 16 * i);
-        const int32_t w4[4] = {static_cast<int32_t>(q.x), static_cast<int32_t>(q.y), static_cast<int32_t>(q.z), static_cast<int32_t>(q.w)};
-        int16_t* dst = s_loc + (static_cast<int64_t>(s) * max_t + j) * K + 4 * i;
-#pragma unroll
-        for (int u = 0; u < 4; ++u)
-          if (4 * i + u < K) dst[u] = static_cast<int16_t>(c.placement.local_index(w4[u], s, rank));
+    if (threadIdx.x == 0) {  // timed-out sources count 0; s_mp: prefix of the message counts
+      s_mp[0] = 0;
+      for (int s = 0; s < R; ++s) {
+        if (s_bad[s]) s_n[s] = 0;
+        s_mp[s + 1] = s_mp[s] + s_n[s];
       }
     }
-    if (lay.partial() && blockIdx.x == 0 && threadIdx.x < R) p.msg_count[threadIdx.x] = s_n[threadIdx.x];
     __syncthreads();
-    for (int l = blockIdx.x; l < c.num_local; l += gridDim.x) {
-      // 1. Which messages select l (first column naming it), 32 messages per ballot, from shared memory.
-      for (int qi = warp; qi < Q; qi += W) {
-        const int s = qi / CPS, j = (qi % CPS) * 32 + lane;
-        int sel = -1;
-        if (j < s_n[s]) {
-          const int16_t* loc = s_loc + (static_cast<int64_t>(s) * max_t + j) * K;
-          for (int k = 0; k < K; ++k)
-            if (loc[k] == l) {
-              sel = k;
-              break;
-            }
+    trace_at(c, 2);
+    trace_max(c, 10);
+    if (by_message) {
+      const int L = c.num_local;
+      const int64_t cap = static_cast<int64_t>(R) * max_t, gpr = H / 128;
+      // (message, 512-element chunk) items over the whole grid: the chunk is loaded once and stored
+      // into the slot of each local expert the message selects (its first column naming it). The
+      // warp's first item is loaded before the slot bases (its loads overlap the counts' round trip).
+      struct Item {
+        int s = 0, j = 0, ch = 0;
+        int32_t id = -1, u = -1, hdr = 0;
+        float wk = 0.0f, sc = 0.0f;
+        uint4 a = make_uint4(0, 0, 0, 0), b2 = make_uint4(0, 0, 0, 0);
+      };
+      auto load_item = [&](int64_t item, Item& m) {  // all loads of the item at once (one round trip)
+        const int flat = static_cast<int>(item / nchunks);
+        m.ch = static_cast<int>(item % nchunks);
+        m.s = 0;
+        while (m.s + 1 < R && s_mp[m.s + 1] <= flat) ++m.s;
+        m.j = flat - s_mp[m.s];
+        const uint8_t* msg = c.local + lay.dispatch_msg_offset(parity, m.s, m.j);
+        const int64_t h0 = static_cast<int64_t>(m.ch) * kLlChunkElems + lane * 16;
+        m.id = -1, m.u = -1, m.hdr = 0, m.wk = 0.0f;
+        if (lane < K) {
+          m.id = ld32(msg + lay.msg_topk_offset() + 4 * lane);
+          m.u = ld32(msg + lay.msg_slots_offset() + 4 * lane);
+          if (lay.partial() && m.ch == 0) m.wk = __int_as_float(ld32(msg + lay.msg_weights_offset() + 4 * lane));
         }
-        const unsigned b = __ballot_sync(0xffffffffu, sel >= 0);
-        if (lane == 0) s_qmask[qi] = b;
-        s_sel[qi * 32 + lane] = static_cast<int8_t>(sel);
-      }
-      __syncthreads();
-      // 2. Exclusive scan of the ballot counts: slots in (source rank, source token) order.
-      if (warp == 0) {
+        if (m.ch == 0 && lane == 0) m.hdr = ld32(msg);
+        if constexpr (kFp8) {
+          if (h0 < H) m.a = ld16(msg + lay.msg_payload_offset() + h0);
+          if (h0 < H && (lane & 7) == 0) m.sc = __int_as_float(ld32(msg + lay.msg_scales_offset() + h0 / 128 * 4));
+        } else {
+          if (h0 < H) m.a = ld16(msg + lay.msg_payload_offset() + 2 * h0);
+          if (h0 + 8 < H) m.b2 = ld16(msg + lay.msg_payload_offset() + 2 * (h0 + 8));
+        }
+      };
+      const int64_t items = static_cast<int64_t>(s_mp[R]) * nchunks;
+      const int64_t first_recv = static_cast<int64_t>(blockIdx.x) * W + warp;
+      Item m;
+      if (first_recv < items) load_item(first_recv, m);
+      // Slot bases: s_base[l][s] = tokens of sources < s for local expert l (the senders' counts,
+      // released with their flags); block 0 also writes recv_count, layout_range and msg_count.
+      int32_t* s_base = reinterpret_cast<int32_t*>(smem);  // [L][R]
+      for (int l = threadIdx.x; l < L; l += blockDim.x) {
         int running = 0;
-        for (int q0 = 0; q0 < Q; q0 += 32) {
-          const int qi = q0 + lane;
-          const int cnt = qi < Q ? __popc(s_qmask[qi]) : 0;
-          int incl = cnt;
+        for (int s0 = 0; s0 < R; s0 += 8) {  // 8 sources' counts loaded at once
+          int n[8];
 #pragma unroll
-          for (int o = 1; o < 32; o <<= 1) {
-            const int v = __shfl_up_sync(0xffffffffu, incl, o);
-            if (lane >= o) incl += v;
+          for (int i = 0; i < 8; ++i) n[i] = s0 + i < R ? ld32(c.local + lay.expert_count_offset(parity, s0 + i, l)) : 0;
+#pragma unroll
+          for (int i = 0; i < 8; ++i) {
+            const int s = s0 + i;
+            if (s >= R) break;
+            const int cnt = s_bad[s] || n[i] < 0 || n[i] > s_n[s] ? 0 : n[i];
+            s_base[l * R + s] = running;
+            if (blockIdx.x == 0) p.layout_range[static_cast<int64_t>(l) * R + s] = (static_cast<int64_t>(running) << 32) | cnt;
+            running += cnt;
           }
-          if (qi < Q) s_qbase[qi] = running + incl - cnt;
-          running += __shfl_sync(0xffffffffu, incl, 31);
         }
-        if (lane == 0) s_total = running;
+        if (blockIdx.x == 0) p.recv_count[l] = running;
       }
+      if (lay.partial() && blockIdx.x == 0 && threadIdx.x < R) p.msg_count[threadIdx.x] = s_n[threadIdx.x];
       __syncthreads();
-      for (int qi = warp; qi < Q; qi += W) {
-        const unsigned b = s_qmask[qi];
-        if ((b >> lane) & 1u) s_info[s_qbase[qi] + __popc(b & lanemask_lt())] = (qi * 32 + lane) | (static_cast<int>(s_sel[qi * 32 + lane]) << 24);
-      }
-      const int total = s_total;
-      if (threadIdx.x < R) {
-        const int s = threadIdx.x;
-        const int begin = s_qbase[s * CPS], end = s + 1 < R ? s_qbase[(s + 1) * CPS] : total;
-        p.layout_range[static_cast<int64_t>(l) * R + s] = (static_cast<int64_t>(begin) << 32) | static_cast<int64_t>(end - begin);
-      }
-      if (threadIdx.x == 0) p.recv_count[l] = total;
-      __syncthreads();
-      if (lay.partial()) {
-        // The handle's per-message rows: every column naming l (duplicates too) -> l's slot.
-        for (int slot = threadIdx.x; slot < total; slot += blockDim.x) {
-          const int code = s_info[slot] & 0xffffff;
-          const int s = code / (CPS * 32), j = code % (CPS * 32);
-          const int64_t mi = static_cast<int64_t>(s) * max_t + j;
-          for (int k = 0; k < K; ++k)
-            if (s_loc[mi * K + k] == l) p.msg_rows[mi * K + k] = static_cast<int32_t>(l * cap + slot);
+      for (int64_t item = first_recv; item < items; item += static_cast<int64_t>(gridDim.x) * W) {
+        if (item != first_recv) load_item(item, m);
+        const int s = m.s, ch = m.ch;
+        const int64_t h0 = static_cast<int64_t>(ch) * kLlChunkElems + lane * 16;
+        int l = m.id >= 0 ? c.placement.local_index(m.id, s, rank) : -1;
+        int slot = l >= 0 ? s_base[l * R + s] + m.u : -1;
+        if (l >= 0 && (m.u < 0 || slot >= cap)) l = -1, slot = -1;  // a malformed message: dropped, never out of bounds
+        bool first = true;  // no earlier column names the same id
+        for (int k = 0; k < K; ++k) {
+          const int32_t other = __shfl_sync(0xffffffffu, m.id, k);
+          if (k < lane && other == m.id) first = false;
         }
-        if (l == 0) {  // one block writes the rest: -1 rows, weights, source tokens
-          const int nvec = (K + 3) / 4;
-          for (int v = threadIdx.x; v < R * max_t; v += blockDim.x) {
-            const int s = v / max_t, j = v - s * max_t;
-            if (j >= s_n[s]) continue;
-            const uint8_t* msg = c.local + lay.dispatch_msg_offset(parity, s, j);
-            uint4 wv[8];
-            ld16_batch(msg + lay.msg_weights_offset(), nvec, wv);
-            const int32_t src_token = static_cast<int32_t>(ld16(msg).x);
-            p.msg_src_token[v] = src_token;
-#pragma unroll
-            for (int k = 0; k < kLlMaxTopK; ++k) {  // unrolled: wv stays in registers
-              if (k >= K) break;
-              p.msg_weights[static_cast<int64_t>(v) * K + k] = __int_as_float(word_of(wv, k));
-              if (s_loc[static_cast<int64_t>(v) * K + k] < 0) p.msg_rows[static_cast<int64_t>(v) * K + k] = -1;
-            }
+        const int32_t hdr = __shfl_sync(0xffffffffu, m.hdr, 0);
+        if (ch == 0 && lay.partial()) {  // the handle's per-message rows (duplicates share the row)
+          const int64_t mi = static_cast<int64_t>(s) * max_t + m.j;
+          if (lane < K) {
+            p.msg_rows[mi * K + lane] = l >= 0 ? static_cast<int32_t>(l * cap + slot) : -1;
+            p.msg_weights[mi * K + lane] = m.wk;
           }
+          if (lane == 0) p.msg_src_token[mi] = hdr;
         }
-      }
-      // 3. Copy every selected message into its slot: (slot, chunk) items, kInFlight per warp with
-      //    all their loads issued before the stores.
-      constexpr int kInFlight = kFp8 ? 4 : 2;
-      const int copy_items = total * nchunks;
-      for (int base = warp; base < copy_items; base += kInFlight * W) {
-        uint4 a[kInFlight], b2[kInFlight];
-        float sc[kInFlight];
-#pragma unroll
-        for (int u = 0; u < kInFlight; ++u) {
-          const int item = base + u * W;
-          if (item >= copy_items) continue;
-          const int slot = item / nchunks, ch = item - slot * nchunks;
-          const int code = s_info[slot] & 0xffffff;
-          const uint8_t* msg = c.local + lay.dispatch_msg_offset(parity, code / (CPS * 32), code % (CPS * 32));
-          const int64_t h0 = static_cast<int64_t>(ch) * kLlChunkElems + lane * 16;
+        unsigned sel = __ballot_sync(0xffffffffu, lane < K && l >= 0 && first);
+        while (sel) {
+          const int k = __ffs(sel) - 1;
+          sel &= sel - 1;
+          const int lk = __shfl_sync(0xffffffffu, l, k), sk = __shfl_sync(0xffffffffu, slot, k);
+          const int64_t row = static_cast<int64_t>(lk) * cap + sk;
           if constexpr (kFp8) {
-            if (h0 < H) a[u] = ld16(msg + lay.msg_payload_offset() + h0);
-            if (h0 < H && (lane & 7) == 0) sc[u] = *reinterpret_cast<const float*>(msg + lay.msg_scales_offset() + h0 / 128 * 4);
+            if (h0 < H) st16(p.out_x + row * H + h0, m.a);
+            if (h0 < H && (lane & 7) == 0) p.out_scales[row * gpr + h0 / 128] = m.sc;
           } else {
-            if (h0 < H) a[u] = ld16(msg + lay.msg_payload_offset() + 2 * h0);
-            if (h0 + 8 < H) b2[u] = ld16(msg + lay.msg_payload_offset() + 2 * (h0 + 8));
-          }
-        }
-#pragma unroll
-        for (int u = 0; u < kInFlight; ++u) {
-          const int item = base + u * W;
-          if (item >= copy_items) continue;
-          const int slot = item / nchunks, ch = item - slot * nchunks;
-          const int info = s_info[slot];
-          const int code = info & 0xffffff, sel = info >> 24;
-          const int s = code / (CPS * 32), j = code % (CPS * 32);
-          const int64_t row = static_cast<int64_t>(l) * cap + slot;
-          const int64_t h0 = static_cast<int64_t>(ch) * kLlChunkElems + lane * 16;
-          if constexpr (kFp8) {
-            if (h0 < H) st16(p.out_x + row * H + h0, a[u]);
-            if (h0 < H && (lane & 7) == 0) p.out_scales[row * gpr + h0 / 128] = sc[u];
-          } else {
-            if (h0 < H) st16(p.out_x + (row * H + h0) * 2, a[u]);
-            if (h0 + 8 < H) st16(p.out_x + (row * H + h0 + 8) * 2, b2[u]);
+            if (h0 < H) st16(p.out_x + (row * H + h0) * 2, m.a);
+            if (h0 + 8 < H) st16(p.out_x + (row * H + h0 + 8) * 2, m.b2);
           }
           if (ch == 0 && lane == 0) {
             p.src_rank[row] = s;
-            p.src_token[row] = static_cast<int32_t>(ld16(c.local + lay.dispatch_msg_offset(parity, s, j)).x);
-            p.topk_column[row] = sel;
+            p.src_token[row] = hdr;
+            p.topk_column[row] = k;
           }
         }
       }
-      __syncthreads();  // shared arrays are reused for the next expert
+    } else {
+      const int CPS = (max_t + 31) / 32, Q = R * CPS;
+      const int64_t cap = static_cast<int64_t>(R) * max_t;  // slots per expert
+      int16_t* s_loc = reinterpret_cast<int16_t*>(smem);                                    // [R * max_t * K]
+      uint32_t* s_qmask = reinterpret_cast<uint32_t*>(smem + ll_align_up(2 * cap * K, 16)); // [Q]
+      int32_t* s_qbase = reinterpret_cast<int32_t*>(s_qmask + Q);                           // [Q]
+      int32_t* s_info = s_qbase + Q;                                                        // [R * max_t]
+      int8_t* s_sel = reinterpret_cast<int8_t*>(s_info + cap);                              // [Q * 32]
+      const int64_t gpr = H / 128;  // scale groups per row (fp8)
+      // 0. Every block: the local expert index of every column of every message, into shared memory
+      //    (16-byte id loads, one round trip for R * max_t * K / 4 <= blockDim ids vectors).
+      if (blockIdx.x < c.num_local) {
+        const int nvec = (K + 3) / 4, per_src = max_t * nvec;
+        for (int v = threadIdx.x; v < R * per_src; v += blockDim.x) {
+          const int s = v / per_src, r = v - s * per_src, j = r / nvec, i = r - j * nvec;
+          if (j >= s_n[s]) continue;
+          const uint4 q = ld16(c.local + lay.dispatch_msg_offset(parity, s, j) + lay.msg_topk_offset() + 16 * i);
+          const int32_t w4[4] = {static_cast<int32_t>(q.x), static_cast<int32_t>(q.y), static_cast<int32_t>(q.z), static_cast<int32_t>(q.w)};
+          int16_t* dst = s_loc + (static_cast<int64_t>(s) * max_t + j) * K + 4 * i;
+#pragma unroll
+          for (int u = 0; u < 4; ++u)
+            if (4 * i + u < K) dst[u] = static_cast<int16_t>(c.placement.local_index(w4[u], s, rank));
+        }
+      }
+      if (lay.partial() && blockIdx.x == 0 && threadIdx.x < R) p.msg_count[threadIdx.x] = s_n[threadIdx.x];
+      __syncthreads();
+      for (int l = blockIdx.x; l < c.num_local; l += gridDim.x) {
+        // 1. Which messages select l (first column naming it), 32 messages per ballot, from shared memory.
+        for (int qi = warp; qi < Q; qi += W) {
+          const int s = qi / CPS, j = (qi % CPS) * 32 + lane;
+          int sel = -1;
+          if (j < s_n[s]) {
+            const int16_t* loc = s_loc + (static_cast<int64_t>(s) * max_t + j) * K;
+            for (int k = 0; k < K; ++k)
+              if (loc[k] == l) {
+                sel = k;
+                break;
+              }
+          }
+          const unsigned b = __ballot_sync(0xffffffffu, sel >= 0);
+          if (lane == 0) s_qmask[qi] = b;
+          s_sel[qi * 32 + lane] = static_cast<int8_t>(sel);
+        }
+        __syncthreads();
+        // 2. Exclusive scan of the ballot counts: slots in (source rank, source token) order.
+        if (warp == 0) {
+          int running = 0;
+          for (int q0 = 0; q0 < Q; q0 += 32) {
+            const int qi = q0 + lane;
+            const int cnt = qi < Q ? __popc(s_qmask[qi]) : 0;
+            int incl = cnt;
+#pragma unroll
+            for (int o = 1; o < 32; o <<= 1) {
+              const int v = __shfl_up_sync(0xffffffffu, incl, o);
+              if (lane >= o) incl += v;
+            }
+            if (qi < Q) s_qbase[qi] = running + incl - cnt;
+            running += __shfl_sync(0xffffffffu, incl, 31);
+          }
+          if (lane == 0) s_total = running;
+        }
+        __syncthreads();
+        for (int qi = warp; qi < Q; qi += W) {
+          const unsigned b = s_qmask[qi];
+          if ((b >> lane) & 1u) s_info[s_qbase[qi] + __popc(b & lanemask_lt())] = (qi * 32 + lane) | (static_cast<int>(s_sel[qi * 32 + lane]) << 24);
+        }
+        const int total = s_total;
+        if (threadIdx.x < R) {
+          const int s = threadIdx.x;
+          const int begin = s_qbase[s * CPS], end = s + 1 < R ? s_qbase[(s + 1) * CPS] : total;
+          p.layout_range[static_cast<int64_t>(l) * R + s] = (static_cast<int64_t>(begin) << 32) | static_cast<int64_t>(end - begin);
+        }
+        if (threadIdx.x == 0) p.recv_count[l] = total;
+        __syncthreads();
+        if (lay.partial()) {
+          // The handle's per-message rows: every column naming l (duplicates too) -> l's slot.
+          for (int slot = threadIdx.x; slot < total; slot += blockDim.x) {
+            const int code = s_info[slot] & 0xffffff;
+            const int s = code / (CPS * 32), j = code % (CPS * 32);
+            const int64_t mi = static_cast<int64_t>(s) * max_t + j;
+            for (int k = 0; k < K; ++k)
+              if (s_loc[mi * K + k] == l) p.msg_rows[mi * K + k] = static_cast<int32_t>(l * cap + slot);
+          }
+          if (l == 0) {  // one block writes the rest: -1 rows, weights, source tokens
+            const int nvec = (K + 3) / 4;
+            for (int v = threadIdx.x; v < R * max_t; v += blockDim.x) {
+              const int s = v / max_t, j = v - s * max_t;
+              if (j >= s_n[s]) continue;
+              const uint8_t* msg = c.local + lay.dispatch_msg_offset(parity, s, j);
+              uint4 wv[8];
+              ld16_batch(msg + lay.msg_weights_offset(), nvec, wv);
+              const int32_t src_token = static_cast<int32_t>(ld16(msg).x);
+              p.msg_src_token[v] = src_token;
+#pragma unroll
+              for (int k = 0; k < kLlMaxTopK; ++k) {  // unrolled: wv stays in registers
+                if (k >= K) break;
+                p.msg_weights[static_cast<int64_t>(v) * K + k] = __int_as_float(word_of(wv, k));
+                if (s_loc[static_cast<int64_t>(v) * K + k] < 0) p.msg_rows[static_cast<int64_t>(v) * K + k] = -1;
+              }
+            }
+          }
+        }
+        // 3. Copy every selected message into its slot: (slot, chunk) items, kInFlight per warp with
+        //    all their loads issued before the stores.
+        constexpr int kInFlight = kFp8 ? 4 : 2;
+        const int copy_items = total * nchunks;
+        for (int base = warp; base < copy_items; base += kInFlight * W) {
+          uint4 a[kInFlight], b2[kInFlight];
+          float sc[kInFlight];
+#pragma unroll
+          for (int u = 0; u < kInFlight; ++u) {
+            const int item = base + u * W;
+            if (item >= copy_items) continue;
+            const int slot = item / nchunks, ch = item - slot * nchunks;
+            const int code = s_info[slot] & 0xffffff;
+            const uint8_t* msg = c.local + lay.dispatch_msg_offset(parity, code / (CPS * 32), code % (CPS * 32));
+            const int64_t h0 = static_cast<int64_t>(ch) * kLlChunkElems + lane * 16;
+            if constexpr (kFp8) {
+              if (h0 < H) a[u] = ld16(msg + lay.msg_payload_offset() + h0);
+              if (h0 < H && (lane & 7) == 0) sc[u] = *reinterpret_cast<const float*>(msg + lay.msg_scales_offset() + h0 / 128 * 4);
+            } else {
+              if (h0 < H) a[u] = ld16(msg + lay.msg_payload_offset() + 2 * h0);
+              if (h0 + 8 < H) b2[u] = ld16(msg + lay.msg_payload_offset() + 2 * (h0 + 8));
+            }
+          }
+#pragma unroll
+          for (int u = 0; u < kInFlight; ++u) {
+            const int item = base + u * W;
+            if (item >= copy_items) continue;
+            const int slot = item / nchunks, ch = item - slot * nchunks;
+            const int info = s_info[slot];
+            const int code = info & 0xffffff, sel = info >> 24;
+            const int s = code / (CPS * 32), j = code % (CPS * 32);
+            const int64_t row = static_cast<int64_t>(l) * cap + slot;
+            const int64_t h0 = static_cast<int64_t>(ch) * kLlChunkElems + lane * 16;
+            if constexpr (kFp8) {
+              if (h0 < H) st16(p.out_x + row * H + h0, a[u]);
+              if (h0 < H && (lane & 7) == 0) p.out_scales[row * gpr + h0 / 128] = sc[u];
+            } else {
+              if (h0 < H) st16(p.out_x + (row * H + h0) * 2, a[u]);
+              if (h0 + 8 < H) st16(p.out_x + (row * H + h0 + 8) * 2, b2[u]);
+            }
+            if (ch == 0 && lane == 0) {
+              p.src_rank[row] = s;
+              p.src_token[row] = static_cast<int32_t>(ld16(c.local + lay.dispatch_msg_offset(parity, s, j)).x);
+              p.topk_column[row] = sel;
+            }
+          }
+        }
+        __syncthreads();  // shared arrays are reused for the next expert
+      }
     }
     if (threadIdx.x == 0) atomicAdd(&c.state->dispatch_recv_blocks, 1ull);
     trace_max(c, 3);
@@ -501,7 +740,7 @@ __global__ void __launch_bounds__(kMaxThreads, 1) ll_combine_kernel(const __grid
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, W = blockDim.x >> 5;
   const bool partial = lay.partial(), f32 = lay.combine == 1;
   __shared__ unsigned long long s_call_send, s_call_recv;
-  __shared__ int s_bad[kLlMaxRanks];
+  __shared__ int s_bad[kLlMaxRanks], s_last;
   trace_at(c, 4);
   trace_max(c, 9);
   if (threadIdx.x == 0) {
@@ -516,6 +755,21 @@ __global__ void __launch_bounds__(kMaxThreads, 1) ll_combine_kernel(const __grid
     // recv_count[L]); partial modes one received message (prefix over msg_count[R]).
     const int G = partial ? R : L;
     int32_t* s_pref = reinterpret_cast<int32_t*>(smem);  // [G + 1]
+    // Partial modes enumerate (message slot, chunk) items over the capacity R x max_T (the message
+    // index is then known before the counts), so the warp's first item's routing is loaded together
+    // with the counts (one round trip less); items of slots >= the count are skipped.
+    const int nchp = static_cast<int>((H + 255) / 256);
+    const int64_t first_send = static_cast<int64_t>(blockIdx.x) * W + warp;
+    int32_t pre_row = -1, pre_t = 0;
+    float pre_wt = 0.0f;
+    if (partial && L > 0 && first_send < static_cast<int64_t>(R) * max_t * nchp) {
+      const int64_t mi = first_send / nchp;  // = s max_T + j
+      if (lane < K) {
+        pre_row = p.msg_rows[mi * K + lane];
+        pre_wt = p.msg_weights[mi * K + lane];
+      }
+      pre_t = p.msg_src_token[mi];
+    }
     // All threads load the counts at once (one memory latency), then warp 0 scans in shared memory.
     if (!partial || L > 0)
       for (int g = threadIdx.x; g < G; g += blockDim.x) s_pref[g] = partial ? p.msg_count[g] : p.recv_count[g];
@@ -570,50 +824,28 @@ __global__ void __launch_bounds__(kMaxThreads, 1) ll_combine_kernel(const __grid
     } else {
       // (message, 256-element chunk) items: the message's local rows weighted and summed in column
       // order in fp32 (4 rows' loads in flight), one partial row to the source.
-      const int nch = static_cast<int>((H + 255) / 256);
-      const int64_t items = static_cast<int64_t>(s_pref[R]) * nch;
-      for (int64_t item = static_cast<int64_t>(blockIdx.x) * W + warp; item < items; item += static_cast<int64_t>(gridDim.x) * W) {
+      const int nch = nchp;
+      const int64_t items = static_cast<int64_t>(R) * max_t * nch;
+      for (int64_t item = first_send; item < items; item += static_cast<int64_t>(gridDim.x) * W) {
         const int flat = static_cast<int>(item / nch), ch = static_cast<int>(item % nch);
-        int s = 0;
-        while (s + 1 < R && s_pref[s + 1] <= flat) ++s;
-        const int64_t mi = static_cast<int64_t>(s) * max_t + (flat - s_pref[s]);
-        int32_t my_row = -1;
-        float my_w = 0.0f;
-        if (lane < K) {
+        const int s = flat / max_t;
+        if (flat - s * max_t >= s_pref[s + 1] - s_pref[s]) continue;  // beyond the messages s sent (warp-uniform)
+        const int64_t mi = flat;  // s max_T + j
+        const bool pre = item == first_send;
+        int32_t my_row = pre ? pre_row : -1;
+        float my_w = pre ? pre_wt : 0.0f;
+        if (!pre && lane < K) {
           my_row = p.msg_rows[mi * K + lane];
           my_w = p.msg_weights[mi * K + lane];
         }
-        const int t = p.msg_src_token[mi];
+        const int t = pre ? pre_t : p.msg_src_token[mi];
         const int64_t h = static_cast<int64_t>(ch) * 256 + lane * 8;
         const bool ok = h < H;
         float acc[8];
 #pragma unroll
         for (int i = 0; i < 8; ++i) acc[i] = 0.0f;
         // Only the columns with a local row, 4 at a time in column order (one round trip per 4).
-        unsigned live = __ballot_sync(0xffffffffu, my_row >= 0);
-        while (live) {
-          uint4 y[4];
-          int f[4];
-          float w[4];
-#pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            const int k = live ? __ffs(live) - 1 : 0;
-            f[j] = __shfl_sync(0xffffffffu, my_row, k);
-            w[j] = __shfl_sync(0xffffffffu, my_w, k);
-            if (!live) f[j] = -1;
-            live &= live - 1;
-            y[j] = make_uint4(0, 0, 0, 0);
-            if (f[j] >= 0 && ok) y[j] = __ldg(reinterpret_cast<const uint4*>(p.expert_out + static_cast<int64_t>(f[j]) * H + h));
-          }
-#pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            if (f[j] < 0) continue;  // select, not multiply
-            float yf[8];
-            bf16x8_to_float(y[j], yf);
-#pragma unroll
-            for (int i = 0; i < 8; ++i) acc[i] = __fadd_rn(acc[i], __fmul_rn(w[j], yf[i]));
-          }
-        }
+        gather_columns<true>(my_row, my_w, ok, [&](int f) { return p.expert_out + static_cast<int64_t>(f) * H + h; }, acc);
         if (ok) {
           uint8_t* dst = c.peers[s] + lay.combine_partial_offset(parity, t, rank);
           if (f32) {
@@ -630,8 +862,13 @@ __global__ void __launch_bounds__(kMaxThreads, 1) ll_combine_kernel(const __grid
       }
     }
     __syncthreads();
-    if (threadIdx.x < R) st_release_sys_u64(c.peers[threadIdx.x] + lay.combine_flag_offset(rank, blockIdx.x), s_call_send + 1);
-    if (threadIdx.x == 0) atomicAdd(&c.state->combine_send_blocks, 1ull);
+    if (c.signal_rank) {  // the last block to finish signals for all (last_block)
+      if (last_block(&c.state->combine_send_blocks, &s_last) && threadIdx.x < R)
+        st_release_sys_u64(c.peers[threadIdx.x] + lay.combine_flag_offset(rank, 0), s_call_send + 1);
+    } else {
+      if (threadIdx.x < R) st_release_sys_u64(c.peers[threadIdx.x] + lay.combine_flag_offset(rank, blockIdx.x), s_call_send + 1);
+      if (threadIdx.x == 0) atomicAdd(&c.state->combine_send_blocks, 1ull);
+    }
     trace_max(c, 5);
   }
 
@@ -661,6 +898,7 @@ __global__ void __launch_bounds__(kMaxThreads, 1) ll_combine_kernel(const __grid
     wait_all_flags(c, [&](int s) { return c.local + lay.combine_flag_offset(s, 0); }, call + 1, LlErrorReport::combine, call, s_bad, [](int) {});
     __syncthreads();
     trace_at(c, 6);
+    trace_max(c, 11);
     // (token, 256-element chunk) items: a lane owns 8 elements; 4 rows are loaded at once, then added
     // in order (column order, or rank order for the partials).
     for (int64_t item = first_item; item < items; item += static_cast<int64_t>(gridDim.x) * W) {
@@ -689,30 +927,8 @@ __global__ void __launch_bounds__(kMaxThreads, 1) ll_combine_kernel(const __grid
           }
         }
       } else {
-        unsigned live = __ballot_sync(0xffffffffu, my_first >= 0);  // valid columns, 4 at a time in column order
-        while (live) {
-          uint4 y[4];
-          int f[4];
-          float w[4];
-#pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            const int k = live ? __ffs(live) - 1 : 0;
-            f[j] = __shfl_sync(0xffffffffu, my_first, k);
-            w[j] = __shfl_sync(0xffffffffu, my_w, k);
-            if (!live) f[j] = -1;
-            live &= live - 1;
-            y[j] = make_uint4(0, 0, 0, 0);
-            if (f[j] >= 0 && ok) y[j] = ld16(c.local + lay.combine_row_offset(parity, t, f[j]) + 2 * h);
-          }
-#pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            if (f[j] < 0) continue;  // select, not multiply: a -1 column adds nothing
-            float yf[8];
-            bf16x8_to_float(y[j], yf);
-#pragma unroll
-            for (int i = 0; i < 8; ++i) acc[i] = __fadd_rn(acc[i], __fmul_rn(w[j], yf[i]));
-          }
-        }
+        // valid columns, 4 at a time in column order
+        gather_columns<false>(my_first, my_w, ok, [&](int f) { return c.local + lay.combine_row_offset(parity, t, f) + 2 * h; }, acc);
       }
       uint32_t o[4];
 #pragma unroll
@@ -737,11 +953,13 @@ void launch_gpu_delay(long long ns, cudaStream_t stream) {
   cuda::check_launch("delay_kernel");
 }
 
-size_t ll_dispatch_smem_bytes(const LlLayout& lay) {
+size_t ll_dispatch_smem_bytes(const LlLayout& lay, bool expand_message, int num_local) {
   const size_t R = static_cast<size_t>(lay.num_ranks), max_t = static_cast<size_t>(lay.max_tokens), K = static_cast<size_t>(lay.top_k);
-  const size_t send = 4 * max_t + 4 * max_t * R;
+  const size_t NI = static_cast<size_t>(lay.num_ids), Wm = (max_t + 31) / 32;
+  const size_t send = 4 * max_t + 4 * max_t * R + (expand_message ? 8 * NI * Wm + 4 * NI : 0);
   const size_t Q = R * ((max_t + 31) / 32);
-  const size_t recv = static_cast<size_t>(ll_align_up(static_cast<int64_t>(2 * R * max_t * K), 16)) + 4 * Q + 4 * Q + 4 * R * max_t + 32 * Q;
+  const size_t recv = expand_message ? 4 * static_cast<size_t>(num_local) * R
+                                     : static_cast<size_t>(ll_align_up(static_cast<int64_t>(2 * R * max_t * K), 16)) + 4 * Q + 4 * Q + 4 * R * max_t + 32 * Q;
   return (send > recv ? send : recv) + 16;
 }
 
@@ -773,7 +991,7 @@ int ll_max_resident_blocks(int threads, size_t dispatch_smem, size_t combine_sme
 }
 
 void launch_ll_dispatch(const LlDispatchParams& p, int blocks, int threads, cudaStream_t stream) {
-  const size_t smem = ll_dispatch_smem_bytes(p.c.lay);
+  const size_t smem = ll_dispatch_smem_bytes(p.c.lay, p.c.expand_message, p.c.num_local);
   if (threads > 512) {
     if (p.c.lay.use_fp8) ll_dispatch_kernel<true, 1024><<<blocks, threads, smem, stream>>>(p);
     else ll_dispatch_kernel<false, 1024><<<blocks, threads, smem, stream>>>(p);

@@ -31,7 +31,8 @@ struct LlDeviceState {
   /// (max over blocks, never reset: the latest), 2 block 0 done waiting, 3 last block done;
   /// combine 4..7 the same; 8 / 9 the last block's start (dispatch / combine: the launch spread).
   /// Read by LlCuda::trace() (diagnostics).
-  unsigned long long trace[10];
+  /// 10 / 11: the last block's end of waiting (dispatch / combine).
+  unsigned long long trace[12];
 };
 
 /// The error report, in host-mapped memory: the kernels never trap; the host reads it.
@@ -57,6 +58,8 @@ struct LlCommon {
   LlDeviceState* state = nullptr;
   LlErrorReport* error = nullptr;        ///< device alias of the host-mapped report
   long long timeout_ns = 0;
+  bool signal_rank = false;     ///< one completion word per (source, destination), stored by the source's last block
+  bool expand_message = false;  ///< sender-ranked slots, (message, chunk) expansion on the receiver
 };
 
 struct LlDispatchParams {
@@ -106,7 +109,7 @@ struct LlCombineParams {
 };
 
 /// Dynamic shared memory of the kernels for a layout (bytes).
-size_t ll_dispatch_smem_bytes(const LlLayout& lay);
+size_t ll_dispatch_smem_bytes(const LlLayout& lay, bool expand_message, int num_local);
 size_t ll_combine_smem_bytes(int num_local, int num_ranks);
 /// Blocks of `threads` threads that can be resident at once on the device (all SMs), for the
 /// heavier of the two kernels: every block of an LL kernel may spin on peers, so all must fit.

@@ -8,6 +8,7 @@
 // at the ll-v3 (H 7168, E 256, K 8, fp8) and ll-v4 (E 384, K 6, fp8) shapes and hidden 2048 / 4096
 // (bf16, fp8, fp8 + UE8M0, shared route, duplicates, int64 ids), T in {0, 1, 7, 128} with -1
 // selections and different T per rank, two rounds per object (both parities);
+// the protocol the Config does not choose (ll.signal / ll.expand) on the partial_fp32 cases;
 // CUDA graphs: prepare and finalize captured separately, replayed with a device-side T that
 // changes between replays and differs between ranks; two graphs on one object replayed
 // interleaved; the send/recv split (hooks); errors: T > capacity (InvalidArgument before anything
@@ -25,6 +26,7 @@
 #include <vector>
 
 #include "dispatch_harness.h"
+#include "epx/config.h"
 #include "epx/cuda.h"
 #include "epx/dispatch.h"
 #include "epx/error.h"
@@ -314,7 +316,9 @@ std::vector<EagerCase> eager_cases(int R, LlCombine mode, bool all) {
 
 std::string nccl_path() { return fresh_dir() + "/uid"; }
 
-void run_eager(int R, LlCombine mode = LlCombine::column) {
+/// `launch`: construct LlCuda with this launch shape / protocol instead of make_prepare_finalize's
+/// (the Config's).
+void run_eager(int R, LlCombine mode = LlCombine::column, const dispatch::LlLaunch* launch = nullptr) {
   const std::vector<EagerCase> cases = eager_cases(R, mode, mode == LlCombine::column);
   const std::string path = nccl_path();
   const std::string failed = run_ranks_forked(R, 400.0, [&](int rank) {
@@ -324,7 +328,8 @@ void run_eager(int R, LlCombine mode = LlCombine::column) {
     cuda_ok(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "stream");
     std::string failures;
     for (const EagerCase& ec : cases) {
-      auto pf = make_prepare_finalize("ll", g, ec.c.config());
+      std::unique_ptr<PrepareFinalize> pf =
+          launch ? std::make_unique<dispatch::LlCuda>(g, ec.c.config(), *launch) : make_prepare_finalize("ll", g, ec.c.config());
       auto* ll = dynamic_cast<dispatch::LlCuda*>(pf.get());
       if (!ll) throw std::runtime_error("make_prepare_finalize(ll) on an NCCL group is not LlCuda");
       if (!ll->capabilities().graph_safe || !ll->capabilities().static_buffers) throw std::runtime_error("capabilities");
@@ -607,6 +612,18 @@ TEST(LlCuda, PartialCombineMatchesCpuTwoRanks) {
   if (gpus() < 2) GTEST_SKIP() << "needs 2 GPUs, found " << gpus();
   run_eager(2, LlCombine::partial_fp32);
   run_eager(2, LlCombine::partial_bf16);
+}
+
+// The protocol the Config does not choose by default (ll.signal block <-> rank, ll.expand expert <->
+// message; bench/NOTES.md), so both stay covered whatever the defaults: partial_fp32 cases.
+TEST(LlCuda, OtherProtocolMatchesCpuTwoRanks) {
+  if (gpus() < 2) GTEST_SKIP() << "needs 2 GPUs, found " << gpus();
+  const Config defaults;
+  dispatch::LlLaunch launch;
+  launch.signal_rank = defaults.ll_signal != "rank";
+  launch.expand_message = defaults.ll_expand != "message";
+  std::printf("ll.signal = %s, ll.expand = %s\n", launch.signal_rank ? "rank" : "block", launch.expand_message ? "message" : "expert");
+  run_eager(2, LlCombine::partial_fp32, &launch);
 }
 
 TEST(LlCuda, PartialCombineGraphsTwoRanks) {

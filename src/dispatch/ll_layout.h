@@ -17,6 +17,11 @@
 //                                  that expert rank s sent back here
 //                                dispatch_count[2][R]: source s writes the number of messages it
 //                                  sent here in call n at [n % 2][s] before block 0's flag
+//                                expert_count[2][R src][num_ids] int32 (CUDA sender, ll.expand =
+//                                  message): tokens source s sent here for local expert l in call n
+//                                  at [n % 2][s][l], before its flag (the receiver's slot bases)
+//                              ll.signal = rank: only the word of block 0 is used per source (the
+//                                last of the source's blocks to finish stores it; see ll_cuda.h)
 //   [dispatch_recv_offset, ..) messages: [2 parity][R src][max_T slots][msg_bytes]; slot j of source
 //                                s is the j-th token s sent here in that call (source token order)
 //   [combine_recv_offset, ..)  this rank as a source: [2 parity][max_T][K][H] bf16; row (t, k) holds
@@ -29,6 +34,10 @@
 // there; the destination expands it into per-expert slots):
 //   [0, 16)                    header: int32 src_token_idx, int32 reserved[3]
 //   [16, 16 + align16(4K))     topk ids int32 [K] as the source gave them (global ids; E = shared route)
+//   [.., + align16(4K))        slot of the token within this source for each column's expert: the
+//                              number of the source's tokens before it that select the same id
+//                              (written by the CUDA sender with ll.expand = message; the CPU
+//                              reference and the expert-mode receiver do not read it)
 //   [.., + align16(4K))        partial combine modes only: topk weights fp32 [K] (the expert side
 //                              weights its rows before it sums them)
 //   [payload_offset, +P)       bf16 [H] (P = 2H) | fp8_e4m3 [H] (P = H)
@@ -53,6 +62,7 @@ struct LlLayout {
   int top_k = 0;        ///< K
   bool use_fp8 = false; ///< fp8_e4m3 payload + fp32 1x128 scales
   int combine = 0;      ///< LlCombine: 0 column, 1 partial_fp32, 2 partial_bf16
+  int num_ids = 1;      ///< E + 1: routed ids and the shared route (stride of expert_count)
 
   static constexpr int64_t kMsgAlignBytes = 16;     ///< one 128-bit vector store
   static constexpr int64_t kRegionAlignBytes = 128; ///< regions start on their own cache lines
@@ -64,9 +74,10 @@ struct LlLayout {
   EPX_HOST_DEVICE int64_t scale_bytes() const { return use_fp8 ? hidden / kScaleGroup * 4 : 0; }
   EPX_HOST_DEVICE bool partial() const { return combine != 0; }
   EPX_HOST_DEVICE int64_t msg_topk_offset() const { return kHeaderBytes; }
-  EPX_HOST_DEVICE int64_t msg_weights_offset() const { return kHeaderBytes + ll_align_up(4 * static_cast<int64_t>(top_k), kMsgAlignBytes); }
+  EPX_HOST_DEVICE int64_t msg_slots_offset() const { return kHeaderBytes + ll_align_up(4 * static_cast<int64_t>(top_k), kMsgAlignBytes); }
+  EPX_HOST_DEVICE int64_t msg_weights_offset() const { return kHeaderBytes + 2 * ll_align_up(4 * static_cast<int64_t>(top_k), kMsgAlignBytes); }
   EPX_HOST_DEVICE int64_t msg_payload_offset() const {
-    return kHeaderBytes + (partial() ? 2 : 1) * ll_align_up(4 * static_cast<int64_t>(top_k), kMsgAlignBytes);
+    return kHeaderBytes + (partial() ? 3 : 2) * ll_align_up(4 * static_cast<int64_t>(top_k), kMsgAlignBytes);
   }
   EPX_HOST_DEVICE int64_t msg_scales_offset() const { return msg_payload_offset() + payload_bytes(); }
   EPX_HOST_DEVICE int64_t msg_bytes() const { return ll_align_up(msg_scales_offset() + scale_bytes(), kMsgAlignBytes); }
@@ -82,9 +93,12 @@ struct LlLayout {
   EPX_HOST_DEVICE int64_t dispatch_count_offset(int parity, int src_rank) const {
     return 8 * (2 * static_cast<int64_t>(num_ranks) * kMaxSignalBlocks + static_cast<int64_t>(num_ranks) * parity + src_rank);
   }
-  EPX_HOST_DEVICE int64_t signal_bytes() const {
-    return ll_align_up(8 * (2 * static_cast<int64_t>(num_ranks) * kMaxSignalBlocks + 2 * static_cast<int64_t>(num_ranks)), kRegionAlignBytes);
+  /// int32 count of tokens source `src_rank` sent for local expert `local` of this rank (message expansion).
+  EPX_HOST_DEVICE int64_t expert_count_offset(int parity, int src_rank, int local) const {
+    return 8 * (2 * static_cast<int64_t>(num_ranks) * kMaxSignalBlocks + 2 * static_cast<int64_t>(num_ranks)) +
+           4 * ((static_cast<int64_t>(parity) * num_ranks + src_rank) * num_ids + local);
   }
+  EPX_HOST_DEVICE int64_t signal_bytes() const { return ll_align_up(expert_count_offset(2, 0, 0), kRegionAlignBytes); }
   EPX_HOST_DEVICE int64_t dispatch_recv_offset() const { return signal_bytes(); }
   EPX_HOST_DEVICE int64_t dispatch_region_bytes() const { return static_cast<int64_t>(num_ranks) * max_tokens * msg_bytes(); }
   EPX_HOST_DEVICE int64_t dispatch_msg_offset(int parity, int src_rank, int slot) const {
@@ -118,7 +132,7 @@ struct LlLayout {
 /// Layout for a config on R ranks (host).
 inline LlLayout ll_layout(const DispatchConfig& cfg, int num_ranks) {
   return {cfg.hidden, num_ranks, cfg.num_max_dispatch_tokens_per_rank, cfg.top_k, cfg.dispatch_dtype == DType::fp8_e4m3,
-          static_cast<int>(cfg.ll_combine)};
+          static_cast<int>(cfg.ll_combine), cfg.num_experts + 1};
 }
 
 /// Size hint (DeepEP get_low_latency_rdma_size_hint): bytes of the symmetric buffer each rank

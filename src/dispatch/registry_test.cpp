@@ -45,24 +45,27 @@ TEST(LlLayout, DeepSeekV3DecodeNumbers) {
   const dispatch::LlLayout lay = dispatch::ll_layout(cfg, 2);
   EXPECT_EQ(lay.deepep_dispatch_bytes_per_selection(), 7408);  // ANCHORS.md: H + H/128*4 + 16
   EXPECT_EQ(lay.deepep_combine_bytes_per_selection(), 14336);
-  // message = 16 header + 32 topk ids + 7168 fp8 + 224 scales
-  EXPECT_EQ(lay.msg_bytes(), 16 + 32 + 7168 + 224);
-  EXPECT_EQ(lay.msg_payload_offset(), 48);
-  EXPECT_EQ(lay.msg_scales_offset(), 48 + 7168);
+  // message = 16 header + 32 topk ids + 32 per-column slots + 7168 fp8 + 224 scales
+  EXPECT_EQ(lay.msg_slots_offset(), 48);
+  EXPECT_EQ(lay.msg_bytes(), 16 + 32 + 32 + 7168 + 224);
+  EXPECT_EQ(lay.msg_payload_offset(), 80);
+  EXPECT_EQ(lay.msg_scales_offset(), 80 + 7168);
   EXPECT_EQ(dispatch::ll_buffer_bytes(cfg, 2), lay.total_bytes());
-  EXPECT_EQ(lay.signal_bytes(), 8320);  // 8 * (2 R 256 + 2 R) = 8224, 128-byte aligned
-  EXPECT_EQ(lay.total_bytes(), lay.signal_bytes() + 2 * (2 * 128 * 7440) + 2 * (128 * 8 * 7168 * 2));
+  // 8 * (2 R 256 + 2 R) = 8224 of flags and counts, 4 * 2 R (E + 1) = 4112 of expert counts, 128-byte aligned
+  EXPECT_EQ(lay.expert_count_offset(0, 0, 0), 8224);
+  EXPECT_EQ(lay.signal_bytes(), 12416);
+  EXPECT_EQ(lay.total_bytes(), lay.signal_bytes() + 2 * (2 * 128 * 7472) + 2 * (128 * 8 * 7168 * 2));
   // partial_fp32 (the default): the message carries the K weights too; the combine region holds one
   // fp32 row per (token, rank)
   cfg.ll_combine = LlCombine::partial_fp32;
   const dispatch::LlLayout part = dispatch::ll_layout(cfg, 2);
-  EXPECT_EQ(part.msg_weights_offset(), 48);
-  EXPECT_EQ(part.msg_payload_offset(), 80);
-  EXPECT_EQ(part.msg_bytes(), 16 + 32 + 32 + 7168 + 224);
-  EXPECT_EQ(part.total_bytes(), part.signal_bytes() + 2 * (2 * 128 * 7472) + 2 * (128 * 2 * 7168 * 4));
+  EXPECT_EQ(part.msg_weights_offset(), 80);
+  EXPECT_EQ(part.msg_payload_offset(), 112);
+  EXPECT_EQ(part.msg_bytes(), 16 + 32 + 32 + 32 + 7168 + 224);
+  EXPECT_EQ(part.total_bytes(), part.signal_bytes() + 2 * (2 * 128 * 7504) + 2 * (128 * 2 * 7168 * 4));
   EXPECT_EQ(dispatch::ll_buffer_bytes(cfg, 2), part.total_bytes());
   cfg.ll_combine = LlCombine::partial_bf16;
-  EXPECT_EQ(dispatch::ll_layout(cfg, 2).total_bytes(), part.signal_bytes() + 2 * (2 * 128 * 7472) + 2 * (128 * 2 * 7168 * 2));
+  EXPECT_EQ(dispatch::ll_layout(cfg, 2).total_bytes(), part.signal_bytes() + 2 * (2 * 128 * 7504) + 2 * (128 * 2 * 7168 * 2));
 }
 
 TEST(LlLayout, RegionsAreAlignedAndDisjoint) {
@@ -72,9 +75,11 @@ TEST(LlLayout, RegionsAreAlignedAndDisjoint) {
         for (bool fp8 : {false, true})
         for (int mode : {0, 1, 2}) {
           if (fp8 && H % 128) continue;
-          const dispatch::LlLayout lay{H, R, 5, K, fp8, mode};
+          const dispatch::LlLayout lay{H, R, 5, K, fp8, mode, 7};
+          EXPECT_GE(lay.msg_slots_offset(), 16 + 4 * K);
+          EXPECT_GE(lay.msg_payload_offset(), lay.msg_slots_offset() + 4 * K);
           if (lay.partial()) {
-            EXPECT_GE(lay.msg_weights_offset(), 16 + 4 * K);
+            EXPECT_GE(lay.msg_weights_offset(), lay.msg_slots_offset() + 4 * K);
             EXPECT_GE(lay.msg_payload_offset(), lay.msg_weights_offset() + 4 * K);
             EXPECT_GE(lay.combine_partial_offset(1, 0, 0), lay.combine_partial_offset(0, 4, R - 1) + lay.partial_row_bytes());
             EXPECT_GE(lay.combine_partial_offset(0, 0, 0), lay.dispatch_msg_offset(1, R - 1, 4) + lay.msg_bytes());
@@ -89,7 +94,9 @@ TEST(LlLayout, RegionsAreAlignedAndDisjoint) {
           EXPECT_GE(lay.combine_flag_offset(0, 0), lay.dispatch_flag_offset(R - 1, nb - 1) + 8);
           EXPECT_GE(lay.dispatch_count_offset(0, 0), lay.combine_flag_offset(R - 1, nb - 1) + 8);
           EXPECT_GE(lay.dispatch_count_offset(1, 0), lay.dispatch_count_offset(0, R - 1) + 8);
-          EXPECT_GE(lay.signal_bytes(), lay.dispatch_count_offset(1, R - 1) + 8);
+          EXPECT_GE(lay.expert_count_offset(0, 0, 0), lay.dispatch_count_offset(1, R - 1) + 8);
+          EXPECT_EQ(lay.expert_count_offset(1, 0, 0), lay.expert_count_offset(0, R - 1, 6) + 4);
+          EXPECT_GE(lay.signal_bytes(), lay.expert_count_offset(1, R - 1, 6) + 4);
           EXPECT_EQ(lay.dispatch_recv_offset() % 128, 0);
           EXPECT_EQ(lay.combine_recv_offset() % 128, 0);
           EXPECT_GE(lay.dispatch_msg_offset(1, 0, 0), lay.dispatch_msg_offset(0, R - 1, 4) + lay.msg_bytes());

@@ -2,8 +2,10 @@
 # tools/device/final-ll.sh: the LL benchmarks of the final integrated run (issue 4), <= 30 s.
 # Called with OUT (results folder), the built tree at /tmp/epx-gpu-check/build and the source at $SRC:
 # ll-v3 / ll-v4 FP8, graph replay, p50 of 200 replays beside nccl_a2a_raw in the same run (plus
-# 1 token per rank and the SM count, in every JSON), for the default combine (partial_fp32), column
-# and partial_bf16. Each bench takes ~3 s; each is bounded, and none starts after 24 s.
+# 1 token per rank and the SM count, in every JSON), for the defaults (ll.combine partial_fp32,
+# ll.signal block, ll.expand message, 16 warps per block), partial_bf16 and column, and the A/B of the
+# fourth session's choices (bench/NOTES.md): expand = expert (the third session's expansion), 32 warps,
+# signal = rank. Each bench takes ~3 s; each is bounded, and none starts after 24 s.
 set -u
 OUT=${OUT:?OUT must name the results folder}
 SRC=${SRC:-$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)}
@@ -20,14 +22,17 @@ mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
 cd "$SRC" || exit 1
 T0=$SECONDS
 BENCH=(bench --backend ll,nccl_a2a_raw --ranks 2 --graph --iters 200 --warmup 20)
-run() {  # <name> <combine> <case>
+run() {  # <name> <combine> <case> [VAR=value ...]
   if [ $(( SECONDS - T0 )) -gt 24 ]; then echo "$1: skipped (time)"; return; fi
-  EPX_LL_COMBINE=$2 timeout -k 1 8 "$E" "${BENCH[@]}" --case "$3" --json "$OUT/$1.json" >"$OUT/$1.log" 2>&1
-  echo "$1: rc=$? ($(( SECONDS - T0 )) s)"
-  grep -E "^ll-v. .* (ll|nccl_a2a_raw) " "$OUT/$1.log"
+  local name=$1 combine=$2 case=$3; shift 3
+  env EPX_LL_COMBINE="$combine" "$@" timeout -k 1 8 "$E" "${BENCH[@]}" --case "$case" --json "$OUT/$name.json" >"$OUT/$name.log" 2>&1
+  echo "$name: rc=$? ($(( SECONDS - T0 )) s)"
+  grep -E "^ll-v. .* (ll|nccl_a2a_raw) " "$OUT/$name.log"
 }
 run ll-v3-final partial_fp32 ll-v3
-run ll-v3-final-column column ll-v3
 run ll-v3-final-partial_bf16 partial_bf16 ll-v3
+run ll-v3-final-column column ll-v3
+run ll-v3-final-expand_expert partial_fp32 ll-v3 EPX_LL_EXPAND=expert
+run ll-v3-final-w32 partial_fp32 ll-v3 EPX_LL_WARPS_PER_BLOCK=32
 run ll-v4-final partial_fp32 ll-v4
-run ll-v4-final-column column ll-v4
+run ll-v3-final-signal_rank partial_fp32 ll-v3 EPX_LL_SIGNAL=rank

@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # tools/device/ll-batch.sh: helper "ll"'s device batch (run from a copy of /work/main carrying
-# .carry/deps.tar.xz and .carry-ll/): build epx + ll_cuda_test, the LL benchmarks (graph replay,
-# column / partial_fp32 / partial_bf16 combine, launch shapes) and the partial-mode GPU tests, each
-# under its own time limit inside the caller's allowance (LL_BUDGET_S, default 125 s).
+# .carry/deps.tar.xz and .carry-ll/): build epx + ll_cuda_test (gpu-check.sh, GPU_CHECK_TARGETS), then
+# the LL benchmarks for the protocol variants (ll.signal block|rank x ll.expand expert|message,
+# bench/NOTES.md "fourth session") and the two-rank GPU tests in the new mode, each under its own
+# time limit inside the caller's allowance (LL_BUDGET_S, default 145 s). Everything lands in $OUT.
 set -u
 T0=$SECONDS
-BUDGET=${LL_BUDGET_S:-125}
+BUDGET=${LL_BUDGET_S:-145}
 OUT=${OUT:-/tmp/ll-out}
 mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
 left() { echo $(( BUDGET - (SECONDS - T0) )); }
@@ -13,42 +14,48 @@ step() {  # <name> <limit_s> <cmd...>: run with min(limit, time left - 2); log t
   local name=$1 lim=$2; shift 2
   local l; l=$(( $(left) - 2 ))
   [ "$l" -lt "$lim" ] && lim=$l
-  if [ "$lim" -lt 5 ]; then echo "skip $name (no time left)" | tee -a "$OUT/summary.txt"; return 1; fi
+  if [ "$lim" -lt 4 ]; then echo "skip $name (no time left)" | tee -a "$OUT/summary.txt"; return 1; fi
   local t=$SECONDS
-  timeout -k 2 "$lim" "$@" >"$OUT/$name.log" 2>&1
+  timeout -k 1 "$lim" "$@" >"$OUT/$name.log" 2>&1
   local rc=$?
-  echo "$name: rc=$rc $(( SECONDS - t )) s (limit $lim)" | tee -a "$OUT/summary.txt"
+  echo "$name: rc=$rc $(( SECONDS - t )) s (limit $lim, at $(( SECONDS - T0 )) s)" | tee -a "$OUT/summary.txt"
   return $rc
 }
 S=/tmp/s-ll
 rm -rf "$S" && mkdir -p "$S/.carry" && tar -C "$S" -xJf .carry-ll/src.tar.xz && cp .carry/deps.tar.xz "$S/.carry/"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-DEPS=/tmp/ll-deps; rm -rf "$DEPS" && mkdir -p "$DEPS" && tar -C "$DEPS" -xJf .carry/deps.tar.xz
-NCCL=$(python3 -c 'import nvidia.nccl as m; print(list(m.__path__)[0])' 2>/dev/null)
-AL="$DEPS/usr/lib/x86_64-linux-gnu"
-export LD_LIBRARY_PATH="$NCCL/lib:$AL:$AL/openblas-pthread${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-B=/tmp/ll-build
-{ nvidia-smi -L; nvcc --version | tail -1; command -v nsys compute-sanitizer; } >"$OUT/env.txt" 2>&1
-cmake -S "$S" -B "$B" -G Ninja -DCMAKE_BUILD_TYPE=Release -DEPX_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90a \
-  -DEPX_NCCL_ROOT="$NCCL" -DCMAKE_PREFIX_PATH="$DEPS/usr" -DBLA_VENDOR=OpenBLAS -DCMAKE_POLICY_VERSION_MINIMUM=3.5 \
-  -DCMAKE_LIBRARY_PATH="$AL/openblas-pthread;$AL" -DEPX_CBLAS_INCLUDE="$DEPS/usr/include/x86_64-linux-gnu/openblas-pthread" \
-  >"$OUT/configure.log" 2>&1
-step build 70 ninja -C "$B" epx ll_cuda_test || { echo "build failed"; tail -30 "$OUT/build.log"; exit 1; }
+mkdir -p "$OUT/build"
+OUT="$OUT/build" GPU_CHECK_SRC="$S" GPU_CHECK_ONE_GPU=0 GPU_CHECK_SANITIZE=0 GPU_CHECK_CPU=0 GPU_CHECK_BENCH=0 GPU_CHECK_TESTS=0 \
+  GPU_CHECK_TARGETS="epx ll_cuda_test" timeout -k 2 $(( BUDGET - 20 )) bash "$S/tools/device/gpu-check.sh" run >"$OUT/build/gpu-check.out" 2>&1
+echo "build: $(( SECONDS - T0 )) s" | tee -a "$OUT/summary.txt"
+B=/tmp/epx-gpu-check/build
 E="$B/epx"
-cd "$S"
+[ -x "$E" ] || { echo "build failed"; tail -40 "$OUT/build/build.log"; exit 1; }
+NCCL=$(python3 -c 'import nvidia.nccl as m; print(list(m.__path__)[0])' 2>/dev/null)
+AL=/tmp/epx-gpu-check/deps/usr/lib/x86_64-linux-gnu
+export LD_LIBRARY_PATH="$NCCL/lib:$AL:$AL/openblas-pthread${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+cd "$S" || exit 1
 BENCH=(bench --backend ll,nccl_a2a_raw --ranks 2 --graph --iters 200 --warmup 20)
-step v3-column 14 "$E" "${BENCH[@]}" --case ll-v3 --json "$OUT/ll-v3.json"
-EPX_LL_COMBINE=partial_fp32 step v3-partial_fp32 14 "$E" "${BENCH[@]}" --case ll-v3 --json "$OUT/ll-v3-partial_fp32.json"
-step test-partial 35 "$B/ll_cuda_test" --gtest_filter='LlCuda.PartialCombineMatchesCpuTwoRanks:LlCuda.PartialCombineGraphsTwoRanks'
-EPX_LL_COMBINE=partial_bf16 step v3-partial_bf16 14 "$E" "${BENCH[@]}" --case ll-v3 --json "$OUT/ll-v3-partial_bf16.json"
-step v4-column 14 "$E" "${BENCH[@]}" --case ll-v4 --json "$OUT/ll-v4.json"
-EPX_LL_WARPS_PER_BLOCK=16 step v3-column-w16 14 "$E" "${BENCH[@]}" --case ll-v3 --json "$OUT/ll-v3-w16.json"
-EPX_LL_COMBINE=partial_fp32 step v4-partial_fp32 14 "$E" "${BENCH[@]}" --case ll-v4 --json "$OUT/ll-v4-partial_fp32.json"
-step test-column 60 "$B/ll_cuda_test" --gtest_filter='LlCuda.MatchesCpuTwoRanks:LlCuda.GraphsWithDeviceTokenCountTwoRanks:LlCuda.ErrorsTwoRanks:LlCuda.TimeoutNamesThePeer'
-if command -v compute-sanitizer >/dev/null; then
-  step memcheck 25 compute-sanitizer --tool memcheck --target-processes all --error-exitcode 9 "$B/ll_cuda_test" --gtest_filter='LlCuda.ErrorsTwoRanks'
-fi
+bench() {  # <name> <case> [VAR=value ...]: one epx bench with those config variables
+  local name=$1 case=$2; shift 2
+  step "$name" 9 env EPX_TIMEOUT_S=5 "$@" "$E" "${BENCH[@]}" --case "$case" --json "$OUT/$name.json"
+}
+# rm = ll.signal rank + ll.expand message, be = block + expert (the old protocol), re / bm the halves.
+bench ll-v3-rm ll-v3 EPX_LL_SIGNAL=rank EPX_LL_EXPAND=message
+bench ll-v3-be ll-v3 EPX_LL_SIGNAL=block EPX_LL_EXPAND=expert
+RM=(env EPX_LL_SIGNAL=rank EPX_LL_EXPAND=message EPX_LL_COMBINE=partial_fp32)
+step test-rm 50 "${RM[@]}" "$B/ll_cuda_test" \
+  --gtest_filter='LlCuda.MatchesCpuTwoRanks:LlCuda.PartialCombineMatchesCpuTwoRanks:LlCuda.GraphsWithDeviceTokenCountTwoRanks'
+bench ll-v3-re ll-v3 EPX_LL_SIGNAL=rank EPX_LL_EXPAND=expert
+bench ll-v3-bm ll-v3 EPX_LL_SIGNAL=block EPX_LL_EXPAND=message
+bench ll-v3-rm-partial_bf16 ll-v3 EPX_LL_SIGNAL=rank EPX_LL_EXPAND=message EPX_LL_COMBINE=partial_bf16
+bench ll-v3-rm-column ll-v3 EPX_LL_SIGNAL=rank EPX_LL_EXPAND=message EPX_LL_COMBINE=column
+bench ll-v3-rm-w16 ll-v3 EPX_LL_SIGNAL=rank EPX_LL_EXPAND=message EPX_LL_WARPS_PER_BLOCK=16
+bench ll-v3-rm-b66 ll-v3 EPX_LL_SIGNAL=rank EPX_LL_EXPAND=message EPX_LL_NUM_BLOCKS=66
+bench ll-v4-rm ll-v4 EPX_LL_SIGNAL=rank EPX_LL_EXPAND=message
+step test-be-partial 25 env EPX_LL_SIGNAL=block EPX_LL_EXPAND=expert "$B/ll_cuda_test" --gtest_filter='LlCuda.PartialCombineMatchesCpuTwoRanks'
+step test-rm-errors 12 "${RM[@]}" "$B/ll_cuda_test" --gtest_filter='LlCuda.ErrorsTwoRanks:LlCuda.TimeoutNamesThePeer'
 echo "== summary ($(( SECONDS - T0 )) s)"
 cat "$OUT/summary.txt"
-for f in "$OUT"/v*.log; do echo "-- $f"; grep -E "^ll-v. .* (ll|nccl_a2a_raw)|timeline" "$f" | head -12; done
-for f in "$OUT"/test-*.log; do echo "-- $f"; grep -E "OK \]|FAILED|PASSED|DIFFERS" "$f" | head -10; done
+for f in "$OUT"/ll-*.log; do echo "-- $f"; grep -E "^ll-v. .* (ll|nccl_a2a_raw)|timeline" "$f" | head -12; done
+for f in "$OUT"/test-*.log; do echo "-- $f"; grep -E "OK \]|FAILED|PASSED|DIFFERS|Failure" "$f" | head -10; done

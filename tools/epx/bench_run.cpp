@@ -289,7 +289,8 @@ void run_epx_backend_graph(const Job& job, const BenchCase& c, int64_t T, const 
       os << std::fixed << std::setprecision(2) << "epx bench: ll kernel timeline, rank " << rank << ", " << what
          << " (us from kernel start, last iteration): dispatch flags stored " << tr[0] << ", waits done " << tr[1] << ", done " << tr[2]
          << "; combine flags stored " << tr[3] << ", waits done " << tr[4] << ", done " << tr[5]
-         << "; last block started: dispatch " << tr[6] << ", combine " << tr[7] << "\n";
+         << "; last block started: dispatch " << tr[6] << ", combine " << tr[7] << "; last block done waiting: dispatch " << tr[8]
+         << ", combine " << tr[9] << "\n";
       std::cerr << os.str();
     }
   };
@@ -736,6 +737,8 @@ int report(const BenchOptions& o, const std::vector<BenchCase>& cases, const std
           {"dispatch_dtype", std::string(dtype_name(job.dtype))},
           {"routing", o.routing == "zipf" ? "zipf(s=" + fixed(o.zipf_s, 2) + ")" : o.routing},
           {"ll_combine", job.backend == "ll" ? json(config.ll_combine) : json(nullptr)},
+          {"ll_signal", job.backend == "ll" ? json(config.ll_signal) : json(nullptr)},
+          {"ll_expand", job.backend == "ll" ? json(config.ll_expand) : json(nullptr)},
           {"latency_us_p50", ran ? json(p50) : json(nullptr)},
           {"latency_us_p10", ran ? json(percentile(per_iter, 10)) : json(nullptr)},
           {"latency_us_p90", ran ? json(percentile(per_iter, 90)) : json(nullptr)},
