@@ -109,6 +109,7 @@ class HierPrepareFinalize final : public PrepareFinalizeBase {
     PrepareResult r = node_->prepare({x_in_, idx_in_, w_in_, args.stream});
     expert_out_shape_.assign(r.x.shape.begin(), r.x.shape.begin() + r.x.ndim);
     if (cfg_.expert_contiguous) expert_out_shape_ = {r.contiguous.num_rows, cfg_.hidden};
+    combine_weights_shape_ = {r.topk_weights.defined() ? r.topk_weights.shape[0] : 0, cfg_.top_k};  // the node backend's [N_recv, K]
     const int64_t valid = stats_.num_valid_selections;
     stats_ = node_->stats();
     if (!cuda_) stats_.num_valid_selections = valid;  // this rank's own selections (counted on the host)
@@ -132,6 +133,15 @@ class HierPrepareFinalize final : public PrepareFinalizeBase {
       if (args.topk_weights.defined() && !cfg_.expert_contiguous)
         require_arg(op, "topk_weights", args.topk_weights.describe(), false,
                     "must be empty for backend " + caps_.name + " (combine weights apply to ht's expert-contiguous layout)");
+      // The node backend checks the combine weights too, but among its node's ranks only: a bad one
+      // on one rank would stop that node while the other nodes went on into the inter-node step.
+      // Checked here, so the verdict goes over the whole group like every other argument's.
+      if (args.topk_weights.defined() && cfg_.expert_contiguous) {
+        if (args.topk_weights.device != group_->device()) throw Unsupported(wrong_device(op, "topk_weights", args.topk_weights.device));
+        check_dtype(op, "topk_weights", args.topk_weights, {DType::fp32});
+        check_shape_vec(op, "topk_weights", args.topk_weights, combine_weights_shape_);
+        check_contiguous(op, "topk_weights", args.topk_weights);
+      }
     } catch (const Unsupported& e) {
       err = {LocalError::unsupported, e.what()};
     } catch (const InvalidArgument& e) {
@@ -312,6 +322,7 @@ class HierPrepareFinalize final : public PrepareFinalizeBase {
   Tensor send_, recv_, pos_, x_in_, idx_in_, w_in_, out_in_, ret_, tokens_;
   std::vector<int64_t> block_sizes_, return_sizes_;  ///< [R] bytes to / from each rank (rail peers only)
   std::vector<int64_t> expert_out_shape_;
+  std::vector<int64_t> combine_weights_shape_;  ///< FinalizeArgs::topk_weights with expert_contiguous: [N_recv of the node backend, K]
 #ifdef EPX_WITH_CUDA
   HierErrorReport* report_host_ = nullptr;
   HierErrorReport* report_dev_ = nullptr;
