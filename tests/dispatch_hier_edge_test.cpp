@@ -20,7 +20,9 @@
 
 #include "dispatch/hier.h"
 #include "dispatch_harness.h"
+#include "epx/config.h"
 #include "epx/error.h"
+#include "epx/moe.h"
 
 using namespace epx;
 using namespace epx::test;
@@ -492,6 +494,43 @@ TEST_P(HierEdge, UnequalOrInterleavedNodesAreUnsupportedOnEveryRank) {
   }
 }
 
+TEST_P(HierEdge, TwoObjectsOnOneGroupInterleavedAndRecreated) {
+  // Two layers on one group (two objects, their calls interleaved: A.prepare, B.prepare, B.finalize,
+  // A.finalize), then both destroyed and made again three times: each answer is its own inputs'.
+  Case c = small_case(4, 33);
+  const std::vector<RankInput> a_in = inputs_with_T(c, {3, 9, 0, 6}, 33), b_in = inputs_with_T(c, {9, 1, 4, 0}, 34);
+  auto groups = make_cpu_groups(c.R, kTimeout, 2);
+  for (int round = 0; round < 3; ++round) {
+    std::vector<Outcome> a(static_cast<size_t>(c.R)), b(static_cast<size_t>(c.R));
+    run_ranks(groups, [&](int r) {
+      auto pa = make_prepare_finalize(GetParam(), groups[static_cast<size_t>(r)], c.config());
+      auto pb = make_prepare_finalize(GetParam(), groups[static_cast<size_t>(r)], c.config());
+      TestExperts experts(local_ids(c, r), c.H);
+      auto expert_out = [&](const PrepareResult& p) {
+        std::vector<int64_t> shape(p.x.shape.begin(), p.x.shape.begin() + p.x.ndim);
+        Tensor eo = Tensor::empty(shape, DType::bf16);
+        poison(eo);
+        if (experts.num_local_experts() > 0) experts.apply(p.experts_input(), eo, {});
+        return eo;
+      };
+      const RankInput& ra = a_in[static_cast<size_t>(r)];
+      const RankInput& rb = b_in[static_cast<size_t>(r)];
+      const PrepareResult p_a = pa->prepare({ra.x, ra.topk_idx, ra.topk_weights});
+      const Tensor eo_a = expert_out(p_a);
+      const PrepareResult p_b = pb->prepare({rb.x, rb.topk_idx, rb.topk_weights});
+      const Tensor eo_b = expert_out(p_b);
+      b[r].out = Tensor::empty({rb.x.size(0), c.H}, DType::bf16);
+      poison(b[r].out);
+      pb->finalize({eo_b, b[r].out});
+      a[r].out = Tensor::empty({ra.x.size(0), c.H}, DType::bf16);
+      poison(a[r].out);
+      pa->finalize({eo_a, a[r].out});
+    });
+    expect_rounds_ok(c, 2, {a_in}, {a}, GetParam() + " object A, round " + std::to_string(round));
+    expect_rounds_ok(c, 2, {b_in}, {b}, GetParam() + " object B, round " + std::to_string(round));
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(LlHt, HierEdge, ::testing::Values("ll", "ht"), [](const auto& info) { return info.param; });
 
 // ---- ht's expert-contiguous layout across nodes -------------------------------------------------
@@ -559,6 +598,68 @@ TEST(HierEdgeHt, ExpertContiguousBadCombineWeightsOnOneRankThrowEverywhere) {
     auto groups = P > 0 ? make_cpu_groups(c.R, kTimeout, P) : make_cpu_groups(c.R, kTimeout);
     const auto res = run_contiguous(c, groups, in, 1);
     expect_round_throws(res, "InvalidArgument", {"topk_weights"}, "ht expert_contiguous bad topk_weights P=" + std::to_string(P));
+  }
+}
+
+
+TEST(HierEdgeHt, AlignedCountsAcrossNodesEqualTheFlatOnes) {
+  // expert_alignment > 1: every rank's recv_count (aligned) and N_recv are the flat backend's, for
+  // one and several ranks per node (the rows' order differs with P > 1, their number does not).
+  for (const auto& [R, P] : std::vector<std::pair<int, int>>{{4, 1}, {4, 2}, {6, 3}}) {
+    Case c = small_case(R, 31 + static_cast<uint64_t>(R * 10 + P));
+    c.align = 4;
+    const std::vector<RankInput> in = make_inputs(c);
+    std::vector<std::vector<int32_t>> counts[2];
+    std::vector<int64_t> recv[2];
+    for (int hier = 0; hier < 2; ++hier) {
+      auto groups = hier ? make_cpu_groups(R, kTimeout, P) : make_cpu_groups(R, kTimeout);
+      counts[hier].resize(static_cast<size_t>(R));
+      recv[hier].resize(static_cast<size_t>(R));
+      run_ranks(groups, [&](int r) {
+        auto pf = make_prepare_finalize("ht", groups[static_cast<size_t>(r)], c.config());
+        const RankInput& ri = in[static_cast<size_t>(r)];
+        const PrepareResult p = pf->prepare({ri.x, ri.topk_idx, ri.topk_weights});
+        counts[hier][r].assign(p.recv_count.ptr<const int32_t>(), p.recv_count.ptr<const int32_t>() + p.recv_count.numel());
+        recv[hier][r] = p.num_recv_tokens;
+      });
+    }
+    EXPECT_EQ(counts[1], counts[0]) << R / P << " nodes x " << P;
+    EXPECT_EQ(recv[1], recv[0]) << R / P << " nodes x " << P;
+  }
+}
+
+TEST(HierEdgeLayer, ModularMoEAcrossNodesMatchesOneNode) {
+  // The whole layer (router, shared expert, FP8 block experts, DP chunks of changing size) on 2 nodes
+  // x 2 ranks against the same layer on one node of 4: within bf16 noise, every rank's T rows.
+  auto weights = MoEWeights::random(preset("deepseek-v3-mini"), 7);
+  const int R = 4;
+  const std::vector<int64_t> T = {13, 0, 32, 5};
+  const Config config = Config::load();
+  for (const std::string backend : {"ll", "ht"}) {
+    for (const int chunk : {0, 7}) {
+      std::vector<Tensor> out[2];
+      for (int hier = 0; hier < 2; ++hier) {
+        auto groups = hier ? make_cpu_groups(R, 30.0, 2) : make_cpu_groups(R, 30.0);
+        out[hier].resize(R);
+        run_ranks(groups, [&](int r) {
+          DispatchConfig dc;
+          dc.num_max_dispatch_tokens_per_rank = 32;
+          ModularMoEOptions opt;
+          opt.chunk_size = chunk;
+          ModularMoE layer(weights, groups[static_cast<size_t>(r)], backend, dc, config, opt);
+          const Tensor x = random_bf16(T[static_cast<size_t>(r)], weights->config.hidden, 500 + static_cast<uint64_t>(r));
+          out[hier][r] = Tensor::empty({T[static_cast<size_t>(r)], weights->config.hidden}, DType::bf16);
+          poison(out[hier][r]);
+          layer.forward(x, out[hier][r]);
+        });
+      }
+      for (int r = 0; r < R; ++r) {
+        ASSERT_EQ(out[1][r].size(0), T[static_cast<size_t>(r)]);
+        if (T[static_cast<size_t>(r)] > 0) {
+          EXPECT_LT(rel_l2_error(out[1][r], out[0][r]), 1e-2) << backend << " chunk " << chunk << " rank " << r;
+        }
+      }
+    }
   }
 }
 
