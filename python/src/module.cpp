@@ -123,8 +123,12 @@ A group of R ranks (the EP group). CPU groups (make_cpu_groups) are threads of t
         return "epx.Group(rank=" + std::to_string(g.rank()) + ", size=" + std::to_string(g.size()) + ", device=" + g.device().str() + ")";
       });
 
-  m.def("make_cpu_groups", &make_cpu_groups, pyb::arg("num_ranks"), pyb::arg("timeout_s") = 60.0,
-        "R CPU groups sharing one in-process world; element r is rank r. Drive each from its own thread (run_ranks).");
+  m.def("make_cpu_groups", [](int num_ranks, double timeout_s, int ranks_per_node) {
+          return ranks_per_node > 0 ? make_cpu_groups(num_ranks, timeout_s, ranks_per_node) : make_cpu_groups(num_ranks, timeout_s);
+        }, pyb::arg("num_ranks"), pyb::arg("timeout_s") = 60.0, pyb::arg("ranks_per_node") = 0,
+        "R CPU groups sharing one in-process world; element r is rank r. Drive each from its own thread (run_ranks).\n"
+        "ranks_per_node > 0: the ranks report num_ranks / ranks_per_node nodes of consecutive ranks (the CPU twin\n"
+        "of a multi-node group: ll and ht take their hierarchical path); it must divide num_ranks (else ValueError).");
   m.def("run_ranks", [](const std::vector<std::shared_ptr<Group>>& groups, const std::function<void(int)>& fn) {
     pyb::gil_scoped_release release;
     run_ranks(groups, [&](int rank) {

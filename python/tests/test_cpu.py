@@ -169,6 +169,33 @@ def test_prepare_finalize_numpy_experts(experts, backend, dispatch_dtype):
     assert errs and max(errs) < tol, errs
 
 
+@pytest.mark.parametrize("backend", ["ll", "ht"])
+def test_hierarchical_path_across_cpu_nodes(experts, backend):
+    """make_cpu_groups(ranks_per_node=1) gives R nodes of one rank: ll and ht take their hierarchical path
+    (capabilities["hierarchical"]) and still match the numpy reference MoE; one node keeps the flat path;
+    a ranks_per_node that does not divide R raises ValueError."""
+    weights, fns = experts
+    cfg = epx.DispatchConfig(hidden=H, num_experts=E, top_k=K, num_max_dispatch_tokens_per_rank=T)
+    for rpn, hierarchical in ((1, True), (R, False)):
+        groups = epx.make_cpu_groups(R, timeout_s=20, ranks_per_node=rpn)
+
+        def body(rank):
+            pf = epx.make_prepare_finalize(backend, groups[rank], cfg)
+            assert pf.capabilities["hierarchical"] is hierarchical
+            begin, end = epx.expert_range(E, R, rank)
+            tokens = T if rank == 0 else 3
+            x, idx, w = make_inputs(np.random.default_rng(77 + rank), tokens)
+            prepared = pf.prepare(x, idx, w)
+            out = poisoned((tokens, H))
+            pf.finalize(numpy_experts(prepared, fns[begin:end]), out)
+            return rel_l2(f32(out), moe_out(fns, f32(x), idx, w))
+
+        errs = run(groups, body)
+        assert max(errs) < 1.5e-2, (rpn, errs)
+    with pytest.raises(ValueError, match="ranks_per_node"):
+        epx.make_cpu_groups(R, timeout_s=5, ranks_per_node=R + 1)
+
+
 @pytest.mark.parametrize("mode", ["column", "partial_fp32", "partial_bf16"])
 def test_ll_combine_modes(experts, mode):
     """DispatchConfig.ll_combine picks ll's combine reduction; every mode matches the numpy reference MoE, and

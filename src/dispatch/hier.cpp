@@ -10,6 +10,9 @@
 #include "comm/node_group.h"
 #include "epx/error.h"
 #ifdef EPX_WITH_CUDA
+#include <cuda_runtime_api.h>
+
+#include "cuda/check.h"
 #include "dispatch/hier_cuda.h"
 #endif
 
@@ -80,6 +83,22 @@ class HierPrepareFinalize final : public PrepareFinalizeBase {
 
   const PrepareFinalize& node_backend() const { return *node_; }
 
+  /// True when this call's argument verdict stays on this rank: a graph capture on a graph-safe CUDA
+  /// node backend (nothing runs during a capture, and no host collective may be recorded). Eager
+  /// calls share the verdict over the whole group first, so a bad argument on one rank makes every
+  /// rank throw instead of leaving the others in the inter-node ncclSend/ncclRecv, which has no timeout.
+  bool local_checks_only(Stream stream) const {
+    if (!local_checks_only_) return false;
+#ifdef EPX_WITH_CUDA
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    EPX_CUDA_CHECK(cudaStreamIsCapturing(cuda::native(stream), &capture));
+    return capture != cudaStreamCaptureStatusNone;
+#else
+    (void)stream;
+    return true;
+#endif
+  }
+
   PrepareResult prepare(const DispatchArgs& args) override {
     const std::string& op = op_prepare_;
     LocalError err = check_args(args);
@@ -93,7 +112,7 @@ class HierPrepareFinalize final : public PrepareFinalizeBase {
       }
     }
     if (err.kind == LocalError::none && !cuda_) err = check_ids_host(args);
-    if (local_checks_only_) {
+    if (local_checks_only(args.stream)) {
       if (err.kind != LocalError::none) throw_local(err);
     } else {
       exchange_status(*group_, op, err, {}, args.stream);  // every rank throws if one rank's arguments are bad
@@ -147,7 +166,7 @@ class HierPrepareFinalize final : public PrepareFinalizeBase {
     } catch (const InvalidArgument& e) {
       err = {LocalError::invalid_argument, e.what()};
     }
-    if (local_checks_only_) {
+    if (local_checks_only(args.stream)) {
       if (err.kind != LocalError::none) throw_local(err);
     } else {
       exchange_status(*group_, op, err, {}, args.stream);
@@ -318,7 +337,7 @@ class HierPrepareFinalize final : public PrepareFinalizeBase {
   std::shared_ptr<Group> node_group_;
   std::unique_ptr<PrepareFinalize> node_;
   bool cuda_ = false;
-  bool local_checks_only_ = false;  ///< graph-safe CUDA node backend: no host collective per call
+  bool local_checks_only_ = false;  ///< graph-safe CUDA node backend: no host collective while capturing
   Tensor send_, recv_, pos_, x_in_, idx_in_, w_in_, out_in_, ret_, tokens_;
   std::vector<int64_t> block_sizes_, return_sizes_;  ///< [R] bytes to / from each rank (rail peers only)
   std::vector<int64_t> expert_out_shape_;
