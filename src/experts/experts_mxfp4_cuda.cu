@@ -34,6 +34,7 @@
 #include "epx/error.h"
 #include "epx/experts.h"
 #include "experts/experts_fp8_cuda.h"
+#include "experts/experts_fp8_wgmma.cuh"
 
 namespace epx::experts_cuda {
 namespace {
@@ -96,36 +97,8 @@ static_assert(kSmemBytes <= 227 * 1024, "shared memory of one CTA");
 
 #ifdef EPX_MX_WGMMA
 
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0) : "memory");
-}
-__device__ __forceinline__ void cp_async4(uint32_t dst, const void* src, bool valid) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 4 : 0) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
-__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void wgmma_wait() {
-  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
-}
-__device__ __forceinline__ void fence_operand(float& r) { asm volatile("" : "+f"(r)::"memory"); }
-
-/// K-major 128B-swizzle descriptor (as experts_fp8_cuda.cu).
-__device__ __forceinline__ uint64_t smem_desc(uint32_t addr) {
-  uint64_t d = static_cast<uint64_t>((addr & 0x3FFFFu) >> 4);
-  d |= static_cast<uint64_t>(1) << 16;
-  d |= static_cast<uint64_t>(1024 >> 4) << 32;
-  d |= static_cast<uint64_t>(1) << 62;
-  return d;
-}
-/// Byte offset of 16-byte chunk c (0..7) of row r in a 128B-swizzled tile.
-__device__ __forceinline__ uint32_t swz(int r, int c) { return static_cast<uint32_t>(r * 128 + ((c ^ (r & 7)) << 4)); }
+// cp.async, wgmma fences, smem_desc and swz: the sm_90a primitives shared with the FP8 kernels.
+using namespace wg;
 
 /// PTX prmt (default mode): byte i of the result = byte (s_i & 7) of {a, b}, or that byte's sign
 /// replicated when s_i & 8 (s_i = nibble i of s).
