@@ -60,6 +60,7 @@ from ._epx import (  # noqa: F401
     zeros,
 )
 from ._api import (  # noqa: F401
+    ExpertContiguous,
     Experts,
     ModularMoE,
     Prepared,

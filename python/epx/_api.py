@@ -11,6 +11,33 @@ from ._frameworks import empty_bf16, framework, resolve_stream, to_framework
 
 
 @dataclass
+class ExpertContiguous:
+    """ht with DispatchConfig(expert_contiguous=True): the received rows grouped by local expert for a
+    grouped GEMM (the m-grouped contiguous layout of DeepGEMM / vLLM's DeepEP-HT path; include/epx/dispatch.h
+    ExpertContiguousLayout), in the framework of prepare's x, views valid until the next prepare.
+
+    x               [M, H] bf16 | fp8_e4m3 (as Prepared.x); received row n appears once per distinct local
+                    expert it selects; expert l owns rows [expert_offsets[l], expert_offsets[l + 1]):
+                    its rows in received-row order, then zero padding rows up to expert_alignment
+    x_scales        fp8: [M, H/128] fp32 (0 in padding rows); else None
+    expert_offsets  [L + 1] int32, exclusive prefix sum of recv_count (expert_offsets[L] = M)
+    row_expert      [M] int32 local expert of each row, -1 = padding (DeepGEMM m_indices)
+    pair_row        [N_recv, K] int32 row of (n, topk_idx[n, k]) in x, -1 where topk_idx is -1
+    num_rows        M (ht on CUDA with use_worst_case_sizing: the row capacity; M is expert_offsets[L] on the device)
+
+    The experts write expert_out [M, H] bf16, row i = expert row_expert[i] applied to x[i], unweighted;
+    finalize(expert_out, topk_weights=prepared.topk_weights) weights and reduces them (or pass no
+    topk_weights when the weights were applied before the experts)."""
+
+    x: Any
+    x_scales: Any
+    expert_offsets: Any
+    row_expert: Any
+    pair_row: Any
+    num_rows: int
+
+
+@dataclass
 class Prepared:
     """What prepare (dispatch) delivers, in the framework of prepare's x (views into the backend's
     buffers, valid until the next prepare of the same object).
@@ -19,9 +46,14 @@ class Prepared:
                     per-row topk_idx / topk_weights [N_recv, K], local expert id or -1)
     x               bf16, or fp8_e4m3 when dispatch_dtype is fp8 (then x_scales [.., H/128] fp32)
     recv_count      [L] int32 tokens per local expert (ht: aligned to expert_alignment)
+    topk_idx        Flat: [N_recv, K] int32 local expert index of each received row's selections, -1 = none
+                    (another rank's expert or no selection); ExpertMajor: None
+    topk_weights    Flat: [N_recv, K] fp32, the source's topk_weights for those selections; ExpertMajor: None
     num_recv_tokens Flat: N_recv (ht with use_worst_case_sizing: the row capacity); ExpertMajor: sum of recv_count
+                    (-1 for ll on CUDA, where only the device knows it)
     raw             the epx._epx.PrepareResult (what Experts.apply takes)
     num_recv_tokens_device  ht on CUDA: [1] int32 N_recv on the device; else None
+    contiguous      ht with DispatchConfig(expert_contiguous=True): an ExpertContiguous; else None
     """
 
     layout: str
@@ -33,6 +65,7 @@ class Prepared:
     num_recv_tokens: int
     raw: Any
     num_recv_tokens_device: Any = None
+    contiguous: Optional[ExpertContiguous] = None
 
 
 class PrepareFinalize:
@@ -44,14 +77,19 @@ class PrepareFinalize:
     tensors (else the legacy default stream), or an int cudaStream_t / torch.cuda.Stream.
     Errors: InvalidArgument (ValueError) for a bad argument, raised on every rank; Unsupported
     (NotImplementedError) for a backend/device pair that does not exist; Timeout; CommError.
+
+    config: the DispatchConfig (or its fields as keywords). settings: an epx.Config whose launch settings
+    the CUDA kernels take (ll: ll_signal, ll_expand, ll_warps_per_block, ll_num_blocks; ht: ht_num_sms,
+    ht_warps_per_block, ht_combine_mode, ht_chunk_rows); None = Config.load() (EPX_CONFIG, EPX_* variables).
     """
 
-    def __init__(self, name: str, group: _epx.Group, config: Optional[_epx.DispatchConfig] = None, **kwargs):
+    def __init__(self, name: str, group: _epx.Group, config: Optional[_epx.DispatchConfig] = None,
+                 settings: Optional[_epx.Config] = None, **kwargs):
         if config is None:
             config = _epx.DispatchConfig(**kwargs)
         elif kwargs:
             raise TypeError("PrepareFinalize: pass either config or keyword fields, not both")
-        self._impl = _epx.make_prepare_finalize(name, group, config)
+        self._impl = _epx.make_prepare_finalize(name, group, config, settings)
         self._fw = "epx"
         self._out_like = None
         self._out_rows = 0
@@ -84,17 +122,27 @@ class PrepareFinalize:
         r = self._impl.prepare(x, topk_idx, topk_weights, s, num_tokens)
         fw = framework(x)
         self._fw, self._out_like, self._out_rows = fw, x, _rows(x)
+        c = r.contiguous
+        contiguous = None if c is None else ExpertContiguous(
+            to_framework(c.x, fw), to_framework(c.x_scales, fw), to_framework(c.expert_offsets, fw),
+            to_framework(c.row_expert, fw), to_framework(c.pair_row, fw), c.num_rows)
         return Prepared(r.layout, to_framework(r.x, fw), to_framework(r.x_scales, fw), to_framework(r.recv_count, fw),
                         to_framework(r.topk_idx, fw), to_framework(r.topk_weights, fw), r.num_recv_tokens, r,
-                        to_framework(r.num_recv_tokens_device, fw))
+                        to_framework(r.num_recv_tokens_device, fw), contiguous)
 
-    def finalize(self, expert_out, out=None, stream=None):
-        """Combine expert_out (ExpertMajor [L, cap, H] / Flat [N_recv, H] bf16, as the experts wrote it)
-        for the last prepare into out [T, H] bf16 (allocated like prepare's x when None); returns out."""
+    def finalize(self, expert_out, out=None, stream=None, topk_weights=None):
+        """Combine expert_out (ExpertMajor [L, cap, H] / Flat [N_recv, H] bf16, as the experts wrote it;
+        ht with expert_contiguous: [M, H] bf16, one unweighted row per Prepared.contiguous row) for the
+        last prepare into out [T, H] bf16 (allocated like prepare's x when None); returns out.
+
+        topk_weights: ht with expert_contiguous only, [N_recv, K] fp32 (usually prepared.topk_weights):
+        finalize weights the rows itself, sum_k topk_weights[n, k] * expert_out[pair_row[n, k]] in fp32;
+        None = weight 1 (the weights were applied before the experts). Given to any other backend or
+        layout it raises InvalidArgument (ValueError) on every rank."""
         if out is None:
             out = _empty_rows_like(self._out_like, self._out_rows, self.config.hidden, self._fw, self.group.device)
         s = resolve_stream(stream, expert_out, out)
-        self._impl.finalize(expert_out, out, s)
+        self._impl.finalize(expert_out, out, s, topk_weights)
         return out
 
 
@@ -111,9 +159,11 @@ def _empty_rows_like(like, rows, hidden, fw, device):
     return empty_bf16((rows, hidden), fw, device)
 
 
-def make_prepare_finalize(name: str, group: _epx.Group, config: Optional[_epx.DispatchConfig] = None, **kwargs) -> PrepareFinalize:
-    """Creates backend `name` (backend_names()) on `group` (collective; all ranks agree on the config)."""
-    return PrepareFinalize(name, group, config, **kwargs)
+def make_prepare_finalize(name: str, group: _epx.Group, config: Optional[_epx.DispatchConfig] = None,
+                          settings: Optional[_epx.Config] = None, **kwargs) -> PrepareFinalize:
+    """Creates backend `name` (backend_names()) on `group` (collective; all ranks agree on the config).
+    settings: an epx.Config for the CUDA kernels' launch settings (see PrepareFinalize); None = Config.load()."""
+    return PrepareFinalize(name, group, config, settings, **kwargs)
 
 
 class Experts:
@@ -150,14 +200,17 @@ class ModularMoE:
 
     weights: MoEWeights holding at least this rank's experts; backend: a name from backend_names();
     num_max_dispatch_tokens_per_rank: capacity per rank per call (0 = no limit; with chunk_size, chunks).
+    config: an epx.Config (launch settings such as ll_signal / ll_expand / ht_num_sms; None = Config.load()).
+    ll_combine: ll's combine reduction, "partial_fp32" (default) | "partial_bf16" | "column" (DispatchConfig.ll_combine).
     """
 
     def __init__(self, weights, group, backend: str, *, num_max_dispatch_tokens_per_rank: int = 0, dispatch_dtype: str = "bf16",
                  use_ue8m0: bool = False, expert_alignment: int = 1, config: Optional[_epx.Config] = None,
-                 shared_mode: str = "auto", chunk_size: int = 0, fhmoe_max_tokens: int = -1):
+                 shared_mode: str = "auto", chunk_size: int = 0, fhmoe_max_tokens: int = -1, ll_combine: str = "partial_fp32"):
         self._impl = _epx.ModularMoE(weights, group, backend, num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank,
                                      dispatch_dtype=dispatch_dtype, use_ue8m0=use_ue8m0, expert_alignment=expert_alignment,
-                                     config=config, shared_mode=shared_mode, chunk_size=chunk_size, fhmoe_max_tokens=fhmoe_max_tokens)
+                                     config=config, shared_mode=shared_mode, chunk_size=chunk_size, fhmoe_max_tokens=fhmoe_max_tokens,
+                                     ll_combine=ll_combine)
         self.weights, self.group, self.backend = weights, group, backend
 
     @property

@@ -7,6 +7,7 @@
 #include <string>
 
 #include "epx/checkpoint.h"
+#include "epx/config.h"
 #include "epx/dispatch.h"
 #include "epx/error.h"
 #include "epx/experts.h"
@@ -54,11 +55,18 @@ struct PyPrepareFinalize {
   std::unique_ptr<PrepareFinalize> pf;
 };
 
+/// PrepareResult::contiguous as epx.Tensor views (ht with DispatchConfig::expert_contiguous).
+struct PyContiguous {
+  pyb::object x, x_scales, expert_offsets, row_expert, pair_row;
+  int64_t num_rows = 0;
+};
+
 /// prepare()'s result: epx.Tensor views into the backend's buffers (valid until the next prepare).
 struct PyPrepareResult {
   PrepareResult raw;
   std::string layout;
   pyb::object x, x_scales, recv_count, topk_idx, topk_weights, num_recv_tokens_device;
+  pyb::object contiguous = pyb::none();  ///< a PyContiguous, or None
   int64_t num_recv_tokens = 0;
 };
 
@@ -86,7 +94,7 @@ void bind_dispatch(pyb::module_& m) {
   pyb::class_<DispatchConfig>(m, "DispatchConfig", "Backend configuration (include/epx/dispatch.h); all ranks must agree.")
       .def(pyb::init([](int64_t hidden, int num_experts, int top_k, int num_max_dispatch_tokens_per_rank, const std::string& dispatch_dtype,
                         bool use_ue8m0, bool shared_route, int expert_alignment, bool use_worst_case_sizing,
-                        const std::string& ll_combine) {
+                        const std::string& ll_combine, bool expert_contiguous) {
              DispatchConfig c;
              c.hidden = hidden;
              c.num_experts = num_experts;
@@ -98,12 +106,13 @@ void bind_dispatch(pyb::module_& m) {
              c.expert_alignment = expert_alignment;
              c.use_worst_case_sizing = use_worst_case_sizing;
              c.ll_combine = parse_ll_combine(ll_combine, "DispatchConfig.ll_combine");
+             c.expert_contiguous = expert_contiguous;
              return c;
            }),
            pyb::kw_only(), pyb::arg("hidden") = 0, pyb::arg("num_experts") = 0, pyb::arg("top_k") = 0,
            pyb::arg("num_max_dispatch_tokens_per_rank") = 0, pyb::arg("dispatch_dtype") = "bf16", pyb::arg("use_ue8m0") = false,
            pyb::arg("shared_route") = false, pyb::arg("expert_alignment") = 1, pyb::arg("use_worst_case_sizing") = false,
-           pyb::arg("ll_combine") = "partial_fp32")
+           pyb::arg("ll_combine") = "partial_fp32", pyb::arg("expert_contiguous") = false)
       .def_property("ll_combine", [](const DispatchConfig& c) { return std::string(ll_combine_name(c.ll_combine)); },
                     [](DispatchConfig& c, const std::string& s) { c.ll_combine = parse_ll_combine(s, "DispatchConfig.ll_combine"); },
                     "ll combine reduction (epx::LlCombine): \"partial_fp32\" (default: expert-side fp32 partial sums, one "
@@ -119,13 +128,19 @@ void bind_dispatch(pyb::module_& m) {
       .def_readwrite("use_ue8m0", &DispatchConfig::use_ue8m0)
       .def_readwrite("shared_route", &DispatchConfig::shared_route)
       .def_readwrite("expert_alignment", &DispatchConfig::expert_alignment)
+      .def_readwrite("expert_contiguous", &DispatchConfig::expert_contiguous,
+                     "ht only (make_prepare_finalize raises InvalidArgument for another backend): prepare also lays the "
+                     "received rows out expert-contiguous for a grouped GEMM (PrepareResult.contiguous: the m-grouped layout "
+                     "of DeepGEMM / vLLM's DeepEP-HT path), and finalize then takes expert_out [M, H] bf16, one unweighted "
+                     "row per contiguous row, weighting them itself when finalize(topk_weights=) is given.")
       .def_readwrite("use_worst_case_sizing", &DispatchConfig::use_worst_case_sizing,
                      "ht on CUDA: graph-safe worst-case sizing (DeepEP num_worst_tokens): Flat results have "
                      "R * num_max_dispatch_tokens_per_rank rows, N_recv stays on the device (num_recv_tokens_device).")
       .def("__repr__", [](const DispatchConfig& c) {
         return "epx.DispatchConfig(hidden=" + std::to_string(c.hidden) + ", num_experts=" + std::to_string(c.num_experts) +
                ", top_k=" + std::to_string(c.top_k) + ", num_max_dispatch_tokens_per_rank=" +
-               std::to_string(c.num_max_dispatch_tokens_per_rank) + ", dispatch_dtype='" + std::string(dtype_name(c.dispatch_dtype)) + "')";
+               std::to_string(c.num_max_dispatch_tokens_per_rank) + ", dispatch_dtype='" + std::string(dtype_name(c.dispatch_dtype)) +
+               "', ll_combine='" + ll_combine_name(c.ll_combine) + "'" + (c.expert_contiguous ? ", expert_contiguous=True" : "") + ")";
       });
 
   m.def("backend_names", &backend_names);
@@ -137,6 +152,22 @@ void bind_dispatch(pyb::module_& m) {
   m.def("expert_rank", &expert_rank, pyb::arg("num_experts"), pyb::arg("num_ranks"), pyb::arg("expert"));
   m.def("num_local_experts", &num_local_experts, pyb::arg("config"), pyb::arg("num_ranks"), pyb::arg("rank"));
 
+  pyb::class_<PyContiguous>(m, "ExpertContiguousLayout", R"doc(
+ht with DispatchConfig.expert_contiguous (include/epx/dispatch.h ExpertContiguousLayout): the received rows
+again, grouped by local expert, the m-grouped contiguous layout of DeepGEMM / vLLM's DeepEP-HT path. Received
+row n appears once per distinct local expert l it selects; expert l owns rows
+[expert_offsets[l], expert_offsets[l + 1]) (recv_count[l] rows, aligned to expert_alignment): its rows in
+received-row order, then zero padding rows (row_expert -1). Views into the backend's buffers, valid until the
+next prepare.)doc")
+      .def_readonly("x", &PyContiguous::x, "[M, H] bf16 | fp8_e4m3 (as PrepareResult.x).")
+      .def_readonly("x_scales", &PyContiguous::x_scales, "fp8: [M, H/128] fp32 (0 in padding rows); else None.")
+      .def_readonly("expert_offsets", &PyContiguous::expert_offsets, "[L + 1] int32: exclusive prefix sum of recv_count; [L] = M.")
+      .def_readonly("row_expert", &PyContiguous::row_expert, "[M] int32: local expert of each row, -1 = padding (DeepGEMM m_indices).")
+      .def_readonly("pair_row", &PyContiguous::pair_row,
+                    "[N_recv, K] int32: the row of (n, topk_idx[n, k]) in x, -1 where topk_idx is -1 (duplicates share one).")
+      .def_readonly("num_rows", &PyContiguous::num_rows,
+                    "M = sum of recv_count (ht on CUDA with use_worst_case_sizing: the row capacity; M is expert_offsets[L] on the device).");
+
   pyb::class_<PyPrepareResult>(m, "PrepareResult", R"doc(
 What prepare (dispatch) delivers to the experts. layout "expert_major": x [L, cap, H] with recv_count [L]
 valid rows per local expert (DeepEP LL layout); "flat": x [N_recv, H] with per-row topk_idx [N_recv, K]
@@ -146,8 +177,12 @@ The tensors are views into the backend's buffers, valid until the next prepare()
       .def_readonly("x", &PyPrepareResult::x)
       .def_readonly("x_scales", &PyPrepareResult::x_scales)
       .def_readonly("recv_count", &PyPrepareResult::recv_count)
-      .def_readonly("topk_idx", &PyPrepareResult::topk_idx)
-      .def_readonly("topk_weights", &PyPrepareResult::topk_weights)
+      .def_readonly("topk_idx", &PyPrepareResult::topk_idx, "Flat: [N_recv, K] int32 local expert index or -1; else None.")
+      .def_readonly("topk_weights", &PyPrepareResult::topk_weights,
+                    "Flat: [N_recv, K] fp32, the source's topk_weights of each received row (the combine weights "
+                    "finalize(topk_weights=) takes with expert_contiguous); else None.")
+      .def_readonly("contiguous", &PyPrepareResult::contiguous,
+                    "ht with DispatchConfig.expert_contiguous: an ExpertContiguousLayout; else None.")
       .def_readonly("num_recv_tokens", &PyPrepareResult::num_recv_tokens)
       .def_readonly("num_recv_tokens_device", &PyPrepareResult::num_recv_tokens_device,
                     "ht on CUDA: [1] int32 N_recv on the device (valid once the stream reaches it); else None.")
@@ -186,6 +221,17 @@ both are collective (every rank calls them, also with 0 tokens). Create with mak
         r.topk_weights = opt_view(r.raw.topk_weights, self, stream);
         r.num_recv_tokens_device = opt_view(r.raw.num_recv_tokens_device, self, stream);
         r.num_recv_tokens = r.raw.num_recv_tokens;
+        const ExpertContiguousLayout& cl = r.raw.contiguous;
+        if (cl.row_expert.defined()) {
+          PyContiguous c;
+          c.x = opt_view(cl.x, self, stream);
+          c.x_scales = opt_view(cl.x_scales, self, stream);
+          c.expert_offsets = opt_view(cl.expert_offsets, self, stream);
+          c.row_expert = opt_view(cl.row_expert, self, stream);
+          c.pair_row = opt_view(cl.pair_row, self, stream);
+          c.num_rows = cl.num_rows;
+          r.contiguous = pyb::cast(std::move(c));
+        }
         return r;
       }, pyb::arg("x"), pyb::arg("topk_idx"), pyb::arg("topk_weights"), pyb::arg("stream") = 0, pyb::arg("num_tokens") = pyb::none(), R"doc(
 Dispatch (collective). x [T, H] bf16, T <= num_max_dispatch_tokens_per_rank; topk_idx [T, K] int32/int64
@@ -193,26 +239,37 @@ Dispatch (collective). x [T, H] bf16, T <= num_max_dispatch_tokens_per_rank; top
 as int (0 = legacy default). num_tokens: optional [1] int32 on the GPU, the rows of x that take part
 (ll on CUDA: one captured graph for every T; other backends raise InvalidArgument when it is set).
 Raises InvalidArgument (on every rank), Unsupported, Timeout, CommError.)doc")
-      .def("finalize", [](PyPrepareFinalize& p, pyb::handle expert_out, pyb::handle out, int64_t stream) {
+      .def("finalize", [](PyPrepareFinalize& p, pyb::handle expert_out, pyb::handle out, int64_t stream, pyb::handle topk_weights) {
         CallArgs a("epx.PrepareFinalize.finalize", stream);
-        FinalizeArgs f{a.get(expert_out, "expert_out", DType::bf16), a.get_out(out, "out", DType::bf16), to_stream(stream)};
+        FinalizeArgs f{a.get(expert_out, "expert_out", DType::bf16), a.get_out(out, "out", DType::bf16), to_stream(stream),
+                       a.get(topk_weights, "topk_weights", std::nullopt, true)};
         call_released(a, [&] { p.pf->finalize(f); });
-      }, pyb::arg("expert_out"), pyb::arg("out"), pyb::arg("stream") = 0, R"doc(
+      }, pyb::arg("expert_out"), pyb::arg("out"), pyb::arg("stream") = 0, pyb::arg("topk_weights") = pyb::none(), R"doc(
 Combine for the last prepare (collective). expert_out: as the experts wrote it (ExpertMajor [L, cap, H] /
-Flat [N_recv, H] bf16); out [T, H] bf16 is written: out[t] = sum_k w[t,k] * expert_{idx[t,k]}(x[t]),
-fp32 accumulation, one rounding.)doc");
+Flat [N_recv, H] bf16; ht with expert_contiguous: [M, H] bf16, row i = expert row_expert[i] on
+contiguous.x[i], unweighted); out [T, H] bf16 is written: out[t] = sum_k w[t,k] * expert_{idx[t,k]}(x[t]),
+fp32 accumulation, one rounding. topk_weights: ht with expert_contiguous only, [N_recv, K] fp32 on the
+group's device (usually PrepareResult.topk_weights): received row n's partial is
+sum_k topk_weights[n, k] * expert_out[pair_row[n, k]]; None: the same sum with weight 1 (the weights were
+applied before the experts). Raises InvalidArgument (on every rank) for a bad shape, dtype or device, or
+topk_weights given to another backend / without expert_contiguous; Timeout; CommError.)doc");
 
-  m.def("make_prepare_finalize", [](const std::string& name, std::shared_ptr<Group> group, const DispatchConfig& cfg) {
+  m.def("make_prepare_finalize", [](const std::string& name, std::shared_ptr<Group> group, const DispatchConfig& cfg,
+                                    std::optional<Config> settings) {
     auto p = std::make_shared<PyPrepareFinalize>();
     p->group = group;
     {
       pyb::gil_scoped_release release;
-      p->pf = make_prepare_finalize(name, group, cfg);
+      p->pf = settings ? make_prepare_finalize(name, group, cfg, *settings) : make_prepare_finalize(name, group, cfg);
     }
     return p;
-  }, pyb::arg("name"), pyb::arg("group"), pyb::arg("config"), R"doc(
+  }, pyb::arg("name"), pyb::arg("group"), pyb::arg("config"), pyb::arg("settings") = pyb::none(), R"doc(
 Creates backend `name` (backend_names(): naive, allgather_reducescatter, all2allv, ll, ht) on `group`.
-Collective: all ranks must agree on the DispatchConfig (CommError naming the field otherwise).)doc");
+Collective: all ranks must agree on the DispatchConfig (CommError naming the field otherwise).
+settings: an epx.Config whose launch settings the CUDA kernels take (ll: ll_warps_per_block, ll_num_blocks,
+ll_signal, ll_expand; ht: ht_num_sms, ht_warps_per_block, ht_combine_mode, ht_chunk_rows); None: the backend
+reads Config.load() (EPX_CONFIG, EPX_* variables). The CPU backends and the hierarchical path across nodes
+(whose node backend reads Config.load()) ignore it.)doc");
 }
 
 void bind_experts(pyb::module_& m) {

@@ -72,40 +72,97 @@ void bind_errors(pyb::module_& m) {
   });
 }
 
+/// Config.set's text of a Python value: bools as true/false, str as is, numbers by str().
+std::string setting_text(pyb::handle value) {
+  if (pyb::isinstance<pyb::bool_>(value)) return value.cast<bool>() ? "true" : "false";
+  if (pyb::isinstance<pyb::str>(value)) return value.cast<std::string>();
+  return pyb::str(value).cast<std::string>();
+}
+
+/// Config.<name> as a property of field `key`: reads the field; assigning goes through Config::set
+/// (source "api") and Config::validate on a copy, so a bad value raises InvalidArgument (ValueError)
+/// naming the key and its rule and leaves the Config as it was.
+template <class M>
+void bind_setting(pyb::class_<Config>& cls, const char* name, const char* key, M Config::*member, const char* doc) {
+  cls.def_property(
+      name, [member](const Config& c) { return c.*member; },
+      [key](Config& c, pyb::handle value) {
+        Config t = c;
+        t.set(key, setting_text(value), "api");
+        t.validate();
+        c = std::move(t);
+      },
+      doc);
+}
+
 void bind_config(pyb::module_& m) {
-  pyb::class_<Config>(m, "Config", R"doc(
+  pyb::class_<Config> cls(m, "Config", R"doc(
 epx's one configuration struct (include/epx/config.h). Precedence: default < JSON file (EPX_CONFIG or
-Config.load(path)) < EPX_* environment < explicit set(). Unknown keys raise InvalidArgument (ValueError)
-with the nearest known key. describe() lists "key = value  [source]  description" as `epx info` prints.)doc")
-      .def(pyb::init<>(), "Defaults only (no file, no environment).")
+Config.load(path)) < EPX_* environment < explicit set() / attribute assignment. Unknown keys raise
+InvalidArgument (ValueError) with the nearest known key; a bad value raises InvalidArgument naming the key
+and its rule (the Config keeps its old value). describe() lists "key = value  [source]  description" as
+`epx info` prints. The launch settings reach a backend through make_prepare_finalize(..., settings=) or
+ModularMoE(..., config=); without one the backend reads Config.load() (EPX_CONFIG, EPX_* variables).
+Attributes (JSON key, environment variable):
+  timeout_s (timeout_s, EPX_TIMEOUT_S): float seconds, > 0: longest wait on a peer before Timeout.
+  ll_combine (ll.combine): "partial_fp32" | "partial_bf16" | "column": ll's combine for `epx bench`
+      (the API takes DispatchConfig.ll_combine).
+  ll_signal (ll.signal, EPX_LL_SIGNAL): "block" (default) | "rank": ll on CUDA, completion signal per
+      send block or one word per destination rank; all ranks must agree.
+  ll_expand (ll.expand, EPX_LL_EXPAND): "message" (default) | "expert": ll on CUDA, dispatch expansion
+      per (message, chunk) with sender-ranked slots, or a block per local expert; all ranks must agree.
+  ll_warps_per_block (multiple of 4 in [4, 32]), ll_num_blocks (0 = one per SM): ll on CUDA launch shape.
+  ht_num_sms (1..132), ht_warps_per_block, ht_combine_mode (0 | 1), ht_chunk_rows (1..4096): ht on CUDA.
+  experts_simt, experts_fp8_pairs, experts_fp8_prefill (0 | 1), experts_fp8_prefill_stages (0 or 2..4),
+      experts_mxfp4_tc (0..2): CUDA experts' kernel choice.
+  moe_chunk_size (tokens, 0 = unchunked), fhmoe_max_tokens (fuse the shared expert when M <= this).)doc");
+  cls.def(pyb::init<>(), "Defaults only (no file, no environment).")
       .def_static("load", [](std::optional<std::string> path) { return path ? Config::load(*path) : Config::load(); },
                   pyb::arg("path") = pyb::none(), "default < JSON file (`path`, else $EPX_CONFIG if set) < EPX_* environment.")
       .def("apply_json", &Config::apply_json_text, pyb::arg("text"), pyb::arg("origin") = "python",
            "Apply a JSON object of \"key\": value (unknown keys raise).")
       .def("apply_env", &Config::apply_env)
-      .def("set", [](Config& c, const std::string& key, pyb::handle value) {
-        std::string text;
-        if (pyb::isinstance<pyb::bool_>(value)) text = value.cast<bool>() ? "true" : "false";
-        else if (pyb::isinstance<pyb::str>(value)) text = value.cast<std::string>();
-        else text = pyb::str(value).cast<std::string>();
-        c.set(key, text, "api");
-      }, pyb::arg("key"), pyb::arg("value"), "Set one field by key (value as text or a number); raises InvalidArgument.")
+      .def("set", [](Config& c, const std::string& key, pyb::handle value) { c.set(key, setting_text(value), "api"); },
+           pyb::arg("key"), pyb::arg("value"), "Set one field by key (value as text or a number); raises InvalidArgument.")
       .def("validate", &Config::validate)
       .def("describe", &Config::describe)
-      .def_readonly("sources", &Config::sources, "(key, source) pairs: default, json <file>, env EPX_..., api.")
-      .def_readwrite("timeout_s", &Config::timeout_s, "Longest wait on a peer before Timeout [s].")
-      .def_readwrite("log_level", &Config::log_level)
-      .def_readwrite("ll_warps_per_block", &Config::ll_warps_per_block)
-      .def_readwrite("ll_num_blocks", &Config::ll_num_blocks)
-      .def_readwrite("ht_num_sms", &Config::ht_num_sms)
-      .def_readwrite("ht_warps_per_block", &Config::ht_warps_per_block)
-      .def_readwrite("moe_chunk_size", &Config::moe_chunk_size)
-      .def_readwrite("fhmoe_max_tokens", &Config::fhmoe_max_tokens)
-      .def("__repr__", [](const Config& c) {
-        std::string s = "epx.Config(";
-        for (const auto& line : c.describe()) s += "\n  " + line;
-        return s + ")";
-      });
+      .def_readonly("sources", &Config::sources, "(key, source) pairs: default, json <file>, env EPX_..., api.");
+  bind_setting(cls, "timeout_s", "timeout_s", &Config::timeout_s, "Longest wait on a peer before Timeout [s]; > 0.");
+  bind_setting(cls, "log_level", "log_level", &Config::log_level, "trace | debug | info | warn | error | off.");
+  bind_setting(cls, "ll_warps_per_block", "ll.warps_per_block", &Config::ll_warps_per_block,
+               "Warps per block of the ll CUDA kernels; a multiple of 4 in [4, 32].");
+  bind_setting(cls, "ll_num_blocks", "ll.num_blocks", &Config::ll_num_blocks, "Blocks of the ll CUDA kernels; 0 = one per SM.");
+  bind_setting(cls, "ll_combine", "ll.combine", &Config::ll_combine,
+               "\"partial_fp32\" | \"partial_bf16\" | \"column\" (epx bench; the API takes DispatchConfig.ll_combine).");
+  bind_setting(cls, "ll_signal", "ll.signal", &Config::ll_signal,
+               "ll on CUDA, dispatch completion signal: \"block\" (default: one flag word per (source, send block)) or "
+               "\"rank\" (one word per destination, stored by the source's last block). All ranks must agree.");
+  bind_setting(cls, "ll_expand", "ll.expand", &Config::ll_expand,
+               "ll on CUDA, dispatch expansion: \"message\" (default: (message, chunk) items with sender-ranked slots) or "
+               "\"expert\" (a block per local expert scans all messages). All ranks must agree.");
+  bind_setting(cls, "ht_num_sms", "ht.num_sms", &Config::ht_num_sms, "SM budget of the ht CUDA kernels; 1..132.");
+  bind_setting(cls, "ht_warps_per_block", "ht.warps_per_block", &Config::ht_warps_per_block,
+               "Warps per block of the ht kernels; 1..32 (ht on CUDA: 1..16).");
+  bind_setting(cls, "ht_combine_mode", "ht.combine_mode", &Config::ht_combine_mode,
+               "ht combine on CUDA: 0 all sends then all reduces, 1 pipelined (one target per token only).");
+  bind_setting(cls, "ht_chunk_rows", "ht.chunk_rows", &Config::ht_chunk_rows, "ht combine on CUDA: rows per chunk flag; 1..4096.");
+  bind_setting(cls, "experts_simt", "experts.simt", &Config::experts_simt, "1: CUDA experts always take the SIMT reference GEMMs.");
+  bind_setting(cls, "experts_fp8_pairs", "experts.fp8_pairs", &Config::experts_fp8_pairs,
+               "1: the FP8 tensor-core mainloop over K-block pairs.");
+  bind_setting(cls, "experts_fp8_prefill", "experts.fp8_prefill", &Config::experts_fp8_prefill,
+               "1 (default): experts with > 64 rows take the FP8 prefill GEMMs (128-row tiles); 0: off.");
+  bind_setting(cls, "experts_fp8_prefill_stages", "experts.fp8_prefill_stages", &Config::experts_fp8_prefill_stages,
+               "Ring depth of the FP8 prefill GEMMs in stages; 0 = maximum, else 2..4.");
+  bind_setting(cls, "experts_mxfp4_tc", "experts.mxfp4_tc", &Config::experts_mxfp4_tc,
+               "0: mxfp4 experts keep the SIMT GEMMs; 1: MXFP4 tensor-core kernels; 2: their coalesced-load variant.");
+  bind_setting(cls, "moe_chunk_size", "moe.chunk_size", &Config::moe_chunk_size, "DP chunk: at most this many tokens per MoE call per rank; 0 = unchunked.");
+  bind_setting(cls, "fhmoe_max_tokens", "fhmoe.max_tokens", &Config::fhmoe_max_tokens,
+               "Capability gate: fuse the shared expert when M <= this (tokens).");
+  cls.def("__repr__", [](const Config& c) {
+    std::string s = "epx.Config(";
+    for (const auto& line : c.describe()) s += "\n  " + line;
+    return s + ")";
+  });
 }
 
 void bind_groups(pyb::module_& m) {

@@ -223,6 +223,143 @@ def test_ll_combine_modes(experts, mode):
         cfg.ll_combine = "partial_fp16"
 
 
+def test_config_launch_settings(monkeypatch):
+    """Config exposes ll.signal / ll.expand (and the other launch settings) by attribute: defaults, assignment
+    recorded as source "api", bad values raise ValueError naming the key and leave the old value, the EPX_*
+    variables reach Config.load(); make_prepare_finalize(settings=) and ModularMoE(config=) take a Config."""
+    c = epx.Config()
+    assert (c.ll_signal, c.ll_expand, c.ll_combine) == ("block", "message", "partial_fp32")
+    c.ll_signal, c.ll_expand, c.ht_num_sms, c.ht_combine_mode = "rank", "expert", 24, 1
+    assert (c.ll_signal, c.ll_expand, c.ht_num_sms, c.ht_combine_mode) == ("rank", "expert", 24, 1)
+    src = dict(c.sources)
+    assert src["ll.signal"] == "api" and src["ll.expand"] == "api" and src["ht.num_sms"] == "api"
+    for attr, bad, key in (("ll_signal", "warp", "ll.signal"), ("ll_expand", "token", "ll.expand"),
+                           ("ht_num_sms", 0, "ht.num_sms"), ("ll_warps_per_block", 6, "ll.warps_per_block"),
+                           ("ht_chunk_rows", "many", "ht.chunk_rows"), ("timeout_s", -1, "timeout_s")):
+        before = getattr(c, attr)
+        with pytest.raises(ValueError, match=key.replace(".", r"\.")):
+            setattr(c, attr, bad)
+        assert getattr(c, attr) == before, attr
+    monkeypatch.setenv("EPX_LL_SIGNAL", "rank")
+    monkeypatch.setenv("EPX_LL_EXPAND", "expert")
+    env = epx.Config.load()
+    assert (env.ll_signal, env.ll_expand) == ("rank", "expert")
+    assert dict(env.sources)["ll.signal"] == "env EPX_LL_SIGNAL"
+    monkeypatch.setenv("EPX_LL_SIGNAL", "sometimes")
+    with pytest.raises(ValueError, match=r"ll\.signal"):
+        epx.Config.load()
+    monkeypatch.delenv("EPX_LL_SIGNAL")
+    monkeypatch.delenv("EPX_LL_EXPAND")
+
+    groups = epx.make_cpu_groups(R, timeout_s=20)
+    cfg = epx.DispatchConfig(hidden=H, num_experts=E, top_k=K, num_max_dispatch_tokens_per_rank=T)
+
+    def body(rank):  # the CPU backends have no launch settings: the Config is accepted and ignored
+        pf = epx.make_prepare_finalize("ll", groups[rank], cfg, settings=c)
+        x, idx, w = make_inputs(np.random.default_rng(rank), 4)
+        p = pf.prepare(x, idx, w)
+        pf.finalize(np.zeros(p.x.shape, np.uint16))
+        return pf.config.num_max_dispatch_tokens_per_rank
+
+    assert run(groups, body) == [T, T]
+
+
+def contiguous_experts(c, local_fns, scales_group=128):
+    """The grouped-GEMM experts step in numpy on Prepared.contiguous: row i = expert row_expert[i] applied
+    to x[i], unweighted; padding rows (row_expert -1) stay poisoned (finalize must not read them)."""
+    x = f32(c.x)
+    if c.x_scales is not None:
+        x = x * np.repeat(np.asarray(c.x_scales, dtype=np.float32), scales_group, axis=-1)
+    out = poisoned(c.x.shape)
+    for i, e in enumerate(np.asarray(c.row_expert)):
+        if e >= 0:
+            out[i] = bits_bf16(local_fns[e](x[i:i + 1])[0])
+    return out
+
+
+@pytest.mark.parametrize("ranks_per_node", [0, 1])
+@pytest.mark.parametrize("dispatch_dtype", ["bf16", "fp8_e4m3"])
+def test_ht_expert_contiguous_layout(experts, dispatch_dtype, ranks_per_node):
+    """ht with DispatchConfig(expert_contiguous=True), flat (one node) and hierarchical (ranks_per_node=1):
+    Prepared.contiguous is the m-grouped layout (offsets = prefix sum of recv_count, rows grouped by expert,
+    pair_row points at the row of (n, topk_idx[n, k]) holding x[n]); experts written on it unweighted, then
+    finalize(topk_weights=prepared.topk_weights) matches the reference MoE, and finalize without weights
+    matches the reference with weight 1 per valid selection."""
+    weights, fns = experts
+    align = 4
+    cfg = epx.DispatchConfig(hidden=H, num_experts=E, top_k=K, num_max_dispatch_tokens_per_rank=T,
+                             dispatch_dtype=dispatch_dtype, expert_contiguous=True, expert_alignment=align)
+    assert cfg.expert_contiguous and "expert_contiguous=True" in repr(cfg)
+    groups = epx.make_cpu_groups(R, timeout_s=20, ranks_per_node=ranks_per_node)
+
+    def body(rank):
+        pf = epx.make_prepare_finalize("ht", groups[rank], cfg)
+        assert pf.capabilities["hierarchical"] is (ranks_per_node == 1)
+        begin, end = epx.expert_range(E, R, rank)
+        errs = []
+        for rnd, tokens in enumerate([T, 0 if rank == 1 else 5]):
+            x, idx, w = make_inputs(np.random.default_rng(500 + 10 * rnd + rank), tokens)
+            p = pf.prepare(x, idx, w)
+            c = p.contiguous
+            assert isinstance(c, epx.ExpertContiguous)
+            counts, offs = np.asarray(p.recv_count), np.asarray(c.expert_offsets)
+            L = end - begin
+            assert offs.shape == (L + 1,) and offs[0] == 0 and np.array_equal(np.diff(offs), counts)
+            assert c.num_rows == offs[-1] == c.x.shape[0] and np.all(counts % align == 0)
+            row_expert, pair_row = np.asarray(c.row_expert), np.asarray(c.pair_row)
+            lidx = np.asarray(p.topk_idx)
+            assert pair_row.shape == lidx.shape == (p.num_recv_tokens, K)
+            for l in range(L):
+                seg = row_expert[offs[l]:offs[l + 1]]
+                assert np.all((seg == l) | (seg == -1)) and np.all(np.diff((seg == -1).astype(int)) >= 0)  # padding last
+            for n, k in zip(*np.nonzero(lidx >= 0)):
+                row = pair_row[n, k]
+                assert row_expert[row] == lidx[n, k] and np.array_equal(np.asarray(c.x)[row], np.asarray(p.x)[n])
+            assert np.all(pair_row[lidx < 0] == -1)
+            y = contiguous_experts(c, fns[begin:end])
+            out = poisoned((tokens, H))
+            assert pf.finalize(y, out, topk_weights=p.topk_weights) is out
+            out1 = pf.finalize(y)  # unweighted: the weights would have been applied before the experts
+            if tokens:
+                errs.append(rel_l2(f32(out), moe_out(fns, f32(x), idx, w)))
+                errs.append(rel_l2(f32(out1), moe_out(fns, f32(x), idx, np.ones_like(w))))
+        return errs
+
+    errs = [e for r in run(groups, body) for e in r]
+    tol = 1.5e-2 if dispatch_dtype == "bf16" else 8e-2
+    assert errs and max(errs) < tol, errs
+
+
+@pytest.mark.parametrize("case", ["weights_to_ll", "weights_to_flat_ht", "wrong_weights_shape", "expert_contiguous_ll"])
+def test_combine_weights_misuse_fails_on_every_rank(case):
+    """finalize(topk_weights=) belongs to ht with expert_contiguous: given elsewhere, or with a wrong shape, on
+    one rank, every rank raises (ValueError on the bad rank, epx.Error on the other) and none hangs;
+    expert_contiguous on another backend is refused at creation on every rank."""
+    backend = "ll" if case in ("weights_to_ll", "expert_contiguous_ll") else "ht"
+    cfg = epx.DispatchConfig(hidden=H, num_experts=E, top_k=K, num_max_dispatch_tokens_per_rank=T,
+                             expert_contiguous=case in ("wrong_weights_shape", "expert_contiguous_ll"))
+    groups = epx.make_cpu_groups(R, timeout_s=20)
+    x, idx, w = make_inputs(np.random.default_rng(9), 4)
+    if case == "expert_contiguous_ll":
+        errors = _both_ranks(groups, None, None, lambda rank, _: epx.make_prepare_finalize(backend, groups[rank], cfg))
+        assert all(isinstance(e, ValueError) and "expert_contiguous" in str(e) for e in errors), errors
+        return
+    def call(rank, bad):
+        pf = epx.make_prepare_finalize(backend, groups[rank], cfg)
+        p = pf.prepare(x, idx, w)
+        n = p.num_recv_tokens
+        rows = p.contiguous.num_rows if p.contiguous is not None else n
+        y = np.zeros((rows,) + tuple(p.x.shape[1:]) if p.contiguous is not None else p.x.shape, np.uint16)
+        good_w = p.topk_weights if p.contiguous is not None else None
+        tw = {"weights_to_ll": np.ones((4, K), np.float32), "weights_to_flat_ht": p.topk_weights,
+              "wrong_weights_shape": np.ones((n + 1, K), np.float32)}[case] if bad else good_w
+        pf.finalize(y, topk_weights=tw)
+
+    errors = _both_ranks(groups, True, False, call)
+    assert isinstance(errors[0], ValueError) and "topk_weights" in str(errors[0]), repr(errors[0])
+    assert isinstance(errors[1], epx.Error) and "rank 0" in str(errors[1]), repr(errors[1])
+
+
 def test_modular_moe_matches_reference():
     """ModularMoE.forward on 2 ranks (ll, DeepSeek-V3-mini with its shared expert) vs moe_reference of
     all tokens with the same routing (router_logits + route on the whole batch)."""
@@ -234,7 +371,12 @@ def test_modular_moe_matches_reference():
     xs = [bits_bf16(rng.standard_normal((t, cfg.hidden)).astype(np.float32)) for t in tokens]
 
     def body(rank):
-        layer = epx.ModularMoE(weights, groups[rank], "ll", num_max_dispatch_tokens_per_rank=16, shared_mode="separate")
+        with pytest.raises(ValueError, match="ll_combine"):
+            epx.ModularMoE(weights, groups[rank], "ll", num_max_dispatch_tokens_per_rank=16, ll_combine="rows")
+        settings = epx.Config()
+        settings.ll_signal = "rank"  # a launch setting of ll on CUDA; the CPU backend ignores it
+        layer = epx.ModularMoE(weights, groups[rank], "ll", num_max_dispatch_tokens_per_rank=16, shared_mode="separate",
+                               config=settings, ll_combine="column")
         out = layer.forward(xs[rank])
         assert out.dtype == np.uint16 and out.shape == xs[rank].shape
         assert layer.counters["calls"] == 1

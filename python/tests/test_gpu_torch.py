@@ -259,7 +259,70 @@ def part_deepep(rank, group, out_dir):
     return res
 
 
-PARTS = ["part_groups", "part_dispatch", "part_moe", "part_bad_inputs", "part_graph", "part_deepep"]
+def part_integration(rank, group, out_dir):
+    """What a vLLM / SGLang integration sets: ll with launch settings through settings=epx.Config
+    (ll_signal "rank", ll_expand "expert", and the defaults), and ht with expert_contiguous: torch experts
+    on prepared.contiguous (row i = expert row_expert[i] on x[i], unweighted), finalize weighting them with
+    topk_weights=prepared.topk_weights (and unweighted); each against the torch MoE."""
+    from torch_reference import make_fn, moe_reference, rel_l2
+
+    ws = [epx.ExpertWeights.random("bf16", H, I, seed=300 + e) for e in range(E)]
+    fns = {e: make_fn(w, "cuda") for e, w in enumerate(ws)}
+    begin, end = epx.expert_range(E, WORLD, rank)
+    local = [fns[e] for e in range(begin, end)]
+    rows = []
+    for signal, expand in (("block", "message"), ("rank", "expert")):
+        settings = epx.Config()
+        settings.ll_signal, settings.ll_expand = signal, expand
+        cfg = epx.DispatchConfig(hidden=H, num_experts=E, top_k=K, num_max_dispatch_tokens_per_rank=T)
+        pf = epx.make_prepare_finalize("ll", group, cfg, settings=settings)
+        errs = []
+        for rnd, tokens in enumerate([T, 0 if rank == 1 else 5]):
+            x, idx, w = _inputs(rank, 40 + rnd, tokens, E, K, H)
+            p = pf.prepare(x, idx, w)
+            y = torch.zeros(p.x.shape, dtype=torch.bfloat16, device="cuda")
+            for l, n in enumerate(p.recv_count.tolist()):
+                if n:
+                    y[l, :n] = local[l](p.x[l, :n].float()).to(torch.bfloat16)
+            out = torch.full((tokens, H), float("nan"), dtype=torch.bfloat16, device="cuda")
+            pf.finalize(y, out)
+            if tokens:
+                errs.append(rel_l2(out.float(), moe_reference(fns, x, idx, w).float()))
+        torch.cuda.synchronize()
+        rows.append({"what": f"ll settings ll_signal={signal} ll_expand={expand}", "max_rel_error": max(errs)})
+    for dtype in ("bf16", "fp8_e4m3"):
+        cfg = epx.DispatchConfig(hidden=H, num_experts=E, top_k=K, num_max_dispatch_tokens_per_rank=T, dispatch_dtype=dtype,
+                                 expert_contiguous=True, expert_alignment=8)
+        pf = epx.make_prepare_finalize("ht", group, cfg)
+        errs = []
+        for rnd, tokens in enumerate([T, 0 if rank == 1 else 5]):
+            x, idx, w = _inputs(rank, 50 + rnd, tokens, E, K, H)
+            p = pf.prepare(x, idx, w)
+            c = p.contiguous
+            xc = c.x.float()
+            if c.x_scales is not None:
+                xc = xc * c.x_scales.repeat_interleave(H // c.x_scales.shape[-1], dim=-1)
+            y = torch.full((c.num_rows, H), float("nan"), dtype=torch.bfloat16, device="cuda")
+            offs = c.expert_offsets.tolist()
+            for l in range(len(local)):
+                n = int(p.recv_count[l])
+                if n:
+                    seg = slice(offs[l], offs[l + 1])
+                    live = (c.row_expert[seg] == l).nonzero().flatten() + offs[l]  # padding rows stay NaN
+                    y[live] = local[l](xc[live]).to(torch.bfloat16)
+            out = torch.full((tokens, H), float("nan"), dtype=torch.bfloat16, device="cuda")
+            pf.finalize(y, out, topk_weights=p.topk_weights)
+            out1 = pf.finalize(y)
+            if tokens:
+                xr = _fp8_roundtrip(x) if dtype == "fp8_e4m3" else x
+                errs.append(rel_l2(out.float(), moe_reference(fns, xr, idx, w).float()))
+                errs.append(rel_l2(out1.float(), moe_reference(fns, xr, idx, torch.ones_like(w)).float()))
+        torch.cuda.synchronize()
+        rows.append({"what": f"ht expert_contiguous {dtype}", "max_rel_error": max(errs)})
+    return {"rows": rows}
+
+
+PARTS = ["part_groups", "part_dispatch", "part_moe", "part_bad_inputs", "part_graph", "part_deepep", "part_integration"]
 
 
 def _worker(rank, port, out_dir):
@@ -367,6 +430,13 @@ def test_deepep_buffer(job):
             assert r["ht_rel_error"] < 1.5e-2, r
         if "ll_skipped" not in r:
             assert r["ll_rel_error"] < 1.5e-2, r
+
+
+def test_integration_settings_and_expert_contiguous(job):
+    for rank_res in _part(job, "part_integration"):
+        assert len(rank_res["rows"]) == 4, rank_res
+        for row in rank_res["rows"]:
+            assert row["max_rel_error"] < 1.5e-2, row
 
 
 def test_example_vllm_adapter():

@@ -22,8 +22,9 @@ std::unique_ptr<PrepareFinalize> make_all2allv_cuda(std::shared_ptr<Group> group
 /// `config` (ht_num_sms, ht_warps_per_block, ht_combine_mode, ht_chunk_rows), or Config::load().
 std::unique_ptr<PrepareFinalize> make_ht_cuda(std::shared_ptr<Group> group, const DispatchConfig& cfg);
 std::unique_ptr<PrepareFinalize> make_ht_cuda(std::shared_ptr<Group> group, const DispatchConfig& cfg, const Config& config);
-/// ll on CUDA (ll_cuda.h): launch shape from Config::load() (ll_warps_per_block, ll_num_blocks),
-/// device wait bound = the NCCL group's timeout_s.
+/// ll on CUDA (ll_cuda.h): launch shape from `config` or Config::load() (ll_warps_per_block,
+/// ll_num_blocks, ll_signal, ll_expand), device wait bound = the NCCL group's timeout_s.
 std::unique_ptr<PrepareFinalize> make_ll_cuda(std::shared_ptr<Group> group, const DispatchConfig& cfg);
+std::unique_ptr<PrepareFinalize> make_ll_cuda(std::shared_ptr<Group> group, const DispatchConfig& cfg, const Config& config);
 
 }  // namespace epx::dispatch

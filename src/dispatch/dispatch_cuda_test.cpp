@@ -13,9 +13,11 @@
 // every child inherits it.
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -592,10 +594,126 @@ void run_hier_world(int R) {
   EXPECT_EQ(failed, "");
 }
 
+/// Bad arguments on ONE rank of an eager hierarchical call across R virtual nodes: every rank throws
+/// InvalidArgument quickly (the verdict is shared over the whole group before the inter-node
+/// ncclSend/ncclRecv, hier.cpp), none is left waiting; the object stays usable and its next rounds
+/// equal the CPU twin bit for bit. Per backend (ll, ht): (1) prepare with T = cap + 1 on the last rank,
+/// (2) finalize with out [T + 1, H] on the last rank, then the same finalize with the right out.
+/// The group's timeout is short (10 s) and every throwing call must return within 5 s, so a hang
+/// fails the test (or the forked ranks' 120 s deadline) instead of stalling the run.
+void run_hier_bad_args(int R) {
+  Case c;
+  c.R = R;
+  c.E = 8;
+  c.K = 3;
+  c.H = 2048;
+  c.cap = 16;
+  c.dtype = DType::bf16;
+  c.dups = true;
+  c.masked = 0.1;
+  c.seed = 77;
+  const Rounds good = {make_inputs(c)};  // T = cap/2 + r
+  Case big = c;
+  big.T.assign(static_cast<size_t>(R), 0);
+  for (int r = 0; r < R; ++r) big.T[static_cast<size_t>(r)] = r == R - 1 ? c.cap + 1 : c.tokens(r);
+  big.seed = 78;
+  const std::vector<RankInput> too_many = make_inputs(big);
+  const std::vector<std::string> names = {"ll", "ht"};
+  std::vector<std::vector<std::vector<HierSnap>>> twin;  // [backend][round][rank]
+  for (const std::string& name : names) twin.push_back(run_hier_cpu(name, c, good, 1));
+  const double kGroupTimeoutS = 10.0, kMaxThrowS = 5.0;
+  const std::string path = fresh_dir() + "/uid";
+  const std::string failed = run_ranks_forked(R, 120.0, [&](int rank) {
+    set_node_env(Nodes::virtual_nodes);
+    auto g = make_nccl_group(path, rank, R, rank, kGroupTimeoutS);
+    cuda_ok(cudaSetDevice(rank), "cudaSetDevice");
+    cudaStream_t stream;
+    cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
+    std::string failures = check_node_layout(*g, Nodes::virtual_nodes);
+    const Device dev = g->device();
+    const bool bad_rank = rank == R - 1;
+    const RankInput& ri = good[0][static_cast<size_t>(rank)];
+    const int64_t T = ri.x.size(0);
+    const Tensor x = ri.x.to(dev), idx = ri.topk_idx.to(dev), w = ri.topk_weights.to(dev);
+    const RankInput& rb = too_many[static_cast<size_t>(rank)];
+    const Tensor xb = rb.x.to(dev), idxb = rb.topk_idx.to(dev), wb = rb.topk_weights.to(dev);
+    using clock = std::chrono::steady_clock;
+    // Runs f, which must throw InvalidArgument naming `want` (this rank's own sentence on the bad rank,
+    // "rank R-1 rejected its arguments" elsewhere) within kMaxThrowS.
+    auto expect_throw = [&](const std::string& what, const std::string& want, const std::function<void()>& f) {
+      const auto t0 = clock::now();
+      std::string msg;
+      bool threw = false;
+      try {
+        f();
+      } catch (const InvalidArgument& e) {
+        threw = true;
+        msg = e.what();
+      } catch (const Error& e) {
+        msg = std::string("wrong type: ") + e.what();
+      }
+      const double s = std::chrono::duration<double>(clock::now() - t0).count();
+      const std::string need = bad_rank ? want : "rank " + std::to_string(R - 1) + " rejected its arguments";
+      if (!threw || msg.find(need) == std::string::npos || s > kMaxThrowS)
+        failures += what + ": rank " + std::to_string(rank) + (threw ? " threw" : " did not throw InvalidArgument") + " after " +
+                    std::to_string(s) + " s: '" + msg + "' (want '" + need + "')\n";
+      else
+        std::printf("rank %d %s: InvalidArgument after %.3f s: %s\n", rank, what.c_str(), s, msg.c_str());
+    };
+    for (size_t b = 0; b < names.size(); ++b) {
+      const std::string& name = names[b];
+      auto pf = make_prepare_finalize(name, g, c.config());
+      if (!pf->capabilities().hierarchical) {
+        failures += name + " did not take the hierarchical path\n";
+        continue;
+      }
+      const HierSnap& want = twin[b][0][static_cast<size_t>(rank)];
+      // One good round; its output must equal the CPU twin's. bad_out: finalize first with out
+      // [T + 1, H] on the last rank (error (2)), then with the right out.
+      auto round = [&](const std::string& what, bool bad_out) {
+        HierSnap s;
+        const PrepareResult p = pf->prepare({x, idx, w, Stream{stream}});
+        cuda_ok(cudaStreamSynchronize(stream), "sync after prepare");
+        const Tensor eo = hier_take(c, rank, p, s).to(dev);
+        if (bad_out) {
+          const Tensor wrong = Tensor::empty({T + 1, c.H}, DType::bf16, dev);
+          const Tensor right = Tensor::empty({T, c.H}, DType::bf16, dev);
+          const TensorView o = bad_rank ? wrong.view() : right.view();
+          expect_throw(name + " finalize, out [T + 1, H] on rank " + std::to_string(R - 1), ": out = ",
+                       [&] { pf->finalize({eo, o, Stream{stream}}); });
+        }
+        const Tensor out = Tensor::empty({T, c.H}, DType::bf16, dev);
+        cuda_ok(cudaMemset(out.data(), 0xFF, static_cast<size_t>(out.nbytes())), "poison out");
+        pf->finalize({eo, out, Stream{stream}});
+        cuda_ok(cudaStreamSynchronize(stream), "sync after finalize");
+        s.out = host_bytes(out);
+        const std::string d = compare_hier(s, want);
+        if (!d.empty()) failures += name + " " + what + ": rank " + std::to_string(rank) + " vs the CPU twin: " + d + "\n";
+      };
+      round("round before the errors", false);
+      expect_throw(name + " prepare, T = cap + 1 on rank " + std::to_string(R - 1), "num_max_dispatch_tokens_per_rank",
+                   [&] { pf->prepare({xb, idxb, wb, Stream{stream}}); });
+      round("round after a bad prepare (its finalize first given a bad out)", true);
+      round("round after a bad finalize", false);
+    }
+    g->barrier();
+    cuda_ok(cudaStreamDestroy(stream), "stream destroy");
+    if (!failures.empty()) throw std::runtime_error("failures:\n" + failures);
+    if (rank == 0) std::printf("hierarchical ll/ht on %d virtual nodes: bad arguments on one rank throw on every rank\n", R);
+  });
+  EXPECT_EQ(failed, "");
+}
+
 TEST(DispatchCuda, HierarchicalLlHtMatchCpuTwoVirtualNodes) {
   const int n = cuda::device_count();
   if (n < 2) GTEST_SKIP() << "needs 2 GPUs, found " << n;
   run_hier_world(2);
+}
+
+TEST(DispatchCuda, HierarchicalBadArgsThrowOnEveryRankTwoVirtualNodes) {
+  const int n = cuda::device_count();
+  if (n < 2) GTEST_SKIP() << "needs 2 GPUs, found " << n;
+  run_hier_bad_args(2);
 }
 
 TEST(DispatchCuda, FlatBackendsMatchCpuOneRank) {

@@ -357,7 +357,10 @@ std::unique_ptr<PrepareFinalize> make_ll_cuda(std::shared_ptr<Group> group, cons
 }
 
 std::unique_ptr<PrepareFinalize> make_ll_cuda(std::shared_ptr<Group> group, const DispatchConfig& cfg) {
-  const Config config = Config::load();
+  return make_ll_cuda(std::move(group), cfg, Config::load());
+}
+
+std::unique_ptr<PrepareFinalize> make_ll_cuda(std::shared_ptr<Group> group, const DispatchConfig& cfg, const Config& config) {
   LlLaunch launch;
   launch.warps_per_block = config.ll_warps_per_block;
   launch.num_blocks = config.ll_num_blocks;

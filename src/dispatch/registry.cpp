@@ -30,10 +30,11 @@ constexpr Factory kAll2allvCuda = &dispatch::make_all2allv_cuda;
 constexpr Factory kHtCuda = &dispatch::make_ht_cuda;
 constexpr ConfigFactory kHtCudaWithConfig = &dispatch::make_ht_cuda;
 constexpr Factory kLlCuda = &dispatch::make_ll_cuda;
+constexpr ConfigFactory kLlCudaWithConfig = &dispatch::make_ll_cuda;
 #else
 constexpr Factory kNaiveCuda = nullptr, kAgrsCuda = nullptr, kAll2allvCuda = nullptr;
 constexpr Factory kHtCuda = nullptr, kLlCuda = nullptr;
-constexpr ConfigFactory kHtCudaWithConfig = nullptr;
+constexpr ConfigFactory kHtCudaWithConfig = nullptr, kLlCudaWithConfig = nullptr;
 #endif
 
 // Order = backend_names() order = the order of the `epx info` table and the test cross product.
@@ -41,7 +42,7 @@ constexpr BackendEntry kBackends[] = {
     {"naive", &dispatch::make_naive_cpu, kNaiveCuda, nullptr},
     {"allgather_reducescatter", &dispatch::make_agrs_cpu, kAgrsCuda, nullptr},
     {"all2allv", &dispatch::make_all2allv_cpu, kAll2allvCuda, nullptr},
-    {"ll", &dispatch::make_ll_cpu, kLlCuda, nullptr},
+    {"ll", &dispatch::make_ll_cpu, kLlCuda, nullptr, kLlCudaWithConfig},
     {"ht", &dispatch::make_ht_cpu, kHtCuda, nullptr, kHtCudaWithConfig},
 };
 

@@ -3,8 +3,10 @@
 #
 #   part 1: OUT=... bash tools/device/final.sh 1 <seconds>   build + every GPU test + each
 #                                                           tools/device/final-*.sh (FINAL_SPECS
-#                                                           name:seconds ...) + the MoE A/B (moe-ab.sh)
-#                                                           if time is left (FINAL_MOE_AB=0: never);
+#                                                           name:seconds ...; each gets OUT, SRC,
+#                                                           FINAL_COMMIT, FINAL_BUDGET_S) + the MoE A/B
+#                                                           (moe-ab.sh) if time is left and final-moe.sh did not
+#                                                           run (FINAL_MOE_AB=0: never);
 #                                                           FINAL_RESERVE_S: seconds kept after the tests
 #   part 2: OUT=... bash tools/device/final.sh 2 <seconds>   (same warm machine) the Python check
 #                                                           (py-check.sh), then final-*.sh not run yet
@@ -24,14 +26,14 @@ W=/tmp/final-work; mkdir -p $W
 B=/tmp/epx-gpu-check/build
 log() { echo "== $(date -u +%T) +$((SECONDS - T0)) s: $*" | tee -a $OUT/times.txt; }
 finals() {  # runs tools/device/final-<name>.sh not run yet, each with its allowance, while time is left
-  for spec in ${FINAL_SPECS:-mxfp4:50 gemm:50 ll:30 ht:40 mn:60}; do
+  for spec in ${FINAL_SPECS:-mxfp4:50 gemm:50 ll:30 ht:40 mn:60 moe:100}; do
     local n=${spec%%:*} a=${spec##*:}
     [ -f "$S/tools/device/final-$n.sh" ] || continue
     [ -f "$W/done-$n" ] && continue
     local l=$(( $(left) - 10 )); [ $l -lt $a ] && a=$l
     if [ $a -lt 15 ]; then log "final-$n skipped (time)"; continue; fi
     mkdir -p $W/final-$n
-    (cd $S && OUT=$W/final-$n SRC=$S timeout -k 3 $a bash tools/device/final-$n.sh) > $W/final-$n/stdout.txt 2>&1
+    (cd $S && OUT=$W/final-$n SRC=$S FINAL_COMMIT=$C FINAL_BUDGET_S=$a timeout -k 3 $a bash tools/device/final-$n.sh) > $W/final-$n/stdout.txt 2>&1
     log "final-$n rc=$? (limit $a)"; touch $W/done-$n
     tail -15 $W/final-$n/stdout.txt
     tar -C $W -czf $OUT/final-part$PART.tar.gz . 2>/dev/null  # after every step: a cut call keeps what ran
@@ -48,7 +50,8 @@ if [ "$PART" = 1 ]; then
   tar -C $W -czf $OUT/final-part$PART.tar.gz . 2>/dev/null
   finals
   L=$(( $(left) - 10 )); [ $L -gt 300 ] && L=300
-  if [ $L -ge 60 ] && [ "${FINAL_MOE_AB:-1}" != 0 ]; then
+  # final-moe.sh (FINAL_SPECS "moe") reruns the decode / prefill table; the A/B here only when it did not run.
+  if [ $L -ge 60 ] && [ "${FINAL_MOE_AB:-1}" != 0 ] && [ ! -f $W/done-moe ]; then
     (cd $S && OUT=$W MOE_AB_COMMIT=$C MOE_AB_TIMEOUT_S=$(( L / 3 )) timeout -k 5 $L bash tools/device/moe-ab.sh) > $W/moe-ab.out 2>&1
     log "moe-ab rc=$? (limit $L)"
     grep -E "runs pass|^(naive|allgather|all2allv|ll|ht)|prepare|exit" $W/moe-ab.out | head -60
