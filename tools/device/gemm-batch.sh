@@ -1,16 +1,20 @@
 #!/usr/bin/env bash
 # tools/device/gemm-batch.sh: the grouped-GEMM helper's device batch (issue 6). Run from a copy of
-# main that carries .carry/deps.tar.xz and .carry-gemm/src.tar.xz, as
-#   OUT=<dir> timeout -k 5 <allowance> bash .carry-gemm/batch.sh
+# main that carries .carry/deps.tar.xz and a carry folder <C> with src.tar.xz (+ commit.txt), as
+#   OUT=<dir> timeout -k 5 <allowance> bash <C>/batch.sh          (batch.sh = a copy of this file)
+# The carry folder is the one this script sits in, or GEMM_CARRY (e.g. GEMM_CARRY=.carry-gemmpf bash
+# tools/device/gemm-batch.sh). The fifth session's GEMM helpers use gemmpf-batch.sh / mxfp4-batch.sh.
 # Builds the packed tree with tools/device/gpu-check.sh (experts GPU tests only), then runs
 # epx-gemm-bench (JSON) and bench/gemm_torch.py. Every step has its own timeout; logs go to $OUT.
 set -uo pipefail
 OUT="${OUT:-/tmp/gemm-out}"
 mkdir -p "$OUT"
 HERE="$(pwd)"
+CARRY="$(cd "${GEMM_CARRY:-$(dirname "${BASH_SOURCE[0]}")}" && pwd)"
+[ -f "$CARRY/src.tar.xz" ] || { echo "no $CARRY/src.tar.xz: run as <carry folder>/batch.sh or set GEMM_CARRY"; exit 2; }
 S=/tmp/s-gemm
 rm -rf "$S" && mkdir -p "$S/.carry"
-tar -C "$S" -xJf "$HERE/.carry-gemm/src.tar.xz"
+tar -C "$S" -xJf "$CARRY/src.tar.xz"
 cp "$HERE/.carry/deps.tar.xz" "$S/.carry/"
 export NCCL_NVLS_ENABLE=0
 t0=$SECONDS
@@ -28,7 +32,7 @@ t3=$SECONDS
 echo "experts_cuda_test (pairs) rc=$? in $((SECONDS - t3)) s" | tee -a "$OUT/summary.txt"
 if [ -x "$B/epx-gemm-bench" ]; then
   t1=$SECONDS
-  GEMM_BENCH_COMMIT="$(cat "$HERE/.carry-gemm/commit.txt" 2>/dev/null || echo unknown)" timeout -k 5 70 "$B/epx-gemm-bench" --iters 20 \
+  GEMM_BENCH_COMMIT="$(cat "$CARRY/commit.txt" 2>/dev/null || echo unknown)" timeout -k 5 70 "$B/epx-gemm-bench" --iters 20 \
     --json "$OUT/gemm-bench.json" >"$OUT/gemm-bench.log" 2>&1
   echo "gemm-bench rc=$? in $((SECONDS - t1)) s" | tee -a "$OUT/summary.txt"
   cuobjdump -sass "$B/epx-gemm-bench" 2>/dev/null | grep -c QGMMA >"$OUT/sass-qgmma-count.txt" 2>&1
