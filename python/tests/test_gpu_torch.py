@@ -476,6 +476,10 @@ def _write_json_to(path, ranks):
             results.append({"case": "python-moe-deepseek-v3-mini", "rank": r, "backend": row["backend"], "op": "layer",
                             "ranks": WORLD, "validated": "max_rel_error" in row, "max_rel_error": row.get("max_rel_error"),
                             "forward_rel_error": row.get("forward_rel_error"), "skipped": row.get("skipped")})
+        for row in res.get("part_integration", {}).get("rows", []):
+            results.append({"case": "python-integration", "rank": r, "backend": row["what"].split()[0], "op": "roundtrip",
+                            "what": row["what"], "tokens_per_rank": T, "hidden": H, "top_k": K, "num_experts": E, "ranks": WORLD,
+                            "validated": True, "max_rel_error": row["max_rel_error"]})
         for name, g in res.get("part_graph", {}).items():
             if isinstance(g, dict):
                 results.append({"case": "python-cuda-graph", "rank": r, "backend": name, "op": "roundtrip", "ranks": WORLD,
