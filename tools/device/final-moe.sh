@@ -37,6 +37,7 @@ run() {  # <name> <limit_s> <epx moe args...>: cut to the time left; log + JSON 
   grep -E "^(naive|allgather|all2allv|ll|ht) " "$OUT/$name.log" | head -12
 }
 COMMON=(--device cuda --ranks 2 --preset deepseek-v3 --backend all --compare --dispatch-dtype fp8 --validate-tokens 2)
-run moe-decode-deepseek-v3 $(( BUDGET / 2 )) "${COMMON[@]}" --mode decode --steps 10
-run moe-prefill-deepseek-v3 $(( BUDGET / 2 )) "${COMMON[@]}" --mode prefill --steps 3
+# Each run needs ~40 s (most of it the weights and the reference): decode gets at most 55 s, prefill the rest.
+run moe-decode-deepseek-v3 55 "${COMMON[@]}" --mode decode --steps 10
+run moe-prefill-deepseek-v3 60 "${COMMON[@]}" --mode prefill --steps 3
 echo "== final-moe: $(( SECONDS - T0 )) s"
