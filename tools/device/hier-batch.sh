@@ -45,11 +45,11 @@ AL=/tmp/epx-gpu-check/deps/usr/lib/x86_64-linux-gnu
 export LD_LIBRARY_PATH="$NCCL/lib:$AL:$AL/openblas-pthread${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 cd "$S"
 if [ "$WHICH" = 1 ]; then
-  [ -x "$B/dispatch_cuda_test" ] || { echo "build failed"; grep -E "error|FAILED" "$OUT/gpucheck/build.log" | head -30; exit 1; }
+  [ -x "$B/dispatch_cuda_test" ] || { echo "build failed"; tail -5 "$OUT/build.log"; grep -E "error|FAILED" "$OUT/gpucheck/build.log" 2>/dev/null | head -30; exit 1; }
   step test-hier 30 "$B/dispatch_cuda_test" --gtest_filter='DispatchCuda.Hierarchical*'
   step test-flat-virtual-nodes 20 "$B/dispatch_cuda_test" --gtest_filter='DispatchCuda.FlatBackendsMatchCpuTwoVirtualNodes'
 else
-  [ -x "$B/epx" ] || { echo "build failed"; grep -E "error|FAILED" "$OUT/gpucheck/build.log" | head -30; exit 1; }
+  [ -x "$B/epx" ] || { echo "build failed"; tail -5 "$OUT/build.log"; grep -E "error|FAILED" "$OUT/gpucheck/build.log" 2>/dev/null | head -30; exit 1; }
   step run-final-moe $(( $(left) - 3 )) env OUT="$OUT" SRC="$S" FINAL_COMMIT="$COMMIT" MOE_FINAL_BUDGET_S=$(( $(left) - 6 )) \
     bash "$S/tools/device/final-moe.sh"
 fi
