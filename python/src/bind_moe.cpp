@@ -268,8 +268,8 @@ Creates backend `name` (backend_names(): naive, allgather_reducescatter, all2all
 Collective: all ranks must agree on the DispatchConfig (CommError naming the field otherwise).
 settings: an epx.Config whose launch settings the CUDA kernels take (ll: ll_warps_per_block, ll_num_blocks,
 ll_signal, ll_expand; ht: ht_num_sms, ht_warps_per_block, ht_combine_mode, ht_chunk_rows); None: the backend
-reads Config.load() (EPX_CONFIG, EPX_* variables). The CPU backends and the hierarchical path across nodes
-(whose node backend reads Config.load()) ignore it.)doc");
+reads Config.load() (EPX_CONFIG, EPX_* variables). Across nodes the hierarchical ll / ht hand it to their node
+backend; the CPU backends ignore it.)doc");
 }
 
 void bind_experts(pyb::module_& m) {

@@ -52,6 +52,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -96,8 +97,9 @@ struct HierLayout {
   }
 };
 
-/// Factory of a node backend (a registry entry's CPU or CUDA factory).
-using NodeBackendFactory = std::unique_ptr<PrepareFinalize> (*)(std::shared_ptr<Group>, const DispatchConfig&);
+/// Factory of a node backend (a registry entry's CPU or CUDA factory, with the caller's Config bound
+/// where the backend takes one).
+using NodeBackendFactory = std::function<std::unique_ptr<PrepareFinalize>(std::shared_ptr<Group>, const DispatchConfig&)>;
 
 /// Why `group` (num_nodes > 1) cannot run the hierarchical `name`, or nullopt. Same answer on every
 /// rank (it reads only the layout and the config).

@@ -7,6 +7,7 @@
 #include "dispatch/hier.h"
 #include "dispatch/placement.h"
 #include "dispatch/prepare_finalize_base.h"
+#include "epx/config.h"
 #include "epx/error.h"
 
 namespace epx {
@@ -125,8 +126,14 @@ std::unique_ptr<PrepareFinalize> make_backend(const std::string& name, std::shar
   // ll and ht move rows with load/store (LSA) kernels inside one NVLink domain: across nodes they
   // run hierarchically (hier.h): an NCCL stage between nodes, then the same backend on each node.
   // Every rank sees the same layout, so every rank takes the same path (or throws the same).
-  if (make && (name == "ll" || name == "ht") && group->num_nodes() > 1)
-    return dispatch::make_hierarchical(name, std::move(group), cfg, make);
+  const bool with_config = config && group->device().is_cuda() && entry.make_cuda_with_config;
+  if (make && (name == "ll" || name == "ht") && group->num_nodes() > 1) {
+    if (!with_config) return dispatch::make_hierarchical(name, std::move(group), cfg, make);
+    const ConfigFactory make_with = entry.make_cuda_with_config;
+    const Config settings = *config;  // the node backend takes the caller's launch settings too
+    return dispatch::make_hierarchical(name, std::move(group), cfg,
+                                       [make_with, settings](std::shared_ptr<Group> g, const DispatchConfig& c) { return make_with(std::move(g), c, settings); });
+  }
   if (!make) {
     std::string why = "backend " + name + " has no implementation for this device in this build";
 #ifdef EPX_WITH_CUDA
@@ -134,7 +141,7 @@ std::unique_ptr<PrepareFinalize> make_backend(const std::string& name, std::shar
 #endif
     throw Unsupported(op + ": device = " + group->device().str() + ": " + why);
   }
-  if (config && group->device().is_cuda() && entry.make_cuda_with_config) return entry.make_cuda_with_config(std::move(group), cfg, *config);
+  if (with_config) return entry.make_cuda_with_config(std::move(group), cfg, *config);
   return make(std::move(group), cfg);
 }
 
