@@ -5,7 +5,7 @@
 # stays within MOE_FINAL_BUDGET_S (else final.sh's FINAL_BUDGET_S, else 100 s: each run took ~40 s at 5c4d7a8, of which ~14 s build
 # the full-size weights and ~11 s the CPU reference of the validated tokens). Every backend (naive,
 # allgather_reducescatter, all2allv, ll, ht), 2 ranks, full-size DeepSeek-V3 layer, FP8 dispatch,
-# shared expert fused vs separate (--compare), each step's first 2 tokens per rank validated against
+# shared expert fused vs separate (--compare), each step's first MOE_FINAL_VALIDATE (2) tokens per rank validated against
 # moe_reference_cpu:
 #   moe-decode-deepseek-v3.json   --mode decode, 128 tokens/rank, 10 steps (ll: whole-layer CUDA graph)
 #   moe-prefill-deepseek-v3.json  --mode prefill, 4096 tokens/rank, 3 steps (eager)
@@ -36,8 +36,14 @@ run() {  # <name> <limit_s> <epx moe args...>: cut to the time left; log + JSON 
   fi
   grep -E "^(naive|allgather|all2allv|ll|ht) " "$OUT/$name.log" | head -12
 }
-COMMON=(--device cuda --ranks 2 --preset deepseek-v3 --backend all --compare --dispatch-dtype fp8 --validate-tokens 2)
-# Each run needs ~40 s (most of it the weights and the reference): decode gets at most 55 s, prefill the rest.
-run moe-decode-deepseek-v3 55 "${COMMON[@]}" --mode decode --steps 10
-run moe-prefill-deepseek-v3 60 "${COMMON[@]}" --mode prefill --steps 3
+COMMON=(--device cuda --ranks 2 --preset deepseek-v3 --backend all --compare --dispatch-dtype fp8 --validate-tokens "${MOE_FINAL_VALIDATE:-2}")
+# Each run needs ~40 s (most of it the weights and the reference), at most 55 s each, in the order of
+# MOE_FINAL_MODES (default "decode prefill"; a run that no longer fits is skipped).
+for mode in ${MOE_FINAL_MODES:-decode prefill}; do
+  case $mode in
+    decode) run moe-decode-deepseek-v3 55 "${COMMON[@]}" --mode decode --steps 10 ;;
+    prefill) run moe-prefill-deepseek-v3 55 "${COMMON[@]}" --mode prefill --steps 3 ;;
+    *) echo "== unknown mode $mode (decode | prefill)" ;;
+  esac
+done
 echo "== final-moe: $(( SECONDS - T0 )) s"

@@ -9,12 +9,14 @@
 #       an eager call (T > capacity in prepare, a wrong out shape in finalize) throwing on both ranks
 #       within 5 s (c23d5c2: the verdict is shared before the inter-node ncclSend/ncclRecv);
 #     - DispatchCuda.FlatBackendsMatchCpuTwoVirtualNodes (the path proof of the flat backends there).
-#   HIER_BATCH=2 (batch 2; 120 s): build epx, then tools/device/final-moe.sh: the README's whole-layer
-#     decode / prefill table (full-size DeepSeek-V3, FP8 dispatch, every backend, fused vs separate).
+#   HIER_BATCH=2 (batch 2; 100 s): build epx (~50 s), then tools/device/final-moe.sh: the README's whole-layer
+#     table (full-size DeepSeek-V3, FP8 dispatch, every backend, fused vs separate), prefill first (the
+#     FP8 prefill GEMMs changed most since 5c4d7a8), decode if time is left (~40 s per run); then epx moe
+#     (deepseek-v3-mini, every backend) across 2 virtual nodes if time is left.
 set -u
 T0=$SECONDS
-WHICH=${HIER_BATCH:-1}
-BUDGET=${HIER_BUDGET_S:-$([ "$WHICH" = 2 ] && echo 116 || echo 76)}
+WHICH=${HIER_BATCH:-2}
+BUDGET=${HIER_BUDGET_S:-$([ "$WHICH" = 2 ] && echo 97 || echo 76)}
 OUT=${OUT:-/tmp/hier-out}
 mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
 left() { echo $(( BUDGET - (SECONDS - T0) )); }
@@ -50,8 +52,12 @@ if [ "$WHICH" = 1 ]; then
   step test-flat-virtual-nodes 20 "$B/dispatch_cuda_test" --gtest_filter='DispatchCuda.FlatBackendsMatchCpuTwoVirtualNodes'
 else
   [ -x "$B/epx" ] || { echo "build failed"; tail -5 "$OUT/build.log"; grep -E "error|FAILED" "$OUT/gpucheck/build.log" 2>/dev/null | head -30; exit 1; }
-  step run-final-moe $(( $(left) - 3 )) env OUT="$OUT" SRC="$S" FINAL_COMMIT="$COMMIT" MOE_FINAL_BUDGET_S=$(( $(left) - 6 )) \
+  step run-final-moe $(( $(left) - 3 )) env OUT="$OUT" SRC="$S" FINAL_COMMIT="$COMMIT" MOE_FINAL_BUDGET_S=$(( $(left) - 6 )) MOE_FINAL_MODES="prefill decode" MOE_FINAL_VALIDATE=1 \
     bash "$S/tools/device/final-moe.sh"
+  # ModularMoE across 2 virtual nodes: the hierarchical ll / ht now build their node backend with the
+  # layer's Config (bf0540d); every backend checked against the reference.
+  step moe-hier-2x1 12 env NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 "$B/epx" moe --device cuda --ranks 2 --preset deepseek-v3-mini \
+    --backend all --steps 2 --tokens-per-rank 24 --json "$OUT/multinode-moe-deepseek-v3-mini-2x1.json"
 fi
 echo "== summary ($(( SECONDS - T0 )) s)"
 cat "$OUT/summary.txt"
@@ -60,5 +66,5 @@ for f in "$OUT"/test-*.log; do
   echo "-- $f"
   grep -E "node layout|InvalidArgument after|bit-exact|DIFFER|OK \]|FAILED|PASSED|want|did not|throw on every rank" "$f" | head -30
 done
-[ -f "$OUT/final-moe.log" ] && cat "$OUT/final-moe.log" && grep -hE "^(naive|allgather|all2allv|ll|ht) " "$OUT"/moe-*.log
+[ -f "$OUT/final-moe.log" ] && cat "$OUT/final-moe.log" && grep -hE "^(naive|allgather|all2allv|ll|ht) |node layout|pass|FAIL" "$OUT"/moe-*.log
 exit 0
