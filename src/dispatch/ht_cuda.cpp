@@ -66,6 +66,9 @@ HtCuda::HtCuda(std::shared_ptr<Group> group, const DispatchConfig& cfg, const Co
   warps_ = config.ht_warps_per_block;
   combine_mode_ = config.ht_combine_mode;
   chunk_rows_ = config.ht_chunk_rows;
+  pdl_ = config.ht_pdl != 0;
+  // 0 = auto: 7 steps (28 groups) when the row is a whole number of them (H = 7168: two rounds), else 4.
+  fp8_unroll_ = config.ht_fp8_unroll != 0 ? config.ht_fp8_unroll : (cfg_.hidden % (128 * 28) == 0 ? 7 : 4);
 
   layout_ = HtLayout::make(cfg_, num_ranks_, rank_);
   arrays_ = HtDeviceArrays::make(layout_);
@@ -162,6 +165,7 @@ PrepareResult HtCuda::prepare(const DispatchArgs& args) {
   p.timeout_ns = static_cast<uint64_t>(timeout_s_ * 1e9);
   p.worst_case = cfg_.use_worst_case_sizing;
   p.expert_alignment = cfg_.expert_alignment;
+  p.fp8_unroll = fp8_unroll_;
   if (err.kind == LocalError::none) {
     p.x = args.x.ptr<const uint16_t>();
     p.x_aligned16 = reinterpret_cast<uintptr_t>(args.x.data) % 16 == 0;
@@ -190,7 +194,7 @@ PrepareResult HtCuda::prepare(const DispatchArgs& args) {
     if (err.kind == LocalError::unsupported) throw Unsupported(err.message);
     throw InvalidArgument(err.message);
   }
-  launch_ht_dispatch(p, num_sms_, warps_, args.stream);
+  launch_ht_dispatch(p, num_sms_, warps_, pdl_, args.stream);
   if (cfg_.expert_contiguous) {
     p.contig_x = contig_x_.ptr<uint8_t>();
     p.contig_scales = layout_.use_fp8 ? contig_scales_.ptr<float>() : nullptr;
@@ -346,10 +350,10 @@ void HtCuda::finalize(const FinalizeArgs& args) {
 std::vector<double> HtCuda::timeline_us() const {
   cuda::DeviceGuard guard(group_->device().index);
   EPX_CUDA_CHECK(cudaDeviceSynchronize());
-  unsigned long long tl[8] = {};
+  unsigned long long tl[kTlCount] = {};
   EPX_CUDA_CHECK(cudaMemcpy(tl, state_.ptr<uint8_t>() + offsetof(HtState, timeline), sizeof(tl), cudaMemcpyDeviceToHost));
-  std::vector<double> us(8, 0.0);
-  for (int i = 0; i < 8; ++i) us[static_cast<size_t>(i)] = (static_cast<double>(tl[i]) - static_cast<double>(tl[kTlLayoutStart])) * 1e-3;
+  std::vector<double> us(kTlCount, 0.0);
+  for (int i = 0; i < kTlCount; ++i) us[static_cast<size_t>(i)] = (static_cast<double>(tl[i]) - static_cast<double>(tl[kTlLayoutStart])) * 1e-3;
   return us;
 }
 

@@ -73,9 +73,26 @@ void launch_ht_layout(const HtParams& p, Stream stream) {
   cuda::check_launch("ht layout_kernel");
 }
 
-void launch_ht_dispatch(const HtParams& p, int blocks, int warps, Stream stream) {
-  ht::dispatch_kernel<<<blocks, warps * 32, 0, cuda::native(stream)>>>(p);
-  cuda::check_launch("ht dispatch_kernel");
+void launch_ht_dispatch(const HtParams& p, int blocks, int warps, bool pdl, Stream stream) {
+  if (!pdl) {
+    ht::dispatch_kernel<<<blocks, warps * 32, 0, cuda::native(stream)>>>(p);
+    cuda::check_launch("ht dispatch_kernel");
+    return;
+  }
+  // Programmatic dependent launch: the grid may start once every layout CTA has executed
+  // griddepcontrol.launch_dependents (ht_kernels.cuh); it then polls HtState::layout_ready.
+  cudaLaunchConfig_t lc = {};
+  lc.gridDim = dim3(static_cast<unsigned>(blocks));
+  lc.blockDim = dim3(static_cast<unsigned>(warps * 32));
+  lc.dynamicSmemBytes = 0;
+  lc.stream = cuda::native(stream);
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  lc.attrs = attr;
+  lc.numAttrs = 1;
+  EPX_CUDA_CHECK(cudaLaunchKernelEx(&lc, ht::dispatch_kernel, p));
+  cuda::check_launch("ht dispatch_kernel (programmatic dependent launch)");
 }
 
 void launch_ht_contiguous(const HtParams& p, int blocks, int warps, Stream stream) {

@@ -135,19 +135,28 @@ struct HtState {
   int32_t num_recv;               ///< N_recv
   int32_t num_tokens;             ///< T of the last prepare (DispatchArgs::num_tokens if given, else x.shape[0])
   int32_t valid_selections, dedup_rows;
+  /// 0 while a layout kernel runs, 1 once it has derived everything the dispatch kernel reads (st.*
+  /// offsets, epoch_dispatch, failed / any_bad): the dispatch kernel, launched early with programmatic
+  /// dependent launch, polls it instead of waiting for the layout grid's end (the host-mapped record
+  /// writes and their system fence come after it).
+  int32_t layout_ready;
+  int32_t pad0;
   int32_t rows_to[kHtMaxRanks];               ///< rows this rank sends to rank d
   int32_t dst_offset[kHtMaxRanks];            ///< first row of this rank's block in rank d's recv
   int32_t recv_offset[kHtMaxRanks + 1];       ///< rows [recv_offset[s], recv_offset[s+1]) came from s
   int32_t rank_prefix_matrix[kHtMaxRanks * kHtMaxRanks];  ///< [s, d]: rows d receives from ranks 0..s
   /// %globaltimer ns of the last prepare/finalize (diagnostics, HtTimeline order); reset by the layout kernel.
-  unsigned long long timeline[8];
+  unsigned long long timeline[16];
   // followed by (offsets in HtDeviceArrays)
 };
 
-/// HtState::timeline slots: layout start / end, dispatch first CTA start / last CTA arrival / handshake
-/// end, combine first CTA start / last sender warp done / last CTA end.
+/// HtState::timeline slots: layout start / end (offsets derived, before the host record), dispatch first
+/// CTA start / last CTA arrival / handshake end, combine first CTA start / last sender warp done / last
+/// CTA end; then the layout's steps (routing compared or planned, counts published to the peers, every
+/// peer's counts seen, the host record written) and the first dispatch CTA past the layout_ready wait.
 enum HtTimeline : int { kTlLayoutStart, kTlLayoutEnd, kTlDispatchStart, kTlDispatchArrive, kTlDispatchEnd, kTlCombineStart,
-                        kTlCombineSent, kTlCombineEnd };
+                        kTlCombineSent, kTlCombineEnd, kTlLayoutPlanned, kTlLayoutPublished, kTlLayoutCountsSeen,
+                        kTlLayoutRecord, kTlDispatchReady, kTlCount };
 
 /// Offsets of the arrays after HtState in the local state allocation.
 struct HtDeviceArrays {
@@ -181,6 +190,7 @@ struct HtParams {
   const int32_t* num_tokens_dev = nullptr;  ///< DispatchArgs::num_tokens ([1] int32) or null
   int32_t local_status = 0;               ///< 0 ok, 2 the host rejected the arguments
   int expert_alignment = 1;
+  int fp8_unroll = 4;                     ///< fp8 dispatch: steps of 4 groups a warp loads before quantizing (4 or 7)
   // finalize
   const uint16_t* expert_out = nullptr;   ///< [N_recv or R*cap, H] bf16
   uint16_t* out = nullptr;                ///< [T, H] bf16
@@ -202,8 +212,10 @@ struct HtParams {
 
 /// One CTA of 1024 threads: the layout step and the count exchange (see the file comment).
 void launch_ht_layout(const HtParams& p, Stream stream);
-/// `blocks` CTAs of 32 * warps threads: the dispatch rows, then the "rows stored" handshake.
-void launch_ht_dispatch(const HtParams& p, int blocks, int warps, Stream stream);
+/// `blocks` CTAs of 32 * warps threads: the dispatch rows, then the "rows stored" handshake. pdl: launched
+/// with programmatic dependent launch right behind the layout kernel (which triggers it at its start);
+/// the CTAs wait for HtState::layout_ready, not for the layout grid's end.
+void launch_ht_dispatch(const HtParams& p, int blocks, int warps, bool pdl, Stream stream);
 /// Combine: one kernel; every warp stores partial rows into their sources' `back` blocks (a flag per
 /// chunk of chunk_rows rows) and reduces tokens as their chunks arrive (see the file comment).
 void launch_ht_combine(const HtParams& p, int blocks, int warps, Stream stream);
@@ -239,8 +251,8 @@ class HtCuda final : public PrepareFinalizeBase {
   const HtDeviceHandle& handle() const { return handle_; }
   int num_sms() const { return num_sms_; }
   int warps_per_block() const { return warps_; }
-  /// The HtState::timeline of the last calls, in microseconds after the layout kernel's start (synchronizes
-  /// the device; diagnostics for tuning, not for the hot path).
+  /// The HtState::timeline of the last calls (kTlCount slots, HtTimeline order), in microseconds after the
+  /// layout kernel's start (synchronizes the device; diagnostics for tuning, not for the hot path).
   std::vector<double> timeline_us() const;
 
  private:
@@ -258,6 +270,8 @@ class HtCuda final : public PrepareFinalizeBase {
   double timeout_s_ = 60.0;
   int num_sms_ = 24, warps_ = 16;
   int combine_mode_ = 0, chunk_rows_ = kHtChunkRows;
+  bool pdl_ = true;
+  int fp8_unroll_ = 4;
   // expert-contiguous layout (cfg_.expert_contiguous): buffers sized for contig_cap_ rows at create
   int64_t contig_cap_ = 0, contig_rows_ = 0;
   Tensor contig_x_, contig_scales_, contig_offsets_, contig_row_expert_, contig_src_, contig_pair_row_;

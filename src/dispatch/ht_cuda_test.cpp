@@ -14,9 +14,11 @@
 // rank, object usable after), and a silent peer (Timeout naming it, no hang).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <thread>
@@ -36,6 +38,7 @@ using namespace epx::test;
 #ifdef EPX_WITH_CUDA
 #include <cuda_runtime_api.h>
 
+#include "dispatch/hier.h"
 #include "dispatch/ht_cuda.h"
 
 namespace {
@@ -218,6 +221,7 @@ std::vector<HtCase> make_cases() {
       {2048, DType::fp8_e4m3, false, 256, 8, 2048, {2048, 2047}, 1.2, 0.1, false, true, false, 128, true},  // expert-contiguous, Zipf
       {7168, DType::bf16, false, 64, 6, 1024, {1000, 1}, 0.0, 0.1, true, true, true, 32, true},        // expert-contiguous, shared
       {2048, DType::bf16, false, 16, 4, 64, {0, 0}, 0.0, 0.0, false, false, false, 8, true},            // expert-contiguous, empty
+      {7168, DType::fp8_e4m3, false, 256, 8, 8192, {8192, 1}, 1.2, 0.05, false, false, false, 1},      // ht-v3 fp8, Zipf, T = 8192 / 1
   };
   std::vector<HtCase> cases;
   uint64_t seed = 41;
@@ -767,6 +771,36 @@ void run_callers_config() {
   EXPECT_EQ(failed, "");
 }
 
+/// The same across 2 virtual nodes (NCCL without P2P / SHM: one rank per node, the hierarchical ht of
+/// hier.h): the caller's Config reaches the node backend (HtCuda on the 1-rank node group).
+void run_hier_callers_config() {
+  const std::string path = fresh_dir() + "/uid";
+  Case c;
+  c.R = 2;
+  c.E = 8;
+  c.K = 2;
+  c.H = 256;
+  c.cap = 32;
+  const std::string failed = run_ranks_forked(2, 120.0, [&](int rank) {
+    for (const char* v : {"NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE"}) ::setenv(v, "1", 1);
+    auto g = make_nccl_group(path, rank, 2, rank, 60.0);
+    cuda_ok(cudaSetDevice(rank), "cudaSetDevice");
+    std::string failures;
+    if (g->num_nodes() != 2) failures += "num_nodes " + std::to_string(g->num_nodes()) + ", want 2 (virtual nodes); ";
+    Config config;
+    config.ht_num_sms = 5;
+    config.ht_warps_per_block = 3;
+    auto pf = make_prepare_finalize("ht", g, c.config(), config);
+    const auto* node = dynamic_cast<const dispatch::HtCuda*>(dispatch::hierarchical_node_backend(*pf));
+    if (!pf->capabilities().hierarchical || !node) failures += "not hierarchical ht over HtCuda; ";
+    else if (node->num_sms() != 5 || node->warps_per_block() != 3)
+      failures += "node backend num_sms " + std::to_string(node->num_sms()) + " warps " + std::to_string(node->warps_per_block()) + ", want 5 and 3; ";
+    g->barrier();
+    if (!failures.empty()) throw std::runtime_error("rank " + std::to_string(rank) + ": " + failures);
+  });
+  EXPECT_EQ(failed, "");
+}
+
 /// Rank 1 never calls prepare: rank 0 gets Timeout naming rank 1 within about timeout_s, then
 /// CommError on the next call; nothing hangs.
 void run_timeout() {
@@ -814,8 +848,10 @@ void run_timeout() {
   EXPECT_EQ(failed, "");
 }
 
-/// Diagnostics (run with --gtest_also_run_disabled_tests): ht-v3 round trips, CUDA-event times of
-/// prepare and finalize and the device timeline of the last one, per rank; no correctness claim.
+/// Diagnostics (run with --gtest_also_run_disabled_tests): ht-v3 round trips aligned as `epx bench`
+/// aligns them (host barrier, then a one-float all-reduce on the stream), CUDA-event times of prepare
+/// and finalize and the device timeline (HtTimeline, us after the layout kernel's start), medians over
+/// the iterations, per rank; no correctness claim.
 void run_timeline() {
   const std::string path = fresh_dir() + "/uid";
   Case c;
@@ -836,6 +872,11 @@ void run_timeline() {
     const Tensor x = in[static_cast<size_t>(rank)].x.to(dev), idx = in[static_cast<size_t>(rank)].topk_idx.to(dev),
                  w = in[static_cast<size_t>(rank)].topk_weights.to(dev);
     const Tensor out = Tensor::empty({4096, c.H}, DType::bf16, dev), eo = Tensor::zeros({2 * 4096, c.H}, DType::bf16, dev);
+    const Tensor word = Tensor::zeros({1}, DType::fp32, dev);
+    auto median = [](std::vector<double> v) {
+      std::sort(v.begin(), v.end());
+      return v.empty() ? 0.0 : v[v.size() / 2];
+    };
     for (DType dt : {DType::fp8_e4m3, DType::bf16}) {
       Case cc = c;
       cc.dtype = dt;
@@ -843,10 +884,12 @@ void run_timeline() {
       auto* ht = dynamic_cast<dispatch::HtCuda*>(pf.get());
       cudaEvent_t ev[3];
       for (auto& e : ev) cuda_ok(cudaEventCreate(&e), "event");
-      float disp = 0, comb = 0;
+      std::vector<double> disp, comb;
+      std::vector<std::vector<double>> tls(dispatch::kTlCount);
       const int iters = 20;
       for (int i = 0; i < iters + 3; ++i) {
         g->barrier();
+        g->all_reduce_sum(word.data(), word.data(), 1, DType::fp32, Stream{stream});
         cuda_ok(cudaEventRecord(ev[0], stream), "rec");
         const PrepareResult p = pf->prepare({x, idx, w, Stream{stream}});
         cuda_ok(cudaEventRecord(ev[1], stream), "rec");
@@ -857,14 +900,21 @@ void run_timeline() {
         cuda_ok(cudaEventElapsedTime(&a, ev[0], ev[1]), "elapsed");
         cuda_ok(cudaEventElapsedTime(&b, ev[1], ev[2]), "elapsed");
         if (i >= 3) {
-          disp += a * 1000 / iters;
-          comb += b * 1000 / iters;
+          disp.push_back(a * 1000.0);
+          comb.push_back(b * 1000.0);
+          const std::vector<double> tl = ht->timeline_us();
+          for (size_t j = 0; j < tls.size(); ++j) tls[j].push_back(tl[j]);
         }
       }
-      const std::vector<double> tl = ht->timeline_us();
-      std::printf("rank %d %s sms=%d warps=%d: prepare %.1f us, finalize %.1f us | layout end %.1f, dispatch start %.1f arrive %.1f end %.1f, "
-                  "combine start %.1f sent %.1f end %.1f us\n",
-                  rank, std::string(dtype_name(dt)).c_str(), ht->num_sms(), ht->warps_per_block(), disp, comb, tl[1], tl[2], tl[3], tl[4], tl[5], tl[6], tl[7]);
+      std::vector<double> m(tls.size());
+      for (size_t j = 0; j < tls.size(); ++j) m[j] = median(tls[j]);
+      using namespace dispatch;
+      std::printf("rank %d %s sms=%d warps=%d pdl=%d (medians of %d): prepare %.1f us, finalize %.1f us | layout planned %.1f published %.1f "
+                  "counts seen %.1f end %.1f record %.1f | dispatch start %.1f ready %.1f arrive %.1f end %.1f | combine start %.1f sent %.1f end %.1f us\n",
+                  rank, std::string(dtype_name(dt)).c_str(), ht->num_sms(), ht->warps_per_block(), Config::load().ht_pdl, iters, median(disp),
+                  median(comb), m[kTlLayoutPlanned], m[kTlLayoutPublished], m[kTlLayoutCountsSeen], m[kTlLayoutEnd], m[kTlLayoutRecord],
+                  m[kTlDispatchStart], m[kTlDispatchReady], m[kTlDispatchArrive], m[kTlDispatchEnd], m[kTlCombineStart], m[kTlCombineSent],
+                  m[kTlCombineEnd]);
       std::fflush(stdout);
     }
     g->barrier();
@@ -896,6 +946,12 @@ TEST(HtCuda, TakesTheCallersConfig) {
   const int n = cuda::device_count();
   if (n < 2) GTEST_SKIP() << "needs 2 GPUs, found " << n;
   run_callers_config();
+}
+
+TEST(HtCuda, HierarchicalTakesTheCallersConfig) {
+  const int n = cuda::device_count();
+  if (n < 2) GTEST_SKIP() << "needs 2 GPUs, found " << n;
+  run_hier_callers_config();
 }
 
 TEST(HtCuda, SilentPeerTimesOut) {

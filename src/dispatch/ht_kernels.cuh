@@ -52,6 +52,33 @@ __device__ __forceinline__ uint64_t ld_acquire_sys(const uint64_t* p) {
   asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
   return v;
 }
+__device__ __forceinline__ void st_release_gpu(int32_t* p, int32_t v) {
+  asm volatile("st.release.gpu.global.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ int32_t ld_acquire_gpu(const int32_t* p) {
+  int32_t v;
+  asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+/// Programmatic dependent launch (sm_90): let the dependent grid (the dispatch kernel) be scheduled /
+/// wait until the grids this one depends on have completed and their memory is visible. No-ops
+/// without such a launch.
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+/// Asks the TMA unit to bring `bytes` (a multiple of 16, 16-byte aligned) at `src` into L2; no-op before sm_90.
+__device__ __forceinline__ void prefetch_l2(const void* src, uint32_t bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src), "r"(bytes) : "memory");
+#endif
+}
 
 __device__ __forceinline__ HtState& state_of(const HtParams& p) { return *reinterpret_cast<HtState*>(p.state); }
 template <class T>
@@ -112,14 +139,19 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(HtParams p) {
   __shared__ int s_warp[32];
   __shared__ unsigned long long s_bad;
   __shared__ int s_rows[kHtMaxRanks];
-  __shared__ int s_valid, s_fail, s_differs, s_contig, s_bad_tokens;
+  __shared__ int s_valid, s_fail, s_differs, s_contig, s_bad_tokens, s_bad_tokens_value;
   __shared__ int64_t s_T;
   __shared__ uint64_t s_epoch;
   extern __shared__ int s_counts[];  // [R * Lmax]
 
   if (threadIdx.x == 0) {
-    for (int i = 0; i < 8; ++i) st.timeline[i] = (i == kTlDispatchStart || i == kTlCombineStart) ? ~0ull : 0ull;
+    // The dispatch kernel (programmatic dependent launch) may start once this CTA has passed
+    // pdl_launch_dependents below; it polls layout_ready, so clear it first.
+    st.layout_ready = 0;
+    for (int i = 0; i < kTlCount; ++i)
+      st.timeline[i] = (i == kTlDispatchStart || i == kTlCombineStart || i == kTlDispatchReady) ? ~0ull : 0ull;
     st.timeline[kTlLayoutStart] = globaltimer_ns();
+    __threadfence();
     s_epoch = st.epoch_dispatch + 1;
     s_bad = ULLONG_MAX;
     s_valid = 0;
@@ -128,18 +160,19 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(HtParams p) {
     // T: the device token count when given (0 <= value <= x.shape[0], else a bad argument: nothing moves).
     int64_t t_now = p.num_tokens;
     s_bad_tokens = 0;
+    s_bad_tokens_value = 0;
     if (p.num_tokens_dev) {
       const int32_t v = *p.num_tokens_dev;
       s_bad_tokens = v < 0 || v > p.num_tokens;
-      p.record->bad_num_tokens_value = v;
+      s_bad_tokens_value = v;
       t_now = s_bad_tokens ? 0 : v;
     }
-    p.record->bad_num_tokens = s_bad_tokens;
     s_T = t_now;
     st.num_tokens = static_cast<int32_t>(t_now);
     s_differs = !(st.cache_valid && st.cache_tokens == t_now) || p.local_status != 0 || s_bad_tokens;
   }
   __syncthreads();
+  pdl_launch_dependents();
   const int64_t T = s_T;
   const uint64_t epoch = s_epoch;
   const uint64_t deadline = globaltimer_ns() + p.timeout_ns;
@@ -239,6 +272,7 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(HtParams p) {
     for (int i = threadIdx.x; i < R * Lmax; i += blockDim.x) expert_counts[i] = 0;
   }
   __syncthreads();
+  if (threadIdx.x == 0) st.timeline[kTlLayoutPlanned] = globaltimer_ns();
 
   // 3. Publish this rank's slot to every rank (itself included), then the counts flag.
   for (int d = 0; d < R; ++d) {
@@ -257,6 +291,7 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(HtParams p) {
   if (threadIdx.x == 0) {
     __threadfence_system();
     for (int d = 0; d < R; ++d) st_release_sys(flag_ptr(p, d, kFlagCounts, me), epoch);
+    st.timeline[kTlLayoutPublished] = globaltimer_ns();
   }
   // 4. Wait for every source's slot.
   if (threadIdx.x < R && !wait_flag(p, kFlagCounts, threadIdx.x, epoch, deadline)) {
@@ -268,11 +303,14 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(HtParams p) {
     if (threadIdx.x == 0) {
       st.failed = 1;
       st.epoch_dispatch = epoch;
+      __threadfence();
+      st_release_gpu(&st.layout_ready, 1);
       __threadfence_system();
       *reinterpret_cast<volatile uint64_t*>(&p.record->layout_epoch) = epoch;
     }
     return;
   }
+  if (threadIdx.x == 0) st.timeline[kTlLayoutCountsSeen] = globaltimer_ns();
 
   // 5. Derive: count matrix, rank prefix matrix, offsets, N_recv, aligned per-expert counts.
   const int32_t* my_slots = reinterpret_cast<const int32_t*>(p.peers[me] + l.slot_offset(epoch, 0));
@@ -312,7 +350,15 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(HtParams p) {
     st.num_recv = off;
     st.any_bad = any_bad;
     *arr<int32_t>(p, p.a.num_recv_device) = off;
+    st.epoch_dispatch = epoch;
+    st.timeline[kTlLayoutEnd] = globaltimer_ns();
+    // Everything the dispatch kernel reads is in place: release it (gpu scope), then the host record
+    // (host-mapped writes and their system fence, off the dispatch's critical path).
+    __threadfence();
+    st_release_gpu(&st.layout_ready, 1);
     HtHostRecord* rec = p.record;
+    rec->bad_num_tokens = s_bad_tokens;
+    rec->bad_num_tokens_value = s_bad_tokens_value;
     rec->num_recv = off;
     rec->any_bad = any_bad;
     rec->bad_rank = bad_rank;
@@ -323,8 +369,7 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(HtParams p) {
     rec->rows_to_self = any_bad ? 0 : st.rows_to[me];
     rec->rows_from_others = any_bad ? 0 : off - slot_word(me, me);
     rec->contig_rows = s_contig;
-    st.epoch_dispatch = epoch;
-    st.timeline[kTlLayoutEnd] = globaltimer_ns();
+    st.timeline[kTlLayoutRecord] = globaltimer_ns();
     __threadfence_system();
     *reinterpret_cast<volatile uint64_t*>(&rec->layout_epoch) = epoch;
   }
@@ -370,12 +415,72 @@ __device__ __forceinline__ float amax8(uint4 v) {
   return a;
 }
 
-/// Stores to every destination of one token: `num_dest` (base of x region on that rank, row).
+/// The destinations of one token: n rows, their x row (payload bytes) and scales row (fp8) on that rank.
 struct Dests {
   int n = 0;
-  int rank[kHtMaxRanks];
-  int64_t row[kHtMaxRanks];
+  uint8_t* x[kHtMaxRanks];
+  float* scales[kHtMaxRanks];
 };
+
+/// fp8 row of one token to every destination: a lane owns 16 elements of a 1x128 group (two uint4 of
+/// bf16 -> one uint4 of codes); 8 lanes per group, 4 groups per warp step, U steps (4U groups, 2U
+/// 16-byte loads per lane) loaded before any is converted. U = 7 covers H = 7168 (56 groups) in two
+/// full rounds of loads; U = 4 needs four, the last one half empty (HtParams::fp8_unroll). kAligned: x is
+/// 16-byte aligned (vector loads only; fewer registers than load8's fallback).
+template <int U, bool kAligned>
+__device__ __forceinline__ void dispatch_fp8_row(const HtParams& p, const uint16_t* src, const Dests& ds, int lane) {
+  const int G = static_cast<int>(p.l.hidden / 128);
+  const int sub = lane & 7;
+  // Scales of groups `lane` and `lane + 32`, gathered by shuffles and stored once per row and
+  // destination as one coalesced run of G floats (G <= 64), instead of G / 4 stores of 16 bytes
+  // from 4 lanes each (small NVLink writes). Larger G: each group's lane 0 stores its own.
+  const bool gather_scales = G <= 64;
+  float sc0 = 0.0f, sc1 = 0.0f;
+  for (int g0 = 0; g0 < G; g0 += 4 * U) {
+    uint4 a[U], b[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int g = g0 + 4 * u + (lane >> 3);
+      a[u] = make_uint4(0, 0, 0, 0);
+      b[u] = make_uint4(0, 0, 0, 0);
+      if (g < G) {
+        const uint16_t* s = src + g * 128 + sub * 16;
+        a[u] = load8(s, kAligned || p.x_aligned16);
+        b[u] = load8(s + 8, kAligned || p.x_aligned16);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int g = g0 + 4 * u + (lane >> 3);
+      float amax = fmaxf(amax8(a[u]), amax8(b[u]));
+      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 4));
+      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+      float scale = __fdiv_rn(fmaxf(amax, kAmaxFloor), kFp8E4m3Max);
+      if (p.l.use_ue8m0 && isfinite(scale)) scale = round_up_pow2(scale);
+      const float r = __frcp_rn(scale);
+      const uint2 qa = quant8(a[u], scale, r), qb = quant8(b[u], scale, r);
+      const uint4 q = make_uint4(qa.x, qa.y, qb.x, qb.y);
+      // Groups gb .. gb + 3 were done by lanes 0, 8, 16, 24 (+ sub); group lane (or lane + 32)
+      // sits in lane (lane & 3) * 8 when it is one of them (gb is a multiple of 4).
+      const int gb = g0 + 4 * u;
+      const float sh = __shfl_sync(0xffffffffu, scale, (lane & 3) * 8);
+      if (lane >= gb && lane < gb + 4) sc0 = sh;
+      if (lane + 32 >= gb && lane + 32 < gb + 4) sc1 = sh;
+      if (g < G) {
+        for (int j = 0; j < ds.n; ++j) {
+          *reinterpret_cast<uint4*>(ds.x[j] + g * 128 + sub * 16) = q;
+          if (!gather_scales && sub == 0) ds.scales[j][g] = scale;
+        }
+      }
+    }
+  }
+  if (gather_scales)
+    for (int j = 0; j < ds.n; ++j) {
+      if (lane < G) ds.scales[j][lane] = sc0;
+      if (lane + 32 < G) ds.scales[j][lane + 32] = sc1;
+    }
+}
 
 __device__ __forceinline__ void dispatch_token(const HtParams& p, int64_t t, const Dests& ds, int lane) {
   const HtLayout& l = p.l;
@@ -393,7 +498,7 @@ __device__ __forceinline__ void dispatch_token(const HtParams& p, int64_t t, con
         if (i < n16) v[u] = load8(src + i * 8, p.x_aligned16);
       }
       for (int j = 0; j < ds.n; ++j) {
-        uint4* dst = reinterpret_cast<uint4*>(p.peers[ds.rank[j]] + l.off_x + ds.row[j] * 2 * H);
+        uint4* dst = reinterpret_cast<uint4*>(ds.x[j]);
 #pragma unroll
         for (int u = 0; u < U; ++u) {
           const int64_t i = base + u * 32 + lane;
@@ -402,74 +507,38 @@ __device__ __forceinline__ void dispatch_token(const HtParams& p, int64_t t, con
       }
     }
   } else {
-    // fp8: a lane owns 16 elements of a 1x128 group (two uint4 of bf16 -> one uint4 of codes); 8 lanes
-    // per group, 4 groups per warp step, U steps loaded before any is converted (bytes in flight).
-    const int64_t G = H / 128;
-    const int sub = lane & 7;
-    constexpr int U = 4;
-    // Scales of groups `lane` and `lane + 32`, gathered by shuffles and stored once per row and
-    // destination as one coalesced run of G floats (G <= 64), instead of G / 4 stores of 16 bytes
-    // from 4 lanes each (small NVLink writes). Larger G: each group's lane 0 stores its own.
-    const bool gather_scales = G <= 64;
-    float sc0 = 0.0f, sc1 = 0.0f;
-    for (int64_t g0 = 0; g0 < G; g0 += 4 * U) {
-      uint4 a[U], b[U];
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const int64_t g = g0 + 4 * u + (lane >> 3);
-        a[u] = make_uint4(0, 0, 0, 0);
-        b[u] = make_uint4(0, 0, 0, 0);
-        if (g < G) {
-          const uint16_t* s = src + g * 128 + sub * 16;
-          a[u] = load8(s, p.x_aligned16);
-          b[u] = load8(s + 8, p.x_aligned16);
-        }
-      }
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const int64_t g = g0 + 4 * u + (lane >> 3);
-        float amax = fmaxf(amax8(a[u]), amax8(b[u]));
-        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 4));
-        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
-        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
-        float scale = __fdiv_rn(fmaxf(amax, kAmaxFloor), kFp8E4m3Max);
-        if (l.use_ue8m0 && isfinite(scale)) scale = round_up_pow2(scale);
-        const float r = __frcp_rn(scale);
-        const uint2 qa = quant8(a[u], scale, r), qb = quant8(b[u], scale, r);
-        const uint4 q = make_uint4(qa.x, qa.y, qb.x, qb.y);
-        // Groups gb .. gb + 3 were done by lanes 0, 8, 16, 24 (+ sub); group lane (or lane + 32)
-        // sits in lane (lane & 3) * 8 when it is one of them (gb is a multiple of 4).
-        const int64_t gb = g0 + 4 * u;
-        const float sh = __shfl_sync(0xffffffffu, scale, (lane & 3) * 8);
-        if (lane >= gb && lane < gb + 4) sc0 = sh;
-        if (lane + 32 >= gb && lane + 32 < gb + 4) sc1 = sh;
-        if (g < G) {
-          for (int j = 0; j < ds.n; ++j) {
-            uint8_t* base = p.peers[ds.rank[j]];
-            *reinterpret_cast<uint4*>(base + l.off_x + ds.row[j] * H + g * 128 + sub * 16) = q;
-            if (!gather_scales && sub == 0) reinterpret_cast<float*>(base + l.off_scales)[ds.row[j] * G + g] = scale;
-          }
-        }
-      }
-    }
-    if (gather_scales)
-      for (int j = 0; j < ds.n; ++j) {
-        float* srow = reinterpret_cast<float*>(p.peers[ds.rank[j]] + l.off_scales) + ds.row[j] * G;
-        if (lane < G) srow[lane] = sc0;
-        if (lane + 32 < G) srow[lane + 32] = sc1;
-      }
+    if (p.fp8_unroll == 7 && p.x_aligned16) dispatch_fp8_row<7, true>(p, src, ds, lane);
+    else dispatch_fp8_row<4, false>(p, src, ds, lane);
   }
-  // Metadata: local expert ids for each destination, weights, source token.
+  // The metadata (topk_idx, topk_weights, src_idx) goes out separately, coalesced: dispatch_metadata.
+}
+
+/// topk_idx (local expert ids of destination d, -1 elsewhere), topk_weights and src_idx of this rank's
+/// rows in every destination's block, every thread of the grid on consecutive entries: the rows of a
+/// block are consecutive (send_tok), so a warp stores 128 contiguous bytes per instruction instead
+/// of three small stores (K ids, K weights, one index) per row and destination.
+__device__ __forceinline__ void dispatch_metadata(const HtParams& p) {
+  const HtLayout& l = p.l;
+  const HtState& st = state_of(p);
   const int K = l.top_k;
-  const int32_t* ids = arr<int32_t>(p, p.a.cached_idx) + t * K;
-  for (int j = 0; j < ds.n; ++j) {
-    uint8_t* base = p.peers[ds.rank[j]];
-    const int64_t row = ds.row[j];
-    for (int k = lane; k < K; k += 32) {
-      reinterpret_cast<int32_t*>(base + l.off_idx)[row * K + k] = l.placement.local_index(ids[k], l.rank, ds.rank[j]);
-      reinterpret_cast<float*>(base + l.off_weights)[row * K + k] = p.topk_weights[t * K + k];
+  const int32_t* send_tok = arr<int32_t>(p, p.a.send_tok);
+  const int32_t* ids = arr<int32_t>(p, p.a.cached_idx);
+  const int64_t first = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int d = 0; d < l.num_ranks; ++d) {
+    const int64_t n = st.rows_to[d], off = st.dst_offset[d];
+    const int32_t* tok = send_tok + d * l.capacity;
+    uint8_t* base = p.peers[d];
+    int32_t* idx = reinterpret_cast<int32_t*>(base + l.off_idx) + off * K;
+    float* w = reinterpret_cast<float*>(base + l.off_weights) + off * K;
+    int32_t* src_idx = reinterpret_cast<int32_t*>(base + l.off_src_idx) + off;
+    for (int64_t q = first; q < n * K; q += stride) {
+      const int32_t j = static_cast<int32_t>(q / K), k = static_cast<int32_t>(q - static_cast<int64_t>(j) * K);
+      const int64_t t = tok[j];
+      idx[q] = l.placement.local_index(ids[t * K + k], l.rank, d);
+      w[q] = p.topk_weights[t * K + k];
     }
-    if (lane == 0) reinterpret_cast<int32_t*>(base + l.off_src_idx)[row] = static_cast<int32_t>(t);
+    for (int64_t j = first; j < n; j += stride) src_idx[j] = tok[j];
   }
 }
 
@@ -499,7 +568,40 @@ __device__ __forceinline__ void finish_and_handshake(const HtParams& p, uint32_t
   if (threadIdx.x == 0) state_of(p).timeline[kTlDispatchEnd] = globaltimer_ns();
 }
 
-__global__ void __launch_bounds__(kMaxThreads) dispatch_kernel(HtParams p) {
+/// Launched right behind the layout kernel (programmatic dependent launch, or plainly): waits for
+/// HtState::layout_ready (bounded), meanwhile asks L2 for this warp's first row of x.
+__device__ __forceinline__ bool wait_layout_ready(const HtParams& p) {
+  HtState& st = state_of(p);
+  __shared__ int s_ok;
+  if (threadIdx.x == 0) {
+    atomicMin(&st.timeline[kTlDispatchStart], globaltimer_ns());
+    // The layout kernel's own waits end within timeout_s of its start; twice that bounds this one.
+    const uint64_t deadline = globaltimer_ns() + 2 * p.timeout_ns;
+    int ok = 1;
+    while (ld_acquire_gpu(&st.layout_ready) == 0) {
+      if (globaltimer_ns() > deadline) {
+        ok = 0;
+        break;
+      }
+    }
+    if (!ok) {
+      report_timeout(p, p.l.rank, kOpDispatch);
+      st.failed = 1;
+    } else {
+      atomicMin(&st.timeline[kTlDispatchReady], globaltimer_ns());
+    }
+    s_ok = ok;
+  }
+  // Meanwhile: this warp's first row of x into L2 (rows < x.shape[0] exist whatever num_tokens says).
+  const int64_t t0 = blockIdx.x * static_cast<int64_t>(blockDim.x >> 5) + (threadIdx.x >> 5);
+  const int64_t row_bytes = 2 * p.l.hidden;
+  if ((threadIdx.x & 31) == 0 && t0 < p.num_tokens && p.x_aligned16 && row_bytes % 16 == 0 && row_bytes < (1 << 20))
+    prefetch_l2(p.x + t0 * p.l.hidden, static_cast<uint32_t>(row_bytes));
+  __syncthreads();
+  return s_ok != 0;
+}
+
+__device__ __forceinline__ void dispatch_body(const HtParams& p) {
   const HtState& st = state_of(p);
   if (st.failed || st.any_bad) {
     // Worst-case mode still gets a well-formed empty result (N_recv = 0 was published).
@@ -514,7 +616,6 @@ __global__ void __launch_bounds__(kMaxThreads) dispatch_kernel(HtParams p) {
   const HtLayout& l = p.l;
   const int R = l.num_ranks;
   const uint64_t epoch = st.epoch_dispatch;
-  if (threadIdx.x == 0) atomicMin(&state_of(p).timeline[kTlDispatchStart], globaltimer_ns());
   if (p.worst_case) {  // rows beyond N_recv select nothing
     int32_t* idx = reinterpret_cast<int32_t*>(p.peers[l.rank] + l.off_idx);
     const int64_t begin = static_cast<int64_t>(st.num_recv) * l.top_k, end = l.rows() * l.top_k;
@@ -530,14 +631,23 @@ __global__ void __launch_bounds__(kMaxThreads) dispatch_kernel(HtParams p) {
     for (int d = 0; d < R; ++d) {
       const int32_t pos = send_pos[t * R + d];
       if (pos >= 0) {
-        ds.rank[ds.n] = d;
-        ds.row[ds.n] = st.dst_offset[d] + pos;
+        const int64_t row = st.dst_offset[d] + pos;
+        ds.x[ds.n] = p.peers[d] + l.off_x + row * l.payload_bytes();
+        ds.scales[ds.n] = reinterpret_cast<float*>(p.peers[d] + l.off_scales) + row * l.groups();
         ++ds.n;
       }
     }
     if (ds.n) dispatch_token(p, t, ds, lane);
   }
+  dispatch_metadata(p);
   finish_and_handshake(p, &state_of(p).ticket_dispatch, kFlagDispatch, epoch, kOpDispatch);
+}
+
+__global__ void __launch_bounds__(kMaxThreads) dispatch_kernel(HtParams p) {
+  if (wait_layout_ready(p)) dispatch_body(p);
+  // The grid ends after the layout grid (which still writes the host record after layout_ready), so
+  // whatever follows in the stream also follows the layout, with or without programmatic launch.
+  pdl_wait();
 }
 
 // ---- expert-contiguous layout ----------------------------------------------------------------------

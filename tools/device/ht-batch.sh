@@ -3,14 +3,15 @@
 # .carry-ht/batch.sh). Run from a copy of the main checkout that holds .carry/deps.tar.xz and
 # .carry-ht/src.tar.xz:   OUT=<dir> timeout -k 5 <allowance> bash .carry-ht/batch.sh
 # Builds epx + ht_cuda_test through gpu-check.sh (GPU_CHECK_TARGETS), then, each step under its own
-# time limit so that everything fits HT_BATCH_S seconds (default 145):
-#   1. HtCuda.LateRankIsNotOverrun (the ordering bug's test, no sanitizer), HtCuda.TakesTheCallersConfig
-#   2. HtCuda.MatchesHtCpuTwoRanks under compute-sanitizer memcheck (where the bug showed)
-#   3. epx bench --case ht-v3 --backend ht,nccl_a2a_raw at 48 SMs, then (while time is left) mode 1 with
-#      1-row chunks, the device timeline (DISABLED_Timeline) and 64 SMs
+# time limit so that everything fits HT_BATCH_S seconds (default 105):
+#   1. HtCuda.LateRankIsNotOverrun + HtCuda.TakesTheCallersConfig (two-rank correctness, no sanitizer)
+#   2. epx bench --case ht-v3 --backend ht,nccl_a2a_raw (every ht row validated against HtCpu in the same
+#      run; nccl_a2a_raw beside it) at 64 SMs with the defaults, then the A/B runs (ht.pdl 0, ht.fp8_unroll 4),
+#      the device timeline (DISABLED_Timeline, medians of 20) and the SM sweep 96 / 80 / 48 while time is left
+#   HT_SANITIZE=1 (batch 2) adds the ht steps of tools/device/sanitize-dispatch.sh (memcheck + racecheck).
 set -uo pipefail
 T0=$SECONDS
-BUDGET=${HT_BATCH_S:-145}
+BUDGET=${HT_BATCH_S:-105}
 OUT=${OUT:-/tmp/ht-out}
 mkdir -p "$OUT"
 ROOT=$(pwd)
@@ -25,15 +26,15 @@ step() {  # step <name> <limit_s> <command...>: logged to $OUT/<name>.log, cut t
   local l
   l=$(left)
   [ "$l" -lt "$lim" ] && lim=$l
-  if [ "$lim" -lt 6 ]; then echo "== skipped $name (no time left)"; return; fi
-  echo "== $(date -u +%T) +$((SECONDS - T0)) s $name (limit $lim s)"
+  if [ "$lim" -lt 6 ]; then echo "== skipped $name (no time left)" | tee -a "$OUT/batch.log"; return; fi
+  echo "== $(date -u +%T) +$((SECONDS - T0)) s $name (limit $lim s)" | tee -a "$OUT/batch.log"
   local t=$SECONDS
   timeout -k 2 "$lim" "$@" >"$OUT/$name.log" 2>&1
-  echo "   rc=$? in $((SECONDS - t)) s"
+  echo "   rc=$? in $((SECONDS - t)) s" | tee -a "$OUT/batch.log"
 }
 
 mkdir -p "$OUT/gpu-check"
-step build 75 env OUT="$OUT/gpu-check" GPU_CHECK_SRC="$S" GPU_CHECK_TARGETS="epx ht_cuda_test" GPU_CHECK_TESTS=0 GPU_CHECK_ONE_GPU=0 \
+step build 70 env OUT="$OUT/gpu-check" GPU_CHECK_SRC="$S" GPU_CHECK_TARGETS="epx ht_cuda_test" GPU_CHECK_TESTS=0 GPU_CHECK_ONE_GPU=0 \
   GPU_CHECK_SANITIZE=0 GPU_CHECK_CPU=0 GPU_CHECK_BENCH=0 bash "$S/tools/device/gpu-check.sh" run
 grep -E "error|FAILED" "$OUT/gpu-check/build.log" | head -20
 B=/tmp/epx-gpu-check/build
@@ -42,18 +43,28 @@ ARCH=/tmp/epx-gpu-check/deps/usr/lib/x86_64-linux-gnu
 export LD_LIBRARY_PATH="$NCCL/lib:$ARCH:$ARCH/openblas-pthread${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 cd "$S" || exit 1
 
-step late-rank 25 "$B/ht_cuda_test" --gtest_filter='HtCuda.LateRankIsNotOverrun:HtCuda.TakesTheCallersConfig'
-step memcheck-ht-test 85 env EPX_TIMEOUT_S=900 compute-sanitizer --target-processes all --report-api-errors no --error-exitcode 9 \
-  --tool memcheck "$B/ht_cuda_test" --gtest_filter='HtCuda.MatchesHtCpuTwoRanks'
-A=(bench --case ht-v3 --backend ht,nccl_a2a_raw --ranks 2 --warmup 5 --iters 20)
-step ht-v3-sms48 14 env EPX_HT_NUM_SMS=48 "$B/epx" "${A[@]}" --json "$OUT/ht-v3-sms48.json"
-step ht-v3-sms48-mode1-chunk1 12 env EPX_HT_NUM_SMS=48 EPX_HT_COMBINE_MODE=1 EPX_HT_CHUNK_ROWS=1 "$B/epx" "${A[@]}" --json "$OUT/ht-v3-sms48-mode1-chunk1.json"
-step ht-timeline 12 env EPX_HT_NUM_SMS=48 "$B/ht_cuda_test" --gtest_also_run_disabled_tests --gtest_filter='HtCuda.DISABLED_Timeline'
-step ht-v3-sms64 12 env EPX_HT_NUM_SMS=64 "$B/epx" "${A[@]}" --json "$OUT/ht-v3-sms64.json"
+step late-rank 20 "$B/ht_cuda_test" --gtest_filter='HtCuda.LateRankIsNotOverrun:HtCuda.TakesTheCallersConfig:HtCuda.HierarchicalTakesTheCallersConfig'
+A=(bench --case ht-v3 --backend ht,nccl_a2a_raw --ranks 2 --warmup 5 --iters 50)
+bench() {  # bench <name> <env...>
+  local name=$1
+  shift
+  step "$name" 12 env "$@" "$B/epx" "${A[@]}" --json "$OUT/$name.json"
+}
+bench ht-v3-sms64 EPX_HT_NUM_SMS=64
+bench ht-v3-sms64-pdl0 EPX_HT_NUM_SMS=64 EPX_HT_PDL=0
+bench ht-v3-sms64-unroll4 EPX_HT_NUM_SMS=64 EPX_HT_FP8_UNROLL=4
+step ht-timeline 14 env EPX_HT_NUM_SMS=64 "$B/ht_cuda_test" --gtest_also_run_disabled_tests --gtest_filter='HtCuda.DISABLED_Timeline'
+if [ "${HT_SANITIZE:-0}" = 1 ]; then
+  step sanitize "${HT_SAN_S:-170}" env OUT="$OUT" SAN_ONLY=ht SAN_BUILD=0 bash "$S/tools/device/sanitize-dispatch.sh" "$(( ${HT_SAN_S:-170} - 4 ))"
+fi
+bench ht-v3-sms96 EPX_HT_NUM_SMS=96
+bench ht-v3-sms80 EPX_HT_NUM_SMS=80
+bench ht-v3-sms48 EPX_HT_NUM_SMS=48
 
 echo "== summary (+$((SECONDS - T0)) s)"
-grep -E "OK \]|FAILED|PASSED|bit-exact|DIFFER|mismatch|ERROR SUMMARY" "$OUT/late-rank.log" "$OUT/memcheck-ht-test.log" 2>/dev/null | cut -c1-220 | head -30
+grep -E "OK \]|FAILED|PASSED|bit-exact|DIFFER|mismatch" "$OUT/late-rank.log" 2>/dev/null | cut -c1-200 | head -12
 grep -E "^rank" "$OUT/ht-timeline.log" 2>/dev/null | head -4
+[ -f "$OUT/sanitize-summary.txt" ] && cat "$OUT/sanitize-summary.txt"
 for f in "$OUT"/ht-v3-*.json; do
   [ -f "$f" ] || continue
   python3 - "$f" <<'PY'

@@ -3,18 +3,24 @@
 # --target-processes all), at the real ll-v3 / ht-v3 shapes through `epx bench`, then the two-rank
 # ll and ht correctness tests under memcheck. Builds only what it needs via gpu-check.sh.
 # usage (device, repo root): OUT=<dir> bash tools/device/sanitize-dispatch.sh [deadline_s]
+# SAN_ONLY=ht: only the ht steps (memcheck-ht-bench, racecheck-ht-bench, memcheck-ht-test);
+# SAN_BUILD=0: no build, use the tree gpu-check.sh already built in /tmp/epx-gpu-check/build.
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 DEADLINE=${1:-420}
 export NCCL_NVLS_ENABLE=0 EPX_TIMEOUT_S=900
-GPU_CHECK_SRC="$ROOT" GPU_CHECK_TARGETS="epx ll_cuda_test ht_cuda_test" GPU_CHECK_TESTS=0 GPU_CHECK_ONE_GPU=0 \
-  GPU_CHECK_SANITIZE=0 GPU_CHECK_CPU=0 GPU_CHECK_BENCH=0 bash "$ROOT/tools/device/gpu-check.sh" run
+ONLY=${SAN_ONLY:-all}
+if [ "${SAN_BUILD:-1}" != 0 ]; then
+  GPU_CHECK_SRC="$ROOT" GPU_CHECK_TARGETS="epx ll_cuda_test ht_cuda_test" GPU_CHECK_TESTS=0 GPU_CHECK_ONE_GPU=0 \
+    GPU_CHECK_SANITIZE=0 GPU_CHECK_CPU=0 GPU_CHECK_BENCH=0 bash "$ROOT/tools/device/gpu-check.sh" run
+fi
 B=/tmp/epx-gpu-check/build
 nccl=$(python3 -c 'import nvidia.nccl as m; print(list(m.__path__)[0])')
 export LD_LIBRARY_PATH="$nccl/lib:/tmp/epx-gpu-check/deps/usr/lib/x86_64-linux-gnu:/tmp/epx-gpu-check/deps/usr/lib/x86_64-linux-gnu/openblas-pthread${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 CS=(compute-sanitizer --target-processes all --report-api-errors no --error-exitcode 9)
 step() {  # <name> <limit_s> <cmd...>
   local name=$1 lim=$2; shift 2
+  if [ "$ONLY" = ht ] && [ "${name#*-ht-}" = "$name" ]; then return; fi
   local left=$(( DEADLINE - SECONDS ))
   [ "$left" -lt "$lim" ] && lim=$left
   if [ "$lim" -lt 20 ]; then echo "== $name: skipped (deadline)" | tee -a "$OUT/sanitize-summary.txt"; return; fi
