@@ -425,9 +425,10 @@ struct Dests {
 /// fp8 row of one token to every destination: a lane owns 16 elements of a 1x128 group (two uint4 of
 /// bf16 -> one uint4 of codes); 8 lanes per group, 4 groups per warp step, U steps (4U groups, 2U
 /// 16-byte loads per lane) loaded before any is converted. U = 7 covers H = 7168 (56 groups) in two
-/// full rounds of loads; U = 4 needs four, the last one half empty (HtParams::fp8_unroll). kAligned: x is
-/// 16-byte aligned (vector loads only; fewer registers than load8's fallback).
-template <int U, bool kAligned>
+/// full rounds of loads; U = 4 needs four, the last one half empty (HtParams::fp8_unroll). kFull: x is
+/// 16-byte aligned and the row a whole number of rounds (G % 4U == 0): vector loads only and no bounds
+/// checks, which keeps the 7-step version within 128 registers.
+template <int U, bool kFull>
 __device__ __forceinline__ void dispatch_fp8_row(const HtParams& p, const uint16_t* src, const Dests& ds, int lane) {
   const int G = static_cast<int>(p.l.hidden / 128);
   const int sub = lane & 7;
@@ -443,10 +444,10 @@ __device__ __forceinline__ void dispatch_fp8_row(const HtParams& p, const uint16
       const int g = g0 + 4 * u + (lane >> 3);
       a[u] = make_uint4(0, 0, 0, 0);
       b[u] = make_uint4(0, 0, 0, 0);
-      if (g < G) {
+      if (kFull || g < G) {
         const uint16_t* s = src + g * 128 + sub * 16;
-        a[u] = load8(s, kAligned || p.x_aligned16);
-        b[u] = load8(s + 8, kAligned || p.x_aligned16);
+        a[u] = load8(s, kFull || p.x_aligned16);
+        b[u] = load8(s + 8, kFull || p.x_aligned16);
       }
     }
 #pragma unroll
@@ -467,7 +468,7 @@ __device__ __forceinline__ void dispatch_fp8_row(const HtParams& p, const uint16
       const float sh = __shfl_sync(0xffffffffu, scale, (lane & 3) * 8);
       if (lane >= gb && lane < gb + 4) sc0 = sh;
       if (lane + 32 >= gb && lane + 32 < gb + 4) sc1 = sh;
-      if (g < G) {
+      if (kFull || g < G) {
         for (int j = 0; j < ds.n; ++j) {
           *reinterpret_cast<uint4*>(ds.x[j] + g * 128 + sub * 16) = q;
           if (!gather_scales && sub == 0) ds.scales[j][g] = scale;
@@ -507,7 +508,7 @@ __device__ __forceinline__ void dispatch_token(const HtParams& p, int64_t t, con
       }
     }
   } else {
-    if (p.fp8_unroll == 7 && p.x_aligned16) dispatch_fp8_row<7, true>(p, src, ds, lane);
+    if (p.fp8_unroll == 7 && p.x_aligned16 && l.groups() % 28 == 0) dispatch_fp8_row<7, true>(p, src, ds, lane);
     else dispatch_fp8_row<4, false>(p, src, ds, lane);
   }
   // The metadata (topk_idx, topk_weights, src_idx) goes out separately, coalesced: dispatch_metadata.
