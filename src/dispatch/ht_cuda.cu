@@ -68,7 +68,10 @@ HtDeviceArrays HtDeviceArrays::make(const HtLayout& l) {
 }
 
 void launch_ht_layout(const HtParams& p, Stream stream) {
-  const size_t smem = sizeof(int) * static_cast<size_t>(p.l.num_ranks * p.l.max_local);
+  // s_counts [R, Lmax] and the slots' copy [R, R + 2 + Lmax] (ht_kernels.cuh, layout_kernel)
+  const size_t smem = sizeof(int) * static_cast<size_t>(p.l.num_ranks) * static_cast<size_t>(2 * p.l.max_local + p.l.num_ranks + 2);
+  if (smem > 48 * 1024)  // very many local experts: opt in to more than the default 48 KiB
+    EPX_CUDA_CHECK(cudaFuncSetAttribute(ht::layout_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
   ht::layout_kernel<<<1, ht::kLayoutThreads, smem, cuda::native(stream)>>>(p);
   cuda::check_launch("ht layout_kernel");
 }

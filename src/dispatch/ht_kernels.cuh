@@ -142,7 +142,7 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(HtParams p) {
   __shared__ int s_valid, s_fail, s_differs, s_contig, s_bad_tokens, s_bad_tokens_value;
   __shared__ int64_t s_T;
   __shared__ uint64_t s_epoch;
-  extern __shared__ int s_counts[];  // [R * Lmax]
+  extern __shared__ int s_counts[];  // [R * Lmax], then the slots' copy [R, R + 2 + Lmax] (step 5)
 
   if (threadIdx.x == 0) {
     // The dispatch kernel (programmatic dependent launch) may start once this CTA has passed
@@ -312,9 +312,14 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(HtParams p) {
   }
   if (threadIdx.x == 0) st.timeline[kTlLayoutCountsSeen] = globaltimer_ns();
 
-  // 5. Derive: count matrix, rank prefix matrix, offsets, N_recv, aligned per-expert counts.
+  // 5. Derive: count matrix, rank prefix matrix, offsets, N_recv, aligned per-expert counts, from a
+  // copy of the R slots in shared memory (one parallel load instead of thread 0's chain of loads).
   const int32_t* my_slots = reinterpret_cast<const int32_t*>(p.peers[me] + l.slot_offset(epoch, 0));
-  auto slot_word = [&](int s, int i) { return my_slots[s * (l.slot_bytes / 4) + i]; };
+  const int slot_words = R + 2 + Lmax;
+  int* s_slots = s_counts + R * Lmax;  // [R, slot_words]
+  for (int i = threadIdx.x; i < R * slot_words; i += blockDim.x) s_slots[i] = my_slots[(i / slot_words) * (l.slot_bytes / 4) + i % slot_words];
+  __syncthreads();
+  auto slot_word = [&](int s, int i) { return s_slots[s * slot_words + i]; };
   int32_t* recv_count = arr<int32_t>(p, p.a.recv_count);
   const int L = l.placement.num_local(me);
   int any_bad = 0, bad_rank = -1;
@@ -823,7 +828,7 @@ __device__ __forceinline__ void reduce_token(const uint16_t* const* rows, int n,
   }
   if (aligned) {
     const int64_t n16 = H / 8;
-    constexpr int U = 4;
+    constexpr int U = 2;
     for (int64_t base = 0; base < n16; base += 32 * U) {
       float acc[U][8];
 #pragma unroll
