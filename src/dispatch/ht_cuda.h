@@ -22,9 +22,13 @@
 // equals the cached layout's: DeepEP's cached handle), publishes the counts to every peer, waits for
 // every peer's, and derives the rank prefix matrix, each source's block in each destination, N_recv and
 // the aligned per-expert counts: no host collective; (2) dispatch (prepare): ht_num_sms CTAs of
-// ht_warps_per_block warps, one warp per token, 16-byte peer stores of its row (fp8: quantized on the
-// fly) into every destination it goes to (local rows are local stores), then the last CTA publishes
-// "rows stored" and waits for every peer's; (2b) with expert_contiguous, a map kernel (one CTA per
+// ht_warps_per_block warps, launched right behind the layout kernel with programmatic dependent
+// launch (Config::ht_pdl; the layout triggers it at its start, the CTAs poll HtState::layout_ready,
+// which the layout releases before its host-record writes, and the grid ends after the layout's),
+// one warp per token, 16-byte peer stores of its row (fp8: quantized on the fly, in rounds of 28 groups
+// when H allows: Config::ht_fp8_unroll) into every destination it goes to (local rows are local
+// stores), the metadata (topk_idx, topk_weights, src_idx) by the whole grid in coalesced runs, then
+// the last CTA publishes "rows stored" and waits for every peer's; (2b) with expert_contiguous, a map kernel (one CTA per
 // local expert, a block scan over the received rows) and a copy kernel build the expert-contiguous
 // layout; (3) combine (finalize): the same CTAs, every warp sends and reduces: items are (chunk of
 // chunk_rows received rows, target rank), dealt to warps CTA-major; an item's send half stores those
