@@ -7,7 +7,8 @@
 #   1. HtCuda.LateRankIsNotOverrun + HtCuda.TakesTheCallersConfig (two-rank correctness, no sanitizer)
 #   2. epx bench --case ht-v3 --backend ht,nccl_a2a_raw (every ht row validated against HtCpu in the same
 #      run; nccl_a2a_raw beside it) at 64 SMs with the defaults, then the A/B runs (ht.pdl 0, ht.fp8_unroll 4),
-#      the device timeline (DISABLED_Timeline, medians of 20) and the SM sweep 96 / 80 / 48 while time is left
+#      the device timeline (DISABLED_Timeline, medians of 20) and the SM sweep 128 x 8 warps / 96 / 48 / 80
+#      while time is left
 #   HT_SANITIZE=1 (batch 2) adds the ht steps of tools/device/sanitize-dispatch.sh (memcheck + racecheck).
 set -uo pipefail
 T0=$SECONDS
@@ -57,9 +58,10 @@ step ht-timeline 14 env EPX_HT_NUM_SMS=64 "$B/ht_cuda_test" --gtest_also_run_dis
 if [ "${HT_SANITIZE:-0}" = 1 ]; then
   step sanitize "${HT_SAN_S:-170}" env OUT="$OUT" SAN_ONLY=ht SAN_BUILD=0 bash "$S/tools/device/sanitize-dispatch.sh" "$(( ${HT_SAN_S:-170} - 4 ))"
 fi
+bench ht-v3-sms128-warps8 EPX_HT_NUM_SMS=128 EPX_HT_WARPS_PER_BLOCK=8
 bench ht-v3-sms96 EPX_HT_NUM_SMS=96
-bench ht-v3-sms80 EPX_HT_NUM_SMS=80
 bench ht-v3-sms48 EPX_HT_NUM_SMS=48
+bench ht-v3-sms80 EPX_HT_NUM_SMS=80
 
 echo "== summary (+$((SECONDS - T0)) s)"
 grep -E "OK \]|FAILED|PASSED|bit-exact|DIFFER|mismatch" "$OUT/late-rank.log" 2>/dev/null | cut -c1-200 | head -12
