@@ -9,7 +9,8 @@
 #      run; nccl_a2a_raw beside it) at 64 SMs with the defaults, then the A/B runs (ht.pdl 0, ht.fp8_unroll 4),
 #      the device timeline (DISABLED_Timeline, medians of 20) and the SM sweep 128 x 8 warps / 96 / 48 / 80
 #      while time is left
-#   HT_SANITIZE=1 (batch 2) adds the ht steps of tools/device/sanitize-dispatch.sh (memcheck + racecheck).
+#   HT_MODE=2 (batch 2): the defaults at 64 SMs, then the ht steps of tools/device/sanitize-dispatch.sh
+#   (memcheck + racecheck, HT_SAN_S seconds), then 48 / 24 / 16 / 8 SMs.
 set -uo pipefail
 T0=$SECONDS
 BUDGET=${HT_BATCH_S:-105}
@@ -51,17 +52,21 @@ bench() {  # bench <name> <env...>
   shift
   step "$name" 12 env "$@" "$B/epx" "${A[@]}" --json "$OUT/$name.json"
 }
-bench ht-v3-sms64 EPX_HT_NUM_SMS=64
-bench ht-v3-sms64-pdl0 EPX_HT_NUM_SMS=64 EPX_HT_PDL=0
-bench ht-v3-sms64-unroll4 EPX_HT_NUM_SMS=64 EPX_HT_FP8_UNROLL=4
-step ht-timeline 14 env EPX_HT_NUM_SMS=64 "$B/ht_cuda_test" --gtest_also_run_disabled_tests --gtest_filter='HtCuda.DISABLED_Timeline'
-if [ "${HT_SANITIZE:-0}" = 1 ]; then
-  step sanitize "${HT_SAN_S:-170}" env OUT="$OUT" SAN_ONLY=ht SAN_BUILD=0 bash "$S/tools/device/sanitize-dispatch.sh" "$(( ${HT_SAN_S:-170} - 4 ))"
+if [ "${HT_MODE:-1}" = 2 ]; then
+  # batch 2: the final code at the default budget, the sanitizers on it, then the SM figures
+  bench ht-v3-sms64 EPX_HT_NUM_SMS=64
+  step sanitize "${HT_SAN_S:-165}" env OUT="$OUT" SAN_ONLY=ht SAN_BUILD=0 bash "$S/tools/device/sanitize-dispatch.sh" "$(( ${HT_SAN_S:-165} - 3 ))"
+  for n in 48 24 16 8; do bench "ht-v3-sms$n" EPX_HT_NUM_SMS=$n; done
+else
+  bench ht-v3-sms64 EPX_HT_NUM_SMS=64
+  bench ht-v3-sms64-pdl0 EPX_HT_NUM_SMS=64 EPX_HT_PDL=0
+  bench ht-v3-sms64-unroll4 EPX_HT_NUM_SMS=64 EPX_HT_FP8_UNROLL=4
+  step ht-timeline 14 env EPX_HT_NUM_SMS=64 "$B/ht_cuda_test" --gtest_also_run_disabled_tests --gtest_filter='HtCuda.DISABLED_Timeline'
+  bench ht-v3-sms128-warps8 EPX_HT_NUM_SMS=128 EPX_HT_WARPS_PER_BLOCK=8
+  bench ht-v3-sms96 EPX_HT_NUM_SMS=96
+  bench ht-v3-sms48 EPX_HT_NUM_SMS=48
+  bench ht-v3-sms80 EPX_HT_NUM_SMS=80
 fi
-bench ht-v3-sms128-warps8 EPX_HT_NUM_SMS=128 EPX_HT_WARPS_PER_BLOCK=8
-bench ht-v3-sms96 EPX_HT_NUM_SMS=96
-bench ht-v3-sms48 EPX_HT_NUM_SMS=48
-bench ht-v3-sms80 EPX_HT_NUM_SMS=80
 
 echo "== summary (+$((SECONDS - T0)) s)"
 grep -E "OK \]|FAILED|PASSED|bit-exact|DIFFER|mismatch" "$OUT/late-rank.log" 2>/dev/null | cut -c1-200 | head -12
