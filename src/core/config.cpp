@@ -37,7 +37,7 @@ void for_each_field(C& c, Visit&& v) {
   v(Field{"ht.combine_mode", "EPX_HT_COMBINE_MODE", "", "HT combine on CUDA: 0 all sends then all reduces, 1 pipelined (one target per token only)"}, c.ht_combine_mode);
   v(Field{"ht.chunk_rows", "EPX_HT_CHUNK_ROWS", "rows", "HT combine on CUDA: rows per chunk flag; 1..4096"}, c.ht_chunk_rows);
   v(Field{"ht.fp8_unroll", "EPX_HT_FP8_UNROLL", "", "HT fp8 dispatch on CUDA: steps of 4 groups loaded per warp before quantizing: 4 or 7; 0 = auto"}, c.ht_fp8_unroll);
-  v(Field{"ht.pdl", "EPX_HT_PDL", "", "HT on CUDA: 1 launches the dispatch kernel with programmatic dependent launch; 0..1"}, c.ht_pdl);
+  v(Field{"ht.pdl", "EPX_HT_PDL", "", "HT on CUDA: 1 dispatch kernel by programmatic dependent launch, 2 also prefetches x rows into L2; 0..2"}, c.ht_pdl);
   v(Field{"experts.simt", "EPX_EXPERTS_SIMT", "", "1: CUDA experts always use the SIMT reference GEMMs; 0..1"}, c.experts_simt);
   v(Field{"experts.fp8_pairs", "EPX_EXPERTS_FP8_PAIRS", "", "1: FP8 tensor-core mainloop over K-block pairs; 0..1"}, c.experts_fp8_pairs);
   v(Field{"experts.fp8_prefill", "EPX_EXPERTS_FP8_PREFILL", "", "1: experts with > 64 rows take the FP8 prefill GEMMs (128-row tiles); 0..1"}, c.experts_fp8_prefill);
@@ -155,7 +155,7 @@ void Config::validate() const {
   require_arg("config", "ht.combine_mode", ht_combine_mode, ht_combine_mode == 0 || ht_combine_mode == 1, "must be 0 or 1");
   require_arg("config", "ht.chunk_rows", ht_chunk_rows, ht_chunk_rows >= 1 && ht_chunk_rows <= 4096, "must be in [1, 4096]");
   require_arg("config", "ht.fp8_unroll", ht_fp8_unroll, ht_fp8_unroll == 0 || ht_fp8_unroll == 4 || ht_fp8_unroll == 7, "must be 0, 4 or 7");
-  require_arg("config", "ht.pdl", ht_pdl, ht_pdl == 0 || ht_pdl == 1, "must be 0 or 1");
+  require_arg("config", "ht.pdl", ht_pdl, ht_pdl >= 0 && ht_pdl <= 2, "must be 0, 1 or 2");
   require_arg("config", "experts.simt", experts_simt, experts_simt == 0 || experts_simt == 1, "must be 0 or 1");
   require_arg("config", "experts.fp8_pairs", experts_fp8_pairs, experts_fp8_pairs == 0 || experts_fp8_pairs == 1, "must be 0 or 1");
   require_arg("config", "experts.fp8_prefill", experts_fp8_prefill, experts_fp8_prefill == 0 || experts_fp8_prefill == 1, "must be 0 or 1");

@@ -67,6 +67,7 @@ HtCuda::HtCuda(std::shared_ptr<Group> group, const DispatchConfig& cfg, const Co
   combine_mode_ = config.ht_combine_mode;
   chunk_rows_ = config.ht_chunk_rows;
   pdl_ = config.ht_pdl != 0;
+  prefetch_x_ = config.ht_pdl == 2;
   // 0 = auto: 7 steps (28 groups) when the row is a whole number of them (H = 7168: two rounds), else 4.
   fp8_unroll_ = config.ht_fp8_unroll != 0 ? config.ht_fp8_unroll : (cfg_.hidden % (128 * 28) == 0 ? 7 : 4);
 
@@ -166,6 +167,7 @@ PrepareResult HtCuda::prepare(const DispatchArgs& args) {
   p.worst_case = cfg_.use_worst_case_sizing;
   p.expert_alignment = cfg_.expert_alignment;
   p.fp8_unroll = fp8_unroll_;
+  p.prefetch_x = prefetch_x_;
   if (err.kind == LocalError::none) {
     p.x = args.x.ptr<const uint16_t>();
     p.x_aligned16 = reinterpret_cast<uintptr_t>(args.x.data) % 16 == 0;

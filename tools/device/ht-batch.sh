@@ -9,8 +9,9 @@
 #      run; nccl_a2a_raw beside it) at 64 SMs with the defaults, then the A/B runs (ht.pdl 0, ht.fp8_unroll 4),
 #      the device timeline (DISABLED_Timeline, medians of 20) and the SM sweep 128 x 8 warps / 96 / 48 / 80
 #      while time is left
-#   HT_MODE=2 (batch 2): the defaults at 64 SMs, then the ht steps of tools/device/sanitize-dispatch.sh
-#   (memcheck + racecheck, HT_SAN_S seconds), then 48 / 24 / 16 / 8 SMs.
+#   HT_MODE=2 (batch 2): the defaults at 64 SMs and ht.pdl 1 (no L2 prefetch) beside them, the timeline of
+#   both, then the ht steps of tools/device/sanitize-dispatch.sh (memcheck + racecheck, what is left up to
+#   HT_SAN_S seconds), then 48 / 24 / 16 / 8 SMs while time is left.
 set -uo pipefail
 T0=$SECONDS
 BUDGET=${HT_BATCH_S:-105}
@@ -55,7 +56,12 @@ bench() {  # bench <name> <env...>
 if [ "${HT_MODE:-1}" = 2 ]; then
   # batch 2: the final code at the default budget, the sanitizers on it, then the SM figures
   bench ht-v3-sms64 EPX_HT_NUM_SMS=64
-  step sanitize "${HT_SAN_S:-165}" env OUT="$OUT" SAN_ONLY=ht SAN_BUILD=0 bash "$S/tools/device/sanitize-dispatch.sh" "$(( ${HT_SAN_S:-165} - 3 ))"
+  bench ht-v3-sms64-pdl1 EPX_HT_NUM_SMS=64 EPX_HT_PDL=1
+  step ht-timeline 10 env EPX_HT_NUM_SMS=64 "$B/ht_cuda_test" --gtest_also_run_disabled_tests --gtest_filter='HtCuda.DISABLED_Timeline'
+  step ht-timeline-pdl1 10 env EPX_HT_NUM_SMS=64 EPX_HT_PDL=1 "$B/ht_cuda_test" --gtest_also_run_disabled_tests --gtest_filter='HtCuda.DISABLED_Timeline'
+  san=$(( $(left) - 2 ))
+  [ "$san" -gt "${HT_SAN_S:-170}" ] && san=${HT_SAN_S:-170}
+  step sanitize "$san" env OUT="$OUT" SAN_ONLY=ht SAN_BUILD=0 bash "$S/tools/device/sanitize-dispatch.sh" "$(( san - 3 ))"
   for n in 48 24 16 8; do bench "ht-v3-sms$n" EPX_HT_NUM_SMS=$n; done
 else
   bench ht-v3-sms64 EPX_HT_NUM_SMS=64
@@ -70,7 +76,7 @@ fi
 
 echo "== summary (+$((SECONDS - T0)) s)"
 grep -E "OK \]|FAILED|PASSED|bit-exact|DIFFER|mismatch" "$OUT/late-rank.log" 2>/dev/null | cut -c1-200 | head -12
-grep -E "^rank" "$OUT/ht-timeline.log" 2>/dev/null | head -4
+grep -E "^rank" "$OUT"/ht-timeline*.log 2>/dev/null | cut -c1-400 | head -8
 [ -f "$OUT/sanitize-summary.txt" ] && cat "$OUT/sanitize-summary.txt"
 for f in "$OUT"/ht-v3-*.json; do
   [ -f "$f" ] || continue
