@@ -112,7 +112,8 @@ Attributes (JSON key, environment variable):
   ll_expand (ll.expand, EPX_LL_EXPAND): "message" (default) | "expert": ll on CUDA, dispatch expansion
       per (message, chunk) with sender-ranked slots, or a block per local expert; all ranks must agree.
   ll_warps_per_block (multiple of 4 in [4, 32]), ll_num_blocks (0 = one per SM): ll on CUDA launch shape.
-  ht_num_sms (1..132), ht_warps_per_block, ht_combine_mode (0 | 1), ht_chunk_rows (1..4096): ht on CUDA.
+  ht_num_sms (1..132), ht_warps_per_block, ht_combine_mode (0 | 1), ht_chunk_rows (1..4096), ht_fp8_unroll
+      (0 | 4 | 7), ht_pdl (0..2): ht on CUDA.
   experts_simt, experts_fp8_pairs, experts_fp8_prefill (0 | 1), experts_fp8_prefill_stages (0 or 2..4),
       experts_mxfp4_tc (0..2): CUDA experts' kernel choice.
   moe_chunk_size (tokens, 0 = unchunked), fhmoe_max_tokens (fuse the shared expert when M <= this).)doc");
@@ -146,6 +147,10 @@ Attributes (JSON key, environment variable):
   bind_setting(cls, "ht_combine_mode", "ht.combine_mode", &Config::ht_combine_mode,
                "ht combine on CUDA: 0 all sends then all reduces, 1 pipelined (one target per token only).");
   bind_setting(cls, "ht_chunk_rows", "ht.chunk_rows", &Config::ht_chunk_rows, "ht combine on CUDA: rows per chunk flag; 1..4096.");
+  bind_setting(cls, "ht_fp8_unroll", "ht.fp8_unroll", &Config::ht_fp8_unroll,
+               "ht fp8 dispatch on CUDA: steps of 4 groups a warp loads before quantizing, 4 or 7; 0 = auto.");
+  bind_setting(cls, "ht_pdl", "ht.pdl", &Config::ht_pdl,
+               "ht on CUDA: 1 dispatch kernel by programmatic dependent launch, 2 also prefetches x rows into L2, 0 neither.");
   bind_setting(cls, "experts_simt", "experts.simt", &Config::experts_simt, "1: CUDA experts always take the SIMT reference GEMMs.");
   bind_setting(cls, "experts_fp8_pairs", "experts.fp8_pairs", &Config::experts_fp8_pairs,
                "1: the FP8 tensor-core mainloop over K-block pairs.");
