@@ -3,7 +3,7 @@
 # .carry-ht/batch.sh). Run from a copy of the main checkout that holds .carry/deps.tar.xz and
 # .carry-ht/src.tar.xz:   OUT=<dir> timeout -k 5 <allowance> bash .carry-ht/batch.sh
 # Builds epx + ht_cuda_test through gpu-check.sh (GPU_CHECK_TARGETS), then, each step under its own
-# time limit so that everything fits HT_BATCH_S seconds (default 105):
+# time limit so that everything fits HT_BATCH_S seconds (default 235, batch 2; batch 1 ran HT_MODE=1 in 105):
 #   1. HtCuda.LateRankIsNotOverrun + HtCuda.TakesTheCallersConfig (two-rank correctness, no sanitizer)
 #   2. epx bench --case ht-v3 --backend ht,nccl_a2a_raw (every ht row validated against HtCpu in the same
 #      run; nccl_a2a_raw beside it) at 64 SMs with the defaults, then the A/B runs (ht.pdl 0, ht.fp8_unroll 4),
@@ -14,7 +14,7 @@
 #   HT_SAN_S seconds), then 48 / 24 / 16 / 8 SMs while time is left.
 set -uo pipefail
 T0=$SECONDS
-BUDGET=${HT_BATCH_S:-105}
+BUDGET=${HT_BATCH_S:-235}
 OUT=${OUT:-/tmp/ht-out}
 mkdir -p "$OUT"
 ROOT=$(pwd)
@@ -53,7 +53,7 @@ bench() {  # bench <name> <env...>
   shift
   step "$name" 12 env "$@" "$B/epx" "${A[@]}" --json "$OUT/$name.json"
 }
-if [ "${HT_MODE:-1}" = 2 ]; then
+if [ "${HT_MODE:-2}" = 2 ]; then
   # batch 2: the final code at the default budget, the sanitizers on it, then the SM figures
   bench ht-v3-sms64 EPX_HT_NUM_SMS=64
   bench ht-v3-sms64-pdl1 EPX_HT_NUM_SMS=64 EPX_HT_PDL=1
