@@ -263,7 +263,7 @@ ModularMoE::ModularMoE(std::shared_ptr<const MoEWeights> weights, std::shared_pt
   dispatch_cfg.num_experts = m.num_experts;
   dispatch_cfg.top_k = m.top_k + (m.has_shared ? 1 : 0);
   dispatch_cfg.shared_route = m.has_shared;
-  m.prepare_finalize = make_prepare_finalize(backend, group, dispatch_cfg, config);  // ht's launch settings from the layer's Config
+  m.prepare_finalize = make_prepare_finalize(backend, group, dispatch_cfg, config);  // ll / ht launch settings from the layer's Config
   const Capabilities& caps = m.prepare_finalize->capabilities();
 
   // DP-sharded shared expert: whole blocks of the weight format split as evenly as possible; only
