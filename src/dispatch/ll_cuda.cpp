@@ -74,6 +74,7 @@ LlCuda::LlCuda(std::shared_ptr<Group> group, const DispatchConfig& cfg, const Ll
   }
   common_.signal_rank = launch.signal_rank;
   common_.expand_message = all_message;
+  common_.items_run = launch.items_run;
   buffer_ = group_->alloc_symmetric(layout_.total_bytes());
   for (int r = 0; r < num_ranks_; ++r)
     if (buffer_.peers[static_cast<size_t>(r)] == nullptr)
@@ -352,6 +353,33 @@ std::vector<double> LlCuda::trace() {
   return out;
 }
 
+std::vector<std::pair<std::string, double>> LlCuda::trace_named() {
+  cuda::DeviceGuard guard(group_->device().index);
+  LlDeviceState st{};
+  EPX_CUDA_CHECK(cudaDeviceSynchronize());
+  EPX_CUDA_CHECK(cudaMemcpy(&st, state_.data(), sizeof st, cudaMemcpyDeviceToHost));
+  std::vector<std::pair<std::string, double>> out;
+  for (int i = 0; i < kTrSlots; ++i) {
+    const char* name = ll_trace_name(i);
+    if (!name || st.trace[i] == 0) continue;
+    const int base = ll_trace_is_combine(i) ? kTrCombStart : kTrDispStart;
+    if (i == base || st.trace[base] == 0) continue;
+    out.emplace_back(name, (static_cast<double>(st.trace[i]) - static_cast<double>(st.trace[base])) * 1e-3);
+  }
+  return out;
+}
+
+void LlCuda::stamp(int slot, Stream stream) {
+  cuda::DeviceGuard guard(group_->device().index);
+  require_arg("ll.stamp", "slot", slot, slot >= 0 && slot < kTrSlots, "must be in [0, " + std::to_string(kTrSlots) + ")");
+  launch_gpu_stamp(&state_.ptr<LlDeviceState>()->trace[slot], cuda::native(stream));
+}
+
+void LlCuda::launch_empty(Stream stream) {
+  cuda::DeviceGuard guard(group_->device().index);
+  launch_ll_empty(ll_dispatch_smem_bytes(layout_, common_.expand_message, num_local_), blocks_, threads_, cuda::native(stream));
+}
+
 std::unique_ptr<PrepareFinalize> make_ll_cuda(std::shared_ptr<Group> group, const DispatchConfig& cfg, const LlLaunch& launch) {
   return std::make_unique<LlCuda>(std::move(group), cfg, launch);
 }
@@ -367,6 +395,7 @@ std::unique_ptr<PrepareFinalize> make_ll_cuda(std::shared_ptr<Group> group, cons
   launch.timeout_s = config.timeout_s;
   launch.signal_rank = config.ll_signal == "rank";
   launch.expand_message = config.ll_expand == "message";
+  launch.items_run = config.ll_items == "run";
   if (const auto* nccl = dynamic_cast<const comm::NcclGroup*>(&comm::root_group(*group))) launch.timeout_s = nccl->timeout_s();
   return make_ll_cuda(std::move(group), cfg, launch);
 }

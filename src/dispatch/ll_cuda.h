@@ -34,6 +34,12 @@
 //     sums each message's local rows weighted in column order in fp32 and stores one partial row
 //     (fp32, or bf16 rounded) per (token, rank) at the source, which adds them in rank order (fp32,
 //     one more rounding). Bit-identical to LlCpu in the same mode.
+//   ll.items = run (LlLaunch::items_run; rank-local, the same results): the partial combine's send
+//     takes (message, run of up to 4 consecutive 256-element chunks) items, each warp loading its
+//     message's routing, the source's count and the call number in one round trip (no block-wide
+//     prefix), then every local row of the run at once; its receive takes (token, run of 2 chunks);
+//     the dispatch expansion takes (message, run of 2 chunks). Runs are sized so one round covers
+//     the grid (bench/NOTES.md, fifth session).
 //
 // Protocol: call n of each part (dispatch/combine, send/recv) is derived on the device from a
 // per-object counter of finished blocks (n = counter / B), and flags are monotonic (n + 1 after
@@ -76,6 +82,7 @@ struct LlLaunch {
   double timeout_s = 60.0;    ///< bound of every device-side wait on a peer
   bool signal_rank = false;   ///< Config ll.signal = rank (LlCommon::signal_rank); every rank must agree
   bool expand_message = true;  ///< Config ll.expand = message (LlCommon::expand_message); every rank must agree
+  bool items_run = false;      ///< Config ll.items = run (LlCommon::items_run); rank-local
 };
 
 class LlCuda final : public PrepareFinalizeBase {
@@ -120,6 +127,16 @@ class LlCuda final : public PrepareFinalizeBase {
   /// combine}, then the last block's start {dispatch, combine} (the launch spread), then the last
   /// block's end of waiting {dispatch, combine}. Synchronizes.
   std::vector<double> trace();
+  /// Diagnostics: every stamp of LlDeviceState::trace (LlTraceSlot) as {name, us since the dispatch
+  /// kernel's start (dispatch and host-dispatch slots) or the combine kernel's start}, for the slots
+  /// stamped since create (others are left out). Synchronizes.
+  std::vector<std::pair<std::string, double>> trace_named();
+  /// Diagnostics: a one-thread kernel on `stream` that writes the globaltimer into trace slot `slot`
+  /// (LlTraceSlot kTrHost*), to place the graph launches on the kernels' timeline.
+  void stamp(int slot, Stream stream);
+  /// Diagnostics: an empty kernel of the dispatch kernel's launch shape (blocks, threads, dynamic
+  /// shared memory, register budget) on `stream`: the launch floor under the same timing.
+  void launch_empty(Stream stream);
   int threads_per_block() const { return threads_; }
 
  private:

@@ -213,6 +213,14 @@ __device__ __forceinline__ void gather_columns(int32_t my_row, float my_w, bool 
 
 // ---- dispatch ----------------------------------------------------------------------------------
 
+/// Chunks per run so that `rows` x runs covers about `warps` warps: in [1, kMax].
+__device__ __forceinline__ int chunks_per_run(int nch, int64_t rows, int64_t warps, int kMax) {
+  int64_t cpr = (rows * nch + warps - 1) / (warps > 0 ? warps : 1);
+  cpr = cpr < 1 ? 1 : cpr > kMax ? kMax : cpr;
+  return static_cast<int>(cpr < nch ? cpr : nch);
+}
+
+
 // kMaxThreads: 1024 (64 registers per thread, a few spilled) or 512 (128 registers); the launch picks
 // the smallest that holds the block.
 template <bool kFp8, int kMaxThreads>
@@ -273,6 +281,7 @@ __global__ void __launch_bounds__(kMaxThreads, 1) ll_dispatch_kernel(const __gri
     s_T = static_cast<int>(T);
   }
   __syncthreads();
+  trace_at(c, kTrDispT);
 
   if (p.send) {
     const int T = s_T;
@@ -330,6 +339,7 @@ __global__ void __launch_bounds__(kMaxThreads, 1) ll_dispatch_kernel(const __gri
       if (lane == 0) s_count[d] = running;
     }
     __syncthreads();
+    trace_at(c, kTrDispScanned);
 
     const int64_t items = static_cast<int64_t>(T) * nchunks;
     for (int64_t item = static_cast<int64_t>(blockIdx.x) * W + warp; item < items; item += static_cast<int64_t>(gridDim.x) * W) {
@@ -409,6 +419,7 @@ __global__ void __launch_bounds__(kMaxThreads, 1) ll_dispatch_kernel(const __gri
       }
     }
     __syncthreads();
+    trace_max(c, kTrDispItems);
     if (blockIdx.x == 0 && threadIdx.x == 0) c.state->num_tokens = T;
     // The block that stores the counts: block 0 (ll.signal = block), or the last block to finish.
     const bool counter = c.signal_rank ? last_block(&c.state->dispatch_send_blocks, &s_last) : blockIdx.x == 0;
@@ -423,6 +434,7 @@ __global__ void __launch_bounds__(kMaxThreads, 1) ll_dispatch_kernel(const __gri
       }
       __syncthreads();
     }
+    trace_at(c, kTrDispCounts);
     if (threadIdx.x < R && (counter || !c.signal_rank)) {  // flags after all the block's stores (cumulative release)
       const int d = threadIdx.x;
       if (counter) st_relaxed_sys_u64(c.peers[d] + lay.dispatch_count_offset(parity, rank), static_cast<unsigned long long>(s_count[d]));
@@ -461,20 +473,25 @@ __global__ void __launch_bounds__(kMaxThreads, 1) ll_dispatch_kernel(const __gri
       // (message, 512-element chunk) items over the whole grid: the chunk is loaded once and stored
       // into the slot of each local expert the message selects (its first column naming it). The
       // warp's first item is loaded before the slot bases (its loads overlap the counts' round trip).
+      // ll.items = run: (message, run of up to kRunD consecutive chunks) items, so one round covers
+      // more of the grid's work (ll-v3: 256 messages x 7 runs of 2 chunks on 2112 warps).
+      constexpr int kRunD = 2;
       struct Item {
-        int s = 0, j = 0, ch = 0;
+        int s = 0, j = 0, ch = 0;  // ch: the run's first chunk
         int32_t id = -1, u = -1, hdr = 0;
-        float wk = 0.0f, sc = 0.0f;
-        uint4 a = make_uint4(0, 0, 0, 0), b2 = make_uint4(0, 0, 0, 0);
+        float wk = 0.0f, sc[kRunD] = {};
+        uint4 a[kRunD] = {}, b2[kRunD] = {};
       };
+      const int64_t gwarps = static_cast<int64_t>(gridDim.x) * W;
+      const int cprd = c.items_run ? chunks_per_run(nchunks, s_mp[R], gwarps, kRunD) : 1;
+      const int runsd = (nchunks + cprd - 1) / cprd;
       auto load_item = [&](int64_t item, Item& m) {  // all loads of the item at once (one round trip)
-        const int flat = static_cast<int>(item / nchunks);
-        m.ch = static_cast<int>(item % nchunks);
+        const int flat = static_cast<int>(item / runsd);
+        m.ch = static_cast<int>(item % runsd) * cprd;
         m.s = 0;
         while (m.s + 1 < R && s_mp[m.s + 1] <= flat) ++m.s;
         m.j = flat - s_mp[m.s];
         const uint8_t* msg = c.local + lay.dispatch_msg_offset(parity, m.s, m.j);
-        const int64_t h0 = static_cast<int64_t>(m.ch) * kLlChunkElems + lane * 16;
         m.id = -1, m.u = -1, m.hdr = 0, m.wk = 0.0f;
         if (lane < K) {
           m.id = ld32(msg + lay.msg_topk_offset() + 4 * lane);
@@ -482,15 +499,20 @@ __global__ void __launch_bounds__(kMaxThreads, 1) ll_dispatch_kernel(const __gri
           if (lay.partial() && m.ch == 0) m.wk = __int_as_float(ld32(msg + lay.msg_weights_offset() + 4 * lane));
         }
         if (m.ch == 0 && lane == 0) m.hdr = ld32(msg);
-        if constexpr (kFp8) {
-          if (h0 < H) m.a = ld16(msg + lay.msg_payload_offset() + h0);
-          if (h0 < H && (lane & 7) == 0) m.sc = __int_as_float(ld32(msg + lay.msg_scales_offset() + h0 / 128 * 4));
-        } else {
-          if (h0 < H) m.a = ld16(msg + lay.msg_payload_offset() + 2 * h0);
-          if (h0 + 8 < H) m.b2 = ld16(msg + lay.msg_payload_offset() + 2 * (h0 + 8));
+#pragma unroll
+        for (int i = 0; i < kRunD; ++i) {
+          const int64_t h0 = static_cast<int64_t>(m.ch + i) * kLlChunkElems + lane * 16;
+          if (i >= cprd || m.ch + i >= nchunks) break;
+          if constexpr (kFp8) {
+            if (h0 < H) m.a[i] = ld16(msg + lay.msg_payload_offset() + h0);
+            if (h0 < H && (lane & 7) == 0) m.sc[i] = __int_as_float(ld32(msg + lay.msg_scales_offset() + h0 / 128 * 4));
+          } else {
+            if (h0 < H) m.a[i] = ld16(msg + lay.msg_payload_offset() + 2 * h0);
+            if (h0 + 8 < H) m.b2[i] = ld16(msg + lay.msg_payload_offset() + 2 * (h0 + 8));
+          }
         }
       };
-      const int64_t items = static_cast<int64_t>(s_mp[R]) * nchunks;
+      const int64_t items = static_cast<int64_t>(s_mp[R]) * runsd;
       const int64_t first_recv = static_cast<int64_t>(blockIdx.x) * W + warp;
       Item m;
       if (first_recv < items) load_item(first_recv, m);
@@ -517,10 +539,10 @@ __global__ void __launch_bounds__(kMaxThreads, 1) ll_dispatch_kernel(const __gri
       }
       if (lay.partial() && blockIdx.x == 0 && threadIdx.x < R) p.msg_count[threadIdx.x] = s_n[threadIdx.x];
       __syncthreads();
-      for (int64_t item = first_recv; item < items; item += static_cast<int64_t>(gridDim.x) * W) {
+      trace_at(c, kTrDispBases);
+      for (int64_t item = first_recv; item < items; item += gwarps) {
         if (item != first_recv) load_item(item, m);
         const int s = m.s, ch = m.ch;
-        const int64_t h0 = static_cast<int64_t>(ch) * kLlChunkElems + lane * 16;
         int l = m.id >= 0 ? c.placement.local_index(m.id, s, rank) : -1;
         int slot = l >= 0 ? s_base[l * R + s] + m.u : -1;
         if (l >= 0 && (m.u < 0 || slot >= cap)) l = -1, slot = -1;  // a malformed message: dropped, never out of bounds
@@ -544,12 +566,17 @@ __global__ void __launch_bounds__(kMaxThreads, 1) ll_dispatch_kernel(const __gri
           sel &= sel - 1;
           const int lk = __shfl_sync(0xffffffffu, l, k), sk = __shfl_sync(0xffffffffu, slot, k);
           const int64_t row = static_cast<int64_t>(lk) * cap + sk;
-          if constexpr (kFp8) {
-            if (h0 < H) st16(p.out_x + row * H + h0, m.a);
-            if (h0 < H && (lane & 7) == 0) p.out_scales[row * gpr + h0 / 128] = m.sc;
-          } else {
-            if (h0 < H) st16(p.out_x + (row * H + h0) * 2, m.a);
-            if (h0 + 8 < H) st16(p.out_x + (row * H + h0 + 8) * 2, m.b2);
+#pragma unroll
+          for (int i = 0; i < kRunD; ++i) {
+            const int64_t h0 = static_cast<int64_t>(ch + i) * kLlChunkElems + lane * 16;
+            if (i >= cprd || ch + i >= nchunks) break;
+            if constexpr (kFp8) {
+              if (h0 < H) st16(p.out_x + row * H + h0, m.a[i]);
+              if (h0 < H && (lane & 7) == 0) p.out_scales[row * gpr + h0 / 128] = m.sc[i];
+            } else {
+              if (h0 < H) st16(p.out_x + (row * H + h0) * 2, m.a[i]);
+              if (h0 + 8 < H) st16(p.out_x + (row * H + h0 + 8) * 2, m.b2[i]);
+            }
           }
           if (ch == 0 && lane == 0) {
             p.src_rank[row] = s;
@@ -711,7 +738,8 @@ __global__ void __launch_bounds__(kMaxThreads, 1) ll_dispatch_kernel(const __gri
       }
     }
     if (threadIdx.x == 0) atomicAdd(&c.state->dispatch_recv_blocks, 1ull);
-    trace_max(c, 3);
+    __syncthreads();  // the whole block is done
+    trace_max(c, kTrDispDone);
   }
 }
 
@@ -730,6 +758,176 @@ __device__ __forceinline__ void load_partial(const uint8_t* row, int64_t h, floa
   }
 }
 
+/// Partial combine send, ll.items = run: items are (message slot, run of cpr consecutive 256-element
+/// chunks) over the capacity R x max_T; a warp loads its message's routing, the source's message
+/// count and the call number in one round trip, then kG local rows x cpr chunks of loads in flight
+/// per round trip, sums them in column order in fp32 (the arithmetic of gather_columns: acc + w_k *
+/// y_k, separate roundings, column order), and stores the run's partial row to the source.
+template <int kG, int kRun>
+__device__ __forceinline__ void combine_send_runs(const LlCombineParams& p, int W, int warp, int lane) {
+  const LlCommon& c = p.c;
+  const LlLayout& lay = c.lay;
+  const int R = lay.num_ranks, K = lay.top_k, max_t = lay.max_tokens, rank = c.rank;
+  const int64_t H = lay.hidden;
+  const bool f32 = lay.combine == 1;
+  if (c.num_local == 0) return;  // no local experts: nothing to send
+  const int nch = static_cast<int>((H + 255) / 256);
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * W, nmsg = static_cast<int64_t>(R) * max_t;
+  const int cpr = chunks_per_run(nch, nmsg, warps, kRun);
+  const int runs = (nch + cpr - 1) / cpr;
+  const int64_t items = nmsg * runs;
+  for (int64_t item = static_cast<int64_t>(blockIdx.x) * W + warp; item < items; item += warps) {
+    const int64_t mi = item / runs;  // = s max_T + j
+    const int run = static_cast<int>(item - mi * runs);
+    const int s = static_cast<int>(mi / max_t), j = static_cast<int>(mi - static_cast<int64_t>(s) * max_t);
+    int32_t my_row = -1, v0 = 0;
+    float my_w = 0.0f;
+    unsigned long long ctr = 0;
+    if (lane < K) {  // every load of the item's routing at once
+      my_row = p.msg_rows[mi * K + lane];
+      my_w = p.msg_weights[mi * K + lane];
+    }
+    if (lane == K) v0 = p.msg_count[s];
+    if (lane == K + 1) v0 = p.msg_src_token[mi];
+    if (lane == 0) ctr = *reinterpret_cast<const volatile unsigned long long*>(&c.state->combine_send_blocks);
+    const int kc = K < 32 ? K : 0, kt = K + 1 < 32 ? K + 1 : 0;  // K = 31 / 32: lanes reused below
+    int cnt = __shfl_sync(0xffffffffu, v0, kc), t = __shfl_sync(0xffffffffu, v0, kt);
+    if (K >= 31) {  // no spare lanes: plain loads (K <= 32)
+      cnt = p.msg_count[s];
+      t = p.msg_src_token[mi];
+    }
+    if (j >= cnt) continue;  // beyond the messages s sent (warp-uniform)
+    ctr = __shfl_sync(0xffffffffu, ctr, 0);
+    const int parity = static_cast<int>((ctr / gridDim.x) & 1);
+    float acc[kRun][8];
+#pragma unroll
+    for (int i = 0; i < kRun; ++i)
+#pragma unroll
+      for (int e = 0; e < 8; ++e) acc[i][e] = 0.0f;
+    const int64_t hbase = static_cast<int64_t>(run) * cpr * 256 + lane * 8;
+    unsigned live = __ballot_sync(0xffffffffu, my_row >= 0);
+    while (live) {  // kG columns per round trip, in column order
+      uint4 y[kG][kRun];
+      int f[kG];
+      float w[kG];
+#pragma unroll
+      for (int g = 0; g < kG; ++g) {
+        const int k = live ? __ffs(live) - 1 : 0;
+        f[g] = __shfl_sync(0xffffffffu, my_row, k);
+        w[g] = __shfl_sync(0xffffffffu, my_w, k);
+        if (!live) f[g] = -1;
+        live &= live - 1;
+#pragma unroll
+        for (int i = 0; i < kRun; ++i) {
+          const int64_t h = hbase + i * 256;
+          y[g][i] = make_uint4(0, 0, 0, 0);
+          if (f[g] >= 0 && i < cpr && h < H) y[g][i] = __ldg(reinterpret_cast<const uint4*>(p.expert_out + static_cast<int64_t>(f[g]) * H + h));
+        }
+      }
+#pragma unroll
+      for (int g = 0; g < kG; ++g) {
+        if (f[g] < 0) continue;  // select, not multiply: a -1 column adds nothing
+#pragma unroll
+        for (int i = 0; i < kRun; ++i) {
+          float yf[8];
+          bf16x8_to_float(y[g][i], yf);
+#pragma unroll
+          for (int e = 0; e < 8; ++e) acc[i][e] = __fadd_rn(acc[i][e], __fmul_rn(w[g], yf[e]));
+        }
+      }
+    }
+    uint8_t* dst = c.peers[s] + lay.combine_partial_offset(parity, t, rank);
+#pragma unroll
+    for (int i = 0; i < kRun; ++i) {
+      const int64_t h = hbase + i * 256;
+      if (i >= cpr || h >= H) continue;
+      if (f32) {
+        st16(dst + 4 * h, make_uint4(__float_as_uint(acc[i][0]), __float_as_uint(acc[i][1]), __float_as_uint(acc[i][2]), __float_as_uint(acc[i][3])));
+        st16(dst + 4 * h + 16, make_uint4(__float_as_uint(acc[i][4]), __float_as_uint(acc[i][5]), __float_as_uint(acc[i][6]), __float_as_uint(acc[i][7])));
+      } else {
+        uint32_t o[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          o[e] = static_cast<uint32_t>(float_to_bf16_bits(acc[i][2 * e])) | (static_cast<uint32_t>(float_to_bf16_bits(acc[i][2 * e + 1])) << 16);
+        st16(dst + 2 * h, make_uint4(o[0], o[1], o[2], o[3]));
+      }
+    }
+  }
+}
+
+/// Partial combine receive, ll.items = run: items are (token, run of cpr 256-element chunks); the
+/// first item's routing (dest_mask) is loaded before the wait; then the partial rows of every rank
+/// in the token's mask, all of the run's loads in flight, are added in rank order in fp32 and
+/// rounded once to bf16. Block-wide (the wait). s_bad: the caller's shared [kLlMaxRanks].
+template <int kRun>
+__device__ __forceinline__ void combine_recv_runs(const LlCombineParams& p, int W, int warp, int lane, const unsigned long long* s_call,
+                                                  int* s_bad) {
+  const LlCommon& c = p.c;
+  const LlLayout& lay = c.lay;
+  const int R = lay.num_ranks;
+  const int64_t H = lay.hidden;
+  const bool f32 = lay.combine == 1;
+  const int T = *reinterpret_cast<const volatile int32_t*>(&c.state->num_tokens);
+  const int nch = static_cast<int>((H + 255) / 256);
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * W;
+  const int cpr = chunks_per_run(nch, T, warps, kRun);
+  const int runs = (nch + cpr - 1) / cpr;
+  const int64_t items = static_cast<int64_t>(T) * runs;
+  const int64_t first_item = static_cast<int64_t>(blockIdx.x) * W + warp;
+  uint32_t mask = first_item < items ? p.dest_mask[first_item / runs] : 0u;
+  if (threadIdx.x < R) s_bad[threadIdx.x] = 0;
+  __syncthreads();  // s_call (thread 0 read it at the kernel's start), s_bad
+  const unsigned long long call = *s_call;
+  const int parity = static_cast<int>(call & 1);
+  wait_all_flags(c, [&](int s) { return c.local + lay.combine_flag_offset(s, 0); }, call + 1, LlErrorReport::combine, call, s_bad, [](int) {});
+  __syncthreads();
+  trace_at(c, 6);
+  trace_max(c, 11);
+  for (int64_t item = first_item; item < items; item += warps) {
+    const int t = static_cast<int>(item / runs), run = static_cast<int>(item - static_cast<int64_t>(t) * runs);
+    if (item != first_item) mask = p.dest_mask[t];
+    const int64_t hbase = static_cast<int64_t>(run) * cpr * 256 + lane * 8;
+    float acc[kRun][8];
+#pragma unroll
+    for (int i = 0; i < kRun; ++i)
+#pragma unroll
+      for (int e = 0; e < 8; ++e) acc[i][e] = 0.0f;
+    for (int r0 = 0; r0 < R; r0 += 2) {  // 2 ranks x the run's chunks in flight
+      float v[2][kRun][8];
+#pragma unroll
+      for (int q = 0; q < 2; ++q)
+#pragma unroll
+        for (int i = 0; i < kRun; ++i) {
+          const int64_t h = hbase + i * 256;
+          if (r0 + q < R && ((mask >> (r0 + q)) & 1u) && i < cpr && h < H) {
+            const uint8_t* row = c.local + lay.combine_partial_offset(parity, t, r0 + q);
+            if (f32) load_partial<true>(row, h, v[q][i]);
+            else load_partial<false>(row, h, v[q][i]);
+          }
+        }
+#pragma unroll
+      for (int q = 0; q < 2; ++q) {
+        if (r0 + q >= R || !((mask >> (r0 + q)) & 1u)) continue;
+#pragma unroll
+        for (int i = 0; i < kRun; ++i)
+#pragma unroll
+          for (int e = 0; e < 8; ++e) acc[i][e] = __fadd_rn(acc[i][e], v[q][i][e]);
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < kRun; ++i) {
+      const int64_t h = hbase + i * 256;
+      if (i >= cpr || h >= H) continue;
+      uint32_t o[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        o[e] = static_cast<uint32_t>(float_to_bf16_bits(acc[i][2 * e])) | (static_cast<uint32_t>(float_to_bf16_bits(acc[i][2 * e + 1])) << 16);
+      st16(p.out + static_cast<int64_t>(t) * H + h, make_uint4(o[0], o[1], o[2], o[3]));
+    }
+  }
+  if (threadIdx.x == 0) atomicAdd(&c.state->combine_recv_blocks, 1ull);
+}
+
 template <int kMaxThreads>
 __global__ void __launch_bounds__(kMaxThreads, 1) ll_combine_kernel(const __grid_constant__ LlCombineParams p) {
   extern __shared__ __align__(16) uint8_t smem[];
@@ -743,13 +941,28 @@ __global__ void __launch_bounds__(kMaxThreads, 1) ll_combine_kernel(const __grid
   __shared__ int s_bad[kLlMaxRanks], s_last;
   trace_at(c, 4);
   trace_max(c, 9);
+  // ll.items = run (partial modes): the send part's warps read the call number themselves with their
+  // first item's routing (one round trip less); s_call_send is read by the flags only, after a sync.
+  const bool run_send = partial && c.items_run;
   if (threadIdx.x == 0) {
     s_call_send = block_call_number(&c.state->combine_send_blocks, gridDim.x);
     s_call_recv = block_call_number(&c.state->combine_recv_blocks, gridDim.x);
   }
-  __syncthreads();
+  if (!(p.send && run_send)) __syncthreads();
 
-  if (p.send) {
+  if (p.send && run_send) {
+    combine_send_runs<kMaxThreads <= 512 ? 4 : 2, kMaxThreads <= 512 ? 4 : 2>(p, W, warp, lane);
+    __syncthreads();
+    trace_max(c, kTrCombItems);
+    if (c.signal_rank) {  // the last block to finish signals for all (last_block)
+      if (last_block(&c.state->combine_send_blocks, &s_last) && threadIdx.x < R)
+        st_release_sys_u64(c.peers[threadIdx.x] + lay.combine_flag_offset(rank, 0), s_call_send + 1);
+    } else {
+      if (threadIdx.x < R) st_release_sys_u64(c.peers[threadIdx.x] + lay.combine_flag_offset(rank, blockIdx.x), s_call_send + 1);
+      if (threadIdx.x == 0) atomicAdd(&c.state->combine_send_blocks, 1ull);
+    }
+    trace_max(c, 5);
+  } else if (p.send) {
     const int parity = static_cast<int>(s_call_send & 1);
     // Items are (row group, chunk): column mode a group is one slot of some local expert (prefix over
     // recv_count[L]); partial modes one received message (prefix over msg_count[R]).
@@ -793,6 +1006,7 @@ __global__ void __launch_bounds__(kMaxThreads, 1) ll_combine_kernel(const __grid
       if (lane == 0) s_pref[G] = running;
     }
     __syncthreads();
+    trace_at(c, kTrCombCounts);
     if (!partial) {
       // (slot, 1024-element chunk) items: 4 independent 16-byte loads per lane, then 4 stores.
       const int nch = static_cast<int>((H + 1023) / 1024);
@@ -862,6 +1076,7 @@ __global__ void __launch_bounds__(kMaxThreads, 1) ll_combine_kernel(const __grid
       }
     }
     __syncthreads();
+    trace_max(c, kTrCombItems);
     if (c.signal_rank) {  // the last block to finish signals for all (last_block)
       if (last_block(&c.state->combine_send_blocks, &s_last) && threadIdx.x < R)
         st_release_sys_u64(c.peers[threadIdx.x] + lay.combine_flag_offset(rank, 0), s_call_send + 1);
@@ -872,7 +1087,14 @@ __global__ void __launch_bounds__(kMaxThreads, 1) ll_combine_kernel(const __grid
     trace_max(c, 5);
   }
 
-  if (p.recv) {
+  if (p.recv && partial && c.items_run) {
+    combine_recv_runs<2>(p, W, warp, lane, &s_call_recv, s_bad);
+    __syncthreads();
+    trace_at(c, kTrCombReduced0);
+    trace_max(c, 7);
+  } else if (p.recv) {
+    if (threadIdx.x < R) s_bad[threadIdx.x] = 0;
+    __syncthreads();  // s_call_recv (read before a sync that the send part may have skipped)
     const unsigned long long call = s_call_recv;
     const int parity = static_cast<int>(call & 1);
     // This rank's own routing (written by its dispatch, an earlier kernel) is loaded before the wait
@@ -893,8 +1115,6 @@ __global__ void __launch_bounds__(kMaxThreads, 1) ll_combine_kernel(const __grid
       }
     };
     if (first_item < items) load_routing(static_cast<int>(first_item / nch));
-    if (threadIdx.x < R) s_bad[threadIdx.x] = 0;
-    __syncthreads();
     wait_all_flags(c, [&](int s) { return c.local + lay.combine_flag_offset(s, 0); }, call + 1, LlErrorReport::combine, call, s_bad, [](int) {});
     __syncthreads();
     trace_at(c, 6);
@@ -937,6 +1157,8 @@ __global__ void __launch_bounds__(kMaxThreads, 1) ll_combine_kernel(const __grid
       if (ok) st16(p.out + static_cast<int64_t>(t) * H + h, make_uint4(o[0], o[1], o[2], o[3]));
     }
     if (threadIdx.x == 0) atomicAdd(&c.state->combine_recv_blocks, 1ull);
+    __syncthreads();
+    trace_at(c, kTrCombReduced0);
     trace_max(c, 7);
   }
 }
@@ -946,7 +1168,31 @@ __global__ void delay_kernel(long long ns) {
   while (static_cast<long long>(globaltimer() - start) < ns) __nanosleep(1000);
 }
 
+__global__ void stamp_kernel(unsigned long long* dst) { *dst = globaltimer(); }
+
+template <int kMaxThreads>
+__global__ void __launch_bounds__(kMaxThreads, 1) ll_empty_kernel() {}
+
 }  // namespace
+
+void launch_gpu_stamp(unsigned long long* dst, cudaStream_t stream) {
+  stamp_kernel<<<1, 1, 0, stream>>>(dst);
+  cuda::check_launch("stamp_kernel");
+}
+
+void launch_ll_empty(size_t smem, int blocks, int threads, cudaStream_t stream) {
+  // (Above 48 KiB the attribute is set once here: call it eagerly before a capture.)
+  if (threads > 512) {
+    if (smem > 48 * 1024)
+      EPX_CUDA_CHECK(cudaFuncSetAttribute(reinterpret_cast<const void*>(&ll_empty_kernel<1024>), cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+    ll_empty_kernel<1024><<<blocks, threads, smem, stream>>>();
+  } else {
+    if (smem > 48 * 1024)
+      EPX_CUDA_CHECK(cudaFuncSetAttribute(reinterpret_cast<const void*>(&ll_empty_kernel<512>), cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+    ll_empty_kernel<512><<<blocks, threads, smem, stream>>>();
+  }
+  cuda::check_launch("ll_empty_kernel");
+}
 
 void launch_gpu_delay(long long ns, cudaStream_t stream) {
   delay_kernel<<<1, 32, 0, stream>>>(ns);

@@ -31,9 +31,53 @@ struct LlDeviceState {
   /// (max over blocks, never reset: the latest), 2 block 0 done waiting, 3 last block done;
   /// combine 4..7 the same; 8 / 9 the last block's start (dispatch / combine: the launch spread).
   /// Read by LlCuda::trace() (diagnostics).
-  /// 10 / 11: the last block's end of waiting (dispatch / combine).
-  unsigned long long trace[12];
+  /// 10 / 11: the last block's end of waiting (dispatch / combine). The rest: LlTraceSlot.
+  unsigned long long trace[32];
 };
+
+/// Slots of LlDeviceState::trace ("b0": thread 0 of block 0; "max": the latest over all blocks).
+enum LlTraceSlot : int {
+  kTrDispStart = 0,        ///< b0: dispatch kernel start
+  kTrDispFlags = 1,        ///< max: flags stored (after the release)
+  kTrDispWaited0 = 2,      ///< b0: done waiting
+  kTrDispDone = 3,         ///< max: block done (after a final __syncthreads)
+  kTrCombStart = 4,
+  kTrCombFlags = 5,
+  kTrCombWaited0 = 6,
+  kTrCombDone = 7,
+  kTrDispLastStart = 8,    ///< max: block start
+  kTrCombLastStart = 9,
+  kTrDispWaitedLast = 10,  ///< max: done waiting
+  kTrCombWaitedLast = 11,
+  kTrDispT = 12,           ///< b0: call numbers and T known (first __syncthreads)
+  kTrDispScanned = 13,     ///< b0: masks, per-id ranks and slots done (items start)
+  kTrDispItems = 14,       ///< max: the block's send items done (its __syncthreads)
+  kTrDispCounts = 15,      ///< b0: count stores issued (before the flag release)
+  kTrDispBases = 16,       ///< b0: recv slot bases known (expansion items start)
+  kTrCombCounts = 17,      ///< b0: send items start (counts / call numbers known)
+  kTrCombItems = 18,       ///< max: the block's send items done
+  kTrCombReduced0 = 19,    ///< b0: recv items done
+  kTrHostPreDisp = 20,     ///< stamp kernels of the bench's diagnostics (LlCuda::stamp)
+  kTrHostPostDisp = 21,
+  kTrHostPreComb = 22,
+  kTrHostPostComb = 23,
+  kTrSlots = 24
+};
+/// Name of a slot for the diagnostics (nullptr: unused), and whether it is on the combine's timeline.
+inline const char* ll_trace_name(int i) {
+  static const char* const names[kTrSlots] = {
+      "dispatch start", "dispatch flags stored (last block)", "dispatch waited (block 0)", "dispatch done (last block)",
+      "combine start", "combine flags stored (last block)", "combine waited (block 0)", "combine done (last block)",
+      "dispatch last block start", "combine last block start", "dispatch waited (last block)", "combine waited (last block)",
+      "dispatch T known (block 0)", "dispatch slots scanned (block 0)", "dispatch send items done (last block)",
+      "dispatch counts issued (block 0)", "dispatch slot bases (block 0)", "combine send items start (block 0)",
+      "combine send items done (last block)", "combine reduce done (block 0)", "stamp before dispatch graph",
+      "stamp after dispatch graph", "stamp before combine graph", "stamp after combine graph"};
+  return i >= 0 && i < kTrSlots ? names[i] : nullptr;
+}
+inline bool ll_trace_is_combine(int i) {
+  return i == 4 || i == 5 || i == 6 || i == 7 || i == 9 || i == 11 || i == 17 || i == 18 || i == 19 || i == 22 || i == 23;
+}
 
 /// The error report, in host-mapped memory: the kernels never trap; the host reads it.
 struct LlErrorReport {
@@ -60,6 +104,7 @@ struct LlCommon {
   long long timeout_ns = 0;
   bool signal_rank = false;     ///< one completion word per (source, destination), stored by the source's last block
   bool expand_message = false;  ///< sender-ranked slots, (message, chunk) expansion on the receiver
+  bool items_run = false;       ///< combine (partial modes): a warp takes a run of chunks of one row (ll.items = run)
 };
 
 struct LlDispatchParams {
@@ -120,5 +165,9 @@ void launch_ll_combine(const LlCombineParams& p, int blocks, int threads, cudaSt
 /// A one-warp kernel that spins for `ns` nanoseconds (globaltimer): benchmarks put it between
 /// their rank alignment and their start event, so the host has queued the timed work before it.
 void launch_gpu_delay(long long ns, cudaStream_t stream);
+/// One thread writes the globaltimer [ns] to *dst (diagnostics: LlCuda::stamp).
+void launch_gpu_stamp(unsigned long long* dst, cudaStream_t stream);
+/// An empty kernel with the LL kernels' register budget (launch bounds), `smem` dynamic shared memory.
+void launch_ll_empty(size_t smem, int blocks, int threads, cudaStream_t stream);
 
 }  // namespace epx::dispatch

@@ -8,7 +8,7 @@
 // at the ll-v3 (H 7168, E 256, K 8, fp8) and ll-v4 (E 384, K 6, fp8) shapes and hidden 2048 / 4096
 // (bf16, fp8, fp8 + UE8M0, shared route, duplicates, int64 ids), T in {0, 1, 7, 128} with -1
 // selections and different T per rank, two rounds per object (both parities);
-// the protocol the Config does not choose (ll.signal / ll.expand) on the partial_fp32 cases;
+// the protocol the Config does not choose (ll.signal / ll.expand / ll.items) on the partial_fp32 cases;
 // CUDA graphs: prepare and finalize captured separately, replayed with a device-side T that
 // changes between replays and differs between ranks; two graphs on one object replayed
 // interleaved; the send/recv split (hooks); errors: T > capacity (InvalidArgument before anything
@@ -615,14 +615,17 @@ TEST(LlCuda, PartialCombineMatchesCpuTwoRanks) {
 }
 
 // The protocol the Config does not choose by default (ll.signal block <-> rank, ll.expand expert <->
-// message; bench/NOTES.md), so both stay covered whatever the defaults: partial_fp32 cases.
+// message, ll.items chunk <-> run; bench/NOTES.md), so both stay covered whatever the defaults:
+// partial_fp32 cases.
 TEST(LlCuda, OtherProtocolMatchesCpuTwoRanks) {
   if (gpus() < 2) GTEST_SKIP() << "needs 2 GPUs, found " << gpus();
   const Config defaults;
   dispatch::LlLaunch launch;
   launch.signal_rank = defaults.ll_signal != "rank";
   launch.expand_message = defaults.ll_expand != "message";
-  std::printf("ll.signal = %s, ll.expand = %s\n", launch.signal_rank ? "rank" : "block", launch.expand_message ? "message" : "expert");
+  launch.items_run = defaults.ll_items != "run";
+  std::printf("ll.signal = %s, ll.expand = %s, ll.items = %s\n", launch.signal_rank ? "rank" : "block", launch.expand_message ? "message" : "expert",
+              launch.items_run ? "run" : "chunk");
   run_eager(2, LlCombine::partial_fp32, &launch);
 }
 

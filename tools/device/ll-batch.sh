@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # tools/device/ll-batch.sh: helper "ll"'s device batch (run from a copy of /work/main carrying
 # .carry/deps.tar.xz and .carry-ll/): build epx + ll_cuda_test (gpu-check.sh, GPU_CHECK_TARGETS), then
-# the LL benchmarks for the protocol variants (ll.signal block|rank x ll.expand expert|message,
-# bench/NOTES.md "fourth session") and the two-rank GPU tests in the new mode, each under its own
-# time limit inside the caller's allowance (LL_BUDGET_S, default 145 s). Everything lands in $OUT.
+# the LL benchmarks (each validated against the CPU reference and run beside nccl_a2a_raw) and the
+# two-rank GPU tests of the new mode, each under its own time limit inside the caller's allowance
+# (LL_BUDGET_S, default 105 s). Fifth session, batch 1: ll.items chunk | run, the per-phase stamps and
+# the launch floor (bench/NOTES.md). Everything lands in $OUT.
 set -u
 T0=$SECONDS
-BUDGET=${LL_BUDGET_S:-145}
+BUDGET=${LL_BUDGET_S:-105}
 OUT=${OUT:-/tmp/ll-out}
 mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
 left() { echo $(( BUDGET - (SECONDS - T0) )); }
@@ -26,7 +27,7 @@ rm -rf "$S" && mkdir -p "$S/.carry" && tar -C "$S" -xJf .carry-ll/src.tar.xz && 
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 mkdir -p "$OUT/build"
 OUT="$OUT/build" GPU_CHECK_SRC="$S" GPU_CHECK_ONE_GPU=0 GPU_CHECK_SANITIZE=0 GPU_CHECK_CPU=0 GPU_CHECK_BENCH=0 GPU_CHECK_TESTS=0 \
-  GPU_CHECK_TARGETS="epx ll_cuda_test" timeout -k 2 $(( BUDGET - 20 )) bash "$S/tools/device/gpu-check.sh" run >"$OUT/build/gpu-check.out" 2>&1
+  GPU_CHECK_TARGETS="epx ll_cuda_test" timeout -k 2 $(( BUDGET - 30 )) bash "$S/tools/device/gpu-check.sh" run >"$OUT/build/gpu-check.out" 2>&1
 echo "build: $(( SECONDS - T0 )) s" | tee -a "$OUT/summary.txt"
 B=/tmp/epx-gpu-check/build
 E="$B/epx"
@@ -40,22 +41,15 @@ bench() {  # <name> <case> [VAR=value ...]: one epx bench with those config vari
   local name=$1 case=$2; shift 2
   step "$name" 9 env EPX_TIMEOUT_S=5 "$@" "$E" "${BENCH[@]}" --case "$case" --json "$OUT/$name.json"
 }
-# rm = ll.signal rank + ll.expand message, be = block + expert (the old protocol), re / bm the halves.
-bench ll-v3-rm ll-v3 EPX_LL_SIGNAL=rank EPX_LL_EXPAND=message
-bench ll-v3-be ll-v3 EPX_LL_SIGNAL=block EPX_LL_EXPAND=expert
-RM=(env EPX_LL_SIGNAL=rank EPX_LL_EXPAND=message EPX_LL_COMBINE=partial_fp32)
-step test-rm 50 "${RM[@]}" "$B/ll_cuda_test" \
-  --gtest_filter='LlCuda.MatchesCpuTwoRanks:LlCuda.PartialCombineMatchesCpuTwoRanks:LlCuda.GraphsWithDeviceTokenCountTwoRanks'
-bench ll-v3-re ll-v3 EPX_LL_SIGNAL=rank EPX_LL_EXPAND=expert
-bench ll-v3-bm ll-v3 EPX_LL_SIGNAL=block EPX_LL_EXPAND=message
-bench ll-v3-rm-partial_bf16 ll-v3 EPX_LL_SIGNAL=rank EPX_LL_EXPAND=message EPX_LL_COMBINE=partial_bf16
-bench ll-v3-rm-column ll-v3 EPX_LL_SIGNAL=rank EPX_LL_EXPAND=message EPX_LL_COMBINE=column
-bench ll-v3-rm-w16 ll-v3 EPX_LL_SIGNAL=rank EPX_LL_EXPAND=message EPX_LL_WARPS_PER_BLOCK=16
-bench ll-v3-rm-b66 ll-v3 EPX_LL_SIGNAL=rank EPX_LL_EXPAND=message EPX_LL_NUM_BLOCKS=66
-bench ll-v4-rm ll-v4 EPX_LL_SIGNAL=rank EPX_LL_EXPAND=message
-step test-be-partial 25 env EPX_LL_SIGNAL=block EPX_LL_EXPAND=expert "$B/ll_cuda_test" --gtest_filter='LlCuda.PartialCombineMatchesCpuTwoRanks'
-step test-rm-errors 12 "${RM[@]}" "$B/ll_cuda_test" --gtest_filter='LlCuda.ErrorsTwoRanks:LlCuda.TimeoutNamesThePeer'
+bench ll-v3-chunk ll-v3 EPX_LL_ITEMS=chunk
+bench ll-v3-run ll-v3 EPX_LL_ITEMS=run
+step test-run 40 env EPX_LL_ITEMS=run "$B/ll_cuda_test" \
+  --gtest_filter='LlCuda.PartialCombineMatchesCpuTwoRanks:LlCuda.PartialCombineGraphsTwoRanks'
+bench ll-v3-run-partial_bf16 ll-v3 EPX_LL_ITEMS=run EPX_LL_COMBINE=partial_bf16
+bench ll-v4-run ll-v4 EPX_LL_ITEMS=run
+bench ll-v3-run-w32 ll-v3 EPX_LL_ITEMS=run EPX_LL_WARPS_PER_BLOCK=32
+bench ll-v3-chunk-partial_bf16 ll-v3 EPX_LL_ITEMS=chunk EPX_LL_COMBINE=partial_bf16
 echo "== summary ($(( SECONDS - T0 )) s)"
 cat "$OUT/summary.txt"
-for f in "$OUT"/ll-*.log; do echo "-- $f"; grep -E "^ll-v. .* (ll|nccl_a2a_raw)|timeline" "$f" | head -12; done
+for f in "$OUT"/ll-*.log; do echo "-- $f"; grep -E "^ll-v. .* (ll|nccl_a2a_raw)|timeline|launch floor|stamps" "$f" | head -16; done
 for f in "$OUT"/test-*.log; do echo "-- $f"; grep -E "OK \]|FAILED|PASSED|DIFFERS|Failure" "$f" | head -10; done

@@ -10,6 +10,7 @@
 #include <fstream>
 #include <iomanip>
 #include <iostream>
+#include <map>
 #include <mutex>
 #include <nlohmann/json.hpp>
 #include <random>
@@ -225,6 +226,59 @@ void align_ranks_delayed(Group& group, const Tensor& word, Stream stream) {
   group.all_reduce_sum(word.data(), word.data(), 1, DType::fp32, stream);
 }
 
+/// --graph, ll diagnostics (stderr; bench/NOTES.md, fifth session): (1) the launch floor under the
+/// same timing, CUDA events around a graph of one empty kernel of the LL kernels' launch shape, and
+/// of a one-warp kernel; (2) the kernels' per-phase stamps (LlTraceSlot) over 20 untimed rounds with
+/// stamp kernels before and after each graph, medians. Collective (the ranks align every round).
+template <class Stamped>
+void ll_diagnostics(dispatch::LlCuda& ll, Group& group, const Tensor& word, Stream stream, IterTimer& timer, Stamped stamped,
+                    const char* what) {
+  std::ostringstream os;
+  os << std::fixed << std::setprecision(2);
+  if (std::string(what) != "T = 1") {
+    for (int tiny = 0; tiny < 2; ++tiny) {
+      CapturedGraph ge;
+      if (!tiny) ll.launch_empty(stream);  // eager first (module load)
+      ge.capture(stream, [&] {
+        if (tiny) dispatch::launch_gpu_delay(0, static_cast<cudaStream_t>(stream.handle));
+        else ll.launch_empty(stream);
+      });
+      std::vector<double> us;
+      for (int i = 0; i < 100; ++i) {
+        align_ranks_delayed(group, word, stream);
+        timer.mark(0);
+        ge.launch(stream);
+        timer.mark(1);
+        timer.mark(2);
+        timer.mark(3);
+        us.push_back(timer.finish().first);
+      }
+      std::sort(us.begin(), us.end());
+      os << "epx bench: ll launch floor, rank " << group.rank() << ": events around a graph of one "
+         << (tiny ? "1 x 32-thread kernel" : "empty kernel of the LL launch shape") << ": p50 " << us[us.size() / 2] << " us (p10 "
+         << us[us.size() / 10] << ", p90 " << us[us.size() * 9 / 10] << ")\n";
+    }
+  }
+  std::map<std::string, std::vector<double>> vals;
+  std::vector<std::string> order;
+  for (int i = 0; i < 20; ++i) {
+    stamped(ll);
+    timer.sync();
+    for (const auto& [name, v] : ll.trace_named()) {
+      if (!vals.count(name)) order.push_back(name);
+      vals[name].push_back(v);
+    }
+  }
+  os << "epx bench: ll stamps, rank " << group.rank() << ", " << what << " (median of 20 rounds with stamp kernels, us from each kernel's start):";
+  for (const auto& name : order) {
+    auto& v = vals[name];
+    std::sort(v.begin(), v.end());
+    os << " " << name << " " << v[v.size() / 2] << ";";
+  }
+  os << "\n";
+  std::cerr << os.str();
+}
+
 /// --graph: prepare and finalize captured separately; per iteration: barrier, delay, device-side align, event, prepare replay,
 /// event, identity experts (eager, untimed), event, finalize replay, event. Graph-safe backends only.
 void run_epx_backend_graph(const Job& job, const BenchCase& c, int64_t T, const std::shared_ptr<Group>& group, Device dev,
@@ -282,6 +336,17 @@ void run_epx_backend_graph(const Job& job, const BenchCase& c, int64_t T, const 
   timer.sync();
   for (int i = 0; i < iters; ++i) iteration(true, res.dispatch_us, res.combine_us);
   timer.sync();
+  // ll diagnostics (bench/NOTES.md, fifth session): one untimed round with stamp kernels around the graphs.
+  auto iteration_stamped = [&](dispatch::LlCuda& ll) {
+    align_ranks_delayed(*group, word, stream);
+    ll.stamp(dispatch::kTrHostPreDisp, stream);
+    gp.launch(stream);
+    ll.stamp(dispatch::kTrHostPostDisp, stream);
+    experts->apply(p.experts_input(), expert_out, stream);
+    ll.stamp(dispatch::kTrHostPreComb, stream);
+    gf.launch(stream);
+    ll.stamp(dispatch::kTrHostPostComb, stream);
+  };
   auto print_trace = [&](const char* what) {
     if (auto* ll = dynamic_cast<dispatch::LlCuda*>(pf.get())) {
       const std::vector<double> tr = ll->trace();
@@ -296,6 +361,7 @@ void run_epx_backend_graph(const Job& job, const BenchCase& c, int64_t T, const 
   };
   if (auto* ll = dynamic_cast<dispatch::LlCuda*>(pf.get())) ll->check(stream);
   print_trace("T per rank");
+  if (auto* ll = dynamic_cast<dispatch::LlCuda*>(pf.get())) ll_diagnostics(*ll, *group, word, stream, timer, iteration_stamped, "T per rank");
   res.out = out.to(Device::cpu());
   // The fixed floor: the same graphs with one token per rank.
   set_tokens(std::min<int32_t>(1, static_cast<int32_t>(T)));
@@ -304,6 +370,7 @@ void run_epx_backend_graph(const Job& job, const BenchCase& c, int64_t T, const 
   for (int i = 0; i < iters; ++i) iteration(true, res.dispatch_us_1tok, res.combine_us_1tok);
   timer.sync();
   print_trace("T = 1");
+  if (auto* ll = dynamic_cast<dispatch::LlCuda*>(pf.get())) ll_diagnostics(*ll, *group, word, stream, timer, iteration_stamped, "T = 1");
   if (auto* ll = dynamic_cast<dispatch::LlCuda*>(pf.get())) {
     ll->check(stream);
     int sms = 0;
@@ -739,6 +806,7 @@ int report(const BenchOptions& o, const std::vector<BenchCase>& cases, const std
           {"ll_combine", job.backend == "ll" ? json(config.ll_combine) : json(nullptr)},
           {"ll_signal", job.backend == "ll" ? json(config.ll_signal) : json(nullptr)},
           {"ll_expand", job.backend == "ll" ? json(config.ll_expand) : json(nullptr)},
+          {"ll_items", job.backend == "ll" ? json(config.ll_items) : json(nullptr)},
           {"latency_us_p50", ran ? json(p50) : json(nullptr)},
           {"latency_us_p10", ran ? json(percentile(per_iter, 10)) : json(nullptr)},
           {"latency_us_p90", ran ? json(percentile(per_iter, 90)) : json(nullptr)},
