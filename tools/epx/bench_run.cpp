@@ -232,6 +232,18 @@ void align_ranks_delayed(Group& group, const Tensor& word, Stream stream) {
 /// stamp kernels before and after each graph, medians. Collective (the ranks align every round).
 template <class Stamped>
 void ll_diagnostics(dispatch::LlCuda& ll, Group& group, const Tensor& word, Stream stream, IterTimer& timer, Stamped stamped,
+                    const char* what);
+template <class Stamped>
+void ll_diagnostics_guarded(dispatch::LlCuda& ll, Group& group, const Tensor& word, Stream stream, IterTimer& timer, Stamped stamped,
+                            const char* what) {
+  try {
+    ll_diagnostics(ll, group, word, stream, timer, stamped, what);
+  } catch (const std::exception& e) {
+    std::cerr << "epx bench: ll diagnostics failed: " << e.what() << "\n";
+  }
+}
+template <class Stamped>
+void ll_diagnostics(dispatch::LlCuda& ll, Group& group, const Tensor& word, Stream stream, IterTimer& timer, Stamped stamped,
                     const char* what) {
   std::ostringstream os;
   os << std::fixed << std::setprecision(2);
@@ -361,7 +373,7 @@ void run_epx_backend_graph(const Job& job, const BenchCase& c, int64_t T, const 
   };
   if (auto* ll = dynamic_cast<dispatch::LlCuda*>(pf.get())) ll->check(stream);
   print_trace("T per rank");
-  if (auto* ll = dynamic_cast<dispatch::LlCuda*>(pf.get())) ll_diagnostics(*ll, *group, word, stream, timer, iteration_stamped, "T per rank");
+  if (auto* ll = dynamic_cast<dispatch::LlCuda*>(pf.get())) ll_diagnostics_guarded(*ll, *group, word, stream, timer, iteration_stamped, "T per rank");
   res.out = out.to(Device::cpu());
   // The fixed floor: the same graphs with one token per rank.
   set_tokens(std::min<int32_t>(1, static_cast<int32_t>(T)));
@@ -370,7 +382,7 @@ void run_epx_backend_graph(const Job& job, const BenchCase& c, int64_t T, const 
   for (int i = 0; i < iters; ++i) iteration(true, res.dispatch_us_1tok, res.combine_us_1tok);
   timer.sync();
   print_trace("T = 1");
-  if (auto* ll = dynamic_cast<dispatch::LlCuda*>(pf.get())) ll_diagnostics(*ll, *group, word, stream, timer, iteration_stamped, "T = 1");
+  if (auto* ll = dynamic_cast<dispatch::LlCuda*>(pf.get())) ll_diagnostics_guarded(*ll, *group, word, stream, timer, iteration_stamped, "T = 1");
   if (auto* ll = dynamic_cast<dispatch::LlCuda*>(pf.get())) {
     ll->check(stream);
     int sms = 0;
