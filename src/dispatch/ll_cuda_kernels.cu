@@ -340,20 +340,6 @@ __global__ void __launch_bounds__(kMaxThreads, 1) ll_dispatch_kernel(const __gri
     }
     __syncthreads();
     trace_at(c, kTrDispScanned);
-    // Tokens per (destination, local expert) for the receivers' slot bases (message expansion):
-    // every block has them (s_tot); block 0 stores them before its items, so their NVLink round
-    // trip overlaps the payload's. Its flag's release covers them (ll.signal = block); with
-    // ll.signal = rank block 0's fence and count RMW come before the last block's flag (last_block).
-    if (by_message && blockIdx.x == 0) {
-      for (int d = 0; d < R; ++d) {
-        const int Ld = c.placement.num_local(d);
-        for (int l = threadIdx.x; l < Ld; l += blockDim.x) {
-          const int id = c.placement.shared_route && l == Ld - 1 ? c.placement.num_experts : c.placement.range_begin(d) + l;
-          const int n = c.placement.local_index(id, rank, d) == l ? s_tot[id] : 0;
-          *reinterpret_cast<int32_t*>(c.peers[d] + lay.expert_count_offset(parity, rank, l)) = n;
-        }
-      }
-    }
 
     const int64_t items = static_cast<int64_t>(T) * nchunks;
     for (int64_t item = static_cast<int64_t>(blockIdx.x) * W + warp; item < items; item += static_cast<int64_t>(gridDim.x) * W) {
@@ -437,6 +423,17 @@ __global__ void __launch_bounds__(kMaxThreads, 1) ll_dispatch_kernel(const __gri
     if (blockIdx.x == 0 && threadIdx.x == 0) c.state->num_tokens = T;
     // The block that stores the counts: block 0 (ll.signal = block), or the last block to finish.
     const bool counter = c.signal_rank ? last_block(&c.state->dispatch_send_blocks, &s_last) : blockIdx.x == 0;
+    if (by_message && counter) {  // tokens per (destination, local expert) for the receivers' slot bases
+      for (int d = 0; d < R; ++d) {
+        const int Ld = c.placement.num_local(d);
+        for (int l = threadIdx.x; l < Ld; l += blockDim.x) {
+          const int id = c.placement.shared_route && l == Ld - 1 ? c.placement.num_experts : c.placement.range_begin(d) + l;
+          const int n = c.placement.local_index(id, rank, d) == l ? s_tot[id] : 0;
+          *reinterpret_cast<int32_t*>(c.peers[d] + lay.expert_count_offset(parity, rank, l)) = n;
+        }
+      }
+      __syncthreads();
+    }
     trace_at(c, kTrDispCounts);
     if (threadIdx.x < R && (counter || !c.signal_rank)) {  // flags after all the block's stores (cumulative release)
       const int d = threadIdx.x;

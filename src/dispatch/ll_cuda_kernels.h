@@ -52,7 +52,7 @@ enum LlTraceSlot : int {
   kTrDispT = 12,           ///< b0: call numbers and T known (first __syncthreads)
   kTrDispScanned = 13,     ///< b0: masks, per-id ranks and slots done (items start)
   kTrDispItems = 14,       ///< max: the block's send items done (its __syncthreads)
-  kTrDispCounts = 15,      ///< b0: the flag release starts (counts stored before the items)
+  kTrDispCounts = 15,      ///< b0: count stores issued (before the flag release)
   kTrDispBases = 16,       ///< b0: recv slot bases known (expansion items start)
   kTrCombCounts = 17,      ///< b0: send items start (counts / call numbers known)
   kTrCombItems = 18,       ///< max: the block's send items done
@@ -70,7 +70,7 @@ inline const char* ll_trace_name(int i) {
       "combine start", "combine flags stored (last block)", "combine waited (block 0)", "combine done (last block)",
       "dispatch last block start", "combine last block start", "dispatch waited (last block)", "combine waited (last block)",
       "dispatch T known (block 0)", "dispatch slots scanned (block 0)", "dispatch send items done (last block)",
-      "dispatch release starts (block 0)", "dispatch slot bases (block 0)", "combine send items start (block 0)",
+      "dispatch counts issued (block 0)", "dispatch slot bases (block 0)", "combine send items start (block 0)",
       "combine send items done (last block)", "combine reduce done (block 0)", "stamp before dispatch graph",
       "stamp after dispatch graph", "stamp before combine graph", "stamp after combine graph"};
   return i >= 0 && i < kTrSlots ? names[i] : nullptr;
