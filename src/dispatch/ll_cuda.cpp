@@ -42,6 +42,11 @@ LlCuda::LlCuda(std::shared_ptr<Group> group, const DispatchConfig& cfg, const Ll
   require_arg(op, "ll.num_blocks", launch.num_blocks, launch.num_blocks >= 0, "must be >= 0 (0 = one per SM)");
   require_arg(op, "timeout_s", launch.timeout_s, launch.timeout_s > 0, "must be > 0");
   layout_ = ll_layout(cfg_, num_ranks_);
+  {  // the kernels index their work items in 32 bits (ll_cuda_kernels.cu: udiv)
+    const int64_t items = static_cast<int64_t>(num_ranks_) * cfg.num_max_dispatch_tokens_per_rank * ((cfg.hidden + 255) / 256);
+    require_arg(op, "num_max_dispatch_tokens_per_rank", cfg.num_max_dispatch_tokens_per_rank, items < (int64_t{1} << 31),
+                "times num_ranks x ceil(hidden / 256) must be < 2^31 (the LL kernels' 32-bit work-item indices)");
+  }
 
   threads_ = 32 * launch.warps_per_block;
   int sms = 0;

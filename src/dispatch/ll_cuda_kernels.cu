@@ -63,6 +63,11 @@ __device__ __forceinline__ unsigned lanemask_lt() {
   return m;
 }
 
+/// a / b and a % b in 32-bit unsigned arithmetic (a few instructions instead of a 64-bit division
+/// sequence): work-item indices are < 2^31 (LlCuda checks R x max_T x ceil(H / 256) at create).
+__device__ __forceinline__ int udiv(int64_t a, int b) { return static_cast<int>(static_cast<uint32_t>(a) / static_cast<uint32_t>(b)); }
+__device__ __forceinline__ int umod(int64_t a, int b) { return static_cast<int>(static_cast<uint32_t>(a) % static_cast<uint32_t>(b)); }
+
 __device__ __forceinline__ unsigned lanemask_of(int i) { return (1u << i) - 1u; }  // bits below i, i < 32
 
 /// ll.signal = rank: every block counts itself on `blocks` (the part's finished-block counter) after
@@ -107,7 +112,7 @@ __device__ __forceinline__ int32_t word_of(const uint4 (&v)[8], int k) {
 }
 
 /// First reporter wins; the host reads `kind` last.
-__device__ void report(const LlCommon& c, int kind, int peer, int op, long long value, long long index) {
+__device__ __noinline__ void report(const LlCommon& c, int kind, int peer, int op, long long value, long long index) {
   if (atomicCAS(&c.state->error_claim, 0, 1) != 0) return;
   volatile LlErrorReport* e = c.error;
   e->peer = peer;
@@ -223,7 +228,9 @@ __device__ __forceinline__ int chunks_per_run(int nch, int64_t rows, int64_t war
 
 // kMaxThreads: 1024 (64 registers per thread, a few spilled) or 512 (128 registers); the launch picks
 // the smallest that holds the block.
-template <bool kFp8, int kMaxThreads>
+// kMessage: ll.expand = message (LlCommon::expand_message); the other expansion's code is compiled
+// out (a smaller kernel: its instructions are fetched cold on every SM at every launch).
+template <bool kFp8, int kMaxThreads, bool kMessage>
 __global__ void __launch_bounds__(kMaxThreads, 1) ll_dispatch_kernel(const __grid_constant__ LlDispatchParams p) {
   extern __shared__ __align__(16) uint8_t smem[];
   const LlCommon& c = p.c;
@@ -237,7 +244,7 @@ __global__ void __launch_bounds__(kMaxThreads, 1) ll_dispatch_kernel(const __gri
   __shared__ int s_count[kLlMaxRanks], s_n[kLlMaxRanks], s_bad[kLlMaxRanks], s_mp[kLlMaxRanks + 1];
   // ll.expand = message, send part: s_bm[id][w] bit i = token 32 w + i selects id; s_pre[id][w] =
   // tokens before 32 w that select id; s_tot[id] = all tokens that select it.
-  const bool by_message = c.expand_message;
+  constexpr bool by_message = kMessage;
   const int NI = lay.num_ids, Wm = (max_t + 31) / 32;
   uint32_t* s_bm = reinterpret_cast<uint32_t*>(smem) + max_t + static_cast<int64_t>(max_t) * R;  // after s_mask, s_slot
   int32_t* s_pre = reinterpret_cast<int32_t*>(s_bm + static_cast<int64_t>(NI) * Wm);
@@ -260,7 +267,7 @@ __global__ void __launch_bounds__(kMaxThreads, 1) ll_dispatch_kernel(const __gri
   int64_t pre_k = -1;
   float pre_w = 0.0f;
   if (p.send && first_item < p.x_rows * nchunks) {
-    const int t = static_cast<int>(first_item / nchunks), ch = static_cast<int>(first_item % nchunks);
+    const int t = udiv(first_item, nchunks), ch = umod(first_item, nchunks);
     const int64_t h0 = static_cast<int64_t>(ch) * kLlChunkElems + lane * 16;
     const uint16_t* xr = p.x + static_cast<int64_t>(t) * H;
     if (h0 < H) pre_v0 = __ldg(reinterpret_cast<const uint4*>(xr + h0));
@@ -343,7 +350,7 @@ __global__ void __launch_bounds__(kMaxThreads, 1) ll_dispatch_kernel(const __gri
 
     const int64_t items = static_cast<int64_t>(T) * nchunks;
     for (int64_t item = static_cast<int64_t>(blockIdx.x) * W + warp; item < items; item += static_cast<int64_t>(gridDim.x) * W) {
-      const int t = static_cast<int>(item / nchunks), ch = static_cast<int>(item % nchunks);
+      const int t = udiv(item, nchunks), ch = umod(item, nchunks);
       const uint32_t m = s_mask[t];
       const int64_t h0 = static_cast<int64_t>(ch) * kLlChunkElems + lane * 16;
       const bool ok0 = h0 < H, ok1 = h0 + 8 < H;
@@ -467,7 +474,7 @@ __global__ void __launch_bounds__(kMaxThreads, 1) ll_dispatch_kernel(const __gri
     __syncthreads();
     trace_at(c, 2);
     trace_max(c, 10);
-    if (by_message) {
+    if constexpr (by_message) {
       const int L = c.num_local;
       const int64_t cap = static_cast<int64_t>(R) * max_t, gpr = H / 128;
       // (message, 512-element chunk) items over the whole grid: the chunk is loaded once and stored
@@ -486,8 +493,8 @@ __global__ void __launch_bounds__(kMaxThreads, 1) ll_dispatch_kernel(const __gri
       const int cprd = c.items_run ? chunks_per_run(nchunks, s_mp[R], gwarps, kRunD) : 1;
       const int runsd = (nchunks + cprd - 1) / cprd;
       auto load_item = [&](int64_t item, Item& m) {  // all loads of the item at once (one round trip)
-        const int flat = static_cast<int>(item / runsd);
-        m.ch = static_cast<int>(item % runsd) * cprd;
+        const int flat = udiv(item, runsd);
+        m.ch = umod(item, runsd) * cprd;
         m.s = 0;
         while (m.s + 1 < R && s_mp[m.s + 1] <= flat) ++m.s;
         m.j = flat - s_mp[m.s];
@@ -777,9 +784,9 @@ __device__ __forceinline__ void combine_send_runs(const LlCombineParams& p, int 
   const int runs = (nch + cpr - 1) / cpr;
   const int64_t items = nmsg * runs;
   for (int64_t item = static_cast<int64_t>(blockIdx.x) * W + warp; item < items; item += warps) {
-    const int64_t mi = item / runs;  // = s max_T + j
+    const int64_t mi = udiv(item, runs);  // = s max_T + j
     const int run = static_cast<int>(item - mi * runs);
-    const int s = static_cast<int>(mi / max_t), j = static_cast<int>(mi - static_cast<int64_t>(s) * max_t);
+    const int s = udiv(mi, max_t), j = static_cast<int>(mi - static_cast<int64_t>(s) * max_t);
     int32_t my_row = -1, v0 = 0;
     float my_w = 0.0f;
     unsigned long long ctr = 0;
@@ -874,7 +881,7 @@ __device__ __forceinline__ void combine_recv_runs(const LlCombineParams& p, int 
   const int runs = (nch + cpr - 1) / cpr;
   const int64_t items = static_cast<int64_t>(T) * runs;
   const int64_t first_item = static_cast<int64_t>(blockIdx.x) * W + warp;
-  uint32_t mask = first_item < items ? p.dest_mask[first_item / runs] : 0u;
+  uint32_t mask = first_item < items ? p.dest_mask[udiv(first_item, runs)] : 0u;
   if (threadIdx.x < R) s_bad[threadIdx.x] = 0;
   __syncthreads();  // s_call (thread 0 read it at the kernel's start), s_bad
   const unsigned long long call = *s_call;
@@ -884,7 +891,7 @@ __device__ __forceinline__ void combine_recv_runs(const LlCombineParams& p, int 
   trace_at(c, 6);
   trace_max(c, 11);
   for (int64_t item = first_item; item < items; item += warps) {
-    const int t = static_cast<int>(item / runs), run = static_cast<int>(item - static_cast<int64_t>(t) * runs);
+    const int t = udiv(item, runs), run = static_cast<int>(item - static_cast<int64_t>(t) * runs);
     if (item != first_item) mask = p.dest_mask[t];
     const int64_t hbase = static_cast<int64_t>(run) * cpr * 256 + lane * 8;
     float acc[kRun][8];
@@ -1225,12 +1232,16 @@ int ll_max_resident_blocks(int threads, size_t dispatch_smem, size_t combine_sme
     worst = n < worst ? n : worst;
   };
   if (threads > 512) {
-    check(reinterpret_cast<const void*>(&ll_dispatch_kernel<true, 1024>), dispatch_smem);
-    check(reinterpret_cast<const void*>(&ll_dispatch_kernel<false, 1024>), dispatch_smem);
+    check(reinterpret_cast<const void*>(&ll_dispatch_kernel<true, 1024, true>), dispatch_smem);
+    check(reinterpret_cast<const void*>(&ll_dispatch_kernel<false, 1024, true>), dispatch_smem);
+    check(reinterpret_cast<const void*>(&ll_dispatch_kernel<true, 1024, false>), dispatch_smem);
+    check(reinterpret_cast<const void*>(&ll_dispatch_kernel<false, 1024, false>), dispatch_smem);
     check(reinterpret_cast<const void*>(&ll_combine_kernel<1024>), combine_smem);
   } else {
-    check(reinterpret_cast<const void*>(&ll_dispatch_kernel<true, 512>), dispatch_smem);
-    check(reinterpret_cast<const void*>(&ll_dispatch_kernel<false, 512>), dispatch_smem);
+    check(reinterpret_cast<const void*>(&ll_dispatch_kernel<true, 512, true>), dispatch_smem);
+    check(reinterpret_cast<const void*>(&ll_dispatch_kernel<false, 512, true>), dispatch_smem);
+    check(reinterpret_cast<const void*>(&ll_dispatch_kernel<true, 512, false>), dispatch_smem);
+    check(reinterpret_cast<const void*>(&ll_dispatch_kernel<false, 512, false>), dispatch_smem);
     check(reinterpret_cast<const void*>(&ll_combine_kernel<512>), combine_smem);
   }
   return worst * sms;
@@ -1238,12 +1249,17 @@ int ll_max_resident_blocks(int threads, size_t dispatch_smem, size_t combine_sme
 
 void launch_ll_dispatch(const LlDispatchParams& p, int blocks, int threads, cudaStream_t stream) {
   const size_t smem = ll_dispatch_smem_bytes(p.c.lay, p.c.expand_message, p.c.num_local);
+  const bool fp8 = p.c.lay.use_fp8, msg = p.c.expand_message;
   if (threads > 512) {
-    if (p.c.lay.use_fp8) ll_dispatch_kernel<true, 1024><<<blocks, threads, smem, stream>>>(p);
-    else ll_dispatch_kernel<false, 1024><<<blocks, threads, smem, stream>>>(p);
+    if (fp8 && msg) ll_dispatch_kernel<true, 1024, true><<<blocks, threads, smem, stream>>>(p);
+    else if (msg) ll_dispatch_kernel<false, 1024, true><<<blocks, threads, smem, stream>>>(p);
+    else if (fp8) ll_dispatch_kernel<true, 1024, false><<<blocks, threads, smem, stream>>>(p);
+    else ll_dispatch_kernel<false, 1024, false><<<blocks, threads, smem, stream>>>(p);
   } else {
-    if (p.c.lay.use_fp8) ll_dispatch_kernel<true, 512><<<blocks, threads, smem, stream>>>(p);
-    else ll_dispatch_kernel<false, 512><<<blocks, threads, smem, stream>>>(p);
+    if (fp8 && msg) ll_dispatch_kernel<true, 512, true><<<blocks, threads, smem, stream>>>(p);
+    else if (msg) ll_dispatch_kernel<false, 512, true><<<blocks, threads, smem, stream>>>(p);
+    else if (fp8) ll_dispatch_kernel<true, 512, false><<<blocks, threads, smem, stream>>>(p);
+    else ll_dispatch_kernel<false, 512, false><<<blocks, threads, smem, stream>>>(p);
   }
   cuda::check_launch("ll_dispatch_kernel");
 }

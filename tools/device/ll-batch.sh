@@ -3,11 +3,12 @@
 # .carry/deps.tar.xz and .carry-ll/): build epx + ll_cuda_test (gpu-check.sh, GPU_CHECK_TARGETS), then
 # the LL benchmarks (each validated against the CPU reference and run beside nccl_a2a_raw) and the
 # two-rank GPU tests of the new mode, each under its own time limit inside the caller's allowance
-# (LL_BUDGET_S, default 105 s). Fifth session, batch 1: ll.items chunk | run, the per-phase stamps and
-# the launch floor (bench/NOTES.md). Everything lands in $OUT.
+# (LL_BUDGET_S, default 145 s). Fifth session, batch 2: ll.items run vs chunk with the slimmer kernels
+# (expansion mode as a template, 32-bit item indices), the cold/warm stamps, then compute-sanitizer
+# memcheck + racecheck of the ll bench (SAN_ONLY=ll) and the bit-exact tests in run mode.
 set -u
 T0=$SECONDS
-BUDGET=${LL_BUDGET_S:-105}
+BUDGET=${LL_BUDGET_S:-145}
 OUT=${OUT:-/tmp/ll-out}
 mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
 left() { echo $(( BUDGET - (SECONDS - T0) )); }
@@ -41,15 +42,17 @@ bench() {  # <name> <case> [VAR=value ...]: one epx bench with those config vari
   local name=$1 case=$2; shift 2
   step "$name" 9 env EPX_TIMEOUT_S=5 "$@" "$E" "${BENCH[@]}" --case "$case" --json "$OUT/$name.json"
 }
-bench ll-v3-chunk ll-v3 EPX_LL_ITEMS=chunk
 bench ll-v3-run ll-v3 EPX_LL_ITEMS=run
-step test-run 40 env EPX_LL_ITEMS=run "$B/ll_cuda_test" \
-  --gtest_filter='LlCuda.PartialCombineMatchesCpuTwoRanks:LlCuda.PartialCombineGraphsTwoRanks'
+bench ll-v3-chunk ll-v3 EPX_LL_ITEMS=chunk
+step test-run 25 env EPX_LL_ITEMS=run "$B/ll_cuda_test" --gtest_filter='LlCuda.PartialCombineMatchesCpuTwoRanks'
+# compute-sanitizer: the ll steps of sanitize-dispatch.sh (memcheck + racecheck of the ll-v3 bench, then
+# memcheck of one two-rank graph test if time is left) on the run mode, inside what is left minus 10 s.
+SAN_S=$(( $(left) - 10 ))
+step sanitize $(( SAN_S + 1 )) env EPX_LL_ITEMS=run SAN_ONLY=ll SAN_STEP_S=$(( SAN_S / 2 )) OUT="$OUT" SAN_LL_TEST_FILTER='LlCuda.PartialCombineGraphsTwoRanks' \
+  bash "$S/tools/device/sanitize-dispatch.sh" "$SAN_S"
 bench ll-v3-run-partial_bf16 ll-v3 EPX_LL_ITEMS=run EPX_LL_COMBINE=partial_bf16
-bench ll-v4-run ll-v4 EPX_LL_ITEMS=run
-bench ll-v3-run-w32 ll-v3 EPX_LL_ITEMS=run EPX_LL_WARPS_PER_BLOCK=32
-bench ll-v3-chunk-partial_bf16 ll-v3 EPX_LL_ITEMS=chunk EPX_LL_COMBINE=partial_bf16
 echo "== summary ($(( SECONDS - T0 )) s)"
 cat "$OUT/summary.txt"
-for f in "$OUT"/ll-*.log; do echo "-- $f"; grep -E "^ll-v. .* (ll|nccl_a2a_raw)|timeline|launch floor|stamps" "$f" | head -16; done
+cat "$OUT"/sanitize-summary.txt 2>/dev/null
+for f in "$OUT"/ll-*.log; do echo "-- $f"; grep -E "^ll-v. .* (ll|nccl_a2a_raw)|launch floor" "$f" | head -16; done
 for f in "$OUT"/test-*.log; do echo "-- $f"; grep -E "OK \]|FAILED|PASSED|DIFFERS|Failure" "$f" | head -10; done
