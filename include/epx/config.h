@@ -30,10 +30,11 @@ struct Config {
   /// warps copy (message, chunk) items; -10 us at ll-v3) | expert (a block per local expert scans
   /// all messages; bench/NOTES.md).
   std::string ll_expand = "message";
-  /// ll combine work items: chunk (a warp takes one 256-element chunk of a row at a time) | run (a
-  /// warp takes a run of consecutive chunks of one message / token: routing loaded once, all the
-  /// run's loads in flight; partial modes; bench/NOTES.md "fifth session"). Rank-local, results identical.
-  std::string ll_items = "chunk";
+  /// ll work items: run (default, by measurement: a warp takes a run of consecutive chunks of one
+  /// message / token: the partial combine's send and receive, the dispatch expansion; routing loaded
+  /// once, all the run's loads in flight; -1.4 us dispatch, -2.7 us partial_bf16 combine at ll-v3,
+  /// bench/NOTES.md "fifth session") | chunk (a warp takes one chunk at a time). Rank-local, same results.
+  std::string ll_items = "run";
   int ht_num_sms = 64;               ///< SM budget of HT kernels (64: measured, bench/NOTES.md "Fourth session: bandwidth")
   int ht_warps_per_block = 16;       ///< warps per block of HT kernels
   int ht_combine_mode = 0;           ///< HT combine on CUDA: 0 all sends then all reduces, 1 pipelined (bench/NOTES.md)

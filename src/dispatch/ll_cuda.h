@@ -82,7 +82,7 @@ struct LlLaunch {
   double timeout_s = 60.0;    ///< bound of every device-side wait on a peer
   bool signal_rank = false;   ///< Config ll.signal = rank (LlCommon::signal_rank); every rank must agree
   bool expand_message = true;  ///< Config ll.expand = message (LlCommon::expand_message); every rank must agree
-  bool items_run = false;      ///< Config ll.items = run (LlCommon::items_run); rank-local
+  bool items_run = true;       ///< Config ll.items = run (LlCommon::items_run); rank-local
 };
 
 class LlCuda final : public PrepareFinalizeBase {

@@ -3,9 +3,9 @@
 # Called with OUT (results folder), the built tree at /tmp/epx-gpu-check/build and the source at $SRC:
 # ll-v3 / ll-v4 FP8, graph replay, p50 of 200 replays beside nccl_a2a_raw in the same run (plus
 # 1 token per rank and the SM count, in every JSON), for the defaults (ll.combine partial_fp32,
-# ll.signal block, ll.expand message, 16 warps per block), partial_bf16 and column, and the A/B of the
-# fourth session's choices (bench/NOTES.md): expand = expert (the third session's expansion), 32 warps,
-# signal = rank. Each bench takes ~3 s; each is bounded, and none starts after 24 s.
+# ll.signal block, ll.expand message, ll.items run, 16 warps per block), partial_bf16 and column, and
+# the A/B of the fifth session's choice (bench/NOTES.md): ll.items = chunk. The logs carry the launch
+# floor and the per-phase stamps. Each bench takes ~3-4 s; each is bounded, and none starts after 26 s.
 set -u
 OUT=${OUT:?OUT must name the results folder}
 SRC=${SRC:-$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)}
@@ -23,7 +23,7 @@ cd "$SRC" || exit 1
 T0=$SECONDS
 BENCH=(bench --backend ll,nccl_a2a_raw --ranks 2 --graph --iters 200 --warmup 20)
 run() {  # <name> <combine> <case> [VAR=value ...]
-  if [ $(( SECONDS - T0 )) -gt 24 ]; then echo "$1: skipped (time)"; return; fi
+  if [ $(( SECONDS - T0 )) -gt 26 ]; then echo "$1: skipped (time)"; return; fi
   local name=$1 combine=$2 case=$3; shift 3
   env EPX_LL_COMBINE="$combine" "$@" timeout -k 1 8 "$E" "${BENCH[@]}" --case "$case" --json "$OUT/$name.json" >"$OUT/$name.log" 2>&1
   echo "$name: rc=$? ($(( SECONDS - T0 )) s)"
@@ -32,7 +32,6 @@ run() {  # <name> <combine> <case> [VAR=value ...]
 run ll-v3-final partial_fp32 ll-v3
 run ll-v3-final-partial_bf16 partial_bf16 ll-v3
 run ll-v3-final-column column ll-v3
-run ll-v3-final-expand_expert partial_fp32 ll-v3 EPX_LL_EXPAND=expert
-run ll-v3-final-w32 partial_fp32 ll-v3 EPX_LL_WARPS_PER_BLOCK=32
+run ll-v3-final-items_chunk partial_fp32 ll-v3 EPX_LL_ITEMS=chunk
 run ll-v4-final partial_fp32 ll-v4
-run ll-v3-final-signal_rank partial_fp32 ll-v3 EPX_LL_SIGNAL=rank
+run ll-v3-final-items_chunk-partial_bf16 partial_bf16 ll-v3 EPX_LL_ITEMS=chunk
