@@ -32,7 +32,7 @@ void for_each_field(C& c, Visit&& v) {
   v(Field{"ll.combine", "EPX_LL_COMBINE", "", "ll combine reduction: column|partial_fp32|partial_bf16"}, c.ll_combine);
   v(Field{"ll.signal", "EPX_LL_SIGNAL", "", "ll completion signal: block|rank"}, c.ll_signal);
   v(Field{"ll.expand", "EPX_LL_EXPAND", "", "ll dispatch expansion: expert|message"}, c.ll_expand);
-  v(Field{"ll.items", "EPX_LL_ITEMS", "", "ll combine work items: chunk|run"}, c.ll_items);
+  v(Field{"ll.items", "EPX_LL_ITEMS", "", "ll work items (combine send/receive, dispatch expansion): run|chunk"}, c.ll_items);
   v(Field{"ht.num_sms", "EPX_HT_NUM_SMS", "SMs", "SM budget of HT kernels; 1..132"}, c.ht_num_sms);
   v(Field{"ht.warps_per_block", "EPX_HT_WARPS_PER_BLOCK", "warps", "warps per block of HT kernels; 1..32 (ht on CUDA: 1..16)"}, c.ht_warps_per_block);
   v(Field{"ht.combine_mode", "EPX_HT_COMBINE_MODE", "", "HT combine on CUDA: 0 all sends then all reduces, 1 pipelined (one target per token only)"}, c.ht_combine_mode);
