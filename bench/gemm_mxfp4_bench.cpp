@@ -41,6 +41,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "bench_util.h"
 #include "epx/dtype.h"
 #include "epx/experts.h"
 #include "epx/quant.h"
@@ -50,69 +51,14 @@ namespace {
 
 using namespace epx;
 using json = nlohmann::json;
-
-#define CK(x)                                                                                     \
-  do {                                                                                            \
-    cudaError_t e_ = (x);                                                                         \
-    if (e_ != cudaSuccess) {                                                                      \
-      std::fprintf(stderr, "%s: %s at %s:%d\n", #x, cudaGetErrorString(e_), __FILE__, __LINE__); \
-      std::exit(2);                                                                               \
-    }                                                                                             \
-  } while (0)
+using namespace epx::bench;
 
 constexpr int64_t kH = 7168, kI = 3072, kTopK = 6;
 
-struct Stats {
-  double p10 = 0, p50 = 0, p90 = 0;  // microseconds
-};
-
-Stats time_us(cudaStream_t s, int iters, const std::function<void()>& fn) {
-  for (int i = 0; i < 3; ++i) fn();
-  CK(cudaStreamSynchronize(s));
-  std::vector<cudaEvent_t> ev(2 * iters);
-  for (auto& e : ev) CK(cudaEventCreate(&e));
-  for (int i = 0; i < iters; ++i) {
-    CK(cudaEventRecord(ev[2 * i], s));
-    fn();
-    CK(cudaEventRecord(ev[2 * i + 1], s));
-  }
-  CK(cudaStreamSynchronize(s));
-  std::vector<double> us;
-  for (int i = 0; i < iters; ++i) {
-    float ms = 0;
-    CK(cudaEventElapsedTime(&ms, ev[2 * i], ev[2 * i + 1]));
-    us.push_back(ms * 1e3);
-  }
-  for (auto& e : ev) CK(cudaEventDestroy(e));
-  std::sort(us.begin(), us.end());
-  auto at = [&](double q) { return us[std::min<size_t>(us.size() - 1, static_cast<size_t>(q * (us.size() - 1) + 0.5))]; };
-  return {at(0.1), at(0.5), at(0.9)};
-}
-
-/// Random FP8 e4m3 codes of N(0, 1) * 64 values (|v| < 448) and scales ~1/64 per 128.
-void random_fp8(int64_t rows, int64_t cols, uint64_t seed, std::vector<uint8_t>& q, std::vector<float>& s) {
-  std::mt19937_64 rng(seed);
-  std::normal_distribution<float> nd(0.0f, 1.0f);
-  q.resize(static_cast<size_t>(rows * cols));
-  s.resize(static_cast<size_t>(rows * cols / 128));
-  for (auto& b : q) b = float_to_fp8_e4m3_bits(std::clamp(nd(rng), -6.9f, 6.9f) * 64.0f);
-  for (auto& v : s) v = (0.75f + 0.5f * std::uniform_real_distribution<float>(0, 1)(rng)) / 64.0f;
-}
-
-Tensor dev_from(const void* src, std::vector<int64_t> shape, DType dt) {
-  Tensor t = Tensor::empty(shape, dt, Device::cuda(0));
-  CK(cudaMemcpy(t.data(), src, t.nbytes(), cudaMemcpyHostToDevice));
-  return t;
-}
 Tensor host_from(const void* src, std::vector<int64_t> shape, DType dt) {
   Tensor t = Tensor::empty(shape, dt);
   std::memcpy(t.data(), src, t.nbytes());
   return t;
-}
-std::vector<uint16_t> host_bf16(const Tensor& t) {
-  std::vector<uint16_t> h(static_cast<size_t>(t.nbytes() / 2));
-  CK(cudaMemcpy(h.data(), t.data(), t.nbytes(), cudaMemcpyDeviceToHost));
-  return h;
 }
 std::vector<float> to_float(const std::vector<uint16_t>& b) {
   std::vector<float> f(b.size());
@@ -129,13 +75,6 @@ double rel_l2(const std::vector<float>& a, const std::vector<float>& b, const st
       den += double(b[i]) * b[i];
     }
   return std::sqrt(num / std::max(den, 1e-30));
-}
-
-std::string utc_now() {
-  char buf[32];
-  const std::time_t t = std::time(nullptr);
-  std::strftime(buf, sizeof buf, "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&t));
-  return buf;
 }
 
 }  // namespace
