@@ -41,8 +41,9 @@ struct Config {
   int ht_chunk_rows = 4;             ///< HT combine on CUDA: rows per chunk flag (bench/NOTES.md "HT kernels")
   int ht_fp8_unroll = 0;             ///< HT fp8 dispatch on CUDA: 1x128 groups in flight per warp / 4 (4 or 7); 0 = auto (bench/NOTES.md)
   /// HT on CUDA: 1 launches the dispatch kernel with programmatic dependent launch behind the layout
-  /// kernel, 2 also has each warp's first row of x prefetched into L2 meanwhile, 0 neither (bench/NOTES.md)
-  int ht_pdl = 2;
+  /// kernel (default, by measurement), 2 also has each warp's first row of x prefetched into L2
+  /// meanwhile (it delays the layout's routing compare: slower), 0 neither (bench/NOTES.md, fifth session)
+  int ht_pdl = 1;
   int experts_simt = 0;              ///< 1: CUDA experts always take the SIMT reference GEMMs (A/B, debugging)
   int experts_fp8_pairs = 0;         ///< 1: the FP8 tensor-core mainloop that runs K blocks in pairs (bench/NOTES.md)
   int experts_fp8_prefill = 1;       ///< 1: experts with > 64 rows take the FP8 warp-specialized prefill GEMMs (bench/NOTES.md)

@@ -195,7 +195,7 @@ struct HtParams {
   int32_t local_status = 0;               ///< 0 ok, 2 the host rejected the arguments
   int expert_alignment = 1;
   int fp8_unroll = 4;                     ///< fp8 dispatch: steps of 4 groups a warp loads before quantizing (4 or 7)
-  bool prefetch_x = false;                ///< dispatch: each warp's first row of x into L2 while the layout runs (ht.pdl 2)
+  bool prefetch_x = false;                ///< dispatch: each warp's first row of x into L2 while the layout runs (ht.pdl 2; measured slower)
   // finalize
   const uint16_t* expert_out = nullptr;   ///< [N_recv or R*cap, H] bf16
   uint16_t* out = nullptr;                ///< [T, H] bf16
@@ -275,7 +275,7 @@ class HtCuda final : public PrepareFinalizeBase {
   double timeout_s_ = 60.0;
   int num_sms_ = 24, warps_ = 16;
   int combine_mode_ = 0, chunk_rows_ = kHtChunkRows;
-  bool pdl_ = true, prefetch_x_ = true;
+  bool pdl_ = true, prefetch_x_ = false;
   int fp8_unroll_ = 4;
   // expert-contiguous layout (cfg_.expert_contiguous): buffers sized for contig_cap_ rows at create
   int64_t contig_cap_ = 0, contig_rows_ = 0;
