@@ -122,11 +122,29 @@ Attributes (JSON key, environment variable):
   cls.def(pyb::init<>(), "Defaults only (no file, no environment).")
       .def_static("load", [](std::optional<std::string> path) { return path ? Config::load(*path) : Config::load(); },
                   pyb::arg("path") = pyb::none(), "default < JSON file (`path`, else $EPX_CONFIG if set) < EPX_* environment.")
-      .def("apply_json", &Config::apply_json_text, pyb::arg("text"), pyb::arg("origin") = "python",
-           "Apply a JSON object of \"key\": value (unknown keys raise).")
-      .def("apply_env", &Config::apply_env)
-      .def("set", [](Config& c, const std::string& key, pyb::handle value) { c.set(key, setting_text(value), "api"); },
-           pyb::arg("key"), pyb::arg("value"), "Set one field by key (value as text or a number); raises InvalidArgument.")
+      // set / apply_json / apply_env work on a copy and validate it, as attribute assignment does: a value
+      // that breaks its field's rule raises InvalidArgument (ValueError) and the Config keeps its old values.
+      .def("apply_json", [](Config& c, const std::string& text, const std::string& origin) {
+             Config t = c;
+             t.apply_json_text(text, origin);
+             t.validate();
+             c = std::move(t);
+           }, pyb::arg("text"), pyb::arg("origin") = "python",
+           "Apply a JSON object of \"key\": value; unknown keys or a bad value raise InvalidArgument (nothing applied).")
+      .def("apply_env", [](Config& c) {
+             Config t = c;
+             t.apply_env();
+             t.validate();
+             c = std::move(t);
+           }, "Apply the EPX_* environment variables; raises InvalidArgument as apply_json (nothing applied).")
+      .def("set", [](Config& c, const std::string& key, pyb::handle value) {
+             Config t = c;
+             t.set(key, setting_text(value), "api");
+             t.validate();
+             c = std::move(t);
+           }, pyb::arg("key"), pyb::arg("value"),
+           "Set one field by key (value as text or a number); an unknown key or a value that breaks the key's rule "
+           "raises InvalidArgument (ValueError) and leaves the Config as it was.")
       .def("validate", &Config::validate)
       .def("describe", &Config::describe)
       .def_readonly("sources", &Config::sources, "(key, source) pairs: default, json <file>, env EPX_..., api.");

@@ -137,6 +137,25 @@ def test_config_json_and_env(tmp_path):
     assert any(line.startswith("timeout_s") for line in c.describe())
 
 
+def test_config_set_and_apply_json_validate():
+    """Config.set / apply_json hold the same rules as attribute assignment: a value that parses but breaks
+    its field's rule (ht.num_sms = 0, ll.signal = "blok", ll.warps_per_block = 6) raises ValueError naming
+    the key, value and rule, and the Config keeps its old values (also the other keys of that JSON)."""
+    c = epx.Config()
+    for key, bad, attr in (("ht.num_sms", 0, "ht_num_sms"), ("ll.signal", "blok", "ll_signal"),
+                           ("ll.warps_per_block", 6, "ll_warps_per_block"), ("timeout_s", -1, "timeout_s")):
+        before = getattr(c, attr)
+        with pytest.raises(ValueError, match=key.replace(".", r"\.") + " = " + str(bad) + ": must"):
+            c.set(key, bad)
+        assert getattr(c, attr) == before, key
+        with pytest.raises(ValueError, match=key.replace(".", r"\.") + " = " + str(bad) + ": must"):
+            c.apply_json(json.dumps({"moe.chunk_size": 8, key: bad}))
+        assert getattr(c, attr) == before and c.moe_chunk_size == 0, key
+        assert "api" not in dict(c.sources).values() and "python" not in dict(c.sources).values(), c.sources
+    c.apply_json(json.dumps({"ht.num_sms": 24, "ll.signal": "rank"}))
+    assert (c.ht_num_sms, c.ll_signal) == (24, "rank")
+
+
 @pytest.mark.parametrize("backend", epx.backend_names())
 @pytest.mark.parametrize("dispatch_dtype", ["bf16", "fp8_e4m3"])
 def test_prepare_finalize_numpy_experts(experts, backend, dispatch_dtype):
