@@ -351,6 +351,26 @@ TEST(DispatchRegistry, NamesAndUnknownBackend) {
   // A rank asking for another backend than its peers is a disagreement, not a hang.
   const auto mixed = errors_on_ranks("naive", c, [&](int r, std::shared_ptr<Group> g) { make_prepare_finalize(r ? "ll" : "ht", g, c.config()); });
   for (int r = 0; r < 2; ++r) EXPECT_EQ(mixed[r].type, "CommError") << mixed[r].what;
+  // The disagreement names the values as the caller wrote them (backend and dtype names, not enum indices).
+  for (int r = 0; r < 2; ++r) EXPECT_TRUE(contains(mixed[r].what, "backend = ht on rank 0 but ll on rank 1: all ranks must agree")) << mixed[r].what;
+  const auto dtypes = errors_on_ranks("naive", c, [&](int r, std::shared_ptr<Group> g) {
+    DispatchConfig cfg = c.config();
+    cfg.hidden = 128;
+    if (r == 1) cfg.dispatch_dtype = DType::fp8_e4m3;
+    make_prepare_finalize("naive", g, cfg);
+  });
+  for (int r = 0; r < 2; ++r)
+    EXPECT_EQ(dtypes[r].what, "naive.create: dispatch_dtype = bf16 on rank 0 but fp8_e4m3 on rank 1: all ranks must agree") << dtypes[r].what;
+  const auto combine = errors_on_ranks("naive", c, [&](int r, std::shared_ptr<Group> g) {
+    DispatchConfig cfg = c.config();
+    cfg.ll_combine = r ? LlCombine::partial_bf16 : LlCombine::partial_fp32;
+    make_prepare_finalize("naive", g, cfg);
+  });
+  for (int r = 0; r < 2; ++r)
+    EXPECT_TRUE(contains(combine[r].what, "ll_combine = partial_fp32 on rank 0 but partial_bf16 on rank 1")) << combine[r].what;
+  const auto unknown = errors_on_ranks("naive", c, [&](int r, std::shared_ptr<Group> g) { make_prepare_finalize(r ? "deepep" : "naive", g, c.config()); });
+  for (int r = 0; r < 2; ++r)
+    EXPECT_TRUE(contains(unknown[r].what, "backend = naive on rank 0 but an unknown name on rank 1")) << unknown[r].what;
 }
 
 TEST(DispatchRegistry, LlNeedsACapacity) {

@@ -105,7 +105,10 @@ class Group {
 
   /// Collective configuration check (BEHAVIOUR.md): every rank passes the same field names; throws
   /// CommError "<op>: <field> = <v0> on rank 0 but <v> on rank r: all ranks must agree" on every rank.
-  void check_agreement(const std::string& op, const std::vector<std::pair<std::string, int64_t>>& fields);
+  /// `show(i, v)`, when given, writes value v of fields[i] as the caller knows it (a name for an enum or
+  /// an index); empty text = the number.
+  void check_agreement(const std::string& op, const std::vector<std::pair<std::string, int64_t>>& fields,
+                       const std::function<std::string(size_t field, int64_t value)>& show = nullptr);
   /// all_gather of one int64 per rank.
   std::vector<int64_t> all_gather_i64(int64_t value);
 };

@@ -93,7 +93,8 @@ int64_t hash_names(const std::vector<std::pair<std::string, int64_t>>& fields) {
 }
 }  // namespace
 
-void Group::check_agreement(const std::string& op, const std::vector<std::pair<std::string, int64_t>>& fields) {
+void Group::check_agreement(const std::string& op, const std::vector<std::pair<std::string, int64_t>>& fields,
+                            const std::function<std::string(size_t field, int64_t value)>& show) {
   const int R = size();
   // Round 1: the same number and names of fields (fixed size, so it cannot itself mismatch).
   int64_t head[2] = {static_cast<int64_t>(fields.size()), hash_names(fields)};
@@ -113,9 +114,14 @@ void Group::check_agreement(const std::string& op, const std::vector<std::pair<s
   for (size_t i = 0; i < fields.size(); ++i) {
     for (int r = 1; r < R; ++r) {
       const int64_t v0 = all[i], v = all[static_cast<size_t>(r) * fields.size() + i];
-      if (v != v0)
-        throw CommError(op + ": " + fields[i].first + " = " + std::to_string(v0) + " on rank 0 but " + std::to_string(v) + " on rank " +
-                        std::to_string(r) + ": all ranks must agree");
+      if (v != v0) {
+        auto text = [&](int64_t value) {
+          std::string s = show ? show(i, value) : std::string();
+          return s.empty() ? std::to_string(value) : s;
+        };
+        throw CommError(op + ": " + fields[i].first + " = " + text(v0) + " on rank 0 but " + text(v) + " on rank " + std::to_string(r) +
+                        ": all ranks must agree");
+      }
     }
   }
 }

@@ -114,7 +114,13 @@ std::unique_ptr<PrepareFinalize> make_backend(const std::string& name, std::shar
                               {"expert_alignment", cfg.expert_alignment},
                               {"use_worst_case_sizing", cfg.use_worst_case_sizing},
                               {"expert_contiguous", cfg.expert_contiguous},
-                              {"ll_combine", static_cast<int64_t>(cfg.ll_combine)}});
+                              {"ll_combine", static_cast<int64_t>(cfg.ll_combine)}},
+                         [](size_t field, int64_t v) -> std::string {  // names, not enum indices, in the message
+                           if (field == 0) return v >= 0 && v < static_cast<int64_t>(std::size(kBackends)) ? kBackends[v].name : "an unknown name";
+                           if (field == 5) return std::string(dtype_name(static_cast<DType>(v)));
+                           if (field == 11) return v >= 0 && v <= 2 ? ll_combine_name(static_cast<LlCombine>(v)) : "";
+                           return "";
+                         });
   if (index < 0) {
     std::string known;
     for (const auto& b : kBackends) known += (known.empty() ? "" : ", ") + std::string(b.name);
