@@ -322,6 +322,7 @@ __global__ void __launch_bounds__(kMaxThreads, 1) ll_dispatch_kernel(const __gri
       s_mask[t] = m;
     }
     __syncthreads();
+    trace_at(c, kTrDispMasks);
     if (by_message) {  // per id, the running count of its tokens by 32-token word
       const int WT = (T + 31) / 32;
       for (int id = threadIdx.x; id < NI; id += blockDim.x) {
@@ -425,6 +426,7 @@ __global__ void __launch_bounds__(kMaxThreads, 1) ll_dispatch_kernel(const __gri
         }
       }
     }
+    if (warp == 0) trace_at(c, kTrDispWarp0Items);
     __syncthreads();
     trace_max(c, kTrDispItems);
     if (blockIdx.x == 0 && threadIdx.x == 0) c.state->num_tokens = T;

@@ -61,7 +61,9 @@ enum LlTraceSlot : int {
   kTrHostPostDisp = 21,
   kTrHostPreComb = 22,
   kTrHostPostComb = 23,
-  kTrSlots = 24
+  kTrDispMasks = 24,       ///< b0: the mask loop done (its __syncthreads)
+  kTrDispWarp0Items = 25,  ///< b0: warp 0's send items done (before the block's __syncthreads)
+  kTrSlots = 26
 };
 /// Name of a slot for the diagnostics (nullptr: unused), and whether it is on the combine's timeline.
 inline const char* ll_trace_name(int i) {
@@ -72,7 +74,8 @@ inline const char* ll_trace_name(int i) {
       "dispatch T known (block 0)", "dispatch slots scanned (block 0)", "dispatch send items done (last block)",
       "dispatch counts issued (block 0)", "dispatch slot bases (block 0)", "combine send items start (block 0)",
       "combine send items done (last block)", "combine reduce done (block 0)", "stamp before dispatch graph",
-      "stamp after dispatch graph", "stamp before combine graph", "stamp after combine graph"};
+      "stamp after dispatch graph", "stamp before combine graph", "stamp after combine graph",
+      "dispatch masks done (block 0)", "dispatch warp 0 items done (block 0)"};
   return i >= 0 && i < kTrSlots ? names[i] : nullptr;
 }
 inline bool ll_trace_is_combine(int i) {

@@ -35,3 +35,12 @@ run ll-v3-final-column column ll-v3
 run ll-v3-final-items_chunk partial_fp32 ll-v3 EPX_LL_ITEMS=chunk
 run ll-v4-final partial_fp32 ll-v4
 run ll-v3-final-items_chunk-partial_bf16 partial_bf16 ll-v3 EPX_LL_ITEMS=chunk
+# LL_SANITIZE_S=<seconds> (opt-in; not part of the ~30 s above): compute-sanitizer memcheck + racecheck of
+# the ll-v3 bench (and memcheck of one two-rank graph test if time is left) on the built tree, the ll steps
+# of sanitize-dispatch.sh without its build; summary in $OUT/sanitizer/sanitize-summary.txt.
+if [ -n "${LL_SANITIZE_S:-}" ]; then
+  mkdir -p "$OUT/sanitizer"
+  SAN_ONLY=ll SAN_BUILD=0 SAN_STEP_S=$(( LL_SANITIZE_S / 2 )) SAN_LL_TEST_FILTER='LlCuda.PartialCombineGraphsTwoRanks' OUT="$OUT/sanitizer" \
+    timeout -k 2 "$LL_SANITIZE_S" bash "$SRC/tools/device/sanitize-dispatch.sh" "$LL_SANITIZE_S" >"$OUT/sanitizer/sanitize.log" 2>&1
+  echo "sanitizer: rc=$? ($(( SECONDS - T0 )) s)"; cat "$OUT/sanitizer/sanitize-summary.txt" 2>/dev/null
+fi
