@@ -22,7 +22,12 @@
 // two outputs added in fp32 on the host). The JSON's "fhmoe_gate" object holds the largest T of
 // the sweep at which fused is at least as fast as separate (the capability gate's threshold).
 // Timing: CUDA events around each call, median (p10/p90) over --iters calls after 3 warm-up calls.
+// --cases LIST runs a subset of fhmoe,decode,prefill (default all); --coalesced adds the opt-in
+// coalesced variant's rows; --stamps adds, after the decode rows, the stamped kernels' per-phase
+// cycles per K-loop stage (set_mixed_debug, experts_mxfp4_cuda.h) and a timing-only ablation
+// (the expansion skipped) as decode-v4pro-stamps rows.
 // Usage: epx-gemm-mxfp4-bench [--json PATH] [--iters N] [--experts L] [--no-simt] [--max-tokens T]
+//        [--fhmoe-experts L1,L2,...] [--cases fhmoe,decode,prefill] [--coalesced] [--stamps]
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -46,6 +51,7 @@
 #include "epx/experts.h"
 #include "epx/quant.h"
 #include "epx/tensor.h"
+#include "experts/experts_mxfp4_cuda.h"
 
 namespace {
 
@@ -84,7 +90,8 @@ int main(int argc, char** argv) {
   int iters = 20, L = 192;
   int64_t max_tokens = 4096;
   std::vector<int> fhmoe_experts;  // routed experts per FHMoE sweep (default: L)
-  bool do_simt = true;
+  bool do_simt = true, do_coalesced = false, do_stamps = false;
+  std::string cases = "fhmoe,decode,prefill";
   std::string command = "epx-gemm-mxfp4-bench";
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -94,6 +101,9 @@ int main(int argc, char** argv) {
     else if (a == "--experts" && i + 1 < argc) L = std::atoi(argv[++i]), command += std::string(" ") + argv[i];
     else if (a == "--max-tokens" && i + 1 < argc) max_tokens = std::atoll(argv[++i]), command += std::string(" ") + argv[i];
     else if (a == "--no-simt") do_simt = false;
+    else if (a == "--coalesced") do_coalesced = true;
+    else if (a == "--stamps") do_stamps = true;
+    else if (a == "--cases" && i + 1 < argc) cases = argv[++i], command += std::string(" ") + argv[i];
     else if (a == "--fhmoe-experts" && i + 1 < argc) {
       const std::string list = argv[++i];
       command += " " + list;
@@ -105,7 +115,7 @@ int main(int argc, char** argv) {
     } else {
       std::fprintf(stderr,
                    "usage: epx-gemm-mxfp4-bench [--json PATH] [--iters N] [--experts L] [--no-simt] [--max-tokens T] "
-                   "[--fhmoe-experts L1,L2,...]\n");
+                   "[--fhmoe-experts L1,L2,...] [--cases fhmoe,decode,prefill] [--coalesced] [--stamps]\n");
       return 1;
     }
   }
@@ -151,10 +161,16 @@ int main(int argc, char** argv) {
   }
   const std::shared_ptr<const ExpertWeights> shared = ExpertWeights::random(WeightFormat::fp8_block, kH, kI, 13);
   unsetenv("EPX_EXPERTS_SIMT");
-  auto tc = make_experts_cuda(routed, 0);
-  setenv("EPX_EXPERTS_MXFP4_TC", "2", 1);  // the coalesced raw-load variant (opt-in)
-  auto tcc = make_experts_cuda(routed, 0);
-  unsetenv("EPX_EXPERTS_MXFP4_TC");
+  auto has_case = [&](const std::string& c) { return ("," + cases + ",").find("," + c + ",") != std::string::npos; };
+  std::unique_ptr<Experts> tc, tcc;
+  if (has_case("decode") || has_case("prefill")) {
+    tc = make_experts_cuda(routed, 0);
+    if (do_coalesced) {
+      setenv("EPX_EXPERTS_MXFP4_TC", "2", 1);  // the coalesced raw-load variant (opt-in)
+      tcc = make_experts_cuda(routed, 0);
+      unsetenv("EPX_EXPERTS_MXFP4_TC");
+    }
+  }
   std::printf("weights: %d MXFP4 experts, %.2f GB, ready in %.1f s\n", L, weight_bytes / 1e9,
               std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
 
@@ -183,6 +199,7 @@ int main(int argc, char** argv) {
   // ---- FHMoE: fused (one launch pair for routed + shared) vs separate shared expert ----
   if (fhmoe_experts.empty()) fhmoe_experts.push_back(L);
   json gates = json::array();
+  if (!has_case("fhmoe")) fhmoe_experts.clear();
   for (const int FL : fhmoe_experts) {
     const std::vector<std::shared_ptr<const ExpertWeights>> routed_fl(routed.begin(), routed.begin() + std::min(FL, L));
     std::vector<std::shared_ptr<const ExpertWeights>> fused_fl = routed_fl;
@@ -288,6 +305,7 @@ int main(int argc, char** argv) {
 
   // ---- decode: ExpertMajor, 8 tokens per expert (cap 32), validated against the CPU experts ----
   for (int64_t m : {int64_t{8}, int64_t{32}}) {
+    if (!has_case("decode")) break;
     const int64_t cap = 32;
     std::vector<uint8_t> q;
     std::vector<float> s;
@@ -322,7 +340,66 @@ int main(int argc, char** argv) {
               {"accounting", "weight-bytes"}, {"fraction_of_peak", gbps / hbm_gbps},
               {"fraction_of_peak_basis", "measured HBM copy GB/s"}, {"validated", m == 8}, {"max_rel_error", err}};
     add_row(r, st, (std::to_string(static_cast<int>(gbps)) + " GB/s of weights").c_str());
-    {
+    if (do_stamps && m == 8) {
+      // Where the cycles of a stage go: the stamped kernels (mode 1, results checked), then the
+      // ablation without the expansion (mode 2; timing only, wrong results).
+      unsigned long long* dbg = nullptr;
+      CK(cudaMalloc(&dbg, experts_cuda::kMixedDebugWords * sizeof(unsigned long long)));
+      static const char* kPhaseNames[] = {"issue", "load_wait", "convert", "mma_wait", "promote", "fence", "barrier", "load_issue",
+                                          "prologue", "epilogue"};
+      for (int mode : {1, 2}) {
+        experts_cuda::set_mixed_debug(dbg, mode);
+        CK(cudaMemset(out.data(), 0xFF, out.nbytes()));
+        const Stats sd = time_us(stream, iters, [&] { tc->apply(in, out, Stream{stream}); });
+        CK(cudaStreamSynchronize(stream));
+        CK(cudaMemsetAsync(dbg, 0, experts_cuda::kMixedDebugWords * sizeof(unsigned long long), stream));
+        tc->apply(in, out, Stream{stream});  // one stamped call
+        std::vector<unsigned long long> h(experts_cuda::kMixedDebugWords);
+        CK(cudaMemcpyAsync(h.data(), dbg, h.size() * sizeof(unsigned long long), cudaMemcpyDeviceToHost, stream));
+        CK(cudaStreamSynchronize(stream));
+        experts_cuda::set_mixed_debug(nullptr, 0);
+        json rd = r;
+        rd["case"] = "decode-v4pro-stamps";
+        rd["backend"] = mode == 1 ? "epx-mxfp4-wgmma-stamped" : "ablation-no-expansion";
+        rd["gbps"] = weight_bytes / (sd.p50 * 1e-6) / 1e9;
+        rd["fraction_of_peak"] = rd["gbps"].get<double>() / hbm_gbps;
+        rd["max_rel_error"] = mode == 1 ? rel_l2(to_float(host_bf16(out)), refv, ranges) : -1.0;
+        rd["validated"] = mode == 1;
+        json gemms = json::object();
+        for (int g = 0; g < 2; ++g) {
+          const unsigned long long* w0 = h.data() + g * experts_cuda::kMixedDebugWarps * experts_cuda::kMixedDebugPhases;
+          auto at = [&](int w, int ph) { return static_cast<double>(w0[w * experts_cuda::kMixedDebugPhases + ph]); };
+          const double stages = at(0, experts_cuda::kDbgStages), items = at(0, experts_cuda::kDbgMxItems) + at(0, experts_cuda::kDbgFp8Items);
+          const double ctas = at(0, experts_cuda::kDbgCtas);
+          json ph = json::object();
+          std::string line;
+          char buf[96];
+          for (int k = 0; k < 10; ++k) {
+            double mean = 0, mx = 0;
+            for (int w = 0; w < experts_cuda::kMixedDebugWarps; ++w) {
+              mean += at(w, k) / experts_cuda::kMixedDebugWarps;
+              mx = std::max(mx, at(w, k));
+            }
+            const double per = k < 8 ? std::max(stages, 1.0) : std::max(items, 1.0);  // loop phases per stage, others per item
+            ph[kPhaseNames[k]] = {{"mean_cycles", mean / per}, {"max_warp_cycles", mx / per}, {"per", k < 8 ? "stage" : "item"}};
+            std::snprintf(buf, sizeof buf, " %s %.0f", kPhaseNames[k], mean / per);
+            line += buf;
+          }
+          const double kernel = at(0, experts_cuda::kDbgKernel) / std::max(ctas, 1.0);
+          gemms[g == 0 ? "gate_up" : "down"] = {{"phases", ph},          {"stages", stages},          {"items", items},
+                                                 {"ctas", ctas},         {"kernel_cycles_per_cta", kernel},
+                                                 {"cycles_per_stage", kernel * ctas / std::max(stages, 1.0)}};
+          std::printf("stamps mode %d %-7s stages %.0f items %.0f ctas %.0f: %.0f cycles per stage (kernel %.0f per CTA); per stage:%s\n",
+                      mode, g == 0 ? "gate_up" : "down", stages, items, ctas, kernel * ctas / std::max(stages, 1.0), kernel, line.c_str());
+        }
+        rd["stamps"] = gemms;
+        rd["note"] = "clock64 per phase of the K loop, summed per warp over the CTAs of one call (mean over the 8 warps per stage); "
+                     "mode " + std::to_string(mode) + (mode == 1 ? " (stamped kernels, results checked)" : " (expansion skipped, timing only)");
+        add_row(rd, sd, (std::string("stamped mode ") + std::to_string(mode)).c_str());
+      }
+      CK(cudaFree(dbg));
+    }
+    if (tcc) {
       CK(cudaMemset(out.data(), 0xFF, out.nbytes()));
       const Stats sc = time_us(stream, iters, [&] { tcc->apply(in, out, Stream{stream}); });
       CK(cudaStreamSynchronize(stream));
@@ -354,7 +431,7 @@ int main(int argc, char** argv) {
   }
 
   // ---- prefill: Flat, 4096 tokens top-6 over the L experts ----
-  {
+  if (has_case("prefill")) {
     const int64_t T = 4096, K = kTopK;
     std::vector<uint8_t> q;
     std::vector<float> s;
@@ -374,16 +451,18 @@ int main(int argc, char** argv) {
               {"tflops", flops / (st.p50 * 1e-6) / 1e12}, {"accounting", "flops"}, {"validated", false},
               {"note", "timing only (the GPU tests check the Flat layout at 8192 rows against the CPU)"}};
     add_row(r, st, (std::to_string(static_cast<int>(flops / (st.p50 * 1e-6) / 1e12)) + " TFLOP/s").c_str());
-    Tensor out2 = Tensor::empty({T, kH}, DType::bf16, Device::cuda(0));
-    const Stats sc = time_us(stream, iters, [&] { tcc->apply(in, out2, Stream{stream}); });
-    CK(cudaStreamSynchronize(stream));
-    json rc2 = r;
-    rc2["backend"] = "epx-mxfp4-wgmma-coalesced";
-    rc2["tflops"] = flops / (sc.p50 * 1e-6) / 1e12;
-    rc2["validated"] = true;
-    rc2["max_rel_error"] = rel_l2(to_float(host_bf16(out2)), to_float(host_bf16(out)), {{0, T}});
-    rc2["note"] = "EPX_EXPERTS_MXFP4_TC=2; validated against epx-mxfp4-wgmma (same results expected: 0)";
-    add_row(rc2, sc, (std::to_string(static_cast<int>(rc2["tflops"].get<double>())) + " TFLOP/s (coalesced)").c_str());
+    if (tcc) {
+      Tensor out2 = Tensor::empty({T, kH}, DType::bf16, Device::cuda(0));
+      const Stats sc = time_us(stream, iters, [&] { tcc->apply(in, out2, Stream{stream}); });
+      CK(cudaStreamSynchronize(stream));
+      json rc2 = r;
+      rc2["backend"] = "epx-mxfp4-wgmma-coalesced";
+      rc2["tflops"] = flops / (sc.p50 * 1e-6) / 1e12;
+      rc2["validated"] = true;
+      rc2["max_rel_error"] = rel_l2(to_float(host_bf16(out2)), to_float(host_bf16(out)), {{0, T}});
+      rc2["note"] = "EPX_EXPERTS_MXFP4_TC=2; validated against epx-mxfp4-wgmma (same results expected: 0)";
+      add_row(rc2, sc, (std::to_string(static_cast<int>(rc2["tflops"].get<double>())) + " TFLOP/s (coalesced)").c_str());
+    }
   }
   tc.reset();
   tcc.reset();

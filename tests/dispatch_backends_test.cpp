@@ -336,6 +336,92 @@ TEST_P(Backend, ConfigDisagreementAndBadConfig) {
   }
 }
 
+TEST_P(Backend, SharedRouteRulesThrowOnAllRanksAndKeepWhatWasHeld) {
+  // FHMoE routes (issue 6): with shared_route, exactly top_k = K+1 columns, the shared id E in the
+  // last column only, and the last column E or -1. Rank 1 breaks one rule per round: every rank
+  // throws InvalidArgument naming the entry, the value and the rule, before anything moves; the
+  // prepare made before the bad call still finalizes to the oracle, and a good call after it works.
+  const std::string name = GetParam();
+  Case c;
+  c.R = 2;
+  c.E = 6;
+  c.K = 3;  // 2 routed columns + the shared route
+  c.shared = true;
+  c.masked = 0.0;
+  c.T = {4, 5};
+  const auto in = make_inputs(c);
+  const std::string E = std::to_string(c.E);
+  // (what rank 1 gets wrong, texts its error must contain)
+  const std::vector<std::pair<int, std::vector<std::string>>> faults = {
+      {0, {"topk_idx.shape[1] = 2", "must equal top_k = 3 with shared_route", "shared route column"}},  // the routed columns only
+      {1, {"topk_weights.shape[1] = 4", "must equal top_k = 3 with shared_route"}},                       // one weight column too many
+      {2, {"topk_idx[1, 2] = 1", "must be num_experts = " + E + " (the shared route) or -1", "not a routed expert's"}},  // shared id missing
+      {3, {"topk_idx[1, 0] = " + E, "belongs in the last column (k = 2) only"}},                          // shared id first, routed last
+      {4, {"topk_idx[1, 1] = " + E, "a routed expert id in [0, num_experts = " + E + ")"}},                // shared id also in a routed column
+      {5, {"topk_idx[1, 2] = " + std::to_string(c.E + 1), "the shared route"}},                            // past the shared id
+      {6, {"topk_idx[1, 2] = -2", "the shared route"}}};
+  for (const auto& [fault, texts] : faults) {
+    std::vector<Tensor> held(static_cast<size_t>(c.R)), after(static_cast<size_t>(c.R));
+    const auto errs = errors_on_ranks(name, c, [&, fault = fault](int r, std::shared_ptr<Group> g) {
+      auto pf = make_prepare_finalize(name, g, c.config());
+      std::vector<int> ids;
+      const ExpertRange range = expert_range(c.E, c.R, r);
+      for (int e = range.begin; e < range.end; ++e) ids.push_back(e);
+      ids.push_back(c.E);
+      TestExperts experts(ids, c.H);
+      const RankInput& ri = in[static_cast<size_t>(r)];
+      auto finalize_into = [&](const PrepareResult& p, Tensor& out) {
+        std::vector<int64_t> shape(p.x.shape.begin(), p.x.shape.begin() + p.x.ndim);
+        Tensor eo = Tensor::empty(shape, DType::bf16);
+        poison(eo);
+        experts.apply(p.experts_input(), eo, {});
+        out = Tensor::empty({ri.x.size(0), c.H}, DType::bf16);
+        poison(out);
+        pf->finalize({eo, out});
+      };
+      const PrepareResult p0 = pf->prepare({ri.x, ri.topk_idx, ri.topk_weights});
+      const int64_t T = ri.x.size(0);
+      int kc = c.K, wc = c.K;
+      if (r == 1 && fault == 0) kc = wc = c.K - 1;
+      if (r == 1 && fault == 1) wc = c.K + 1;
+      Tensor idx = Tensor::empty({T, kc}, DType::int32), w = Tensor::empty({T, wc}, DType::fp32);
+      for (int64_t t = 0; t < T; ++t) {
+        for (int k = 0; k < kc; ++k) idx.ptr<int32_t>()[t * kc + k] = id_at(ri, t, c.K, k);
+        for (int k = 0; k < wc; ++k) w.ptr<float>()[t * wc + k] = k < c.K ? ri.topk_weights.ptr<const float>()[t * c.K + k] : 1.0f;
+      }
+      int32_t* row1 = idx.ptr<int32_t>() + 1 * kc;
+      if (r == 1 && fault == 2) row1[2] = 1;
+      if (r == 1 && fault == 3) std::swap(row1[0], row1[2]);
+      if (r == 1 && fault == 4) row1[1] = c.E;
+      if (r == 1 && fault == 5) row1[2] = c.E + 1;
+      if (r == 1 && fault == 6) row1[2] = -2;
+      try {
+        pf->prepare({ri.x, idx, w});
+      } catch (const InvalidArgument&) {
+        finalize_into(p0, held[static_cast<size_t>(r)]);  // the earlier prepare is still there
+        finalize_into(pf->prepare({ri.x, ri.topk_idx, ri.topk_weights}), after[static_cast<size_t>(r)]);
+        throw;
+      }
+    });
+    for (int r = 0; r < c.R; ++r) {
+      const std::string what = name + " fault " + std::to_string(fault) + " rank " + std::to_string(r);
+      EXPECT_EQ(errs[r].type, "InvalidArgument") << what << ": " << errs[r].what;
+      for (const auto& text : texts) EXPECT_TRUE(contains(errs[r].what, text)) << what << ": " << errs[r].what << " lacks " << text;
+      ASSERT_TRUE(held[r].defined() && after[r].defined()) << what;
+      const Tensor want = oracle_out(c, in[static_cast<size_t>(r)], r, name != "ll", name != "ll");
+      EXPECT_EQ(count_bit_diffs(held[r], want), 0) << what << " (finalize of the prepare before the bad call)";
+      EXPECT_EQ(count_bit_diffs(after[r], want), 0) << what << " (a good call after it)";
+    }
+  }
+  // The rules hold routes that fit them: -1 in the last column (shared expert not fused) and -1 in
+  // routed columns are valid (make_inputs masks every 5th token's shared column).
+  Case ok = c;
+  ok.masked = 0.3;
+  ok.T = {9, 7};
+  const auto in_ok = make_inputs(ok);
+  expect_matches_oracle(name, ok, in_ok, run_layer(name, ok, {in_ok}));
+}
+
 INSTANTIATE_TEST_SUITE_P(AllBackends, Backend, ::testing::ValuesIn(backend_names()),
                          [](const ::testing::TestParamInfo<std::string>& p) { return p.param; });
 

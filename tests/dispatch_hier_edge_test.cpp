@@ -252,20 +252,23 @@ TEST_P(HierEdge, ZeroTokensOnEveryRank) {
 }
 
 TEST_P(HierEdge, DuplicateExpertIdsInARowAddUp) {
-  // Rows that name one expert K times (on another node, on the own node, the shared route), and one
-  // expert twice beside experts of other nodes: each copy contributes (weights add).
+  // Rows whose routed columns name one expert K-1 times (on another node, on the own node), one
+  // expert twice beside experts of other nodes, and one expert of each kind twice: each copy
+  // contributes (weights add). The shared route stays in the last column (the FHMoE rule).
   Case c = small_case(4, 9);
   c.shared = true;
   c.K = 5;
   std::vector<RankInput> in = inputs_with_T(c, {6, 6, 6, 6}, 9);
   for (int r = 0; r < c.R; ++r) {
     const int remote = expert_range(c.E, c.R, (r + 2) % c.R).begin, own = expert_range(c.E, c.R, r).begin;
-    for (int k = 0; k < c.K; ++k) {
+    const int next = expert_range(c.E, c.R, (r + 1) % c.R).begin;
+    for (int k = 0; k + 1 < c.K; ++k) {
       set_id(in[r], c.K, 0, k, remote);
       set_id(in[r], c.K, 1, k, own);
-      set_id(in[r], c.K, 2, k, c.E);
-      set_id(in[r], c.K, 3, k, k < 2 ? remote : (k < 4 ? expert_range(c.E, c.R, (r + 1) % c.R).begin : -1));
+      set_id(in[r], c.K, 2, k, k < 2 ? own : remote);
+      set_id(in[r], c.K, 3, k, k < 2 ? remote : next);
     }
+    for (int t = 0; t < 4; ++t) set_id(in[r], c.K, t, c.K - 1, t == 3 ? -1 : c.E);
   }
   for (int P : {1, 2}) {
     auto groups = make_cpu_groups(c.R, kTimeout, P);

@@ -317,6 +317,65 @@ TEST(ModularMoE, BadRoutingOnOneRankStopsEveryRank) {
   EXPECT_EQ(threw, (std::vector<int>{1, 1}));
 }
 
+TEST(ModularMoE, HeterogeneousRoutesHandedInAreRejectedOnEveryRankAndTheLayerStaysUsable) {
+  // FHMoE (issue 6): the layer appends the shared route (column K = E) itself, so forward_routed
+  // takes the K routed columns only. Routes that already carry the shared column (K+1 columns) or
+  // name the shared id E in a routed column are refused on every rank, naming the argument, the
+  // value and the rule; the same layer then runs a good call (fused, counted) to the reference.
+  const std::string p = "deepseek-v4-pro-mini";  // MXFP4 routed + FP8 shared expert
+  auto w = weights_for(p);
+  const int E = w->config.router.num_experts, K = w->config.router.top_k;
+  const int64_t H = w->config.hidden, T = 3;
+  for (const int fault : {0, 1}) {
+    auto groups = make_cpu_groups(2, 10.0);
+    std::vector<std::string> errs(2);
+    std::vector<PathCounters> counters(2);
+    std::vector<double> rel(2, 1.0);
+    run_ranks(groups, [&](int rank) {
+      DispatchConfig dc;
+      dc.num_max_dispatch_tokens_per_rank = 8;
+      ModularMoE layer(w, groups[rank], "ll", dc, Config{}, {.shared_mode = SharedExpertMode::fused});
+      Tensor x = test::random_bf16(T, H, 40 + rank), out = Tensor::empty({T, H}, DType::bf16);
+      Tensor idx, wts;
+      test::random_routing(T, K, E, 60 + rank, {}, idx, wts);
+      const int cols = rank == 1 && fault == 0 ? K + 1 : K;
+      Tensor bad_idx = Tensor::empty({T, cols}, DType::int32), bad_wts = Tensor::empty({T, cols}, DType::fp32);
+      for (int64_t t = 0; t < T; ++t)
+        for (int k = 0; k < cols; ++k) {
+          bad_idx.ptr<int32_t>()[t * cols + k] = k < K ? idx.ptr<int32_t>()[t * K + k] : E;  // the shared route appended
+          bad_wts.ptr<float>()[t * cols + k] = k < K ? wts.ptr<float>()[t * K + k] : 1.0f;
+        }
+      if (rank == 1 && fault == 1) bad_idx.ptr<int32_t>()[1 * cols + 0] = E;  // the shared id in a routed column
+      try {
+        layer.forward_routed(x, bad_idx, bad_wts, out);
+      } catch (const InvalidArgument& e) {
+        errs[rank] = e.what();
+      }
+      test::poison(out);
+      layer.forward_routed(x, idx, wts, out);  // the layer is still usable
+      counters[rank] = layer.counters();
+      Tensor want = Tensor::empty({T, H}, DType::bf16);
+      moe_reference_cpu(*w, x, idx, wts, want, {.shared_fused = true});
+      rel[rank] = test::rel_l2_error(out, want);
+    });
+    for (int rank = 0; rank < 2; ++rank) {
+      const std::string& m = errs[rank];
+      if (rank == 1 && fault == 0) {
+        EXPECT_NE(m.find("topk_idx.shape[1] = " + std::to_string(K + 1)), std::string::npos) << m;
+        EXPECT_NE(m.find("must equal top_k = " + std::to_string(K) + " (the shared column is added here)"), std::string::npos) << m;
+      } else if (rank == 1) {
+        EXPECT_NE(m.find("topk_idx[1][0] = " + std::to_string(E)), std::string::npos) << m;
+        EXPECT_NE(m.find("must be in [-1, " + std::to_string(E) + ")"), std::string::npos) << m;
+      } else {
+        EXPECT_NE(m.find("rank 1 rejected its arguments"), std::string::npos) << m;
+      }
+      EXPECT_EQ(counters[rank].calls, 1) << "the refused call ran no chunk";
+      EXPECT_EQ(counters[rank].shared_fused, 1);
+      EXPECT_LE(rel[rank], kTol) << "fault " << fault << " rank " << rank;
+    }
+  }
+}
+
 TEST(ModularMoE, UnknownPresetOrBackendListsTheKnownNames) {
   try {
     preset("deepseek-v9");

@@ -30,6 +30,13 @@
 // contiguous ranges whose sizes differ by at most one (the first E % R ranks hold one more).
 // FHMoE shared route: with DispatchConfig::shared_route, id E (== num_experts) means "the shared
 // expert replica on the token's own rank"; it is local expert num_local_experts(rank) there.
+// Heterogeneous routes (issue 6): topk_idx / topk_weights then have exactly top_k = K+1 columns,
+// the K routed columns hold -1 or ids in [0, E) and the last column holds E (fused) or -1 (the
+// shared expert runs separately). Anything else throws InvalidArgument naming topk_idx[t, k] (or
+// the column count), on every rank, before anything moves; a CUDA backend that finds it on the
+// device reports it as for any bad id (ll: that selection dropped, thrown by the next call). The
+// shared column's weight is not checked: it is 1.0, or the shared gate g(t) where the model has one
+// (Qwen2-MoE's sigmoid(x . shared_expert_gate)).
 #pragma once
 
 #include <memory>
@@ -65,7 +72,7 @@ const char* ll_combine_name(LlCombine mode);
 struct DispatchConfig {
   int64_t hidden = 0;                         ///< H; multiple of 8 (bf16) and of 128 for fp8 dispatch
   int num_experts = 0;                        ///< E (routed experts, global)
-  int top_k = 0;                              ///< K = columns of topk_idx (incl. the shared route column)
+  int top_k = 0;                              ///< K = columns of topk_idx (incl. the shared route column, last)
   int num_max_dispatch_tokens_per_rank = 0;   ///< capacity T_max per rank per call; all ranks agree
   DType dispatch_dtype = DType::bf16;         ///< bf16 or fp8_e4m3 (1x128 fp32 scales fused in dispatch)
   bool use_ue8m0 = false;                     ///< fp8: power-of-two scales

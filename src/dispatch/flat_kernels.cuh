@@ -33,7 +33,6 @@ __global__ void __launch_bounds__(kPlanThreads) plan_kernel(PlanParams p) {
   __shared__ int s_warp[32];
   __shared__ unsigned long long s_bad_index, s_valid;
   const int R = p.placement.num_ranks, K = p.top_k;
-  const int64_t max_id = p.placement.max_id();
   for (int d = threadIdx.x; d < R; d += blockDim.x) s_dest_rows[d] = 0;
   if (threadIdx.x == 0) {
     s_bad_index = ULLONG_MAX;
@@ -47,7 +46,7 @@ __global__ void __launch_bounds__(kPlanThreads) plan_kernel(PlanParams p) {
     if (live) {
       for (int k = 0; k < K; ++k) {
         const int64_t v = load_id(p.topk_idx, p.idx_is_i64, t * K + k);
-        if (v < -1 || v > max_id) atomicMin(&s_bad_index, static_cast<unsigned long long>(t * K + k));
+        if (!p.placement.valid_id(v, k, K)) atomicMin(&s_bad_index, static_cast<unsigned long long>(t * K + k));
         else valid += v >= 0;
       }
     }
@@ -56,7 +55,7 @@ __global__ void __launch_bounds__(kPlanThreads) plan_kernel(PlanParams p) {
       if (live) {
         for (int k = 0; k < K && !goes; ++k) {
           const int64_t v = load_id(p.topk_idx, p.idx_is_i64, t * K + k);  // an invalid id goes nowhere
-          goes = v >= 0 && v <= max_id && p.placement.dest_rank(static_cast<int32_t>(v), p.src_rank) == d;
+          goes = v >= 0 && p.placement.valid_id(v, k, K) && p.placement.dest_rank(static_cast<int32_t>(v), p.src_rank) == d;
         }
       }
       int total = 0;

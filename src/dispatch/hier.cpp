@@ -208,7 +208,7 @@ class HierPrepareFinalize final : public PrepareFinalizeBase {
     for (int64_t t = 0; t < T; ++t)
       for (int64_t k = 0; k < K; ++k) {
         const int64_t v = load_id(a.topk_idx, t * K + k);
-        if (!lay_.valid_id(v)) return {LocalError::invalid_argument, bad_topk_id(op_prepare_, cfg_, t, k, v).what()};
+        if (!lay_.valid_id(v, k)) return {LocalError::invalid_argument, bad_topk_id(op_prepare_, cfg_, t, k, v).what()};
         valid += v >= 0;
       }
     stats_.num_valid_selections = valid;

@@ -82,7 +82,10 @@ struct HierLayout {
   EPX_HOST_DEVICE int node_experts() const { return node_end - node_begin; }
 
   EPX_HOST_DEVICE int max_id() const { return shared_route ? num_experts : num_experts - 1; }
-  EPX_HOST_DEVICE bool valid_id(int64_t id) const { return id >= -1 && id <= max_id(); }
+  /// Placement::valid_id for column k of this layout's top_k columns (the shared route last).
+  EPX_HOST_DEVICE bool valid_id(int64_t id, int64_t k) const {
+    return Placement{num_experts, num_ranks, shared_route}.valid_id(id, k, top_k);
+  }
   /// Node that processes selection `id` of a token of this rank (-1: none). Valid ids only.
   EPX_HOST_DEVICE int node_of(int32_t id) const {
     if (id < 0) return -1;

@@ -55,7 +55,7 @@ __global__ void hier_pack_kernel(HierPackParams p) {
     if (t < T) {
       for (int k = 0; k < K; ++k) {
         const int64_t v = load_id(p, static_cast<int64_t>(t) * K + k);
-        if (!L.valid_id(v)) {
+        if (!L.valid_id(v, k)) {
           if (n == 0 && p.report != nullptr) {  // one warp reports (any bad id; the host names it)
             p.report->bad_token = t;
             p.report->bad_column = k;
@@ -75,7 +75,7 @@ __global__ void hier_pack_kernel(HierPackParams p) {
       src[j] = t;
       for (int k = 0; k < K; ++k) {
         const int64_t v = load_id(p, static_cast<int64_t>(t) * K + k);
-        ids[static_cast<int64_t>(j) * K + k] = L.valid_id(v) ? static_cast<int32_t>(v) : -1;
+        ids[static_cast<int64_t>(j) * K + k] = L.valid_id(v, k) ? static_cast<int32_t>(v) : -1;
         w[static_cast<int64_t>(j) * K + k] = p.weights[static_cast<int64_t>(t) * K + k];
       }
     }

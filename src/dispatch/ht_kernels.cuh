@@ -201,10 +201,9 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(HtParams p) {
 
   // 2. Validate and plan (DedupCpu::plan), unless cached.
   if (!hit && status == 0) {
-    const int64_t max_id = l.placement.max_id();
     for (int64_t i = threadIdx.x; i < T * K; i += blockDim.x) {
       const int64_t v = load_id(p.topk_idx, p.idx_is_i64, i);
-      if (v < -1 || v > max_id) atomicMin(&s_bad, static_cast<unsigned long long>(i));
+      if (!l.placement.valid_id(v, i % K, K)) atomicMin(&s_bad, static_cast<unsigned long long>(i));
     }
     __syncthreads();
     if (s_bad != ULLONG_MAX) status = 1;

@@ -295,7 +295,6 @@ __global__ void __launch_bounds__(kMaxThreads, 1) ll_dispatch_kernel(const __gri
     const int parity = static_cast<int>(s_call_send & 1);
     uint32_t* s_mask = reinterpret_cast<uint32_t*>(smem);       // [max_t]
     int32_t* s_slot = reinterpret_cast<int32_t*>(s_mask + max_t);  // [max_t][R]
-    const int max_id = c.placement.max_id();
     for (int t = threadIdx.x; t < T; t += blockDim.x) {
       uint32_t m = 0;
       for (int k0 = 0; k0 < K; k0 += 8) {
@@ -310,7 +309,7 @@ __global__ void __launch_bounds__(kMaxThreads, 1) ll_dispatch_kernel(const __gri
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
           const int64_t id = id8[i];
-          if (id < -1 || id > max_id) {
+          if (!c.placement.valid_id(id, k0 + i, K)) {
             if (blockIdx.x == 0) report(c, LlErrorReport::bad_topk_id, -1, LlErrorReport::dispatch, id, static_cast<int64_t>(t) * K + k0 + i);
             continue;  // treated as -1
           }
@@ -366,7 +365,7 @@ __global__ void __launch_bounds__(kMaxThreads, 1) ll_dispatch_kernel(const __gri
       if (ch == 0) {
         if (lane < K) {
           const int64_t id = pre ? pre_k : load_id(p, static_cast<int64_t>(t) * K + lane);
-          my_id = id < -1 || id > max_id ? -1 : static_cast<int32_t>(id);
+          my_id = c.placement.valid_id(id, lane, K) ? static_cast<int32_t>(id) : -1;
           my_w = pre ? pre_w : p.topk_weights[static_cast<int64_t>(t) * K + lane];
         }
         my_first = my_id >= 0 ? lane : -1;

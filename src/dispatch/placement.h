@@ -52,6 +52,15 @@ struct Placement {
   }
   /// Largest valid id: E with the shared route, else E - 1.
   EPX_HOST_DEVICE int max_id() const { return shared_route ? num_experts : num_experts - 1; }
+  /// Whether `id` may stand in column k of a [T, K] topk_idx (the one rule of every backend, CPU and
+  /// CUDA): -1 (no selection) anywhere; without shared_route an id in [0, E); with shared_route the
+  /// FHMoE layout of issue 6 (K-1 routed columns, then the shared route): columns k < K-1 hold ids in
+  /// [0, E), the last column (k = K-1) holds E (fused) or -1 (the shared expert runs separately).
+  EPX_HOST_DEVICE bool valid_id(int64_t id, int64_t k, int64_t K) const {
+    if (id == -1) return true;
+    if (shared_route && k == K - 1) return id == num_experts;
+    return id >= 0 && id < num_experts;
+  }
 };
 
 }  // namespace epx::dispatch

@@ -97,10 +97,17 @@ void validate_config(const std::string& backend, const DispatchConfig& cfg, int 
 }
 
 InvalidArgument bad_topk_id(const std::string& op, const DispatchConfig& cfg, int64_t t, int64_t k, int64_t value) {
-  const std::string rule = cfg.shared_route
-                               ? "must be -1 (no selection), an expert id in [0, num_experts) or num_experts = " +
-                                     std::to_string(cfg.num_experts) + " (shared route)"
-                               : "must be -1 (no selection) or an expert id in [0, num_experts = " + std::to_string(cfg.num_experts) + ")";
+  const std::string E = std::to_string(cfg.num_experts), K = std::to_string(cfg.top_k), last = std::to_string(cfg.top_k - 1);
+  std::string rule;
+  if (!cfg.shared_route) {
+    rule = "must be -1 (no selection) or an expert id in [0, num_experts = " + E + ")";
+  } else if (k == cfg.top_k - 1) {
+    rule = "must be num_experts = " + E + " (the shared route) or -1 (shared expert not fused): with shared_route the last of the top_k = " +
+           K + " columns is the shared expert's" + (value >= 0 && value < cfg.num_experts ? ", not a routed expert's" : "");
+  } else {
+    rule = "must be -1 (no selection) or a routed expert id in [0, num_experts = " + E + "): with shared_route, num_experts = " + E +
+           " (the shared route) belongs in the last column (k = " + last + ") only";
+  }
   return InvalidArgument(arg_message(op, "topk_idx[" + std::to_string(t) + ", " + std::to_string(k) + "]", value, rule));
 }
 
@@ -152,6 +159,16 @@ LocalError PrepareFinalizeBase::check_args(const DispatchArgs& a) const {
                   "must be <= num_max_dispatch_tokens_per_rank = " + std::to_string(cap) + " (fixed at create; split the batch)");
     const int K = cfg_.top_k;
     check_dtype(op, "topk_idx", a.topk_idx, {DType::int32, DType::int64});
+    if (cfg_.shared_route) {
+      // FHMoE routes: exactly K+1 = top_k columns, the shared route last (issue 6); the values are
+      // checked per column by Placement::valid_id (bad_topk_id names the rule).
+      for (const auto& [arg, t] : {std::pair<const char*, const TensorView*>{"topk_idx", &a.topk_idx}, {"topk_weights", &a.topk_weights}}) {
+        if (t->ndim == 2)
+          require_arg(op, std::string(arg) + ".shape[1]", t->shape[1], t->shape[1] == K,
+                      "must equal top_k = " + std::to_string(K) + " with shared_route: " + std::to_string(K - 1) +
+                          " routed columns, then the shared route column (id num_experts = " + std::to_string(cfg_.num_experts) + ")");
+      }
+    }
     check_shape_vec(op, "topk_idx", a.topk_idx, {T, K});
     check_contiguous(op, "topk_idx", a.topk_idx);
     check_dtype(op, "topk_weights", a.topk_weights, {DType::fp32});

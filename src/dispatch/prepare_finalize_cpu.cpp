@@ -38,7 +38,6 @@ LocalError CpuPrepareFinalize::check_prepare(const DispatchArgs& a, Routing& rou
   if (err.kind != LocalError::none) return err;
   const int64_t T = a.x.shape[0];
   const int K = cfg_.top_k;
-  const int64_t max_id = placement_.max_id();
   routing.num_tokens = T;
   routing.top_k = K;
   routing.idx.resize(static_cast<size_t>(T * K));
@@ -46,7 +45,7 @@ LocalError CpuPrepareFinalize::check_prepare(const DispatchArgs& a, Routing& rou
   const bool is_i64 = a.topk_idx.dtype == DType::int64;
   for (int64_t i = 0; i < T * K; ++i) {
     const int64_t v = is_i64 ? a.topk_idx.ptr<const int64_t>()[i] : a.topk_idx.ptr<const int32_t>()[i];
-    if (v < -1 || v > max_id) return {LocalError::invalid_argument, bad_topk_id(op_prepare_, cfg_, i / K, i % K, v).what()};
+    if (!placement_.valid_id(v, i % K, K)) return {LocalError::invalid_argument, bad_topk_id(op_prepare_, cfg_, i / K, i % K, v).what()};
     routing.idx[static_cast<size_t>(i)] = static_cast<int32_t>(v);
   }
   return {};

@@ -189,6 +189,42 @@ __device__ __forceinline__ bool sub_valid(const Item& it, int t) {
   else return it.col0 + t * 64 < it.hidden;
 }
 
+/// Debug instrumentation (set_mixed_debug; kDbg > 0 instantiations only, never the default kernels):
+/// per-warp clock64 sums of each phase of the K loop (MixedDebugPhase), added into the device buffer
+/// [gemm][warp][phase] once per CTA by lane 0 of each warp.
+template <bool kOn>
+struct StampsT {
+  __device__ __forceinline__ void start() {}
+  __device__ __forceinline__ void mark(int) {}
+  __device__ __forceinline__ void count(int, long long) {}
+  __device__ __forceinline__ void flush(unsigned long long*, bool) {}
+};
+template <>
+struct StampsT<true> {
+  long long v[kMixedDebugPhases];
+  long long t;
+  __device__ __forceinline__ StampsT() {
+#pragma unroll
+    for (int i = 0; i < kMixedDebugPhases; ++i) v[i] = 0;
+    t = clock64();
+  }
+  __device__ __forceinline__ void start() { t = clock64(); }
+  __device__ __forceinline__ void mark(int ph) {
+    const long long n = clock64();
+    v[ph] += n - t;
+    t = n;
+  }
+  __device__ __forceinline__ void count(int ph, long long n) { v[ph] += n; }
+  __device__ __forceinline__ void flush(unsigned long long* buf, bool gate_up) {
+    if (buf == nullptr || (threadIdx.x & 31) != 0) return;
+    unsigned long long* b = buf + ((gate_up ? 0 : 1) * kMixedDebugWarps + (threadIdx.x >> 5)) * kMixedDebugPhases;
+#pragma unroll
+    for (int i = 0; i < kMixedDebugPhases; ++i) atomicAdd(b + i, static_cast<unsigned long long>(v[i]));
+  }
+};
+template <int kDbg>
+using Stamps = StampsT<(kDbg > 0)>;
+
 /// e4m3 codes of 8 e2m1 codes (word w, element i = nibble i) through the group table (lo, hi).
 __device__ __forceinline__ uint2 e2m1x8_to_e4m3(uint32_t w, uint32_t lo, uint32_t hi) {
   const uint32_t m = w & 0x77777777u;
@@ -326,8 +362,9 @@ __device__ __forceinline__ void convert_row(const uint8_t* stage, uint8_t* conv,
 }
 
 /// One (row tile, weight tile) item of kind kK with BN token columns. smem: 1024-aligned base.
-template <int kK, int BN>
-__device__ __forceinline__ void run_item(const MixedGemmParams& p, const Item& it, uint8_t* smem, uint32_t smem_s) {
+template <int kK, int BN, int kDbg>
+__device__ __forceinline__ void run_item(const MixedGemmParams& p, const Item& it, uint8_t* smem, uint32_t smem_s,
+                                         Stamps<kDbg>& sp) {
   using T = KT<kK>;
   constexpr bool kGateUp = T::kGateUp;
   constexpr int kFrag = BN / 2;
@@ -422,7 +459,7 @@ __device__ __forceinline__ void run_item(const MixedGemmParams& p, const Item& i
     }
   }
   auto convert = [&](int64_t kb) {
-    if constexpr (T::kMx) {
+    if constexpr (T::kMx && kDbg != 2) {  // kDbg 2: debug ablation without the expansion
       const int64_t step = kb * (T::kKPerStage / 32);
       const int64_t sbs[2] = {(T::kCoal ? coal_scale0[0] : my_scale0) + step, coal_scale0[1] + step};
       convert_row<kK>(smem + static_cast<int>(kb % S) * T::kStageBytes, smem + T::kConvOff + static_cast<int>(kb & 1) * kConvBytes,
@@ -495,20 +532,31 @@ __device__ __forceinline__ void run_item(const MixedGemmParams& p, const Item& i
   cp_async_commit();
   // Invariant at the top of iteration kb: block kb is expanded and visible, blocks kb+1 .. kb+S-1
   // are in flight (one cp.async group each), and no wgmma is outstanding.
+  sp.mark(kDbgPrologue);
   for (int64_t kb = 0; kb < nk; ++kb) {
     if constexpr (T::kBf16) issue(kb, acc);
     else issue(kb, tmp);
+    sp.mark(kDbgIssue);
     if (kb + 1 < nk) {
       cp_async_wait<S - 2>();  // this thread's copies of block kb + 1
+      sp.mark(kDbgLoadWait);
       convert(kb + 1);         // into the other operand tile, under the wgmmas of block kb
+      sp.mark(kDbgConvert);
     }
     wgmma_wait<0>();
+    sp.mark(kDbgMmaWait);
     if constexpr (!T::kBf16) promote(kb, tmp);
+    sp.mark(kDbgPromote);
     fence_proxy_async();  // generic-proxy writes (cp.async, expansion) before wgmma's async-proxy reads
+    sp.mark(kDbgFence);
     __syncthreads();      // block kb + 1 visible; stage kb and operand tile kb & 1 free
+    sp.mark(kDbgBarrier);
     if (kb + S < nk) load_stage(static_cast<int>(kb % S), kb + S);
     cp_async_commit();
+    sp.mark(kDbgLoadIssue);
   }
+  sp.count(kDbgStages, nk);
+  sp.count(T::kMx ? kDbgMxItems : kDbgFp8Items, 1);
   cp_async_wait<0>();
   __syncthreads();  // the ring is free for the epilogue staging
 
@@ -601,16 +649,19 @@ __device__ __forceinline__ void run_item(const MixedGemmParams& p, const Item& i
     }
   }
   __syncthreads();  // staging and rows[] are reused by the next item
+  sp.mark(kDbgEpilogue);
 }
 
-template <bool kGateUp>
-__global__ void __launch_bounds__(kThreads, 1) mixed_gemm_kernel(MixedGemmParams p) {
+template <bool kGateUp, int kDbg = 0>
+__global__ void __launch_bounds__(kThreads, 1) mixed_gemm_kernel(MixedGemmParams p, unsigned long long* dbg) {
   extern __shared__ uint8_t smem_raw[];
   const uint32_t raw_s = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
   const uint32_t pad = (1024u - (raw_s & 1023u)) & 1023u;
   uint8_t* smem = smem_raw + pad;
   const uint32_t smem_s = raw_s + pad;
   int32_t* rows = reinterpret_cast<int32_t*>(smem + kRowsOff);
+  Stamps<kDbg> sp;
+  const long long k_start = kDbg > 0 ? clock64() : 0;
 
   const int64_t num_items = static_cast<int64_t>(*p.num_tiles) * p.max_weight_tiles;
   // Items walk the tile list from its end: the last local expert (the FHMoE shared expert, with a
@@ -642,6 +693,7 @@ __global__ void __launch_bounds__(kThreads, 1) mixed_gemm_kernel(MixedGemmParams
       it.w_scale = e.w2_scale;
       it.K = inter;
     }
+    sp.start();
     if (threadIdx.x < kMaxBN) {
       const int j = threadIdx.x;
       int32_t r = 0;
@@ -651,23 +703,30 @@ __global__ void __launch_bounds__(kThreads, 1) mixed_gemm_kernel(MixedGemmParams
     __syncthreads();
     constexpr int kFp8 = kGateUp ? kFp8GateUp : kFp8Down, kMx = kGateUp ? kMxGateUp : kMxDown;
     constexpr int kMxC = kGateUp ? kMxGateUpC : kMxDownC;
-    if (mx && p.coalesced) {
-      if (tile.num_rows <= 16) run_item<kMxC, 16>(p, it, smem, smem_s);
-      else run_item<kMxC, 64>(p, it, smem, smem_s);
+    if constexpr (kDbg > 0) {  // debug kernels (set_mixed_debug): mxfp4 items of <= 16 rows only
+      if (mx && tile.num_rows <= 16) run_item<kMx, 16, kDbg>(p, it, smem, smem_s, sp);
+    } else if (mx && p.coalesced) {
+      if (tile.num_rows <= 16) run_item<kMxC, 16, kDbg>(p, it, smem, smem_s, sp);
+      else run_item<kMxC, 64, kDbg>(p, it, smem, smem_s, sp);
     } else if (mx) {
-      if (tile.num_rows <= 16) run_item<kMx, 16>(p, it, smem, smem_s);
-      else run_item<kMx, 64>(p, it, smem, smem_s);
+      if (tile.num_rows <= 16) run_item<kMx, 16, kDbg>(p, it, smem, smem_s, sp);
+      else run_item<kMx, 64, kDbg>(p, it, smem, smem_s, sp);
     } else {
-      if (tile.num_rows <= 16) run_item<kFp8, 16>(p, it, smem, smem_s);
-      else run_item<kFp8, 64>(p, it, smem, smem_s);
+      if (tile.num_rows <= 16) run_item<kFp8, 16, kDbg>(p, it, smem, smem_s, sp);
+      else run_item<kFp8, 64, kDbg>(p, it, smem, smem_s, sp);
     }
+  }
+  if constexpr (kDbg > 0) {
+    sp.count(kDbgKernel, clock64() - k_start);
+    sp.count(kDbgCtas, 1);
+    sp.flush(dbg, kGateUp);
   }
 }
 
 #else  // not sm_90a: the host never launches these (mxfp4_tensor_cores_available is false)
 
-template <bool kGateUp>
-__global__ void __launch_bounds__(kThreads, 1) mixed_gemm_kernel(MixedGemmParams) {
+template <bool kGateUp, int kDbg = 0>
+__global__ void __launch_bounds__(kThreads, 1) mixed_gemm_kernel(MixedGemmParams, unsigned long long*) {
 #ifdef __CUDA_ARCH__
   __trap();
 #endif
@@ -690,7 +749,8 @@ bool mxfp4_tensor_cores_available(int device) {
     if (prop.sharedMemPerBlockOptin < static_cast<size_t>(kSmemBytes)) {
       done[device] = -1;
     } else {
-      for (auto* k : {mixed_gemm_kernel<true>, mixed_gemm_kernel<false>})
+      for (auto* k : {mixed_gemm_kernel<true>, mixed_gemm_kernel<false>, mixed_gemm_kernel<true, 1>, mixed_gemm_kernel<false, 1>,
+                      mixed_gemm_kernel<true, 2>, mixed_gemm_kernel<false, 2>})
         EPX_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
       done[device] = 1;
     }
@@ -698,13 +758,29 @@ bool mxfp4_tensor_cores_available(int device) {
   return done[device] == 1;
 }
 
-void launch_mixed_gate_up(const MixedGemmParams& p, int grid, cudaStream_t stream) {
-  mixed_gemm_kernel<true><<<grid, kThreads, kSmemBytes, stream>>>(p);
-  cuda::check_launch("mixed_gemm_kernel (gate_up)");
+namespace {
+// set_mixed_debug's state: process-wide, for the bench only (the default is 0: the normal kernels).
+unsigned long long* g_debug_buffer = nullptr;
+int g_debug_mode = 0;
+
+template <bool kGateUp>
+void launch_mixed(const MixedGemmParams& p, int grid, cudaStream_t stream) {
+  switch (g_debug_buffer != nullptr ? g_debug_mode : 0) {
+    case 1: mixed_gemm_kernel<kGateUp, 1><<<grid, kThreads, kSmemBytes, stream>>>(p, g_debug_buffer); break;
+    case 2: mixed_gemm_kernel<kGateUp, 2><<<grid, kThreads, kSmemBytes, stream>>>(p, g_debug_buffer); break;
+    default: mixed_gemm_kernel<kGateUp><<<grid, kThreads, kSmemBytes, stream>>>(p, nullptr); break;
+  }
+  cuda::check_launch(kGateUp ? "mixed_gemm_kernel (gate_up)" : "mixed_gemm_kernel (down)");
 }
-void launch_mixed_down(const MixedGemmParams& p, int grid, cudaStream_t stream) {
-  mixed_gemm_kernel<false><<<grid, kThreads, kSmemBytes, stream>>>(p);
-  cuda::check_launch("mixed_gemm_kernel (down)");
+}  // namespace
+
+void set_mixed_debug(unsigned long long* buffer, int mode) {
+  require_arg("set_mixed_debug", "mode", mode, mode >= 0 && mode <= 2, "must be 0 (off), 1 (stamps) or 2 (stamps, no expansion)");
+  g_debug_buffer = mode > 0 ? buffer : nullptr;
+  g_debug_mode = mode;
 }
+
+void launch_mixed_gate_up(const MixedGemmParams& p, int grid, cudaStream_t stream) { launch_mixed<true>(p, grid, stream); }
+void launch_mixed_down(const MixedGemmParams& p, int grid, cudaStream_t stream) { launch_mixed<false>(p, grid, stream); }
 
 }  // namespace epx::experts_cuda

@@ -45,6 +45,36 @@ struct MixedGemmParams {
 /// raised on `device` (first call per device; call before launching, outside graph capture).
 bool mxfp4_tensor_cores_available(int device);
 
+/// Debug instrumentation of the mixed kernels (the bench's --stamps; never set by the library).
+/// Phases of one K-loop stage, in order, then per-item and per-CTA parts; the buffer holds
+/// unsigned long long [2 GEMMs (gate_up, down)][kMixedDebugWarps][kMixedDebugPhases] of clock64
+/// cycles summed over the CTAs (lane 0 of each warp adds its own sums), zeroed by the caller.
+enum MixedDebugPhase : int {
+  kDbgIssue = 0,      ///< wgmma fence + issue + commit of stage kb
+  kDbgLoadWait = 1,   ///< cp.async.wait_group for stage kb + 1
+  kDbgConvert = 2,    ///< the e2m1 expansion of stage kb + 1
+  kDbgMmaWait = 3,    ///< wgmma.wait_group of stage kb
+  kDbgPromote = 4,    ///< the per-K-block promotion (gate_up)
+  kDbgFence = 5,      ///< fence.proxy.async
+  kDbgBarrier = 6,    ///< __syncthreads of the stage
+  kDbgLoadIssue = 7,  ///< cp.async of stage kb + S and the commit
+  kDbgPrologue = 8,   ///< item set-up (rows, tile) + the ring prologue
+  kDbgEpilogue = 9,   ///< after the K loop to the end of the item (SiLU, staging, stores)
+  kDbgStages = 10,    ///< count: K-loop stages
+  kDbgMxItems = 11,   ///< count: mxfp4 items
+  kDbgFp8Items = 12,  ///< count: fp8_block items
+  kDbgKernel = 13,    ///< cycles from kernel start to end
+  kDbgCtas = 14,      ///< count: CTAs
+  kMixedDebugPhases = 16,
+};
+constexpr int kMixedDebugWarps = 8;
+constexpr int kMixedDebugWords = 2 * kMixedDebugWarps * kMixedDebugPhases;
+/// mode 0: the normal kernels (default); 1: stamped kernels writing into `buffer` (device memory of
+/// kMixedDebugWords words); 2: stamped, the expansion skipped (wrong results: an ablation for timing
+/// only). The debug kernels compute mxfp4 items of <= 16 rows only (decode at 8 rows per expert);
+/// other items are skipped. Process-wide; not thread-safe.
+void set_mixed_debug(unsigned long long* buffer, int mode);
+
 /// gate_up of every tile: fp8_block experts write FP8 1x128 h (hq, hs) as launch_fp8_gate_up;
 /// mxfp4 experts (intermediate % 128 == 0) write h rounded to bf16 (hb).
 void launch_mixed_gate_up(const MixedGemmParams& p, int grid, cudaStream_t stream);
