@@ -107,6 +107,16 @@ __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t s) {
   asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(s));
   return d;
 }
+/// cp.async with the L2 prefetch-size hint .L2::256B (PTX ISA, cp.async): the L2 fetches the 256-byte
+/// block around the source, so a weight row read 64 / 32 bytes per stage comes from DRAM in 256-byte
+/// pieces and the next stages of that row hit the L2 (debug mode 3; a hint, results unchanged).
+__device__ __forceinline__ void cp_async16_pf256(uint32_t dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0) : "memory");
+}
+__device__ __forceinline__ void cp_async4_pf256(uint32_t dst, const void* src, bool valid) {
+  asm volatile("cp.async.ca.shared.global.L2::256B [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 4 : 0) : "memory");
+}
+
 /// 0x80 in byte i (i < 4) where e2m1 nibble i of w is negative, else 0.
 __device__ __forceinline__ uint32_t nibble_signs(uint32_t w) {
   return (prmt(0x80808080u, 0x80808080u, w) & 0x40404040u) << 1;
@@ -424,12 +434,15 @@ __device__ __forceinline__ void run_item(const MixedGemmParams& p, const Item& i
       constexpr int kChunks = T::kKPerStage / 32;  // 16-byte code chunks per row per stage
       const uint8_t* src_row = it.w + my_row * (it.K / 2) + kb * (T::kKPerStage / 2);
 #pragma unroll
-      for (int c = 0; c < kChunks; ++c)
-        cp_async16(st + T::kRawOff + tid * T::kRawStride + c * 16, my_valid ? src_row + c * 16 : it.w, my_valid);
+      for (int c = 0; c < kChunks; ++c) {
+        if constexpr (kDbg == 3) cp_async16_pf256(st + T::kRawOff + tid * T::kRawStride + c * 16, my_valid ? src_row + c * 16 : it.w, my_valid);
+        else cp_async16(st + T::kRawOff + tid * T::kRawStride + c * 16, my_valid ? src_row + c * 16 : it.w, my_valid);
+      }
       // the aligned word holding this stage's scale bytes (gate_up: 4 at a multiple of 4; down: 2 at an even byte)
       const int64_t sb = my_scale0 + kb * (T::kKPerStage / 32);
       const uint8_t* ssrc = static_cast<const uint8_t*>(it.w_scale) + (sb & ~int64_t{3});
-      cp_async4(st + T::kRawScaleOff + tid * 4, my_valid ? ssrc : it.w_scale, my_valid);
+      if constexpr (kDbg == 3) cp_async4_pf256(st + T::kRawScaleOff + tid * 4, my_valid ? ssrc : it.w_scale, my_valid);
+      else cp_async4(st + T::kRawScaleOff + tid * 4, my_valid ? ssrc : it.w_scale, my_valid);
     }
     if constexpr (!T::kBf16) {
       const uint32_t sc = smem_s + kScaleOff + s * kScaleFloats * 4;
@@ -750,7 +763,7 @@ bool mxfp4_tensor_cores_available(int device) {
       done[device] = -1;
     } else {
       for (auto* k : {mixed_gemm_kernel<true>, mixed_gemm_kernel<false>, mixed_gemm_kernel<true, 1>, mixed_gemm_kernel<false, 1>,
-                      mixed_gemm_kernel<true, 2>, mixed_gemm_kernel<false, 2>})
+                      mixed_gemm_kernel<true, 2>, mixed_gemm_kernel<false, 2>, mixed_gemm_kernel<true, 3>, mixed_gemm_kernel<false, 3>})
         EPX_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
       done[device] = 1;
     }
@@ -768,6 +781,7 @@ void launch_mixed(const MixedGemmParams& p, int grid, cudaStream_t stream) {
   switch (g_debug_buffer != nullptr ? g_debug_mode : 0) {
     case 1: mixed_gemm_kernel<kGateUp, 1><<<grid, kThreads, kSmemBytes, stream>>>(p, g_debug_buffer); break;
     case 2: mixed_gemm_kernel<kGateUp, 2><<<grid, kThreads, kSmemBytes, stream>>>(p, g_debug_buffer); break;
+    case 3: mixed_gemm_kernel<kGateUp, 3><<<grid, kThreads, kSmemBytes, stream>>>(p, g_debug_buffer); break;
     default: mixed_gemm_kernel<kGateUp><<<grid, kThreads, kSmemBytes, stream>>>(p, nullptr); break;
   }
   cuda::check_launch(kGateUp ? "mixed_gemm_kernel (gate_up)" : "mixed_gemm_kernel (down)");
@@ -775,7 +789,8 @@ void launch_mixed(const MixedGemmParams& p, int grid, cudaStream_t stream) {
 }  // namespace
 
 void set_mixed_debug(unsigned long long* buffer, int mode) {
-  require_arg("set_mixed_debug", "mode", mode, mode >= 0 && mode <= 2, "must be 0 (off), 1 (stamps) or 2 (stamps, no expansion)");
+  require_arg("set_mixed_debug", "mode", mode, mode >= 0 && mode <= 3,
+              "must be 0 (off), 1 (stamps), 2 (stamps, no expansion) or 3 (stamps, weight loads with the .L2::256B hint)");
   g_debug_buffer = mode > 0 ? buffer : nullptr;
   g_debug_mode = mode;
 }

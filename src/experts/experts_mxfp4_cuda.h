@@ -71,7 +71,8 @@ constexpr int kMixedDebugWarps = 8;
 constexpr int kMixedDebugWords = 2 * kMixedDebugWarps * kMixedDebugPhases;
 /// mode 0: the normal kernels (default); 1: stamped kernels writing into `buffer` (device memory of
 /// kMixedDebugWords words); 2: stamped, the expansion skipped (wrong results: an ablation for timing
-/// only). The debug kernels compute mxfp4 items of <= 16 rows only (decode at 8 rows per expert);
+/// only); 3: stamped, the raw weight / scale loads with the .L2::256B prefetch hint (same results as
+/// 1: an A/B of the DRAM access size). The debug kernels compute mxfp4 items of <= 16 rows only (decode at 8 rows per expert);
 /// other items are skipped. Process-wide; not thread-safe.
 void set_mixed_debug(unsigned long long* buffer, int mode);
 

@@ -2,24 +2,29 @@
 # tools/device/mxfp4-batch.sh: the MXFP4 / FHMoE helper's device batch (issue 6). Run from a copy of
 # main that carries .carry/deps.tar.xz and .carry-mxfp4/src.tar.xz, as
 #   OUT=<dir> timeout -k 5 <allowance> bash .carry-mxfp4/batch.sh
-# Builds only epx, experts_cuda_test and epx-gemm-mxfp4-bench with tools/device/gpu-check.sh (no
-# ctest run there), runs the MXFP4 / V4-Pro experts GPU tests directly (gtest filter), then the
-# MXFP4 GEMM bench + FHMoE sweep on GPU 0, then (if time is left) the V4-Pro layer. Every step has
-# its own timeout; logs go to $OUT.
+# Builds epx, experts_cuda_test, epx-gemm-mxfp4-bench and the epx CLI with tools/device/gpu-check.sh
+# (no ctest run there), runs the MXFP4 / mixed experts GPU tests directly (gtest filter), then on
+# GPU 0: the MXFP4 decode bench with the per-phase stamps (--stamps), the FHMoE fused-vs-separate
+# sweep at decode sizes, and (if time is left) the V4-Pro layer with the shared expert forced fused
+# and separate. Every step has its own timeout inside BUDGET seconds (default 95); logs go to $OUT.
 set -uo pipefail
 OUT="${OUT:-/tmp/mxfp4-out}"
+BUDGET="${BUDGET:-95}"
 mkdir -p "$OUT"
 HERE="$(pwd)"
 S=/tmp/s-mxfp4
 T0=$SECONDS
+left() { echo $(( BUDGET - (SECONDS - T0) )); }
+# cap N: the seconds a step may take, at most N and what is left of the budget (minus 2).
+cap() { local l; l=$(( $(left) - 2 )); [ "$l" -gt "$1" ] && l=$1; echo "$l"; }
 rm -rf "$S" && mkdir -p "$S/.carry"
 tar -C "$S" -xJf "$HERE/.carry-mxfp4/src.tar.xz"
 cp "$HERE/.carry/deps.tar.xz" "$S/.carry/"
 export NCCL_NVLS_ENABLE=0
 export CUDA_VISIBLE_DEVICES=0
-GPU_CHECK_SRC="$S" GPU_CHECK_ONE_GPU=0 GPU_CHECK_SANITIZE=0 GPU_CHECK_CPU=0 GPU_CHECK_BENCH=0 \
-  GPU_CHECK_TARGETS="epx experts_cuda_test epx_gemm_mxfp4_bench epx_cli" GPU_CHECK_FILTER='^no_test_matches_this$' \
-  timeout -k 5 75 bash "$S/tools/device/gpu-check.sh" run >"$OUT/gpu-check.out" 2>&1
+GPU_CHECK_SRC="$S" GPU_CHECK_ONE_GPU=0 GPU_CHECK_SANITIZE=0 GPU_CHECK_CPU=0 GPU_CHECK_BENCH=0 GPU_CHECK_TESTS=0 \
+  GPU_CHECK_TARGETS="experts_cuda_test epx_gemm_mxfp4_bench epx_cli" GPU_CHECK_FILTER='^no_test_matches_this$' \
+  timeout -k 5 "$(cap 60)" bash "$S/tools/device/gpu-check.sh" run >"$OUT/gpu-check.out" 2>&1
 echo "build rc=$? at $((SECONDS - T0)) s" | tee -a "$OUT/summary.txt"
 B=/tmp/epx-gpu-check/build
 deps=/tmp/epx-gpu-check/deps/usr/lib/x86_64-linux-gnu
@@ -31,32 +36,40 @@ hung=0
 if [ -x "$B/experts_cuda_test" ]; then
   # Small shapes first: a hang here (rc 124) skips everything after it (device time is shared).
   t1=$SECONDS
-  (cd "$B" && timeout -k 3 20 ./experts_cuda_test --gtest_filter='*SmallShapesEveryFormat*:*Mxfp4TensorCoreWideScaleSpread*') \
+  (cd "$B" && timeout -k 3 "$(cap 10)" ./experts_cuda_test --gtest_filter='*SmallShapesEveryFormat*:*Mxfp4TensorCoreWideScaleSpread*') \
     >"$OUT/gpu-tests-small.log" 2>&1
   rc=$?; echo "experts_cuda_test (small) rc=$rc in $((SECONDS - t1)) s" | tee -a "$OUT/summary.txt"
   [ "$rc" -ge 124 ] && hung=1
   if [ "$hung" = 0 ]; then
     t1=$SECONDS
-    (cd "$B" && timeout -k 5 40 ./experts_cuda_test \
+    (cd "$B" && timeout -k 3 "$(cap 25)" ./experts_cuda_test \
        --gtest_filter='*Mxfp4TensorCoreRowCounts*:*DeepSeekV4Pro*:*MixedFormats*:*GraphCapture*') >"$OUT/gpu-tests.log" 2>&1
     rc=$?; echo "experts_cuda_test (mxfp4 filter) rc=$rc in $((SECONDS - t1)) s" | tee -a "$OUT/summary.txt"
+    [ "$rc" -ge 124 ] && hung=1
   fi
 fi
-if [ -x "$B/epx-gemm-mxfp4-bench" ] && [ "$hung" = 0 ]; then
+if [ -x "$B/epx-gemm-mxfp4-bench" ] && [ "$hung" = 0 ] && [ "$(left)" -gt 12 ]; then
   t2=$SECONDS
-  left=$(( 140 - (SECONDS - T0) )); [ "$left" -gt 60 ] && left=60; [ "$left" -lt 10 ] && left=10
-  GEMM_BENCH_COMMIT="$commit" timeout -k 5 "$left" "$B/epx-gemm-mxfp4-bench" --iters 10 --fhmoe-experts 192,48 \
-    --json "$OUT/gemm-mxfp4.json" >"$OUT/gemm-mxfp4.log" 2>&1
-  echo "gemm-mxfp4-bench rc=$? in $((SECONDS - t2)) s" | tee -a "$OUT/summary.txt"
+  GEMM_BENCH_COMMIT="$commit" timeout -k 3 "$(cap 25)" "$B/epx-gemm-mxfp4-bench" --iters 10 --no-simt --cases decode --stamps \
+    --json "$OUT/gemm-mxfp4-decode.json" >"$OUT/gemm-mxfp4-decode.log" 2>&1
+  echo "gemm-mxfp4-bench decode+stamps rc=$? in $((SECONDS - t2)) s" | tee -a "$OUT/summary.txt"
 fi
-left=$(( 145 - (SECONDS - T0) ))
-if [ -x "$B/epx" ] && [ "$left" -gt 15 ] && [ "$hung" = 0 ]; then
+if [ -x "$B/epx-gemm-mxfp4-bench" ] && [ "$hung" = 0 ] && [ "$(left)" -gt 10 ]; then
+  t2=$SECONDS
+  GEMM_BENCH_COMMIT="$commit" timeout -k 3 "$(cap 30)" "$B/epx-gemm-mxfp4-bench" --iters 10 --no-simt --cases fhmoe \
+    --max-tokens 256 --fhmoe-experts 192 --json "$OUT/gemm-mxfp4-fhmoe.json" >"$OUT/gemm-mxfp4-fhmoe.log" 2>&1
+  echo "gemm-mxfp4-bench fhmoe rc=$? in $((SECONDS - t2)) s" | tee -a "$OUT/summary.txt"
+fi
+if [ -x "$B/epx" ] && [ "$hung" = 0 ] && [ "$(left)" -gt "${MOE_MIN_S:-30}" ]; then
+  # The layer at EP2 (192 local experts per GPU), the shared expert fused and separate in one run (--compare).
   t3=$SECONDS
-  timeout -k 3 "$left" "$B/epx" moe --device cuda --ranks 1 --preset deepseek-v4-pro --backend ll --dispatch-dtype fp8 --tokens-per-rank 128 \
-    --steps 2 --validate-tokens 4 --json "$OUT/moe-v4pro.json" >"$OUT/moe-v4pro.log" 2>&1
-  echo "epx moe v4-pro rc=$? in $((SECONDS - t3)) s" | tee -a "$OUT/summary.txt"
+  CUDA_VISIBLE_DEVICES=0,1 timeout -k 3 "$(cap 60)" "$B/epx" moe --device cuda --ranks 2 --preset deepseek-v4-pro --backend ll \
+    --dispatch-dtype fp8 --mode decode --compare --tokens-per-rank "${MOE_TOKENS:-128}" --steps 3 --validate-tokens 2 \
+    --json "$OUT/moe-v4pro-compare.json" >"$OUT/moe-v4pro-compare.log" 2>&1
+  echo "epx moe v4-pro --compare rc=$? in $((SECONDS - t3)) s" | tee -a "$OUT/summary.txt"
 fi
 echo "== tests"; cat "$OUT/gpu-tests-small.log" "$OUT/gpu-tests.log" 2>/dev/null | grep -E "^\[  (FAILED|PASSED) |^\[       OK|FAILED|rel_l2|Failure|Expected|Which is|got/want" | tail -40
-echo "== bench"; grep -vE "^wrote" "$OUT/gemm-mxfp4.log" 2>/dev/null | tail -50
-echo "== moe"; tail -15 "$OUT/moe-v4pro.log" 2>/dev/null
+echo "== build errors"; head -5 "$OUT/build-errors.txt" 2>/dev/null
+echo "== bench"; grep -vhE "^wrote" "$OUT/gemm-mxfp4-decode.log" "$OUT/gemm-mxfp4-fhmoe.log" 2>/dev/null | tail -50
+echo "== moe"; tail -25 "$OUT/moe-v4pro-compare.log" 2>/dev/null
 echo "total $((SECONDS - T0)) s"
