@@ -362,7 +362,10 @@ TEST(ModularMoE, HeterogeneousRoutesHandedInAreRejectedOnEveryRankAndTheLayerSta
       const std::string& m = errs[rank];
       if (rank == 1 && fault == 0) {
         EXPECT_NE(m.find("topk_idx.shape[1] = " + std::to_string(K + 1)), std::string::npos) << m;
-        EXPECT_NE(m.find("must equal top_k = " + std::to_string(K) + " (the shared column is added here)"), std::string::npos) << m;
+        EXPECT_NE(m.find("must equal top_k = " + std::to_string(K) + ": the routed columns only (the shared route, id num_experts = " +
+                         std::to_string(E) + ", is appended here as column " + std::to_string(K) + ")"),
+                  std::string::npos)
+            << m;
       } else if (rank == 1) {
         EXPECT_NE(m.find("topk_idx[1][0] = " + std::to_string(E)), std::string::npos) << m;
         EXPECT_NE(m.find("must be in [-1, " + std::to_string(E) + ")"), std::string::npos) << m;

@@ -398,9 +398,14 @@ void ModularMoE::forward_routed(const TensorView& x, const TensorView& topk_idx,
   try {
     check_rows(kFwdOp, "x", x, -1, H, m.device);
     T = x.shape[0];
+    // The column count first: routes that already carry the FHMoE shared column (K+1) are named as such.
+    if (topk_idx.ndim == 2)
+      require_arg(kFwdOp, "topk_idx.shape[1]", topk_idx.shape[1], topk_idx.shape[1] == m.top_k,
+                  "must equal top_k = " + std::to_string(m.top_k) +
+                      (m.has_shared ? ": the routed columns only (the shared route, id num_experts = " + std::to_string(m.num_experts) +
+                                          ", is appended here as column " + std::to_string(m.top_k) + ")"
+                                    : std::string()));
     check_routing_on(m.device, kFwdOp, topk_idx, topk_weights, T, m.num_experts);
-    require_arg(kFwdOp, "topk_idx.shape[1]", topk_idx.shape[1], topk_idx.shape[1] == m.top_k,
-                "must equal top_k = " + std::to_string(m.top_k) + " (the shared column is added here)");
     check_rows(kFwdOp, "out", out, T, H, m.device);
   } catch (const InvalidArgument& e) {
     local_error = e.what();
