@@ -57,7 +57,7 @@ fi
 if [ -x "$B/epx-gemm-mxfp4-bench" ] && [ "$hung" = 0 ] && [ "$(left)" -gt 10 ]; then
   t2=$SECONDS
   GEMM_BENCH_COMMIT="$commit" timeout -k 3 "$(cap 30)" "$B/epx-gemm-mxfp4-bench" --iters 10 --no-simt --cases fhmoe \
-    --max-tokens 256 --fhmoe-experts 192 --json "$OUT/gemm-mxfp4-fhmoe.json" >"$OUT/gemm-mxfp4-fhmoe.log" 2>&1
+    --max-tokens "${FHMOE_MAX_T:-2048}" --fhmoe-experts 192 --json "$OUT/gemm-mxfp4-fhmoe.json" >"$OUT/gemm-mxfp4-fhmoe.log" 2>&1
   echo "gemm-mxfp4-bench fhmoe rc=$? in $((SECONDS - t2)) s" | tee -a "$OUT/summary.txt"
 fi
 if [ -x "$B/epx" ] && [ "$hung" = 0 ] && [ "$(left)" -gt "${MOE_MIN_S:-30}" ]; then
