@@ -27,7 +27,10 @@
 // cycles per K-loop stage (set_mixed_debug, experts_mxfp4_cuda.h), a timing-only ablation (the
 // expansion skipped) and the .L2::256B load hint as decode-v4pro-stamps rows.
 // Usage: epx-gemm-mxfp4-bench [--json PATH] [--iters N] [--experts L] [--no-simt] [--max-tokens T]
-//        [--fhmoe-experts L1,L2,...] [--cases fhmoe,decode,prefill] [--coalesced] [--stamps]
+//        [--fhmoe-experts L1,L2,...] [--cases fhmoe,decode,prefill] [--coalesced] [--stamps] [--wide]
+// --wide adds the 512-thread variant (EPX_EXPERTS_MXFP4_TC=3) to the decode and prefill cases
+// (decode validated against the CPU experts, prefill against the default variant), stamped too
+// with --stamps.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -90,7 +93,7 @@ int main(int argc, char** argv) {
   int iters = 20, L = 192;
   int64_t max_tokens = 4096;
   std::vector<int> fhmoe_experts;  // routed experts per FHMoE sweep (default: L)
-  bool do_simt = true, do_coalesced = false, do_stamps = false;
+  bool do_simt = true, do_coalesced = false, do_stamps = false, do_wide = false;
   std::string cases = "fhmoe,decode,prefill";
   std::string command = "epx-gemm-mxfp4-bench";
   for (int i = 1; i < argc; ++i) {
@@ -103,6 +106,7 @@ int main(int argc, char** argv) {
     else if (a == "--no-simt") do_simt = false;
     else if (a == "--coalesced") do_coalesced = true;
     else if (a == "--stamps") do_stamps = true;
+    else if (a == "--wide") do_wide = true;
     else if (a == "--cases" && i + 1 < argc) cases = argv[++i], command += std::string(" ") + argv[i];
     else if (a == "--fhmoe-experts" && i + 1 < argc) {
       const std::string list = argv[++i];
@@ -115,7 +119,7 @@ int main(int argc, char** argv) {
     } else {
       std::fprintf(stderr,
                    "usage: epx-gemm-mxfp4-bench [--json PATH] [--iters N] [--experts L] [--no-simt] [--max-tokens T] "
-                   "[--fhmoe-experts L1,L2,...] [--cases fhmoe,decode,prefill] [--coalesced] [--stamps]\n");
+                   "[--fhmoe-experts L1,L2,...] [--cases fhmoe,decode,prefill] [--coalesced] [--stamps] [--wide]\n");
       return 1;
     }
   }
@@ -162,9 +166,14 @@ int main(int argc, char** argv) {
   const std::shared_ptr<const ExpertWeights> shared = ExpertWeights::random(WeightFormat::fp8_block, kH, kI, 13);
   unsetenv("EPX_EXPERTS_SIMT");
   auto has_case = [&](const std::string& c) { return ("," + cases + ",").find("," + c + ",") != std::string::npos; };
-  std::unique_ptr<Experts> tc, tcc;
+  std::unique_ptr<Experts> tc, tcc, tcw;
   if (has_case("decode") || has_case("prefill")) {
     tc = make_experts_cuda(routed, 0);
+    if (do_wide) {
+      setenv("EPX_EXPERTS_MXFP4_TC", "3", 1);  // the 512-thread variant (opt-in)
+      tcw = make_experts_cuda(routed, 0);
+      unsetenv("EPX_EXPERTS_MXFP4_TC");
+    }
     if (do_coalesced) {
       setenv("EPX_EXPERTS_MXFP4_TC", "2", 1);  // the coalesced raw-load variant (opt-in)
       tcc = make_experts_cuda(routed, 0);
@@ -347,20 +356,25 @@ int main(int argc, char** argv) {
       CK(cudaMalloc(&dbg, experts_cuda::kMixedDebugWords * sizeof(unsigned long long)));
       static const char* kPhaseNames[] = {"issue", "load_wait", "convert", "mma_wait", "promote", "fence", "barrier", "load_issue",
                                           "prologue", "epilogue"};
-      for (int mode : {1, 2, 3}) {
-        experts_cuda::set_mixed_debug(dbg, mode);
+      for (int mode : {1, 2, 3, 4}) {
+        if (mode == 4 && !tcw) break;
+        Experts* obj = mode == 4 ? tcw.get() : tc.get();  // mode 4: the wide variant, stamped (mode 1)
+        experts_cuda::set_mixed_debug(dbg, mode == 4 ? 1 : mode);
         CK(cudaMemset(out.data(), 0xFF, out.nbytes()));
-        const Stats sd = time_us(stream, iters, [&] { tc->apply(in, out, Stream{stream}); });
+        const Stats sd = time_us(stream, iters, [&] { obj->apply(in, out, Stream{stream}); });
         CK(cudaStreamSynchronize(stream));
         CK(cudaMemsetAsync(dbg, 0, experts_cuda::kMixedDebugWords * sizeof(unsigned long long), stream));
-        tc->apply(in, out, Stream{stream});  // one stamped call
+        obj->apply(in, out, Stream{stream});  // one stamped call
         std::vector<unsigned long long> h(experts_cuda::kMixedDebugWords);
         CK(cudaMemcpyAsync(h.data(), dbg, h.size() * sizeof(unsigned long long), cudaMemcpyDeviceToHost, stream));
         CK(cudaStreamSynchronize(stream));
         experts_cuda::set_mixed_debug(nullptr, 0);
         json rd = r;
         rd["case"] = "decode-v4pro-stamps";
-        rd["backend"] = mode == 1 ? "epx-mxfp4-wgmma-stamped" : mode == 2 ? "ablation-no-expansion" : "epx-mxfp4-wgmma-stamped-l2pf256";
+        rd["backend"] = mode == 1   ? "epx-mxfp4-wgmma-stamped"
+                        : mode == 2 ? "ablation-no-expansion"
+                        : mode == 3 ? "epx-mxfp4-wgmma-stamped-l2pf256"
+                                    : "epx-mxfp4-wgmma-wide-stamped";
         rd["gbps"] = weight_bytes / (sd.p50 * 1e-6) / 1e9;
         rd["fraction_of_peak"] = rd["gbps"].get<double>() / hbm_gbps;
         rd["max_rel_error"] = mode != 2 ? rel_l2(to_float(host_bf16(out)), refv, ranges) : -1.0;
@@ -371,13 +385,16 @@ int main(int argc, char** argv) {
           auto at = [&](int w, int ph) { return static_cast<double>(w0[w * experts_cuda::kMixedDebugPhases + ph]); };
           const double stages = at(0, experts_cuda::kDbgStages), items = at(0, experts_cuda::kDbgMxItems) + at(0, experts_cuda::kDbgFp8Items);
           const double ctas = at(0, experts_cuda::kDbgCtas);
+          int warps = 0;  // warps per CTA that stamped (8, or 16 for the wide variant)
+          for (int w = 0; w < experts_cuda::kMixedDebugWarps; ++w) warps += at(w, experts_cuda::kDbgCtas) > 0;
+          warps = std::max(warps, 1);
           json ph = json::object();
           std::string line;
           char buf[96];
           for (int k = 0; k < 10; ++k) {
             double mean = 0, mx = 0;
-            for (int w = 0; w < experts_cuda::kMixedDebugWarps; ++w) {
-              mean += at(w, k) / experts_cuda::kMixedDebugWarps;
+            for (int w = 0; w < warps; ++w) {
+              mean += at(w, k) / warps;
               mx = std::max(mx, at(w, k));
             }
             const double per = k < 8 ? std::max(stages, 1.0) : std::max(items, 1.0);  // loop phases per stage, others per item
@@ -386,7 +403,7 @@ int main(int argc, char** argv) {
             line += buf;
           }
           const double kernel = at(0, experts_cuda::kDbgKernel) / std::max(ctas, 1.0);
-          gemms[g == 0 ? "gate_up" : "down"] = {{"phases", ph},          {"stages", stages},          {"items", items},
+          gemms[g == 0 ? "gate_up" : "down"] = {{"phases", ph},          {"stages", stages},          {"items", items}, {"warps", warps},
                                                  {"ctas", ctas},         {"kernel_cycles_per_cta", kernel},
                                                  {"cycles_per_stage", kernel * ctas / std::max(stages, 1.0)}};
           std::printf("stamps mode %d %-7s stages %.0f items %.0f ctas %.0f: %.0f cycles per stage (kernel %.0f per CTA); per stage:%s\n",
@@ -395,11 +412,25 @@ int main(int argc, char** argv) {
         rd["stamps"] = gemms;
         rd["note"] = "clock64 per phase of the K loop, summed per warp over the CTAs of one call (mean over the 8 warps per stage); "
                      "mode " + std::to_string(mode) +
-                     (mode == 1 ? " (stamped kernels, results checked)" : mode == 2 ? " (expansion skipped, timing only)"
-                                                                           : " (stamped, raw loads with the .L2::256B prefetch hint, results checked)");
+                     (mode == 1   ? " (stamped kernels, results checked)"
+                      : mode == 2 ? " (expansion skipped, timing only)"
+                      : mode == 3 ? " (stamped, raw loads with the .L2::256B prefetch hint, results checked)"
+                                  : " (the wide variant stamped, results checked)");
         add_row(rd, sd, (std::string("stamped mode ") + std::to_string(mode)).c_str());
       }
       CK(cudaFree(dbg));
+    }
+    if (tcw) {
+      CK(cudaMemset(out.data(), 0xFF, out.nbytes()));
+      const Stats sw = time_us(stream, iters, [&] { tcw->apply(in, out, Stream{stream}); });
+      CK(cudaStreamSynchronize(stream));
+      json rw = r;
+      rw["backend"] = "epx-mxfp4-wgmma-wide";
+      rw["gbps"] = weight_bytes / (sw.p50 * 1e-6) / 1e9;
+      rw["fraction_of_peak"] = rw["gbps"].get<double>() / hbm_gbps;
+      rw["max_rel_error"] = m == 8 ? rel_l2(to_float(host_bf16(out)), refv, ranges) : -1.0;
+      rw["note"] = "EPX_EXPERTS_MXFP4_TC=3: 512 threads, 4 consumer warpgroups, half a weight row loaded and expanded per thread";
+      add_row(rw, sw, (std::to_string(static_cast<int>(rw["gbps"].get<double>())) + " GB/s of weights (wide)").c_str());
     }
     if (tcc) {
       CK(cudaMemset(out.data(), 0xFF, out.nbytes()));
@@ -453,6 +484,18 @@ int main(int argc, char** argv) {
               {"tflops", flops / (st.p50 * 1e-6) / 1e12}, {"accounting", "flops"}, {"validated", false},
               {"note", "timing only (the GPU tests check the Flat layout at 8192 rows against the CPU)"}};
     add_row(r, st, (std::to_string(static_cast<int>(flops / (st.p50 * 1e-6) / 1e12)) + " TFLOP/s").c_str());
+    if (tcw) {
+      Tensor out3 = Tensor::empty({T, kH}, DType::bf16, Device::cuda(0));
+      const Stats sw = time_us(stream, iters, [&] { tcw->apply(in, out3, Stream{stream}); });
+      CK(cudaStreamSynchronize(stream));
+      json rw = r;
+      rw["backend"] = "epx-mxfp4-wgmma-wide";
+      rw["tflops"] = flops / (sw.p50 * 1e-6) / 1e12;
+      rw["validated"] = true;
+      rw["max_rel_error"] = rel_l2(to_float(host_bf16(out3)), to_float(host_bf16(out)), {{0, T}});
+      rw["note"] = "EPX_EXPERTS_MXFP4_TC=3; validated against epx-mxfp4-wgmma (same results expected: 0)";
+      add_row(rw, sw, (std::to_string(static_cast<int>(rw["tflops"].get<double>())) + " TFLOP/s (wide)").c_str());
+    }
     if (tcc) {
       Tensor out2 = Tensor::empty({T, kH}, DType::bf16, Device::cuda(0));
       const Stats sc = time_us(stream, iters, [&] { tcc->apply(in, out2, Stream{stream}); });
@@ -468,6 +511,7 @@ int main(int argc, char** argv) {
   }
   tc.reset();
   tcc.reset();
+  tcw.reset();
 
   write_json();
   if (!json_path.empty()) std::printf("wrote %s\n", json_path.c_str());

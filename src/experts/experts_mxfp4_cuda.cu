@@ -40,6 +40,9 @@ namespace epx::experts_cuda {
 namespace {
 
 constexpr int kThreads = 256;
+/// The wide variant (Config::experts_mxfp4_tc = 3, MixedGemmParams::wide): 4 warpgroups, each the
+/// wgmma consumer of one 64-row sub-tile, and every thread loads and expands half a weight row.
+constexpr int kThreadsWide = 512;
 constexpr int kRows = kFp8TileWeightRows;  // 256 weight rows per item
 constexpr int kMaxBN = 64;
 constexpr int kSubBytes = 64 * 128;        // one m64 sub-tile of the operand (8 KiB)
@@ -56,6 +59,7 @@ constexpr int kSmemBytes = kSmemUsed + 1024;  // + alignment of the base to 1024
 constexpr int kHStageStride = 128 + 16;       // fp8 gate_up epilogue: FP8 h rows (bytes), padded
 constexpr int kHbStageStride = 128 + 8;       // mxfp4 gate_up epilogue: bf16 h rows (elements), padded
 constexpr int kOutStageStride = kRows + 8;    // down epilogue: bf16 out rows (elements), padded
+constexpr int kXchOff = 64 * 1024;            // wide gate_up epilogue: up accumulators [2][kMaxBN / 2][128] fp32
 
 /// The four item kinds: (format, GEMM).
 /// kMx*C: the same with coalesced raw loads (4 / 2 threads per weight row instead of one; opt-in,
@@ -73,7 +77,8 @@ struct KT {
   static constexpr int kStages = kBf16 ? 7 : 5;
   // fp8: [A 32 KiB | B 8 KiB]; mxfp4: [B 8 KiB | raw codes, rows padded | raw scales 1 KiB]
   // 64 / 32 code bytes per row and stage; + 16 for the row-per-thread reads (conflict-free)
-  static constexpr int kRawStride = (kGateUp ? 64 : 32) + (kCoal ? 0 : 16);
+  static constexpr int kRowBytes = kGateUp ? 64 : 32;  // code bytes of one row per stage
+  static constexpr int kRawStride = kRowBytes + (kCoal ? 0 : 16);
   static constexpr int kStageBytes = !kMx ? 40 * 1024 : (kGateUp ? 29 * 1024 : 21 * 1024);
   static constexpr int kAOff = 0;                        // fp8: the operand tile itself
   static constexpr int kBOff = kMx ? 0 : 32 * 1024;
@@ -329,11 +334,31 @@ __device__ __forceinline__ float row_scale_of(int E) {
 /// threadIdx.x, every group of it. Coalesced kinds: the (row, group) pairs this thread loaded
 /// (gate_up: row (tid >> 2) + 64 i, group tid & 3; down: row (tid >> 1) + 128 i, group tid & 1).
 /// scale_byte: byte offset of the stage's first e8m0 scale of the thread's (first) row (down only).
-template <int kK>
+/// Wide variant (NT = 512): row tid & 255, half h = tid >> 8 (gate_up groups 2h, 2h + 1; down group
+/// h); its scale word sits in the row's padding at byte kRowBytes + 4 h (each half loads its own).
+template <int kK, int NT>
 __device__ __forceinline__ void convert_row(const uint8_t* stage, uint8_t* conv, float* row_scale, const int64_t* scale_byte) {
   using T = KT<kK>;
   const int tid = threadIdx.x;
-  if constexpr (!T::kCoal) {
+  if constexpr (NT == kThreadsWide) {
+    static_assert(!T::kCoal, "the wide variant splits rows itself");
+    const int r = tid & 255, h = tid >> 8;
+    const uint8_t* raw = stage + T::kRawOff + r * T::kRawStride;
+    const uint32_t scw = *reinterpret_cast<const uint32_t*>(raw + T::kRowBytes + 4 * h);
+    if constexpr (T::kGateUp) {
+      const int e0 = scw & 0xFF, e1 = (scw >> 8) & 0xFF, e2 = (scw >> 16) & 0xFF, e3 = scw >> 24;
+      const int E = max(max(e0, e1), max(e2, e3));
+      if (h == 0) row_scale[r] = row_scale_of(E);
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const int g = 2 * h + j;
+        expand_gate_up_group(raw + g * 16, (scw >> (8 * g)) & 0xFF, E, conv, r, g);
+      }
+    } else {
+      const uint32_t pair = scw >> (8 * (scale_byte[0] & 2));
+      expand_down_group(raw + h * 16, (pair >> (8 * h)) & 0xFFu, conv, r, h);
+    }
+  } else if constexpr (!T::kCoal) {
     const int r = tid;
     const uint8_t* raw = stage + T::kRawOff + r * T::kRawStride;
     const uint32_t scw = *reinterpret_cast<const uint32_t*>(stage + T::kRawScaleOff + r * 4);
@@ -372,11 +397,15 @@ __device__ __forceinline__ void convert_row(const uint8_t* stage, uint8_t* conv,
 }
 
 /// One (row tile, weight tile) item of kind kK with BN token columns. smem: 1024-aligned base.
-template <int kK, int BN, int kDbg>
+/// NT threads: kThreads (2 warpgroups, each the consumer of sub-tiles wg and 2 + wg, one weight row
+/// per thread) or kThreadsWide (4 warpgroups, each the consumer of sub-tile wg; half a row per thread).
+template <int kK, int BN, int kDbg, int NT>
 __device__ __forceinline__ void run_item(const MixedGemmParams& p, const Item& it, uint8_t* smem, uint32_t smem_s,
                                          Stamps<kDbg>& sp) {
   using T = KT<kK>;
   constexpr bool kGateUp = T::kGateUp;
+  constexpr bool kWide = NT == kThreadsWide;
+  constexpr int kSubs = kWide ? 1 : 2;  // 64-row sub-tiles per warpgroup
   constexpr int kFrag = BN / 2;
   constexpr int S = T::kStages;
   const int tid = threadIdx.x, wg = tid >> 7, warp_in_wg = (tid >> 5) & 3, lane = tid & 31;
@@ -389,17 +418,20 @@ __device__ __forceinline__ void run_item(const MixedGemmParams& p, const Item& i
   const int64_t b_stride = kGateUp ? p.hidden : (T::kMx ? p.hb_stride * 2 : p.h_stride);  // bytes
   const float* bs_base = kGateUp ? p.x_scales : p.hs;
   const int64_t bs_stride = kGateUp ? p.hidden / 128 : p.hs_stride;
-  // mxfp4: this thread's weight row (row r = tid of the 256-row tile)
-  const int my_t = tid >> 6;
+  // mxfp4: this thread's weight row (row r = tid of the 256-row tile; wide: tid & 255, half tid >> 8)
+  const int my_r = kWide ? (tid & 255) : tid, my_h = kWide ? (tid >> 8) : 0;
+  const int my_t = my_r >> 6;
   const bool my_valid = sub_valid<kGateUp>(it, my_t);
-  const int64_t my_row = sub_row<kGateUp>(it, my_t) + (tid & 63);
+  const int64_t my_row = sub_row<kGateUp>(it, my_t) + (my_r & 63);
+  // sub-tile of this warpgroup's s-th accumulator
+  auto sub_of = [&](int s) { return kWide ? wg : 2 * s + wg; };
   const int64_t my_scale0 = T::kMx ? my_row * (it.K / 32) : 0;  // byte of this row's first e8m0 scale
 
   auto load_stage = [&](int s, int64_t kb) {
     const uint32_t st = smem_s + s * T::kStageBytes;
 #pragma unroll
-    for (int i = 0; i < (BN * 8 + kThreads - 1) / kThreads; ++i) {
-      const int q = tid + i * kThreads;
+    for (int i = 0; i < (BN * 8 + NT - 1) / NT; ++i) {
+      const int q = tid + i * NT;
       if (q < BN * 8) {
         const int j = q >> 3, c = q & 7;
         const bool v = j < it.num_rows;
@@ -409,12 +441,21 @@ __device__ __forceinline__ void run_item(const MixedGemmParams& p, const Item& i
     }
     if constexpr (!T::kMx) {
 #pragma unroll
-      for (int i = 0; i < (kRows * 8) / kThreads; ++i) {
-        const int t = i >> 1, r = (tid >> 3) + 32 * i, c = tid & 7;
+      for (int i = 0; i < (kRows * 8) / NT; ++i) {
+        const int r = (tid >> 3) + (NT / 8) * i, t = r >> 6, c = tid & 7;
         const bool v = sub_valid<kGateUp>(it, t);
         const uint8_t* src = v ? it.w + (sub_row<kGateUp>(it, t) + (r & 63)) * it.K + kb * 128 + c * 16 : it.w;
         cp_async16(st + T::kAOff + swz(r, c), src, v);
       }
+    } else if constexpr (kWide) {
+      constexpr int kHalf = T::kKPerStage / 64;  // 16-byte code chunks per half row per stage (2 | 1)
+      const uint8_t* src_row = it.w + my_row * (it.K / 2) + kb * (T::kKPerStage / 2);
+      const uint32_t dst = st + T::kRawOff + my_r * T::kRawStride;
+#pragma unroll
+      for (int c = my_h * kHalf; c < (my_h + 1) * kHalf; ++c) cp_async16(dst + c * 16, my_valid ? src_row + c * 16 : it.w, my_valid);
+      const int64_t sb = my_scale0 + kb * (T::kKPerStage / 32);
+      const uint8_t* ssrc = static_cast<const uint8_t*>(it.w_scale) + (sb & ~int64_t{3});
+      cp_async4(dst + T::kRowBytes + 4 * my_h, my_valid ? ssrc : it.w_scale, my_valid);
     } else if constexpr (T::kCoal) {
       constexpr int kTpr = T::kGateUp ? 4 : 2;         // threads per weight row (one 16-byte group each)
       constexpr int kRowsPerPass = kThreads / kTpr;    // 64 | 128
@@ -475,59 +516,61 @@ __device__ __forceinline__ void run_item(const MixedGemmParams& p, const Item& i
     if constexpr (T::kMx && kDbg != 2) {  // kDbg 2: debug ablation without the expansion
       const int64_t step = kb * (T::kKPerStage / 32);
       const int64_t sbs[2] = {(T::kCoal ? coal_scale0[0] : my_scale0) + step, coal_scale0[1] + step};
-      convert_row<kK>(smem + static_cast<int>(kb % S) * T::kStageBytes, smem + T::kConvOff + static_cast<int>(kb & 1) * kConvBytes,
+      convert_row<kK, NT>(smem + static_cast<int>(kb % S) * T::kStageBytes, smem + T::kConvOff + static_cast<int>(kb & 1) * kConvBytes,
                       row_scales + static_cast<int>(kb & 1) * kRows, sbs);
     }
   };
 
-  float acc[2][kFrag], tmp[2][kFrag];
+  float acc[kSubs][kFrag], tmp[kSubs][kFrag];
 #pragma unroll
-  for (int s = 0; s < 2; ++s)
+  for (int s = 0; s < kSubs; ++s)
 #pragma unroll
     for (int i = 0; i < kFrag; ++i) acc[s][i] = 0.0f, tmp[s][i] = 0.0f;
 
-  // The 8 wgmmas of K block kb into t (kMxDown: into acc, accumulating after the first).
-  auto issue = [&](int64_t kb, float (&t)[2][kFrag]) {
+  // The 4 wgmmas per sub-tile of K block kb into t (kMxDown: into acc, accumulating after the first).
+  auto issue = [&](int64_t kb, float (&t)[kSubs][kFrag]) {
     const uint32_t st = smem_s + static_cast<int>(kb % S) * T::kStageBytes;
     const uint32_t a_s = T::kMx ? smem_s + T::kConvOff + static_cast<int>(kb & 1) * kConvBytes : st + T::kAOff;
-    const uint64_t da0 = smem_desc(a_s + wg * kSubBytes), da1 = smem_desc(a_s + (2 + wg) * kSubBytes);
+    uint64_t da[kSubs];
+#pragma unroll
+    for (int s = 0; s < kSubs; ++s) da[s] = smem_desc(a_s + sub_of(s) * kSubBytes);
     const uint64_t db = smem_desc(st + T::kBOff);
     wgmma_fence();
 #pragma unroll
     for (int k = 0; k < 4; ++k) {  // 4 steps of 32 bytes along K (+2 in the descriptor)
       const int accumulate = T::kBf16 ? (kb > 0 || k > 0) : k;
-      Mma<T::kBf16, BN>::run(t[0], da0 + 2 * k, db + 2 * k, accumulate);
-      Mma<T::kBf16, BN>::run(t[1], da1 + 2 * k, db + 2 * k, accumulate);
+#pragma unroll
+      for (int s = 0; s < kSubs; ++s) Mma<T::kBf16, BN>::run(t[s], da[s] + 2 * k, db + 2 * k, accumulate);
     }
     wgmma_commit();
   };
   // acc += t * (w_scale * token_scale) for K block kb (its wgmmas completed).
-  auto promote = [&](int64_t kb, float (&t)[2][kFrag]) {
+  auto promote = [&](int64_t kb, float (&t)[kSubs][kFrag]) {
 #pragma unroll
-    for (int sub = 0; sub < 2; ++sub)
+    for (int sub = 0; sub < kSubs; ++sub)
 #pragma unroll
       for (int i = 0; i < kFrag; ++i) fence_operand(t[sub][i]);
     const float* sc = scales + static_cast<int>(kb % S) * kScaleFloats;
-    float w[2][2];
+    float w[kSubs][2];
     if constexpr (T::kMx) {
       const float* rs = row_scales + static_cast<int>(kb & 1) * kRows;
 #pragma unroll
-      for (int sub = 0; sub < 2; ++sub) {
-        const int r = (2 * sub + wg) * 64 + 16 * warp_in_wg + (lane >> 2);
+      for (int sub = 0; sub < kSubs; ++sub) {
+        const int r = sub_of(sub) * 64 + 16 * warp_in_wg + (lane >> 2);
         w[sub][0] = rs[r];
         w[sub][1] = rs[r + 8];
       }
     } else {
-      w[0][0] = w[0][1] = sc[wg];
-      w[1][0] = w[1][1] = sc[2 + wg];
+#pragma unroll
+      for (int sub = 0; sub < kSubs; ++sub) w[sub][0] = w[sub][1] = sc[sub_of(sub)];
     }
 #pragma unroll
     for (int i = 0; i < kFrag; ++i) {
       const int col = 8 * (i >> 2) + 2 * (lane & 3) + (i & 1);
       const float xs = sc[4 + col];
       const int h = (i >> 1) & 1;
-      acc[0][i] = fmaf(t[0][i], w[0][h] * xs, acc[0][i]);
-      acc[1][i] = fmaf(t[1][i], w[1][h] * xs, acc[1][i]);
+#pragma unroll
+      for (int sub = 0; sub < kSubs; ++sub) acc[sub][i] = fmaf(t[sub][i], w[sub][h] * xs, acc[sub][i]);
     }
   };
 
@@ -575,21 +618,42 @@ __device__ __forceinline__ void run_item(const MixedGemmParams& p, const Item& i
 
   if constexpr (kGateUp) {
     float hv[kFrag];
+    // h owners: the threads holding gate (sub-tiles 0, 1): warpgroups 0, 1 (wide: of 4)
+    const bool h_owner = !kWide || wg < 2;
+    if constexpr (kWide) {
+      // up (sub-tiles 2, 3) lives in warpgroups 2, 3: handed to 0, 1 through the free ring
+      float* xch = reinterpret_cast<float*>(smem + kXchOff);  // [2][kFrag][128] fp32
+      if (wg >= 2) {
 #pragma unroll
-    for (int i = 0; i < kFrag; ++i) {
-      const float g = acc[0][i], u = acc[1][i];
-      hv[i] = g / (1.0f + expf(-g)) * u;  // silu(g) * u in fp32, the CPU's expression
+        for (int i = 0; i < kFrag; ++i) xch[((wg - 2) * kFrag + i) * 128 + (tid & 127)] = acc[0][i];
+      }
+      __syncthreads();
+      if (h_owner) {
+#pragma unroll
+        for (int i = 0; i < kFrag; ++i) {
+          const float g = acc[0][i], u = xch[(wg * kFrag + i) * 128 + (tid & 127)];
+          hv[i] = g / (1.0f + expf(-g)) * u;  // silu(g) * u in fp32, the CPU's expression
+        }
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < kFrag; ++i) {
+        const float g = acc[0][i], u = acc[kSubs - 1][i];
+        hv[i] = g / (1.0f + expf(-g)) * u;  // silu(g) * u in fp32, the CPU's expression
+      }
     }
     if constexpr (T::kMx) {
       uint16_t* stage = reinterpret_cast<uint16_t*>(smem);  // [BN][kHbStageStride] bf16 h
+      if (h_owner) {
 #pragma unroll
-      for (int i = 0; i < kFrag; ++i) {
-        const int col = 8 * (i >> 2) + 2 * (lane & 3) + (i & 1);
-        const int hrow = wg * 64 + 16 * warp_in_wg + (lane >> 2) + 8 * ((i >> 1) & 1);
-        stage[col * kHbStageStride + hrow] = float_to_bf16_bits(hv[i]);
+        for (int i = 0; i < kFrag; ++i) {
+          const int col = 8 * (i >> 2) + 2 * (lane & 3) + (i & 1);
+          const int hrow = wg * 64 + 16 * warp_in_wg + (lane >> 2) + 8 * ((i >> 1) & 1);
+          stage[col * kHbStageStride + hrow] = float_to_bf16_bits(hv[i]);
+        }
       }
       __syncthreads();
-      for (int q = tid; q < it.num_rows * 16; q += kThreads) {
+      for (int q = tid; q < it.num_rows * 16; q += NT) {
         const int j = q >> 4, c = q & 15;
         *reinterpret_cast<uint4*>(p.hb + static_cast<int64_t>(it.row0 + j) * p.hb_stride + it.col0 + c * 8) =
             *reinterpret_cast<const uint4*>(stage + j * kHbStageStride + c * 8);
@@ -597,35 +661,39 @@ __device__ __forceinline__ void run_item(const MixedGemmParams& p, const Item& i
     } else {
       // FP8 1x128 h over the CTA's 128 h columns, as experts_fp8_cuda.cu.
       float* red = reinterpret_cast<float*>(smem + kRedOff);  // [8 warps][BN] amax
-      float cmax[kFrag / 2];
+      if (h_owner) {
+        float cmax[kFrag / 2];
 #pragma unroll
-      for (int j = 0; j < kFrag / 2; ++j) cmax[j] = 0.0f;
+        for (int j = 0; j < kFrag / 2; ++j) cmax[j] = 0.0f;
 #pragma unroll
-      for (int i = 0; i < kFrag; ++i) {
-        const int j = (i >> 2) * 2 + (i & 1);
-        cmax[j] = fmaxf(cmax[j], fabsf(hv[i]));
-      }
+        for (int i = 0; i < kFrag; ++i) {
+          const int j = (i >> 2) * 2 + (i & 1);
+          cmax[j] = fmaxf(cmax[j], fabsf(hv[i]));
+        }
 #pragma unroll
-      for (int j = 0; j < kFrag / 2; ++j) {
+        for (int j = 0; j < kFrag / 2; ++j) {
 #pragma unroll
-        for (int m = 4; m < 32; m <<= 1) cmax[j] = fmaxf(cmax[j], __shfl_xor_sync(0xffffffffu, cmax[j], m));
-      }
-      const int warp = tid >> 5;
-      if (lane < 4) {
+          for (int m = 4; m < 32; m <<= 1) cmax[j] = fmaxf(cmax[j], __shfl_xor_sync(0xffffffffu, cmax[j], m));
+        }
+        const int warp = tid >> 5;
+        if (lane < 4) {
 #pragma unroll
-        for (int j = 0; j < kFrag / 2; ++j) red[warp * kMaxBN + 8 * (j >> 1) + 2 * lane + (j & 1)] = cmax[j];
+          for (int j = 0; j < kFrag / 2; ++j) red[warp * kMaxBN + 8 * (j >> 1) + 2 * lane + (j & 1)] = cmax[j];
+        }
       }
       __syncthreads();
       uint8_t* stage = smem;  // [BN][kHStageStride] FP8 h
+      if (h_owner) {
 #pragma unroll
-      for (int i = 0; i < kFrag; ++i) {
-        const int col = 8 * (i >> 2) + 2 * (lane & 3) + (i & 1);
-        float amax = 0.0f;
+        for (int i = 0; i < kFrag; ++i) {
+          const int col = 8 * (i >> 2) + 2 * (lane & 3) + (i & 1);
+          float amax = 0.0f;
 #pragma unroll
-        for (int w = 0; w < 8; ++w) amax = fmaxf(amax, red[w * kMaxBN + col]);
-        const float scale = __fdiv_rn(fmaxf(amax, 1e-4f), kFp8E4m3Max);
-        const int hrow = wg * 64 + 16 * warp_in_wg + (lane >> 2) + 8 * ((i >> 1) & 1);
-        stage[col * kHStageStride + hrow] = float_to_fp8_e4m3_bits(__fdiv_rn(hv[i], scale));
+          for (int w = 0; w < 8; ++w) amax = fmaxf(amax, red[w * kMaxBN + col]);
+          const float scale = __fdiv_rn(fmaxf(amax, 1e-4f), kFp8E4m3Max);
+          const int hrow = wg * 64 + 16 * warp_in_wg + (lane >> 2) + 8 * ((i >> 1) & 1);
+          stage[col * kHStageStride + hrow] = float_to_fp8_e4m3_bits(__fdiv_rn(hv[i], scale));
+        }
       }
       if (tid < it.num_rows) {
         float amax = 0.0f;
@@ -633,7 +701,7 @@ __device__ __forceinline__ void run_item(const MixedGemmParams& p, const Item& i
         p.hs[static_cast<int64_t>(it.row0 + tid) * p.hs_stride + it.col0 / 128] = __fdiv_rn(fmaxf(amax, 1e-4f), kFp8E4m3Max);
       }
       __syncthreads();
-      for (int q = tid; q < it.num_rows * 8; q += kThreads) {
+      for (int q = tid; q < it.num_rows * 8; q += NT) {
         const int j = q >> 3, c = q & 7;
         *reinterpret_cast<uint4*>(p.hq + static_cast<int64_t>(it.row0 + j) * p.h_stride + it.col0 + c * 16) =
             *reinterpret_cast<const uint4*>(stage + j * kHStageStride + c * 16);
@@ -642,8 +710,8 @@ __device__ __forceinline__ void run_item(const MixedGemmParams& p, const Item& i
   } else {
     uint16_t* stage = reinterpret_cast<uint16_t*>(smem);  // [BN][kOutStageStride] bf16
 #pragma unroll
-    for (int sub = 0; sub < 2; ++sub) {
-      const int t = sub * 2 + wg;
+    for (int sub = 0; sub < kSubs; ++sub) {
+      const int t = sub_of(sub);
 #pragma unroll
       for (int i = 0; i < kFrag; ++i) {
         const int col = 8 * (i >> 2) + 2 * (lane & 3) + (i & 1);
@@ -653,7 +721,7 @@ __device__ __forceinline__ void run_item(const MixedGemmParams& p, const Item& i
     }
     __syncthreads();
     constexpr int kChunks = kRows / 8;  // 16-byte chunks per output row
-    for (int q = tid; q < it.num_rows * kChunks; q += kThreads) {
+    for (int q = tid; q < it.num_rows * kChunks; q += NT) {
       const int j = q / kChunks, c = q % kChunks;
       const int64_t n = it.col0 + c * 8;
       if (n < p.hidden)
@@ -665,8 +733,8 @@ __device__ __forceinline__ void run_item(const MixedGemmParams& p, const Item& i
   sp.mark(kDbgEpilogue);
 }
 
-template <bool kGateUp, int kDbg = 0>
-__global__ void __launch_bounds__(kThreads, 1) mixed_gemm_kernel(MixedGemmParams p, unsigned long long* dbg) {
+template <bool kGateUp, int kDbg = 0, int NT = kThreads>
+__global__ void __launch_bounds__(NT, 1) mixed_gemm_kernel(MixedGemmParams p, unsigned long long* dbg) {
   extern __shared__ uint8_t smem_raw[];
   const uint32_t raw_s = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
   const uint32_t pad = (1024u - (raw_s & 1023u)) & 1023u;
@@ -717,16 +785,18 @@ __global__ void __launch_bounds__(kThreads, 1) mixed_gemm_kernel(MixedGemmParams
     constexpr int kFp8 = kGateUp ? kFp8GateUp : kFp8Down, kMx = kGateUp ? kMxGateUp : kMxDown;
     constexpr int kMxC = kGateUp ? kMxGateUpC : kMxDownC;
     if constexpr (kDbg > 0) {  // debug kernels (set_mixed_debug): mxfp4 items of <= 16 rows only
-      if (mx && tile.num_rows <= 16) run_item<kMx, 16, kDbg>(p, it, smem, smem_s, sp);
-    } else if (mx && p.coalesced) {
-      if (tile.num_rows <= 16) run_item<kMxC, 16, kDbg>(p, it, smem, smem_s, sp);
-      else run_item<kMxC, 64, kDbg>(p, it, smem, smem_s, sp);
+      if (mx && tile.num_rows <= 16) run_item<kMx, 16, kDbg, NT>(p, it, smem, smem_s, sp);
+    } else if (NT == kThreads && mx && p.coalesced) {
+      if constexpr (NT == kThreads) {
+        if (tile.num_rows <= 16) run_item<kMxC, 16, kDbg, NT>(p, it, smem, smem_s, sp);
+        else run_item<kMxC, 64, kDbg, NT>(p, it, smem, smem_s, sp);
+      }
     } else if (mx) {
-      if (tile.num_rows <= 16) run_item<kMx, 16, kDbg>(p, it, smem, smem_s, sp);
-      else run_item<kMx, 64, kDbg>(p, it, smem, smem_s, sp);
+      if (tile.num_rows <= 16) run_item<kMx, 16, kDbg, NT>(p, it, smem, smem_s, sp);
+      else run_item<kMx, 64, kDbg, NT>(p, it, smem, smem_s, sp);
     } else {
-      if (tile.num_rows <= 16) run_item<kFp8, 16, kDbg>(p, it, smem, smem_s, sp);
-      else run_item<kFp8, 64, kDbg>(p, it, smem, smem_s, sp);
+      if (tile.num_rows <= 16) run_item<kFp8, 16, kDbg, NT>(p, it, smem, smem_s, sp);
+      else run_item<kFp8, 64, kDbg, NT>(p, it, smem, smem_s, sp);
     }
   }
   if constexpr (kDbg > 0) {
@@ -738,8 +808,8 @@ __global__ void __launch_bounds__(kThreads, 1) mixed_gemm_kernel(MixedGemmParams
 
 #else  // not sm_90a: the host never launches these (mxfp4_tensor_cores_available is false)
 
-template <bool kGateUp, int kDbg = 0>
-__global__ void __launch_bounds__(kThreads, 1) mixed_gemm_kernel(MixedGemmParams, unsigned long long*) {
+template <bool kGateUp, int kDbg = 0, int NT = kThreads>
+__global__ void __launch_bounds__(NT, 1) mixed_gemm_kernel(MixedGemmParams, unsigned long long*) {
 #ifdef __CUDA_ARCH__
   __trap();
 #endif
@@ -763,7 +833,9 @@ bool mxfp4_tensor_cores_available(int device) {
       done[device] = -1;
     } else {
       for (auto* k : {mixed_gemm_kernel<true>, mixed_gemm_kernel<false>, mixed_gemm_kernel<true, 1>, mixed_gemm_kernel<false, 1>,
-                      mixed_gemm_kernel<true, 2>, mixed_gemm_kernel<false, 2>, mixed_gemm_kernel<true, 3>, mixed_gemm_kernel<false, 3>})
+                      mixed_gemm_kernel<true, 2>, mixed_gemm_kernel<false, 2>, mixed_gemm_kernel<true, 3>, mixed_gemm_kernel<false, 3>,
+                      mixed_gemm_kernel<true, 0, kThreadsWide>, mixed_gemm_kernel<false, 0, kThreadsWide>,
+                      mixed_gemm_kernel<true, 1, kThreadsWide>, mixed_gemm_kernel<false, 1, kThreadsWide>})
         EPX_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
       done[device] = 1;
     }
@@ -778,6 +850,14 @@ int g_debug_mode = 0;
 
 template <bool kGateUp>
 void launch_mixed(const MixedGemmParams& p, int grid, cudaStream_t stream) {
+  if (p.wide) {  // debug: stamps only (mode 1 for every debug mode)
+    if (g_debug_buffer != nullptr && g_debug_mode > 0)
+      mixed_gemm_kernel<kGateUp, 1, kThreadsWide><<<grid, kThreadsWide, kSmemBytes, stream>>>(p, g_debug_buffer);
+    else
+      mixed_gemm_kernel<kGateUp, 0, kThreadsWide><<<grid, kThreadsWide, kSmemBytes, stream>>>(p, nullptr);
+    cuda::check_launch(kGateUp ? "mixed_gemm_kernel (gate_up, wide)" : "mixed_gemm_kernel (down, wide)");
+    return;
+  }
   switch (g_debug_buffer != nullptr ? g_debug_mode : 0) {
     case 1: mixed_gemm_kernel<kGateUp, 1><<<grid, kThreads, kSmemBytes, stream>>>(p, g_debug_buffer); break;
     case 2: mixed_gemm_kernel<kGateUp, 2><<<grid, kThreads, kSmemBytes, stream>>>(p, g_debug_buffer); break;

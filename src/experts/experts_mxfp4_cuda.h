@@ -39,6 +39,10 @@ struct MixedGemmParams {
   /// 2 (down) threads per row, 64 / 32 contiguous bytes per row per warp instruction (opt-in,
   /// Config::experts_mxfp4_tc = 2). Same results either way.
   bool coalesced;
+  /// The wide variant (opt-in, Config::experts_mxfp4_tc = 3): 512 threads, 4 warpgroups each the
+  /// wgmma consumer of one 64-row sub-tile, every thread loading and expanding half a weight row
+  /// (twice the warps to hide the expansion's latency). Same results; overrides `coalesced`.
+  bool wide = false;
 };
 
 /// True when fp8_tensor_cores_available(device) and the mixed kernels' shared-memory limit is
@@ -67,7 +71,7 @@ enum MixedDebugPhase : int {
   kDbgCtas = 14,      ///< count: CTAs
   kMixedDebugPhases = 16,
 };
-constexpr int kMixedDebugWarps = 8;
+constexpr int kMixedDebugWarps = 16;  ///< warps per CTA of the widest variant (unused slots stay 0)
 constexpr int kMixedDebugWords = 2 * kMixedDebugWarps * kMixedDebugPhases;
 /// mode 0: the normal kernels (default); 1: stamped kernels writing into `buffer` (device memory of
 /// kMixedDebugWords words); 2: stamped, the expansion skipped (wrong results: an ablation for timing

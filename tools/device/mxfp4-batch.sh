@@ -50,9 +50,18 @@ if [ -x "$B/experts_cuda_test" ]; then
 fi
 if [ -x "$B/epx-gemm-mxfp4-bench" ] && [ "$hung" = 0 ] && [ "$(left)" -gt 12 ]; then
   t2=$SECONDS
-  GEMM_BENCH_COMMIT="$commit" timeout -k 3 "$(cap 25)" "$B/epx-gemm-mxfp4-bench" --iters 10 --no-simt --cases decode --stamps \
+  GEMM_BENCH_COMMIT="$commit" timeout -k 3 "$(cap 25)" "$B/epx-gemm-mxfp4-bench" --iters 10 --no-simt --cases decode --stamps --wide \
     --json "$OUT/gemm-mxfp4-decode.json" >"$OUT/gemm-mxfp4-decode.log" 2>&1
-  echo "gemm-mxfp4-bench decode+stamps rc=$? in $((SECONDS - t2)) s" | tee -a "$OUT/summary.txt"
+  rc=$?; echo "gemm-mxfp4-bench decode+stamps+wide rc=$rc in $((SECONDS - t2)) s" | tee -a "$OUT/summary.txt"
+  [ "$rc" -ge 124 ] && hung=1
+fi
+if [ -x "$B/experts_cuda_test" ] && [ "$hung" = 0 ] && [ "$(left)" -gt 12 ]; then
+  # The wide (512-thread) variant through the same GPU tests (EPX_EXPERTS_MXFP4_TC=3).
+  t1=$SECONDS
+  (cd "$B" && EPX_EXPERTS_MXFP4_TC=3 timeout -k 3 "$(cap 20)" ./experts_cuda_test \
+     --gtest_filter='*Mxfp4TensorCoreWideScaleSpread*:*MixedFormats*:*DeepSeekV4Pro*:*Mxfp4TensorCoreRowCounts*') >"$OUT/gpu-tests-wide.log" 2>&1
+  rc=$?; echo "experts_cuda_test (wide, EPX_EXPERTS_MXFP4_TC=3) rc=$rc in $((SECONDS - t1)) s" | tee -a "$OUT/summary.txt"
+  [ "$rc" -ge 124 ] && hung=1
 fi
 if [ -x "$B/epx-gemm-mxfp4-bench" ] && [ "$hung" = 0 ] && [ "$(left)" -gt 10 ]; then
   t2=$SECONDS
@@ -68,7 +77,7 @@ if [ -x "$B/epx" ] && [ "$hung" = 0 ] && [ "$(left)" -gt "${MOE_MIN_S:-30}" ]; t
     --json "$OUT/moe-v4pro-compare.json" >"$OUT/moe-v4pro-compare.log" 2>&1
   echo "epx moe v4-pro --compare rc=$? in $((SECONDS - t3)) s" | tee -a "$OUT/summary.txt"
 fi
-echo "== tests"; cat "$OUT/gpu-tests-small.log" "$OUT/gpu-tests.log" 2>/dev/null | grep -E "^\[  (FAILED|PASSED) |^\[       OK|FAILED|rel_l2|Failure|Expected|Which is|got/want" | tail -40
+echo "== tests"; cat "$OUT/gpu-tests-small.log" "$OUT/gpu-tests.log" "$OUT/gpu-tests-wide.log" 2>/dev/null | grep -E "^\[  (FAILED|PASSED) |^\[       OK|FAILED|rel_l2|Failure|Expected|Which is|got/want" | tail -40
 echo "== build errors"; head -5 "$OUT/build-errors.txt" 2>/dev/null
 echo "== bench"; grep -vhE "^wrote" "$OUT/gemm-mxfp4-decode.log" "$OUT/gemm-mxfp4-fhmoe.log" 2>/dev/null | tail -50
 echo "== moe"; tail -25 "$OUT/moe-v4pro-compare.log" 2>/dev/null
