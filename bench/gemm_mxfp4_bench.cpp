@@ -6,7 +6,7 @@
 // whole expert MLP per call, in the same process:
 //   ceiling    HBM copy bandwidth (1 GiB device-to-device copy, bytes read + written);
 //   epx-mxfp4-wgmma  make_experts_cuda (the sm_90a mixed tensor-core path, experts_mxfp4_cuda.cu);
-//   epx-mxfp4-wgmma-coalesced  the opt-in coalesced raw-load variant (EPX_EXPERTS_MXFP4_TC=2),
+//   epx-mxfp4-wgmma-wide  with --wide: the opt-in 512-thread variant (EPX_EXPERTS_MXFP4_TC=2),
 //              validated against the CPU (decode) / the default variant (prefill);
 //   epx-simt   the same with EPX_EXPERTS_SIMT=1 (the SIMT reference GEMMs), unless --no-simt.
 // Order: ceiling, the FHMoE sweeps, decode, prefill (an opt-in variant that fails loses only the rows after it).
@@ -22,13 +22,12 @@
 // two outputs added in fp32 on the host). The JSON's "fhmoe_gate" object holds the largest T of
 // the sweep at which fused is at least as fast as separate (the capability gate's threshold).
 // Timing: CUDA events around each call, median (p10/p90) over --iters calls after 3 warm-up calls.
-// --cases LIST runs a subset of fhmoe,decode,prefill (default all); --coalesced adds the opt-in
-// coalesced variant's rows; --stamps adds, after the decode rows, the stamped kernels' per-phase
+// --cases LIST runs a subset of fhmoe,decode,prefill (default all); --stamps adds, after the decode rows, the stamped kernels' per-phase
 // cycles per K-loop stage (set_mixed_debug, experts_mxfp4_cuda.h), a timing-only ablation (the
 // expansion skipped) and the .L2::256B load hint as decode-v4pro-stamps rows.
 // Usage: epx-gemm-mxfp4-bench [--json PATH] [--iters N] [--experts L] [--no-simt] [--max-tokens T]
-//        [--fhmoe-experts L1,L2,...] [--cases fhmoe,decode,prefill] [--coalesced] [--stamps] [--wide]
-// --wide adds the 512-thread variant (EPX_EXPERTS_MXFP4_TC=3) to the decode and prefill cases
+//        [--fhmoe-experts L1,L2,...] [--cases fhmoe,decode,prefill] [--stamps] [--wide]
+// --wide adds the 512-thread variant (EPX_EXPERTS_MXFP4_TC=2) to the decode and prefill cases
 // (decode validated against the CPU experts, prefill against the default variant), stamped too
 // with --stamps.
 #include <cuda_runtime.h>
@@ -93,7 +92,7 @@ int main(int argc, char** argv) {
   int iters = 20, L = 192;
   int64_t max_tokens = 4096;
   std::vector<int> fhmoe_experts;  // routed experts per FHMoE sweep (default: L)
-  bool do_simt = true, do_coalesced = false, do_stamps = false, do_wide = false;
+  bool do_simt = true, do_stamps = false, do_wide = false;
   std::string cases = "fhmoe,decode,prefill";
   std::string command = "epx-gemm-mxfp4-bench";
   for (int i = 1; i < argc; ++i) {
@@ -104,7 +103,6 @@ int main(int argc, char** argv) {
     else if (a == "--experts" && i + 1 < argc) L = std::atoi(argv[++i]), command += std::string(" ") + argv[i];
     else if (a == "--max-tokens" && i + 1 < argc) max_tokens = std::atoll(argv[++i]), command += std::string(" ") + argv[i];
     else if (a == "--no-simt") do_simt = false;
-    else if (a == "--coalesced") do_coalesced = true;
     else if (a == "--stamps") do_stamps = true;
     else if (a == "--wide") do_wide = true;
     else if (a == "--cases" && i + 1 < argc) cases = argv[++i], command += std::string(" ") + argv[i];
@@ -119,7 +117,7 @@ int main(int argc, char** argv) {
     } else {
       std::fprintf(stderr,
                    "usage: epx-gemm-mxfp4-bench [--json PATH] [--iters N] [--experts L] [--no-simt] [--max-tokens T] "
-                   "[--fhmoe-experts L1,L2,...] [--cases fhmoe,decode,prefill] [--coalesced] [--stamps] [--wide]\n");
+                   "[--fhmoe-experts L1,L2,...] [--cases fhmoe,decode,prefill] [--stamps] [--wide]\n");
       return 1;
     }
   }
@@ -166,17 +164,12 @@ int main(int argc, char** argv) {
   const std::shared_ptr<const ExpertWeights> shared = ExpertWeights::random(WeightFormat::fp8_block, kH, kI, 13);
   unsetenv("EPX_EXPERTS_SIMT");
   auto has_case = [&](const std::string& c) { return ("," + cases + ",").find("," + c + ",") != std::string::npos; };
-  std::unique_ptr<Experts> tc, tcc, tcw;
+  std::unique_ptr<Experts> tc, tcw;
   if (has_case("decode") || has_case("prefill")) {
     tc = make_experts_cuda(routed, 0);
     if (do_wide) {
-      setenv("EPX_EXPERTS_MXFP4_TC", "3", 1);  // the 512-thread variant (opt-in)
+      setenv("EPX_EXPERTS_MXFP4_TC", "2", 1);  // the 512-thread variant (opt-in)
       tcw = make_experts_cuda(routed, 0);
-      unsetenv("EPX_EXPERTS_MXFP4_TC");
-    }
-    if (do_coalesced) {
-      setenv("EPX_EXPERTS_MXFP4_TC", "2", 1);  // the coalesced raw-load variant (opt-in)
-      tcc = make_experts_cuda(routed, 0);
       unsetenv("EPX_EXPERTS_MXFP4_TC");
     }
   }
@@ -429,20 +422,8 @@ int main(int argc, char** argv) {
       rw["gbps"] = weight_bytes / (sw.p50 * 1e-6) / 1e9;
       rw["fraction_of_peak"] = rw["gbps"].get<double>() / hbm_gbps;
       rw["max_rel_error"] = m == 8 ? rel_l2(to_float(host_bf16(out)), refv, ranges) : -1.0;
-      rw["note"] = "EPX_EXPERTS_MXFP4_TC=3: 512 threads, 4 consumer warpgroups, half a weight row loaded and expanded per thread";
+      rw["note"] = "EPX_EXPERTS_MXFP4_TC=2: 512 threads, 4 consumer warpgroups, half a weight row loaded and expanded per thread";
       add_row(rw, sw, (std::to_string(static_cast<int>(rw["gbps"].get<double>())) + " GB/s of weights (wide)").c_str());
-    }
-    if (tcc) {
-      CK(cudaMemset(out.data(), 0xFF, out.nbytes()));
-      const Stats sc = time_us(stream, iters, [&] { tcc->apply(in, out, Stream{stream}); });
-      CK(cudaStreamSynchronize(stream));
-      json rc2 = r;
-      rc2["backend"] = "epx-mxfp4-wgmma-coalesced";
-      rc2["gbps"] = weight_bytes / (sc.p50 * 1e-6) / 1e9;
-      rc2["fraction_of_peak"] = rc2["gbps"].get<double>() / hbm_gbps;
-      rc2["max_rel_error"] = m == 8 ? rel_l2(to_float(host_bf16(out)), refv, ranges) : -1.0;
-      rc2["note"] = "EPX_EXPERTS_MXFP4_TC=2: 4 (gate_up) / 2 (down) threads per weight row in the raw loads";
-      add_row(rc2, sc, (std::to_string(static_cast<int>(rc2["gbps"].get<double>())) + " GB/s of weights (coalesced)").c_str());
     }
     if (do_simt && m == 8) {
       setenv("EPX_EXPERTS_SIMT", "1", 1);
@@ -493,24 +474,11 @@ int main(int argc, char** argv) {
       rw["tflops"] = flops / (sw.p50 * 1e-6) / 1e12;
       rw["validated"] = true;
       rw["max_rel_error"] = rel_l2(to_float(host_bf16(out3)), to_float(host_bf16(out)), {{0, T}});
-      rw["note"] = "EPX_EXPERTS_MXFP4_TC=3; validated against epx-mxfp4-wgmma (same results expected: 0)";
+      rw["note"] = "EPX_EXPERTS_MXFP4_TC=2; validated against epx-mxfp4-wgmma (same results expected: 0)";
       add_row(rw, sw, (std::to_string(static_cast<int>(rw["tflops"].get<double>())) + " TFLOP/s (wide)").c_str());
-    }
-    if (tcc) {
-      Tensor out2 = Tensor::empty({T, kH}, DType::bf16, Device::cuda(0));
-      const Stats sc = time_us(stream, iters, [&] { tcc->apply(in, out2, Stream{stream}); });
-      CK(cudaStreamSynchronize(stream));
-      json rc2 = r;
-      rc2["backend"] = "epx-mxfp4-wgmma-coalesced";
-      rc2["tflops"] = flops / (sc.p50 * 1e-6) / 1e12;
-      rc2["validated"] = true;
-      rc2["max_rel_error"] = rel_l2(to_float(host_bf16(out2)), to_float(host_bf16(out)), {{0, T}});
-      rc2["note"] = "EPX_EXPERTS_MXFP4_TC=2; validated against epx-mxfp4-wgmma (same results expected: 0)";
-      add_row(rc2, sc, (std::to_string(static_cast<int>(rc2["tflops"].get<double>())) + " TFLOP/s (coalesced)").c_str());
     }
   }
   tc.reset();
-  tcc.reset();
   tcw.reset();
 
   write_json();

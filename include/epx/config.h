@@ -48,7 +48,7 @@ struct Config {
   int experts_fp8_pairs = 0;         ///< 1: the FP8 tensor-core mainloop that runs K blocks in pairs (bench/NOTES.md)
   int experts_fp8_prefill = 1;       ///< 1: experts with > 64 rows take the FP8 warp-specialized prefill GEMMs (bench/NOTES.md)
   int experts_fp8_prefill_stages = 0; ///< their ring depth in 48 KiB stages: 0 = maximum (gate_up 4, down 3), 2..4
-  int experts_mxfp4_tc = 1;          ///< 0: mxfp4 experts keep the SIMT GEMMs; 1: MXFP4 tensor-core kernels; 2: their coalesced-load variant; 3: their 512-thread (wide) variant
+  int experts_mxfp4_tc = 1;          ///< 0: mxfp4 experts keep the SIMT GEMMs; 1: MXFP4 tensor-core kernels; 2: their 512-thread (wide) variant
   int moe_chunk_size = 0;            ///< DP chunk: at most this many tokens per MoE call per rank; 0 = no chunking
   /// capability gate: fuse the shared expert when M <= this. 1024 = measured crossover (one H200,
   /// DeepSeek-V4-Pro experts at EP2, 192 local MXFP4 experts + the FP8 shared expert, final run of

@@ -182,7 +182,7 @@ Attributes (JSON key, environment variable):
   bind_setting(cls, "experts_fp8_prefill_stages", "experts.fp8_prefill_stages", &Config::experts_fp8_prefill_stages,
                "Ring depth of the FP8 prefill GEMMs in stages; 0 = maximum, else 2..4.");
   bind_setting(cls, "experts_mxfp4_tc", "experts.mxfp4_tc", &Config::experts_mxfp4_tc,
-               "0: mxfp4 experts keep the SIMT GEMMs; 1: MXFP4 tensor-core kernels; 2: their coalesced-load variant.");
+               "0: mxfp4 experts keep the SIMT GEMMs; 1: MXFP4 tensor-core kernels; 2: their 512-thread (wide) variant.");
   bind_setting(cls, "moe_chunk_size", "moe.chunk_size", &Config::moe_chunk_size, "DP chunk: at most this many tokens per MoE call per rank; 0 = unchunked.");
   bind_setting(cls, "fhmoe_max_tokens", "fhmoe.max_tokens", &Config::fhmoe_max_tokens,
                "Capability gate: fuse the shared expert when M <= this (tokens).");

@@ -167,12 +167,11 @@ class CudaExperts final : public Experts {
     // fed FP8 x, run every expert on the mixed sm_90a kernels (experts_mxfp4_cuda.cu): one grouped
     // launch per GEMM for both formats (FHMoE: FP8 shared + MXFP4 routed). Config::experts_mxfp4_tc
     // = 0 (EPX_EXPERTS_MXFP4_TC=0) keeps them on the SIMT GEMMs (A/B comparisons); 2 takes the
-    // coalesced raw-load variant (MixedGemmParams::coalesced; same results).
+    // 512-thread variant (MixedGemmParams::wide, experts_mxfp4_wide_cuda.cu; same results).
     mx_tensor_cores_ = has_format_[static_cast<int>(WeightFormat::mxfp4)] && mx_shapes_ok &&
                        experts_[0]->hidden % kFp8GroupSize == 0 && config.experts_simt == 0 && config.experts_mxfp4_tc >= 1 &&
                        experts_cuda::mxfp4_tensor_cores_available(device_);
-    mx_coalesced_ = config.experts_mxfp4_tc == 2;
-    mx_wide_ = config.experts_mxfp4_tc == 3;
+    mx_wide_ = config.experts_mxfp4_tc == 2;
     EPX_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms_, cudaDevAttrMultiProcessorCount, device_));
     std::vector<ExpertDesc> descs;
     for (const auto& e : experts_) {
@@ -411,7 +410,6 @@ class CudaExperts final : public Experts {
       mp.hb = ws.hb;
       mp.hb_stride = mx_inter_max_;
       mp.out = out_rows;
-      mp.coalesced = mx_coalesced_;
       mp.wide = mx_wide_;
       // Persistent grids of one CTA per multiprocessor (~219 KiB of shared memory each).
       mp.max_weight_tiles = static_cast<int32_t>(inter_max_ / kFp8GroupSize);
@@ -483,8 +481,7 @@ class CudaExperts final : public Experts {
   int fp8_prefill_stages_ = 0;    // their ring depth (EPX_EXPERTS_FP8_PREFILL_STAGES; 0 = maximum)
   int64_t mx_inter_max_ = 0;      // widest mxfp4 expert
   bool mx_tensor_cores_ = false;  // fp8_block + mxfp4 experts with FP8 x run on the mixed sm_90a GEMMs
-  bool mx_coalesced_ = false;     // their coalesced raw-load variant (EPX_EXPERTS_MXFP4_TC=2)
-  bool mx_wide_ = false;          // their 512-thread variant (EPX_EXPERTS_MXFP4_TC=3)
+  bool mx_wide_ = false;          // their 512-thread variant (EPX_EXPERTS_MXFP4_TC=2)
   int num_sms_ = 1;
   std::array<bool, 3> has_format_{};
   std::vector<Tensor> device_weights_;  // uploaded w13 / scales / w2 / scales of every expert

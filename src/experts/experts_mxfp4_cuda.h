@@ -35,13 +35,10 @@ struct MixedGemmParams {
   int64_t hb_stride;
   // down output: bf16 [row space, H]
   uint16_t* out;
-  /// mxfp4 raw loads: false = one weight row per thread (the measured default); true = 4 (gate_up) /
-  /// 2 (down) threads per row, 64 / 32 contiguous bytes per row per warp instruction (opt-in,
-  /// Config::experts_mxfp4_tc = 2). Same results either way.
-  bool coalesced;
-  /// The wide variant (opt-in, Config::experts_mxfp4_tc = 3): 512 threads, 4 warpgroups each the
-  /// wgmma consumer of one 64-row sub-tile, every thread loading and expanding half a weight row
-  /// (twice the warps to hide the expansion's latency). Same results; overrides `coalesced`.
+  /// The wide variant (Config::experts_mxfp4_tc = 2): 512 threads, 4 warpgroups each the wgmma
+  /// consumer of one 64-row sub-tile, every thread loading and expanding half a weight row (twice
+  /// the warps to hide the expansion's latency; experts_mxfp4_wide_cuda.cu). false: 256 threads,
+  /// 2 warpgroups of 2 sub-tiles, one weight row per thread. Same results either way.
   bool wide = false;
 };
 

@@ -1,0 +1,771 @@
+// experts/experts_mxfp4_kernels.cuh: the device code of the MXFP4 / mixed-format grouped GEMMs
+// (design and precision: experts_mxfp4_cuda.cu), shared by the translation units that instantiate
+// its kernels, so they compile in parallel (ptxas takes tens of seconds per instantiation set):
+//   experts_mxfp4_cuda.cu        the 256-thread kernels and the host API (experts_mxfp4_cuda.h);
+//   experts_mxfp4_wide_cuda.cu   the 512-thread variant (MixedGemmParams::wide);
+//   experts_mxfp4_debug_cuda.cu  the stamped / ablation kernels of set_mixed_debug.
+// Include only from those files: the kernels live in an anonymous namespace (one copy per file,
+// each instantiating its own).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "cuda/check.h"
+#include "epx/dtype.h"
+#include "epx/experts.h"
+#include "experts/experts_fp8_cuda.h"
+#include "experts/experts_fp8_wgmma.cuh"
+#include "experts/experts_mxfp4_cuda.h"
+
+namespace epx::experts_cuda {
+
+// Launchers of the kernels instantiated in the other translation units (dbg: the set_mixed_debug
+// buffer, or null), and their shared-memory opt-in (cudaFuncSetAttribute, once per device).
+/// experts_mxfp4_wide_cuda.cu: the 512-thread kernels, stamped (kDbg 1) when `stamped`.
+void mx_wide_launch(bool gate_up, bool stamped, const MixedGemmParams& p, int grid, cudaStream_t stream, unsigned long long* dbg);
+void mx_wide_allow_smem();
+/// experts_mxfp4_debug_cuda.cu: the 256-thread debug kernels of set_mixed_debug mode 1..3.
+void mx_debug_launch(bool gate_up, int mode, const MixedGemmParams& p, int grid, cudaStream_t stream, unsigned long long* dbg);
+void mx_debug_allow_smem();
+
+namespace {
+
+
+constexpr int kThreads = 256;
+/// The wide variant (Config::experts_mxfp4_tc = 2, MixedGemmParams::wide): 4 warpgroups, each the
+/// wgmma consumer of one 64-row sub-tile, and every thread loads and expands half a weight row.
+constexpr int kThreadsWide = 512;
+constexpr int kRows = kFp8TileWeightRows;  // 256 weight rows per item
+constexpr int kMaxBN = 64;
+constexpr int kSubBytes = 64 * 128;        // one m64 sub-tile of the operand (8 KiB)
+constexpr int kConvBytes = kRows * 128;    // one expanded operand tile (32 KiB)
+constexpr int kScaleFloats = 4 + kMaxBN;   // per stage: 4 fp8 sub-tile scales + BN token scales
+constexpr int kMaxStages = 8;
+constexpr int kExtraOff = 212 * 1024;      // above every kind's ring (+ conversion tiles)
+constexpr int kScaleOff = kExtraOff;
+constexpr int kRowScaleOff = kScaleOff + kMaxStages * kScaleFloats * 4;
+constexpr int kRowsOff = kRowScaleOff + 2 * kRows * 4;
+constexpr int kRedOff = kRowsOff + kMaxBN * 4;
+constexpr int kSmemUsed = kRedOff + 8 * kMaxBN * 4;
+constexpr int kSmemBytes = kSmemUsed + 1024;  // + alignment of the base to 1024 (swizzle atom)
+constexpr int kHStageStride = 128 + 16;       // fp8 gate_up epilogue: FP8 h rows (bytes), padded
+constexpr int kHbStageStride = 128 + 8;       // mxfp4 gate_up epilogue: bf16 h rows (elements), padded
+constexpr int kOutStageStride = kRows + 8;    // down epilogue: bf16 out rows (elements), padded
+constexpr int kXchOff = 64 * 1024;            // wide gate_up epilogue: up accumulators [2][kMaxBN / 2][128] fp32
+
+/// The four item kinds: (format, GEMM).
+enum Kind : int { kFp8GateUp = 0, kFp8Down = 1, kMxGateUp = 2, kMxDown = 3 };
+
+/// Shared-memory plan and shape of each kind. Stage s of the ring starts at s * kStageBytes.
+template <int kK>
+struct KT {
+  static constexpr bool kMx = kK >= kMxGateUp;
+  static constexpr bool kGateUp = kK == kFp8GateUp || kK == kMxGateUp;
+  static constexpr bool kBf16 = kK == kMxDown;  // bf16 wgmma (k16) instead of e4m3 (k32)
+  static constexpr int kKPerStage = kBf16 ? 64 : 128;   // elements of K per stage (128 bytes per operand row)
+  static constexpr int kStages = kBf16 ? 7 : 5;
+  // fp8: [A 32 KiB | B 8 KiB]; mxfp4: [B 8 KiB | raw codes, rows padded | raw scales 1 KiB]
+  // 64 / 32 code bytes per row and stage; + 16 for the row-per-thread reads (conflict-free)
+  static constexpr int kRowBytes = kGateUp ? 64 : 32;  // code bytes of one row per stage
+  static constexpr int kRawStride = kRowBytes + 16;  // + 16: conflict-free row reads; wide: the half-row scale words
+  static constexpr int kStageBytes = !kMx ? 40 * 1024 : (kGateUp ? 29 * 1024 : 21 * 1024);
+  static constexpr int kAOff = 0;                        // fp8: the operand tile itself
+  static constexpr int kBOff = kMx ? 0 : 32 * 1024;
+  static constexpr int kRawOff = 8 * 1024;
+  static constexpr int kRawScaleOff = kRawOff + kRows * kRawStride;
+  static constexpr int kConvOff = kStages * kStageBytes;  // mxfp4: two expanded tiles
+  static constexpr int kRingEnd = kConvOff + (kMx ? 2 * kConvBytes : 0);
+  static_assert(kRingEnd <= kExtraOff, "ring below the extras");
+  // raw scale words: one per row (the wide variant keeps its two in the row's padding instead)
+  static constexpr int kRawScaleBytes = kRows * 4;
+  static_assert(!kMx || kRawScaleOff + kRawScaleBytes <= kStageBytes, "mxfp4 stage fits");
+  static_assert(kStageBytes % 1024 == 0 && kConvOff % 1024 == 0, "swizzled tiles 1024-aligned");
+  static_assert(kStages <= kMaxStages, "scale ring");
+};
+static_assert(kMaxBN * kOutStageStride * 2 <= 5 * 21 * 1024, "epilogue staging fits the ring");
+static_assert(kSmemBytes <= 227 * 1024, "shared memory of one CTA");
+
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define EPX_MX_WGMMA 1
+#endif
+
+#ifdef EPX_MX_WGMMA
+
+// cp.async, wgmma fences, smem_desc and swz: the sm_90a primitives shared with the FP8 kernels.
+using namespace wg;
+
+/// PTX prmt (default mode): byte i of the result = byte (s_i & 7) of {a, b}, or that byte's sign
+/// replicated when s_i & 8 (s_i = nibble i of s).
+__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t s) {
+  uint32_t d;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(s));
+  return d;
+}
+/// cp.async with the L2 prefetch-size hint .L2::256B (PTX ISA, cp.async): the L2 fetches the 256-byte
+/// block around the source, so a weight row read 64 / 32 bytes per stage comes from DRAM in 256-byte
+/// pieces and the next stages of that row hit the L2 (debug mode 3; a hint, results unchanged).
+__device__ __forceinline__ void cp_async16_pf256(uint32_t dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0) : "memory");
+}
+__device__ __forceinline__ void cp_async4_pf256(uint32_t dst, const void* src, bool valid) {
+  asm volatile("cp.async.ca.shared.global.L2::256B [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 4 : 0) : "memory");
+}
+
+/// 0x80 in byte i (i < 4) where e2m1 nibble i of w is negative, else 0.
+__device__ __forceinline__ uint32_t nibble_signs(uint32_t w) {
+  return (prmt(0x80808080u, 0x80808080u, w) & 0x40404040u) << 1;
+}
+
+template <bool kBf16, int BN>
+struct Mma;
+template <>
+struct Mma<false, 16> {
+  __device__ __forceinline__ static void run(float (&d)[8], uint64_t a, uint64_t b, int acc) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3 "
+        "{%0,%1,%2,%3,%4,%5,%6,%7}, %8, %9, p, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+        : "l"(a), "l"(b), "r"(acc));
+  }
+};
+template <>
+struct Mma<true, 16> {
+  __device__ __forceinline__ static void run(float (&d)[8], uint64_t a, uint64_t b, int acc) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 "
+        "{%0,%1,%2,%3,%4,%5,%6,%7}, %8, %9, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+        : "l"(a), "l"(b), "r"(acc));
+  }
+};
+#define EPX_MMA64_OUTS                                                                                            \
+  "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),   \
+      "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),    \
+      "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),   \
+      "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+template <>
+struct Mma<false, 64> {
+  __device__ __forceinline__ static void run(float (&d)[32], uint64_t a, uint64_t b, int acc) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 "
+        "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+        "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, %32, %33, p, 1, 1;\n}\n"
+        : EPX_MMA64_OUTS
+        : "l"(a), "l"(b), "r"(acc));
+  }
+};
+template <>
+struct Mma<true, 64> {
+  __device__ __forceinline__ static void run(float (&d)[32], uint64_t a, uint64_t b, int acc) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+        "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+        "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+        : EPX_MMA64_OUTS
+        : "l"(a), "l"(b), "r"(acc));
+  }
+};
+#undef EPX_MMA64_OUTS
+
+/// What one work item needs, resolved by every thread.
+struct Item {
+  const uint8_t* w;        // w13 or w2 (fp8 codes or packed e2m1 pairs, K-major rows)
+  const void* w_scale;     // fp8: fp32 [rows/128, K/128]; mxfp4: e8m0 [rows, K/32]
+  int64_t K;               // reduction length (elements; multiple of 128)
+  int64_t inter;           // I of the expert
+  int64_t hidden;          // H
+  int32_t row0, num_rows;  // row-space rows of the tile
+  int64_t col0;            // gate_up: first h column; down: first output column
+};
+
+template <bool kGateUp>
+__device__ __forceinline__ int64_t sub_row(const Item& it, int t) {
+  if constexpr (kGateUp) return (t >= 2 ? it.inter : 0) + it.col0 + (t & 1) * 64;
+  else return it.col0 + t * 64;
+}
+template <bool kGateUp>
+__device__ __forceinline__ bool sub_valid(const Item& it, int t) {
+  if constexpr (kGateUp) return true;
+  else return it.col0 + t * 64 < it.hidden;
+}
+
+/// Debug instrumentation (set_mixed_debug; kDbg > 0 instantiations only, never the default kernels):
+/// per-warp clock64 sums of each phase of the K loop (MixedDebugPhase), added into the device buffer
+/// [gemm][warp][phase] once per CTA by lane 0 of each warp.
+template <bool kOn>
+struct StampsT {
+  __device__ __forceinline__ void start() {}
+  __device__ __forceinline__ void mark(int) {}
+  __device__ __forceinline__ void count(int, long long) {}
+  __device__ __forceinline__ void flush(unsigned long long*, bool) {}
+};
+template <>
+struct StampsT<true> {
+  long long v[kMixedDebugPhases];
+  long long t;
+  __device__ __forceinline__ StampsT() {
+#pragma unroll
+    for (int i = 0; i < kMixedDebugPhases; ++i) v[i] = 0;
+    t = clock64();
+  }
+  __device__ __forceinline__ void start() { t = clock64(); }
+  __device__ __forceinline__ void mark(int ph) {
+    const long long n = clock64();
+    v[ph] += n - t;
+    t = n;
+  }
+  __device__ __forceinline__ void count(int ph, long long n) { v[ph] += n; }
+  __device__ __forceinline__ void flush(unsigned long long* buf, bool gate_up) {
+    if (buf == nullptr || (threadIdx.x & 31) != 0) return;
+    unsigned long long* b = buf + ((gate_up ? 0 : 1) * kMixedDebugWarps + (threadIdx.x >> 5)) * kMixedDebugPhases;
+#pragma unroll
+    for (int i = 0; i < kMixedDebugPhases; ++i) atomicAdd(b + i, static_cast<unsigned long long>(v[i]));
+  }
+};
+template <int kDbg>
+using Stamps = StampsT<(kDbg > 0)>;
+
+/// e4m3 codes of 8 e2m1 codes (word w, element i = nibble i) through the group table (lo, hi).
+__device__ __forceinline__ uint2 e2m1x8_to_e4m3(uint32_t w, uint32_t lo, uint32_t hi) {
+  const uint32_t m = w & 0x77777777u;
+  return make_uint2(prmt(lo, hi, m) | nibble_signs(w), prmt(lo, hi, m >> 16) | nibble_signs(w >> 16));
+}
+/// bf16 values of 8 e2m1 codes through the group tables (hi bytes, lo bytes).
+__device__ __forceinline__ uint4 e2m1x8_to_bf16(uint32_t w, uint32_t hl, uint32_t hh, uint32_t ll, uint32_t lh) {
+  const uint32_t m = w & 0x77777777u;
+  const uint32_t h0 = prmt(hl, hh, m) | nibble_signs(w), l0 = prmt(ll, lh, m);
+  const uint32_t h1 = prmt(hl, hh, m >> 16) | nibble_signs(w >> 16), l1 = prmt(ll, lh, m >> 16);
+  return make_uint4(prmt(l0, h0, 0x5140u), prmt(l0, h0, 0x7362u), prmt(l1, h1, 0x5140u), prmt(l1, h1, 0x7362u));
+}
+
+/// gate_up: group g (32 codes, the 16 bytes at `chunk`) of weight row r with group exponent e_g and
+/// row exponent E into chunks 2g, 2g + 1 of row r of operand tile `conv` as e4m3 e2m1 * 2^(e_g - E + 6).
+__device__ __forceinline__ void expand_gate_up_group(const uint8_t* chunk, int e_g, int E, uint8_t* conv, int r, int g) {
+  const uint4 q = *reinterpret_cast<const uint4*>(chunk);
+  const int d = e_g - E + 6;  // <= 6
+  uint4 o0, o1;
+  if (d >= -5) {
+    const uint32_t B = static_cast<uint32_t>(6 + d) << 3;  // e4m3 code of 0.5 * 2^d
+    const uint32_t lo = (B << 8) | ((B + 8) << 16) | ((B + 12) << 24);
+    const uint32_t hi = (B + 16) | ((B + 20) << 8) | ((B + 24) << 16) | ((B + 28) << 24);
+    const uint2 a = e2m1x8_to_e4m3(q.x, lo, hi), b = e2m1x8_to_e4m3(q.y, lo, hi);
+    const uint2 c = e2m1x8_to_e4m3(q.z, lo, hi), e = e2m1x8_to_e4m3(q.w, lo, hi);
+    o0 = make_uint4(a.x, a.y, b.x, b.y);
+    o1 = make_uint4(c.x, c.y, e.x, e.y);
+  } else {  // a group far below its row's largest: RNE through fp32 (exact down to d = -8)
+    const float f = exp2f(static_cast<float>(d));
+    uint32_t out[8];
+    const uint32_t words[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+    for (int wi = 0; wi < 4; ++wi) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        uint32_t v = 0;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const uint32_t code = (words[wi] >> (16 * half + 4 * j)) & 0xFu;
+          v |= static_cast<uint32_t>(float_to_fp8_e4m3_bits(fp4_e2m1_bits_to_float(static_cast<uint8_t>(code)) * f)) << (8 * j);
+        }
+        out[2 * wi + half] = v;
+      }
+    }
+    o0 = make_uint4(out[0], out[1], out[2], out[3]);
+    o1 = make_uint4(out[4], out[5], out[6], out[7]);
+  }
+  *reinterpret_cast<uint4*>(conv + swz(r, 2 * g)) = o0;
+  *reinterpret_cast<uint4*>(conv + swz(r, 2 * g + 1)) = o1;
+}
+
+/// down: group g (32 codes at `chunk`, e8m0 exponent e) of weight row r into chunks 4g .. 4g + 3 of
+/// row r of operand tile `conv` as bf16 e2m1 * 2^(e - 127).
+__device__ __forceinline__ void expand_down_group(const uint8_t* chunk, uint32_t e, uint8_t* conv, int r, int g) {
+  const uint4 q = *reinterpret_cast<const uint4*>(chunk);
+  const uint32_t words[4] = {q.x, q.y, q.z, q.w};
+  if (e >= 2 && e <= 252) {
+    // bf16 of code c: exponent field F = e - 1 (c = 1), e (2, 3), e + 1 (4, 5), e + 2 (6, 7); the
+    // mantissa's top bit for c = 3, 5, 7. High byte F >> 1, low byte (F & 1) << 7 | mantissa.
+    const uint32_t hl = (((e - 1) >> 1) << 8) | ((e >> 1) << 16) | ((e >> 1) << 24);
+    const uint32_t hh = ((e + 1) >> 1) | (((e + 1) >> 1) << 8) | (((e + 2) >> 1) << 16) | (((e + 2) >> 1) << 24);
+    const uint32_t b1 = ((e - 1) & 1) << 7, b2 = (e & 1) << 7, b4 = ((e + 1) & 1) << 7;
+    const uint32_t ll = (b1 << 8) | (b2 << 16) | ((b2 | 0x40u) << 24);
+    const uint32_t lh = b4 | ((b4 | 0x40u) << 8) | (b2 << 16) | ((b2 | 0x40u) << 24);
+#pragma unroll
+    for (int wi = 0; wi < 4; ++wi)
+      *reinterpret_cast<uint4*>(conv + swz(r, 4 * g + wi)) = e2m1x8_to_bf16(words[wi], hl, hh, ll, lh);
+  } else {  // extreme scales: RNE through fp32
+    const float s = e8m0_bits_to_float(static_cast<uint8_t>(e));
+#pragma unroll
+    for (int wi = 0; wi < 4; ++wi) {
+      uint32_t o[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const uint32_t c0 = (words[wi] >> (8 * j)) & 0xFu, c1 = (words[wi] >> (8 * j + 4)) & 0xFu;
+        o[j] = float_to_bf16_bits(fp4_e2m1_bits_to_float(static_cast<uint8_t>(c0)) * s) |
+               (static_cast<uint32_t>(float_to_bf16_bits(fp4_e2m1_bits_to_float(static_cast<uint8_t>(c1)) * s)) << 16);
+      }
+      *reinterpret_cast<uint4*>(conv + swz(r, 4 * g + wi)) = make_uint4(o[0], o[1], o[2], o[3]);
+    }
+  }
+}
+
+/// 2^(E - 133) as an fp32 (normal for E >= 7, else a denormal); a NaN scale (255) gives NaN.
+__device__ __forceinline__ float row_scale_of(int E) {
+  return E == 255 ? __uint_as_float(0x7fc00000u)
+                  : (E >= 7 ? __uint_as_float(static_cast<uint32_t>(E - 6) << 23) : __uint_as_float(1u << (E + 16)));
+}
+
+/// Expands this thread's share of ring stage `stage` into operand tile `conv` (128B-swizzled, 256
+/// rows x 128 bytes); gate_up also writes each row's scale 2^(E-133). 256 threads: row threadIdx.x,
+/// every group of it. scale_byte: byte offset of the stage's first e8m0 scale of the thread's row
+/// (down only).
+/// Wide variant (NT = 512): row tid & 255, half h = tid >> 8 (gate_up groups 2h, 2h + 1; down group
+/// h); its scale word sits in the row's padding at byte kRowBytes + 4 h (each half loads its own).
+template <int kK, int NT>
+__device__ __forceinline__ void convert_row(const uint8_t* stage, uint8_t* conv, float* row_scale, const int64_t* scale_byte) {
+  using T = KT<kK>;
+  const int tid = threadIdx.x;
+  if constexpr (NT == kThreadsWide) {
+    const int r = tid & 255, h = tid >> 8;
+    const uint8_t* raw = stage + T::kRawOff + r * T::kRawStride;
+    const uint32_t scw = *reinterpret_cast<const uint32_t*>(raw + T::kRowBytes + 4 * h);
+    if constexpr (T::kGateUp) {
+      const int e0 = scw & 0xFF, e1 = (scw >> 8) & 0xFF, e2 = (scw >> 16) & 0xFF, e3 = scw >> 24;
+      const int E = max(max(e0, e1), max(e2, e3));
+      if (h == 0) row_scale[r] = row_scale_of(E);
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const int g = 2 * h + j;
+        expand_gate_up_group(raw + g * 16, (scw >> (8 * g)) & 0xFF, E, conv, r, g);
+      }
+    } else {
+      const uint32_t pair = scw >> (8 * (scale_byte[0] & 2));
+      expand_down_group(raw + h * 16, (pair >> (8 * h)) & 0xFFu, conv, r, h);
+    }
+  } else {
+    const int r = tid;
+    const uint8_t* raw = stage + T::kRawOff + r * T::kRawStride;
+    const uint32_t scw = *reinterpret_cast<const uint32_t*>(stage + T::kRawScaleOff + r * 4);
+    if constexpr (T::kGateUp) {
+      const int e0 = scw & 0xFF, e1 = (scw >> 8) & 0xFF, e2 = (scw >> 16) & 0xFF, e3 = scw >> 24;
+      const int E = max(max(e0, e1), max(e2, e3));
+      row_scale[r] = row_scale_of(E);
+#pragma unroll
+      for (int g = 0; g < 4; ++g) expand_gate_up_group(raw + g * 16, (scw >> (8 * g)) & 0xFF, E, conv, r, g);
+    } else {  // 64 elements = 2 groups; the scale pair sits at byte (scale_byte & 2) of the word
+      const uint32_t pair = scw >> (8 * (scale_byte[0] & 2));
+#pragma unroll
+      for (int g = 0; g < 2; ++g) expand_down_group(raw + g * 16, (pair >> (8 * g)) & 0xFFu, conv, r, g);
+    }
+  }
+}
+
+/// One (row tile, weight tile) item of kind kK with BN token columns. smem: 1024-aligned base.
+/// NT threads: kThreads (2 warpgroups, each the consumer of sub-tiles wg and 2 + wg, one weight row
+/// per thread) or kThreadsWide (4 warpgroups, each the consumer of sub-tile wg; half a row per thread).
+template <int kK, int BN, int kDbg, int NT>
+__device__ __forceinline__ void run_item(const MixedGemmParams& p, const Item& it, uint8_t* smem, uint32_t smem_s,
+                                         Stamps<kDbg>& sp) {
+  using T = KT<kK>;
+  constexpr bool kGateUp = T::kGateUp;
+  constexpr bool kWide = NT == kThreadsWide;
+  constexpr int kSubs = kWide ? 1 : 2;  // 64-row sub-tiles per warpgroup
+  constexpr int kFrag = BN / 2;
+  constexpr int S = T::kStages;
+  const int tid = threadIdx.x, wg = tid >> 7, warp_in_wg = (tid >> 5) & 3, lane = tid & 31;
+  int32_t* rows = reinterpret_cast<int32_t*>(smem + kRowsOff);
+  float* scales = reinterpret_cast<float*>(smem + kScaleOff);
+  float* row_scales = reinterpret_cast<float*>(smem + kRowScaleOff);
+  const int64_t nk = it.K / T::kKPerStage;
+  // B operand: 128 bytes per row per stage
+  const uint8_t* b_base = kGateUp ? p.x : (T::kMx ? reinterpret_cast<const uint8_t*>(p.hb) : p.hq);
+  const int64_t b_stride = kGateUp ? p.hidden : (T::kMx ? p.hb_stride * 2 : p.h_stride);  // bytes
+  const float* bs_base = kGateUp ? p.x_scales : p.hs;
+  const int64_t bs_stride = kGateUp ? p.hidden / 128 : p.hs_stride;
+  // mxfp4: this thread's weight row (row r = tid of the 256-row tile; wide: tid & 255, half tid >> 8)
+  const int my_r = kWide ? (tid & 255) : tid, my_h = kWide ? (tid >> 8) : 0;
+  const int my_t = my_r >> 6;
+  const bool my_valid = sub_valid<kGateUp>(it, my_t);
+  const int64_t my_row = sub_row<kGateUp>(it, my_t) + (my_r & 63);
+  // sub-tile of this warpgroup's s-th accumulator
+  auto sub_of = [&](int s) { return kWide ? wg : 2 * s + wg; };
+  const int64_t my_scale0 = T::kMx ? my_row * (it.K / 32) : 0;  // byte of this row's first e8m0 scale
+
+  auto load_stage = [&](int s, int64_t kb) {
+    const uint32_t st = smem_s + s * T::kStageBytes;
+#pragma unroll
+    for (int i = 0; i < (BN * 8 + NT - 1) / NT; ++i) {
+      const int q = tid + i * NT;
+      if (q < BN * 8) {
+        const int j = q >> 3, c = q & 7;
+        const bool v = j < it.num_rows;
+        const uint8_t* src = v ? b_base + static_cast<int64_t>(rows[j]) * b_stride + kb * 128 + c * 16 : b_base;
+        cp_async16(st + T::kBOff + swz(j, c), src, v);
+      }
+    }
+    if constexpr (!T::kMx) {
+#pragma unroll
+      for (int i = 0; i < (kRows * 8) / NT; ++i) {
+        const int r = (tid >> 3) + (NT / 8) * i, t = r >> 6, c = tid & 7;
+        const bool v = sub_valid<kGateUp>(it, t);
+        const uint8_t* src = v ? it.w + (sub_row<kGateUp>(it, t) + (r & 63)) * it.K + kb * 128 + c * 16 : it.w;
+        cp_async16(st + T::kAOff + swz(r, c), src, v);
+      }
+    } else if constexpr (kWide) {
+      constexpr int kHalf = T::kKPerStage / 64;  // 16-byte code chunks per half row per stage (2 | 1)
+      const uint8_t* src_row = it.w + my_row * (it.K / 2) + kb * (T::kKPerStage / 2);
+      const uint32_t dst = st + T::kRawOff + my_r * T::kRawStride;
+#pragma unroll
+      for (int c = my_h * kHalf; c < (my_h + 1) * kHalf; ++c) cp_async16(dst + c * 16, my_valid ? src_row + c * 16 : it.w, my_valid);
+      const int64_t sb = my_scale0 + kb * (T::kKPerStage / 32);
+      const uint8_t* ssrc = static_cast<const uint8_t*>(it.w_scale) + (sb & ~int64_t{3});
+      cp_async4(dst + T::kRowBytes + 4 * my_h, my_valid ? ssrc : it.w_scale, my_valid);
+    } else {
+      constexpr int kChunks = T::kKPerStage / 32;  // 16-byte code chunks per row per stage
+      const uint8_t* src_row = it.w + my_row * (it.K / 2) + kb * (T::kKPerStage / 2);
+#pragma unroll
+      for (int c = 0; c < kChunks; ++c) {
+        if constexpr (kDbg == 3) cp_async16_pf256(st + T::kRawOff + tid * T::kRawStride + c * 16, my_valid ? src_row + c * 16 : it.w, my_valid);
+        else cp_async16(st + T::kRawOff + tid * T::kRawStride + c * 16, my_valid ? src_row + c * 16 : it.w, my_valid);
+      }
+      // the aligned word holding this stage's scale bytes (gate_up: 4 at a multiple of 4; down: 2 at an even byte)
+      const int64_t sb = my_scale0 + kb * (T::kKPerStage / 32);
+      const uint8_t* ssrc = static_cast<const uint8_t*>(it.w_scale) + (sb & ~int64_t{3});
+      if constexpr (kDbg == 3) cp_async4_pf256(st + T::kRawScaleOff + tid * 4, my_valid ? ssrc : it.w_scale, my_valid);
+      else cp_async4(st + T::kRawScaleOff + tid * 4, my_valid ? ssrc : it.w_scale, my_valid);
+    }
+    if constexpr (!T::kBf16) {
+      const uint32_t sc = smem_s + kScaleOff + s * kScaleFloats * 4;
+      if constexpr (!T::kMx) {
+        if (tid < 4) {
+          const bool v = sub_valid<kGateUp>(it, tid);
+          const float* ws = static_cast<const float*>(it.w_scale);
+          const float* src = v ? ws + (sub_row<kGateUp>(it, tid) / 128) * (it.K / 128) + kb : ws;
+          cp_async4(sc + tid * 4, src, v);
+        }
+      }
+      if (tid >= 32 && tid < 32 + BN) {
+        const int j = tid - 32;
+        const bool v = j < it.num_rows;
+        const float* src = v ? bs_base + static_cast<int64_t>(rows[j]) * bs_stride + kb : bs_base;
+        cp_async4(sc + (4 + j) * 4, src, v);
+      }
+    }
+  };
+  auto convert = [&](int64_t kb) {
+    if constexpr (T::kMx && kDbg != 2) {  // kDbg 2: debug ablation without the expansion
+      const int64_t step = kb * (T::kKPerStage / 32);
+      const int64_t sbs[1] = {my_scale0 + step};
+      convert_row<kK, NT>(smem + static_cast<int>(kb % S) * T::kStageBytes, smem + T::kConvOff + static_cast<int>(kb & 1) * kConvBytes,
+                      row_scales + static_cast<int>(kb & 1) * kRows, sbs);
+    }
+  };
+
+  float acc[kSubs][kFrag], tmp[kSubs][kFrag];
+#pragma unroll
+  for (int s = 0; s < kSubs; ++s)
+#pragma unroll
+    for (int i = 0; i < kFrag; ++i) acc[s][i] = 0.0f, tmp[s][i] = 0.0f;
+
+  // The 4 wgmmas per sub-tile of K block kb into t (kMxDown: into acc, accumulating after the first).
+  auto issue = [&](int64_t kb, float (&t)[kSubs][kFrag]) {
+    const uint32_t st = smem_s + static_cast<int>(kb % S) * T::kStageBytes;
+    const uint32_t a_s = T::kMx ? smem_s + T::kConvOff + static_cast<int>(kb & 1) * kConvBytes : st + T::kAOff;
+    uint64_t da[kSubs];
+#pragma unroll
+    for (int s = 0; s < kSubs; ++s) da[s] = smem_desc(a_s + sub_of(s) * kSubBytes);
+    const uint64_t db = smem_desc(st + T::kBOff);
+    wgmma_fence();
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {  // 4 steps of 32 bytes along K (+2 in the descriptor)
+      const int accumulate = T::kBf16 ? (kb > 0 || k > 0) : k;
+#pragma unroll
+      for (int s = 0; s < kSubs; ++s) Mma<T::kBf16, BN>::run(t[s], da[s] + 2 * k, db + 2 * k, accumulate);
+    }
+    wgmma_commit();
+  };
+  // acc += t * (w_scale * token_scale) for K block kb (its wgmmas completed).
+  auto promote = [&](int64_t kb, float (&t)[kSubs][kFrag]) {
+#pragma unroll
+    for (int sub = 0; sub < kSubs; ++sub)
+#pragma unroll
+      for (int i = 0; i < kFrag; ++i) fence_operand(t[sub][i]);
+    const float* sc = scales + static_cast<int>(kb % S) * kScaleFloats;
+    float w[kSubs][2];
+    if constexpr (T::kMx) {
+      const float* rs = row_scales + static_cast<int>(kb & 1) * kRows;
+#pragma unroll
+      for (int sub = 0; sub < kSubs; ++sub) {
+        const int r = sub_of(sub) * 64 + 16 * warp_in_wg + (lane >> 2);
+        w[sub][0] = rs[r];
+        w[sub][1] = rs[r + 8];
+      }
+    } else {
+#pragma unroll
+      for (int sub = 0; sub < kSubs; ++sub) w[sub][0] = w[sub][1] = sc[sub_of(sub)];
+    }
+#pragma unroll
+    for (int i = 0; i < kFrag; ++i) {
+      const int col = 8 * (i >> 2) + 2 * (lane & 3) + (i & 1);
+      const float xs = sc[4 + col];
+      const int h = (i >> 1) & 1;
+#pragma unroll
+      for (int sub = 0; sub < kSubs; ++sub) acc[sub][i] = fmaf(t[sub][i], w[sub][h] * xs, acc[sub][i]);
+    }
+  };
+
+  // Prologue: blocks 0 .. S-2 in flight, block 0 expanded, block S-1 issued.
+#pragma unroll
+  for (int s = 0; s < S - 1; ++s) {
+    if (s < nk) load_stage(s, s);
+    cp_async_commit();
+  }
+  cp_async_wait<S - 2>();
+  convert(0);
+  fence_proxy_async();
+  __syncthreads();
+  if (S - 1 < nk) load_stage(S - 1, S - 1);
+  cp_async_commit();
+  // Invariant at the top of iteration kb: block kb is expanded and visible, blocks kb+1 .. kb+S-1
+  // are in flight (one cp.async group each), and no wgmma is outstanding.
+  sp.mark(kDbgPrologue);
+  for (int64_t kb = 0; kb < nk; ++kb) {
+    if constexpr (T::kBf16) issue(kb, acc);
+    else issue(kb, tmp);
+    sp.mark(kDbgIssue);
+    if (kb + 1 < nk) {
+      cp_async_wait<S - 2>();  // this thread's copies of block kb + 1
+      sp.mark(kDbgLoadWait);
+      convert(kb + 1);         // into the other operand tile, under the wgmmas of block kb
+      sp.mark(kDbgConvert);
+    }
+    wgmma_wait<0>();
+    sp.mark(kDbgMmaWait);
+    if constexpr (!T::kBf16) promote(kb, tmp);
+    sp.mark(kDbgPromote);
+    fence_proxy_async();  // generic-proxy writes (cp.async, expansion) before wgmma's async-proxy reads
+    sp.mark(kDbgFence);
+    __syncthreads();      // block kb + 1 visible; stage kb and operand tile kb & 1 free
+    sp.mark(kDbgBarrier);
+    if (kb + S < nk) load_stage(static_cast<int>(kb % S), kb + S);
+    cp_async_commit();
+    sp.mark(kDbgLoadIssue);
+  }
+  sp.count(kDbgStages, nk);
+  sp.count(T::kMx ? kDbgMxItems : kDbgFp8Items, 1);
+  cp_async_wait<0>();
+  __syncthreads();  // the ring is free for the epilogue staging
+
+  if constexpr (kGateUp) {
+    float hv[kFrag];
+    // h owners: the threads holding gate (sub-tiles 0, 1): warpgroups 0, 1 (wide: of 4)
+    const bool h_owner = !kWide || wg < 2;
+    if constexpr (kWide) {
+      // up (sub-tiles 2, 3) lives in warpgroups 2, 3: handed to 0, 1 through the free ring
+      float* xch = reinterpret_cast<float*>(smem + kXchOff);  // [2][kFrag][128] fp32
+      if (wg >= 2) {
+#pragma unroll
+        for (int i = 0; i < kFrag; ++i) xch[((wg - 2) * kFrag + i) * 128 + (tid & 127)] = acc[0][i];
+      }
+      __syncthreads();
+      if (h_owner) {
+#pragma unroll
+        for (int i = 0; i < kFrag; ++i) {
+          const float g = acc[0][i], u = xch[(wg * kFrag + i) * 128 + (tid & 127)];
+          hv[i] = g / (1.0f + expf(-g)) * u;  // silu(g) * u in fp32, the CPU's expression
+        }
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < kFrag; ++i) {
+        const float g = acc[0][i], u = acc[kSubs - 1][i];
+        hv[i] = g / (1.0f + expf(-g)) * u;  // silu(g) * u in fp32, the CPU's expression
+      }
+    }
+    if constexpr (T::kMx) {
+      uint16_t* stage = reinterpret_cast<uint16_t*>(smem);  // [BN][kHbStageStride] bf16 h
+      if (h_owner) {
+#pragma unroll
+        for (int i = 0; i < kFrag; ++i) {
+          const int col = 8 * (i >> 2) + 2 * (lane & 3) + (i & 1);
+          const int hrow = wg * 64 + 16 * warp_in_wg + (lane >> 2) + 8 * ((i >> 1) & 1);
+          stage[col * kHbStageStride + hrow] = float_to_bf16_bits(hv[i]);
+        }
+      }
+      __syncthreads();
+      for (int q = tid; q < it.num_rows * 16; q += NT) {
+        const int j = q >> 4, c = q & 15;
+        *reinterpret_cast<uint4*>(p.hb + static_cast<int64_t>(it.row0 + j) * p.hb_stride + it.col0 + c * 8) =
+            *reinterpret_cast<const uint4*>(stage + j * kHbStageStride + c * 8);
+      }
+    } else {
+      // FP8 1x128 h over the CTA's 128 h columns, as experts_fp8_cuda.cu.
+      float* red = reinterpret_cast<float*>(smem + kRedOff);  // [8 warps][BN] amax
+      if (h_owner) {
+        float cmax[kFrag / 2];
+#pragma unroll
+        for (int j = 0; j < kFrag / 2; ++j) cmax[j] = 0.0f;
+#pragma unroll
+        for (int i = 0; i < kFrag; ++i) {
+          const int j = (i >> 2) * 2 + (i & 1);
+          cmax[j] = fmaxf(cmax[j], fabsf(hv[i]));
+        }
+#pragma unroll
+        for (int j = 0; j < kFrag / 2; ++j) {
+#pragma unroll
+          for (int m = 4; m < 32; m <<= 1) cmax[j] = fmaxf(cmax[j], __shfl_xor_sync(0xffffffffu, cmax[j], m));
+        }
+        const int warp = tid >> 5;
+        if (lane < 4) {
+#pragma unroll
+          for (int j = 0; j < kFrag / 2; ++j) red[warp * kMaxBN + 8 * (j >> 1) + 2 * lane + (j & 1)] = cmax[j];
+        }
+      }
+      __syncthreads();
+      uint8_t* stage = smem;  // [BN][kHStageStride] FP8 h
+      if (h_owner) {
+#pragma unroll
+        for (int i = 0; i < kFrag; ++i) {
+          const int col = 8 * (i >> 2) + 2 * (lane & 3) + (i & 1);
+          float amax = 0.0f;
+#pragma unroll
+          for (int w = 0; w < 8; ++w) amax = fmaxf(amax, red[w * kMaxBN + col]);
+          const float scale = __fdiv_rn(fmaxf(amax, 1e-4f), kFp8E4m3Max);
+          const int hrow = wg * 64 + 16 * warp_in_wg + (lane >> 2) + 8 * ((i >> 1) & 1);
+          stage[col * kHStageStride + hrow] = float_to_fp8_e4m3_bits(__fdiv_rn(hv[i], scale));
+        }
+      }
+      if (tid < it.num_rows) {
+        float amax = 0.0f;
+        for (int w = 0; w < 8; ++w) amax = fmaxf(amax, red[w * kMaxBN + tid]);
+        p.hs[static_cast<int64_t>(it.row0 + tid) * p.hs_stride + it.col0 / 128] = __fdiv_rn(fmaxf(amax, 1e-4f), kFp8E4m3Max);
+      }
+      __syncthreads();
+      for (int q = tid; q < it.num_rows * 8; q += NT) {
+        const int j = q >> 3, c = q & 7;
+        *reinterpret_cast<uint4*>(p.hq + static_cast<int64_t>(it.row0 + j) * p.h_stride + it.col0 + c * 16) =
+            *reinterpret_cast<const uint4*>(stage + j * kHStageStride + c * 16);
+      }
+    }
+  } else {
+    uint16_t* stage = reinterpret_cast<uint16_t*>(smem);  // [BN][kOutStageStride] bf16
+#pragma unroll
+    for (int sub = 0; sub < kSubs; ++sub) {
+      const int t = sub_of(sub);
+#pragma unroll
+      for (int i = 0; i < kFrag; ++i) {
+        const int col = 8 * (i >> 2) + 2 * (lane & 3) + (i & 1);
+        const int wrow = t * 64 + 16 * warp_in_wg + (lane >> 2) + 8 * ((i >> 1) & 1);
+        stage[col * kOutStageStride + wrow] = float_to_bf16_bits(acc[sub][i]);
+      }
+    }
+    __syncthreads();
+    constexpr int kChunks = kRows / 8;  // 16-byte chunks per output row
+    for (int q = tid; q < it.num_rows * kChunks; q += NT) {
+      const int j = q / kChunks, c = q % kChunks;
+      const int64_t n = it.col0 + c * 8;
+      if (n < p.hidden)
+        *reinterpret_cast<uint4*>(p.out + static_cast<int64_t>(it.row0 + j) * p.hidden + n) =
+            *reinterpret_cast<const uint4*>(stage + j * kOutStageStride + c * 8);
+    }
+  }
+  __syncthreads();  // staging and rows[] are reused by the next item
+  sp.mark(kDbgEpilogue);
+}
+
+template <bool kGateUp, int kDbg = 0, int NT = kThreads>
+__global__ void __launch_bounds__(NT, 1) mixed_gemm_kernel(MixedGemmParams p, unsigned long long* dbg) {
+  extern __shared__ uint8_t smem_raw[];
+  const uint32_t raw_s = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
+  const uint32_t pad = (1024u - (raw_s & 1023u)) & 1023u;
+  uint8_t* smem = smem_raw + pad;
+  const uint32_t smem_s = raw_s + pad;
+  int32_t* rows = reinterpret_cast<int32_t*>(smem + kRowsOff);
+  Stamps<kDbg> sp;
+  const long long k_start = kDbg > 0 ? clock64() : 0;
+
+  const int64_t num_items = static_cast<int64_t>(*p.num_tiles) * p.max_weight_tiles;
+  // Items walk the tile list from its end: the last local expert (the FHMoE shared expert, with a
+  // row for every token and twice the weight bytes of an MXFP4 expert) starts first instead of
+  // forming the tail of the persistent grid (longest items first).
+  for (int64_t walk = blockIdx.x; walk < num_items; walk += gridDim.x) {
+    const int64_t item = num_items - 1 - walk;
+    const Tile tile = p.tiles[item / p.max_weight_tiles];
+    const int wt = static_cast<int>(item % p.max_weight_tiles);
+    const ExpertDesc e = p.experts[tile.expert];
+    const bool mx = e.format == static_cast<int32_t>(WeightFormat::mxfp4);
+    if (!mx && e.format != static_cast<int32_t>(WeightFormat::fp8_block)) continue;  // CTA-uniform
+    Item it;
+    const int64_t inter = e.intermediate;
+    it.row0 = tile.row0;
+    it.num_rows = tile.num_rows;
+    it.inter = inter;
+    it.hidden = p.hidden;
+    if constexpr (kGateUp) {
+      if (static_cast<int64_t>(wt) * 128 >= inter) continue;
+      it.w = static_cast<const uint8_t*>(e.w13);
+      it.w_scale = e.w13_scale;
+      it.K = p.hidden;
+      it.col0 = static_cast<int64_t>(wt) * 128;
+    } else {
+      it.col0 = static_cast<int64_t>(wt) * kRows;
+      if (it.col0 >= p.hidden) continue;
+      it.w = static_cast<const uint8_t*>(e.w2);
+      it.w_scale = e.w2_scale;
+      it.K = inter;
+    }
+    sp.start();
+    if (threadIdx.x < kMaxBN) {
+      const int j = threadIdx.x;
+      int32_t r = 0;
+      if (j < tile.num_rows) r = kGateUp && p.gather != nullptr ? p.gather[tile.row0 + j] : tile.row0 + j;
+      rows[j] = r;
+    }
+    __syncthreads();
+    constexpr int kFp8 = kGateUp ? kFp8GateUp : kFp8Down, kMx = kGateUp ? kMxGateUp : kMxDown;
+    if constexpr (kDbg > 0) {  // debug kernels (set_mixed_debug): mxfp4 items of <= 16 rows only
+      if (mx && tile.num_rows <= 16) run_item<kMx, 16, kDbg, NT>(p, it, smem, smem_s, sp);
+    } else if (mx) {
+      if (tile.num_rows <= 16) run_item<kMx, 16, kDbg, NT>(p, it, smem, smem_s, sp);
+      else run_item<kMx, 64, kDbg, NT>(p, it, smem, smem_s, sp);
+    } else {
+      if (tile.num_rows <= 16) run_item<kFp8, 16, kDbg, NT>(p, it, smem, smem_s, sp);
+      else run_item<kFp8, 64, kDbg, NT>(p, it, smem, smem_s, sp);
+    }
+  }
+  if constexpr (kDbg > 0) {
+    sp.count(kDbgKernel, clock64() - k_start);
+    sp.count(kDbgCtas, 1);
+    sp.flush(dbg, kGateUp);
+  }
+}
+
+#else  // not sm_90a: the host never launches these (mxfp4_tensor_cores_available is false)
+
+template <bool kGateUp, int kDbg = 0, int NT = kThreads>
+__global__ void __launch_bounds__(NT, 1) mixed_gemm_kernel(MixedGemmParams, unsigned long long*) {
+#ifdef __CUDA_ARCH__
+  __trap();
+#endif
+}
+
+#endif  // EPX_MX_WGMMA
+
+/// Launches mixed_gemm_kernel<kGateUp, kDbg, NT> (NT threads, the full shared-memory plan).
+template <bool kGateUp, int kDbg, int NT>
+void launch_kernel(const MixedGemmParams& p, int grid, cudaStream_t stream, unsigned long long* dbg) {
+  mixed_gemm_kernel<kGateUp, kDbg, NT><<<grid, NT, kSmemBytes, stream>>>(p, dbg);
+}
+/// Raises the dynamic shared-memory limit of mixed_gemm_kernel<kGateUp, kDbg, NT> on the current device.
+template <bool kGateUp, int kDbg, int NT>
+void allow_smem() {
+  EPX_CUDA_CHECK(cudaFuncSetAttribute(mixed_gemm_kernel<kGateUp, kDbg, NT>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
+}
+
+}  // namespace
+}  // namespace epx::experts_cuda
