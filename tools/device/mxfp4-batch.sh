@@ -5,8 +5,8 @@
 # Builds epx, experts_cuda_test, epx-gemm-mxfp4-bench and the epx CLI with tools/device/gpu-check.sh
 # (no ctest run there), runs the MXFP4 / mixed experts GPU tests directly (gtest filter), then on
 # GPU 0: the MXFP4 decode bench with the per-phase stamps (--stamps), the FHMoE fused-vs-separate
-# sweep at decode sizes (default kernels, then the wide variant), and (if time is left) the V4-Pro
-# layer with the shared expert fused and separate (--compare). Every step has its own timeout inside
+# sweep at decode sizes on the faster decode kernel, the V4-Pro layer at EP2 with the shared expert
+# fused and separate (--compare) if time is left, then the other kernel's sweep. Every step has its own timeout inside
 # BUDGET seconds (default 155, for a 160 s allowance); logs go to $OUT.
 set -uo pipefail
 OUT="${OUT:-/tmp/mxfp4-out}"
@@ -60,27 +60,42 @@ if [ -x "$B/experts_cuda_test" ] && [ "$hung" = 0 ] && [ "$(left)" -gt 12 ]; the
   # The wide (512-thread) variant through the same GPU tests (EPX_EXPERTS_MXFP4_TC=3).
   t1=$SECONDS
   (cd "$B" && EPX_EXPERTS_MXFP4_TC=2 timeout -k 3 "$(cap 20)" ./experts_cuda_test \
-     --gtest_filter='*Mxfp4TensorCoreWideScaleSpread*:*MixedFormats*:*DeepSeekV4Pro*:*Mxfp4TensorCoreRowCounts*') >"$OUT/gpu-tests-wide.log" 2>&1
-  rc=$?; echo "experts_cuda_test (wide, EPX_EXPERTS_MXFP4_TC=2) rc=$rc in $((SECONDS - t1)) s" | tee -a "$OUT/summary.txt"
+     --gtest_filter='*Mxfp4TensorCoreWideScaleSpread*:*DeepSeekV4ProExpertShapes*:*Mxfp4TensorCoreRowCounts*') >"$OUT/gpu-tests-wide.log" 2>&1
+  rc=$?; wide_rc=$rc; echo "experts_cuda_test (wide, EPX_EXPERTS_MXFP4_TC=2) rc=$rc in $((SECONDS - t1)) s" | tee -a "$OUT/summary.txt"
   [ "$rc" -ge 124 ] && hung=1
 fi
-for tc in 1 2; do  # the FHMoE sweep with the default kernels, then the wide variant
+# The faster decode kernel (the wide variant only if its GPU tests passed): the FHMoE sweep and the
+# layer run on it; the other kernel's sweep last, if time is left.
+best=1
+if [ "${wide_rc:-1}" = 0 ] && [ -f "$OUT/gemm-mxfp4-decode.json" ]; then
+  best="$(python3 - "$OUT/gemm-mxfp4-decode.json" <<'PY' 2>/dev/null || echo 1
+import json, sys
+rows = json.load(open(sys.argv[1]))["results"]
+p = {r["backend"]: r["latency_us_p50"] for r in rows if r.get("case") == "decode-v4pro"}
+print(2 if p.get("epx-mxfp4-wgmma-wide", 1e30) < p.get("epx-mxfp4-wgmma", 0) else 1)
+PY
+)"
+fi
+echo "faster decode kernel: EPX_EXPERTS_MXFP4_TC=$best" | tee -a "$OUT/summary.txt"
+sweep() {  # $1 = EPX_EXPERTS_MXFP4_TC
   if [ -x "$B/epx-gemm-mxfp4-bench" ] && [ "$hung" = 0 ] && [ "$(left)" -gt 12 ]; then
     t2=$SECONDS
-    EPX_EXPERTS_MXFP4_TC=$tc GEMM_BENCH_COMMIT="$commit" timeout -k 3 "$(cap 25)" "$B/epx-gemm-mxfp4-bench" --iters 10 --no-simt \
-      --cases fhmoe --max-tokens "${FHMOE_MAX_T:-2048}" --fhmoe-experts 192 --json "$OUT/gemm-mxfp4-fhmoe-tc$tc.json" \
-      >"$OUT/gemm-mxfp4-fhmoe-tc$tc.log" 2>&1
-    echo "gemm-mxfp4-bench fhmoe (EPX_EXPERTS_MXFP4_TC=$tc) rc=$? in $((SECONDS - t2)) s" | tee -a "$OUT/summary.txt"
+    EPX_EXPERTS_MXFP4_TC=$1 GEMM_BENCH_COMMIT="$commit" timeout -k 3 "$(cap 25)" "$B/epx-gemm-mxfp4-bench" --iters 10 --no-simt \
+      --cases fhmoe --max-tokens "${FHMOE_MAX_T:-2048}" --fhmoe-experts 192 --json "$OUT/gemm-mxfp4-fhmoe-tc$1.json" \
+      >"$OUT/gemm-mxfp4-fhmoe-tc$1.log" 2>&1
+    echo "gemm-mxfp4-bench fhmoe (EPX_EXPERTS_MXFP4_TC=$1) rc=$? in $((SECONDS - t2)) s" | tee -a "$OUT/summary.txt"
   fi
-done
+}
+sweep "$best"
 if [ -x "$B/epx" ] && [ "$hung" = 0 ] && [ "$(left)" -gt "${MOE_MIN_S:-30}" ]; then
   # The layer at EP2 (192 local experts per GPU), the shared expert fused and separate in one run (--compare).
   t3=$SECONDS
-  CUDA_VISIBLE_DEVICES=0,1 timeout -k 3 "$(cap 60)" "$B/epx" moe --device cuda --ranks 2 --preset deepseek-v4-pro --backend ll \
-    --dispatch-dtype fp8 --mode decode --compare --tokens-per-rank "${MOE_TOKENS:-128}" --steps 3 --validate-tokens 2 \
-    --json "$OUT/moe-v4pro-compare.json" >"$OUT/moe-v4pro-compare.log" 2>&1
-  echo "epx moe v4-pro --compare rc=$? in $((SECONDS - t3)) s" | tee -a "$OUT/summary.txt"
+  EPX_EXPERTS_MXFP4_TC=$best CUDA_VISIBLE_DEVICES=0,1 timeout -k 3 "$(cap 60)" "$B/epx" moe --device cuda --ranks 2 \
+    --preset deepseek-v4-pro --backend ll --dispatch-dtype fp8 --mode decode --compare --tokens-per-rank "${MOE_TOKENS:-128}" \
+    --steps 3 --validate-tokens 2 --json "$OUT/moe-v4pro-compare.json" >"$OUT/moe-v4pro-compare.log" 2>&1
+  echo "epx moe v4-pro --compare (EPX_EXPERTS_MXFP4_TC=$best) rc=$? in $((SECONDS - t3)) s" | tee -a "$OUT/summary.txt"
 fi
+sweep $((3 - best))
 echo "== tests"; cat "$OUT/gpu-tests-small.log" "$OUT/gpu-tests.log" "$OUT/gpu-tests-wide.log" 2>/dev/null | grep -E "^\[  (FAILED|PASSED) |^\[       OK|FAILED|rel_l2|Failure|Expected|Which is|got/want" | tail -40
 echo "== build errors"; head -5 "$OUT/build-errors.txt" 2>/dev/null
 echo "== bench"; grep -vhE "^wrote" "$OUT/gemm-mxfp4-decode.log" 2>/dev/null | tail -30
