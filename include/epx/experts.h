@@ -119,7 +119,9 @@ std::unique_ptr<Experts> make_experts_cpu(std::vector<std::shared_ptr<const Expe
 /// (src/experts/experts_mxfp4_cuda.cu): e2m1 + e8m0 streamed at 0.53 B per weight and expanded in
 /// shared memory (gate_up as e4m3 with a per-row block exponent, down as bf16 with h kept bf16),
 /// fp8_block experts in the same grouped launch (FHMoE: FP8 shared + MXFP4 routed experts, one
-/// launch per GEMM). Every other case (bf16 x, bf16 experts, other GPUs, or the
+/// launch per GEMM); Config::experts_mxfp4_tc = 2 (EPX_EXPERTS_MXFP4_TC=2) runs them on the
+/// 512-thread variant (experts_mxfp4_wide_cuda.cu: 4 wgmma warpgroups, half a weight row expanded
+/// per thread; same results). Every other case (bf16 x, bf16 experts, other GPUs, or the
 /// Config::experts_simt = 1, from EPX_EXPERTS_SIMT=1 or EPX_CONFIG, read by Config::load() at
 /// construction) runs the simple tiled SIMT reference
 /// kernels. Both paths hold the same precision rules. Uploads every expert's weights
