@@ -50,12 +50,16 @@ struct Config {
   int experts_fp8_prefill_stages = 0; ///< their ring depth in 48 KiB stages: 0 = maximum (gate_up 4, down 3), 2..4
   int experts_mxfp4_tc = 1;          ///< 0: mxfp4 experts keep the SIMT GEMMs; 1: MXFP4 tensor-core kernels; 2: their 512-thread (wide) variant
   int moe_chunk_size = 0;            ///< DP chunk: at most this many tokens per MoE call per rank; 0 = no chunking
-  /// capability gate: fuse the shared expert when M <= this. 1024 = measured crossover (one H200,
-  /// DeepSeek-V4-Pro experts at EP2, 192 local MXFP4 experts + the FP8 shared expert, final run of
-  /// 365bea8, bench/results/h200x1/gemm-mxfp4-final-365bea8.json): fused is no slower up to M = 1024
-  /// (23 % faster at M = 1, 2-4 % at 8-64) and 0.3-1.4 % slower at 2048-4096; with 48 local experts
-  /// the crossover is M = 384. The early run (e2ddf78) had fused within 1 % up to 4096.
-  int fhmoe_max_tokens = 1024;
+  /// capability gate: fuse the shared expert when M <= this. 4096 = measured through the layer, where
+  /// the gate acts: the separate path runs the shared expert on bf16 x (SIMT GEMMs), so fused was
+  /// faster at every M measured: DeepSeek-V4-Pro decode at EP2, M = 128, 5.38 against 6.49 ms per
+  /// step (bench/results/h200x2/moe-v4pro-fhmoe-compare-s5-c81aeca.json), DeepSeek-V3 prefill,
+  /// M = 4096, ~2.1x (the fifth session's batch 2, hier helper). Between the experts alone (both
+  /// paths on FP8 tensor cores, bench/results/h200x1/gemm-mxfp4-fhmoe-s5-c81aeca.json) fused and
+  /// separate stay within 1.7 % above M = 384 (23 % faster at M = 1, 2-3 % at 8-64): the crossover
+  /// there (384-1024, earlier runs 1024) only matters once the separate path runs on tensor cores.
+  /// Above 4096 not measured.
+  int fhmoe_max_tokens = 4096;
 
   /// Where each field's value came from ("default", "json <file>", "env EPX_...", "api").
   std::vector<std::pair<std::string, std::string>> sources;

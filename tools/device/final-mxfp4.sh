@@ -3,9 +3,10 @@
 # integrated run, after tools/device/gpu-check.sh built the tree (target epx_gemm_mxfp4_bench).
 # Environment: OUT (results folder), SRC (source tree; default: this script's repository), B (build
 # folder; default /tmp/epx-gpu-check/build). Writes $OUT/gemm-mxfp4.json (DeepSeek-V4-Pro MXFP4
-# experts: decode validated against the CPU experts, prefill, and the FHMoE fused-vs-separate sweep
-# with the measured gate threshold) and its log, on GPU 0, within 60 s (no SIMT rows; the JSON is
-# rewritten after every row, so a timeout keeps what ran).
+# experts: decode validated against the CPU experts with the per-phase stamps of its K loop
+# (--stamps), prefill, and the FHMoE fused-vs-separate sweep with the measured gate threshold) and
+# its log, on GPU 0, within 60 s (no SIMT rows; the JSON is rewritten after every row, so a timeout
+# keeps what ran).
 set -uo pipefail
 OUT="${OUT:-/tmp/mxfp4-final-out}"
 SRC="${SRC:-$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)}"
@@ -20,7 +21,7 @@ if [ ! -x "$B/epx-gemm-mxfp4-bench" ]; then
   (cd "$B" && timeout -k 5 40 cmake --build . -j "$(nproc)" --target epx_gemm_mxfp4_bench) >"$OUT/gemm-mxfp4-build.log" 2>&1
 fi
 t0=$SECONDS
-CUDA_VISIBLE_DEVICES=0 GEMM_BENCH_COMMIT="$commit" timeout -k 5 55 "$B/epx-gemm-mxfp4-bench" --iters 10 --no-simt --fhmoe-experts 192,48 \
+CUDA_VISIBLE_DEVICES=0 GEMM_BENCH_COMMIT="$commit" timeout -k 5 55 "$B/epx-gemm-mxfp4-bench" --iters 10 --no-simt --stamps --fhmoe-experts 192,48 \
   --json "$OUT/gemm-mxfp4.json" >"$OUT/gemm-mxfp4.log" 2>&1
 echo "gemm-mxfp4-bench rc=$? in $((SECONDS - t0)) s"
 grep -vE "^wrote" "$OUT/gemm-mxfp4.log" | tail -40
