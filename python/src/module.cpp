@@ -111,8 +111,8 @@ Attributes (JSON key, environment variable):
       send block or one word per destination rank; all ranks must agree.
   ll_expand (ll.expand, EPX_LL_EXPAND): "message" (default) | "expert": ll on CUDA, dispatch expansion
       per (message, chunk) with sender-ranked slots, or a block per local expert; all ranks must agree.
-  ll_items (ll.items, EPX_LL_ITEMS): "chunk" | "run": ll on CUDA, work items of one 256/512-element chunk
-      or a run of consecutive chunks of one row (rank-local, the same results).
+  ll_items (ll.items, EPX_LL_ITEMS): "run" (default) | "chunk": ll on CUDA, work items of a run of consecutive
+      chunks of one row or of one 256/512-element chunk (rank-local, the same results).
   ll_warps_per_block (multiple of 4 in [4, 32]), ll_num_blocks (0 = one per SM): ll on CUDA launch shape.
   ht_num_sms (1..132), ht_warps_per_block, ht_combine_mode (0 | 1), ht_chunk_rows (1..4096), ht_fp8_unroll
       (0 | 4 | 7), ht_pdl (0..2): ht on CUDA.
@@ -209,11 +209,14 @@ A group of R ranks (the EP group). CPU groups (make_cpu_groups) are threads of t
       });
 
   m.def("make_cpu_groups", [](int num_ranks, double timeout_s, int ranks_per_node) {
+          require_arg("make_cpu_groups", "ranks_per_node", ranks_per_node, ranks_per_node >= 0,
+                      "must be >= 0 (0: one node; else it divides num_ranks)");
           return ranks_per_node > 0 ? make_cpu_groups(num_ranks, timeout_s, ranks_per_node) : make_cpu_groups(num_ranks, timeout_s);
         }, pyb::arg("num_ranks"), pyb::arg("timeout_s") = 60.0, pyb::arg("ranks_per_node") = 0,
         "R CPU groups sharing one in-process world; element r is rank r. Drive each from its own thread (run_ranks).\n"
         "ranks_per_node > 0: the ranks report num_ranks / ranks_per_node nodes of consecutive ranks (the CPU twin\n"
-        "of a multi-node group: ll and ht take their hierarchical path); it must divide num_ranks (else ValueError).");
+        "of a multi-node group: ll and ht take their hierarchical path); it must divide num_ranks, and a negative\n"
+        "ranks_per_node raises ValueError.");
   m.def("run_ranks", [](const std::vector<std::shared_ptr<Group>>& groups, const std::function<void(int)>& fn) {
     pyb::gil_scoped_release release;
     run_ranks(groups, [&](int rank) {

@@ -463,6 +463,13 @@ def test_bad_arguments_fail_on_every_rank(case):
     assert _both_ranks(groups, (x, idx, w), (x, idx, w), again) == [None, None]
 
 
+def test_make_cpu_groups_rejects_a_negative_ranks_per_node():
+    """ranks_per_node = 0 (the default) is one node; a negative count is a mistake, not one node."""
+    assert len(epx.make_cpu_groups(4, 5, 0)) == 4
+    with pytest.raises(ValueError, match=r"ranks_per_node = -2: must be"):
+        epx.make_cpu_groups(4, 5, -2)
+
+
 def test_run_ranks_propagates_python_errors():
     groups = epx.make_cpu_groups(R, timeout_s=30)
 
