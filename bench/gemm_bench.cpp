@@ -17,7 +17,8 @@
 // Validation: the wgmma outputs against the SIMT outputs of the same inputs (normwise rel. L2), and
 // the decode case also against the CPU experts.
 // Usage: epx-gemm-bench [--json PATH] [--iters N] [--experts L] [--no-simt] [--no-cublas] [--prefill-variants]
-// (--prefill-variants: also the FP8 prefill kernels at ring depths 3 and 2, EPX_EXPERTS_FP8_PREFILL_STAGES)
+// (--prefill-variants: also the FP8 prefill kernels with cp.async loads instead of TMA,
+// EPX_EXPERTS_FP8_PREFILL=2, and at ring depths 3 and 2, EPX_EXPERTS_FP8_PREFILL_STAGES)
 #include <cublasLt.h>
 #include <cuda_runtime.h>
 
@@ -382,18 +383,23 @@ int main(int argc, char** argv) {
       add_row("prefill-v3", "epx-wgmma-64", "expert_major", cap, s4, false, true,
               rel_l2(host_bf16(out), host_bf16(out4), {{0, L * cap}}),
               "EPX_EXPERTS_FP8_PREFILL=0 (64-row kernels only); max_rel_error = epx-wgmma (prefill kernels) against this");
-      // The prefill kernels' ring depth (EPX_EXPERTS_FP8_PREFILL_STAGES; default: gate_up 4, down 3).
-      for (const char* stages : {"3", "2"}) {
+      // The prefill kernels' cp.async loads instead of TMA (EPX_EXPERTS_FP8_PREFILL=2) and their
+      // ring depth (EPX_EXPERTS_FP8_PREFILL_STAGES; default: gate_up 4, down 3).
+      struct Variant {
+        const char *env, *value, *backend;
+      };
+      for (const Variant& v : {Variant{"EPX_EXPERTS_FP8_PREFILL", "2", "epx-wgmma-cpasync"},
+                               Variant{"EPX_EXPERTS_FP8_PREFILL_STAGES", "3", "epx-wgmma-stages3"},
+                               Variant{"EPX_EXPERTS_FP8_PREFILL_STAGES", "2", "epx-wgmma-stages2"}}) {
         if (!do_variants) break;
-        setenv("EPX_EXPERTS_FP8_PREFILL_STAGES", stages, 1);
+        setenv(v.env, v.value, 1);
         auto tcs = make_experts_cuda(experts, 0);
-        unsetenv("EPX_EXPERTS_FP8_PREFILL_STAGES");
+        unsetenv(v.env);
         CK(cudaMemset(out4.data(), 0xFF, out4.nbytes()));
         const Stats s5 = time_us(stream, iters, [&] { tcs->apply(in, out4, Stream{stream}); });
         CK(cudaStreamSynchronize(stream));
-        add_row("prefill-v3", std::string("epx-wgmma-stages") + stages, "expert_major", cap, s5, false, true,
-                rel_l2(host_bf16(out4), host_bf16(out), {{0, L * cap}}),
-                std::string("EPX_EXPERTS_FP8_PREFILL_STAGES=") + stages + "; max_rel_error against epx-wgmma");
+        add_row("prefill-v3", v.backend, "expert_major", cap, s5, false, true, rel_l2(host_bf16(out4), host_bf16(out), {{0, L * cap}}),
+                std::string(v.env) + "=" + v.value + "; max_rel_error against epx-wgmma");
       }
     }
     {

@@ -161,7 +161,7 @@ class CudaExperts final : public Experts {
     // Config::experts_fp8_prefill (EPX_EXPERTS_FP8_PREFILL, default 1): experts with more than
     // kTileRows rows run in 128-row tiles on the warp-specialized prefill GEMMs
     // (experts_fp8_prefill_cuda.cu); 0 keeps every tile on the 64-row kernels.
-    fp8_prefill_ = config.experts_fp8_prefill == 1;
+    fp8_prefill_ = config.experts_fp8_prefill >= 1;
     fp8_prefill_stages_ = config.experts_fp8_prefill_stages;
     // Objects with mxfp4 experts, all of them fp8_block or mxfp4 with I % 128 == 0 and H % 128 == 0,
     // fed FP8 x, run every expert on the mixed sm_90a kernels (experts_mxfp4_cuda.cu): one grouped
@@ -191,6 +191,20 @@ class CudaExperts final : public Experts {
     }
     descs_ = Tensor::empty({num_local * static_cast<int64_t>(sizeof(ExpertDesc))}, DType::uint8, dev);
     EPX_CUDA_CHECK(cudaMemcpy(descs_.data(), descs.data(), descs.size() * sizeof(ExpertDesc), cudaMemcpyHostToDevice));
+    // The prefill kernels load the weight tiles with TMA from per-expert descriptors built here
+    // (Config::experts_fp8_prefill = 1); 2, or a map the driver cannot encode, keeps cp.async.
+    if (fp8_tensor_cores_ && config.experts_fp8_prefill == 1) {
+      std::vector<experts_cuda::Fp8TmaMap> maps(2 * descs.size());
+      bool ok = true;
+      for (size_t l = 0; l < descs.size() && ok; ++l)
+        if (descs[l].format == static_cast<int32_t>(WeightFormat::fp8_block))
+          ok = experts_cuda::fp8_prefill_weight_maps(descs[l], hidden(), maps[2 * l], maps[2 * l + 1]);
+      if (ok) {
+        w_maps_ = Tensor::empty({static_cast<int64_t>(maps.size() * sizeof(experts_cuda::Fp8TmaMap))}, DType::uint8, dev);
+        EPX_CUDA_CHECK(cudaMemcpy(w_maps_.data(), maps.data(), maps.size() * sizeof(experts_cuda::Fp8TmaMap),
+                                  cudaMemcpyHostToDevice));
+      }
+    }
     void* rec = nullptr;
     EPX_CUDA_CHECK(cudaHostAlloc(&rec, sizeof(ErrorRecord), cudaHostAllocMapped));
     error_ = static_cast<ErrorRecord*>(rec);
@@ -437,6 +451,9 @@ class CudaExperts final : public Experts {
       fp.overlap = fp8_pairs_;
       fp.num_small = big ? ws.num_tiles + 1 : nullptr;
       fp.prefill_stages = fp8_prefill_stages_;
+      fp.w_maps = w_maps_.defined() ? w_maps_.data() : nullptr;
+      fp.row_space = in.layout == ActivationLayout::ExpertMajor ? in.x.size(0) * in.x.size(1)
+                                                               : in.topk_idx.size(0) * in.topk_idx.size(1);
       // Persistent grids of one CTA per multiprocessor (the kernels take ~205-217 KiB of shared memory).
       fp.max_weight_tiles = static_cast<int32_t>(fp8_inter_max_ / kFp8GroupSize);
       const int up_grid = static_cast<int>(std::clamp<int64_t>(max_tiles * fp.max_weight_tiles, 1, num_sms_));
@@ -486,6 +503,7 @@ class CudaExperts final : public Experts {
   std::array<bool, 3> has_format_{};
   std::vector<Tensor> device_weights_;  // uploaded w13 / scales / w2 / scales of every expert
   Tensor descs_;                        // [L] ExpertDesc on the device
+  Tensor w_maps_;                       // [2L] Fp8TmaMap of the fp8_block weights (prefill kernels' TMA), or undefined
   Tensor workspace_;
   int64_t workspace_bytes_ = 0;
   ErrorRecord* error_ = nullptr;        // host-mapped, pinned

@@ -350,8 +350,10 @@ TEST(ExpertsCuda, Fp8TensorCoreRowCountsOneTo8192) {
   // shapes, total rows 1, 7, 128, 258, 1000 (ExpertMajor, experts without tokens among them; 64 /
   // 65 / 129 rows straddle the tile boundaries, small and prefill tiles in one call) and 200 /
   // 8192 (Flat, contiguous rows grouped by expert on the device; 200 pairs: ~67 per expert).
-  // The same cases through the paired-K-block mainloop variant (EPX_EXPERTS_FP8_PAIRS=1) and
-  // with the prefill kernels off (EPX_EXPERTS_FP8_PREFILL=0: every tile on the 64-row kernels).
+  // The same cases through the paired-K-block mainloop variant (EPX_EXPERTS_FP8_PAIRS=1), with
+  // the prefill kernels off (EPX_EXPERTS_FP8_PREFILL=0: every tile on the 64-row kernels) and with
+  // the prefill kernels' cp.async loads instead of TMA (EPX_EXPERTS_FP8_PREFILL=2); the TMA and
+  // cp.async prefill outputs must be bit-identical (same shared-memory tiles, same wgmmas).
   const auto experts = same_format(WeightFormat::fp8_block, 3, 7168, 2048, 500);
   auto cpu = make_experts_cpu(experts);
   auto gpu = make_experts_cuda(experts, 0);
@@ -360,11 +362,16 @@ TEST(ExpertsCuda, Fp8TensorCoreRowCountsOneTo8192) {
   unsetenv("EPX_EXPERTS_FP8_PAIRS");
   setenv("EPX_EXPERTS_FP8_PREFILL", "0", 1);
   auto gpu_small = make_experts_cuda(experts, 0);
+  setenv("EPX_EXPERTS_FP8_PREFILL", "2", 1);
+  auto gpu_cpasync = make_experts_cuda(experts, 0);
   unsetenv("EPX_EXPERTS_FP8_PREFILL");
   const double tol = kMaxRelL2Fp8TensorCores;
   const std::vector<std::vector<int32_t>> cases = {{0, 1, 0}, {7, 0, 0}, {16, 17, 95}, {64, 65, 129}, {0, 1000, 0}};
-  for (auto* g : {gpu.get(), gpu_pairs.get(), gpu_small.get()}) {
-    const char* variant = g == gpu.get() ? "" : g == gpu_pairs.get() ? " (pairs)" : " (no prefill kernels)";
+  for (auto* g : {gpu.get(), gpu_pairs.get(), gpu_small.get(), gpu_cpasync.get()}) {
+    const char* variant = g == gpu.get()         ? ""
+                          : g == gpu_pairs.get() ? " (pairs)"
+                          : g == gpu_small.get() ? " (no prefill kernels)"
+                                                 : " (prefill cp.async loads)";
     uint64_t seed = 501;
     for (const auto& counts : cases) {
       const int64_t cap = *std::max_element(counts.begin(), counts.end()) + 3;
@@ -376,6 +383,61 @@ TEST(ExpertsCuda, Fp8TensorCoreRowCountsOneTo8192) {
     std::printf("[ rel_l2 ] fp8 tensor cores%s deepseek-v3 flat 8192 rows: %.2e\n", variant, fl);
     const double f2 = run_flat(*cpu, *g, 100, 2, DType::fp8_e4m3, ++seed, {.masked = 0.0, .duplicates = false, .tol = tol});
     std::printf("[ rel_l2 ] fp8 tensor cores%s deepseek-v3 flat 200 rows: %.2e\n", variant, f2);
+  }
+}
+
+TEST(ExpertsCuda, Fp8PrefillTmaLoadsMatchCpAsyncLoadsBitForBit) {
+  if (gpus() < 1) GTEST_SKIP() << "needs 1 GPU, found " << gpus();
+  // The prefill kernels' TMA loads (EPX_EXPERTS_FP8_PREFILL=1, default) fill the same swizzled
+  // shared-memory tiles as their cp.async loads (=2), so the outputs must agree byte for byte:
+  // ExpertMajor (TMA for weights and tokens; an expert without tokens, 129 / 300 rows: partial
+  // 128-row tiles whose TMA boxes run into NaN padding rows) and Flat (weights by TMA, the token
+  // gather by cp.async), DeepSeek-V3 widths beside a V4-Pro-width expert (I 3072: h_stride > I).
+  std::vector<std::shared_ptr<const ExpertWeights>> experts = same_format(WeightFormat::fp8_block, 3, 7168, 2048, 540);
+  experts.push_back(ExpertWeights::random(WeightFormat::fp8_block, 7168, 3072, 544));
+  const int64_t L = 4, H = 7168, cap = 300;
+  auto tma = make_experts_cuda(experts, 0);
+  setenv("EPX_EXPERTS_FP8_PREFILL", "2", 1);
+  auto cpa = make_experts_cuda(experts, 0);
+  unsetenv("EPX_EXPERTS_FP8_PREFILL");
+  auto same_bytes = [](const Tensor& a, const Tensor& b) {
+    const Tensor ah = a.to(Device::cpu()), bh = b.to(Device::cpu());
+    return std::memcmp(ah.data(), bh.data(), static_cast<size_t>(ah.nbytes())) == 0;
+  };
+  {
+    const std::vector<int32_t> counts = {129, 0, 300, 200};
+    const Rows rows = random_rows(cap * L, H, DType::fp8_e4m3, 545);
+    Tensor x = Tensor::empty({L, cap, H}, DType::fp8_e4m3), scales = Tensor::empty({L, cap, H / kFp8GroupSize}, DType::fp32);
+    test::poison(x);
+    test::poison(scales);
+    Tensor recv = Tensor::empty({L}, DType::int32);
+    for (int64_t l = 0, src = 0; l < L; ++l) {
+      recv.ptr<int32_t>()[l] = counts[l];
+      for (int64_t j = 0; j < counts[l]; ++j) place_row(rows, src++, x, scales, l * cap + j, H);
+    }
+    const Tensor xd = to_dev(x), sd = to_dev(scales), rd = to_dev(recv);
+    Tensor o1 = Tensor::empty({L, cap, H}, DType::bf16, kDev), o2 = Tensor::empty({L, cap, H}, DType::bf16, kDev);
+    poison_dev(o1);
+    poison_dev(o2);
+    tma->apply({ActivationLayout::ExpertMajor, xd, sd, rd, {}, {}}, o1);
+    cpa->apply({ActivationLayout::ExpertMajor, xd, sd, rd, {}, {}}, o2);
+    EXPECT_TRUE(same_bytes(o1, o2)) << "expert_major: TMA and cp.async prefill outputs differ";
+  }
+  {
+    const int64_t N = 600;
+    const int K = 2;
+    Tensor idx, weights;
+    test::random_routing(N, K, static_cast<int>(L), 546, {.masked_fraction = 0.1, .allow_duplicates = false}, idx, weights);
+    for (int64_t i = 0; i < N * K; ++i)
+      if (idx.ptr<int32_t>()[i] < 0) weights.ptr<float>()[i] = 0.0f;
+    const Rows rows = random_rows(N, H, DType::fp8_e4m3, 547);
+    const Tensor xd = to_dev(rows.x), sd = to_dev(rows.scales), id = to_dev(idx), wd = to_dev(weights);
+    Tensor o1 = Tensor::empty({N, H}, DType::bf16, kDev), o2 = Tensor::empty({N, H}, DType::bf16, kDev);
+    poison_dev(o1);
+    poison_dev(o2);
+    tma->apply({ActivationLayout::Flat, xd, sd, {}, id, wd}, o1);
+    cpa->apply({ActivationLayout::Flat, xd, sd, {}, id, wd}, o2);
+    EXPECT_TRUE(same_bytes(o1, o2)) << "flat: TMA and cp.async prefill outputs differ";
   }
 }
 

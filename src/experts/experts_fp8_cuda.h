@@ -43,7 +43,27 @@ struct Fp8GemmParams {
   /// Prefill kernels' ring depth (stages of 48 KiB): 0 = their maximum (gate_up 4, down 3), else
   /// clamped to [2, maximum]. Same results for every depth.
   int32_t prefill_stages;
+  /// Prefill kernels only: [2 L] TMA descriptors of the experts' weights on the device (w13 of
+  /// expert l at 2 l, w2 at 2 l + 1; fp8_prefill_weight_maps), or null: every operand is loaded
+  /// with cp.async (Config::experts_fp8_prefill = 2, or a driver without cuTensorMapEncodeTiled).
+  const void* w_maps;
+  /// Rows of the row space (ExpertMajor L * cap, Flat N * K): the outer extent of the prefill
+  /// kernels' TMA descriptors of x (ExpertMajor gate_up) and hq (down).
+  int64_t row_space;
 };
+
+/// One CUtensorMap (cuda.h), opaque here: 128 bytes, 128-byte aligned.
+struct alignas(128) Fp8TmaMap {
+  unsigned char bytes[128];
+};
+
+/// Host: the TMA descriptors of one fp8_block expert's device weights for the prefill kernels:
+/// w13 [2I, H] and w2 [H, I] FP8 codes as 2-D maps (K innermost), 128 x 128-byte boxes,
+/// 128-byte swizzle (the layout of the wgmma descriptors, experts_fp8_wgmma.cuh smem_desc),
+/// out-of-range rows zero-filled. Encoded with cuTensorMapEncodeTiled through
+/// cudaGetDriverEntryPointByVersion (no libcuda link). Returns false (maps untouched) when the
+/// driver lacks the entry point or the encoder rejects a map (then keep w_maps null).
+bool fp8_prefill_weight_maps(const ExpertDesc& e, int64_t hidden, Fp8TmaMap& w13_map, Fp8TmaMap& w2_map);
 
 /// Weight rows per CTA tile: gate_up 128 gate + 128 up rows (128 h columns = one FP8 group);
 /// down 256 output columns.

@@ -6,10 +6,16 @@
 //
 // One CTA per SM, 384 threads, warp-specialized:
 //   warpgroup 0 (producer, 64 registers): streams each K block's operands into a kStages-deep ring
-//     of 128-byte-swizzled K-major tiles with 16-byte cp.async (each thread: 2 weight rows and 1
-//     token row, 8 chunks each, plus its token's scale) and hands a stage over with
-//     cp.async.mbarrier.arrive (the `full` barrier completes when all 128 threads' copies landed);
-//     the gather of the Flat layout is a per-thread row index, so Flat and ExpertMajor cost the same;
+//     of 128-byte-swizzled K-major tiles. With TMA (Fp8GemmParams::w_maps set, the default):
+//     thread 0 loads the 256 x 128-byte weight tile as two 128-row boxes of the expert's tensor map
+//     (cp.async.bulk.tensor, 128B swizzle = the layout smem_desc reads) and, where the tile's token
+//     rows are contiguous (ExpertMajor gate_up; down's hq), the 128 x 128-byte token tile from a
+//     per-launch map of x / hq, all completing on the stage's `full` mbarrier (expect_tx); the
+//     128 threads still cp.async the token scales (strided: [rows, K/128]) and the Flat gate_up
+//     token rows (a gather: 8 lanes per 128-byte row) and arrive with cp.async.mbarrier.arrive, so
+//     `full` completes when the TMA bytes and all 128 threads' copies landed. Without TMA (w_maps
+//     null, EPX_EXPERTS_FP8_PREFILL=2) every operand goes through 16-byte cp.async as before
+//     (bench/NOTES.md: the cp.async path tops out near 3.3 TB/s of L2 -> SM traffic);
 //   warpgroups 1, 2 (consumers, 216 registers): warpgroup c owns weight sub-tiles c and 2 + c
 //     (gate_up: gate and up rows of the same 64 h columns, so one thread holds g and u of the same
 //     (h column, token)); per K block: 4 m64n128k32 wgmmas into a temporary, wait, promote
@@ -20,7 +26,11 @@
 // Work items: (128-row tile, weight tile) pairs over the tile list's prefill section, walked by a
 // persistent grid in tile-major order (all weight tiles of one row tile, then the expert's next row
 // tile: the weight tile's second reader hits L2).
+#include <cuda.h>  // CUtensorMap and its enums (types only: the encoder comes through the runtime's driver entry point)
+#include <cudaTypedefs.h>
+
 #include <algorithm>
+#include <cstring>
 
 #include "cuda/check.h"
 #include "epx/dtype.h"
@@ -58,8 +68,23 @@ struct Layout {
 };
 static_assert(Layout<true>::kSmemBytes <= 227 * 1024 && Layout<false>::kSmemBytes <= 227 * 1024, "fits an SM");
 static_assert((kScaleFloats * 4) % 16 == 0, "stage scale blocks stay 16-byte aligned");
+static_assert(sizeof(CUtensorMap) == sizeof(Fp8TmaMap) && alignof(CUtensorMap) <= alignof(Fp8TmaMap), "opaque map fits");
+constexpr int kTmaBox = 128;  // TMA box: 128 rows x 128 bytes (one 16 KiB half of the weight tile, or the token tile)
 
 #ifdef EPX_FP8_WGMMA
+
+// ---- TMA (cp.async.bulk.tensor) and mbarrier transaction counts; PTX ISA 8.0 ----
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+/// Box (x = K byte offset, y = row) of the 2-D map `map` into shared `dst` (1024-byte aligned);
+/// completes `bytes` of the box on mbarrier `bar`. Rows past the map's extent land as zeros.
+__device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map, int32_t x, int32_t y, uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(x), "r"(y), "r"(bar)
+      : "memory");
+}
 
 /// Work item `item` of the prefill section, or false when this CTA-uniform item has nothing to do
 /// (expert not fp8_block, weight tile past the expert's I or the model's H).
@@ -102,8 +127,8 @@ struct RingPos {
 /// 32-byte sector between two instructions: twice the L2 -> SM traffic, measured slower than the
 /// 64-row kernels).
 template <bool kGateUp>
-__device__ __forceinline__ void producer(const Fp8GemmParams& p, int32_t tile0, int64_t num_items, uint32_t stages,
-                                         uint8_t* smem, uint32_t smem_s) {
+__device__ __forceinline__ void producer(const Fp8GemmParams& p, const CUtensorMap* bmap, bool tma_b, int32_t tile0,
+                                         int64_t num_items, uint32_t stages, uint8_t* smem, uint32_t smem_s) {
   using L = Layout<kGateUp>;
   const int pt = threadIdx.x;  // 0..127
   const int c = pt & 7, r8 = pt >> 3;
@@ -113,12 +138,20 @@ __device__ __forceinline__ void producer(const Fp8GemmParams& p, int32_t tile0, 
   const float* bs_base = kGateUp ? p.x_scales : p.hs;
   int64_t* rows = reinterpret_cast<int64_t*>(smem + L::kRowsOff);  // byte offset of token j's B row
   const uint32_t full0 = smem_s + L::kBarOff, empty0 = full0 + L::kStages * 8;
+  const bool tma_a = p.w_maps != nullptr;
+  const uint32_t tx_bytes = tma_a ? kABytes + (tma_b ? kBBytes : 0) : 0;
   RingPos pos;
   bool wrapped = false;  // every stage was filled once (from then on, wait for its release)
   for (int64_t item = blockIdx.x; item < num_items; item += gridDim.x) {
     Item it;
     if (!resolve<kGateUp>(p, tile0, item, it)) continue;
     const int64_t nk = it.K / kBK;
+    // The weight tile's two 128-row boxes: gate_up gate rows col0.. and up rows I + col0..;
+    // down output rows col0.. and col0 + 128.. (past H: zero-filled, as sub_valid's zeros).
+    const CUtensorMap* amap = nullptr;
+    if (tma_a)
+      amap = static_cast<const CUtensorMap*>(p.w_maps) + 2 * p.tiles[tile0 + item / p.max_weight_tiles].expert + (kGateUp ? 0 : 1);
+    const int32_t ar0 = static_cast<int32_t>(sub_row<kGateUp>(it, 0)), ar1 = static_cast<int32_t>(sub_row<kGateUp>(it, 2));
     // Token pt's B row (gather for Flat gate_up); its scale row stays in this thread.
     const bool bv = pt < it.num_rows;
     int64_t brow = 0;
@@ -143,16 +176,28 @@ __device__ __forceinline__ void producer(const Fp8GemmParams& p, int32_t tile0, 
       if (wrapped) mbar_wait(empty0 + s * 8, pos.phase ^ 1u);  // the consumers released the previous use
       const uint32_t a_s = smem_s + s * kStageBytes, b_s = a_s + kABytes;
       const int64_t k0 = kb * kBK;
+      if (tma_a) {
+        if (pt == 0) {
+          const uint32_t full = full0 + s * 8;
+          mbar_arrive_expect_tx(full, tx_bytes);  // the barrier's 129th arrival; TMA bytes complete it
+          tma_load_2d(a_s, amap, static_cast<int32_t>(k0), ar0, full);
+          tma_load_2d(a_s + kTmaBox * kBK, amap, static_cast<int32_t>(k0), ar1, full);
+          if (tma_b) tma_load_2d(b_s, bmap, static_cast<int32_t>(k0), it.row0, full);
+        }
+      } else {
 #pragma unroll
-      for (int i = 0; i < 16; ++i) {
-        const int t = i >> 2;
-        cp_async16(a_s + swz(r8 + 16 * i, c), abase[t] + (av[t] ? (i & 3) * k16 + k0 : 0), av[t]);
+        for (int i = 0; i < 16; ++i) {
+          const int t = i >> 2;
+          cp_async16(a_s + swz(r8 + 16 * i, c), abase[t] + (av[t] ? (i & 3) * k16 + k0 : 0), av[t]);
+        }
       }
+      if (!tma_b) {
 #pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        const int j = r8 + 16 * i;
-        const bool v = j < it.num_rows;
-        cp_async16(b_s + swz(j, c), b_base + (v ? rows[j] + k0 + c * 16 : 0), v);
+        for (int i = 0; i < 8; ++i) {
+          const int j = r8 + 16 * i;
+          const bool v = j < it.num_rows;
+          cp_async16(b_s + swz(j, c), b_base + (v ? rows[j] + k0 + c * 16 : 0), v);
+        }
       }
       const uint32_t sc = smem_s + L::kScaleOff + s * kScaleFloats * 4;
       cp_async4(sc + (4 + pt) * 4, bssrc + kb, bv);  // token scale; 0 for rows past the tile
@@ -166,8 +211,8 @@ __device__ __forceinline__ void producer(const Fp8GemmParams& p, int32_t tile0, 
 }
 
 template <bool kGateUp>
-__device__ __forceinline__ void consumer(const Fp8GemmParams& p, int32_t tile0, int64_t num_items, uint32_t stages,
-                                         uint8_t* smem, uint32_t smem_s) {
+__device__ __forceinline__ void consumer(const Fp8GemmParams& p, bool all_tma, int32_t tile0, int64_t num_items,
+                                         uint32_t stages, uint8_t* smem, uint32_t smem_s) {
   using L = Layout<kGateUp>;
   constexpr int kFrag = kBN / 2;  // 64 accumulator floats per thread per m64n128
   const int ct = threadIdx.x - 128, cwg = ct >> 7, warp = ct >> 5, warp_in_wg = warp & 3, lane = ct & 31;
@@ -188,7 +233,9 @@ __device__ __forceinline__ void consumer(const Fp8GemmParams& p, int32_t tile0, 
     for (int64_t kb = 0; kb < nk; ++kb) {
       const uint32_t s = pos.stage;
       mbar_wait(full0 + s * 8, pos.phase);
-      fence_proxy_async();  // cp.async wrote through the generic proxy; wgmma reads through the async one
+      // cp.async wrote operands through the generic proxy; wgmma reads through the async one (TMA
+      // writes through the async proxy: no fence when both operands came by TMA)
+      if (!all_tma) fence_proxy_async();
       const uint32_t a_s = smem_s + s * kStageBytes, b_s = a_s + kABytes;
       const uint64_t db = smem_desc(b_s);
       const float* sc = scales + s * kScaleFloats;
@@ -288,8 +335,9 @@ __device__ __forceinline__ void consumer(const Fp8GemmParams& p, int32_t tile0, 
 }
 
 template <bool kGateUp>
-__global__ void __launch_bounds__(kPfThreads, 1) fp8_prefill_kernel(Fp8GemmParams p) {
+__global__ void __launch_bounds__(kPfThreads, 1) fp8_prefill_kernel(Fp8GemmParams p, const __grid_constant__ CUtensorMap bmap, int tma_b) {
   using L = Layout<kGateUp>;
+  // tma_b: the token tile comes by TMA from `bmap` (only with the weight maps: the launch checks)
   extern __shared__ uint8_t smem_raw[];
   const uint32_t raw_s = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
   const uint32_t pad = (1024u - (raw_s & 1023u)) & 1023u;
@@ -297,7 +345,8 @@ __global__ void __launch_bounds__(kPfThreads, 1) fp8_prefill_kernel(Fp8GemmParam
   const uint32_t smem_s = raw_s + pad;
   if (threadIdx.x == 0) {
     for (int s = 0; s < L::kStages; ++s) {
-      mbar_init(smem_s + L::kBarOff + s * 8, 128);                  // full: every producer thread's copies
+      // full: every producer thread's cp.async arrival, + thread 0's expect_tx arrival with TMA
+      mbar_init(smem_s + L::kBarOff + s * 8, p.w_maps != nullptr ? 129 : 128);
       mbar_init(smem_s + L::kBarOff + (L::kStages + s) * 8, 8);     // empty: every consumer warp
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
@@ -309,17 +358,17 @@ __global__ void __launch_bounds__(kPfThreads, 1) fp8_prefill_kernel(Fp8GemmParam
   const int64_t num_items = static_cast<int64_t>(max(tile1 - tile0, 0)) * p.max_weight_tiles;
   if (threadIdx.x < 128) {
     setmaxnreg_dec<64>();
-    producer<kGateUp>(p, tile0, num_items, stages, smem, smem_s);
+    producer<kGateUp>(p, &bmap, tma_b != 0, tile0, num_items, stages, smem, smem_s);
   } else {
     setmaxnreg_inc<216>();
-    consumer<kGateUp>(p, tile0, num_items, stages, smem, smem_s);
+    consumer<kGateUp>(p, p.w_maps != nullptr && tma_b != 0, tile0, num_items, stages, smem, smem_s);
   }
 }
 
 #else  // not sm_90a: the host never launches these (fp8_tensor_cores_available is false)
 
 template <bool kGateUp>
-__global__ void __launch_bounds__(kPfThreads, 1) fp8_prefill_kernel(Fp8GemmParams) {
+__global__ void __launch_bounds__(kPfThreads, 1) fp8_prefill_kernel(Fp8GemmParams, const __grid_constant__ CUtensorMap, int) {
 #ifdef __CUDA_ARCH__
   __trap();
 #endif
@@ -327,7 +376,46 @@ __global__ void __launch_bounds__(kPfThreads, 1) fp8_prefill_kernel(Fp8GemmParam
 
 #endif  // EPX_FP8_WGMMA
 
+/// cuTensorMapEncodeTiled from the driver (through the runtime: no libcuda link), or null.
+PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+  static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult q{};
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &q) != cudaSuccess ||
+        q != cudaDriverEntryPointSuccess) {
+      (void)cudaGetLastError();
+      f = nullptr;
+    }
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(f);
+  }();
+  return fn;
+}
+
+/// 2-D map of FP8 codes [rows, cols] (row stride `stride` bytes), 128 x 128-byte boxes, 128B swizzle.
+bool encode_fp8_map(CUtensorMap& m, const void* base, uint64_t cols, uint64_t rows, uint64_t stride) {
+  const PFN_cuTensorMapEncodeTiled_v12000 fn = tensor_map_encoder();
+  if (fn == nullptr || base == nullptr || reinterpret_cast<uintptr_t>(base) % 16 != 0 || stride % 16 != 0 || cols < kBK ||
+      rows < 1 || rows > (uint64_t{1} << 31) || cols > stride)
+    return false;
+  const cuuint64_t dims[2] = {cols, rows};
+  const cuuint64_t strides[1] = {stride};
+  const cuuint32_t box[2] = {kBK, kTmaBox};
+  const cuuint32_t elem[2] = {1, 1};
+  return fn(&m, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<void*>(base), dims, strides, box, elem,
+            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
 }  // namespace
+
+bool fp8_prefill_weight_maps(const ExpertDesc& e, int64_t hidden, Fp8TmaMap& w13_map, Fp8TmaMap& w2_map) {
+  const auto inter = static_cast<uint64_t>(e.intermediate), h = static_cast<uint64_t>(hidden);
+  CUtensorMap m13{}, m2{};
+  if (!encode_fp8_map(m13, e.w13, h, 2 * inter, h) || !encode_fp8_map(m2, e.w2, inter, h, inter)) return false;
+  std::memcpy(w13_map.bytes, &m13, sizeof(m13));
+  std::memcpy(w2_map.bytes, &m2, sizeof(m2));
+  return true;
+}
 
 int fp8_prefill_smem_bytes() { return std::max(Layout<true>::kSmemBytes, Layout<false>::kSmemBytes); }
 
@@ -338,13 +426,24 @@ void fp8_prefill_set_smem_limits() {
                                       Layout<false>::kSmemBytes));
 }
 
+// The token tile's map is built per launch (x and hq change between calls; a captured graph keeps
+// the parameter by value, like the pointers in p): x [row space, H] for ExpertMajor gate_up (Flat
+// gathers: cp.async), hq [row space, h_stride] for down. Rows past the row space land as zeros;
+// rows of the box past the tile's num_rows feed only output columns the epilogue never stores.
 void launch_fp8_prefill_gate_up(const Fp8GemmParams& p, int grid, cudaStream_t stream) {
-  fp8_prefill_kernel<true><<<grid, kPfThreads, Layout<true>::kSmemBytes, stream>>>(p);
+  CUtensorMap bmap{};
+  const bool tb = p.w_maps != nullptr && p.gather == nullptr &&
+                  encode_fp8_map(bmap, p.x, static_cast<uint64_t>(p.hidden), static_cast<uint64_t>(p.row_space),
+                                 static_cast<uint64_t>(p.hidden));
+  fp8_prefill_kernel<true><<<grid, kPfThreads, Layout<true>::kSmemBytes, stream>>>(p, bmap, tb ? 1 : 0);
   cuda::check_launch("fp8_prefill_kernel (gate_up)");
 }
 
 void launch_fp8_prefill_down(const Fp8GemmParams& p, int grid, cudaStream_t stream) {
-  fp8_prefill_kernel<false><<<grid, kPfThreads, Layout<false>::kSmemBytes, stream>>>(p);
+  CUtensorMap bmap{};
+  const bool tb = p.w_maps != nullptr && encode_fp8_map(bmap, p.hq, static_cast<uint64_t>(p.h_stride),
+                                                        static_cast<uint64_t>(p.row_space), static_cast<uint64_t>(p.h_stride));
+  fp8_prefill_kernel<false><<<grid, kPfThreads, Layout<false>::kSmemBytes, stream>>>(p, bmap, tb ? 1 : 0);
   cuda::check_launch("fp8_prefill_kernel (down)");
 }
 
