@@ -163,6 +163,7 @@ class CudaExperts final : public Experts {
     // (experts_fp8_prefill_cuda.cu); 0 keeps every tile on the 64-row kernels.
     fp8_prefill_ = config.experts_fp8_prefill >= 1;
     fp8_prefill_stages_ = config.experts_fp8_prefill_stages;
+    fp8_prefill_cluster_ = config.experts_fp8_prefill == 3;  // 2-CTA clusters, weight tiles multicast
     // Objects with mxfp4 experts, all of them fp8_block or mxfp4 with I % 128 == 0 and H % 128 == 0,
     // fed FP8 x, run every expert on the mixed sm_90a kernels (experts_mxfp4_cuda.cu): one grouped
     // launch per GEMM for both formats (FHMoE: FP8 shared + MXFP4 routed). Config::experts_mxfp4_tc
@@ -193,7 +194,7 @@ class CudaExperts final : public Experts {
     EPX_CUDA_CHECK(cudaMemcpy(descs_.data(), descs.data(), descs.size() * sizeof(ExpertDesc), cudaMemcpyHostToDevice));
     // The prefill kernels load the weight tiles with TMA from per-expert descriptors built here
     // (Config::experts_fp8_prefill = 1); 2, or a map the driver cannot encode, keeps cp.async.
-    if (fp8_tensor_cores_ && config.experts_fp8_prefill == 1) {
+    if (fp8_tensor_cores_ && (config.experts_fp8_prefill == 1 || config.experts_fp8_prefill == 3)) {
       std::vector<experts_cuda::Fp8TmaMap> maps(2 * descs.size());
       bool ok = true;
       for (size_t l = 0; l < descs.size() && ok; ++l)
@@ -452,6 +453,7 @@ class CudaExperts final : public Experts {
       fp.num_small = big ? ws.num_tiles + 1 : nullptr;
       fp.prefill_stages = fp8_prefill_stages_;
       fp.w_maps = w_maps_.defined() ? w_maps_.data() : nullptr;
+      fp.prefill_cluster = fp8_prefill_cluster_ ? 1 : 0;
       fp.row_space = in.layout == ActivationLayout::ExpertMajor ? in.x.size(0) * in.x.size(1)
                                                                : in.topk_idx.size(0) * in.topk_idx.size(1);
       // Persistent grids of one CTA per multiprocessor (the kernels take ~205-217 KiB of shared memory).
@@ -496,6 +498,7 @@ class CudaExperts final : public Experts {
   bool fp8_pairs_ = false;        // their mainloop variant (EPX_EXPERTS_FP8_PAIRS)
   bool fp8_prefill_ = false;      // experts with > 64 rows on the prefill kernels (EPX_EXPERTS_FP8_PREFILL)
   int fp8_prefill_stages_ = 0;    // their ring depth (EPX_EXPERTS_FP8_PREFILL_STAGES; 0 = maximum)
+  bool fp8_prefill_cluster_ = false;  // their 2-CTA cluster launch (EPX_EXPERTS_FP8_PREFILL=3)
   int64_t mx_inter_max_ = 0;      // widest mxfp4 expert
   bool mx_tensor_cores_ = false;  // fp8_block + mxfp4 experts with FP8 x run on the mixed sm_90a GEMMs
   bool mx_wide_ = false;          // their 512-thread variant (EPX_EXPERTS_MXFP4_TC=2)

@@ -393,12 +393,17 @@ TEST(ExpertsCuda, Fp8PrefillTmaLoadsMatchCpAsyncLoadsBitForBit) {
   // ExpertMajor (TMA for weights and tokens; an expert without tokens, 129 / 300 rows: partial
   // 128-row tiles whose TMA boxes run into NaN padding rows) and Flat (weights by TMA, the token
   // gather by cp.async), DeepSeek-V3 widths beside a V4-Pro-width expert (I 3072: h_stride > I).
+  // The 2-CTA cluster launch (=3: row-tile pairs in lockstep, the weight tile multicast where both
+  // tiles are the same expert's; pairs of different experts, K lengths and a lone last tile here)
+  // must give the same bytes too.
   std::vector<std::shared_ptr<const ExpertWeights>> experts = same_format(WeightFormat::fp8_block, 3, 7168, 2048, 540);
   experts.push_back(ExpertWeights::random(WeightFormat::fp8_block, 7168, 3072, 544));
   const int64_t L = 4, H = 7168, cap = 300;
   auto tma = make_experts_cuda(experts, 0);
   setenv("EPX_EXPERTS_FP8_PREFILL", "2", 1);
   auto cpa = make_experts_cuda(experts, 0);
+  setenv("EPX_EXPERTS_FP8_PREFILL", "3", 1);
+  auto cl = make_experts_cuda(experts, 0);
   unsetenv("EPX_EXPERTS_FP8_PREFILL");
   auto same_bytes = [](const Tensor& a, const Tensor& b) {
     const Tensor ah = a.to(Device::cpu()), bh = b.to(Device::cpu());
@@ -422,6 +427,9 @@ TEST(ExpertsCuda, Fp8PrefillTmaLoadsMatchCpAsyncLoadsBitForBit) {
     tma->apply({ActivationLayout::ExpertMajor, xd, sd, rd, {}, {}}, o1);
     cpa->apply({ActivationLayout::ExpertMajor, xd, sd, rd, {}, {}}, o2);
     EXPECT_TRUE(same_bytes(o1, o2)) << "expert_major: TMA and cp.async prefill outputs differ";
+    poison_dev(o2);
+    cl->apply({ActivationLayout::ExpertMajor, xd, sd, rd, {}, {}}, o2);
+    EXPECT_TRUE(same_bytes(o1, o2)) << "expert_major: cluster (multicast) and single-CTA TMA prefill outputs differ";
   }
   {
     const int64_t N = 600;
@@ -438,6 +446,9 @@ TEST(ExpertsCuda, Fp8PrefillTmaLoadsMatchCpAsyncLoadsBitForBit) {
     tma->apply({ActivationLayout::Flat, xd, sd, {}, id, wd}, o1);
     cpa->apply({ActivationLayout::Flat, xd, sd, {}, id, wd}, o2);
     EXPECT_TRUE(same_bytes(o1, o2)) << "flat: TMA and cp.async prefill outputs differ";
+    poison_dev(o2);
+    cl->apply({ActivationLayout::Flat, xd, sd, {}, id, wd}, o2);
+    EXPECT_TRUE(same_bytes(o1, o2)) << "flat: cluster (multicast) and single-CTA TMA prefill outputs differ";
   }
 }
 

@@ -50,6 +50,11 @@ struct Fp8GemmParams {
   /// Rows of the row space (ExpertMajor L * cap, Flat N * K): the outer extent of the prefill
   /// kernels' TMA descriptors of x (ExpertMajor gate_up) and hq (down).
   int64_t row_space;
+  /// Prefill kernels with w_maps: 1 = launch as 2-CTA clusters: the two row tiles of a pair (tile
+  /// list entries 2j, 2j + 1) at the same weight tile run on the two CTAs in lockstep, and where
+  /// they belong to the same expert each CTA loads one 128-row half of the weight tile, multicast
+  /// to both (half the weight bytes from L2 per CTA). Same results. 0 = one CTA per work item.
+  int32_t prefill_cluster;
 };
 
 /// One CUtensorMap (cuda.h), opaque here: 128 bytes, 128-byte aligned.
