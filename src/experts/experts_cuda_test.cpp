@@ -409,46 +409,51 @@ TEST(ExpertsCuda, Fp8PrefillTmaLoadsMatchCpAsyncLoadsBitForBit) {
     const Tensor ah = a.to(Device::cpu()), bh = b.to(Device::cpu());
     return std::memcmp(ah.data(), bh.data(), static_cast<size_t>(ah.nbytes())) == 0;
   };
-  {
-    const std::vector<int32_t> counts = {129, 0, 300, 200};
-    const Rows rows = random_rows(cap * L, H, DType::fp8_e4m3, 545);
-    Tensor x = Tensor::empty({L, cap, H}, DType::fp8_e4m3), scales = Tensor::empty({L, cap, H / kFp8GroupSize}, DType::fp32);
-    test::poison(x);
-    test::poison(scales);
-    Tensor recv = Tensor::empty({L}, DType::int32);
-    for (int64_t l = 0, src = 0; l < L; ++l) {
-      recv.ptr<int32_t>()[l] = counts[l];
-      for (int64_t j = 0; j < counts[l]; ++j) place_row(rows, src++, x, scales, l * cap + j, H);
-    }
-    const Tensor xd = to_dev(x), sd = to_dev(scales), rd = to_dev(recv);
-    Tensor o1 = Tensor::empty({L, cap, H}, DType::bf16, kDev), o2 = Tensor::empty({L, cap, H}, DType::bf16, kDev);
-    poison_dev(o1);
-    poison_dev(o2);
-    tma->apply({ActivationLayout::ExpertMajor, xd, sd, rd, {}, {}}, o1);
-    cpa->apply({ActivationLayout::ExpertMajor, xd, sd, rd, {}, {}}, o2);
-    EXPECT_TRUE(same_bytes(o1, o2)) << "expert_major: TMA and cp.async prefill outputs differ";
-    poison_dev(o2);
-    cl->apply({ActivationLayout::ExpertMajor, xd, sd, rd, {}, {}}, o2);
-    EXPECT_TRUE(same_bytes(o1, o2)) << "expert_major: cluster (multicast) and single-CTA TMA prefill outputs differ";
+  // ExpertMajor inputs.
+  const std::vector<int32_t> counts = {129, 0, 300, 200};
+  const Rows em_rows = random_rows(cap * L, H, DType::fp8_e4m3, 545);
+  Tensor x = Tensor::empty({L, cap, H}, DType::fp8_e4m3), scales = Tensor::empty({L, cap, H / kFp8GroupSize}, DType::fp32);
+  test::poison(x);
+  test::poison(scales);
+  Tensor recv = Tensor::empty({L}, DType::int32);
+  for (int64_t l = 0, src = 0; l < L; ++l) {
+    recv.ptr<int32_t>()[l] = counts[l];
+    for (int64_t j = 0; j < counts[l]; ++j) place_row(em_rows, src++, x, scales, l * cap + j, H);
   }
-  {
-    const int64_t N = 600;
-    const int K = 2;
-    Tensor idx, weights;
-    test::random_routing(N, K, static_cast<int>(L), 546, {.masked_fraction = 0.1, .allow_duplicates = false}, idx, weights);
-    for (int64_t i = 0; i < N * K; ++i)
-      if (idx.ptr<int32_t>()[i] < 0) weights.ptr<float>()[i] = 0.0f;
-    const Rows rows = random_rows(N, H, DType::fp8_e4m3, 547);
-    const Tensor xd = to_dev(rows.x), sd = to_dev(rows.scales), id = to_dev(idx), wd = to_dev(weights);
-    Tensor o1 = Tensor::empty({N, H}, DType::bf16, kDev), o2 = Tensor::empty({N, H}, DType::bf16, kDev);
-    poison_dev(o1);
-    poison_dev(o2);
-    tma->apply({ActivationLayout::Flat, xd, sd, {}, id, wd}, o1);
-    cpa->apply({ActivationLayout::Flat, xd, sd, {}, id, wd}, o2);
-    EXPECT_TRUE(same_bytes(o1, o2)) << "flat: TMA and cp.async prefill outputs differ";
-    poison_dev(o2);
-    cl->apply({ActivationLayout::Flat, xd, sd, {}, id, wd}, o2);
-    EXPECT_TRUE(same_bytes(o1, o2)) << "flat: cluster (multicast) and single-CTA TMA prefill outputs differ";
+  const Tensor xd = to_dev(x), sd = to_dev(scales), rd = to_dev(recv);
+  const ExpertsInput em{ActivationLayout::ExpertMajor, xd, sd, rd, {}, {}};
+  // Flat inputs.
+  const int64_t N = 600;
+  const int K = 2;
+  Tensor idx, weights;
+  test::random_routing(N, K, static_cast<int>(L), 546, {.masked_fraction = 0.1, .allow_duplicates = false}, idx, weights);
+  for (int64_t i = 0; i < N * K; ++i)
+    if (idx.ptr<int32_t>()[i] < 0) weights.ptr<float>()[i] = 0.0f;
+  const Rows fl_rows = random_rows(N, H, DType::fp8_e4m3, 547);
+  const Tensor fxd = to_dev(fl_rows.x), fsd = to_dev(fl_rows.scales), id = to_dev(idx), wd = to_dev(weights);
+  const ExpertsInput fl{ActivationLayout::Flat, fxd, fsd, {}, id, wd};
+  // Reference outputs of the cp.async loads; each comparison is printed as it completes (a hang
+  // in one variant leaves the earlier verdicts in the log).
+  Tensor em_ref = Tensor::empty({L, cap, H}, DType::bf16, kDev), fl_ref = Tensor::empty({N, H}, DType::bf16, kDev);
+  poison_dev(em_ref);
+  poison_dev(fl_ref);
+  cpa->apply(em, em_ref);
+  cpa->apply(fl, fl_ref);
+  for (auto* g : {tma.get(), cl.get()}) {
+    const char* name = g == tma.get() ? "tma" : "cluster";
+    Tensor o = Tensor::empty({L, cap, H}, DType::bf16, kDev), f = Tensor::empty({N, H}, DType::bf16, kDev);
+    poison_dev(o);
+    poison_dev(f);
+    g->apply(em, o);
+    const bool em_same = same_bytes(o, em_ref);
+    std::printf("[ bits ] %s vs cp.async loads, expert_major: %s\n", name, em_same ? "identical" : "DIFFER");
+    std::fflush(stdout);
+    EXPECT_TRUE(em_same) << name << " expert_major output differs from the cp.async loads'";
+    g->apply(fl, f);
+    const bool fl_same = same_bytes(f, fl_ref);
+    std::printf("[ bits ] %s vs cp.async loads, flat: %s\n", name, fl_same ? "identical" : "DIFFER");
+    std::fflush(stdout);
+    EXPECT_TRUE(fl_same) << name << " flat output differs from the cp.async loads'";
   }
 }
 
