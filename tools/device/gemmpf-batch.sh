@@ -41,7 +41,7 @@ if [ $b -gt 5 ]; then
   (cd "$B" && timeout -k 2 $b ./experts_cuda_test --gtest_filter='ExpertsCuda.Fp8TensorCoreV4ProSharedExpertWidth:ExpertsCuda.GraphCaptureAfterWarmUp:ExpertsCuda.RowCountsFromOneToAFewHundred:ExpertsCuda.Fp8TensorCoreRowCountsOneTo8192') >"$OUT/test-fp8.log" 2>&1
   echo "test fp8 rc=$? (limit $b s) at $((SECONDS - T0)) s" | tee -a "$OUT/summary.txt"
 fi
-echo "== test tma"; grep -E "^\[ *(OK|FAILED|PASSED) |Failure|differ" "$OUT/test-tma.log" | head -10
+echo "== test tma"; grep -E "^\[ *(OK|FAILED|PASSED|bits) |Failure|differ" "$OUT/test-tma.log" | head -10
 echo "== test fp8"; grep -E "^\[ *(OK|FAILED|PASSED) |rel_l2|Failure" "$OUT/test-fp8.log" 2>/dev/null | head -30
 echo "== bench"; grep -vE "^wrote" "$OUT/gemm-bench.log" 2>/dev/null | tail -16
 cat "$OUT/summary.txt"
