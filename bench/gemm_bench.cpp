@@ -18,7 +18,8 @@
 // the decode case also against the CPU experts.
 // Usage: epx-gemm-bench [--json PATH] [--iters N] [--experts L] [--no-simt] [--no-cublas] [--prefill-variants]
 // (--prefill-variants: also the FP8 prefill kernels with cp.async loads instead of TMA,
-// EPX_EXPERTS_FP8_PREFILL=2, as 2-CTA clusters multicasting the weight tile, =3, and at ring
+// EPX_EXPERTS_FP8_PREFILL=2, with TMA on one CTA per item, =3, and as 2-CTA clusters
+// multicasting the weight tile, =4 (the default, 1, is the faster of 3 and 4), and at ring
 // depth 3, EPX_EXPERTS_FP8_PREFILL_STAGES; depth 2 was 8 % slower with cp.async, bench/NOTES.md)
 #include <cublasLt.h>
 #include <cuda_runtime.h>
@@ -384,13 +385,14 @@ int main(int argc, char** argv) {
       add_row("prefill-v3", "epx-wgmma-64", "expert_major", cap, s4, false, true,
               rel_l2(host_bf16(out), host_bf16(out4), {{0, L * cap}}),
               "EPX_EXPERTS_FP8_PREFILL=0 (64-row kernels only); max_rel_error = epx-wgmma (prefill kernels) against this");
-      // The prefill kernels' cp.async loads instead of TMA (EPX_EXPERTS_FP8_PREFILL=2), their
-      // 2-CTA cluster launch with the weight tile multicast (=3) and their ring depth (EPX_EXPERTS_FP8_PREFILL_STAGES; default: gate_up 4, down 3).
+      // The prefill kernels' cp.async loads instead of TMA (EPX_EXPERTS_FP8_PREFILL=2), TMA on one
+      // CTA per item (=3), their 2-CTA cluster launch with the weight tile multicast (=4) and their ring depth (EPX_EXPERTS_FP8_PREFILL_STAGES; default: gate_up 4, down 3).
       struct Variant {
         const char *env, *value, *backend;
       };
       for (const Variant& v : {Variant{"EPX_EXPERTS_FP8_PREFILL", "2", "epx-wgmma-cpasync"},
-                               Variant{"EPX_EXPERTS_FP8_PREFILL", "3", "epx-wgmma-cluster"},
+                               Variant{"EPX_EXPERTS_FP8_PREFILL", "3", "epx-wgmma-tma"},
+                               Variant{"EPX_EXPERTS_FP8_PREFILL", "4", "epx-wgmma-cluster"},
                                Variant{"EPX_EXPERTS_FP8_PREFILL_STAGES", "3", "epx-wgmma-stages3"}}) {
         if (!do_variants) break;
         setenv(v.env, v.value, 1);
