@@ -34,9 +34,9 @@ constexpr std::string_view kOp = "experts_cuda.apply";
 /// grid.y of the GEMMs: CTAs stride over the device-side tile list, so the grid never depends on
 /// the counts (which the host does not know) and stays bounded for large capacities.
 constexpr int64_t kMaxTileSlots = 1024;
-/// Config::experts_fp8_prefill = 1 takes the 2-CTA cluster launch of the FP8 prefill kernels (mode
-/// 4) when true, their one-CTA launch (mode 3) when false: whichever bench/NOTES.md measured faster.
-constexpr bool kFp8PrefillClustersByDefault = false;
+/// The FP8 prefill kernels' variant that Config::experts_fp8_prefill = 1 (the default) takes: 2
+/// cp.async loads, 3 TMA loads, 4 TMA + 2-CTA clusters; whichever bench/NOTES.md measured fastest.
+constexpr int kFp8PrefillDefaultMode = 3;
 
 using GemmKernel = void (*)(GemmParams);
 
@@ -166,10 +166,10 @@ class CudaExperts final : public Experts {
     // (experts_fp8_prefill_cuda.cu); 0 keeps every tile on the 64-row kernels.
     fp8_prefill_ = config.experts_fp8_prefill >= 1;
     fp8_prefill_stages_ = config.experts_fp8_prefill_stages;
-    // Config::experts_fp8_prefill: 1 = the variant measured fastest (kFp8PrefillClustersByDefault,
+    // Config::experts_fp8_prefill: 1 = the variant measured fastest (kFp8PrefillDefaultMode,
     // bench/NOTES.md), 2 = cp.async loads, 3 = TMA loads, 4 = TMA + 2-CTA clusters multicasting the
     // weight tile; same results every way.
-    const int pf_mode = config.experts_fp8_prefill == 1 ? (kFp8PrefillClustersByDefault ? 4 : 3) : config.experts_fp8_prefill;
+    const int pf_mode = config.experts_fp8_prefill == 1 ? kFp8PrefillDefaultMode : config.experts_fp8_prefill;
     fp8_prefill_cluster_ = pf_mode == 4;
     // Objects with mxfp4 experts, all of them fp8_block or mxfp4 with I % 128 == 0 and H % 128 == 0,
     // fed FP8 x, run every expert on the mixed sm_90a kernels (experts_mxfp4_cuda.cu): one grouped
@@ -505,7 +505,7 @@ class CudaExperts final : public Experts {
   bool fp8_pairs_ = false;        // their mainloop variant (EPX_EXPERTS_FP8_PAIRS)
   bool fp8_prefill_ = false;      // experts with > 64 rows on the prefill kernels (EPX_EXPERTS_FP8_PREFILL)
   int fp8_prefill_stages_ = 0;    // their ring depth (EPX_EXPERTS_FP8_PREFILL_STAGES; 0 = maximum)
-  bool fp8_prefill_cluster_ = false;  // their 2-CTA cluster launch (EPX_EXPERTS_FP8_PREFILL=4, or 1 with kFp8PrefillClustersByDefault)
+  bool fp8_prefill_cluster_ = false;  // their 2-CTA cluster launch (EPX_EXPERTS_FP8_PREFILL=4, or 1 with kFp8PrefillDefaultMode 4)
   int64_t mx_inter_max_ = 0;      // widest mxfp4 expert
   bool mx_tensor_cores_ = false;  // fp8_block + mxfp4 experts with FP8 x run on the mixed sm_90a GEMMs
   bool mx_wide_ = false;          // their 512-thread variant (EPX_EXPERTS_MXFP4_TC=2)
