@@ -345,6 +345,19 @@ int main(int argc, char** argv) {
       CK(cudaStreamSynchronize(stream));
       add_row("prefill-v3", "epx-wgmma-64", "flat", m, s4, false, true, rel_l2(host_bf16(out), host_bf16(out4), {{0, T}}),
               "EPX_EXPERTS_FP8_PREFILL=0 (64-row kernels only); max_rel_error = epx-wgmma (prefill kernels) against this");
+      // The prefill kernels' cp.async loads (=2) and 2-CTA cluster launch (=4) on the Flat layout.
+      for (const char* mode : {"2", "4"}) {
+        if (!do_variants) break;
+        setenv("EPX_EXPERTS_FP8_PREFILL", mode, 1);
+        auto tcv = make_experts_cuda(experts, 0);
+        unsetenv("EPX_EXPERTS_FP8_PREFILL");
+        CK(cudaMemset(out4.data(), 0xFF, out4.nbytes()));
+        const Stats s5 = time_us(stream, iters, [&] { tcv->apply(in, out4, Stream{stream}); });
+        CK(cudaStreamSynchronize(stream));
+        add_row("prefill-v3", mode[0] == '2' ? "epx-wgmma-cpasync" : "epx-wgmma-cluster", "flat", m, s5, false, true,
+                rel_l2(host_bf16(out4), host_bf16(out), {{0, T}}),
+                std::string("EPX_EXPERTS_FP8_PREFILL=") + mode + "; max_rel_error against epx-wgmma");
+      }
     }
     {
       Tensor out3 = Tensor::empty({T, kH}, DType::bf16, Device::cuda(0));
