@@ -17,9 +17,9 @@
 // Validation: the wgmma outputs against the SIMT outputs of the same inputs (normwise rel. L2), and
 // the decode case also against the CPU experts.
 // Usage: epx-gemm-bench [--json PATH] [--iters N] [--experts L] [--no-simt] [--no-cublas] [--prefill-variants]
-// (--prefill-variants: also the FP8 prefill kernels with cp.async loads instead of TMA,
-// EPX_EXPERTS_FP8_PREFILL=2, with TMA on one CTA per item, =3, and as 2-CTA clusters
-// multicasting the weight tile, =4 (the default, 1, is the faster of 3 and 4), and at ring
+// (--prefill-variants: also the TMA variant of the FP8 prefill kernels, EPX_EXPERTS_FP8_PREFILL=3,
+// and its 2-CTA cluster launch multicasting the weight tile, =4 (the default, 1 = 2, is the
+// cp.async kernels of experts_fp8_prefill_cuda.cu), and at ring
 // depth 3, EPX_EXPERTS_FP8_PREFILL_STAGES; depth 2 was 8 % slower with cp.async, bench/NOTES.md)
 #include <cublasLt.h>
 #include <cuda_runtime.h>
@@ -345,8 +345,8 @@ int main(int argc, char** argv) {
       CK(cudaStreamSynchronize(stream));
       add_row("prefill-v3", "epx-wgmma-64", "flat", m, s4, false, true, rel_l2(host_bf16(out), host_bf16(out4), {{0, T}}),
               "EPX_EXPERTS_FP8_PREFILL=0 (64-row kernels only); max_rel_error = epx-wgmma (prefill kernels) against this");
-      // The prefill kernels' cp.async loads (=2) and 2-CTA cluster launch (=4) on the Flat layout.
-      for (const char* mode : {"2", "4"}) {
+      // The TMA prefill kernels (=3) and their 2-CTA cluster launch (=4) on the Flat layout.
+      for (const char* mode : {"3", "4"}) {
         if (!do_variants) break;
         setenv("EPX_EXPERTS_FP8_PREFILL", mode, 1);
         auto tcv = make_experts_cuda(experts, 0);
@@ -354,7 +354,7 @@ int main(int argc, char** argv) {
         CK(cudaMemset(out4.data(), 0xFF, out4.nbytes()));
         const Stats s5 = time_us(stream, iters, [&] { tcv->apply(in, out4, Stream{stream}); });
         CK(cudaStreamSynchronize(stream));
-        add_row("prefill-v3", mode[0] == '2' ? "epx-wgmma-cpasync" : "epx-wgmma-cluster", "flat", m, s5, false, true,
+        add_row("prefill-v3", mode[0] == '3' ? "epx-wgmma-tma" : "epx-wgmma-cluster", "flat", m, s5, false, true,
                 rel_l2(host_bf16(out4), host_bf16(out), {{0, T}}),
                 std::string("EPX_EXPERTS_FP8_PREFILL=") + mode + "; max_rel_error against epx-wgmma");
       }
@@ -398,13 +398,12 @@ int main(int argc, char** argv) {
       add_row("prefill-v3", "epx-wgmma-64", "expert_major", cap, s4, false, true,
               rel_l2(host_bf16(out), host_bf16(out4), {{0, L * cap}}),
               "EPX_EXPERTS_FP8_PREFILL=0 (64-row kernels only); max_rel_error = epx-wgmma (prefill kernels) against this");
-      // The prefill kernels' cp.async loads instead of TMA (EPX_EXPERTS_FP8_PREFILL=2), TMA on one
-      // CTA per item (=3), their 2-CTA cluster launch with the weight tile multicast (=4) and their ring depth (EPX_EXPERTS_FP8_PREFILL_STAGES; default: gate_up 4, down 3).
+      // The TMA prefill kernels (EPX_EXPERTS_FP8_PREFILL=3, experts_fp8_prefill_tma_cuda.cu), their
+      // 2-CTA cluster launch with the weight tile multicast (=4) and the default kernels' ring depth (EPX_EXPERTS_FP8_PREFILL_STAGES; default: gate_up 4, down 3).
       struct Variant {
         const char *env, *value, *backend;
       };
-      for (const Variant& v : {Variant{"EPX_EXPERTS_FP8_PREFILL", "2", "epx-wgmma-cpasync"},
-                               Variant{"EPX_EXPERTS_FP8_PREFILL", "3", "epx-wgmma-tma"},
+      for (const Variant& v : {Variant{"EPX_EXPERTS_FP8_PREFILL", "3", "epx-wgmma-tma"},
                                Variant{"EPX_EXPERTS_FP8_PREFILL", "4", "epx-wgmma-cluster"},
                                Variant{"EPX_EXPERTS_FP8_PREFILL_STAGES", "3", "epx-wgmma-stages3"}}) {
         if (!do_variants) break;

@@ -46,7 +46,7 @@ struct Config {
   int ht_pdl = 1;
   int experts_simt = 0;              ///< 1: CUDA experts always take the SIMT reference GEMMs (A/B, debugging)
   int experts_fp8_pairs = 0;         ///< 1: the FP8 tensor-core mainloop that runs K blocks in pairs (bench/NOTES.md)
-  int experts_fp8_prefill = 1;       ///< experts with > 64 rows take the FP8 warp-specialized prefill GEMMs: 1 the measured best of 3/4, 2 cp.async loads, 3 TMA loads, 4 TMA + 2-CTA clusters multicasting the weight tile; 0 off (bench/NOTES.md)
+  int experts_fp8_prefill = 1;       ///< experts with > 64 rows take the FP8 warp-specialized prefill GEMMs: 1 the measured fastest (now 2), 2 cp.async loads, 3 TMA loads (opt-in variant), 4 TMA + 2-CTA clusters; 0 off (bench/NOTES.md)
   int experts_fp8_prefill_stages = 0; ///< their ring depth in 48 KiB stages: 0 = maximum (gate_up 4, down 3), 2..4
   int experts_mxfp4_tc = 1;          ///< 0: mxfp4 experts keep the SIMT GEMMs; 1: MXFP4 tensor-core kernels; 2: their 512-thread (wide) variant
   int moe_chunk_size = 0;            ///< DP chunk: at most this many tokens per MoE call per rank; 0 = no chunking

@@ -41,7 +41,7 @@ void for_each_field(C& c, Visit&& v) {
   v(Field{"ht.pdl", "EPX_HT_PDL", "", "HT on CUDA: 1 dispatch kernel by programmatic dependent launch, 2 also prefetches x rows into L2; 0..2"}, c.ht_pdl);
   v(Field{"experts.simt", "EPX_EXPERTS_SIMT", "", "1: CUDA experts always use the SIMT reference GEMMs; 0..1"}, c.experts_simt);
   v(Field{"experts.fp8_pairs", "EPX_EXPERTS_FP8_PAIRS", "", "1: FP8 tensor-core mainloop over K-block pairs; 0..1"}, c.experts_fp8_pairs);
-  v(Field{"experts.fp8_prefill", "EPX_EXPERTS_FP8_PREFILL", "", "experts with > 64 rows take the FP8 prefill GEMMs (128-row tiles): 1 the measured best of 3/4, 2 cp.async loads, 3 TMA loads, 4 TMA + 2-CTA clusters (weight tile multicast); 0 off; 0..4"}, c.experts_fp8_prefill);
+  v(Field{"experts.fp8_prefill", "EPX_EXPERTS_FP8_PREFILL", "", "experts with > 64 rows take the FP8 prefill GEMMs (128-row tiles): 1 the measured fastest (now 2), 2 cp.async loads, 3 TMA loads, 4 TMA + 2-CTA clusters (weight tile multicast); 0 off; 0..4"}, c.experts_fp8_prefill);
   v(Field{"experts.fp8_prefill_stages", "EPX_EXPERTS_FP8_PREFILL_STAGES", "stages", "FP8 prefill GEMMs' ring depth; 0 = maximum (gate_up 4, down 3), else 2..4"}, c.experts_fp8_prefill_stages);
   v(Field{"experts.mxfp4_tc", "EPX_EXPERTS_MXFP4_TC", "", "0: mxfp4 experts keep the SIMT GEMMs; 1: MXFP4 tensor-core kernels; 2: their 512-thread (wide) variant; 0..2"}, c.experts_mxfp4_tc);
   v(Field{"moe.chunk_size", "EPX_MOE_CHUNK_SIZE", "tokens", "DP chunk: max tokens per MoE call per rank; 0 = unchunked"}, c.moe_chunk_size);

@@ -35,8 +35,9 @@ constexpr std::string_view kOp = "experts_cuda.apply";
 /// the counts (which the host does not know) and stays bounded for large capacities.
 constexpr int64_t kMaxTileSlots = 1024;
 /// The FP8 prefill kernels' variant that Config::experts_fp8_prefill = 1 (the default) takes: 2
-/// cp.async loads, 3 TMA loads, 4 TMA + 2-CTA clusters; whichever bench/NOTES.md measured fastest.
-constexpr int kFp8PrefillDefaultMode = 3;
+/// experts_fp8_prefill_cuda.cu (cp.async loads), 3 experts_fp8_prefill_tma_cuda.cu (TMA loads), 4
+/// the same as 2-CTA clusters; whichever bench/NOTES.md measured fastest (fifth session: 2).
+constexpr int kFp8PrefillDefaultMode = 2;
 
 using GemmKernel = void (*)(GemmParams);
 
@@ -467,12 +468,14 @@ class CudaExperts final : public Experts {
       fp.max_weight_tiles = static_cast<int32_t>(fp8_inter_max_ / kFp8GroupSize);
       const int up_grid = static_cast<int>(std::clamp<int64_t>(max_tiles * fp.max_weight_tiles, 1, num_sms_));
       experts_cuda::launch_fp8_gate_up(fp, up_grid, stream);
-      if (big) experts_cuda::launch_fp8_prefill_gate_up(fp, up_grid, stream);
+      if (big && fp.w_maps != nullptr) experts_cuda::launch_fp8_prefill_tma_gate_up(fp, up_grid, stream);
+      else if (big) experts_cuda::launch_fp8_prefill_gate_up(fp, up_grid, stream);
       fp.gather = nullptr;
       fp.max_weight_tiles = static_cast<int32_t>(ceil_div(h, experts_cuda::kFp8TileWeightRows));
       const int down_grid = static_cast<int>(std::clamp<int64_t>(max_tiles * fp.max_weight_tiles, 1, num_sms_));
       experts_cuda::launch_fp8_down(fp, down_grid, stream);
-      if (big) experts_cuda::launch_fp8_prefill_down(fp, down_grid, stream);
+      if (big && fp.w_maps != nullptr) experts_cuda::launch_fp8_prefill_tma_down(fp, down_grid, stream);
+      else if (big) experts_cuda::launch_fp8_prefill_down(fp, down_grid, stream);
     }
     const dim3 gate_up_grid(static_cast<unsigned>(ceil_div(2 * inter_max_, experts_cuda::kTileCols)), tile_slots);
     for (WeightFormat f : kFormats) {

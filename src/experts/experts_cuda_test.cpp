@@ -352,8 +352,8 @@ TEST(ExpertsCuda, Fp8TensorCoreRowCountsOneTo8192) {
   // 8192 (Flat, contiguous rows grouped by expert on the device; 200 pairs: ~67 per expert).
   // The same cases through the paired-K-block mainloop variant (EPX_EXPERTS_FP8_PAIRS=1), with
   // the prefill kernels off (EPX_EXPERTS_FP8_PREFILL=0: every tile on the 64-row kernels) and with
-  // the prefill kernels' cp.async loads instead of TMA (EPX_EXPERTS_FP8_PREFILL=2) and as 2-CTA
-  // clusters (=4); Fp8PrefillTmaLoadsMatchCpAsyncLoadsBitForBit checks those are bit-identical.
+  // the TMA variant of the prefill kernels (EPX_EXPERTS_FP8_PREFILL=3) and its 2-CTA clusters (=4);
+  // Fp8PrefillTmaLoadsMatchCpAsyncLoadsBitForBit checks those are bit-identical to the default (=2).
   const auto experts = same_format(WeightFormat::fp8_block, 3, 7168, 2048, 500);
   auto cpu = make_experts_cpu(experts);
   auto gpu = make_experts_cuda(experts, 0);
@@ -362,19 +362,19 @@ TEST(ExpertsCuda, Fp8TensorCoreRowCountsOneTo8192) {
   unsetenv("EPX_EXPERTS_FP8_PAIRS");
   setenv("EPX_EXPERTS_FP8_PREFILL", "0", 1);
   auto gpu_small = make_experts_cuda(experts, 0);
-  setenv("EPX_EXPERTS_FP8_PREFILL", "2", 1);
-  auto gpu_cpasync = make_experts_cuda(experts, 0);
+  setenv("EPX_EXPERTS_FP8_PREFILL", "3", 1);
+  auto gpu_tma = make_experts_cuda(experts, 0);
   setenv("EPX_EXPERTS_FP8_PREFILL", "4", 1);
   auto gpu_cluster = make_experts_cuda(experts, 0);
   unsetenv("EPX_EXPERTS_FP8_PREFILL");
   const double tol = kMaxRelL2Fp8TensorCores;
   const std::vector<std::vector<int32_t>> cases = {{0, 1, 0}, {7, 0, 0}, {16, 17, 95}, {64, 65, 129}, {0, 1000, 0}};
-  for (auto* g : {gpu.get(), gpu_pairs.get(), gpu_small.get(), gpu_cpasync.get(), gpu_cluster.get()}) {
+  for (auto* g : {gpu.get(), gpu_pairs.get(), gpu_small.get(), gpu_tma.get(), gpu_cluster.get()}) {
     const char* variant = g == gpu.get()           ? ""
                           : g == gpu_pairs.get()   ? " (pairs)"
                           : g == gpu_small.get()   ? " (no prefill kernels)"
-                          : g == gpu_cpasync.get() ? " (prefill cp.async loads)"
-                                                   : " (prefill 2-CTA clusters)";
+                          : g == gpu_tma.get()     ? " (prefill TMA loads)"
+                                                   : " (prefill TMA 2-CTA clusters)";
     uint64_t seed = 501;
     for (const auto& counts : cases) {
       const int64_t cap = *std::max_element(counts.begin(), counts.end()) + 3;
@@ -391,8 +391,9 @@ TEST(ExpertsCuda, Fp8TensorCoreRowCountsOneTo8192) {
 
 TEST(ExpertsCuda, Fp8PrefillTmaLoadsMatchCpAsyncLoadsBitForBit) {
   if (gpus() < 1) GTEST_SKIP() << "needs 1 GPU, found " << gpus();
-  // The prefill kernels' TMA loads (EPX_EXPERTS_FP8_PREFILL=3) fill the same swizzled
-  // shared-memory tiles as their cp.async loads (=2), so the outputs must agree byte for byte:
+  // The TMA prefill kernels (EPX_EXPERTS_FP8_PREFILL=3, experts_fp8_prefill_tma_cuda.cu) fill the
+  // same swizzled shared-memory tiles as the cp.async ones (=2, the default kernels of
+  // experts_fp8_prefill_cuda.cu) and run the same wgmmas, so the outputs must agree byte for byte:
   // ExpertMajor (TMA for weights and tokens; an expert without tokens, 129 / 300 rows: partial
   // 128-row tiles whose TMA boxes run into NaN padding rows) and Flat (weights by TMA, the token
   // gather by cp.async), DeepSeek-V3 widths beside a V4-Pro-width expert (I 3072: h_stride > I).

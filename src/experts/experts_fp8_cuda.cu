@@ -350,7 +350,8 @@ bool fp8_tensor_cores_available(int device) {
   EPX_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
   int ok = 0;
   if (prop.major == 9 && prop.minor == 0 &&
-      prop.sharedMemPerBlockOptin >= static_cast<size_t>(std::max(kSmemBytes, fp8_prefill_smem_bytes()))) {
+      prop.sharedMemPerBlockOptin >=
+          static_cast<size_t>(std::max({kSmemBytes, fp8_prefill_smem_bytes(), fp8_prefill_tma_smem_bytes()}))) {
     int* d = nullptr;
     EPX_CUDA_CHECK(cudaMalloc(&d, sizeof(int)));
     probe_kernel<<<1, 1>>>(d);
@@ -362,6 +363,7 @@ bool fp8_tensor_cores_available(int device) {
                       fp8_gemm_kernel<false, true>})
         EPX_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
       fp8_prefill_set_smem_limits();
+      fp8_prefill_tma_set_smem_limits();
     }
   }
   known[device] = ok;

@@ -43,14 +43,13 @@ struct Fp8GemmParams {
   /// Prefill kernels' ring depth (stages of 48 KiB): 0 = their maximum (gate_up 4, down 3), else
   /// clamped to [2, maximum]. Same results for every depth.
   int32_t prefill_stages;
-  /// Prefill kernels only: [2 L] TMA descriptors of the experts' weights on the device (w13 of
-  /// expert l at 2 l, w2 at 2 l + 1; fp8_prefill_weight_maps), or null: every operand is loaded
-  /// with cp.async (Config::experts_fp8_prefill = 2, or a driver without cuTensorMapEncodeTiled).
+  /// TMA prefill kernels only: [2 L] TMA descriptors of the experts' weights on the device (w13 of
+  /// expert l at 2 l, w2 at 2 l + 1; fp8_prefill_weight_maps); null there: cp.async loads.
   const void* w_maps;
-  /// Rows of the row space (ExpertMajor L * cap, Flat N * K): the outer extent of the prefill
-  /// kernels' TMA descriptors of x (ExpertMajor gate_up) and hq (down).
+  /// Rows of the row space (ExpertMajor L * cap, Flat N * K): the outer extent of the TMA prefill
+  /// kernels' descriptors of x (ExpertMajor gate_up) and hq (down).
   int64_t row_space;
-  /// Prefill kernels with w_maps: 1 = launch as 2-CTA clusters: the two row tiles of a pair (tile
+  /// TMA prefill kernels: 1 = launch as 2-CTA clusters: the two row tiles of a pair (tile
   /// list entries 2j, 2j + 1) at the same weight tile run on the two CTAs in lockstep, and where
   /// they belong to the same expert each CTA loads one 128-row half of the weight tile, multicast
   /// to both (half the weight bytes from L2 per CTA). Same results. 0 = one CTA per work item.
@@ -62,7 +61,7 @@ struct alignas(128) Fp8TmaMap {
   unsigned char bytes[128];
 };
 
-/// Host: the TMA descriptors of one fp8_block expert's device weights for the prefill kernels:
+/// Host: the TMA descriptors of one fp8_block expert's device weights for the TMA prefill kernels:
 /// w13 [2I, H] and w2 [H, I] FP8 codes as 2-D maps (K innermost), 128 x 128-byte boxes,
 /// 128-byte swizzle (the layout of the wgmma descriptors, experts_fp8_wgmma.cuh smem_desc),
 /// out-of-range rows zero-filled. Encoded with cuTensorMapEncodeTiled through
@@ -100,5 +99,13 @@ void launch_fp8_prefill_down(const Fp8GemmParams& p, int grid, cudaStream_t stre
 /// limit against it) and the one-time raise of their limit (called by fp8_tensor_cores_available).
 int fp8_prefill_smem_bytes();
 void fp8_prefill_set_smem_limits();
+
+/// The TMA variant of the prefill kernels (experts_fp8_prefill_tma_cuda.cu; Config::experts_fp8_prefill
+/// 3 / 4): same arguments and results; needs p.w_maps (fp8_prefill_weight_maps) and p.row_space;
+/// p.prefill_cluster = 1 launches 2-CTA clusters. Shared bytes and the one-time limit raise as above.
+void launch_fp8_prefill_tma_gate_up(const Fp8GemmParams& p, int grid, cudaStream_t stream);
+void launch_fp8_prefill_tma_down(const Fp8GemmParams& p, int grid, cudaStream_t stream);
+int fp8_prefill_tma_smem_bytes();
+void fp8_prefill_tma_set_smem_limits();
 
 }  // namespace epx::experts_cuda

@@ -1,0 +1,626 @@
+// experts/experts_fp8_prefill_tma_cuda.cu: a variant of the FP8 prefill grouped GEMMs of
+// experts_fp8_prefill_cuda.cu (same tiles, same wgmmas and promotion, bit-identical output) whose
+// operands come by TMA, opt-in (Config::experts_fp8_prefill = 3, or 4 for its 2-CTA cluster launch;
+// bench/NOTES.md, fifth session: TMA 6 % faster than this file's own cp.async path in the same run,
+// not faster than experts_fp8_prefill_cuda.cu measured in other runs; the cluster launch 27 % slower).
+//
+// The prefill (many rows per expert) FP8 block-scaled grouped
+// GEMMs on sm_90a: the same two GEMMs as experts_fp8_cuda.cu (weights in wgmma's M slot, tokens in
+// N, 128x128 weight block scales x 1x128 activation scales promoted in fp32 registers after every
+// 128-deep K block, DeepSeek-V3 / DeepGEMM's recipe; gate_up fuses silu(g) * u and the FP8 1x128
+// requantization of h, down rounds to bf16 once), over tiles of up to 128 tokens.
+//
+// One CTA per SM, 384 threads, warp-specialized:
+//   warpgroup 0 (producer, 64 registers): streams each K block's operands into a kStages-deep ring
+//     of 128-byte-swizzled K-major tiles. With TMA (Fp8GemmParams::w_maps set, the default):
+//     thread 0 loads the 256 x 128-byte weight tile as two 128-row boxes of the expert's tensor map
+//     (cp.async.bulk.tensor, 128B swizzle = the layout smem_desc reads) and, where the tile's token
+//     rows are contiguous (ExpertMajor gate_up; down's hq), the 128 x 128-byte token tile from a
+//     per-launch map of x / hq, all completing on the stage's `full` mbarrier (expect_tx); the
+//     128 threads still cp.async the token scales (strided: [rows, K/128]) and the Flat gate_up
+//     token rows (a gather: 8 lanes per 128-byte row) and arrive with cp.async.mbarrier.arrive, so
+//     `full` completes when the TMA bytes and all 128 threads' copies landed. Without TMA (w_maps
+//     null, EPX_EXPERTS_FP8_PREFILL=2) every operand goes through 16-byte cp.async as before
+//     (bench/NOTES.md: the cp.async path tops out near 3.3 TB/s of L2 -> SM traffic);
+//   warpgroups 1, 2 (consumers, 216 registers): warpgroup c owns weight sub-tiles c and 2 + c
+//     (gate_up: gate and up rows of the same 64 h columns, so one thread holds g and u of the same
+//     (h column, token)); per K block: 4 m64n128k32 wgmmas into a temporary, wait, promote
+//     (acc += tmp * w_scale * x_scale), the same for the second sub-tile, then one arrive per warp on
+//     the stage's `empty` barrier. While one warpgroup promotes, the other's wgmmas keep the tensor
+//     cores busy; the producer runs up to kStages blocks ahead, across work items, so the next
+//     item's first stages load under the current epilogue (its staging buffer is not the ring).
+// Work items: (128-row tile, weight tile) pairs over the tile list's prefill section, walked by a
+// persistent grid in tile-major order (all weight tiles of one row tile, then the expert's next row
+// tile: the weight tile's second reader hits L2).
+#include <cuda.h>  // CUtensorMap and its enums (types only: the encoder comes through the runtime's driver entry point)
+#include <cudaTypedefs.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "cuda/check.h"
+#include "epx/dtype.h"
+#include "epx/experts.h"
+#include "experts/experts_fp8_cuda.h"
+#include "experts/experts_fp8_wgmma.cuh"
+
+namespace epx::experts_cuda {
+namespace {
+
+using namespace wg;
+
+constexpr int kPfThreads = 384;
+constexpr int kBN = kFp8PrefillRows;                     // 128 tokens = wgmma N
+constexpr int kWRows = kFp8TileWeightRows;               // 256 weight rows
+[[maybe_unused]] constexpr int kSub = 64 * kBK;                           // one m64 weight sub-tile (8 KiB)
+constexpr int kABytes = kWRows * kBK;                    // 32 KiB
+constexpr int kBBytes = kBN * kBK;                       // 16 KiB
+constexpr int kStageBytes = kABytes + kBBytes;           // 48 KiB (multiple of 1024: swizzle atoms)
+constexpr int kScaleFloats = 4 + kBN;                    // per stage: 4 weight sub-tile scales + 128 token scales
+constexpr int kHStride = kBK + 16;                       // gate_up staging: FP8 h bytes per token, padded
+constexpr int kOutStride = kWRows + 8;                   // down staging: bf16 per token, padded
+
+/// Shared-memory layout of the gate_up (kGateUp) or down kernel; base 1024-byte aligned.
+template <bool kGateUp>
+struct Layout {
+  static constexpr int kStages = kGateUp ? 4 : 3;        // down's 66 KiB staging leaves room for 3
+  static constexpr int kScaleOff = kStages * kStageBytes;
+  static constexpr int kBarOff = kScaleOff + kStages * kScaleFloats * 4;  // full[kStages], empty[kStages]
+  static constexpr int kRedOff = kBarOff + 2 * kStages * 8;              // gate_up: [8 warps][128] amax
+  static constexpr int kRowsOff = kRedOff + (kGateUp ? 8 * kBN * 4 : 0);  // producer: [kBN] B row byte offsets
+  static constexpr int kOutOff = (kRowsOff + kBN * 8 + 127) / 128 * 128;
+  static constexpr int kOutBytes = kGateUp ? kBN * kHStride : kBN * kOutStride * 2;
+  static constexpr int kSmemBytes = kOutOff + kOutBytes + 1024;  // + alignment of the base
+};
+static_assert(Layout<true>::kSmemBytes <= 227 * 1024 && Layout<false>::kSmemBytes <= 227 * 1024, "fits an SM");
+static_assert((kScaleFloats * 4) % 16 == 0, "stage scale blocks stay 16-byte aligned");
+static_assert(sizeof(CUtensorMap) == sizeof(Fp8TmaMap) && alignof(CUtensorMap) <= alignof(Fp8TmaMap), "opaque map fits");
+constexpr int kTmaBox = 128;  // TMA box: 128 rows x 128 bytes (one 16 KiB half of the weight tile, or the token tile)
+
+#ifdef EPX_FP8_WGMMA
+
+// ---- TMA (cp.async.bulk.tensor) and mbarrier transaction counts; PTX ISA 8.0 ----
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+/// Box (x = K byte offset, y = row) of the 2-D map `map` into shared `dst` (1024-byte aligned);
+/// completes `bytes` of the box on mbarrier `bar`. Rows past the map's extent land as zeros.
+__device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map, int32_t x, int32_t y, uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(x), "r"(y), "r"(bar)
+      : "memory");
+}
+
+/// The same box written at the same shared offset of every CTA in `mask` (cluster ranks), each
+/// CTA's mbarrier at offset `bar` completing the box's bytes.
+__device__ __forceinline__ void tma_load_2d_multicast(uint32_t dst, const CUtensorMap* map, int32_t x, int32_t y, uint32_t bar,
+                                                      uint16_t mask) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.multicast::cluster [%0], [%1, {%2, %3}], "
+      "[%4], %5;\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(x), "r"(y), "r"(bar), "h"(mask)
+      : "memory");
+}
+/// Arrives (release, cluster scope) on the mbarrier at shared offset `bar` of cluster rank `cta`.
+__device__ __forceinline__ void mbar_arrive_remote(uint32_t bar, uint32_t cta) {
+  asm volatile(
+      "{\n.reg .b32 r;\nmapa.shared::cluster.u32 r, %0, %1;\nmbarrier.arrive.release.cluster.shared::cluster.b64 _, [r];\n}\n" ::"r"(bar),
+      "r"(cta)
+      : "memory");
+}
+/// mbar_wait with cluster-scope acquire (the phase was completed by arrivals of both CTAs).
+__device__ __forceinline__ void mbar_wait_cluster(uint32_t bar, uint32_t parity) {
+  asm volatile(
+      "{\n.reg .pred done;\n"
+      "WAITC_%=:\n"
+      "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAITC_%=;\n}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+}
+__device__ __forceinline__ uint32_t cluster_ctarank() {
+  uint32_t r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+  return r;
+}
+__device__ __forceinline__ void cluster_sync_all() {
+  asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;\n" ::: "memory");
+}
+
+/// Weight tile `wt` of tile list entry `tile`, or false when this CTA-uniform item has nothing to do
+/// (expert not fp8_block, weight tile past the expert's I or the model's H).
+template <bool kGateUp>
+__device__ __forceinline__ bool resolve_tile(const Fp8GemmParams& p, int32_t tile_idx, int wt, Item& it, int32_t& expert) {
+  const Tile tile = p.tiles[tile_idx];
+  expert = tile.expert;
+  const ExpertDesc e = p.experts[tile.expert];
+  if (e.format != static_cast<int32_t>(WeightFormat::fp8_block)) return false;
+  it.row0 = tile.row0;
+  it.num_rows = tile.num_rows;
+  it.inter = e.intermediate;
+  it.hidden = p.hidden;
+  if constexpr (kGateUp) {
+    if (static_cast<int64_t>(wt) * kBK >= it.inter) return false;
+    it.w = static_cast<const uint8_t*>(e.w13);
+    it.w_scale = static_cast<const float*>(e.w13_scale);
+    it.K = p.hidden;
+    it.col0 = static_cast<int64_t>(wt) * kBK;
+  } else {
+    it.col0 = static_cast<int64_t>(wt) * kWRows;
+    if (it.col0 >= p.hidden) return false;
+    it.w = static_cast<const uint8_t*>(e.w2);
+    it.w_scale = static_cast<const float*>(e.w2_scale);
+    it.K = it.inter;
+  }
+  return true;
+}
+
+/// One step of a CTA's walk over the prefill section.
+/// Without clusters, step q = item (row tile q / max_weight_tiles, weight tile q % max_weight_tiles).
+/// With 2-CTA clusters, step q = the pair of row tiles 2 (q / mwt) + {0, 1} (rank 0, 1) at weight
+/// tile q % mwt: both CTAs take nk = max of their K blocks through their rings in lockstep (a CTA
+/// without an item, or with fewer K blocks, runs empty stages), and when both tiles belong to the
+/// same expert (the same weight tile) each CTA loads one 128-row half of it, multicast to both.
+struct Work {
+  Item it{};
+  int32_t expert = -1;
+  bool mine = false;   // this CTA computes `it`
+  bool mcast = false;  // cluster: the weight tile is shared with the other CTA (multicast halves)
+  int64_t nk = 0;      // K blocks this step takes through the ring
+};
+
+template <bool kGateUp>
+__device__ __forceinline__ Work work_at(const Fp8GemmParams& p, int32_t tile0, int32_t num_tiles, int64_t q, bool cluster,
+                                        uint32_t rank) {
+  Work w;
+  const int wt = static_cast<int>(q % p.max_weight_tiles);
+  if (!cluster) {
+    w.mine = resolve_tile<kGateUp>(p, tile0 + static_cast<int32_t>(q / p.max_weight_tiles), wt, w.it, w.expert);
+    w.nk = w.mine ? w.it.K / kBK : 0;
+    return w;
+  }
+  const int64_t t = 2 * (q / p.max_weight_tiles) + rank, u = t ^ 1;
+  w.mine = t < num_tiles && resolve_tile<kGateUp>(p, tile0 + static_cast<int32_t>(t), wt, w.it, w.expert);
+  Item o;
+  int32_t eo = -1;
+  const bool theirs = u < num_tiles && resolve_tile<kGateUp>(p, tile0 + static_cast<int32_t>(u), wt, o, eo);
+  w.mcast = w.mine && theirs && eo == w.expert;
+  w.nk = max(w.mine ? w.it.K / kBK : int64_t{0}, theirs ? o.K / kBK : int64_t{0});
+  return w;
+}
+
+/// The ring position of the next K block: stage (0 .. stages-1) and the parity of its use.
+struct RingPos {
+  uint32_t stage = 0, phase = 0;
+  __device__ __forceinline__ void advance(uint32_t stages) {
+    if (++stage == stages) stage = 0, phase ^= 1u;
+  }
+};
+
+/// Loads are coalesced: thread pt copies 16-byte chunk pt % 8 of rows pt / 8 + 16 i, so 8
+/// consecutive lanes read one row's 128 contiguous bytes (a thread per row would split every
+/// 32-byte sector between two instructions: twice the L2 -> SM traffic, measured slower than the
+/// 64-row kernels).
+template <bool kGateUp>
+__device__ __forceinline__ void producer(const Fp8GemmParams& p, const CUtensorMap* bmap, bool tma_b, bool cluster, int32_t tile0,
+                                         int32_t num_tiles, int64_t q0, int64_t q_step, int64_t num_steps, uint32_t stages,
+                                         uint8_t* smem, uint32_t smem_s) {
+  using L = Layout<kGateUp>;
+  const int pt = threadIdx.x;  // 0..127
+  const int c = pt & 7, r8 = pt >> 3;
+  const int64_t b_stride = kGateUp ? p.hidden : p.h_stride;  // bytes per B row
+  const int64_t bs_stride = kGateUp ? p.hidden / kBK : p.hs_stride;
+  const uint8_t* b_base = kGateUp ? p.x : p.hq;
+  const float* bs_base = kGateUp ? p.x_scales : p.hs;
+  int64_t* rows = reinterpret_cast<int64_t*>(smem + L::kRowsOff);  // byte offset of token j's B row
+  const uint32_t full0 = smem_s + L::kBarOff, empty0 = full0 + L::kStages * 8;
+  const bool tma_a = p.w_maps != nullptr;
+  const uint32_t tx_bytes = tma_a ? kABytes + (tma_b ? kBBytes : 0) : 0;
+  const uint32_t rank = cluster ? cluster_ctarank() : 0;
+  RingPos pos;
+  bool wrapped = false;  // every stage was filled once (from then on, wait for its release)
+  for (int64_t q = q0; q < num_steps; q += q_step) {
+    const Work w = work_at<kGateUp>(p, tile0, num_tiles, q, cluster, rank);
+    if (w.nk == 0) continue;
+    const Item& it = w.it;
+    const int64_t my_nk = w.mine ? it.K / kBK : 0;
+    // The weight tile's two 128-row boxes: gate_up gate rows col0.. and up rows I + col0..;
+    // down output rows col0.. and col0 + 128.. (past H: zero-filled, as sub_valid's zeros).
+    const CUtensorMap* amap = nullptr;
+    if (tma_a && w.mine) amap = static_cast<const CUtensorMap*>(p.w_maps) + 2 * w.expert + (kGateUp ? 0 : 1);
+    const int32_t ar0 = static_cast<int32_t>(sub_row<kGateUp>(it, 0)), ar1 = static_cast<int32_t>(sub_row<kGateUp>(it, 2));
+    // Token pt's B row (gather for Flat gate_up); its scale row stays in this thread.
+    const bool bv = pt < it.num_rows;
+    int64_t brow = 0;
+    if (bv) brow = kGateUp && p.gather != nullptr ? p.gather[it.row0 + pt] : it.row0 + pt;
+    const float* bssrc = bs_base + brow * bs_stride;
+    named_bar_sync(2, 128);  // every producer thread is past the previous item's reads of rows[]
+    rows[pt] = brow * b_stride;
+    named_bar_sync(2, 128);
+    // Weight rows r8 + 16 i, i = 0..15: sub-tile i / 4, row (r8 + 16 (i % 4)) inside it.
+    const uint8_t* abase[4];
+    bool av[4];
+#pragma unroll
+    for (int t = 0; t < 4; ++t) {
+      av[t] = sub_valid<kGateUp>(it, t);
+      abase[t] = it.w + (av[t] ? (sub_row<kGateUp>(it, t) + r8) * it.K : 0) + c * 16;
+    }
+    const int64_t k16 = 16 * it.K;
+    const bool wsv = pt < 4 && sub_valid<kGateUp>(it, pt & 3);
+    const float* wssrc = it.w_scale + (wsv ? (sub_row<kGateUp>(it, pt & 3) / kBK) * (it.K / kBK) : 0);
+    for (int64_t kb = 0; kb < w.nk; ++kb) {
+      const uint32_t s = pos.stage;
+      // the consumers released the previous use (cluster: those of both CTAs)
+      if (wrapped) {
+        if (cluster) mbar_wait_cluster(empty0 + s * 8, pos.phase ^ 1u);
+        else mbar_wait(empty0 + s * 8, pos.phase ^ 1u);
+      }
+      const uint32_t a_s = smem_s + s * kStageBytes, b_s = a_s + kABytes;
+      const int64_t k0 = kb * kBK;
+      if (kb >= my_nk) {  // cluster lockstep: an empty stage (no bytes), 129 arrivals as usual
+        if (pt == 0) mbar_arrive(full0 + s * 8);
+        cp_async_mbar_arrive(full0 + s * 8);
+        pos.advance(stages);
+        wrapped = wrapped || pos.stage == 0;
+        continue;
+      }
+      if (tma_a) {
+        if (pt == 0) {
+          const uint32_t full = full0 + s * 8;
+          mbar_arrive_expect_tx(full, tx_bytes);  // the barrier's 129th arrival; TMA bytes complete it
+          if (w.mcast) {  // my half to both CTAs; the other CTA's half arrives on my barrier too
+            tma_load_2d_multicast(a_s + rank * (kTmaBox * kBK), amap, static_cast<int32_t>(k0), rank ? ar1 : ar0, full, 3);
+          } else {
+            tma_load_2d(a_s, amap, static_cast<int32_t>(k0), ar0, full);
+            tma_load_2d(a_s + kTmaBox * kBK, amap, static_cast<int32_t>(k0), ar1, full);
+          }
+          if (tma_b) tma_load_2d(b_s, bmap, static_cast<int32_t>(k0), it.row0, full);
+        }
+      } else {
+#pragma unroll
+        for (int i = 0; i < 16; ++i) {
+          const int t = i >> 2;
+          cp_async16(a_s + swz(r8 + 16 * i, c), abase[t] + (av[t] ? (i & 3) * k16 + k0 : 0), av[t]);
+        }
+      }
+      if (!tma_b) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          const int j = r8 + 16 * i;
+          const bool v = j < it.num_rows;
+          cp_async16(b_s + swz(j, c), b_base + (v ? rows[j] + k0 + c * 16 : 0), v);
+        }
+      }
+      const uint32_t sc = smem_s + L::kScaleOff + s * kScaleFloats * 4;
+      cp_async4(sc + (4 + pt) * 4, bssrc + kb, bv);  // token scale; 0 for rows past the tile
+      if (pt < 4) cp_async4(sc + pt * 4, wssrc + kb, wsv);
+      cp_async_mbar_arrive(full0 + s * 8);
+      pos.advance(stages);
+      wrapped = wrapped || pos.stage == 0;
+    }
+  }
+  cp_async_wait<0>();
+}
+
+template <bool kGateUp>
+__device__ __forceinline__ void consumer(const Fp8GemmParams& p, bool all_tma, bool cluster, int32_t tile0, int32_t num_tiles,
+                                         int64_t q0, int64_t q_step, int64_t num_steps, uint32_t stages, uint8_t* smem,
+                                         uint32_t smem_s) {
+  using L = Layout<kGateUp>;
+  constexpr int kFrag = kBN / 2;  // 64 accumulator floats per thread per m64n128
+  const int ct = threadIdx.x - 128, cwg = ct >> 7, warp = ct >> 5, warp_in_wg = warp & 3, lane = ct & 31;
+  const float* scales = reinterpret_cast<const float*>(smem + L::kScaleOff);
+  const uint32_t full0 = smem_s + L::kBarOff, empty0 = full0 + L::kStages * 8;
+  float acc[2][kFrag], tmp[kFrag];
+#pragma unroll
+  for (int i = 0; i < kFrag; ++i) tmp[i] = 0.0f;
+  const uint32_t rank = cluster ? cluster_ctarank() : 0;
+  RingPos pos;
+  for (int64_t q = q0; q < num_steps; q += q_step) {
+    const Work w = work_at<kGateUp>(p, tile0, num_tiles, q, cluster, rank);
+    if (w.nk == 0) continue;
+    const Item& it = w.it;
+    const int64_t nk = w.mine ? it.K / kBK : 0;
+#pragma unroll
+    for (int sub = 0; sub < 2; ++sub)
+#pragma unroll
+      for (int i = 0; i < kFrag; ++i) acc[sub][i] = 0.0f;
+    for (int64_t kb = 0; kb < w.nk; ++kb) {
+      const uint32_t s = pos.stage;
+      mbar_wait(full0 + s * 8, pos.phase);
+      if (kb >= nk) {  // cluster lockstep: an empty stage
+        __syncwarp();
+        if (lane == 0) {
+          mbar_arrive_remote(empty0 + s * 8, 0);
+          mbar_arrive_remote(empty0 + s * 8, 1);
+        }
+        pos.advance(stages);
+        continue;
+      }
+      // cp.async wrote operands through the generic proxy; wgmma reads through the async one (TMA
+      // writes through the async proxy: no fence when both operands came by TMA)
+      if (!all_tma) fence_proxy_async();
+      const uint32_t a_s = smem_s + s * kStageBytes, b_s = a_s + kABytes;
+      const uint64_t db = smem_desc(b_s);
+      const float* sc = scales + s * kScaleFloats;
+#pragma unroll
+      for (int sub = 0; sub < 2; ++sub) {
+        const uint64_t da = smem_desc(a_s + (2 * sub + cwg) * kSub);
+        wgmma_fence();
+#pragma unroll
+        for (int k = 0; k < kBK / 32; ++k) Wgmma<kBN>::mma(tmp, da + 2 * k, db + 2 * k, k);
+        wgmma_commit();
+        wgmma_wait<0>();
+#pragma unroll
+        for (int i = 0; i < kFrag; ++i) fence_operand(tmp[i]);
+        const float wsc = sc[2 * sub + cwg];
+#pragma unroll
+        for (int i = 0; i < kFrag; i += 2) {
+          const int col = 8 * (i >> 2) + 2 * (lane & 3);  // columns col, col + 1 for i, i + 1
+          const float2 xs = *reinterpret_cast<const float2*>(sc + 4 + col);
+          acc[sub][i] = fmaf(tmp[i], wsc * xs.x, acc[sub][i]);
+          acc[sub][i + 1] = fmaf(tmp[i + 1], wsc * xs.y, acc[sub][i + 1]);
+        }
+      }
+      __syncwarp();
+      if (lane == 0) {  // 8 consumer warps release the stage (cluster: in both CTAs, whose producers may multicast into it)
+        if (cluster) {
+          mbar_arrive_remote(empty0 + s * 8, 0);
+          mbar_arrive_remote(empty0 + s * 8, 1);
+        } else {
+          mbar_arrive(empty0 + s * 8);
+        }
+      }
+      pos.advance(stages);
+    }
+    if (!w.mine) continue;
+
+    if constexpr (kGateUp) {
+      // h for (h column cwg*64 + row, token col): gate in acc[0], up in acc[1].
+      float* red = reinterpret_cast<float*>(smem + L::kRedOff);  // [8 warps][kBN] amax
+      uint8_t* stage = smem + L::kOutOff;                         // [kBN][kHStride] FP8 h
+      float cmax[kFrag / 2];  // per distinct column: index (i >> 2) * 2 + (i & 1)
+#pragma unroll
+      for (int j = 0; j < kFrag / 2; ++j) cmax[j] = 0.0f;
+#pragma unroll
+      for (int i = 0; i < kFrag; ++i) {
+        const float g = acc[0][i], u = acc[1][i];
+        acc[0][i] = g / (1.0f + expf(-g)) * u;  // silu(g) * u in fp32, the CPU's expression
+        const int j = (i >> 2) * 2 + (i & 1);
+        cmax[j] = fmaxf(cmax[j], fabsf(acc[0][i]));
+      }
+#pragma unroll
+      for (int j = 0; j < kFrag / 2; ++j) {
+#pragma unroll
+        for (int m = 4; m < 32; m <<= 1) cmax[j] = fmaxf(cmax[j], __shfl_xor_sync(0xffffffffu, cmax[j], m));
+      }
+      if (lane < 4) {
+#pragma unroll
+        for (int j = 0; j < kFrag / 2; ++j) red[warp * kBN + 8 * (j >> 1) + 2 * lane + (j & 1)] = cmax[j];
+      }
+      named_bar_sync(1, 256);
+#pragma unroll
+      for (int i = 0; i < kFrag; ++i) {
+        const int col = 8 * (i >> 2) + 2 * (lane & 3) + (i & 1);
+        float amax = 0.0f;
+#pragma unroll
+        for (int w = 0; w < 8; ++w) amax = fmaxf(amax, red[w * kBN + col]);
+        const float scale = __fdiv_rn(fmaxf(amax, 1e-4f), kFp8E4m3Max);
+        const int hrow = cwg * 64 + 16 * warp_in_wg + (lane >> 2) + 8 * ((i >> 1) & 1);
+        stage[col * kHStride + hrow] = float_to_fp8_e4m3_bits(__fdiv_rn(acc[0][i], scale));
+      }
+      if (ct < it.num_rows) {
+        float amax = 0.0f;
+        for (int w = 0; w < 8; ++w) amax = fmaxf(amax, red[w * kBN + ct]);
+        p.hs[static_cast<int64_t>(it.row0 + ct) * p.hs_stride + it.col0 / kBK] = __fdiv_rn(fmaxf(amax, 1e-4f), kFp8E4m3Max);
+      }
+      named_bar_sync(1, 256);
+      for (int q = ct; q < it.num_rows * 8; q += 256) {
+        const int j = q >> 3, c = q & 7;
+        *reinterpret_cast<uint4*>(p.hq + static_cast<int64_t>(it.row0 + j) * p.h_stride + it.col0 + c * 16) =
+            *reinterpret_cast<const uint4*>(stage + j * kHStride + c * 16);
+      }
+    } else {
+      uint16_t* stage = reinterpret_cast<uint16_t*>(smem + L::kOutOff);  // [kBN][kOutStride] bf16
+#pragma unroll
+      for (int sub = 0; sub < 2; ++sub) {
+        const int t = sub * 2 + cwg;
+#pragma unroll
+        for (int i = 0; i < kFrag; ++i) {
+          const int col = 8 * (i >> 2) + 2 * (lane & 3) + (i & 1);
+          const int wrow = t * 64 + 16 * warp_in_wg + (lane >> 2) + 8 * ((i >> 1) & 1);
+          stage[col * kOutStride + wrow] = float_to_bf16_bits(acc[sub][i]);
+        }
+      }
+      named_bar_sync(1, 256);
+      constexpr int kChunks = kWRows / 8;  // 16-byte chunks per output row
+      for (int q = ct; q < it.num_rows * kChunks; q += 256) {
+        const int j = q / kChunks, c = q % kChunks;
+        const int64_t n = it.col0 + c * 8;
+        if (n < p.hidden)
+          *reinterpret_cast<uint4*>(p.out + static_cast<int64_t>(it.row0 + j) * p.hidden + n) =
+              *reinterpret_cast<const uint4*>(stage + j * kOutStride + c * 8);
+      }
+    }
+    named_bar_sync(1, 256);  // staging (and red) are reused by the next item's epilogue
+  }
+}
+
+template <bool kGateUp>
+__global__ void __launch_bounds__(kPfThreads, 1) fp8_prefill_tma_kernel(Fp8GemmParams p, const __grid_constant__ CUtensorMap bmap, int tma_b, int cluster) {
+  using L = Layout<kGateUp>;
+  // tma_b: the token tile comes by TMA from `bmap` (only with the weight maps: the launch checks);
+  // cluster: launched as 2-CTA clusters (only with the weight maps), Work's pairs and multicast
+  extern __shared__ uint8_t smem_raw[];
+  const uint32_t raw_s = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
+  const uint32_t pad = (1024u - (raw_s & 1023u)) & 1023u;
+  uint8_t* smem = smem_raw + pad;
+  const uint32_t smem_s = raw_s + pad;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < L::kStages; ++s) {
+      // full: every producer thread's cp.async arrival, + thread 0's expect_tx arrival with TMA
+      mbar_init(smem_s + L::kBarOff + s * 8, p.w_maps != nullptr ? 129 : 128);
+      // empty: every consumer warp (cluster: of both CTAs)
+      mbar_init(smem_s + L::kBarOff + (L::kStages + s) * 8, cluster ? 16 : 8);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  if (cluster) cluster_sync_all();  // both CTAs' barriers exist before any remote arrival or multicast
+  else __syncthreads();
+  const int32_t tile0 = *p.num_small, tile1 = *p.num_tiles;
+  const int32_t num_tiles = max(tile1 - tile0, 0);
+  // Ring depth: Fp8GemmParams::prefill_stages clamped to [2, kStages] (0 = kStages).
+  const uint32_t stages = p.prefill_stages <= 0 ? L::kStages : min(max(p.prefill_stages, 2), L::kStages);
+  const int64_t num_steps = static_cast<int64_t>(cluster ? (num_tiles + 1) / 2 : num_tiles) * p.max_weight_tiles;
+  const int64_t q0 = cluster ? blockIdx.x / 2 : blockIdx.x, q_step = cluster ? gridDim.x / 2 : gridDim.x;
+  if (threadIdx.x < 128) {
+    setmaxnreg_dec<64>();
+    producer<kGateUp>(p, &bmap, tma_b != 0, cluster != 0, tile0, num_tiles, q0, q_step, num_steps, stages, smem, smem_s);
+  } else {
+    setmaxnreg_inc<216>();
+    consumer<kGateUp>(p, p.w_maps != nullptr && tma_b != 0, cluster != 0, tile0, num_tiles, q0, q_step, num_steps, stages, smem,
+                      smem_s);
+  }
+  // cluster: neither CTA leaves while the other may still multicast into it or arrive on its barriers
+  if (cluster) cluster_sync_all();
+}
+
+#else  // not sm_90a: the host never launches these (fp8_tensor_cores_available is false)
+
+template <bool kGateUp>
+__global__ void __launch_bounds__(kPfThreads, 1) fp8_prefill_tma_kernel(Fp8GemmParams, const __grid_constant__ CUtensorMap, int, int) {
+#ifdef __CUDA_ARCH__
+  __trap();
+#endif
+}
+
+#endif  // EPX_FP8_WGMMA
+
+/// cuTensorMapEncodeTiled from the driver (through the runtime: no libcuda link), or null.
+PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+  static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult q{};
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &q) != cudaSuccess ||
+        q != cudaDriverEntryPointSuccess) {
+      (void)cudaGetLastError();
+      f = nullptr;
+    }
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(f);
+  }();
+  return fn;
+}
+
+/// 2-D map of FP8 codes [rows, cols] (row stride `stride` bytes), 128 x 128-byte boxes, 128B swizzle.
+bool encode_fp8_map(CUtensorMap& m, const void* base, uint64_t cols, uint64_t rows, uint64_t stride) {
+  const PFN_cuTensorMapEncodeTiled_v12000 fn = tensor_map_encoder();
+  if (fn == nullptr || base == nullptr || reinterpret_cast<uintptr_t>(base) % 16 != 0 || stride % 16 != 0 || cols < kBK ||
+      rows < 1 || rows > (uint64_t{1} << 31) || cols > stride)
+    return false;
+  const cuuint64_t dims[2] = {cols, rows};
+  const cuuint64_t strides[1] = {stride};
+  const cuuint32_t box[2] = {kBK, kTmaBox};
+  const cuuint32_t elem[2] = {1, 1};
+  return fn(&m, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<void*>(base), dims, strides, box, elem,
+            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+}  // namespace
+
+bool fp8_prefill_weight_maps(const ExpertDesc& e, int64_t hidden, Fp8TmaMap& w13_map, Fp8TmaMap& w2_map) {
+  const auto inter = static_cast<uint64_t>(e.intermediate), h = static_cast<uint64_t>(hidden);
+  CUtensorMap m13{}, m2{};
+  if (!encode_fp8_map(m13, e.w13, h, 2 * inter, h) || !encode_fp8_map(m2, e.w2, inter, h, inter)) return false;
+  std::memcpy(w13_map.bytes, &m13, sizeof(m13));
+  std::memcpy(w2_map.bytes, &m2, sizeof(m2));
+  return true;
+}
+
+namespace {
+
+/// Co-resident 2-CTA clusters of each prefill kernel on the current device (0: no cluster launch),
+/// measured once by fp8_prefill_tma_set_smem_limits.
+int g_max_clusters[2] = {0, 0};
+
+template <bool kGateUp>
+int max_active_clusters() {
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(2);
+  cfg.blockDim = dim3(kPfThreads);
+  cfg.dynamicSmemBytes = Layout<kGateUp>::kSmemBytes;
+  cudaLaunchAttribute attr{};
+  attr.id = cudaLaunchAttributeClusterDimension;
+  attr.val.clusterDim.x = 2;
+  attr.val.clusterDim.y = 1;
+  attr.val.clusterDim.z = 1;
+  cfg.attrs = &attr;
+  cfg.numAttrs = 1;
+  int n = 0;
+  if (cudaOccupancyMaxActiveClusters(&n, fp8_prefill_tma_kernel<kGateUp>, &cfg) != cudaSuccess) {
+    (void)cudaGetLastError();
+    n = 0;
+  }
+  return n;
+}
+
+/// Launches one prefill kernel: as 2-CTA clusters (weight tiles multicast) when p asks for it and
+/// the device can hold clusters (grid even, at most the co-resident clusters: a persistent grid must
+/// not wait for a second wave), else as a plain grid.
+template <bool kGateUp>
+void launch_prefill(const Fp8GemmParams& p, const CUtensorMap& bmap, bool tb, int grid, cudaStream_t stream, const char* what) {
+  const int maxc = g_max_clusters[kGateUp ? 1 : 0];
+  if (p.prefill_cluster != 0 && p.w_maps != nullptr && maxc > 0) {
+    cudaLaunchConfig_t cfg{};
+    cfg.gridDim = dim3(static_cast<unsigned>(2 * std::min((grid + 1) / 2, maxc)));
+    cfg.blockDim = dim3(kPfThreads);
+    cfg.dynamicSmemBytes = Layout<kGateUp>::kSmemBytes;
+    cfg.stream = stream;
+    cudaLaunchAttribute attr{};
+    attr.id = cudaLaunchAttributeClusterDimension;
+    attr.val.clusterDim.x = 2;
+    attr.val.clusterDim.y = 1;
+    attr.val.clusterDim.z = 1;
+    cfg.attrs = &attr;
+    cfg.numAttrs = 1;
+    EPX_CUDA_CHECK(cudaLaunchKernelEx(&cfg, fp8_prefill_tma_kernel<kGateUp>, p, bmap, tb ? 1 : 0, 1));
+  } else {
+    fp8_prefill_tma_kernel<kGateUp><<<grid, kPfThreads, Layout<kGateUp>::kSmemBytes, stream>>>(p, bmap, tb ? 1 : 0, 0);
+  }
+  cuda::check_launch(what);
+}
+
+}  // namespace
+
+int fp8_prefill_tma_smem_bytes() { return std::max(Layout<true>::kSmemBytes, Layout<false>::kSmemBytes); }
+
+void fp8_prefill_tma_set_smem_limits() {
+  EPX_CUDA_CHECK(cudaFuncSetAttribute(fp8_prefill_tma_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      Layout<true>::kSmemBytes));
+  EPX_CUDA_CHECK(cudaFuncSetAttribute(fp8_prefill_tma_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      Layout<false>::kSmemBytes));
+  g_max_clusters[1] = max_active_clusters<true>();
+  g_max_clusters[0] = max_active_clusters<false>();
+}
+
+// The token tile's map is built per launch (x and hq change between calls; a captured graph keeps
+// the parameter by value, like the pointers in p): x [row space, H] for ExpertMajor gate_up (Flat
+// gathers: cp.async), hq [row space, h_stride] for down. Rows past the row space land as zeros;
+// rows of the box past the tile's num_rows feed only output columns the epilogue never stores.
+void launch_fp8_prefill_tma_gate_up(const Fp8GemmParams& p, int grid, cudaStream_t stream) {
+  CUtensorMap bmap{};
+  const bool tb = p.w_maps != nullptr && p.gather == nullptr &&
+                  encode_fp8_map(bmap, p.x, static_cast<uint64_t>(p.hidden), static_cast<uint64_t>(p.row_space),
+                                 static_cast<uint64_t>(p.hidden));
+  launch_prefill<true>(p, bmap, tb, grid, stream, "fp8_prefill_tma_kernel (gate_up)");
+}
+
+void launch_fp8_prefill_tma_down(const Fp8GemmParams& p, int grid, cudaStream_t stream) {
+  CUtensorMap bmap{};
+  const bool tb = p.w_maps != nullptr && encode_fp8_map(bmap, p.hq, static_cast<uint64_t>(p.h_stride),
+                                                        static_cast<uint64_t>(p.row_space), static_cast<uint64_t>(p.h_stride));
+  launch_prefill<false>(p, bmap, tb, grid, stream, "fp8_prefill_tma_kernel (down)");
+}
+
+}  // namespace epx::experts_cuda
