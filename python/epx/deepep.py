@@ -35,6 +35,12 @@ from ._api import Prepared, PrepareFinalize, group_from_torch
 from ._frameworks import framework
 
 
+def _raise_bad_id(t: int, k: int, value: int, num_experts: int):
+    """The dispatch's id rule (prepare_finalize_base.cpp bad_topk_id), for the host-side layout."""
+    raise _epx.InvalidArgument(f"epx.deepep.Buffer.get_dispatch_layout: topk_idx[{t}, {k}] = {value}: must be -1 (no selection) "
+                               f"or an expert id in [0, num_experts = {num_experts})")
+
+
 class Handle:
     """What combine needs from its dispatch: the backend object and its prepare result."""
 
@@ -82,13 +88,18 @@ class Buffer:
     def get_dispatch_layout(self, topk_idx, num_experts: int, previous_event=None, async_finish: bool = False,
                             allocate_on_comm_stream: bool = False):
         """(num_tokens_per_rank [R] int32, None, num_tokens_per_expert [E] int32, is_token_in_rank [T, R] bool, None),
-        computed from topk_idx with epx's expert placement (contiguous ranges, sizes differ by at most one)."""
+        computed from topk_idx with epx's expert placement (contiguous ranges, sizes differ by at most one).
+        An id other than -1 or [0, num_experts) raises InvalidArgument (ValueError) naming topk_idx[t, k]."""
         R = self.group.size
         bounds = [_epx.expert_range(int(num_experts), R, r)[1] for r in range(R)]
         if framework(topk_idx) == "torch":
             import torch
 
             idx = topk_idx.long()
+            bad = ((idx < -1) | (idx >= int(num_experts))).nonzero()
+            if bad.numel():
+                t, k = (int(v) for v in bad[0])
+                _raise_bad_id(t, k, int(idx[t, k]), int(num_experts))
             valid = idx >= 0
             rank_of = torch.bucketize(idx.clamp(min=0), torch.tensor(bounds, device=idx.device), right=True)
             in_rank = torch.zeros((idx.shape[0], R), dtype=torch.bool, device=idx.device)
@@ -100,6 +111,10 @@ class Buffer:
         import numpy as np
 
         idx = np.from_dlpack(topk_idx).astype(np.int64)
+        bad = np.argwhere((idx < -1) | (idx >= int(num_experts)))
+        if bad.size:
+            t, k = (int(v) for v in bad[0])
+            _raise_bad_id(t, k, int(idx[t, k]), int(num_experts))
         valid = idx >= 0
         rank_of = np.searchsorted(np.asarray(bounds), np.clip(idx, 0, None), side="right")
         in_rank = np.stack([((rank_of == r) & valid).any(axis=1) for r in range(R)], axis=1) if idx.shape[0] else \

@@ -535,6 +535,20 @@ def test_deepep_buffer_aliases(experts):
         assert e_ll < 1.5e-2 and e_ht < 1.5e-2
 
 
+@pytest.mark.parametrize("bad", [E, E + 5, -2])
+def test_deepep_dispatch_layout_rejects_bad_ids(bad):
+    """get_dispatch_layout holds the dispatch's id rule (-1 or [0, num_experts)): an id out of range raises
+    ValueError naming topk_idx[t, k], the value and the rule, instead of a per_expert of the wrong length
+    or a selection silently dropped. No collective runs, so the other ranks are not involved."""
+    buf = epx.deepep.Buffer(epx.make_cpu_groups(1)[0])
+    idx = np.array([[0, 1, -1], [2, 3, 4]], np.int64)
+    idx[1, 2] = bad
+    with pytest.raises(ValueError, match=rf"topk_idx\[1, 2\] = {bad}: must be -1 \(no selection\) or an expert id in \[0, num_experts = {E}\)"):
+        buf.get_dispatch_layout(idx, E)
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx[:1], E)
+    assert per_expert.shape == (E,) and in_rank.shape == (1, 1) and per_rank.tolist() == [1]
+
+
 def test_experts_binding_matches_numpy(experts):
     """epx.Experts (CPU) on a Flat prepare result equals the numpy experts."""
     weights, fns = experts
