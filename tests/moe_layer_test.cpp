@@ -379,6 +379,33 @@ TEST(ModularMoE, HeterogeneousRoutesHandedInAreRejectedOnEveryRankAndTheLayerSta
   }
 }
 
+TEST(ModularMoE, BadOrDisagreeingOptionsNameTheirValues) {
+  auto w = weights_for("mixtral-8x7b-mini");
+  DispatchConfig dc;
+  dc.num_max_dispatch_tokens_per_rank = 8;
+  // fhmoe_max_tokens: -1 = Config::fhmoe_max_tokens, >= 0 a bound; anything else is a mistake.
+  auto groups = make_cpu_groups(1, 10.0);
+  try {
+    ModularMoE layer(w, groups[0], "ll", dc, Config{}, {.fhmoe_max_tokens = -7});
+    FAIL() << "no throw";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("options.fhmoe_max_tokens = -7: must be"), std::string::npos) << e.what();
+  }
+  // Ranks disagreeing on the shared expert's mode hear the modes' names, not enum indices.
+  groups = make_cpu_groups(2, 10.0);
+  std::vector<std::string> what(2);
+  run_ranks(groups, [&](int rank) {
+    try {
+      ModularMoE layer(w, groups[rank], "ll", dc, Config{},
+                       {.shared_mode = rank ? SharedExpertMode::separate : SharedExpertMode::fused});
+    } catch (const CommError& e) {
+      what[rank] = e.what();
+    }
+  });
+  for (int r = 0; r < 2; ++r)
+    EXPECT_NE(what[r].find("shared_mode = fused on rank 0 but separate on rank 1: all ranks must agree"), std::string::npos) << what[r];
+}
+
 TEST(ModularMoE, UnknownPresetOrBackendListsTheKnownNames) {
   try {
     preset("deepseek-v9");

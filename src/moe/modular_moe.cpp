@@ -224,6 +224,8 @@ ModularMoE::ModularMoE(std::shared_ptr<const MoEWeights> weights, std::shared_pt
 
   require_arg(kCtorOp, "options.chunk_size", options.chunk_size, options.chunk_size >= 0, "must be >= 0 (0 = Config::moe_chunk_size)");
   m.chunk_size = options.chunk_size > 0 ? options.chunk_size : std::max(0, config.moe_chunk_size);
+  require_arg(kCtorOp, "options.fhmoe_max_tokens", options.fhmoe_max_tokens, options.fhmoe_max_tokens >= -1,
+              "must be >= 0 (fuse the shared expert when M <= it) or -1 (= Config::fhmoe_max_tokens)");
   m.fhmoe_max_tokens = options.fhmoe_max_tokens >= 0 ? options.fhmoe_max_tokens : config.fhmoe_max_tokens;
   m.capacity = dispatch_cfg.num_max_dispatch_tokens_per_rank;
   // Capacity 0 = no limit (dynamic backends; static ones such as ll reject 0 when created).
@@ -313,7 +315,11 @@ ModularMoE::ModularMoE(std::shared_ptr<const MoEWeights> weights, std::shared_pt
   group->check_agreement(std::string(kCtorOp), {{"chunk_size", m.chunk_size},
                                                 {"fhmoe_max_tokens", m.fhmoe_max_tokens},
                                                 {"shared_mode", static_cast<int64_t>(m.shared_mode)},
-                                                {"shared_sharded", m.sharded}});
+                                                {"shared_sharded", m.sharded}},
+                         [](size_t field, int64_t v) -> std::string {  // the modes' names, as the CLI and Python spell them
+                           static const char* const modes[] = {"separate", "fused", "auto"};
+                           return field == 2 && v >= 0 && v <= 2 ? modes[v] : "";
+                         });
   m.counters.backend = backend;
 }
 
