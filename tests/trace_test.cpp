@@ -228,6 +228,12 @@ TEST(TraceImport, BadInputGivesClearErrors) {
   expect_invalid([] { import_text("{\"type\": \"meta\"}\nnot json\n", {.num_ranks = 1}); }, {"toy.jsonl:2", "one JSON object per line"});
   expect_invalid([] { import_text("{\"type\": \"meta\"}\n", {.num_ranks = 1}); }, {"no route records"});
   expect_invalid([] { import_routing_jsonl_file("/nonexistent.jsonl", {.num_ranks = 1}); }, {"/nonexistent.jsonl"});
+  // No meta line and an empty first route: the rule is a non-empty array, not "top_k = 0 ids".
+  expect_invalid([] { import_text(R"({"type": "route", "req_id": "r1", "token_idx": 0, "layer": 0, "topk_ids": [], "topk_weights": []})" "\n", {.num_ranks = 1}); },
+                 {"toy.jsonl:1 topk_ids.size = 0: must be a non-empty array"});
+  // An id past int32 names the bound it breaks (it is >= -1, so ">= -1" alone would not explain the rejection).
+  std::string huge = replace_once(hand_jsonl(), "\"topk_ids\": [1, 2]", "\"topk_ids\": [1, 99999999999]");
+  expect_invalid([&] { import_text(huge, {.num_ranks = 1}); }, {"topk_ids[1] = 99999999999: must be -1 (no selection) or an expert id in [0, 2147483647]"});
 }
 
 TEST(Npy, ReadsNumpyWrittenBytesAndRejectsBadFiles) {

@@ -354,13 +354,15 @@ Trace import_routing_jsonl(std::istream& in, const TraceImportOptions& opt, cons
     const json& ws = j["topk_weights"];
     if (top_k == 0) top_k = ids.is_array() ? static_cast<int>(ids.size()) : 0;
     require_arg(op, where + " topk_ids.size", ids.is_array() ? std::to_string(ids.size()) : ids.type_name(),
-                ids.is_array() && static_cast<int>(ids.size()) == top_k && top_k > 0, "must be an array of top_k = " + std::to_string(top_k) + " ids");
+                ids.is_array() && static_cast<int>(ids.size()) == top_k && top_k > 0,
+                top_k > 0 ? "must be an array of top_k = " + std::to_string(top_k) + " ids"
+                          : std::string("must be a non-empty array of expert ids (top_k >= 1; no meta line gave top_k)"));
     require_arg(op, where + " topk_weights.size", ws.is_array() ? std::to_string(ws.size()) : ws.type_name(),
                 ws.is_array() && static_cast<int>(ws.size()) == top_k, "must be an array of top_k = " + std::to_string(top_k) + " numbers");
     Pass& p = passes.back();
     for (int k = 0; k < top_k; ++k) {
       require_arg(op, where + " topk_ids[" + std::to_string(k) + "]", ids[k].dump(), ids[k].is_number_integer() && ids[k].get<int64_t>() >= -1 && ids[k].get<int64_t>() <= INT32_MAX,
-                  "must be an integer expert id >= -1");
+                  "must be -1 (no selection) or an expert id in [0, 2147483647] (an integer)");
       require_arg(op, where + " topk_weights[" + std::to_string(k) + "]", ws[k].dump(), ws[k].is_number(), "must be a number");
       p.idx.push_back(ids[k].get<int32_t>());
       p.w.push_back(ws[k].get<float>());

@@ -44,7 +44,7 @@ void add_bench_command(CLI::App& root, BenchCommand& cmd) {
   b->add_option("--device", o.device, "cuda, cpu (ranks are threads: a smoke test), or auto (cuda when built with it and R GPUs are visible)")
       ->check(CLI::IsMember({"cpu", "cuda", "auto"}))
       ->capture_default_str();
-  b->add_option("--tokens-per-rank", o.tokens_per_rank, "T: override the case's tokens per rank (0 = the case's; on cpu at most 16)")
+  b->add_option("--tokens-per-rank", o.tokens_per_rank, "T: override the case's tokens per rank (0 = the case's, capped at 16 on cpu; a value given here is used as is)")
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
   b->add_option("--dtype", o.dtype, "Run only this dispatch dtype (bf16 or fp8); default: the case's")
