@@ -86,6 +86,20 @@ inline std::vector<uint16_t> host_bf16(const Tensor& t) {
 }
 
 /// Now as "YYYY-MM-DDTHH:MM:SSZ" (the JSON's date).
+/// Selects GPU 0 and makes a non-blocking stream for a benchmark; prints "<name>: no CUDA device"
+/// and returns false when there is none.
+inline bool open_bench_device(const char* name, cudaDeviceProp& prop, cudaStream_t& stream) {
+  int ndev = 0;
+  if (cudaGetDeviceCount(&ndev) != cudaSuccess || ndev < 1) {
+    std::fprintf(stderr, "%s: no CUDA device\n", name);
+    return false;
+  }
+  CK(cudaSetDevice(0));
+  CK(cudaGetDeviceProperties(&prop, 0));
+  CK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  return true;
+}
+
 inline std::string utc_now() {
   char buf[32];
   const std::time_t t = std::time(nullptr);

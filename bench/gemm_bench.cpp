@@ -149,16 +149,9 @@ int main(int argc, char** argv) {
       return 1;
     }
   }
-  int ndev = 0;
-  if (cudaGetDeviceCount(&ndev) != cudaSuccess || ndev < 1) {
-    std::fprintf(stderr, "epx-gemm-bench: no CUDA device\n");
-    return 1;
-  }
-  CK(cudaSetDevice(0));
   cudaDeviceProp prop{};
-  CK(cudaGetDeviceProperties(&prop, 0));
   cudaStream_t stream;
-  CK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  if (!open_bench_device("epx-gemm-bench", prop, stream)) return 1;
   json rows = json::array();
   const double weight_bytes = static_cast<double>(L) * (3.0 * kH * kI + 3.0 * (kH / 128) * (kI / 128) * 4);
 

@@ -121,16 +121,9 @@ int main(int argc, char** argv) {
       return 1;
     }
   }
-  int ndev = 0;
-  if (cudaGetDeviceCount(&ndev) != cudaSuccess || ndev < 1) {
-    std::fprintf(stderr, "epx-gemm-mxfp4-bench: no CUDA device\n");
-    return 1;
-  }
-  CK(cudaSetDevice(0));
   cudaDeviceProp prop{};
-  CK(cudaGetDeviceProperties(&prop, 0));
   cudaStream_t stream;
-  CK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  if (!open_bench_device("epx-gemm-mxfp4-bench", prop, stream)) return 1;
   json rows = json::array();
   json gate = json::object();
   // MXFP4 bytes per routed expert: codes (half a byte per weight) + one e8m0 per 32.

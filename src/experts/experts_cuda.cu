@@ -417,22 +417,26 @@ class CudaExperts final : public Experts {
     auto simt_runs = [&](WeightFormat f) {
       return has_format_[static_cast<int>(f)] && !(tc && f == WeightFormat::fp8_block) && !(mixed && f != WeightFormat::bf16);
     };
+    // The fields the mixed (MixedGemmParams) and FP8 (Fp8GemmParams) tensor-core launches share.
+    auto fill_tc_params = [&](auto& p) {
+      p.experts = gp.experts;
+      p.tiles = ws.tiles;
+      p.num_tiles = ws.num_tiles;
+      p.hidden = h;
+      p.x = in.x.ptr<const uint8_t>();
+      p.x_scales = in.x_scales.ptr<const float>();
+      p.gather = gather;
+      p.hq = ws.hq;
+      p.hs = ws.hs;
+      p.h_stride = fp8_inter_max_;
+      p.hs_stride = fp8_inter_max_ / kFp8GroupSize;
+      p.out = out_rows;
+    };
     if (mixed) {
       experts_cuda::MixedGemmParams mp{};
-      mp.experts = gp.experts;
-      mp.tiles = ws.tiles;
-      mp.num_tiles = ws.num_tiles;
-      mp.hidden = h;
-      mp.x = in.x.ptr<const uint8_t>();
-      mp.x_scales = in.x_scales.ptr<const float>();
-      mp.gather = gather;
-      mp.hq = ws.hq;
-      mp.hs = ws.hs;
-      mp.h_stride = fp8_inter_max_;
-      mp.hs_stride = fp8_inter_max_ / kFp8GroupSize;
+      fill_tc_params(mp);
       mp.hb = ws.hb;
       mp.hb_stride = mx_inter_max_;
-      mp.out = out_rows;
       mp.wide = mx_wide_;
       // Persistent grids of one CTA per multiprocessor (~219 KiB of shared memory each).
       mp.max_weight_tiles = static_cast<int32_t>(inter_max_ / kFp8GroupSize);
@@ -445,18 +449,7 @@ class CudaExperts final : public Experts {
     }
     if (tc) {
       experts_cuda::Fp8GemmParams fp{};
-      fp.experts = gp.experts;
-      fp.tiles = ws.tiles;
-      fp.num_tiles = ws.num_tiles;
-      fp.hidden = h;
-      fp.x = in.x.ptr<const uint8_t>();
-      fp.x_scales = in.x_scales.ptr<const float>();
-      fp.gather = gather;
-      fp.hq = ws.hq;
-      fp.hs = ws.hs;
-      fp.h_stride = fp8_inter_max_;
-      fp.hs_stride = fp8_inter_max_ / kFp8GroupSize;
-      fp.out = out_rows;
+      fill_tc_params(fp);
       fp.overlap = fp8_pairs_;
       fp.num_small = big ? ws.num_tiles + 1 : nullptr;
       fp.prefill_stages = fp8_prefill_stages_;
