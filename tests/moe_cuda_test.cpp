@@ -56,8 +56,8 @@ struct Inputs {
   std::vector<int64_t> offset;   // first reference row of each rank
 };
 
-/// Reference of rows [0, valid[r]) of each rank's inputs.
-Tensor reference_of(const MoEWeights& w, const Inputs& in, const std::vector<int64_t>& valid, DType wire) {
+/// Reference of rows [0, valid[r]) of each rank's inputs (`fused`: the shared path it models).
+Tensor reference_of(const MoEWeights& w, const Inputs& in, const std::vector<int64_t>& valid, DType wire, bool fused = true) {
   const int64_t H = w.config.hidden;
   const int K = w.config.router.top_k;
   const int64_t T = std::accumulate(valid.begin(), valid.end(), int64_t{0});
@@ -70,7 +70,7 @@ Tensor reference_of(const MoEWeights& w, const Inputs& in, const std::vector<int
     row += valid[r];
   }
   Tensor out = Tensor::empty({T, H}, DType::bf16);
-  moe_reference_cpu(w, x, idx, wts, out, {.dispatch_dtype = wire, .shared_fused = true});
+  moe_reference_cpu(w, x, idx, wts, out, {.dispatch_dtype = wire, .shared_fused = fused});
   return out;
 }
 
@@ -236,6 +236,84 @@ TEST(ModularMoECuda, WholeLayerGraphOnLlReplaysWithDifferentCountsPerRank) {
     std::string why((std::istreambuf_iterator<char>(skip)), std::istreambuf_iterator<char>());
     GTEST_SKIP() << "ll has no CUDA implementation in this build: " << why;
   }
+}
+
+// The shared expert fused (FHMoE: route id E inside the routed launch) against separate (x
+// quantized to FP8 1x128 as the wire does, then a one-expert ExpertMajor layout on the FP8 tensor
+// cores, added to the combined rows) against the CPU reference of each path, on fresh random
+// inputs: DeepSeek-V3 (fp8_block routed + shared) and V4-Pro (MXFP4 routed, fp8_block shared), ll
+// (ExpertMajor) and all2allv (Flat), rank 0 with 80 tokens (the shared expert's rows straddle
+// 64-row tiles), then the auto gate below and above fhmoe_max_tokens (the counters show the path).
+TEST(ModularMoECuda, SharedExpertFusedAndSeparateMatchTheReferenceAndEachOther) {
+  const int n = cuda::device_count();
+  if (n < 2) GTEST_SKIP() << "needs 2 GPUs, found " << n;
+  const std::vector<int64_t> tokens = {80, 37};
+  struct Case {
+    std::string preset, backend;
+  };
+  const std::vector<Case> cases = {{"deepseek-v3-mini", "ll"}, {"deepseek-v3-mini", "all2allv"},
+                                   {"deepseek-v4-pro-mini", "ll"}, {"deepseek-v4-pro-mini", "all2allv"}};
+  std::vector<Inputs> inputs;
+  std::vector<Tensor> ref_separate;
+  for (size_t i = 0; i < cases.size(); ++i) {
+    const MoEWeights& w = *weights_for(cases[i].preset);
+    inputs.push_back(make_inputs(w, tokens, 60 + i, DType::fp8_e4m3));
+    ref_separate.push_back(reference_of(w, inputs.back(), tokens, DType::fp8_e4m3, false));
+  }
+  const std::string path = test::fresh_dir() + "/uid";
+  const std::string failed = test::run_ranks_forked(2, 300.0, [&](int rank) {
+    auto g = make_nccl_group(path, rank, 2, rank, 60.0);
+    cuda_ok(cudaSetDevice(rank), "cudaSetDevice");
+    cudaStream_t stream;
+    cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
+    const Device dev = g->device();
+    std::string failures;
+    for (size_t i = 0; i < cases.size(); ++i) {
+      const Case& c = cases[i];
+      auto w = weights_for(c.preset);
+      const int64_t H = w->config.hidden, T = tokens[static_cast<size_t>(rank)];
+      DispatchConfig dc;
+      dc.num_max_dispatch_tokens_per_rank = 96;
+      dc.dispatch_dtype = DType::fp8_e4m3;
+      const Tensor x = inputs[i].x[rank].to(dev), idx = inputs[i].idx[rank].to(dev), wts = inputs[i].wts[rank].to(dev);
+      // fused, separate, auto with the gate at 100 (M = 80: fused) and at 50 (separate)
+      const std::vector<std::pair<SharedExpertMode, int>> modes = {
+          {SharedExpertMode::fused, -1}, {SharedExpertMode::separate, -1}, {SharedExpertMode::auto_gate, 100},
+          {SharedExpertMode::auto_gate, 50}};
+      std::vector<Tensor> outs;
+      for (const auto& [mode, gate] : modes) {
+        ModularMoEOptions o;
+        o.shared_mode = mode;
+        o.fhmoe_max_tokens = gate;
+        auto layer = std::make_unique<ModularMoE>(w, g, c.backend, dc, Config{}, o);
+        Tensor out = Tensor::empty({T, H}, DType::bf16, dev);
+        cuda_ok(cudaMemset(out.data(), 0xFF, static_cast<size_t>(out.nbytes())), "poison");
+        layer->forward_routed(x, idx, wts, out, Stream{stream});
+        cuda_ok(cudaStreamSynchronize(stream), "sync");
+        const bool fused = mode == SharedExpertMode::fused || (mode == SharedExpertMode::auto_gate && gate >= 80);
+        const PathCounters& pc = layer->counters();
+        const std::string what = c.preset + " " + c.backend + " mode " + std::to_string(static_cast<int>(mode)) + " gate " +
+                                 std::to_string(gate) + " rank " + std::to_string(rank);
+        if (pc.shared_fused != (fused ? 1 : 0) || pc.shared_separate != (fused ? 0 : 1))
+          failures += what + ": counters fused " + std::to_string(pc.shared_fused) + " separate " + std::to_string(pc.shared_separate) + "; ";
+        const double e = rel_l2_rows(out, fused ? inputs[i].reference : ref_separate[i], inputs[i].offset[rank], T);
+        if (!(e <= kTol)) failures += what + ": rel L2 " + std::to_string(e) + "; ";
+        if (rank == 0)
+          std::printf("%s: rel L2 %.2e against the %s reference\n", what.c_str(), e, fused ? "fused" : "separate");
+        outs.push_back(std::move(out));
+      }
+      {  // fused against separate, directly
+        const Tensor a = outs[0].to(Device::cpu()), b = outs[1].to(Device::cpu());
+        const double e = test::rel_l2_error(a, b);
+        if (!(e <= kTol)) failures += c.preset + " " + c.backend + " rank " + std::to_string(rank) + ": fused vs separate rel L2 " + std::to_string(e) + "; ";
+        if (rank == 0) std::printf("%s %s: rank 0 fused vs separate rel L2 %.2e\n", c.preset.c_str(), c.backend.c_str(), e);
+      }
+    }
+    g->barrier();
+    cuda_ok(cudaStreamDestroy(stream), "stream destroy");
+    if (!failures.empty()) throw std::runtime_error(failures);
+  });
+  EXPECT_EQ(failed, "");
 }
 
 #else

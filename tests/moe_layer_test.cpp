@@ -160,7 +160,8 @@ TEST(ModularMoE, EveryPresetBackendAndRankCountMatchesTheReference) {
 }
 
 // FP8 dispatch (1x128 scales on the wire) with given routing (-1 and duplicate experts), every
-// backend, shared expert fused (it sees the FP8 x) and separate (it sees the bf16 x).
+// backend, shared expert fused (it sees the dispatched FP8 x) and separate (it sees x quantized to
+// FP8 1x128 the same way, and is added to the combined rows: a second bf16 rounding).
 TEST(ModularMoE, Fp8DispatchWithMaskedAndDuplicateRoutingMatchesTheReference) {
   for (const std::string& p : {std::string("deepseek-v4-pro-mini"), std::string("qwen1.5-moe-a2.7b-mini")}) {
     for (const std::string& b : backend_names()) {
@@ -172,6 +173,23 @@ TEST(ModularMoE, Fp8DispatchWithMaskedAndDuplicateRoutingMatchesTheReference) {
         const bool fused = mode == SharedExpertMode::fused;
         EXPECT_EQ(r.counters[0].shared_fused, fused ? 1 : 0) << c.describe();
         EXPECT_EQ(r.counters[0].shared_separate, fused ? 0 : 1) << c.describe();
+      }
+    }
+  }
+}
+
+// The separate shared expert on an fp8 wire sees x~ (the wire's FP8 round trip), as the reference
+// of the separate path says: tighter than kTol, so the bf16 x (a ~1e-2 change of the shared
+// expert's output) would fail it. bf16 wire: x itself.
+TEST(ModularMoE, SeparateSharedExpertSeesTheWireX) {
+  for (const std::string& p : {std::string("deepseek-v3-mini"), std::string("deepseek-v4-pro-mini")}) {
+    for (const std::string& b : {std::string("ll"), std::string("naive")}) {
+      for (DType d : {DType::fp8_e4m3, DType::bf16}) {
+        LayerCase c{.preset = p, .backend = b, .tokens = {9, 5}, .dispatch_dtype = d,
+                    .options = {.shared_mode = SharedExpertMode::separate}, .given_routing = true, .seed = 31};
+        const LayerResult r = run_case(c, false);
+        EXPECT_LE(r.rel_l2, 3e-3) << c.describe();
+        EXPECT_EQ(r.counters[0].shared_separate, 1) << c.describe();
       }
     }
   }

@@ -48,6 +48,12 @@ struct Config {
   int experts_fp8_pairs = 0;         ///< 1: the FP8 tensor-core mainloop that runs K blocks in pairs (bench/NOTES.md)
   int experts_fp8_prefill = 1;       ///< experts with > 64 rows take the FP8 warp-specialized prefill GEMMs: 1 the measured fastest (now 2), 2 cp.async loads, 3 TMA loads (opt-in variant), 4 TMA + 2-CTA clusters; 0 off (bench/NOTES.md)
   int experts_fp8_prefill_stages = 0; ///< their ring depth in 48 KiB stages: 0 = maximum (gate_up 4, down 3), 2..4
+  /// the prefill section runs only when the experts with > 64 rows need at least this many 128-row
+  /// tiles in all (decided on the device per apply); below it every tile stays on the 64-row kernels,
+  /// whose persistent grid spreads a lone big expert (the fused shared expert at decode) over all SMs
+  /// instead of a serial tail launch on a few. 0 = one wave: ceil(SMs / gate_up weight tiles per
+  /// row tile) (bench/NOTES.md, sixth session); 1 = any big expert (the fifth session's behaviour)
+  int experts_fp8_prefill_min_tiles = 0;
   int experts_mxfp4_tc = 1;          ///< 0: mxfp4 experts keep the SIMT GEMMs; 1: MXFP4 tensor-core kernels; 2: their 512-thread (wide) variant
   int moe_chunk_size = 0;            ///< DP chunk: at most this many tokens per MoE call per rank; 0 = no chunking
   /// capability gate: fuse the shared expert when M <= this. 4096 = measured through the layer, where

@@ -189,13 +189,17 @@ class ModularMoE {
 void router_logits_cpu(const MoEWeights& w, const TensorView& x, const TensorView& logits);
 
 /// Single-rank, no-EP reference of the whole layer on CPU:
-///   out[t] = round_bf16( sum_k w[t,k] * expert_{idx[t,k]}(x~[t]) + g(t) * shared(x~s[t]) )
-/// with expert outputs bf16-rounded, the sum in fp32 in column order, one final rounding.
-/// x~ = x, or x quantized to FP8 1x128 and back when dispatch_dtype is fp8 (as the wire does);
-/// x~s = x~ when the shared expert is fused, else x. g = 1, or sigmoid(x . shared_gate) for Qwen.
+///   fused:    out[t] = round_bf16( sum_k w[t,k] * expert_{idx[t,k]}(x~[t]) + g(t) * shared(x~[t]) )
+///   separate: out[t] = round_bf16( round_bf16(sum_k w[t,k] * expert_{idx[t,k]}(x~[t])) + g(t) * shared(x~[t]) )
+/// with routed expert outputs bf16-rounded, the sum in fp32 in column order. x~ = x, or x quantized
+/// to FP8 1x128 and back when dispatch_dtype is fp8 (as the wire does); the shared expert sees x~ on
+/// both paths (the layer's separate path quantizes x as the wire does, so an fp8_block shared
+/// expert runs on the same FP8 kernels as the fused one). g = 1, or sigmoid(x . shared_gate) for Qwen.
 struct ReferenceOptions {
   DType dispatch_dtype = DType::bf16;
   bool use_ue8m0 = false;
+  /// The layer's shared path: true = fused (one rounding); false = separate (the combined routed
+  /// rows are rounded to bf16 before g * shared is added, as ModularMoE's separate path does).
   bool shared_fused = false;
 };
 void moe_reference_cpu(const MoEWeights& w, const TensorView& x, const TensorView& topk_idx,

@@ -43,6 +43,7 @@ void for_each_field(C& c, Visit&& v) {
   v(Field{"experts.fp8_pairs", "EPX_EXPERTS_FP8_PAIRS", "", "1: FP8 tensor-core mainloop over K-block pairs; 0..1"}, c.experts_fp8_pairs);
   v(Field{"experts.fp8_prefill", "EPX_EXPERTS_FP8_PREFILL", "", "experts with > 64 rows take the FP8 prefill GEMMs (128-row tiles): 1 the measured fastest (now 2), 2 cp.async loads, 3 TMA loads, 4 TMA + 2-CTA clusters (weight tile multicast); 0 off; 0..4"}, c.experts_fp8_prefill);
   v(Field{"experts.fp8_prefill_stages", "EPX_EXPERTS_FP8_PREFILL_STAGES", "stages", "FP8 prefill GEMMs' ring depth; 0 = maximum (gate_up 4, down 3), else 2..4"}, c.experts_fp8_prefill_stages);
+  v(Field{"experts.fp8_prefill_min_tiles", "EPX_EXPERTS_FP8_PREFILL_MIN_TILES", "tiles", "FP8 prefill GEMMs run only when the experts with > 64 rows fill at least this many 128-row tiles; 0 = one wave of the GPU, 1 = always"}, c.experts_fp8_prefill_min_tiles);
   v(Field{"experts.mxfp4_tc", "EPX_EXPERTS_MXFP4_TC", "", "0: mxfp4 experts keep the SIMT GEMMs; 1: MXFP4 tensor-core kernels; 2: their 512-thread (wide) variant; 0..2"}, c.experts_mxfp4_tc);
   v(Field{"moe.chunk_size", "EPX_MOE_CHUNK_SIZE", "tokens", "DP chunk: max tokens per MoE call per rank; 0 = unchunked"}, c.moe_chunk_size);
   v(Field{"fhmoe.max_tokens", "EPX_FHMOE_MAX_TOKENS", "tokens", "fuse the shared expert when M <= this (capability gate)"}, c.fhmoe_max_tokens);
@@ -163,6 +164,7 @@ void Config::validate() const {
   require_arg("config", "experts.fp8_prefill", experts_fp8_prefill, experts_fp8_prefill >= 0 && experts_fp8_prefill <= 4, "must be in [0, 4]");
   require_arg("config", "experts.fp8_prefill_stages", experts_fp8_prefill_stages,
               experts_fp8_prefill_stages == 0 || (experts_fp8_prefill_stages >= 2 && experts_fp8_prefill_stages <= 4), "must be 0 or in [2, 4]");
+  require_arg("config", "experts.fp8_prefill_min_tiles", experts_fp8_prefill_min_tiles, experts_fp8_prefill_min_tiles >= 0, "must be >= 0 (0 = one wave)");
   require_arg("config", "experts.mxfp4_tc", experts_mxfp4_tc, experts_mxfp4_tc >= 0 && experts_mxfp4_tc <= 2, "must be 0, 1 or 2");
   require_arg("config", "moe.chunk_size", moe_chunk_size, moe_chunk_size >= 0, "must be >= 0");
   require_arg("config", "fhmoe.max_tokens", fhmoe_max_tokens, fhmoe_max_tokens >= 0, "must be >= 0");

@@ -167,6 +167,7 @@ class CudaExperts final : public Experts {
     // (experts_fp8_prefill_cuda.cu); 0 keeps every tile on the 64-row kernels.
     fp8_prefill_ = config.experts_fp8_prefill >= 1;
     fp8_prefill_stages_ = config.experts_fp8_prefill_stages;
+    fp8_prefill_min_tiles_ = config.experts_fp8_prefill_min_tiles;
     // Config::experts_fp8_prefill: 1 = the variant measured fastest (kFp8PrefillDefaultMode,
     // bench/NOTES.md), 2 = cp.async loads, 3 = TMA loads, 4 = TMA + 2-CTA clusters multicasting the
     // weight tile; same results every way.
@@ -182,6 +183,12 @@ class CudaExperts final : public Experts {
                        experts_cuda::mxfp4_tensor_cores_available(device_);
     mx_wide_ = config.experts_mxfp4_tc == 2;
     EPX_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms_, cudaDevAttrMultiProcessorCount, device_));
+    // Config::experts_fp8_prefill_min_tiles = 0: the prefill section runs only when its 128-row
+    // tiles fill one wave of the gate_up launch (I / 128 weight tiles each, one CTA per SM);
+    // fewer big tiles stay 64-row tiles in the persistent grid of the 64-row kernels instead of a
+    // serial tail on a few SMs (the fused shared expert at decode: bench/NOTES.md, sixth session).
+    if (fp8_prefill_min_tiles_ == 0 && fp8_inter_max_ > 0)
+      fp8_prefill_min_tiles_ = static_cast<int>(ceil_div(num_sms_, std::max<int64_t>(1, fp8_inter_max_ / kFp8GroupSize)));
     std::vector<ExpertDesc> descs;
     for (const auto& e : experts_) {
       auto upload = [&](const Tensor& t) -> const void* {
@@ -331,6 +338,7 @@ class CudaExperts final : public Experts {
     // No expert can exceed kTileRows rows when cap <= kTileRows (decode): no prefill section.
     const bool big = use_prefill(in) && cap > experts_cuda::kTileRows;
     sp.big_rows = big ? experts_cuda::kFp8PrefillRows : 0;
+    sp.big_min_tiles = fp8_prefill_min_tiles_;
     sp.error = error_dev_;
     experts_cuda::schedule_expert_major_kernel<<<1, experts_cuda::kScheduleThreads,
                                                  experts_cuda::schedule_smem_bytes(sp.num_local), stream>>>(sp);
@@ -372,6 +380,7 @@ class CudaExperts final : public Experts {
     sp.num_tiles = ws.num_tiles;
     const bool big = use_prefill(in) && num_pairs > experts_cuda::kTileRows;
     sp.big_rows = big ? experts_cuda::kFp8PrefillRows : 0;
+    sp.big_min_tiles = fp8_prefill_min_tiles_;
     sp.error = error_dev_;
     experts_cuda::schedule_flat_kernel<<<1, experts_cuda::kScheduleThreads, experts_cuda::schedule_smem_bytes(sp.num_local),
                                          stream>>>(sp);
@@ -501,6 +510,7 @@ class CudaExperts final : public Experts {
   bool fp8_pairs_ = false;        // their mainloop variant (EPX_EXPERTS_FP8_PAIRS)
   bool fp8_prefill_ = false;      // experts with > 64 rows on the prefill kernels (EPX_EXPERTS_FP8_PREFILL)
   int fp8_prefill_stages_ = 0;    // their ring depth (EPX_EXPERTS_FP8_PREFILL_STAGES; 0 = maximum)
+  int fp8_prefill_min_tiles_ = 1; // big tiles the prefill section needs to run (EPX_EXPERTS_FP8_PREFILL_MIN_TILES; 0 -> one wave)
   bool fp8_prefill_cluster_ = false;  // their 2-CTA cluster launch (EPX_EXPERTS_FP8_PREFILL=4, or 1 with kFp8PrefillDefaultMode 4)
   int64_t mx_inter_max_ = 0;      // widest mxfp4 expert
   bool mx_tensor_cores_ = false;  // fp8_block + mxfp4 experts with FP8 x run on the mixed sm_90a GEMMs

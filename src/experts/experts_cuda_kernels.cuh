@@ -69,6 +69,10 @@ struct ScheduleParams {
   /// tiled by big_rows rows after all the others' tiles (the FP8 prefill kernels' section,
   /// Fp8GemmParams::num_small); num_tiles[1] = first tile of that section.
   int32_t big_rows;
+  /// big_rows > 0 only: the section is used only when the experts with more than kTileRows rows
+  /// need at least this many big tiles in all (else every expert is tiled by kTileRows and
+  /// num_tiles[1] = num_tiles[0]: the prefill launches find no tile). <= 1: always.
+  int32_t big_min_tiles;
   ErrorRecord* error;     ///< host-mapped
 };
 
@@ -192,9 +196,9 @@ __global__ void __launch_bounds__(kScheduleThreads) schedule_expert_major_kernel
   int32_t* big_off = counts + p.num_local;   // [L] big tiles per expert -> first big tile (big_rows > 0)
   int32_t* tile_off = big_off + p.num_local; // [L] tiles per expert -> first tile
   __shared__ int claimed;
-  __shared__ int32_t total_big, total_tiles;
+  __shared__ int32_t total_big, total_tiles, want_big;
   const int tid = threadIdx.x, L = p.num_local;
-  if (tid == 0) claimed = 0;
+  if (tid == 0) claimed = 0, want_big = 0;
   __syncthreads();
   for (int l = tid; l < L; l += kScheduleThreads) {
     int64_t c = p.recv_count[l];
@@ -203,16 +207,22 @@ __global__ void __launch_bounds__(kScheduleThreads) schedule_expert_major_kernel
       c = c < 0 ? 0 : p.cap;
     }
     counts[l] = static_cast<int32_t>(c);
-    const bool big = p.big_rows > 0 && c > kTileRows;
-    big_off[l] = big ? static_cast<int32_t>((c + p.big_rows - 1) / p.big_rows) : 0;
-    tile_off[l] = big ? 0 : static_cast<int32_t>((c + kTileRows - 1) / kTileRows);
+    if (p.big_rows > 0 && c > kTileRows) atomicAdd(&want_big, static_cast<int32_t>((c + p.big_rows - 1) / p.big_rows));
+  }
+  __syncthreads();
+  const int32_t big_rows = want_big >= p.big_min_tiles ? p.big_rows : 0;  // the section pays off (ScheduleParams)
+  for (int l = tid; l < L; l += kScheduleThreads) {
+    const int32_t c = counts[l];
+    const bool big = big_rows > 0 && c > kTileRows;
+    big_off[l] = big ? (c + big_rows - 1) / big_rows : 0;
+    tile_off[l] = big ? 0 : (c + kTileRows - 1) / kTileRows;
   }
   __syncthreads();
   block_exclusive_scan2(big_off, tile_off, L, &total_big, &total_tiles);
   for (int l = tid; l < L; l += kScheduleThreads) {
     const int32_t c = counts[l];
-    const bool big = p.big_rows > 0 && c > kTileRows;
-    const int32_t step = big ? p.big_rows : kTileRows;
+    const bool big = big_rows > 0 && c > kTileRows;
+    const int32_t step = big ? big_rows : kTileRows;
     for (int32_t j = 0, t = big ? total_tiles + big_off[l] : tile_off[l]; j < c; j += step, ++t)
       p.tiles[t] = Tile{l, static_cast<int32_t>(l * p.cap + j), min(step, c - j), 0};
   }
@@ -242,13 +252,18 @@ __global__ void __launch_bounds__(kScheduleThreads) schedule_flat_kernel(Schedul
     else if (e != -1) report_error(&claimed, p.error, kBadTopkIdx, static_cast<int32_t>(i / p.top_k),
                                    static_cast<int32_t>(i % p.top_k), e);
   }
+  __shared__ int32_t total_big, total_rows2, want_big;
+  if (tid == 0) want_big = 0;
   __syncthreads();
-  __shared__ int32_t total_big, total_rows2;
+  for (int l = tid; l < L; l += kScheduleThreads)
+    if (p.big_rows > 0 && counts[l] > kTileRows) atomicAdd(&want_big, (counts[l] + p.big_rows - 1) / p.big_rows);
+  __syncthreads();
+  const int32_t big_rows = want_big >= p.big_min_tiles ? p.big_rows : 0;  // the section pays off (ScheduleParams)
   for (int l = tid; l < L; l += kScheduleThreads) {
-    const bool big = p.big_rows > 0 && counts[l] > kTileRows;
+    const bool big = big_rows > 0 && counts[l] > kTileRows;
     row_off[l] = counts[l];
     tile_off[l] = big ? 0 : (counts[l] + kTileRows - 1) / kTileRows;
-    fill[l] = big ? (counts[l] + p.big_rows - 1) / p.big_rows : 0;  // big tiles (big_rows > 0)
+    fill[l] = big ? (counts[l] + big_rows - 1) / big_rows : 0;  // big tiles (big_rows > 0)
   }
   __syncthreads();
   block_exclusive_scan2(row_off, tile_off, L, &total_rows, &total_tiles);
@@ -257,8 +272,8 @@ __global__ void __launch_bounds__(kScheduleThreads) schedule_flat_kernel(Schedul
   block_exclusive_scan2(fill, counts, L, &total_big, &total_rows2);
   for (int l = tid; l < L; l += kScheduleThreads) {
     const int32_t c = (l + 1 < L ? row_off[l + 1] : total_rows) - row_off[l];
-    const bool big = p.big_rows > 0 && c > kTileRows;
-    const int32_t step = big ? p.big_rows : kTileRows;
+    const bool big = big_rows > 0 && c > kTileRows;
+    const int32_t step = big ? big_rows : kTileRows;
     for (int32_t j = 0, t = big ? total_tiles + fill[l] : tile_off[l]; j < c; j += step, ++t)
       p.tiles[t] = Tile{l, row_off[l] + j, min(step, c - j), 0};
   }

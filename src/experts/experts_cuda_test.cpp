@@ -354,8 +354,13 @@ TEST(ExpertsCuda, Fp8TensorCoreRowCountsOneTo8192) {
   // the prefill kernels off (EPX_EXPERTS_FP8_PREFILL=0: every tile on the 64-row kernels) and with
   // the TMA variant of the prefill kernels (EPX_EXPERTS_FP8_PREFILL=3) and its 2-CTA clusters (=4);
   // Fp8PrefillTmaLoadsMatchCpAsyncLoadsBitForBit checks those are bit-identical to the default (=2).
+  // These take the prefill section for any expert with > 64 rows (EPX_EXPERTS_FP8_PREFILL_MIN_TILES
+  // = 1); "gated" is the default, which takes it only when the big tiles fill one wave (here only
+  // flat 8192 rows: 3 x 22 tiles against ceil(132 / 16) = 9; 1000 rows are 8 tiles: 64-row kernels).
   const auto experts = same_format(WeightFormat::fp8_block, 3, 7168, 2048, 500);
   auto cpu = make_experts_cpu(experts);
+  auto gpu_gated = make_experts_cuda(experts, 0);
+  setenv("EPX_EXPERTS_FP8_PREFILL_MIN_TILES", "1", 1);
   auto gpu = make_experts_cuda(experts, 0);
   setenv("EPX_EXPERTS_FP8_PAIRS", "1", 1);
   auto gpu_pairs = make_experts_cuda(experts, 0);
@@ -367,10 +372,12 @@ TEST(ExpertsCuda, Fp8TensorCoreRowCountsOneTo8192) {
   setenv("EPX_EXPERTS_FP8_PREFILL", "4", 1);
   auto gpu_cluster = make_experts_cuda(experts, 0);
   unsetenv("EPX_EXPERTS_FP8_PREFILL");
+  unsetenv("EPX_EXPERTS_FP8_PREFILL_MIN_TILES");
   const double tol = kMaxRelL2Fp8TensorCores;
   const std::vector<std::vector<int32_t>> cases = {{0, 1, 0}, {7, 0, 0}, {16, 17, 95}, {64, 65, 129}, {0, 1000, 0}};
-  for (auto* g : {gpu.get(), gpu_pairs.get(), gpu_small.get(), gpu_tma.get(), gpu_cluster.get()}) {
+  for (auto* g : {gpu.get(), gpu_pairs.get(), gpu_small.get(), gpu_tma.get(), gpu_cluster.get(), gpu_gated.get()}) {
     const char* variant = g == gpu.get()           ? ""
+                          : g == gpu_gated.get()   ? " (prefill gated: one wave)"
                           : g == gpu_pairs.get()   ? " (pairs)"
                           : g == gpu_small.get()   ? " (no prefill kernels)"
                           : g == gpu_tma.get()     ? " (prefill TMA loads)"
@@ -403,6 +410,7 @@ TEST(ExpertsCuda, Fp8PrefillTmaLoadsMatchCpAsyncLoadsBitForBit) {
   std::vector<std::shared_ptr<const ExpertWeights>> experts = same_format(WeightFormat::fp8_block, 3, 7168, 2048, 540);
   experts.push_back(ExpertWeights::random(WeightFormat::fp8_block, 7168, 3072, 544));
   const int64_t L = 4, H = 7168, cap = 300;
+  setenv("EPX_EXPERTS_FP8_PREFILL_MIN_TILES", "1", 1);  // the prefill section for these few big tiles
   setenv("EPX_EXPERTS_FP8_PREFILL", "3", 1);
   auto tma = make_experts_cuda(experts, 0);
   setenv("EPX_EXPERTS_FP8_PREFILL", "2", 1);
@@ -410,6 +418,7 @@ TEST(ExpertsCuda, Fp8PrefillTmaLoadsMatchCpAsyncLoadsBitForBit) {
   setenv("EPX_EXPERTS_FP8_PREFILL", "4", 1);
   auto cl = make_experts_cuda(experts, 0);
   unsetenv("EPX_EXPERTS_FP8_PREFILL");
+  unsetenv("EPX_EXPERTS_FP8_PREFILL_MIN_TILES");
   auto same_bytes = [](const Tensor& a, const Tensor& b) {
     const Tensor ah = a.to(Device::cpu()), bh = b.to(Device::cpu());
     return std::memcmp(ah.data(), bh.data(), static_cast<size_t>(ah.nbytes())) == 0;

@@ -20,8 +20,11 @@
 // the model has a shared expert, so one backend serves both paths and the capability gate can pick
 // per chunk. Fused: column K = E (the source rank's shared replica, local expert L-1 there) with
 // weight g(t) = 1 or sigmoid(x . gate); the shared expert then sees the dispatched x (FP8 on an fp8
-// wire). Separate: column K = -1 (no traffic); the shared expert runs here on x and g(t) * its
-// output is added to the finalized rows (a second bf16 rounding; the fused path rounds once).
+// wire). Separate: column K = -1 (no traffic); the shared expert runs here on x~, x quantized to FP8
+// 1x128 as the wire does (fp8 wire; else x), and g(t) * its output is added to the finalized rows (a
+// second bf16 rounding; the fused path rounds once). On CUDA x~ goes to a one-expert ExpertMajor
+// layout [1, n, H] (contiguous, M = n), so an fp8_block shared expert runs on the same FP8
+// tensor-core GEMMs as the fused one and the two paths differ only in that rounding.
 // Gate: fuse when M = max over ranks of this chunk's tokens <= fhmoe_max_tokens. M comes from the
 // gathered T, so every rank takes the same path and the collectives line up.
 // DP-sharded shared expert (backends with Capabilities::gathers_all_tokens, R > 1): local expert
@@ -40,6 +43,7 @@
 
 #include "epx/error.h"
 #include "epx/moe.h"
+#include "epx/quant.h"
 #include "moe/moe_internal.h"
 #ifdef EPX_WITH_CUDA
 #include "moe/moe_cuda.h"
@@ -87,6 +91,8 @@ struct ModularMoE::Impl {
   int64_t fhmoe_max_tokens = 0;
   int num_experts = 0;           // E
   int top_k = 0;                 // K (routed columns)
+  bool wire_fp8 = false;         // dispatch_dtype fp8: the separate shared expert sees x quantized the same way
+  bool wire_ue8m0 = false;
   bool has_shared = false;
   bool sharded = false;          // the shared expert runs DP-sharded on fused chunks (local expert L-1 = shard)
   int shard_slot = -1;           // L-1
@@ -108,6 +114,7 @@ struct ModularMoE::Impl {
   std::unique_ptr<moe_cuda::Blas> blas;
   std::unique_ptr<Experts> shared_experts;  // one expert (the shared one), Flat, created on first use
   Tensor x_f32, shared_idx, shared_wts, shared_out;
+  Tensor shared_xq, shared_xs, shared_count;  // separate path, fp8 wire: x~ [1, n, H] FP8, scales, recv_count [1]
   Tensor gate_all;                           // [N] g of the gathered rows (sharded, shared gate)
   std::unique_ptr<moe_cuda::Graph> graph;    // the whole-layer graph, once captured
 #endif
@@ -217,6 +224,8 @@ ModularMoE::ModularMoE(std::shared_ptr<const MoEWeights> weights, std::shared_pt
   m.num_experts = mc.router.num_experts;
   m.top_k = mc.router.top_k;
   m.has_shared = mc.num_shared_experts > 0;
+  m.wire_fp8 = dispatch_cfg.dispatch_dtype == DType::fp8_e4m3;
+  m.wire_ue8m0 = dispatch_cfg.use_ue8m0;
   m.shared_mode = options.shared_mode;
   m.time_phases = options.time_phases;
   m.experts_config = config;
@@ -515,9 +524,29 @@ void ModularMoE::Impl::add_separate_shared(const TensorView& x_chunk, const Tens
   const int64_t n = x_chunk.shape[0], H = w.config.hidden;
   if (device.is_cuda()) {
 #ifdef EPX_WITH_CUDA
-    // The shared expert as a one-expert Flat layer with weight 1; g is applied in the add (in fp32,
-    // as the CPU does), so there is one rounding of out + g * y.
+    // The shared expert as a one-expert layer; g is applied in the add (in fp32, as the CPU does),
+    // so there is one rounding of out + g * y.
     if (!shared_experts) shared_experts = make_experts_cuda(shared_only, device.index, experts_config);
+    if (wire_fp8) {
+      // x~: FP8 1x128 as the wire quantizes it, as a one-expert ExpertMajor layout [1, n, H] with
+      // recv_count = n (contiguous rows, M = n): fp8_block weights take the FP8 tensor-core GEMMs
+      // (the 64-row decode kernels, or the prefill kernels when n fills a wave of 128-row tiles).
+      TensorView xq = scratch(shared_xq, DType::fp8_e4m3, {1, n, H});
+      TensorView xs = scratch(shared_xs, DType::fp32, {1, n, H / kFp8GroupSize});
+      quantize_fp8_per_token_group(x_chunk, TensorView(xq.data, DType::fp8_e4m3, {n, H}, device),
+                                   TensorView(xs.data, DType::fp32, {n, H / kFp8GroupSize}, device), kFp8GroupSize, wire_ue8m0,
+                                   stream);
+      ExpertsInput in;
+      in.layout = ActivationLayout::ExpertMajor;
+      in.x = xq;
+      in.x_scales = xs;
+      in.recv_count = scratch(shared_count, DType::int32, {1});
+      moe_cuda::fill_i32(in.recv_count, static_cast<int32_t>(n), stream);
+      const TensorView y = scratch(shared_out, DType::bf16, {1, n, H});
+      shared_experts->apply(in, y, stream);
+      moe_cuda::add_shared(out_chunk, TensorView(y.data, DType::bf16, {n, H}, device), g, stream);
+      return;
+    }
     ExpertsInput in;
     in.layout = ActivationLayout::Flat;
     in.x = x_chunk;
@@ -535,6 +564,8 @@ void ModularMoE::Impl::add_separate_shared(const TensorView& x_chunk, const Tens
   x_float.resize(static_cast<size_t>(n * H));
   shared_y.resize(static_cast<size_t>(n * H));
   moe_detail::bf16_to_float(x_chunk.ptr<const uint16_t>(), n * H, x_float.data());
+  if (wire_fp8)  // x~: the wire's FP8 round trip, as the fused path sees it
+    for (int64_t t = 0; t < n; ++t) moe_detail::fp8_round_trip_row(x_float.data() + t * H, H, wire_ue8m0);
   expert_mlp_cpu(*w.shared, x_float.data(), n, shared_y.data());
   uint16_t* o = out_chunk.ptr<uint16_t>();
   for (int64_t t = 0; t < n; ++t)

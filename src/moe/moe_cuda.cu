@@ -69,6 +69,11 @@ __global__ void single_route_kernel(int32_t* __restrict__ idx, float* __restrict
   }
 }
 
+__global__ void fill_i32_kernel(int32_t* __restrict__ t, int64_t n, int32_t value) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n; i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    t[i] = value;
+}
+
 __global__ void add_shared_kernel(uint16_t* __restrict__ out, const uint16_t* __restrict__ y, const float* __restrict__ gate,
                                   int64_t H, int64_t n) {
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n; i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -198,6 +203,15 @@ void fill_single_route(const TensorView& idx, const TensorView& weights, Stream 
   cuda::DeviceGuard guard(idx.device.index);
   single_route_kernel<<<cuda::grid_for(n, 256, 1024), 256, 0, cuda::native(stream)>>>(idx.ptr<int32_t>(), weights.ptr<float>(), n, local_expert);
   cuda::check_launch("single_route_kernel");
+}
+
+void fill_i32(const TensorView& t, int32_t value, Stream stream) {
+  require_cuda_contiguous("t", t, {DType::int32});
+  const int64_t n = t.numel();
+  if (n == 0) return;
+  cuda::DeviceGuard guard(t.device.index);
+  fill_i32_kernel<<<cuda::grid_for(n, 256, 1024), 256, 0, cuda::native(stream)>>>(t.ptr<int32_t>(), n, value);
+  cuda::check_launch("fill_i32_kernel");
 }
 
 void add_shared(const TensorView& out, const TensorView& shared_y, const TensorView& gate, Stream stream) {

@@ -58,6 +58,10 @@ void build_route_columns(const RouteColumnsParams& p, const TensorView& out_idx,
 /// experts), weights [n, 1] fp32 = 1.
 void fill_single_route(const TensorView& idx, const TensorView& weights, Stream stream, int local_expert = 0);
 
+/// t [numel] int32 on the device = value everywhere (e.g. recv_count [1] = n of the separate shared
+/// expert as a one-expert ExpertMajor layout). Stream-ordered, capturable.
+void fill_i32(const TensorView& t, int32_t value, Stream stream);
+
 /// CUDA events marking phase boundaries, `marks` per chunk (ModularMoEOptions::time_phases): the
 /// events are created on first use and reused by later calls, so timing allocates nothing per call.
 class PhaseEvents {

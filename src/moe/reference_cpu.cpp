@@ -122,16 +122,14 @@ void moe_reference_cpu(const MoEWeights& w, const TensorView& x, const TensorVie
   }
   if (T == 0) return;
 
-  // x as the experts see it: x~ (after the wire's FP8 round trip when dispatch is fp8) and x.
-  std::vector<float> x_plain(static_cast<size_t>(T * H));
-  moe_detail::bf16_to_float(x.ptr<const uint16_t>(), T * H, x_plain.data());
-  std::vector<float> x_wire;
-  if (use_fp8) {
-    x_wire = x_plain;
+  // x as the experts see it, routed and shared alike: x~ (after the wire's FP8 round trip when
+  // dispatch is fp8).
+  std::vector<float> x_wire(static_cast<size_t>(T * H));
+  moe_detail::bf16_to_float(x.ptr<const uint16_t>(), T * H, x_wire.data());
+  if (use_fp8)
     for (int64_t t = 0; t < T; ++t) moe_detail::fp8_round_trip_row(x_wire.data() + t * H, H, opt.use_ue8m0);
-  }
-  const float* xr = use_fp8 ? x_wire.data() : x_plain.data();                      // routed input
-  const float* xs = (use_fp8 && opt.shared_fused) ? x_wire.data() : x_plain.data();  // shared input
+  const float* xr = x_wire.data();  // routed input
+  const float* xs = x_wire.data();  // shared input
 
   const int64_t block = std::max<int64_t>(1, kMaxSlotElements / std::max<int64_t>(1, (K + 1) * H));
   std::vector<std::vector<int64_t>> slots(E);  // per expert: (token - t0) * K + k
@@ -175,6 +173,9 @@ void moe_reference_cpu(const MoEWeights& w, const TensorView& x, const TensorVie
       if (has_shared) {
         const float g = moe_detail::shared_gate_value(w, xb + t * H);
         const float* sy = shared_y.data() + (t - t0) * H;
+        // separate: the layer adds g * shared to the finalized (bf16) routed rows
+        if (!opt.shared_fused)
+          for (int64_t h = 0; h < H; ++h) acc[h] = bf16_bits_to_float(float_to_bf16_bits(acc[h]));
         for (int64_t h = 0; h < H; ++h) acc[h] += g * sy[h];
       }
       for (int64_t h = 0; h < H; ++h) o[t * H + h] = float_to_bf16_bits(acc[h]);

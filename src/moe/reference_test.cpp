@@ -16,6 +16,8 @@ using namespace epx;
 namespace {
 
 // Per-token, per-column model of the layer, written without grouping: the reference must match it.
+// The shared expert sees the same x~ as the routed ones on both paths; separate, it is added to the
+// routed sum rounded to bf16 (the layer's finalized rows).
 Tensor naive_layer(const MoEWeights& w, const Tensor& x, const Tensor& idx, const Tensor& wts, DType dispatch,
                    bool shared_fused) {
   const int64_t T = x.size(0), H = w.config.hidden, K = idx.size(1);
@@ -28,7 +30,7 @@ Tensor naive_layer(const MoEWeights& w, const Tensor& x, const Tensor& idx, cons
       std::vector<float> s(H / 128);
       quantize_fp8_row(xr.data(), H, q.data(), s.data(), 128, false);
       dequantize_fp8_row(q.data(), s.data(), H, xr.data(), 128);
-      if (shared_fused) xs = xr;
+      xs = xr;
     }
     std::fill(acc.begin(), acc.end(), 0.0f);
     for (int64_t k = 0; k < K; ++k) {
@@ -45,6 +47,8 @@ Tensor naive_layer(const MoEWeights& w, const Tensor& x, const Tensor& idx, cons
         g = 1.0f / (1.0f + std::exp(-dot));
       }
       expert_mlp_cpu(*w.shared, xs.data(), 1, y.data());
+      if (!shared_fused)
+        for (int64_t h = 0; h < H; ++h) acc[h] = bf16_bits_to_float(float_to_bf16_bits(acc[h]));
       for (int64_t h = 0; h < H; ++h) acc[h] += g * y[h];
     }
     for (int64_t h = 0; h < H; ++h) out.ptr<uint16_t>()[t * H + h] = float_to_bf16_bits(acc[h]);
