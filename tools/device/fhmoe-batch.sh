@@ -17,7 +17,7 @@
 set -uo pipefail
 OUT="${OUT:-/tmp/fhmoe-out}"
 BUDGET="${BUDGET:-128}"
-RUNS="${FHMOE_RUNS:-test old new pf0}"
+RUNS="${FHMOE_RUNS:-test new old sweep3 pf0}"
 mkdir -p "$OUT"
 HERE="$(pwd)"
 S=/tmp/s-fhmoe
@@ -79,7 +79,7 @@ for r in $RUNS; do
       (cd "$B" && timeout -k 2 35 ./moe_cuda_test --gtest_filter='ModularMoECuda.SharedExpertFusedAndSeparate*') >"$OUT/test-moe-cuda.log" 2>&1
       echo "test rc=$? at $((SECONDS - T0)) s" | tee -a "$OUT/summary.txt"
       grep -E "rel L2|^\[ *(OK|FAILED|PASSED|SKIPPED) " "$OUT/test-moe-cuda.log" | tail -24 | tee -a "$OUT/summary.txt" ;;
-    old) moe moe-v3-decode-ll-fused-mintiles1 40 EPX_EXPERTS_FP8_PREFILL_MIN_TILES=1 -- "${V3[@]}" --backend ll --mode decode --shared fused --steps 8 ;;
+    old) moe moe-v3-decode-ll-fused-mintiles1 38 EPX_EXPERTS_FP8_PREFILL_MIN_TILES=1 -- "${V3[@]}" --backend ll --mode decode --shared fused --steps 8 ;;
     new) moe moe-v3-decode-ll-compare 45 FHMOE=1 -- "${V3[@]}" --backend ll --mode decode --compare --steps 8 ;;
     pf0) moe moe-v3-decode-ll-fused-prefill0 40 EPX_EXPERTS_FP8_PREFILL=0 -- "${V3[@]}" --backend ll --mode decode --shared fused --steps 8 ;;
     sweep3|sweep4)
