@@ -112,7 +112,7 @@ struct ModularMoE::Impl {
   // CUDA only: the router's tensors uploaded once, the cuBLAS handle, the separate shared expert.
   Tensor router_weight_dev, correction_bias_dev, shared_gate_dev;
   std::unique_ptr<moe_cuda::Blas> blas;
-  std::unique_ptr<Experts> shared_experts;  // one expert (the shared one), Flat, created on first use
+  std::unique_ptr<Experts> shared_experts;  // one expert (the shared one; ExpertMajor on an fp8 wire, else Flat), created on first use
   Tensor x_f32, shared_idx, shared_wts, shared_out;
   Tensor shared_xq, shared_xs, shared_count;  // separate path, fp8 wire: x~ [1, n, H] FP8, scales, recv_count [1]
   Tensor gate_all;                           // [N] g of the gathered rows (sharded, shared gate)
