@@ -87,8 +87,18 @@ __device__ __forceinline__ bool last_block(unsigned long long* blocks, int* s_fl
   return *s_flag != 0;
 }
 
-__device__ __forceinline__ unsigned long long block_call_number(const unsigned long long* counter, int blocks) {
-  return *reinterpret_cast<const volatile unsigned long long*>(counter) / static_cast<unsigned long long>(blocks);
+__device__ __forceinline__ unsigned long long ld_volatile_u64(const void* p) {
+  unsigned long long v;
+  asm volatile("ld.volatile.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+/// x / b for the call counters (x < 2^50, 0 < b <= 1024): a double-precision quotient and one
+/// correction each way, instead of the 64-bit integer division sequence (sixth session).
+__device__ __forceinline__ unsigned long long div_blocks(unsigned long long x, unsigned b) {
+  unsigned long long q = static_cast<unsigned long long>(__dmul_rz(static_cast<double>(x), __drcp_rn(static_cast<double>(b))));
+  if (q * b > x) --q;
+  if ((q + 1) * b <= x) ++q;
+  return q;
 }
 
 /// Timeline of the last call (LlDeviceState::trace, globaltimer ns): block 0's start, the last
@@ -98,6 +108,23 @@ __device__ __forceinline__ void trace_at(const LlCommon& c, int slot) {
 }
 __device__ __forceinline__ void trace_max(const LlCommon& c, int slot) {
   if (threadIdx.x == 0) atomicMax(&c.state->trace[slot], globaltimer());
+}
+/// SM clock cycles since (ns0, clk0) of block 0 thread 0, stored as ns0 + cycles (the diagnostics
+/// print slot - start: kilocycles where the other slots print microseconds; their ratio is the clock).
+__device__ __forceinline__ void trace_clk(const LlCommon& c, int slot, unsigned long long ns0, unsigned long long clk0) {
+  if (threadIdx.x == 0 && blockIdx.x == 0) c.state->trace[slot] = ns0 + (clock64() - clk0);
+}
+/// Every 64-byte line of the kernel's parameter block (a __grid_constant__ struct of ~1 KiB in constant
+/// bank 0) read once by the block's last warp, all lines at once, so the later phases' first uses of
+/// their fields hit the SM's constant cache instead of each missing in turn (bench/NOTES.md, sixth
+/// session: every phase's first steps cost ~1.5-2.5 us at full SM clock). The warp waits for them.
+template <class P>
+__device__ __forceinline__ void touch_params(const P& p) {
+  if ((threadIdx.x >> 5) != (blockDim.x >> 5) - 1) return;
+  const uint32_t* w = reinterpret_cast<const uint32_t*>(&p);
+  uint32_t acc = 0;
+  for (int i = threadIdx.x & 31; i < static_cast<int>((sizeof(P) + 63) / 64); i += 32) acc ^= w[i * 16];
+  asm volatile("" ::"r"(acc));
 }
 /// Up to 8 16-byte loads issued back to back (one round trip), n <= 8.
 __device__ __forceinline__ void ld16_batch(const uint8_t* p, int n, uint4 (&v)[8]) {
@@ -164,6 +191,18 @@ __device__ __forceinline__ float round_up_pow2(float s) {
   uint32_t u = __float_as_uint(s);
   if (u & 0x007fffffu) u = (u & 0xff800000u) + 0x00800000u;
   return __uint_as_float(u);
+}
+/// a / b for the FP8 quantization, given y = __frcp_rn(b), finite a and a finite normal b: q0 = a y,
+/// then two Markstein corrections r = a - b q (exact by fma), q += r y. The result equals
+/// __fdiv_rn(a, b) wherever |a / b| >= 2^-12 (Markstein's theorem: y within half an ulp, q within
+/// one); below that the residual can underflow and the last bit may differ, but such quotients
+/// convert to the same e4m3 value, a zero of a's sign (checked against IEEE division on 6.3e7 random
+/// bf16 inputs and group scales, bench/NOTES.md sixth session). a = -0 keeps its sign (a y).
+__device__ __forceinline__ float quotient_rn(float a, float b, float y) {
+  const float q0 = __fmul_rn(a, y);
+  const float q1 = __fmaf_rn(__fmaf_rn(-q0, b, a), y, q0);
+  const float q2 = __fmaf_rn(__fmaf_rn(-q1, b, a), y, q1);
+  return a == 0.0f ? q0 : q2;
 }
 __device__ __forceinline__ uint32_t fp8x2(float a, float b) {
   return static_cast<uint32_t>(__nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3));
@@ -249,18 +288,37 @@ __global__ void __launch_bounds__(kMaxThreads, 1) ll_dispatch_kernel(const __gri
   uint32_t* s_bm = reinterpret_cast<uint32_t*>(smem) + max_t + static_cast<int64_t>(max_t) * R;  // after s_mask, s_slot
   int32_t* s_pre = reinterpret_cast<int32_t*>(s_bm + static_cast<int64_t>(NI) * Wm);
   int32_t* s_tot = s_pre + static_cast<int64_t>(NI) * Wm;
-  if (p.send && by_message)
-    for (int i = threadIdx.x; i < NI * Wm; i += blockDim.x) s_bm[i] = 0;
-
-  trace_at(c, 0);
+  // The front (sixth session, bench/NOTES.md): every load the send part needs first goes out before
+  // anything waits on one: thread 0's call counters and T (three independent loads), the ids of every
+  // row that may be read (rows < min(x.shape[0], max_T), so before T is known), one lane per (token,
+  // column) with G lanes per token (K rounded up to a power of two), and the warp's first item.
+  // Masks, per-id bitmaps and destinations are then computed lane-parallel (the token's mask ORed over
+  // its G lanes with shuffles); rows >= T are masked out after the barrier that publishes T, and their
+  // ids are never reported. One dependent round trip and two barriers before the slot scan.
+  __shared__ unsigned long long tr_ns0, tr_clk0;  // block 0's start (trace_clk; shared: no registers held)
+  if (threadIdx.x == 0 && blockIdx.x == 0) {
+    tr_ns0 = globaltimer();
+    tr_clk0 = clock64();
+    c.state->trace[0] = tr_ns0;
+  }
   trace_max(c, 8);
-  // The send part's first loads go out before T is known (rows < x.shape[0] are readable), so the
-  // round trips of T, the ids and x overlap: this thread's token's first 8 ids (the mask loop) and
-  // this warp's first item (x chunk; ids and weights for chunk 0).
-  int64_t pre_id[8];
-  if (p.send && threadIdx.x < p.x_rows) {
+  unsigned long long ctr_send = 0, ctr_recv = 0;
+  int32_t dev_T = 0;
+  if (threadIdx.x == 0) {
+    ctr_send = ld_volatile_u64(&c.state->dispatch_send_blocks);
+    ctr_recv = ld_volatile_u64(&c.state->dispatch_recv_blocks);
+    if (p.send && p.num_tokens) dev_T = ld32(p.num_tokens);
+  }
+  int G = 1;
+  while (G < K) G <<= 1;  // K <= 32
+  const int gk = static_cast<int>(threadIdx.x) & (G - 1), tpp = static_cast<int>(blockDim.x) / G;
+  const int rows = p.send ? static_cast<int>(p.x_rows < max_t ? p.x_rows : max_t) : 0;
+  constexpr int kIdPasses = 4;  // passes of tpp tokens whose ids are loaded up front
+  int64_t idv[kIdPasses];
 #pragma unroll
-    for (int i = 0; i < 8; ++i) pre_id[i] = i < K ? load_id(p, static_cast<int64_t>(threadIdx.x) * K + i) : -1;
+  for (int i = 0; i < kIdPasses; ++i) {
+    const int t = i * tpp + static_cast<int>(threadIdx.x) / G;
+    idv[i] = t < rows && gk < K ? load_id(p, static_cast<int64_t>(t) * K + gk) : -1;
   }
   const int64_t first_item = static_cast<int64_t>(blockIdx.x) * W + warp;
   uint4 pre_v0 = make_uint4(0, 0, 0, 0), pre_v1 = make_uint4(0, 0, 0, 0);
@@ -277,11 +335,39 @@ __global__ void __launch_bounds__(kMaxThreads, 1) ll_dispatch_kernel(const __gri
       pre_w = p.topk_weights[static_cast<int64_t>(t) * K + lane];
     }
   }
+  touch_params(p);
+  uint32_t* s_mask = reinterpret_cast<uint32_t*>(smem);          // [max_t]
+  int32_t* s_slot = reinterpret_cast<int32_t*>(s_mask + max_t);  // [max_t][R]
+  if (p.send && by_message) {
+    for (int i = threadIdx.x; i < NI * Wm; i += blockDim.x) s_bm[i] = 0;
+    __syncthreads();  // zeroed before the atomicOr below
+  }
+  int bad_t = -1, bad_k = 0;
+  int64_t bad_id = 0;
+  auto mask_pass = [&](int t, int64_t id) {  // block-uniform call (shuffles over the whole warp)
+    const bool mine = t < rows && gk < K;
+    if (mine && !c.placement.valid_id(id, gk, K)) {
+      if (bad_t < 0) bad_t = t, bad_k = gk, bad_id = id;
+      id = -1;  // treated as -1
+    }
+    const int d = mine ? c.placement.dest_rank(static_cast<int32_t>(id), rank) : -1;
+    uint32_t bit = d >= 0 ? 1u << d : 0u;
+    for (int o = 1; o < G; o <<= 1) bit |= __shfl_xor_sync(0xffffffffu, bit, o);
+    if (t < rows && gk == 0) s_mask[t] = bit;
+    if (by_message && mine && id >= 0) atomicOr(&s_bm[id * Wm + (t >> 5)], 1u << (t & 31));  // duplicates: the same bit
+  };
+#pragma unroll
+  for (int i = 0; i < kIdPasses; ++i)
+    if (i * tpp < rows) mask_pass(i * tpp + static_cast<int>(threadIdx.x) / G, idv[i]);
+  for (int i = kIdPasses; i * tpp < rows; ++i) {
+    const int t = i * tpp + static_cast<int>(threadIdx.x) / G;
+    mask_pass(t, t < rows && gk < K ? load_id(p, static_cast<int64_t>(t) * K + gk) : -1);
+  }
   if (threadIdx.x == 0) {
-    s_call_send = block_call_number(&c.state->dispatch_send_blocks, gridDim.x);
-    s_call_recv = block_call_number(&c.state->dispatch_recv_blocks, gridDim.x);
-    int64_t T = p.num_tokens ? static_cast<int64_t>(*p.num_tokens) : p.x_rows;
-    if (T < 0 || T > p.x_rows) {
+    s_call_send = div_blocks(ctr_send, gridDim.x);
+    s_call_recv = div_blocks(ctr_recv, gridDim.x);
+    int64_t T = p.num_tokens ? static_cast<int64_t>(dev_T) : p.x_rows;
+    if (T < 0 || T > p.x_rows || T > max_t) {
       if (p.send && blockIdx.x == 0) report(c, LlErrorReport::bad_num_tokens, -1, LlErrorReport::dispatch, T, p.x_rows);
       T = 0;  // send nothing: the peers still get their signals, nothing hangs
     }
@@ -289,46 +375,22 @@ __global__ void __launch_bounds__(kMaxThreads, 1) ll_dispatch_kernel(const __gri
   }
   __syncthreads();
   trace_at(c, kTrDispT);
+  trace_at(c, kTrDispMasks);  // the masks are done at the same barrier now
+  trace_clk(c, kTrDispMasksCyc, tr_ns0, tr_clk0);
 
   if (p.send) {
     const int T = s_T;
     const int parity = static_cast<int>(s_call_send & 1);
-    uint32_t* s_mask = reinterpret_cast<uint32_t*>(smem);       // [max_t]
-    int32_t* s_slot = reinterpret_cast<int32_t*>(s_mask + max_t);  // [max_t][R]
-    for (int t = threadIdx.x; t < T; t += blockDim.x) {
-      uint32_t m = 0;
-      for (int k0 = 0; k0 < K; k0 += 8) {
-        int64_t id8[8];  // all loads first (one round trip), then the checks
-        if (k0 == 0 && t == static_cast<int>(threadIdx.x)) {  // loaded before T (t < T <= x.shape[0])
-#pragma unroll
-          for (int i = 0; i < 8; ++i) id8[i] = pre_id[i];
-        } else {
-#pragma unroll
-          for (int i = 0; i < 8; ++i) id8[i] = k0 + i < K ? load_id(p, static_cast<int64_t>(t) * K + k0 + i) : -1;
-        }
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-          const int64_t id = id8[i];
-          if (!c.placement.valid_id(id, k0 + i, K)) {
-            if (blockIdx.x == 0) report(c, LlErrorReport::bad_topk_id, -1, LlErrorReport::dispatch, id, static_cast<int64_t>(t) * K + k0 + i);
-            continue;  // treated as -1
-          }
-          const int d = c.placement.dest_rank(static_cast<int32_t>(id), rank);
-          if (d >= 0) m |= 1u << d;
-          if (by_message && id >= 0) atomicOr(&s_bm[id * Wm + (t >> 5)], 1u << (t & 31));  // duplicates: the same bit
-        }
-      }
-      s_mask[t] = m;
-    }
-    __syncthreads();
-    trace_at(c, kTrDispMasks);
-    if (by_message) {  // per id, the running count of its tokens by 32-token word
+    if (bad_t >= 0 && bad_t < T && blockIdx.x == 0)
+      report(c, LlErrorReport::bad_topk_id, -1, LlErrorReport::dispatch, bad_id, static_cast<int64_t>(bad_t) * K + bad_k);
+    if (by_message) {  // per id, the running count of its tokens (< T) by 32-token word
       const int WT = (T + 31) / 32;
+      const uint32_t last_bits = (T & 31) ? (1u << (T & 31)) - 1u : 0xffffffffu;
       for (int id = threadIdx.x; id < NI; id += blockDim.x) {
         int running = 0;
         for (int w = 0; w < WT; ++w) {
           s_pre[id * Wm + w] = running;
-          running += __popc(s_bm[id * Wm + w]);
+          running += __popc(s_bm[id * Wm + w] & (w == WT - 1 ? last_bits : 0xffffffffu));
         }
         s_tot[id] = running;
       }
@@ -396,13 +458,24 @@ __global__ void __launch_bounds__(kMaxThreads, 1) ll_dispatch_kernel(const __gri
         amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 4));
         scale = __fdiv_rn(fmaxf(amax, kAmaxFloor), kFp8Max);
         if (p.ue8m0 && isfinite(scale)) scale = round_up_pow2(scale);
+        // f / scale, the quotients of quant_cpu.cpp's IEEE division: one correctly rounded reciprocal
+        // and two fma corrections per element (fp8_quotients_rn), __fdiv_rn itself where that is not
+        // proven equal (a non-finite scale or element).
+        float qv[16];
+        bool finite = isfinite(scale);
+#pragma unroll
+        for (int i = 0; i < 16; ++i) finite = finite && isfinite(f[i]);
+        if (finite) {
+          const float y = __frcp_rn(scale);
+#pragma unroll
+          for (int i = 0; i < 16; ++i) qv[i] = quotient_rn(f[i], scale, y);
+        } else {
+#pragma unroll
+          for (int i = 0; i < 16; ++i) qv[i] = __fdiv_rn(f[i], scale);
+        }
         uint32_t w[4];
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const uint32_t lo = fp8x2(__fdiv_rn(f[4 * i], scale), __fdiv_rn(f[4 * i + 1], scale));
-          const uint32_t hi = fp8x2(__fdiv_rn(f[4 * i + 2], scale), __fdiv_rn(f[4 * i + 3], scale));
-          w[i] = lo | (hi << 16);
-        }
+        for (int i = 0; i < 4; ++i) w[i] = fp8x2(qv[4 * i], qv[4 * i + 1]) | (fp8x2(qv[4 * i + 2], qv[4 * i + 3]) << 16);
         q = make_uint4(w[0], w[1], w[2], w[3]);
       }
       for (int d = 0; d < R; ++d) {
@@ -426,6 +499,7 @@ __global__ void __launch_bounds__(kMaxThreads, 1) ll_dispatch_kernel(const __gri
       }
     }
     if (warp == 0) trace_at(c, kTrDispWarp0Items);
+    if (warp == 0) trace_clk(c, kTrDispWarp0ItemsCyc, tr_ns0, tr_clk0);
     __syncthreads();
     trace_max(c, kTrDispItems);
     if (blockIdx.x == 0 && threadIdx.x == 0) c.state->num_tokens = T;
@@ -460,19 +534,23 @@ __global__ void __launch_bounds__(kMaxThreads, 1) ll_dispatch_kernel(const __gri
     wait_all_flags(
         c, [&](int s) { return c.local + lay.dispatch_flag_offset(s, 0); }, call + 1, LlErrorReport::dispatch, call, s_bad,
         [&](int s) {  // block 0's flag of s was released after the count
-          long long n = static_cast<long long>(ld_relaxed_sys_u64(c.local + lay.dispatch_count_offset(parity, s)));
-          if (n < 0 || n > max_t) n = 0;
-          s_n[s] = static_cast<int>(n);
+          if constexpr (!by_message) {  // (ll.expand = message loads the counts after the wait, with the rest)
+            long long n = static_cast<long long>(ld_relaxed_sys_u64(c.local + lay.dispatch_count_offset(parity, s)));
+            if (n < 0 || n > max_t) n = 0;
+            s_n[s] = static_cast<int>(n);
+          }
         });
     __syncthreads();
-    if (threadIdx.x == 0) {  // timed-out sources count 0; s_mp: prefix of the message counts
-      s_mp[0] = 0;
-      for (int s = 0; s < R; ++s) {
-        if (s_bad[s]) s_n[s] = 0;
-        s_mp[s + 1] = s_mp[s] + s_n[s];
+    if constexpr (!by_message) {
+      if (threadIdx.x == 0) {  // timed-out sources count 0; s_mp: prefix of the message counts
+        s_mp[0] = 0;
+        for (int s = 0; s < R; ++s) {
+          if (s_bad[s]) s_n[s] = 0;
+          s_mp[s + 1] = s_mp[s] + s_n[s];
+        }
       }
+      __syncthreads();
     }
-    __syncthreads();
     trace_at(c, 2);
     trace_max(c, 10);
     if constexpr (by_message) {
@@ -490,15 +568,17 @@ __global__ void __launch_bounds__(kMaxThreads, 1) ll_dispatch_kernel(const __gri
         float wk = 0.0f, sc[kRunD] = {};
         uint4 a[kRunD] = {}, b2[kRunD] = {};
       };
+      // Items over the capacity R x max_T (sixth session): a warp knows its first item's message before
+      // the counts, so its loads, the message counts and the slot-base counts are one round trip after
+      // the wait; items of slots j >= the source's count are skipped (their speculative loads unused).
       const int64_t gwarps = static_cast<int64_t>(gridDim.x) * W;
-      const int cprd = c.items_run ? chunks_per_run(nchunks, s_mp[R], gwarps, kRunD) : 1;
+      const int cprd = c.items_run ? chunks_per_run(nchunks, cap, gwarps, kRunD) : 1;
       const int runsd = (nchunks + cprd - 1) / cprd;
       auto load_item = [&](int64_t item, Item& m) {  // all loads of the item at once (one round trip)
-        const int flat = udiv(item, runsd);
+        const int flat = udiv(item, runsd);  // = s max_T + j
         m.ch = umod(item, runsd) * cprd;
-        m.s = 0;
-        while (m.s + 1 < R && s_mp[m.s + 1] <= flat) ++m.s;
-        m.j = flat - s_mp[m.s];
+        m.s = udiv(flat, max_t);
+        m.j = flat - m.s * max_t;
         const uint8_t* msg = c.local + lay.dispatch_msg_offset(parity, m.s, m.j);
         m.id = -1, m.u = -1, m.hdr = 0, m.wk = 0.0f;
         if (lane < K) {
@@ -520,24 +600,36 @@ __global__ void __launch_bounds__(kMaxThreads, 1) ll_dispatch_kernel(const __gri
           }
         }
       };
-      const int64_t items = static_cast<int64_t>(s_mp[R]) * runsd;
+      const int64_t items = cap * runsd;
       const int64_t first_recv = static_cast<int64_t>(blockIdx.x) * W + warp;
       Item m;
       if (first_recv < items) load_item(first_recv, m);
+      // The message counts (block 0's flag of s was released after them; timed-out sources count 0).
+      auto msg_count_of = [&](int s) {
+        long long n = static_cast<long long>(ld_relaxed_sys_u64(c.local + lay.dispatch_count_offset(parity, s)));
+        return s_bad[s] || n < 0 || n > max_t ? 0 : static_cast<int>(n);
+      };
+      if (threadIdx.x < R) {
+        const int n = msg_count_of(threadIdx.x);
+        s_n[threadIdx.x] = n;
+        if (lay.partial() && blockIdx.x == 0) p.msg_count[threadIdx.x] = n;
+      }
       // Slot bases: s_base[l][s] = tokens of sources < s for local expert l (the senders' counts,
-      // released with their flags); block 0 also writes recv_count, layout_range and msg_count.
+      // released with their flags); block 0 also writes recv_count and layout_range.
       int32_t* s_base = reinterpret_cast<int32_t*>(smem);  // [L][R]
       for (int l = threadIdx.x; l < L; l += blockDim.x) {
         int running = 0;
         for (int s0 = 0; s0 < R; s0 += 8) {  // 8 sources' counts loaded at once
-          int n[8];
+          int n[8], nm[8];
 #pragma unroll
           for (int i = 0; i < 8; ++i) n[i] = s0 + i < R ? ld32(c.local + lay.expert_count_offset(parity, s0 + i, l)) : 0;
+#pragma unroll
+          for (int i = 0; i < 8; ++i) nm[i] = s0 + i < R ? msg_count_of(s0 + i) : 0;
 #pragma unroll
           for (int i = 0; i < 8; ++i) {
             const int s = s0 + i;
             if (s >= R) break;
-            const int cnt = s_bad[s] || n[i] < 0 || n[i] > s_n[s] ? 0 : n[i];
+            const int cnt = n[i] < 0 || n[i] > nm[i] ? 0 : n[i];
             s_base[l * R + s] = running;
             if (blockIdx.x == 0) p.layout_range[static_cast<int64_t>(l) * R + s] = (static_cast<int64_t>(running) << 32) | cnt;
             running += cnt;
@@ -545,11 +637,17 @@ __global__ void __launch_bounds__(kMaxThreads, 1) ll_dispatch_kernel(const __gri
         }
         if (blockIdx.x == 0) p.recv_count[l] = running;
       }
-      if (lay.partial() && blockIdx.x == 0 && threadIdx.x < R) p.msg_count[threadIdx.x] = s_n[threadIdx.x];
       __syncthreads();
       trace_at(c, kTrDispBases);
+      trace_clk(c, kTrDispBasesCyc, tr_ns0, tr_clk0);
       for (int64_t item = first_recv; item < items; item += gwarps) {
-        if (item != first_recv) load_item(item, m);
+        if (item != first_recv) {
+          const int flat = udiv(item, runsd), s = udiv(flat, max_t);
+          if (flat - s * max_t >= s_n[s]) continue;  // beyond the messages s sent (warp-uniform)
+          load_item(item, m);
+        } else if (m.j >= s_n[m.s]) {
+          continue;
+        }
         const int s = m.s, ch = m.ch;
         int l = m.id >= 0 ? c.placement.local_index(m.id, s, rank) : -1;
         int slot = l >= 0 ? s_base[l * R + s] + m.u : -1;
@@ -806,7 +904,7 @@ __device__ __forceinline__ void combine_send_runs(const LlCombineParams& p, int 
     }
     if (j >= cnt) continue;  // beyond the messages s sent (warp-uniform)
     ctr = __shfl_sync(0xffffffffu, ctr, 0);
-    const int parity = static_cast<int>((ctr / gridDim.x) & 1);
+    const int parity = static_cast<int>(div_blocks(ctr, gridDim.x) & 1);
     float acc[kRun][8];
 #pragma unroll
     for (int i = 0; i < kRun; ++i)
@@ -844,6 +942,8 @@ __device__ __forceinline__ void combine_send_runs(const LlCombineParams& p, int 
         }
       }
     }
+    const bool stamp0 = item == static_cast<int64_t>(blockIdx.x) * W + warp && warp == 0;  // block 0 via trace_at
+    if (stamp0 && __float_as_uint(acc[0][0]) != 0x7fc00001u) trace_at(c, kTrCombLoaded0);  // after the sums (data-dependent)
     uint8_t* dst = c.peers[s] + lay.combine_partial_offset(parity, t, rank);
 #pragma unroll
     for (int i = 0; i < kRun; ++i) {
@@ -859,6 +959,10 @@ __device__ __forceinline__ void combine_send_runs(const LlCombineParams& p, int 
           o[e] = static_cast<uint32_t>(float_to_bf16_bits(acc[i][2 * e])) | (static_cast<uint32_t>(float_to_bf16_bits(acc[i][2 * e + 1])) << 16);
         st16(dst + 2 * h, make_uint4(o[0], o[1], o[2], o[3]));
       }
+    }
+    if (stamp0) {
+      asm volatile("" ::: "memory");  // after the stores are issued
+      trace_at(c, kTrCombStored0);
     }
   }
 }
@@ -947,15 +1051,22 @@ __global__ void __launch_bounds__(kMaxThreads, 1) ll_combine_kernel(const __grid
   const bool partial = lay.partial(), f32 = lay.combine == 1;
   __shared__ unsigned long long s_call_send, s_call_recv;
   __shared__ int s_bad[kLlMaxRanks], s_last;
-  trace_at(c, 4);
+  __shared__ unsigned long long tr_ns0, tr_clk0;  // block 0's start (trace_clk; shared: no registers held)
+  if (threadIdx.x == 0 && blockIdx.x == 0) {
+    tr_ns0 = globaltimer();
+    tr_clk0 = clock64();
+    c.state->trace[4] = tr_ns0;
+  }
   trace_max(c, 9);
   // ll.items = run (partial modes): the send part's warps read the call number themselves with their
   // first item's routing (one round trip less); s_call_send is read by the flags only, after a sync.
   const bool run_send = partial && c.items_run;
-  if (threadIdx.x == 0) {
-    s_call_send = block_call_number(&c.state->combine_send_blocks, gridDim.x);
-    s_call_recv = block_call_number(&c.state->combine_recv_blocks, gridDim.x);
+  if (threadIdx.x == 0) {  // both loads out before either division waits
+    const unsigned long long cs = ld_volatile_u64(&c.state->combine_send_blocks), cr = ld_volatile_u64(&c.state->combine_recv_blocks);
+    s_call_send = div_blocks(cs, gridDim.x);
+    s_call_recv = div_blocks(cr, gridDim.x);
   }
+  touch_params(p);
   if (!(p.send && run_send)) __syncthreads();
 
   if (p.send && run_send) {
@@ -1099,6 +1210,7 @@ __global__ void __launch_bounds__(kMaxThreads, 1) ll_combine_kernel(const __grid
     combine_recv_runs<2>(p, W, warp, lane, &s_call_recv, s_bad);
     __syncthreads();
     trace_at(c, kTrCombReduced0);
+    trace_clk(c, kTrCombReducedCyc, tr_ns0, tr_clk0);
     trace_max(c, 7);
   } else if (p.recv) {
     if (threadIdx.x < R) s_bad[threadIdx.x] = 0;
@@ -1167,6 +1279,7 @@ __global__ void __launch_bounds__(kMaxThreads, 1) ll_combine_kernel(const __grid
     if (threadIdx.x == 0) atomicAdd(&c.state->combine_recv_blocks, 1ull);
     __syncthreads();
     trace_at(c, kTrCombReduced0);
+    trace_clk(c, kTrCombReducedCyc, tr_ns0, tr_clk0);
     trace_max(c, 7);
   }
 }
@@ -1227,7 +1340,11 @@ int ll_max_resident_blocks(int threads, size_t dispatch_smem, size_t combine_sme
   EPX_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
   int worst = 1 << 30;
   auto check = [&](const void* fn, size_t smem) {
-    EPX_CUDA_CHECK(cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+    // Never lowered: objects of one process with other layouts / modes keep what they need.
+    cudaFuncAttributes attr{};
+    EPX_CUDA_CHECK(cudaFuncGetAttributes(&attr, fn));
+    const int want = static_cast<int>(smem) > attr.maxDynamicSharedSizeBytes ? static_cast<int>(smem) : attr.maxDynamicSharedSizeBytes;
+    EPX_CUDA_CHECK(cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, want));
     int n = 0;
     EPX_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, fn, threads, smem));
     worst = n < worst ? n : worst;

@@ -32,7 +32,7 @@ struct LlDeviceState {
   /// combine 4..7 the same; 8 / 9 the last block's start (dispatch / combine: the launch spread).
   /// Read by LlCuda::trace() (diagnostics).
   /// 10 / 11: the last block's end of waiting (dispatch / combine). The rest: LlTraceSlot.
-  unsigned long long trace[32];
+  unsigned long long trace[32];  // = kTrSlots
 };
 
 /// Slots of LlDeviceState::trace ("b0": thread 0 of block 0; "max": the latest over all blocks).
@@ -63,7 +63,15 @@ enum LlTraceSlot : int {
   kTrHostPostComb = 23,
   kTrDispMasks = 24,       ///< b0: the mask loop done (its __syncthreads)
   kTrDispWarp0Items = 25,  ///< b0: warp 0's send items done (before the block's __syncthreads)
-  kTrSlots = 26
+  // SM clock (clock64) of block 0 since its start, stored as start + cycles (trace_clk): printed in
+  // kilocycles beside the microseconds of the same point, so the ratio is the SM clock in GHz.
+  kTrDispMasksCyc = 26,       ///< b0: at kTrDispMasks
+  kTrDispWarp0ItemsCyc = 27,  ///< b0: at kTrDispWarp0Items
+  kTrDispBasesCyc = 28,       ///< b0: at kTrDispBases
+  kTrCombReducedCyc = 29,     ///< b0: at kTrCombReduced0
+  kTrCombLoaded0 = 30,        ///< b0: warp 0's first item's expert rows loaded and summed (before its stores)
+  kTrCombStored0 = 31,        ///< b0: warp 0's first item's stores issued
+  kTrSlots = 32
 };
 /// Name of a slot for the diagnostics (nullptr: unused), and whether it is on the combine's timeline.
 inline const char* ll_trace_name(int i) {
@@ -75,11 +83,13 @@ inline const char* ll_trace_name(int i) {
       "dispatch counts issued (block 0)", "dispatch slot bases (block 0)", "combine send items start (block 0)",
       "combine send items done (last block)", "combine reduce done (block 0)", "stamp before dispatch graph",
       "stamp after dispatch graph", "stamp before combine graph", "stamp after combine graph",
-      "dispatch masks done (block 0)", "dispatch warp 0 items done (block 0)"};
+      "dispatch masks done (block 0)", "dispatch warp 0 items done (block 0)", "dispatch masks done, kcycles (block 0)",
+      "dispatch warp 0 items done, kcycles (block 0)", "dispatch slot bases, kcycles (block 0)", "combine reduce done, kcycles (block 0)",
+      "combine warp 0 rows loaded (block 0)", "combine warp 0 stores issued (block 0)"};
   return i >= 0 && i < kTrSlots ? names[i] : nullptr;
 }
 inline bool ll_trace_is_combine(int i) {
-  return i == 4 || i == 5 || i == 6 || i == 7 || i == 9 || i == 11 || i == 17 || i == 18 || i == 19 || i == 22 || i == 23;
+  return i == 4 || i == 5 || i == 6 || i == 7 || i == 9 || i == 11 || i == 17 || i == 18 || i == 19 || i == 22 || i == 23 || i >= 29;
 }
 
 /// The error report, in host-mapped memory: the kernels never trap; the host reads it.
