@@ -126,6 +126,16 @@ __device__ __forceinline__ void touch_params(const P& p) {
   for (int i = threadIdx.x & 31; i < static_cast<int>((sizeof(P) + 63) / 64); i += 32) acc ^= w[i * 16];
   asm volatile("" ::"r"(acc));
 }
+/// Diagnostics (kTrDispLoadStart / kTrDispLoadWaited): the round trip [ns] of one dependent load of `p`
+/// by block 0's last thread (0 elsewhere), called after that warp's own loads are out (its warp waits
+/// for it); the caller stores it relative to block 0's start stamp.
+__device__ __forceinline__ unsigned long long load_round_trip(const void* p) {
+  if (threadIdx.x != blockDim.x - 1 || blockIdx.x != 0) return 0;
+  const unsigned long long t0 = globaltimer();
+  const unsigned long long v = ld_volatile_u64(p);
+  if (v == 0x5a5a5a5a5a5a5a5aull) return 1;  // a branch on the value: the next stamp waits for it
+  return globaltimer() - t0;
+}
 /// Up to 8 16-byte loads issued back to back (one round trip), n <= 8.
 __device__ __forceinline__ void ld16_batch(const uint8_t* p, int n, uint4 (&v)[8]) {
 #pragma unroll
@@ -335,6 +345,7 @@ __global__ void __launch_bounds__(kMaxThreads, 1) ll_dispatch_kernel(const __gri
       pre_w = p.topk_weights[static_cast<int64_t>(t) * K + lane];
     }
   }
+  const unsigned long long rt_start = load_round_trip(&c.state->combine_recv_blocks);
   touch_params(p);
   uint32_t* s_mask = reinterpret_cast<uint32_t*>(smem);          // [max_t]
   int32_t* s_slot = reinterpret_cast<int32_t*>(s_mask + max_t);  // [max_t][R]
@@ -376,6 +387,7 @@ __global__ void __launch_bounds__(kMaxThreads, 1) ll_dispatch_kernel(const __gri
   __syncthreads();
   trace_at(c, kTrDispT);
   trace_at(c, kTrDispMasks);  // the masks are done at the same barrier now
+  if (threadIdx.x == blockDim.x - 1 && blockIdx.x == 0) c.state->trace[kTrDispLoadStart] = tr_ns0 + rt_start;
   trace_clk(c, kTrDispMasksCyc, tr_ns0, tr_clk0);
 
   if (p.send) {
@@ -604,6 +616,8 @@ __global__ void __launch_bounds__(kMaxThreads, 1) ll_dispatch_kernel(const __gri
       const int64_t first_recv = static_cast<int64_t>(blockIdx.x) * W + warp;
       Item m;
       if (first_recv < items) load_item(first_recv, m);
+      if (threadIdx.x == blockDim.x - 1 && blockIdx.x == 0)
+        c.state->trace[kTrDispLoadWaited] = tr_ns0 + load_round_trip(c.local + lay.dispatch_count_offset(parity, rank));
       // The message counts (block 0's flag of s was released after them; timed-out sources count 0).
       auto msg_count_of = [&](int s) {
         long long n = static_cast<long long>(ld_relaxed_sys_u64(c.local + lay.dispatch_count_offset(parity, s)));

@@ -32,7 +32,7 @@ struct LlDeviceState {
   /// combine 4..7 the same; 8 / 9 the last block's start (dispatch / combine: the launch spread).
   /// Read by LlCuda::trace() (diagnostics).
   /// 10 / 11: the last block's end of waiting (dispatch / combine). The rest: LlTraceSlot.
-  unsigned long long trace[32];  // = kTrSlots
+  unsigned long long trace[36];  // = kTrSlots
 };
 
 /// Slots of LlDeviceState::trace ("b0": thread 0 of block 0; "max": the latest over all blocks).
@@ -71,7 +71,10 @@ enum LlTraceSlot : int {
   kTrCombReducedCyc = 29,     ///< b0: at kTrCombReduced0
   kTrCombLoaded0 = 30,        ///< b0: warp 0's first item's expert rows loaded and summed (before its stores)
   kTrCombStored0 = 31,        ///< b0: warp 0's first item's stores issued
-  kTrSlots = 32
+  // One dependent load's round trip, stored as start + round trip (printed: the round trip in us):
+  kTrDispLoadStart = 32,      ///< b0's last thread: a state word at the dispatch kernel's start (after its warp's first loads)
+  kTrDispLoadWaited = 33,     ///< b0's last thread: a word of the local buffer after the wait (ll.expand = message, after its warp's item loads)
+  kTrSlots = 34
 };
 /// Name of a slot for the diagnostics (nullptr: unused), and whether it is on the combine's timeline.
 inline const char* ll_trace_name(int i) {
@@ -85,11 +88,12 @@ inline const char* ll_trace_name(int i) {
       "stamp after dispatch graph", "stamp before combine graph", "stamp after combine graph",
       "dispatch masks done (block 0)", "dispatch warp 0 items done (block 0)", "dispatch masks done, kcycles (block 0)",
       "dispatch warp 0 items done, kcycles (block 0)", "dispatch slot bases, kcycles (block 0)", "combine reduce done, kcycles (block 0)",
-      "combine warp 0 rows loaded (block 0)", "combine warp 0 stores issued (block 0)"};
+      "combine warp 0 rows loaded (block 0)", "combine warp 0 stores issued (block 0)",
+      "dispatch one load at the start, round trip (block 0)", "dispatch one load after the wait, round trip (block 0)"};
   return i >= 0 && i < kTrSlots ? names[i] : nullptr;
 }
 inline bool ll_trace_is_combine(int i) {
-  return i == 4 || i == 5 || i == 6 || i == 7 || i == 9 || i == 11 || i == 17 || i == 18 || i == 19 || i == 22 || i == 23 || i >= 29;
+  return i == 4 || i == 5 || i == 6 || i == 7 || i == 9 || i == 11 || i == 17 || i == 18 || i == 19 || i == 22 || i == 23 || (i >= 29 && i <= 31);
 }
 
 /// The error report, in host-mapped memory: the kernels never trap; the host reads it.
