@@ -24,6 +24,7 @@
 #include <thread>
 #include <vector>
 
+#include "core/timeout.h"
 #include "epx/config.h"
 #include "epx/cuda.h"
 #include "epx/error.h"
@@ -62,6 +63,7 @@ UniqueId exchange_unique_id(const std::string& path, int rank, double timeout_s)
   constexpr std::string_view op = "group.rendezvous";
   require_arg(op, "path", path, !path.empty(), "must name a file all ranks can reach");
   require_arg(op, "rank", rank, rank >= 0, "must be >= 0");
+  require_timeout(op, "timeout_s", timeout_s);
   if (rank == 0) {
     const UniqueId id = UniqueId::create();
     const std::string tmp = path + ".tmp." + std::to_string(getpid());
@@ -262,7 +264,7 @@ UniqueId exchange_unique_id_tcp(const std::string& host, int port, int rank, int
   require_arg(op, "port", port, port >= 1 && port <= 65535, "must be in [1, 65535]");
   require_arg(op, "world", world, world >= 1, "must be >= 1");
   require_arg(op, "rank", rank, rank >= 0 && rank < world, "must be in [0, world = " + std::to_string(world) + ")");
-  require_arg(op, "timeout_s", timeout_s, timeout_s > 0, "must be > 0");
+  require_timeout(op, "timeout_s", timeout_s);
   const std::string where = endpoint(host, port);
   const Clock::time_point deadline =
       Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout_s));

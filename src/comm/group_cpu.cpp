@@ -26,6 +26,7 @@
 #include <string>
 #include <thread>
 
+#include "core/timeout.h"
 #include "epx/error.h"
 #include "epx/group.h"
 
@@ -397,7 +398,7 @@ class CpuGroup final : public Group {
 
 std::vector<std::shared_ptr<Group>> make_cpu_groups(int num_ranks, double timeout_s) {
   require_arg("make_cpu_groups", "num_ranks", num_ranks, num_ranks >= 1, "must be >= 1");
-  require_arg("make_cpu_groups", "timeout_s", timeout_s, timeout_s > 0, "must be > 0");
+  require_timeout("make_cpu_groups", "timeout_s", timeout_s);
   auto world = std::make_shared<World>(num_ranks, timeout_s);
   std::vector<std::shared_ptr<Group>> groups;
   groups.reserve(static_cast<size_t>(num_ranks));

@@ -7,10 +7,14 @@
 #include <chrono>
 #include <cstring>
 #include <numeric>
+#include <limits>
 #include <set>
 #include <stdexcept>
+#include <thread>
 
 #include "comm/group_cpu.h"
+#include "core/timeout.h"
+#include "epx/config.h"
 #include "epx/error.h"
 #include "epx/group.h"
 
@@ -254,6 +258,28 @@ TEST(GroupCpu, MissingRankTimesOutNamingItAndTheOperation) {
   // run_ranks itself rethrows the Timeout when it is not caught.
   auto h = make_cpu_groups(2, 0.1);
   EXPECT_THROW(run_ranks(h, [&](int r) { if (r == 0) h[r]->barrier(); }), Timeout);
+}
+
+// A huge timeout_s must not wrap the deadline into the past (the duration cast overflowed int64
+// nanoseconds: 1e10 s timed out at once): up to the documented maximum it waits; above it, and a
+// non-finite one, is refused naming the value and the rule.
+TEST(GroupCpu, HugeTimeoutWaitsAndNonFiniteOrTooLargeIsRefused) {
+  auto g = make_cpu_groups(2, kMaxTimeoutS);
+  run_ranks(g, [&](int r) {
+    if (r == 1) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    g[r]->barrier();
+  });
+  for (double bad : {kMaxTimeoutS * 10, std::numeric_limits<double>::infinity(), std::numeric_limits<double>::quiet_NaN(), 0.0}) {
+    try {
+      make_cpu_groups(2, bad);
+      ADD_FAILURE() << "timeout_s = " << bad << " accepted";
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find("timeout_s"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("1e9"), std::string::npos) << e.what();
+    }
+  }
+  Config c;
+  EXPECT_THROW(c.set("timeout_s", "1e10"); c.validate(), InvalidArgument);
 }
 
 TEST(GroupCpu, CreateDestroyRecreateLeaksNothing) {

@@ -20,6 +20,7 @@
 #include <sstream>
 #include <thread>
 
+#include "core/timeout.h"
 #include "cuda/check.h"
 #include "epx/cuda.h"
 #include "epx/error.h"
@@ -322,7 +323,7 @@ NcclGroup::NcclGroup(const UniqueId& uid, int rank, int world, int device, doubl
   constexpr std::string_view op = "group.create";
   require_arg(op, "world", world, world >= 1, "must be >= 1");
   require_arg(op, "rank", rank, rank >= 0 && rank < world, "must be in [0, world = " + std::to_string(world) + ")");
-  require_arg(op, "timeout_s", timeout_s, timeout_s > 0, "must be > 0");
+  require_timeout(op, "timeout_s", timeout_s);
   cuda::ensure_runtime();
   int num_devices = 0;
   EPX_CUDA_CHECK(cudaGetDeviceCount(&num_devices));

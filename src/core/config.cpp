@@ -7,6 +7,7 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "core/timeout.h"
 #include "epx/error.h"
 #include "epx/log.h"
 
@@ -25,7 +26,7 @@ struct Field {
 // THE list of configuration fields. Everything else walks it.
 template <class C, class Visit>
 void for_each_field(C& c, Visit&& v) {
-  v(Field{"timeout_s", "EPX_TIMEOUT_S", "s", "longest wait on a peer before Timeout; > 0"}, c.timeout_s);
+  v(Field{"timeout_s", "EPX_TIMEOUT_S", "s", "longest wait on a peer before Timeout; > 0, <= 1e9"}, c.timeout_s);
   v(Field{"log_level", "EPX_LOG_LEVEL", "", "trace|debug|info|warn|error|off"}, c.log_level);
   v(Field{"ll.warps_per_block", "EPX_LL_WARPS_PER_BLOCK", "warps", "warps per block of LL kernels; multiple of 4, 4..32"}, c.ll_warps_per_block);
   v(Field{"ll.num_blocks", "EPX_LL_NUM_BLOCKS", "blocks", "blocks of LL kernels; 0 = one per SM"}, c.ll_num_blocks);
@@ -145,7 +146,7 @@ void Config::apply_env() {
 }
 
 void Config::validate() const {
-  require_arg("config", "timeout_s", timeout_s, timeout_s > 0, "must be > 0");
+  require_timeout("config", "timeout_s", timeout_s);
   require_arg("config", "ll.warps_per_block", ll_warps_per_block, ll_warps_per_block % 4 == 0 && ll_warps_per_block >= 4 && ll_warps_per_block <= 32, "must be a multiple of 4 in [4, 32]");
   require_arg("config", "ll.combine", ll_combine, ll_combine == "column" || ll_combine == "partial_fp32" || ll_combine == "partial_bf16",
               "must be one of column, partial_fp32, partial_bf16");

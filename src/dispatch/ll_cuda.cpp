@@ -8,6 +8,7 @@
 
 #include "comm/group_nccl.h"
 #include "comm/node_group.h"
+#include "core/timeout.h"
 #include "cuda/check.h"
 #include "dispatch/backends.h"
 #include "epx/config.h"
@@ -40,7 +41,7 @@ LlCuda::LlCuda(std::shared_ptr<Group> group, const DispatchConfig& cfg, const Ll
   require_arg(op, "ll.warps_per_block", launch.warps_per_block, launch.warps_per_block >= 1 && launch.warps_per_block <= 32,
               "must be in [1, 32]");
   require_arg(op, "ll.num_blocks", launch.num_blocks, launch.num_blocks >= 0, "must be >= 0 (0 = one per SM)");
-  require_arg(op, "timeout_s", launch.timeout_s, launch.timeout_s > 0, "must be > 0");
+  require_timeout(op, "timeout_s", launch.timeout_s);
   layout_ = ll_layout(cfg_, num_ranks_);
   {  // the kernels index their work items in 32 bits (ll_cuda_kernels.cu: udiv)
     const int64_t items = static_cast<int64_t>(num_ranks_) * cfg.num_max_dispatch_tokens_per_rank * ((cfg.hidden + 255) / 256);
