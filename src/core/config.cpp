@@ -124,25 +124,29 @@ void Config::apply_json_text(const std::string& text, const std::string& origin)
     throw InvalidArgument(arg_message("config", "json", origin, std::string("must be valid JSON (") + e.what() + ")"));
   }
   require_arg("config", "json", origin, j.is_object(), "must be a JSON object of \"key\": value");
-  for (auto& [k, v] : j.items()) set(k, v.is_string() ? v.get<std::string>() : v.dump(), origin);
+  Config next = *this;  // all or nothing: a bad entry leaves *this as it was
+  for (auto& [k, v] : j.items()) next.set(k, v.is_string() ? v.get<std::string>() : v.dump(), origin);
+  *this = std::move(next);
 }
 
 void Config::apply_env() {
+  Config next = *this;  // all or nothing: a bad variable leaves *this as it was
   for (char** e = environ; e && *e; ++e) {
     std::string kv(*e);
     if (kv.rfind("EPX_", 0) != 0) continue;
     std::string name = kv.substr(0, kv.find('=')), value = kv.substr(kv.find('=') + 1);
     if (std::find(std::begin(kBootstrapEnv), std::end(kBootstrapEnv), name) != std::end(kBootstrapEnv)) continue;
     bool found = false;
-    for_each_field(*this, [&](const Field& f, auto& field) {
+    for_each_field(next, [&](const Field& f, auto& field) {
       if (name == f.env) {
         parse_into(name, value, field);
-        set_source(*this, f.key, "env " + name);
+        set_source(next, f.key, "env " + name);
         found = true;
       }
     });
     if (!found) throw InvalidArgument(arg_message("config", "environment", name, "unknown EPX_* variable (did you mean " + nearest(name, true) + "?)"));
   }
+  *this = std::move(next);
 }
 
 void Config::validate() const {

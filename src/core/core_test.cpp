@@ -80,3 +80,20 @@ TEST(Config, PrecedenceJsonThenEnvAndUnknownKeys) {
   EXPECT_THROW(c.validate(), InvalidArgument);
   EXPECT_THROW(c.set("timeout_s", "abc"), InvalidArgument);
 }
+
+// A JSON document or environment with one bad entry changes nothing: the entries before it are not
+// applied either (nothing already held is lost).
+TEST(Config, FailedJsonOrEnvLeavesTheConfigAsItWas) {
+  Config c;
+  c.apply_json_text(R"({"timeout_s": 5})", "json first");
+  EXPECT_THROW(c.apply_json_text(R"({"ht.num_sms": 24, "timeout_s": 7, "ll.warps_per_blok": 8})", "json second"), InvalidArgument);
+  EXPECT_EQ(c.ht_num_sms, 64);
+  EXPECT_EQ(c.timeout_s, 5.0);
+  for (const auto& [k, s] : c.sources) EXPECT_NE(s, "json second") << k;
+  setenv("EPX_HT_NUM_SMS", "24", 1);
+  setenv("EPX_TIMEOUT", "3", 1);  // unknown
+  EXPECT_THROW(c.apply_env(), InvalidArgument);
+  unsetenv("EPX_HT_NUM_SMS");
+  unsetenv("EPX_TIMEOUT");
+  EXPECT_EQ(c.ht_num_sms, 64);
+}
