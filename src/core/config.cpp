@@ -125,7 +125,15 @@ void Config::apply_json_text(const std::string& text, const std::string& origin)
   }
   require_arg("config", "json", origin, j.is_object(), "must be a JSON object of \"key\": value");
   Config next = *this;  // all or nothing: a bad entry leaves *this as it was
-  for (auto& [k, v] : j.items()) next.set(k, v.is_string() ? v.get<std::string>() : v.dump(), origin);
+  for (auto& [k, v] : j.items()) {
+    if (v.is_object()) {
+      const std::string flat = k + "." + (v.empty() ? std::string("<name>") : v.begin().key());
+      throw InvalidArgument(arg_message("config", "key", k,
+                                        "holds a JSON object; keys are flat dotted names as `epx info` prints them (\"" + flat +
+                                            "\": value), not nested objects"));
+    }
+    next.set(k, v.is_string() ? v.get<std::string>() : v.dump(), origin);
+  }
   *this = std::move(next);
 }
 

@@ -97,3 +97,16 @@ TEST(Config, FailedJsonOrEnvLeavesTheConfigAsItWas) {
   unsetenv("EPX_TIMEOUT");
   EXPECT_EQ(c.ht_num_sms, 64);
 }
+
+// Keys are flat dotted names; a nested object ({"ll": {"signal": ...}}) is named as such, with the
+// flat key it meant, instead of "unknown key ll (did you mean 'ht.pdl'?)".
+TEST(Config, NestedJsonObjectIsNamedWithTheFlatKey) {
+  Config c;
+  try {
+    c.apply_json_text(R"({"ll": {"signal": "rank"}})", "json nested");
+    FAIL();
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("\"ll.signal\""), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(c.ll_signal, "block");
+}
