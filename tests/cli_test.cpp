@@ -210,5 +210,17 @@ TEST(Cli, TraceImportThenReplayValidates) {
   EXPECT_EQ(j["results"][0]["validated"], true);
   EXPECT_EQ(j["results"][0]["tokens_per_rank"], 4);  // 7 tokens over 2 ranks: 4 + 3
   EXPECT_EQ(j["results"][0]["tokens_total"], 10);
+  // `trace show` prints the load per expert it promises (README, its help): E counts summing to the
+  // selections (10 tokens x top-4).
+  CliRun sh = run_epx("trace show " + trace.string());
+  ASSERT_EQ(sh.code, 0) << sh.out;
+  const size_t at = sh.out.find("selections per expert:");
+  ASSERT_NE(at, std::string::npos) << sh.out;
+  const size_t from = at + std::string("selections per expert:").size();
+  std::istringstream per(sh.out.substr(from, sh.out.find('\n', at) - from));
+  int64_t count = 0, sum = 0, v = 0;
+  while (per >> v) ++count, sum += v;
+  EXPECT_EQ(count, 60) << sh.out;
+  EXPECT_EQ(sum, 40) << sh.out;
   for (const auto& p : {log, trace, out}) std::filesystem::remove(p);
 }

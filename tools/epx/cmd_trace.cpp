@@ -64,7 +64,11 @@ void print_summary(const Trace& t) {
 
 int run_trace(TraceCommand& cmd) {
   if (cmd.show_app->parsed()) {
-    print_summary(load_trace(cmd.input));
+    const Trace t = load_trace(cmd.input);
+    print_summary(t);
+    std::cout << "selections per expert:";  // the load per expert, experts 0..E-1
+    for (int64_t c : t.expert_counts()) std::cout << " " << c;
+    std::cout << "\n";
     return 0;
   }
   TraceImportOptions opt;
