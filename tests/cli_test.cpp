@@ -50,6 +50,17 @@ nlohmann::json read_json(const std::filesystem::path& p) {
 
 TEST(Cli, BinaryExists) { ASSERT_TRUE(std::filesystem::exists(kEpx)) << kEpx; }
 
+// A huge Zipf exponent makes every popularity but the first underflow to 0: the synthetic routing
+// must still draw K distinct experts (it indexed left[-1] and aborted in free(): moe and bench).
+TEST(Cli, HugeZipfExponentStillDrawsKDistinctExperts) {
+  for (const char* args : {"moe --preset mixtral-8x7b-mini --ranks 2 --backend naive --steps 1 --tokens-per-rank 4 --routing zipf --zipf-s 1e30",
+                           "moe --preset qwen3-30b-a3b-mini --ranks 2 --backend ll --steps 1 --tokens-per-rank 4 --routing zipf --zipf-s 1e3",
+                           "bench --device cpu --case ll-v3 --backend naive --ranks 2 --iters 1 --routing zipf --zipf-s 1e30"}) {
+    CliRun r = run_epx(args);
+    EXPECT_EQ(r.code, 0) << args << "\n" << r.out;
+  }
+}
+
 TEST(Cli, BadFlagExits2WithOneLine) {
   for (const char* args : {"moe --no-such-flag", "moe --ranks zero", "moe --routing banana", "moe --backend nope",
                                   "no-such-command", "trace import", "moe --dispatch-dtype fp4"}) {

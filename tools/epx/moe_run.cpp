@@ -43,7 +43,9 @@ Tensor random_hidden(int64_t T, int64_t H, uint64_t seed) {
 }
 
 // Synthetic routing: K distinct experts per token drawn without replacement from a popularity
-// p(expert perm[i]) ~ 1 / (i + 1)^s (s = 0: uniform); weights positive, summing to 1.
+// p(expert perm[i]) ~ 1 / (i + 1)^s (s = 0: uniform); weights positive, summing to 1. A large s
+// underflows the tail's popularity to 0: once the positive ones are drawn, the token takes the
+// first experts not yet drawn (every eligible expert can be picked, whatever its popularity).
 void synthetic_routing(int64_t T, int K, int E, double zipf_s, const std::vector<int>& perm, uint64_t seed, Tensor& idx,
                        Tensor& wts) {
   idx = Tensor::empty({T, K}, DType::int32);
@@ -53,20 +55,23 @@ void synthetic_routing(int64_t T, int K, int E, double zipf_s, const std::vector
   std::vector<double> pop(E);
   for (int i = 0; i < E; ++i) pop[i] = zipf_s > 0 ? 1.0 / std::pow(i + 1.0, zipf_s) : 1.0;
   std::vector<double> left(E);
+  std::vector<char> drawn(E);
   for (int64_t t = 0; t < T; ++t) {
     left = pop;
+    std::fill(drawn.begin(), drawn.end(), 0);
     double total = 0, wsum = 0;
     for (double v : left) total += v;
-    for (int k = 0; k < K; ++k) {
+    for (int k = 0; k < K; ++k) {  // K <= E: an expert not yet drawn is always left
       double x = u(g) * total;
       int pick = -1;
       for (int i = 0; i < E; ++i) {
-        if (left[i] <= 0) continue;
-        pick = i;  // the last eligible one absorbs rounding at the top end
-        if ((x -= left[i]) < 0) break;
+        if (drawn[i]) continue;
+        if (pick < 0 || left[i] > 0) pick = i;  // the last positive one absorbs rounding at the top end
+        if (left[i] > 0 && (x -= left[i]) < 0) break;
       }
-      total -= left[pick];
+      total = std::max(0.0, total - left[pick]);
       left[pick] = 0;
+      drawn[pick] = 1;
       idx.ptr<int32_t>()[t * K + k] = perm[pick];
       const double w = 0.05 + u(g);
       wts.ptr<float>()[t * K + k] = static_cast<float>(w);
