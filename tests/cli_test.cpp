@@ -71,6 +71,18 @@ TEST(Cli, BadFlagExits2WithOneLine) {
   }
 }
 
+// Range errors of numeric flags read as a rule, not CLI11's "not in range 0.000000 to <309 digits>".
+TEST(Cli, NegativeOrZeroNumericFlagsNameTheRuleBriefly) {
+  for (const char* args : {"moe --chunk-size -1", "moe --validate-tokens -2", "moe --zipf-s 0 --routing zipf", "moe --zipf-s inf",
+                           "bench --zipf-s -1", "bench --tokens-per-rank -1", "trace import x.jsonl -o y.json --skip-passes -1",
+                           "trace import x.jsonl -o y.json --num-experts -1", "moe --checkpoint /nonexistent --layer -1"}) {
+    CliRun r = run_epx(args);
+    EXPECT_EQ(r.code, 2) << args << "\n" << r.out;
+    expect_one_line(r.err);
+    EXPECT_LT(r.err.size(), 200u) << args << "\n" << r.err;
+  }
+}
+
 TEST(Cli, InconsistentShapesExit2WithOneLine) {
   // A trace of top_k = 2 for a preset of top_k = 8.
   const auto trace = temp_path("k2.json");

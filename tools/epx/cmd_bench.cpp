@@ -5,6 +5,7 @@
 #include "bench_run.h"
 #include "commands.h"
 #include "epx/dispatch.h"
+#include "validators.h"
 
 namespace epx::cli {
 
@@ -40,12 +41,12 @@ void add_bench_command(CLI::App& root, BenchCommand& cmd) {
   b->add_option("--routing", o.routing, "uniform: K distinct experts uniformly at random; zipf: skewed expert popularity (--zipf-s)")
       ->check(CLI::IsMember({"uniform", "zipf"}))
       ->capture_default_str();
-  b->add_option("--zipf-s", o.zipf_s, "Zipf exponent of --routing zipf")->check(CLI::PositiveNumber)->capture_default_str();
+  b->add_option("--zipf-s", o.zipf_s, "Zipf exponent of --routing zipf")->check(positive_number())->capture_default_str();
   b->add_option("--device", o.device, "cuda, cpu (ranks are threads: a smoke test), or auto (cuda when built with it and R GPUs are visible)")
       ->check(CLI::IsMember({"cpu", "cuda", "auto"}))
       ->capture_default_str();
   b->add_option("--tokens-per-rank", o.tokens_per_rank, "T: override the case's tokens per rank (0 = the case's, capped at 16 on cpu; a value given here is used as is)")
-      ->check(CLI::NonNegativeNumber)
+      ->check(non_negative_number())
       ->capture_default_str();
   b->add_option("--dtype", o.dtype, "Run only this dispatch dtype (bf16 or fp8); default: the case's")
       ->check(CLI::IsMember({"bf16", "fp8", "fp8_e4m3"}));

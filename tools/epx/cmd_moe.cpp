@@ -9,6 +9,7 @@
 #include "moe_checkpoint.h"
 #include "moe_cuda_run.h"
 #include "moe_report.h"
+#include "validators.h"
 
 namespace epx::cli {
 
@@ -63,7 +64,7 @@ void add_moe_command(CLI::App& root, MoeCommand& cmd) {
                     ->check(CLI::IsMember({"uniform", "zipf", "router"}))
                     ->capture_default_str();
   m->add_option("--zipf-s", o.zipf_s, "Zipf exponent s of --routing zipf: expert i (in a random order) has popularity 1/i^s")
-      ->check(CLI::PositiveNumber)
+      ->check(positive_number())
       ->capture_default_str();
   m->add_option("--dispatch-dtype", o.dispatch_dtype, "Wire dtype of dispatch: bf16, or fp8 (e4m3, 1x128 fp32 scales)")
       ->check(CLI::IsMember({"bf16", "fp8", "fp8_e4m3"}))
@@ -72,7 +73,7 @@ void add_moe_command(CLI::App& root, MoeCommand& cmd) {
       ->check(CLI::IsMember({"separate", "fused", "auto"}))
       ->capture_default_str();
   m->add_option("--chunk-size", o.chunk_size, "C: DP chunk, at most C tokens per MoE call per rank; 0 = moe.chunk_size of the config (0 = unchunked)")
-      ->check(CLI::NonNegativeNumber)
+      ->check(non_negative_number())
       ->capture_default_str();
   m->add_option("--mode", o.mode,
                  "decode: 128 tokens/rank unless --tokens-per-rank is given, and with --device cuda the whole layer captured "
@@ -88,7 +89,7 @@ void add_moe_command(CLI::App& root, MoeCommand& cmd) {
                                     "gives R, T per rank and step, and optionally hidden states");
   m->add_option("--validate-tokens", o.validate_tokens,
                  "V: with --device cuda, the first V tokens of each rank and step are checked against the reference (0 = all)")
-      ->check(CLI::NonNegativeNumber)
+      ->check(non_negative_number())
       ->capture_default_str();
   // Fault injection for the launcher's dead-rank test: rank N kills itself after its first step.
   m->add_option("--debug-kill-rank", o.debug_kill_rank)->group("");

@@ -7,6 +7,7 @@
 #include "commands.h"
 #include "epx/dispatch.h"
 #include "epx/trace.h"
+#include "validators.h"
 
 namespace epx::cli {
 
@@ -23,13 +24,13 @@ void add_trace_command(CLI::App& root, TraceCommand& cmd) {
       ->required()
       ->check(CLI::Range(1, 1024));
   im->add_option("--skip-passes", cmd.skip_passes, "Leading forward passes to drop (vLLM's profile and warm-up dummy passes)")
-      ->check(CLI::NonNegativeNumber)
+      ->check(non_negative_number())
       ->capture_default_str();
   im->add_option("--max-tokens-per-step", cmd.max_tokens_per_step, "Split a pass longer than N tokens into steps of at most N (0 = one step per pass)")
-      ->check(CLI::NonNegativeNumber)
+      ->check(non_negative_number())
       ->capture_default_str();
   im->add_option("--num-experts", cmd.num_experts, "E (0 = the meta line's num_experts, else the largest id + 1)")
-      ->check(CLI::NonNegativeNumber)
+      ->check(non_negative_number())
       ->capture_default_str();
   CLI::App* show = cmd.app->add_subcommand("show", "Print a trace's header, tokens per rank and load per expert");
   cmd.show_app = show;

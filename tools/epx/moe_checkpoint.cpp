@@ -8,6 +8,7 @@
 #include "epx/dispatch.h"
 #include "epx/error.h"
 #include "epx/trace.h"
+#include "validators.h"
 
 namespace epx::cli {
 
@@ -87,7 +88,7 @@ void add_checkpoint_flags(CLI::App& m, MoeOptions& o) {
                "Run layer --layer of this Hugging Face checkpoint (config.json + safetensors, sharded or not; DeepSeek-V3/V4, "
                "Qwen2/3-MoE, Mixtral, gpt-oss naming; docs/checkpoint.md) with its real router and weights instead of a preset; "
                "each rank loads only its own experts. --routing then defaults to router");
-  m.add_option("--layer", o.layer, "N: the decoder layer of --checkpoint to run (an MoE layer)")->check(CLI::NonNegativeNumber);
+  m.add_option("--layer", o.layer, "N: the decoder layer of --checkpoint to run (an MoE layer)")->check(non_negative_number());
   m.add_option("--hidden", o.hidden,
                "Hidden states FILE[:TENSOR] (.npy <f4/<u2-bf16, or safetensors F32/F16/BF16) of shape [N, H]: split over the "
                "ranks in order, the same tokens every step (instead of random N(0, 1) ones; not with --tokens-per-rank or --trace)");
