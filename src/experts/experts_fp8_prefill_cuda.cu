@@ -1,8 +1,8 @@
 // experts/experts_fp8_prefill_cuda.cu: the prefill (many rows per expert) FP8 block-scaled grouped
-// GEMMs on sm_90a: the same two GEMMs as experts_fp8_cuda.cu (weights in wgmma's M slot, tokens in
-// N, 128x128 weight block scales x 1x128 activation scales promoted in fp32 registers after every
-// 128-deep K block, DeepSeek-V3 / DeepGEMM's recipe; gate_up fuses silu(g) * u and the FP8 1x128
-// requantization of h, down rounds to bf16 once), over tiles of up to 128 tokens.
+// GEMMs on sm_90a: the same two GEMMs as experts_fp8_cuda.cu (128x128 weight block scales x 1x128
+// activation scales promoted in fp32 registers after every 128-deep K block, DeepSeek-V3 /
+// DeepGEMM's recipe; gate_up fuses silu(g) * u and the FP8 1x128 requantization of h, down rounds
+// to bf16 once), over tiles of up to 128 tokens; tokens in wgmma's M slot by default (below).
 //
 // One CTA per SM, 384 threads, warp-specialized:
 //   warpgroup 0 (producer, 64 registers): streams each K block's operands into a kStages-deep ring
@@ -10,13 +10,16 @@
 //     token row, 8 chunks each, plus its token's scale) and hands a stage over with
 //     cp.async.mbarrier.arrive (the `full` barrier completes when all 128 threads' copies landed);
 //     the gather of the Flat layout is a per-thread row index, so Flat and ExpertMajor cost the same;
-//   warpgroups 1, 2 (consumers, 216 registers): warpgroup c owns weight sub-tiles c and 2 + c
-//     (gate_up: gate and up rows of the same 64 h columns, so one thread holds g and u of the same
-//     (h column, token)); per K block: 4 m64n128k32 wgmmas into a temporary, wait, promote
-//     (acc += tmp * w_scale * x_scale), the same for the second sub-tile, then one arrive per warp on
-//     the stage's `empty` barrier. While one warpgroup promotes, the other's wgmmas keep the tensor
-//     cores busy; the producer runs up to kStages blocks ahead, across work items, so the next
-//     item's first stages load under the current epilogue (its staging buffer is not the ring).
+//   warpgroups 1, 2 (consumers, 216 registers; experts_fp8_prefill.cuh: kblock, epilogue): per K
+//     block two batches of 4 m64n128k32 wgmmas into a temporary, each waited for and promoted
+//     (acc += tmp * w_scale * x_scale), then one arrive per warp on the stage's `empty` barrier.
+//     Default (Fp8GemmParams::prefill_swap, Config::experts_fp8_prefill 8): tokens in wgmma's A
+//     (warpgroup c: tokens 64 c ..), weights in B (batch 0: gate rows / output columns 0-127, batch
+//     1: up rows / output columns 128-255), so a thread's accumulators hold 2 tokens and the
+//     promotion needs 2 scale products; =2: weights in A (warpgroup c owns weight sub-tiles c and
+//     2 + c, tokens in N: 32 products and 16 shared loads per promotion; 34 % slower, same bits,
+//     bench/NOTES.md sixth session). The producer runs up to kStages blocks ahead, across work
+//     items, so the next item's first stages load under the current epilogue.
 // Work items: (128-row tile, weight tile) pairs over the tile list's prefill section, walked by a
 // persistent grid in tile-major order (all weight tiles of one row tile, then the expert's next row
 // tile: the weight tile's second reader hits L2).
@@ -26,6 +29,7 @@
 #include "epx/dtype.h"
 #include "epx/experts.h"
 #include "experts/experts_fp8_cuda.h"
+#include "experts/experts_fp8_prefill.cuh"
 #include "experts/experts_fp8_wgmma.cuh"
 
 namespace epx::experts_cuda {
@@ -33,31 +37,7 @@ namespace {
 
 using namespace wg;
 
-constexpr int kPfThreads = 384;
-constexpr int kBN = kFp8PrefillRows;                     // 128 tokens = wgmma N
-constexpr int kWRows = kFp8TileWeightRows;               // 256 weight rows
-[[maybe_unused]] constexpr int kSub = 64 * kBK;                           // one m64 weight sub-tile (8 KiB)
-constexpr int kABytes = kWRows * kBK;                    // 32 KiB
-constexpr int kBBytes = kBN * kBK;                       // 16 KiB
-constexpr int kStageBytes = kABytes + kBBytes;           // 48 KiB (multiple of 1024: swizzle atoms)
-constexpr int kScaleFloats = 4 + kBN;                    // per stage: 4 weight sub-tile scales + 128 token scales
-constexpr int kHStride = kBK + 16;                       // gate_up staging: FP8 h bytes per token, padded
-constexpr int kOutStride = kWRows + 8;                   // down staging: bf16 per token, padded
-
-/// Shared-memory layout of the gate_up (kGateUp) or down kernel; base 1024-byte aligned.
-template <bool kGateUp>
-struct Layout {
-  static constexpr int kStages = kGateUp ? 4 : 3;        // down's 66 KiB staging leaves room for 3
-  static constexpr int kScaleOff = kStages * kStageBytes;
-  static constexpr int kBarOff = kScaleOff + kStages * kScaleFloats * 4;  // full[kStages], empty[kStages]
-  static constexpr int kRedOff = kBarOff + 2 * kStages * 8;              // gate_up: [8 warps][128] amax
-  static constexpr int kRowsOff = kRedOff + (kGateUp ? 8 * kBN * 4 : 0);  // producer: [kBN] B row byte offsets
-  static constexpr int kOutOff = (kRowsOff + kBN * 8 + 127) / 128 * 128;
-  static constexpr int kOutBytes = kGateUp ? kBN * kHStride : kBN * kOutStride * 2;
-  static constexpr int kSmemBytes = kOutOff + kOutBytes + 1024;  // + alignment of the base
-};
-static_assert(Layout<true>::kSmemBytes <= 227 * 1024 && Layout<false>::kSmemBytes <= 227 * 1024, "fits an SM");
-static_assert((kScaleFloats * 4) % 16 == 0, "stage scale blocks stay 16-byte aligned");
+using namespace pf;
 
 #ifdef EPX_FP8_WGMMA
 
@@ -165,18 +145,21 @@ __device__ __forceinline__ void producer(const Fp8GemmParams& p, int32_t tile0, 
   cp_async_wait<0>();
 }
 
-template <bool kGateUp>
+/// The consumer warpgroups: per K block kblock<kOrder, kSwap> (experts_fp8_prefill.cuh; modes
+/// 5-9 of Config::experts_fp8_prefill), then one arrive per warp on the stage's `empty` barrier;
+/// per item the epilogue.
+template <bool kGateUp, int kOrder, bool kSwap>
 __device__ __forceinline__ void consumer(const Fp8GemmParams& p, int32_t tile0, int64_t num_items, uint32_t stages,
                                          uint8_t* smem, uint32_t smem_s) {
   using L = Layout<kGateUp>;
-  constexpr int kFrag = kBN / 2;  // 64 accumulator floats per thread per m64n128
-  const int ct = threadIdx.x - 128, cwg = ct >> 7, warp = ct >> 5, warp_in_wg = warp & 3, lane = ct & 31;
+  const Who w;
   const float* scales = reinterpret_cast<const float*>(smem + L::kScaleOff);
   const uint32_t full0 = smem_s + L::kBarOff, empty0 = full0 + L::kStages * 8;
   float acc[2][kFrag], tmp[kFrag];
 #pragma unroll
   for (int i = 0; i < kFrag; ++i) tmp[i] = 0.0f;
   RingPos pos;
+  int64_t batches = 0;  // wgmma batches this warpgroup issued (turn order)
   for (int64_t item = blockIdx.x; item < num_items; item += gridDim.x) {
     Item it;
     if (!resolve<kGateUp>(p, tile0, item, it)) continue;
@@ -189,105 +172,18 @@ __device__ __forceinline__ void consumer(const Fp8GemmParams& p, int32_t tile0, 
       const uint32_t s = pos.stage;
       mbar_wait(full0 + s * 8, pos.phase);
       fence_proxy_async();  // cp.async wrote through the generic proxy; wgmma reads through the async one
-      const uint32_t a_s = smem_s + s * kStageBytes, b_s = a_s + kABytes;
-      const uint64_t db = smem_desc(b_s);
-      const float* sc = scales + s * kScaleFloats;
-#pragma unroll
-      for (int sub = 0; sub < 2; ++sub) {
-        const uint64_t da = smem_desc(a_s + (2 * sub + cwg) * kSub);
-        wgmma_fence();
-#pragma unroll
-        for (int k = 0; k < kBK / 32; ++k) Wgmma<kBN>::mma(tmp, da + 2 * k, db + 2 * k, k);
-        wgmma_commit();
-        wgmma_wait<0>();
-#pragma unroll
-        for (int i = 0; i < kFrag; ++i) fence_operand(tmp[i]);
-        const float wsc = sc[2 * sub + cwg];
-#pragma unroll
-        for (int i = 0; i < kFrag; i += 2) {
-          const int col = 8 * (i >> 2) + 2 * (lane & 3);  // columns col, col + 1 for i, i + 1
-          const float2 xs = *reinterpret_cast<const float2*>(sc + 4 + col);
-          acc[sub][i] = fmaf(tmp[i], wsc * xs.x, acc[sub][i]);
-          acc[sub][i + 1] = fmaf(tmp[i + 1], wsc * xs.y, acc[sub][i + 1]);
-        }
-      }
+      const uint32_t a_s = smem_s + s * kStageBytes;
+      kblock<kOrder, kSwap>(w, a_s, a_s + kABytes, scales + s * kScaleFloats, acc, tmp, batches);
       __syncwarp();
-      if (lane == 0) mbar_arrive(empty0 + s * 8);  // 8 consumer warps release the stage
+      if (w.lane == 0) mbar_arrive(empty0 + s * 8);  // 8 consumer warps release the stage
       pos.advance(stages);
     }
-
-    if constexpr (kGateUp) {
-      // h for (h column cwg*64 + row, token col): gate in acc[0], up in acc[1].
-      float* red = reinterpret_cast<float*>(smem + L::kRedOff);  // [8 warps][kBN] amax
-      uint8_t* stage = smem + L::kOutOff;                         // [kBN][kHStride] FP8 h
-      float cmax[kFrag / 2];  // per distinct column: index (i >> 2) * 2 + (i & 1)
-#pragma unroll
-      for (int j = 0; j < kFrag / 2; ++j) cmax[j] = 0.0f;
-#pragma unroll
-      for (int i = 0; i < kFrag; ++i) {
-        const float g = acc[0][i], u = acc[1][i];
-        acc[0][i] = g / (1.0f + expf(-g)) * u;  // silu(g) * u in fp32, the CPU's expression
-        const int j = (i >> 2) * 2 + (i & 1);
-        cmax[j] = fmaxf(cmax[j], fabsf(acc[0][i]));
-      }
-#pragma unroll
-      for (int j = 0; j < kFrag / 2; ++j) {
-#pragma unroll
-        for (int m = 4; m < 32; m <<= 1) cmax[j] = fmaxf(cmax[j], __shfl_xor_sync(0xffffffffu, cmax[j], m));
-      }
-      if (lane < 4) {
-#pragma unroll
-        for (int j = 0; j < kFrag / 2; ++j) red[warp * kBN + 8 * (j >> 1) + 2 * lane + (j & 1)] = cmax[j];
-      }
-      named_bar_sync(1, 256);
-#pragma unroll
-      for (int i = 0; i < kFrag; ++i) {
-        const int col = 8 * (i >> 2) + 2 * (lane & 3) + (i & 1);
-        float amax = 0.0f;
-#pragma unroll
-        for (int w = 0; w < 8; ++w) amax = fmaxf(amax, red[w * kBN + col]);
-        const float scale = __fdiv_rn(fmaxf(amax, 1e-4f), kFp8E4m3Max);
-        const int hrow = cwg * 64 + 16 * warp_in_wg + (lane >> 2) + 8 * ((i >> 1) & 1);
-        stage[col * kHStride + hrow] = float_to_fp8_e4m3_bits(__fdiv_rn(acc[0][i], scale));
-      }
-      if (ct < it.num_rows) {
-        float amax = 0.0f;
-        for (int w = 0; w < 8; ++w) amax = fmaxf(amax, red[w * kBN + ct]);
-        p.hs[static_cast<int64_t>(it.row0 + ct) * p.hs_stride + it.col0 / kBK] = __fdiv_rn(fmaxf(amax, 1e-4f), kFp8E4m3Max);
-      }
-      named_bar_sync(1, 256);
-      for (int q = ct; q < it.num_rows * 8; q += 256) {
-        const int j = q >> 3, c = q & 7;
-        *reinterpret_cast<uint4*>(p.hq + static_cast<int64_t>(it.row0 + j) * p.h_stride + it.col0 + c * 16) =
-            *reinterpret_cast<const uint4*>(stage + j * kHStride + c * 16);
-      }
-    } else {
-      uint16_t* stage = reinterpret_cast<uint16_t*>(smem + L::kOutOff);  // [kBN][kOutStride] bf16
-#pragma unroll
-      for (int sub = 0; sub < 2; ++sub) {
-        const int t = sub * 2 + cwg;
-#pragma unroll
-        for (int i = 0; i < kFrag; ++i) {
-          const int col = 8 * (i >> 2) + 2 * (lane & 3) + (i & 1);
-          const int wrow = t * 64 + 16 * warp_in_wg + (lane >> 2) + 8 * ((i >> 1) & 1);
-          stage[col * kOutStride + wrow] = float_to_bf16_bits(acc[sub][i]);
-        }
-      }
-      named_bar_sync(1, 256);
-      constexpr int kChunks = kWRows / 8;  // 16-byte chunks per output row
-      for (int q = ct; q < it.num_rows * kChunks; q += 256) {
-        const int j = q / kChunks, c = q % kChunks;
-        const int64_t n = it.col0 + c * 8;
-        if (n < p.hidden)
-          *reinterpret_cast<uint4*>(p.out + static_cast<int64_t>(it.row0 + j) * p.hidden + n) =
-              *reinterpret_cast<const uint4*>(stage + j * kOutStride + c * 8);
-      }
-    }
-    named_bar_sync(1, 256);  // staging (and red) are reused by the next item's epilogue
+    epilogue<kGateUp, kSwap>(p, it, w, acc, smem);
   }
+  turns_end<kOrder>(w, batches);
 }
 
-template <bool kGateUp>
+template <bool kGateUp, int kOrder, bool kSwap>
 __global__ void __launch_bounds__(kPfThreads, 1) fp8_prefill_kernel(Fp8GemmParams p) {
   using L = Layout<kGateUp>;
   extern __shared__ uint8_t smem_raw[];
@@ -312,13 +208,13 @@ __global__ void __launch_bounds__(kPfThreads, 1) fp8_prefill_kernel(Fp8GemmParam
     producer<kGateUp>(p, tile0, num_items, stages, smem, smem_s);
   } else {
     setmaxnreg_inc<216>();
-    consumer<kGateUp>(p, tile0, num_items, stages, smem, smem_s);
+    consumer<kGateUp, kOrder, kSwap>(p, tile0, num_items, stages, smem, smem_s);
   }
 }
 
 #else  // not sm_90a: the host never launches these (fp8_tensor_cores_available is false)
 
-template <bool kGateUp>
+template <bool kGateUp, int kOrder, bool kSwap>
 __global__ void __launch_bounds__(kPfThreads, 1) fp8_prefill_kernel(Fp8GemmParams) {
 #ifdef __CUDA_ARCH__
   __trap();
@@ -327,24 +223,39 @@ __global__ void __launch_bounds__(kPfThreads, 1) fp8_prefill_kernel(Fp8GemmParam
 
 #endif  // EPX_FP8_WGMMA
 
+/// The kernel instance of Fp8GemmParams::prefill_order (0..3; others: 0) and prefill_swap
+/// (swapped: orders 0 and 2 only; others: 0).
+template <bool kGateUp>
+auto prefill_kernel(int order, bool swap) {
+  if (swap) return order == 2 ? fp8_prefill_kernel<kGateUp, 2, true> : fp8_prefill_kernel<kGateUp, 0, true>;
+  switch (order) {
+    case 1: return fp8_prefill_kernel<kGateUp, 1, false>;
+    case 2: return fp8_prefill_kernel<kGateUp, 2, false>;
+    case 3: return fp8_prefill_kernel<kGateUp, 3, false>;
+    default: return fp8_prefill_kernel<kGateUp, 0, false>;
+  }
+}
+
 }  // namespace
 
 int fp8_prefill_smem_bytes() { return std::max(Layout<true>::kSmemBytes, Layout<false>::kSmemBytes); }
 
 void fp8_prefill_set_smem_limits() {
-  EPX_CUDA_CHECK(cudaFuncSetAttribute(fp8_prefill_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                      Layout<true>::kSmemBytes));
-  EPX_CUDA_CHECK(cudaFuncSetAttribute(fp8_prefill_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                      Layout<false>::kSmemBytes));
+  for (int v = 0; v < 8; ++v) {
+    EPX_CUDA_CHECK(cudaFuncSetAttribute(prefill_kernel<true>(v & 3, v >= 4), cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        Layout<true>::kSmemBytes));
+    EPX_CUDA_CHECK(cudaFuncSetAttribute(prefill_kernel<false>(v & 3, v >= 4), cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        Layout<false>::kSmemBytes));
+  }
 }
 
 void launch_fp8_prefill_gate_up(const Fp8GemmParams& p, int grid, cudaStream_t stream) {
-  fp8_prefill_kernel<true><<<grid, kPfThreads, Layout<true>::kSmemBytes, stream>>>(p);
+  prefill_kernel<true>(p.prefill_order, p.prefill_swap != 0)<<<grid, kPfThreads, Layout<true>::kSmemBytes, stream>>>(p);
   cuda::check_launch("fp8_prefill_kernel (gate_up)");
 }
 
 void launch_fp8_prefill_down(const Fp8GemmParams& p, int grid, cudaStream_t stream) {
-  fp8_prefill_kernel<false><<<grid, kPfThreads, Layout<false>::kSmemBytes, stream>>>(p);
+  prefill_kernel<false>(p.prefill_order, p.prefill_swap != 0)<<<grid, kPfThreads, Layout<false>::kSmemBytes, stream>>>(p);
   cuda::check_launch("fp8_prefill_kernel (down)");
 }
 

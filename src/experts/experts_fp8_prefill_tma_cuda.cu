@@ -42,6 +42,7 @@
 #include "epx/dtype.h"
 #include "epx/experts.h"
 #include "experts/experts_fp8_cuda.h"
+#include "experts/experts_fp8_prefill.cuh"
 #include "experts/experts_fp8_wgmma.cuh"
 
 namespace epx::experts_cuda {
@@ -49,31 +50,8 @@ namespace {
 
 using namespace wg;
 
-constexpr int kPfThreads = 384;
-constexpr int kBN = kFp8PrefillRows;                     // 128 tokens = wgmma N
-constexpr int kWRows = kFp8TileWeightRows;               // 256 weight rows
-[[maybe_unused]] constexpr int kSub = 64 * kBK;                           // one m64 weight sub-tile (8 KiB)
-constexpr int kABytes = kWRows * kBK;                    // 32 KiB
-constexpr int kBBytes = kBN * kBK;                       // 16 KiB
-constexpr int kStageBytes = kABytes + kBBytes;           // 48 KiB (multiple of 1024: swizzle atoms)
-constexpr int kScaleFloats = 4 + kBN;                    // per stage: 4 weight sub-tile scales + 128 token scales
-constexpr int kHStride = kBK + 16;                       // gate_up staging: FP8 h bytes per token, padded
-constexpr int kOutStride = kWRows + 8;                   // down staging: bf16 per token, padded
+using namespace pf;
 
-/// Shared-memory layout of the gate_up (kGateUp) or down kernel; base 1024-byte aligned.
-template <bool kGateUp>
-struct Layout {
-  static constexpr int kStages = kGateUp ? 4 : 3;        // down's 66 KiB staging leaves room for 3
-  static constexpr int kScaleOff = kStages * kStageBytes;
-  static constexpr int kBarOff = kScaleOff + kStages * kScaleFloats * 4;  // full[kStages], empty[kStages]
-  static constexpr int kRedOff = kBarOff + 2 * kStages * 8;              // gate_up: [8 warps][128] amax
-  static constexpr int kRowsOff = kRedOff + (kGateUp ? 8 * kBN * 4 : 0);  // producer: [kBN] B row byte offsets
-  static constexpr int kOutOff = (kRowsOff + kBN * 8 + 127) / 128 * 128;
-  static constexpr int kOutBytes = kGateUp ? kBN * kHStride : kBN * kOutStride * 2;
-  static constexpr int kSmemBytes = kOutOff + kOutBytes + 1024;  // + alignment of the base
-};
-static_assert(Layout<true>::kSmemBytes <= 227 * 1024 && Layout<false>::kSmemBytes <= 227 * 1024, "fits an SM");
-static_assert((kScaleFloats * 4) % 16 == 0, "stage scale blocks stay 16-byte aligned");
 static_assert(sizeof(CUtensorMap) == sizeof(Fp8TmaMap) && alignof(CUtensorMap) <= alignof(Fp8TmaMap), "opaque map fits");
 constexpr int kTmaBox = 128;  // TMA box: 128 rows x 128 bytes (one 16 KiB half of the weight tile, or the token tile)
 
@@ -303,13 +281,17 @@ __device__ __forceinline__ void producer(const Fp8GemmParams& p, const CUtensorM
   cp_async_wait<0>();
 }
 
-template <bool kGateUp>
+/// The consumer warpgroups (experts_fp8_prefill.cuh: kblock, epilogue; kOrder / kSwap as there,
+/// Fp8GemmParams::prefill_order / prefill_swap). Cluster lockstep: a stage this CTA has no work
+/// in is released without wgmmas, by both warpgroups alike, so the turn order stays paired.
+template <bool kGateUp, int kOrder, bool kSwap>
 __device__ __forceinline__ void consumer(const Fp8GemmParams& p, bool all_tma, bool cluster, int32_t tile0, int32_t num_tiles,
                                          int64_t q0, int64_t q_step, int64_t num_steps, uint32_t stages, uint8_t* smem,
                                          uint32_t smem_s) {
   using L = Layout<kGateUp>;
-  constexpr int kFrag = kBN / 2;  // 64 accumulator floats per thread per m64n128
-  const int ct = threadIdx.x - 128, cwg = ct >> 7, warp = ct >> 5, warp_in_wg = warp & 3, lane = ct & 31;
+  const Who w;
+  const int lane = w.lane;
+  int64_t batches = 0;  // wgmma batches this warpgroup issued (turn order)
   const float* scales = reinterpret_cast<const float*>(smem + L::kScaleOff);
   const uint32_t full0 = smem_s + L::kBarOff, empty0 = full0 + L::kStages * 8;
   float acc[2][kFrag], tmp[kFrag];
@@ -318,15 +300,15 @@ __device__ __forceinline__ void consumer(const Fp8GemmParams& p, bool all_tma, b
   const uint32_t rank = cluster ? cluster_ctarank() : 0;
   RingPos pos;
   for (int64_t q = q0; q < num_steps; q += q_step) {
-    const Work w = work_at<kGateUp>(p, tile0, num_tiles, q, cluster, rank);
-    if (w.nk == 0) continue;
-    const Item& it = w.it;
-    const int64_t nk = w.mine ? it.K / kBK : 0;
+    const Work wk = work_at<kGateUp>(p, tile0, num_tiles, q, cluster, rank);
+    if (wk.nk == 0) continue;
+    const Item& it = wk.it;
+    const int64_t nk = wk.mine ? it.K / kBK : 0;
 #pragma unroll
     for (int sub = 0; sub < 2; ++sub)
 #pragma unroll
       for (int i = 0; i < kFrag; ++i) acc[sub][i] = 0.0f;
-    for (int64_t kb = 0; kb < w.nk; ++kb) {
+    for (int64_t kb = 0; kb < wk.nk; ++kb) {
       const uint32_t s = pos.stage;
       mbar_wait(full0 + s * 8, pos.phase);
       if (kb >= nk) {  // cluster lockstep: an empty stage
@@ -341,28 +323,8 @@ __device__ __forceinline__ void consumer(const Fp8GemmParams& p, bool all_tma, b
       // cp.async wrote operands through the generic proxy; wgmma reads through the async one (TMA
       // writes through the async proxy: no fence when both operands came by TMA)
       if (!all_tma) fence_proxy_async();
-      const uint32_t a_s = smem_s + s * kStageBytes, b_s = a_s + kABytes;
-      const uint64_t db = smem_desc(b_s);
-      const float* sc = scales + s * kScaleFloats;
-#pragma unroll
-      for (int sub = 0; sub < 2; ++sub) {
-        const uint64_t da = smem_desc(a_s + (2 * sub + cwg) * kSub);
-        wgmma_fence();
-#pragma unroll
-        for (int k = 0; k < kBK / 32; ++k) Wgmma<kBN>::mma(tmp, da + 2 * k, db + 2 * k, k);
-        wgmma_commit();
-        wgmma_wait<0>();
-#pragma unroll
-        for (int i = 0; i < kFrag; ++i) fence_operand(tmp[i]);
-        const float wsc = sc[2 * sub + cwg];
-#pragma unroll
-        for (int i = 0; i < kFrag; i += 2) {
-          const int col = 8 * (i >> 2) + 2 * (lane & 3);  // columns col, col + 1 for i, i + 1
-          const float2 xs = *reinterpret_cast<const float2*>(sc + 4 + col);
-          acc[sub][i] = fmaf(tmp[i], wsc * xs.x, acc[sub][i]);
-          acc[sub][i + 1] = fmaf(tmp[i + 1], wsc * xs.y, acc[sub][i + 1]);
-        }
-      }
+      const uint32_t a_s = smem_s + s * kStageBytes;
+      kblock<kOrder, kSwap>(w, a_s, a_s + kABytes, scales + s * kScaleFloats, acc, tmp, batches);
       __syncwarp();
       if (lane == 0) {  // 8 consumer warps release the stage (cluster: in both CTAs, whose producers may multicast into it)
         if (cluster) {
@@ -374,80 +336,13 @@ __device__ __forceinline__ void consumer(const Fp8GemmParams& p, bool all_tma, b
       }
       pos.advance(stages);
     }
-    if (!w.mine) continue;
-
-    if constexpr (kGateUp) {
-      // h for (h column cwg*64 + row, token col): gate in acc[0], up in acc[1].
-      float* red = reinterpret_cast<float*>(smem + L::kRedOff);  // [8 warps][kBN] amax
-      uint8_t* stage = smem + L::kOutOff;                         // [kBN][kHStride] FP8 h
-      float cmax[kFrag / 2];  // per distinct column: index (i >> 2) * 2 + (i & 1)
-#pragma unroll
-      for (int j = 0; j < kFrag / 2; ++j) cmax[j] = 0.0f;
-#pragma unroll
-      for (int i = 0; i < kFrag; ++i) {
-        const float g = acc[0][i], u = acc[1][i];
-        acc[0][i] = g / (1.0f + expf(-g)) * u;  // silu(g) * u in fp32, the CPU's expression
-        const int j = (i >> 2) * 2 + (i & 1);
-        cmax[j] = fmaxf(cmax[j], fabsf(acc[0][i]));
-      }
-#pragma unroll
-      for (int j = 0; j < kFrag / 2; ++j) {
-#pragma unroll
-        for (int m = 4; m < 32; m <<= 1) cmax[j] = fmaxf(cmax[j], __shfl_xor_sync(0xffffffffu, cmax[j], m));
-      }
-      if (lane < 4) {
-#pragma unroll
-        for (int j = 0; j < kFrag / 2; ++j) red[warp * kBN + 8 * (j >> 1) + 2 * lane + (j & 1)] = cmax[j];
-      }
-      named_bar_sync(1, 256);
-#pragma unroll
-      for (int i = 0; i < kFrag; ++i) {
-        const int col = 8 * (i >> 2) + 2 * (lane & 3) + (i & 1);
-        float amax = 0.0f;
-#pragma unroll
-        for (int w = 0; w < 8; ++w) amax = fmaxf(amax, red[w * kBN + col]);
-        const float scale = __fdiv_rn(fmaxf(amax, 1e-4f), kFp8E4m3Max);
-        const int hrow = cwg * 64 + 16 * warp_in_wg + (lane >> 2) + 8 * ((i >> 1) & 1);
-        stage[col * kHStride + hrow] = float_to_fp8_e4m3_bits(__fdiv_rn(acc[0][i], scale));
-      }
-      if (ct < it.num_rows) {
-        float amax = 0.0f;
-        for (int w = 0; w < 8; ++w) amax = fmaxf(amax, red[w * kBN + ct]);
-        p.hs[static_cast<int64_t>(it.row0 + ct) * p.hs_stride + it.col0 / kBK] = __fdiv_rn(fmaxf(amax, 1e-4f), kFp8E4m3Max);
-      }
-      named_bar_sync(1, 256);
-      for (int q = ct; q < it.num_rows * 8; q += 256) {
-        const int j = q >> 3, c = q & 7;
-        *reinterpret_cast<uint4*>(p.hq + static_cast<int64_t>(it.row0 + j) * p.h_stride + it.col0 + c * 16) =
-            *reinterpret_cast<const uint4*>(stage + j * kHStride + c * 16);
-      }
-    } else {
-      uint16_t* stage = reinterpret_cast<uint16_t*>(smem + L::kOutOff);  // [kBN][kOutStride] bf16
-#pragma unroll
-      for (int sub = 0; sub < 2; ++sub) {
-        const int t = sub * 2 + cwg;
-#pragma unroll
-        for (int i = 0; i < kFrag; ++i) {
-          const int col = 8 * (i >> 2) + 2 * (lane & 3) + (i & 1);
-          const int wrow = t * 64 + 16 * warp_in_wg + (lane >> 2) + 8 * ((i >> 1) & 1);
-          stage[col * kOutStride + wrow] = float_to_bf16_bits(acc[sub][i]);
-        }
-      }
-      named_bar_sync(1, 256);
-      constexpr int kChunks = kWRows / 8;  // 16-byte chunks per output row
-      for (int q = ct; q < it.num_rows * kChunks; q += 256) {
-        const int j = q / kChunks, c = q % kChunks;
-        const int64_t n = it.col0 + c * 8;
-        if (n < p.hidden)
-          *reinterpret_cast<uint4*>(p.out + static_cast<int64_t>(it.row0 + j) * p.hidden + n) =
-              *reinterpret_cast<const uint4*>(stage + j * kOutStride + c * 8);
-      }
-    }
-    named_bar_sync(1, 256);  // staging (and red) are reused by the next item's epilogue
+    if (!wk.mine) continue;
+    epilogue<kGateUp, kSwap>(p, it, w, acc, smem);
   }
+  turns_end<kOrder>(w, batches);
 }
 
-template <bool kGateUp>
+template <bool kGateUp, int kOrder, bool kSwap>
 __global__ void __launch_bounds__(kPfThreads, 1) fp8_prefill_tma_kernel(Fp8GemmParams p, const __grid_constant__ CUtensorMap bmap, int tma_b, int cluster) {
   using L = Layout<kGateUp>;
   // tma_b: the token tile comes by TMA from `bmap` (only with the weight maps: the launch checks);
@@ -479,7 +374,7 @@ __global__ void __launch_bounds__(kPfThreads, 1) fp8_prefill_tma_kernel(Fp8GemmP
     producer<kGateUp>(p, &bmap, tma_b != 0, cluster != 0, tile0, num_tiles, q0, q_step, num_steps, stages, smem, smem_s);
   } else {
     setmaxnreg_inc<216>();
-    consumer<kGateUp>(p, p.w_maps != nullptr && tma_b != 0, cluster != 0, tile0, num_tiles, q0, q_step, num_steps, stages, smem,
+    consumer<kGateUp, kOrder, kSwap>(p, p.w_maps != nullptr && tma_b != 0, cluster != 0, tile0, num_tiles, q0, q_step, num_steps, stages, smem,
                       smem_s);
   }
   // cluster: neither CTA leaves while the other may still multicast into it or arrive on its barriers
@@ -488,7 +383,7 @@ __global__ void __launch_bounds__(kPfThreads, 1) fp8_prefill_tma_kernel(Fp8GemmP
 
 #else  // not sm_90a: the host never launches these (fp8_tensor_cores_available is false)
 
-template <bool kGateUp>
+template <bool kGateUp, int kOrder, bool kSwap>
 __global__ void __launch_bounds__(kPfThreads, 1) fp8_prefill_tma_kernel(Fp8GemmParams, const __grid_constant__ CUtensorMap, int, int) {
 #ifdef __CUDA_ARCH__
   __trap();
@@ -540,6 +435,14 @@ bool fp8_prefill_weight_maps(const ExpertDesc& e, int64_t hidden, Fp8TmaMap& w13
 
 namespace {
 
+/// The kernel instance of Fp8GemmParams::prefill_swap (modes 3, 4: weights in wgmma's A; 10, 11 of
+/// Config::experts_fp8_prefill: tokens in A). The turn order (prefill_order) is not compiled here:
+/// measured slower with the cp.async loads (bench/NOTES.md, sixth session).
+template <bool kGateUp>
+auto tma_kernel(bool swap) {
+  return swap ? fp8_prefill_tma_kernel<kGateUp, 0, true> : fp8_prefill_tma_kernel<kGateUp, 0, false>;
+}
+
 /// Co-resident 2-CTA clusters of each prefill kernel on the current device (0: no cluster launch),
 /// measured once by fp8_prefill_tma_set_smem_limits.
 int g_max_clusters[2] = {0, 0};
@@ -558,7 +461,7 @@ int max_active_clusters() {
   cfg.attrs = &attr;
   cfg.numAttrs = 1;
   int n = 0;
-  if (cudaOccupancyMaxActiveClusters(&n, fp8_prefill_tma_kernel<kGateUp>, &cfg) != cudaSuccess) {
+  if (cudaOccupancyMaxActiveClusters(&n, tma_kernel<kGateUp>(false), &cfg) != cudaSuccess) {
     (void)cudaGetLastError();
     n = 0;
   }
@@ -584,9 +487,10 @@ void launch_prefill(const Fp8GemmParams& p, const CUtensorMap& bmap, bool tb, in
     attr.val.clusterDim.z = 1;
     cfg.attrs = &attr;
     cfg.numAttrs = 1;
-    EPX_CUDA_CHECK(cudaLaunchKernelEx(&cfg, fp8_prefill_tma_kernel<kGateUp>, p, bmap, tb ? 1 : 0, 1));
+    EPX_CUDA_CHECK(cudaLaunchKernelEx(&cfg, tma_kernel<kGateUp>(p.prefill_swap != 0), p, bmap, tb ? 1 : 0, 1));
   } else {
-    fp8_prefill_tma_kernel<kGateUp><<<grid, kPfThreads, Layout<kGateUp>::kSmemBytes, stream>>>(p, bmap, tb ? 1 : 0, 0);
+    tma_kernel<kGateUp>(p.prefill_swap != 0)<<<grid, kPfThreads, Layout<kGateUp>::kSmemBytes, stream>>>(
+        p, bmap, tb ? 1 : 0, 0);
   }
   cuda::check_launch(what);
 }
@@ -596,10 +500,10 @@ void launch_prefill(const Fp8GemmParams& p, const CUtensorMap& bmap, bool tb, in
 int fp8_prefill_tma_smem_bytes() { return std::max(Layout<true>::kSmemBytes, Layout<false>::kSmemBytes); }
 
 void fp8_prefill_tma_set_smem_limits() {
-  EPX_CUDA_CHECK(cudaFuncSetAttribute(fp8_prefill_tma_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                      Layout<true>::kSmemBytes));
-  EPX_CUDA_CHECK(cudaFuncSetAttribute(fp8_prefill_tma_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                      Layout<false>::kSmemBytes));
+  for (bool swap : {false, true}) {
+    EPX_CUDA_CHECK(cudaFuncSetAttribute(tma_kernel<true>(swap), cudaFuncAttributeMaxDynamicSharedMemorySize, Layout<true>::kSmemBytes));
+    EPX_CUDA_CHECK(cudaFuncSetAttribute(tma_kernel<false>(swap), cudaFuncAttributeMaxDynamicSharedMemorySize, Layout<false>::kSmemBytes));
+  }
   g_max_clusters[1] = max_active_clusters<true>();
   g_max_clusters[0] = max_active_clusters<false>();
 }
