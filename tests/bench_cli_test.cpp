@@ -39,6 +39,8 @@ TEST(BenchCli, CpuSmokeWritesResultsJson) {
   ASSERT_EQ(r.code, 0) << r.out;
   EXPECT_NE(r.out.find("repro: epx bench"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("deepep-ll"), std::string::npos) << r.out;
+  // --kernel-time: no GPU kernels on CPU ranks, said once under the table.
+  EXPECT_NE(r.out.find("kernel time: unavailable (--device cpu"), std::string::npos) << r.out;
   std::ifstream f(out);
   const nlohmann::json j = nlohmann::json::parse(f);
   EXPECT_EQ(j["tool"], "epx bench");
@@ -71,6 +73,11 @@ TEST(BenchCli, CpuSmokeWritesResultsJson) {
     if (op == "combine") {
       EXPECT_EQ(res["dtype"], "bf16");
     }
+    ASSERT_TRUE(res.contains("kernel_time")) << res.dump();
+    EXPECT_EQ(res["kernel_time"].get<std::string>().rfind("unavailable: --device cpu", 0), 0u) << res.dump();
+    for (const char* key : {"kernel_us_p50", "kernel_us_p90", "kernel_us_mean", "kernel_span_us_p50", "kernel_gbps", "kernels",
+                            "latency_us_p50_cupti_rounds"})
+      EXPECT_TRUE(res.contains(key) && res[key].is_null()) << key << " in " << res.dump();
   }
   // ll-v3: fp8; ht-v3: fp8 and bf16; each with 5 backends + nccl_a2a_raw, two ops each.
   EXPECT_EQ(ops.size(), 3u * 6u);
@@ -79,7 +86,7 @@ TEST(BenchCli, CpuSmokeWritesResultsJson) {
 }
 
 TEST(BenchCli, BadFlagsExit2) {
-  for (const char* args : {"bench --case nope", "bench --backend nope", "bench --iters 0", "bench --routing banana"}) {
+  for (const char* args : {"bench --case nope", "bench --backend nope", "bench --iters 0", "bench --routing banana", "bench --kernel-time sometimes"}) {
     CliResult r = run_epx(args);
     EXPECT_EQ(r.code, 2) << args << "\n" << r.out;
   }
@@ -88,7 +95,7 @@ TEST(BenchCli, BadFlagsExit2) {
 TEST(BenchCli, HelpNamesTheAccounting) {
   CliResult r = run_epx("bench --help");
   EXPECT_EQ(r.code, 0) << r.out;
-  for (const char* s : {"--case", "--backend", "--ranks", "--iters", "--warmup", "--json", "--routing", "deepep-ll", "deepep-ht",
+  for (const char* s : {"--case", "--backend", "--ranks", "--iters", "--warmup", "--json", "--routing", "--kernel-time", "deepep-ll", "deepep-ht",
                         "nccl_a2a_raw"})
     EXPECT_NE(r.out.find(s), std::string::npos) << s;
 }

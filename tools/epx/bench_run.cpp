@@ -23,6 +23,7 @@
 #include "epx/group.h"
 #include "epx/quant.h"
 #include "experts/identity.h"
+#include "kernel_time.h"
 #include "moe_cuda_run.h"
 #include "moe_report.h"
 #include "moe_run.h"
@@ -78,6 +79,18 @@ RankInputs make_inputs(const BenchCase& c, size_t case_idx, int64_t T, int rank,
   return in;
 }
 
+/// --kernel-time: what the CUPTI rounds of one job measured on one rank (kernel_time.h). Index 0 dispatch, 1 combine.
+struct KernelRun {
+  bool ran = false;
+  std::string reason;               ///< why not (off, unavailable: ...), when !ran
+  std::vector<double> sum_us[2];    ///< per iteration: the call's kernels' summed GPU durations (NaN: none seen)
+  std::vector<double> span_us[2];   ///< per iteration: last end - first start
+  std::vector<double> events_us[2]; ///< per iteration: the CUDA events of the same rounds
+  std::string names[2];             ///< "name x per-call; ..." of the kernels seen
+  std::map<std::string, double> per_call[2];  ///< short kernel name -> kernels per call
+  int64_t dropped = 0;
+};
+
 /// What one rank measured for one job.
 struct RankJobResult {
   int64_t status = 0;  ///< 0 ran, 1 unsupported, 2 error
@@ -90,7 +103,81 @@ struct RankJobResult {
   Tensor out;                    ///< epx backends: [T, H] bf16 on the host, last iteration
   int64_t valid_selections = 0, dedup_rows = 0;
   int64_t moved_bytes_dispatch = 0, moved_bytes_combine = 0;  ///< nccl_a2a_raw: bytes sent incl. to self
+  KernelRun kernel, kernel_1tok;  ///< --kernel-time: the case's T, and (--graph, ll) T = 1
 };
+
+/// --kernel-time on this rank: "on" when cuda and not off (CUPTI availability is agreed in kernel_rounds).
+struct KernelTimeMode {
+  bool on = false;
+  std::string reason;  ///< when off: why
+};
+
+/// The host calls of op in kernel-time iteration i (i < 0: not a kernel-time round) are attributed to it.
+class KtCall {
+ public:
+  KtCall(int64_t i, kt::Op op) : on_(i >= 0) {
+    if (on_) kt::KernelTimer::instance().begin_call(i, op);
+  }
+  ~KtCall() {
+    if (on_) kt::KernelTimer::instance().end_call();
+  }
+  KtCall(const KtCall&) = delete;
+  KtCall& operator=(const KtCall&) = delete;
+
+ private:
+  bool on_;
+};
+
+/// --kernel-time: `iters` more timed iterations with CUPTI collecting, after the event rounds (so CUPTI's cost
+/// stays out of latency_us_*). iteration(timed, d_us, c_us, kt_iter) wraps its dispatch and combine host calls in
+/// KtCall(kt_iter, op). Collective: the ranks agree that every one of them collects, or none does.
+template <class Iteration>
+void kernel_rounds(const KernelTimeMode& mode, Group& group, int iters, Iteration&& iteration, Stream stream, KernelRun& kr) {
+  if (!mode.on) {
+    kr.reason = mode.reason;
+    return;
+  }
+  kt::KernelTimer& t = kt::KernelTimer::instance();
+  const bool mine = t.begin_rounds();
+  bool all = true;
+  for (int64_t v : group.all_gather_i64(mine ? 1 : 0)) all = all && v == 1;
+  if (!all) {
+    (void)t.end_rounds(0);
+    kr.reason = "unavailable: " + (mine ? std::string("CUPTI refused on another rank (see its stderr)") : t.reason());
+    if (!mine) std::cerr << "epx bench: rank " << group.rank() << ": kernel time unavailable: " << t.reason() << "\n";
+    return;
+  }
+  for (int i = 0; i < iters; ++i) iteration(true, kr.events_us[0], kr.events_us[1], static_cast<int64_t>(i));
+#ifdef EPX_WITH_CUDA
+  if (cudaStreamSynchronize(static_cast<cudaStream_t>(stream.handle)) != cudaSuccess || cudaDeviceSynchronize() != cudaSuccess)
+    throw CudaError("epx bench --kernel-time: synchronize after the CUPTI rounds failed");
+#endif
+  const std::vector<kt::OpTimes> ops = t.end_rounds(iters);
+  bool ok = t.available();
+  for (int64_t v : group.all_gather_i64(ok ? 1 : 0)) ok = ok && v == 1;
+  if (!ok) {
+    kr.reason = "unavailable: " + (t.available() ? std::string("CUPTI failed on another rank") : t.reason());
+    kr.events_us[0].clear();
+    kr.events_us[1].clear();
+    return;
+  }
+  for (int op = 0; op < 2; ++op) {
+    for (const kt::CallTime& c : ops[op].calls) {
+      kr.sum_us[op].push_back(c.sum_us);
+      kr.span_us[op].push_back(c.span_us);
+    }
+    std::ostringstream os;
+    for (const auto& [name, n] : ops[op].names) {
+      const double per_call = static_cast<double>(n) / std::max(iters, 1);
+      kr.per_call[op][name] = per_call;
+      os << (os.tellp() > 0 ? "; " : "") << name << " x" << std::setprecision(3) << per_call;
+    }
+    kr.names[op] = os.str();
+  }
+  kr.dropped = static_cast<int64_t>(t.dropped());
+  kr.ran = true;
+  if (group.rank() == 0) std::cerr << "epx bench --kernel-time: rank 0: " << t.stats() << " dropped " << kr.dropped << "\n";
+}
 
 struct JobResult {
   Job job;
@@ -295,7 +382,7 @@ void ll_diagnostics(dispatch::LlCuda& ll, Group& group, const Tensor& word, Stre
 /// event, identity experts (eager, untimed), event, finalize replay, event. Graph-safe backends only.
 void run_epx_backend_graph(const Job& job, const BenchCase& c, int64_t T, const std::shared_ptr<Group>& group, Device dev,
                            const TensorView& x, const TensorView& idx, const TensorView& wts, int warmup, int iters, Stream stream,
-                           IterTimer& timer, RankJobResult& res) {
+                           IterTimer& timer, RankJobResult& res, const KernelTimeMode& ktm) {
   const int R = group->size(), rank = group->rank();
   const DispatchConfig cfg = dispatch_config(c, T, job.dtype);
   auto pf = make_prepare_finalize(job.backend, group, cfg);
@@ -326,16 +413,22 @@ void run_epx_backend_graph(const Job& job, const BenchCase& c, int64_t T, const 
   CapturedGraph gp, gf;
   gp.capture(stream, [&] { p = pf->prepare(a); });
   gf.capture(stream, [&] { pf->finalize({expert_out, out, stream}); });
-  auto iteration = [&](bool timed, std::vector<double>& d_us, std::vector<double>& c_us) {
+  auto iteration = [&](bool timed, std::vector<double>& d_us, std::vector<double>& c_us, int64_t kt_iter = -1) {
     if (timed) {
       align_ranks_delayed(*group, word, stream);
       timer.mark(0);
     }
-    gp.launch(stream);
+    {
+      KtCall k(kt_iter, kt::Op::dispatch);
+      gp.launch(stream);
+    }
     if (timed) timer.mark(1);
     experts->apply(p.experts_input(), expert_out, stream);
     if (timed) timer.mark(2);
-    gf.launch(stream);
+    {
+      KtCall k(kt_iter, kt::Op::combine);
+      gf.launch(stream);
+    }
     if (timed) {
       timer.mark(3);
       const auto [d, cmb] = timer.finish();
@@ -348,6 +441,7 @@ void run_epx_backend_graph(const Job& job, const BenchCase& c, int64_t T, const 
   timer.sync();
   for (int i = 0; i < iters; ++i) iteration(true, res.dispatch_us, res.combine_us);
   timer.sync();
+  kernel_rounds(ktm, *group, iters, iteration, stream, res.kernel);
   // ll diagnostics (bench/NOTES.md, fifth session): one untimed round with stamp kernels around the graphs.
   auto iteration_stamped = [&](dispatch::LlCuda& ll) {
     align_ranks_delayed(*group, word, stream);
@@ -398,6 +492,7 @@ void run_epx_backend_graph(const Job& job, const BenchCase& c, int64_t T, const 
   timer.sync();
   for (int i = 0; i < iters; ++i) iteration(true, res.dispatch_us_1tok, res.combine_us_1tok);
   timer.sync();
+  kernel_rounds(ktm, *group, iters, iteration, stream, res.kernel_1tok);
   print_trace("T = 1");
   if (auto* ll = dynamic_cast<dispatch::LlCuda*>(pf.get())) {
     ll_diagnostics_guarded(*ll, *group, word, stream, timer, iteration_stamped, "T = 1");
@@ -418,7 +513,7 @@ void run_epx_backend_graph(const Job& job, const BenchCase& c, int64_t T, const 
 /// `iters` times; times prepare and finalize of the last `iters`. Collective.
 void run_epx_backend(const Job& job, const BenchCase& c, int64_t T, const std::shared_ptr<Group>& group, Device dev,
                      const TensorView& x, const TensorView& idx, const TensorView& wts, int warmup, int iters, Stream stream,
-                     IterTimer& timer, RankJobResult& res) {
+                     IterTimer& timer, RankJobResult& res, const KernelTimeMode& ktm) {
   const int R = group->size(), rank = group->rank();
   const DispatchConfig cfg = dispatch_config(c, T, job.dtype);
   auto pf = make_prepare_finalize(job.backend, group, cfg);
@@ -430,7 +525,7 @@ void run_epx_backend(const Job& job, const BenchCase& c, int64_t T, const std::s
   Tensor out = Tensor::empty({T, c.hidden}, DType::bf16, dev);
   Tensor expert_out;
   const Tensor word = Tensor::zeros({1}, DType::fp32, dev);
-  auto round_trip = [&](bool timed) {
+  auto round_trip_into = [&](bool timed, std::vector<double>& d_us, std::vector<double>& c_us, int64_t kt_iter = -1) {
     if (timed) {
       align_ranks(*group, word, stream);
       timer.mark(0);
@@ -440,7 +535,11 @@ void run_epx_backend(const Job& job, const BenchCase& c, int64_t T, const std::s
     a.topk_idx = idx;
     a.topk_weights = wts;
     a.stream = stream;
-    const PrepareResult p = pf->prepare(a);
+    PrepareResult p;
+    {
+      KtCall k(kt_iter, kt::Op::dispatch);
+      p = pf->prepare(a);
+    }
     if (timed) timer.mark(1);
     std::vector<int64_t> dims(p.x.shape.begin(), p.x.shape.begin() + p.x.ndim);
     TensorView eo(nullptr, DType::bf16, dims, dev);
@@ -453,25 +552,30 @@ void run_epx_backend(const Job& job, const BenchCase& c, int64_t T, const std::s
     f.expert_out = eo;
     f.out = out;
     f.stream = stream;
-    pf->finalize(f);
+    {
+      KtCall k(kt_iter, kt::Op::combine);
+      pf->finalize(f);
+    }
     if (timed) {
       timer.mark(3);
       const auto [d, cmb] = timer.finish();
-      res.dispatch_us.push_back(d);
-      res.combine_us.push_back(cmb);
+      d_us.push_back(d);
+      c_us.push_back(cmb);
     }
   };
-  for (int i = 0; i < warmup; ++i) round_trip(false);
+  std::vector<double> scratch_d, scratch_c;
+  for (int i = 0; i < warmup; ++i) round_trip_into(false, scratch_d, scratch_c);
   timer.sync();
-  for (int i = 0; i < iters; ++i) round_trip(true);
+  for (int i = 0; i < iters; ++i) round_trip_into(true, res.dispatch_us, res.combine_us);
   timer.sync();
+  kernel_rounds(ktm, *group, iters, round_trip_into, stream, res.kernel);
   res.out = out.device().is_cpu() ? out : out.to(Device::cpu());
 }
 
 /// NCCL's (or the CPU group's) all-to-all of equal blocks: rows_per_peer rows of `row_bytes` to
 /// every rank (incl. self), once at the dispatch row size and once at the bf16 combine size.
 void run_raw_a2a(const BenchCase& c, DType dtype, int64_t rows_per_peer, const std::shared_ptr<Group>& group, Device dev,
-                 int warmup, int iters, Stream stream, IterTimer& timer, RankJobResult& res, bool graph) {
+                 int warmup, int iters, Stream stream, IterTimer& timer, RankJobResult& res, bool graph, const KernelTimeMode& ktm) {
   const int R = group->size();
   const int64_t disp_row = dtype == DType::fp8_e4m3 ? c.hidden + c.hidden / kFp8GroupSize * 4 : 2 * c.hidden;
   const int64_t comb_row = 2 * c.hidden;
@@ -501,7 +605,7 @@ void run_raw_a2a(const BenchCase& c, DType dtype, int64_t rows_per_peer, const s
 #else
   (void)graph;
 #endif
-  auto once = [&](bool timed) {
+  auto once_into = [&](bool timed, std::vector<double>& d_us, std::vector<double>& c_us, int64_t kt_iter = -1) {
     if (timed) {
 #ifdef EPX_WITH_CUDA
       if (res.graph) align_ranks_delayed(*group, word, stream);
@@ -511,23 +615,31 @@ void run_raw_a2a(const BenchCase& c, DType dtype, int64_t rows_per_peer, const s
 #endif
       timer.mark(0);
     }
-    disp_call();
+    {
+      KtCall k(kt_iter, kt::Op::dispatch);
+      disp_call();
+    }
     if (timed) {
       timer.mark(1);
       timer.mark(2);
     }
-    comb_call();
+    {
+      KtCall k(kt_iter, kt::Op::combine);
+      comb_call();
+    }
     if (timed) {
       timer.mark(3);
       const auto [d, cmb] = timer.finish();
-      res.dispatch_us.push_back(d);
-      res.combine_us.push_back(cmb);
+      d_us.push_back(d);
+      c_us.push_back(cmb);
     }
   };
-  for (int i = 0; i < warmup; ++i) once(false);
+  std::vector<double> scratch_d, scratch_c;
+  for (int i = 0; i < warmup; ++i) once_into(false, scratch_d, scratch_c);
   timer.sync();
-  for (int i = 0; i < iters; ++i) once(true);
+  for (int i = 0; i < iters; ++i) once_into(true, res.dispatch_us, res.combine_us);
   timer.sync();
+  kernel_rounds(ktm, *group, iters, once_into, stream, res.kernel);
   res.moved_bytes_dispatch = R * rows_per_peer * disp_row;
   res.moved_bytes_combine = R * rows_per_peer * comb_row;
 }
@@ -570,6 +682,15 @@ void run_jobs_on_rank(const BenchOptions& o, const std::vector<BenchCase>& cases
   const int R = group->size(), rank = group->rank();
   const Device dev = group->device();
   IterTimer timer(dev.is_cuda(), stream);
+  KernelTimeMode ktm;
+  if (!dev.is_cuda()) {
+    ktm.reason = "unavailable: --device cpu (no GPU kernels)";
+  } else if (o.kernel_time == "off") {
+    ktm.reason = "off";
+  } else {
+    ktm.on = true;
+    (void)kt::KernelTimer::instance();  // CUPTI attaches here, before any graph is captured (kernel_time.cpp)
+  }
   size_t cur_case = static_cast<size_t>(-1);
   RankInputs in;
   Tensor x, idx, wts;
@@ -594,13 +715,13 @@ void run_jobs_on_rank(const BenchOptions& o, const std::vector<BenchCase>& cases
     res.dedup_rows = in.dedup_rows;
     try {
       if (job.backend == kRaw) {
-        run_raw_a2a(c, job.dtype, rows_per_peer, group, dev, o.warmup, o.iters, stream, timer, res, o.graph);
+        run_raw_a2a(c, job.dtype, rows_per_peer, group, dev, o.warmup, o.iters, stream, timer, res, o.graph, ktm);
       } else if (o.graph) {
 #ifdef EPX_WITH_CUDA
-        run_epx_backend_graph(job, c, T, group, dev, x, idx, wts, o.warmup, o.iters, stream, timer, res);
+        run_epx_backend_graph(job, c, T, group, dev, x, idx, wts, o.warmup, o.iters, stream, timer, res, ktm);
 #endif
       } else {
-        run_epx_backend(job, c, T, group, dev, x, idx, wts, o.warmup, o.iters, stream, timer, res);
+        run_epx_backend(job, c, T, group, dev, x, idx, wts, o.warmup, o.iters, stream, timer, res, ktm);
       }
     } catch (const Unsupported& e) {
       res.status = 1;
@@ -644,6 +765,33 @@ void run_jobs_on_rank(const BenchOptions& o, const std::vector<BenchCase>& cases
   const std::vector<int64_t> sms = g.all_gather_i64(mine.sms), graphs = g.all_gather_i64((mine.graph ? 1 : 0) | (mine.hierarchical ? 2 : 0));
   const std::vector<int64_t> sel = g.all_gather_i64(mine.valid_selections), dd = g.all_gather_i64(mine.dedup_rows);
   const std::vector<int64_t> md = g.all_gather_i64(mine.moved_bytes_dispatch), mc = g.all_gather_i64(mine.moved_bytes_combine);
+  // --kernel-time: ran (agreed in kernel_rounds, so the same on every rank) with iters values per vector.
+  std::vector<KernelRun> kruns;
+  for (KernelRun* kr : {&mine.kernel, &mine.kernel_1tok}) {
+    KernelRun got;
+    got.reason = kr->reason;
+    got.ran = kr->ran;
+    if (kr->ran) {
+      for (int op = 0; op < 2; ++op) {
+        const int64_t m = static_cast<int64_t>(kr->sum_us[op].size());
+        std::vector<double> a(static_cast<size_t>(m * R)), b(static_cast<size_t>(m * R)), e(static_cast<size_t>(m * R));
+        std::vector<double> ev = kr->events_us[op];
+        ev.resize(static_cast<size_t>(m), NAN);
+        g.all_gather(kr->sum_us[op].data(), a.data(), m * 8);
+        g.all_gather(kr->span_us[op].data(), b.data(), m * 8);
+        g.all_gather(ev.data(), e.data(), m * 8);
+        got.sum_us[op] = std::move(a);  // R blocks of m, rank-major
+        got.span_us[op] = std::move(b);
+        got.events_us[op] = std::move(e);
+        got.names[op] = kr->names[op];
+        got.per_call[op] = kr->per_call[op];
+      }
+      int64_t dropped = 0;
+      for (int64_t v : g.all_gather_i64(kr->dropped)) dropped += v;
+      got.dropped = dropped;
+    }
+    kruns.push_back(std::move(got));
+  }
   const bool has_out = mine.out.defined();
   std::vector<Tensor> outs;
   if (has_out) {
@@ -671,6 +819,24 @@ void run_jobs_on_rank(const BenchOptions& o, const std::vector<BenchCase>& cases
     r.moved_bytes_dispatch = md[q];
     r.moved_bytes_combine = mc[q];
     if (has_out) r.out = outs[q];
+    KernelRun* dst[2] = {&r.kernel, &r.kernel_1tok};
+    for (int k = 0; k < 2; ++k) {
+      const KernelRun& src = kruns[static_cast<size_t>(k)];
+      KernelRun& d = *dst[k];
+      d = KernelRun{};
+      d.ran = src.ran;
+      d.reason = src.reason;
+      d.dropped = src.dropped;
+      if (!src.ran) continue;
+      for (int op = 0; op < 2; ++op) {
+        const size_t m = src.sum_us[op].size() / static_cast<size_t>(R);
+        d.sum_us[op].assign(src.sum_us[op].begin() + q * m, src.sum_us[op].begin() + (q + 1) * m);
+        d.span_us[op].assign(src.span_us[op].begin() + q * m, src.span_us[op].begin() + (q + 1) * m);
+        d.events_us[op].assign(src.events_us[op].begin() + q * m, src.events_us[op].begin() + (q + 1) * m);
+        d.names[op] = src.names[op];  // rank 0's
+        d.per_call[op] = src.per_call[op];
+      }
+    }
   }
 }
 
@@ -756,7 +922,10 @@ int report(const BenchOptions& o, const std::vector<BenchCase>& cases, const std
   std::ostringstream table;
   table << std::left << std::setw(7) << "case" << std::setw(9) << "dtype" << std::setw(25) << "backend" << std::setw(9) << "op"
         << std::right << std::setw(10) << "p50 us" << std::setw(10) << "p10 us" << std::setw(10) << "p90 us" << std::setw(9) << "GB/s"
-        << std::setw(11) << "predicted" << std::setw(7) << "ratio" << "  " << std::left << "validated\n";
+        << std::setw(11) << "predicted" << std::setw(7) << "ratio" << std::setw(10) << "kern p50" << std::setw(10) << "kern p90"
+        << std::setw(10) << "span p50" << std::setw(8) << "kGB/s" << "  " << std::left << "validated\n";
+  std::ostringstream kernel_lines;  // the kernels seen, per (job, op)
+  std::string kernel_state;         // the first row's kernel_time, for the footer
   for (size_t j = 0; j < jobs.size(); ++j) {
     const Job& job = jobs[j];
     const BenchCase& c = cases[job.case_idx];
@@ -823,6 +992,35 @@ int report(const BenchOptions& o, const std::vector<BenchCase>& cases, const std
       // Predictions were written for the GPUs at the case's own shape and uniform routing.
       const bool has_pred = !one_token && pred.predicted_us > 0 && cuda && T == c.tokens_per_rank && o.routing == "uniform";
       const bool row_validated = validated && !one_token;
+      // --kernel-time (KernelRun): per iteration the slowest rank's kernel sum / span.
+      const int opi = op == "dispatch" ? 0 : 1;
+      const KernelRun* kr0 = status == 0 && !jr.ranks.empty() ? (one_token ? &jr.ranks[0].kernel_1tok : &jr.ranks[0].kernel) : nullptr;
+      const bool kran = kr0 && kr0->ran;
+      std::vector<std::vector<double>> ksum, kspan, kev;
+      json kper_rank = json::array();
+      if (kran)
+        for (const RankJobResult& r : jr.ranks) {
+          const KernelRun& k = one_token ? r.kernel_1tok : r.kernel;
+          ksum.push_back(k.sum_us[opi]);
+          kspan.push_back(k.span_us[opi]);
+          kev.push_back(k.events_us[opi]);
+          const double v = kt::percentile_finite(k.sum_us[opi], 50);
+          kper_rank.push_back(std::isfinite(v) ? json(v) : json(nullptr));
+        }
+      const std::vector<double> kit = kran ? kt::slowest_rank(ksum) : std::vector<double>{};
+      const std::vector<double> ksp = kran ? kt::slowest_rank(kspan) : std::vector<double>{};
+      const std::vector<double> kevs = kran ? kt::slowest_rank(kev) : std::vector<double>{};
+      auto num = [](double v) { return std::isfinite(v) ? json(v) : json(nullptr); };
+      const double k50 = kran ? kt::percentile_finite(kit, 50) : NAN;
+      const double kgbps = std::isfinite(k50) && k50 > 0 && !one_token && status == 0 ? bytes / (k50 * 1e3) : NAN;
+      const std::string kstate = kran ? "cupti" : kr0 ? kr0->reason : status == 0 ? "unavailable" : "n/a (the job did not run)";
+      if (kernel_state.empty() && kr0) kernel_state = kstate;
+      json kernels = json::object();
+      if (kran)
+        for (const auto& [name, n] : kr0->per_call[opi]) kernels[name] = n;
+      if (kran)
+        kernel_lines << "  kernels of " << job.backend << (one_token ? " (T=1) " : " ") << op << ": "
+                     << (kr0->names[opi].empty() ? std::string("none seen") : kr0->names[opi]) << " (per call, rank 0)\n";
       json row = {
           {"case", c.name},
           {"backend", job.backend},
@@ -863,6 +1061,18 @@ int report(const BenchOptions& o, const std::vector<BenchCase>& cases, const std
           {"prediction", has_pred ? json(pred.derivation) : json(nullptr)},
           {"ratio_to_predicted", has_pred && ran ? json(p50 / pred.predicted_us) : json(nullptr)},
           {"status", status == 0 ? (validated && !(rel_l2 <= kRelL2Tolerance) ? "FAIL" : "ran") : status == 1 ? "unsupported" : "error"},
+          {"kernel_time", kstate},
+          {"kernel_us_p50", num(k50)},
+          {"kernel_us_p90", kran ? num(kt::percentile_finite(kit, 90)) : json(nullptr)},
+          {"kernel_us_mean", kran ? num(kt::mean_finite(kit)) : json(nullptr)},
+          {"kernel_span_us_p50", kran ? num(kt::percentile_finite(ksp, 50)) : json(nullptr)},
+          {"kernel_span_us_p90", kran ? num(kt::percentile_finite(ksp, 90)) : json(nullptr)},
+          {"kernel_us_p50_per_rank", kran ? kper_rank : json(nullptr)},
+          {"kernel_gbps", num(kgbps)},
+          {"kernels", kran ? kernels : json(nullptr)},
+          {"kernel_iterations", kran ? json(kit.size()) : json(nullptr)},
+          {"latency_us_p50_cupti_rounds", kran ? num(kt::percentile_finite(kevs, 50)) : json(nullptr)},
+          {"kernel_records_dropped", kran ? json(kr0->dropped) : json(nullptr)},
       };
       if (job.backend == kRaw && ran) row["moved_bytes_per_rank"] = moved;
       if (one_token) row["note"] = "1 token per rank: the fixed floor, the same captured graphs replayed with num_tokens = 1 on the device";
@@ -872,7 +1082,9 @@ int report(const BenchOptions& o, const std::vector<BenchCase>& cases, const std
             << (one_token ? job.backend + " (T=1)" : job.backend) << std::setw(9) << op << std::right << std::setw(10) << (ran ? fixed(p50, 1) : "-") << std::setw(10)
             << (ran ? fixed(percentile(per_iter, 10), 1) : "-") << std::setw(10) << (ran ? fixed(percentile(per_iter, 90), 1) : "-")
             << std::setw(9) << (one_token ? std::string("-") : fixed(gbps, 1)) << std::setw(11) << (has_pred ? fixed(pred.predicted_us, 0) : "-") << std::setw(7)
-            << (has_pred && ran ? fixed(p50 / pred.predicted_us, 2) : "-") << "  " << std::left
+            << (has_pred && ran ? fixed(p50 / pred.predicted_us, 2) : "-") << std::setw(10) << fixed(k50, 1) << std::setw(10)
+            << (kran ? fixed(kt::percentile_finite(kit, 90), 1) : "-") << std::setw(10) << (kran ? fixed(kt::percentile_finite(ksp, 50), 1) : "-")
+            << std::setw(8) << fixed(kgbps, 0) << "  " << std::left
             << (status == 1 ? "unsupported" : status == 2 ? "ERROR" : validated ? (rel_l2 <= kRelL2Tolerance ? "yes" : "FAIL") : "n/a")
             << "\n";
     }
@@ -887,11 +1099,18 @@ int report(const BenchOptions& o, const std::vector<BenchCase>& cases, const std
         row["speedup_vs_nccl_a2a_raw"] = raw["latency_us_p50"].get<double>() / row["latency_us_p50"].get<double>();
   }
   std::cout << "node layout: " << o.node_layout_for_report.describe() << " (NCCL LSA team " << o.node_layout_for_report.lsa_size << ")\n"
-            << table.str();
+            << table.str() << kernel_lines.str();
   std::cout << "GB/s: bytes per rank (mean over ranks) / p50; accounting per case (ANCHORS.md): ";
   for (const BenchCase& c : cases) std::cout << c.name << " " << c.accounting << "  ";
   std::cout << "\nlatency: per iteration the slowest rank's, " << (cuda ? (o.graph ? "CUDA events around CUDA-graph replays" : "CUDA events") : "host clock") << ", after " << o.warmup
             << " warm-up iterations; expert step = identity (untimed)\n";
+  if (kernel_state == "cupti")
+    std::cout << "kernel time: CUPTI activity records (CONCURRENT_KERNEL) in " << o.iters
+              << " separate iterations after the event ones; kern = sum of a call's kernel durations, span = first start to last end,"
+                 " per iteration the slowest rank's; kGB/s on kern p50\n";
+  else if (!kernel_state.empty())
+    std::cout << "kernel time: " << (kernel_state.rfind("unavailable: ", 0) == 0 ? "unavailable (" + kernel_state.substr(13) + ")" : kernel_state)
+              << "\n";
 
   if (!o.json.empty()) {
     char date[32];

@@ -27,6 +27,22 @@
 // report "unsupported". ll also reports the latency at 1 token per rank (the fixed floor): the same
 // graphs replayed with the device-side token count (DispatchArgs::num_tokens) set to 1, and the
 // SMs its kernels use; rows get speedup_vs_nccl_a2a_raw (raw p50 / p50, same case, dtype, op).
+// --kernel-time (cuda; default auto = on when the build has CUPTI, kernel_time.h): after the event rounds
+// (so CUPTI's cost stays out of latency_us_*), `iters` more timed iterations with the CUPTI Activity API
+// collecting kernel records (CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL, graph replays included), each call's
+// kernels found by an external correlation id pushed around its host calls. Per rank and call: the sum of
+// its kernels' GPU durations and first start -> last end; per iteration the slowest rank's; p50/p90/mean
+// over the iterations (DeepEP's test_low_latency reports bench_kineto's per-call mean of its kernels'
+// durations: the anchor's 28.9 / 39.9 us). JSON fields per row (null when not measured):
+//   kernel_time            "cupti" | "off" | "unavailable: <reason>"
+//   kernel_us_p50/p90/mean sum of the call's kernel durations, us (slowest rank per iteration)
+//   kernel_span_us_p50/p90 last kernel end - first kernel start of the call, us
+//   kernel_us_p50_per_rank each rank's own p50 of kernel_us
+//   kernel_gbps            the row's accounting (deepep-ll / deepep-ht) bytes per rank / kernel_us_p50
+//   kernels                {short kernel name: kernels per call} (rank 0)
+//   kernel_iterations      iterations of the CUPTI rounds; latency_us_p50_cupti_rounds: the CUDA-event p50
+//                          of those same rounds (how much CUPTI moved the event figure)
+//   kernel_records_dropped records CUPTI dropped (all ranks)
 #pragma once
 
 #include <cstdint>
@@ -56,6 +72,7 @@ struct BenchOptions {
   std::string device_name_for_report;  ///< set by run_bench on CUDA ("2 x NVIDIA H200")
   NodeLayout node_layout_for_report;   ///< set by run_bench: the group's node layout (JSON "node_layout")
   bool graph = false;               ///< --graph: time CUDA-graph replays (cuda only)
+  std::string kernel_time = "auto"; ///< --kernel-time: auto (on with CUPTI on cuda) | on | off
 };
 
 /// A standard shape (ANCHORS.md "Standard shapes").

@@ -55,6 +55,11 @@ void add_bench_command(CLI::App& root, BenchCommand& cmd) {
   b->add_flag("--graph", o.graph,
              "Capture prepare and finalize in CUDA graphs (separately) and time their replays (cuda; graph-safe backends + "
              "nccl_a2a_raw); adds the 1-token-per-rank latency and the SMs used for ll");
+  b->add_option("--kernel-time", o.kernel_time,
+                 "GPU duration of each call's kernels from CUPTI activity records (DeepEP's bench_kineto figure), in separate "
+                 "rounds after the event rounds: auto (on for --device cuda when built with CUPTI), on, off")
+      ->check(CLI::IsMember({"auto", "on", "off"}))
+      ->capture_default_str();
   b->add_option("--config", o.config, "Config JSON file (default < this file < EPX_* env); see `epx info`");
   b->footer(
       "Per iteration: a group barrier, then CUDA events around prepare and around finalize (the expert step between them\n"
@@ -63,6 +68,8 @@ void add_bench_command(CLI::App& root, BenchCommand& cmd) {
       "fp8 dispatch, x 2H combine) or deepep-ht (rank-deduplicated rows incl. self x row bytes). validated: the last\n"
       "iteration's output equals the same backend on CPU ranks (cuda) or the identity formula (cpu) within rel L2 1e-2.\n"
       "predicted_us: bench/NOTES.md (2 ranks, the case's tokens, uniform routing).\n"
+      "kern p50/p90 (--kernel-time, cuda + CUPTI): sum of each call's kernel durations (CUPTI activity records, slowest\n"
+      "rank per iteration) in separate rounds; span p50: first kernel start to last kernel end; kGB/s: the accounting on kern p50.\n"
       "Exit status: 0 every epx backend that ran validated, 1 otherwise, 2 a bad flag.\n"
       "Examples:\n"
       "  epx bench --case ll-v3 --backend all --ranks 2 --json bench/results/h200x2/bench-ll-v3.json\n"
