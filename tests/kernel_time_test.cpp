@@ -59,8 +59,34 @@ TEST(KernelTime, RecordsAreSortedIntoCallsBySumAndSpan) {
   ASSERT_EQ(ops[1].names.size(), 1u);
   EXPECT_EQ(ops[1].names.at("ncclDevKernel_SendRecv"), 1);
   const std::string stats = kt::record_stats(k, corr);
-  EXPECT_NE(stats.find("6 kernel records (4 in calls), 5 external correlations"), std::string::npos) << stats;
+  EXPECT_NE(stats.find("6 kernel records (4 in calls, 0 of them by window), 5 external correlations"), std::string::npos) << stats;
   EXPECT_NE(stats.find("ncclDevKernel_AllReduce x1; stray x1;"), std::string::npos) << stats;
+}
+
+TEST(KernelTime, KernelsLaunchedByAnotherThreadGoByTheCallsHostWindow) {
+  // NCCL's own thread launches kernel 40 (API call at t = 5500, inside iteration 0's combine window [5000, 6000])
+  // and kernel 41 (API call at t = 7000, between the windows: the alignment). Kernel 42's API call has an
+  // external id and also sits in a window: the external id wins.
+  const std::vector<kt::CallWindow> windows = {{kt::call_id(0, kt::Op::dispatch), 1000, 2000}, {kt::call_id(0, kt::Op::combine), 5000, 6000},
+                                               {kt::call_id(1, kt::Op::dispatch), 8000, 9000}};
+  const std::vector<kt::ApiRecord> apis = {{40, 5500}, {41, 7000}, {42, 5600}, {43, 9000}};
+  const std::vector<kt::CorrelationRecord> corr = {{42, kt::call_id(0, kt::Op::dispatch)}};
+  const std::vector<kt::KernelRecord> k = {{40, 10000, 13000, "ncclDevKernel_SendRecv"},
+                                           {41, 14000, 15000, "ncclDevKernel_AllReduce"},
+                                           {42, 20000, 21000, "d"},
+                                           {43, 30000, 30500, "ncclDevKernel_SendRecv"}};
+  const auto ops = kt::aggregate(k, corr, 2, apis, windows);
+  EXPECT_DOUBLE_EQ(ops[1].calls[0].sum_us, 3.0);
+  EXPECT_EQ(ops[1].calls[0].kernels, 1);
+  EXPECT_DOUBLE_EQ(ops[0].calls[0].sum_us, 1.0);
+  EXPECT_EQ(ops[0].names.count("d"), 1u);
+  EXPECT_DOUBLE_EQ(ops[0].calls[1].sum_us, 0.5);  // t = 9000: the window's end is inside
+  EXPECT_EQ(ops[1].calls[1].kernels, 0);
+  EXPECT_EQ(ops[1].names.count("ncclDevKernel_AllReduce"), 0u);
+  // Without the windows kernel 40 belongs to no call.
+  EXPECT_EQ(kt::aggregate(k, corr, 2, apis, {})[1].calls[0].kernels, 0);
+  const std::string stats = kt::record_stats(k, corr, apis, windows);
+  EXPECT_NE(stats.find("4 kernel records (3 in calls, 2 of them by window)"), std::string::npos) << stats;
 }
 
 TEST(KernelTime, IdsPastTheIterationsAndIncompleteRecordsAreIgnored) {
@@ -107,6 +133,7 @@ TEST(KernelTime, ShortNames) {
   // A template instance: "void epx::k<8>(int)" -> the name without its arguments.
   EXPECT_EQ(kt::short_kernel_name("_ZN3epx1kILi8EEEvi"), "epx::k");
   EXPECT_EQ(kt::short_kernel_name("plain"), "plain");
+  EXPECT_EQ(kt::short_kernel_name("d"), "d");  // a C name that is also a mangled type (double)
   // "void epx::(anonymous namespace)::k<8>(int)"
   EXPECT_EQ(kt::short_kernel_name("_ZN3epx12_GLOBAL__N_11kILi8EEEvi"), "epx::{anon}::k");
 }

@@ -302,14 +302,18 @@ class CapturedGraph {
 /// --graph: after the rank alignment the GPU idles this long (200 us) before the start event, so the host has
 /// queued the timed replays by then and their launch latency on the host is not in the figure.
 constexpr long long kAlignDelayNs = 200000;
+/// --kernel-time rounds: 1 ms instead. CUPTI's API records slow the host, and with 200 us one rank's graph was
+/// still being queued when the GPUs left the alignment (sixth session, batch 1: one rank's ll dispatch kernel
+/// waited 35-60 us for the other's, p50), which the kernel time of the waiting rank then holds.
+constexpr long long kKernelAlignDelayNs = 1000000;
 
 /// --graph alignment: host barrier, the delay kernel (the hosts queue the rest meanwhile), *then* the
 /// device-side 1-float all-reduce, so the GPUs leave it within a signal latency of each other. (The
 /// delay after the all-reduce, as before, started on each GPU when its own host launched it: the
 /// host jitter, tens of us, became start skew in the dispatch figure; bench/NOTES.md.)
-void align_ranks_delayed(Group& group, const Tensor& word, Stream stream) {
+void align_ranks_delayed(Group& group, const Tensor& word, Stream stream, long long delay_ns = kAlignDelayNs) {
   group.barrier();
-  dispatch::launch_gpu_delay(kAlignDelayNs, static_cast<cudaStream_t>(stream.handle));
+  dispatch::launch_gpu_delay(delay_ns, static_cast<cudaStream_t>(stream.handle));
   group.all_reduce_sum(word.data(), word.data(), 1, DType::fp32, stream);
 }
 
@@ -415,7 +419,7 @@ void run_epx_backend_graph(const Job& job, const BenchCase& c, int64_t T, const 
   gf.capture(stream, [&] { pf->finalize({expert_out, out, stream}); });
   auto iteration = [&](bool timed, std::vector<double>& d_us, std::vector<double>& c_us, int64_t kt_iter = -1) {
     if (timed) {
-      align_ranks_delayed(*group, word, stream);
+      align_ranks_delayed(*group, word, stream, kt_iter >= 0 ? kKernelAlignDelayNs : kAlignDelayNs);
       timer.mark(0);
     }
     {
@@ -509,6 +513,17 @@ void run_epx_backend_graph(const Job& job, const BenchCase& c, int64_t T, const 
 }
 #endif
 
+/// The alignment of a --kernel-time round (cuda): host barrier, a 1 ms delay kernel, the device-side
+/// all-reduce (align_ranks_delayed), for every backend, so that the GPUs start each call together even
+/// where the host is slowed by CUPTI (the eager event rounds align without the delay: align_ranks).
+void align_ranks_for_kernel_time(Group& group, const Tensor& word, Stream stream) {
+#ifdef EPX_WITH_CUDA
+  align_ranks_delayed(group, word, stream, kKernelAlignDelayNs);
+#else
+  align_ranks(group, word, stream);
+#endif
+}
+
 /// The dispatch -> identity experts -> combine round trip of one backend on one rank, `warmup` +
 /// `iters` times; times prepare and finalize of the last `iters`. Collective.
 void run_epx_backend(const Job& job, const BenchCase& c, int64_t T, const std::shared_ptr<Group>& group, Device dev,
@@ -527,7 +542,8 @@ void run_epx_backend(const Job& job, const BenchCase& c, int64_t T, const std::s
   const Tensor word = Tensor::zeros({1}, DType::fp32, dev);
   auto round_trip_into = [&](bool timed, std::vector<double>& d_us, std::vector<double>& c_us, int64_t kt_iter = -1) {
     if (timed) {
-      align_ranks(*group, word, stream);
+      if (kt_iter >= 0) align_ranks_for_kernel_time(*group, word, stream);
+      else align_ranks(*group, word, stream);
       timer.mark(0);
     }
     DispatchArgs a;
@@ -608,7 +624,8 @@ void run_raw_a2a(const BenchCase& c, DType dtype, int64_t rows_per_peer, const s
   auto once_into = [&](bool timed, std::vector<double>& d_us, std::vector<double>& c_us, int64_t kt_iter = -1) {
     if (timed) {
 #ifdef EPX_WITH_CUDA
-      if (res.graph) align_ranks_delayed(*group, word, stream);
+      if (kt_iter >= 0) align_ranks_for_kernel_time(*group, word, stream);
+      else if (res.graph) align_ranks_delayed(*group, word, stream);
       else align_ranks(*group, word, stream);
 #else
       align_ranks(*group, word, stream);

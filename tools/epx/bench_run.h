@@ -30,7 +30,9 @@
 // --kernel-time (cuda; default auto = on when the build has CUPTI, kernel_time.h): after the event rounds
 // (so CUPTI's cost stays out of latency_us_*), `iters` more timed iterations with the CUPTI Activity API
 // collecting kernel records (CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL, graph replays included), each call's
-// kernels found by an external correlation id pushed around its host calls. Per rank and call: the sum of
+// kernels found by an external correlation id pushed around its host calls (or, for a kernel that NCCL's own
+// thread launched, by the host time window of the call); every backend's kernel rounds align the ranks with
+// a 1 ms delay kernel before the device-side all-reduce (CUPTI slows the host). Per rank and call: the sum of
 // its kernels' GPU durations and first start -> last end; per iteration the slowest rank's; p50/p90/mean
 // over the iterations (DeepEP's test_low_latency reports bench_kineto's per-call mean of its kernels'
 // durations: the anchor's 28.9 / 39.9 us). JSON fields per row (null when not measured):
@@ -41,7 +43,7 @@
 //   kernel_gbps            the row's accounting (deepep-ll / deepep-ht) bytes per rank / kernel_us_p50
 //   kernels                {short kernel name: kernels per call} (rank 0)
 //   kernel_iterations      iterations of the CUPTI rounds; latency_us_p50_cupti_rounds: the CUDA-event p50
-//                          of those same rounds (how much CUPTI moved the event figure)
+//                          of those same rounds (CUPTI's and the 1 ms alignment's effect on the event figure)
 //   kernel_records_dropped records CUPTI dropped (all ranks)
 #pragma once
 

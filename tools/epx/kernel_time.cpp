@@ -19,6 +19,7 @@ struct Sink {
   std::mutex mu;
   std::vector<KernelRecord> kernels;
   std::vector<CorrelationRecord> correlations;
+  std::vector<ApiRecord> apis;
   uint64_t dropped = 0;
 };
 Sink& sink() {
@@ -46,6 +47,9 @@ void CUPTIAPI buffer_completed(CUcontext ctx, uint32_t stream_id, uint8_t* buffe
       } else if (rec->kind == CUPTI_ACTIVITY_KIND_EXTERNAL_CORRELATION) {
         const auto* c = reinterpret_cast<const CUpti_ActivityExternalCorrelation*>(rec);
         if (c->externalKind == CUPTI_EXTERNAL_CORRELATION_KIND_CUSTOM0) s.correlations.push_back({c->correlationId, c->externalId});
+      } else if (rec->kind == CUPTI_ACTIVITY_KIND_RUNTIME || rec->kind == CUPTI_ACTIVITY_KIND_DRIVER) {
+        const auto* a = reinterpret_cast<const CUpti_ActivityAPI*>(rec);
+        s.apis.push_back({a->correlationId, a->start});
       }
     }
     size_t dropped = 0;
@@ -92,8 +96,10 @@ bool KernelTimer::begin_rounds() {
     std::lock_guard<std::mutex> lock(s.mu);
     s.kernels.clear();
     s.correlations.clear();
+    s.apis.clear();
     s.dropped = 0;
   }
+  windows_.clear();
   for (CUpti_ActivityKind k : kKinds) {
     const CUptiResult r = cuptiActivityEnable(k);
     if (r != CUPTI_SUCCESS) {
@@ -108,12 +114,19 @@ bool KernelTimer::begin_rounds() {
 }
 
 void KernelTimer::begin_call(int64_t iteration, Op op) {
-  if (collecting_) (void)cuptiActivityPushExternalCorrelationId(CUPTI_EXTERNAL_CORRELATION_KIND_CUSTOM0, call_id(iteration, op));
+  if (!collecting_) return;
+  CallWindow w;
+  w.call_id = call_id(iteration, op);
+  (void)cuptiGetTimestamp(&w.begin_ns);
+  windows_.push_back(w);
+  (void)cuptiActivityPushExternalCorrelationId(CUPTI_EXTERNAL_CORRELATION_KIND_CUSTOM0, w.call_id);
 }
 
 void KernelTimer::end_call() {
+  if (!collecting_) return;
   uint64_t last = 0;
-  if (collecting_) (void)cuptiActivityPopExternalCorrelationId(CUPTI_EXTERNAL_CORRELATION_KIND_CUSTOM0, &last);
+  (void)cuptiActivityPopExternalCorrelationId(CUPTI_EXTERNAL_CORRELATION_KIND_CUSTOM0, &last);
+  if (!windows_.empty()) (void)cuptiGetTimestamp(&windows_.back().end_ns);
 }
 
 std::vector<OpTimes> KernelTimer::end_rounds(int64_t iterations) {
@@ -129,10 +142,12 @@ std::vector<OpTimes> KernelTimer::end_rounds(int64_t iterations) {
   Sink& s = sink();
   std::lock_guard<std::mutex> lock(s.mu);
   dropped_ = s.dropped;
-  stats_ = record_stats(s.kernels, s.correlations);
-  std::vector<OpTimes> ops = aggregate(s.kernels, s.correlations, iterations);
+  stats_ = record_stats(s.kernels, s.correlations, s.apis, windows_);
+  std::vector<OpTimes> ops = aggregate(s.kernels, s.correlations, iterations, s.apis, windows_);
   s.kernels.clear();
   s.correlations.clear();
+  s.apis.clear();
+  windows_.clear();
   return ops;
 }
 

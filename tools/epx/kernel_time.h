@@ -7,8 +7,12 @@
 // CUSTOM0, id = call_id(iteration, op)) around the host calls of one dispatch or combine (a graph launch, or
 // the eager launches of a backend); CUPTI emits an external-correlation record (correlationId -> id) for
 // every runtime/driver API record made in that region, and each kernel record carries the correlationId
-// of the API call that launched it (for a graph replay: the cudaGraphLaunch). Kernels launched outside the
-// regions (the ranks' alignment all-reduce, the delay kernel, the identity expert step) belong to no call.
+// of the API call that launched it (for a graph replay: the cudaGraphLaunch). A kernel launched by another
+// thread has no external id (epx's NCCL communicators are non-blocking, so an eager NCCL call's kernel is
+// launched by NCCL's own thread while the caller waits): it belongs to the call whose host time window
+// (CUPTI timestamps at the region's start and end) holds the start of its launching API call. Kernels
+// launched outside the regions (the ranks' alignment all-reduce, the delay kernel, the identity expert
+// step) belong to no call.
 //
 // The aggregation below is plain C++ (tests/kernel_time_test.cpp tests it without a GPU); KernelTimer
 // (kernel_time.cpp) is the CUPTI part, compiled with EPX_WITH_CUPTI (CMake EPX_CUPTI=AUTO|ON|OFF).
@@ -41,6 +45,17 @@ struct CorrelationRecord {
   uint64_t external_id = 0;
 };
 
+/// One CUPTI runtime/driver API record: when the call with this correlation id started (any thread).
+struct ApiRecord {
+  uint32_t correlation_id = 0;
+  uint64_t start_ns = 0;
+};
+/// The host time window of one call's region (CUPTI clock).
+struct CallWindow {
+  uint64_t call_id = 0;
+  uint64_t begin_ns = 0, end_ns = 0;
+};
+
 /// The two ops of a timed iteration.
 enum class Op : int { dispatch = 0, combine = 1 };
 /// External correlation id of (iteration, op): 1-based, so 0 (CUPTI's "none") never names a call.
@@ -60,12 +75,14 @@ struct OpTimes {
 };
 
 /// "epx::dispatch::ll_dispatch_kernel<8>(Args)" -> "epx::dispatch::ll_dispatch_kernel": demangled (when it is
-/// an Itanium name), template arguments and parameter list dropped; a C name stays as it is.
+/// an Itanium name, "_Z..."), template arguments and parameter list dropped; a C name stays as it is.
 inline std::string short_kernel_name(const std::string& mangled) {
   std::string name = mangled;
-  int status = -1;
-  std::unique_ptr<char, void (*)(void*)> d(abi::__cxa_demangle(mangled.c_str(), nullptr, nullptr, &status), std::free);
-  if (status == 0 && d) name = d.get();
+  if (mangled.rfind("_Z", 0) == 0) {  // only Itanium names: __cxa_demangle would read "d" as the type double
+    int status = -1;
+    std::unique_ptr<char, void (*)(void*)> d(abi::__cxa_demangle(mangled.c_str(), nullptr, nullptr, &status), std::free);
+    if (status == 0 && d) name = d.get();
+  }
   for (size_t at = name.find("(anonymous namespace)"); at != std::string::npos; at = name.find("(anonymous namespace)"))
     name.replace(at, 21, "{anon}");
   // Cut at the first '<' or '(': the function's qualified name.
@@ -77,17 +94,42 @@ inline std::string short_kernel_name(const std::string& mangled) {
   return name;
 }
 
-/// Sorts the records of `iterations` iterations into calls. Kernels whose correlation id maps to no call id
-/// in [call_id(0, dispatch), call_id(iterations - 1, combine)] are ignored (they ran outside the regions).
-/// A correlation id that several external ids name (nested regions; not made by the bench) counts for the
-/// innermost one CUPTI reported last.
+/// The call id of a kernel: its external correlation id, else the call whose window holds the start of its
+/// launching API call, else 0 (none). `windows` sorted by begin_ns and disjoint.
+class CallFinder {
+ public:
+  CallFinder(const std::vector<CorrelationRecord>& correlations, const std::vector<ApiRecord>& apis, const std::vector<CallWindow>& windows)
+      : windows_(windows) {
+    for (const CorrelationRecord& c : correlations) ext_[c.correlation_id] = c.external_id;
+    for (const ApiRecord& a : apis) api_start_[a.correlation_id] = a.start_ns;
+  }
+  /// {call id or 0, true when found through a window (another thread's launch)}.
+  std::pair<uint64_t, bool> find(uint32_t correlation_id) const {
+    const auto it = ext_.find(correlation_id);
+    if (it != ext_.end() && it->second != 0) return {it->second, false};
+    const auto a = api_start_.find(correlation_id);
+    if (a == api_start_.end()) return {0, false};
+    const auto w = std::upper_bound(windows_.begin(), windows_.end(), a->second,
+                                    [](uint64_t t, const CallWindow& cw) { return t < cw.begin_ns; });
+    if (w == windows_.begin()) return {0, false};
+    const CallWindow& cw = *(w - 1);
+    return a->second <= cw.end_ns ? std::pair<uint64_t, bool>{cw.call_id, true} : std::pair<uint64_t, bool>{0, false};
+  }
+
+ private:
+  std::unordered_map<uint32_t, uint64_t> ext_, api_start_;
+  const std::vector<CallWindow>& windows_;
+};
+
+/// Sorts the records of `iterations` iterations into calls (CallFinder). Kernels that map to no call id in
+/// [call_id(0, dispatch), call_id(iterations - 1, combine)] are ignored (they ran outside the regions).
 inline std::vector<OpTimes> aggregate(const std::vector<KernelRecord>& kernels, const std::vector<CorrelationRecord>& correlations,
-                                      int64_t iterations) {
+                                      int64_t iterations, const std::vector<ApiRecord>& apis = {},
+                                      const std::vector<CallWindow>& windows = {}) {
   std::vector<OpTimes> ops(2);
   for (auto& o : ops) o.calls.assign(static_cast<size_t>(std::max<int64_t>(iterations, 0)), CallTime{});
   if (iterations <= 0) return ops;
-  std::unordered_map<uint32_t, uint64_t> ext;
-  for (const CorrelationRecord& c : correlations) ext[c.correlation_id] = c.external_id;
+  const CallFinder finder(correlations, apis, windows);
   const uint64_t max_id = call_id(iterations - 1, Op::combine);
   struct Acc {
     uint64_t first = std::numeric_limits<uint64_t>::max(), last = 0;
@@ -96,15 +138,15 @@ inline std::vector<OpTimes> aggregate(const std::vector<KernelRecord>& kernels, 
   };
   std::vector<Acc> acc(static_cast<size_t>(max_id + 1));
   for (const KernelRecord& k : kernels) {
-    const auto it = ext.find(k.correlation_id);
-    if (it == ext.end() || it->second == 0 || it->second > max_id) continue;
+    const uint64_t id = finder.find(k.correlation_id).first;
+    if (id == 0 || id > max_id) continue;
     if (k.end_ns < k.start_ns) continue;  // an incomplete record (CUPTI leaves end = 0 when it has no timestamp)
-    Acc& a = acc[it->second];
+    Acc& a = acc[id];
     a.first = std::min(a.first, k.start_ns);
     a.last = std::max(a.last, k.end_ns);
     a.busy_ns += static_cast<double>(k.end_ns - k.start_ns);
     ++a.n;
-    ops[static_cast<size_t>((it->second - 1) % 2)].names[short_kernel_name(k.name)] += 1;
+    ops[static_cast<size_t>((id - 1) % 2)].names[short_kernel_name(k.name)] += 1;
   }
   for (uint64_t id = 1; id <= max_id; ++id) {
     const Acc& a = acc[id];
@@ -181,21 +223,23 @@ class KernelTimer {
   std::string reason_;
   uint64_t dropped_ = 0;
   std::string stats_;
+  std::vector<CallWindow> windows_;  ///< this round's call regions, in order
 };
 
-/// "N kernel records (M in calls), C external correlations; outside the calls: name xk, ..." (diagnostics).
-inline std::string record_stats(const std::vector<KernelRecord>& kernels, const std::vector<CorrelationRecord>& correlations) {
-  std::unordered_map<uint32_t, uint64_t> ext;
-  for (const CorrelationRecord& c : correlations) ext[c.correlation_id] = c.external_id;
+/// "N kernel records (M in calls, W of them by window), C external correlations; outside the calls: name xk; ..."
+/// (diagnostics).
+inline std::string record_stats(const std::vector<KernelRecord>& kernels, const std::vector<CorrelationRecord>& correlations,
+                                const std::vector<ApiRecord>& apis = {}, const std::vector<CallWindow>& windows = {}) {
+  const CallFinder finder(correlations, apis, windows);
   std::map<std::string, int64_t> outside;
-  int64_t in = 0;
+  int64_t in = 0, by_window = 0;
   for (const KernelRecord& k : kernels) {
-    const auto it = ext.find(k.correlation_id);
-    if (it != ext.end() && it->second != 0) ++in;
+    const auto [id, window] = finder.find(k.correlation_id);
+    if (id != 0) ++in, by_window += window ? 1 : 0;
     else ++outside[short_kernel_name(k.name)];
   }
-  std::string s = std::to_string(kernels.size()) + " kernel records (" + std::to_string(in) + " in calls), " +
-                  std::to_string(correlations.size()) + " external correlations; outside the calls:";
+  std::string s = std::to_string(kernels.size()) + " kernel records (" + std::to_string(in) + " in calls, " + std::to_string(by_window) +
+                  " of them by window), " + std::to_string(correlations.size()) + " external correlations; outside the calls:";
   for (const auto& [name, n] : outside) s += " " + name + " x" + std::to_string(n) + ";";
   return s;
 }
