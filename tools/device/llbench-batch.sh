@@ -5,9 +5,12 @@
 # Each step under its own time limit so that everything fits LLB_BUDGET_S seconds (default 105):
 #   1. build epx + ll_cuda_test through gpu-check.sh (GPU_CHECK_TARGETS; no tests there)
 #   2. where CUPTI is on this machine (printed; the build takes FindCUDAToolkit's CUDA::cupti)
-#   3. epx bench --kernel-time on: ll-v3 ll + nccl_a2a_raw as graph replays (200 iterations), then ht-v3 ht +
-#      nccl_a2a_raw eager; every row carries the CUPTI kernel time beside the CUDA-event figure
-#   4. tools/device/sanitize-dispatch.sh SAN_ONLY=ll SAN_BUILD=0 with what is left (LLB_SAN_STEPS: its steps)
+#   3. epx bench --kernel-time on: ll-v3 ll + nccl_a2a_raw as graph replays (200 iterations), then (LLB_MODE=1,
+#      batch 1) ht-v3 ht + nccl_a2a_raw eager, or (LLB_MODE=2, default, batch 2) ll-v3 ht + nccl_a2a_raw eager
+#      (the eager NCCL kernels, launched by NCCL's thread); every row carries the CUPTI kernel time beside the
+#      CUDA-event figure
+#   4. tools/device/sanitize-dispatch.sh SAN_ONLY=ll SAN_BUILD=0 with what is left (LLB_SAN_STEPS: its steps;
+#      default in mode 2: the two-rank ll test under memcheck, then racecheck)
 set -uo pipefail
 T0=$SECONDS
 BUDGET=${LLB_BUDGET_S:-105}
@@ -56,10 +59,17 @@ cd "$S" || exit 1
 
 step ll-v3-graph 16 "$B/epx" bench --case ll-v3 --backend ll,nccl_a2a_raw --ranks 2 --graph --iters 200 --warmup 20 --kernel-time on \
   --json "$OUT/ll-v3-graph-kt.json"
-step ht-v3 16 "$B/epx" bench --case ht-v3 --backend ht,nccl_a2a_raw --ranks 2 --iters 30 --warmup 5 --kernel-time on \
-  --json "$OUT/ht-v3-kt.json"
+if [ "${LLB_MODE:-2}" = 1 ]; then
+  step ht-v3 16 "$B/epx" bench --case ht-v3 --backend ht,nccl_a2a_raw --ranks 2 --iters 30 --warmup 5 --kernel-time on \
+    --json "$OUT/ht-v3-kt.json"
+  steps=${LLB_SAN_STEPS:-}
+else
+  step ll-v3-eager 10 "$B/epx" bench --case ll-v3 --backend ht,nccl_a2a_raw --ranks 2 --iters 50 --warmup 5 --kernel-time on \
+    --json "$OUT/ll-v3-eager-kt.json"
+  steps=${LLB_SAN_STEPS:-memcheck-ll-test racecheck-ll-test}
+fi
 san=$(( $(left) - 2 ))
-step sanitize "$san" env OUT="$OUT" SAN_ONLY=ll SAN_BUILD=0 SAN_STEPS="${LLB_SAN_STEPS:-}" SAN_LL_TEST_FILTER="${LLB_SAN_TEST_FILTER:-LlCuda.GraphsWithDeviceTokenCountTwoRanks}" \
+step sanitize "$san" env OUT="$OUT" SAN_ONLY=ll SAN_BUILD=0 SAN_STEPS="$steps" SAN_LL_TEST_FILTER="${LLB_SAN_TEST_FILTER:-LlCuda.GraphsWithDeviceTokenCountTwoRanks}" \
   bash "$S/tools/device/sanitize-dispatch.sh" "$(( san - 2 ))"
 
 echo "== summary (+$((SECONDS - T0)) s, tree $COMMIT)"
