@@ -233,7 +233,10 @@ TEST(TraceImport, BadInputGivesClearErrors) {
                  {"toy.jsonl:1 topk_ids.size = 0: must be a non-empty array"});
   // An id past int32 names the bound it breaks (it is >= -1, so ">= -1" alone would not explain the rejection).
   std::string huge = replace_once(hand_jsonl(), "\"topk_ids\": [1, 2]", "\"topk_ids\": [1, 99999999999]");
-  expect_invalid([&] { import_text(huge, {.num_ranks = 1}); }, {"topk_ids[1] = 99999999999: must be -1 (no selection) or an expert id in [0, 2147483647]"});
+  expect_invalid([&] { import_text(huge, {.num_ranks = 1}); }, {"topk_ids[1] = 99999999999: must be -1 (no selection) or an expert id in [0, 2147483646]"});
+  // INT32_MAX itself: num_experts = largest id + 1 must fit an int (it overflowed to -2147483648).
+  std::string edge = replace_once(hand_jsonl(), "\"topk_ids\": [1, 2]", "\"topk_ids\": [1, 2147483647]");
+  expect_invalid([&] { import_text(edge, {.num_ranks = 1}); }, {"topk_ids[1] = 2147483647: must be -1 (no selection) or an expert id in [0, 2147483646]"});
 }
 
 TEST(Npy, ReadsNumpyWrittenBytesAndRejectsBadFiles) {

@@ -361,8 +361,8 @@ Trace import_routing_jsonl(std::istream& in, const TraceImportOptions& opt, cons
                 ws.is_array() && static_cast<int>(ws.size()) == top_k, "must be an array of top_k = " + std::to_string(top_k) + " numbers");
     Pass& p = passes.back();
     for (int k = 0; k < top_k; ++k) {
-      require_arg(op, where + " topk_ids[" + std::to_string(k) + "]", ids[k].dump(), ids[k].is_number_integer() && ids[k].get<int64_t>() >= -1 && ids[k].get<int64_t>() <= INT32_MAX,
-                  "must be -1 (no selection) or an expert id in [0, 2147483647] (an integer)");
+      require_arg(op, where + " topk_ids[" + std::to_string(k) + "]", ids[k].dump(), ids[k].is_number_integer() && ids[k].get<int64_t>() >= -1 && ids[k].get<int64_t>() < INT32_MAX,
+                  "must be -1 (no selection) or an expert id in [0, 2147483646] (an integer; num_experts = id + 1 is an int)");
       require_arg(op, where + " topk_weights[" + std::to_string(k) + "]", ws[k].dump(), ws[k].is_number(), "must be a number");
       p.idx.push_back(ids[k].get<int32_t>());
       p.w.push_back(ws[k].get<float>());
