@@ -109,6 +109,16 @@ TEST(CheckpointCli, HiddenStatesFromNpyAndSafetensors) {
   EXPECT_NE(r3.err.find("other"), std::string::npos) << r3.err;
   const CliRun r4 = epx("moe --checkpoint " + dir + " --layer 0 --ranks 2 --tokens-per-rank 4 --hidden " + npy);
   EXPECT_EQ(r4.code, 2) << r4.out << r4.err;
+  // A wrong hidden size names the file's shape (it printed "shape = 2", the rank).
+  a.shape = {N / 2, 2 * H};
+  a.data.resize(static_cast<size_t>((N / 2) * 2 * H * 4));
+  const std::string wide = (root() / "wide.npy").string();
+  write_npy(wide, a);
+  const CliRun r5 = epx("moe --checkpoint " + dir + " --layer 0 --ranks 2 --backend naive --steps 1 --hidden " + wide);
+  EXPECT_EQ(r5.code, 2) << r5.out << r5.err;
+  EXPECT_NE(r5.err.find("shape = [" + std::to_string(N / 2) + ", " + std::to_string(2 * H) + "]"), std::string::npos) << r5.err;
+  const CliRun r6 = epx("moe --checkpoint " + dir + " --layer 0 --ranks 2 --backend naive --steps 1 --hidden " + st + ":other");
+  EXPECT_NE(r6.err.find("shape = [1]"), std::string::npos) << r6.err;
 }
 
 TEST(CheckpointCli, BadFlagsAndBrokenCheckpointsAreOneLineErrors) {

@@ -19,10 +19,17 @@ bool ends_with(const std::string& s, const std::string& suffix) {
   return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
 }
 
+/// "[d0, d1, ...]": a file's tensor shape as the errors print it.
+std::string shape_text(const std::vector<int64_t>& shape) {
+  std::string s = "[";
+  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+  return s + "]";
+}
+
 /// [N, H] bf16 rows of a .npy file.
 Tensor hidden_from_npy(const std::string& path, int64_t H) {
   const NpyArray a = read_npy(path);
-  require_arg(kOp, "--hidden " + path + " shape", a.shape.size(), a.shape.size() >= 2 && a.shape.back() == H,
+  require_arg(kOp, "--hidden " + path + " shape", shape_text(a.shape), a.shape.size() >= 2 && a.shape.back() == H,
               "must be [N, H] or [B, S, H] with H = hidden_size = " + std::to_string(H));
   require_arg(kOp, "--hidden " + path + " dtype", a.descr, a.descr == "<f4" || a.descr == "<u2", "must be <f4 (float32) or <u2 (bf16 bits)");
   const int64_t n = a.numel();
@@ -52,7 +59,7 @@ Tensor hidden_from_safetensors(const std::string& path, std::string name, int64_
                                                                     " tensors and none is named hidden_states; name one as FILE:TENSOR"));
   }
   const SafetensorsTensorInfo& t = f.info(name);
-  require_arg(kOp, "--hidden " + path + ":" + name + " shape", t.shape.size(), t.shape.size() >= 2 && t.shape.back() == H,
+  require_arg(kOp, "--hidden " + path + ":" + name + " shape", shape_text(t.shape), t.shape.size() >= 2 && t.shape.back() == H,
               "must be [N, H] or [B, S, H] with H = hidden_size = " + std::to_string(H));
   require_arg(kOp, "--hidden " + path + ":" + name + " dtype", t.dtype, t.dtype == "F32" || t.dtype == "F16" || t.dtype == "BF16",
               "must be F32, F16 or BF16");
