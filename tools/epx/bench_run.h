@@ -33,12 +33,15 @@
 // kernels found by an external correlation id pushed around its host calls (or, for a kernel that NCCL's own
 // thread launched, by the host time window of the call); every backend's kernel rounds align the ranks with
 // a 1 ms delay kernel before the device-side all-reduce (CUPTI slows the host). Per rank and call: the sum of
-// its kernels' GPU durations and first start -> last end; per iteration the slowest rank's; p50/p90/mean
-// over the iterations (DeepEP's test_low_latency reports bench_kineto's per-call mean of its kernels'
+// its kernels' GPU durations and first start -> last end; p50/p90/mean over the iterations on each rank,
+// the largest over the ranks (DeepEP's test_low_latency prints, per rank, bench_kineto's per-call mean of its kernels'
 // durations: the anchor's 28.9 / 39.9 us). JSON fields per row (null when not measured):
 //   kernel_time            "cupti" | "off" | "unavailable: <reason>"
-//   kernel_us_p50/p90/mean sum of the call's kernel durations, us (slowest rank per iteration)
-//   kernel_span_us_p50/p90 last kernel end - first kernel start of the call, us
+//   kernel_us_p50/p90/mean sum of the call's kernel durations, us (each rank's statistic, the largest)
+//   kernel_us_p50_slowest_rank_per_iteration  p50 over the iterations of the slower rank's sum: it also holds
+//                          the iterations where a rank's kernel waited for a peer that started late (in the
+//                          CUPTI rounds one rank often does; sixth session batch 2, bench/NOTES.md)
+//   kernel_span_us_p50/p90 last kernel end - first kernel start of the call, us (as kernel_us)
 //   kernel_us_p50_per_rank each rank's own p50 of kernel_us
 //   kernel_gbps            the row's accounting (deepep-ll / deepep-ht) bytes per rank / kernel_us_p50
 //   kernels                {short kernel name: kernels per call} (rank 0)
