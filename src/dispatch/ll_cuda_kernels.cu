@@ -114,18 +114,6 @@ __device__ __forceinline__ void trace_max(const LlCommon& c, int slot) {
 __device__ __forceinline__ void trace_clk(const LlCommon& c, int slot, unsigned long long ns0, unsigned long long clk0) {
   if (threadIdx.x == 0 && blockIdx.x == 0) c.state->trace[slot] = ns0 + (clock64() - clk0);
 }
-/// Every 64-byte line of the kernel's parameter block (a __grid_constant__ struct of ~1 KiB in constant
-/// bank 0) read once by the block's last warp, all lines at once, so the later phases' first uses of
-/// their fields hit the SM's constant cache instead of each missing in turn (bench/NOTES.md, sixth
-/// session: every phase's first steps cost ~1.5-2.5 us at full SM clock). The warp waits for them.
-template <class P>
-__device__ __forceinline__ void touch_params(const P& p) {
-  if ((threadIdx.x >> 5) != (blockDim.x >> 5) - 1) return;
-  const uint32_t* w = reinterpret_cast<const uint32_t*>(&p);
-  uint32_t acc = 0;
-  for (int i = threadIdx.x & 31; i < static_cast<int>((sizeof(P) + 63) / 64); i += 32) acc ^= w[i * 16];
-  asm volatile("" ::"r"(acc));
-}
 /// Diagnostics (kTrDispLoadStart / kTrDispLoadWaited): the round trip [ns] of one dependent load of `p`
 /// by block 0's last thread (0 elsewhere), called after that warp's own loads are out (its warp waits
 /// for it); the caller stores it relative to block 0's start stamp.
@@ -346,7 +334,6 @@ __global__ void __launch_bounds__(kMaxThreads, 1) ll_dispatch_kernel(const __gri
     }
   }
   const unsigned long long rt_start = load_round_trip(&c.state->combine_recv_blocks);
-  touch_params(p);
   uint32_t* s_mask = reinterpret_cast<uint32_t*>(smem);          // [max_t]
   int32_t* s_slot = reinterpret_cast<int32_t*>(s_mask + max_t);  // [max_t][R]
   if (p.send && by_message) {
@@ -1080,7 +1067,6 @@ __global__ void __launch_bounds__(kMaxThreads, 1) ll_combine_kernel(const __grid
     s_call_send = div_blocks(cs, gridDim.x);
     s_call_recv = div_blocks(cr, gridDim.x);
   }
-  touch_params(p);
   if (!(p.send && run_send)) __syncthreads();
 
   if (p.send && run_send) {
