@@ -2,7 +2,8 @@
 // in the parent before the fork: the DP-sharded shared expert on allgather_reducescatter and naive
 // (bf16 and fp8 wires, a shared gate, an idle rank), the graph refusal of a backend that is not
 // graph-safe, and the whole-layer CUDA graph on ll: captured once at T_max, replayed with different
-// valid counts per rank (0 included), every replay's valid rows against the reference. The ll case
+// valid counts per rank (0 included), the shared expert fused and separate, every replay's valid rows
+// against the reference of its path; fused against separate against the CPU reference eagerly. The ll case
 // skips, naming the reason, while ll has no CUDA implementation. Outputs are NaN-poisoned first.
 #include <gtest/gtest.h>
 
@@ -186,8 +187,11 @@ TEST(ModularMoECuda, WholeLayerGraphOnLlReplaysWithDifferentCountsPerRank) {
   const Inputs in = make_inputs(*w, {kMax, kMax}, 77, DType::fp8_e4m3);
   // Valid rows per replay and rank: equal, different, one rank idle.
   const std::vector<std::vector<int64_t>> replays = {{kMax, kMax}, {7, kMax}, {0, 5}, {kMax, 1}};
-  std::vector<Tensor> refs;
+  // The shared expert fused (the default gate at T_max = 16) and separate (x~ on the FP8 tensor cores;
+  // its recv_count is the graph's device count, so only the valid rows are computed).
+  std::vector<Tensor> refs, refs_separate;
   for (const auto& v : replays) refs.push_back(reference_of(*w, in, v, DType::fp8_e4m3));
+  for (const auto& v : replays) refs_separate.push_back(reference_of(*w, in, v, DType::fp8_e4m3, false));
   const std::string dir = test::fresh_dir();
   const std::string path = dir + "/uid", skip_file = dir + "/skip";
   const std::string failed = test::run_ranks_forked(2, 300.0, [&](int rank) {
@@ -199,33 +203,44 @@ TEST(ModularMoECuda, WholeLayerGraphOnLlReplaysWithDifferentCountsPerRank) {
     DispatchConfig dc;
     dc.num_max_dispatch_tokens_per_rank = kMax;
     dc.dispatch_dtype = DType::fp8_e4m3;
-    std::unique_ptr<ModularMoE> layer;
-    try {
-      layer = std::make_unique<ModularMoE>(w, g, "ll", dc, Config{});
-    } catch (const Unsupported& e) {
-      if (rank == 0) std::ofstream(skip_file) << e.what();
-      return;  // every rank throws the same (creation is collective)
-    }
-    if (auto why = layer->why_no_graph(kMax)) throw std::runtime_error("ll not graph-capturable: " + *why);
-    const Tensor x = in.x[rank].to(dev), idx = in.idx[rank].to(dev), wts = in.wts[rank].to(dev);
-    Tensor out = Tensor::empty({kMax, H}, DType::bf16, dev), count = Tensor::zeros({1}, DType::int32, dev);
-    int32_t c = static_cast<int32_t>(kMax);
-    cuda_ok(cudaMemcpy(count.data(), &c, sizeof c, cudaMemcpyHostToDevice), "count");
-    layer->capture_graph(x, idx, wts, out, count, Stream{stream});
     std::string failures;
-    for (size_t i = 0; i < replays.size(); ++i) {
-      c = static_cast<int32_t>(replays[i][rank]);
+    for (SharedExpertMode mode : {SharedExpertMode::auto_gate, SharedExpertMode::separate}) {
+      const bool separate = mode == SharedExpertMode::separate;
+      ModularMoEOptions o;
+      o.shared_mode = mode;
+      std::unique_ptr<ModularMoE> layer;
+      try {
+        layer = std::make_unique<ModularMoE>(w, g, "ll", dc, Config{}, o);
+      } catch (const Unsupported& e) {
+        if (rank == 0) std::ofstream(skip_file) << e.what();
+        return;  // every rank throws the same (creation is collective)
+      }
+      if (auto why = layer->why_no_graph(kMax)) throw std::runtime_error("ll not graph-capturable: " + *why);
+      const Tensor x = in.x[rank].to(dev), idx = in.idx[rank].to(dev), wts = in.wts[rank].to(dev);
+      Tensor out = Tensor::empty({kMax, H}, DType::bf16, dev), count = Tensor::zeros({1}, DType::int32, dev);
+      int32_t c = static_cast<int32_t>(kMax);
       cuda_ok(cudaMemcpy(count.data(), &c, sizeof c, cudaMemcpyHostToDevice), "count");
-      cuda_ok(cudaMemset(out.data(), 0xFF, static_cast<size_t>(out.nbytes())), "poison");
-      layer->replay_graph(Stream{stream});
-      cuda_ok(cudaStreamSynchronize(stream), "sync");
-      const int64_t first = rank == 0 ? 0 : replays[i][0];
-      const double e = rel_l2_rows(out, refs[i], first, c);
-      if (!(e <= kTol)) failures += "replay " + std::to_string(i) + " rank " + std::to_string(rank) + ": rel L2 " + std::to_string(e) + "; ";
-      if (rank == 0) std::printf("graph replay %zu (n = %d, %d): rank 0 rel L2 %.2e\n", i, static_cast<int>(replays[i][0]),
-                                 static_cast<int>(replays[i][1]), e);
+      layer->capture_graph(x, idx, wts, out, count, Stream{stream});
+      for (size_t i = 0; i < replays.size(); ++i) {
+        c = static_cast<int32_t>(replays[i][rank]);
+        cuda_ok(cudaMemcpy(count.data(), &c, sizeof c, cudaMemcpyHostToDevice), "count");
+        cuda_ok(cudaMemset(out.data(), 0xFF, static_cast<size_t>(out.nbytes())), "poison");
+        layer->replay_graph(Stream{stream});
+        cuda_ok(cudaStreamSynchronize(stream), "sync");
+        const int64_t first = rank == 0 ? 0 : replays[i][0];
+        const double e = rel_l2_rows(out, separate ? refs_separate[i] : refs[i], first, c);
+        if (!(e <= kTol))
+          failures += std::string(separate ? "separate" : "fused") + " replay " + std::to_string(i) + " rank " + std::to_string(rank) +
+                      ": rel L2 " + std::to_string(e) + "; ";
+        if (rank == 0)
+          std::printf("graph replay %zu (n = %d, %d), shared expert %s: rank 0 rel L2 %.2e\n", i, static_cast<int>(replays[i][0]),
+                      static_cast<int>(replays[i][1]), separate ? "separate" : "fused", e);
+      }
+      const PathCounters& pc = layer->counters();
+      if (pc.graph_replays != static_cast<int64_t>(replays.size())) failures += "graph_replays counter wrong; ";
+      if ((separate ? pc.shared_separate : pc.shared_fused) != static_cast<int64_t>(replays.size()))
+        failures += std::string("shared path counter wrong (") + (separate ? "separate" : "fused") + "); ";
     }
-    if (layer->counters().graph_replays != static_cast<int64_t>(replays.size())) failures += "graph_replays counter wrong; ";
     g->barrier();
     cuda_ok(cudaStreamDestroy(stream), "stream destroy");
     if (!failures.empty()) throw std::runtime_error(failures);

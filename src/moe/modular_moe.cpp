@@ -170,9 +170,10 @@ struct ModularMoE::Impl {
   void route_columns(const TensorView& x, const TensorView& topk_idx, const TensorView& topk_weights, int64_t begin,
                      int64_t end, bool fused, Stream stream, TensorView& idx, TensorView& wts, TensorView& g,
                      std::vector<float>& gate_host);
-  /// out_chunk += g * shared(x_chunk): the separate shared expert (CPU or CUDA).
+  /// out_chunk += g * shared(x_chunk): the separate shared expert (CPU or CUDA). `num_tokens`
+  /// (whole-layer graph only): the valid rows' count on the device; rows past it are not computed.
   void add_separate_shared(const TensorView& x_chunk, const TensorView& out_chunk, const TensorView& g,
-                           const std::vector<float>& gate_host, Stream stream);
+                           const std::vector<float>& gate_host, const TensorView& num_tokens, Stream stream);
 };
 
 namespace {
@@ -519,7 +520,7 @@ void ModularMoE::Impl::route_columns(const TensorView& x, const TensorView& topk
 }
 
 void ModularMoE::Impl::add_separate_shared(const TensorView& x_chunk, const TensorView& out_chunk, const TensorView& g,
-                                           const std::vector<float>& gate_host, Stream stream) {
+                                           const std::vector<float>& gate_host, const TensorView& num_tokens, Stream stream) {
   const MoEWeights& w = *weights;
   const int64_t n = x_chunk.shape[0], H = w.config.hidden;
   if (device.is_cuda()) {
@@ -540,11 +541,18 @@ void ModularMoE::Impl::add_separate_shared(const TensorView& x_chunk, const Tens
       in.layout = ActivationLayout::ExpertMajor;
       in.x = xq;
       in.x_scales = xs;
-      in.recv_count = scratch(shared_count, DType::int32, {1});
-      moe_cuda::fill_i32(in.recv_count, static_cast<int32_t>(n), stream);
+      // Under the whole-layer graph the chunk is all T_max rows of the static buffers and the
+      // valid count lives on the device: it is the recv_count, so only the valid rows are computed
+      // (and added), as on the fused path, where only they are dispatched.
+      if (num_tokens.defined()) {
+        in.recv_count = num_tokens;
+      } else {
+        in.recv_count = scratch(shared_count, DType::int32, {1});
+        moe_cuda::fill_i32(in.recv_count, static_cast<int32_t>(n), stream);
+      }
       const TensorView y = scratch(shared_out, DType::bf16, {1, n, H});
       shared_experts->apply(in, y, stream);
-      moe_cuda::add_shared(out_chunk, TensorView(y.data, DType::bf16, {n, H}, device), g, stream);
+      moe_cuda::add_shared(out_chunk, TensorView(y.data, DType::bf16, {n, H}, device), g, stream, num_tokens);
       return;
     }
     ExpertsInput in;
@@ -561,6 +569,7 @@ void ModularMoE::Impl::add_separate_shared(const TensorView& x_chunk, const Tens
     no_cuda("x on " + device.str());
 #endif
   }
+  (void)num_tokens;  // a CUDA graph only
   x_float.resize(static_cast<size_t>(n * H));
   shared_y.resize(static_cast<size_t>(n * H));
   moe_detail::bf16_to_float(x_chunk.ptr<const uint16_t>(), n * H, x_float.data());
@@ -609,7 +618,7 @@ void ModularMoE::Impl::run_chunk(const TensorView& x, const TensorView& topk_idx
   prepare_finalize->finalize(fin);
   mark_phase(stream);
 
-  if (has_shared && !fused && n > 0) add_separate_shared(x_chunk, out_chunk, g, gate_host, stream);
+  if (has_shared && !fused && n > 0) add_separate_shared(x_chunk, out_chunk, g, gate_host, num_tokens, stream);
   mark_phase(stream);
 }
 

@@ -75,7 +75,8 @@ __global__ void fill_i32_kernel(int32_t* __restrict__ t, int64_t n, int32_t valu
 }
 
 __global__ void add_shared_kernel(uint16_t* __restrict__ out, const uint16_t* __restrict__ y, const float* __restrict__ gate,
-                                  int64_t H, int64_t n) {
+                                  int64_t H, int64_t n, const int32_t* __restrict__ num_rows) {
+  if (num_rows != nullptr) n = min(n, static_cast<int64_t>(max(*num_rows, 0)) * H);
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n; i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const float g = gate[i / H];
     // Product and sum rounded separately, as on the CPU (no fused multiply-add).
@@ -214,17 +215,20 @@ void fill_i32(const TensorView& t, int32_t value, Stream stream) {
   cuda::check_launch("fill_i32_kernel");
 }
 
-void add_shared(const TensorView& out, const TensorView& shared_y, const TensorView& gate, Stream stream) {
+void add_shared(const TensorView& out, const TensorView& shared_y, const TensorView& gate, Stream stream,
+                const TensorView& num_rows) {
   require_cuda_contiguous("out", out, {DType::bf16});
   require_cuda_contiguous("shared_y", shared_y, {DType::bf16});
   require_cuda_contiguous("gate", gate, {DType::fp32});
+  if (num_rows.defined()) require_cuda_contiguous("num_rows", num_rows, {DType::int32});
   const int64_t n = out.shape[0], H = out.shape[1];
   check_shape(kOp, "shared_y", shared_y, {n, H});
   require_arg(kOp, "gate.numel()", gate.numel(), gate.numel() >= n, "must be >= n = " + std::to_string(n));
   if (n == 0 || H == 0) return;
   cuda::DeviceGuard guard(out.device.index);
   add_shared_kernel<<<cuda::grid_for(n * H, 256, 8192), 256, 0, cuda::native(stream)>>>(
-      out.ptr<uint16_t>(), shared_y.ptr<const uint16_t>(), gate.ptr<const float>(), H, n * H);
+      out.ptr<uint16_t>(), shared_y.ptr<const uint16_t>(), gate.ptr<const float>(), H, n * H,
+      num_rows.defined() ? num_rows.ptr<const int32_t>() : nullptr);
   cuda::check_launch("add_shared_kernel");
 }
 

@@ -112,6 +112,8 @@ class Graph {
 
 /// out [n, H] bf16 (in place) = round_bf16(out + gate[t] * shared_y[t]) with shared_y [n, H] bf16
 /// (the expert output, already bf16-rounded) and gate [n] fp32: the CPU's add, element for element.
-void add_shared(const TensorView& out, const TensorView& shared_y, const TensorView& gate, Stream stream);
+/// num_rows: optional [1] int32 on the device (a graph's valid count): rows >= it are left alone.
+void add_shared(const TensorView& out, const TensorView& shared_y, const TensorView& gate, Stream stream,
+                const TensorView& num_rows = {});
 
 }  // namespace epx::moe_cuda
