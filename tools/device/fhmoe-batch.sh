@@ -7,7 +7,8 @@
 # sm_90a); if they do not load here, they are built with tools/device/gpu-check.sh (GPU_CHECK_TARGETS).
 # FHMOE_RUNS picks the measurements, most important first (each ~25-45 s: ~14 s of it the
 # full-size weights, the rest the runs and the CPU reference of the validated tokens):
-#   test      moe_cuda_test ModularMoECuda.SharedExpertFusedAndSeparate* (2 GPUs, fused vs separate vs CPU)
+#   test      moe_cuda_test ModularMoECuda.SharedExpertFusedAndSeparate* and .WholeLayerGraph* (2 GPUs, fused vs
+#             separate vs CPU, eager and graph replays)
 #   old       V3 decode 128/rank ll fused, EPX_EXPERTS_FP8_PREFILL_MIN_TILES=1 (the fifth session's tiles)
 #   new       V3 decode 128/rank ll --compare (fused and separate, defaults)
 #   pf0       V3 decode 128/rank ll fused, EPX_EXPERTS_FP8_PREFILL=0
@@ -17,7 +18,7 @@
 set -uo pipefail
 OUT="${OUT:-/tmp/fhmoe-out}"
 BUDGET="${BUDGET:-128}"
-RUNS="${FHMOE_RUNS:-test new old sweep3 pf0}"
+RUNS="${FHMOE_RUNS:-test sweep3 sweep4 prefill3}"
 mkdir -p "$OUT"
 HERE="$(pwd)"
 S=/tmp/s-fhmoe
@@ -76,19 +77,19 @@ V4=(--device cuda --ranks 2 --preset deepseek-v4-pro --dispatch-dtype fp8 --vali
 for r in $RUNS; do
   case $r in
     test)
-      (cd "$B" && timeout -k 2 35 ./moe_cuda_test --gtest_filter='ModularMoECuda.SharedExpertFusedAndSeparate*') >"$OUT/test-moe-cuda.log" 2>&1
+      (cd "$B" && timeout -k 2 35 ./moe_cuda_test --gtest_filter='ModularMoECuda.SharedExpertFusedAndSeparate*:ModularMoECuda.WholeLayerGraph*') >"$OUT/test-moe-cuda.log" 2>&1
       echo "test rc=$? at $((SECONDS - T0)) s" | tee -a "$OUT/summary.txt"
-      grep -E "rel L2|^\[ *(OK|FAILED|PASSED|SKIPPED) " "$OUT/test-moe-cuda.log" | tail -24 | tee -a "$OUT/summary.txt" ;;
+      grep -E "rel L2|^\[ *(OK|FAILED|PASSED|SKIPPED) " "$OUT/test-moe-cuda.log" | tail -34 | tee -a "$OUT/summary.txt" ;;
     old) moe moe-v3-decode-ll-fused-mintiles1 38 EPX_EXPERTS_FP8_PREFILL_MIN_TILES=1 -- "${V3[@]}" --backend ll --mode decode --shared fused --steps 8 ;;
     new) moe moe-v3-decode-ll-compare 45 FHMOE=1 -- "${V3[@]}" --backend ll --mode decode --compare --steps 8 ;;
     pf0) moe moe-v3-decode-ll-fused-prefill0 40 EPX_EXPERTS_FP8_PREFILL=0 -- "${V3[@]}" --backend ll --mode decode --shared fused --steps 8 ;;
     sweep3|sweep4)
       if [ $r = sweep3 ]; then p=deepseek-v3; e=256; k=8; a=("${V3[@]}"); else p=deepseek-v4-pro; e=384; k=6; a=("${V4[@]}"); fi
       python3 "$S/bench/fhmoe_sweep_trace.py" --experts $e --top-k $k --ranks 2 --tokens 1,8,32,128,512 --steps 5 -o "$OUT/trace-$p.json"
-      moe moe-$p-sweep-ll-compare 60 FHMOE=1 -- "${a[@]}" --backend ll --mode decode --compare --trace "$OUT/trace-$p.json"
+      moe moe-$p-sweep-ll-compare 50 FHMOE=1 -- "${a[@]}" --backend ll --mode decode --compare --trace "$OUT/trace-$p.json"
       python3 "$S/bench/fhmoe_sweep_report.py" "$OUT/moe-$p-sweep-ll-compare.json" --tokens 1,8,32,128,512 --steps 5 2>&1 | tee "$OUT/sweep-$p.txt" | tee -a "$OUT/summary.txt"
       rm -f "$OUT/trace-$p.json" ;;
-    prefill3) moe moe-v3-prefill-ht-compare 50 FHMOE=1 -- "${V3[@]}" --backend ht --mode prefill --compare --steps 3 ;;
+    prefill3) moe moe-v3-prefill-ht-compare 45 FHMOE=1 -- "${V3[@]}" --backend ht --mode prefill --compare --steps 3 ;;
     *) echo "unknown run $r" | tee -a "$OUT/summary.txt" ;;
   esac
 done
