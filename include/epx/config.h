@@ -56,16 +56,13 @@ struct Config {
   int experts_fp8_prefill_min_tiles = 0;
   int experts_mxfp4_tc = 1;          ///< 0: mxfp4 experts keep the SIMT GEMMs; 1: MXFP4 tensor-core kernels; 2: their 512-thread (wide) variant
   int moe_chunk_size = 0;            ///< DP chunk: at most this many tokens per MoE call per rank; 0 = no chunking
-  /// capability gate: fuse the shared expert when M <= this. 4096 = measured through the layer, where
-  /// the gate acts: the separate path runs the shared expert on bf16 x (SIMT GEMMs), so fused was
-  /// faster at every M measured: DeepSeek-V4-Pro decode at EP2, M = 128, 5.38 against 6.49 ms per
-  /// step (bench/results/h200x2/moe-v4pro-fhmoe-compare-s5-c81aeca.json), DeepSeek-V3 prefill,
-  /// M = 4096, ~2.1x (the fifth session's batch 2, hier helper). Between the experts alone (both
-  /// paths on FP8 tensor cores, bench/results/h200x1/gemm-mxfp4-fhmoe-s5-c81aeca.json) fused and
-  /// separate stay within 1.7 % above M = 384 (23 % faster at M = 1, 2-3 % at 8-64): the crossover
-  /// there (384-1024, earlier runs 1024) only matters once the separate path runs on tensor cores.
-  /// Above 4096 not measured.
-  int fhmoe_max_tokens = 4096;
+  /// capability gate: fuse the shared expert when M <= this. 512 = the largest M measured where
+  /// fused wins, through the layer with both paths on the FP8 tensor cores (sixth session, DeepSeek-V3,
+  /// EP2, ll graph, bench/results/h200x2/fhmoe-s6-batch2-*/): fused / separate - 1 = -32 % at M = 1,
+  /// -12 % at 8, -7 % at 32, -6 % at 128, -3 % at 512 (the gain shrinking with M); at M = 4096
+  /// (prefill, ht, eager, 3 steps: noisy) fused was 19 % slower at p50 (9.83 against 8.29 ms; best
+  /// steps 7.74 against 7.92). Between 512 and 4096 not measured; DeepSeek-V4-Pro not measured this way.
+  int fhmoe_max_tokens = 512;
 
   /// Where each field's value came from ("default", "json <file>", "env EPX_...", "api").
   std::vector<std::pair<std::string, std::string>> sources;
