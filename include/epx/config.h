@@ -13,7 +13,8 @@ namespace epx {
 
 struct Config {
   // ---- general ----
-  double timeout_s = 60.0;           ///< longest wait on a peer before Timeout [s]
+  double timeout_s = 60.0;           ///< longest wait on a peer before Timeout [s]; 0 < value <= 1e9
+                                     ///< (deadlines are int64 ns), else InvalidArgument
   std::string log_level = "warn";    ///< trace | debug | info | warn | error | off
 
   // ---- parameters that affect performance (launch shapes; defaults chosen by measurement) ----
@@ -71,10 +72,12 @@ struct Config {
   static Config load();
   /// default < `json_path` (may be empty) < EPX_* env.
   static Config load(const std::string& json_path);
-  /// Apply a JSON document (object of "key": value); unknown keys throw with a suggestion.
+  /// Apply a JSON document (one flat object of "key": value, the dotted keys `epx info` prints);
+  /// unknown keys throw with a suggestion. All or nothing: on any error the Config is unchanged.
   void apply_json_text(const std::string& text, const std::string& origin);
   /// Apply EPX_* environment variables; unknown EPX_* names (other than EPX_CONFIG, EPX_RANK,
-  /// EPX_WORLD_SIZE, EPX_RENDEZVOUS, EPX_LOCAL_RANK) throw with a suggestion.
+  /// EPX_WORLD_SIZE, EPX_RENDEZVOUS, EPX_LOCAL_RANK) throw with a suggestion. All or nothing: on any
+  /// error the Config is unchanged.
   void apply_env();
   /// Set one field by key from text (origin "api" unless given). Throws InvalidArgument.
   void set(const std::string& key, const std::string& value, const std::string& origin = "api");

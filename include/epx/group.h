@@ -3,7 +3,8 @@
 // CPU: ranks are threads of one process sharing host memory (make_cpu_groups); this is the
 // reference and the embedded default with no GPU. CUDA (later): one process per GPU over NCCL.
 // All collectives are blocking on the CPU, stream-ordered on CUDA, and every wait on a peer is
-// bounded by Config::timeout_s (Timeout naming the peer and the operation).
+// bounded by Config::timeout_s (Timeout naming the peer and the operation). Every timeout_s argument
+// below must be finite, > 0 and at most 1e9 s (deadlines are int64 nanoseconds), else InvalidArgument.
 #pragma once
 
 #include <array>
