@@ -275,6 +275,34 @@ __device__ __forceinline__ void epilogue(const Fp8GemmParams& p, const wg::Item&
   named_bar_sync(1, 256);  // staging (and red) are reused by the next item's epilogue
 }
 
+/// Weight tile `wt` of tile list entry `tile`, or false when this CTA-uniform item has nothing to do
+/// (expert not fp8_block, weight tile past the expert's I or the model's H).
+template <bool kGateUp>
+__device__ __forceinline__ bool resolve_tile(const Fp8GemmParams& p, int32_t tile_idx, int wt, wg::Item& it, int32_t& expert) {
+  const Tile tile = p.tiles[tile_idx];
+  expert = tile.expert;
+  const ExpertDesc e = p.experts[tile.expert];
+  if (e.format != static_cast<int32_t>(WeightFormat::fp8_block)) return false;
+  it.row0 = tile.row0;
+  it.num_rows = tile.num_rows;
+  it.inter = e.intermediate;
+  it.hidden = p.hidden;
+  if constexpr (kGateUp) {
+    if (static_cast<int64_t>(wt) * kBK >= it.inter) return false;
+    it.w = static_cast<const uint8_t*>(e.w13);
+    it.w_scale = static_cast<const float*>(e.w13_scale);
+    it.K = p.hidden;
+    it.col0 = static_cast<int64_t>(wt) * kBK;
+  } else {
+    it.col0 = static_cast<int64_t>(wt) * kWRows;
+    if (it.col0 >= p.hidden) return false;
+    it.w = static_cast<const uint8_t*>(e.w2);
+    it.w_scale = static_cast<const float*>(e.w2_scale);
+    it.K = it.inter;
+  }
+  return true;
+}
+
 #endif  // EPX_FP8_WGMMA
 
 }  // namespace epx::experts_cuda::pf

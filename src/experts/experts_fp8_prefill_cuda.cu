@@ -41,32 +41,13 @@ using namespace pf;
 
 #ifdef EPX_FP8_WGMMA
 
-/// Work item `item` of the prefill section, or false when this CTA-uniform item has nothing to do
-/// (expert not fp8_block, weight tile past the expert's I or the model's H).
+/// Work item `item` of the prefill section (row tile item / max_weight_tiles, weight tile
+/// item % max_weight_tiles), or false when this CTA-uniform item has nothing to do (resolve_tile).
 template <bool kGateUp>
 __device__ __forceinline__ bool resolve(const Fp8GemmParams& p, int32_t tile0, int64_t item, Item& it) {
-  const Tile tile = p.tiles[tile0 + item / p.max_weight_tiles];
-  const int wt = static_cast<int>(item % p.max_weight_tiles);
-  const ExpertDesc e = p.experts[tile.expert];
-  if (e.format != static_cast<int32_t>(WeightFormat::fp8_block)) return false;
-  it.row0 = tile.row0;
-  it.num_rows = tile.num_rows;
-  it.inter = e.intermediate;
-  it.hidden = p.hidden;
-  if constexpr (kGateUp) {
-    if (static_cast<int64_t>(wt) * kBK >= it.inter) return false;
-    it.w = static_cast<const uint8_t*>(e.w13);
-    it.w_scale = static_cast<const float*>(e.w13_scale);
-    it.K = p.hidden;
-    it.col0 = static_cast<int64_t>(wt) * kBK;
-  } else {
-    it.col0 = static_cast<int64_t>(wt) * kWRows;
-    if (it.col0 >= p.hidden) return false;
-    it.w = static_cast<const uint8_t*>(e.w2);
-    it.w_scale = static_cast<const float*>(e.w2_scale);
-    it.K = it.inter;
-  }
-  return true;
+  int32_t expert;
+  return resolve_tile<kGateUp>(p, tile0 + static_cast<int32_t>(item / p.max_weight_tiles),
+                               static_cast<int>(item % p.max_weight_tiles), it, expert);
 }
 
 /// The ring position of the next K block: stage (0 .. stages-1) and the parity of its use.

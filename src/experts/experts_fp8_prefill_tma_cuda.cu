@@ -106,34 +106,6 @@ __device__ __forceinline__ void cluster_sync_all() {
   asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;\n" ::: "memory");
 }
 
-/// Weight tile `wt` of tile list entry `tile`, or false when this CTA-uniform item has nothing to do
-/// (expert not fp8_block, weight tile past the expert's I or the model's H).
-template <bool kGateUp>
-__device__ __forceinline__ bool resolve_tile(const Fp8GemmParams& p, int32_t tile_idx, int wt, Item& it, int32_t& expert) {
-  const Tile tile = p.tiles[tile_idx];
-  expert = tile.expert;
-  const ExpertDesc e = p.experts[tile.expert];
-  if (e.format != static_cast<int32_t>(WeightFormat::fp8_block)) return false;
-  it.row0 = tile.row0;
-  it.num_rows = tile.num_rows;
-  it.inter = e.intermediate;
-  it.hidden = p.hidden;
-  if constexpr (kGateUp) {
-    if (static_cast<int64_t>(wt) * kBK >= it.inter) return false;
-    it.w = static_cast<const uint8_t*>(e.w13);
-    it.w_scale = static_cast<const float*>(e.w13_scale);
-    it.K = p.hidden;
-    it.col0 = static_cast<int64_t>(wt) * kBK;
-  } else {
-    it.col0 = static_cast<int64_t>(wt) * kWRows;
-    if (it.col0 >= p.hidden) return false;
-    it.w = static_cast<const uint8_t*>(e.w2);
-    it.w_scale = static_cast<const float*>(e.w2_scale);
-    it.K = it.inter;
-  }
-  return true;
-}
-
 /// One step of a CTA's walk over the prefill section.
 /// Without clusters, step q = item (row tile q / max_weight_tiles, weight tile q % max_weight_tiles).
 /// With 2-CTA clusters, step q = the pair of row tiles 2 (q / mwt) + {0, 1} (rank 0, 1) at weight
