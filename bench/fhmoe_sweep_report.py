@@ -41,6 +41,20 @@ def main():
             print("%-26s %7d %12.1f %12.1f %+8.1f%%   %s, %.1e / %.1e %s/%s" % (
                 r["case"] + " " + backend, T, f, s, 100.0 * (f / s - 1.0), cnt, r.get("rel_l2_error") or 0,
                 rs.get("rel_l2_error") or 0, r.get("status"), rs.get("status")))
+            # Eager runs: the phases' medians over the block (prepare / experts / finalize / separate shared).
+            pf, ps = phase_blocks(r, a.steps, b), phase_blocks(rs, a.steps, b)
+            if pf and ps:
+                print("%-26s %7s   phases us p50 fused %s | separate %s" % ("", "", "/".join("%.0f" % v for v in pf),
+                                                                        "/".join("%.0f" % v for v in ps)))
+
+
+def phase_blocks(r, steps, b):
+    """Median per phase column over block b of phase_us_per_step (eager runs), or None."""
+    ph = (r.get("phase_us_per_step") or {}).get("steps") or []
+    rows = ph[b * steps:(b + 1) * steps]
+    if len(rows) != steps:
+        return None
+    return [statistics.median(row[c] for row in rows) for c in range(len(rows[0]))]
 
 
 if __name__ == "__main__":

@@ -318,8 +318,12 @@ class CudaExperts final : public Experts {
                                           "once eagerly with the largest shape before capturing)"));
       EPX_CUDA_CHECK(cudaDeviceSynchronize());  // earlier applies may still use the old workspace
       workspace_ = Tensor();
-      workspace_ = Tensor::empty({layout.total}, DType::uint8, Device::cuda(device_));
-      workspace_bytes_ = layout.total;
+      // 1/8 headroom: eager prefill steps receive a few % more or fewer rows each, and every new
+      // maximum cost a sync + free + malloc of ~1-2 GB (1-2 ms inside the experts phase;
+      // bench/NOTES.md, seventh session).
+      const int64_t bytes = align_up(layout.total + layout.total / 8, 256);
+      workspace_ = Tensor::empty({bytes}, DType::uint8, Device::cuda(device_));
+      workspace_bytes_ = bytes;
     }
     return layout.carve(workspace_.data());
   }

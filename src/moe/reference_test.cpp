@@ -98,6 +98,30 @@ TEST(MoEWeights, ExpertDependsOnlyOnSeedAndIndex) {
   EXPECT_THROW(MoEWeights::random(cfg, 7, 6, 5), InvalidArgument);
 }
 
+TEST(MoEWeights, ExpertPoolSharesValuesModuloP) {
+  const MoEConfig cfg = preset("deepseek-v3-mini");
+  auto distinct = MoEWeights::random(cfg, 7, 0, 4);
+  auto pooled = MoEWeights::random(cfg, 7, 2, 12, 4);  // experts 2..11 from keys 2, 3, 0, 1, ...
+  EXPECT_EQ(pooled->expert_pool, 4);
+  EXPECT_EQ(pooled->experts[1], nullptr);
+  EXPECT_EQ(pooled->experts[12], nullptr);
+  for (int e = 2; e < 12; ++e) {
+    ASSERT_NE(pooled->experts[e], nullptr) << e;
+    const ExpertWeights& want = *distinct->experts[e % 4];
+    EXPECT_EQ(std::memcmp(want.w13.data(), pooled->experts[e]->w13.data(), want.w13.nbytes()), 0) << e;
+    EXPECT_EQ(std::memcmp(want.w2_scale.data(), pooled->experts[e]->w2_scale.data(), want.w2_scale.nbytes()), 0) << e;
+  }
+  EXPECT_EQ(pooled->experts[2], pooled->experts[6]);  // one host object per key
+  EXPECT_NE(pooled->experts[2], pooled->experts[3]);
+  // Experts added later (the reference's other ranks) take the same pooled values, reusing built keys.
+  pooled->add_random_experts(7, {0, 1, 13});
+  EXPECT_EQ(pooled->experts[0], pooled->experts[4]);
+  EXPECT_EQ(pooled->experts[13], pooled->experts[5]);
+  EXPECT_EQ(std::memcmp(distinct->experts[1]->w13.data(), pooled->experts[1]->w13.data(), distinct->experts[1]->w13.nbytes()), 0);
+  EXPECT_THROW(MoEWeights::random(cfg, 7, 0, 1, -1), InvalidArgument);
+  EXPECT_THROW(MoEWeights::random(cfg, 7, 0, 1, 257), InvalidArgument);
+}
+
 TEST(MoEWeights, RouterIsNonDegenerateAndBiasSmall) {
   auto w = MoEWeights::random(preset("qwen3-30b-a3b-mini"), 1, 0, 0);  // the router alone
   EXPECT_EQ(w->shared, nullptr);

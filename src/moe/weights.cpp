@@ -70,9 +70,12 @@ void validate_moe_config(const MoEConfig& c) {
 
 }  // namespace
 
-std::shared_ptr<MoEWeights> MoEWeights::random(const MoEConfig& cfg, uint64_t seed, int expert_begin, int expert_end) {
+std::shared_ptr<MoEWeights> MoEWeights::random(const MoEConfig& cfg, uint64_t seed, int expert_begin, int expert_end,
+                                               int expert_pool) {
   validate_moe_config(cfg);
   const int E = cfg.router.num_experts;
+  require_arg(kOp, "expert_pool", expert_pool, expert_pool >= 0 && expert_pool <= E,
+              "must be in [0, num_experts = " + std::to_string(E) + "] (0 = every expert distinct)");
   const int64_t H = cfg.hidden;
   if (expert_end < 0) expert_end = E;
   require_arg(kOp, "expert_begin", expert_begin, expert_begin >= 0 && expert_begin <= E,
@@ -82,6 +85,7 @@ std::shared_ptr<MoEWeights> MoEWeights::random(const MoEConfig& cfg, uint64_t se
 
   auto w = std::make_shared<MoEWeights>();
   w->config = cfg;
+  w->expert_pool = expert_pool;
   w->router_weight = Tensor::empty({E, H}, DType::fp32);
   fill_normal(w->router_weight.ptr<float>(), E * H, stream_key(seed, kTagRouter), 1.0f / std::sqrt(static_cast<float>(H)));
   if (cfg.router.use_correction_bias) {
@@ -110,13 +114,28 @@ void MoEWeights::add_random_experts(uint64_t seed, const std::vector<int>& exper
   const MoEConfig& cfg = config;
   const int E = cfg.router.num_experts;
   if (experts.size() != static_cast<size_t>(E)) experts.resize(static_cast<size_t>(E));
-  std::vector<int> todo;
+  require_arg("MoEWeights::add_random_experts", "expert_pool", expert_pool, expert_pool >= 0 && expert_pool <= E,
+              "must be in [0, num_experts = " + std::to_string(E) + "] (0 = every expert distinct)");
+  // Pool key of expert e: e itself, or e mod P. An expert whose key is already built (here or by
+  // an earlier call) shares that object; each missing key is built once.
+  const auto key_of = [&](int e) { return expert_pool > 0 ? e % expert_pool : e; };
+  std::vector<std::shared_ptr<const ExpertWeights>> by_key(static_cast<size_t>(E));
+  for (int e = 0; e < E; ++e)
+    if (experts[e] && !by_key[key_of(e)]) by_key[key_of(e)] = experts[e];
+  std::vector<int> wanted, todo;  // todo: keys to build
   for (int e : expert_ids) {
     require_arg("MoEWeights::add_random_experts", "expert id", e, e >= 0 && e < E, "must be in [0, num_experts = " + std::to_string(E) + ")");
-    if (!experts[e] && std::find(todo.begin(), todo.end(), e) == todo.end()) todo.push_back(e);
+    if (experts[e]) continue;
+    wanted.push_back(e);
+    const int k = key_of(e);
+    if (!by_key[k] && std::find(todo.begin(), todo.end(), k) == todo.end()) todo.push_back(k);
   }
-  if (todo.empty()) return;
+  if (wanted.empty()) return;
   // Experts are independent, so they are built in parallel (full-size presets hold 10^8..10^9 values).
+  if (todo.empty()) {
+    for (int e : wanted) experts[e] = by_key[key_of(e)];
+    return;
+  }
   const int num_threads = std::clamp<int>(static_cast<int>(std::thread::hardware_concurrency()), 1, static_cast<int>(todo.size()));
   std::vector<std::exception_ptr> errors(num_threads);
   std::vector<std::shared_ptr<const ExpertWeights>> built(todo.size());
@@ -137,7 +156,8 @@ void MoEWeights::add_random_experts(uint64_t seed, const std::vector<int>& exper
   }
   for (const auto& err : errors)
     if (err) std::rethrow_exception(err);
-  for (size_t i = 0; i < todo.size(); ++i) experts[todo[i]] = built[i];
+  for (size_t i = 0; i < todo.size(); ++i) by_key[todo[i]] = built[i];
+  for (int e : wanted) experts[e] = by_key[key_of(e)];
 }
 
 }  // namespace epx

@@ -1,24 +1,26 @@
 #!/usr/bin/env bash
-# tools/device/fhmoe-batch.sh: the fhmoe helper's device batch (issue 6: the fused decode regression,
-# the separate shared expert on FP8 tensor cores, the FHMoE gate through the layer). Run from a copy
-# of main that carries .carry/deps.tar.xz and .carry-fhmoe/{src,prebuilt}.tar.xz:
-#   OUT=<dir> timeout -k 5 <allowance ~130 s> bash .carry-fhmoe/batch.sh
+# tools/device/fhmoe-batch.sh: the fhmoe helper's device batch (issue 6: the FHMoE gate through the
+# layer, fused vs separate shared expert). Run from a copy of main that carries .carry/deps.tar.xz and
+# .carry-fhmoe/{src,prebuilt}.tar.xz:
+#   OUT=<dir> timeout -k 5 <allowance ~100 s> bash .carry-fhmoe/batch.sh
 # prebuilt.tar.xz holds epx and moe_cuda_test built from src.tar.xz on the dev machine (CUDA 13.0,
-# sm_90a); if they do not load here, they are built with tools/device/gpu-check.sh (GPU_CHECK_TARGETS).
-# FHMOE_RUNS picks the measurements, most important first (each ~25-45 s: ~14 s of it the
-# full-size weights, the rest the runs and the CPU reference of the validated tokens):
-#   test      moe_cuda_test ModularMoECuda.SharedExpertFusedAndSeparate* and .WholeLayerGraph* (2 GPUs, fused vs
-#             separate vs CPU, eager and graph replays)
-#   old       V3 decode 128/rank ll fused, EPX_EXPERTS_FP8_PREFILL_MIN_TILES=1 (the fifth session's tiles)
-#   new       V3 decode 128/rank ll --compare (fused and separate, defaults)
-#   pf0       V3 decode 128/rank ll fused, EPX_EXPERTS_FP8_PREFILL=0
-#   sweep3    V3 ll --compare over a trace of T = 1, 8, 32, 128, 512 tokens/rank (5 steps each; graph at T_max)
-#   sweep4    the same for DeepSeek-V4-Pro
-#   prefill3  V3 prefill 4096/rank ht --compare (eager, phases)
+# sm_90a, NCCL 2.28.9); if they do not load here, they are built with tools/device/gpu-check.sh.
+# Full-size presets use --expert-pool 16 (MoEWeights::expert_pool: random expert e holds expert
+# e mod 16's values, one device copy per expert; the host builds 16 experts instead of 128-192).
+# FHMOE_RUNS picks the measurements, most important first:
+#   sweep4    DeepSeek-V4-Pro, ll, whole-layer graph, --compare over a trace of T = 1, 8, 32, 128, 512
+#             tokens/rank (5 steps each; bench/fhmoe_sweep_trace.py)
+#   sweep3    the same for DeepSeek-V3
+#   mid3      DeepSeek-V3, every backend, --mode prefill (eager, phases per step), --compare over
+#             T = 4096, 3072, 2048, 1536, 1024, 768, 512 (4 steps each; largest first: the warm-ups
+#             size every buffer)
+#   mid4      the same for DeepSeek-V4-Pro over T = 3072 ... 512
+#   test      moe_cuda_test ModularMoECuda.SharedExpertFusedAndSeparate* and .WholeLayerGraph* (2 GPUs,
+#             fused vs separate vs CPU on V3-mini and V4-Pro-mini, eager and graph replays)
 set -uo pipefail
 OUT="${OUT:-/tmp/fhmoe-out}"
-BUDGET="${BUDGET:-128}"
-RUNS="${FHMOE_RUNS:-test sweep3 sweep4 prefill3}"
+BUDGET="${BUDGET:-98}"
+RUNS="${FHMOE_RUNS:-sweep4 mid3 mid4 test}"
 mkdir -p "$OUT"
 HERE="$(pwd)"
 S=/tmp/s-fhmoe
@@ -47,7 +49,7 @@ fi
 if [ -z "$B" ]; then
   GPU_CHECK_SRC="$S" GPU_CHECK_ONE_GPU=0 GPU_CHECK_SANITIZE=0 GPU_CHECK_CPU=0 GPU_CHECK_BENCH=0 GPU_CHECK_TESTS=0 \
     GPU_CHECK_TARGETS="epx_cli moe_cuda_test" \
-    timeout -k 5 100 bash "$S/tools/device/gpu-check.sh" run >"$OUT/gpu-check.out" 2>&1
+    timeout -k 5 70 bash "$S/tools/device/gpu-check.sh" run >"$OUT/gpu-check.out" 2>&1
   echo "build rc=$? at $((SECONDS - T0)) s" | tee -a "$OUT/summary.txt"
   B=/tmp/epx-gpu-check/build
   deps=/tmp/epx-gpu-check/deps/usr/lib/x86_64-linux-gnu
@@ -64,34 +66,44 @@ moe() {  # <name> <limit_s> <env...> -- <epx moe args...>
   shift
   local l=$(( $(left) - 2 ))
   [ "$l" -lt "$lim" ] && lim=$l
-  if [ "$lim" -lt 15 ]; then echo "== skipped $name (no time left)" | tee -a "$OUT/summary.txt"; return; fi
+  if [ "$lim" -lt 12 ]; then echo "== skipped $name (no time left)" | tee -a "$OUT/summary.txt"; return; fi
   local t=$SECONDS
   echo "== $(date -u +%T) ${envs[*]} epx moe $* (limit $lim s)" >>"$OUT/commands.txt"
   env "${envs[@]}" timeout -k 3 "$lim" "$B/epx" moe "$@" --json "$OUT/$name.json" >"$OUT/$name.log" 2>&1
   echo "$name rc=$? in $((SECONDS - t)) s (at $((SECONDS - T0)) s)" | tee -a "$OUT/summary.txt"
   stamp "$OUT/$name.json"
-  grep -E "^ll |^ht |^  (ll|ht) " "$OUT/$name.log" | grep -v "eager, no graph" | head -8 | tee -a "$OUT/summary.txt"
 }
-V3=(--device cuda --ranks 2 --preset deepseek-v3 --dispatch-dtype fp8 --validate-tokens 1)
-V4=(--device cuda --ranks 2 --preset deepseek-v4-pro --dispatch-dtype fp8 --validate-tokens 1)
+# sweep <name> <preset> <E> <K> <tokens> <steps> <limit_s> <epx moe args...>
+sweep() {
+  local name=$1 p=$2 e=$3 k=$4 tok=$5 st=$6 lim=$7; shift 7
+  python3 "$S/bench/fhmoe_sweep_trace.py" --experts "$e" --top-k "$k" --ranks 2 --tokens "$tok" --steps "$st" -o "/tmp/trace-$name.json"
+  echo "== trace: fhmoe_sweep_trace.py --experts $e --top-k $k --ranks 2 --tokens $tok --steps $st" >>"$OUT/commands.txt"
+  moe "$name" "$lim" FHMOE=1 -- --device cuda --ranks 2 --preset "$p" --dispatch-dtype fp8 --validate-tokens 1 --expert-pool 16 \
+    --compare --trace "/tmp/trace-$name.json" "$@"
+  [ -f "$OUT/$name.json" ] && python3 "$S/bench/fhmoe_sweep_report.py" "$OUT/$name.json" --tokens "$tok" --steps "$st" 2>&1 \
+    | tee "$OUT/$name.txt" | tee -a "$OUT/summary.txt"
+  grep -E "^(rank 0: workload|reference:)" "$OUT/$name.log" | tee -a "$OUT/summary.txt"
+  rm -f "/tmp/trace-$name.json"
+}
+MID3=4096,3072,2048,1536,1024,768,512
+MID4=3072,2048,1536,1024,768,512
 for r in $RUNS; do
   case $r in
+    sweep4) sweep sweep-v4pro-ll deepseek-v4-pro 384 6 1,8,32,128,512 5 40 --backend ll --mode decode ;;
+    sweep3) sweep sweep-v3-ll deepseek-v3 256 8 1,8,32,128,512 5 35 --backend ll --mode decode ;;
+    mid3) sweep mid-v3-all deepseek-v3 256 8 $MID3 4 45 --backend all --mode prefill --warmup 2 ;;
+    mid4) sweep mid-v4pro-all deepseek-v4-pro 384 6 $MID4 4 45 --backend all --mode prefill --warmup 2 ;;
+    mid3ht) sweep mid-v3-ht deepseek-v3 256 8 $MID3 4 30 --backend ht --mode prefill --warmup 2 ;;
+    mid4ht) sweep mid-v4pro-ht deepseek-v4-pro 384 6 $MID4 4 30 --backend ht --mode prefill --warmup 2 ;;
     test)
-      (cd "$B" && timeout -k 2 35 ./moe_cuda_test --gtest_filter='ModularMoECuda.SharedExpertFusedAndSeparate*:ModularMoECuda.WholeLayerGraph*') >"$OUT/test-moe-cuda.log" 2>&1
+      l=$(( $(left) - 2 ))
+      if [ "$l" -lt 15 ]; then echo "== skipped test (no time left)" | tee -a "$OUT/summary.txt"; continue; fi
+      [ "$l" -gt 40 ] && l=40
+      (cd "$B" && timeout -k 2 "$l" ./moe_cuda_test --gtest_filter='ModularMoECuda.SharedExpertFusedAndSeparate*:ModularMoECuda.WholeLayerGraph*') >"$OUT/test-moe-cuda.log" 2>&1
       echo "test rc=$? at $((SECONDS - T0)) s" | tee -a "$OUT/summary.txt"
       grep -E "rel L2|^\[ *(OK|FAILED|PASSED|SKIPPED) " "$OUT/test-moe-cuda.log" | tail -34 | tee -a "$OUT/summary.txt" ;;
-    old) moe moe-v3-decode-ll-fused-mintiles1 38 EPX_EXPERTS_FP8_PREFILL_MIN_TILES=1 -- "${V3[@]}" --backend ll --mode decode --shared fused --steps 8 ;;
-    new) moe moe-v3-decode-ll-compare 45 FHMOE=1 -- "${V3[@]}" --backend ll --mode decode --compare --steps 8 ;;
-    pf0) moe moe-v3-decode-ll-fused-prefill0 40 EPX_EXPERTS_FP8_PREFILL=0 -- "${V3[@]}" --backend ll --mode decode --shared fused --steps 8 ;;
-    sweep3|sweep4)
-      if [ $r = sweep3 ]; then p=deepseek-v3; e=256; k=8; a=("${V3[@]}"); else p=deepseek-v4-pro; e=384; k=6; a=("${V4[@]}"); fi
-      python3 "$S/bench/fhmoe_sweep_trace.py" --experts $e --top-k $k --ranks 2 --tokens 1,8,32,128,512 --steps 5 -o "$OUT/trace-$p.json"
-      moe moe-$p-sweep-ll-compare 50 FHMOE=1 -- "${a[@]}" --backend ll --mode decode --compare --trace "$OUT/trace-$p.json"
-      python3 "$S/bench/fhmoe_sweep_report.py" "$OUT/moe-$p-sweep-ll-compare.json" --tokens 1,8,32,128,512 --steps 5 2>&1 | tee "$OUT/sweep-$p.txt" | tee -a "$OUT/summary.txt"
-      rm -f "$OUT/trace-$p.json" ;;
-    prefill3) moe moe-v3-prefill-ht-compare 45 FHMOE=1 -- "${V3[@]}" --backend ht --mode prefill --compare --steps 3 ;;
     *) echo "unknown run $r" | tee -a "$OUT/summary.txt" ;;
   esac
 done
-echo "== fhmoe batch: $((SECONDS - T0)) s"
+echo "== fhmoe batch ($commit): $((SECONDS - T0)) s"
 cat "$OUT/summary.txt"

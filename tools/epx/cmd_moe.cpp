@@ -85,6 +85,12 @@ void add_moe_command(CLI::App& root, MoeCommand& cmd) {
               "then delta tables (backends against the first; fused against separate with the path counters); also in the JSON");
   m->add_flag("--graph,!--no-graph", o.graph, "decode: replay a captured whole-layer graph where possible (default) or run eagerly");
   m->add_option("--seed", o.seed, "Seed of the weights, hidden states and synthetic routing")->capture_default_str();
+  m->add_option("--expert-pool", o.expert_pool,
+                "P > 0: random routed expert e takes the values of expert e mod P, so each rank builds at most P experts "
+                "(full-size presets: seconds instead of ~40 s); every expert is still its own copy on the GPU and in the "
+                "layer, and the reference uses the same values. 0 = all distinct. Not with --checkpoint")
+      ->check(non_negative_number())
+      ->capture_default_str();
   m->add_option("--trace", o.trace, "Replay recorded routing: an epx-trace JSON file or directory (docs/trace-format.md); "
                                     "gives R, T per rank and step, and optionally hidden states");
   m->add_option("--validate-tokens", o.validate_tokens,

@@ -106,6 +106,7 @@ void finish_checkpoint_options(MoeOptions& o, const CLI::App& m) {
     require_arg(kOp, "--layer", o.layer, o.layer < 0, "needs --checkpoint");
     return;
   }
+  require_arg(kOp, "--expert-pool", o.expert_pool, o.expert_pool == 0, "applies to random weights only, not with --checkpoint");
   require_arg(kOp, "--preset", o.preset, m.get_option("--preset")->count() == 0,
               "cannot be combined with --checkpoint (the checkpoint's config.json gives the layer)");
   require_arg(kOp, "--layer", "missing", o.layer >= 0, "is required with --checkpoint (the decoder layer to run)");
@@ -118,7 +119,7 @@ MoEConfig workload_model(const MoeOptions& o) {
 }
 
 std::shared_ptr<MoEWeights> workload_weights(const MoeOptions& o, const MoEConfig& model) {
-  if (o.checkpoint.empty()) return MoEWeights::random(model, o.seed, o.expert_begin, o.expert_end);
+  if (o.checkpoint.empty()) return MoEWeights::random(model, o.seed, o.expert_begin, o.expert_end, o.expert_pool);
   MoELayerLoadOptions l = load_options(o);
   l.expert_begin = o.expert_begin;
   l.expert_end = o.expert_end;

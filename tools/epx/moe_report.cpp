@@ -119,6 +119,9 @@ void print_header(std::ostream& os, const Workload& w) {
      << (w.mode.empty() ? std::string() : ", mode " + w.mode + (w.use_graph ? " (graph replay where graph-safe)" : ""))
      << (w.compare ? ", A/B" : "") << "\n";
   if (!w.trace_source.empty()) os << "trace: " << w.trace_source << "\n";
+  if (w.weights && w.weights->expert_pool > 0)
+    os << "expert pool: " << w.weights->expert_pool << " (random expert e holds the values of expert e mod "
+       << w.weights->expert_pool << "; one copy per expert on the device)\n";
   if (w.has_nodes) os << "node layout: " << w.nodes.describe() << " (NCCL LSA team " << w.nodes.lsa_size << ")\n";
 }
 
@@ -317,7 +320,13 @@ void write_results_json(const std::string& path, const std::string& command, con
     };
     if (!r.message.empty()) j["message"] = r.message;
     if (!r.graph_reason.empty()) j["graph_reason"] = r.graph_reason;
-    if (!r.phases.empty()) j["phase_us_p50"] = phase_p50_json(r.phases);
+    if (!r.phases.empty()) {
+      j["phase_us_p50"] = phase_p50_json(r.phases);
+      // Per step (the same order as step_latency_us): a trace that sweeps T slices them per T.
+      json per_step = json::array();
+      for (const PhaseTimes& ph : r.phases) per_step.push_back({ph.prepare_us, ph.experts_us, ph.finalize_us, ph.shared_us});
+      j["phase_us_per_step"] = {{"columns", {"prepare", "experts", "finalize", "shared_separate"}}, {"steps", std::move(per_step)}};
+    }
     rs.push_back(std::move(j));
   }
   char date[32];
@@ -330,6 +339,7 @@ void write_results_json(const std::string& path, const std::string& command, con
               {"nccl_version", w.nccl_version.empty() ? json(nullptr) : json(w.nccl_version)},
               {"epx_version", EPX_VERSION}, {"results", std::move(rs)}};
   if (!w.trace_source.empty()) doc["trace_source"] = w.trace_source;
+  if (w.weights && w.weights->expert_pool > 0) doc["expert_pool"] = w.weights->expert_pool;  // MoEWeights::expert_pool
   doc["node_layout"] = node_layout_json(w.has_nodes ? w.nodes : NodeLayout::from_keys(std::vector<int64_t>(static_cast<size_t>(std::max(1, w.num_ranks)), 0), 0));
   if (w.compare) {
     json backends = json::array(), shared = json::array();

@@ -7,7 +7,9 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <exception>
 #include <random>
+#include <thread>
 
 #include "epx/dispatch.h"
 #include "epx/error.h"
@@ -267,12 +269,35 @@ Workload build_workload(const MoeOptions& options, const Config& config) {
       StepInput st;
       for (int r = 0; r < t.num_ranks; ++r) {
         const TraceRank& tr = t.steps[s].ranks[r];
-        st.x.push_back(tr.hidden_states.defined() ? tr.hidden_states : random_hidden(tr.num_tokens(), H, stream_seed(o.seed, 1, s, r)));
+        st.x.push_back(tr.hidden_states);  // undefined: random, filled below
         st.topk_idx.push_back(tr.topk_idx);
         st.topk_weights.push_back(tr.topk_weights);
       }
       w.steps.push_back(std::move(st));
     }
+    // Random hidden states of (step, rank) depend only on (seed, step, rank): built in parallel
+    // (a sweep trace holds ~10^9 values; one thread took ~10 ns each).
+    std::vector<std::pair<size_t, int>> todo;
+    for (size_t s = 0; s < S; ++s)
+      for (int r = 0; r < t.num_ranks; ++r)
+        if (!w.steps[s].x[r].defined()) todo.emplace_back(s, r);
+    const size_t nt = std::clamp<size_t>(std::thread::hardware_concurrency(), 1, std::max<size_t>(todo.size(), 1));
+    std::vector<std::thread> threads;
+    std::vector<std::exception_ptr> errors(nt);
+    for (size_t i = 0; i < nt; ++i)
+      threads.emplace_back([&, i] {
+        try {
+          for (size_t j = i; j < todo.size(); j += nt) {
+            const auto [s, r] = todo[j];
+            w.steps[s].x[r] = random_hidden(t.steps[s].ranks[r].num_tokens(), H, stream_seed(o.seed, 1, s, r));
+          }
+        } catch (...) {
+          errors[i] = std::current_exception();  // rethrown on this thread below
+        }
+      });
+    for (auto& th : threads) th.join();
+    for (const auto& e : errors)
+      if (e) std::rethrow_exception(e);
   } else {
     require_arg(kOp, "--ranks", o.ranks, o.ranks >= 1 && o.ranks <= 1024, "must be in [1, 1024]");
     require_arg(kOp, "--tokens-per-rank", o.tokens_per_rank, o.tokens_per_rank >= 0, "must be >= 0");

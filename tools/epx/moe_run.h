@@ -28,6 +28,7 @@ struct MoeOptions {
   std::string shared = "auto";      ///< separate | fused | auto
   int chunk_size = 0;
   uint64_t seed = 1;
+  int expert_pool = 0;  ///< --expert-pool P: random expert e holds expert e mod P's values (MoEWeights::expert_pool)
   std::string trace;
   std::string json;
   std::string config;
