@@ -75,7 +75,8 @@ TEST(Cli, BadFlagExits2WithOneLine) {
 TEST(Cli, NegativeOrZeroNumericFlagsNameTheRuleBriefly) {
   for (const char* args : {"moe --chunk-size -1", "moe --validate-tokens -2", "moe --zipf-s 0 --routing zipf", "moe --zipf-s inf",
                            "bench --zipf-s -1", "bench --tokens-per-rank -1", "trace import x.jsonl -o y.json --skip-passes -1",
-                           "trace import x.jsonl -o y.json --num-experts -1", "moe --checkpoint /nonexistent --layer -1"}) {
+                           "trace import x.jsonl -o y.json --num-experts -1", "moe --checkpoint /nonexistent --layer -1",
+                           "moe --expert-pool -1", "moe --preset deepseek-v3-mini --expert-pool 257"}) {
     CliRun r = run_epx(args);
     EXPECT_EQ(r.code, 2) << args << "\n" << r.out;
     expect_one_line(r.err);
@@ -116,7 +117,7 @@ TEST(Cli, MoeHelpDocumentsEveryFlag) {
   EXPECT_EQ(r.code, 0) << r.out;
   for (const char* flag : {"--preset", "--ranks", "--backend", "--tokens-per-rank", "--steps", "--device", "--routing", "--zipf-s",
                            "--dispatch-dtype", "--shared", "--chunk-size", "--seed", "--trace", "--json", "--config", "--warmup",
-                           "--mode", "--compare", "--no-graph"})
+                           "--mode", "--compare", "--no-graph", "--expert-pool"})
     EXPECT_NE(r.out.find(flag), std::string::npos) << "moe --help does not mention " << flag;
   EXPECT_NE(r.out.find("Exit status"), std::string::npos);
   CliRun t = run_epx("trace import --help");

@@ -244,6 +244,8 @@ Workload build_workload(const MoeOptions& options, const Config& config) {
                                          : SharedExpertMode::auto_gate;
   require_arg(kOp, "--warmup", o.warmup, o.warmup >= 0, "must be >= 0");
   require_arg(kOp, "--chunk-size", o.chunk_size, o.chunk_size >= 0, "must be >= 0 (0 = moe.chunk_size of the config)");
+  require_arg(kOp, "--expert-pool", o.expert_pool, o.expert_pool >= 0 && o.expert_pool <= E,
+              "must be in [0, num_experts = " + std::to_string(E) + "] (0 = every expert distinct)");
   w.warmup = o.warmup;
 
   if (!o.trace.empty()) {
