@@ -36,6 +36,13 @@ struct Config {
   /// once, all the run's loads in flight; -1.4 us dispatch, -2.7 us partial_bf16 combine at ll-v3,
   /// bench/NOTES.md "fifth session") | chunk (a warp takes one chunk at a time). Rank-local, same results.
   std::string ll_items = "run";
+  /// ll partial combine (partial_fp32 / partial_bf16), how the receiver learns that a partial row
+  /// arrived: flag (one flag word per (source, send block), released after the block's stores; the
+  /// receiver waits for all, then reduces) | data (the partial rows are the signal: the receiver
+  /// re-poisons every row it read with an impossible word and polls the row itself, so each
+  /// (token, run) is reduced as soon as its rows land; no release round trip; bench/NOTES.md seventh
+  /// session). All ranks must agree; the same results.
+  std::string ll_combine_wait = "flag";
   int ht_num_sms = 64;               ///< SM budget of HT kernels (64: measured, bench/NOTES.md "Fourth session: bandwidth")
   int ht_warps_per_block = 16;       ///< warps per block of HT kernels
   int ht_combine_mode = 0;           ///< HT combine on CUDA: 0 all sends then all reduces, 1 pipelined (bench/NOTES.md)

@@ -69,18 +69,23 @@ LlCuda::LlCuda(std::shared_ptr<Group> group, const DispatchConfig& cfg, const Ll
 
   // Every rank learns every rank's block count (the signal targets) and protocol modes; collective,
   // like the buffer. Bits 32 / 33: ll.signal = rank / message expansion possible and asked for.
-  const int64_t mine = static_cast<int64_t>(blocks_) | (launch.signal_rank ? int64_t{1} << 32 : 0) | (want_message ? int64_t{1} << 33 : 0);
+  // Bit 34: ll.combine_wait = data.
+  const int64_t mine = static_cast<int64_t>(blocks_) | (launch.signal_rank ? int64_t{1} << 32 : 0) | (want_message ? int64_t{1} << 33 : 0) |
+                       (launch.combine_data ? int64_t{1} << 34 : 0);
   const std::vector<int64_t> all_blocks = group_->all_gather_i64(mine);
   bool all_message = true;
   for (int r = 0; r < num_ranks_; ++r) {
     const int64_t v = all_blocks[static_cast<size_t>(r)];
     require_arg(op, "ll.signal", launch.signal_rank ? "rank" : "block", ((v >> 32) & 1) == (launch.signal_rank ? 1 : 0),
                 "must be the same on every rank (rank " + std::to_string(r) + " differs)");
+    require_arg(op, "ll.combine_wait", launch.combine_data ? "data" : "flag", ((v >> 34) & 1) == (launch.combine_data ? 1 : 0),
+                "must be the same on every rank (rank " + std::to_string(r) + " differs)");
     all_message = all_message && ((v >> 33) & 1) != 0;
   }
   common_.signal_rank = launch.signal_rank;
   common_.expand_message = all_message;
   common_.items_run = launch.items_run;
+  common_.combine_data = launch.combine_data && layout_.partial();
   buffer_ = group_->alloc_symmetric(layout_.total_bytes());
   for (int r = 0; r < num_ranks_; ++r)
     if (buffer_.peers[static_cast<size_t>(r)] == nullptr)
@@ -126,6 +131,8 @@ LlCuda::LlCuda(std::shared_ptr<Group> group, const DispatchConfig& cfg, const Ll
   handle_.msg_src_token = Tensor::zeros({R, max_t}, DType::int32, dev);
   handle_.msg_rows = Tensor::zeros({R, max_t, K}, DType::int32, dev);
   handle_.msg_weights = Tensor::zeros({R, max_t, K}, DType::fp32, dev);
+  if (common_.combine_data)  // ll.combine_wait = data: no partial row pending in either parity (kLlPoison)
+    EPX_CUDA_CHECK(cudaMemset(common_.local + layout_.combine_recv_offset(), 0xff, static_cast<size_t>(2 * layout_.combine_region_bytes())));
   EPX_CUDA_CHECK(cudaDeviceSynchronize());  // zero fills done before any peer can signal
   group_->barrier();
 }
@@ -402,6 +409,7 @@ std::unique_ptr<PrepareFinalize> make_ll_cuda(std::shared_ptr<Group> group, cons
   launch.signal_rank = config.ll_signal == "rank";
   launch.expand_message = config.ll_expand == "message";
   launch.items_run = config.ll_items == "run";
+  launch.combine_data = config.ll_combine_wait == "data";
   if (const auto* nccl = dynamic_cast<const comm::NcclGroup*>(&comm::root_group(*group))) launch.timeout_s = nccl->timeout_s();
   return make_ll_cuda(std::move(group), cfg, launch);
 }

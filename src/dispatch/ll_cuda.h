@@ -34,6 +34,18 @@
 //     sums each message's local rows weighted in column order in fp32 and stores one partial row
 //     (fp32, or bf16 rounded) per (token, rank) at the source, which adds them in rank order (fp32,
 //     one more rounding). Bit-identical to LlCpu in the same mode.
+//   ll.combine_wait = data (LlLaunch::combine_data; partial modes; every rank the same, the same
+//     results): no combine flags. The receiver's partial-row regions hold a poison word
+//     (kLlPoison = 0xffffffff, never a partial's word: the sender canonicalizes NaN) wherever no row
+//     is pending; the sender stores its partial rows with volatile 16-byte stores (NaN made
+//     canonical), the receiver's (token, run) items poll the rows themselves (volatile loads, every
+//     32-bit word checked, each word single-copy atomic), reduce as soon as they are all there, and
+//     store the poison back. So each token is reduced while other rows are still in flight, and no
+//     release round trip or flag stands between the last row and the reduce. Reuse of a region:
+//     at the start of each combine kernel with a send part, block 0 tells every peer how many
+//     combine receives this rank has finished (word combine_flag(rank, 0) there, release), and a
+//     sender's call n waits (usually already true) until the destination finished receive n - 2,
+//     whose parity region call n overwrites. Both parities are poisoned at create.
 //   ll.items = run (LlLaunch::items_run; rank-local, the same results): the partial combine's send
 //     takes (message, run of up to 4 consecutive 256-element chunks) items, each warp loading its
 //     message's routing, the source's count and the call number in one round trip (no block-wide
@@ -83,6 +95,7 @@ struct LlLaunch {
   bool signal_rank = false;   ///< Config ll.signal = rank (LlCommon::signal_rank); every rank must agree
   bool expand_message = true;  ///< Config ll.expand = message (LlCommon::expand_message); every rank must agree
   bool items_run = true;       ///< Config ll.items = run (LlCommon::items_run); rank-local
+  bool combine_data = false;   ///< Config ll.combine_wait = data (LlCommon::combine_data); every rank must agree
 };
 
 class LlCuda final : public PrepareFinalizeBase {

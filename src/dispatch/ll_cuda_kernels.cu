@@ -57,6 +57,21 @@ __device__ __forceinline__ uint4 ld16(const void* p) {
   return v;
 }
 __device__ __forceinline__ void st16(void* p, const uint4& v) { *reinterpret_cast<uint4*>(p) = v; }
+// ll.combine_wait = data (ll_cuda.h): volatile 16-byte loads / stores of partial rows; every 32-bit
+// word is single-copy atomic, and a word equal to kLlPoison means "not arrived".
+constexpr uint32_t kLlPoison = 0xffffffffu;
+__device__ __forceinline__ uint4 ldv16(const void* p) {
+  uint4 v;
+  asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void stv16(void* p, const uint4& v) {
+  asm volatile("st.volatile.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
+}
+__device__ __forceinline__ bool poisoned(const uint4& v) { return v.x == kLlPoison || v.y == kLlPoison || v.z == kLlPoison || v.w == kLlPoison; }
+/// NaN -> the canonical 0x7fffffff (what the GPU's own arithmetic returns), so no partial word (fp32,
+/// or a pair of bf16 of canonical NaNs, 0x7fff) is ever kLlPoison.
+__device__ __forceinline__ float canon_nan(float a) { return a != a ? __uint_as_float(0x7fffffffu) : a; }
 __device__ __forceinline__ unsigned lanemask_lt() {
   unsigned m;
   asm("mov.u32 %0, %%lanemask_lt;" : "=r"(m));
@@ -870,8 +885,8 @@ __device__ __forceinline__ void load_partial(const uint8_t* row, int64_t h, floa
 /// count and the call number in one round trip, then kG local rows x cpr chunks of loads in flight
 /// per round trip, sums them in column order in fp32 (the arithmetic of gather_columns: acc + w_k *
 /// y_k, separate roundings, column order), and stores the run's partial row to the source.
-template <int kG, int kRun>
-__device__ __forceinline__ void combine_send_runs(const LlCombineParams& p, int W, int warp, int lane) {
+template <int kG, int kRun, bool kData>
+__device__ __forceinline__ void combine_send_runs(const LlCombineParams& p, int W, int warp, int lane, bool* gave_up) {
   const LlCommon& c = p.c;
   const LlLayout& lay = c.lay;
   const int R = lay.num_ranks, K = lay.top_k, max_t = lay.max_tokens, rank = c.rank;
@@ -897,6 +912,10 @@ __device__ __forceinline__ void combine_send_runs(const LlCombineParams& p, int 
     if (lane == K) v0 = p.msg_count[s];
     if (lane == K + 1) v0 = p.msg_src_token[mi];
     if (lane == 0) ctr = *reinterpret_cast<const volatile unsigned long long*>(&c.state->combine_send_blocks);
+    // ll.combine_wait = data: how many combine receives destination s has finished (its word here).
+    const int kd = K + 2 < 32 ? K + 2 : 31;
+    unsigned long long done = ~0ull;
+    if (kData && s != rank && lane == kd) done = ld_acquire_sys(c.local + lay.combine_flag_offset(s, 0));
     const int kc = K < 32 ? K : 0, kt = K + 1 < 32 ? K + 1 : 0;  // K = 31 / 32: lanes reused below
     int cnt = __shfl_sync(0xffffffffu, v0, kc), t = __shfl_sync(0xffffffffu, v0, kt);
     if (K >= 31) {  // no spare lanes: plain loads (K <= 32)
@@ -905,7 +924,22 @@ __device__ __forceinline__ void combine_send_runs(const LlCombineParams& p, int 
     }
     if (j >= cnt) continue;  // beyond the messages s sent (warp-uniform)
     ctr = __shfl_sync(0xffffffffu, ctr, 0);
-    const int parity = static_cast<int>(div_blocks(ctr, gridDim.x) & 1);
+    const unsigned long long call = div_blocks(ctr, gridDim.x);
+    const int parity = static_cast<int>(call & 1);
+    if (kData && s != rank) {  // call n overwrites the region that s read in its receive n - 2
+      if (lane == kd && done + 1 < call && !*gave_up) {
+        const unsigned long long t0 = globaltimer();
+        const void* f = c.local + lay.combine_flag_offset(s, 0);
+        while ((done = ld_acquire_sys(f)) + 1 < call) {
+          if (static_cast<long long>(globaltimer() - t0) > c.timeout_ns) {
+            report(c, LlErrorReport::timeout, s, LlErrorReport::combine, static_cast<long long>(call), static_cast<long long>(done));
+            *gave_up = true;
+            break;
+          }
+        }
+      }
+      if (__any_sync(0xffffffffu, *gave_up)) *gave_up = true;  // warp-uniform (the receive part's polls read it)
+    }
     float acc[kRun][8];
 #pragma unroll
     for (int i = 0; i < kRun; ++i)
@@ -950,15 +984,27 @@ __device__ __forceinline__ void combine_send_runs(const LlCombineParams& p, int 
     for (int i = 0; i < kRun; ++i) {
       const int64_t h = hbase + i * 256;
       if (i >= cpr || h >= H) continue;
+      if constexpr (kData) {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc[i][e] = canon_nan(acc[i][e]);
+      }
       if (f32) {
-        st16(dst + 4 * h, make_uint4(__float_as_uint(acc[i][0]), __float_as_uint(acc[i][1]), __float_as_uint(acc[i][2]), __float_as_uint(acc[i][3])));
-        st16(dst + 4 * h + 16, make_uint4(__float_as_uint(acc[i][4]), __float_as_uint(acc[i][5]), __float_as_uint(acc[i][6]), __float_as_uint(acc[i][7])));
+        const uint4 a = make_uint4(__float_as_uint(acc[i][0]), __float_as_uint(acc[i][1]), __float_as_uint(acc[i][2]), __float_as_uint(acc[i][3]));
+        const uint4 b = make_uint4(__float_as_uint(acc[i][4]), __float_as_uint(acc[i][5]), __float_as_uint(acc[i][6]), __float_as_uint(acc[i][7]));
+        if constexpr (kData) {
+          stv16(dst + 4 * h, a);
+          stv16(dst + 4 * h + 16, b);
+        } else {
+          st16(dst + 4 * h, a);
+          st16(dst + 4 * h + 16, b);
+        }
       } else {
         uint32_t o[4];
 #pragma unroll
         for (int e = 0; e < 4; ++e)
           o[e] = static_cast<uint32_t>(float_to_bf16_bits(acc[i][2 * e])) | (static_cast<uint32_t>(float_to_bf16_bits(acc[i][2 * e + 1])) << 16);
-        st16(dst + 2 * h, make_uint4(o[0], o[1], o[2], o[3]));
+        if constexpr (kData) stv16(dst + 2 * h, make_uint4(o[0], o[1], o[2], o[3]));
+        else st16(dst + 2 * h, make_uint4(o[0], o[1], o[2], o[3]));
       }
     }
     if (stamp0) {
@@ -1041,7 +1087,130 @@ __device__ __forceinline__ void combine_recv_runs(const LlCombineParams& p, int 
   if (threadIdx.x == 0) atomicAdd(&c.state->combine_recv_blocks, 1ull);
 }
 
-template <int kMaxThreads>
+/// Partial combine receive, ll.combine_wait = data (ll_cuda.h): items are (token, run of cpr
+/// 256-element chunks) as in combine_recv_runs, but no flag is waited for: every partial row of the
+/// item is loaded (volatile), and while a lane's vectors still hold kLlPoison they are loaded again
+/// (a row of which nothing arrived yet: only its last vector, to keep the polling traffic small); then
+/// the rows are added in rank order in fp32, rounded once to bf16, and the poison is stored back into
+/// every vector read (the region is ready for call n + 2). A warp's waits together are bounded by
+/// timeout_s (then reported, naming the rank whose row is missing). Block-wide (one __syncthreads).
+template <int kRun, bool kF32>
+__device__ __forceinline__ void combine_recv_data(const LlCombineParams& p, int W, int warp, int lane, const unsigned long long* s_call,
+                                                  bool* gave_up) {
+  const LlCommon& c = p.c;
+  const LlLayout& lay = c.lay;
+  const int R = lay.num_ranks;
+  const int64_t H = lay.hidden;
+  constexpr int kV = kF32 ? 2 : 1, kN = kRun * kV;  // 16-byte vectors per lane and row
+  const int T = *reinterpret_cast<const volatile int32_t*>(&c.state->num_tokens);
+  const int nch = static_cast<int>((H + 255) / 256);
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * W;
+  const int cpr = chunks_per_run(nch, T, warps, kRun);
+  const int runs = (nch + cpr - 1) / cpr;
+  const int64_t items = static_cast<int64_t>(T) * runs;
+  const int64_t first_item = static_cast<int64_t>(blockIdx.x) * W + warp;
+  uint32_t mask = first_item < items ? p.dest_mask[udiv(first_item, runs)] : 0u;
+  __syncthreads();  // s_call (thread 0 read it at the kernel's start)
+  const unsigned long long call = *s_call;
+  const int parity = static_cast<int>(call & 1);
+  trace_at(c, kTrCombWaited0);
+  trace_max(c, kTrCombWaitedLast);
+  unsigned long long t_wait = 0;  // the warp's first not-ready poll (0: none yet)
+  for (int64_t item = first_item; item < items; item += warps) {
+    const int t = udiv(item, runs), run = static_cast<int>(item - static_cast<int64_t>(t) * runs);
+    if (item != first_item) mask = p.dest_mask[t];
+    const int64_t hbase = static_cast<int64_t>(run) * cpr * 256 + lane * 8;
+    float acc[kRun][8];
+#pragma unroll
+    for (int i = 0; i < kRun; ++i)
+#pragma unroll
+      for (int e = 0; e < 8; ++e) acc[i][e] = 0.0f;
+    unsigned live_n = 0;  // vectors n = i kV + v of this lane inside the row (i < cpr, h < H)
+#pragma unroll
+    for (int n = 0; n < kN; ++n)
+      if (n / kV < cpr && hbase + (n / kV) * 256 < H) live_n |= 1u << n;
+    auto vec_at = [&](int r, int n) -> uint8_t* {
+      const int64_t h = hbase + (n / kV) * 256;
+      return c.local + lay.combine_partial_offset(parity, t, r) + (kF32 ? 4 * h + 16 * (n % kV) : 2 * h);
+    };
+    for (int r0 = 0; r0 < R; r0 += 2) {  // 2 ranks x the run's vectors in flight
+      uint4 raw[2][kN];
+      unsigned need[2], pend[2];
+#pragma unroll
+      for (int q = 0; q < 2; ++q) {
+        need[q] = r0 + q < R && ((mask >> (r0 + q)) & 1u) ? live_n : 0u;
+#pragma unroll
+        for (int n = 0; n < kN; ++n)
+          if ((need[q] >> n) & 1u) raw[q][n] = ldv16(vec_at(r0 + q, n));
+      }
+#pragma unroll
+      for (int q = 0; q < 2; ++q) {
+        pend[q] = 0;
+#pragma unroll
+        for (int n = 0; n < kN; ++n)
+          if (((need[q] >> n) & 1u) && poisoned(raw[q][n])) pend[q] |= 1u << n;
+      }
+      // (*gave_up and every branch below are warp-uniform: the votes decide.)
+      while (!*gave_up && __any_sync(0xffffffffu, (pend[0] | pend[1]) != 0u)) {
+        if (t_wait == 0) t_wait = globaltimer();
+        if (__any_sync(0xffffffffu, static_cast<long long>(globaltimer() - t_wait) > c.timeout_ns)) {
+          const int miss = pend[0] ? r0 : pend[1] ? r0 + 1 : -1;
+          if (miss >= 0) report(c, LlErrorReport::timeout, miss, LlErrorReport::combine, static_cast<long long>(call), t);
+          *gave_up = true;  // this warp waits no more (the object is broken: every later call throws)
+          break;
+        }
+#pragma unroll
+        for (int q = 0; q < 2; ++q) {
+          const bool none_yet = pend[q] == need[q];  // nothing of this row yet: poll its last vector only
+          const int last = need[q] ? 31 - __clz(need[q]) : 0;
+#pragma unroll
+          for (int n = 0; n < kN; ++n)
+            if (((pend[q] >> n) & 1u) && (!none_yet || n == last)) raw[q][n] = ldv16(vec_at(r0 + q, n));
+#pragma unroll
+          for (int n = 0; n < kN; ++n)
+            if (((pend[q] >> n) & 1u) && !poisoned(raw[q][n])) pend[q] &= ~(1u << n);
+        }
+      }
+#pragma unroll
+      for (int q = 0; q < 2; ++q) {
+        if (!need[q]) continue;
+#pragma unroll
+        for (int i = 0; i < kRun; ++i) {
+          if (!((need[q] >> (i * kV)) & 1u)) continue;
+          float v[8];
+          if constexpr (kF32) {
+            const uint32_t w[8] = {raw[q][i * kV].x, raw[q][i * kV].y, raw[q][i * kV].z, raw[q][i * kV].w,
+                                   raw[q][i * kV + kV - 1].x, raw[q][i * kV + kV - 1].y, raw[q][i * kV + kV - 1].z, raw[q][i * kV + kV - 1].w};
+#pragma unroll
+            for (int e = 0; e < 8; ++e) v[e] = __uint_as_float(w[e]);
+          } else {
+            bf16x8_to_float(raw[q][i * kV], v);
+          }
+#pragma unroll
+          for (int e = 0; e < 8; ++e) acc[i][e] = __fadd_rn(acc[i][e], v[e]);
+        }
+#pragma unroll
+        for (int n = 0; n < kN; ++n)
+          if ((need[q] >> n) & 1u) stv16(vec_at(r0 + q, n), make_uint4(kLlPoison, kLlPoison, kLlPoison, kLlPoison));
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < kRun; ++i) {
+      const int64_t h = hbase + i * 256;
+      if (i >= cpr || h >= H) continue;
+      uint32_t o[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        o[e] = static_cast<uint32_t>(float_to_bf16_bits(acc[i][2 * e])) | (static_cast<uint32_t>(float_to_bf16_bits(acc[i][2 * e + 1])) << 16);
+      st16(p.out + static_cast<int64_t>(t) * H + h, make_uint4(o[0], o[1], o[2], o[3]));
+    }
+  }
+  if (threadIdx.x == 0) atomicAdd(&c.state->combine_recv_blocks, 1ull);
+}
+
+// kData: ll.combine_wait = data with a partial mode (LlCommon::combine_data; its own register
+// allocation, so the flag protocol's kernel keeps its spill-free budget).
+template <int kMaxThreads, bool kData>
 __global__ void __launch_bounds__(kMaxThreads, 1) ll_combine_kernel(const __grid_constant__ LlCombineParams p) {
   extern __shared__ __align__(16) uint8_t smem[];
   const LlCommon& c = p.c;
@@ -1061,19 +1230,28 @@ __global__ void __launch_bounds__(kMaxThreads, 1) ll_combine_kernel(const __grid
   trace_max(c, 9);
   // ll.items = run (partial modes): the send part's warps read the call number themselves with their
   // first item's routing (one round trip less); s_call_send is read by the flags only, after a sync.
-  const bool run_send = partial && c.items_run;
+  constexpr bool data = kData;  // ll.combine_wait = data (partial modes; its send always takes runs)
+  const bool run_send = partial && (c.items_run || data);
+  bool gave_up = false;  // ll.combine_wait = data: this thread's waits timed out
   if (threadIdx.x == 0) {  // both loads out before either division waits
     const unsigned long long cs = ld_volatile_u64(&c.state->combine_send_blocks), cr = ld_volatile_u64(&c.state->combine_recv_blocks);
     s_call_send = div_blocks(cs, gridDim.x);
     s_call_recv = div_blocks(cr, gridDim.x);
+    // ll.combine_wait = data: tell every peer how many combine receives this rank has finished (all
+    // of them before this kernel, stream order), so its sends may reuse those regions.
+    if (data && p.send && blockIdx.x == 0)
+      for (int d = 0; d < R; ++d)
+        if (d != rank) st_release_sys_u64(c.peers[d] + lay.combine_flag_offset(rank, 0), s_call_recv);
   }
   if (!(p.send && run_send)) __syncthreads();
 
   if (p.send && run_send) {
-    combine_send_runs<kMaxThreads <= 512 ? 4 : 2, kMaxThreads <= 512 ? 4 : 2>(p, W, warp, lane);
+    combine_send_runs<kMaxThreads <= 512 ? 4 : 2, kMaxThreads <= 512 ? 4 : 2, kData>(p, W, warp, lane, &gave_up);
     __syncthreads();
     trace_max(c, kTrCombItems);
-    if (c.signal_rank) {  // the last block to finish signals for all (last_block)
+    if constexpr (data) {  // no flags: the rows are the signal; the counter numbers the calls
+      if (threadIdx.x == 0) atomicAdd(&c.state->combine_send_blocks, 1ull);
+    } else if (c.signal_rank) {  // the last block to finish signals for all (last_block)
       if (last_block(&c.state->combine_send_blocks, &s_last) && threadIdx.x < R)
         st_release_sys_u64(c.peers[threadIdx.x] + lay.combine_flag_offset(rank, 0), s_call_send + 1);
     } else {
@@ -1081,7 +1259,7 @@ __global__ void __launch_bounds__(kMaxThreads, 1) ll_combine_kernel(const __grid
       if (threadIdx.x == 0) atomicAdd(&c.state->combine_send_blocks, 1ull);
     }
     trace_max(c, 5);
-  } else if (p.send) {
+  } else if (!kData && p.send) {
     const int parity = static_cast<int>(s_call_send & 1);
     // Items are (row group, chunk): column mode a group is one slot of some local expert (prefix over
     // recv_count[L]); partial modes one received message (prefix over msg_count[R]).
@@ -1206,6 +1384,17 @@ __global__ void __launch_bounds__(kMaxThreads, 1) ll_combine_kernel(const __grid
     trace_max(c, 5);
   }
 
+  if constexpr (kData) {
+    if (p.recv) {
+      if (f32) combine_recv_data<2, true>(p, W, warp, lane, &s_call_recv, &gave_up);
+      else combine_recv_data<2, false>(p, W, warp, lane, &s_call_recv, &gave_up);
+      __syncthreads();
+      trace_at(c, kTrCombReduced0);
+      trace_clk(c, kTrCombReducedCyc, tr_ns0, tr_clk0);
+      trace_max(c, 7);
+    }
+    return;
+  }
   if (p.recv && partial && c.items_run) {
     combine_recv_runs<2>(p, W, warp, lane, &s_call_recv, s_bad);
     __syncthreads();
@@ -1354,13 +1543,15 @@ int ll_max_resident_blocks(int threads, size_t dispatch_smem, size_t combine_sme
     check(reinterpret_cast<const void*>(&ll_dispatch_kernel<false, 1024, true>), dispatch_smem);
     check(reinterpret_cast<const void*>(&ll_dispatch_kernel<true, 1024, false>), dispatch_smem);
     check(reinterpret_cast<const void*>(&ll_dispatch_kernel<false, 1024, false>), dispatch_smem);
-    check(reinterpret_cast<const void*>(&ll_combine_kernel<1024>), combine_smem);
+    check(reinterpret_cast<const void*>(&ll_combine_kernel<1024, false>), combine_smem);
+    check(reinterpret_cast<const void*>(&ll_combine_kernel<1024, true>), combine_smem);
   } else {
     check(reinterpret_cast<const void*>(&ll_dispatch_kernel<true, 512, true>), dispatch_smem);
     check(reinterpret_cast<const void*>(&ll_dispatch_kernel<false, 512, true>), dispatch_smem);
     check(reinterpret_cast<const void*>(&ll_dispatch_kernel<true, 512, false>), dispatch_smem);
     check(reinterpret_cast<const void*>(&ll_dispatch_kernel<false, 512, false>), dispatch_smem);
-    check(reinterpret_cast<const void*>(&ll_combine_kernel<512>), combine_smem);
+    check(reinterpret_cast<const void*>(&ll_combine_kernel<512, false>), combine_smem);
+    check(reinterpret_cast<const void*>(&ll_combine_kernel<512, true>), combine_smem);
   }
   return worst * sms;
 }
@@ -1384,8 +1575,11 @@ void launch_ll_dispatch(const LlDispatchParams& p, int blocks, int threads, cuda
 
 void launch_ll_combine(const LlCombineParams& p, int blocks, int threads, cudaStream_t stream) {
   const size_t smem = ll_combine_smem_bytes(p.c.num_local, p.c.lay.num_ranks);
-  if (threads > 512) ll_combine_kernel<1024><<<blocks, threads, smem, stream>>>(p);
-  else ll_combine_kernel<512><<<blocks, threads, smem, stream>>>(p);
+  const bool data = p.c.combine_data && p.c.lay.partial();
+  if (threads > 512 && data) ll_combine_kernel<1024, true><<<blocks, threads, smem, stream>>>(p);
+  else if (threads > 512) ll_combine_kernel<1024, false><<<blocks, threads, smem, stream>>>(p);
+  else if (data) ll_combine_kernel<512, true><<<blocks, threads, smem, stream>>>(p);
+  else ll_combine_kernel<512, false><<<blocks, threads, smem, stream>>>(p);
   cuda::check_launch("ll_combine_kernel");
 }
 

@@ -122,6 +122,7 @@ struct LlCommon {
   bool signal_rank = false;     ///< one completion word per (source, destination), stored by the source's last block
   bool expand_message = false;  ///< sender-ranked slots, (message, chunk) expansion on the receiver
   bool items_run = false;       ///< combine (partial modes): a warp takes a run of chunks of one row (ll.items = run)
+  bool combine_data = false;    ///< partial combine: the rows are the signal (ll.combine_wait = data, ll_cuda.h)
 };
 
 struct LlDispatchParams {

@@ -20,6 +20,7 @@
 
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>  // setenv
 #include <cstring>
 #include <string>
 #include <thread>
@@ -585,6 +586,58 @@ void run_timeout() {
   EXPECT_EQ(failed, "");
 }
 
+/// ll.combine_wait = data, partial_fp32: both ranks prepare, rank 1 never finalizes: rank 0's
+/// finalize (its receive polls rank 1's partial rows) ends within timeout_s (+ slack) and check()
+/// throws Timeout naming rank 1 and the finalize. Never a hang.
+void run_combine_timeout() {
+  Case c = make_case(2, 2048, 16, 4, DType::bf16, false, false, false, false, 0.0, 8, {4, 4}, 52);
+  c.ll_combine = LlCombine::partial_fp32;
+  const std::vector<RankInput> in = make_inputs(c);
+  const std::string path = nccl_path();
+  constexpr double kTimeout = 2.0;
+  const std::string failed = run_ranks_forked(2, 60.0, [&](int rank) {
+    auto g = make_nccl_group(path, rank, 2, rank, 60.0);
+    cuda_ok(cudaSetDevice(rank), "cudaSetDevice");
+    const Device dev = Device::cuda(rank);
+    cudaStream_t s;
+    cuda_ok(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "stream");
+    dispatch::LlLaunch launch;
+    launch.timeout_s = kTimeout;
+    launch.combine_data = true;
+    dispatch::LlCuda ll(g, c.config(), launch);
+    std::string failures;
+    const DevInput d = upload(in[static_cast<size_t>(rank)], 4, dev);
+    const PrepareResult p = ll.prepare({d.x, d.idx, d.w, Stream{s}});
+    ll.check(Stream{s});
+    const int64_t L = p.x.size(0);
+    Tensor eo = Tensor::zeros({L, p.x.size(1), c.H}, DType::bf16, dev), out = Tensor::empty({4, c.H}, DType::bf16, dev);
+    if (rank == 0) {
+      const auto t0 = std::chrono::steady_clock::now();
+      std::string what;
+      try {
+        ll.finalize({eo, out, Stream{s}});
+        ll.check(Stream{s});
+      } catch (const Timeout& e) {
+        what = e.what();
+      }
+      const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      std::printf("combine timeout after %.2f s (bound %.1f s): %s\n", secs, kTimeout, what.c_str());
+      if (what.find("rank 1") == std::string::npos || what.find("finalize") == std::string::npos) failures += "timeout message: '" + what + "'; ";
+      if (secs < kTimeout * 0.9 || secs > kTimeout + 5.0) failures += "timeout took " + std::to_string(secs) + " s; ";
+    } else {
+      std::this_thread::sleep_for(std::chrono::duration<double>(kTimeout + 3.0));  // alive, but never finalizes
+    }
+    std::fflush(stdout);
+    if (!failures.empty()) {
+      std::fprintf(stderr, "[rank %d] FAILED: %s\n", rank, failures.c_str());
+      std::fflush(stderr);
+      _exit(1);
+    }
+    _exit(0);  // skip teardown: rank 0's partial rows to rank 1 were never consumed
+  });
+  EXPECT_EQ(failed, "");
+}
+
 int gpus() { return cuda::device_count(); }
 
 TEST(LlCuda, MatchesCpuOneRank) {
@@ -629,6 +682,33 @@ TEST(LlCuda, OtherProtocolMatchesCpuTwoRanks) {
   run_eager(2, LlCombine::partial_fp32, &launch);
 }
 
+// ll.combine_wait, the value the Config does not choose (flag <-> data; ll_cuda.h): partial_fp32 and
+// partial_bf16 eager (three rounds per object: both parities, a parity region reused, the hooks).
+TEST(LlCuda, OtherCombineWaitTwoRanks) {
+  if (gpus() < 2) GTEST_SKIP() << "needs 2 GPUs, found " << gpus();
+  const Config defaults;
+  dispatch::LlLaunch launch;
+  launch.signal_rank = defaults.ll_signal == "rank";
+  launch.expand_message = defaults.ll_expand == "message";
+  launch.items_run = defaults.ll_items == "run";
+  launch.combine_data = defaults.ll_combine_wait != "data";
+  launch.timeout_s = Config::load().timeout_s;  // EPX_TIMEOUT_S bounds a hang
+  std::printf("ll.combine_wait = %s\n", launch.combine_data ? "data" : "flag");
+  run_eager(2, LlCombine::partial_fp32, &launch);
+  run_eager(2, LlCombine::partial_bf16, &launch);
+}
+
+// The same, partial_fp32 graphs (seven replays on one object, T changing per replay and rank).
+TEST(LlCuda, OtherCombineWaitGraphsTwoRanks) {
+  if (gpus() < 2) GTEST_SKIP() << "needs 2 GPUs, found " << gpus();
+  const char* wait = Config().ll_combine_wait != "data" ? "data" : "flag";
+  std::printf("ll.combine_wait = %s\n", wait);
+  const std::string before = Config::load().ll_combine_wait;
+  ::setenv("EPX_LL_COMBINE_WAIT", wait, 1);  // run_graphs builds through the Config
+  run_graphs(2, LlCombine::partial_fp32);
+  ::setenv("EPX_LL_COMBINE_WAIT", before.c_str(), 1);
+}
+
 TEST(LlCuda, PartialCombineGraphsTwoRanks) {
   if (gpus() < 2) GTEST_SKIP() << "needs 2 GPUs, found " << gpus();
   run_graphs(2, LlCombine::partial_fp32);
@@ -642,6 +722,11 @@ TEST(LlCuda, ErrorsTwoRanks) {
 TEST(LlCuda, TimeoutNamesThePeer) {
   if (gpus() < 2) GTEST_SKIP() << "needs 2 GPUs, found " << gpus();
   run_timeout();
+}
+
+TEST(LlCuda, CombineWaitDataTimeoutNamesThePeer) {
+  if (gpus() < 2) GTEST_SKIP() << "needs 2 GPUs, found " << gpus();
+  run_combine_timeout();
 }
 
 }  // namespace

@@ -1064,6 +1064,7 @@ int report(const BenchOptions& o, const std::vector<BenchCase>& cases, const std
           {"ll_signal", job.backend == "ll" ? json(config.ll_signal) : json(nullptr)},
           {"ll_expand", job.backend == "ll" ? json(config.ll_expand) : json(nullptr)},
           {"ll_items", job.backend == "ll" ? json(config.ll_items) : json(nullptr)},
+          {"ll_combine_wait", job.backend == "ll" ? json(config.ll_combine_wait) : json(nullptr)},
           {"latency_us_p50", ran ? json(p50) : json(nullptr)},
           {"latency_us_p10", ran ? json(percentile(per_iter, 10)) : json(nullptr)},
           {"latency_us_p90", ran ? json(percentile(per_iter, 90)) : json(nullptr)},
