@@ -113,6 +113,8 @@ Attributes (JSON key, environment variable):
       per (message, chunk) with sender-ranked slots, or a block per local expert; all ranks must agree.
   ll_items (ll.items, EPX_LL_ITEMS): "run" (default) | "chunk": ll on CUDA, work items of a run of consecutive
       chunks of one row or of one 256/512-element chunk (rank-local, the same results).
+  ll_combine_wait (ll.combine_wait, EPX_LL_COMBINE_WAIT): "flag" (default) | "data": ll on CUDA, partial combine:
+      the receiver waits for per-block flags, or polls the partial rows themselves; all ranks must agree.
   ll_warps_per_block (multiple of 4 in [4, 32]), ll_num_blocks (0 = one per SM): ll on CUDA launch shape.
   ht_num_sms (1..132), ht_warps_per_block, ht_combine_mode (0 | 1), ht_chunk_rows (1..4096), ht_fp8_unroll
       (0 | 4 | 7), ht_pdl (0..2): ht on CUDA.
@@ -164,6 +166,9 @@ Attributes (JSON key, environment variable):
   bind_setting(cls, "ll_items", "ll.items", &Config::ll_items,
                "ll on CUDA, work items: \"chunk\" (one chunk of a row per warp) or \"run\" (a run of consecutive chunks "
                "of one message / token per warp). Rank-local; the results are the same.");
+  bind_setting(cls, "ll_combine_wait", "ll.combine_wait", &Config::ll_combine_wait,
+               "ll on CUDA, partial combine: \"flag\" (default: per-send-block flags, then the reduction) or \"data\" "
+               "(the partial rows are the signal: each token reduced as its rows land). All ranks must agree.");
   bind_setting(cls, "ht_num_sms", "ht.num_sms", &Config::ht_num_sms, "SM budget of the ht CUDA kernels; 1..132.");
   bind_setting(cls, "ht_warps_per_block", "ht.warps_per_block", &Config::ht_warps_per_block,
                "Warps per block of the ht kernels; 1..32 (ht on CUDA: 1..16).");
