@@ -983,11 +983,33 @@ __device__ __forceinline__ void combine_send_runs(const LlCombineParams& p, int 
 #pragma unroll
     for (int i = 0; i < kRun; ++i) {
       const int64_t h = hbase + i * 256;
-      if (i >= cpr || h >= H) continue;
+      if (i >= cpr) continue;  // warp-uniform
       if constexpr (kData) {
 #pragma unroll
         for (int e = 0; e < 8; ++e) acc[i][e] = canon_nan(acc[i][e]);
+        if (f32 && c.combine_lines) {
+          // Whole lines per instruction (512 contiguous bytes): the chunk's elements [4 lane, +4), then
+          // [128 + 4 lane, +4), i.e. half (lane & 1) of lane (lane >> 1)'s eight and of lane 16 + (lane >> 1)'s.
+          // H % 8 == 0: a group of 4 is valid exactly when its source lane's h is.
+          const int64_t hc = hbase - lane * 8 + i * 256;  // the chunk's first element
+          float lo[8], hi[8];
+#pragma unroll
+          for (int e = 0; e < 8; ++e) {
+            lo[e] = __shfl_sync(0xffffffffu, acc[i][e], lane >> 1);
+            hi[e] = __shfl_sync(0xffffffffu, acc[i][e], 16 + (lane >> 1));
+          }
+          const bool odd = lane & 1;
+          const int64_t ha = hc + 4 * lane, hb2 = hc + 128 + 4 * lane;
+          const uint4 va = odd ? make_uint4(__float_as_uint(lo[4]), __float_as_uint(lo[5]), __float_as_uint(lo[6]), __float_as_uint(lo[7]))
+                               : make_uint4(__float_as_uint(lo[0]), __float_as_uint(lo[1]), __float_as_uint(lo[2]), __float_as_uint(lo[3]));
+          const uint4 vb = odd ? make_uint4(__float_as_uint(hi[4]), __float_as_uint(hi[5]), __float_as_uint(hi[6]), __float_as_uint(hi[7]))
+                               : make_uint4(__float_as_uint(hi[0]), __float_as_uint(hi[1]), __float_as_uint(hi[2]), __float_as_uint(hi[3]));
+          if (ha < H) stv16(dst + 4 * ha, va);
+          if (hb2 < H) stv16(dst + 4 * hb2, vb);
+          continue;
+        }
       }
+      if (h >= H) continue;
       if (f32) {
         const uint4 a = make_uint4(__float_as_uint(acc[i][0]), __float_as_uint(acc[i][1]), __float_as_uint(acc[i][2]), __float_as_uint(acc[i][3]));
         const uint4 b = make_uint4(__float_as_uint(acc[i][4]), __float_as_uint(acc[i][5]), __float_as_uint(acc[i][6]), __float_as_uint(acc[i][7]));

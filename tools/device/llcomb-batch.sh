@@ -5,7 +5,8 @@
 # Builds epx + ll_cuda_test (gpu-check.sh, GPU_CHECK_TARGETS; ~35 s there) unless
 # .carry-llcomb/prebuilt.tar.xz holds them and they load; then, most important first, each step
 # bounded inside LLC_BUDGET_S (default 92 s):
-#   ll-v3 partial_fp32 with ll.combine_wait = data, then flag (the A/B in one run), partial_bf16 data / flag
+#   ll-v3 partial_fp32 with ll.combine_wait = data, then flag (the A/B in one run), partial_bf16 data,
+#   data_lane (the fp32 stores per lane, A/B of the line stores), partial_bf16 flag
 #   (every row validated against the CPU reference; stamps and CUPTI kernel time in the logs / JSON),
 #   the new two-rank tests (OtherCombineWaitTwoRanks: the non-default wait, eager fp32 + bf16, graphs;
 #   the data protocol's combine timeout), ll-v4 data; LLC_SAN=1: compute-sanitizer memcheck + racecheck
@@ -66,6 +67,7 @@ gt() {  # <name> <limit_s> <gtest filter>
 bench ll-v3-fp32-data ll,nccl_a2a_raw ll-v3 EPX_LL_COMBINE=partial_fp32 EPX_LL_COMBINE_WAIT=data
 bench ll-v3-fp32-flag ll ll-v3 EPX_LL_COMBINE=partial_fp32 EPX_LL_COMBINE_WAIT=flag
 bench ll-v3-bf16-data ll ll-v3 EPX_LL_COMBINE=partial_bf16 EPX_LL_COMBINE_WAIT=data
+bench ll-v3-fp32-data_lane ll ll-v3 EPX_LL_COMBINE=partial_fp32 EPX_LL_COMBINE_WAIT=data_lane
 if [ "${LLC_SAN:-0}" = 1 ]; then
   for tool in memcheck racecheck; do
     step "san-$tool" 40 env EPX_TIMEOUT_S=20 compute-sanitizer --target-processes all --report-api-errors no --error-exitcode 9 \
