@@ -41,9 +41,8 @@ struct Config {
   /// receiver waits for all, then reduces) | data (the partial rows are the signal: the receiver
   /// re-poisons every row it read with an impossible word and polls the row itself, so each
   /// (token, run) is reduced as soon as its rows land; no release round trip; bench/NOTES.md seventh
-  /// session). All ranks must agree; the same results. data_lane: data, but each lane stores its 8 fp32
-  /// partial elements as two adjacent 16-byte vectors (the flag kernel's pattern: a warp's store
-  /// instruction covers every other 16 bytes of 1 KB) instead of lines of 512 contiguous bytes (A/B).
+  /// session). All ranks must agree; the same results. data_nofence: data without the sending warps'
+  /// system fence after their rows for a peer (A/B).
   std::string ll_combine_wait = "flag";
   int ht_num_sms = 64;               ///< SM budget of HT kernels (64: measured, bench/NOTES.md "Fourth session: bandwidth")
   int ht_warps_per_block = 16;       ///< warps per block of HT kernels

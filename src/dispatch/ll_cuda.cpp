@@ -86,7 +86,7 @@ LlCuda::LlCuda(std::shared_ptr<Group> group, const DispatchConfig& cfg, const Ll
   common_.expand_message = all_message;
   common_.items_run = launch.items_run;
   common_.combine_data = launch.combine_data && layout_.partial();
-  common_.combine_lines = launch.combine_lines;
+  common_.combine_fence = launch.combine_fence;
   buffer_ = group_->alloc_symmetric(layout_.total_bytes());
   for (int r = 0; r < num_ranks_; ++r)
     if (buffer_.peers[static_cast<size_t>(r)] == nullptr)
@@ -411,7 +411,7 @@ std::unique_ptr<PrepareFinalize> make_ll_cuda(std::shared_ptr<Group> group, cons
   launch.expand_message = config.ll_expand == "message";
   launch.items_run = config.ll_items == "run";
   launch.combine_data = config.ll_combine_wait != "flag";
-  launch.combine_lines = config.ll_combine_wait != "data_lane";
+  launch.combine_fence = config.ll_combine_wait != "data_nofence";
   if (const auto* nccl = dynamic_cast<const comm::NcclGroup*>(&comm::root_group(*group))) launch.timeout_s = nccl->timeout_s();
   return make_ll_cuda(std::move(group), cfg, launch);
 }

@@ -96,7 +96,7 @@ struct LlLaunch {
   bool expand_message = true;  ///< Config ll.expand = message (LlCommon::expand_message); every rank must agree
   bool items_run = true;       ///< Config ll.items = run (LlCommon::items_run); rank-local
   bool combine_data = false;   ///< Config ll.combine_wait = data (LlCommon::combine_data); every rank must agree
-  bool combine_lines = true;   ///< data: fp32 partials stored in whole lines per instruction (LlCommon::combine_lines); rank-local
+  bool combine_fence = true;   ///< data: each warp fences after its rows for a peer (LlCommon::combine_fence); rank-local
 };
 
 class LlCuda final : public PrepareFinalizeBase {

@@ -987,7 +987,7 @@ __device__ __forceinline__ void combine_send_runs(const LlCombineParams& p, int 
       if constexpr (kData) {
 #pragma unroll
         for (int e = 0; e < 8; ++e) acc[i][e] = canon_nan(acc[i][e]);
-        if (f32 && c.combine_lines) {
+        if (f32) {
           // Whole lines per instruction (512 contiguous bytes): the chunk's elements [4 lane, +4), then
           // [128 + 4 lane, +4), i.e. half (lane & 1) of lane (lane >> 1)'s eight and of lane 16 + (lane >> 1)'s.
           // H % 8 == 0: a group of 4 is valid exactly when its source lane's h is.
@@ -1013,13 +1013,8 @@ __device__ __forceinline__ void combine_send_runs(const LlCombineParams& p, int 
       if (f32) {
         const uint4 a = make_uint4(__float_as_uint(acc[i][0]), __float_as_uint(acc[i][1]), __float_as_uint(acc[i][2]), __float_as_uint(acc[i][3]));
         const uint4 b = make_uint4(__float_as_uint(acc[i][4]), __float_as_uint(acc[i][5]), __float_as_uint(acc[i][6]), __float_as_uint(acc[i][7]));
-        if constexpr (kData) {
-          stv16(dst + 4 * h, a);
-          stv16(dst + 4 * h + 16, b);
-        } else {
-          st16(dst + 4 * h, a);
-          st16(dst + 4 * h + 16, b);
-        }
+        st16(dst + 4 * h, a);
+        st16(dst + 4 * h + 16, b);
       } else {
         uint32_t o[4];
 #pragma unroll
@@ -1029,6 +1024,11 @@ __device__ __forceinline__ void combine_send_runs(const LlCombineParams& p, int 
         else st16(dst + 2 * h, make_uint4(o[0], o[1], o[2], o[3]));
       }
     }
+    // ll.combine_wait = data: rows for a peer are pushed out now (a system fence: the warp waits until they
+    // are acknowledged), not left to linger in the write path (batch 1: ~3.5 us from the last store to
+    // the peer's poll seeing it without; bench/NOTES.md seventh session).
+    if constexpr (kData)
+      if (s != rank && c.combine_fence) fence_acq_rel_sys();
     if (stamp0) {
       asm volatile("" ::: "memory");  // after the stores are issued
       trace_at(c, kTrCombStored0);

@@ -123,7 +123,7 @@ struct LlCommon {
   bool expand_message = false;  ///< sender-ranked slots, (message, chunk) expansion on the receiver
   bool items_run = false;       ///< combine (partial modes): a warp takes a run of chunks of one row (ll.items = run)
   bool combine_data = false;    ///< partial combine: the rows are the signal (ll.combine_wait = data, ll_cuda.h)
-  bool combine_lines = false;   ///< data + partial_fp32: each store instruction of a warp covers 512 contiguous bytes
+  bool combine_fence = false;   ///< data: a warp fences (system scope) after its rows for a peer (ll.combine_wait = data)
 };
 
 struct LlDispatchParams {

@@ -5,12 +5,12 @@
 # Builds epx + ll_cuda_test (gpu-check.sh, GPU_CHECK_TARGETS; ~35 s there) unless
 # .carry-llcomb/prebuilt.tar.xz holds them and they load; then, most important first, each step
 # bounded inside LLC_BUDGET_S (default 92 s):
-#   ll-v3 partial_fp32 with ll.combine_wait = data, then flag (the A/B in one run), partial_bf16 data,
-#   data_lane (the fp32 stores per lane, A/B of the line stores), partial_bf16 flag
+#   ll-v3 partial_fp32 with ll.combine_wait = data, data_nofence, flag (the A/B in one run), partial_bf16
+#   data
 #   (every row validated against the CPU reference; stamps and CUPTI kernel time in the logs / JSON),
 #   the new two-rank tests (OtherCombineWaitTwoRanks: the non-default wait, eager fp32 + bf16, graphs;
-#   the data protocol's combine timeout), ll-v4 data; LLC_SAN=1: compute-sanitizer memcheck + racecheck
-#   of one two-rank data-protocol test instead of the last steps.
+#   the data protocol's combine timeout) with LLC_SAN=0, else (default) compute-sanitizer memcheck +
+#   racecheck of the two-rank data-protocol graph test; ll-v4 data.
 set -u
 T0=$SECONDS
 BUDGET=${LLC_BUDGET_S:-92}
@@ -65,19 +65,21 @@ gt() {  # <name> <limit_s> <gtest filter>
   step "$1" "$2" env EPX_TIMEOUT_S=10 "$B/ll_cuda_test" --gtest_filter="$3"
 }
 bench ll-v3-fp32-data ll,nccl_a2a_raw ll-v3 EPX_LL_COMBINE=partial_fp32 EPX_LL_COMBINE_WAIT=data
+bench ll-v3-fp32-nofence ll ll-v3 EPX_LL_COMBINE=partial_fp32 EPX_LL_COMBINE_WAIT=data_nofence
 bench ll-v3-fp32-flag ll ll-v3 EPX_LL_COMBINE=partial_fp32 EPX_LL_COMBINE_WAIT=flag
 bench ll-v3-bf16-data ll ll-v3 EPX_LL_COMBINE=partial_bf16 EPX_LL_COMBINE_WAIT=data
-bench ll-v3-fp32-data_lane ll ll-v3 EPX_LL_COMBINE=partial_fp32 EPX_LL_COMBINE_WAIT=data_lane
-if [ "${LLC_SAN:-0}" = 1 ]; then
+CSAN=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+if [ "${LLC_SAN:-1}" = 1 ]; then
+  # OtherCombineWaitGraphsTwoRanks runs the protocol the binary's Config does not default to (data in these
+  # binaries): 7 graph replays of prepare + finalize on 2 ranks, checked against LlCpu.
   for tool in memcheck racecheck; do
-    step "san-$tool" 40 env EPX_TIMEOUT_S=20 compute-sanitizer --target-processes all --report-api-errors no --error-exitcode 9 \
+    step "san-$tool" 40 env EPX_TIMEOUT_S=20 "$CSAN" --target-processes all --report-api-errors no --error-exitcode 9 \
       --tool "$tool" "$B/ll_cuda_test" --gtest_filter="${LLC_SAN_FILTER:-LlCuda.OtherCombineWaitGraphsTwoRanks}"
   done
 else
   gt test-combine-wait 40 'LlCuda.OtherCombineWaitTwoRanks:LlCuda.OtherCombineWaitGraphsTwoRanks'
   gt test-combine-timeout 12 'LlCuda.CombineWaitDataTimeoutNamesThePeer'
 fi
-bench ll-v3-bf16-flag ll ll-v3 EPX_LL_COMBINE=partial_bf16 EPX_LL_COMBINE_WAIT=flag
 bench ll-v4-fp32-data ll ll-v4 EPX_LL_COMBINE=partial_fp32 EPX_LL_COMBINE_WAIT=data
 echo "== summary ($(( SECONDS - T0 )) s)"
 cat "$OUT/summary.txt"
