@@ -31,7 +31,7 @@ void for_each_field(C& c, Visit&& v) {
   v(Field{"ll.warps_per_block", "EPX_LL_WARPS_PER_BLOCK", "warps", "warps per block of LL kernels; multiple of 4, 4..32"}, c.ll_warps_per_block);
   v(Field{"ll.num_blocks", "EPX_LL_NUM_BLOCKS", "blocks", "blocks of LL kernels; 0 = one per SM"}, c.ll_num_blocks);
   v(Field{"ll.combine", "EPX_LL_COMBINE", "", "ll combine reduction: column|partial_fp32|partial_bf16"}, c.ll_combine);
-  v(Field{"ll.signal", "EPX_LL_SIGNAL", "", "ll completion signal: block|rank"}, c.ll_signal);
+  v(Field{"ll.signal", "EPX_LL_SIGNAL", "", "ll completion signal: block|rank|chunk"}, c.ll_signal);
   v(Field{"ll.expand", "EPX_LL_EXPAND", "", "ll dispatch expansion: expert|message"}, c.ll_expand);
   v(Field{"ll.items", "EPX_LL_ITEMS", "", "ll work items (combine send/receive, dispatch expansion): run|chunk"}, c.ll_items);
   v(Field{"ll.combine_wait", "EPX_LL_COMBINE_WAIT", "", "ll partial combine, receive signal: data|flag|data_nofence (data without the senders' fence; every rank flag or every rank data*)"}, c.ll_combine_wait);
@@ -164,7 +164,8 @@ void Config::validate() const {
   require_arg("config", "ll.combine", ll_combine, ll_combine == "column" || ll_combine == "partial_fp32" || ll_combine == "partial_bf16",
               "must be one of column, partial_fp32, partial_bf16");
   require_arg("config", "ll.num_blocks", ll_num_blocks, ll_num_blocks >= 0, "must be >= 0");
-  require_arg("config", "ll.signal", ll_signal, ll_signal == "block" || ll_signal == "rank", "must be block or rank");
+  require_arg("config", "ll.signal", ll_signal, ll_signal == "block" || ll_signal == "rank" || ll_signal == "chunk",
+              "must be block, rank or chunk");
   require_arg("config", "ll.expand", ll_expand, ll_expand == "expert" || ll_expand == "message", "must be expert or message");
   require_arg("config", "ll.items", ll_items, ll_items == "chunk" || ll_items == "run", "must be chunk or run");
   require_arg("config", "ll.combine_wait", ll_combine_wait, ll_combine_wait == "flag" || ll_combine_wait == "data" || ll_combine_wait == "data_nofence",

@@ -69,9 +69,12 @@ LlCuda::LlCuda(std::shared_ptr<Group> group, const DispatchConfig& cfg, const Ll
 
   // Every rank learns every rank's block count (the signal targets) and protocol modes; collective,
   // like the buffer. Bits 32 / 33: ll.signal = rank / message expansion possible and asked for.
-  // Bit 34: ll.combine_wait = data.
+  // Bit 34: ll.combine_wait = data; bit 35: ll.signal = chunk; bits 40-45: warps per block (ll.signal =
+  // chunk: the receiver maps a source's send item to its block).
+  require_arg(op, "ll.signal", "rank and chunk", !(launch.signal_rank && launch.signal_chunk), "must be one of block, rank, chunk");
   const int64_t mine = static_cast<int64_t>(blocks_) | (launch.signal_rank ? int64_t{1} << 32 : 0) | (want_message ? int64_t{1} << 33 : 0) |
-                       (launch.combine_data ? int64_t{1} << 34 : 0);
+                       (launch.combine_data ? int64_t{1} << 34 : 0) | (launch.signal_chunk ? int64_t{1} << 35 : 0) |
+                       (static_cast<int64_t>(launch.warps_per_block) << 40);
   const std::vector<int64_t> all_blocks = group_->all_gather_i64(mine);
   bool all_message = true;
   for (int r = 0; r < num_ranks_; ++r) {
@@ -80,10 +83,13 @@ LlCuda::LlCuda(std::shared_ptr<Group> group, const DispatchConfig& cfg, const Ll
                 "must be the same on every rank (rank " + std::to_string(r) + " differs)");
     require_arg(op, "ll.combine_wait", launch.combine_data ? "data" : "flag", ((v >> 34) & 1) == (launch.combine_data ? 1 : 0),
                 "must be the same on every rank (rank " + std::to_string(r) + " differs)");
+    require_arg(op, "ll.signal", launch.signal_chunk ? "chunk" : "not chunk", ((v >> 35) & 1) == (launch.signal_chunk ? 1 : 0),
+                "must be the same on every rank (rank " + std::to_string(r) + " differs)");
     all_message = all_message && ((v >> 33) & 1) != 0;
   }
   common_.signal_rank = launch.signal_rank;
   common_.expand_message = all_message;
+  common_.signal_chunk = launch.signal_chunk && all_message;  // chunk flags need the message expansion; else block flags
   common_.items_run = launch.items_run;
   common_.combine_data = launch.combine_data && layout_.partial();
   common_.combine_fence = launch.combine_fence;
@@ -110,6 +116,7 @@ LlCuda::LlCuda(std::shared_ptr<Group> group, const DispatchConfig& cfg, const Ll
   for (int r = 0; r < num_ranks_; ++r) {
     common_.peers[r] = static_cast<uint8_t*>(buffer_.peers[static_cast<size_t>(r)]);
     common_.src_blocks[r] = static_cast<int32_t>(all_blocks[static_cast<size_t>(r)] & 0xffffffff);
+    common_.src_warps[r] = static_cast<int32_t>((all_blocks[static_cast<size_t>(r)] >> 40) & 63);
   }
   common_.state = state_.ptr<LlDeviceState>();
   common_.error = static_cast<LlErrorReport*>(report_dev);
@@ -408,6 +415,7 @@ std::unique_ptr<PrepareFinalize> make_ll_cuda(std::shared_ptr<Group> group, cons
   launch.num_blocks = config.ll_num_blocks;
   launch.timeout_s = config.timeout_s;
   launch.signal_rank = config.ll_signal == "rank";
+  launch.signal_chunk = config.ll_signal == "chunk";
   launch.expand_message = config.ll_expand == "message";
   launch.items_run = config.ll_items == "run";
   launch.combine_data = config.ll_combine_wait != "flag";

@@ -39,6 +39,18 @@ __device__ __forceinline__ unsigned long long ld_relaxed_sys_u64(const void* p) 
   asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
   return v;
 }
+__device__ __forceinline__ uint32_t ld_relaxed_sys_u32(const void* p) {
+  uint32_t v;
+  asm volatile("ld.relaxed.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void st_relaxed_sys_u32(void* p, uint32_t v) {
+  asm volatile("st.relaxed.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+/// ll.signal = chunk: the tag of call n's count words, 1 + (n / 2) % 2. A count word of parity n % 2
+/// holds, before call n's value lands, either zeros (never written: tag 0) or call n - 2's value (the
+/// other tag); a source never runs two calls ahead (ll_cuda.h), so the tag identifies call n's value.
+__device__ __forceinline__ uint32_t count_tag(unsigned long long call) { return 1u + static_cast<uint32_t>((call >> 1) & 1u); }
 __device__ __forceinline__ void fence_acq_rel_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
 __device__ __forceinline__ int32_t ld32(const void* p) {  // coherent 4-byte load (see ld16)
   int32_t v;
@@ -197,6 +209,27 @@ __device__ void wait_all_flags(const LlCommon& c, BaseOf base_of, unsigned long 
       continue;
     }
     if (b == 0) on_block0(s);
+  }
+}
+
+/// ll.signal = chunk: v = load() until ok(v), bounded by timeout_ns (globaltimer). `v` holds a first
+/// value already loaded by the caller. On a timeout reports (naming source s), sets s_bad[s] and
+/// returns false; so does a wait that finds s_bad[s] set by another thread of the block (one timeout
+/// per source and block, not one per waiting warp).
+template <class Load, class Ok>
+__device__ __forceinline__ bool poll_word(const LlCommon& c, Load load, Ok ok, int s, int op, unsigned long long call, volatile int* s_bad,
+                                          unsigned long long& v) {
+  if (ok(v)) return true;
+  const unsigned long long start = globaltimer();
+  while (true) {
+    v = load();
+    if (ok(v)) return true;
+    if (s_bad[s]) return false;
+    if (static_cast<long long>(globaltimer() - start) > c.timeout_ns) {
+      report(c, LlErrorReport::timeout, s, op, static_cast<long long>(call), static_cast<long long>(v));
+      s_bad[s] = 1;
+      return false;
+    }
   }
 }
 
@@ -423,6 +456,25 @@ __global__ void __launch_bounds__(kMaxThreads, 1) ll_dispatch_kernel(const __gri
     }
     __syncthreads();
     trace_at(c, kTrDispScanned);
+    const bool chunk_sig = by_message && c.signal_chunk;
+    if (chunk_sig && blockIdx.x == 0) {  // ll.signal = chunk: the tagged counts and slot tokens first, ahead of the payload
+      const uint32_t tag = count_tag(s_call_send);
+      for (int t = threadIdx.x; t < T; t += blockDim.x) {  // message slot -> source token, per destination
+        const uint32_t mt = s_mask[t];
+        for (int d = 0; d < R; ++d)
+          if ((mt >> d) & 1u) st_relaxed_sys_u32(c.peers[d] + lay.slot_token_offset(parity, rank, s_slot[t * R + d]), tag << 30 | static_cast<uint32_t>(t));
+      }
+      for (int d = 0; d < R; ++d) {
+        const int Ld = c.placement.num_local(d);
+        for (int l = threadIdx.x; l < Ld; l += blockDim.x) {
+          const int id = c.placement.shared_route && l == Ld - 1 ? c.placement.num_experts : c.placement.range_begin(d) + l;
+          const int n = c.placement.local_index(id, rank, d) == l ? s_tot[id] : 0;
+          st_relaxed_sys_u32(c.peers[d] + lay.expert_count_offset(parity, rank, l), tag << 30 | static_cast<uint32_t>(n));
+        }
+      }
+      for (int d = threadIdx.x; d < R; d += blockDim.x)
+        st_relaxed_sys_u64(c.peers[d] + lay.dispatch_count_offset(parity, rank), static_cast<unsigned long long>(tag) << 32 | static_cast<uint32_t>(s_count[d]));
+    }
 
     const int64_t items = static_cast<int64_t>(T) * nchunks;
     for (int64_t item = static_cast<int64_t>(blockIdx.x) * W + warp; item < items; item += static_cast<int64_t>(gridDim.x) * W) {
@@ -518,7 +570,7 @@ __global__ void __launch_bounds__(kMaxThreads, 1) ll_dispatch_kernel(const __gri
     trace_max(c, kTrDispItems);
     if (blockIdx.x == 0 && threadIdx.x == 0) c.state->num_tokens = T;
     // The block that stores the counts: block 0 (ll.signal = block), or the last block to finish.
-    const bool counter = c.signal_rank ? last_block(&c.state->dispatch_send_blocks, &s_last) : blockIdx.x == 0;
+    const bool counter = chunk_sig ? false : c.signal_rank ? last_block(&c.state->dispatch_send_blocks, &s_last) : blockIdx.x == 0;
     if (by_message && counter) {  // tokens per (destination, local expert) for the receivers' slot bases
       for (int d = 0; d < R; ++d) {
         const int Ld = c.placement.num_local(d);
@@ -543,9 +595,10 @@ __global__ void __launch_bounds__(kMaxThreads, 1) ll_dispatch_kernel(const __gri
   if (p.recv) {
     const unsigned long long call = s_call_recv;
     const int parity = static_cast<int>(call & 1);
+    const bool chunk_sig = by_message && c.signal_chunk;  // ll.signal = chunk: no block flags to wait for
     if (threadIdx.x < R) s_bad[threadIdx.x] = 0;
     __syncthreads();
-    wait_all_flags(
+    if (!chunk_sig) wait_all_flags(
         c, [&](int s) { return c.local + lay.dispatch_flag_offset(s, 0); }, call + 1, LlErrorReport::dispatch, call, s_bad,
         [&](int s) {  // block 0's flag of s was released after the count
           if constexpr (!by_message) {  // (ll.expand = message loads the counts after the wait, with the rest)
@@ -554,7 +607,7 @@ __global__ void __launch_bounds__(kMaxThreads, 1) ll_dispatch_kernel(const __gri
             s_n[s] = static_cast<int>(n);
           }
         });
-    __syncthreads();
+    if (!chunk_sig) __syncthreads();
     if constexpr (!by_message) {
       if (threadIdx.x == 0) {  // timed-out sources count 0; s_mp: prefix of the message counts
         s_mp[0] = 0;
@@ -617,7 +670,12 @@ __global__ void __launch_bounds__(kMaxThreads, 1) ll_dispatch_kernel(const __gri
       const int64_t items = cap * runsd;
       const int64_t first_recv = static_cast<int64_t>(blockIdx.x) * W + warp;
       Item m;
-      if (first_recv < items) load_item(first_recv, m);
+      if (!chunk_sig && first_recv < items) load_item(first_recv, m);
+      uint32_t first_tok = 0;  // ll.signal = chunk: the first item's slot token, loaded before the counts' round trip
+      if (chunk_sig && lane == 0 && first_recv < items) {
+        const int flat = udiv(first_recv, runsd), s = udiv(flat, max_t);
+        first_tok = ld_relaxed_sys_u32(c.local + lay.slot_token_offset(parity, s, flat - s * max_t));
+      }
       if (threadIdx.x == blockDim.x - 1 && blockIdx.x == 0)
         c.state->trace[kTrDispLoadWaited] = tr_ns0 + load_round_trip(c.local + lay.dispatch_count_offset(parity, rank));
       // The message counts (block 0's flag of s was released after them; timed-out sources count 0).
@@ -625,6 +683,47 @@ __global__ void __launch_bounds__(kMaxThreads, 1) ll_dispatch_kernel(const __gri
         long long n = static_cast<long long>(ld_relaxed_sys_u64(c.local + lay.dispatch_count_offset(parity, s)));
         return s_bad[s] || n < 0 || n > max_t ? 0 : static_cast<int>(n);
       };
+      int32_t* s_base = reinterpret_cast<int32_t*>(smem);  // [L][R]
+      if (chunk_sig) {
+        // ll.signal = chunk: the senders stored their tagged counts before their payload, so they are
+        // normally here already: the message counts (s_n) and the slot bases, each word polled until it
+        // carries call n's tag (timed-out sources count 0); block 0 writes recv_count and layout_range.
+        const uint32_t tag = count_tag(call);
+        for (int s = threadIdx.x; s < R; s += blockDim.x) {
+          const void* f = c.local + lay.dispatch_count_offset(parity, s);
+          unsigned long long v = ld_relaxed_sys_u64(f);
+          const bool ok = poll_word(
+              c, [&] { return ld_relaxed_sys_u64(f); }, [&](unsigned long long x) { return (x >> 32) == tag; }, s, LlErrorReport::dispatch, call,
+              s_bad, v);
+          const long long n = ok ? static_cast<long long>(v & 0xffffffffull) : 0;
+          s_n[s] = n > max_t ? 0 : static_cast<int>(n);
+          if (lay.partial() && blockIdx.x == 0) p.msg_count[s] = s_n[s];
+        }
+        for (int l = threadIdx.x; l < L; l += blockDim.x) {
+          int running = 0;
+          for (int s0 = 0; s0 < R; s0 += 8) {  // 8 sources' counts loaded at once
+            uint32_t w[8];
+#pragma unroll
+            for (int i = 0; i < 8; ++i) w[i] = s0 + i < R ? ld_relaxed_sys_u32(c.local + lay.expert_count_offset(parity, s0 + i, l)) : 0u;
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+              const int s = s0 + i;
+              if (s >= R) break;
+              const void* f = c.local + lay.expert_count_offset(parity, s, l);
+              unsigned long long v = w[i];
+              const bool ok = poll_word(
+                  c, [&] { return static_cast<unsigned long long>(ld_relaxed_sys_u32(f)); }, [&](unsigned long long x) { return (x >> 30) == tag; }, s,
+                  LlErrorReport::dispatch, call, s_bad, v);
+              int cnt = ok ? static_cast<int>(v & 0x3fffffffull) : 0;
+              if (cnt > max_t) cnt = 0;
+              s_base[l * R + s] = running;
+              if (blockIdx.x == 0) p.layout_range[static_cast<int64_t>(l) * R + s] = (static_cast<int64_t>(running) << 32) | cnt;
+              running += cnt;
+            }
+          }
+          if (blockIdx.x == 0) p.recv_count[l] = running;
+        }
+      } else {
       if (threadIdx.x < R) {
         const int n = msg_count_of(threadIdx.x);
         s_n[threadIdx.x] = n;
@@ -632,7 +731,6 @@ __global__ void __launch_bounds__(kMaxThreads, 1) ll_dispatch_kernel(const __gri
       }
       // Slot bases: s_base[l][s] = tokens of sources < s for local expert l (the senders' counts,
       // released with their flags); block 0 also writes recv_count and layout_range.
-      int32_t* s_base = reinterpret_cast<int32_t*>(smem);  // [L][R]
       for (int l = threadIdx.x; l < L; l += blockDim.x) {
         int running = 0;
         for (int s0 = 0; s0 < R; s0 += 8) {  // 8 sources' counts loaded at once
@@ -653,11 +751,47 @@ __global__ void __launch_bounds__(kMaxThreads, 1) ll_dispatch_kernel(const __gri
         }
         if (blockIdx.x == 0) p.recv_count[l] = running;
       }
+      }
       __syncthreads();
       trace_at(c, kTrDispBases);
       trace_clk(c, kTrDispBasesCyc, tr_ns0, tr_clk0);
       for (int64_t item = first_recv; item < items; item += gwarps) {
-        if (item != first_recv) {
+        if (chunk_sig) {
+          const int flat = udiv(item, runsd), s = udiv(flat, max_t), j = flat - s * max_t;
+          if (j >= s_n[s]) continue;  // beyond the messages s sent (warp-uniform)
+          // The source token t of slot j (tagged, stored before the payload) names the send blocks of
+          // the message's chunks (the sender's item t * nchunks + c runs on block (item / W_s) % B_s);
+          // lane 0 then waits for the flag of chunk 0's block (header, ids, slot ranks), lane 1 + i for
+          // chunk ch + i's (acquire), and the warp barrier orders every lane's loads after them.
+          const int ch0 = umod(item, runsd) * cprd, fc = lane == 0 ? 0 : ch0 + lane - 1;
+          bool ok = true;
+          int tok = 0;
+          if (lane == 0) {
+            const void* f = c.local + lay.slot_token_offset(parity, s, j);
+            const uint32_t tag = count_tag(call);
+            unsigned long long v = item == first_recv ? first_tok : ld_relaxed_sys_u32(f);
+            ok = poll_word(
+                c, [&] { return static_cast<unsigned long long>(ld_relaxed_sys_u32(f)); }, [&](unsigned long long x) { return (x >> 30) == tag; },
+                s, LlErrorReport::dispatch, call, s_bad, v);
+            tok = static_cast<int>(v & 0x3fffffffull);
+            if (tok >= max_t) ok = false;  // malformed: the message is dropped
+          }
+          tok = __shfl_sync(0xffffffffu, tok, 0);
+          ok = __shfl_sync(0xffffffffu, ok, 0);
+          if (ok && lane <= cprd && fc < nchunks) {
+            const int ws = c.src_warps[s] > 0 ? c.src_warps[s] : 1, bs = c.src_blocks[s] > 0 ? c.src_blocks[s] : 1;
+            const int b = udiv(static_cast<int64_t>(tok) * nchunks + fc, ws) % bs;
+            const void* f = c.local + lay.dispatch_flag_offset(s, b);
+            unsigned long long v = ld_acquire_sys(f);
+            ok = poll_word(
+                c, [&] { return ld_acquire_sys(f); }, [&](unsigned long long x) { return x >= call + 1; }, s, LlErrorReport::dispatch, call, s_bad,
+                v);
+          }
+          ok = __all_sync(0xffffffffu, ok);
+          __syncwarp();
+          if (!ok) continue;  // timed out (reported): the message is dropped
+          load_item(item, m);
+        } else if (item != first_recv) {
           const int flat = udiv(item, runsd), s = udiv(flat, max_t);
           if (flat - s * max_t >= s_n[s]) continue;  // beyond the messages s sent (warp-uniform)
           load_item(item, m);

@@ -120,6 +120,11 @@ struct LlCommon {
   LlErrorReport* error = nullptr;        ///< device alias of the host-mapped report
   long long timeout_ns = 0;
   bool signal_rank = false;     ///< one completion word per (source, destination), stored by the source's last block
+  /// ll.signal = chunk (with expand_message): the counts and each message slot's source token go out
+  /// tagged before the payload; the receiver waits per (message, run) item only for the flags of the
+  /// send blocks that stored its chunks (no wait for the whole grid). ll_cuda.h, seventh session.
+  bool signal_chunk = false;
+  int32_t src_warps[kLlMaxRanks] = {};  ///< warps per block of every source rank (ll.signal = chunk: its item -> block map)
   bool expand_message = false;  ///< sender-ranked slots, (message, chunk) expansion on the receiver
   bool items_run = false;       ///< combine (partial modes): a warp takes a run of chunks of one row (ll.items = run)
   bool combine_data = false;    ///< partial combine: the rows are the signal (ll.combine_wait = data, ll_cuda.h)

@@ -675,11 +675,22 @@ TEST(LlCuda, OtherProtocolMatchesCpuTwoRanks) {
   const Config defaults;
   dispatch::LlLaunch launch;
   launch.signal_rank = defaults.ll_signal != "rank";
+  launch.signal_chunk = false;
   launch.expand_message = defaults.ll_expand != "message";
   launch.items_run = defaults.ll_items != "run";
   std::printf("ll.signal = %s, ll.expand = %s, ll.items = %s\n", launch.signal_rank ? "rank" : "block", launch.expand_message ? "message" : "expert",
               launch.items_run ? "run" : "chunk");
   run_eager(2, LlCombine::partial_fp32, &launch);
+  {  // ll.signal chunk <-> block (whichever is not the default) with the default expansion and items
+    dispatch::LlLaunch other;
+    other.signal_rank = false;
+    other.signal_chunk = defaults.ll_signal != "chunk";
+    other.expand_message = defaults.ll_expand == "message";
+    other.items_run = defaults.ll_items == "run";
+    std::printf("ll.signal = %s, ll.expand = %s, ll.items = %s\n", other.signal_chunk ? "chunk" : "block", defaults.ll_expand.c_str(),
+                defaults.ll_items.c_str());
+    run_eager(2, LlCombine::partial_fp32, &other);
+  }
 }
 
 // ll.combine_wait, the value the Config does not choose (flag <-> data; ll_cuda.h): partial_fp32 and

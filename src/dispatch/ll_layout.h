@@ -22,6 +22,12 @@
 //                                  at [n % 2][s][l], before its flag (the receiver's slot bases)
 //                              ll.signal = rank: only the word of block 0 is used per source (the
 //                                last of the source's blocks to finish stores it; see ll_cuda.h)
+//                              ll.signal = chunk (with ll.expand = message): the counts carry a tag
+//                                (count_tag: dispatch_count = tag << 32 | n, expert_count = tag << 30
+//                                | n) and are stored before the payload, with
+//                                slot_token[2][R src][max_T slots] int32 = tag << 30 | t: the source
+//                                token in message slot j (the receiver finds the send blocks of its
+//                                chunks from t); the block flags as in ll.signal = block
 //   [dispatch_recv_offset, ..) messages: [2 parity][R src][max_T slots][msg_bytes]; slot j of source
 //                                s is the j-th token s sent here in that call (source token order)
 //   [combine_recv_offset, ..)  this rank as a source: [2 parity][max_T][K][H] bf16; row (t, k) holds
@@ -98,7 +104,11 @@ struct LlLayout {
     return 8 * (2 * static_cast<int64_t>(num_ranks) * kMaxSignalBlocks + 2 * static_cast<int64_t>(num_ranks)) +
            4 * ((static_cast<int64_t>(parity) * num_ranks + src_rank) * num_ids + local);
   }
-  EPX_HOST_DEVICE int64_t signal_bytes() const { return ll_align_up(expert_count_offset(2, 0, 0), kRegionAlignBytes); }
+  /// ll.signal = chunk: the int32 word naming the source token of message slot `slot` from `src_rank` (parity p).
+  EPX_HOST_DEVICE int64_t slot_token_offset(int parity, int src_rank, int slot) const {
+    return expert_count_offset(2, 0, 0) + 4 * ((static_cast<int64_t>(parity) * num_ranks + src_rank) * max_tokens + slot);
+  }
+  EPX_HOST_DEVICE int64_t signal_bytes() const { return ll_align_up(slot_token_offset(2, 0, 0), kRegionAlignBytes); }
   EPX_HOST_DEVICE int64_t dispatch_recv_offset() const { return signal_bytes(); }
   EPX_HOST_DEVICE int64_t dispatch_region_bytes() const { return static_cast<int64_t>(num_ranks) * max_tokens * msg_bytes(); }
   EPX_HOST_DEVICE int64_t dispatch_msg_offset(int parity, int src_rank, int slot) const {
