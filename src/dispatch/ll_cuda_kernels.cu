@@ -315,7 +315,10 @@ __device__ __forceinline__ int chunks_per_run(int nch, int64_t rows, int64_t war
 // the smallest that holds the block.
 // kMessage: ll.expand = message (LlCommon::expand_message); the other expansion's code is compiled
 // out (a smaller kernel: its instructions are fetched cold on every SM at every launch).
-template <bool kFp8, int kMaxThreads, bool kMessage>
+// kChunk: ll.signal = chunk (LlCommon::signal_chunk, with kMessage); a template parameter so the
+// other protocols' kernels compile exactly as without it (batches 1-2 of the seventh session: with
+// the chunk code in the same kernel, the block protocol's receive part ran ~2 us slower).
+template <bool kFp8, int kMaxThreads, bool kMessage, bool kChunk = false>
 __global__ void __launch_bounds__(kMaxThreads, 1) ll_dispatch_kernel(const __grid_constant__ LlDispatchParams p) {
   extern __shared__ __align__(16) uint8_t smem[];
   const LlCommon& c = p.c;
@@ -419,6 +422,7 @@ __global__ void __launch_bounds__(kMaxThreads, 1) ll_dispatch_kernel(const __gri
     }
     s_T = static_cast<int>(T);
   }
+  if (kMessage && kChunk && threadIdx.x < kLlMaxRanks) s_bad[threadIdx.x] = 0;  // ll.signal = chunk: no barrier of its own
   __syncthreads();
   trace_at(c, kTrDispT);
   trace_at(c, kTrDispMasks);  // the masks are done at the same barrier now
@@ -456,7 +460,7 @@ __global__ void __launch_bounds__(kMaxThreads, 1) ll_dispatch_kernel(const __gri
     }
     __syncthreads();
     trace_at(c, kTrDispScanned);
-    const bool chunk_sig = by_message && c.signal_chunk;
+    constexpr bool chunk_sig = kMessage && kChunk;
     if (chunk_sig && blockIdx.x == 0) {  // ll.signal = chunk: the tagged counts and slot tokens first, ahead of the payload
       const uint32_t tag = count_tag(s_call_send);
       for (int t = threadIdx.x; t < T; t += blockDim.x) {  // message slot -> source token, per destination
@@ -583,8 +587,11 @@ __global__ void __launch_bounds__(kMaxThreads, 1) ll_dispatch_kernel(const __gri
       __syncthreads();
     }
     trace_at(c, kTrDispCounts);
-    if (threadIdx.x < R && (counter || !c.signal_rank)) {  // flags after all the block's stores (cumulative release)
-      const int d = threadIdx.x;
+    // ll.signal = chunk: the block's last warp releases the flags and takes no receive work, so the other
+    // warps go on to the counts and their expansion items while its release waits for the acknowledgements.
+    const bool rel_warp = chunk_sig && W > 1;
+    if (rel_warp ? warp == W - 1 && lane < R : threadIdx.x < R && (counter || !c.signal_rank)) {  // flags after all the block's stores (cumulative release)
+      const int d = rel_warp ? lane : static_cast<int>(threadIdx.x);
       if (counter) st_relaxed_sys_u64(c.peers[d] + lay.dispatch_count_offset(parity, rank), static_cast<unsigned long long>(s_count[d]));
       st_release_sys_u64(c.peers[d] + lay.dispatch_flag_offset(rank, c.signal_rank ? 0 : blockIdx.x), s_call_send + 1);
     }
@@ -595,9 +602,19 @@ __global__ void __launch_bounds__(kMaxThreads, 1) ll_dispatch_kernel(const __gri
   if (p.recv) {
     const unsigned long long call = s_call_recv;
     const int parity = static_cast<int>(call & 1);
-    const bool chunk_sig = by_message && c.signal_chunk;  // ll.signal = chunk: no block flags to wait for
-    if (threadIdx.x < R) s_bad[threadIdx.x] = 0;
-    __syncthreads();
+    constexpr bool chunk_sig = kMessage && kChunk;  // ll.signal = chunk: per-item waits on the send blocks' flags
+    // ll.signal = chunk: warps [0, Wr) receive (the last one released the flags, ll.signal = chunk above;
+    // their barrier is the named barrier 1); s_bad was cleared at the front.
+    const bool split = chunk_sig && W > 1;
+    const int Wr = split ? W - 1 : W, nthr = 32 * Wr;
+    auto recv_barrier = [&] {
+      if (split) asm volatile("bar.sync 1, %0;" ::"r"(nthr) : "memory");
+      else __syncthreads();
+    };
+    if (!chunk_sig) {
+      if (threadIdx.x < R) s_bad[threadIdx.x] = 0;
+      __syncthreads();
+    }
     if (!chunk_sig) wait_all_flags(
         c, [&](int s) { return c.local + lay.dispatch_flag_offset(s, 0); }, call + 1, LlErrorReport::dispatch, call, s_bad,
         [&](int s) {  // block 0's flag of s was released after the count
@@ -621,6 +638,7 @@ __global__ void __launch_bounds__(kMaxThreads, 1) ll_dispatch_kernel(const __gri
     trace_at(c, 2);
     trace_max(c, 10);
     if constexpr (by_message) {
+    if (warp < Wr) {  // ll.signal = chunk: the releasing warp skips the receive work
       const int L = c.num_local;
       const int64_t cap = static_cast<int64_t>(R) * max_t, gpr = H / 128;
       // (message, 512-element chunk) items over the whole grid: the chunk is loaded once and stored
@@ -638,7 +656,7 @@ __global__ void __launch_bounds__(kMaxThreads, 1) ll_dispatch_kernel(const __gri
       // Items over the capacity R x max_T (sixth session): a warp knows its first item's message before
       // the counts, so its loads, the message counts and the slot-base counts are one round trip after
       // the wait; items of slots j >= the source's count are skipped (their speculative loads unused).
-      const int64_t gwarps = static_cast<int64_t>(gridDim.x) * W;
+      const int64_t gwarps = static_cast<int64_t>(gridDim.x) * Wr;
       const int cprd = c.items_run ? chunks_per_run(nchunks, cap, gwarps, kRunD) : 1;
       const int runsd = (nchunks + cprd - 1) / cprd;
       auto load_item = [&](int64_t item, Item& m) {  // all loads of the item at once (one round trip)
@@ -668,7 +686,7 @@ __global__ void __launch_bounds__(kMaxThreads, 1) ll_dispatch_kernel(const __gri
         }
       };
       const int64_t items = cap * runsd;
-      const int64_t first_recv = static_cast<int64_t>(blockIdx.x) * W + warp;
+      const int64_t first_recv = static_cast<int64_t>(blockIdx.x) * Wr + warp;
       Item m;
       if (!chunk_sig && first_recv < items) load_item(first_recv, m);
       uint32_t first_tok = 0;  // ll.signal = chunk: the first item's slot token, loaded before the counts' round trip
@@ -689,7 +707,7 @@ __global__ void __launch_bounds__(kMaxThreads, 1) ll_dispatch_kernel(const __gri
         // normally here already: the message counts (s_n) and the slot bases, each word polled until it
         // carries call n's tag (timed-out sources count 0); block 0 writes recv_count and layout_range.
         const uint32_t tag = count_tag(call);
-        for (int s = threadIdx.x; s < R; s += blockDim.x) {
+        for (int s = threadIdx.x; s < R; s += nthr) {
           const void* f = c.local + lay.dispatch_count_offset(parity, s);
           unsigned long long v = ld_relaxed_sys_u64(f);
           const bool ok = poll_word(
@@ -699,7 +717,7 @@ __global__ void __launch_bounds__(kMaxThreads, 1) ll_dispatch_kernel(const __gri
           s_n[s] = n > max_t ? 0 : static_cast<int>(n);
           if (lay.partial() && blockIdx.x == 0) p.msg_count[s] = s_n[s];
         }
-        for (int l = threadIdx.x; l < L; l += blockDim.x) {
+        for (int l = threadIdx.x; l < L; l += nthr) {
           int running = 0;
           for (int s0 = 0; s0 < R; s0 += 8) {  // 8 sources' counts loaded at once
             uint32_t w[8];
@@ -752,7 +770,7 @@ __global__ void __launch_bounds__(kMaxThreads, 1) ll_dispatch_kernel(const __gri
         if (blockIdx.x == 0) p.recv_count[l] = running;
       }
       }
-      __syncthreads();
+      recv_barrier();
       trace_at(c, kTrDispBases);
       trace_clk(c, kTrDispBasesCyc, tr_ns0, tr_clk0);
       for (int64_t item = first_recv; item < items; item += gwarps) {
@@ -841,6 +859,7 @@ __global__ void __launch_bounds__(kMaxThreads, 1) ll_dispatch_kernel(const __gri
           }
         }
       }
+    }
     } else {
       const int CPS = (max_t + 31) / 32, Q = R * CPS;
       const int64_t cap = static_cast<int64_t>(R) * max_t;  // slots per expert
@@ -1696,6 +1715,8 @@ int ll_max_resident_blocks(int threads, size_t dispatch_smem, size_t combine_sme
   };
   if (threads > 512) {
     check(reinterpret_cast<const void*>(&ll_dispatch_kernel<true, 1024, true>), dispatch_smem);
+    check(reinterpret_cast<const void*>(&ll_dispatch_kernel<true, 1024, true, true>), dispatch_smem);
+    check(reinterpret_cast<const void*>(&ll_dispatch_kernel<false, 1024, true, true>), dispatch_smem);
     check(reinterpret_cast<const void*>(&ll_dispatch_kernel<false, 1024, true>), dispatch_smem);
     check(reinterpret_cast<const void*>(&ll_dispatch_kernel<true, 1024, false>), dispatch_smem);
     check(reinterpret_cast<const void*>(&ll_dispatch_kernel<false, 1024, false>), dispatch_smem);
@@ -1703,6 +1724,8 @@ int ll_max_resident_blocks(int threads, size_t dispatch_smem, size_t combine_sme
     check(reinterpret_cast<const void*>(&ll_combine_kernel<1024, true>), combine_smem);
   } else {
     check(reinterpret_cast<const void*>(&ll_dispatch_kernel<true, 512, true>), dispatch_smem);
+    check(reinterpret_cast<const void*>(&ll_dispatch_kernel<true, 512, true, true>), dispatch_smem);
+    check(reinterpret_cast<const void*>(&ll_dispatch_kernel<false, 512, true, true>), dispatch_smem);
     check(reinterpret_cast<const void*>(&ll_dispatch_kernel<false, 512, true>), dispatch_smem);
     check(reinterpret_cast<const void*>(&ll_dispatch_kernel<true, 512, false>), dispatch_smem);
     check(reinterpret_cast<const void*>(&ll_dispatch_kernel<false, 512, false>), dispatch_smem);
@@ -1714,14 +1737,18 @@ int ll_max_resident_blocks(int threads, size_t dispatch_smem, size_t combine_sme
 
 void launch_ll_dispatch(const LlDispatchParams& p, int blocks, int threads, cudaStream_t stream) {
   const size_t smem = ll_dispatch_smem_bytes(p.c.lay, p.c.expand_message, p.c.num_local);
-  const bool fp8 = p.c.lay.use_fp8, msg = p.c.expand_message;
+  const bool fp8 = p.c.lay.use_fp8, msg = p.c.expand_message, chunk = p.c.signal_chunk;
   if (threads > 512) {
-    if (fp8 && msg) ll_dispatch_kernel<true, 1024, true><<<blocks, threads, smem, stream>>>(p);
+    if (fp8 && msg && chunk) ll_dispatch_kernel<true, 1024, true, true><<<blocks, threads, smem, stream>>>(p);
+    else if (msg && chunk) ll_dispatch_kernel<false, 1024, true, true><<<blocks, threads, smem, stream>>>(p);
+    else if (fp8 && msg) ll_dispatch_kernel<true, 1024, true><<<blocks, threads, smem, stream>>>(p);
     else if (msg) ll_dispatch_kernel<false, 1024, true><<<blocks, threads, smem, stream>>>(p);
     else if (fp8) ll_dispatch_kernel<true, 1024, false><<<blocks, threads, smem, stream>>>(p);
     else ll_dispatch_kernel<false, 1024, false><<<blocks, threads, smem, stream>>>(p);
   } else {
-    if (fp8 && msg) ll_dispatch_kernel<true, 512, true><<<blocks, threads, smem, stream>>>(p);
+    if (fp8 && msg && chunk) ll_dispatch_kernel<true, 512, true, true><<<blocks, threads, smem, stream>>>(p);
+    else if (msg && chunk) ll_dispatch_kernel<false, 512, true, true><<<blocks, threads, smem, stream>>>(p);
+    else if (fp8 && msg) ll_dispatch_kernel<true, 512, true><<<blocks, threads, smem, stream>>>(p);
     else if (msg) ll_dispatch_kernel<false, 512, true><<<blocks, threads, smem, stream>>>(p);
     else if (fp8) ll_dispatch_kernel<true, 512, false><<<blocks, threads, smem, stream>>>(p);
     else ll_dispatch_kernel<false, 512, false><<<blocks, threads, smem, stream>>>(p);

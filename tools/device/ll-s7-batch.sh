@@ -12,8 +12,8 @@
 #             also check the results bit-exact)
 set -u
 T0=$SECONDS
-BUDGET=${LL_BUDGET_S:-93}
-RUNS=${LL_RUNS:-bench san tests v4}
+BUDGET=${LL_BUDGET_S:-58}
+RUNS=${LL_RUNS:-ab tests-chunk}
 OUT=${OUT:-/tmp/ll-out}
 mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
 HERE=$(pwd)
@@ -86,6 +86,14 @@ for r in $RUNS; do
       bench ll-v3-signal_block ll-v3 EPX_LL_SIGNAL=block ;;
     v4)
       bench ll-v4 ll-v4 ;;
+    ab)  # batch 3: the default (block) and ll.signal = chunk, each with its own kernel instantiation
+      bench ll-v3 ll-v3
+      bench ll-v3-signal_chunk ll-v3 EPX_LL_SIGNAL=chunk ;;
+    tests-chunk)  # ll.signal = chunk through the Config (EPX_LL_SIGNAL): the groups that take the Config
+      step test-eager-chunk 24 env EPX_TIMEOUT_S=10 EPX_LL_SIGNAL=chunk "$B/ll_cuda_test" --gtest_filter='LlCuda.MatchesCpuTwoRanks'
+      grep -E "FAILED|DIFFERS|Failure" "$OUT/test-eager-chunk.log" | head -5
+      step test-partial-chunk 18 env EPX_TIMEOUT_S=10 EPX_LL_SIGNAL=chunk "$B/ll_cuda_test" --gtest_filter='LlCuda.PartialCombineMatchesCpuTwoRanks'
+      grep -E "FAILED|DIFFERS|Failure" "$OUT/test-partial-chunk.log" | head -5 ;;
     tests)
       gt test-eager 26 'LlCuda.MatchesCpuTwoRanks'
       gt test-partial 18 'LlCuda.PartialCombineMatchesCpuTwoRanks'
