@@ -17,10 +17,14 @@
 // Validation: the wgmma outputs against the SIMT outputs of the same inputs (normwise rel. L2), and
 // the decode case also against the CPU experts.
 // Usage: epx-gemm-bench [--json PATH] [--iters N] [--experts L] [--no-simt] [--no-cublas] [--prefill-variants]
-// (--prefill-variants: also the prefill kernels with weights in wgmma's A, EPX_EXPERTS_FP8_PREFILL=2
-// (the default until the sixth session; the default 1 = 8 now: tokens in A), the TMA loads with
-// tokens in A (=10) and their 2-CTA clusters (=11); the turn orders (=5..7, 9), =3, =4 and the ring
-// depths were measured in the fifth and sixth sessions, bench/NOTES.md)
+//        [--prefill-only] [--prefill-modes M,M,...]
+// (--prefill-only: the ceilings, the prefill rows of the default kernels and the cuBLASLt prefill loop
+// alone; --prefill-modes: rows epx-wgmma-mode<M> for each listed EPX_EXPERTS_FP8_PREFILL value on
+// both prefill layouts, instead of --prefill-variants' fixed list)
+// (--prefill-variants: also the prefill kernels with early scales / release and bulk-copy stores,
+// EPX_EXPERTS_FP8_PREFILL=16 (the default 1 = 8), 16 with wgmma's A in registers (=17), the TMA loads (=10) and their 2-CTA clusters (=11,
+// ExpertMajor only); the variants removed in the seventh session (2-7, 9, 12-15) and the ring depths
+// were measured before, bench/NOTES.md)
 #include <cublasLt.h>
 #include <cuda_runtime.h>
 
@@ -134,7 +138,8 @@ int main(int argc, char** argv) {
   std::setvbuf(stdout, nullptr, _IOLBF, 0);  // a run cut by a timeout keeps the rows it printed
   std::string json_path;
   int iters = 20, L = 128;
-  bool do_simt = true, do_cublas = true, do_variants = false;
+  bool do_simt = true, do_cublas = true, do_variants = false, prefill_only = false;
+  std::vector<std::string> modes;
   std::string command = "epx-gemm-bench";
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -145,8 +150,19 @@ int main(int argc, char** argv) {
     else if (a == "--no-simt") do_simt = false;
     else if (a == "--no-cublas") do_cublas = false;
     else if (a == "--prefill-variants") do_variants = true;
+    else if (a == "--prefill-only") prefill_only = true;
+    else if (a == "--prefill-modes" && i + 1 < argc) {
+      const std::string list = argv[++i];
+      command += " " + list;
+      for (size_t b = 0; b <= list.size();) {
+        const size_t e = std::min(list.find(',', b), list.size());
+        if (e > b) modes.push_back(list.substr(b, e - b));
+        b = e + 1;
+      }
+    }
     else {
-      std::fprintf(stderr, "usage: epx-gemm-bench [--json PATH] [--iters N] [--experts L] [--no-simt] [--no-cublas] [--prefill-variants]\n");
+      std::fprintf(stderr, "usage: epx-gemm-bench [--json PATH] [--iters N] [--experts L] [--no-simt] [--no-cublas] [--prefill-variants] "
+                           "[--prefill-only] [--prefill-modes M,M,...]\n");
       return 1;
     }
   }
@@ -207,12 +223,15 @@ int main(int argc, char** argv) {
   unsetenv("EPX_EXPERTS_SIMT");
   auto tc = make_experts_cuda(experts, 0);
   // The 64-row kernels alone (EPX_EXPERTS_FP8_PREFILL=0): the prefill kernels' A/B reference.
-  setenv("EPX_EXPERTS_FP8_PREFILL", "0", 1);
-  auto tc64 = make_experts_cuda(experts, 0);
-  setenv("EPX_EXPERTS_FP8_PAIRS", "1", 1);  // the paired-K-block mainloop variant (64-row kernels)
-  auto tcp = make_experts_cuda(experts, 0);
-  unsetenv("EPX_EXPERTS_FP8_PAIRS");
-  unsetenv("EPX_EXPERTS_FP8_PREFILL");
+  std::unique_ptr<Experts> tc64, tcp;
+  if (!prefill_only) {
+    setenv("EPX_EXPERTS_FP8_PREFILL", "0", 1);
+    tc64 = make_experts_cuda(experts, 0);
+    setenv("EPX_EXPERTS_FP8_PAIRS", "1", 1);  // the paired-K-block mainloop variant (64-row kernels)
+    tcp = make_experts_cuda(experts, 0);
+    unsetenv("EPX_EXPERTS_FP8_PAIRS");
+    unsetenv("EPX_EXPERTS_FP8_PREFILL");
+  }
   std::unique_ptr<Experts> simt;
   if (do_simt) {
     setenv("EPX_EXPERTS_SIMT", "1", 1);
@@ -249,8 +268,26 @@ int main(int argc, char** argv) {
                 100.0 * (decode ? gbps / hbm_gbps : tfl / fp8_tflops), decode ? "HBM copy" : "FP8 dense", err);
   };
 
+  // Rows epx-wgmma-mode<M> of --prefill-modes on one prefill input (max_rel_error against `ref`,
+  // the default kernels' output of the same input).
+  auto mode_rows = [&](const ExpertsInput& in, const Tensor& ref, const char* layout, int64_t rows_per_expert) {
+    const TensorView& rv = ref.view();
+    Tensor o = Tensor::empty(std::vector<int64_t>(rv.shape.begin(), rv.shape.begin() + rv.ndim), DType::bf16, Device::cuda(0));
+    const int64_t nrows = ref.numel() / kH;
+    for (const std::string& md : modes) {
+      setenv("EPX_EXPERTS_FP8_PREFILL", md.c_str(), 1);
+      auto tcv = make_experts_cuda(experts, 0);
+      unsetenv("EPX_EXPERTS_FP8_PREFILL");
+      CK(cudaMemset(o.data(), 0xFF, o.nbytes()));
+      const Stats sm = time_us(stream, iters, [&] { tcv->apply(in, o, Stream{stream}); });
+      CK(cudaStreamSynchronize(stream));
+      add_row("prefill-v3", "epx-wgmma-mode" + md, layout, rows_per_expert, sm, false, true,
+              rel_l2(host_bf16(o), host_bf16(ref), {{0, nrows}}), "EPX_EXPERTS_FP8_PREFILL=" + md + "; max_rel_error against epx-wgmma");
+    }
+  };
+
   // ---- decode: ExpertMajor, 8 tokens per expert, cap 32 ----
-  {
+  if (!prefill_only) {
     const int64_t cap = 32, m = 8;
     std::vector<uint8_t> q;
     std::vector<float> s;
@@ -293,7 +330,7 @@ int main(int argc, char** argv) {
   }
 
   // ---- decode at 32 tokens per expert (the N=64 tile path; timing only) ----
-  {
+  if (!prefill_only) {
     const int64_t cap = 32, m = 32;
     std::vector<uint8_t> q;
     std::vector<float> s;
@@ -332,17 +369,18 @@ int main(int argc, char** argv) {
     }
     add_row("prefill-v3", "epx-wgmma", "flat", m, st, false, simt != nullptr, err,
             "Flat layout: includes the device schedule, gather and the top-k weighted combine; validated against epx-simt");
-    {
+    mode_rows(in, out, "flat", m);
+    if (tc64) {
       Tensor out4 = Tensor::empty({T, kH}, DType::bf16, Device::cuda(0));
       CK(cudaMemset(out4.data(), 0xFF, out4.nbytes()));
       const Stats s4 = time_us(stream, iters, [&] { tc64->apply(in, out4, Stream{stream}); });
       CK(cudaStreamSynchronize(stream));
       add_row("prefill-v3", "epx-wgmma-64", "flat", m, s4, false, true, rel_l2(host_bf16(out), host_bf16(out4), {{0, T}}),
               "EPX_EXPERTS_FP8_PREFILL=0 (64-row kernels only); max_rel_error = epx-wgmma (prefill kernels) against this");
-      // Weights in wgmma's A (=2) and the TMA weight loads with tokens in A (=10; Flat gathers its
+      // Early scales / release and bulk stores (=16) and the TMA weight loads (=10; Flat gathers its
       // token rows with cp.async) on the Flat layout.
-      for (const char* mode : {"2", "10"}) {
-        if (!do_variants) break;
+      for (const char* mode : {"16", "17", "10"}) {
+        if (!do_variants || !modes.empty()) break;
         setenv("EPX_EXPERTS_FP8_PREFILL", mode, 1);
         auto tcv = make_experts_cuda(experts, 0);
         unsetenv("EPX_EXPERTS_FP8_PREFILL");
@@ -350,13 +388,13 @@ int main(int argc, char** argv) {
         const Stats s5 = time_us(stream, iters, [&] { tcv->apply(in, out4, Stream{stream}); });
         CK(cudaStreamSynchronize(stream));
         const std::string md = mode;
-        const char* name = md == "2" ? "epx-wgmma-mode2" : "epx-wgmma-tma-swap";
+        const char* name = md == "16" ? "epx-wgmma-fast" : md == "17" ? "epx-wgmma-fast-rs" : "epx-wgmma-tma-swap";
         add_row("prefill-v3", name, "flat", m, s5, false, true,
                 rel_l2(host_bf16(out4), host_bf16(out), {{0, T}}),
                 std::string("EPX_EXPERTS_FP8_PREFILL=") + mode + "; max_rel_error against epx-wgmma");
       }
     }
-    {
+    if (tcp) {
       Tensor out3 = Tensor::empty({T, kH}, DType::bf16, Device::cuda(0));
       CK(cudaMemset(out3.data(), 0xFF, out3.nbytes()));
       const Stats sp = time_us(stream, iters, [&] { tcp->apply(in, out3, Stream{stream}); });
@@ -387,7 +425,8 @@ int main(int argc, char** argv) {
       add_row("prefill-v3", "epx-simt", "expert_major", cap, s2, false, false, 0, "");
     }
     add_row("prefill-v3", "epx-wgmma", "expert_major", cap, st, false, simt != nullptr, err, "validated against epx-simt");
-    {
+    mode_rows(in, out, "expert_major", cap);
+    if (tc64) {
       Tensor out4 = Tensor::empty({L, cap, kH}, DType::bf16, Device::cuda(0));
       CK(cudaMemset(out4.data(), 0xFF, out4.nbytes()));
       const Stats s4 = time_us(stream, iters, [&] { tc64->apply(in, out4, Stream{stream}); });
@@ -395,17 +434,16 @@ int main(int argc, char** argv) {
       add_row("prefill-v3", "epx-wgmma-64", "expert_major", cap, s4, false, true,
               rel_l2(host_bf16(out), host_bf16(out4), {{0, L * cap}}),
               "EPX_EXPERTS_FP8_PREFILL=0 (64-row kernels only); max_rel_error = epx-wgmma (prefill kernels) against this");
-      // The default kernels with weights in wgmma's A (=2, the default until the sixth session),
-      // the TMA loads with tokens in A (=10) and their 2-CTA cluster launch (=11). The consumer turn
-      // orders (=5..7, 9), =3, =4 and the ring depths were measured in the fifth and sixth sessions
-      // (bench/NOTES.md) and are not repeated.
+      // Early scales / release and bulk stores (=16), the TMA loads (=10) and their 2-CTA cluster
+      // launch (=11).
       struct Variant {
         const char *env, *value, *backend;
       };
-      for (const Variant& v : {Variant{"EPX_EXPERTS_FP8_PREFILL", "2", "epx-wgmma-mode2"},
+      for (const Variant& v : {Variant{"EPX_EXPERTS_FP8_PREFILL", "16", "epx-wgmma-fast"},
+                               Variant{"EPX_EXPERTS_FP8_PREFILL", "17", "epx-wgmma-fast-rs"},
                                Variant{"EPX_EXPERTS_FP8_PREFILL", "10", "epx-wgmma-tma-swap"},
                                Variant{"EPX_EXPERTS_FP8_PREFILL", "11", "epx-wgmma-cluster-swap"}}) {
-        if (!do_variants) break;
+        if (!do_variants || !modes.empty()) break;
         setenv(v.env, v.value, 1);
         auto tcs = make_experts_cuda(experts, 0);
         unsetenv(v.env);
@@ -416,7 +454,7 @@ int main(int argc, char** argv) {
                 std::string(v.env) + "=" + v.value + "; max_rel_error against epx-wgmma");
       }
     }
-    {
+    if (tcp) {
       Tensor out3 = Tensor::empty({L, cap, kH}, DType::bf16, Device::cuda(0));
       CK(cudaMemset(out3.data(), 0xFF, out3.nbytes()));
       const Stats sp = time_us(stream, iters, [&] { tcp->apply(in, out3, Stream{stream}); });
@@ -443,6 +481,7 @@ int main(int argc, char** argv) {
       w2.push_back(dev_from(w2h.data(), {kH, kI}, DType::fp8_e4m3));
     }
     for (int64_t m : {int64_t{8}, int64_t{256}}) {
+      if (prefill_only && m == 8) continue;
       random_fp8(L * m, kH, 61, junk, js);
       const Tensor x = dev_from(junk.data(), {L * m, kH}, DType::fp8_e4m3);
       random_fp8(L * m, kI, 62, junk, js);

@@ -34,12 +34,13 @@ constexpr std::string_view kOp = "experts_cuda.apply";
 /// grid.y of the GEMMs: CTAs stride over the device-side tile list, so the grid never depends on
 /// the counts (which the host does not know) and stays bounded for large capacities.
 constexpr int64_t kMaxTileSlots = 1024;
-/// The FP8 prefill kernels' variant that Config::experts_fp8_prefill = 1 (the default) takes: 2
-/// experts_fp8_prefill_cuda.cu (cp.async loads), 3 experts_fp8_prefill_tma_cuda.cu (TMA loads), 4
-/// the same as 2-CTA clusters, 5-7 the cp.async kernels with the consumer warpgroups taking turns,
-/// 8 with tokens in wgmma's A, 9 both, 10 / 11 the TMA kernels / their 2-CTA clusters with tokens in
-/// A; whichever bench/NOTES.md measured fastest (fifth session: 2; sixth session: 8, 3296 us against
-/// 4994 us for 2 at DeepSeek-V3 shapes, 256 rows/expert, same bits).
+/// The FP8 prefill kernels' variant that Config::experts_fp8_prefill = 1 (the default) takes: 8
+/// experts_fp8_prefill_cuda.cu (cp.async loads, tokens in wgmma's A), 16 the same with the scales read
+/// before the wgmmas, the stage released before the last promotion and bulk-copy epilogue stores
+/// (same bits), 17 = 16 with wgmma's A (tokens) in registers, 10 / 11 experts_fp8_prefill_tma_cuda.cu (TMA loads / their 2-CTA clusters);
+/// whichever bench/NOTES.md measured fastest (sixth session: 8, 3296 us at DeepSeek-V3 shapes, 256
+/// rows/expert). Removed after measurement (seventh session): 2-7 and 9 (weights in A, turn orders),
+/// 12-15 (a pipelined m64n64 consumer, 40 % slower).
 constexpr int kFp8PrefillDefaultMode = 8;
 
 using GemmKernel = void (*)(GemmParams);
@@ -172,16 +173,13 @@ class CudaExperts final : public Experts {
     fp8_prefill_stages_ = config.experts_fp8_prefill_stages;
     fp8_prefill_min_tiles_ = config.experts_fp8_prefill_min_tiles;
     // Config::experts_fp8_prefill: 1 = the variant measured fastest (kFp8PrefillDefaultMode,
-    // bench/NOTES.md), 2 = cp.async loads, 3 = TMA loads, 4 = TMA + 2-CTA clusters multicasting the
+    // bench/NOTES.md), 8 = cp.async loads, 16 = 8 with early scales / release and bulk stores
+    // (Fp8GemmParams::prefill_fast), 10 = TMA loads, 11 = TMA + 2-CTA clusters multicasting the
     // weight tile; same results every way.
     const int pf_mode = config.experts_fp8_prefill == 1 ? kFp8PrefillDefaultMode : config.experts_fp8_prefill;
-    fp8_prefill_cluster_ = pf_mode == 4 || pf_mode == 11;
-    // 5, 6, 7: the cp.async kernels with the consumer warpgroups taking turns at the tensor cores
-    // (Fp8GemmParams::prefill_order 2, 1, 3); 8: tokens in wgmma's A (prefill_swap); 9: 8 with the
-    // turns of 5; 10, 11: the TMA kernels (11: as 2-CTA clusters) with tokens in A.
-    fp8_prefill_order_ = pf_mode == 5 || pf_mode == 9 ? 2 : pf_mode == 6 ? 1 : pf_mode == 7 ? 3 : 0;
-    fp8_prefill_swap_ = pf_mode >= 8;
-    const bool pf_tma = pf_mode == 3 || pf_mode == 4 || pf_mode >= 10;
+    fp8_prefill_cluster_ = pf_mode == 11;
+    fp8_prefill_fast_ = pf_mode == 16 ? 1 : pf_mode == 17 ? 2 : 0;  // 17: 16 with wgmma's A in registers
+    const bool pf_tma = pf_mode == 10 || pf_mode == 11;
     // Objects with mxfp4 experts, all of them fp8_block or mxfp4 with I % 128 == 0 and H % 128 == 0,
     // fed FP8 x, run every expert on the mixed sm_90a kernels (experts_mxfp4_cuda.cu): one grouped
     // launch per GEMM for both formats (FHMoE: FP8 shared + MXFP4 routed). Config::experts_mxfp4_tc
@@ -217,7 +215,7 @@ class CudaExperts final : public Experts {
     descs_ = Tensor::empty({num_local * static_cast<int64_t>(sizeof(ExpertDesc))}, DType::uint8, dev);
     EPX_CUDA_CHECK(cudaMemcpy(descs_.data(), descs.data(), descs.size() * sizeof(ExpertDesc), cudaMemcpyHostToDevice));
     // The prefill kernels load the weight tiles with TMA from per-expert descriptors built here
-    // (modes 3, 4, 10, 11); the other modes, or a map the driver cannot encode, keep cp.async.
+    // (modes 10, 11); the other modes, or a map the driver cannot encode, keep cp.async.
     if (fp8_tensor_cores_ && pf_tma) {
       std::vector<experts_cuda::Fp8TmaMap> maps(2 * descs.size());
       bool ok = true;
@@ -477,8 +475,7 @@ class CudaExperts final : public Experts {
       fp.prefill_stages = fp8_prefill_stages_;
       fp.w_maps = w_maps_.defined() ? w_maps_.data() : nullptr;
       fp.prefill_cluster = fp8_prefill_cluster_ ? 1 : 0;
-      fp.prefill_order = fp8_prefill_order_;
-      fp.prefill_swap = fp8_prefill_swap_ ? 1 : 0;
+      fp.prefill_fast = fp8_prefill_fast_;
       fp.row_space = in.layout == ActivationLayout::ExpertMajor ? in.x.size(0) * in.x.size(1)
                                                                : in.topk_idx.size(0) * in.topk_idx.size(1);
       // Persistent grids of one CTA per multiprocessor (the kernels take ~205-217 KiB of shared memory).
@@ -526,9 +523,8 @@ class CudaExperts final : public Experts {
   bool fp8_prefill_ = false;      // experts with > 64 rows on the prefill kernels (EPX_EXPERTS_FP8_PREFILL)
   int fp8_prefill_stages_ = 0;    // their ring depth (EPX_EXPERTS_FP8_PREFILL_STAGES; 0 = maximum)
   int fp8_prefill_min_tiles_ = 1; // big tiles the prefill section needs to run (EPX_EXPERTS_FP8_PREFILL_MIN_TILES; 0 -> one wave)
-  bool fp8_prefill_cluster_ = false;  // their 2-CTA cluster launch (EPX_EXPERTS_FP8_PREFILL=4, or 1 with kFp8PrefillDefaultMode 4)
-  int fp8_prefill_order_ = 0;         // the cp.async kernels' consumer turn order (modes 5-7, 9; Fp8GemmParams::prefill_order)
-  bool fp8_prefill_swap_ = false;     // tokens in wgmma's A (modes 8, 9; Fp8GemmParams::prefill_swap)
+  bool fp8_prefill_cluster_ = false;  // their 2-CTA cluster launch (EPX_EXPERTS_FP8_PREFILL=11)
+  int fp8_prefill_fast_ = 0;          // modes 16, 17 (Fp8GemmParams::prefill_fast 1, 2)
   int64_t mx_inter_max_ = 0;      // widest mxfp4 expert
   bool mx_tensor_cores_ = false;  // fp8_block + mxfp4 experts with FP8 x run on the mixed sm_90a GEMMs
   bool mx_wide_ = false;          // their 512-thread variant (EPX_EXPERTS_MXFP4_TC=2)

@@ -54,17 +54,10 @@ struct Fp8GemmParams {
   /// they belong to the same expert each CTA loads one 128-row half of the weight tile, multicast
   /// to both (half the weight bytes from L2 per CTA). Same results. 0 = one CTA per work item.
   int32_t prefill_cluster;
-  /// Prefill kernels (experts_fp8_prefill.cuh, kblock): the two consumer warpgroups' wgmma
-  /// issue order. 0 = free (each issues when its stage is ready); 1..3 = they take turns,
-  /// handing over 1 = after issuing a batch, 2 = when the batch completed, 3 = when its first three
-  /// of four wgmmas completed (Config::experts_fp8_prefill 6, 5, 7, 9; cp.async kernels only: the
-  /// TMA kernels run 0). Same results; measured slower than 0 (bench/NOTES.md, sixth session).
-  int32_t prefill_order;
-  /// Prefill kernels: 1 = tokens in wgmma's A and weights in B (Config::experts_fp8_prefill 8, the
-  /// default now; 9 with prefill_order 2; 10, 11 with TMA loads): 2 scale products per thread and
-  /// K block instead of 32 (and 16 shared loads); measured the same bits as 0 (weights in A) and
-  /// 34 % less time (bench/NOTES.md, sixth session).
-  int32_t prefill_swap;
+  /// cp.async prefill kernels: 1 = kblock<true> (scales read before the wgmmas, the stage released
+  /// before the last promotion) and bulk-copy epilogue stores (Config::experts_fp8_prefill 16); 2 = 1
+  /// with wgmma's A (the tokens) in registers (17); same bits as 0.
+  int32_t prefill_fast;
 };
 
 /// One CUtensorMap (cuda.h), opaque here: 128 bytes, 128-byte aligned.
@@ -112,7 +105,7 @@ int fp8_prefill_smem_bytes();
 void fp8_prefill_set_smem_limits();
 
 /// The TMA variant of the prefill kernels (experts_fp8_prefill_tma_cuda.cu; Config::experts_fp8_prefill
-/// 3 / 4): same arguments and results; needs p.w_maps (fp8_prefill_weight_maps) and p.row_space;
+/// 10 / 11): same arguments and results; needs p.w_maps (fp8_prefill_weight_maps) and p.row_space;
 /// p.prefill_cluster = 1 launches 2-CTA clusters. Shared bytes and the one-time limit raise as above.
 void launch_fp8_prefill_tma_gate_up(const Fp8GemmParams& p, int grid, cudaStream_t stream);
 void launch_fp8_prefill_tma_down(const Fp8GemmParams& p, int grid, cudaStream_t stream);

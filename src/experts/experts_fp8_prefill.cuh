@@ -1,16 +1,20 @@
 // experts/experts_fp8_prefill.cuh: what the two FP8 prefill GEMM files share
 // (experts_fp8_prefill_cuda.cu: cp.async loads; experts_fp8_prefill_tma_cuda.cu: TMA loads and the
 // 2-CTA cluster launch): the CTA tile and its shared-memory layout, and the consumer warpgroups'
-// work on one K block (wgmmas, the optional turn order, the block-scale promotion) and on one work
-// item's end (gate_up: silu(g) * u and the FP8 1x128 requantization of h; down: bf16 out).
+// work on one K block (wgmmas and the block-scale promotion, kblock) and on one work item's end
+// (gate_up: silu(g) * u and the FP8 1x128 requantization of h; down: bf16 out; epilogue).
 //
 // CTA tile: 256 weight rows (gate_up: the gate and up rows of 128 h columns; down: 256 output
-// columns) x 128 tokens x 128 K per stage; two consumer warpgroups (thread ids 128..383), each with
+// columns) x 128 tokens x 128 K per stage; two consumer warpgroups (thread ids 128..383), warpgroup c
+// with tokens 64 c .. 64 c + 63 in wgmma's A and the weight rows in B (DeepGEMM's orientation),
 // 2 x 64 fp32 accumulators and a 64-float temporary per thread (m64n128k32 wgmmas). Promotion after
 // every 128-deep K block: acc += tmp * (w_scale * x_scale) (DeepSeek-V3's recipe; DeepGEMM's order).
+// Removed after measurement (bench/NOTES.md, sixth and seventh sessions): weights in wgmma's A, the
+// consumer turn orders, and a consumer pipelining m64n64 batches (wait_group 1): 40 % slower.
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include "epx/dtype.h"
 #include "experts/experts_fp8_cuda.h"
@@ -38,8 +42,7 @@ struct Layout {
   static constexpr int kStages = kGateUp ? 4 : 3;  // down's 66 KiB staging leaves room for 3
   static constexpr int kScaleOff = kStages * kStageBytes;
   static constexpr int kBarOff = kScaleOff + kStages * kScaleFloats * 4;   // full[kStages], empty[kStages]
-  static constexpr int kRedOff = kBarOff + 2 * kStages * 8;               // gate_up: [8 warps][128] amax
-  static constexpr int kRowsOff = kRedOff + (kGateUp ? 8 * kBN * 4 : 0);  // producer: [kBN] B row byte offsets
+  static constexpr int kRowsOff = kBarOff + 2 * kStages * 8;              // producer: [kBN] B row byte offsets
   static constexpr int kOutOff = (kRowsOff + kBN * 8 + 127) / 128 * 128;
   static constexpr int kOutBytes = kGateUp ? kBN * kHStride : kBN * kOutStride * 2;
   static constexpr int kSmemBytes = kOutOff + kOutBytes + 1024;  // + alignment of the base
@@ -47,18 +50,9 @@ struct Layout {
 static_assert(Layout<true>::kSmemBytes <= 227 * 1024 && Layout<false>::kSmemBytes <= 227 * 1024, "fits an SM");
 static_assert((kScaleFloats * 4) % 16 == 0, "stage scale blocks stay 16-byte aligned");
 
+static_assert(kHStride % 16 == 0 && (kOutStride * 2) % 16 == 0, "staged rows start 16-byte aligned (bulk copies)");
+
 #ifdef EPX_FP8_WGMMA
-
-/// Named barriers of the consumer turn order (Fp8GemmParams::prefill_order): kTurn1 "warpgroup 1 may
-/// issue its next batch" (warpgroup 0 arrives, 1 syncs), kTurn0 the other way round. (1: the
-/// consumers' own barrier, 2: the producer's.)
-constexpr int kTurn0 = 3, kTurn1 = 4;
-
-/// Hands the tensor-core turn to the other consumer warpgroup (non-blocking arrive).
-__device__ __forceinline__ void pass_turn(int cwg) {
-  if (cwg == 0) asm volatile("bar.arrive %0, 256;\n" ::"n"(kTurn1) : "memory");
-  else asm volatile("bar.arrive %0, 256;\n" ::"n"(kTurn0) : "memory");
-}
 
 /// The consumer thread's coordinates: ct = threadIdx.x - 128, its warpgroup cwg (0, 1), warp
 /// (0..7), warp in the warpgroup, lane.
@@ -75,88 +69,88 @@ struct Who {
 
 /// One K block of this consumer warpgroup: the stage's weight tile at a_s (256 rows), token tile
 /// at b_s (128 rows), scales sc (4 weight sub-tile scales, then 128 token scales). Two batches of
-/// 4 m64n128k32 wgmmas into `tmp`, each waited for (wait_group 0) and promoted into acc[sub].
-/// kOrder (Fp8GemmParams::prefill_order): 0 = each warpgroup issues whenever its stage is ready;
-/// 1..3 = the warpgroups take turns, warpgroup 0 first, handing over 1 = right after issuing, 2 =
-/// when the batch has completed, 3 = when its first three wgmmas have completed (a second commit
-/// group for the fourth). Same wgmmas into the same temporaries, same promotions: same bits.
-/// kSwap (Fp8GemmParams::prefill_swap): tokens in wgmma's A (the warpgroup's 64 tokens), weights
-/// in B (128 rows: gate_up all gate or all up rows of the tile's 128 h columns; down 128 output
-/// columns), DeepGEMM's orientation: a thread's accumulators belong to 2 tokens (rows r, r + 8)
-/// instead of 32, so the promotion needs 2 scale products instead of 32 products and 16 shared
-/// loads. Not swapped: A = weight sub-tile 2 sub + cwg (64 rows), B = the 128 tokens.
-/// `batches` counts this warpgroup's batches (turn order).
-template <int kOrder, bool kSwap>
+/// 4 m64n128k32 wgmmas into `tmp` (A: the warpgroup's 64 tokens; B: 128 weight rows, batch 0 the
+/// gate rows / output columns 0-127, batch 1 the up rows / 128-255), each waited for (wait_group 0)
+/// and promoted into acc[sub]; a thread's accumulators belong to 2 tokens (rows r, r + 8), so the
+/// promotion needs 2 scale products. kEarly (Config::experts_fp8_prefill 16): the 4 scale products
+/// are read before the first wgmma is issued, and `release()` (the stage's `empty` arrive) runs
+/// right after the second batch's wait, before its promotion, so the producer can refill the stage
+/// meanwhile; without kEarly the caller releases after kblock returns. kRs (Config::
+/// experts_fp8_prefill 17): A (the warpgroup's 64 tokens) is loaded into registers once per K block
+/// (ldmatrix, 16 registers) and both batches read it from there, so the wgmmas read only B from
+/// shared memory (32 instead of 48 KiB per warpgroup and block). Same products, same promotions:
+/// same bits.
+template <bool kEarly, bool kRs = false, class Release>
 __device__ __forceinline__ void kblock(const Who& w, uint32_t a_s, uint32_t b_s, const float* sc, float (&acc)[2][kFrag],
-                                       float (&tmp)[kFrag], int64_t& batches) {
+                                       float (&tmp)[kFrag], Release release) {
   using namespace wg;
-  const uint64_t db = smem_desc(b_s);
+  const int r = w.cwg * 64 + 16 * w.warp_in_wg + (w.lane >> 2);  // tokens r (i & 2 == 0), r + 8
+  float sp[2][2];  // [weight block][token]: w_scale * x_scale
+  if constexpr (kEarly) {
+    const float x0 = sc[4 + r], x1 = sc[4 + r + 8], w0 = sc[0], w1 = sc[2];
+    sp[0][0] = w0 * x0, sp[0][1] = w0 * x1, sp[1][0] = w1 * x0, sp[1][1] = w1 * x1;
+  }
+  const uint64_t da = smem_desc(b_s + w.cwg * kSub);
+  uint32_t afr[kRs ? kBK / 32 : 1][4];
+  if constexpr (kRs) {
+    // Lane l gives the row address of matrix l / 8: rows 16 warp + (l % 8) + 8 ((l / 8) & 1) of the
+    // warpgroup's 64 tokens, 16-byte chunk 2 k + (l / 16) of the 128-byte (swizzled) row.
+    const int m = w.lane >> 3, row = w.cwg * 64 + 16 * w.warp_in_wg + (w.lane & 7) + 8 * (m & 1);
+#pragma unroll
+    for (int k = 0; k < kBK / 32; ++k) ldmatrix_x4(afr[k], b_s + swz(row, 2 * k + (m >> 1)));
+  }
 #pragma unroll
   for (int sub = 0; sub < 2; ++sub) {
-    const uint64_t da = kSwap ? smem_desc(b_s + w.cwg * kSub) : smem_desc(a_s + (2 * sub + w.cwg) * kSub);
-    const uint64_t dbs = kSwap ? smem_desc(a_s + 2 * sub * kSub) : db;
-    if constexpr (kOrder != 0) {
-      // Wait for the turn: warpgroup 1 for warpgroup 0's batch of this sub-tile, warpgroup 0 for
-      // warpgroup 1's previous batch (none before its very first).
-      if (w.cwg == 1) named_bar_sync(kTurn1, 256);
-      else if (batches > 0) named_bar_sync(kTurn0, 256);
-      ++batches;
-    }
+    const uint64_t db = smem_desc(a_s + 2 * sub * kSub);
     wgmma_fence();
 #pragma unroll
     for (int k = 0; k < kBK / 32; ++k) {
-      Wgmma<kBN>::mma(tmp, da + 2 * k, dbs + 2 * k, k);
-      if constexpr (kOrder == 3)
-        if (k == kBK / 32 - 2) wgmma_commit();
+      if constexpr (kRs) Wgmma<kBN>::mma_rs(tmp, afr[k], db + 2 * k, k);
+      else Wgmma<kBN>::mma(tmp, da + 2 * k, db + 2 * k, k);
     }
     wgmma_commit();
-    if constexpr (kOrder == 1) pass_turn(w.cwg);
-    if constexpr (kOrder == 3) {
-      wgmma_wait<1>();
-      pass_turn(w.cwg);
-    }
     wgmma_wait<0>();
-    if constexpr (kOrder == 2) pass_turn(w.cwg);
 #pragma unroll
     for (int i = 0; i < kFrag; ++i) fence_operand(tmp[i]);
-    if constexpr (kSwap) {
+    if constexpr (kEarly) {
+      if (sub == 1) release();
+    } else {
       // Weight sub-tiles 2 sub and 2 sub + 1 share one 128 x 128 scale block (col0 % 128 == 0).
       const float wsc = sc[2 * sub];
-      const int r = w.cwg * 64 + 16 * w.warp_in_wg + (w.lane >> 2);  // tokens r (i & 2 == 0), r + 8
-      const float s0 = wsc * sc[4 + r], s1 = wsc * sc[4 + r + 8];
-#pragma unroll
-      for (int i = 0; i < kFrag; ++i) acc[sub][i] = fmaf(tmp[i], (i & 2) ? s1 : s0, acc[sub][i]);
-    } else {
-      const float wsc = sc[2 * sub + w.cwg];
-#pragma unroll
-      for (int i = 0; i < kFrag; i += 2) {
-        const int col = 8 * (i >> 2) + 2 * (w.lane & 3);  // columns col, col + 1 for i, i + 1
-        const float2 xs = *reinterpret_cast<const float2*>(sc + 4 + col);
-        acc[sub][i] = fmaf(tmp[i], wsc * xs.x, acc[sub][i]);
-        acc[sub][i + 1] = fmaf(tmp[i + 1], wsc * xs.y, acc[sub][i + 1]);
-      }
+      sp[sub][0] = wsc * sc[4 + r], sp[sub][1] = wsc * sc[4 + r + 8];
     }
+#pragma unroll
+    for (int i = 0; i < kFrag; ++i) acc[sub][i] = fmaf(tmp[i], (i & 2) ? sp[sub][1] : sp[sub][0], acc[sub][i]);
   }
 }
 
-/// After the last K block of the kernel: warpgroup 1's last hand-over has no batch after it;
-/// warpgroup 0 consumes it so no arrival is left pending.
-template <int kOrder>
-__device__ __forceinline__ void turns_end(const Who& w, int64_t batches) {
-  if constexpr (kOrder != 0)
-    if (w.cwg == 0 && batches > 0) wg::named_bar_sync(kTurn0, 256);
-}
+/// The ring position of the next K block: stage (0 .. stages-1) and the parity of its use.
+struct RingPos {
+  uint32_t stage = 0, phase = 0;
+  __device__ __forceinline__ void advance(uint32_t stages) {
+    if (++stage == stages) stage = 0, phase ^= 1u;
+  }
+};
 
 /// The end of one work item (both consumer warpgroups, 256 threads; ends with their barrier, so
 /// the staging buffer is free for the next item): gate_up writes h = silu(g) * u as FP8 e4m3 with
 /// one 1x128 scale per token (hq, hs), down writes bf16 rows of out.
-template <bool kGateUp, bool kSwap>
+/// kBulk (Config::experts_fp8_prefill 16): the staged rows go out as one bulk copy per
+/// token row (cp.async.bulk, issued by the consumer thread of that row) instead of 16-byte stores
+/// by every consumer thread, and the consumers move on to the next item while the copy engine
+/// reads the staging buffer; the next epilogue waits for those reads before it writes the buffer
+/// (and bulk_end, after the last item, for the copies' completion). Same bytes.
+template <bool kGateUp, bool kBulk>
 __device__ __forceinline__ void epilogue(const Fp8GemmParams& p, const wg::Item& it, const Who& w, float (&acc)[2][kFrag],
                                          uint8_t* smem) {
   using namespace wg;
   using L = Layout<kGateUp>;
-  const int ct = w.ct, cwg = w.cwg, warp = w.warp, warp_in_wg = w.warp_in_wg, lane = w.lane;
-  if constexpr (kGateUp && kSwap) {
+  const int ct = w.ct, cwg = w.cwg, warp_in_wg = w.warp_in_wg, lane = w.lane;
+  if constexpr (kBulk) {
+    if (ct < kBN) bulk_wait_read();  // the previous item's row copies have read the staging buffer
+    named_bar_sync(1, 256);
+  }
+  if constexpr (kGateUp) {
     // h for (token cwg*64 + row, h column col): gate in acc[0], up in acc[1]; a token's 128 h
     // columns lie in one lane quad (32 per lane).
     uint8_t* stage = smem + L::kOutOff;  // [kBN][kHStride] FP8 h
@@ -187,50 +181,15 @@ __device__ __forceinline__ void epilogue(const Fp8GemmParams& p, const wg::Item&
       if (r < it.num_rows) p.hs[static_cast<int64_t>(it.row0 + r) * p.hs_stride + it.col0 / kBK] = sc0;
       if (r + 8 < it.num_rows) p.hs[static_cast<int64_t>(it.row0 + r + 8) * p.hs_stride + it.col0 / kBK] = sc1;
     }
-    named_bar_sync(1, 256);
-    for (int q = ct; q < it.num_rows * 8; q += 256) {
-      const int j = q >> 3, c = q & 7;
-      *reinterpret_cast<uint4*>(p.hq + static_cast<int64_t>(it.row0 + j) * p.h_stride + it.col0 + c * 16) =
-          *reinterpret_cast<const uint4*>(stage + j * kHStride + c * 16);
-    }
-  } else if constexpr (kGateUp) {
-    // h for (h column cwg*64 + row, token col): gate in acc[0], up in acc[1].
-    float* red = reinterpret_cast<float*>(smem + L::kRedOff);  // [8 warps][kBN] amax
-    uint8_t* stage = smem + L::kOutOff;                         // [kBN][kHStride] FP8 h
-    float cmax[kFrag / 2];  // per distinct column: index (i >> 2) * 2 + (i & 1)
-#pragma unroll
-    for (int j = 0; j < kFrag / 2; ++j) cmax[j] = 0.0f;
-#pragma unroll
-    for (int i = 0; i < kFrag; ++i) {
-      const float g = acc[0][i], u = acc[1][i];
-      acc[0][i] = g / (1.0f + expf(-g)) * u;  // silu(g) * u in fp32, the CPU's expression
-      const int j = (i >> 2) * 2 + (i & 1);
-      cmax[j] = fmaxf(cmax[j], fabsf(acc[0][i]));
-    }
-#pragma unroll
-    for (int j = 0; j < kFrag / 2; ++j) {
-#pragma unroll
-      for (int m = 4; m < 32; m <<= 1) cmax[j] = fmaxf(cmax[j], __shfl_xor_sync(0xffffffffu, cmax[j], m));
-    }
-    if (lane < 4) {
-#pragma unroll
-      for (int j = 0; j < kFrag / 2; ++j) red[warp * kBN + 8 * (j >> 1) + 2 * lane + (j & 1)] = cmax[j];
-    }
-    named_bar_sync(1, 256);
-#pragma unroll
-    for (int i = 0; i < kFrag; ++i) {
-      const int col = 8 * (i >> 2) + 2 * (lane & 3) + (i & 1);
-      float amax = 0.0f;
-#pragma unroll
-      for (int v = 0; v < 8; ++v) amax = fmaxf(amax, red[v * kBN + col]);
-      const float scale = __fdiv_rn(fmaxf(amax, 1e-4f), kFp8E4m3Max);
-      const int hrow = cwg * 64 + 16 * warp_in_wg + (lane >> 2) + 8 * ((i >> 1) & 1);
-      stage[col * kHStride + hrow] = float_to_fp8_e4m3_bits(__fdiv_rn(acc[0][i], scale));
-    }
-    if (ct < it.num_rows) {
-      float amax = 0.0f;
-      for (int v = 0; v < 8; ++v) amax = fmaxf(amax, red[v * kBN + ct]);
-      p.hs[static_cast<int64_t>(it.row0 + ct) * p.hs_stride + it.col0 / kBK] = __fdiv_rn(fmaxf(amax, 1e-4f), kFp8E4m3Max);
+    if constexpr (kBulk) {
+      fence_proxy_async();  // this thread's staging writes, before the copy engine reads them
+      named_bar_sync(1, 256);
+      if (ct < it.num_rows) {
+        bulk_store(p.hq + static_cast<int64_t>(it.row0 + ct) * p.h_stride + it.col0,
+                   static_cast<uint32_t>(__cvta_generic_to_shared(stage + ct * kHStride)), kBK);
+        bulk_commit();
+      }
+      return;
     }
     named_bar_sync(1, 256);
     for (int q = ct; q < it.num_rows * 8; q += 256) {
@@ -242,25 +201,25 @@ __device__ __forceinline__ void epilogue(const Fp8GemmParams& p, const wg::Item&
     uint16_t* stage = reinterpret_cast<uint16_t*>(smem + L::kOutOff);  // [kBN][kOutStride] bf16
 #pragma unroll
     for (int sub = 0; sub < 2; ++sub) {
-      if constexpr (kSwap) {
-        // (token r or r + 8, output columns 128 sub + col, col + 1): one 4-byte store per pair.
-        const int r = cwg * 64 + 16 * warp_in_wg + (lane >> 2);
+      // (token r or r + 8, output columns 128 sub + col, col + 1): one 4-byte store per pair.
+      const int r = cwg * 64 + 16 * warp_in_wg + (lane >> 2);
 #pragma unroll
-        for (int i = 0; i < kFrag; i += 2) {
-          const int col = 128 * sub + 8 * (i >> 2) + 2 * (lane & 3), tok = r + ((i & 2) ? 8 : 0);
-          *reinterpret_cast<uint32_t*>(stage + tok * kOutStride + col) =
-              static_cast<uint32_t>(float_to_bf16_bits(acc[sub][i])) |
-              (static_cast<uint32_t>(float_to_bf16_bits(acc[sub][i + 1])) << 16);
-        }
-      } else {
-        const int t = sub * 2 + cwg;
-#pragma unroll
-        for (int i = 0; i < kFrag; ++i) {
-          const int col = 8 * (i >> 2) + 2 * (lane & 3) + (i & 1);
-          const int wrow = t * 64 + 16 * warp_in_wg + (lane >> 2) + 8 * ((i >> 1) & 1);
-          stage[col * kOutStride + wrow] = float_to_bf16_bits(acc[sub][i]);
-        }
+      for (int i = 0; i < kFrag; i += 2) {
+        const int col = 128 * sub + 8 * (i >> 2) + 2 * (lane & 3), tok = r + ((i & 2) ? 8 : 0);
+        *reinterpret_cast<uint32_t*>(stage + tok * kOutStride + col) =
+            static_cast<uint32_t>(float_to_bf16_bits(acc[sub][i])) | (static_cast<uint32_t>(float_to_bf16_bits(acc[sub][i + 1])) << 16);
       }
+    }
+    if constexpr (kBulk) {
+      fence_proxy_async();
+      named_bar_sync(1, 256);
+      if (ct < it.num_rows) {
+        const int64_t ncols = p.hidden - it.col0 < kWRows ? p.hidden - it.col0 : kWRows;  // H % 128 == 0
+        bulk_store(p.out + static_cast<int64_t>(it.row0 + ct) * p.hidden + it.col0,
+                   static_cast<uint32_t>(__cvta_generic_to_shared(stage + ct * kOutStride)), static_cast<uint32_t>(2 * ncols));
+        bulk_commit();
+      }
+      return;
     }
     named_bar_sync(1, 256);
     constexpr int kChunks = kWRows / 8;  // 16-byte chunks per output row
@@ -272,7 +231,12 @@ __device__ __forceinline__ void epilogue(const Fp8GemmParams& p, const wg::Item&
             *reinterpret_cast<const uint4*>(stage + j * kOutStride + c * 8);
     }
   }
-  named_bar_sync(1, 256);  // staging (and red) are reused by the next item's epilogue
+  named_bar_sync(1, 256);  // staging is reused by the next item's epilogue
+}
+
+/// After a consumer's last epilogue<.., true>: its row copies completed (before the CTA exits).
+__device__ __forceinline__ void bulk_end(const Who& w) {
+  if (w.ct < kBN) wg::bulk_wait();
 }
 
 /// Weight tile `wt` of tile list entry `tile`, or false when this CTA-uniform item has nothing to do

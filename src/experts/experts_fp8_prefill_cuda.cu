@@ -2,7 +2,7 @@
 // GEMMs on sm_90a: the same two GEMMs as experts_fp8_cuda.cu (128x128 weight block scales x 1x128
 // activation scales promoted in fp32 registers after every 128-deep K block, DeepSeek-V3 /
 // DeepGEMM's recipe; gate_up fuses silu(g) * u and the FP8 1x128 requantization of h, down rounds
-// to bf16 once), over tiles of up to 128 tokens; tokens in wgmma's M slot by default (below).
+// to bf16 once), over tiles of up to 128 tokens (tokens in wgmma's M slot, below).
 //
 // One CTA per SM, 384 threads, warp-specialized:
 //   warpgroup 0 (producer, 64 registers): streams each K block's operands into a kStages-deep ring
@@ -13,13 +13,14 @@
 //   warpgroups 1, 2 (consumers, 216 registers; experts_fp8_prefill.cuh: kblock, epilogue): per K
 //     block two batches of 4 m64n128k32 wgmmas into a temporary, each waited for and promoted
 //     (acc += tmp * w_scale * x_scale), then one arrive per warp on the stage's `empty` barrier.
-//     Default (Fp8GemmParams::prefill_swap, Config::experts_fp8_prefill 8): tokens in wgmma's A
-//     (warpgroup c: tokens 64 c ..), weights in B (batch 0: gate rows / output columns 0-127, batch
-//     1: up rows / output columns 128-255), so a thread's accumulators hold 2 tokens and the
-//     promotion needs 2 scale products; =2: weights in A (warpgroup c owns weight sub-tiles c and
-//     2 + c, tokens in N: 32 products and 16 shared loads per promotion; 34 % slower, same bits,
-//     bench/NOTES.md sixth session). The producer runs up to kStages blocks ahead, across work
-//     items, so the next item's first stages load under the current epilogue.
+//     Tokens in wgmma's A (warpgroup c: tokens 64 c ..), weights in B (batch 0: gate rows / output
+//     columns 0-127, batch 1: up rows / output columns 128-255), so a thread's accumulators hold 2
+//     tokens and the promotion needs 2 scale products. Fp8GemmParams::prefill_fast
+//     (Config::experts_fp8_prefill 16): scales read before the wgmmas, the stage released before
+//     the last promotion, the epilogue's rows stored by bulk copies; 17: the same with the tokens
+//     (wgmma's A) loaded into registers once per K block; same bits. The producer runs
+//     up to kStages blocks ahead, across work items, so the next item's first stages load under
+//     the current epilogue.
 // Work items: (128-row tile, weight tile) pairs over the tile list's prefill section, walked by a
 // persistent grid in tile-major order (all weight tiles of one row tile, then the expert's next row
 // tile: the weight tile's second reader hits L2).
@@ -49,14 +50,6 @@ __device__ __forceinline__ bool resolve(const Fp8GemmParams& p, int32_t tile0, i
   return resolve_tile<kGateUp>(p, tile0 + static_cast<int32_t>(item / p.max_weight_tiles),
                                static_cast<int>(item % p.max_weight_tiles), it, expert);
 }
-
-/// The ring position of the next K block: stage (0 .. stages-1) and the parity of its use.
-struct RingPos {
-  uint32_t stage = 0, phase = 0;
-  __device__ __forceinline__ void advance(uint32_t stages) {
-    if (++stage == stages) stage = 0, phase ^= 1u;
-  }
-};
 
 /// Loads are coalesced: thread pt copies 16-byte chunk pt % 8 of rows pt / 8 + 16 i, so 8
 /// consecutive lanes read one row's 128 contiguous bytes (a thread per row would split every
@@ -126,10 +119,10 @@ __device__ __forceinline__ void producer(const Fp8GemmParams& p, int32_t tile0, 
   cp_async_wait<0>();
 }
 
-/// The consumer warpgroups: per K block kblock<kOrder, kSwap> (experts_fp8_prefill.cuh; modes
-/// 5-9 of Config::experts_fp8_prefill), then one arrive per warp on the stage's `empty` barrier;
-/// per item the epilogue.
-template <bool kGateUp, int kOrder, bool kSwap>
+/// The consumer warpgroups: per K block kblock<kFast> (experts_fp8_prefill.cuh), with one arrive
+/// per warp on the stage's `empty` barrier (kFast: inside kblock, before the last promotion); per
+/// item the epilogue (kFast: bulk-copy row stores).
+template <bool kGateUp, bool kFast, bool kRs>
 __device__ __forceinline__ void consumer(const Fp8GemmParams& p, int32_t tile0, int64_t num_items, uint32_t stages,
                                          uint8_t* smem, uint32_t smem_s) {
   using L = Layout<kGateUp>;
@@ -140,7 +133,6 @@ __device__ __forceinline__ void consumer(const Fp8GemmParams& p, int32_t tile0, 
 #pragma unroll
   for (int i = 0; i < kFrag; ++i) tmp[i] = 0.0f;
   RingPos pos;
-  int64_t batches = 0;  // wgmma batches this warpgroup issued (turn order)
   for (int64_t item = blockIdx.x; item < num_items; item += gridDim.x) {
     Item it;
     if (!resolve<kGateUp>(p, tile0, item, it)) continue;
@@ -154,17 +146,20 @@ __device__ __forceinline__ void consumer(const Fp8GemmParams& p, int32_t tile0, 
       mbar_wait(full0 + s * 8, pos.phase);
       fence_proxy_async();  // cp.async wrote through the generic proxy; wgmma reads through the async one
       const uint32_t a_s = smem_s + s * kStageBytes;
-      kblock<kOrder, kSwap>(w, a_s, a_s + kABytes, scales + s * kScaleFloats, acc, tmp, batches);
-      __syncwarp();
-      if (w.lane == 0) mbar_arrive(empty0 + s * 8);  // 8 consumer warps release the stage
+      auto release = [&] {  // 8 consumer warps release the stage
+        __syncwarp();
+        if (w.lane == 0) mbar_arrive(empty0 + s * 8);
+      };
+      kblock<kFast, kRs>(w, a_s, a_s + kABytes, scales + s * kScaleFloats, acc, tmp, release);
+      if constexpr (!kFast) release();
       pos.advance(stages);
     }
-    epilogue<kGateUp, kSwap>(p, it, w, acc, smem);
+    epilogue<kGateUp, kFast>(p, it, w, acc, smem);
   }
-  turns_end<kOrder>(w, batches);
+  if constexpr (kFast) bulk_end(w);
 }
 
-template <bool kGateUp, int kOrder, bool kSwap>
+template <bool kGateUp, bool kFast, bool kRs>
 __global__ void __launch_bounds__(kPfThreads, 1) fp8_prefill_kernel(Fp8GemmParams p) {
   using L = Layout<kGateUp>;
   extern __shared__ uint8_t smem_raw[];
@@ -189,13 +184,13 @@ __global__ void __launch_bounds__(kPfThreads, 1) fp8_prefill_kernel(Fp8GemmParam
     producer<kGateUp>(p, tile0, num_items, stages, smem, smem_s);
   } else {
     setmaxnreg_inc<216>();
-    consumer<kGateUp, kOrder, kSwap>(p, tile0, num_items, stages, smem, smem_s);
+    consumer<kGateUp, kFast, kRs>(p, tile0, num_items, stages, smem, smem_s);
   }
 }
 
 #else  // not sm_90a: the host never launches these (fp8_tensor_cores_available is false)
 
-template <bool kGateUp, int kOrder, bool kSwap>
+template <bool kGateUp, bool kFast, bool kRs>
 __global__ void __launch_bounds__(kPfThreads, 1) fp8_prefill_kernel(Fp8GemmParams) {
 #ifdef __CUDA_ARCH__
   __trap();
@@ -204,17 +199,11 @@ __global__ void __launch_bounds__(kPfThreads, 1) fp8_prefill_kernel(Fp8GemmParam
 
 #endif  // EPX_FP8_WGMMA
 
-/// The kernel instance of Fp8GemmParams::prefill_order (0..3; others: 0) and prefill_swap
-/// (swapped: orders 0 and 2 only; others: 0).
+/// The kernel instance of Fp8GemmParams::prefill_fast (0: mode 8, 1: 16, 2: 17 = 16 with A in registers).
 template <bool kGateUp>
-auto prefill_kernel(int order, bool swap) {
-  if (swap) return order == 2 ? fp8_prefill_kernel<kGateUp, 2, true> : fp8_prefill_kernel<kGateUp, 0, true>;
-  switch (order) {
-    case 1: return fp8_prefill_kernel<kGateUp, 1, false>;
-    case 2: return fp8_prefill_kernel<kGateUp, 2, false>;
-    case 3: return fp8_prefill_kernel<kGateUp, 3, false>;
-    default: return fp8_prefill_kernel<kGateUp, 0, false>;
-  }
+auto prefill_kernel(int fast) {
+  return fast == 2 ? fp8_prefill_kernel<kGateUp, true, true>
+                   : fast == 1 ? fp8_prefill_kernel<kGateUp, true, false> : fp8_prefill_kernel<kGateUp, false, false>;
 }
 
 }  // namespace
@@ -222,21 +211,19 @@ auto prefill_kernel(int order, bool swap) {
 int fp8_prefill_smem_bytes() { return std::max(Layout<true>::kSmemBytes, Layout<false>::kSmemBytes); }
 
 void fp8_prefill_set_smem_limits() {
-  for (int v = 0; v < 8; ++v) {
-    EPX_CUDA_CHECK(cudaFuncSetAttribute(prefill_kernel<true>(v & 3, v >= 4), cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        Layout<true>::kSmemBytes));
-    EPX_CUDA_CHECK(cudaFuncSetAttribute(prefill_kernel<false>(v & 3, v >= 4), cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        Layout<false>::kSmemBytes));
+  for (int fast : {0, 1, 2}) {
+    EPX_CUDA_CHECK(cudaFuncSetAttribute(prefill_kernel<true>(fast), cudaFuncAttributeMaxDynamicSharedMemorySize, Layout<true>::kSmemBytes));
+    EPX_CUDA_CHECK(cudaFuncSetAttribute(prefill_kernel<false>(fast), cudaFuncAttributeMaxDynamicSharedMemorySize, Layout<false>::kSmemBytes));
   }
 }
 
 void launch_fp8_prefill_gate_up(const Fp8GemmParams& p, int grid, cudaStream_t stream) {
-  prefill_kernel<true>(p.prefill_order, p.prefill_swap != 0)<<<grid, kPfThreads, Layout<true>::kSmemBytes, stream>>>(p);
+  prefill_kernel<true>(p.prefill_fast)<<<grid, kPfThreads, Layout<true>::kSmemBytes, stream>>>(p);
   cuda::check_launch("fp8_prefill_kernel (gate_up)");
 }
 
 void launch_fp8_prefill_down(const Fp8GemmParams& p, int grid, cudaStream_t stream) {
-  prefill_kernel<false>(p.prefill_order, p.prefill_swap != 0)<<<grid, kPfThreads, Layout<false>::kSmemBytes, stream>>>(p);
+  prefill_kernel<false>(p.prefill_fast)<<<grid, kPfThreads, Layout<false>::kSmemBytes, stream>>>(p);
   cuda::check_launch("fp8_prefill_kernel (down)");
 }
 

@@ -1,34 +1,23 @@
 // experts/experts_fp8_prefill_tma_cuda.cu: a variant of the FP8 prefill grouped GEMMs of
-// experts_fp8_prefill_cuda.cu (same tiles, same wgmmas and promotion, bit-identical output) whose
-// operands come by TMA, opt-in (Config::experts_fp8_prefill = 3, or 4 for its 2-CTA cluster launch;
-// bench/NOTES.md, fifth session: TMA 6 % faster than this file's own cp.async path in the same run,
-// not faster than experts_fp8_prefill_cuda.cu measured in other runs; the cluster launch 27 % slower).
-//
-// The prefill (many rows per expert) FP8 block-scaled grouped
-// GEMMs on sm_90a: the same two GEMMs as experts_fp8_cuda.cu (weights in wgmma's M slot, tokens in
-// N, 128x128 weight block scales x 1x128 activation scales promoted in fp32 registers after every
-// 128-deep K block, DeepSeek-V3 / DeepGEMM's recipe; gate_up fuses silu(g) * u and the FP8 1x128
-// requantization of h, down rounds to bf16 once), over tiles of up to 128 tokens.
+// experts_fp8_prefill_cuda.cu (same tiles, same consumer and epilogue, experts_fp8_prefill.cuh;
+// bit-identical output) whose operands come by TMA, opt-in (Config::experts_fp8_prefill 10, or 11 for
+// its 2-CTA cluster launch multicasting the weight tile; bench/NOTES.md: 10 was 4 % faster than the
+// cp.async kernels on ExpertMajor and 9 % slower on Flat in one run, 11 slower on both).
 //
 // One CTA per SM, 384 threads, warp-specialized:
 //   warpgroup 0 (producer, 64 registers): streams each K block's operands into a kStages-deep ring
-//     of 128-byte-swizzled K-major tiles. With TMA (Fp8GemmParams::w_maps set, the default):
-//     thread 0 loads the 256 x 128-byte weight tile as two 128-row boxes of the expert's tensor map
-//     (cp.async.bulk.tensor, 128B swizzle = the layout smem_desc reads) and, where the tile's token
-//     rows are contiguous (ExpertMajor gate_up; down's hq), the 128 x 128-byte token tile from a
-//     per-launch map of x / hq, all completing on the stage's `full` mbarrier (expect_tx); the
-//     128 threads still cp.async the token scales (strided: [rows, K/128]) and the Flat gate_up
-//     token rows (a gather: 8 lanes per 128-byte row) and arrive with cp.async.mbarrier.arrive, so
-//     `full` completes when the TMA bytes and all 128 threads' copies landed. Without TMA (w_maps
-//     null, EPX_EXPERTS_FP8_PREFILL=2) every operand goes through 16-byte cp.async as before
-//     (bench/NOTES.md: the cp.async path tops out near 3.3 TB/s of L2 -> SM traffic);
-//   warpgroups 1, 2 (consumers, 216 registers): warpgroup c owns weight sub-tiles c and 2 + c
-//     (gate_up: gate and up rows of the same 64 h columns, so one thread holds g and u of the same
-//     (h column, token)); per K block: 4 m64n128k32 wgmmas into a temporary, wait, promote
-//     (acc += tmp * w_scale * x_scale), the same for the second sub-tile, then one arrive per warp on
-//     the stage's `empty` barrier. While one warpgroup promotes, the other's wgmmas keep the tensor
-//     cores busy; the producer runs up to kStages blocks ahead, across work items, so the next
-//     item's first stages load under the current epilogue (its staging buffer is not the ring).
+//     of 128-byte-swizzled K-major tiles: thread 0 loads the 256 x 128-byte weight tile as two
+//     128-row boxes of the expert's tensor map (Fp8GemmParams::w_maps; cp.async.bulk.tensor, 128B
+//     swizzle = the layout smem_desc reads) and, where the tile's token rows are contiguous
+//     (ExpertMajor gate_up; down's hq), the 128 x 128-byte token tile from a per-launch map of x /
+//     hq, all completing on the stage's `full` mbarrier (expect_tx); the 128 threads still
+//     cp.async the token scales (strided: [rows, K/128]) and the Flat gate_up token rows (a
+//     gather: 8 lanes per 128-byte row) and arrive with cp.async.mbarrier.arrive, so `full`
+//     completes when the TMA bytes and all 128 threads' copies landed. Without the weight maps
+//     (the driver could not encode them) every operand goes through 16-byte cp.async;
+//   warpgroups 1, 2 (consumers, 216 registers): experts_fp8_prefill.cuh's kblock and epilogue (tokens
+//     in wgmma's A), as in experts_fp8_prefill_cuda.cu; the producer runs up to kStages blocks
+//     ahead, across work items, so the next item's first stages load under the current epilogue.
 // Work items: (128-row tile, weight tile) pairs over the tile list's prefill section, walked by a
 // persistent grid in tile-major order (all weight tiles of one row tile, then the expert's next row
 // tile: the weight tile's second reader hits L2).
@@ -140,14 +129,6 @@ __device__ __forceinline__ Work work_at(const Fp8GemmParams& p, int32_t tile0, i
   return w;
 }
 
-/// The ring position of the next K block: stage (0 .. stages-1) and the parity of its use.
-struct RingPos {
-  uint32_t stage = 0, phase = 0;
-  __device__ __forceinline__ void advance(uint32_t stages) {
-    if (++stage == stages) stage = 0, phase ^= 1u;
-  }
-};
-
 /// Loads are coalesced: thread pt copies 16-byte chunk pt % 8 of rows pt / 8 + 16 i, so 8
 /// consecutive lanes read one row's 128 contiguous bytes (a thread per row would split every
 /// 32-byte sector between two instructions: twice the L2 -> SM traffic, measured slower than the
@@ -253,17 +234,15 @@ __device__ __forceinline__ void producer(const Fp8GemmParams& p, const CUtensorM
   cp_async_wait<0>();
 }
 
-/// The consumer warpgroups (experts_fp8_prefill.cuh: kblock, epilogue; kOrder / kSwap as there,
-/// Fp8GemmParams::prefill_order / prefill_swap). Cluster lockstep: a stage this CTA has no work
-/// in is released without wgmmas, by both warpgroups alike, so the turn order stays paired.
-template <bool kGateUp, int kOrder, bool kSwap>
+/// The consumer warpgroups (experts_fp8_prefill.cuh: kblock, epilogue). Cluster lockstep: a stage
+/// this CTA has no work in is released without wgmmas.
+template <bool kGateUp>
 __device__ __forceinline__ void consumer(const Fp8GemmParams& p, bool all_tma, bool cluster, int32_t tile0, int32_t num_tiles,
                                          int64_t q0, int64_t q_step, int64_t num_steps, uint32_t stages, uint8_t* smem,
                                          uint32_t smem_s) {
   using L = Layout<kGateUp>;
   const Who w;
   const int lane = w.lane;
-  int64_t batches = 0;  // wgmma batches this warpgroup issued (turn order)
   const float* scales = reinterpret_cast<const float*>(smem + L::kScaleOff);
   const uint32_t full0 = smem_s + L::kBarOff, empty0 = full0 + L::kStages * 8;
   float acc[2][kFrag], tmp[kFrag];
@@ -283,20 +262,13 @@ __device__ __forceinline__ void consumer(const Fp8GemmParams& p, bool all_tma, b
     for (int64_t kb = 0; kb < wk.nk; ++kb) {
       const uint32_t s = pos.stage;
       mbar_wait(full0 + s * 8, pos.phase);
-      if (kb >= nk) {  // cluster lockstep: an empty stage
-        __syncwarp();
-        if (lane == 0) {
-          mbar_arrive_remote(empty0 + s * 8, 0);
-          mbar_arrive_remote(empty0 + s * 8, 1);
-        }
-        pos.advance(stages);
-        continue;
+      if (kb < nk) {  // (cluster lockstep: past nk an empty stage)
+        // cp.async wrote operands through the generic proxy; wgmma reads through the async one (TMA
+        // writes through the async proxy: no fence when both operands came by TMA)
+        if (!all_tma) fence_proxy_async();
+        const uint32_t a_s = smem_s + s * kStageBytes;
+        kblock<false>(w, a_s, a_s + kABytes, scales + s * kScaleFloats, acc, tmp, [] {});
       }
-      // cp.async wrote operands through the generic proxy; wgmma reads through the async one (TMA
-      // writes through the async proxy: no fence when both operands came by TMA)
-      if (!all_tma) fence_proxy_async();
-      const uint32_t a_s = smem_s + s * kStageBytes;
-      kblock<kOrder, kSwap>(w, a_s, a_s + kABytes, scales + s * kScaleFloats, acc, tmp, batches);
       __syncwarp();
       if (lane == 0) {  // 8 consumer warps release the stage (cluster: in both CTAs, whose producers may multicast into it)
         if (cluster) {
@@ -309,12 +281,11 @@ __device__ __forceinline__ void consumer(const Fp8GemmParams& p, bool all_tma, b
       pos.advance(stages);
     }
     if (!wk.mine) continue;
-    epilogue<kGateUp, kSwap>(p, it, w, acc, smem);
+    epilogue<kGateUp, false>(p, it, w, acc, smem);
   }
-  turns_end<kOrder>(w, batches);
 }
 
-template <bool kGateUp, int kOrder, bool kSwap>
+template <bool kGateUp>
 __global__ void __launch_bounds__(kPfThreads, 1) fp8_prefill_tma_kernel(Fp8GemmParams p, const __grid_constant__ CUtensorMap bmap, int tma_b, int cluster) {
   using L = Layout<kGateUp>;
   // tma_b: the token tile comes by TMA from `bmap` (only with the weight maps: the launch checks);
@@ -346,7 +317,7 @@ __global__ void __launch_bounds__(kPfThreads, 1) fp8_prefill_tma_kernel(Fp8GemmP
     producer<kGateUp>(p, &bmap, tma_b != 0, cluster != 0, tile0, num_tiles, q0, q_step, num_steps, stages, smem, smem_s);
   } else {
     setmaxnreg_inc<216>();
-    consumer<kGateUp, kOrder, kSwap>(p, p.w_maps != nullptr && tma_b != 0, cluster != 0, tile0, num_tiles, q0, q_step, num_steps, stages, smem,
+    consumer<kGateUp>(p, p.w_maps != nullptr && tma_b != 0, cluster != 0, tile0, num_tiles, q0, q_step, num_steps, stages, smem,
                       smem_s);
   }
   // cluster: neither CTA leaves while the other may still multicast into it or arrive on its barriers
@@ -355,7 +326,7 @@ __global__ void __launch_bounds__(kPfThreads, 1) fp8_prefill_tma_kernel(Fp8GemmP
 
 #else  // not sm_90a: the host never launches these (fp8_tensor_cores_available is false)
 
-template <bool kGateUp, int kOrder, bool kSwap>
+template <bool kGateUp>
 __global__ void __launch_bounds__(kPfThreads, 1) fp8_prefill_tma_kernel(Fp8GemmParams, const __grid_constant__ CUtensorMap, int, int) {
 #ifdef __CUDA_ARCH__
   __trap();
@@ -407,12 +378,10 @@ bool fp8_prefill_weight_maps(const ExpertDesc& e, int64_t hidden, Fp8TmaMap& w13
 
 namespace {
 
-/// The kernel instance of Fp8GemmParams::prefill_swap (modes 3, 4: weights in wgmma's A; 10, 11 of
-/// Config::experts_fp8_prefill: tokens in A). The turn order (prefill_order) is not compiled here:
-/// measured slower with the cp.async loads (bench/NOTES.md, sixth session).
+/// The kernel of the gate_up (kGateUp) or down GEMM (Config::experts_fp8_prefill 10, 11).
 template <bool kGateUp>
-auto tma_kernel(bool swap) {
-  return swap ? fp8_prefill_tma_kernel<kGateUp, 0, true> : fp8_prefill_tma_kernel<kGateUp, 0, false>;
+auto tma_kernel() {
+  return fp8_prefill_tma_kernel<kGateUp>;
 }
 
 /// Co-resident 2-CTA clusters of each prefill kernel on the current device (0: no cluster launch),
@@ -433,7 +402,7 @@ int max_active_clusters() {
   cfg.attrs = &attr;
   cfg.numAttrs = 1;
   int n = 0;
-  if (cudaOccupancyMaxActiveClusters(&n, tma_kernel<kGateUp>(false), &cfg) != cudaSuccess) {
+  if (cudaOccupancyMaxActiveClusters(&n, tma_kernel<kGateUp>(), &cfg) != cudaSuccess) {
     (void)cudaGetLastError();
     n = 0;
   }
@@ -459,9 +428,9 @@ void launch_prefill(const Fp8GemmParams& p, const CUtensorMap& bmap, bool tb, in
     attr.val.clusterDim.z = 1;
     cfg.attrs = &attr;
     cfg.numAttrs = 1;
-    EPX_CUDA_CHECK(cudaLaunchKernelEx(&cfg, tma_kernel<kGateUp>(p.prefill_swap != 0), p, bmap, tb ? 1 : 0, 1));
+    EPX_CUDA_CHECK(cudaLaunchKernelEx(&cfg, tma_kernel<kGateUp>(), p, bmap, tb ? 1 : 0, 1));
   } else {
-    tma_kernel<kGateUp>(p.prefill_swap != 0)<<<grid, kPfThreads, Layout<kGateUp>::kSmemBytes, stream>>>(
+    tma_kernel<kGateUp>()<<<grid, kPfThreads, Layout<kGateUp>::kSmemBytes, stream>>>(
         p, bmap, tb ? 1 : 0, 0);
   }
   cuda::check_launch(what);
@@ -472,10 +441,8 @@ void launch_prefill(const Fp8GemmParams& p, const CUtensorMap& bmap, bool tb, in
 int fp8_prefill_tma_smem_bytes() { return std::max(Layout<true>::kSmemBytes, Layout<false>::kSmemBytes); }
 
 void fp8_prefill_tma_set_smem_limits() {
-  for (bool swap : {false, true}) {
-    EPX_CUDA_CHECK(cudaFuncSetAttribute(tma_kernel<true>(swap), cudaFuncAttributeMaxDynamicSharedMemorySize, Layout<true>::kSmemBytes));
-    EPX_CUDA_CHECK(cudaFuncSetAttribute(tma_kernel<false>(swap), cudaFuncAttributeMaxDynamicSharedMemorySize, Layout<false>::kSmemBytes));
-  }
+  EPX_CUDA_CHECK(cudaFuncSetAttribute(tma_kernel<true>(), cudaFuncAttributeMaxDynamicSharedMemorySize, Layout<true>::kSmemBytes));
+  EPX_CUDA_CHECK(cudaFuncSetAttribute(tma_kernel<false>(), cudaFuncAttributeMaxDynamicSharedMemorySize, Layout<false>::kSmemBytes));
   g_max_clusters[1] = max_active_clusters<true>();
   g_max_clusters[0] = max_active_clusters<false>();
 }

@@ -5,14 +5,15 @@
 # prebuilt.tar.xz holds experts_cuda_test and epx-gemm-bench built from src.tar.xz on the dev machine
 # (CUDA 13.0, sm_90a; a device build of them takes ~100 s of the allowance); when they do not load
 # here (ldd / --gtest_list_tests), they are built with tools/device/gpu-check.sh instead.
-# Then: the bit-identity test of the prefill variants (TMA / cluster / consumer turn order 5-7 vs the
-# cp.async kernels; short: a hang shows early, and then the bench runs without --prefill-variants),
-# the GEMM bench (JSON, --no-simt --prefill-variants), the torch grouped-GEMM rows, then the FP8
-# tensor-core GPU tests against the CPU (FP8_TESTS, default Fp8TensorCoreRowCountsOneTo8192) in what is left. Every step has its own timeout; budget BUDGET s
-# (default 125).
+# Then (seventh session): the bit-identity test of the prefill variants (short: a hang shows early,
+# and then the bench runs without the extra modes), the GEMM bench of the prefill rows alone
+# (--prefill-only --prefill-modes $MODES), the same bench of an earlier build when the prebuilt
+# tarball carries one (epx-gemm-bench-old: the previous default in the same run), the torch rows (TORCH=1),
+# Fp8TensorCoreRowCountsOneTo8192 (against the CPU), then the other experts GPU tests in what is left. Every step has its own timeout;
+# budget BUDGET s (default 125).
 set -uo pipefail
 OUT="${OUT:-/tmp/gemmpf-out}"
-BUDGET="${BUDGET:-125}"
+BUDGET="${BUDGET:-95}"
 mkdir -p "$OUT"
 HERE="$(pwd)"
 S=/tmp/s-gemmpf
@@ -47,29 +48,43 @@ if [ -z "$B" ]; then
   export LD_LIBRARY_PATH="$nccl/lib:$deps:$deps/openblas-pthread${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 fi
 export CUDA_VISIBLE_DEVICES=0
-(cd "$B" && timeout -k 3 40 ./experts_cuda_test --gtest_filter='ExpertsCuda.Fp8PrefillTmaLoadsMatchCpAsyncLoadsBitForBit') >"$OUT/test-tma.log" 2>&1
+MODES="${MODES:-16,17}"
+commit="$(cat "$HERE/.carry-gemmpf/commit.txt" 2>/dev/null || echo unknown)"
+(cd "$B" && timeout -k 3 20 ./experts_cuda_test --gtest_filter='ExpertsCuda.Fp8PrefillTmaLoadsMatchCpAsyncLoadsBitForBit') >"$OUT/test-bits.log" 2>&1
 trc=$?
 echo "test Fp8PrefillTmaLoadsMatchCpAsyncLoadsBitForBit rc=$trc at $((SECONDS - T0)) s" | tee -a "$OUT/summary.txt"
-variants=--prefill-variants
-[ $trc -ge 124 ] && variants=""  # a variant hung: measure the default kernels only
-b=$(( $(left) - 20 )); [ $b -gt 70 ] && b=70
+grep -E "^\[ bits \]" "$OUT/test-bits.log" | tee -a "$OUT/summary.txt"
+[ $trc -ge 124 ] && MODES=""  # a variant hung: measure the default kernels only
+b=$(( $(left) - 50 )); [ $b -gt 30 ] && b=30
 if [ -x "$B/epx-gemm-bench" ] && [ $b -gt 10 ]; then
-  GEMM_BENCH_COMMIT="$(cat "$HERE/.carry-gemmpf/commit.txt" 2>/dev/null || echo unknown)" timeout -k 3 $b "$B/epx-gemm-bench" \
-    --iters 10 --no-simt $variants --json "$OUT/gemm-bench.json" >"$OUT/gemm-bench.log" 2>&1
+  GEMM_BENCH_COMMIT="$commit" timeout -k 3 $b "$B/epx-gemm-bench" \
+    --iters 10 --no-simt --prefill-only ${MODES:+--prefill-modes $MODES} --json "$OUT/gemm-bench.json" >"$OUT/gemm-bench.log" 2>&1
   echo "gemm-bench rc=$? (limit $b s) at $((SECONDS - T0)) s" | tee -a "$OUT/summary.txt"
+  grep -E "prefill|ceiling" "$OUT/gemm-bench.log" | tee -a "$OUT/summary.txt"
 fi
-b=$(( $(left) - 3 )); [ $b -gt 15 ] && b=15
-if [ $b -gt 8 ]; then
+b=$(( $(left) - 60 )); [ $b -gt 15 ] && b=15
+if [ -x "$B/epx-gemm-bench-old" ] && [ $b -gt 8 ]; then
+  GEMM_BENCH_COMMIT="$(cat "$B/old-commit.txt" 2>/dev/null || echo unknown)" timeout -k 2 $b "$B/epx-gemm-bench-old" \
+    --iters 10 --no-simt --no-cublas --prefill-only --json "$OUT/gemm-bench-old.json" >"$OUT/gemm-bench-old.log" 2>&1
+  echo "gemm-bench-old rc=$? (limit $b s) at $((SECONDS - T0)) s" | tee -a "$OUT/summary.txt"
+  grep -E "prefill|ceiling" "$OUT/gemm-bench-old.log" | tee -a "$OUT/summary.txt"
+fi
+b=$(( $(left) - 48 )); [ $b -gt 13 ] && b=13
+if [ $b -gt 8 ] && [ "${TORCH:-0}" = 1 ]; then
   CUDA_VISIBLE_DEVICES=0 timeout -k 2 $b python3 "$S/bench/gemm_torch.py" --iters 10 --json "$OUT/gemm-torch.json" >"$OUT/gemm-torch.log" 2>&1
   echo "gemm-torch rc=$? (limit $b s) at $((SECONDS - T0)) s" | tee -a "$OUT/summary.txt"
+  tail -3 "$OUT/gemm-torch.log" | tee -a "$OUT/summary.txt"
 fi
-b=$(( $(left) - 1 )); [ $b -gt 50 ] && b=50
+b=$(( $(left) - 3 )); [ $b -gt 50 ] && b=50
 if [ $b -gt 5 ]; then
-  (cd "$B" && timeout -k 2 $b ./experts_cuda_test --gtest_filter="${FP8_TESTS:-ExpertsCuda.Fp8TensorCoreRowCountsOneTo8192}") >"$OUT/test-fp8.log" 2>&1
-  echo "test fp8 rc=$? (limit $b s) at $((SECONDS - T0)) s" | tee -a "$OUT/summary.txt"
+  (cd "$B" && timeout -k 1 $b ./experts_cuda_test --gtest_filter='ExpertsCuda.Fp8TensorCoreRowCountsOneTo8192') >"$OUT/test-fp8.log" 2>&1
+  echo "test Fp8TensorCoreRowCountsOneTo8192 rc=$? (limit $b s) at $((SECONDS - T0)) s" | tee -a "$OUT/summary.txt"
 fi
-echo "== test tma"; grep -E "^\[ *(OK|FAILED|PASSED|bits) |Failure|differ" "$OUT/test-tma.log" | head -24
-echo "== test fp8"; grep -E "^\[ *(OK|FAILED|PASSED|rel_l2) |Failure" "$OUT/test-fp8.log" 2>/dev/null | tail -24
-echo "== bench"; grep -vE "^wrote" "$OUT/gemm-bench.log" 2>/dev/null | tail -30
-echo "== torch"; tail -4 "$OUT/gemm-torch.log" 2>/dev/null
+b=$(( $(left) - 1 ))
+if [ $b -gt 3 ]; then
+  (cd "$B" && timeout -k 1 $b ./experts_cuda_test --gtest_filter='-ExpertsCuda.Fp8TensorCoreRowCountsOneTo8192:ExpertsCuda.Fp8PrefillTmaLoadsMatchCpAsyncLoadsBitForBit') >"$OUT/test-rest.log" 2>&1
+  echo "test experts (all but the FP8 row counts and bits) rc=$? (limit $b s) at $((SECONDS - T0)) s" | tee -a "$OUT/summary.txt"
+fi
+echo "== tests"; grep -hE "^\[ *(OK|FAILED|PASSED) |Failure" "$OUT"/test-*.log | tail -30
+echo "== rel_l2"; grep -hE "^\[ rel_l2 \]" "$OUT/test-fp8.log" 2>/dev/null | tail -30
 cat "$OUT/summary.txt"
