@@ -75,6 +75,13 @@ struct Config {
   /// (prefill, ht, eager, 3 steps: noisy) fused was 19 % slower at p50 (9.83 against 8.29 ms; best
   /// steps 7.74 against 7.92). Between 512 and 4096 not measured; DeepSeek-V4-Pro not measured this way.
   int fhmoe_max_tokens = 512;
+  /// 1: on a backend of per-expert slots (ll: ExpertMajor, one node), a fused chunk's shared
+  /// expert rows are written by the layer into the shared replica's slot (local expert L-1), not
+  /// dispatched as route id E: they are this rank's own tokens, so they cross no link and skip the
+  /// dispatch and the combine; the grouped launch still runs them with the routed experts, and
+  /// out += g * y after the combine (the separate path's rounding). 0: route id E through the
+  /// dispatch (the sixth session's fused path: ll prefill 4096 prepare 2.73 ms against 0.58).
+  int fhmoe_local_shared = 1;
 
   /// Where each field's value came from ("default", "json <file>", "env EPX_...", "api").
   std::vector<std::pair<std::string, std::string>> sources;

@@ -96,6 +96,7 @@ struct ModularMoE::Impl {
   bool has_shared = false;
   bool sharded = false;          // the shared expert runs DP-sharded on fused chunks (local expert L-1 = shard)
   int shard_slot = -1;           // L-1
+  bool local_shared = false;     // fused chunks: the shared rows go into slot L-1 by hand (Config::fhmoe_local_shared)
   PathCounters counters;
   DPMetadata dp;                 // of the last forward call
 
@@ -116,6 +117,7 @@ struct ModularMoE::Impl {
   Tensor x_f32, shared_idx, shared_wts, shared_out;
   Tensor shared_xq, shared_xs, shared_count;  // separate path, fp8 wire: x~ [1, n, H] FP8, scales, recv_count [1]
   Tensor gate_all;                           // [N] g of the gathered rows (sharded, shared gate)
+  Tensor local_counts;                       // [L] recv_count with slot L-1 = the chunk's rows (local_shared)
   std::unique_ptr<moe_cuda::Graph> graph;    // the whole-layer graph, once captured
 #endif
   std::vector<float> gate_all_host;          // CPU: [N] g of the gathered rows (sharded)
@@ -170,6 +172,12 @@ struct ModularMoE::Impl {
   void route_columns(const TensorView& x, const TensorView& topk_idx, const TensorView& topk_weights, int64_t begin,
                      int64_t end, bool fused, Stream stream, TensorView& idx, TensorView& wts, TensorView& g,
                      std::vector<float>& gate_host);
+  /// The experts' input of a fused chunk with the local shared slot (CUDA, ExpertMajor): x_chunk
+  /// quantized as the wire does (or copied, bf16 wire) into rows [0, n) of slot L-1 of the
+  /// prepared buffers, and recv_count with slot L-1 = n (or the graph's device count `num_tokens`)
+  /// in the layer's own [L] counts (the backend's recv_count, which its combine reads, stays 0 there).
+  ExpertsInput local_shared_input(const PrepareResult& prepared, const TensorView& x_chunk, const TensorView& num_tokens,
+                                  Stream stream);
   /// out_chunk += g * shared(x_chunk): the separate shared expert (CPU or CUDA). `num_tokens`
   /// (whole-layer graph only): the valid rows' count on the device; rows past it are not computed.
   void add_separate_shared(const TensorView& x_chunk, const TensorView& out_chunk, const TensorView& g,
@@ -292,6 +300,10 @@ ModularMoE::ModularMoE(std::shared_ptr<const MoEWeights> weights, std::shared_pt
       local.push_back(weights->shared);
     }
     m.shard_slot = static_cast<int>(local.size()) - 1;
+    // The local shared slot: ExpertMajor slots of one node on CUDA (the layout's contract: rows
+    // [0, recv_count[l]) of slot l; slot L-1 receives nothing when column K is -1).
+    m.local_shared = !m.sharded && m.device.is_cuda() && config.fhmoe_local_shared == 1 &&
+                     caps.layout == ActivationLayout::ExpertMajor && !caps.hierarchical;
   }
   // After the backend (collective, and where an unsupported one stops): the CUDA experts upload
   // this rank's weights, which is not worth doing for a backend that cannot run.
@@ -585,6 +597,33 @@ void ModularMoE::Impl::add_separate_shared(const TensorView& x_chunk, const Tens
       o[t * H + h] = float_to_bf16_bits(bf16_bits_to_float(o[t * H + h]) + gate_host[t] * shared_y[t * H + h]);
 }
 
+ExpertsInput ModularMoE::Impl::local_shared_input(const PrepareResult& prepared, const TensorView& x_chunk,
+                                                  const TensorView& num_tokens, Stream stream) {
+  ExpertsInput in = prepared.experts_input();
+#ifdef EPX_WITH_CUDA
+  const int64_t n = x_chunk.shape[0], H = x_chunk.shape[1];
+  EPX_ASSERT(prepared.layout == ActivationLayout::ExpertMajor && prepared.x.ndim == 3 && prepared.x.shape[2] == H &&
+                 n <= prepared.x.shape[1],
+             "local shared slot: prepared x ", prepared.x.describe(), " for ", n, " rows");
+  const int64_t L = prepared.x.shape[0], cap = prepared.x.shape[1];
+  if (n > 0) {
+    if (prepared.x.dtype == DType::fp8_e4m3) {
+      const int64_t G = H / kFp8GroupSize;
+      quantize_fp8_per_token_group(x_chunk, TensorView(prepared.x.ptr<uint8_t>() + (L - 1) * cap * H, DType::fp8_e4m3, {n, H}, device),
+                                   TensorView(prepared.x_scales.ptr<float>() + (L - 1) * cap * G, DType::fp32, {n, G}, device),
+                                   kFp8GroupSize, wire_ue8m0, stream);
+    } else {
+      moe_cuda::copy_async(TensorView(prepared.x.ptr<uint16_t>() + (L - 1) * cap * H, DType::bf16, {n, H}, device), x_chunk, stream);
+    }
+  }
+  in.recv_count = scratch(local_counts, DType::int32, {L});
+  moe_cuda::local_shared_counts(prepared.recv_count, in.recv_count, static_cast<int32_t>(n), num_tokens, stream);
+#else
+  (void)x_chunk, (void)num_tokens, (void)stream;
+#endif
+  return in;
+}
+
 void ModularMoE::Impl::run_chunk(const TensorView& x, const TensorView& topk_idx, const TensorView& topk_weights,
                                  const TensorView& out, int64_t begin, int64_t end, bool fused, int64_t c,
                                  const TensorView& num_tokens, Stream stream) {
@@ -593,7 +632,9 @@ void ModularMoE::Impl::run_chunk(const TensorView& x, const TensorView& topk_idx
   // column stays -1 (no traffic): the shard runs on the gathered rows after the routed experts.
   TensorView idx, wts, g;
   std::vector<float> gate_host;
-  route_columns(x, topk_idx, topk_weights, begin, end, fused && !sharded, stream, idx, wts, g, gate_host);
+  // The local shared slot: column K stays -1 too (no traffic); the rows go into slot L-1 below.
+  const bool local = has_shared && fused && local_shared;
+  route_columns(x, topk_idx, topk_weights, begin, end, fused && !sharded && !local, stream, idx, wts, g, gate_host);
 
   const TensorView x_chunk = x.slice_rows(begin, end), out_chunk = out.slice_rows(begin, end);
   DispatchArgs args;
@@ -607,7 +648,7 @@ void ModularMoE::Impl::run_chunk(const TensorView& x, const TensorView& topk_idx
   mark_phase(stream);
   const TensorView expert_view = expert_out_like(prepared.x);
   if (experts) {
-    experts->apply(prepared.experts_input(), expert_view, stream);
+    experts->apply(local ? local_shared_input(prepared, x_chunk, num_tokens, stream) : prepared.experts_input(), expert_view, stream);
   } else {
     // <= 0: ll on CUDA reports -1 (only the device knows its counts).
     EPX_ASSERT(prepared.num_recv_tokens <= 0, "a rank without local experts received ", prepared.num_recv_tokens, " rows");
@@ -622,6 +663,13 @@ void ModularMoE::Impl::run_chunk(const TensorView& x, const TensorView& topk_idx
   mark_phase(stream);
 
   if (has_shared && !fused && n > 0) add_separate_shared(x_chunk, out_chunk, g, gate_host, num_tokens, stream);
+  if (local && n > 0) {  // out += g * y of slot L-1 (the combine saw no route to it)
+#ifdef EPX_WITH_CUDA
+    const int64_t L = expert_view.shape[0], cap = expert_view.shape[1], H = expert_view.shape[2];
+    const TensorView y(expert_view.ptr<uint16_t>() + (L - 1) * cap * H, DType::bf16, {n, H}, device);
+    moe_cuda::add_shared(out_chunk, y, g, stream, num_tokens);
+#endif
+  }
   mark_phase(stream);
 }
 

@@ -74,6 +74,11 @@ __global__ void fill_i32_kernel(int32_t* __restrict__ t, int64_t n, int32_t valu
     t[i] = value;
 }
 
+__global__ void local_shared_counts_kernel(const int32_t* __restrict__ recv, int32_t* __restrict__ counts, int L, int32_t rows,
+                                           const int32_t* __restrict__ num_rows) {
+  for (int l = threadIdx.x; l < L; l += blockDim.x) counts[l] = l + 1 < L ? recv[l] : (num_rows != nullptr ? *num_rows : rows);
+}
+
 __global__ void add_shared_kernel(uint16_t* __restrict__ out, const uint16_t* __restrict__ y, const float* __restrict__ gate,
                                   int64_t H, int64_t n, const int32_t* __restrict__ num_rows) {
   if (num_rows != nullptr) n = min(n, static_cast<int64_t>(max(*num_rows, 0)) * H);
@@ -213,6 +218,31 @@ void fill_i32(const TensorView& t, int32_t value, Stream stream) {
   cuda::DeviceGuard guard(t.device.index);
   fill_i32_kernel<<<cuda::grid_for(n, 256, 1024), 256, 0, cuda::native(stream)>>>(t.ptr<int32_t>(), n, value);
   cuda::check_launch("fill_i32_kernel");
+}
+
+void local_shared_counts(const TensorView& recv_count, const TensorView& counts, int32_t rows, const TensorView& num_rows,
+                         Stream stream) {
+  require_cuda_contiguous("recv_count", recv_count, {DType::int32});
+  require_cuda_contiguous("counts", counts, {DType::int32});
+  if (num_rows.defined()) require_cuda_contiguous("num_rows", num_rows, {DType::int32});
+  const int64_t L = recv_count.numel();
+  require_arg(kOp, "counts.numel()", counts.numel(), counts.numel() == L, "must equal recv_count.numel() = " + std::to_string(L));
+  if (L == 0) return;
+  cuda::DeviceGuard guard(counts.device.index);
+  local_shared_counts_kernel<<<1, 256, 0, cuda::native(stream)>>>(recv_count.ptr<const int32_t>(), counts.ptr<int32_t>(),
+                                                                   static_cast<int>(L), rows,
+                                                                   num_rows.defined() ? num_rows.ptr<const int32_t>() : nullptr);
+  cuda::check_launch("local_shared_counts_kernel");
+}
+
+void copy_async(const TensorView& dst, const TensorView& src, Stream stream) {
+  require_arg(kOp, "src.dtype", std::string(dtype_name(src.dtype)), src.dtype == dst.dtype, "must equal dst.dtype = " + std::string(dtype_name(dst.dtype)));
+  require_arg(kOp, "src.numel()", src.numel(), src.numel() == dst.numel(), "must equal dst.numel() = " + std::to_string(dst.numel()));
+  check_contiguous(kOp, "src", src);
+  check_contiguous(kOp, "dst", dst);
+  if (src.numel() == 0) return;
+  cuda::DeviceGuard guard(dst.device.index);
+  EPX_CUDA_CHECK(cudaMemcpyAsync(dst.data, src.data, static_cast<size_t>(src.nbytes()), cudaMemcpyDeviceToDevice, cuda::native(stream)));
 }
 
 void add_shared(const TensorView& out, const TensorView& shared_y, const TensorView& gate, Stream stream,

@@ -62,6 +62,15 @@ void fill_single_route(const TensorView& idx, const TensorView& weights, Stream 
 /// expert as a one-expert ExpertMajor layout). Stream-ordered, capturable.
 void fill_i32(const TensorView& t, int32_t value, Stream stream);
 
+/// The counts of the local shared slot (ModularMoE, fhmoe.local_shared): counts [L] int32 =
+/// recv_count [L] (the backend's, left as it is) with counts[L-1] = *num_rows when num_rows ([1]
+/// int32, a graph's valid count) is given, else `rows`. Stream-ordered, capturable.
+void local_shared_counts(const TensorView& recv_count, const TensorView& counts, int32_t rows, const TensorView& num_rows,
+                         Stream stream);
+
+/// dst = src (same dtype and element count, contiguous, on one device), stream-ordered, capturable.
+void copy_async(const TensorView& dst, const TensorView& src, Stream stream);
+
 /// CUDA events marking phase boundaries, `marks` per chunk (ModularMoEOptions::time_phases): the
 /// events are created on first use and reused by later calls, so timing allocates nothing per call.
 class PhaseEvents {

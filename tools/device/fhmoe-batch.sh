@@ -15,12 +15,13 @@
 #             T = 4096, 3072, 2048, 1536, 1024, 768, 512 (4 steps each; largest first: the warm-ups
 #             size every buffer)
 #   mid4      the same for DeepSeek-V4-Pro over T = 3072 ... 512
+#   mid3ll, mid4ll, mid3ht, mid4ht: mid3 / mid4 on one backend
 #   test      moe_cuda_test ModularMoECuda.SharedExpertFusedAndSeparate* and .WholeLayerGraph* (2 GPUs,
 #             fused vs separate vs CPU on V3-mini and V4-Pro-mini, eager and graph replays)
 set -uo pipefail
 OUT="${OUT:-/tmp/fhmoe-out}"
 BUDGET="${BUDGET:-98}"
-RUNS="${FHMOE_RUNS:-sweep4 mid3 mid4 test}"
+RUNS="${FHMOE_RUNS:-test sweep4 sweep3 mid3ll mid4ll}"
 mkdir -p "$OUT"
 HERE="$(pwd)"
 S=/tmp/s-fhmoe
@@ -93,6 +94,8 @@ for r in $RUNS; do
     sweep3) sweep sweep-v3-ll deepseek-v3 256 8 1,8,32,128,512 5 35 --backend ll --mode decode ;;
     mid3) sweep mid-v3-all deepseek-v3 256 8 $MID3 4 45 --backend all --mode prefill --warmup 2 ;;
     mid4) sweep mid-v4pro-all deepseek-v4-pro 384 6 $MID4 4 45 --backend all --mode prefill --warmup 2 ;;
+    mid3ll) sweep mid-v3-ll deepseek-v3 256 8 $MID3 4 30 --backend ll --mode prefill --warmup 2 ;;
+    mid4ll) sweep mid-v4pro-ll deepseek-v4-pro 384 6 $MID4 4 30 --backend ll --mode prefill --warmup 2 ;;
     mid3ht) sweep mid-v3-ht deepseek-v3 256 8 $MID3 4 30 --backend ht --mode prefill --warmup 2 ;;
     mid4ht) sweep mid-v4pro-ht deepseek-v4-pro 384 6 $MID4 4 30 --backend ht --mode prefill --warmup 2 ;;
     test)
