@@ -82,6 +82,12 @@ struct Config {
   /// out += g * y after the combine (the separate path's rounding). 0: route id E through the
   /// dispatch (the sixth session's fused path: ll prefill 4096 prepare 2.73 ms against 0.58).
   int fhmoe_local_shared = 1;
+  /// The gate of layers that run the shared expert DP-sharded on fused chunks (backends that gather
+  /// every rank's tokens: naive, allgather_reducescatter; ModularMoEOptions::shard_shared_expert):
+  /// there fused costs its own launch over all gathered rows, and fused / separate - 1 was -5.1 % /
+  /// -0.4 % at M = 128 (decode) but +2.5 % / +3.1 % at 512 and 0..+6 % up to 4096 (seventh
+  /// session, bench/results/h200x2/fhmoe-s7-batch1-*/): 128 = the largest M measured where it wins.
+  int fhmoe_max_tokens_sharded = 128;
 
   /// Where each field's value came from ("default", "json <file>", "env EPX_...", "api").
   std::vector<std::pair<std::string, std::string>> sources;

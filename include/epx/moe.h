@@ -90,7 +90,9 @@ using ExpertsFactory =
 struct ModularMoEOptions {
   SharedExpertMode shared_mode = SharedExpertMode::auto_gate;
   int chunk_size = 0;           ///< DP chunk (tokens per call per rank); 0 = Config::moe_chunk_size / unchunked
-  int fhmoe_max_tokens = -1;    ///< -1 = Config::fhmoe_max_tokens
+  /// -1 = Config::fhmoe_max_tokens, or Config::fhmoe_max_tokens_sharded when the layer runs the
+  /// shared expert DP-sharded on fused chunks (shared_expert_sharded()); >= 0 overrides both.
+  int fhmoe_max_tokens = -1;
   /// DP-shard the shared expert when the backend gathers every rank's tokens
   /// (Capabilities::gathers_all_tokens: naive, allgather_reducescatter) and R > 1: rank r holds
   /// columns [I_r) of its intermediate dimension (whole blocks of the weight format, sizes differ by
@@ -161,6 +163,11 @@ class ModularMoE {
   const DPMetadata& dp_metadata() const;
   /// Whether chunks on the fused path run the shared expert DP-sharded (see ModularMoEOptions).
   bool shared_expert_sharded() const;
+  /// The capability gate in effect: a chunk fuses when M <= this (auto mode).
+  int64_t fhmoe_max_tokens() const;
+  /// Whether fused chunks put the shared rows into their local slot (Config::fhmoe_local_shared):
+  /// their output then rounds as on the separate path (out + g * y added after the combine).
+  bool shared_local_slot() const;
 
   // ---- whole-layer CUDA graph (decode) ----
   /// nullopt when capture_graph() can capture this layer for batches of up to `max_tokens` rows per

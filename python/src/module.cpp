@@ -194,6 +194,8 @@ Attributes (JSON key, environment variable):
   bind_setting(cls, "moe_chunk_size", "moe.chunk_size", &Config::moe_chunk_size, "DP chunk: at most this many tokens per MoE call per rank; 0 = unchunked.");
   bind_setting(cls, "fhmoe_max_tokens", "fhmoe.max_tokens", &Config::fhmoe_max_tokens,
                "Capability gate: fuse the shared expert when M <= this (tokens).");
+  bind_setting(cls, "fhmoe_max_tokens_sharded", "fhmoe.max_tokens_sharded", &Config::fhmoe_max_tokens_sharded,
+               "Capability gate of layers whose fused path runs the shared expert DP-sharded (naive, allgather_reducescatter), tokens.");
   bind_setting(cls, "fhmoe_local_shared", "fhmoe.local_shared", &Config::fhmoe_local_shared,
                "1: on ll (per-expert slots) a fused chunk's shared expert rows go into its local slot instead of through the dispatch; 0: route id E through the dispatch.");
   cls.def("__repr__", [](const Config& c) {

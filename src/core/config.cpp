@@ -52,6 +52,9 @@ void for_each_field(C& c, Visit&& v) {
   v(Field{"fhmoe.local_shared", "EPX_FHMOE_LOCAL_SHARED", "",
           "1: on ll (per-expert slots) the fused shared expert's rows go into its local slot, not through the dispatch; 0..1"},
     c.fhmoe_local_shared);
+  v(Field{"fhmoe.max_tokens_sharded", "EPX_FHMOE_MAX_TOKENS_SHARDED", "tokens",
+          "the gate of layers whose fused path runs the shared expert DP-sharded (naive, allgather_reducescatter)"},
+    c.fhmoe_max_tokens_sharded);
 }
 
 const char* kBootstrapEnv[] = {"EPX_CONFIG", "EPX_RANK", "EPX_WORLD_SIZE", "EPX_RENDEZVOUS", "EPX_LOCAL_RANK", "EPX_UNIQUE_ID"};
@@ -191,6 +194,7 @@ void Config::validate() const {
   require_arg("config", "experts.mxfp4_tc", experts_mxfp4_tc, experts_mxfp4_tc >= 0 && experts_mxfp4_tc <= 2, "must be 0, 1 or 2");
   require_arg("config", "moe.chunk_size", moe_chunk_size, moe_chunk_size >= 0, "must be >= 0");
   require_arg("config", "fhmoe.max_tokens", fhmoe_max_tokens, fhmoe_max_tokens >= 0, "must be >= 0");
+  require_arg("config", "fhmoe.max_tokens_sharded", fhmoe_max_tokens_sharded, fhmoe_max_tokens_sharded >= 0, "must be >= 0");
   require_arg("config", "fhmoe.local_shared", fhmoe_local_shared, fhmoe_local_shared == 0 || fhmoe_local_shared == 1, "must be 0 or 1");
   static const char* levels[] = {"trace", "debug", "info", "warn", "error", "off"};
   require_arg("config", "log_level", log_level, std::find(std::begin(levels), std::end(levels), log_level) != std::end(levels),

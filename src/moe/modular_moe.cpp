@@ -244,7 +244,7 @@ ModularMoE::ModularMoE(std::shared_ptr<const MoEWeights> weights, std::shared_pt
   m.chunk_size = options.chunk_size > 0 ? options.chunk_size : std::max(0, config.moe_chunk_size);
   require_arg(kCtorOp, "options.fhmoe_max_tokens", options.fhmoe_max_tokens, options.fhmoe_max_tokens >= -1,
               "must be >= 0 (fuse the shared expert when M <= it) or -1 (= Config::fhmoe_max_tokens)");
-  m.fhmoe_max_tokens = options.fhmoe_max_tokens >= 0 ? options.fhmoe_max_tokens : config.fhmoe_max_tokens;
+  m.fhmoe_max_tokens = options.fhmoe_max_tokens >= 0 ? options.fhmoe_max_tokens : config.fhmoe_max_tokens;  // sharded: below
   m.capacity = dispatch_cfg.num_max_dispatch_tokens_per_rank;
   // Capacity 0 = no limit (dynamic backends; static ones such as ll reject 0 when created).
   require_arg(kCtorOp, "dispatch_cfg.num_max_dispatch_tokens_per_rank", m.capacity, m.capacity >= 0, "must be >= 0 (0 = no limit)");
@@ -304,6 +304,7 @@ ModularMoE::ModularMoE(std::shared_ptr<const MoEWeights> weights, std::shared_pt
     // [0, recv_count[l]) of slot l; slot L-1 receives nothing when column K is -1).
     m.local_shared = !m.sharded && m.device.is_cuda() && config.fhmoe_local_shared == 1 &&
                      caps.layout == ActivationLayout::ExpertMajor && !caps.hierarchical;
+    if (m.sharded && options.fhmoe_max_tokens < 0) m.fhmoe_max_tokens = config.fhmoe_max_tokens_sharded;
   }
   // After the backend (collective, and where an unsupported one stops): the CUDA experts upload
   // this rank's weights, which is not worth doing for a backend that cannot run.
@@ -374,6 +375,8 @@ PhaseTimes ModularMoE::last_phase_times() {
 }
 const DPMetadata& ModularMoE::dp_metadata() const { return impl_->dp; }
 bool ModularMoE::shared_expert_sharded() const { return impl_->sharded; }
+int64_t ModularMoE::fhmoe_max_tokens() const { return impl_->fhmoe_max_tokens; }
+bool ModularMoE::shared_local_slot() const { return impl_->local_shared; }
 
 void ModularMoE::Impl::route_rows(const TensorView& x, Stream stream, TensorView& topk_idx, TensorView& topk_weights) {
   const MoEWeights& w = *weights;

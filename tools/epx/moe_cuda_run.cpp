@@ -67,7 +67,16 @@ struct RankBackendRun {
 /// The reference on the validated subset of every step: [sum_r V_r, H] bf16 per step. Builds the
 /// experts those rows select on top of this rank's (add_random_experts), their fp32 caches in
 /// parallel, then moe_reference_cpu, split by the path (fused or not) each token's chunk took.
-std::vector<std::vector<Tensor>> subset_references(const Workload& w, const MoeOptions& o, const std::vector<SharedExpertMode>& modes) {
+/// What decides a run's reference on an fp8 wire: per token, fused (one rounding) or not, from the
+/// mode and the layer's gate; a layer with the local shared slot rounds like the separate path.
+struct RefKey {
+  SharedExpertMode mode = SharedExpertMode::auto_gate;
+  int64_t fhmoe_max_tokens = -1;
+  bool local_slot = false;
+  bool operator==(const RefKey&) const = default;
+};
+
+std::vector<std::vector<Tensor>> subset_references(const Workload& w, const MoeOptions& o, const std::vector<RefKey>& modes) {
   const int64_t H = w.model.hidden;
   const int K = w.model.router.top_k, E = w.model.router.num_experts;
   struct Subset { Tensor x, idx, wts; std::vector<std::vector<char>> fused; };  // fused: per mode
@@ -94,13 +103,13 @@ std::vector<std::vector<Tensor>> subset_references(const Workload& w, const MoeO
       s.idx = gather_rows(concat_rows(st.topk_idx, DType::int32, K), rows);
       s.wts = gather_rows(concat_rows(st.topk_weights, DType::fp32, K), rows);
     }
-    for (SharedExpertMode mode : modes) {
+    for (const RefKey& key : modes) {
       s.fused.emplace_back();
       if (w.model.num_shared_experts == 0 || w.dispatch_dtype == DType::bf16) continue;
       Workload wm = w;  // shallow: tensors share storage
-      wm.shared_mode = mode;
-      const std::vector<char> all = fused_per_token(wm, st);
-      for (int64_t t : rows) s.fused.back().push_back(all[static_cast<size_t>(t)]);
+      wm.shared_mode = key.mode;
+      const std::vector<char> all = fused_per_token(wm, st, key.fhmoe_max_tokens);
+      for (int64_t t : rows) s.fused.back().push_back(key.local_slot ? 0 : all[static_cast<size_t>(t)]);
     }
     for (int64_t i = 0; i < N * K; ++i) {
       const int32_t e = s.idx.ptr<const int32_t>()[i];
@@ -192,6 +201,8 @@ RankBackendRun run_backend_on_rank(const Workload& w, const MoeOptions& o, const
   try {
     ModularMoE layer(w.weights, group, backend, dcfg, w.config, mo);
     res.shared_sharded = layer.shared_expert_sharded();
+    res.fhmoe_max_tokens = layer.fhmoe_max_tokens();
+    res.shared_local_slot = layer.shared_local_slot();
     const Stream s{stream};
     // Decode: the whole layer as one CUDA graph on static buffers of T_max rows, refilled per step
     // (outside the timed region); the valid row count goes to the device. Else eager.
@@ -401,16 +412,18 @@ int moe_rank(const MoeOptions& options, const Config& config, const std::vector<
   // ---- rank 0: validate the gathered rows against the reference on the same subset ----
   bool any_ran = false;
   for (const auto& run : runs) any_ran = any_ran || run.result.status == "ran";
-  std::vector<SharedExpertMode> modes;
-  for (const RunVariant& v : variants)
-    if (std::find(modes.begin(), modes.end(), v.shared_mode) == modes.end()) modes.push_back(v.shared_mode);
+  std::vector<RefKey> modes;  // one reference per distinct key among the runs
+  auto key_of = [](const BackendResult& r) { return RefKey{r.shared_mode, r.fhmoe_max_tokens, r.shared_local_slot}; };
+  for (const auto& run : runs)
+    if (run.result.status == "ran" && std::find(modes.begin(), modes.end(), key_of(run.result)) == modes.end())
+      modes.push_back(key_of(run.result));
   std::vector<std::vector<Tensor>> refs_per_mode;
   if (any_ran) refs_per_mode = subset_references(w, o, modes);
   std::vector<BackendResult> results;
   for (auto& run : runs) {
     BackendResult res = run.result;
     if (res.status == "ran") {
-      const size_t mi = static_cast<size_t>(std::find(modes.begin(), modes.end(), res.shared_mode) - modes.begin());
+      const size_t mi = static_cast<size_t>(std::find(modes.begin(), modes.end(), key_of(res)) - modes.begin());
       const std::vector<Tensor>& refs = refs_per_mode[mi];
       bool ok = true;
       int64_t validated = 0;

@@ -108,9 +108,11 @@ Tensor gather_rows(const Tensor& t, const std::vector<int64_t>& rows) {
 
 // Per token of the concatenated step: did ModularMoE run its chunk's shared expert fused? Mirrors
 // the layer's rule (moe.h): chunk c of every rank; M = max over ranks of chunk c's tokens; fused
-// when mode is fused, or auto and M <= fhmoe.max_tokens. Only matters for the reference when the
-// wire is fp8 (fused: the shared expert sees the fp8 round trip of x).
-std::vector<char> fused_per_token(const Workload& w, const StepInput& st) {
+// when mode is fused, or auto and M <= the gate (`fhmoe_max_tokens`: the layer's, e.g.
+// ModularMoE::fhmoe_max_tokens; -1 = Config::fhmoe_max_tokens). Only matters for the reference's
+// rounding when the wire is fp8 (fused: one rounding of the routed sum plus g * shared).
+std::vector<char> fused_per_token(const Workload& w, const StepInput& st, int64_t fhmoe_max_tokens) {
+  const int64_t gate = fhmoe_max_tokens >= 0 ? fhmoe_max_tokens : w.config.fhmoe_max_tokens;
   std::vector<int64_t> tokens;
   int64_t max_t = 0;
   for (const Tensor& x : st.x) max_t = std::max(max_t, tokens.emplace_back(x.size(0)));
@@ -122,7 +124,7 @@ std::vector<char> fused_per_token(const Workload& w, const StepInput& st) {
       int64_t m = 0;
       for (int64_t u : tokens) m = std::max(m, std::clamp<int64_t>(u - c * chunk, 0, chunk));
       fused.push_back(w.shared_mode == SharedExpertMode::fused ||
-                      (w.shared_mode == SharedExpertMode::auto_gate && m <= w.config.fhmoe_max_tokens));
+                      (w.shared_mode == SharedExpertMode::auto_gate && m <= gate));
     }
   return fused;
 }
