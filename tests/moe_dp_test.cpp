@@ -92,6 +92,8 @@ struct Outcome {
   std::vector<DPMetadata> dp;
   std::vector<int> sharded;
   std::vector<PhaseTimes> phases;
+  std::vector<int64_t> gate;  // ModularMoE::fhmoe_max_tokens()
+  std::vector<int> local_slot;
 };
 
 // Runs forward_routed with random routing (-1 and duplicate experts included) on R rank threads and
@@ -115,6 +117,8 @@ Outcome run_case(const Case& c) {
   res.dp.resize(R);
   res.sharded.resize(R);
   res.phases.resize(R);
+  res.gate.resize(R);
+  res.local_slot.resize(R);
   auto groups = make_cpu_groups(R, 30.0);
   run_ranks(groups, [&](int rank) {
     DispatchConfig dc;
@@ -126,6 +130,8 @@ Outcome run_case(const Case& c) {
     res.dp[rank] = layer.dp_metadata();
     res.sharded[rank] = layer.shared_expert_sharded();
     res.phases[rank] = layer.last_phase_times();
+    res.gate[rank] = layer.fhmoe_max_tokens();
+    res.local_slot[rank] = layer.shared_local_slot();
   });
   const int64_t T = std::accumulate(c.tokens.begin(), c.tokens.end(), int64_t{0});
   Tensor x_all = Tensor::empty({T, H}, DType::bf16), out_all = Tensor::empty({T, H}, DType::bf16);
@@ -313,6 +319,8 @@ TEST(ModularMoESharedShard, OnlyWhenDpAboveOneOnGatheringBackends) {
     EXPECT_EQ(r.sharded[0], 0) << c.describe();
     EXPECT_EQ(r.counters[0].shared_sharded, 0) << c.describe();
     EXPECT_EQ(r.counters[0].shared_fused, 1) << c.describe();
+    EXPECT_EQ(r.gate[0], Config{}.fhmoe_max_tokens) << c.describe();  // not sharded: the replica's gate
+    EXPECT_EQ(r.local_slot[0], 0) << c.describe();                     // CPU: always through the dispatch
   }
   // Sharding-capable layer, separate chunks (auto gate, fhmoe_max_tokens 0): whole expert, locally.
   Case c{.preset = "qwen1.5-moe-a2.7b-mini", .backend = "allgather_reducescatter", .tokens = {4, 6}, .seed = 6};
@@ -322,6 +330,14 @@ TEST(ModularMoESharedShard, OnlyWhenDpAboveOneOnGatheringBackends) {
   EXPECT_EQ(r.sharded[0], 1);
   EXPECT_EQ(r.counters[0].shared_separate, 1);
   EXPECT_EQ(r.counters[0].shared_sharded, 0);
+  EXPECT_EQ(r.gate[0], 0);  // the option overrides both gates
+  // Default gate of a sharded layer: Config::fhmoe_max_tokens_sharded; M = 6 <= it: fused, sharded.
+  Case d{.preset = "qwen1.5-moe-a2.7b-mini", .backend = "allgather_reducescatter", .tokens = {4, 6}, .seed = 7};
+  const Outcome q = run_case(d);
+  EXPECT_LE(q.rel_l2, kTol);
+  EXPECT_EQ(q.gate[0], Config{}.fhmoe_max_tokens_sharded);
+  EXPECT_EQ(q.gate[1], Config{}.fhmoe_max_tokens_sharded);
+  EXPECT_EQ(q.counters[0].shared_sharded, 1);
 }
 
 // The slices of an expert's intermediate dimension sum to the expert (down is linear in h).
