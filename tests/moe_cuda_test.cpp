@@ -204,13 +204,18 @@ TEST(ModularMoECuda, WholeLayerGraphOnLlReplaysWithDifferentCountsPerRank) {
     dc.num_max_dispatch_tokens_per_rank = kMax;
     dc.dispatch_dtype = DType::fp8_e4m3;
     std::string failures;
-    for (SharedExpertMode mode : {SharedExpertMode::auto_gate, SharedExpertMode::separate}) {
+    // auto (fused through the dispatch at T_max = 16), auto with the local shared slot (M > 0:
+    // the shared rows written into slot L-1 by the layer; the separate path's rounding), separate.
+    for (const auto& [mode, local] : std::vector<std::pair<SharedExpertMode, bool>>{
+             {SharedExpertMode::auto_gate, false}, {SharedExpertMode::auto_gate, true}, {SharedExpertMode::separate, false}}) {
       const bool separate = mode == SharedExpertMode::separate;
       ModularMoEOptions o;
       o.shared_mode = mode;
+      Config cfg;
+      if (local) cfg.fhmoe_local_shared_tokens = 0;
       std::unique_ptr<ModularMoE> layer;
       try {
-        layer = std::make_unique<ModularMoE>(w, g, "ll", dc, Config{}, o);
+        layer = std::make_unique<ModularMoE>(w, g, "ll", dc, cfg, o);
       } catch (const Unsupported& e) {
         if (rank == 0) std::ofstream(skip_file) << e.what();
         return;  // every rank throws the same (creation is collective)
@@ -228,18 +233,20 @@ TEST(ModularMoECuda, WholeLayerGraphOnLlReplaysWithDifferentCountsPerRank) {
         layer->replay_graph(Stream{stream});
         cuda_ok(cudaStreamSynchronize(stream), "sync");
         const int64_t first = rank == 0 ? 0 : replays[i][0];
-        const double e = rel_l2_rows(out, separate ? refs_separate[i] : refs[i], first, c);
+        const double e = rel_l2_rows(out, separate || local ? refs_separate[i] : refs[i], first, c);
+        const char* what = separate ? "separate" : local ? "fused (local slot)" : "fused";
         if (!(e <= kTol))
-          failures += std::string(separate ? "separate" : "fused") + " replay " + std::to_string(i) + " rank " + std::to_string(rank) +
-                      ": rel L2 " + std::to_string(e) + "; ";
+          failures += std::string(what) + " replay " + std::to_string(i) + " rank " + std::to_string(rank) + ": rel L2 " + std::to_string(e) + "; ";
         if (rank == 0)
           std::printf("graph replay %zu (n = %d, %d), shared expert %s: rank 0 rel L2 %.2e\n", i, static_cast<int>(replays[i][0]),
-                      static_cast<int>(replays[i][1]), separate ? "separate" : "fused", e);
+                      static_cast<int>(replays[i][1]), what, e);
       }
       const PathCounters& pc = layer->counters();
       if (pc.graph_replays != static_cast<int64_t>(replays.size())) failures += "graph_replays counter wrong; ";
       if ((separate ? pc.shared_separate : pc.shared_fused) != static_cast<int64_t>(replays.size()))
         failures += std::string("shared path counter wrong (") + (separate ? "separate" : "fused") + "); ";
+      if (layer->shared_local_slot_tokens() != (local ? 0 : Config{}.fhmoe_local_shared_tokens))
+        failures += "shared_local_slot_tokens " + std::to_string(layer->shared_local_slot_tokens()) + "; ";
     }
     g->barrier();
     cuda_ok(cudaStreamDestroy(stream), "stream destroy");
@@ -292,15 +299,23 @@ TEST(ModularMoECuda, SharedExpertFusedAndSeparateMatchTheReferenceAndEachOther) 
       dc.dispatch_dtype = DType::fp8_e4m3;
       const Tensor x = inputs[i].x[rank].to(dev), idx = inputs[i].idx[rank].to(dev), wts = inputs[i].wts[rank].to(dev);
       // fused, separate, auto with the gate at 100 (M = 80: fused) and at 50 (separate)
-      const std::vector<std::pair<SharedExpertMode, int>> modes = {
+      // fused, separate, auto with the gate at 100 (M = 80: fused) and at 50 (separate); then fused
+      // with the local shared slot for every M (fhmoe.local_shared_tokens = 0; ll only: the layer
+      // writes the shared rows into slot L-1, the separate path's rounding).
+      std::vector<std::pair<SharedExpertMode, int>> modes = {
           {SharedExpertMode::fused, -1}, {SharedExpertMode::separate, -1}, {SharedExpertMode::auto_gate, 100},
           {SharedExpertMode::auto_gate, 50}};
+      if (c.backend == "ll") modes.push_back({SharedExpertMode::fused, -2});
       std::vector<Tensor> outs;
-      for (const auto& [mode, gate] : modes) {
+      for (const auto& [mode, gate_or_local] : modes) {
+        const bool local = gate_or_local == -2;
+        const int gate = local ? -1 : gate_or_local;
         ModularMoEOptions o;
         o.shared_mode = mode;
         o.fhmoe_max_tokens = gate;
-        auto layer = std::make_unique<ModularMoE>(w, g, c.backend, dc, Config{}, o);
+        Config cfg;
+        if (local) cfg.fhmoe_local_shared_tokens = 0;
+        auto layer = std::make_unique<ModularMoE>(w, g, c.backend, dc, cfg, o);
         Tensor out = Tensor::empty({T, H}, DType::bf16, dev);
         cuda_ok(cudaMemset(out.data(), 0xFF, static_cast<size_t>(out.nbytes())), "poison");
         layer->forward_routed(x, idx, wts, out, Stream{stream});
@@ -311,10 +326,12 @@ TEST(ModularMoECuda, SharedExpertFusedAndSeparateMatchTheReferenceAndEachOther) 
                                  std::to_string(gate) + " rank " + std::to_string(rank);
         if (pc.shared_fused != (fused ? 1 : 0) || pc.shared_separate != (fused ? 0 : 1))
           failures += what + ": counters fused " + std::to_string(pc.shared_fused) + " separate " + std::to_string(pc.shared_separate) + "; ";
-        const double e = rel_l2_rows(out, fused ? inputs[i].reference : ref_separate[i], inputs[i].offset[rank], T);
-        if (!(e <= kTol)) failures += what + ": rel L2 " + std::to_string(e) + "; ";
+        const bool rounds_once = fused && !local;
+        const double e = rel_l2_rows(out, rounds_once ? inputs[i].reference : ref_separate[i], inputs[i].offset[rank], T);
+        if (!(e <= kTol)) failures += what + (local ? " local slot" : "") + ": rel L2 " + std::to_string(e) + "; ";
         if (rank == 0)
-          std::printf("%s: rel L2 %.2e against the %s reference\n", what.c_str(), e, fused ? "fused" : "separate");
+          std::printf("%s%s: rel L2 %.2e against the %s reference\n", what.c_str(), local ? " (local slot)" : "", e,
+                      rounds_once ? "fused" : "separate");
         outs.push_back(std::move(out));
       }
       {  // fused against separate, directly
@@ -322,6 +339,12 @@ TEST(ModularMoECuda, SharedExpertFusedAndSeparateMatchTheReferenceAndEachOther) 
         const double e = test::rel_l2_error(a, b);
         if (!(e <= kTol)) failures += c.preset + " " + c.backend + " rank " + std::to_string(rank) + ": fused vs separate rel L2 " + std::to_string(e) + "; ";
         if (rank == 0) std::printf("%s %s: rank 0 fused vs separate rel L2 %.2e\n", c.preset.c_str(), c.backend.c_str(), e);
+      }
+      if (outs.size() > 4) {  // the local slot against separate: the same GEMMs and roundings
+        const Tensor a = outs[4].to(Device::cpu()), b = outs[1].to(Device::cpu());
+        const double e = test::rel_l2_error(a, b);
+        if (!(e <= 1e-3)) failures += c.preset + " " + c.backend + " rank " + std::to_string(rank) + ": local slot vs separate rel L2 " + std::to_string(e) + "; ";
+        if (rank == 0) std::printf("%s %s: rank 0 fused (local slot) vs separate rel L2 %.2e\n", c.preset.c_str(), c.backend.c_str(), e);
       }
     }
     g->barrier();

@@ -131,7 +131,7 @@ Outcome run_case(const Case& c) {
     res.sharded[rank] = layer.shared_expert_sharded();
     res.phases[rank] = layer.last_phase_times();
     res.gate[rank] = layer.fhmoe_max_tokens();
-    res.local_slot[rank] = layer.shared_local_slot();
+    res.local_slot[rank] = static_cast<int>(layer.shared_local_slot_tokens());
   });
   const int64_t T = std::accumulate(c.tokens.begin(), c.tokens.end(), int64_t{0});
   Tensor x_all = Tensor::empty({T, H}, DType::bf16), out_all = Tensor::empty({T, H}, DType::bf16);
@@ -320,7 +320,7 @@ TEST(ModularMoESharedShard, OnlyWhenDpAboveOneOnGatheringBackends) {
     EXPECT_EQ(r.counters[0].shared_sharded, 0) << c.describe();
     EXPECT_EQ(r.counters[0].shared_fused, 1) << c.describe();
     EXPECT_EQ(r.gate[0], Config{}.fhmoe_max_tokens) << c.describe();  // not sharded: the replica's gate
-    EXPECT_EQ(r.local_slot[0], 0) << c.describe();                     // CPU: always through the dispatch
+    EXPECT_EQ(r.local_slot[0], -1) << c.describe();                    // CPU: always through the dispatch
   }
   // Sharding-capable layer, separate chunks (auto gate, fhmoe_max_tokens 0): whole expert, locally.
   Case c{.preset = "qwen1.5-moe-a2.7b-mini", .backend = "allgather_reducescatter", .tokens = {4, 6}, .seed = 6};

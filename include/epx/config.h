@@ -68,20 +68,26 @@ struct Config {
   int experts_fp8_prefill_min_tiles = 0;
   int experts_mxfp4_tc = 1;          ///< 0: mxfp4 experts keep the SIMT GEMMs; 1: MXFP4 tensor-core kernels; 2: their 512-thread (wide) variant
   int moe_chunk_size = 0;            ///< DP chunk: at most this many tokens per MoE call per rank; 0 = no chunking
-  /// capability gate: fuse the shared expert when M <= this. 512 = the largest M measured where
-  /// fused wins, through the layer with both paths on the FP8 tensor cores (sixth session, DeepSeek-V3,
-  /// EP2, ll graph, bench/results/h200x2/fhmoe-s6-batch2-*/): fused / separate - 1 = -32 % at M = 1,
-  /// -12 % at 8, -7 % at 32, -6 % at 128, -3 % at 512 (the gain shrinking with M); at M = 4096
-  /// (prefill, ht, eager, 3 steps: noisy) fused was 19 % slower at p50 (9.83 against 8.29 ms; best
-  /// steps 7.74 against 7.92). Between 512 and 4096 not measured; DeepSeek-V4-Pro not measured this way.
-  int fhmoe_max_tokens = 512;
-  /// 1: on a backend of per-expert slots (ll: ExpertMajor, one node), a fused chunk's shared
-  /// expert rows are written by the layer into the shared replica's slot (local expert L-1), not
-  /// dispatched as route id E: they are this rank's own tokens, so they cross no link and skip the
-  /// dispatch and the combine; the grouped launch still runs them with the routed experts, and
-  /// out += g * y after the combine (the separate path's rounding). 0: route id E through the
-  /// dispatch (the sixth session's fused path: ll prefill 4096 prepare 2.73 ms against 0.58).
-  int fhmoe_local_shared = 1;
+  /// capability gate: fuse the shared expert when M <= this (layers that run it DP-sharded take
+  /// fhmoe_max_tokens_sharded instead). 4096 = the largest M measured, and fused never measurably
+  /// slower up to there (seventh session, EP2, bench/results/h200x2/fhmoe-s7-batch{1,2}-*/):
+  /// fused / separate - 1 through the layer, DeepSeek-V3, ll (graph, decode) -30 % at M = 1, -13 %
+  /// at 8, -6 % at 32 and 128, -3 % at 512; eager 512..4096: ht -3..-5 %, all2allv -2..-12 %, ll
+  /// with the local shared slot -1..-8 %; DeepSeek-V4-Pro (MXFP4 routed, FP8 shared): ll decode
+  /// -16 % at 1, -5..-7 % at 8, -1..-2 % at 32..512; eager 512..3072 ht, all2allv, ll within
+  /// -3..+2 % (ties). Above 4096 not measured.
+  int fhmoe_max_tokens = 4096;
+  /// On a backend of per-expert slots (ll: ExpertMajor, one node, CUDA), fused chunks with M > this
+  /// write their shared expert rows into the shared replica's slot (local expert L-1) by hand instead
+  /// of dispatching them as route id E: they are this rank's own tokens, so they skip the dispatch
+  /// and the combine; the grouped launch still runs them with the routed experts, and out += g * y
+  /// after the combine (the separate path's rounding). A whole-layer graph decides at capture with
+  /// M = T_max. 512: measured (seventh session, bench/results/h200x2/fhmoe-s7-batch{1,2}-*/): through
+  /// the dispatch ll's fused prepare grew to 2.78 ms against 0.56 at 4096 (fused / separate - 1 =
+  /// +11..+32 % eager at 768..4096), with the slot -1..-8 % (V3) and -0.3..+1.7 % (V4-Pro); in a
+  /// graph of T_max = 512 the slot cost 10-45 us per replay more than the dispatch (V3 fused /
+  /// separate - 1 at T = 1: -18 % against -30 %), so graphs up to 512 keep the dispatch.
+  int fhmoe_local_shared_tokens = 512;  ///< (tokens) the local shared slot when M > this
   /// The gate of layers that run the shared expert DP-sharded on fused chunks (backends that gather
   /// every rank's tokens: naive, allgather_reducescatter; ModularMoEOptions::shard_shared_expert):
   /// there fused costs its own launch over all gathered rows, and fused / separate - 1 was -5.1 % /

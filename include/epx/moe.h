@@ -165,9 +165,10 @@ class ModularMoE {
   bool shared_expert_sharded() const;
   /// The capability gate in effect: a chunk fuses when M <= this (auto mode).
   int64_t fhmoe_max_tokens() const;
-  /// Whether fused chunks put the shared rows into their local slot (Config::fhmoe_local_shared):
+  /// Fused chunks with M > this put the shared rows into their local slot
+  /// (Config::fhmoe_local_shared_tokens; -1 = never: not ll, hierarchical, sharded or not CUDA):
   /// their output then rounds as on the separate path (out + g * y added after the combine).
-  bool shared_local_slot() const;
+  int64_t shared_local_slot_tokens() const;
 
   // ---- whole-layer CUDA graph (decode) ----
   /// nullopt when capture_graph() can capture this layer for batches of up to `max_tokens` rows per

@@ -196,8 +196,8 @@ Attributes (JSON key, environment variable):
                "Capability gate: fuse the shared expert when M <= this (tokens).");
   bind_setting(cls, "fhmoe_max_tokens_sharded", "fhmoe.max_tokens_sharded", &Config::fhmoe_max_tokens_sharded,
                "Capability gate of layers whose fused path runs the shared expert DP-sharded (naive, allgather_reducescatter), tokens.");
-  bind_setting(cls, "fhmoe_local_shared", "fhmoe.local_shared", &Config::fhmoe_local_shared,
-               "1: on ll (per-expert slots) a fused chunk's shared expert rows go into its local slot instead of through the dispatch; 0: route id E through the dispatch.");
+  bind_setting(cls, "fhmoe_local_shared_tokens", "fhmoe.local_shared_tokens", &Config::fhmoe_local_shared_tokens,
+               "On ll (per-expert slots) fused chunks with M > this put the shared expert rows into its local slot instead of the dispatch (tokens).");
   cls.def("__repr__", [](const Config& c) {
     std::string s = "epx.Config(";
     for (const auto& line : c.describe()) s += "\n  " + line;

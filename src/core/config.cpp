@@ -49,9 +49,9 @@ void for_each_field(C& c, Visit&& v) {
   v(Field{"experts.mxfp4_tc", "EPX_EXPERTS_MXFP4_TC", "", "0: mxfp4 experts keep the SIMT GEMMs; 1: MXFP4 tensor-core kernels; 2: their 512-thread (wide) variant; 0..2"}, c.experts_mxfp4_tc);
   v(Field{"moe.chunk_size", "EPX_MOE_CHUNK_SIZE", "tokens", "DP chunk: max tokens per MoE call per rank; 0 = unchunked"}, c.moe_chunk_size);
   v(Field{"fhmoe.max_tokens", "EPX_FHMOE_MAX_TOKENS", "tokens", "fuse the shared expert when M <= this (capability gate)"}, c.fhmoe_max_tokens);
-  v(Field{"fhmoe.local_shared", "EPX_FHMOE_LOCAL_SHARED", "",
-          "1: on ll (per-expert slots) the fused shared expert's rows go into its local slot, not through the dispatch; 0..1"},
-    c.fhmoe_local_shared);
+  v(Field{"fhmoe.local_shared_tokens", "EPX_FHMOE_LOCAL_SHARED_TOKENS", "tokens",
+          "on ll (per-expert slots) fused chunks with M > this put the shared rows into the shared expert's local slot instead of the dispatch"},
+    c.fhmoe_local_shared_tokens);
   v(Field{"fhmoe.max_tokens_sharded", "EPX_FHMOE_MAX_TOKENS_SHARDED", "tokens",
           "the gate of layers whose fused path runs the shared expert DP-sharded (naive, allgather_reducescatter)"},
     c.fhmoe_max_tokens_sharded);
@@ -195,7 +195,7 @@ void Config::validate() const {
   require_arg("config", "moe.chunk_size", moe_chunk_size, moe_chunk_size >= 0, "must be >= 0");
   require_arg("config", "fhmoe.max_tokens", fhmoe_max_tokens, fhmoe_max_tokens >= 0, "must be >= 0");
   require_arg("config", "fhmoe.max_tokens_sharded", fhmoe_max_tokens_sharded, fhmoe_max_tokens_sharded >= 0, "must be >= 0");
-  require_arg("config", "fhmoe.local_shared", fhmoe_local_shared, fhmoe_local_shared == 0 || fhmoe_local_shared == 1, "must be 0 or 1");
+  require_arg("config", "fhmoe.local_shared_tokens", fhmoe_local_shared_tokens, fhmoe_local_shared_tokens >= 0, "must be >= 0");
   static const char* levels[] = {"trace", "debug", "info", "warn", "error", "off"};
   require_arg("config", "log_level", log_level, std::find(std::begin(levels), std::end(levels), log_level) != std::end(levels),
               "must be one of trace, debug, info, warn, error, off");

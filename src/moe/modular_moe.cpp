@@ -25,8 +25,14 @@
 // second bf16 rounding; the fused path rounds once). On CUDA x~ goes to a one-expert ExpertMajor
 // layout [1, n, H] (contiguous, M = n), so an fp8_block shared expert runs on the same FP8
 // tensor-core GEMMs as the fused one and the two paths differ only in that rounding.
-// Gate: fuse when M = max over ranks of this chunk's tokens <= fhmoe_max_tokens. M comes from the
-// gathered T, so every rank takes the same path and the collectives line up.
+// Gate: fuse when M = max over ranks of this chunk's tokens <= fhmoe_max_tokens (the sharded gate
+// for a DP-sharded layer). M comes from the gathered T, so every rank takes the same path and the
+// collectives line up. Local shared slot (CUDA, ExpertMajor slots of one node: ll): a fused chunk
+// with M > Config::fhmoe_local_shared_tokens keeps column K = -1 too and writes x~ into rows
+// [0, n) of slot L-1 itself (its own [L] counts for the experts; the backend's recv_count, which the
+// combine reads, stays 0 there), so the rank's own rows skip the dispatch and the combine; the
+// grouped launch runs them with the routed experts, and g(t) * y is added after the combine (the
+// separate path's rounding).
 // DP-sharded shared expert (backends with Capabilities::gathers_all_tokens, R > 1): local expert
 // L-1 is rank r's slice of the shared expert's intermediate dimension instead of a replica; on a
 // fused chunk column K stays -1, and after the routed experts the slice runs on every gathered row
@@ -96,7 +102,7 @@ struct ModularMoE::Impl {
   bool has_shared = false;
   bool sharded = false;          // the shared expert runs DP-sharded on fused chunks (local expert L-1 = shard)
   int shard_slot = -1;           // L-1
-  bool local_shared = false;     // fused chunks: the shared rows go into slot L-1 by hand (Config::fhmoe_local_shared)
+  int64_t local_shared_tokens = -1;  // fused chunks of M > this: shared rows into slot L-1 by hand; -1 never (Config::fhmoe_local_shared_tokens)
   PathCounters counters;
   DPMetadata dp;                 // of the last forward call
 
@@ -302,8 +308,8 @@ ModularMoE::ModularMoE(std::shared_ptr<const MoEWeights> weights, std::shared_pt
     m.shard_slot = static_cast<int>(local.size()) - 1;
     // The local shared slot: ExpertMajor slots of one node on CUDA (the layout's contract: rows
     // [0, recv_count[l]) of slot l; slot L-1 receives nothing when column K is -1).
-    m.local_shared = !m.sharded && m.device.is_cuda() && config.fhmoe_local_shared == 1 &&
-                     caps.layout == ActivationLayout::ExpertMajor && !caps.hierarchical;
+    const bool slots = !m.sharded && m.device.is_cuda() && caps.layout == ActivationLayout::ExpertMajor && !caps.hierarchical;
+    m.local_shared_tokens = slots ? config.fhmoe_local_shared_tokens : -1;
     if (m.sharded && options.fhmoe_max_tokens < 0) m.fhmoe_max_tokens = config.fhmoe_max_tokens_sharded;
   }
   // After the backend (collective, and where an unsupported one stops): the CUDA experts upload
@@ -376,7 +382,7 @@ PhaseTimes ModularMoE::last_phase_times() {
 const DPMetadata& ModularMoE::dp_metadata() const { return impl_->dp; }
 bool ModularMoE::shared_expert_sharded() const { return impl_->sharded; }
 int64_t ModularMoE::fhmoe_max_tokens() const { return impl_->fhmoe_max_tokens; }
-bool ModularMoE::shared_local_slot() const { return impl_->local_shared; }
+int64_t ModularMoE::shared_local_slot_tokens() const { return impl_->local_shared_tokens; }
 
 void ModularMoE::Impl::route_rows(const TensorView& x, Stream stream, TensorView& topk_idx, TensorView& topk_weights) {
   const MoEWeights& w = *weights;
@@ -636,7 +642,7 @@ void ModularMoE::Impl::run_chunk(const TensorView& x, const TensorView& topk_idx
   TensorView idx, wts, g;
   std::vector<float> gate_host;
   // The local shared slot: column K stays -1 too (no traffic); the rows go into slot L-1 below.
-  const bool local = has_shared && fused && local_shared;
+  const bool local = has_shared && fused && local_shared_tokens >= 0 && dp.chunk_max(c) > local_shared_tokens;
   route_columns(x, topk_idx, topk_weights, begin, end, fused && !sharded && !local, stream, idx, wts, g, gate_host);
 
   const TensorView x_chunk = x.slice_rows(begin, end), out_chunk = out.slice_rows(begin, end);

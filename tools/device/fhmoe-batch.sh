@@ -2,7 +2,7 @@
 # tools/device/fhmoe-batch.sh: the fhmoe helper's device batch (issue 6: the FHMoE gate through the
 # layer, fused vs separate shared expert). Run from a copy of main that carries .carry/deps.tar.xz and
 # .carry-fhmoe/{src,prebuilt}.tar.xz:
-#   OUT=<dir> timeout -k 5 <allowance ~100 s> bash .carry-fhmoe/batch.sh
+#   OUT=<dir> timeout -k 5 <allowance> bash .carry-fhmoe/batch.sh   (BUDGET: seconds the script keeps to, default 48)
 # prebuilt.tar.xz holds epx and moe_cuda_test built from src.tar.xz on the dev machine (CUDA 13.0,
 # sm_90a, NCCL 2.28.9); if they do not load here, they are built with tools/device/gpu-check.sh.
 # Full-size presets use --expert-pool 16 (MoEWeights::expert_pool: random expert e holds expert
@@ -15,13 +15,13 @@
 #             T = 4096, 3072, 2048, 1536, 1024, 768, 512 (4 steps each; largest first: the warm-ups
 #             size every buffer)
 #   mid4      the same for DeepSeek-V4-Pro over T = 3072 ... 512
-#   mid3ll, mid4ll, mid3ht, mid4ht: mid3 / mid4 on one backend
+#   mid3ll, mid4ll, mid3ht, mid4ht: mid3 / mid4 on one backend; mid3llq: ll, T = 4096, 2048, 1024, 768, 512, 3 steps
 #   test      moe_cuda_test ModularMoECuda.SharedExpertFusedAndSeparate* and .WholeLayerGraph* (2 GPUs,
 #             fused vs separate vs CPU on V3-mini and V4-Pro-mini, eager and graph replays)
 set -uo pipefail
 OUT="${OUT:-/tmp/fhmoe-out}"
-BUDGET="${BUDGET:-98}"
-RUNS="${FHMOE_RUNS:-test sweep4 sweep3 mid3ll mid4ll}"
+BUDGET="${BUDGET:-48}"
+RUNS="${FHMOE_RUNS:-test sweep3 mid3llq}"
 mkdir -p "$OUT"
 HERE="$(pwd)"
 S=/tmp/s-fhmoe
@@ -95,6 +95,7 @@ for r in $RUNS; do
     mid3) sweep mid-v3-all deepseek-v3 256 8 $MID3 4 45 --backend all --mode prefill --warmup 2 ;;
     mid4) sweep mid-v4pro-all deepseek-v4-pro 384 6 $MID4 4 45 --backend all --mode prefill --warmup 2 ;;
     mid3ll) sweep mid-v3-ll deepseek-v3 256 8 $MID3 4 30 --backend ll --mode prefill --warmup 2 ;;
+    mid3llq) sweep mid-v3-ll-q deepseek-v3 256 8 4096,2048,1024,768,512 3 20 --backend ll --mode prefill --warmup 2 ;;
     mid4ll) sweep mid-v4pro-ll deepseek-v4-pro 384 6 $MID4 4 30 --backend ll --mode prefill --warmup 2 ;;
     mid3ht) sweep mid-v3-ht deepseek-v3 256 8 $MID3 4 30 --backend ht --mode prefill --warmup 2 ;;
     mid4ht) sweep mid-v4pro-ht deepseek-v4-pro 384 6 $MID4 4 30 --backend ht --mode prefill --warmup 2 ;;
@@ -102,7 +103,7 @@ for r in $RUNS; do
       l=$(( $(left) - 2 ))
       if [ ! -x "$B/moe_cuda_test" ]; then echo "== skipped test (no moe_cuda_test in $B)" | tee -a "$OUT/summary.txt"; continue; fi
       if [ "$l" -lt 15 ]; then echo "== skipped test (no time left)" | tee -a "$OUT/summary.txt"; continue; fi
-      [ "$l" -gt 40 ] && l=40
+      [ "$l" -gt 25 ] && l=25
       (cd "$B" && timeout -k 2 "$l" ./moe_cuda_test --gtest_filter='ModularMoECuda.SharedExpertFusedAndSeparate*:ModularMoECuda.WholeLayerGraph*') >"$OUT/test-moe-cuda.log" 2>&1
       echo "test rc=$? at $((SECONDS - T0)) s" | tee -a "$OUT/summary.txt"
       grep -E "rel L2|^\[ *(OK|FAILED|PASSED|SKIPPED) " "$OUT/test-moe-cuda.log" | tail -34 | tee -a "$OUT/summary.txt" ;;

@@ -72,7 +72,8 @@ struct RankBackendRun {
 struct RefKey {
   SharedExpertMode mode = SharedExpertMode::auto_gate;
   int64_t fhmoe_max_tokens = -1;
-  bool local_slot = false;
+  int64_t local_slot_tokens = -1;
+  int64_t graph_tokens = 0;  ///< T_max of a whole-layer graph (its paths were decided at capture), else 0
   bool operator==(const RefKey&) const = default;
 };
 
@@ -108,8 +109,8 @@ std::vector<std::vector<Tensor>> subset_references(const Workload& w, const MoeO
       if (w.model.num_shared_experts == 0 || w.dispatch_dtype == DType::bf16) continue;
       Workload wm = w;  // shallow: tensors share storage
       wm.shared_mode = key.mode;
-      const std::vector<char> all = fused_per_token(wm, st, key.fhmoe_max_tokens);
-      for (int64_t t : rows) s.fused.back().push_back(key.local_slot ? 0 : all[static_cast<size_t>(t)]);
+      const std::vector<char> all = fused_per_token(wm, st, key.fhmoe_max_tokens, key.local_slot_tokens, key.graph_tokens);
+      for (int64_t t : rows) s.fused.back().push_back(all[static_cast<size_t>(t)]);
     }
     for (int64_t i = 0; i < N * K; ++i) {
       const int32_t e = s.idx.ptr<const int32_t>()[i];
@@ -202,7 +203,7 @@ RankBackendRun run_backend_on_rank(const Workload& w, const MoeOptions& o, const
     ModularMoE layer(w.weights, group, backend, dcfg, w.config, mo);
     res.shared_sharded = layer.shared_expert_sharded();
     res.fhmoe_max_tokens = layer.fhmoe_max_tokens();
-    res.shared_local_slot = layer.shared_local_slot();
+    res.shared_local_slot_tokens = layer.shared_local_slot_tokens();
     const Stream s{stream};
     // Decode: the whole layer as one CUDA graph on static buffers of T_max rows, refilled per step
     // (outside the timed region); the valid row count goes to the device. Else eager.
@@ -413,7 +414,9 @@ int moe_rank(const MoeOptions& options, const Config& config, const std::vector<
   bool any_ran = false;
   for (const auto& run : runs) any_ran = any_ran || run.result.status == "ran";
   std::vector<RefKey> modes;  // one reference per distinct key among the runs
-  auto key_of = [](const BackendResult& r) { return RefKey{r.shared_mode, r.fhmoe_max_tokens, r.shared_local_slot}; };
+  auto key_of = [&](const BackendResult& r) {
+    return RefKey{r.shared_mode, r.fhmoe_max_tokens, r.shared_local_slot_tokens, r.graph ? w.max_tokens_per_rank : 0};
+  };
   for (const auto& run : runs)
     if (run.result.status == "ran" && std::find(modes.begin(), modes.end(), key_of(run.result)) == modes.end())
       modes.push_back(key_of(run.result));

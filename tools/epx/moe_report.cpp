@@ -289,7 +289,7 @@ void write_results_json(const std::string& path, const std::string& command, con
         {"routing", w.routing},
         {"shared_mode", shared_mode_name(r.shared_mode)},
         {"shared_sharded", r.shared_sharded},
-        {"shared_local_slot", r.shared_local_slot},
+        {"shared_local_slot_tokens", r.shared_local_slot_tokens},
         {"fhmoe_max_tokens", r.fhmoe_max_tokens >= 0 ? json(r.fhmoe_max_tokens) : json(nullptr)},
         {"mode", w.mode.empty() ? json(nullptr) : json(w.mode)},
         {"graph", r.graph},

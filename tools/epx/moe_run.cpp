@@ -111,7 +111,8 @@ Tensor gather_rows(const Tensor& t, const std::vector<int64_t>& rows) {
 // when mode is fused, or auto and M <= the gate (`fhmoe_max_tokens`: the layer's, e.g.
 // ModularMoE::fhmoe_max_tokens; -1 = Config::fhmoe_max_tokens). Only matters for the reference's
 // rounding when the wire is fp8 (fused: one rounding of the routed sum plus g * shared).
-std::vector<char> fused_per_token(const Workload& w, const StepInput& st, int64_t fhmoe_max_tokens) {
+std::vector<char> fused_per_token(const Workload& w, const StepInput& st, int64_t fhmoe_max_tokens, int64_t local_slot_tokens,
+                                  int64_t graph_tokens) {
   const int64_t gate = fhmoe_max_tokens >= 0 ? fhmoe_max_tokens : w.config.fhmoe_max_tokens;
   std::vector<int64_t> tokens;
   int64_t max_t = 0;
@@ -123,8 +124,9 @@ std::vector<char> fused_per_token(const Workload& w, const StepInput& st, int64_
       const int64_t c = t / chunk;
       int64_t m = 0;
       for (int64_t u : tokens) m = std::max(m, std::clamp<int64_t>(u - c * chunk, 0, chunk));
-      fused.push_back(w.shared_mode == SharedExpertMode::fused ||
-                      (w.shared_mode == SharedExpertMode::auto_gate && m <= gate));
+      if (graph_tokens > 0) m = graph_tokens;
+      const bool f = w.shared_mode == SharedExpertMode::fused || (w.shared_mode == SharedExpertMode::auto_gate && m <= gate);
+      fused.push_back(f && !(local_slot_tokens >= 0 && m > local_slot_tokens));
     }
   return fused;
 }

@@ -108,7 +108,7 @@ struct BackendResult {
   std::string graph_reason;           ///< why not, when a graph was asked for (decode) and not used
   bool shared_sharded = false;        ///< the layer DP-shards its shared expert (fused chunks)
   int64_t fhmoe_max_tokens = -1;      ///< the layer's gate in effect (ModularMoE::fhmoe_max_tokens); -1 not known
-  bool shared_local_slot = false;     ///< fused chunks use the local shared slot (separate-path rounding)
+  int64_t shared_local_slot_tokens = -1;  ///< fused chunks of M > this use the local shared slot (separate-path rounding); -1 never
   /// Per eager step: each phase's time (ModularMoE::last_phase_times): CUDA runs the max over
   /// ranks of device time, CPU runs rank 0's host time; empty under graph replay (one launch).
   std::vector<PhaseTimes> phases;
@@ -158,7 +158,13 @@ Tensor concat_rows(const std::vector<Tensor>& parts, DType dtype, int64_t cols);
 /// Rows `rows` of t [N, cols] as a new contiguous tensor.
 Tensor gather_rows(const Tensor& t, const std::vector<int64_t>& rows);
 /// Per token of a step's concatenated tokens: did the layer run that token's shared expert fused?
-std::vector<char> fused_per_token(const Workload& workload, const StepInput& step, int64_t fhmoe_max_tokens = -1);
+/// Per token of the step (ranks concatenated): 1 when its chunk's output rounds once (the shared
+/// expert fused through the combine), 0 when out + g * y is added after it (separate, or fused in
+/// the local shared slot: M > local_slot_tokens >= 0). fhmoe_max_tokens: the layer's gate (-1 =
+/// Config::fhmoe_max_tokens); graph_tokens > 0: a whole-layer graph decided both at capture with
+/// M = graph_tokens (T_max), whatever the step's counts.
+std::vector<char> fused_per_token(const Workload& workload, const StepInput& step, int64_t fhmoe_max_tokens = -1,
+                                  int64_t local_slot_tokens = -1, int64_t graph_tokens = 0);
 /// max |out - ref| / max |ref| and ||out - ref|| / ||ref|| of two bf16 tensors (inf with NaN/inf).
 void errors_against(const Tensor& out, const Tensor& ref, double* max_rel, double* rel_l2);
 /// Compares step `step`'s output with its reference into `res` (max of the errors; the first failing
