@@ -73,7 +73,7 @@ struct Config {
   /// slower up to there (seventh session, EP2, bench/results/h200x2/fhmoe-s7-batch{1,2}-*/):
   /// fused / separate - 1 through the layer, DeepSeek-V3, ll (graph, decode) -30 % at M = 1, -13 %
   /// at 8, -6 % at 32 and 128, -3 % at 512; eager 512..4096: ht -3..-5 %, all2allv -2..-12 %, ll
-  /// with the local shared slot -1..-8 %; DeepSeek-V4-Pro (MXFP4 routed, FP8 shared): ll decode
+  /// with the local shared slot a tie (-8..+6 % over two batches, +3..+14 % at 512 through the dispatch); DeepSeek-V4-Pro (MXFP4 routed, FP8 shared): ll decode
   /// -16 % at 1, -5..-7 % at 8, -1..-2 % at 32..512; eager 512..3072 ht, all2allv, ll within
   /// -3..+2 % (ties). Above 4096 not measured.
   int fhmoe_max_tokens = 4096;
