@@ -129,5 +129,5 @@ TEST(Config, NestedJsonObjectIsNamedWithTheFlatKey) {
   } catch (const InvalidArgument& e) {
     EXPECT_NE(std::string(e.what()).find("\"ll.signal\""), std::string::npos) << e.what();
   }
-  EXPECT_EQ(c.ll_signal, "block");
+  EXPECT_EQ(c.ll_signal, "chunk");
 }

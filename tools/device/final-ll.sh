@@ -3,8 +3,8 @@
 # Called with OUT (results folder), the built tree at /tmp/epx-gpu-check/build and the source at $SRC:
 # ll-v3 / ll-v4 FP8, graph replay, p50 of 200 replays beside nccl_a2a_raw in the same run (plus
 # 1 token per rank and the SM count, in every JSON), for the defaults (ll.combine partial_fp32,
-# ll.signal block, ll.expand message, ll.items run, 16 warps per block), partial_bf16 and column, and
-# the A/Bs of the seventh session's ll.signal = chunk and the fifth's ll.items = chunk. The logs carry the launch
+# ll.signal chunk, ll.expand message, ll.items run, 16 warps per block), partial_bf16 and column, and
+# the A/Bs of the seventh session's choice (ll.signal = block) and the fifth's (ll.items = chunk). The logs carry the launch
 # floor and the per-phase stamps. Each bench takes ~3-4 s; each is bounded, and none starts after 26 s.
 set -u
 OUT=${OUT:?OUT must name the results folder}
@@ -30,7 +30,7 @@ run() {  # <name> <combine> <case> [VAR=value ...]
   grep -E "^ll-v. .* (ll|nccl_a2a_raw) " "$OUT/$name.log"
 }
 run ll-v3-final partial_fp32 ll-v3
-run ll-v3-final-signal_chunk partial_fp32 ll-v3 EPX_LL_SIGNAL=chunk  # the seventh session's dispatch protocol (A/B)
+run ll-v3-final-signal_block partial_fp32 ll-v3 EPX_LL_SIGNAL=block  # the sixth session's dispatch protocol (A/B)
 run ll-v3-final-partial_bf16 partial_bf16 ll-v3
 run ll-v3-final-column column ll-v3
 run ll-v3-final-items_chunk partial_fp32 ll-v3 EPX_LL_ITEMS=chunk
