@@ -174,8 +174,9 @@ void Config::validate() const {
               "must be block, rank or chunk");
   require_arg("config", "ll.expand", ll_expand, ll_expand == "expert" || ll_expand == "message", "must be expert or message");
   require_arg("config", "ll.items", ll_items, ll_items == "chunk" || ll_items == "run", "must be chunk or run");
-  require_arg("config", "ll.combine_wait", ll_combine_wait, ll_combine_wait == "flag" || ll_combine_wait == "data" || ll_combine_wait == "data_nofence",
-              "must be flag, data or data_nofence");
+  require_arg("config", "ll.combine_wait", ll_combine_wait, ll_combine_wait == "flag" || ll_combine_wait == "data" || ll_combine_wait == "data_nofence" ||
+                  ll_combine_wait == "data_cg" || ll_combine_wait == "data_weak",
+              "must be flag, data, data_nofence, data_cg or data_weak");
   require_arg("config", "ht.num_sms", ht_num_sms, ht_num_sms >= 1 && ht_num_sms <= 132, "must be in [1, 132]");
   require_arg("config", "ht.warps_per_block", ht_warps_per_block, ht_warps_per_block >= 1 && ht_warps_per_block <= 32, "must be in [1, 32]");
   require_arg("config", "ht.combine_mode", ht_combine_mode, ht_combine_mode == 0 || ht_combine_mode == 1, "must be 0 or 1");

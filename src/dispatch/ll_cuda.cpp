@@ -93,6 +93,7 @@ LlCuda::LlCuda(std::shared_ptr<Group> group, const DispatchConfig& cfg, const Ll
   common_.items_run = launch.items_run;
   common_.combine_data = launch.combine_data && layout_.partial();
   common_.combine_fence = launch.combine_fence;
+  common_.combine_variant = launch.combine_variant;
   buffer_ = group_->alloc_symmetric(layout_.total_bytes());
   for (int r = 0; r < num_ranks_; ++r)
     if (buffer_.peers[static_cast<size_t>(r)] == nullptr)
@@ -419,7 +420,8 @@ std::unique_ptr<PrepareFinalize> make_ll_cuda(std::shared_ptr<Group> group, cons
   launch.expand_message = config.ll_expand == "message";
   launch.items_run = config.ll_items == "run";
   launch.combine_data = config.ll_combine_wait != "flag";
-  launch.combine_fence = config.ll_combine_wait != "data_nofence";
+  launch.combine_fence = config.ll_combine_wait == "data";
+  launch.combine_variant = config.ll_combine_wait == "data_cg" ? 1 : config.ll_combine_wait == "data_weak" ? 3 : 0;
   if (const auto* nccl = dynamic_cast<const comm::NcclGroup*>(&comm::root_group(*group))) launch.timeout_s = nccl->timeout_s();
   return make_ll_cuda(std::move(group), cfg, launch);
 }

@@ -80,6 +80,15 @@ __device__ __forceinline__ uint4 ldv16(const void* p) {
 __device__ __forceinline__ void stv16(void* p, const uint4& v) {
   asm volatile("st.volatile.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
 }
+// Weak 16-byte load from L2 (not L1): ll.combine_wait = data_cg / data_weak polls with it.
+__device__ __forceinline__ uint4 ldcg16(const void* p) {
+  uint4 v;
+  asm volatile("ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void stcg16(void* p, const uint4& v) {
+  asm volatile("st.global.cg.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
+}
 __device__ __forceinline__ bool poisoned(const uint4& v) { return v.x == kLlPoison || v.y == kLlPoison || v.z == kLlPoison || v.w == kLlPoison; }
 /// NaN -> the canonical 0x7fffffff (what the GPU's own arithmetic returns), so no partial word (fp32,
 /// or a pair of bf16 of canonical NaNs, 0x7fff) is ever kLlPoison.
@@ -1157,8 +1166,13 @@ __device__ __forceinline__ void combine_send_runs(const LlCombineParams& p, int 
                                : make_uint4(__float_as_uint(lo[0]), __float_as_uint(lo[1]), __float_as_uint(lo[2]), __float_as_uint(lo[3]));
           const uint4 vb = odd ? make_uint4(__float_as_uint(hi[4]), __float_as_uint(hi[5]), __float_as_uint(hi[6]), __float_as_uint(hi[7]))
                                : make_uint4(__float_as_uint(hi[0]), __float_as_uint(hi[1]), __float_as_uint(hi[2]), __float_as_uint(hi[3]));
-          if (ha < H) stv16(dst + 4 * ha, va);
-          if (hb2 < H) stv16(dst + 4 * hb2, vb);
+          if (c.combine_variant & 2) {
+            if (ha < H) stcg16(dst + 4 * ha, va);
+            if (hb2 < H) stcg16(dst + 4 * hb2, vb);
+          } else {
+            if (ha < H) stv16(dst + 4 * ha, va);
+            if (hb2 < H) stv16(dst + 4 * hb2, vb);
+          }
           continue;
         }
       }
@@ -1173,7 +1187,10 @@ __device__ __forceinline__ void combine_send_runs(const LlCombineParams& p, int 
 #pragma unroll
         for (int e = 0; e < 4; ++e)
           o[e] = static_cast<uint32_t>(float_to_bf16_bits(acc[i][2 * e])) | (static_cast<uint32_t>(float_to_bf16_bits(acc[i][2 * e + 1])) << 16);
-        if constexpr (kData) stv16(dst + 2 * h, make_uint4(o[0], o[1], o[2], o[3]));
+        if constexpr (kData) {
+          if (c.combine_variant & 2) stcg16(dst + 2 * h, make_uint4(o[0], o[1], o[2], o[3]));
+          else stv16(dst + 2 * h, make_uint4(o[0], o[1], o[2], o[3]));
+        }
         else st16(dst + 2 * h, make_uint4(o[0], o[1], o[2], o[3]));
       }
     }
@@ -1288,6 +1305,7 @@ __device__ __forceinline__ void combine_recv_data(const LlCombineParams& p, int 
   __syncthreads();  // s_call (thread 0 read it at the kernel's start)
   const unsigned long long call = *s_call;
   const int parity = static_cast<int>(call & 1);
+  const bool weak = c.combine_variant & 1;
   trace_at(c, kTrCombWaited0);
   trace_max(c, kTrCombWaitedLast);
   unsigned long long t_wait = 0;  // the warp's first not-ready poll (0: none yet)
@@ -1316,7 +1334,7 @@ __device__ __forceinline__ void combine_recv_data(const LlCombineParams& p, int 
         need[q] = r0 + q < R && ((mask >> (r0 + q)) & 1u) ? live_n : 0u;
 #pragma unroll
         for (int n = 0; n < kN; ++n)
-          if ((need[q] >> n) & 1u) raw[q][n] = ldv16(vec_at(r0 + q, n));
+          if ((need[q] >> n) & 1u) raw[q][n] = weak ? ldcg16(vec_at(r0 + q, n)) : ldv16(vec_at(r0 + q, n));
       }
 #pragma unroll
       for (int q = 0; q < 2; ++q) {
@@ -1340,7 +1358,7 @@ __device__ __forceinline__ void combine_recv_data(const LlCombineParams& p, int 
           const int last = need[q] ? 31 - __clz(need[q]) : 0;
 #pragma unroll
           for (int n = 0; n < kN; ++n)
-            if (((pend[q] >> n) & 1u) && (!none_yet || n == last)) raw[q][n] = ldv16(vec_at(r0 + q, n));
+            if (((pend[q] >> n) & 1u) && (!none_yet || n == last)) raw[q][n] = weak ? ldcg16(vec_at(r0 + q, n)) : ldv16(vec_at(r0 + q, n));
 #pragma unroll
           for (int n = 0; n < kN; ++n)
             if (((pend[q] >> n) & 1u) && !poisoned(raw[q][n])) pend[q] &= ~(1u << n);
@@ -1366,7 +1384,10 @@ __device__ __forceinline__ void combine_recv_data(const LlCombineParams& p, int 
         }
 #pragma unroll
         for (int n = 0; n < kN; ++n)
-          if ((need[q] >> n) & 1u) stv16(vec_at(r0 + q, n), make_uint4(kLlPoison, kLlPoison, kLlPoison, kLlPoison));
+          if ((need[q] >> n) & 1u) {
+            if (weak) stcg16(vec_at(r0 + q, n), make_uint4(kLlPoison, kLlPoison, kLlPoison, kLlPoison));
+            else stv16(vec_at(r0 + q, n), make_uint4(kLlPoison, kLlPoison, kLlPoison, kLlPoison));
+          }
       }
     }
 #pragma unroll

@@ -129,6 +129,9 @@ struct LlCommon {
   bool items_run = false;       ///< combine (partial modes): a warp takes a run of chunks of one row (ll.items = run)
   bool combine_data = false;    ///< partial combine: the rows are the signal (ll.combine_wait = data, ll_cuda.h)
   bool combine_fence = false;   ///< data: a warp fences (system scope) after its rows for a peer (ll.combine_wait = data)
+  /// data: bit 0 the receive polls / reads its rows with weak L2 loads (ld.global.cg) and poisons with
+  /// weak stores instead of volatile (.sys) ones; bit 1 the senders store rows with weak stores.
+  uint8_t combine_variant = 0;
 };
 
 struct LlDispatchParams {

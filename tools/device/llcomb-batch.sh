@@ -13,7 +13,7 @@
 #   racecheck of the two-rank data-protocol graph test; ll-v4 data.
 set -u
 T0=$SECONDS
-BUDGET=${LLC_BUDGET_S:-92}
+BUDGET=${LLC_BUDGET_S:-58}
 OUT=${OUT:-/tmp/llcomb-out}
 mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
 HERE=$(pwd)
@@ -64,6 +64,18 @@ bench() {  # <name> <backends> <case> [VAR=value ...]: one epx bench with those 
 gt() {  # <name> <limit_s> <gtest filter>
   step "$1" "$2" env EPX_TIMEOUT_S=10 "$B/ll_cuda_test" --gtest_filter="$3"
 }
+if [ "${LLC_BATCH:-3}" = 3 ]; then
+  # Batch 3 (60 s): the receive side's loads / the senders' stores, weak (L2) vs volatile (.sys), A/B in one run.
+  bench ll-v3-fp32-cg ll ll-v3 EPX_LL_COMBINE=partial_fp32 EPX_LL_COMBINE_WAIT=data_cg
+  bench ll-v3-fp32-weak ll ll-v3 EPX_LL_COMBINE=partial_fp32 EPX_LL_COMBINE_WAIT=data_weak
+  bench ll-v3-fp32-nofence ll ll-v3 EPX_LL_COMBINE=partial_fp32 EPX_LL_COMBINE_WAIT=data_nofence
+  bench ll-v3-fp32-flag ll ll-v3 EPX_LL_COMBINE=partial_fp32 EPX_LL_COMBINE_WAIT=flag
+  CSAN=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+  step san-memcheck-bench 30 env EPX_TIMEOUT_S=20 EPX_LL_COMBINE=partial_fp32 EPX_LL_COMBINE_WAIT=data_weak "$CSAN" --target-processes all \
+    --report-api-errors no --error-exitcode 9 --tool memcheck "$E" bench --backend ll --ranks 2 --graph --iters 2 --warmup 1 \
+    --kernel-time off --case ll-v3
+  bench ll-v3-bf16-weak ll ll-v3 EPX_LL_COMBINE=partial_bf16 EPX_LL_COMBINE_WAIT=data_weak
+else
 bench ll-v3-fp32-data ll,nccl_a2a_raw ll-v3 EPX_LL_COMBINE=partial_fp32 EPX_LL_COMBINE_WAIT=data
 bench ll-v3-fp32-nofence ll ll-v3 EPX_LL_COMBINE=partial_fp32 EPX_LL_COMBINE_WAIT=data_nofence
 bench ll-v3-fp32-flag ll ll-v3 EPX_LL_COMBINE=partial_fp32 EPX_LL_COMBINE_WAIT=flag
@@ -81,6 +93,7 @@ else
   gt test-combine-timeout 12 'LlCuda.CombineWaitDataTimeoutNamesThePeer'
 fi
 bench ll-v4-fp32-data ll ll-v4 EPX_LL_COMBINE=partial_fp32 EPX_LL_COMBINE_WAIT=data
+fi
 echo "== summary ($(( SECONDS - T0 )) s)"
 cat "$OUT/summary.txt"
 for f in "$OUT"/ll-*.log; do echo "-- $f"; grep -E "^ll-v. .* (ll|nccl_a2a_raw)|kernel|ll stamps|combine" "$f" | head -16; done
