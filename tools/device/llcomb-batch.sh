@@ -47,7 +47,7 @@ fi
 if [ -z "$B" ]; then
   mkdir -p "$OUT/build"
   OUT="$OUT/build" GPU_CHECK_SRC="$S" GPU_CHECK_ONE_GPU=0 GPU_CHECK_SANITIZE=0 GPU_CHECK_CPU=0 GPU_CHECK_BENCH=0 GPU_CHECK_TESTS=0 \
-    GPU_CHECK_TARGETS="epx ll_cuda_test" timeout -k 2 $(( BUDGET - 30 )) bash "$S/tools/device/gpu-check.sh" run >"$OUT/build/gpu-check.out" 2>&1
+    GPU_CHECK_TARGETS="epx ll_cuda_test" timeout -k 2 $(( BUDGET - 14 )) bash "$S/tools/device/gpu-check.sh" run >"$OUT/build/gpu-check.out" 2>&1
   echo "build: $(( SECONDS - T0 )) s" | tee -a "$OUT/summary.txt"
   B=/tmp/epx-gpu-check/build
   AL=/tmp/epx-gpu-check/deps/usr/lib/x86_64-linux-gnu
