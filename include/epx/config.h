@@ -44,8 +44,10 @@ struct Config {
   /// receiver waits for all, then reduces) | data (the partial rows are the signal: the receiver
   /// re-poisons every row it read with an impossible word and polls the row itself, so each
   /// (token, run) is reduced as soon as its rows land; no release round trip; bench/NOTES.md seventh
-  /// session). All ranks must agree; the same results. data_nofence: data without the sending warps'
-  /// system fence after their rows for a peer (A/B).
+  /// session). All ranks must agree; the same results. flag stays the default: data measured 2 us faster in
+  /// two runs and 0.9 us slower in a third, and slower at T = 1 (bench/NOTES.md). A/B variants of data
+  /// (rank-local among themselves): data_nofence (= data), data_fence (a system fence per warp after its
+  /// peer rows), data_cg (weak L2 loads on the receive), data_weak (weak loads and sender stores).
   std::string ll_combine_wait = "flag";
   int ht_num_sms = 64;               ///< SM budget of HT kernels (64: measured, bench/NOTES.md "Fourth session: bandwidth")
   int ht_warps_per_block = 16;       ///< warps per block of HT kernels

@@ -419,9 +419,12 @@ std::unique_ptr<PrepareFinalize> make_ll_cuda(std::shared_ptr<Group> group, cons
   launch.signal_chunk = config.ll_signal == "chunk";
   launch.expand_message = config.ll_expand == "message";
   launch.items_run = config.ll_items == "run";
-  launch.combine_data = config.ll_combine_wait != "flag";
-  launch.combine_fence = config.ll_combine_wait == "data";
-  launch.combine_variant = config.ll_combine_wait == "data_cg" ? 1 : config.ll_combine_wait == "data_weak" ? 3 : 0;
+  // ll.combine_wait (bench/NOTES.md, seventh session): data = data_nofence (volatile loads and stores, no
+  // fence: the fastest data variant in every run); data_fence, data_cg, data_weak: the A/B variants.
+  const std::string& wait = config.ll_combine_wait;
+  launch.combine_data = wait != "flag";
+  launch.combine_fence = wait == "data_fence";
+  launch.combine_variant = wait == "data_cg" ? 1 : wait == "data_weak" ? 3 : 0;
   if (const auto* nccl = dynamic_cast<const comm::NcclGroup*>(&comm::root_group(*group))) launch.timeout_s = nccl->timeout_s();
   return make_ll_cuda(std::move(group), cfg, launch);
 }

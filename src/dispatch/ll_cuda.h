@@ -107,7 +107,7 @@ struct LlLaunch {
   bool expand_message = true;  ///< Config ll.expand = message (LlCommon::expand_message); every rank must agree
   bool items_run = true;       ///< Config ll.items = run (LlCommon::items_run); rank-local
   bool combine_data = false;   ///< Config ll.combine_wait = data (LlCommon::combine_data); every rank must agree
-  bool combine_fence = true;   ///< data: each warp fences after its rows for a peer (LlCommon::combine_fence); rank-local
+  bool combine_fence = false;  ///< data_fence: each warp fences after its rows for a peer (LlCommon::combine_fence); rank-local
   uint8_t combine_variant = 0; ///< data: weak loads (bit 0) / weak stores (bit 1) (LlCommon::combine_variant); rank-local
 };
 

@@ -1194,9 +1194,8 @@ __device__ __forceinline__ void combine_send_runs(const LlCombineParams& p, int 
         else st16(dst + 2 * h, make_uint4(o[0], o[1], o[2], o[3]));
       }
     }
-    // ll.combine_wait = data: rows for a peer are pushed out now (a system fence: the warp waits until they
-    // are acknowledged), not left to linger in the write path (batch 1: ~3.5 us from the last store to
-    // the peer's poll seeing it without; bench/NOTES.md seventh session).
+    // ll.combine_wait = data_fence (A/B): rows for a peer pushed out by a system fence (the warp waits for
+    // their acknowledgement). Measured slower (bench/NOTES.md seventh session, batch 2).
     if constexpr (kData)
       if (s != rank && c.combine_fence) fence_acq_rel_sys();
     if (stamp0) {

@@ -6,6 +6,11 @@
 # ll.signal chunk, ll.expand message, ll.items run, 16 warps per block), partial_bf16 and column, and
 # the A/Bs of the seventh session's choice (ll.signal = block) and the fifth's (ll.items = chunk). The logs carry the launch
 # floor and the per-phase stamps. Each bench takes ~3-4 s; each is bounded, and none starts after 26 s.
+
+# ll.signal block, ll.expand message, ll.items run, ll.combine_wait flag, 16 warps per block), partial_bf16,
+# the A/B of the seventh session's ll.combine_wait = data, ll-v4, column, and (if time is left) the
+# fifth session's ll.items = chunk (bench/NOTES.md). The logs carry the launch floor and the per-phase
+# stamps, the JSONs the CUPTI kernel time. Each bench takes ~4-6 s; each is bounded, and none starts after 26 s.
 set -u
 OUT=${OUT:?OUT must name the results folder}
 SRC=${SRC:-$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)}
@@ -32,10 +37,10 @@ run() {  # <name> <combine> <case> [VAR=value ...]
 run ll-v3-final partial_fp32 ll-v3
 run ll-v3-final-signal_block partial_fp32 ll-v3 EPX_LL_SIGNAL=block  # the sixth session's dispatch protocol (A/B)
 run ll-v3-final-partial_bf16 partial_bf16 ll-v3
+run ll-v3-final-wait_data partial_fp32 ll-v3 EPX_LL_COMBINE_WAIT=data
+run ll-v4-final partial_fp32 ll-v4
 run ll-v3-final-column column ll-v3
 run ll-v3-final-items_chunk partial_fp32 ll-v3 EPX_LL_ITEMS=chunk
-run ll-v4-final partial_fp32 ll-v4
-run ll-v3-final-items_chunk-partial_bf16 partial_bf16 ll-v3 EPX_LL_ITEMS=chunk
 # LL_SANITIZE_S=<seconds> (opt-in; not part of the ~30 s above): compute-sanitizer memcheck + racecheck of
 # the ll-v3 bench (and memcheck of one two-rank graph test if time is left) on the built tree, the ll steps
 # of sanitize-dispatch.sh without its build; summary in $OUT/sanitizer/sanitize-summary.txt.
