@@ -3,14 +3,11 @@
 # Called with OUT (results folder), the built tree at /tmp/epx-gpu-check/build and the source at $SRC:
 # ll-v3 / ll-v4 FP8, graph replay, p50 of 200 replays beside nccl_a2a_raw in the same run (plus
 # 1 token per rank and the SM count, in every JSON), for the defaults (ll.combine partial_fp32,
-# ll.signal chunk, ll.expand message, ll.items run, 16 warps per block), partial_bf16 and column, and
-# the A/Bs of the seventh session's choice (ll.signal = block) and the fifth's (ll.items = chunk). The logs carry the launch
-# floor and the per-phase stamps. Each bench takes ~3-4 s; each is bounded, and none starts after 26 s.
-
-# ll.signal block, ll.expand message, ll.items run, ll.combine_wait flag, 16 warps per block), partial_bf16,
-# the A/B of the seventh session's ll.combine_wait = data, ll-v4, column, and (if time is left) the
-# fifth session's ll.items = chunk (bench/NOTES.md). The logs carry the launch floor and the per-phase
-# stamps, the JSONs the CUPTI kernel time. Each bench takes ~4-6 s; each is bounded, and none starts after 26 s.
+# ll.signal chunk, ll.expand message, ll.items run, ll.combine_wait flag, 16 warps per block), the A/B of the
+# seventh session's dispatch choice (ll.signal = block), partial_bf16, the A/B of the seventh session's combine
+# option (ll.combine_wait = data), ll-v4, then column and the fifth session's ll.items = chunk if time is left.
+# The logs carry the launch floor and the per-phase stamps, the JSONs the CUPTI kernel time. Each bench takes
+# ~4-6 s; each is bounded, and none starts after 26 s.
 set -u
 OUT=${OUT:?OUT must name the results folder}
 SRC=${SRC:-$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)}
