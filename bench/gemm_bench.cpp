@@ -22,7 +22,7 @@
 // alone; --prefill-modes: rows epx-wgmma-mode<M> for each listed EPX_EXPERTS_FP8_PREFILL value on
 // both prefill layouts, instead of --prefill-variants' fixed list)
 // (--prefill-variants: also the prefill kernels with early scales / release and bulk-copy stores,
-// EPX_EXPERTS_FP8_PREFILL=16 (the default 1 = 8), 16 with wgmma's A in registers (=17), the TMA loads (=10) and their 2-CTA clusters (=11,
+// EPX_EXPERTS_FP8_PREFILL=16 (the default 1 = 17), 16 with wgmma's A in registers (=17), the TMA loads (=10) and their 2-CTA clusters (=11,
 // ExpertMajor only); the variants removed in the seventh session (2-7, 9, 12-15) and the ring depths
 // were measured before, bench/NOTES.md)
 #include <cublasLt.h>

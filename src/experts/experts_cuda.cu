@@ -39,9 +39,10 @@ constexpr int64_t kMaxTileSlots = 1024;
 /// before the wgmmas, the stage released before the last promotion and bulk-copy epilogue stores
 /// (same bits), 17 = 16 with wgmma's A (tokens) in registers, 10 / 11 experts_fp8_prefill_tma_cuda.cu (TMA loads / their 2-CTA clusters);
 /// whichever bench/NOTES.md measured fastest (sixth session: 8, 3296 us at DeepSeek-V3 shapes, 256
-/// rows/expert). Removed after measurement (seventh session): 2-7 and 9 (weights in A, turn orders),
+/// rows/expert; seventh session: 17, 2 % / 5 % less time than 8 on ExpertMajor / Flat in the same run,
+/// same bytes). Removed after measurement (seventh session): 2-7 and 9 (weights in A, turn orders),
 /// 12-15 (a pipelined m64n64 consumer, 40 % slower).
-constexpr int kFp8PrefillDefaultMode = 8;
+constexpr int kFp8PrefillDefaultMode = 17;
 
 using GemmKernel = void (*)(GemmParams);
 

@@ -353,8 +353,8 @@ TEST(ExpertsCuda, Fp8TensorCoreRowCountsOneTo8192) {
   // The same cases through the paired-K-block mainloop variant (EPX_EXPERTS_FP8_PAIRS=1), with
   // the prefill kernels off (EPX_EXPERTS_FP8_PREFILL=0: every tile on the 64-row kernels), with
   // early scales / release and bulk-copy stores (=16), the TMA variant of the prefill kernels (=10)
-  // and its 2-CTA clusters (=11); Fp8PrefillTmaLoadsMatchCpAsyncLoadsBitForBit checks those are
-  // bit-identical to =8 (the default).
+  // and its 2-CTA clusters (=11); Fp8PrefillTmaLoadsMatchCpAsyncLoadsBitForBit checks those and the
+  // default (=17) are bit-identical to =8.
   // These take the prefill section for any expert with > 64 rows (EPX_EXPERTS_FP8_PREFILL_MIN_TILES
   // = 1); "gated" is the default, which takes it only when the big tiles fill one wave (here only
   // flat 8192 rows: 3 x 22 tiles against ceil(132 / 16) = 9; 1000 rows are 8 tiles: 64-row kernels).
