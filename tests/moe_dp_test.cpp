@@ -8,6 +8,7 @@
 
 #include <atomic>
 #include <cmath>
+#include <limits>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -220,6 +221,50 @@ TEST(DPMetadata, CountsMaxCumulativeAndChunks) {
   const DPMetadata idle = DPMetadata::from_tokens({0, 0}, 0);  // all idle: still one chunk (collectives meet)
   EXPECT_EQ(idle.num_chunks, 1);
   EXPECT_EQ(idle.chunk_max(0), 0);
+}
+
+// Carried-over defect (c): max_tokens + chunk_size - 1 overflowed int64 near INT64_MAX (num_chunks
+// came out 1 instead of 2^62), and the cumulative sums wrapped silently.
+TEST(DPMetadata, ChunkPlanNearInt64MaxHasNoOverflow) {
+  constexpr int64_t kMax = std::numeric_limits<int64_t>::max();
+  const DPMetadata d = DPMetadata::from_tokens({kMax, 0}, 2);
+  EXPECT_EQ(d.max_tokens, kMax);
+  EXPECT_EQ(d.num_chunks, int64_t{1} << 62);  // ceil((2^63 - 1) / 2)
+  EXPECT_EQ(d.chunk_tokens(d.num_chunks - 1, 0), 1);
+  EXPECT_EQ(d.chunk_tokens(d.num_chunks - 1, 1), 0);
+  EXPECT_EQ(d.chunk_tokens(0, 0), 2);
+  const DPMetadata big_chunk = DPMetadata::from_tokens({kMax - 11, 10}, kMax);  // max_tokens + chunk_size - 1 overflowed
+  EXPECT_EQ(big_chunk.num_chunks, 1);
+  EXPECT_EQ(big_chunk.chunk_tokens(0, 0), kMax - 11);
+  EXPECT_EQ(big_chunk.chunk_tokens(0, 1), 10);
+  const DPMetadata unchunked = DPMetadata::from_tokens({kMax, 0}, 0);
+  EXPECT_EQ(unchunked.chunk_size, kMax);
+  EXPECT_EQ(unchunked.num_chunks, 1);
+  EXPECT_EQ(unchunked.cumulative, (std::vector<int64_t>{0, kMax, kMax}));
+}
+
+TEST(DPMetadata, BadTokensOrChunkNameTheArgumentValueAndRule) {
+  constexpr int64_t kMax = std::numeric_limits<int64_t>::max();
+  auto message = [](auto&& fn) {
+    try {
+      fn();
+    } catch (const InvalidArgument& e) {
+      return std::string(e.what());
+    }
+    return std::string("no InvalidArgument");
+  };
+  std::string m = message([&] { DPMetadata::from_tokens({kMax - 5, 3, 4}, 0); });  // the sum passes INT64_MAX at rank 2
+  EXPECT_NE(m.find("tokens_per_rank[2] = 4"), std::string::npos) << m;
+  EXPECT_NE(m.find("INT64_MAX"), std::string::npos) << m;
+  m = message([&] { DPMetadata::from_tokens({5, -1}, 4); });
+  EXPECT_NE(m.find("tokens_per_rank[1] = -1: must be >= 0"), std::string::npos) << m;
+  m = message([&] { DPMetadata::from_tokens({5, 1}, -4); });
+  EXPECT_NE(m.find("chunk_size = -4: must be >= 0"), std::string::npos) << m;
+  const DPMetadata d = DPMetadata::from_tokens({10, 3}, 4);
+  m = message([&] { d.chunk_tokens(kMax, 0); });  // chunk * chunk_size would overflow
+  EXPECT_NE(m.find("chunk = 9223372036854775807: must be in [0, num_chunks = 3)"), std::string::npos) << m;
+  m = message([&] { d.chunk_tokens(0, 2); });
+  EXPECT_NE(m.find("rank = 2: must be in [0, R = 2)"), std::string::npos) << m;
 }
 
 TEST(DPMetadata, OneCallGathersItOnceAndEveryRankSeesTheSame) {

@@ -131,9 +131,12 @@ struct DPMetadata {
   int64_t chunk_size = 1;                ///< tokens per chunk per rank (max_tokens when unchunked; >= 1)
   int64_t num_chunks = 1;                ///< ceil(max_tokens / chunk_size), at least 1 (idle calls still meet)
 
-  /// From T per rank and the layer's chunk size (0 = unchunked).
+  /// From T per rank and the layer's chunk size (0 = unchunked). InvalidArgument (naming the
+  /// argument and value) if chunk_size < 0, a T_r < 0, or the sum of T_r passes INT64_MAX; no
+  /// intermediate overflows for any valid input (T_r and chunk_size up to INT64_MAX).
   static DPMetadata from_tokens(std::vector<int64_t> tokens_per_rank, int64_t chunk_size);
-  /// Tokens of rank r in chunk c: clamp(T_r - c * chunk_size, 0, chunk_size).
+  /// Tokens of rank r in chunk c: clamp(T_r - c * chunk_size, 0, chunk_size). InvalidArgument unless
+  /// 0 <= c < num_chunks and 0 <= r < R.
   int64_t chunk_tokens(int64_t chunk, int rank) const;
   /// [R] tokens per rank of chunk c, and M = their max (the capability gate's input).
   std::vector<int64_t> chunk_counts(int64_t chunk) const;

@@ -43,6 +43,7 @@
 // no host collective, and the valid row count on the device (DispatchArgs::num_tokens).
 #include <algorithm>
 #include <chrono>
+#include <limits>
 #include <optional>
 #include <string>
 #include <vector>
@@ -58,19 +59,37 @@
 namespace epx {
 
 DPMetadata DPMetadata::from_tokens(std::vector<int64_t> tokens, int64_t chunk) {
+  constexpr std::string_view op = "DPMetadata::from_tokens";
+  constexpr int64_t kMax = std::numeric_limits<int64_t>::max();
+  require_arg(op, "chunk_size", chunk, chunk >= 0, "must be >= 0 (0 = unchunked)");
   DPMetadata d;
   d.tokens_per_rank = std::move(tokens);
   d.cumulative.assign(d.tokens_per_rank.size() + 1, 0);
   for (size_t r = 0; r < d.tokens_per_rank.size(); ++r) {
-    d.cumulative[r + 1] = d.cumulative[r] + d.tokens_per_rank[r];
-    d.max_tokens = std::max(d.max_tokens, d.tokens_per_rank[r]);
+    const int64_t t = d.tokens_per_rank[r];
+    // The exclusive prefix sums are row offsets into the gathered rows: they must fit in int64.
+    if (t < 0 || t > kMax - d.cumulative[r]) {
+      throw InvalidArgument(arg_message(op, "tokens_per_rank[" + std::to_string(r) + "]", t,
+                                        t < 0 ? std::string("must be >= 0")
+                                              : "must keep the sum over ranks <= INT64_MAX (the ranks before it sum to " +
+                                                    std::to_string(d.cumulative[r]) + ")"));
+    }
+    d.cumulative[r + 1] = d.cumulative[r] + t;
+    d.max_tokens = std::max(d.max_tokens, t);
   }
   d.chunk_size = chunk > 0 ? chunk : std::max<int64_t>(d.max_tokens, 1);
-  d.num_chunks = std::max<int64_t>(1, (d.max_tokens + d.chunk_size - 1) / d.chunk_size);
+  // ceil(max_tokens / chunk_size) without forming max_tokens + chunk_size - 1 (which overflows near INT64_MAX).
+  d.num_chunks = std::max<int64_t>(1, d.max_tokens / d.chunk_size + (d.max_tokens % d.chunk_size != 0 ? 1 : 0));
   return d;
 }
 
 int64_t DPMetadata::chunk_tokens(int64_t chunk, int rank) const {
+  constexpr std::string_view op = "DPMetadata::chunk_tokens";
+  if (chunk < 0 || chunk >= num_chunks)
+    throw InvalidArgument(arg_message(op, "chunk", chunk, "must be in [0, num_chunks = " + std::to_string(num_chunks) + ")"));
+  if (rank < 0 || static_cast<size_t>(rank) >= tokens_per_rank.size())
+    throw InvalidArgument(arg_message(op, "rank", rank, "must be in [0, R = " + std::to_string(tokens_per_rank.size()) + ")"));
+  // chunk < num_chunks = ceil(max_tokens / chunk_size), so chunk * chunk_size <= max_tokens: no overflow.
   return std::clamp<int64_t>(tokens_per_rank[static_cast<size_t>(rank)] - chunk * chunk_size, 0, chunk_size);
 }
 
