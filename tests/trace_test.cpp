@@ -122,9 +122,9 @@ TEST(Trace, JsonAndDirectoryFormsRoundTripExactly) {
 
 TEST(Trace, BadJsonTracesGiveClearErrors) {
   expect_invalid([] { parse_trace_json(replace_once(kHandTrace, "[[3, 3]]", "[[3, 4]]"), "f.json"); },
-                 {"trace f.json", "steps[0].ranks[1].topk_idx[0][1] = 4", "must be in [-1, 4)"});
+                 {"trace f.json", "steps[0].ranks[1].topk_idx[0, 1] = 4", "must be -1 (no selection) or an expert id in [0, num_experts = 4)"});
   expect_invalid([] { parse_trace_json(replace_once(kHandTrace, "[[3, 3]]", "[[3, -2]]"), "f.json"); },
-                 {"topk_idx[0][1] = -2"});
+                 {"topk_idx[0, 1] = -2"});
   expect_invalid([] { parse_trace_json(replace_once(kHandTrace, "[2, 3], [0, -1]", "[2, 3, 1], [0, -1]"), "f.json"); },
                  {"steps[0].ranks[0].topk_idx[1].size = 3", "top_k"});
   expect_invalid([] { parse_trace_json(replace_once(kHandTrace, "\"num_ranks\": 2", "\"num_ranks\": 3"), "f.json"); },
@@ -283,7 +283,7 @@ TEST(Trace, DirectoryFormValidatesShapesAgainstManifest) {
   NpyArray b{"<i8", {3, 2}, std::vector<uint8_t>(48, 0)};
   b.data[0] = 9;
   write_npy((dir / "s000000_r0000.topk_idx.npy").string(), b);
-  expect_invalid([&] { load_trace(dir.string()); }, {"topk_idx[0][0] = 9", "must be in [-1, 4)"});
+  expect_invalid([&] { load_trace(dir.string()); }, {"topk_idx[0, 0] = 9", "must be -1 (no selection) or an expert id in [0, num_experts = 4)"});
   std::filesystem::remove(dir / "manifest.json");
   expect_invalid([&] { load_trace(dir.string()); }, {"manifest.json", "must exist"});
   std::filesystem::remove_all(dir);

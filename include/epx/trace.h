@@ -9,7 +9,8 @@
 //   - one JSON file ("format": "epx-trace", "version": 1) for small traces;
 //   - a directory with manifest.json and one .npy file per (step, rank, tensor) for large ones.
 // Every loader validates fully and throws InvalidArgument in the STYLE.md form, naming the file
-// and the element, e.g. "trace t.json: steps[2].ranks[1].topk_idx[5][0] = 61: must be in [-1, 60)".
+// and the element, e.g. "trace t.json: steps[2].ranks[1].topk_idx[5, 0] = 61: must be -1 (no
+// selection) or an expert id in [0, num_experts = 60)".
 #pragma once
 
 #include <cstdint>

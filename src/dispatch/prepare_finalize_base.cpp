@@ -2,6 +2,8 @@
 
 #include <algorithm>
 
+#include "core/topk_message.h"
+
 namespace epx::dispatch {
 namespace {
 
@@ -100,7 +102,7 @@ InvalidArgument bad_topk_id(const std::string& op, const DispatchConfig& cfg, in
   const std::string E = std::to_string(cfg.num_experts), K = std::to_string(cfg.top_k), last = std::to_string(cfg.top_k - 1);
   std::string rule;
   if (!cfg.shared_route) {
-    rule = "must be -1 (no selection) or an expert id in [0, num_experts = " + E + ")";
+    rule = detail::topk_id_rule(cfg.num_experts);
   } else if (k == cfg.top_k - 1) {
     rule = "must be num_experts = " + E + " (the shared route) or -1 (shared expert not fused): with shared_route the last of the top_k = " +
            K + " columns is the shared expert's" + (value >= 0 && value < cfg.num_experts ? ", not a routed expert's" : "");
@@ -108,7 +110,7 @@ InvalidArgument bad_topk_id(const std::string& op, const DispatchConfig& cfg, in
     rule = "must be -1 (no selection) or a routed expert id in [0, num_experts = " + E + "): with shared_route, num_experts = " + E +
            " (the shared route) belongs in the last column (k = " + last + ") only";
   }
-  return InvalidArgument(arg_message(op, "topk_idx[" + std::to_string(t) + ", " + std::to_string(k) + "]", value, rule));
+  return InvalidArgument(arg_message(op, detail::topk_elem("topk_idx", t, k), value, rule));
 }
 
 // ---- PrepareFinalizeBase ------------------------------------------------------------------------

@@ -26,7 +26,8 @@ inline int64_t load_index(const TensorView& idx, int64_t i) {
 }
 
 /// Checks routing [T, K] (ids in [-1, E), fp32 weights, contiguous CPU) for `op`. Throws
-/// InvalidArgument naming the first bad element, e.g. "op: topk_idx[3][1] = 64: must be in [-1, 64)".
+/// InvalidArgument naming the first bad element, e.g. "op: topk_idx[3, 1] = 64: must be -1 (no
+/// selection) or an expert id in [0, num_experts = 64)" (core/topk_message.h, as the dispatch says it).
 void check_routing(std::string_view op, const TensorView& topk_idx, const TensorView& topk_weights, int64_t num_tokens,
                    int num_experts);
 

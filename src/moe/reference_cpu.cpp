@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "core/topk_message.h"
 #include "epx/error.h"
 #include "epx/moe.h"
 #include "epx/quant.h"
@@ -54,8 +55,7 @@ void check_routing(std::string_view op, const TensorView& topk_idx, const Tensor
   for (int64_t i = 0; i < num_tokens * K; ++i) {
     const int64_t e = load_index(topk_idx, i);
     if (e < -1 || e >= num_experts) {
-      throw InvalidArgument(arg_message(op, "topk_idx[" + std::to_string(i / K) + "][" + std::to_string(i % K) + "]", e,
-                                        "must be in [-1, " + std::to_string(num_experts) + ")"));
+      throw InvalidArgument(arg_message(op, detail::topk_elem("topk_idx", i / K, i % K), e, detail::topk_id_rule(num_experts)));
     }
   }
 }

@@ -9,6 +9,7 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "core/topk_message.h"
 #include "epx/error.h"
 #include "moe/trace_npy.h"
 
@@ -105,13 +106,11 @@ void Trace::validate(const std::string& origin) const {
       const int32_t* idx = tr.topk_idx.ptr<int32_t>();
       const float* w = tr.topk_weights.ptr<float>();
       for (int64_t i = 0; i < T * top_k; ++i) {
-        const std::string at = "[" + std::to_string(i / top_k) + "][" + std::to_string(i % top_k) + "]";
         if (idx[i] < -1 || idx[i] >= num_experts)
-          throw InvalidArgument(arg_message(op, elem(s, r, "topk_idx" + at), idx[i],
-                                            "must be in [-1, " + std::to_string(num_experts) + ") (num_experts = " +
-                                                std::to_string(num_experts) + ", -1 = no selection)"));
+          throw InvalidArgument(arg_message(op, elem(s, r, detail::topk_elem("topk_idx", i / top_k, i % top_k)), idx[i],
+                                            detail::topk_id_rule(num_experts)));
         if (!std::isfinite(w[i]))
-          throw InvalidArgument(arg_message(op, elem(s, r, "topk_weights" + at), w[i], "must be finite"));
+          throw InvalidArgument(arg_message(op, elem(s, r, detail::topk_elem("topk_weights", i / top_k, i % top_k)), w[i], "must be finite"));
       }
     }
   }

@@ -12,6 +12,7 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "core/topk_message.h"
 #include "epx/error.h"
 #include "epx/trace.h"
 #include "moe/trace_npy.h"
@@ -147,7 +148,7 @@ Tensor from_npy(const std::string& op, const std::string& what, const std::strin
       int64_t v;
       if (a.descr == "<i4") { int32_t x; std::memcpy(&x, &a.data[i * 4], 4); v = x; }
       else std::memcpy(&v, &a.data[i * 8], 8);
-      require_arg(op, what + "[" + std::to_string(i / cols) + "][" + std::to_string(i % cols) + "]", v, v >= INT32_MIN && v <= INT32_MAX, "must fit in int32");
+      require_arg(op, detail::topk_elem(what, i / cols, i % cols), v, v >= INT32_MIN && v <= INT32_MAX, "must fit in int32");
       out[i] = static_cast<int32_t>(v);
     }
   } else if (dtype == DType::fp32) {
