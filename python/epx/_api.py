@@ -114,12 +114,15 @@ class PrepareFinalize:
     def why_unsupported(self, x, topk_idx, topk_weights) -> Optional[str]:
         return self._impl.why_unsupported(x, topk_idx, topk_weights)
 
-    def prepare(self, x, topk_idx, topk_weights, stream=None, num_tokens=None) -> Prepared:
+    def prepare(self, x, topk_idx, topk_weights, stream=None, num_tokens=None, *, reject=None) -> Prepared:
         """Dispatch x [T, H] bf16 with topk_idx [T, K] int32/int64 (-1 = none) and topk_weights [T, K]
         fp32 (applied in finalize). T <= num_max_dispatch_tokens_per_rank. num_tokens: optional [1] int32
-        on the GPU, the rows of x that take part (ll on CUDA, so one captured CUDA graph serves every T)."""
+        on the GPU, the rows of x that take part (ll on CUDA, so one captured CUDA graph serves every T).
+        reject: None, or an exception instance (epx.InvalidArgument / epx.Unsupported) this rank raises for
+        the call: the collective still runs its status exchange, so every other rank raises too, naming
+        this rank and the same sentence (how epx.deepep's own checks fail on every rank)."""
         s = resolve_stream(stream, x, topk_idx, topk_weights)
-        r = self._impl.prepare(x, topk_idx, topk_weights, s, num_tokens)
+        r = self._impl.prepare(x, topk_idx, topk_weights, s, num_tokens, reject)
         fw = framework(x)
         self._fw, self._out_like, self._out_rows = fw, x, _rows(x)
         c = r.contiguous
@@ -130,7 +133,7 @@ class PrepareFinalize:
                         to_framework(r.topk_idx, fw), to_framework(r.topk_weights, fw), r.num_recv_tokens, r,
                         to_framework(r.num_recv_tokens_device, fw), contiguous)
 
-    def finalize(self, expert_out, out=None, stream=None, topk_weights=None):
+    def finalize(self, expert_out, out=None, stream=None, topk_weights=None, *, reject=None):
         """Combine expert_out (ExpertMajor [L, cap, H] / Flat [N_recv, H] bf16, as the experts wrote it;
         ht with expert_contiguous: [M, H] bf16, one unweighted row per Prepared.contiguous row) for the
         last prepare into out [T, H] bf16 (allocated like prepare's x when None); returns out.
@@ -138,11 +141,11 @@ class PrepareFinalize:
         topk_weights: ht with expert_contiguous only, [N_recv, K] fp32 (usually prepared.topk_weights):
         finalize weights the rows itself, sum_k topk_weights[n, k] * expert_out[pair_row[n, k]] in fp32;
         None = weight 1 (the weights were applied before the experts). Given to any other backend or
-        layout it raises InvalidArgument (ValueError) on every rank."""
+        layout it raises InvalidArgument (ValueError) on every rank. reject: as in prepare."""
         if out is None:
             out = _empty_rows_like(self._out_like, self._out_rows, self.config.hidden, self._fw, self.group.device)
         s = resolve_stream(stream, expert_out, out)
-        self._impl.finalize(expert_out, out, s, topk_weights)
+        self._impl.finalize(expert_out, out, s, topk_weights, reject)
         return out
 
 

@@ -206,11 +206,12 @@ both are collective (every rank calls them, also with 0 tokens). Create with mak
         return p.pf->why_unsupported(d);
       }, pyb::arg("x"), pyb::arg("topk_idx"), pyb::arg("topk_weights"), "None when prepare can run these arguments, else one sentence why not.")
       .def("prepare", [](pyb::object self, pyb::handle x, pyb::handle topk_idx, pyb::handle topk_weights, int64_t stream,
-                         pyb::handle num_tokens) {
+                         pyb::handle num_tokens, pyb::handle reject) {
         PyPrepareFinalize& p = self.cast<PyPrepareFinalize&>();
         CallArgs a("epx.PrepareFinalize.prepare", stream);
         DispatchArgs d{a.get(x, "x", DType::bf16), a.get(topk_idx, "topk_idx"), a.get(topk_weights, "topk_weights"), to_stream(stream),
                        a.get(num_tokens, "num_tokens", std::nullopt, true)};
+        if (a.reject(reject)) d.x = CallArgs::placeholder();
         PyPrepareResult r;
         r.raw = call_released(a, [&] { return p.pf->prepare(d); });
         r.layout = std::string(layout_name(r.raw.layout));
@@ -233,18 +234,24 @@ both are collective (every rank calls them, also with 0 tokens). Create with mak
           r.contiguous = pyb::cast(std::move(c));
         }
         return r;
-      }, pyb::arg("x"), pyb::arg("topk_idx"), pyb::arg("topk_weights"), pyb::arg("stream") = 0, pyb::arg("num_tokens") = pyb::none(), R"doc(
+      }, pyb::arg("x"), pyb::arg("topk_idx"), pyb::arg("topk_weights"), pyb::arg("stream") = 0, pyb::arg("num_tokens") = pyb::none(),
+         pyb::arg("reject") = pyb::none(), R"doc(
 Dispatch (collective). x [T, H] bf16, T <= num_max_dispatch_tokens_per_rank; topk_idx [T, K] int32/int64
 (-1 = no selection); topk_weights [T, K] fp32; all on the group's device, contiguous. stream: cudaStream_t
 as int (0 = legacy default). num_tokens: optional [1] int32 on the GPU, the rows of x that take part
 (ll on CUDA: one captured graph for every T; other backends raise InvalidArgument when it is set).
+reject: None, or an exception instance the caller raises for this call after the collective status
+exchange, so every other rank raises too, with the same sentence (the deepep shim's own checks).
 Raises InvalidArgument (on every rank), Unsupported, Timeout, CommError.)doc")
-      .def("finalize", [](PyPrepareFinalize& p, pyb::handle expert_out, pyb::handle out, int64_t stream, pyb::handle topk_weights) {
+      .def("finalize", [](PyPrepareFinalize& p, pyb::handle expert_out, pyb::handle out, int64_t stream, pyb::handle topk_weights,
+                          pyb::handle reject) {
         CallArgs a("epx.PrepareFinalize.finalize", stream);
         FinalizeArgs f{a.get(expert_out, "expert_out", DType::bf16), a.get_out(out, "out", DType::bf16), to_stream(stream),
                        a.get(topk_weights, "topk_weights", std::nullopt, true)};
+        if (a.reject(reject)) f.expert_out = CallArgs::placeholder();
         call_released(a, [&] { p.pf->finalize(f); });
-      }, pyb::arg("expert_out"), pyb::arg("out"), pyb::arg("stream") = 0, pyb::arg("topk_weights") = pyb::none(), R"doc(
+      }, pyb::arg("expert_out"), pyb::arg("out"), pyb::arg("stream") = 0, pyb::arg("topk_weights") = pyb::none(),
+         pyb::arg("reject") = pyb::none(), R"doc(
 Combine for the last prepare (collective). expert_out: as the experts wrote it (ExpertMajor [L, cap, H] /
 Flat [N_recv, H] bf16; ht with expert_contiguous: [M, H] bf16, row i = expert row_expert[i] on
 contiguous.x[i], unweighted); out [T, H] bf16 is written: out[t] = sum_k w[t,k] * expert_{idx[t,k]}(x[t]),
@@ -252,7 +259,7 @@ fp32 accumulation, one rounding. topk_weights: ht with expert_contiguous only, [
 group's device (usually PrepareResult.topk_weights): received row n's partial is
 sum_k topk_weights[n, k] * expert_out[pair_row[n, k]]; None: the same sum with weight 1 (the weights were
 applied before the experts). Raises InvalidArgument (on every rank) for a bad shape, dtype or device, or
-topk_weights given to another backend / without expert_contiguous; Timeout; CommError.)doc");
+topk_weights given to another backend / without expert_contiguous; Timeout; CommError. reject: as in prepare.)doc");
 
   m.def("make_prepare_finalize", [](const std::string& name, std::shared_ptr<Group> group, const DispatchConfig& cfg,
                                     std::optional<Config> settings) {

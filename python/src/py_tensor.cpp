@@ -233,11 +233,42 @@ TensorView CallArgs::get_impl(pyb::handle obj, const char* name_c, std::optional
     }
     return import_dlpack(obj, name, bits_as, writes);
   } catch (...) {
-    if (!error_) error_ = std::current_exception();
-    TensorView poison;  // 0-d uint8: every entry point rejects it, on every rank
-    poison.dtype = DType::uint8;
-    return poison;
+    remember(std::current_exception());
+    return placeholder();
   }
+}
+
+TensorView CallArgs::placeholder() {
+  TensorView poison;  // 0-d uint8: every entry point rejects it, on every rank
+  poison.dtype = DType::uint8;
+  return poison;
+}
+
+void CallArgs::remember(std::exception_ptr e) {
+  if (error_) return;  // the first error is the one reported
+  error_ = e;
+  try {
+    std::rethrow_exception(e);
+  } catch (pyb::error_already_set& py) {
+    message_ = pyb::str(py.value()).cast<std::string>();
+    unsupported_ = py.matches(PyExc_NotImplementedError);
+  } catch (const Unsupported& u) {
+    message_ = u.what();
+    unsupported_ = true;
+  } catch (const std::exception& x) {
+    message_ = x.what();
+  } catch (...) {
+    message_ = op_ + ": an argument could not be converted";
+  }
+}
+
+bool CallArgs::reject(pyb::handle exc) {
+  if (exc.is_none()) return false;
+  if (!PyExceptionInstance_Check(exc.ptr()))
+    throw pyb::type_error(op_ + ": reject: expected an exception instance, got " + pyb::str(pyb::type::of(exc)).cast<std::string>());
+  PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(exc.ptr())), exc.ptr());
+  remember(std::make_exception_ptr(pyb::error_already_set()));
+  return true;
 }
 
 namespace {

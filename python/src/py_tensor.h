@@ -20,6 +20,7 @@
 #include <utility>
 #include <vector>
 
+#include "core/binding_error.h"
 #include "dlpack_abi.h"
 #include "epx/tensor.h"
 
@@ -53,7 +54,8 @@ class Borrowed {
 /// The tensor arguments of one call. A conversion error is remembered instead of thrown, and the
 /// argument becomes a view no entry point accepts (uint8, 0-d): a collective call then still joins
 /// its peers and fails on every rank (BEHAVIOUR.md: a bad argument on one rank must not hang the
-/// others), and this rank reports its own, more precise error (rethrow_local()).
+/// others), and this rank reports its own, more precise error (rethrow_local()); the other ranks read
+/// that same sentence (call_released sets it as the call's core/binding_error.h error).
 class CallArgs {
  public:
   CallArgs(std::string op, int64_t stream) : op_(std::move(op)), stream_(stream) {}
@@ -73,6 +75,17 @@ class CallArgs {
   void rethrow_local() const {
     if (error_) std::rethrow_exception(error_);
   }
+  /// The sentence of the remembered error ("" when none) and whether it is an Unsupported
+  /// (NotImplementedError) rather than an argument error.
+  const std::string& local_message() const { return message_; }
+  bool local_unsupported() const { return unsupported_; }
+  /// A caller (the deepep shim) rejects this call itself: `exc`, an exception instance (e.g.
+  /// epx.Unsupported("...")), is remembered as the local error and raised here after the collective
+  /// call, which the other ranks leave with the same sentence. None: no rejection. Returns whether
+  /// the call is rejected (then pass placeholder() in place of its main tensor).
+  bool reject(pyb::handle exc);
+  /// The view every entry point rejects (uint8, 0-d).
+  static TensorView placeholder();
   int64_t stream() const { return stream_; }
 
  private:
@@ -83,6 +96,9 @@ class CallArgs {
   int64_t stream_;
   bool last_read_only_ = false;
   std::exception_ptr error_;
+  std::string message_;
+  bool unsupported_ = false;
+  void remember(std::exception_ptr e);
   std::vector<std::unique_ptr<Borrowed>> keep_;
 };
 
@@ -91,6 +107,9 @@ class CallArgs {
 template <class F>
 auto call_released(const CallArgs& args, F&& f) -> decltype(f()) {
   using R = decltype(f());
+  // The other ranks read this rank's own sentence, not the placeholder's rejection (core/binding_error.h).
+  std::optional<detail::ScopedBindingError> binding;
+  if (args.failed()) binding.emplace(args.local_message(), args.local_unsupported());
   if constexpr (std::is_void_v<R>) {
     try {
       pyb::gil_scoped_release release;

@@ -455,6 +455,10 @@ def test_bad_arguments_fail_on_every_rank(case):
     expected = TypeError if case == "list_x" else ValueError
     assert isinstance(errors[0], expected), repr(errors[0])
     assert isinstance(errors[1], epx.Error), repr(errors[1])  # the good rank is told, not left hanging
+    # ... with the bad rank's own sentence (a float64 x once reached the peer as "x.dtype = uint8", the
+    # placeholder the binding passes in the bad argument's place)
+    assert f"rank 0 rejected its arguments: {errors[0]}" in str(errors[1]), (str(errors[0]), str(errors[1]))
+    assert "= uint8: must be" not in str(errors[1]), str(errors[1])
     # the objects stay usable: a good round on both ranks still works
     def again(rank, args):
         p = pfs[rank].prepare(*args)
@@ -547,6 +551,142 @@ def test_deepep_dispatch_layout_rejects_bad_ids(bad):
         buf.get_dispatch_layout(idx, E)
     per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx[:1], E)
     assert per_expert.shape == (E,) and in_rank.shape == (1, 1) and per_rank.tolist() == [1]
+
+
+def _deepep_round(groups, fns, call):
+    """Both ranks: ll and ht dispatch through epx.deepep.Buffer, experts in numpy; call(rank, buf, ll, ht) then
+    runs the combines; returns each rank's (result or exception, reference output)."""
+    results = [None] * len(groups)
+
+    def body(rank):
+        buf = epx.deepep.Buffer(groups[rank])
+        begin, end = epx.expert_range(E, R, rank)
+        x, idx, w = make_inputs(np.random.default_rng(70 + rank), 6)
+        ref = moe_out(fns, f32(x), idx, w)
+        _, _, ll_handle, _, _ = buf.low_latency_dispatch(x, idx, T, E, topk_weights=w, use_fp8=False)
+        ll_y = numpy_experts(ll_handle.prepared, fns[begin:end])
+        _, _, recv_w, _, ht_handle, _ = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=E)
+        ht_y = numpy_experts(ht_handle.prepared, fns[begin:end])
+        try:
+            results[rank] = (call(rank, buf, (ll_y, idx, w, ll_handle), (ht_y, recv_w, ht_handle)), ref)
+        except Exception as e:  # noqa: BLE001 - the test inspects it
+            results[rank] = (e, ref)
+
+    t0 = time.monotonic()
+    epx.run_ranks(groups, body)
+    assert time.monotonic() - t0 < 10, "a rejected combine on one rank must not leave the other waiting"
+    return results
+
+
+@pytest.mark.parametrize("ranks", ["both", "one"])
+@pytest.mark.parametrize("which", ["ht_topk_weights", "ll_other_weights"])
+def test_deepep_combine_weights_follow_deepep_or_raise(experts, which, ranks):
+    """DeepEP's HT combine(x, handle, topk_weights=w) sums x without weights and reduces w to the source ranks;
+    its low_latency_combine weights x by the topk_weights it is given. epx carries neither at combine, so
+    instead of ignoring them (the shim once returned a result as if they were not given): HT topk_weights
+    other than None, or LL weights other than the dispatch's object, raise NotImplementedError naming
+    topk_weights and the rule on every rank (also when only one rank passes them), and the handles stay
+    usable: the combine with the right arguments then gives the reference result."""
+    _, fns = experts
+    groups = epx.make_cpu_groups(R, timeout_s=20)
+
+    def call(rank, buf, ll, ht):
+        bad = ranks == "both" or rank == 0
+        ll_y, idx, w, ll_handle = ll
+        ht_y, recv_w, ht_handle = ht
+        error = None
+        try:
+            if which == "ht_topk_weights":
+                buf.combine(ht_y, ht_handle, topk_weights=recv_w if bad else None)
+            else:
+                buf.low_latency_combine(ll_y, idx, w.copy() if bad else w, ll_handle)
+        except Exception as e:  # noqa: BLE001
+            error = e
+        out_ll, _, _ = buf.low_latency_combine(ll_y, idx, w, ll_handle)
+        out_ht, combined_w, _ = buf.combine(ht_y, ht_handle)
+        assert combined_w is None
+        return error, out_ll, out_ht
+
+    for rank, ((error, out_ll, out_ht), ref) in enumerate(_deepep_round(groups, fns, call)):
+        if ranks == "both" or rank == 0:
+            assert isinstance(error, NotImplementedError), repr(error)
+            assert "topk_weights" in str(error) and "must be" in str(error), str(error)
+        else:
+            assert isinstance(error, epx.Error) and "rank 0 rejected its arguments" in str(error), repr(error)
+            assert "topk_weights" in str(error), str(error)
+        assert rel_l2(f32(out_ll), ref) < 1.5e-2 and rel_l2(f32(out_ht), ref) < 1.5e-2
+
+
+@pytest.mark.parametrize("capacity", [0, T])
+@pytest.mark.parametrize("misuse", ["cached_handle", "no_topk_weights", "no_num_experts"])
+def test_deepep_dispatch_misuse_on_one_rank_fails_on_every_rank(experts, misuse, capacity):
+    """The shim's own dispatch checks once raised on the bad rank before any collective, and the other rank
+    waited in its dispatch until the timeout. They now go through one host all-gather: both ranks raise at
+    once (the bad rank its own error, the other naming rank 0 and the same sentence), and the Buffer stays
+    usable."""
+    _, fns = experts
+    groups = epx.make_cpu_groups(R, timeout_s=20)
+
+    def body_call(rank, buf, x, idx, w):
+        kw = dict(topk_idx=idx, topk_weights=w, num_experts=E, num_max_dispatch_tokens_per_rank=capacity)
+        if rank == 0:
+            if misuse == "cached_handle":
+                kw["handle"] = object()
+            elif misuse == "no_topk_weights":
+                kw["topk_weights"] = None
+            else:
+                kw["num_experts"] = None
+        return buf.dispatch(x, **kw)
+
+    errors = [None, None]
+    outs = [None, None]
+
+    def body(rank):
+        buf = epx.deepep.Buffer(groups[rank])
+        begin, end = epx.expert_range(E, R, rank)
+        x, idx, w = make_inputs(np.random.default_rng(80 + rank), 5)
+        try:
+            body_call(rank, buf, x, idx, w)
+        except Exception as e:  # noqa: BLE001
+            errors[rank] = e
+        _, _, _, _, h, _ = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=E,
+                                        num_max_dispatch_tokens_per_rank=capacity)
+        out, _, _ = buf.combine(numpy_experts(h.prepared, fns[begin:end]), h)
+        outs[rank] = rel_l2(f32(out), moe_out(fns, f32(x), idx, w))
+
+    t0 = time.monotonic()
+    epx.run_ranks(groups, body)
+    assert time.monotonic() - t0 < 10, "a misused dispatch on one rank must not leave the other waiting"
+    expected = NotImplementedError if misuse == "cached_handle" else ValueError
+    assert isinstance(errors[0], expected), repr(errors[0])
+    assert isinstance(errors[1], expected), repr(errors[1])
+    assert f"epx.deepep.Buffer.dispatch: rank 0 rejected its arguments: {errors[0]}" == str(errors[1])
+    assert outs[0] < 1.5e-2 and outs[1] < 1.5e-2
+
+
+def test_deepep_layout_error_on_one_rank_times_out_the_other():
+    """get_dispatch_layout is a local computation (as in DeepEP): a bad id raises on its rank only, before
+    any collective. What the module docstring promises for the other rank: its next collective raises
+    epx.Timeout (TimeoutError) after the group's timeout_s, naming the operation; it does not hang."""
+    groups = epx.make_cpu_groups(R, timeout_s=1.5)
+    errors = [None, None]
+
+    def body(rank):
+        buf = epx.deepep.Buffer(groups[rank])
+        x, idx, w = make_inputs(np.random.default_rng(90 + rank), 4)
+        if rank == 0:
+            idx[2, 1] = E
+        try:
+            buf.get_dispatch_layout(idx, E)
+            buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=E)
+        except Exception as e:  # noqa: BLE001
+            errors[rank] = e
+
+    t0 = time.monotonic()
+    epx.run_ranks(groups, body)
+    assert time.monotonic() - t0 < 10
+    assert isinstance(errors[0], ValueError) and "topk_idx[2, 1]" in str(errors[0]), repr(errors[0])
+    assert isinstance(errors[1], TimeoutError), repr(errors[1])
 
 
 def test_experts_binding_matches_numpy(experts):

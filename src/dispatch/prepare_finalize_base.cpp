@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include "core/binding_error.h"
 #include "core/topk_message.h"
 
 namespace epx::dispatch {
@@ -45,9 +46,13 @@ std::vector<std::vector<int64_t>> exchange_status(Group& group, const std::strin
                                                   const std::vector<int64_t>& fields, Stream stream) {
   const int R = group.size();
   const size_t n = 2 + fields.size();
+  // A binding's own argument error (core/binding_error.h) is the sentence the other ranks read, not
+  // the rejection of the placeholder it passed in the bad argument's place.
+  const detail::BindingError* binding = local.kind != LocalError::none ? detail::pending_binding_error() : nullptr;
+  const std::string& published = binding ? binding->message : local.message;
   std::vector<int64_t> mine(n, 0), all(n * static_cast<size_t>(R));
-  mine[0] = local.kind;
-  mine[1] = static_cast<int64_t>(local.message.size());
+  mine[0] = binding ? (binding->unsupported ? LocalError::unsupported : LocalError::invalid_argument) : local.kind;
+  mine[1] = static_cast<int64_t>(published.size());
   std::copy(fields.begin(), fields.end(), mine.begin() + 2);
   group.all_gather(mine.data(), all.data(), static_cast<int64_t>(n * sizeof(int64_t)), stream);
 
@@ -64,7 +69,7 @@ std::vector<std::vector<int64_t>> exchange_status(Group& group, const std::strin
       total += lens[static_cast<size_t>(r)];
     }
     std::string text(static_cast<size_t>(total), '\0');
-    group.all_gatherv(local.message.data(), text.data(), lens, stream);
+    group.all_gatherv(published.data(), text.data(), lens, stream);
     if (local.kind != LocalError::none) throw_kind(local.kind, local.message);
     const auto kind = static_cast<LocalError::Kind>(all[static_cast<size_t>(first_bad) * n]);
     throw_kind(kind, op + ": rank " + std::to_string(first_bad) + " rejected its arguments: " +
