@@ -113,10 +113,14 @@ struct Config {
   void apply_env();
   /// Set one field by key from text (origin "api" unless given). Throws InvalidArgument.
   void set(const std::string& key, const std::string& value, const std::string& origin = "api");
-  /// Validates every field's rule; throws InvalidArgument naming the first bad one.
+  /// Validates every field's rule; throws InvalidArgument naming the first bad one, its value, the
+  /// rule and, for a value that is not the default, where it came from ("(set by env EPX_...)").
   void validate() const;
   /// Lines "key = value  [source]  description", as printed by `epx info`.
   std::vector<std::string> describe() const;
+
+ private:
+  void validate_fields() const;
 };
 
 /// Reads an EPX_* variable that is not a Config field (rank bootstrap: EPX_RANK, EPX_WORLD_SIZE,

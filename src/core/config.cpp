@@ -1,7 +1,9 @@
 #include "epx/config.h"
 
 #include <algorithm>
+#include <charconv>
 #include <cstdlib>
+#include <limits>
 #include <fstream>
 #include <functional>
 #include <nlohmann/json.hpp>
@@ -88,13 +90,26 @@ std::string nearest(const std::string& name, bool env) {
 
 template <class T>
 void parse_into(const std::string& key, const std::string& text, T& out) {
-  std::istringstream is(text);
   if constexpr (std::is_same_v<T, std::string>) {
     out = text;
   } else {
+    // Blanks around the number are allowed (" 7" and "7 " alike); anything else is not.
+    const size_t b = text.find_first_not_of(" \t"), e = text.find_last_not_of(" \t");
+    std::string num = b == std::string::npos ? std::string() : text.substr(b, e - b + 1);
+    if (num.size() > 1 && num[0] == '+' && num[1] != '-') num.erase(0, 1);  // "+7" as before (from_chars takes no '+')
     T v{};
-    is >> v;
-    require_arg("config", key, text, !is.fail() && is.eof(), std::is_integral_v<T> ? "must be an integer" : "must be a number");
+    if constexpr (std::is_integral_v<T>) {
+      const auto [end, ec] = std::from_chars(num.data(), num.data() + num.size(), v);
+      // A whole integer that does not fit is named with the field's range, not as "not an integer".
+      require_arg("config", key, text, !(ec == std::errc::result_out_of_range && end == num.data() + num.size()),
+                  "must be an integer in [" + std::to_string(std::numeric_limits<T>::min()) + ", " +
+                      std::to_string(std::numeric_limits<T>::max()) + "]");
+      require_arg("config", key, text, ec == std::errc() && end == num.data() + num.size() && !num.empty(), "must be an integer");
+    } else {
+      std::istringstream is(num);
+      is >> v;
+      require_arg("config", key, text, !num.empty() && !is.fail() && is.eof(), "must be a number");
+    }
     out = v;
   }
 }
@@ -165,6 +180,23 @@ void Config::apply_env() {
 }
 
 void Config::validate() const {
+  try {
+    validate_fields();
+  } catch (const InvalidArgument& e) {
+    // "config: <key> = <value>: <rule>": say where a value that is not the default came from (a JSON
+    // file, an EPX_* variable), which the key alone does not tell.
+    const std::string m = e.what(), head = "config: ";
+    const size_t eq = m.find(" = ", head.size());
+    if (m.rfind(head, 0) == 0 && eq != std::string::npos) {
+      const std::string key = m.substr(head.size(), eq - head.size());
+      for (const auto& [k, s] : sources)
+        if (k == key) throw InvalidArgument(m + " (set by " + s + ")");
+    }
+    throw;
+  }
+}
+
+void Config::validate_fields() const {
   require_timeout("config", "timeout_s", timeout_s);
   require_arg("config", "ll.warps_per_block", ll_warps_per_block, ll_warps_per_block % 4 == 0 && ll_warps_per_block >= 4 && ll_warps_per_block <= 32, "must be a multiple of 4 in [4, 32]");
   require_arg("config", "ll.combine", ll_combine, ll_combine == "column" || ll_combine == "partial_fp32" || ll_combine == "partial_bf16",
@@ -229,9 +261,9 @@ std::vector<std::string> Config::describe() const {
     for (auto& [k, s] : sources)
       if (k == f.key) src = s;
     std::string line = os.str();
-    line.resize(std::max<size_t>(line.size(), 32), ' ');
+    line.resize(std::max<size_t>(line.size() + 1, 32), ' ');  // at least one blank between the columns
     line += "[" + src + "]";
-    line.resize(std::max<size_t>(line.size(), 56), ' ');
+    line.resize(std::max<size_t>(line.size() + 1, 56), ' ');
     line += std::string(f.description) + (f.unit[0] ? std::string(" [") + f.unit + "]" : "");
     out.push_back(line);
   });

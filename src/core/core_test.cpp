@@ -131,3 +131,49 @@ TEST(Config, NestedJsonObjectIsNamedWithTheFlatKey) {
   }
   EXPECT_EQ(c.ll_signal, "chunk");
 }
+
+// A whole integer too large for its field was called "not an integer"; a value set by an EPX_* variable
+// or a JSON file that breaks its rule did not say where it came from; "7 " was refused while " 7" passed.
+TEST(Config, IntegerRangeAndTheSourceOfABadValueAreNamed) {
+  auto message = [](auto&& fn) {
+    try {
+      fn();
+    } catch (const InvalidArgument& e) {
+      return std::string(e.what());
+    }
+    return std::string("no InvalidArgument");
+  };
+  Config c;
+  std::string m = message([&] { c.set("fhmoe.max_tokens", "99999999999"); });
+  EXPECT_EQ(m, "config: fhmoe.max_tokens = 99999999999: must be an integer in [-2147483648, 2147483647]");
+  m = message([&] { c.set("fhmoe.max_tokens", "1.5"); });
+  EXPECT_EQ(m, "config: fhmoe.max_tokens = 1.5: must be an integer");
+  m = message([&] { c.set("fhmoe.max_tokens", ""); });
+  EXPECT_EQ(m, "config: fhmoe.max_tokens = : must be an integer");
+  c.set("fhmoe.max_tokens", "7 ");
+  EXPECT_EQ(c.fhmoe_max_tokens, 7);
+  c.set("fhmoe.max_tokens", " +8");
+  EXPECT_EQ(c.fhmoe_max_tokens, 8);
+  EXPECT_EQ(c.timeout_s, 60.0);
+  m = message([&] { c.set("timeout_s", "abc"); });
+  EXPECT_EQ(m, "config: timeout_s = abc: must be a number");
+
+  setenv("EPX_FHMOE_MAX_TOKENS", "-1", 1);
+  m = message([] { Config::load(""); });
+  unsetenv("EPX_FHMOE_MAX_TOKENS");
+  EXPECT_EQ(m, "config: fhmoe.max_tokens = -1: must be >= 0 (set by env EPX_FHMOE_MAX_TOKENS)");
+  Config j;
+  j.apply_json_text(R"({"experts.fp8_prefill_min_tiles": -3})", "json my.json");
+  m = message([&] { j.validate(); });
+  EXPECT_EQ(m, "config: experts.fp8_prefill_min_tiles = -3: must be >= 0 (0 = one wave) (set by json my.json)");
+  Config d;
+  d.ht_num_sms = 0;  // set in code: no source to name
+  m = message([&] { d.validate(); });
+  EXPECT_EQ(m, "config: ht.num_sms = 0: must be in [1, 132]");
+  // epx info's columns keep a blank between them when a key = value is longer than the column
+  for (const auto& line : Config{}.describe()) {
+    if (line.rfind("experts.fp8_prefill_min_tiles", 0) == 0) {
+      EXPECT_NE(line.find("= 0 [default]"), std::string::npos) << line;
+    }
+  }
+}
