@@ -90,6 +90,12 @@ TEST(BenchCli, BadFlagsExit2) {
     CliResult r = run_epx(args);
     EXPECT_EQ(r.code, 2) << args << "\n" << r.out;
   }
+  // --kernel-time on asks for kernel time: on CPU ranks there is none, so it is a bad flag (it ran as auto,
+  // printing 'unavailable' and exit 0), named with its value and rule before anything runs.
+  CliResult r = run_epx("bench --device cpu --case ll-v3 --backend ll --ranks 2 --iters 1 --warmup 0 --kernel-time on");
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_NE(r.out.find("--kernel-time = on: on needs --device cuda"), std::string::npos) << r.out;
+  EXPECT_EQ(r.out.find("epx bench: 1 case(s)"), std::string::npos) << "nothing runs: " << r.out;
 }
 
 TEST(BenchCli, HelpNamesTheAccounting) {

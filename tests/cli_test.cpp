@@ -69,6 +69,9 @@ TEST(Cli, BadFlagExits2WithOneLine) {
     expect_one_line(r.err);
     EXPECT_EQ(r.err.rfind("epx: error: ", 0), 0u) << r.err;
   }
+  // An unknown subcommand is named as such (it was "A subcommand is required", as if none was given).
+  CliRun r = run_epx("no-such-command --ranks 2");
+  EXPECT_EQ(r.err, "epx: error: no-such-command: not a subcommand; one of moe, bench, trace, info (see epx --help)\n");
 }
 
 // Range errors of numeric flags read as a rule, not CLI11's "not in range 0.000000 to <309 digits>".

@@ -1252,6 +1252,14 @@ int run_bench(const BenchOptions& options, const std::string& command) {
                 "must be <= the visible GPUs = " + std::to_string(gpus) + " with --device cuda (one process per GPU)");
   }
   require_arg(kOp, "--graph", "set", !o.graph || cuda, "needs --device cuda (CUDA graphs)");
+  // on = kernel time or a failed run (auto reports 'unavailable' and goes on): refuse what cannot measure it.
+  require_arg(kOp, "--kernel-time", o.kernel_time, o.kernel_time != "on" || cuda,
+              "on needs --device cuda (the GPU durations of the calls' kernels); use auto or off with CPU ranks");
+#ifndef EPX_WITH_CUPTI
+  require_arg(kOp, "--kernel-time", o.kernel_time, o.kernel_time != "on",
+              "on needs a build with CUPTI (CMake EPX_CUPTI=AUTO|ON finding CUDA::cupti, or EPX_CUPTI_ROOT); this build has "
+              "none: use auto or off");
+#endif
   const std::vector<Job> jobs = make_jobs(o, cases);
   const int R = o.ranks;
   std::cout << "epx bench: " << cases.size() << " case(s), " << jobs.size() << " (case, dtype, backend) jobs, " << R << " ranks on "

@@ -32,6 +32,19 @@ int main(int argc, char** argv) {
   add_bench_command(app, bench);
   add_trace_command(app, trace);
   add_info_command(app, info);
+  if (argc > 1 && argv[1][0] != '-') {
+    // CLI11 reports an unknown first word as "A subcommand is required", as if none had been given.
+    std::string names;
+    bool known = false;
+    for (const CLI::App* sub : app.get_subcommands([](CLI::App*) { return true; })) {
+      known = known || sub->get_name() == argv[1];
+      names += (names.empty() ? "" : ", ") + sub->get_name();
+    }
+    if (!known) {
+      std::cerr << "epx: error: " << argv[1] << ": not a subcommand; one of " << names << " (see epx --help)\n";
+      return 2;
+    }
+  }
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {
