@@ -23,13 +23,14 @@ struct Config {
   /// ll combine reduction for epx bench: column | partial_fp32 | partial_bf16 (epx::LlCombine; the
   /// API takes DispatchConfig::ll_combine, the same default, chosen by measurement).
   std::string ll_combine = "partial_fp32";
-  /// ll completion signal: chunk (default, by measurement; with ll.expand = message: the counts and
-  /// each message slot's source token are sent tagged before the payload, and each expansion item
+  /// ll completion signal: block (default; one flag word per (source, send block), the receiver
+  /// waits for all, then loads the counts and expands) | chunk (NOT SAFE YET: under GPU contention it
+  /// left dispatch output bytes unwritten, seventh session's final run; with ll.expand = message: the counts
+  /// and each message slot's source token are sent tagged before the payload, and each expansion item
   /// waits only for the flags of the send blocks that stored its chunks; bench/NOTES.md, seventh
-  /// session) | block (one flag word per (source, send block), the receiver waits for all, then loads
-  /// the counts and expands) | rank (the source's last block to finish stores one word per
-  /// destination: +2-3 us at ll-v3 for its fence and atomic chain).
-  std::string ll_signal = "chunk";
+  /// session) | rank (the source's last block to finish stores one word per destination: +2-3 us at
+  /// ll-v3 for its fence and atomic chain).
+  std::string ll_signal = "block";
   /// ll dispatch expansion: message (default, by measurement: the sender ranks each token per expert,
   /// warps copy (message, chunk) items; -10 us at ll-v3) | expert (a block per local expert scans
   /// all messages; bench/NOTES.md).

@@ -129,7 +129,7 @@ TEST(Config, NestedJsonObjectIsNamedWithTheFlatKey) {
   } catch (const InvalidArgument& e) {
     EXPECT_NE(std::string(e.what()).find("\"ll.signal\""), std::string::npos) << e.what();
   }
-  EXPECT_EQ(c.ll_signal, "chunk");
+  EXPECT_EQ(c.ll_signal, "block");
 }
 
 // A whole integer too large for its field was called "not an integer"; a value set by an EPX_* variable

@@ -25,7 +25,7 @@
 //     needs no scan: slot = (tokens of lower source ranks for that expert) + rank, and all warps of
 //     the grid take (message, chunk) items, load the chunk once and store it into each of its local
 //     experts' slots.
-//   ll.signal = chunk (LlLaunch::signal_chunk, the default; needs ll.expand = message, else block):
+//   ll.signal = chunk (LlLaunch::signal_chunk; needs ll.expand = message, else block):
 //     block 0 of the sender stores, right after its slot scan and before any payload, the per-
 //     (destination, local expert) counts, the message counts and each message slot's source token t
 //     as tagged words (count_tag: a word of parity n % 2 holds zeros or call n - 2's value, whose tag
@@ -103,7 +103,7 @@ struct LlLaunch {
   int num_blocks = 0;         ///< 0 = one per SM
   double timeout_s = 60.0;    ///< bound of every device-side wait on a peer
   bool signal_rank = false;   ///< Config ll.signal = rank (LlCommon::signal_rank); every rank must agree
-  bool signal_chunk = true;   ///< Config ll.signal = chunk (LlCommon::signal_chunk; needs ll.expand = message, else block); every rank must agree
+  bool signal_chunk = false;  ///< Config ll.signal = chunk (LlCommon::signal_chunk; needs ll.expand = message, else block); every rank must agree
   bool expand_message = true;  ///< Config ll.expand = message (LlCommon::expand_message); every rank must agree
   bool items_run = true;       ///< Config ll.items = run (LlCommon::items_run); rank-local
   bool combine_data = false;   ///< Config ll.combine_wait = data (LlCommon::combine_data); every rank must agree
