@@ -24,8 +24,9 @@ struct Config {
   /// API takes DispatchConfig::ll_combine, the same default, chosen by measurement).
   std::string ll_combine = "partial_fp32";
   /// ll completion signal: block (default; one flag word per (source, send block), the receiver
-  /// waits for all, then loads the counts and expands) | chunk (NOT SAFE YET: under GPU contention it
-  /// left dispatch output bytes unwritten, seventh session's final run; with ll.expand = message: the counts
+  /// waits for all, then loads the counts and expands) | chunk (opt-in, NOT SAFE YET: its slot-token
+  /// words carry a 2-valued call tag, so after 4+ calls with varying message counts a stale word can pass
+  /// as current (found by reading, seventh session; bench/NOTES.md); with ll.expand = message: the counts
   /// and each message slot's source token are sent tagged before the payload, and each expansion item
   /// waits only for the flags of the send blocks that stored its chunks; bench/NOTES.md, seventh
   /// session) | rank (the source's last block to finish stores one word per destination: +2-3 us at

@@ -215,6 +215,9 @@ DevInput upload(const RankInput& ri, int64_t rows, Device dev) {
   cuda_ok(cudaMemcpy(d.x.data(), ri.x.data(), static_cast<size_t>(T * H * 2), cudaMemcpyHostToDevice), "x");
   cuda_ok(cudaMemcpy(d.idx.data(), ri.topk_idx.data(), static_cast<size_t>(ri.topk_idx.nbytes()), cudaMemcpyHostToDevice), "idx");
   cuda_ok(cudaMemcpy(d.w.data(), ri.topk_weights.data(), static_cast<size_t>(ri.topk_weights.nbytes()), cudaMemcpyHostToDevice), "w");
+  // The memsets run on the legacy stream and a pageable cudaMemcpy may return before its DMA lands;
+  // the tests launch on cudaStreamNonBlocking streams, which do not wait for either.
+  cuda_ok(cudaDeviceSynchronize(), "sync upload");
   return d;
 }
 
@@ -247,6 +250,10 @@ Snap gpu_round(const Case& c, dispatch::LlCuda& ll, const RankInput& ri, int ran
   const Tensor eo = experts_out(c, rank, p).to(dev);
   Tensor out = Tensor::empty({T, c.H}, DType::bf16, dev);
   cuda_ok(cudaMemset(out.data(), 0xff, static_cast<size_t>(out.nbytes())), "poison out");
+  // Legacy-stream memset and pageable upload of eo: done before the non-blocking stream's combine (a
+  // combine that ran first had its output overwritten by the poison under GPU contention: seventh
+  // session's final run, out[0] = 255).
+  cuda_ok(cudaDeviceSynchronize(), "sync poison out");
   if (split) {
     ll.finalize_send({eo, out, Stream{s}});
     ll.finalize_recv(Stream{s});
@@ -426,6 +433,7 @@ void run_graphs(int R, LlCombine mode = LlCombine::column) {
       copy(eo, experts_out(c, rank, p));
       Tensor& out = is_a ? out_a : out_b;
       cuda_ok(cudaMemset(out.data(), 0xff, static_cast<size_t>(out.nbytes())), "poison out");
+      cuda_ok(cudaDeviceSynchronize(), "sync poison out");  // see gpu_round
       cuda_ok(cudaGraphLaunch(is_a ? ga.finalize : gb.finalize, s), "replay finalize");
       cuda_ok(cudaStreamSynchronize(s), "sync finalize");
       ll->check(Stream{s});
