@@ -1205,6 +1205,22 @@ __device__ __forceinline__ void combine_send_runs(const LlCombineParams& p, int 
   }
 }
 
+/// The receive items' epilogue: a lane's kRun x 8 fp32 sums (chunk i at column hbase + 256 i of the
+/// token's bf16 output row out_row, chunks past cpr or H skipped), rounded once to bf16, 16-byte stores.
+template <int kRun>
+__device__ __forceinline__ void store_bf16_run(uint16_t* out_row, const float (&acc)[kRun][8], int64_t hbase, int cpr, int64_t H) {
+#pragma unroll
+  for (int i = 0; i < kRun; ++i) {
+    const int64_t h = hbase + i * 256;
+    if (i >= cpr || h >= H) continue;
+    uint32_t o[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+      o[e] = static_cast<uint32_t>(float_to_bf16_bits(acc[i][2 * e])) | (static_cast<uint32_t>(float_to_bf16_bits(acc[i][2 * e + 1])) << 16);
+    st16(out_row + h, make_uint4(o[0], o[1], o[2], o[3]));
+  }
+}
+
 /// Partial combine receive, ll.items = run: items are (token, run of cpr 256-element chunks); the
 /// first item's routing (dest_mask) is loaded before the wait; then the partial rows of every rank
 /// in the token's mask, all of the run's loads in flight, are added in rank order in fp32 and
@@ -1264,16 +1280,7 @@ __device__ __forceinline__ void combine_recv_runs(const LlCombineParams& p, int 
           for (int e = 0; e < 8; ++e) acc[i][e] = __fadd_rn(acc[i][e], v[q][i][e]);
       }
     }
-#pragma unroll
-    for (int i = 0; i < kRun; ++i) {
-      const int64_t h = hbase + i * 256;
-      if (i >= cpr || h >= H) continue;
-      uint32_t o[4];
-#pragma unroll
-      for (int e = 0; e < 4; ++e)
-        o[e] = static_cast<uint32_t>(float_to_bf16_bits(acc[i][2 * e])) | (static_cast<uint32_t>(float_to_bf16_bits(acc[i][2 * e + 1])) << 16);
-      st16(p.out + static_cast<int64_t>(t) * H + h, make_uint4(o[0], o[1], o[2], o[3]));
-    }
+    store_bf16_run<kRun>(p.out + static_cast<int64_t>(t) * H, acc, hbase, cpr, H);
   }
   if (threadIdx.x == 0) atomicAdd(&c.state->combine_recv_blocks, 1ull);
 }
@@ -1389,16 +1396,7 @@ __device__ __forceinline__ void combine_recv_data(const LlCombineParams& p, int 
           }
       }
     }
-#pragma unroll
-    for (int i = 0; i < kRun; ++i) {
-      const int64_t h = hbase + i * 256;
-      if (i >= cpr || h >= H) continue;
-      uint32_t o[4];
-#pragma unroll
-      for (int e = 0; e < 4; ++e)
-        o[e] = static_cast<uint32_t>(float_to_bf16_bits(acc[i][2 * e])) | (static_cast<uint32_t>(float_to_bf16_bits(acc[i][2 * e + 1])) << 16);
-      st16(p.out + static_cast<int64_t>(t) * H + h, make_uint4(o[0], o[1], o[2], o[3]));
-    }
+    store_bf16_run<kRun>(p.out + static_cast<int64_t>(t) * H, acc, hbase, cpr, H);
   }
   if (threadIdx.x == 0) atomicAdd(&c.state->combine_recv_blocks, 1ull);
 }
