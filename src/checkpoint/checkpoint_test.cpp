@@ -496,6 +496,11 @@ TEST(CheckpointErrors, ConfigProblemsNameTheKey) {
   expect_load_error(dir, 2, {"hidden_size = missing"});
   with([](json& c) { c["num_experts_per_tok"] = "eight"; });
   expect_load_error(dir, 2, {"num_experts_per_tok", "must be an integer"});
+  // Counts held in an int are refused past INT_MAX, never narrowed (2^32 + 32 loaded as 32 experts).
+  with([](json& c) { c["n_routed_experts"] = (int64_t{1} << 32) + 32; });
+  expect_load_error(dir, 2, {"n_routed_experts = 4294967328", "must fit in a 32-bit int"});
+  with([](json& c) { c["num_experts_per_tok"] = (int64_t{1} << 32) + 8; });
+  expect_load_error(dir, 2, {"num_experts_per_tok = 4294967304", "must fit in a 32-bit int"});
   with([](json& c) { c["hidden_size"] = 512; });
   expect_load_error(dir, 2, {"model.layers.2.mlp.gate.weight", "must be [32, 512]"});
   with([](json& c) { c["topk_method"] = "group_limited_greedy"; });

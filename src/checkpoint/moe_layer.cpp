@@ -10,6 +10,7 @@
 // gate_up[..., 1::2]), so checkpoint row 2i is gate row i and row 2i+1 is up row i.
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <nlohmann/json.hpp>
 #include <optional>
 
@@ -66,6 +67,16 @@ struct ConfigReader {
     }
     if (!v->is_number_integer()) throw InvalidArgument(arg_message(kOp, path + " " + k, v->dump(), "must be an integer"));
     return v->get<int64_t>();
+  }
+  /// integer() for a count held in an int (experts, top-k, layers): a value past INT_MAX is refused,
+  /// never narrowed (n_routed_experts = 2^32 + 32 would otherwise load as 32 experts).
+  int int32(std::initializer_list<const char*> keys, std::optional<int64_t> def = std::nullopt) const {
+    const int64_t v = integer(keys, def);
+    std::string k;
+    if (!find(keys, &k)) k = key_list(keys);
+    require_arg(kOp, path + " " + k, v, v >= std::numeric_limits<int>::min() && v <= std::numeric_limits<int>::max(),
+                "must fit in a 32-bit int (at most " + std::to_string(std::numeric_limits<int>::max()) + ")");
+    return static_cast<int>(v);
   }
   double number(const char* key, double def) const {
     const json* v = find({key});
@@ -365,7 +376,7 @@ CheckpointLayerInfo read_moe_layer_info(const Checkpoint& ck, int layer) {
   info.model_type = c.string("model_type", "");
   info.convention = convention_of(info.model_type, ck, layer);
   info.prefix = layer_prefix(info.convention, layer);
-  info.num_hidden_layers = static_cast<int>(c.integer({"num_hidden_layers"}, 0));
+  info.num_hidden_layers = c.int32({"num_hidden_layers"}, 0);
   if (info.num_hidden_layers > 0)
     require_arg(kOp, "layer", layer, layer < info.num_hidden_layers,
                 "must be < num_hidden_layers = " + std::to_string(info.num_hidden_layers) + " (" + c.path + ")");
@@ -395,8 +406,8 @@ CheckpointLayerInfo read_moe_layer_info(const Checkpoint& ck, int layer) {
                        ? c.integer({"intermediate_size"})
                        : c.integer({"moe_intermediate_size", "intermediate_size"});
   RouterConfig& rc = m.router;
-  rc.num_experts = static_cast<int>(c.integer({"n_routed_experts", "num_experts", "num_local_experts"}));
-  rc.top_k = static_cast<int>(c.integer({"num_experts_per_tok", "experts_per_token"}));
+  rc.num_experts = c.int32({"n_routed_experts", "num_experts", "num_local_experts"});
+  rc.top_k = c.int32({"num_experts_per_tok", "experts_per_token"});
   require_arg(kOp, c.path + " hidden_size", m.hidden, m.hidden > 0, "must be > 0");
   require_arg(kOp, c.path + " intermediate size", m.intermediate, m.intermediate > 0, "must be > 0");
   require_arg(kOp, c.path + " number of experts", rc.num_experts, rc.num_experts > 0, "must be > 0");
@@ -422,8 +433,8 @@ CheckpointLayerInfo read_moe_layer_info(const Checkpoint& ck, int layer) {
     if (topk_method == "greedy") {
       rc.n_group = rc.topk_group = 1;
     } else {
-      rc.n_group = static_cast<int>(c.integer({"n_group"}, 1));
-      rc.topk_group = static_cast<int>(c.integer({"topk_group"}, rc.n_group));
+      rc.n_group = c.int32({"n_group"}, 1);
+      rc.topk_group = c.int32({"topk_group"}, rc.n_group);
     }
   } else {
     if (!scoring.empty() && scoring != "softmax")
