@@ -113,7 +113,9 @@ struct Config {
   /// EPX_WORLD_SIZE, EPX_RENDEZVOUS, EPX_LOCAL_RANK) throw with a suggestion. All or nothing: on any
   /// error the Config is unchanged.
   void apply_env();
-  /// Set one field by key from text (origin "api" unless given). Throws InvalidArgument.
+  /// Set one field by key from text (origin "api" unless given). Throws InvalidArgument for an unknown
+  /// key, a value that does not parse, or one that breaks the key's rule (as validate() names it, with
+  /// the origin); the Config is then unchanged.
   void set(const std::string& key, const std::string& value, const std::string& origin = "api");
   /// Validates every field's rule; throws InvalidArgument naming the first bad one, its value, the
   /// rule and, for a value that is not the default, where it came from ("(set by env EPX_...)").

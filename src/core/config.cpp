@@ -127,15 +127,23 @@ std::string env_or(const char* name, const std::string& fallback) {
 }
 
 void Config::set(const std::string& key, const std::string& value, const std::string& origin) {
+  // The value's rule first, on defaults (all valid, so a failure is this key's), naming the origin as
+  // validate() does; only then *this changes, so a bad value leaves the Config as it was.
+  Config probe;
   bool found = false;
-  for_each_field(*this, [&](const Field& f, auto& field) {
+  for_each_field(probe, [&](const Field& f, auto& field) {
     if (key == f.key) {
       parse_into(key, value, field);
-      set_source(*this, key, origin);
       found = true;
     }
   });
   if (!found) throw InvalidArgument(arg_message("config", "key", key, "unknown (did you mean '" + nearest(key, false) + "'?)"));
+  set_source(probe, key, origin);
+  probe.validate();
+  for_each_field(*this, [&](const Field& f, auto& field) {
+    if (key == f.key) parse_into(key, value, field);
+  });
+  set_source(*this, key, origin);
 }
 
 void Config::apply_json_text(const std::string& text, const std::string& origin) {

@@ -132,6 +132,36 @@ TEST(Config, NestedJsonObjectIsNamedWithTheFlatKey) {
   EXPECT_EQ(c.ll_signal, "block");
 }
 
+// Config::set checked only that a value parses: ll.signal = chunky or ht.num_sms = 0 were taken (and
+// failed later, or never, in C++ code that does not call validate()). Now the key's rule is checked
+// with its origin named, and a refused value leaves the Config as it was.
+TEST(Config, SetChecksTheKeysRuleAndLeavesTheConfigOnFailure) {
+  auto message = [](auto&& fn) {
+    try {
+      fn();
+    } catch (const InvalidArgument& e) {
+      return std::string(e.what());
+    }
+    return std::string("no InvalidArgument");
+  };
+  Config c;
+  EXPECT_EQ(message([&] { c.set("ll.signal", "chunky"); }), "config: ll.signal = chunky: must be block, rank or chunk (set by api)");
+  EXPECT_EQ(c.ll_signal, "block");
+  EXPECT_EQ(message([&] { c.set("ht.num_sms", "0", "cli"); }), "config: ht.num_sms = 0: must be in [1, 132] (set by cli)");
+  EXPECT_EQ(c.ht_num_sms, 64);
+  EXPECT_NE(message([&] { c.set("timeout_s", "-1"); }).find("timeout_s = -1"), std::string::npos);
+  EXPECT_EQ(c.timeout_s, 60.0);
+  EXPECT_TRUE(c.sources.empty()) << c.sources.front().first;
+  c.set("ht.num_sms", "24", "cli");
+  EXPECT_EQ(c.ht_num_sms, 24);
+  ASSERT_EQ(c.sources.size(), 1u);
+  EXPECT_EQ(c.sources[0], (std::pair<std::string, std::string>{"ht.num_sms", "cli"}));
+  // A field set badly in code elsewhere does not make an unrelated set() fail.
+  c.ll_warps_per_block = 6;
+  EXPECT_NO_THROW(c.set("ll.signal", "rank"));
+  EXPECT_EQ(c.ll_signal, "rank");
+}
+
 // A whole integer too large for its field was called "not an integer"; a value set by an EPX_* variable
 // or a JSON file that breaks its rule did not say where it came from; "7 " was refused while " 7" passed.
 TEST(Config, IntegerRangeAndTheSourceOfABadValueAreNamed) {
@@ -163,8 +193,7 @@ TEST(Config, IntegerRangeAndTheSourceOfABadValueAreNamed) {
   unsetenv("EPX_FHMOE_MAX_TOKENS");
   EXPECT_EQ(m, "config: fhmoe.max_tokens = -1: must be >= 0 (set by env EPX_FHMOE_MAX_TOKENS)");
   Config j;
-  j.apply_json_text(R"({"experts.fp8_prefill_min_tiles": -3})", "json my.json");
-  m = message([&] { j.validate(); });
+  m = message([&] { j.apply_json_text(R"({"experts.fp8_prefill_min_tiles": -3})", "json my.json"); });
   EXPECT_EQ(m, "config: experts.fp8_prefill_min_tiles = -3: must be >= 0 (0 = one wave) (set by json my.json)");
   Config d;
   d.ht_num_sms = 0;  // set in code: no source to name
