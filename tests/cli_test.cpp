@@ -115,6 +115,19 @@ TEST(Cli, InconsistentShapesExit2WithOneLine) {
 #endif
 }
 
+// --shared on a model without a shared expert chose nothing, ran, and the results named the mode.
+TEST(Cli, SharedOnAModelWithoutASharedExpertIsABadFlag) {
+  const std::string run = "moe --preset mixtral-8x7b-mini --ranks 2 --backend naive --steps 1 --tokens-per-rank 2";
+  CliRun r = run_epx(run + " --shared fused");
+  EXPECT_EQ(r.code, 2) << r.out;
+  expect_one_line(r.err);
+  EXPECT_NE(r.err.find("--shared = fused: needs a model with a shared expert (mixtral-8x7b-mini has none)"), std::string::npos) << r.err;
+  r = run_epx(run);  // the default (auto) still runs
+  EXPECT_EQ(r.code, 0) << r.out;
+  r = run_epx("moe --preset deepseek-v3-mini --ranks 2 --backend naive --steps 1 --tokens-per-rank 2 --shared separate");
+  EXPECT_EQ(r.code, 0) << r.out;
+}
+
 TEST(Cli, MoeHelpDocumentsEveryFlag) {
   CliRun r = run_epx("moe --help");
   EXPECT_EQ(r.code, 0) << r.out;

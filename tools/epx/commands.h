@@ -15,7 +15,7 @@ namespace epx::cli {
 struct MoeCommand {
   CLI::App* app = nullptr;
   MoeOptions options;
-  CLI::Option *ranks = nullptr, *tokens = nullptr, *steps = nullptr, *routing = nullptr;
+  CLI::Option *ranks = nullptr, *tokens = nullptr, *steps = nullptr, *routing = nullptr, *shared = nullptr;
 };
 void add_moe_command(CLI::App& root, MoeCommand& cmd);
 /// `command` is the full command line, recorded in the JSON and printed as the repro line.

@@ -246,6 +246,9 @@ Workload build_workload(const MoeOptions& options, const Config& config) {
   w.shared_mode = o.shared == "separate" ? SharedExpertMode::separate
                   : o.shared == "fused"  ? SharedExpertMode::fused
                                          : SharedExpertMode::auto_gate;
+  // Given on a model without one, --shared chose nothing, and the results would say it ran.
+  require_arg(kOp, "--shared", o.shared, !o.shared_given || w.model.num_shared_experts > 0,
+              "needs a model with a shared expert (" + w.model.name + " has none)");
   require_arg(kOp, "--warmup", o.warmup, o.warmup >= 0, "must be >= 0");
   require_arg(kOp, "--chunk-size", o.chunk_size, o.chunk_size >= 0, "must be >= 0 (0 = moe.chunk_size of the config)");
   require_arg(kOp, "--expert-pool", o.expert_pool, o.expert_pool >= 0 && o.expert_pool <= E,

@@ -34,7 +34,7 @@ struct MoeOptions {
   std::string config;
   int warmup = 1;
   // Which flags the user gave explicitly (a trace fixes ranks, tokens and routing).
-  bool ranks_given = false, tokens_given = false, steps_given = false, routing_given = false;
+  bool ranks_given = false, tokens_given = false, steps_given = false, routing_given = false, shared_given = false;
   // The GPU path (--device cuda, moe_cuda_run.h): validated tokens per rank and step (0 = all), a
   // hidden fault injection (rank to kill after its first step; -1 none), and the experts whose
   // weights build_workload builds ([begin, end); end -1 = all): each GPU rank builds only its own.
