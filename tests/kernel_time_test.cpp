@@ -139,3 +139,17 @@ TEST(KernelTime, ShortNames) {
 }
 
 }  // namespace
+
+// --kernel-time on with CUPTI failing at run time (refused by begin_rounds, or a flush error) reported
+// "unavailable" and exited 0, as auto does; now that job fails, naming why. auto / off, a run that
+// measured, and rounds that did not run for another reason (the job failed first) are not failures here.
+TEST(KernelTime, OnFailsAJobWhoseKernelRoundsWereUnavailable) {
+  const std::string why = kt::kernel_time_failure("on", false, "unavailable: cuptiActivityEnable: CUPTI_ERROR_NOT_INITIALIZED");
+  EXPECT_EQ(why, "--kernel-time = on: no kernel time was measured (unavailable: cuptiActivityEnable: CUPTI_ERROR_NOT_INITIALIZED); "
+                 "use auto to run without it");
+  EXPECT_NE(kt::kernel_time_failure("on", false, "unavailable: CUPTI refused on another rank (see its stderr)"), "");
+  EXPECT_EQ(kt::kernel_time_failure("auto", false, "unavailable: cuptiActivityEnable: CUPTI_ERROR_NOT_INITIALIZED"), "");
+  EXPECT_EQ(kt::kernel_time_failure("off", false, "off"), "");
+  EXPECT_EQ(kt::kernel_time_failure("on", true, ""), "");
+  EXPECT_EQ(kt::kernel_time_failure("on", false, ""), "");
+}

@@ -1041,6 +1041,10 @@ int report(const BenchOptions& o, const std::vector<BenchCase>& cases, const std
       }
       const double kgbps = std::isfinite(k50) && k50 > 0 && !one_token && status == 0 ? bytes / (k50 * 1e3) : NAN;
       const std::string kstate = kran ? "cupti" : kr0 ? kr0->reason : status == 0 ? "unavailable" : "n/a (the job did not run)";
+      if (const std::string why = kr0 ? kt::kernel_time_failure(o.kernel_time, kran, kr0->reason) : ""; !why.empty()) {
+        ok = false;  // a runtime CUPTI failure ran as auto and exited 0
+        if (message.empty()) message = why;
+      }
       if (kernel_state.empty() && kr0) kernel_state = kstate;
       json kernels = json::object();
       if (kran)

@@ -195,6 +195,14 @@ inline std::vector<double> slowest_rank(const std::vector<std::vector<double>>& 
   return out;
 }
 
+/// `--kernel-time on` asks for kernel time or a failed run (auto reports "unavailable" and goes on): a job
+/// whose kernel rounds ended "unavailable: <why>" at run time (CUPTI refused or failed on some rank) then
+/// fails with this sentence; "" when the job passes on this account (auto / off, or the rounds ran).
+inline std::string kernel_time_failure(const std::string& flag, bool ran, const std::string& reason) {
+  if (flag != "on" || ran || reason.rfind("unavailable", 0) != 0) return "";
+  return "--kernel-time = on: no kernel time was measured (" + reason + "); use auto to run without it";
+}
+
 /// The CUPTI side (kernel_time.cpp). One per process; every call is a no-op when unavailable.
 class KernelTimer {
  public:
