@@ -136,6 +136,11 @@ TEST(Trace, BadJsonTracesGiveClearErrors) {
   expect_invalid([] { parse_trace_json("{not json", "f.json"); }, {"trace f.json", "valid JSON"});
   expect_invalid([] { parse_trace_json(replace_once(kHandTrace, "\"top_k\": 2,", ""), "f.json"); }, {"top_k = (missing)"});
   expect_invalid([] { load_trace("/nonexistent/epx.trace.json"); }, {"/nonexistent/epx.trace.json", "readable"});
+  // Counts past INT_MAX are refused, not wrapped (num_experts = 2^32 + 4 loaded as 4 experts).
+  expect_invalid([] { parse_trace_json(replace_once(kHandTrace, "\"num_experts\": 4", "\"num_experts\": 4294967300"), "f.json"); },
+                 {"num_experts = 4294967300", "must fit in a 32-bit int"});
+  expect_invalid([] { parse_trace_json(replace_once(kHandTrace, "\"top_k\": 2", "\"top_k\": 4294967298"), "f.json"); },
+                 {"top_k = 4294967298", "must fit in a 32-bit int"});
 }
 
 TEST(Trace, DealTokensIsContiguousAndEven) {

@@ -66,6 +66,9 @@ std::vector<T> read_rows(const std::string& op, const json& j, const std::string
 int get_int_field(const std::string& op, const json& j, const char* key) {
   require_arg(op, key, j.contains(key) ? j[key].dump() : std::string("(missing)"),
               j.contains(key) && j[key].is_number_integer(), "must be present as an integer");
+  // get<int>() would wrap: num_experts = 2^32 + 4 read as 4.
+  require_arg(op, key, j[key].dump(), j[key].is_number_unsigned() ? j[key].get<uint64_t>() <= INT32_MAX : j[key].get<int64_t>() >= INT32_MIN,
+              "must fit in a 32-bit int (at most 2147483647)");
   return j[key].get<int>();
 }
 }  // namespace
@@ -333,8 +336,8 @@ Trace import_routing_jsonl(std::istream& in, const TraceImportOptions& opt, cons
     }
     require_arg(op, where, j.type_name(), j.is_object(), "must be a JSON object");
     if (j.value("type", std::string("route")) != "route") {
-      if (j.contains("top_k") && j["top_k"].is_number_integer()) top_k = j["top_k"].get<int>();
-      if (j.contains("num_experts") && j["num_experts"].is_number_integer()) meta_experts = j["num_experts"].get<int>();
+      if (j.contains("top_k") && j["top_k"].is_number_integer()) top_k = get_int_field(op, j, "top_k");
+      if (j.contains("num_experts") && j["num_experts"].is_number_integer()) meta_experts = get_int_field(op, j, "num_experts");
       if (j.contains("model_id") && j["model_id"].is_string()) model = j["model_id"].get<std::string>();
       continue;
     }

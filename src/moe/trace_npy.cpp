@@ -6,6 +6,7 @@
 // padded with spaces to a multiple of 64 bytes and ended by '\n', then the raw C-order data.
 // We read and write only what a trace needs: little-endian int32/int64/fp32/uint16, C order.
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -185,8 +186,12 @@ Trace load_trace_dir(const std::string& dir) {
   }
   require_arg(op, "format", j.value("format", json()).dump(), j.is_object() && j.value("format", json()) == "epx-trace", "must be \"epx-trace\"");
   require_arg(op, "version", j.value("version", json()).dump(), j.value("version", json()) == 1, "must be 1");
-  for (const char* key : {"num_ranks", "num_experts", "top_k"})
+  for (const char* key : {"num_ranks", "num_experts", "top_k"}) {
     require_arg(op, key, j.contains(key) ? j[key].dump() : "(missing)", j.contains(key) && j[key].is_number_integer(), "must be an integer");
+    // get<int>() below would wrap: num_experts = 2^32 + 4 read as 4.
+    require_arg(op, key, j[key].dump(), j[key].is_number_unsigned() ? j[key].get<uint64_t>() <= INT32_MAX : j[key].get<int64_t>() >= INT32_MIN,
+                "must fit in a 32-bit int (at most 2147483647)");
+  }
   require_arg(op, "steps", j.contains("steps") ? j["steps"].type_name() : "(missing)", j.contains("steps") && j["steps"].is_array(), "must be an array");
   Trace t;
   t.num_ranks = j["num_ranks"].get<int>();
