@@ -58,7 +58,8 @@ void add_bench_command(CLI::App& root, BenchCommand& cmd) {
   b->add_option("--kernel-time", o.kernel_time,
                  "GPU duration of each call's kernels from CUPTI activity records (DeepEP's bench_kineto figure), in separate "
                  "rounds after the event rounds: auto (on for --device cuda when built with CUPTI, else 'unavailable' and the "
-                 "run goes on), on (a bad flag, exit 2, without --device cuda or CUPTI), off")
+                 "run goes on), on (a bad flag, exit 2, without --device cuda or CUPTI; a job whose CUPTI rounds fail at run time "
+                 "fails the run), off")
       ->check(CLI::IsMember({"auto", "on", "off"}))
       ->capture_default_str();
   b->add_option("--config", o.config, "Config JSON file (default < this file < EPX_* env); see `epx info`");

@@ -69,7 +69,8 @@ void add_moe_command(CLI::App& root, MoeCommand& cmd) {
   m->add_option("--dispatch-dtype", o.dispatch_dtype, "Wire dtype of dispatch: bf16, or fp8 (e4m3, 1x128 fp32 scales)")
       ->check(CLI::IsMember({"bf16", "fp8", "fp8_e4m3"}))
       ->capture_default_str();
-  cmd.shared = m->add_option("--shared", o.shared, "Shared expert: separate, fused (FHMoE: one extra route of weight g), or auto (fuse when M <= fhmoe.max_tokens)")
+  cmd.shared = m->add_option("--shared", o.shared, "Shared expert: separate, fused (FHMoE: one extra route of weight g), or auto (fuse when M <= fhmoe.max_tokens); "
+                "given on a model without a shared expert: a bad flag")
       ->check(CLI::IsMember({"separate", "fused", "auto"}))
       ->capture_default_str();
   m->add_option("--chunk-size", o.chunk_size, "C: DP chunk, at most C tokens per MoE call per rank; 0 = moe.chunk_size of the config (0 = unchunked)")
