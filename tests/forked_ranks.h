@@ -113,6 +113,20 @@ inline std::string first_diff(const std::string& what, const std::vector<uint8_t
 inline void cuda_ok(cudaError_t e, const char* what) {
   if (e != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(e));
 }
+
+/// cudaMemset(p, byte, bytes), then waits for it. cudaMemset runs on the legacy default stream, which a
+/// cudaStreamNonBlocking stream does not wait for: without the wait, a launch there can run first and
+/// have its output overwritten by the poison (the seventh session's ll_cuda_test out = 255).
+inline void poison_device(void* p, size_t bytes, const char* what, int byte = 0xFF) {
+  if (bytes > 0) cuda_ok(cudaMemset(p, byte, bytes), what);
+  cuda_ok(cudaDeviceSynchronize(), what);
+}
+
+/// cudaMemcpy host -> device, then waits: from pageable memory it may return before the DMA lands.
+inline void upload_device(void* dst, const void* src, size_t bytes, const char* what) {
+  if (bytes > 0) cuda_ok(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice), what);
+  cuda_ok(cudaDeviceSynchronize(), what);
+}
 #endif
 
 }  // namespace epx::test

@@ -145,7 +145,7 @@ TEST(ModularMoECuda, ShardedSharedExpertOnGatheringBackendsMatchesTheReference) 
       ModularMoE layer(weights_for(c.preset), g, c.backend, dc, Config{}, o);
       const Tensor x = inputs[i].x[rank].to(dev), idx = inputs[i].idx[rank].to(dev), wts = inputs[i].wts[rank].to(dev);
       Tensor out = Tensor::empty({c.tokens[rank], weights_for(c.preset)->config.hidden}, DType::bf16, dev);
-      if (out.nbytes() > 0) cuda_ok(cudaMemset(out.data(), 0xFF, static_cast<size_t>(out.nbytes())), "poison");
+      test::poison_device(out.data(), static_cast<size_t>(out.nbytes()), "poison");
       layer.forward_routed(x, idx, wts, out, Stream{stream});
       cuda_ok(cudaStreamSynchronize(stream), "sync");
       const double e = rel_l2_rows(out, inputs[i].reference, inputs[i].offset[rank], c.tokens[rank]);
@@ -224,12 +224,12 @@ TEST(ModularMoECuda, WholeLayerGraphOnLlReplaysWithDifferentCountsPerRank) {
       const Tensor x = in.x[rank].to(dev), idx = in.idx[rank].to(dev), wts = in.wts[rank].to(dev);
       Tensor out = Tensor::empty({kMax, H}, DType::bf16, dev), count = Tensor::zeros({1}, DType::int32, dev);
       int32_t c = static_cast<int32_t>(kMax);
-      cuda_ok(cudaMemcpy(count.data(), &c, sizeof c, cudaMemcpyHostToDevice), "count");
+      test::upload_device(count.data(), &c, sizeof c, "count");
       layer->capture_graph(x, idx, wts, out, count, Stream{stream});
       for (size_t i = 0; i < replays.size(); ++i) {
         c = static_cast<int32_t>(replays[i][rank]);
-        cuda_ok(cudaMemcpy(count.data(), &c, sizeof c, cudaMemcpyHostToDevice), "count");
-        cuda_ok(cudaMemset(out.data(), 0xFF, static_cast<size_t>(out.nbytes())), "poison");
+        test::upload_device(count.data(), &c, sizeof c, "count");
+        test::poison_device(out.data(), static_cast<size_t>(out.nbytes()), "poison");
         layer->replay_graph(Stream{stream});
         cuda_ok(cudaStreamSynchronize(stream), "sync");
         const int64_t first = rank == 0 ? 0 : replays[i][0];
@@ -317,7 +317,7 @@ TEST(ModularMoECuda, SharedExpertFusedAndSeparateMatchTheReferenceAndEachOther) 
         if (local) cfg.fhmoe_local_shared_tokens = 0;
         auto layer = std::make_unique<ModularMoE>(w, g, c.backend, dc, cfg, o);
         Tensor out = Tensor::empty({T, H}, DType::bf16, dev);
-        cuda_ok(cudaMemset(out.data(), 0xFF, static_cast<size_t>(out.nbytes())), "poison");
+        test::poison_device(out.data(), static_cast<size_t>(out.nbytes()), "poison");
         layer->forward_routed(x, idx, wts, out, Stream{stream});
         cuda_ok(cudaStreamSynchronize(stream), "sync");
         const bool fused = mode == SharedExpertMode::fused || (mode == SharedExpertMode::auto_gate && gate >= 80);
@@ -346,6 +346,80 @@ TEST(ModularMoECuda, SharedExpertFusedAndSeparateMatchTheReferenceAndEachOther) 
         if (!(e <= 1e-3)) failures += c.preset + " " + c.backend + " rank " + std::to_string(rank) + ": local slot vs separate rel L2 " + std::to_string(e) + "; ";
         if (rank == 0) std::printf("%s %s: rank 0 fused (local slot) vs separate rel L2 %.2e\n", c.preset.c_str(), c.backend.c_str(), e);
       }
+    }
+    g->barrier();
+    cuda_ok(cudaStreamDestroy(stream), "stream destroy");
+    if (!failures.empty()) throw std::runtime_error(failures);
+  });
+  EXPECT_EQ(failed, "");
+}
+
+// int64 topk_idx on CUDA reaches the dispatch unnarrowed. In range, int64 routes give the reference
+// on ll (ExpertMajor), ht and all2allv (Flat); DeepSeek-V3 with its shared expert fused, so the
+// layer's route columns have K+1 columns. Out of int32's range, rank 0's 2^32 + 3 (narrowed: expert 3)
+// and rank 1's -2^32 - 1 (narrowed: -1, no selection) are rejected on both ranks with
+// InvalidArgument naming topk_idx[t, k], the value and the rule: all2allv and ht in that call, ll
+// (no host sync) in the next one, whose selection was dropped; then the layer runs again.
+TEST(ModularMoECuda, Int64TopkIdxIsNeverNarrowed) {
+  const int n = cuda::device_count();
+  if (n < 2) GTEST_SKIP() << "needs 2 GPUs, found " << n;
+  const std::vector<int64_t> tokens = {6, 5};
+  auto w = weights_for("deepseek-v3-mini");
+  const int K = w->config.router.top_k;
+  const Inputs in = make_inputs(*w, tokens, 91, DType::fp8_e4m3);
+  const std::vector<int64_t> bad_value = {(int64_t{1} << 32) + 3, -(int64_t{1} << 32) - 1};
+  const std::vector<std::pair<int64_t, int64_t>> bad_at = {{1, 0}, {4, K - 1}};  // (t, k) per rank
+  std::vector<Tensor> idx64, bad64;
+  for (size_t r = 0; r < tokens.size(); ++r) {
+    const int64_t T = tokens[r];
+    idx64.push_back(Tensor::empty({T, K}, DType::int64));
+    for (int64_t i = 0; i < T * K; ++i) idx64.back().ptr<int64_t>()[i] = in.idx[r].ptr<int32_t>()[i];
+    bad64.push_back(Tensor::empty({T, K}, DType::int64));
+    std::copy_n(idx64.back().ptr<int64_t>(), T * K, bad64.back().ptr<int64_t>());
+    bad64.back().ptr<int64_t>()[bad_at[r].first * K + bad_at[r].second] = bad_value[r];
+  }
+  const std::string path = test::fresh_dir() + "/uid";
+  const std::string failed = test::run_ranks_forked(2, 300.0, [&](int rank) {
+    auto g = make_nccl_group(path, rank, 2, rank, 60.0);
+    cuda_ok(cudaSetDevice(rank), "cudaSetDevice");
+    cudaStream_t stream;
+    cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
+    const Device dev = g->device();
+    const int64_t H = w->config.hidden, T = tokens[static_cast<size_t>(rank)];
+    const Tensor x = in.x[rank].to(dev), idx = idx64[rank].to(dev), bad = bad64[rank].to(dev), wts = in.wts[rank].to(dev);
+    const std::string want_elem = "topk_idx[" + std::to_string(bad_at[rank].first) + ", " + std::to_string(bad_at[rank].second) +
+                                  "] = " + std::to_string(bad_value[rank]);
+    std::string failures;
+    for (const std::string backend : {"all2allv", "ht", "ll"}) {
+      DispatchConfig dc;
+      dc.num_max_dispatch_tokens_per_rank = 16;
+      dc.dispatch_dtype = DType::fp8_e4m3;
+      ModularMoE layer(w, g, backend, dc, Config{});
+      Tensor out = Tensor::empty({T, H}, DType::bf16, dev);
+      auto run_good = [&](const char* when) {
+        test::poison_device(out.data(), static_cast<size_t>(out.nbytes()), "poison");
+        layer.forward_routed(x, idx, wts, out, Stream{stream});
+        cuda_ok(cudaStreamSynchronize(stream), "sync");
+        const double e = rel_l2_rows(out, in.reference, in.offset[rank], T);
+        if (!(e <= kTol)) failures += backend + " int64 " + when + " rank " + std::to_string(rank) + ": rel L2 " + std::to_string(e) + "; ";
+        if (rank == 0) std::printf("%s int64 topk_idx %s: rank 0 rel L2 %.2e\n", backend.c_str(), when, e);
+      };
+      run_good("in range");
+      std::string error;
+      int calls = 0;
+      for (; calls < 2 && error.empty(); ++calls) {  // ll reports a device-side bad id in the next call
+        try {
+          layer.forward_routed(x, bad, wts, out, Stream{stream});
+          cuda_ok(cudaStreamSynchronize(stream), "sync");
+        } catch (const InvalidArgument& e) {
+          error = e.what();
+        }
+      }
+      if (rank == 0) std::printf("%s, call %d: %s\n", backend.c_str(), calls, error.c_str());
+      if (error.find(want_elem) == std::string::npos || error.find("must be") == std::string::npos)
+        failures += backend + " rank " + std::to_string(rank) + ": want InvalidArgument naming '" + want_elem + "', got '" + error + "'; ";
+      if (calls != (backend == "ll" ? 2 : 1)) failures += backend + " threw in call " + std::to_string(calls) + "; ";
+      run_good("after the rejection");
     }
     g->barrier();
     cuda_ok(cudaStreamDestroy(stream), "stream destroy");

@@ -194,6 +194,7 @@ struct ModularMoE::Impl {
   /// Grows `t` (1-D storage of `dtype` on `device`) to at least `numel` elements; returns a view of `dims`.
   TensorView scratch(Tensor& t, DType dtype, const std::vector<int64_t>& dims);
   /// Routing of rows [begin, end) with the shared column: idx/wts [n, K(+1)] and gate [n] (CPU or CUDA).
+  /// idx is int32 on the CPU (values checked), topk_idx's dtype on CUDA (values checked by the dispatch).
   void route_columns(const TensorView& x, const TensorView& topk_idx, const TensorView& topk_weights, int64_t begin,
                      int64_t end, bool fused, Stream stream, TensorView& idx, TensorView& wts, TensorView& g,
                      std::vector<float>& gate_host);
@@ -528,10 +529,13 @@ void ModularMoE::Impl::route_columns(const TensorView& x, const TensorView& topk
   const MoEWeights& w = *weights;
   const int64_t n = end - begin, H = w.config.hidden, K = top_k;
   const int64_t cols = K + (has_shared ? 1 : 0);
-  idx = scratch(route_idx, DType::int32, {n, cols});
   wts = scratch(route_wts, DType::fp32, {n, cols});
   if (device.is_cuda()) {
 #ifdef EPX_WITH_CUDA
+    // The caller's dtype: the values are only checked by the dispatch on the device, so an int64 id
+    // must reach it unnarrowed (2^32 + 3 would otherwise pass as expert 3). The CPU checked them all
+    // (check_routing_on), so its int32 copy below is exact.
+    idx = scratch(route_idx, topk_idx.dtype == DType::int64 ? DType::int64 : DType::int32, {n, cols});
     g = scratch(gate, DType::fp32, {n});
     moe_cuda::RouteColumnsParams p;
     p.topk_idx = topk_idx.slice_rows(begin, end);
@@ -547,6 +551,7 @@ void ModularMoE::Impl::route_columns(const TensorView& x, const TensorView& topk
     no_cuda("x on " + device.str());
 #endif
   }
+  idx = scratch(route_idx, DType::int32, {n, cols});
   const uint16_t* xb = n > 0 ? x.ptr<const uint16_t>() + begin * H : nullptr;
   gate_host.assign(static_cast<size_t>(has_shared ? n : 0), 0.0f);
   for (int64_t t = 0; t < n; ++t) {
@@ -656,7 +661,7 @@ void ModularMoE::Impl::run_chunk(const TensorView& x, const TensorView& topk_idx
                                  const TensorView& out, int64_t begin, int64_t end, bool fused, int64_t c,
                                  const TensorView& num_tokens, Stream stream) {
   const int64_t n = end - begin;
-  // Routing of the chunk with the shared column appended: [n, K(+1)] int32 / fp32. Sharded, the
+  // Routing of the chunk with the shared column appended: [n, K(+1)] int32/int64 / fp32. Sharded, the
   // column stays -1 (no traffic): the shard runs on the gathered rows after the routed experts.
   TensorView idx, wts, g;
   std::vector<float> gate_host;

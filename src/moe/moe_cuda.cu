@@ -28,17 +28,18 @@ __global__ void bf16_to_f32_kernel(const uint16_t* __restrict__ x, float* __rest
 
 constexpr int kColumnThreads = 256;
 
-/// One block per token: copies the K routed columns (int64 -> int32), computes g (sigmoid of the
-/// gate dot product, or 1) and writes column K.
+/// One block per token: copies the K routed columns (in their own dtype: the values are checked by
+/// the dispatch, which must see them unchanged), computes g (sigmoid of the gate dot product, or 1)
+/// and writes column K.
 template <class Index>
 __global__ void route_columns_kernel(const Index* __restrict__ idx_in, const float* __restrict__ w_in, int K,
                                      const uint16_t* __restrict__ x, int64_t H, const float* __restrict__ gate_w,
-                                     bool has_shared, bool fused, int num_experts, int32_t* __restrict__ idx_out,
+                                     bool has_shared, bool fused, int num_experts, Index* __restrict__ idx_out,
                                      float* __restrict__ w_out, float* __restrict__ gate_out) {
   const int64_t t = blockIdx.x;
   const int cols = K + (has_shared ? 1 : 0);
   for (int k = threadIdx.x; k < K; k += blockDim.x) {
-    idx_out[t * cols + k] = static_cast<int32_t>(idx_in[t * K + k]);
+    idx_out[t * cols + k] = idx_in[t * K + k];
     w_out[t * cols + k] = w_in[t * K + k];
   }
   if (!has_shared) return;
@@ -170,7 +171,7 @@ void build_route_columns(const RouteColumnsParams& p, const TensorView& out_idx,
   require_cuda_contiguous("topk_weights", p.topk_weights, {DType::fp32});
   check_shape(kOp, "topk_weights", p.topk_weights, {n, K});
   const int64_t cols = K + (p.has_shared ? 1 : 0);
-  require_cuda_contiguous("route idx", out_idx, {DType::int32});
+  require_cuda_contiguous("route idx", out_idx, {p.topk_idx.dtype});
   require_cuda_contiguous("route weights", out_weights, {DType::fp32});
   check_shape(kOp, "route idx", out_idx, {n, cols});
   check_shape(kOp, "route weights", out_weights, {n, cols});
@@ -192,10 +193,10 @@ void build_route_columns(const RouteColumnsParams& p, const TensorView& out_idx,
     route_columns_kernel<int32_t><<<static_cast<unsigned>(n), kColumnThreads, 0, s>>>(
         p.topk_idx.ptr<const int32_t>(), p.topk_weights.ptr<const float>(), static_cast<int>(K), x, H, p.shared_gate_weight,
         p.has_shared, p.fused, p.num_experts, out_idx.ptr<int32_t>(), out_weights.ptr<float>(), g);
-  } else {
+  } else {  // int64 stays int64: a narrowing here turned id 2^32 + 3 into a valid expert 3
     route_columns_kernel<int64_t><<<static_cast<unsigned>(n), kColumnThreads, 0, s>>>(
         p.topk_idx.ptr<const int64_t>(), p.topk_weights.ptr<const float>(), static_cast<int>(K), x, H, p.shared_gate_weight,
-        p.has_shared, p.fused, p.num_experts, out_idx.ptr<int32_t>(), out_weights.ptr<float>(), g);
+        p.has_shared, p.fused, p.num_experts, out_idx.ptr<int64_t>(), out_weights.ptr<float>(), g);
   }
   cuda::check_launch("route_columns_kernel");
 }

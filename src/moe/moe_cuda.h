@@ -48,8 +48,10 @@ struct RouteColumnsParams {
   bool fused = false;       ///< column K = (num_experts, g) when fused, else (-1, 0)
   int num_experts = 0;
 };
-/// out_idx [n, K(+1)] int32, out_weights [n, K(+1)] fp32 (contiguous), and gate [n] fp32 (g per
-/// token, written when has_shared; may be empty otherwise). Stream-ordered.
+/// out_idx [n, K(+1)] of topk_idx's dtype (int32 or int64), out_weights [n, K(+1)] fp32 (contiguous),
+/// and gate [n] fp32 (g per token, written when has_shared; may be empty otherwise). Stream-ordered.
+/// The ids are copied, never narrowed: int64 ids stay int64, so the dispatch's device-side check sees
+/// the caller's value (an id such as 2^32 + 3 is rejected there as itself, not read as expert 3).
 void build_route_columns(const RouteColumnsParams& p, const TensorView& out_idx, const TensorView& out_weights,
                          const TensorView& gate, Stream stream);
 
