@@ -71,6 +71,7 @@ class Tensor {
  public:
   Tensor() = default;
   static Tensor empty(std::vector<int64_t> shape, DType dtype, Device device = Device::cpu());
+  /// On CUDA the zeros are written before this returns (usable on any stream, a non-blocking one too).
   static Tensor zeros(std::vector<int64_t> shape, DType dtype, Device device = Device::cpu());
   const TensorView& view() const { return view_; }
   operator const TensorView&() const { return view_; }
@@ -82,7 +83,7 @@ class Tensor {
   DType dtype() const { return view_.dtype; }
   Device device() const { return view_.device; }
   bool defined() const { return view_.defined(); }
-  /// Copy to another device (host<->CUDA through the registered allocator's copy).
+  /// Copy to another device (host<->CUDA through the registered allocator's copy), complete on return.
   Tensor to(Device device) const;
 
  private:
@@ -94,14 +95,18 @@ class Tensor {
 struct DeviceAllocator {
   void* (*alloc)(int64_t bytes, int device) = nullptr;
   void (*free)(void* p, int device) = nullptr;
-  /// Synchronous copy; kind: 0 host->device, 1 device->host, 2 device->device.
+  /// Synchronous copy, complete on return (not merely queued on some stream); kind: 0 host->device,
+  /// 1 device->host, 2 device->device.
   void (*copy)(void* dst, const void* src, int64_t bytes, int kind) = nullptr;
+  /// Synchronous memset, complete on return.
   void (*memset)(void* p, int value, int64_t bytes) = nullptr;
 };
 void register_device_allocator(DeviceKind kind, const DeviceAllocator& alloc);
 const DeviceAllocator* device_allocator(DeviceKind kind);  // nullptr if none registered
 
-/// Copies `src` into `dst` (same dtype and shape; any devices). Throws InvalidArgument otherwise.
+/// Copies `src` into `dst` (same dtype and shape; any devices), complete on return. On CUDA it runs on
+/// the legacy default stream: after earlier work of blocking streams, not of cudaStreamNonBlocking
+/// ones (synchronize those before copying what they write). Throws InvalidArgument otherwise.
 void copy(const TensorView& dst, const TensorView& src);
 
 /// Argument checks for public entry points. Each throws InvalidArgument in the STYLE.md form.

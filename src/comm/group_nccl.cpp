@@ -348,7 +348,8 @@ NcclGroup::NcclGroup(const UniqueId& uid, int rank, int world, int device, doubl
 
   EPX_CUDA_CHECK(cudaStreamCreateWithFlags(&st.stream, cudaStreamNonBlocking));
   EPX_CUDA_CHECK(cudaMalloc(&st.barrier_word, sizeof(int)));
-  EPX_CUDA_CHECK(cudaMemset(st.barrier_word, 0, sizeof(int)));
+  // On st.stream: ordered before the barrier's all-reduces there (a legacy-stream memset is not).
+  EPX_CUDA_CHECK(cudaMemsetAsync(st.barrier_word, 0, sizeof(int), st.stream));
 
   // Node structure (NCCL-DEVICE-API.md §1.4). NCCL 2.28.9 brings GIN up for a device communicator
   // of a communicator that spans nodes, and our machines have none, so the device communicator and

@@ -72,7 +72,7 @@ template <class T>
 T* to_device(const std::vector<T>& h) {
   T* d = nullptr;
   cuda_ok(cudaMalloc(&d, std::max<size_t>(1, h.size()) * sizeof(T)), "cudaMalloc");
-  if (!h.empty()) cuda_ok(cudaMemcpy(d, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice), "H2D");
+  test::upload_device(d, h.data(), h.size() * sizeof(T), "H2D");  // waits: the tests' streams are non-blocking
   return d;
 }
 template <class T>
@@ -381,7 +381,7 @@ TEST(NcclGroupCuda, GraphReplayOfLsaKernelsAndCollective) {
     float* red = to_device(std::vector<float>(n_red, 1.0f));
     g->all_reduce_sum(red, red, n_red, DType::fp32, Stream{stream});  // connect before capturing
     cuda_ok(cudaStreamSynchronize(stream), "sync");
-    cuda_ok(cudaMemcpy(red, std::vector<float>(n_red, 1.0f).data(), n_red * 4, cudaMemcpyHostToDevice), "reset");
+    test::upload_device(red, std::vector<float>(n_red, 1.0f).data(), n_red * 4, "reset");
     g->barrier();
 
     // One graph: LSA stores into the next rank, the LSA barrier, the in-stream check, and a host

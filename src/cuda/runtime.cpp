@@ -82,9 +82,14 @@ void device_free(void* p, int device) {
   if (previous >= 0 && previous != device) (void)cudaSetDevice(previous);
 }
 
+// Both complete before they return (DeviceAllocator's contract), so the result can be used on any
+// stream: cudaMemcpy returns before its DMA lands for a pageable host -> device copy and does not wait
+// at all device -> device, and cudaMemset is asynchronous; both run on the legacy default stream,
+// which a cudaStreamNonBlocking stream (the caller's, say) does not wait for. Hence the wait on it.
 void device_copy(void* dst, const void* src, int64_t bytes, int /*kind: unified addressing tells*/) {
   mark_used();
   EPX_CUDA_CHECK(cudaMemcpy(dst, src, static_cast<size_t>(bytes), cudaMemcpyDefault));
+  EPX_CUDA_CHECK(cudaStreamSynchronize(cudaStreamLegacy));
 }
 
 void device_memset(void* p, int value, int64_t bytes) {
@@ -92,6 +97,7 @@ void device_memset(void* p, int value, int64_t bytes) {
   EPX_CUDA_CHECK(cudaPointerGetAttributes(&attr, p));
   DeviceGuard guard(attr.device);
   EPX_CUDA_CHECK(cudaMemset(p, value, static_cast<size_t>(bytes)));
+  EPX_CUDA_CHECK(cudaStreamSynchronize(cudaStreamLegacy));
 }
 
 void register_allocator() {

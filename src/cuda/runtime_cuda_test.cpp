@@ -8,6 +8,10 @@
 #include "epx/tensor.h"
 #include "test_util.h"
 
+#ifdef EPX_WITH_CUDA
+#include <cuda_runtime_api.h>
+#endif
+
 namespace epx {
 namespace {
 
@@ -40,6 +44,56 @@ TEST(CudaRuntime, TensorRoundTripThroughDevice) {
   copy(dev2.view(), dev.view());
   const Tensor back2 = dev2.to(Device::cpu());
   EXPECT_EQ(std::memcmp(back2.data(), host.data(), static_cast<size_t>(host.nbytes())), 0);
+}
+
+// Tensor::to, copy and Tensor::zeros on CUDA are complete on return, so a cudaStreamNonBlocking
+// stream (which does not wait for the legacy default stream they run on) may read the result at
+// once: the last 4 KiB of 1 GiB, read on such a stream right after each call, hold the new bytes.
+// (Before, cudaMemcpy device -> device and cudaMemset only queued the work: that read saw the old bytes.)
+TEST(CudaRuntime, CopiesAndZerosAreCompleteOnReturnForNonBlockingStreams) {
+  const int gpus = cuda::device_count();
+  if (gpus < 1) GTEST_SKIP() << "needs 1 GPU, found " << gpus;
+  cuda::ensure_runtime();
+  const Device dev = Device::cuda(0);
+  auto ok = [](cudaError_t e, const char* what) { ASSERT_EQ(e, cudaSuccess) << what << ": " << cudaGetErrorString(e); };
+  ok(cudaSetDevice(0), "cudaSetDevice");
+  cudaStream_t s = nullptr;
+  ok(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "stream");
+  constexpr int64_t kBytes = int64_t{1} << 30, kTail = 4096;
+  uint8_t* tail = nullptr;
+  ok(cudaMallocHost(&tail, kTail), "cudaMallocHost");
+  auto tail_bytes = [&](const Tensor& t) {  // on s, at once
+    std::memset(tail, 0xEE, kTail);
+    EXPECT_EQ(cudaMemcpyAsync(tail, t.ptr<uint8_t>() + t.nbytes() - kTail, kTail, cudaMemcpyDeviceToHost, s), cudaSuccess);
+    EXPECT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+    int differ = 0;
+    for (int64_t i = 0; i < kTail; ++i) differ += tail[i] != tail[0];
+    return differ == 0 ? static_cast<int>(tail[0]) : -1;
+  };
+  {
+    Tensor src = Tensor::empty({kBytes}, DType::uint8, dev), dst = Tensor::empty({kBytes}, DType::uint8, dev);
+    ok(cudaMemsetAsync(src.data(), 0x5A, kBytes, s), "fill src");
+    ok(cudaMemsetAsync(dst.data(), 0x11, kBytes, s), "fill dst");
+    ok(cudaStreamSynchronize(s), "sync fills");
+    copy(dst.view(), src.view());  // device -> device
+    EXPECT_EQ(tail_bytes(dst), 0x5A) << "copy device -> device";
+  }
+  {
+    Tensor host = Tensor::empty({kBytes / 4}, DType::uint8);  // pageable
+    std::memset(host.data(), 0x77, static_cast<size_t>(host.nbytes()));
+    EXPECT_EQ(tail_bytes(host.to(dev)), 0x77) << "Tensor::to host -> device";
+  }
+  {
+    // zeros right where a 0x5A buffer was just freed (the allocator tends to hand it back).
+    Tensor a = Tensor::empty({kBytes}, DType::uint8, dev);
+    ok(cudaMemsetAsync(a.data(), 0x5A, kBytes, s), "fill");
+    ok(cudaStreamSynchronize(s), "sync fill");
+    a = Tensor();
+    const Tensor z = Tensor::zeros({kBytes}, DType::uint8, dev);
+    EXPECT_EQ(tail_bytes(z), 0) << "Tensor::zeros";
+  }
+  ok(cudaFreeHost(tail), "cudaFreeHost");
+  ok(cudaStreamDestroy(s), "stream destroy");
 }
 
 TEST(CudaRuntime, DeviceCountIsStable) {

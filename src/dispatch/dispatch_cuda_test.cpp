@@ -229,7 +229,7 @@ std::vector<Snapshot> run_gpu(const std::string& name, const Case& c, const Roun
     take_prepare(p, snap);
     const Tensor eo = experts_out(c, r, snap).to(dev);
     const Tensor out_store = Tensor::empty({T * c.H + 1}, DType::bf16, dev);
-    cuda_ok(cudaMemset(out_store.data(), 0xFF, static_cast<size_t>(out_store.nbytes())), "poison out");
+    test::poison_device(out_store.data(), static_cast<size_t>(out_store.nbytes()), "poison out");  // waits: s may be non-blocking
     const TensorView out(out_store.ptr<uint16_t>() + (odd ? 1 : 0), DType::bf16, {T, c.H}, dev);
     pf->finalize({eo, out, Stream{s}});
     cuda_ok(cudaStreamSynchronize(s), "sync after finalize");
@@ -451,7 +451,7 @@ std::vector<HierSnap> run_hier_gpu(const std::string& name, const Case& c, const
     cuda_ok(cudaStreamSynchronize(s), "sync after prepare");
     const Tensor eo = hier_take(c, r, p, snaps[i]).to(dev);
     const Tensor out_store = Tensor::empty({T * c.H + 1}, DType::bf16, dev);
-    cuda_ok(cudaMemset(out_store.data(), 0xFF, static_cast<size_t>(out_store.nbytes())), "poison out");
+    test::poison_device(out_store.data(), static_cast<size_t>(out_store.nbytes()), "poison out");  // waits: s may be non-blocking
     const TensorView out(out_store.ptr<uint16_t>() + (odd ? 1 : 0), DType::bf16, {T, c.H}, dev);
     pf->finalize({eo, out, Stream{s}});
     cuda_ok(cudaStreamSynchronize(s), "sync after finalize");
@@ -685,7 +685,7 @@ void run_hier_bad_args(int R) {
                        [&] { pf->finalize({eo, o, Stream{stream}}); });
         }
         const Tensor out = Tensor::empty({T, c.H}, DType::bf16, dev);
-        cuda_ok(cudaMemset(out.data(), 0xFF, static_cast<size_t>(out.nbytes())), "poison out");
+        test::poison_device(out.data(), static_cast<size_t>(out.nbytes()), "poison out");
         pf->finalize({eo, out, Stream{stream}});
         cuda_ok(cudaStreamSynchronize(stream), "sync after finalize");
         s.out = host_bytes(out);

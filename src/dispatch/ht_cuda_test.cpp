@@ -284,7 +284,7 @@ std::vector<Snapshot> run_gpu(const Case& c, const Rounds& rounds, bool contig, 
     s.cache_hits = h.layout_cache_hits;
     const Tensor eo = expert_out_for(contig ? s.contig_rows : s.num_recv_tokens, c.H, eo_seed(c, i, r)).to(dev);
     const Tensor out = Tensor::empty({T, c.H}, DType::bf16, dev);
-    if (T > 0) cuda_ok(cudaMemset(out.data(), 0xFF, static_cast<size_t>(out.nbytes())), "poison out");
+    test::poison_device(out.data(), static_cast<size_t>(out.nbytes()), "poison out");
     FinalizeArgs fa{eo, out, Stream{stream}};
     if (contig) fa.topk_weights = p.topk_weights;
     if (r == drive.late_rank) std::this_thread::sleep_for(std::chrono::milliseconds(drive.late_ms));
@@ -293,7 +293,7 @@ std::vector<Snapshot> run_gpu(const Case& c, const Rounds& rounds, bool contig, 
     s.out = host_bytes(out);
     if (contig || drive.twice) {
       const Tensor eo2 = contig ? eo : expert_out_for(s.num_recv_tokens, c.H, eo_seed2(c, i, r)).to(dev);
-      if (T > 0) cuda_ok(cudaMemset(out.data(), 0xFF, static_cast<size_t>(out.nbytes())), "poison out");
+      test::poison_device(out.data(), static_cast<size_t>(out.nbytes()), "poison out");
       pf->finalize({eo2, out, Stream{stream}});
       cuda_ok(cudaStreamSynchronize(stream), "sync after finalize");
       s.out2 = host_bytes(out);
@@ -536,7 +536,7 @@ std::string run_device_t(const DeviceTCase& dc, const std::shared_ptr<Group>& g,
   }
   // A device count above x.shape[0]: InvalidArgument on the next call, nothing moved, object usable.
   const int32_t too_many = static_cast<int32_t>(cap + 1 + r);
-  cuda_ok(cudaMemcpy(nt.data(), &too_many, 4, cudaMemcpyHostToDevice), "num_tokens");
+  test::upload_device(nt.data(), &too_many, 4, "num_tokens");
   cuda_ok(cudaGraphLaunch(exec, stream), "graph launch");
   cuda_ok(cudaStreamSynchronize(stream), "graph sync");
   std::string what;

@@ -180,6 +180,9 @@ void LlCuda::throw_reported(bool argument_errors) {
   // so the object stays usable once the report is cleared.
   const_cast<LlErrorReport*>(report_host_)->kind = LlErrorReport::none;
   EPX_CUDA_CHECK(cudaMemset(&state_.ptr<LlDeviceState>()->error_claim, 0, sizeof(int32_t)));
+  // Landed before the next call's kernels on the caller's (maybe non-blocking) stream: a claim still
+  // set there would drop that call's report, and a late reset would lose a fresh one.
+  EPX_CUDA_CHECK(cudaStreamSynchronize(cudaStreamLegacy));
   if (kind == LlErrorReport::bad_num_tokens)
     throw InvalidArgument(arg_message(op_prepare_, "num_tokens", value,
                                       "must be in [0, x.shape[0] = " + std::to_string(index) +

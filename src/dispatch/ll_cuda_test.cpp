@@ -228,6 +228,8 @@ void poison_outputs(const PrepareResult& p, dispatch::LlCuda& ll) {
   for (const Tensor* t : {&ll.handle().src_rank, &ll.handle().src_token, &ll.handle().topk_column, &ll.handle().layout_range,
                           &ll.handle().msg_count, &ll.handle().msg_src_token, &ll.handle().msg_rows, &ll.handle().msg_weights})
     cuda_ok(cudaMemset(t->data(), 0xff, static_cast<size_t>(t->nbytes())), "poison handle");
+  // Landed before the next prepare on the non-blocking stream (graph replays follow at once).
+  cuda_ok(cudaDeviceSynchronize(), "sync poison handle");
 }
 
 /// One eager round on the GPU: prepare (fused or split), host experts, finalize (fused or split).
@@ -503,7 +505,7 @@ void run_errors(int R) {
       const DevInput d = upload(in[static_cast<size_t>(rank)], 8, dev);
       Tensor nt = Tensor::empty({1}, DType::int32, dev);
       const int32_t v = rank == R - 1 ? 9 : 8;
-      cuda_ok(cudaMemcpy(nt.data(), &v, 4, cudaMemcpyHostToDevice), "nt");
+      test::upload_device(nt.data(), &v, 4, "nt");
       DispatchArgs a{d.x, d.idx, d.w, Stream{s}};
       a.num_tokens = nt;
       const PrepareResult p = pf->prepare(a);

@@ -229,6 +229,9 @@ class CudaExperts final : public Experts {
                                   cudaMemcpyHostToDevice));
       }
     }
+    // The pageable cudaMemcpy uploads above may return before their DMA lands, on the legacy stream,
+    // which the caller's cudaStreamNonBlocking stream does not wait for.
+    EPX_CUDA_CHECK(cudaStreamSynchronize(cudaStreamLegacy));
     void* rec = nullptr;
     EPX_CUDA_CHECK(cudaHostAlloc(&rec, sizeof(ErrorRecord), cudaHostAllocMapped));
     error_ = static_cast<ErrorRecord*>(rec);
