@@ -60,8 +60,9 @@ TEST(CudaRuntime, CopiesAndZerosAreCompleteOnReturnForNonBlockingStreams) {
   cudaStream_t s = nullptr;
   ok(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "stream");
   constexpr int64_t kBytes = int64_t{1} << 30, kTail = 4096;
-  uint8_t* tail = nullptr;
-  ok(cudaMallocHost(&tail, kTail), "cudaMallocHost");
+  void* pinned = nullptr;
+  ok(cudaMallocHost(&pinned, kTail), "cudaMallocHost");
+  uint8_t* tail = static_cast<uint8_t*>(pinned);
   auto tail_bytes = [&](const Tensor& t) {  // on s, at once
     std::memset(tail, 0xEE, kTail);
     EXPECT_EQ(cudaMemcpyAsync(tail, t.ptr<uint8_t>() + t.nbytes() - kTail, kTail, cudaMemcpyDeviceToHost, s), cudaSuccess);

@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# tools/device/breaker-batch.sh: the correctness helper's device batch (eighth session). Run from a copy of
+# main that carries .carry/deps.tar.xz and .carry-breaker/{src,prebuilt}.tar.xz:
+#   OUT=<dir> timeout -k 5 <allowance ~70 s> bash .carry-breaker/batch.sh
+# prebuilt.tar.xz holds the GPU test binaries built from src.tar.xz on the dev machine (CUDA 13.0, sm_90a,
+# stripped): the device build of the library alone takes longer than the allowance. When they do not load
+# (ldd / --gtest_list_tests), they are built with tools/device/gpu-check.sh instead (only if time allows).
+# Order (most important first, each step with its own timeout inside BUDGET s):
+#   runtime_cuda_test     Tensor::to / copy / zeros complete on return (non-blocking stream reads at once)
+#   moe_cuda_test         Int64TopkIdxIsNeverNarrowed first, then the rest (its poisons now wait)
+#   dispatch_cuda_test    its poisons now wait
+#   group_nccl_cuda_test  its uploads now wait
+set -uo pipefail
+OUT="${OUT:-/tmp/breaker-out}"
+BUDGET="${BUDGET:-64}"
+mkdir -p "$OUT"
+HERE="$(pwd)"
+T0=$SECONDS
+left() { echo $((BUDGET - (SECONDS - T0))); }
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 NCCL_DEBUG=WARN
+nccl="$(python3 -c 'import nvidia.nccl as m; print(list(m.__path__)[0])' 2>/dev/null)"
+P=/tmp/breaker-prebuilt
+D=/tmp/breaker-deps
+B=""
+if [ -f "$HERE/.carry-breaker/prebuilt.tar.xz" ]; then
+  rm -rf "$P" "$D" && mkdir -p "$P" "$D"
+  tar -C "$P" -xJf "$HERE/.carry-breaker/prebuilt.tar.xz" && tar -C "$D" -xJf "$HERE/.carry/deps.tar.xz"
+  dl="$D/usr/lib/x86_64-linux-gnu"
+  export LD_LIBRARY_PATH="$nccl/lib:$dl:$dl/openblas-pthread:/usr/local/cuda/lib64:/usr/local/cuda/targets/x86_64-linux/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  ldd "$P/moe_cuda_test" >"$OUT/prebuilt-ldd.txt" 2>&1
+  if ! grep -q "not found" "$OUT/prebuilt-ldd.txt" && timeout 10 "$P/moe_cuda_test" --gtest_list_tests >/dev/null 2>>"$OUT/prebuilt-ldd.txt"; then
+    B="$P"
+  fi
+  echo "prebuilt: ${B:-unusable (see prebuilt-ldd.txt)} at $((SECONDS - T0)) s ($(cat "$P/commit.txt" 2>/dev/null))" | tee -a "$OUT/summary.txt"
+fi
+if [ -z "$B" ]; then
+  S=/tmp/s-breaker
+  rm -rf "$S" && mkdir -p "$S/.carry"
+  tar -C "$S" -xJf "$HERE/.carry-breaker/src.tar.xz"
+  cp "$HERE/.carry/deps.tar.xz" "$S/.carry/"
+  GPU_CHECK_SRC="$S" GPU_CHECK_ONE_GPU=0 GPU_CHECK_SANITIZE=0 GPU_CHECK_CPU=0 GPU_CHECK_BENCH=0 GPU_CHECK_TESTS=0 \
+    GPU_CHECK_TARGETS="runtime_cuda_test moe_cuda_test" \
+    timeout -k 3 $(( $(left) - 15 )) bash "$S/tools/device/gpu-check.sh" run >"$OUT/gpu-check.out" 2>&1
+  echo "build rc=$? at $((SECONDS - T0)) s" | tee -a "$OUT/summary.txt"
+  B=/tmp/epx-gpu-check/build
+  deps=/tmp/epx-gpu-check/deps/usr/lib/x86_64-linux-gnu
+  export LD_LIBRARY_PATH="$nccl/lib:$deps:$deps/openblas-pthread${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+fi
+export CUDA_VISIBLE_DEVICES=0,1
+one() {  # <name> <limit s> <binary> [gtest args]: one test run, its log under $OUT, one summary line
+  local name=$1 limit=$2 bin=$3
+  shift 3
+  local l; l=$(left)
+  [ "$l" -lt "$limit" ] && limit=$l
+  if [ "$limit" -lt 4 ] || [ ! -x "$B/$bin" ]; then echo "$name: skipped (time or binary)" | tee -a "$OUT/summary.txt"; return; fi
+  (cd "$B" && timeout -k 2 "$limit" "./$bin" "$@") >"$OUT/$name.log" 2>&1
+  local rc=$?
+  echo "$name rc=$rc (limit $limit s) at $((SECONDS - T0)) s: $(grep -E '^\[  (PASSED|FAILED|SKIPPED) ' "$OUT/$name.log" | tr '\n' ' ')" | tee -a "$OUT/summary.txt"
+  grep -E '^\[  FAILED  \]|Failure|failed|rel L2|call [12]:' "$OUT/$name.log" | head -20 >>"$OUT/summary.txt"
+}
+one runtime 12 runtime_cuda_test
+one moe-int64 25 moe_cuda_test --gtest_filter='*Int64*'
+one dispatch 20 dispatch_cuda_test
+one moe-rest 18 moe_cuda_test --gtest_filter='-*Int64*'
+one group-nccl 30 group_nccl_cuda_test
+echo "== summary ($((SECONDS - T0)) s)"
+cat "$OUT/summary.txt"
