@@ -55,8 +55,8 @@ one() {  # <name> <limit s> <binary> [gtest args]: one test run, its log under $
   if [ "$limit" -lt 4 ] || [ ! -x "$B/$bin" ]; then echo "$name: skipped (time or binary)" | tee -a "$OUT/summary.txt"; return; fi
   (cd "$B" && timeout -k 2 "$limit" "./$bin" "$@") >"$OUT/$name.log" 2>&1
   local rc=$?
-  echo "$name rc=$rc (limit $limit s) at $((SECONDS - T0)) s: $(grep -E '^\[  (PASSED|FAILED|SKIPPED) ' "$OUT/$name.log" | tr '\n' ' ')" | tee -a "$OUT/summary.txt"
-  grep -E '^\[  FAILED  \]|Failure|failed|rel L2|call [12]:' "$OUT/$name.log" | head -20 >>"$OUT/summary.txt"
+  echo "$name rc=$rc (limit $limit s) at $((SECONDS - T0)) s: $(grep -E '^\[  (PASSED|FAILED)  \] [0-9]+ test' "$OUT/$name.log" | tr '\n' ' ')skipped $(grep -cE '^\[  SKIPPED \] .*\(' "$OUT/$name.log")" | tee -a "$OUT/summary.txt"
+  grep -E '^\[  FAILED  \] [A-Z]|Failure|rank [01]:|rel L2|, call [12]:' "$OUT/$name.log" | head -24 >>"$OUT/summary.txt"
 }
 one runtime 12 runtime_cuda_test
 one moe-int64 25 moe_cuda_test --gtest_filter='*Int64*'
