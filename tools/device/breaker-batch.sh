@@ -8,6 +8,7 @@
 # Order (most important first, each step with its own timeout inside BUDGET s):
 #   runtime_cuda_test     Tensor::to / copy / zeros complete on return (non-blocking stream reads at once)
 #   moe_cuda_test         Int64TopkIdxIsNeverNarrowed first, then the rest (its poisons now wait)
+#   *-prefix              those two tests against the library before the fixes: expected to FAIL
 #   dispatch_cuda_test    its poisons now wait
 #   group_nccl_cuda_test  its uploads now wait
 set -uo pipefail
@@ -60,6 +61,10 @@ one() {  # <name> <limit s> <binary> [gtest args]: one test run, its log under $
 }
 one runtime 12 runtime_cuda_test
 one moe-int64 25 moe_cuda_test --gtest_filter='*Int64*'
+# The same two tests linked against the library before the fixes (moe_cuda.cu, modular_moe.cpp, runtime.cpp of
+# main 4284a17): they must FAIL there (a test that cannot fail is a defect).
+one runtime-prefix 8 runtime_cuda_test-prefix --gtest_filter='*CompleteOnReturn*'
+one moe-int64-prefix 20 moe_cuda_test-prefix --gtest_filter='*Int64*'
 one dispatch 20 dispatch_cuda_test
 one moe-rest 18 moe_cuda_test --gtest_filter='-*Int64*'
 one group-nccl 30 group_nccl_cuda_test
