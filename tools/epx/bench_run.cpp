@@ -398,7 +398,10 @@ void run_epx_backend_graph(const Job& job, const BenchCase& c, int64_t T, const 
   const Tensor word = Tensor::zeros({1}, DType::fp32, dev);
   Tensor num_tokens = Tensor::empty({1}, DType::int32, dev);
   auto set_tokens = [&](int32_t v) {
-    if (cudaMemcpy(num_tokens.data(), &v, 4, cudaMemcpyHostToDevice) != cudaSuccess) throw CudaError("epx bench --graph: num_tokens upload");
+    // Waited for: a pageable cudaMemcpy may return before its DMA lands, on the legacy stream, which the
+    // replays' non-blocking stream does not wait for (a T = 1 replay could read the old T).
+    if (cudaMemcpy(num_tokens.data(), &v, 4, cudaMemcpyHostToDevice) != cudaSuccess || cudaStreamSynchronize(cudaStreamLegacy) != cudaSuccess)
+      throw CudaError("epx bench --graph: num_tokens upload");
   };
   set_tokens(static_cast<int32_t>(T));
   DispatchArgs a;
