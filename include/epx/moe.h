@@ -156,6 +156,11 @@ class ModularMoE {
   /// x [T, H] bf16 -> out [T, H] bf16, routing with the layer's router. Collective.
   void forward(const TensorView& x, const TensorView& out, Stream stream = {});
   /// Same with given routing: topk_idx [T, K] int32/int64, topk_weights [T, K] fp32 (e.g. from a trace).
+  /// An id other than -1 or [0, E) throws InvalidArgument naming topk_idx[t, k], its value and the rule: on
+  /// the CPU before anything moves; on CUDA from the backend's check on the device, which sees the ids
+  /// as given (int64 is never narrowed), so on every rank for all2allv / ht / naive / allgather_reducescatter,
+  /// and for ll (no host sync) in the next call, that selection dropped (dispatch.h). With DP chunking,
+  /// t counts from the chunk's first row.
   void forward_routed(const TensorView& x, const TensorView& topk_idx, const TensorView& topk_weights,
                       const TensorView& out, Stream stream = {});
   const PathCounters& counters() const;
