@@ -5,12 +5,15 @@
 # prebuilt.tar.xz holds the GPU test binaries built from src.tar.xz on the dev machine (CUDA 13.0, sm_90a,
 # stripped): the device build of the library alone takes longer than the allowance. When they do not load
 # (ldd / --gtest_list_tests), they are built with tools/device/gpu-check.sh instead (only if time allows).
-# Order (most important first, each step with its own timeout inside BUDGET s):
+# PLAN=1 (batch 1) or 2 (default, batch 2). Order (most important first, each step with its own timeout inside BUDGET s):
+# batch 1:
 #   runtime_cuda_test     Tensor::to / copy / zeros complete on return (non-blocking stream reads at once)
 #   moe_cuda_test         Int64TopkIdxIsNeverNarrowed first, then the rest (its poisons now wait)
 #   *-prefix              those two tests against the library before the fixes: expected to FAIL
 #   dispatch_cuda_test    its poisons now wait
 #   group_nccl_cuda_test  its uploads now wait
+# batch 2: ll_cuda_test (MatchesCpuOneRank, ErrorsTwoRanks, GraphsWithDeviceTokenCountOneRank), ht_cuda_test
+#   (LateRankIsNotOverrun, TakesTheCallersConfig) and the quick experts_cuda_test cases
 set -uo pipefail
 OUT="${OUT:-/tmp/breaker-out}"
 BUDGET="${BUDGET:-64}"
@@ -28,8 +31,9 @@ if [ -f "$HERE/.carry-breaker/prebuilt.tar.xz" ]; then
   tar -C "$P" -xJf "$HERE/.carry-breaker/prebuilt.tar.xz" && tar -C "$D" -xJf "$HERE/.carry/deps.tar.xz"
   dl="$D/usr/lib/x86_64-linux-gnu"
   export LD_LIBRARY_PATH="$nccl/lib:$dl:$dl/openblas-pthread:/usr/local/cuda/lib64:/usr/local/cuda/targets/x86_64-linux/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-  ldd "$P/moe_cuda_test" >"$OUT/prebuilt-ldd.txt" 2>&1
-  if ! grep -q "not found" "$OUT/prebuilt-ldd.txt" && timeout 10 "$P/moe_cuda_test" --gtest_list_tests >/dev/null 2>>"$OUT/prebuilt-ldd.txt"; then
+  check="$P/$([ "${PLAN:-2}" = 1 ] && echo moe_cuda_test || echo ll_cuda_test)"
+  ldd "$check" >"$OUT/prebuilt-ldd.txt" 2>&1
+  if ! grep -q "not found" "$OUT/prebuilt-ldd.txt" && timeout 10 "$check" --gtest_list_tests >/dev/null 2>>"$OUT/prebuilt-ldd.txt"; then
     B="$P"
   fi
   echo "prebuilt: ${B:-unusable (see prebuilt-ldd.txt)} at $((SECONDS - T0)) s ($(cat "$P/commit.txt" 2>/dev/null))" | tee -a "$OUT/summary.txt"
@@ -40,7 +44,7 @@ if [ -z "$B" ]; then
   tar -C "$S" -xJf "$HERE/.carry-breaker/src.tar.xz"
   cp "$HERE/.carry/deps.tar.xz" "$S/.carry/"
   GPU_CHECK_SRC="$S" GPU_CHECK_ONE_GPU=0 GPU_CHECK_SANITIZE=0 GPU_CHECK_CPU=0 GPU_CHECK_BENCH=0 GPU_CHECK_TESTS=0 \
-    GPU_CHECK_TARGETS="runtime_cuda_test moe_cuda_test" \
+    GPU_CHECK_TARGETS="$([ "${PLAN:-2}" = 1 ] && echo runtime_cuda_test moe_cuda_test || echo ll_cuda_test ht_cuda_test)" \
     timeout -k 3 $(( $(left) - 15 )) bash "$S/tools/device/gpu-check.sh" run >"$OUT/gpu-check.out" 2>&1
   echo "build rc=$? at $((SECONDS - T0)) s" | tee -a "$OUT/summary.txt"
   B=/tmp/epx-gpu-check/build
@@ -59,14 +63,22 @@ one() {  # <name> <limit s> <binary> [gtest args]: one test run, its log under $
   echo "$name rc=$rc (limit $limit s) at $((SECONDS - T0)) s: $(grep -E '^\[  (PASSED|FAILED)  \] [0-9]+ test' "$OUT/$name.log" | tr '\n' ' ')skipped $(grep -cE '^\[  SKIPPED \] .*\(' "$OUT/$name.log")" | tee -a "$OUT/summary.txt"
   grep -E '^\[  FAILED  \] [A-Z]|Failure|rank [01]:|rel L2|, call [12]:' "$OUT/$name.log" | head -24 >>"$OUT/summary.txt"
 }
-one runtime 12 runtime_cuda_test
-one moe-int64 25 moe_cuda_test --gtest_filter='*Int64*'
-# The same two tests linked against the library before the fixes (moe_cuda.cu, modular_moe.cpp, runtime.cpp of
-# main 4284a17): they must FAIL there (a test that cannot fail is a defect).
-one runtime-prefix 8 runtime_cuda_test-prefix --gtest_filter='*CompleteOnReturn*'
-one moe-int64-prefix 20 moe_cuda_test-prefix --gtest_filter='*Int64*'
-one dispatch 20 dispatch_cuda_test
-one moe-rest 18 moe_cuda_test --gtest_filter='-*Int64*'
-one group-nccl 30 group_nccl_cuda_test
+if [ "${PLAN:-2}" = 1 ]; then  # batch 1 (bench/results/h200x2/breaker-s8-batch1-e8c7e1a/)
+  one runtime 12 runtime_cuda_test
+  one moe-int64 25 moe_cuda_test --gtest_filter='*Int64*'
+  # The same two tests linked against the library before the fixes (moe_cuda.cu, modular_moe.cpp, runtime.cpp of
+  # main 4284a17): they must FAIL there (a test that cannot fail is a defect).
+  one runtime-prefix 8 runtime_cuda_test-prefix --gtest_filter='*CompleteOnReturn*'
+  one moe-int64-prefix 20 moe_cuda_test-prefix --gtest_filter='*Int64*'
+  one dispatch 20 dispatch_cuda_test
+  one moe-rest 18 moe_cuda_test --gtest_filter='-*Int64*'
+  one group-nccl 30 group_nccl_cuda_test
+else  # batch 2: the ll / ht / experts tests whose poisons and uploads now wait (not GPU-run in batch 1)
+  one ll-one-rank 20 ll_cuda_test --gtest_filter='LlCuda.MatchesCpuOneRank'
+  one ll-errors 10 ll_cuda_test --gtest_filter='LlCuda.ErrorsTwoRanks'
+  one ht-late-config 14 ht_cuda_test --gtest_filter='HtCuda.LateRankIsNotOverrun:HtCuda.TakesTheCallersConfig'
+  one experts-quick 8 experts_cuda_test --gtest_filter='*RejectsBadArguments*:*BadDeviceIndices*:*GraphCapture*'
+  one ll-graphs-one-rank 20 ll_cuda_test --gtest_filter='LlCuda.GraphsWithDeviceTokenCountOneRank'
+fi
 echo "== summary ($((SECONDS - T0)) s)"
 cat "$OUT/summary.txt"
