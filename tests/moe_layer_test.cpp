@@ -335,6 +335,32 @@ TEST(ModularMoE, BadRoutingOnOneRankStopsEveryRank) {
   EXPECT_EQ(threw, (std::vector<int>{1, 1}));
 }
 
+// int64 ids past int32 are checked as themselves (the CUDA path narrowed them to int32 before its
+// check: 2^32 + 3 ran as expert 3; moe_cuda_test Int64TopkIdxIsNeverNarrowed). The CPU path reads the
+// int64 value before its int32 copy; this keeps it so: rank 0's 2^32 + 3 and rank 1's -2^32 - 1 are named
+// on their own rank, and the other rank stops too.
+TEST(ModularMoE, Int64TopkIdxPastInt32IsRejectedAsItselfOnEveryRank) {
+  auto w = weights_for("mixtral-8x7b-mini");
+  auto groups = make_cpu_groups(2, 10.0);
+  std::vector<std::string> errs(2);
+  run_ranks(groups, [&](int rank) {
+    DispatchConfig dc;
+    dc.num_max_dispatch_tokens_per_rank = 8;
+    ModularMoE layer(w, groups[rank], "all2allv", dc, Config{});
+    Tensor x = test::random_bf16(3, 256, 3), out = Tensor::empty({3, 256}, DType::bf16);
+    Tensor idx = Tensor::zeros({3, 2}, DType::int64), wts = Tensor::zeros({3, 2}, DType::fp32);
+    idx.ptr<int64_t>()[rank == 0 ? 2 : 5] = rank == 0 ? (int64_t{1} << 32) + 3 : -(int64_t{1} << 32) - 1;
+    try {
+      layer.forward_routed(x, idx, wts, out);
+    } catch (const InvalidArgument& e) {
+      errs[rank] = e.what();
+    }
+  });
+  EXPECT_NE(errs[0].find("topk_idx[1, 0] = 4294967299: must be -1 (no selection) or an expert id in [0, num_experts = 8)"),
+            std::string::npos) << errs[0];
+  EXPECT_NE(errs[1].find("topk_idx[2, 1] = -4294967297"), std::string::npos) << errs[1];
+}
+
 TEST(ModularMoE, HeterogeneousRoutesHandedInAreRejectedOnEveryRankAndTheLayerStaysUsable) {
   // FHMoE (issue 6): the layer appends the shared route (column K = E) itself, so forward_routed
   // takes the K routed columns only. Routes that already carry the shared column (K+1 columns) or
