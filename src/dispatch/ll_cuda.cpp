@@ -42,6 +42,7 @@ LlCuda::LlCuda(std::shared_ptr<Group> group, const DispatchConfig& cfg, const Ll
               "must be in [1, 32]");
   require_arg(op, "ll.num_blocks", launch.num_blocks, launch.num_blocks >= 0, "must be >= 0 (0 = one per SM)");
   require_timeout(op, "timeout_s", launch.timeout_s);
+  require_arg(op, "debug_block0_delay_ns", launch.debug_block0_delay_ns, launch.debug_block0_delay_ns >= 0, "must be >= 0");
   layout_ = ll_layout(cfg_, num_ranks_);
   {  // the kernels index their work items in 32 bits (ll_cuda_kernels.cu: udiv)
     const int64_t items = static_cast<int64_t>(num_ranks_) * cfg.num_max_dispatch_tokens_per_rank * ((cfg.hidden + 255) / 256);
@@ -94,6 +95,8 @@ LlCuda::LlCuda(std::shared_ptr<Group> group, const DispatchConfig& cfg, const Ll
   common_.combine_data = launch.combine_data && layout_.partial();
   common_.combine_fence = launch.combine_fence;
   common_.combine_variant = launch.combine_variant;
+  common_.debug_block0_delay_ns = launch.debug_block0_delay_ns;
+  common_.debug_token_tag_mask = launch.debug_token_tag_mask;
   buffer_ = group_->alloc_symmetric(layout_.total_bytes());
   for (int r = 0; r < num_ranks_; ++r)
     if (buffer_.peers[static_cast<size_t>(r)] == nullptr)

@@ -27,10 +27,13 @@
 //     experts' slots.
 //   ll.signal = chunk (LlLaunch::signal_chunk; needs ll.expand = message, else block):
 //     block 0 of the sender stores, right after its slot scan and before any payload, the per-
-//     (destination, local expert) counts, the message counts and each message slot's source token t
-//     as tagged words (count_tag: a word of parity n % 2 holds zeros or call n - 2's value, whose tag
-//     differs, so no flag is needed for them); every block releases its flag as with ll.signal =
-//     block. The receiver polls the counts (normally there already), computes the slot bases, and
+//     (destination, local expert) counts and the message counts as tagged words (count_tag: every
+//     call stores all of them, so a word of parity n % 2 holds zeros or call n - 2's value, whose
+//     tag differs, so no flag is needed for them), and each message slot's source token t as a 64-bit
+//     word tagged with the call's own number, (n + 1) << 32 | t (a slot carries a message only in
+//     some calls, so its word can be many calls old; one more slot per call and destination is
+//     rewritten round robin, so no word is 2 max_T or more calls old and the 32-bit tag cannot wrap onto it:
+//     slot_token_word in ll_cuda_kernels.cu); every block releases its flag as with ll.signal = block. The receiver polls the counts (normally there already), computes the slot bases, and
 //     each (message, run) item waits only for the flags of the send blocks that stored its chunk 0
 //     and its run's chunks (source s's item t * nchunks + c runs on block (item / W_s) mod B_s; W_s,
 //     B_s exchanged at create): the expansion of a message starts when its blocks are done, not after
@@ -109,6 +112,10 @@ struct LlLaunch {
   bool combine_data = false;   ///< Config ll.combine_wait = data (LlCommon::combine_data); every rank must agree
   bool combine_fence = false;  ///< data_fence: each warp fences after its rows for a peer (LlCommon::combine_fence); rank-local
   uint8_t combine_variant = 0; ///< data: weak loads (bit 0) / weak stores (bit 1) (LlCommon::combine_variant); rank-local
+  /// Tests only (ll_cuda_test's stale-token regression test): LlCommon::debug_block0_delay_ns (>= 0) and
+  /// debug_token_tag_mask; rank-local; the defaults leave the protocol as documented.
+  long long debug_block0_delay_ns = 0;
+  uint32_t debug_token_tag_mask = 0xffffffffu;
 };
 
 class LlCuda final : public PrepareFinalizeBase {

@@ -47,10 +47,37 @@ __device__ __forceinline__ uint32_t ld_relaxed_sys_u32(const void* p) {
 __device__ __forceinline__ void st_relaxed_sys_u32(void* p, uint32_t v) {
   asm volatile("st.relaxed.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
-/// ll.signal = chunk: the tag of call n's count words, 1 + (n / 2) % 2. A count word of parity n % 2
-/// holds, before call n's value lands, either zeros (never written: tag 0) or call n - 2's value (the
-/// other tag); a source never runs two calls ahead (ll_cuda.h), so the tag identifies call n's value.
+/// ll.signal = chunk: the tag of call n's count words, 1 + (n / 2) % 2. Every call stores every count
+/// word (all destinations, all local experts), so a count word of parity n % 2 holds, before call n's
+/// value lands, either zeros (never written: tag 0) or call n - 2's value (the other tag: receive n - 2
+/// saw that value, so no older one can be seen after it); a source never runs two calls ahead
+/// (ll_cuda.h), so the tag identifies call n's value.
 __device__ __forceinline__ uint32_t count_tag(unsigned long long call) { return 1u + static_cast<uint32_t>((call >> 1) & 1u); }
+/// ll.signal = chunk: the slot-token word of call n, (n + 1 mod 2^32) << 32 | t (t < 2^31, or
+/// kLlNoToken). These words are stored only for the slots that carry a message (and one scrubbed slot per
+/// call, ll_scrub_slot), so unlike the count words a slot's word can be many calls old: a two-valued
+/// tag would let call n - 4's token pass as call n's (seventh session). Accepted only when its high
+/// half equals call n's: a stale word is from a call m < n of the same parity whose word was not
+/// rewritten since, and n - m < 2 max_T < 2^32 because every call rewrites slot ll_scrub_slot(n) (a
+/// token or kLlNoToken), which visits every slot of a parity within max_T calls of that parity.
+constexpr uint32_t kLlNoToken = 0xffffffffu;
+/// (`mask`: LlCommon::debug_token_tag_mask, all ones but in the regression test's self-check.)
+__device__ __forceinline__ unsigned long long slot_token_word(unsigned long long call, uint32_t t, uint32_t mask) {
+  return ((call + 1) & mask) << 32 | t;
+}
+__device__ __forceinline__ bool slot_token_current(unsigned long long v, unsigned long long call, uint32_t mask) {
+  return (v >> 32) == ((call + 1) & mask);
+}
+/// Tests only (LlCommon::debug_block0_delay_ns): the block waits `ns` of globaltimer. Block-wide.
+__device__ __noinline__ void debug_block_delay(long long ns) {
+  if (threadIdx.x == 0) {
+    const unsigned long long t0 = globaltimer();
+    while (static_cast<long long>(globaltimer() - t0) < ns) __nanosleep(1000);
+  }
+  __syncthreads();
+}
+/// The slot whose word call n rewrites at every destination whatever the call sends there.
+__device__ __forceinline__ int ll_scrub_slot(unsigned long long call, int max_t) { return static_cast<int>((call >> 1) % static_cast<unsigned>(max_t)); }
 __device__ __forceinline__ void fence_acq_rel_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
 __device__ __forceinline__ int32_t ld32(const void* p) {  // coherent 4-byte load (see ld16)
   int32_t v;
@@ -470,12 +497,19 @@ __global__ void __launch_bounds__(kMaxThreads, 1) ll_dispatch_kernel(const __gri
     __syncthreads();
     trace_at(c, kTrDispScanned);
     constexpr bool chunk_sig = kMessage && kChunk;
+    const bool debug_delay = chunk_sig && blockIdx.x == 0 && c.debug_block0_delay_ns > 0;  // tests only (block-uniform)
+    if (debug_delay) debug_block_delay(c.debug_block0_delay_ns);
     if (chunk_sig && blockIdx.x == 0) {  // ll.signal = chunk: the tagged counts and slot tokens first, ahead of the payload
-      const uint32_t tag = count_tag(s_call_send);
+      const uint32_t tag = count_tag(s_call_send), tmask = c.debug_token_tag_mask;
       for (int t = threadIdx.x; t < T; t += blockDim.x) {  // message slot -> source token, per destination
         const uint32_t mt = s_mask[t];
         for (int d = 0; d < R; ++d)
-          if ((mt >> d) & 1u) st_relaxed_sys_u32(c.peers[d] + lay.slot_token_offset(parity, rank, s_slot[t * R + d]), tag << 30 | static_cast<uint32_t>(t));
+          if ((mt >> d) & 1u)
+            st_relaxed_sys_u64(c.peers[d] + lay.slot_token_offset(parity, rank, s_slot[t * R + d]), slot_token_word(s_call_send, static_cast<uint32_t>(t), tmask));
+      }
+      for (int d = threadIdx.x; d < R; d += blockDim.x) {  // the scrubbed slot, where no message fills it (slot_token_word)
+        const int j = ll_scrub_slot(s_call_send, max_t);
+        if (j >= s_count[d]) st_relaxed_sys_u64(c.peers[d] + lay.slot_token_offset(parity, rank, j), slot_token_word(s_call_send, kLlNoToken, tmask));
       }
       for (int d = 0; d < R; ++d) {
         const int Ld = c.placement.num_local(d);
@@ -488,6 +522,7 @@ __global__ void __launch_bounds__(kMaxThreads, 1) ll_dispatch_kernel(const __gri
       for (int d = threadIdx.x; d < R; d += blockDim.x)
         st_relaxed_sys_u64(c.peers[d] + lay.dispatch_count_offset(parity, rank), static_cast<unsigned long long>(tag) << 32 | static_cast<uint32_t>(s_count[d]));
     }
+    if (debug_delay) debug_block_delay(c.debug_block0_delay_ns);
 
     const int64_t items = static_cast<int64_t>(T) * nchunks;
     for (int64_t item = static_cast<int64_t>(blockIdx.x) * W + warp; item < items; item += static_cast<int64_t>(gridDim.x) * W) {
@@ -698,10 +733,10 @@ __global__ void __launch_bounds__(kMaxThreads, 1) ll_dispatch_kernel(const __gri
       const int64_t first_recv = static_cast<int64_t>(blockIdx.x) * Wr + warp;
       Item m;
       if (!chunk_sig && first_recv < items) load_item(first_recv, m);
-      uint32_t first_tok = 0;  // ll.signal = chunk: the first item's slot token, loaded before the counts' round trip
+      unsigned long long first_tok = 0;  // ll.signal = chunk: the first item's slot-token word, loaded before the counts' round trip
       if (chunk_sig && lane == 0 && first_recv < items) {
         const int flat = udiv(first_recv, runsd), s = udiv(flat, max_t);
-        first_tok = ld_relaxed_sys_u32(c.local + lay.slot_token_offset(parity, s, flat - s * max_t));
+        first_tok = ld_relaxed_sys_u64(c.local + lay.slot_token_offset(parity, s, flat - s * max_t));
       }
       if (threadIdx.x == blockDim.x - 1 && blockIdx.x == 0)
         c.state->trace[kTrDispLoadWaited] = tr_ns0 + load_round_trip(c.local + lay.dispatch_count_offset(parity, rank));
@@ -795,13 +830,13 @@ __global__ void __launch_bounds__(kMaxThreads, 1) ll_dispatch_kernel(const __gri
           int tok = 0;
           if (lane == 0) {
             const void* f = c.local + lay.slot_token_offset(parity, s, j);
-            const uint32_t tag = count_tag(call);
-            unsigned long long v = item == first_recv ? first_tok : ld_relaxed_sys_u32(f);
+            unsigned long long v = item == first_recv ? first_tok : ld_relaxed_sys_u64(f);
             ok = poll_word(
-                c, [&] { return static_cast<unsigned long long>(ld_relaxed_sys_u32(f)); }, [&](unsigned long long x) { return (x >> 30) == tag; },
-                s, LlErrorReport::dispatch, call, s_bad, v);
-            tok = static_cast<int>(v & 0x3fffffffull);
-            if (tok >= max_t) ok = false;  // malformed: the message is dropped
+                c, [&] { return ld_relaxed_sys_u64(f); }, [&](unsigned long long x) { return slot_token_current(x, call, c.debug_token_tag_mask); }, s,
+                LlErrorReport::dispatch, call, s_bad, v);
+            const uint32_t t32 = static_cast<uint32_t>(v & 0xffffffffull);
+            if (t32 >= static_cast<uint32_t>(max_t)) ok = false;  // malformed (or kLlNoToken): the message is dropped
+            tok = ok ? static_cast<int>(t32) : 0;
           }
           tok = __shfl_sync(0xffffffffu, tok, 0);
           ok = __shfl_sync(0xffffffffu, ok, 0);

@@ -125,6 +125,13 @@ struct LlCommon {
   /// send blocks that stored its chunks (no wait for the whole grid). ll_cuda.h, seventh session.
   bool signal_chunk = false;
   int32_t src_warps[kLlMaxRanks] = {};  ///< warps per block of every source rank (ll.signal = chunk: its item -> block map)
+  /// Tests only (LlLaunch::debug_*; 0 / all ones in production). ll.signal = chunk: block 0 of the sender
+  /// sleeps this long [ns] before its tagged stores and again before its send items (a receiver then
+  /// sees an old slot-token word, and the message's payload late).
+  long long debug_block0_delay_ns = 0;
+  /// Tests only: the slot-token tag is (n + 1) & this mask; 3 makes calls n and n - 4 share one, as the
+  /// seventh session's two-valued tag did (the regression test's self-check that it catches that bug).
+  uint32_t debug_token_tag_mask = 0xffffffffu;
   bool expand_message = false;  ///< sender-ranked slots, (message, chunk) expansion on the receiver
   bool items_run = false;       ///< combine (partial modes): a warp takes a run of chunks of one row (ll.items = run)
   bool combine_data = false;    ///< partial combine: the rows are the signal (ll.combine_wait = data, ll_cuda.h)

@@ -11,7 +11,9 @@
 // the protocol the Config does not choose (ll.signal / ll.expand / ll.items) on the partial_fp32 cases;
 // CUDA graphs: prepare and finalize captured separately, replayed with a device-side T that
 // changes between replays and differs between ranks; two graphs on one object replayed
-// interleaved; the send/recv split (hooks); errors: T > capacity (InvalidArgument before anything
+// interleaved; one buffer through 20 calls (eager, then graph replays) with T per call and rank
+// shrinking and growing, block and chunk, chunk with a delayed send block 0 (the stale slot-token
+// regression test) and its self-check; the send/recv split (hooks); errors: T > capacity (InvalidArgument before anything
 // is written; the next round still works), a bad device num_tokens (reported, InvalidArgument from
 // check(), then usable), and a rank that does not call (Timeout within the bound, naming it).
 // The expert step is the harness's TestExperts on host copies of the prepare outputs. Outputs are
@@ -233,11 +235,13 @@ void poison_outputs(const PrepareResult& p, dispatch::LlCuda& ll) {
 }
 
 /// One eager round on the GPU: prepare (fused or split), host experts, finalize (fused or split).
-Snap gpu_round(const Case& c, dispatch::LlCuda& ll, const RankInput& ri, int rank, cudaStream_t s, bool split) {
+/// `align`: a group barrier right before the prepare (the ranks launch it together).
+Snap gpu_round(const Case& c, dispatch::LlCuda& ll, const RankInput& ri, int rank, cudaStream_t s, bool split, Group* align = nullptr) {
   const Device dev = ll.handle().src_rank.device();
   const int64_t T = ri.x.size(0);
   const DevInput in = upload(ri, T, dev);
   const DispatchArgs a{in.x, in.idx, in.w, Stream{s}};
+  if (align) align->barrier();
   PrepareResult p;
   if (split) {
     p = ll.prepare_send(a);
@@ -458,6 +462,165 @@ void run_graphs(int R, LlCombine mode = LlCombine::column) {
     if (!failures.empty()) throw std::runtime_error(failures);
   });
   EXPECT_EQ(failed, "");
+}
+
+// ---- many calls on one buffer ------------------------------------------------------------------
+
+/// Per call, per rank T of the many-calls test: 0, 1, 7 and 128, different on the two ranks, dropping
+/// back to 0 and up again, so a rank's message count to a peer shrinks and grows between calls of one
+/// parity (calls 0 / 2 / 4 of rank 0: 128, 0, 128).
+const std::vector<std::vector<int64_t>> kManyCallsT = {{128, 1}, {7, 128}, {0, 7}, {1, 0}, {128, 0},
+                                                       {128, 128}, {0, 128}, {0, 1}, {7, 0}, {128, 7}};
+
+/// Fresh random inputs for every call of kManyCallsT, with rank 0's first two
+/// rows routed away from rank 1 in call 0 and its row 0 routed to rank 1 in call 4: message slot 0
+/// from rank 0 at rank 1 then names a token of a later send block in call 0, nothing in call 2 (T = 0),
+/// token 0 (send block 0) in call 4, the pattern in which a stale slot-token word could pass as current.
+std::vector<std::vector<RankInput>> many_calls_inputs(const Case& c) {
+  std::vector<std::vector<RankInput>> rounds;
+  const ExpertRange r1 = expert_range(c.E, c.R, 1);
+  for (size_t i = 0; i < kManyCallsT.size(); ++i) {
+    Case ci = c;
+    ci.T = kManyCallsT[i];
+    ci.seed = c.seed + 100 * i;
+    std::vector<RankInput> in = make_inputs(ci);
+    RankInput& r0 = in[0];
+    const int64_t T0 = r0.x.size(0);
+    int32_t* id = r0.topk_idx.ptr<int32_t>();  // int32 ids (Case::idx64 false)
+    if (i == 0)
+      for (int64_t t = 0; t < 2 && t < T0; ++t)
+        for (int k = 0; k < c.K; ++k)
+          if (id[t * c.K + k] >= r1.begin && id[t * c.K + k] < r1.end) id[t * c.K + k] = -1;
+    if (i == 4 && T0 > 0) {
+      bool to_r1 = false;
+      for (int k = 0; k < c.K; ++k) to_r1 = to_r1 || (id[k] >= r1.begin && id[k] < r1.end);
+      for (int e = r1.begin; !to_r1 && e < r1.end; ++e) {  // column 0 := an expert of rank 1 the row does not name yet
+        bool named = false;
+        for (int k = 0; k < c.K; ++k) named = named || id[k] == e;
+        if (!named) id[0] = e, to_r1 = true;
+      }
+    }
+    rounds.push_back(std::move(in));
+  }
+  return rounds;
+}
+
+/// One ll buffer, kManyCallsT's calls eager (call 3 through the send/recv hooks), then the same
+/// calls as replays of one captured prepare / finalize graph pair with the token count on the device:
+/// 2 x 10 consecutive calls on one object, each checked bit for bit against LlCpu (outputs poisoned
+/// before each call). `launch` per rank (rank 0's may carry the debug delay). The ranks are aligned by
+/// a group barrier before each prepare. Returns the failures of both ranks ("" = all exact, every rank
+/// finished) and prints one line per call and rank.
+std::string run_many_calls(const std::string& name, const std::vector<dispatch::LlLaunch>& launch) {
+  constexpr int R = 2;
+  // ll-v3's hidden size, dtype, top-k and capacity (so the send items map to blocks as at ll-v3: 14
+  // chunks per token, 16 warps per block), 32 experts (16 local: the host's copies stay small).
+  static const Case c = [] {
+    Case k = make_case(R, 7168, 32, 8, DType::fp8_e4m3, false, false, false, false, 0.1, 128, {}, 61);
+    k.ll_combine = LlCombine::partial_fp32;
+    return k;
+  }();
+  static const std::vector<std::vector<RankInput>> rounds = many_calls_inputs(c);
+  static const std::vector<std::vector<Snap>> want = run_cpu(c, rounds);
+  const std::string path = nccl_path(), dir = fresh_dir();
+  const std::string status = run_ranks_forked(R, 300.0, [&](int rank) {
+    auto g = make_nccl_group(path, rank, R, rank, 60.0);
+    cuda_ok(cudaSetDevice(rank), "cudaSetDevice");
+    const Device dev = Device::cuda(rank);
+    cudaStream_t s;
+    cuda_ok(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "stream");
+    dispatch::LlCuda ll(g, c.config(), launch[static_cast<size_t>(rank)]);
+    std::string failures;
+    auto record = [&](const std::string& what, size_t i, const std::string& d) {
+      const int64_t T = kManyCallsT[i][static_cast<size_t>(rank)];
+      if (!d.empty()) failures += name + " " + what + " call " + std::to_string(i) + " rank " + std::to_string(rank) + " T=" + std::to_string(T) + ": " + d + "\n";
+      std::printf("%s %s call %zu rank %d T = %lld: %s\n", name.c_str(), what.c_str(), i, rank, static_cast<long long>(T),
+                  d.empty() ? "bit-exact vs LlCpu" : "DIFFERS");
+    };
+    // 1. Eager calls 0..9.
+    for (size_t i = 0; i < rounds.size(); ++i) {
+      const Snap got = gpu_round(c, ll, rounds[i][static_cast<size_t>(rank)], rank, s, i == 3, g.get());
+      record("eager", i, diff(got, want[i][static_cast<size_t>(rank)]));
+    }
+    // 2. Calls 10..19: graph replays, x [cap, H] with the token count on the device, fresh inputs per replay.
+    const int64_t L = num_local_experts(c.config(), R, rank), cap = static_cast<int64_t>(R) * c.cap;
+    DevInput in;
+    in.x = Tensor::empty({c.cap, c.H}, DType::bf16, dev);
+    in.idx = Tensor::empty({c.cap, c.K}, DType::int32, dev);
+    in.w = Tensor::empty({c.cap, c.K}, DType::fp32, dev);
+    Tensor nt = Tensor::zeros({1}, DType::int32, dev);
+    Tensor eo = Tensor::empty({L, cap, c.H}, DType::bf16, dev), out = Tensor::empty({c.cap, c.H}, DType::bf16, dev);
+    GraphPair gp;
+    PrepareResult p;
+    DispatchArgs args{in.x, in.idx, in.w, Stream{s}};
+    args.num_tokens = nt;
+    capture(s, gp.prepare, [&] { p = ll.prepare(args); });
+    capture(s, gp.finalize, [&] { ll.finalize({eo, out, Stream{s}}); });
+    for (size_t i = 0; i < rounds.size(); ++i) {
+      const RankInput& ri = rounds[i][static_cast<size_t>(rank)];
+      const int32_t T = static_cast<int32_t>(ri.x.size(0));
+      for (const Tensor* t : {&in.x, &in.idx, &in.w}) cuda_ok(cudaMemset(t->data(), 0x7f, static_cast<size_t>(t->nbytes())), "poison inputs");
+      cuda_ok(cudaMemcpy(in.x.data(), ri.x.data(), static_cast<size_t>(ri.x.nbytes()), cudaMemcpyHostToDevice), "x");
+      cuda_ok(cudaMemcpy(in.idx.data(), ri.topk_idx.data(), static_cast<size_t>(ri.topk_idx.nbytes()), cudaMemcpyHostToDevice), "idx");
+      cuda_ok(cudaMemcpy(in.w.data(), ri.topk_weights.data(), static_cast<size_t>(ri.topk_weights.nbytes()), cudaMemcpyHostToDevice), "w");
+      cuda_ok(cudaMemcpy(nt.data(), &T, 4, cudaMemcpyHostToDevice), "num_tokens");
+      cuda_ok(cudaDeviceSynchronize(), "sync inputs");  // legacy-stream memsets, pageable copies (see upload)
+      g->barrier();
+      cuda_ok(cudaGraphLaunch(gp.prepare, s), "replay prepare");
+      cuda_ok(cudaStreamSynchronize(s), "sync prepare");
+      ll.check(Stream{s});
+      Snap snap = take(p, ll.handle().src_rank, ll.handle().src_token, ll.handle().topk_column, ll.handle().layout_range);
+      take_msgs(snap, ll.handle(), c.K);
+      copy(eo, experts_out(c, rank, p));
+      cuda_ok(cudaMemset(out.data(), 0xff, static_cast<size_t>(out.nbytes())), "poison out");
+      cuda_ok(cudaDeviceSynchronize(), "sync poison out");
+      cuda_ok(cudaGraphLaunch(gp.finalize, s), "replay finalize");
+      cuda_ok(cudaStreamSynchronize(s), "sync finalize");
+      ll.check(Stream{s});
+      std::vector<uint8_t> ob = host_bytes(out);
+      std::string extra;
+      for (size_t k = static_cast<size_t>(T) * c.H * 2; k < ob.size(); ++k)
+        if (ob[k] != 0xff) {
+          extra = "out row beyond T written; ";
+          break;
+        }
+      ob.resize(static_cast<size_t>(T) * c.H * 2);
+      snap.out = ob;
+      poison_outputs(p, ll);
+      cuda_ok(cudaMemset(p.x.data, 0xff, static_cast<size_t>(p.x.nbytes())), "poison x");
+      cuda_ok(cudaMemset(p.x_scales.data, 0xff, static_cast<size_t>(p.x_scales.nbytes())), "poison scales");
+      cuda_ok(cudaDeviceSynchronize(), "sync poison");
+      record("graph", i, extra + diff(snap, want[i][static_cast<size_t>(rank)]));
+    }
+    for (cudaGraphExec_t e : {gp.prepare, gp.finalize}) cuda_ok(cudaGraphExecDestroy(e), "exec destroy");
+    g->barrier();
+    cuda_ok(cudaStreamDestroy(s), "stream destroy");
+    std::fflush(stdout);
+    FILE* f = std::fopen((dir + "/failures-" + std::to_string(rank)).c_str(), "w");  // read by the parent
+    if (!f) throw std::runtime_error("cannot write " + dir);
+    std::fputs(failures.c_str(), f);
+    std::fclose(f);
+  });
+  std::string failures;
+  for (int r = 0; r < R; ++r) {
+    FILE* f = std::fopen((dir + "/failures-" + std::to_string(r)).c_str(), "r");
+    if (!f) {
+      failures += "rank " + std::to_string(r) + " wrote no result; ";
+      continue;
+    }
+    char buf[4096];
+    size_t n;
+    while ((n = std::fread(buf, 1, sizeof buf, f)) > 0) failures.append(buf, n);
+    std::fclose(f);
+  }
+  return status + failures;
+}
+
+dispatch::LlLaunch many_calls_launch(bool chunk) {
+  dispatch::LlLaunch l;
+  l.signal_chunk = chunk;
+  l.timeout_s = Config::load().timeout_s;  // EPX_TIMEOUT_S bounds a hang
+  return l;
 }
 
 // ---- errors ------------------------------------------------------------------------------------
@@ -733,6 +896,37 @@ TEST(LlCuda, OtherCombineWaitGraphsTwoRanks) {
 TEST(LlCuda, PartialCombineGraphsTwoRanks) {
   if (gpus() < 2) GTEST_SKIP() << "needs 2 GPUs, found " << gpus();
   run_graphs(2, LlCombine::partial_fp32);
+}
+
+// One buffer, 20 consecutive calls (10 eager, 10 graph replays with the token count on the device), T
+// per call and rank in {0, 1, 7, 128} shrinking and growing, fresh inputs, every call against LlCpu:
+// ll.signal = block and chunk; chunk also with rank 0's block 0 delayed (3 ms before its tagged
+// stores and again before its items), so rank 1 reads rank 0's slot-token words of call 4 while they
+// still hold call 0's token (the seventh session's stale-token bug, found by reading: with its
+// two-valued tag this passed as current and the expansion read message slot 0 before it was written).
+TEST(LlCuda, ManyCallsVaryingTokensTwoRanks) {
+  if (gpus() < 2) GTEST_SKIP() << "needs 2 GPUs, found " << gpus();
+  const dispatch::LlLaunch block = many_calls_launch(false), chunk = many_calls_launch(true);
+  dispatch::LlLaunch delayed = chunk;
+  delayed.debug_block0_delay_ns = 3'000'000;
+  EXPECT_EQ(run_many_calls("ll.signal=block", {block, block}), "");
+  EXPECT_EQ(run_many_calls("ll.signal=chunk", {chunk, chunk}), "");
+  EXPECT_EQ(run_many_calls("ll.signal=chunk rank0-delayed", {delayed, chunk}), "");
+}
+
+// The self-check of the test above: with the slot-token tag cut to 2 bits (calls n and n - 4 share one,
+// as with the seventh session's tag) and rank 0's block 0 delayed, rank 1's call 4 (eager) and 14
+// (graph) must differ from LlCpu: the test catches the bug it is for.
+TEST(LlCuda, ManyCallsCatchesAStaleSlotTokenTwoRanks) {
+  if (gpus() < 2) GTEST_SKIP() << "needs 2 GPUs, found " << gpus();
+  dispatch::LlLaunch weak = many_calls_launch(true);
+  weak.debug_token_tag_mask = 3;
+  dispatch::LlLaunch delayed = weak;
+  delayed.debug_block0_delay_ns = 3'000'000;
+  const std::string failed = run_many_calls("ll.signal=chunk tag-mask-3 rank0-delayed", {delayed, weak});
+  std::printf("self-check failures (expected on rank 1, eager and graph call 4):\n%s", failed.c_str());
+  EXPECT_NE(failed.find("eager call 4 rank 1"), std::string::npos) << failed;
+  EXPECT_NE(failed.find("graph call 4 rank 1"), std::string::npos) << failed;
 }
 
 TEST(LlCuda, ErrorsTwoRanks) {

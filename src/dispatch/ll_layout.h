@@ -25,9 +25,11 @@
 //                              ll.signal = chunk (with ll.expand = message): the counts carry a tag
 //                                (count_tag: dispatch_count = tag << 32 | n, expert_count = tag << 30
 //                                | n) and are stored before the payload, with
-//                                slot_token[2][R src][max_T slots] int32 = tag << 30 | t: the source
-//                                token in message slot j (the receiver finds the send blocks of its
-//                                chunks from t); the block flags as in ll.signal = block
+//                                slot_token[2][R src][max_T slots] uint64 = (n + 1 mod 2^32) << 32 | t:
+//                                the source token in message slot j (the receiver finds the send
+//                                blocks of its chunks from t), the call's full number as the tag (a
+//                                slot's word can be many calls old; ll_cuda_kernels.cu slot_token_word);
+//                                the block flags as in ll.signal = block
 //   [dispatch_recv_offset, ..) messages: [2 parity][R src][max_T slots][msg_bytes]; slot j of source
 //                                s is the j-th token s sent here in that call (source token order)
 //   [combine_recv_offset, ..)  this rank as a source: [2 parity][max_T][K][H] bf16; row (t, k) holds
@@ -104,9 +106,10 @@ struct LlLayout {
     return 8 * (2 * static_cast<int64_t>(num_ranks) * kMaxSignalBlocks + 2 * static_cast<int64_t>(num_ranks)) +
            4 * ((static_cast<int64_t>(parity) * num_ranks + src_rank) * num_ids + local);
   }
-  /// ll.signal = chunk: the int32 word naming the source token of message slot `slot` from `src_rank` (parity p).
+  /// ll.signal = chunk: the uint64 word naming the source token of message slot `slot` from `src_rank`
+  /// (parity p) and the call that stored it (8-byte aligned: the regions before it are whole 8-byte words).
   EPX_HOST_DEVICE int64_t slot_token_offset(int parity, int src_rank, int slot) const {
-    return expert_count_offset(2, 0, 0) + 4 * ((static_cast<int64_t>(parity) * num_ranks + src_rank) * max_tokens + slot);
+    return expert_count_offset(2, 0, 0) + 8 * ((static_cast<int64_t>(parity) * num_ranks + src_rank) * max_tokens + slot);
   }
   EPX_HOST_DEVICE int64_t signal_bytes() const { return ll_align_up(slot_token_offset(2, 0, 0), kRegionAlignBytes); }
   EPX_HOST_DEVICE int64_t dispatch_recv_offset() const { return signal_bytes(); }
