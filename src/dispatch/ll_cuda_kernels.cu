@@ -68,14 +68,6 @@ __device__ __forceinline__ unsigned long long slot_token_word(unsigned long long
 __device__ __forceinline__ bool slot_token_current(unsigned long long v, unsigned long long call, uint32_t mask) {
   return (v >> 32) == ((call + 1) & mask);
 }
-/// Tests only (LlCommon::debug_block0_delay_ns): the block waits `ns` of globaltimer. Block-wide.
-__device__ __noinline__ void debug_block_delay(long long ns) {
-  if (threadIdx.x == 0) {
-    const unsigned long long t0 = globaltimer();
-    while (static_cast<long long>(globaltimer() - t0) < ns) __nanosleep(1000);
-  }
-  __syncthreads();
-}
 /// The slot whose word call n rewrites at every destination whatever the call sends there.
 __device__ __forceinline__ int ll_scrub_slot(unsigned long long call, int max_t) { return static_cast<int>((call >> 1) % static_cast<unsigned>(max_t)); }
 __device__ __forceinline__ void fence_acq_rel_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
@@ -88,6 +80,14 @@ __device__ __forceinline__ unsigned long long globaltimer() {
   unsigned long long t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
   return t;
+}
+/// Tests only (LlCommon::debug_block0_delay_ns): the block waits `ns` of globaltimer. Block-wide.
+__device__ __noinline__ void debug_block_delay(long long ns) {
+  if (threadIdx.x == 0) {
+    const unsigned long long t0 = globaltimer();
+    while (static_cast<long long>(globaltimer() - t0) < ns) __nanosleep(1000);
+  }
+  __syncthreads();
 }
 // Coherent 16-byte load of data a peer wrote (after an acquire): a plain weak load, never .nc.
 __device__ __forceinline__ uint4 ld16(const void* p) {

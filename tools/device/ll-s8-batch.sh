@@ -13,6 +13,7 @@
 #   tests-chunk ll_cuda_test groups with EPX_LL_SIGNAL=chunk (the ones that failed in the seventh session's
 #               final run, with 6b97dd0's harness synchronisation) with a GEMM on both GPUs
 #   tests-block the same with block
+#   next-tests  ll_cuda_test-next (the receive-side latency change, if shipped) LlCuda.ManyCalls* with a GEMM
 #   lat         (batch 2) the latency variants' A/B: see LL_LAT
 set -u
 T0=$SECONDS
@@ -48,7 +49,7 @@ if [ -f "$HERE/.carry-ll/prebuilt.tar.xz" ]; then
     cu=$(find "$(dirname "$NCCL")" -name 'libcupti.so.13*' 2>/dev/null | head -1)
     [ -n "$cu" ] && export LD_LIBRARY_PATH="$(dirname "$cu"):$LD_LIBRARY_PATH"
   fi
-  ldd "$P/epx" "$P/ll_cuda_test" "$P/epx-gemm-bench" >"$OUT/prebuilt-ldd.txt" 2>&1
+  ldd "$P"/* >"$OUT/prebuilt-ldd.txt" 2>&1
   if ! grep -q "not found" "$OUT/prebuilt-ldd.txt" && timeout 20 "$P/ll_cuda_test" --gtest_list_tests >/dev/null 2>>"$OUT/prebuilt-ldd.txt"; then
     B="$P"
   fi
@@ -89,9 +90,9 @@ gemm_stop() {
 }
 trap gemm_stop EXIT
 BENCH=(bench --backend ll,nccl_a2a_raw --ranks 2 --graph --iters 200 --warmup 20)
-bench() {  # <name> <case> [VAR=value ...]: one epx bench with those config variables
+bench() {  # <name> <case> [VAR=value ...]: one epx bench with those config variables ($EB: another epx binary)
   local name=$1 case=$2; shift 2
-  step "$name" 10 env EPX_TIMEOUT_S=5 "$@" "$E" "${BENCH[@]}" --case "$case" --json "$OUT/$name.json"
+  step "$name" 10 env EPX_TIMEOUT_S=5 "$@" "${EB:-$E}" "${BENCH[@]}" --case "$case" --json "$OUT/$name.json"
   [ -f "$OUT/$name.json" ] && python3 -c 'import json,sys; p=sys.argv[1]; d=json.load(open(p)); d["git_commit"]=sys.argv[2]; json.dump(d,open(p,"w"),indent=2)' "$OUT/$name.json" "$COMMIT"
   grep -E "^ll-v. .* (ll|nccl_a2a_raw) " "$OUT/$name.log" | head -4
 }
@@ -106,9 +107,17 @@ for r in $RUNS; do
       gemm_start
       gt test-many 44 'LlCuda.ManyCalls*'
       gemm_stop ;;
-    ab)
+    ab)  # block, chunk (the fix), chunk with the receive-side change (epx-next, if shipped)
       bench ll-v3-signal_block ll-v3 EPX_LL_SIGNAL=block
-      bench ll-v3-signal_chunk ll-v3 EPX_LL_SIGNAL=chunk ;;
+      bench ll-v3-signal_chunk ll-v3 EPX_LL_SIGNAL=chunk
+      [ -x "$B/epx-next" ] && EB="$B/epx-next" bench ll-v3-signal_chunk-next ll-v3 EPX_LL_SIGNAL=chunk ;;
+    next-tests)  # ll_cuda_test-next (the receive-side change) with a GEMM beside it
+      if [ -x "$B/ll_cuda_test-next" ]; then
+        gemm_start
+        step test-next-many 44 env EPX_TIMEOUT_S=10 "$B/ll_cuda_test-next" --gtest_filter='LlCuda.ManyCalls*'
+        grep -E "OK \]|FAILED|DIFFERS|Failure" "$OUT/test-next-many.log" | sort | uniq -c | head -12 | tee -a "$OUT/summary.txt"
+        gemm_stop
+      fi ;;
     tests-chunk)
       gemm_start
       gt test-chunk-onerank 20 'LlCuda.MatchesCpuOneRank' EPX_LL_SIGNAL=chunk
