@@ -105,7 +105,7 @@ for r in $RUNS; do
   case $r in
     many)
       gemm_start
-      gt test-many 44 'LlCuda.ManyCalls*'
+      gt test-many 50 'LlCuda.ManyCalls*'
       gemm_stop ;;
     ab)  # block, chunk (the fix), chunk with the receive-side change (epx-next, if shipped)
       bench ll-v3-signal_block ll-v3 EPX_LL_SIGNAL=block
@@ -120,8 +120,8 @@ for r in $RUNS; do
       fi ;;
     tests-chunk)
       gemm_start
-      gt test-chunk-onerank 20 'LlCuda.MatchesCpuOneRank' EPX_LL_SIGNAL=chunk
       gt test-chunk-partial 24 'LlCuda.PartialCombineMatchesCpuTwoRanks' EPX_LL_SIGNAL=chunk
+      gt test-chunk-onerank 20 'LlCuda.MatchesCpuOneRank' EPX_LL_SIGNAL=chunk
       gt test-chunk-graphs 16 'LlCuda.PartialCombineGraphsTwoRanks' EPX_LL_SIGNAL=chunk
       gt test-many-2 44 'LlCuda.ManyCalls*'
       gemm_stop ;;
