@@ -536,6 +536,7 @@ std::string run_many_calls(const std::string& name, const std::vector<dispatch::
       if (!d.empty()) failures += name + " " + what + " call " + std::to_string(i) + " rank " + std::to_string(rank) + " T=" + std::to_string(T) + ": " + d + "\n";
       std::printf("%s %s call %zu rank %d T = %lld: %s\n", name.c_str(), what.c_str(), i, rank, static_cast<long long>(T),
                   d.empty() ? "bit-exact vs LlCpu" : "DIFFERS");
+      std::fflush(stdout);  // a step cut by a time limit keeps its lines
     };
     // 1. Eager calls 0..9.
     for (size_t i = 0; i < rounds.size(); ++i) {

@@ -74,7 +74,7 @@ GEMM_PIDS=""
 gemm_start() {
   local g
   for g in 0 1; do
-    setsid bash -c "while :; do CUDA_VISIBLE_DEVICES=$g '$B/epx-gemm-bench' --prefill-only --no-simt --no-cublas --iters 400; done" >>"$OUT/gemm-gpu$g.log" 2>&1 &
+    setsid bash -c "while :; do CUDA_VISIBLE_DEVICES=$g '$B/epx-gemm-bench' --prefill-only --no-simt --no-cublas --iters 400 || sleep 1; done" >>"$OUT/gemm-gpu$g.log" 2>&1 &
     GEMM_PIDS="$GEMM_PIDS $!"
   done
   sleep 2  # past the bench's allocations
