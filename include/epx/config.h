@@ -23,15 +23,14 @@ struct Config {
   /// ll combine reduction for epx bench: column | partial_fp32 | partial_bf16 (epx::LlCombine; the
   /// API takes DispatchConfig::ll_combine, the same default, chosen by measurement).
   std::string ll_combine = "partial_fp32";
-  /// ll completion signal: block (default; one flag word per (source, send block), the receiver
-  /// waits for all, then loads the counts and expands) | chunk (opt-in, NOT SAFE YET: its slot-token
-  /// words carry a 2-valued call tag, so after 4+ calls with varying message counts a stale word can pass
-  /// as current (found by reading, seventh session; bench/NOTES.md); with ll.expand = message: the counts
-  /// and each message slot's source token are sent tagged before the payload, and each expansion item
-  /// waits only for the flags of the send blocks that stored its chunks; bench/NOTES.md, seventh
-  /// session) | rank (the source's last block to finish stores one word per destination: +2-3 us at
-  /// ll-v3 for its fence and atomic chain).
-  std::string ll_signal = "block";
+  /// ll completion signal: chunk (default, by measurement: with ll.expand = message the counts and each
+  /// message slot's source token are sent tagged before the payload, and each expansion item waits only
+  /// for the flags of the send blocks that stored its chunks; -3.5 us at ll-v3 against block, seventh and
+  /// eighth sessions, bench/NOTES.md; the slot-token words carry the call's own number since the eighth
+  /// session, so no stale word passes as current) | block (one flag word per (source, send block), the
+  /// receiver waits for all, then loads the counts and expands) | rank (the source's last block to
+  /// finish stores one word per destination: +2-3 us at ll-v3 for its fence and atomic chain).
+  std::string ll_signal = "chunk";
   /// ll dispatch expansion: message (default, by measurement: the sender ranks each token per expert,
   /// warps copy (message, chunk) items; -10 us at ll-v3) | expert (a block per local expert scans
   /// all messages; bench/NOTES.md).

@@ -107,9 +107,9 @@ Attributes (JSON key, environment variable):
   timeout_s (timeout_s, EPX_TIMEOUT_S): float seconds, > 0: longest wait on a peer before Timeout.
   ll_combine (ll.combine): "partial_fp32" | "partial_bf16" | "column": ll's combine for `epx bench`
       (the API takes DispatchConfig.ll_combine).
-  ll_signal (ll.signal, EPX_LL_SIGNAL): "block" (default) | "chunk" | "rank": ll on CUDA, completion signal
-      per send block with a wait for all, per send block with the counts sent first and each chunk waiting
-      only for its send block's flag, or one word per destination rank; all ranks must agree.
+  ll_signal (ll.signal, EPX_LL_SIGNAL): "chunk" (default) | "block" | "rank": ll on CUDA, completion signal
+      per send block with the counts sent first and each chunk waiting only for its send block's flag, per
+      send block with a wait for all, or one word per destination rank; all ranks must agree.
   ll_expand (ll.expand, EPX_LL_EXPAND): "message" (default) | "expert": ll on CUDA, dispatch expansion
       per (message, chunk) with sender-ranked slots, or a block per local expert; all ranks must agree.
   ll_items (ll.items, EPX_LL_ITEMS): "run" (default) | "chunk": ll on CUDA, work items of a run of consecutive

@@ -247,7 +247,7 @@ def test_config_launch_settings(monkeypatch):
     recorded as source "api", bad values raise ValueError naming the key and leave the old value, the EPX_*
     variables reach Config.load(); make_prepare_finalize(settings=) and ModularMoE(config=) take a Config."""
     c = epx.Config()
-    assert (c.ll_signal, c.ll_expand, c.ll_combine) == ("block", "message", "partial_fp32")
+    assert (c.ll_signal, c.ll_expand, c.ll_combine) == ("chunk", "message", "partial_fp32")
     c.ll_signal, c.ll_expand, c.ht_num_sms, c.ht_combine_mode = "rank", "expert", 24, 1
     assert (c.ll_signal, c.ll_expand, c.ht_num_sms, c.ht_combine_mode) == ("rank", "expert", 24, 1)
     src = dict(c.sources)

@@ -129,7 +129,7 @@ TEST(Config, NestedJsonObjectIsNamedWithTheFlatKey) {
   } catch (const InvalidArgument& e) {
     EXPECT_NE(std::string(e.what()).find("\"ll.signal\""), std::string::npos) << e.what();
   }
-  EXPECT_EQ(c.ll_signal, "block");
+  EXPECT_EQ(c.ll_signal, "chunk");
 }
 
 // Config::set checked only that a value parses: ll.signal = chunky or ht.num_sms = 0 were taken (and

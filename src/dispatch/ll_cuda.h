@@ -106,7 +106,7 @@ struct LlLaunch {
   int num_blocks = 0;         ///< 0 = one per SM
   double timeout_s = 60.0;    ///< bound of every device-side wait on a peer
   bool signal_rank = false;   ///< Config ll.signal = rank (LlCommon::signal_rank); every rank must agree
-  bool signal_chunk = false;  ///< Config ll.signal = chunk (LlCommon::signal_chunk; needs ll.expand = message, else block); every rank must agree
+  bool signal_chunk = true;   ///< Config ll.signal = chunk, the default (LlCommon::signal_chunk; needs ll.expand = message, else block); every rank must agree
   bool expand_message = true;  ///< Config ll.expand = message (LlCommon::expand_message); every rank must agree
   bool items_run = true;       ///< Config ll.items = run (LlCommon::items_run); rank-local
   bool combine_data = false;   ///< Config ll.combine_wait = data (LlCommon::combine_data); every rank must agree

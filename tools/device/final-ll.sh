@@ -3,8 +3,8 @@
 # Called with OUT (results folder), the built tree at /tmp/epx-gpu-check/build and the source at $SRC:
 # ll-v3 / ll-v4 FP8, graph replay, p50 of 200 replays beside nccl_a2a_raw in the same run (plus
 # 1 token per rank and the SM count, in every JSON), for the defaults (ll.combine partial_fp32,
-# ll.signal block, ll.expand message, ll.items run, ll.combine_wait flag, 16 warps per block), the A/B of the
-# seventh session's opt-in dispatch protocol (ll.signal = chunk), partial_bf16, the A/B of the seventh session's combine
+# ll.signal chunk, ll.expand message, ll.items run, ll.combine_wait flag, 16 warps per block), the A/B of the
+# dispatch protocol (ll.signal = block, the default until the eighth session), partial_bf16, the A/B of the seventh session's combine
 # option (ll.combine_wait = data), ll-v4, then column and the fifth session's ll.items = chunk if time is left.
 # The logs carry the launch floor and the per-phase stamps, the JSONs the CUPTI kernel time. Each bench takes
 # ~4-6 s; each is bounded, and none starts after 26 s.
@@ -32,7 +32,7 @@ run() {  # <name> <combine> <case> [VAR=value ...]
   grep -E "^ll-v. .* (ll|nccl_a2a_raw) " "$OUT/$name.log"
 }
 run ll-v3-final partial_fp32 ll-v3
-run ll-v3-final-signal_chunk partial_fp32 ll-v3 EPX_LL_SIGNAL=chunk  # opt-in: a race under GPU contention (seventh session's final run)
+run ll-v3-final-signal_block partial_fp32 ll-v3 EPX_LL_SIGNAL=block  # the A/B of the default ll.signal = chunk (eighth session)
 run ll-v3-final-partial_bf16 partial_bf16 ll-v3
 run ll-v3-final-wait_data partial_fp32 ll-v3 EPX_LL_COMBINE_WAIT=data
 run ll-v4-final partial_fp32 ll-v4
