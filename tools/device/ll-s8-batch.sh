@@ -14,7 +14,8 @@
 #               final run, with 6b97dd0's harness synchronisation) with a GEMM on both GPUs
 #   tests-block the same with block
 #   next-tests  ll_cuda_test-next (the receive-side latency change, if shipped) LlCuda.ManyCalls* with a GEMM
-#   lat         (batch 2) the latency variants' A/B: see LL_LAT
+#   ab2 / diag / tests2  (batch 2) the landed default (chunk) and block; epx-diag's stamps; tests with a GEMM beside
+#   lat         the latency variants' A/B: see LL_LAT
 set -u
 T0=$SECONDS
 BUDGET=${LL_BUDGET_S:-104}
@@ -129,6 +130,18 @@ for r in $RUNS; do
       gemm_start
       gt test-block-onerank 20 'LlCuda.MatchesCpuOneRank' EPX_LL_SIGNAL=block
       gt test-block-partial 24 'LlCuda.PartialCombineMatchesCpuTwoRanks' EPX_LL_SIGNAL=block
+      gemm_stop ;;
+    ab2)  # batch 2: the landed default (chunk) and block, each beside nccl_a2a_raw
+      bench ll-v3 ll-v3
+      bench ll-v3-signal_block ll-v3 EPX_LL_SIGNAL=block ;;
+    diag)  # batch 2: epx-diag (the default's kernels plus two stamps: counts seen, first items ready), if shipped
+      [ -x "$B/epx-diag" ] && EB="$B/epx-diag" bench ll-v3-diag ll-v3 ;;
+    tests2)  # batch 2: the landed default (chunk) through the Config, with a GEMM beside
+      gemm_start
+      gt test2-many 24 'LlCuda.ManyCalls*'
+      gt test2-eager 28 'LlCuda.MatchesCpuTwoRanks'
+      gt test2-graphs 20 'LlCuda.GraphsWithDeviceTokenCountTwoRanks'
+      gt test2-errors 12 'LlCuda.ErrorsTwoRanks:LlCuda.TimeoutNamesThePeer'
       gemm_stop ;;
     lat)  # LL_LAT="name:VAR=value,VAR=value name2:..." extra ll-v3 rows (batch 2's latency variants)
       for v in ${LL_LAT:-}; do
