@@ -146,7 +146,7 @@ TEST(Config, SetChecksTheKeysRuleAndLeavesTheConfigOnFailure) {
   };
   Config c;
   EXPECT_EQ(message([&] { c.set("ll.signal", "chunky"); }), "config: ll.signal = chunky: must be block, rank or chunk (set by api)");
-  EXPECT_EQ(c.ll_signal, "block");
+  EXPECT_EQ(c.ll_signal, "chunk");  // the default, unchanged
   EXPECT_EQ(message([&] { c.set("ht.num_sms", "0", "cli"); }), "config: ht.num_sms = 0: must be in [1, 132] (set by cli)");
   EXPECT_EQ(c.ht_num_sms, 64);
   EXPECT_NE(message([&] { c.set("timeout_s", "-1"); }).find("timeout_s = -1"), std::string::npos);
