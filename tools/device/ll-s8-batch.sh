@@ -19,7 +19,7 @@
 set -u
 T0=$SECONDS
 BUDGET=${LL_BUDGET_S:-104}
-RUNS=${LL_RUNS:-many ab tests-chunk}
+RUNS=${LL_RUNS:-ab2 diag tests2}
 OUT=${OUT:-/tmp/ll-out}
 mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
 HERE=$(pwd)
@@ -138,7 +138,7 @@ for r in $RUNS; do
       [ -x "$B/epx-diag" ] && EB="$B/epx-diag" bench ll-v3-diag ll-v3 ;;
     tests2)  # batch 2: the landed default (chunk) through the Config, with a GEMM beside
       gemm_start
-      gt test2-many 24 'LlCuda.ManyCalls*'
+      gt test2-many 22 'LlCuda.ManyCalls*'
       gt test2-eager 28 'LlCuda.MatchesCpuTwoRanks'
       gt test2-graphs 20 'LlCuda.GraphsWithDeviceTokenCountTwoRanks'
       gt test2-errors 12 'LlCuda.ErrorsTwoRanks:LlCuda.TimeoutNamesThePeer'
