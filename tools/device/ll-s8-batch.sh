@@ -131,17 +131,17 @@ for r in $RUNS; do
       gt test-block-onerank 20 'LlCuda.MatchesCpuOneRank' EPX_LL_SIGNAL=block
       gt test-block-partial 24 'LlCuda.PartialCombineMatchesCpuTwoRanks' EPX_LL_SIGNAL=block
       gemm_stop ;;
-    ab2)  # batch 2: the landed default (chunk) and block, each beside nccl_a2a_raw
-      bench ll-v3 ll-v3
+    ab2)  # batch 2: chunk (the default on main now) and block, each beside nccl_a2a_raw
+      bench ll-v3-signal_chunk ll-v3 EPX_LL_SIGNAL=chunk
       bench ll-v3-signal_block ll-v3 EPX_LL_SIGNAL=block ;;
     diag)  # batch 2: epx-diag (the default's kernels plus two stamps: counts seen, first items ready), if shipped
       [ -x "$B/epx-diag" ] && EB="$B/epx-diag" bench ll-v3-diag ll-v3 ;;
     tests2)  # batch 2: the landed default (chunk) through the Config, with a GEMM beside
       gemm_start
       gt test2-many 22 'LlCuda.ManyCalls*'
-      gt test2-eager 28 'LlCuda.MatchesCpuTwoRanks'
-      gt test2-graphs 20 'LlCuda.GraphsWithDeviceTokenCountTwoRanks'
-      gt test2-errors 12 'LlCuda.ErrorsTwoRanks:LlCuda.TimeoutNamesThePeer'
+      gt test2-eager 28 'LlCuda.MatchesCpuTwoRanks' EPX_LL_SIGNAL=chunk
+      gt test2-graphs 20 'LlCuda.GraphsWithDeviceTokenCountTwoRanks' EPX_LL_SIGNAL=chunk
+      gt test2-errors 12 'LlCuda.ErrorsTwoRanks:LlCuda.TimeoutNamesThePeer' EPX_LL_SIGNAL=chunk
       gemm_stop ;;
     lat)  # LL_LAT="name:VAR=value,VAR=value name2:..." extra ll-v3 rows (batch 2's latency variants)
       for v in ${LL_LAT:-}; do
