@@ -32,7 +32,7 @@
 //     tag differs, so no flag is needed for them), and each message slot's source token t as a 64-bit
 //     word tagged with the call's own number, (n + 1) << 32 | t (a slot carries a message only in
 //     some calls, so its word can be many calls old; one more slot per call and destination is
-//     rewritten round robin, so no word is 2 max_T or more calls old and the 32-bit tag cannot wrap onto it:
+//     rewritten round robin, so no word is more than 2 max_T calls old and the 32-bit tag cannot wrap onto it:
 //     slot_token_word in ll_cuda_kernels.cu); every block releases its flag as with ll.signal = block. The receiver polls the counts (normally there already), computes the slot bases, and
 //     each (message, run) item waits only for the flags of the send blocks that stored its chunk 0
 //     and its run's chunks (source s's item t * nchunks + c runs on block (item / W_s) mod B_s; W_s,

@@ -58,7 +58,7 @@ __device__ __forceinline__ uint32_t count_tag(unsigned long long call) { return 
 /// call, ll_scrub_slot), so unlike the count words a slot's word can be many calls old: a two-valued
 /// tag would let call n - 4's token pass as call n's (seventh session). Accepted only when its high
 /// half equals call n's: a stale word is from a call m < n of the same parity whose word was not
-/// rewritten since, and n - m < 2 max_T < 2^32 because every call rewrites slot ll_scrub_slot(n) (a
+/// rewritten since, and n - m <= 2 max_T < 2^32 because every call rewrites slot ll_scrub_slot(n) (a
 /// token or kLlNoToken), which visits every slot of a parity within max_T calls of that parity.
 constexpr uint32_t kLlNoToken = 0xffffffffu;
 /// (`mask`: LlCommon::debug_token_tag_mask, all ones but in the regression test's self-check.)
