@@ -116,7 +116,7 @@ Attributes (JSON key, environment variable):
       chunks of one row or of one 256/512-element chunk (rank-local, the same results).
   ll_combine_wait (ll.combine_wait, EPX_LL_COMBINE_WAIT): "flag" (default) | "data": ll on CUDA, partial combine:
       the receiver waits for per-block flags, or polls the partial rows themselves; all ranks must agree
-      ("data_fence" | "data_nofence" | "data_cg" | "data_weak": A/B variants of data).
+      ("flag_lane": flag with the seventh session's per-lane fp32 stores, A/B, rank-local).
   ll_warps_per_block (multiple of 4 in [4, 32]), ll_num_blocks (0 = one per SM): ll on CUDA launch shape.
   ht_num_sms (1..132), ht_warps_per_block, ht_combine_mode (0 | 1), ht_chunk_rows (1..4096), ht_fp8_unroll
       (0 | 4 | 7), ht_pdl (0..2): ht on CUDA.

@@ -36,7 +36,7 @@ void for_each_field(C& c, Visit&& v) {
   v(Field{"ll.signal", "EPX_LL_SIGNAL", "", "ll completion signal: block|rank|chunk"}, c.ll_signal);
   v(Field{"ll.expand", "EPX_LL_EXPAND", "", "ll dispatch expansion: expert|message"}, c.ll_expand);
   v(Field{"ll.items", "EPX_LL_ITEMS", "", "ll work items (combine send/receive, dispatch expansion): run|chunk"}, c.ll_items);
-  v(Field{"ll.combine_wait", "EPX_LL_COMBINE_WAIT", "", "ll partial combine, receive signal: data|flag (data_fence|data_nofence|data_cg|data_weak: A/B variants of data; every rank flag or every rank data*)"}, c.ll_combine_wait);
+  v(Field{"ll.combine_wait", "EPX_LL_COMBINE_WAIT", "", "ll partial combine, receive signal: data|flag (flag_lane: flag with the seventh session's per-lane fp32 stores, A/B; every rank flag* or every rank data)"}, c.ll_combine_wait);
   v(Field{"ht.num_sms", "EPX_HT_NUM_SMS", "SMs", "SM budget of HT kernels; 1..132"}, c.ht_num_sms);
   v(Field{"ht.warps_per_block", "EPX_HT_WARPS_PER_BLOCK", "warps", "warps per block of HT kernels; 1..32 (ht on CUDA: 1..16)"}, c.ht_warps_per_block);
   v(Field{"ht.combine_mode", "EPX_HT_COMBINE_MODE", "", "HT combine on CUDA: 0 all sends then all reduces, 1 pipelined (one target per token only)"}, c.ht_combine_mode);
@@ -214,9 +214,9 @@ void Config::validate_fields() const {
               "must be block, rank or chunk");
   require_arg("config", "ll.expand", ll_expand, ll_expand == "expert" || ll_expand == "message", "must be expert or message");
   require_arg("config", "ll.items", ll_items, ll_items == "chunk" || ll_items == "run", "must be chunk or run");
-  require_arg("config", "ll.combine_wait", ll_combine_wait, ll_combine_wait == "flag" || ll_combine_wait == "data" || ll_combine_wait == "data_fence" ||
-                  ll_combine_wait == "data_nofence" || ll_combine_wait == "data_cg" || ll_combine_wait == "data_weak",
-              "must be data, flag, data_fence, data_nofence, data_cg or data_weak");
+  require_arg("config", "ll.combine_wait", ll_combine_wait, ll_combine_wait == "flag" || ll_combine_wait == "data" || ll_combine_wait == "flag_lane",
+              "must be flag, data or flag_lane (data_nofence is now data; data_fence, data_cg and data_weak "
+              "were measured slower and removed, bench/NOTES.md seventh session)");
   require_arg("config", "ht.num_sms", ht_num_sms, ht_num_sms >= 1 && ht_num_sms <= 132, "must be in [1, 132]");
   require_arg("config", "ht.warps_per_block", ht_warps_per_block, ht_warps_per_block >= 1 && ht_warps_per_block <= 32, "must be in [1, 32]");
   require_arg("config", "ht.combine_mode", ht_combine_mode, ht_combine_mode == 0 || ht_combine_mode == 1, "must be 0 or 1");

@@ -102,6 +102,27 @@ TEST(Config, Fp8PrefillModesRemovedAreRefused) {
   }
 }
 
+// ll.combine_wait takes flag and data (and flag_lane, the A/B); data's removed A/B variants (data_fence,
+// data_cg, data_weak: measured slower; data_nofence: now data; bench/NOTES.md) are refused with the reason.
+TEST(Config, LlCombineWaitRemovedVariantsAreRefused) {
+  Config c;
+  for (const char* w : {"flag", "data", "flag_lane"}) {
+    c.ll_combine_wait = w;
+    EXPECT_NO_THROW(c.validate()) << w;
+  }
+  for (const char* w : {"data_fence", "data_nofence", "data_cg", "data_weak", "flag_self", "flags", ""}) {
+    c.ll_combine_wait = w;
+    try {
+      c.validate();
+      FAIL() << w;
+    } catch (const InvalidArgument& e) {
+      const std::string what = e.what();
+      EXPECT_NE(what.find("ll.combine_wait"), std::string::npos) << what;
+      EXPECT_NE(what.find("removed"), std::string::npos) << what;
+    }
+  }
+}
+
 // A JSON document or environment with one bad entry changes nothing: the entries before it are not
 // applied either (nothing already held is lost).
 TEST(Config, FailedJsonOrEnvLeavesTheConfigAsItWas) {

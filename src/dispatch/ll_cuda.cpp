@@ -93,8 +93,7 @@ LlCuda::LlCuda(std::shared_ptr<Group> group, const DispatchConfig& cfg, const Ll
   common_.signal_chunk = launch.signal_chunk && all_message;  // chunk flags need the message expansion; else block flags
   common_.items_run = launch.items_run;
   common_.combine_data = launch.combine_data && layout_.partial();
-  common_.combine_fence = launch.combine_fence;
-  common_.combine_variant = launch.combine_variant;
+  common_.combine_lane = launch.combine_lane;
   common_.debug_block0_delay_ns = launch.debug_block0_delay_ns;
   common_.debug_token_tag_mask = launch.debug_token_tag_mask;
   buffer_ = group_->alloc_symmetric(layout_.total_bytes());
@@ -425,12 +424,12 @@ std::unique_ptr<PrepareFinalize> make_ll_cuda(std::shared_ptr<Group> group, cons
   launch.signal_chunk = config.ll_signal == "chunk";
   launch.expand_message = config.ll_expand == "message";
   launch.items_run = config.ll_items == "run";
-  // ll.combine_wait (bench/NOTES.md, seventh session): data = data_nofence (volatile loads and stores, no
-  // fence: the fastest data variant in every run); data_fence, data_cg, data_weak: the A/B variants.
+  // ll.combine_wait (bench/NOTES.md, seventh and eighth sessions): flag (fp32 partial rows stored as whole
+  // lines), data (volatile loads and stores, no fence), flag_lane (flag with the seventh session's per-lane
+  // stores: the A/B).
   const std::string& wait = config.ll_combine_wait;
-  launch.combine_data = wait != "flag";
-  launch.combine_fence = wait == "data_fence";
-  launch.combine_variant = wait == "data_cg" ? 1 : wait == "data_weak" ? 3 : 0;
+  launch.combine_data = wait == "data";
+  launch.combine_lane = wait == "flag_lane";
   if (const auto* nccl = dynamic_cast<const comm::NcclGroup*>(&comm::root_group(*group))) launch.timeout_s = nccl->timeout_s();
   return make_ll_cuda(std::move(group), cfg, launch);
 }

@@ -110,8 +110,7 @@ struct LlLaunch {
   bool expand_message = true;  ///< Config ll.expand = message (LlCommon::expand_message); every rank must agree
   bool items_run = true;       ///< Config ll.items = run (LlCommon::items_run); rank-local
   bool combine_data = false;   ///< Config ll.combine_wait = data (LlCommon::combine_data); every rank must agree
-  bool combine_fence = false;  ///< data_fence: each warp fences after its rows for a peer (LlCommon::combine_fence); rank-local
-  uint8_t combine_variant = 0; ///< data: weak loads (bit 0) / weak stores (bit 1) (LlCommon::combine_variant); rank-local
+  bool combine_lane = false;   ///< Config ll.combine_wait = flag_lane (LlCommon::combine_lane; A/B); rank-local
   /// Tests only (ll_cuda_test's stale-token regression test): LlCommon::debug_block0_delay_ns (>= 0) and
   /// debug_token_tag_mask; rank-local; the defaults leave the protocol as documented.
   long long debug_block0_delay_ns = 0;

@@ -107,15 +107,6 @@ __device__ __forceinline__ uint4 ldv16(const void* p) {
 __device__ __forceinline__ void stv16(void* p, const uint4& v) {
   asm volatile("st.volatile.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
 }
-// Weak 16-byte load from L2 (not L1): ll.combine_wait = data_cg / data_weak polls with it.
-__device__ __forceinline__ uint4 ldcg16(const void* p) {
-  uint4 v;
-  asm volatile("ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p) : "memory");
-  return v;
-}
-__device__ __forceinline__ void stcg16(void* p, const uint4& v) {
-  asm volatile("st.global.cg.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
-}
 __device__ __forceinline__ bool poisoned(const uint4& v) { return v.x == kLlPoison || v.y == kLlPoison || v.z == kLlPoison || v.w == kLlPoison; }
 /// NaN -> the canonical 0x7fffffff (what the GPU's own arithmetic returns), so no partial word (fp32,
 /// or a pair of bf16 of canonical NaNs, 0x7fff) is ever kLlPoison.
@@ -1081,7 +1072,10 @@ __device__ __forceinline__ void load_partial(const uint8_t* row, int64_t h, floa
 /// chunks) over the capacity R x max_T; a warp loads its message's routing, the source's message
 /// count and the call number in one round trip, then kG local rows x cpr chunks of loads in flight
 /// per round trip, sums them in column order in fp32 (the arithmetic of gather_columns: acc + w_k *
-/// y_k, separate roundings, column order), and stores the run's partial row to the source.
+/// y_k, separate roundings, column order), and stores the run's partial row to the source: fp32 rows
+/// as whole 128-byte lines per warp instruction (the halves of two lanes' 8 elements exchanged by
+/// shuffles; weak stores, or volatile with kData), unless LlCommon::combine_lane (the seventh
+/// session's per-lane 2 x 16-byte stores, A/B: bench/NOTES.md eighth session).
 template <int kG, int kRun, bool kData>
 __device__ __forceinline__ void combine_send_runs(const LlCombineParams& p, int W, int warp, int lane, bool* gave_up) {
   const LlCommon& c = p.c;
@@ -1181,9 +1175,11 @@ __device__ __forceinline__ void combine_send_runs(const LlCombineParams& p, int 
     for (int i = 0; i < kRun; ++i) {
       const int64_t h = hbase + i * 256;
       if (i >= cpr) continue;  // warp-uniform
-      if constexpr (kData) {
+      if (kData || !c.combine_lane) {
+        if constexpr (kData) {
 #pragma unroll
-        for (int e = 0; e < 8; ++e) acc[i][e] = canon_nan(acc[i][e]);
+          for (int e = 0; e < 8; ++e) acc[i][e] = canon_nan(acc[i][e]);
+        }
         if (f32) {
           // Whole lines per instruction (512 contiguous bytes): the chunk's elements [4 lane, +4), then
           // [128 + 4 lane, +4), i.e. half (lane & 1) of lane (lane >> 1)'s eight and of lane 16 + (lane >> 1)'s.
@@ -1201,12 +1197,12 @@ __device__ __forceinline__ void combine_send_runs(const LlCombineParams& p, int 
                                : make_uint4(__float_as_uint(lo[0]), __float_as_uint(lo[1]), __float_as_uint(lo[2]), __float_as_uint(lo[3]));
           const uint4 vb = odd ? make_uint4(__float_as_uint(hi[4]), __float_as_uint(hi[5]), __float_as_uint(hi[6]), __float_as_uint(hi[7]))
                                : make_uint4(__float_as_uint(hi[0]), __float_as_uint(hi[1]), __float_as_uint(hi[2]), __float_as_uint(hi[3]));
-          if (c.combine_variant & 2) {
-            if (ha < H) stcg16(dst + 4 * ha, va);
-            if (hb2 < H) stcg16(dst + 4 * hb2, vb);
-          } else {
+          if constexpr (kData) {
             if (ha < H) stv16(dst + 4 * ha, va);
             if (hb2 < H) stv16(dst + 4 * hb2, vb);
+          } else {
+            if (ha < H) st16(dst + 4 * ha, va);
+            if (hb2 < H) st16(dst + 4 * hb2, vb);
           }
           continue;
         }
@@ -1222,17 +1218,10 @@ __device__ __forceinline__ void combine_send_runs(const LlCombineParams& p, int 
 #pragma unroll
         for (int e = 0; e < 4; ++e)
           o[e] = static_cast<uint32_t>(float_to_bf16_bits(acc[i][2 * e])) | (static_cast<uint32_t>(float_to_bf16_bits(acc[i][2 * e + 1])) << 16);
-        if constexpr (kData) {
-          if (c.combine_variant & 2) stcg16(dst + 2 * h, make_uint4(o[0], o[1], o[2], o[3]));
-          else stv16(dst + 2 * h, make_uint4(o[0], o[1], o[2], o[3]));
-        }
+        if constexpr (kData) stv16(dst + 2 * h, make_uint4(o[0], o[1], o[2], o[3]));
         else st16(dst + 2 * h, make_uint4(o[0], o[1], o[2], o[3]));
       }
     }
-    // ll.combine_wait = data_fence (A/B): rows for a peer pushed out by a system fence (the warp waits for
-    // their acknowledgement). Measured slower (bench/NOTES.md seventh session, batch 2).
-    if constexpr (kData)
-      if (s != rank && c.combine_fence) fence_acq_rel_sys();
     if (stamp0) {
       asm volatile("" ::: "memory");  // after the stores are issued
       trace_at(c, kTrCombStored0);
@@ -1346,7 +1335,6 @@ __device__ __forceinline__ void combine_recv_data(const LlCombineParams& p, int 
   __syncthreads();  // s_call (thread 0 read it at the kernel's start)
   const unsigned long long call = *s_call;
   const int parity = static_cast<int>(call & 1);
-  const bool weak = c.combine_variant & 1;
   trace_at(c, kTrCombWaited0);
   trace_max(c, kTrCombWaitedLast);
   unsigned long long t_wait = 0;  // the warp's first not-ready poll (0: none yet)
@@ -1375,7 +1363,7 @@ __device__ __forceinline__ void combine_recv_data(const LlCombineParams& p, int 
         need[q] = r0 + q < R && ((mask >> (r0 + q)) & 1u) ? live_n : 0u;
 #pragma unroll
         for (int n = 0; n < kN; ++n)
-          if ((need[q] >> n) & 1u) raw[q][n] = weak ? ldcg16(vec_at(r0 + q, n)) : ldv16(vec_at(r0 + q, n));
+          if ((need[q] >> n) & 1u) raw[q][n] = ldv16(vec_at(r0 + q, n));
       }
 #pragma unroll
       for (int q = 0; q < 2; ++q) {
@@ -1399,7 +1387,7 @@ __device__ __forceinline__ void combine_recv_data(const LlCombineParams& p, int 
           const int last = need[q] ? 31 - __clz(need[q]) : 0;
 #pragma unroll
           for (int n = 0; n < kN; ++n)
-            if (((pend[q] >> n) & 1u) && (!none_yet || n == last)) raw[q][n] = weak ? ldcg16(vec_at(r0 + q, n)) : ldv16(vec_at(r0 + q, n));
+            if (((pend[q] >> n) & 1u) && (!none_yet || n == last)) raw[q][n] = ldv16(vec_at(r0 + q, n));
 #pragma unroll
           for (int n = 0; n < kN; ++n)
             if (((pend[q] >> n) & 1u) && !poisoned(raw[q][n])) pend[q] &= ~(1u << n);
@@ -1425,10 +1413,7 @@ __device__ __forceinline__ void combine_recv_data(const LlCombineParams& p, int 
         }
 #pragma unroll
         for (int n = 0; n < kN; ++n)
-          if ((need[q] >> n) & 1u) {
-            if (weak) stcg16(vec_at(r0 + q, n), make_uint4(kLlPoison, kLlPoison, kLlPoison, kLlPoison));
-            else stv16(vec_at(r0 + q, n), make_uint4(kLlPoison, kLlPoison, kLlPoison, kLlPoison));
-          }
+          if ((need[q] >> n) & 1u) stv16(vec_at(r0 + q, n), make_uint4(kLlPoison, kLlPoison, kLlPoison, kLlPoison));
       }
     }
     store_bf16_run<kRun>(p.out + static_cast<int64_t>(t) * H, acc, hbase, cpr, H);

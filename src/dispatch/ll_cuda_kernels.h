@@ -135,10 +135,10 @@ struct LlCommon {
   bool expand_message = false;  ///< sender-ranked slots, (message, chunk) expansion on the receiver
   bool items_run = false;       ///< combine (partial modes): a warp takes a run of chunks of one row (ll.items = run)
   bool combine_data = false;    ///< partial combine: the rows are the signal (ll.combine_wait = data, ll_cuda.h)
-  bool combine_fence = false;   ///< data: a warp fences (system scope) after its rows for a peer (ll.combine_wait = data)
-  /// data: bit 0 the receive polls / reads its rows with weak L2 loads (ld.global.cg) and poisons with
-  /// weak stores instead of volatile (.sys) ones; bit 1 the senders store rows with weak stores.
-  uint8_t combine_variant = 0;
+  /// flag (A/B, ll.combine_wait = flag_lane): the fp32 partial rows stored per lane (2 x 16 bytes of a
+  /// lane's 8 elements, the seventh session's pattern) instead of as whole 128-byte lines per warp
+  /// instruction (the default since the eighth session: bench/NOTES.md).
+  bool combine_lane = false;
 };
 
 struct LlDispatchParams {

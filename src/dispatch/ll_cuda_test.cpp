@@ -894,6 +894,21 @@ TEST(LlCuda, OtherCombineWaitGraphsTwoRanks) {
   ::setenv("EPX_LL_COMBINE_WAIT", before.c_str(), 1);
 }
 
+// ll.combine_wait = flag_lane (LlLaunch::combine_lane, rank-local: the seventh session's per-lane fp32
+// stores, the A/B of the default whole-line stores; bench/NOTES.md eighth session): partial_fp32 eager,
+// three rounds per object (the third through the hooks).
+TEST(LlCuda, CombineFlagLaneStoresTwoRanks) {
+  if (gpus() < 2) GTEST_SKIP() << "needs 2 GPUs, found " << gpus();
+  const Config defaults;
+  dispatch::LlLaunch launch;
+  launch.signal_rank = defaults.ll_signal == "rank";
+  launch.expand_message = defaults.ll_expand == "message";
+  launch.items_run = defaults.ll_items == "run";
+  launch.combine_lane = true;
+  launch.timeout_s = Config::load().timeout_s;
+  run_eager(2, LlCombine::partial_fp32, &launch);
+}
+
 TEST(LlCuda, PartialCombineGraphsTwoRanks) {
   if (gpus() < 2) GTEST_SKIP() << "needs 2 GPUs, found " << gpus();
   run_graphs(2, LlCombine::partial_fp32);

@@ -1,19 +1,18 @@
 #!/usr/bin/env bash
-# tools/device/llcomb-batch.sh: helper "llcomb"'s device batch (seventh session, issue 4: the LL
+# tools/device/llcomb-batch.sh: helper "llcomb"'s device batch (eighth session, issue 4: the LL
 # combine). Run from a copy of /work/main carrying .carry/deps.tar.xz and .carry-llcomb/:
 #   OUT=<dir> timeout -k 5 <allowance ~95 s> bash .carry-llcomb/batch.sh
-# Builds epx + ll_cuda_test (gpu-check.sh, GPU_CHECK_TARGETS; ~35 s there) unless
+# Builds epx + ll_cuda_test (gpu-check.sh, GPU_CHECK_TARGETS; ~35-50 s there) unless
 # .carry-llcomb/prebuilt.tar.xz holds them and they load; then, most important first, each step
-# bounded inside LLC_BUDGET_S (default 92 s):
-#   ll-v3 partial_fp32 with ll.combine_wait = data, data_nofence, flag (the A/B in one run), partial_bf16
-#   data
-#   (every row validated against the CPU reference; stamps and CUPTI kernel time in the logs / JSON),
-#   the new two-rank tests (OtherCombineWaitTwoRanks: the non-default wait, eager fp32 + bf16, graphs;
-#   the data protocol's combine timeout) with LLC_SAN=0, else (default) compute-sanitizer memcheck +
-#   racecheck of the two-rank data-protocol graph test; ll-v4 data.
+# bounded inside LLC_BUDGET_S (default 90 s):
+#   ll-v3 partial_fp32 with ll.combine_wait = flag (+ nccl_a2a_raw beside), flag_item, flag_self_line,
+#   flag_line (the A/B in one run; every row validated against the CPU reference; stamps and CUPTI
+#   kernel time in the logs / JSON), then ll_cuda_test's combine cases (CombineFlagVariantsTwoRanks;
+#   PartialCombineGraphsTwoRanks with EPX_LL_COMBINE_WAIT=flag_item), flag_self, partial_bf16 flag_item,
+#   flag again (the run-to-run spread).
 set -u
 T0=$SECONDS
-BUDGET=${LLC_BUDGET_S:-58}
+BUDGET=${LLC_BUDGET_S:-90}
 OUT=${OUT:-/tmp/llcomb-out}
 mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
 HERE=$(pwd)
@@ -64,37 +63,18 @@ bench() {  # <name> <backends> <case> [VAR=value ...]: one epx bench with those 
 gt() {  # <name> <limit_s> <gtest filter>
   step "$1" "$2" env EPX_TIMEOUT_S=10 "$B/ll_cuda_test" --gtest_filter="$3"
 }
-if [ "${LLC_BATCH:-3}" = 3 ]; then
-  # Batch 3 (60 s): the receive side's loads / the senders' stores, weak (L2) vs volatile (.sys), A/B in one run.
-  bench ll-v3-fp32-cg ll ll-v3 EPX_LL_COMBINE=partial_fp32 EPX_LL_COMBINE_WAIT=data_cg
-  bench ll-v3-fp32-weak ll ll-v3 EPX_LL_COMBINE=partial_fp32 EPX_LL_COMBINE_WAIT=data_weak
-  bench ll-v3-fp32-nofence ll ll-v3 EPX_LL_COMBINE=partial_fp32 EPX_LL_COMBINE_WAIT=data_nofence
-  bench ll-v3-fp32-flag ll ll-v3 EPX_LL_COMBINE=partial_fp32 EPX_LL_COMBINE_WAIT=flag
-  CSAN=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
-  step san-memcheck-bench 30 env EPX_TIMEOUT_S=20 EPX_LL_COMBINE=partial_fp32 EPX_LL_COMBINE_WAIT=data_weak "$CSAN" --target-processes all \
-    --report-api-errors no --error-exitcode 9 --tool memcheck "$E" bench --backend ll --ranks 2 --graph --iters 2 --warmup 1 \
-    --kernel-time off --case ll-v3
-  bench ll-v3-bf16-weak ll ll-v3 EPX_LL_COMBINE=partial_bf16 EPX_LL_COMBINE_WAIT=data_weak
-else
-bench ll-v3-fp32-data ll,nccl_a2a_raw ll-v3 EPX_LL_COMBINE=partial_fp32 EPX_LL_COMBINE_WAIT=data
-bench ll-v3-fp32-nofence ll ll-v3 EPX_LL_COMBINE=partial_fp32 EPX_LL_COMBINE_WAIT=data_nofence
-bench ll-v3-fp32-flag ll ll-v3 EPX_LL_COMBINE=partial_fp32 EPX_LL_COMBINE_WAIT=flag
-bench ll-v3-bf16-data ll ll-v3 EPX_LL_COMBINE=partial_bf16 EPX_LL_COMBINE_WAIT=data
-CSAN=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
-if [ "${LLC_SAN:-1}" = 1 ]; then
-  # OtherCombineWaitGraphsTwoRanks runs the protocol the binary's Config does not default to (data in these
-  # binaries): 7 graph replays of prepare + finalize on 2 ranks, checked against LlCpu.
-  for tool in memcheck racecheck; do
-    step "san-$tool" 40 env EPX_TIMEOUT_S=20 "$CSAN" --target-processes all --report-api-errors no --error-exitcode 9 \
-      --tool "$tool" "$B/ll_cuda_test" --gtest_filter="${LLC_SAN_FILTER:-LlCuda.OtherCombineWaitGraphsTwoRanks}"
-  done
-else
-  gt test-combine-wait 40 'LlCuda.OtherCombineWaitTwoRanks:LlCuda.OtherCombineWaitGraphsTwoRanks'
-  gt test-combine-timeout 12 'LlCuda.CombineWaitDataTimeoutNamesThePeer'
-fi
-bench ll-v4-fp32-data ll ll-v4 EPX_LL_COMBINE=partial_fp32 EPX_LL_COMBINE_WAIT=data
-fi
+# Batch 1 of the eighth session: where the first ~6 us go; the A/B of the flag variants in one run.
+bench ll-v3-fp32-flag ll,nccl_a2a_raw ll-v3 EPX_LL_COMBINE=partial_fp32 EPX_LL_COMBINE_WAIT=flag
+bench ll-v3-fp32-item ll ll-v3 EPX_LL_COMBINE=partial_fp32 EPX_LL_COMBINE_WAIT=flag_item
+bench ll-v3-fp32-self_line ll ll-v3 EPX_LL_COMBINE=partial_fp32 EPX_LL_COMBINE_WAIT=flag_self_line
+bench ll-v3-fp32-line ll ll-v3 EPX_LL_COMBINE=partial_fp32 EPX_LL_COMBINE_WAIT=flag_line
+gt test-flag-variants 40 'LlCuda.CombineFlagVariantsTwoRanks'
+step test-item-graphs 20 env EPX_TIMEOUT_S=10 EPX_LL_COMBINE_WAIT=flag_item "$B/ll_cuda_test" --gtest_filter='LlCuda.PartialCombineGraphsTwoRanks'
+bench ll-v3-fp32-self ll ll-v3 EPX_LL_COMBINE=partial_fp32 EPX_LL_COMBINE_WAIT=flag_self
+bench ll-v3-bf16-item ll ll-v3 EPX_LL_COMBINE=partial_bf16 EPX_LL_COMBINE_WAIT=flag_item
+bench ll-v3-fp32-flag-2 ll ll-v3 EPX_LL_COMBINE=partial_fp32 EPX_LL_COMBINE_WAIT=flag
 echo "== summary ($(( SECONDS - T0 )) s)"
 cat "$OUT/summary.txt"
-for f in "$OUT"/ll-*.log; do echo "-- $f"; grep -E "^ll-v. .* (ll|nccl_a2a_raw)|kernel|ll stamps|combine" "$f" | head -16; done
+for f in "$OUT"/ll-*.log; do echo "-- $f"; grep -E "^ll-v. .* (ll|nccl_a2a_raw)" "$f" | grep -E "combine|nccl" | head -6
+  grep -E "ll stamps, rank ., T per rank \(" "$f" | grep -oE "combine (send items done|warp 0 rows loaded|warp 0 stores issued|flags stored|waited|done|reduce done)[^;]*;" | tr '\n' ' '; echo; done
 for f in "$OUT"/test*.log "$OUT"/san*.log; do [ -f "$f" ] || continue; echo "-- $f"; grep -E "OK \]|FAILED|PASSED|DIFFERS|Failure|timeout after|ERROR SUMMARY|RACECHECK SUMMARY|Timeout" "$f" | head -20; done
