@@ -45,10 +45,11 @@ struct Config {
   /// receiver waits for all, then reduces) | data (the partial rows are the signal: the receiver
   /// re-poisons every row it read with an impossible word and polls the row itself, so each
   /// (token, run) is reduced as soon as its rows land; no release round trip; bench/NOTES.md seventh
-  /// session). All ranks must agree; the same results. flag stays the default: data measured 2 us faster in
-  /// two runs and 0.9 us slower in a third, and slower at T = 1 (bench/NOTES.md). A/B variants of data
-  /// (rank-local among themselves): data_nofence (= data), data_fence (a system fence per warp after its
-  /// peer rows), data_cg (weak L2 loads on the receive), data_weak (weak loads and sender stores).
+  /// session). All ranks must agree (flag_lane counts as flag); the same results. flag stays the default:
+  /// data measured 2 us faster in two runs and 0.9 us slower in a third, and slower at T = 1 (bench/NOTES.md).
+  /// flag stores the fp32 partial rows as whole 128-byte lines per warp instruction (eighth session);
+  /// flag_lane (A/B, rank-local) keeps the seventh session's per-lane stores. data's A/B variants
+  /// (data_nofence, data_fence, data_cg, data_weak) were removed and are refused.
   std::string ll_combine_wait = "flag";
   int ht_num_sms = 64;               ///< SM budget of HT kernels (64: measured, bench/NOTES.md "Fourth session: bandwidth")
   int ht_warps_per_block = 16;       ///< warps per block of HT kernels
