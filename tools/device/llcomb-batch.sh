@@ -5,11 +5,11 @@
 # Builds epx + ll_cuda_test (gpu-check.sh, GPU_CHECK_TARGETS; ~35-50 s there) unless
 # .carry-llcomb/prebuilt.tar.xz holds them and they load; then, most important first, each step
 # bounded inside LLC_BUDGET_S (default 90 s):
-#   ll-v3 partial_fp32 with ll.combine_wait = flag (+ nccl_a2a_raw beside), flag_item, flag_self_line,
-#   flag_line (the A/B in one run; every row validated against the CPU reference; stamps and CUPTI
-#   kernel time in the logs / JSON), then ll_cuda_test's combine cases (CombineFlagVariantsTwoRanks;
-#   PartialCombineGraphsTwoRanks with EPX_LL_COMBINE_WAIT=flag_item), flag_self, partial_bf16 flag_item,
-#   flag again (the run-to-run spread).
+#   ll-v3 partial_fp32 with ll.combine_wait = flag (whole-line stores, + nccl_a2a_raw beside) and flag_lane
+#   (main's per-lane stores), the A/B in one run (every row validated against the CPU reference; stamps and
+#   CUPTI kernel time in the logs / JSON); ll_cuda_test's partial-combine cases (eager fp32 + bf16, graphs),
+#   the flag_lane case, flag again (the spread), data's graph test and bench after the clean-up, ll-v4,
+#   partial_bf16.
 set -u
 T0=$SECONDS
 BUDGET=${LLC_BUDGET_S:-90}
@@ -63,16 +63,17 @@ bench() {  # <name> <backends> <case> [VAR=value ...]: one epx bench with those 
 gt() {  # <name> <limit_s> <gtest filter>
   step "$1" "$2" env EPX_TIMEOUT_S=10 "$B/ll_cuda_test" --gtest_filter="$3"
 }
-# Batch 1 of the eighth session: where the first ~6 us go; the A/B of the flag variants in one run.
+# Batch 2 of the eighth session: the tree to land (flag = whole-line stores) against flag_lane (main's
+# per-lane stores) in one run, its combine tests, data after the clean-up.
 bench ll-v3-fp32-flag ll,nccl_a2a_raw ll-v3 EPX_LL_COMBINE=partial_fp32 EPX_LL_COMBINE_WAIT=flag
-bench ll-v3-fp32-item ll ll-v3 EPX_LL_COMBINE=partial_fp32 EPX_LL_COMBINE_WAIT=flag_item
-bench ll-v3-fp32-self_line ll ll-v3 EPX_LL_COMBINE=partial_fp32 EPX_LL_COMBINE_WAIT=flag_self_line
-bench ll-v3-fp32-line ll ll-v3 EPX_LL_COMBINE=partial_fp32 EPX_LL_COMBINE_WAIT=flag_line
-gt test-flag-variants 40 'LlCuda.CombineFlagVariantsTwoRanks'
-step test-item-graphs 20 env EPX_TIMEOUT_S=10 EPX_LL_COMBINE_WAIT=flag_item "$B/ll_cuda_test" --gtest_filter='LlCuda.PartialCombineGraphsTwoRanks'
-bench ll-v3-fp32-self ll ll-v3 EPX_LL_COMBINE=partial_fp32 EPX_LL_COMBINE_WAIT=flag_self
-bench ll-v3-bf16-item ll ll-v3 EPX_LL_COMBINE=partial_bf16 EPX_LL_COMBINE_WAIT=flag_item
+bench ll-v3-fp32-flag_lane ll ll-v3 EPX_LL_COMBINE=partial_fp32 EPX_LL_COMBINE_WAIT=flag_lane
+gt test-partial 40 'LlCuda.PartialCombineMatchesCpuTwoRanks:LlCuda.PartialCombineGraphsTwoRanks'
+gt test-lane 15 'LlCuda.CombineFlagLaneStoresTwoRanks'
 bench ll-v3-fp32-flag-2 ll ll-v3 EPX_LL_COMBINE=partial_fp32 EPX_LL_COMBINE_WAIT=flag
+gt test-data-graphs 16 'LlCuda.OtherCombineWaitGraphsTwoRanks'
+bench ll-v3-fp32-data ll ll-v3 EPX_LL_COMBINE=partial_fp32 EPX_LL_COMBINE_WAIT=data
+bench ll-v4-fp32-flag ll ll-v4 EPX_LL_COMBINE=partial_fp32 EPX_LL_COMBINE_WAIT=flag
+bench ll-v3-bf16-flag ll ll-v3 EPX_LL_COMBINE=partial_bf16 EPX_LL_COMBINE_WAIT=flag
 echo "== summary ($(( SECONDS - T0 )) s)"
 cat "$OUT/summary.txt"
 for f in "$OUT"/ll-*.log; do echo "-- $f"; grep -E "^ll-v. .* (ll|nccl_a2a_raw)" "$f" | grep -E "combine|nccl" | head -6
