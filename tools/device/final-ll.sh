@@ -34,6 +34,7 @@ run() {  # <name> <combine> <case> [VAR=value ...]
 run ll-v3-final partial_fp32 ll-v3
 run ll-v3-final-signal_block partial_fp32 ll-v3 EPX_LL_SIGNAL=block  # the A/B of the default ll.signal = chunk (eighth session)
 run ll-v3-final-partial_bf16 partial_bf16 ll-v3
+run ll-v3-final-flag_lane partial_fp32 ll-v3 EPX_LL_COMBINE_WAIT=flag_lane  # A/B: the combine's per-lane stores before the eighth session
 run ll-v3-final-wait_data partial_fp32 ll-v3 EPX_LL_COMBINE_WAIT=data
 run ll-v4-final partial_fp32 ll-v4
 run ll-v3-final-column column ll-v3
