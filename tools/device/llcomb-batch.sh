@@ -74,6 +74,7 @@ gt test-data-graphs 16 'LlCuda.OtherCombineWaitGraphsTwoRanks'
 bench ll-v3-fp32-data ll ll-v3 EPX_LL_COMBINE=partial_fp32 EPX_LL_COMBINE_WAIT=data
 bench ll-v4-fp32-flag ll ll-v4 EPX_LL_COMBINE=partial_fp32 EPX_LL_COMBINE_WAIT=flag
 bench ll-v3-bf16-flag ll ll-v3 EPX_LL_COMBINE=partial_bf16 EPX_LL_COMBINE_WAIT=flag
+bench ll-v3-fp32-flag-66blocks ll ll-v3 EPX_LL_COMBINE=partial_fp32 EPX_LL_COMBINE_WAIT=flag EPX_LL_NUM_BLOCKS=66  # SM-issue or link bound?
 echo "== summary ($(( SECONDS - T0 )) s)"
 cat "$OUT/summary.txt"
 for f in "$OUT"/ll-*.log; do echo "-- $f"; grep -E "^ll-v. .* (ll|nccl_a2a_raw)" "$f" | grep -E "combine|nccl" | head -6
