@@ -46,7 +46,9 @@
 //     weights, the expansion records per message its local rows (LlHandle::msg_*), the combine send
 //     sums each message's local rows weighted in column order in fp32 and stores one partial row
 //     (fp32, or bf16 rounded) per (token, rank) at the source, which adds them in rank order (fp32,
-//     one more rounding). Bit-identical to LlCpu in the same mode.
+//     one more rounding). Bit-identical to LlCpu in the same mode. fp32 rows go out as whole 128-byte
+//     lines per warp instruction (two lanes' halves exchanged by shuffles: 2.4 us faster at ll-v3 than
+//     a lane's own 2 x 16 bytes, which ll.combine_wait = flag_lane keeps as the A/B; bench/NOTES.md).
 //   ll.combine_wait = data (LlLaunch::combine_data; partial modes; every rank the same, the same
 //     results): no combine flags. The receiver's partial-row regions hold a poison word
 //     (kLlPoison = 0xffffffff, never a partial's word: the sender canonicalizes NaN) wherever no row
