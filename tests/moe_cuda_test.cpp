@@ -7,6 +7,7 @@
 // skips, naming the reason, while ll has no CUDA implementation. Outputs are NaN-poisoned first.
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <fstream>
@@ -421,6 +422,66 @@ TEST(ModularMoECuda, Int64TopkIdxIsNeverNarrowed) {
       if (calls != (backend == "ll" ? 2 : 1)) failures += backend + " threw in call " + std::to_string(calls) + "; ";
       run_good("after the rejection");
     }
+    g->barrier();
+    cuda_ok(cudaStreamDestroy(stream), "stream destroy");
+    if (!failures.empty()) throw std::runtime_error(failures);
+  });
+  EXPECT_EQ(failed, "");
+}
+
+// ll finds a bad id on the device (no host sync): the selection is dropped and the rank's next prepare
+// threw, while the other ranks' next dispatch waited for it until timeout_s (Timeout, object unusable).
+// The layer now folds the backend's pending device error into its all-gather of T: in the next call
+// every rank throws InvalidArgument (rank 0 naming topk_idx[0, 0] = 999, rank 1 naming rank 0), nothing
+// moves, and the call after it is exact on both ranks.
+TEST(ModularMoECuda, LlBadIdOnOneRankStopsEveryRankAtTheNextCall) {
+  const int n = cuda::device_count();
+  if (n < 2) GTEST_SKIP() << "needs 2 GPUs, found " << n;
+  const std::vector<int64_t> tokens = {5, 4};
+  auto w = weights_for("deepseek-v3-mini");
+  const int K = w->config.router.top_k;
+  const Inputs in = make_inputs(*w, tokens, 93, DType::fp8_e4m3);
+  Tensor bad = Tensor::empty({tokens[0], K}, DType::int32);
+  std::copy_n(in.idx[0].ptr<int32_t>(), tokens[0] * K, bad.ptr<int32_t>());
+  bad.ptr<int32_t>()[0] = 999;
+  const std::string path = test::fresh_dir() + "/uid";
+  const std::string failed = test::run_ranks_forked(2, 120.0, [&](int rank) {
+    auto g = make_nccl_group(path, rank, 2, rank, 10.0);  // a hang shows as Timeout after 10 s, not 60
+    cuda_ok(cudaSetDevice(rank), "cudaSetDevice");
+    cudaStream_t stream;
+    cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
+    const Device dev = g->device();
+    const int64_t H = w->config.hidden, T = tokens[static_cast<size_t>(rank)];
+    const Tensor x = in.x[rank].to(dev), idx = in.idx[rank].to(dev), wts = in.wts[rank].to(dev);
+    const Tensor idx_bad = rank == 0 ? bad.to(dev) : idx;
+    DispatchConfig dc;
+    dc.num_max_dispatch_tokens_per_rank = 16;
+    dc.dispatch_dtype = DType::fp8_e4m3;
+    std::string failures;
+    ModularMoE layer(w, g, "ll", dc, Config{});
+    Tensor out = Tensor::empty({T, H}, DType::bf16, dev);
+    layer.forward_routed(x, idx_bad, wts, out, Stream{stream});  // ll: no throw here
+    cuda_ok(cudaStreamSynchronize(stream), "sync");
+    std::string error;
+    const auto t0 = std::chrono::steady_clock::now();
+    try {
+      layer.forward_routed(x, idx, wts, out, Stream{stream});
+      cuda_ok(cudaStreamSynchronize(stream), "sync");
+    } catch (const Error& e) {
+      error = std::string(dynamic_cast<const InvalidArgument*>(&e) ? "InvalidArgument: " : "other: ") + e.what();
+    }
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    const std::string want = rank == 0 ? "topk_idx[0, 0] = 999" : "rank 0 rejected its arguments";
+    if (error.rfind("InvalidArgument: ", 0) != 0 || error.find(want) == std::string::npos || s > 5.0)
+      failures += "rank " + std::to_string(rank) + " call 2: want InvalidArgument naming '" + want + "' at once, got '" + error +
+                  "' after " + std::to_string(s) + " s; ";
+    std::printf("rank %d, call 2 (%.3f s): %s\n", rank, s, error.c_str());
+    test::poison_device(out.data(), static_cast<size_t>(out.nbytes()), "poison");
+    layer.forward_routed(x, idx, wts, out, Stream{stream});
+    cuda_ok(cudaStreamSynchronize(stream), "sync");
+    const double e = rel_l2_rows(out, in.reference, in.offset[rank], T);
+    if (!(e <= kTol)) failures += "rank " + std::to_string(rank) + " call 3: rel L2 " + std::to_string(e) + "; ";
+    if (rank == 0) std::printf("call 3: rank 0 rel L2 %.2e\n", e);
     g->barrier();
     cuda_ok(cudaStreamDestroy(stream), "stream destroy");
     if (!failures.empty()) throw std::runtime_error(failures);

@@ -159,8 +159,8 @@ class ModularMoE {
   /// An id other than -1 or [0, E) throws InvalidArgument naming topk_idx[t, k], its value and the rule: on
   /// the CPU before anything moves; on CUDA from the backend's check on the device, which sees the ids
   /// as given (int64 is never narrowed), so on every rank for all2allv / ht / naive / allgather_reducescatter,
-  /// and for ll (no host sync) by the next call of the rank that holds it, that selection dropped (dispatch.h;
-  /// the other ranks' next call then waits until timeout_s). With DP chunking,
+  /// and for ll (no host sync) by the next forward call, on every rank (PrepareFinalize::take_device_error is
+  /// folded into the layer's all-gather of T), that selection dropped (dispatch.h). With DP chunking,
   /// t counts from the chunk's first row.
   void forward_routed(const TensorView& x, const TensorView& topk_idx, const TensorView& topk_weights,
                       const TensorView& out, Stream stream = {});

@@ -193,6 +193,16 @@ void LlCuda::throw_reported(bool argument_errors) {
                         std::string(" (read on the device; that selection was dropped)"));
 }
 
+std::optional<std::string> LlCuda::take_device_error() {
+  cuda::DeviceGuard guard(group_->device().index);
+  try {
+    throw_reported(true);  // a timeout still throws: this object is broken then
+  } catch (const InvalidArgument& e) {
+    return std::string(e.what());
+  }
+  return std::nullopt;
+}
+
 void LlCuda::check(Stream stream) {
   cuda::DeviceGuard guard(group_->device().index);
   EPX_CUDA_CHECK(cudaStreamSynchronize(cuda::native(stream)));

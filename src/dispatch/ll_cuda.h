@@ -151,6 +151,8 @@ class LlCuda final : public PrepareFinalizeBase {
   /// Waits for the work queued on `stream`, then throws what a kernel reported (Timeout naming the
   /// peer and operation, InvalidArgument for a bad device-side num_tokens or topk id).
   void check(Stream stream);
+  /// PrepareFinalize::take_device_error: the argument error a kernel reported (cleared), without a sync.
+  std::optional<std::string> take_device_error() override;
 
   /// Where each slot came from (the last prepare; device tensors).
   const LlHandle& handle() const { return handle_; }

@@ -464,6 +464,9 @@ void ModularMoE::forward_routed(const TensorView& x, const TensorView& topk_idx,
                                     : std::string()));
     check_routing_on(m.device, kFwdOp, topk_idx, topk_weights, T, m.num_experts);
     check_rows(kFwdOp, "out", out, T, H, m.device);
+    // A bad id of an earlier call that the backend found on the device (ll: no host sync) stops every
+    // rank here, through the all-gather below, instead of this rank's next prepare alone.
+    if (auto e = m.prepare_finalize->take_device_error()) throw InvalidArgument(*e);
   } catch (const InvalidArgument& e) {
     local_error = e.what();
   }
