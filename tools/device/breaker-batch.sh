@@ -12,8 +12,9 @@
 #   *-prefix              those two tests against the library before the fixes: expected to FAIL
 #   dispatch_cuda_test    its poisons now wait
 #   group_nccl_cuda_test  its uploads now wait
-# batch 2: ll_cuda_test (MatchesCpuOneRank, ErrorsTwoRanks, GraphsWithDeviceTokenCountOneRank), ht_cuda_test
-#   (LateRankIsNotOverrun, TakesTheCallersConfig) and the quick experts_cuda_test cases
+# batch 2: moe_cuda_test LlBadIdOnOneRankStopsEveryRankAtTheNextCall + Int64 (and the first against the layer
+#   without the fold: must fail), ll_cuda_test (ErrorsTwoRanks, MatchesCpuOneRank, GraphsWithDeviceTokenCountOneRank),
+#   ht_cuda_test (LateRankIsNotOverrun, TakesTheCallersConfig) and the quick experts_cuda_test cases
 set -uo pipefail
 OUT="${OUT:-/tmp/breaker-out}"
 BUDGET="${BUDGET:-64}"
@@ -73,11 +74,15 @@ if [ "${PLAN:-2}" = 1 ]; then  # batch 1 (bench/results/h200x2/breaker-s8-batch1
   one dispatch 20 dispatch_cuda_test
   one moe-rest 18 moe_cuda_test --gtest_filter='-*Int64*'
   one group-nccl 30 group_nccl_cuda_test
-else  # batch 2: the ll / ht / experts tests whose poisons and uploads now wait (not GPU-run in batch 1)
-  one ll-one-rank 20 ll_cuda_test --gtest_filter='LlCuda.MatchesCpuOneRank'
+else  # batch 2: ll's device-found bad id through the layer; the ll / ht / experts tests whose poisons and uploads now wait
+  one moe-llbad-int64 20 moe_cuda_test --gtest_filter='*LlBadId*:*Int64*'
   one ll-errors 10 ll_cuda_test --gtest_filter='LlCuda.ErrorsTwoRanks'
+  one ll-one-rank 20 ll_cuda_test --gtest_filter='LlCuda.MatchesCpuOneRank'
   one ht-late-config 14 ht_cuda_test --gtest_filter='HtCuda.LateRankIsNotOverrun:HtCuda.TakesTheCallersConfig'
   one experts-quick 8 experts_cuda_test --gtest_filter='*RejectsBadArguments*:*BadDeviceIndices*:*GraphCapture*'
+  # LlBadIdOnOneRankStopsEveryRankAtTheNextCall against the layer without the fold: must FAIL (rank 1 waits
+  # until the group's timeout_s = 10 s and gets Timeout).
+  one moe-llbad-prefix 30 moe_cuda_test-prefix --gtest_filter='*LlBadId*'
   one ll-graphs-one-rank 20 ll_cuda_test --gtest_filter='LlCuda.GraphsWithDeviceTokenCountOneRank'
 fi
 echo "== summary ($((SECONDS - T0)) s)"
