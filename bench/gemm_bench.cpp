@@ -21,6 +21,11 @@
 // (--prefill-only: the ceilings, the prefill rows of the default kernels and the cuBLASLt prefill loop
 // alone; --prefill-modes: rows epx-wgmma-mode<M> for each listed EPX_EXPERTS_FP8_PREFILL value on
 // both prefill layouts, instead of --prefill-variants' fixed list)
+// (--stamps F,F,...: after the ExpertMajor prefill row, the stamped mode-17 kernels
+// (set_fp8_prefill_debug, experts_fp8_cuda.h) once per listed ablation flag set (0 = none; kPfDbg*:
+// 1 no loads, 4 no promotions, 8 no weight-tile loads): their time (p50 of --iters) and
+// the per-phase clock stamps of the K loop per warpgroup (medians over CTAs and a window of K blocks),
+// as rows prefill-v3-stamps; --no-flat skips the Flat prefill case)
 // (--prefill-variants: also the prefill kernels with early scales / release and bulk-copy stores,
 // EPX_EXPERTS_FP8_PREFILL=16 (the default 1 = 17), 16 with wgmma's A in registers (=17), the TMA loads (=10) and their 2-CTA clusters (=11,
 // ExpertMajor only); the variants removed in the seventh session (2-7, 9, 12-15) and the ring depths
@@ -49,6 +54,7 @@
 #include "epx/experts.h"
 #include "epx/quant.h"
 #include "epx/tensor.h"
+#include "experts/experts_fp8_cuda.h"
 
 namespace {
 
@@ -134,12 +140,119 @@ struct LtGemm {
 
 }  // namespace
 
+/// Median and mean of v (0 when empty).
+static json med_mean(std::vector<double> v) {
+  if (v.empty()) return {{"median", 0}, {"mean", 0}, {"n", 0}};
+  std::sort(v.begin(), v.end());
+  double sum = 0;
+  for (double x : v) sum += x;
+  return {{"median", v[v.size() / 2]}, {"mean", sum / static_cast<double>(v.size())}, {"n", v.size()}};
+}
+
+/// The stamps of GEMM g (0 gate_up, 1 down) in the debug buffer b (experts_fp8_cuda.h,
+/// set_fp8_prefill_debug): per phase of the K loop the clock cycles (median, mean) over the CTAs and
+/// the recorded window, per role; the wait for a stage's load; the CTAs' span and the SM clock.
+/// `line` gets a one-line summary.
+static json analyze_stamps(const std::vector<uint32_t>& b, int g, std::string& line) {
+  using namespace epx::experts_cuda;
+  static const char* kCons[kPfDbgStamps] = {"", "full_wait", "scales_ldmatrix", "issue0", "wait0", "promote0",
+                                            "issue1", "wait1", "release", "promote1"};
+  std::vector<double> ph[3][kPfDbgStamps + 1];  // [role][phase]; phase kPfDbgStamps = the K block's period
+  std::vector<double> load_lat, lockstep, epi, item_len, busy_ns, ghz, cta_end;
+  double t_min = 1e30, t_max = 0;
+  int ctas = 0;
+  double kblocks = 0, items = 0;
+  for (int c = 0; c < kPfDbgCtas; ++c) {
+    const uint32_t* d = b.data() + (static_cast<size_t>(g) * kPfDbgCtas + c) * kPfDbgCtaWords;
+    if (d[7] == 0) continue;  // no item ran here
+    ++ctas;
+    kblocks += d[6], items += d[7];
+    const double t0 = static_cast<double>(d[0] | (uint64_t{d[1]} << 32)), tc = static_cast<double>(d[2] | (uint64_t{d[3]} << 32));
+    t_min = std::min(t_min, t0), t_max = std::max(t_max, tc);
+    busy_ns.push_back(tc - t0);
+    cta_end.push_back(tc);
+    if (tc > t0) ghz.push_back(static_cast<double>(static_cast<uint32_t>(d[9] - d[8])) / (tc - t0));
+    auto rec = [&](int role, int j) { return d + kPfDbgHeader + (role * kPfDbgWin + j) * kPfDbgStamps; };
+    for (int role = 0; role < 3; ++role) {
+      const int last = role == 0 ? 2 : 9;
+      for (int j = 0; j < kPfDbgWin; ++j) {
+        const uint32_t* r = rec(role, j);
+        if (r[0] == 0 && r[last] == 0) continue;
+        for (int i = 1; i <= last; ++i) ph[role][i].push_back(static_cast<double>(static_cast<uint32_t>(r[i] - r[i - 1])));
+        if (j + 1 < kPfDbgWin) {
+          const uint32_t* n = rec(role, j + 1);
+          const double gap = static_cast<uint32_t>(n[0] - r[last]);
+          // across an item boundary the epilogue lies in between: not a K-loop period
+          if ((n[0] != 0 || n[last] != 0) && gap < 1500) ph[role][kPfDbgStamps].push_back(static_cast<uint32_t>(n[0] - r[0]));
+        }
+      }
+    }
+    for (int j = 0; j < kPfDbgWin; ++j) {
+      const uint32_t *pr = rec(0, j), *c0 = rec(1, j), *c1 = rec(2, j);
+      if (pr[2] == 0 || c0[1] == 0) continue;
+      // the consumer was already waiting when the stage's copies were issued: from the issue to
+      // the stage's `full` completion = the load's latency
+      if (static_cast<int32_t>(pr[2] - c0[0]) > 0) load_lat.push_back(static_cast<int32_t>(c0[1] - pr[2]));
+      if (c1[3] != 0) lockstep.push_back(std::abs(static_cast<double>(static_cast<int32_t>(c0[3] - c1[3]))));
+    }
+    const uint32_t* it = d + kPfDbgHeader + 3 * kPfDbgWin * kPfDbgStamps;
+    for (int i = 0; i < kPfDbgItems && i < static_cast<int>(d[7]); ++i) {
+      epi.push_back(static_cast<uint32_t>(it[3 * i + 2] - it[3 * i + 1]));
+      item_len.push_back(static_cast<uint32_t>(it[3 * i + 2] - it[3 * i]));
+    }
+  }
+  json j = {{"gemm", g == 0 ? "gate_up" : "down"}, {"ctas", ctas}, {"kblocks_per_cta", ctas ? kblocks / ctas : 0},
+            {"items_per_cta", ctas ? items / ctas : 0}};
+  json roles = json::object();
+  for (int role = 0; role < 3; ++role) {
+    json r = json::object();
+    if (role == 0) {
+      r["empty_wait"] = med_mean(ph[0][1]);
+      r["issue_copies"] = med_mean(ph[0][2]);
+    } else {
+      for (int i = 1; i < kPfDbgStamps; ++i) r[kCons[i]] = med_mean(ph[role][i]);
+    }
+    r["kblock_period"] = med_mean(ph[role][kPfDbgStamps]);
+    roles[role == 0 ? "producer_warp0" : role == 1 ? "consumer_wg0_warp0" : "consumer_wg1_warp0"] = r;
+  }
+  j["cycles"] = roles;
+  j["load_latency_issue_to_full"] = med_mean(load_lat);
+  j["wg_issue0_offset"] = med_mean(lockstep);
+  j["epilogue"] = med_mean(epi);
+  j["item"] = med_mean(item_len);
+  const json clk = med_mean(ghz);
+  j["sm_clock_ghz"] = clk;
+  const json busy = med_mean(busy_ns);
+  const double span = t_max - t_min;
+  j["span_ns"] = span;
+  j["cta_busy_ns"] = busy;
+  j["cta_busy_over_span"] = span > 0 ? busy["mean"].get<double>() / span : 0;
+  std::sort(cta_end.begin(), cta_end.end());
+  j["cta_end_p10_p50_p100_ns_after_first_start"] = cta_end.empty() ? json::array() : json::array({
+      cta_end[cta_end.size() / 10] - t_min, cta_end[cta_end.size() / 2] - t_min, cta_end.back() - t_min});
+  char buf[1024];
+  auto m = [&](int role, int i) { return ph[role][i].empty() ? 0.0 : roles[role == 1 ? "consumer_wg0_warp0" : "consumer_wg1_warp0"][kCons[i]]["median"].get<double>(); };
+  std::snprintf(buf, sizeof buf,
+                "%-7s %d CTAs, K-block period %.0f / %.0f clk (wg0 / wg1 median); wg0 full_wait %.0f pre %.0f issue0 %.0f wait0 %.0f "
+                "promote0 %.0f issue1 %.0f wait1 %.0f release %.0f promote1 %.0f; producer empty_wait %.0f issue %.0f; "
+                "load latency %.0f; wg offset %.0f; epilogue %.0f; clock %.2f GHz; span %.0f us, busy/span %.3f",
+                g == 0 ? "gate_up" : "down", ctas, roles["consumer_wg0_warp0"]["kblock_period"]["median"].get<double>(),
+                roles["consumer_wg1_warp0"]["kblock_period"]["median"].get<double>(), m(1, 1), m(1, 2), m(1, 3), m(1, 4), m(1, 5),
+                m(1, 6), m(1, 7), m(1, 8), m(1, 9), roles["producer_warp0"]["empty_wait"]["median"].get<double>(),
+                roles["producer_warp0"]["issue_copies"]["median"].get<double>(), j["load_latency_issue_to_full"]["median"].get<double>(),
+                j["wg_issue0_offset"]["median"].get<double>(), j["epilogue"]["median"].get<double>(), clk["median"].get<double>(),
+                span / 1e3, j["cta_busy_over_span"].get<double>());
+  line = buf;
+  return j;
+}
+
 int main(int argc, char** argv) {
   std::setvbuf(stdout, nullptr, _IOLBF, 0);  // a run cut by a timeout keeps the rows it printed
   std::string json_path;
   int iters = 20, L = 128;
-  bool do_simt = true, do_cublas = true, do_variants = false, prefill_only = false;
+  bool do_simt = true, do_cublas = true, do_variants = false, prefill_only = false, do_flat = true;
   std::vector<std::string> modes;
+  std::vector<uint32_t> stamp_flags;
   std::string command = "epx-gemm-bench";
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -151,6 +264,16 @@ int main(int argc, char** argv) {
     else if (a == "--no-cublas") do_cublas = false;
     else if (a == "--prefill-variants") do_variants = true;
     else if (a == "--prefill-only") prefill_only = true;
+    else if (a == "--no-flat") do_flat = false;
+    else if (a == "--stamps" && i + 1 < argc) {
+      const std::string list = argv[++i];
+      command += " " + list;
+      for (size_t b = 0; b <= list.size();) {
+        const size_t e = std::min(list.find(',', b), list.size());
+        if (e > b) stamp_flags.push_back(static_cast<uint32_t>(std::stoul(list.substr(b, e - b))));
+        b = e + 1;
+      }
+    }
     else if (a == "--prefill-modes" && i + 1 < argc) {
       const std::string list = argv[++i];
       command += " " + list;
@@ -162,7 +285,7 @@ int main(int argc, char** argv) {
     }
     else {
       std::fprintf(stderr, "usage: epx-gemm-bench [--json PATH] [--iters N] [--experts L] [--no-simt] [--no-cublas] [--prefill-variants] "
-                           "[--prefill-only] [--prefill-modes M,M,...]\n");
+                           "[--prefill-only] [--prefill-modes M,M,...] [--stamps F,F,...] [--no-flat]\n");
       return 1;
     }
   }
@@ -345,7 +468,7 @@ int main(int argc, char** argv) {
   }
 
   // ---- prefill: Flat, 4096 tokens top-8 over the L experts, 256 rows per expert ----
-  {
+  if (do_flat) {
     const int64_t T = 4096, K = 8, m = T * K / L;
     std::vector<uint8_t> q;
     std::vector<float> s;
@@ -425,6 +548,40 @@ int main(int argc, char** argv) {
       add_row("prefill-v3", "epx-simt", "expert_major", cap, s2, false, false, 0, "");
     }
     add_row("prefill-v3", "epx-wgmma", "expert_major", cap, st, false, simt != nullptr, err, "validated against epx-simt");
+    if (!stamp_flags.empty()) {
+      // The stamped mode-17 kernels (results checked against the default output for flags 0), then
+      // each ablation; one analysed call per flag set after the timed ones.
+      setenv("EPX_EXPERTS_FP8_PREFILL", "17", 1);
+      auto t17 = make_experts_cuda(experts, 0);
+      unsetenv("EPX_EXPERTS_FP8_PREFILL");
+      uint32_t* dbg = nullptr;
+      CK(cudaMalloc(&dbg, sizeof(uint32_t) * experts_cuda::kPfDbgWords));
+      std::vector<uint32_t> hb(experts_cuda::kPfDbgWords);
+      for (uint32_t f : stamp_flags) {
+        experts_cuda::set_fp8_prefill_debug(dbg, f);
+        CK(cudaMemset(out2.data(), 0xFF, out2.nbytes()));
+        const Stats ss = time_us(stream, iters, [&] { t17->apply(in, out2, Stream{stream}); });
+        CK(cudaMemsetAsync(dbg, 0, sizeof(uint32_t) * experts_cuda::kPfDbgWords, stream));
+        t17->apply(in, out2, Stream{stream});
+        CK(cudaStreamSynchronize(stream));
+        experts_cuda::set_fp8_prefill_debug(nullptr, 0);
+        CK(cudaMemcpy(hb.data(), dbg, sizeof(uint32_t) * hb.size(), cudaMemcpyDeviceToHost));
+        const double e = rel_l2(host_bf16(out2), host_bf16(out), {{0, L * cap}});
+        const std::string name = "epx-wgmma-mode17-stamped-flags" + std::to_string(f);
+        add_row("prefill-v3-stamps", name, "expert_major", cap, ss, false, f == 0, e,
+                "set_fp8_prefill_debug flags " + std::to_string(f) +
+                    " (1 no loads, 4 no promotions, 8 no weight-tile loads; results wrong unless 0); max_rel_error against epx-wgmma");
+        json sj = json::array();
+        for (int g = 0; g < 2; ++g) {
+          std::string line;
+          sj.push_back(analyze_stamps(hb, g, line));
+          std::printf("stamps flags %u %s\n", f, line.c_str());
+        }
+        rows.back()["stamps"] = sj;
+        write_json();
+      }
+      CK(cudaFree(dbg));
+    }
     mode_rows(in, out, "expert_major", cap);
     if (tc64) {
       Tensor out4 = Tensor::empty({L, cap, kH}, DType::bf16, Device::cuda(0));

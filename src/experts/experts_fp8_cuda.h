@@ -58,7 +58,34 @@ struct Fp8GemmParams {
   /// before the last promotion) and bulk-copy epilogue stores (Config::experts_fp8_prefill 16); 2 = 1
   /// with wgmma's A (the tokens) in registers (17); same bits as 0.
   int32_t prefill_fast;
+  /// Debug only (set_fp8_prefill_debug; null / 0 in the library's launches): the stamped kernels'
+  /// buffer and ablation flags, filled in by the launch functions.
+  uint32_t* debug;
+  uint32_t debug_flags;
 };
+
+/// Debug instrumentation of the cp.async prefill kernels of Config::experts_fp8_prefill 17 (the
+/// bench's --stamps; never set by the library). While a buffer is set, launch_fp8_prefill_gate_up
+/// / _down with p.prefill_fast == 2 run a stamped instance of the same kernel: per CTA
+/// (< kPfDbgCtas) and GEMM g (0 gate_up, 1 down), at word g * kPfDbgCtas * kPfDbgCtaWords +
+/// cta * kPfDbgCtaWords of the buffer (uint32 words, device memory of kPfDbgWords words):
+///   header [kPfDbgHeader]: 0/1 %globaltimer (ns, lo/hi) at the CTA's start, 2/3 at the consumers'
+///     end (after the last bulk copy completed), 4/5 at the producer's end, 6 K blocks and 7 items
+///     the consumers ran, 8 %clock at the start, 9 %clock at the consumers' end, 10 %smid;
+///   trace [3 roles][kPfDbgWin K blocks][kPfDbgStamps]: %clock at the phase boundaries of this CTA's
+///     K blocks kPfDbgWin0 .. kPfDbgWin0 + kPfDbgWin - 1 (counted over its whole walk), role 0 the
+///     producer's warp 0 (0 before the wait on `empty`, 1 after it, 2 after the stage's copies are
+///     issued and the `full` arrive), roles 1 / 2 warp 0 of consumer warpgroup 0 / 1 (0 before the
+///     wait on `full`, 1 after it, then kblock's boundaries 2-9, experts_fp8_prefill.cuh);
+///   items [kPfDbgItems][3]: consumer warp 0's %clock at item i's start, its epilogue's start and end.
+/// flags (kPfDbg*) ablate a phase for timing (wrong results). Process-wide; not thread-safe.
+constexpr uint32_t kPfDbgNoLoads = 1;    ///< the producer copies nothing (operands stay stale)
+constexpr uint32_t kPfDbgNoPromote = 4;  ///< the consumers skip the promotions
+constexpr uint32_t kPfDbgNoWeights = 8;  ///< the producer copies the tokens and scales, not the weight tile
+constexpr int kPfDbgCtas = 160, kPfDbgWin0 = 128, kPfDbgWin = 128, kPfDbgStamps = 10, kPfDbgItems = 64, kPfDbgHeader = 16;
+constexpr int kPfDbgCtaWords = kPfDbgHeader + 3 * kPfDbgWin * kPfDbgStamps + 3 * kPfDbgItems;
+constexpr int kPfDbgWords = 2 * kPfDbgCtas * kPfDbgCtaWords;
+void set_fp8_prefill_debug(uint32_t* buffer, uint32_t flags);
 
 /// One CUtensorMap (cuda.h), opaque here: 128 bytes, 128-byte aligned.
 struct alignas(128) Fp8TmaMap {

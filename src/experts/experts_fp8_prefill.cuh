@@ -67,6 +67,40 @@ struct Who {
   }
 };
 
+/// clock (32-bit SM cycle counter; volatile with a memory clobber, so it keeps its place among the
+/// other asm statements and memory accesses).
+__device__ __forceinline__ uint32_t clock32() {
+  uint32_t t;
+  asm volatile("mov.u32 %0, %%clock;\n" : "=r"(t)::"memory");
+  return t;
+}
+__device__ __forceinline__ uint64_t globaltimer() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t)::"memory");
+  return t;
+}
+
+/// The debug stamps of the stamped prefill kernels (set_fp8_prefill_debug, experts_fp8_cuda.h;
+/// the bench's --stamps): Stamps<false> compiles to nothing (the library's kernels). Stamps<true>
+/// writes the clock at phase boundary i of the current K block to rec[i] (rec: this warp's words
+/// of the K block in the debug buffer, null when the block is outside the recorded window or the
+/// thread is not the recording lane) and carries the ablation flags (kPfDbg*).
+template <bool kOn>
+struct Stamps {
+  __device__ __forceinline__ void at(int) const {}
+  __device__ __forceinline__ bool no_promote() const { return false; }
+};
+template <>
+struct Stamps<true> {
+  uint32_t* rec = nullptr;
+  uint32_t flags = 0;
+  __device__ __forceinline__ void at(int i) const {
+    const uint32_t t = clock32();
+    if (rec != nullptr) rec[i] = t;
+  }
+  __device__ __forceinline__ bool no_promote() const { return (flags & kPfDbgNoPromote) != 0; }
+};
+
 /// One K block of this consumer warpgroup: the stage's weight tile at a_s (256 rows), token tile
 /// at b_s (128 rows), scales sc (4 weight sub-tile scales, then 128 token scales). Two batches of
 /// 4 m64n128k32 wgmmas into `tmp` (A: the warpgroup's 64 tokens; B: 128 weight rows, batch 0 the
@@ -80,9 +114,12 @@ struct Who {
 /// (ldmatrix, 16 registers) and both batches read it from there, so the wgmmas read only B from
 /// shared memory (32 instead of 48 KiB per warpgroup and block). Same products, same promotions:
 /// same bits.
-template <bool kEarly, bool kRs = false, class Release>
+/// Stamped (kDbg, Stamps<true>): boundaries 2 (scales read, A loads issued), 3 / 6 (batch 0 / 1
+/// committed), 4 / 7 (waited for), 8 (released), 5 / 9 (promoted); an ablation flag may skip the
+/// promotions (timing only: wrong results).
+template <bool kEarly, bool kRs = false, bool kDbg = false, class Release>
 __device__ __forceinline__ void kblock(const Who& w, uint32_t a_s, uint32_t b_s, const float* sc, float (&acc)[2][kFrag],
-                                       float (&tmp)[kFrag], Release release) {
+                                       float (&tmp)[kFrag], Release release, const Stamps<kDbg>& st = Stamps<kDbg>{}) {
   using namespace wg;
   const int r = w.cwg * 64 + 16 * w.warp_in_wg + (w.lane >> 2);  // tokens r (i & 2 == 0), r + 8
   float sp[2][2];  // [weight block][token]: w_scale * x_scale
@@ -99,6 +136,7 @@ __device__ __forceinline__ void kblock(const Who& w, uint32_t a_s, uint32_t b_s,
 #pragma unroll
     for (int k = 0; k < kBK / 32; ++k) ldmatrix_x4(afr[k], b_s + swz(row, 2 * k + (m >> 1)));
   }
+  st.at(2);
 #pragma unroll
   for (int sub = 0; sub < 2; ++sub) {
     const uint64_t db = smem_desc(a_s + 2 * sub * kSub);
@@ -109,18 +147,30 @@ __device__ __forceinline__ void kblock(const Who& w, uint32_t a_s, uint32_t b_s,
       else Wgmma<kBN>::mma(tmp, da + 2 * k, db + 2 * k, k);
     }
     wgmma_commit();
+    st.at(3 + 3 * sub);
     wgmma_wait<0>();
 #pragma unroll
     for (int i = 0; i < kFrag; ++i) fence_operand(tmp[i]);
+    st.at(4 + 3 * sub);
     if constexpr (kEarly) {
-      if (sub == 1) release();
+      if (sub == 1) {
+        release();
+        st.at(8);
+      }
     } else {
       // Weight sub-tiles 2 sub and 2 sub + 1 share one 128 x 128 scale block (col0 % 128 == 0).
       const float wsc = sc[2 * sub];
       sp[sub][0] = wsc * sc[4 + r], sp[sub][1] = wsc * sc[4 + r + 8];
     }
+    if (!st.no_promote()) {
 #pragma unroll
-    for (int i = 0; i < kFrag; ++i) acc[sub][i] = fmaf(tmp[i], (i & 2) ? sp[sub][1] : sp[sub][0], acc[sub][i]);
+      for (int i = 0; i < kFrag; ++i) acc[sub][i] = fmaf(tmp[i], (i & 2) ? sp[sub][1] : sp[sub][0], acc[sub][i]);
+    }
+    if constexpr (kDbg) {
+#pragma unroll
+      for (int i = 0; i < kFrag; ++i) fence_operand(acc[sub][i]);  // the promotion is issued before the stamp
+    }
+    st.at(sub == 0 ? 5 : 9);
   }
 }
 

@@ -55,7 +55,22 @@ __device__ __forceinline__ bool resolve(const Fp8GemmParams& p, int32_t tile0, i
 /// consecutive lanes read one row's 128 contiguous bytes (a thread per row would split every
 /// 32-byte sector between two instructions: twice the L2 -> SM traffic, measured slower than the
 /// 64-row kernels).
+/// This CTA's words of the debug buffer (kDbg: set_fp8_prefill_debug), or null.
 template <bool kGateUp>
+__device__ __forceinline__ uint32_t* dbg_cta(const Fp8GemmParams& p) {
+  return p.debug != nullptr && blockIdx.x < kPfDbgCtas
+             ? p.debug + (static_cast<int64_t>(kGateUp ? 0 : 1) * kPfDbgCtas + blockIdx.x) * kPfDbgCtaWords
+             : nullptr;
+}
+/// Role `role`'s stamp words of K block `kb_seen` (counted over the CTA's walk), or null outside
+/// the window or for a thread other than lane 0 of the role's warp 0.
+__device__ __forceinline__ uint32_t* dbg_rec(uint32_t* cta, int role, int64_t kb_seen, bool recorder) {
+  const int64_t j = kb_seen - kPfDbgWin0;
+  if (cta == nullptr || !recorder || j < 0 || j >= kPfDbgWin) return nullptr;
+  return cta + kPfDbgHeader + (role * kPfDbgWin + j) * kPfDbgStamps;
+}
+
+template <bool kGateUp, bool kDbg>
 __device__ __forceinline__ void producer(const Fp8GemmParams& p, int32_t tile0, int64_t num_items, uint32_t stages,
                                          uint8_t* smem, uint32_t smem_s) {
   using L = Layout<kGateUp>;
@@ -69,6 +84,10 @@ __device__ __forceinline__ void producer(const Fp8GemmParams& p, int32_t tile0, 
   const uint32_t full0 = smem_s + L::kBarOff, empty0 = full0 + L::kStages * 8;
   RingPos pos;
   bool wrapped = false;  // every stage was filled once (from then on, wait for its release)
+  uint32_t* const dcta = kDbg ? dbg_cta<kGateUp>(p) : nullptr;
+  const bool no_a = kDbg && (p.debug_flags & (kPfDbgNoLoads | kPfDbgNoWeights)) != 0;
+  const bool no_b = kDbg && (p.debug_flags & kPfDbgNoLoads) != 0;
+  int64_t seen = 0;  // kDbg: K blocks so far
   for (int64_t item = blockIdx.x; item < num_items; item += gridDim.x) {
     Item it;
     if (!resolve<kGateUp>(p, tile0, item, it)) continue;
@@ -94,35 +113,48 @@ __device__ __forceinline__ void producer(const Fp8GemmParams& p, int32_t tile0, 
     const float* wssrc = it.w_scale + (wsv ? (sub_row<kGateUp>(it, pt & 3) / kBK) * (it.K / kBK) : 0);
     for (int64_t kb = 0; kb < nk; ++kb) {
       const uint32_t s = pos.stage;
+      Stamps<kDbg> st;
+      if constexpr (kDbg) st.rec = dbg_rec(dcta, 0, seen++, pt == 0);
+      st.at(0);
       if (wrapped) mbar_wait(empty0 + s * 8, pos.phase ^ 1u);  // the consumers released the previous use
+      st.at(1);
       const uint32_t a_s = smem_s + s * kStageBytes, b_s = a_s + kABytes;
       const int64_t k0 = kb * kBK;
+      if (!no_a) {
 #pragma unroll
-      for (int i = 0; i < 16; ++i) {
-        const int t = i >> 2;
-        cp_async16(a_s + swz(r8 + 16 * i, c), abase[t] + (av[t] ? (i & 3) * k16 + k0 : 0), av[t]);
-      }
-#pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        const int j = r8 + 16 * i;
-        const bool v = j < it.num_rows;
-        cp_async16(b_s + swz(j, c), b_base + (v ? rows[j] + k0 + c * 16 : 0), v);
+        for (int i = 0; i < 16; ++i) {
+          const int t = i >> 2;
+          cp_async16(a_s + swz(r8 + 16 * i, c), abase[t] + (av[t] ? (i & 3) * k16 + k0 : 0), av[t]);
+        }
       }
       const uint32_t sc = smem_s + L::kScaleOff + s * kScaleFloats * 4;
-      cp_async4(sc + (4 + pt) * 4, bssrc + kb, bv);  // token scale; 0 for rows past the tile
-      if (pt < 4) cp_async4(sc + pt * 4, wssrc + kb, wsv);
+      if (!no_b) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          const int j = r8 + 16 * i;
+          const bool v = j < it.num_rows;
+          cp_async16(b_s + swz(j, c), b_base + (v ? rows[j] + k0 + c * 16 : 0), v);
+        }
+        cp_async4(sc + (4 + pt) * 4, bssrc + kb, bv);  // token scale; 0 for rows past the tile
+        if (pt < 4) cp_async4(sc + pt * 4, wssrc + kb, wsv);
+      }
       cp_async_mbar_arrive(full0 + s * 8);
+      st.at(2);
       pos.advance(stages);
       wrapped = wrapped || pos.stage == 0;
     }
   }
   cp_async_wait<0>();
+  if (kDbg && dcta != nullptr && pt == 0) {
+    const uint64_t g = globaltimer();
+    dcta[4] = static_cast<uint32_t>(g), dcta[5] = static_cast<uint32_t>(g >> 32);
+  }
 }
 
 /// The consumer warpgroups: per K block kblock<kFast> (experts_fp8_prefill.cuh), with one arrive
 /// per warp on the stage's `empty` barrier (kFast: inside kblock, before the last promotion); per
 /// item the epilogue (kFast: bulk-copy row stores).
-template <bool kGateUp, bool kFast, bool kRs>
+template <bool kGateUp, bool kFast, bool kRs, bool kDbg>
 __device__ __forceinline__ void consumer(const Fp8GemmParams& p, int32_t tile0, int64_t num_items, uint32_t stages,
                                          uint8_t* smem, uint32_t smem_s) {
   using L = Layout<kGateUp>;
@@ -133,33 +165,57 @@ __device__ __forceinline__ void consumer(const Fp8GemmParams& p, int32_t tile0, 
 #pragma unroll
   for (int i = 0; i < kFrag; ++i) tmp[i] = 0.0f;
   RingPos pos;
+  uint32_t* const dcta = kDbg ? dbg_cta<kGateUp>(p) : nullptr;
+  const bool recorder = w.lane == 0 && w.warp_in_wg == 0;
+  int64_t seen = 0, items = 0;  // kDbg: K blocks and items so far
+  uint32_t* ditem = nullptr;
   for (int64_t item = blockIdx.x; item < num_items; item += gridDim.x) {
     Item it;
     if (!resolve<kGateUp>(p, tile0, item, it)) continue;
     const int64_t nk = it.K / kBK;
+    if constexpr (kDbg) {
+      ditem = dcta != nullptr && w.ct == 0 && items < kPfDbgItems
+                  ? dcta + kPfDbgHeader + 3 * kPfDbgWin * kPfDbgStamps + 3 * items : nullptr;
+      ++items;
+      if (ditem != nullptr) ditem[0] = clock32();
+    }
 #pragma unroll
     for (int sub = 0; sub < 2; ++sub)
 #pragma unroll
       for (int i = 0; i < kFrag; ++i) acc[sub][i] = 0.0f;
     for (int64_t kb = 0; kb < nk; ++kb) {
       const uint32_t s = pos.stage;
+      Stamps<kDbg> st;
+      if constexpr (kDbg) {
+        st.rec = dbg_rec(dcta, 1 + w.cwg, seen++, recorder);
+        st.flags = p.debug_flags;
+      }
+      st.at(0);
       mbar_wait(full0 + s * 8, pos.phase);
       fence_proxy_async();  // cp.async wrote through the generic proxy; wgmma reads through the async one
+      st.at(1);
       const uint32_t a_s = smem_s + s * kStageBytes;
       auto release = [&] {  // 8 consumer warps release the stage
         __syncwarp();
         if (w.lane == 0) mbar_arrive(empty0 + s * 8);
       };
-      kblock<kFast, kRs>(w, a_s, a_s + kABytes, scales + s * kScaleFloats, acc, tmp, release);
+      kblock<kFast, kRs, kDbg>(w, a_s, a_s + kABytes, scales + s * kScaleFloats, acc, tmp, release, st);
       if constexpr (!kFast) release();
       pos.advance(stages);
     }
+    if (kDbg && ditem != nullptr) ditem[1] = clock32();
     epilogue<kGateUp, kFast>(p, it, w, acc, smem);
+    if (kDbg && ditem != nullptr) ditem[2] = clock32();
   }
   if constexpr (kFast) bulk_end(w);
+  if (kDbg && dcta != nullptr && w.ct == 0) {
+    const uint64_t g = globaltimer();
+    dcta[2] = static_cast<uint32_t>(g), dcta[3] = static_cast<uint32_t>(g >> 32);
+    dcta[6] = static_cast<uint32_t>(seen), dcta[7] = static_cast<uint32_t>(items), dcta[9] = clock32();
+  }
 }
 
-template <bool kGateUp, bool kFast, bool kRs>
+template <bool kGateUp, bool kFast, bool kRs, bool kDbg = false>
 __global__ void __launch_bounds__(kPfThreads, 1) fp8_prefill_kernel(Fp8GemmParams p) {
   using L = Layout<kGateUp>;
   extern __shared__ uint8_t smem_raw[];
@@ -175,22 +231,31 @@ __global__ void __launch_bounds__(kPfThreads, 1) fp8_prefill_kernel(Fp8GemmParam
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   __syncthreads();
+  if constexpr (kDbg) {
+    uint32_t* d = dbg_cta<kGateUp>(p);
+    if (d != nullptr && threadIdx.x == 0) {
+      const uint64_t g = globaltimer();
+      uint32_t sm;
+      asm volatile("mov.u32 %0, %%smid;\n" : "=r"(sm));
+      d[0] = static_cast<uint32_t>(g), d[1] = static_cast<uint32_t>(g >> 32), d[8] = clock32(), d[10] = sm;
+    }
+  }
   const int32_t tile0 = *p.num_small, tile1 = *p.num_tiles;
   // Ring depth: Fp8GemmParams::prefill_stages clamped to [2, kStages] (0 = kStages).
   const uint32_t stages = p.prefill_stages <= 0 ? L::kStages : min(max(p.prefill_stages, 2), L::kStages);
   const int64_t num_items = static_cast<int64_t>(max(tile1 - tile0, 0)) * p.max_weight_tiles;
   if (threadIdx.x < 128) {
     setmaxnreg_dec<64>();
-    producer<kGateUp>(p, tile0, num_items, stages, smem, smem_s);
+    producer<kGateUp, kDbg>(p, tile0, num_items, stages, smem, smem_s);
   } else {
     setmaxnreg_inc<216>();
-    consumer<kGateUp, kFast, kRs>(p, tile0, num_items, stages, smem, smem_s);
+    consumer<kGateUp, kFast, kRs, kDbg>(p, tile0, num_items, stages, smem, smem_s);
   }
 }
 
 #else  // not sm_90a: the host never launches these (fp8_tensor_cores_available is false)
 
-template <bool kGateUp, bool kFast, bool kRs>
+template <bool kGateUp, bool kFast, bool kRs, bool kDbg = false>
 __global__ void __launch_bounds__(kPfThreads, 1) fp8_prefill_kernel(Fp8GemmParams) {
 #ifdef __CUDA_ARCH__
   __trap();
@@ -206,7 +271,29 @@ auto prefill_kernel(int fast) {
                    : fast == 1 ? fp8_prefill_kernel<kGateUp, true, false> : fp8_prefill_kernel<kGateUp, false, false>;
 }
 
+// set_fp8_prefill_debug's state: process-wide, for the bench only (null: the library's kernels).
+uint32_t* g_debug_buffer = nullptr;
+uint32_t g_debug_flags = 0;
+
+/// The kernel of launch_fp8_prefill_gate_up / _down: the stamped instance of mode 17 while a debug
+/// buffer is set (p gets the buffer and flags), else prefill_kernel(p.prefill_fast).
+template <bool kGateUp>
+void launch_prefill(Fp8GemmParams p, int grid, cudaStream_t stream) {
+  if (g_debug_buffer != nullptr && p.prefill_fast == 2) {
+    p.debug = g_debug_buffer;
+    p.debug_flags = g_debug_flags;
+    fp8_prefill_kernel<kGateUp, true, true, true><<<grid, kPfThreads, Layout<kGateUp>::kSmemBytes, stream>>>(p);
+  } else {
+    prefill_kernel<kGateUp>(p.prefill_fast)<<<grid, kPfThreads, Layout<kGateUp>::kSmemBytes, stream>>>(p);
+  }
+}
+
 }  // namespace
+
+void set_fp8_prefill_debug(uint32_t* buffer, uint32_t flags) {
+  g_debug_buffer = buffer;
+  g_debug_flags = buffer != nullptr ? flags : 0;
+}
 
 int fp8_prefill_smem_bytes() { return std::max(Layout<true>::kSmemBytes, Layout<false>::kSmemBytes); }
 
@@ -215,15 +302,19 @@ void fp8_prefill_set_smem_limits() {
     EPX_CUDA_CHECK(cudaFuncSetAttribute(prefill_kernel<true>(fast), cudaFuncAttributeMaxDynamicSharedMemorySize, Layout<true>::kSmemBytes));
     EPX_CUDA_CHECK(cudaFuncSetAttribute(prefill_kernel<false>(fast), cudaFuncAttributeMaxDynamicSharedMemorySize, Layout<false>::kSmemBytes));
   }
+  EPX_CUDA_CHECK(cudaFuncSetAttribute(fp8_prefill_kernel<true, true, true, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      Layout<true>::kSmemBytes));
+  EPX_CUDA_CHECK(cudaFuncSetAttribute(fp8_prefill_kernel<false, true, true, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      Layout<false>::kSmemBytes));
 }
 
 void launch_fp8_prefill_gate_up(const Fp8GemmParams& p, int grid, cudaStream_t stream) {
-  prefill_kernel<true>(p.prefill_fast)<<<grid, kPfThreads, Layout<true>::kSmemBytes, stream>>>(p);
+  launch_prefill<true>(p, grid, stream);
   cuda::check_launch("fp8_prefill_kernel (gate_up)");
 }
 
 void launch_fp8_prefill_down(const Fp8GemmParams& p, int grid, cudaStream_t stream) {
-  prefill_kernel<false>(p.prefill_fast)<<<grid, kPfThreads, Layout<false>::kSmemBytes, stream>>>(p);
+  launch_prefill<false>(p, grid, stream);
   cuda::check_launch("fp8_prefill_kernel (down)");
 }
 
