@@ -176,7 +176,7 @@ class CudaExperts final : public Experts {
     fp8_prefill_min_tiles_ = config.experts_fp8_prefill_min_tiles;
     // Config::experts_fp8_prefill: 1 = the variant measured fastest (kFp8PrefillDefaultMode,
     // bench/NOTES.md), 8 = cp.async loads, 16 = 8 with early scales / release and bulk stores
-    // (Fp8GemmParams::prefill_fast), 10 = TMA loads; same results every way.
+    // (Fp8GemmParams::prefill_fast), 10 = 17 with TMA loads; same results every way.
     const int pf_mode = config.experts_fp8_prefill == 1 ? kFp8PrefillDefaultMode : config.experts_fp8_prefill;
     fp8_prefill_fast_ = pf_mode == 16 ? 1 : pf_mode == 17 ? 2 : 0;  // 17: 16 with wgmma's A in registers
     const bool pf_tma = pf_mode == 10;

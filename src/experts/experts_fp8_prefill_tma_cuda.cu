@@ -1,8 +1,8 @@
 // experts/experts_fp8_prefill_tma_cuda.cu: a variant of the FP8 prefill grouped GEMMs of
 // experts_fp8_prefill_cuda.cu (same tiles, same consumer and epilogue, experts_fp8_prefill.cuh;
-// bit-identical output) whose operands come by TMA, opt-in (Config::experts_fp8_prefill 10;
-// bench/NOTES.md: 4 % faster than the cp.async kernels on ExpertMajor and 9 % slower on Flat in one
-// run). Its 2-CTA cluster launch multicasting the weight tile (11) was slower in every run (the pair
+// bit-identical output) whose operands come by TMA, opt-in (Config::experts_fp8_prefill 10; with the
+// mode-8 consumer, bench/NOTES.md: 4 % faster than the cp.async kernels on ExpertMajor and 9 % slower
+// on Flat in one run; the consumer of mode 17 since the eighth session). Its 2-CTA cluster launch multicasting the weight tile (11) was slower in every run (the pair
 // of CTAs in lockstep) and was removed in the eighth session.
 //
 // One CTA per SM, 384 threads, warp-specialized:
@@ -17,7 +17,8 @@
 //     completes when the TMA bytes and all 128 threads' copies landed. Without the weight maps
 //     (the driver could not encode them) every operand goes through 16-byte cp.async;
 //   warpgroups 1, 2 (consumers, 216 registers): experts_fp8_prefill.cuh's kblock and epilogue (tokens
-//     in wgmma's A), as in experts_fp8_prefill_cuda.cu; the producer runs up to kStages blocks
+//     in wgmma's A), the consumer of mode 17 of experts_fp8_prefill_cuda.cu (until the eighth session
+//     that of mode 8; same bits); the producer runs up to kStages blocks
 //     ahead, across work items, so the next item's first stages load under the current epilogue.
 // Work items: (128-row tile, weight tile) pairs over the tile list's prefill section, walked by a
 // persistent grid in tile-major order (all weight tiles of one row tile, then the expert's next row
@@ -164,7 +165,9 @@ __device__ __forceinline__ void producer(const Fp8GemmParams& p, const CUtensorM
   cp_async_wait<0>();
 }
 
-/// The consumer warpgroups (experts_fp8_prefill.cuh: kblock, epilogue).
+/// The consumer warpgroups (experts_fp8_prefill.cuh: kblock, epilogue), as mode 17 of
+/// experts_fp8_prefill_cuda.cu since the eighth session: the scales read before the wgmmas, the
+/// stage released before the last promotion, wgmma's A (tokens) in registers, bulk-copy row stores.
 template <bool kGateUp>
 __device__ __forceinline__ void consumer(const Fp8GemmParams& p, bool all_tma, int32_t tile0, int64_t num_steps, uint32_t stages,
                                          uint8_t* smem, uint32_t smem_s) {
@@ -192,13 +195,16 @@ __device__ __forceinline__ void consumer(const Fp8GemmParams& p, bool all_tma, i
       // writes through the async proxy: no fence when both operands came by TMA)
       if (!all_tma) fence_proxy_async();
       const uint32_t a_s = smem_s + s * kStageBytes;
-      kblock<false>(w, a_s, a_s + kABytes, scales + s * kScaleFloats, acc, tmp, [] {});
-      __syncwarp();
-      if (lane == 0) mbar_arrive(empty0 + s * 8);  // 8 consumer warps release the stage
+      auto release = [&] {  // 8 consumer warps release the stage
+        __syncwarp();
+        if (lane == 0) mbar_arrive(empty0 + s * 8);
+      };
+      kblock<true, true>(w, a_s, a_s + kABytes, scales + s * kScaleFloats, acc, tmp, release);
       pos.advance(stages);
     }
-    epilogue<kGateUp, false>(p, it, w, acc, smem);
+    epilogue<kGateUp, true>(p, it, w, acc, smem);
   }
+  bulk_end(w);
 }
 
 template <bool kGateUp>
