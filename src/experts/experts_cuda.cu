@@ -37,12 +37,11 @@ constexpr int64_t kMaxTileSlots = 1024;
 /// The FP8 prefill kernels' variant that Config::experts_fp8_prefill = 1 (the default) takes: 8
 /// experts_fp8_prefill_cuda.cu (cp.async loads, tokens in wgmma's A), 16 the same with the scales read
 /// before the wgmmas, the stage released before the last promotion and bulk-copy epilogue stores
-/// (same bits), 17 = 16 with wgmma's A (tokens) in registers, 10 experts_fp8_prefill_tma_cuda.cu (TMA loads);
+/// (same bits), 17 = 16 with wgmma's A (tokens) in registers, 10 / 11 experts_fp8_prefill_tma_cuda.cu (TMA loads / their 2-CTA clusters);
 /// whichever bench/NOTES.md measured fastest (sixth session: 8, 3296 us at DeepSeek-V3 shapes, 256
 /// rows/expert; seventh session: 17, 2 % / 5 % less time than 8 on ExpertMajor / Flat in the same run,
 /// same bytes). Removed after measurement (seventh session): 2-7 and 9 (weights in A, turn orders),
-/// 12-15 (a pipelined m64n64 consumer, 40 % slower); eighth session: 11 (the TMA loads as 2-CTA
-/// clusters multicasting the weight tile, slower in every run).
+/// 12-15 (a pipelined m64n64 consumer, 40 % slower).
 constexpr int kFp8PrefillDefaultMode = 17;
 
 using GemmKernel = void (*)(GemmParams);
@@ -176,10 +175,12 @@ class CudaExperts final : public Experts {
     fp8_prefill_min_tiles_ = config.experts_fp8_prefill_min_tiles;
     // Config::experts_fp8_prefill: 1 = the variant measured fastest (kFp8PrefillDefaultMode,
     // bench/NOTES.md), 8 = cp.async loads, 16 = 8 with early scales / release and bulk stores
-    // (Fp8GemmParams::prefill_fast), 10 = 17 with TMA loads; same results every way.
+    // (Fp8GemmParams::prefill_fast), 10 = 17 with TMA loads, 11 = 10 + 2-CTA clusters multicasting the
+    // weight tile; same results every way.
     const int pf_mode = config.experts_fp8_prefill == 1 ? kFp8PrefillDefaultMode : config.experts_fp8_prefill;
+    fp8_prefill_cluster_ = pf_mode == 11;
     fp8_prefill_fast_ = pf_mode == 16 ? 1 : pf_mode == 17 ? 2 : 0;  // 17: 16 with wgmma's A in registers
-    const bool pf_tma = pf_mode == 10;
+    const bool pf_tma = pf_mode == 10 || pf_mode == 11;
     // Objects with mxfp4 experts, all of them fp8_block or mxfp4 with I % 128 == 0 and H % 128 == 0,
     // fed FP8 x, run every expert on the mixed sm_90a kernels (experts_mxfp4_cuda.cu): one grouped
     // launch per GEMM for both formats (FHMoE: FP8 shared + MXFP4 routed). Config::experts_mxfp4_tc
@@ -215,7 +216,7 @@ class CudaExperts final : public Experts {
     descs_ = Tensor::empty({num_local * static_cast<int64_t>(sizeof(ExpertDesc))}, DType::uint8, dev);
     EPX_CUDA_CHECK(cudaMemcpy(descs_.data(), descs.data(), descs.size() * sizeof(ExpertDesc), cudaMemcpyHostToDevice));
     // The prefill kernels load the weight tiles with TMA from per-expert descriptors built here
-    // (mode 10); the other modes, or a map the driver cannot encode, keep cp.async.
+    // (modes 10, 11); the other modes, or a map the driver cannot encode, keep cp.async.
     if (fp8_tensor_cores_ && pf_tma) {
       std::vector<experts_cuda::Fp8TmaMap> maps(2 * descs.size());
       bool ok = true;
@@ -477,6 +478,7 @@ class CudaExperts final : public Experts {
       fp.num_small = big ? ws.num_tiles + 1 : nullptr;
       fp.prefill_stages = fp8_prefill_stages_;
       fp.w_maps = w_maps_.defined() ? w_maps_.data() : nullptr;
+      fp.prefill_cluster = fp8_prefill_cluster_ ? 1 : 0;
       fp.prefill_fast = fp8_prefill_fast_;
       fp.row_space = in.layout == ActivationLayout::ExpertMajor ? in.x.size(0) * in.x.size(1)
                                                                : in.topk_idx.size(0) * in.topk_idx.size(1);
@@ -525,6 +527,7 @@ class CudaExperts final : public Experts {
   bool fp8_prefill_ = false;      // experts with > 64 rows on the prefill kernels (EPX_EXPERTS_FP8_PREFILL)
   int fp8_prefill_stages_ = 0;    // their ring depth (EPX_EXPERTS_FP8_PREFILL_STAGES; 0 = maximum)
   int fp8_prefill_min_tiles_ = 1; // big tiles the prefill section needs to run (EPX_EXPERTS_FP8_PREFILL_MIN_TILES; 0 -> one wave)
+  bool fp8_prefill_cluster_ = false;  // their 2-CTA cluster launch (EPX_EXPERTS_FP8_PREFILL=11)
   int fp8_prefill_fast_ = 0;          // modes 16, 17 (Fp8GemmParams::prefill_fast 1, 2)
   int64_t mx_inter_max_ = 0;      // widest mxfp4 expert
   bool mx_tensor_cores_ = false;  // fp8_block + mxfp4 experts with FP8 x run on the mixed sm_90a GEMMs
