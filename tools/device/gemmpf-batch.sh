@@ -5,10 +5,11 @@
 # prebuilt.tar.xz holds experts_cuda_test and epx-gemm-bench built from src.tar.xz on the dev machine
 # (CUDA 13.0, sm_90a); when they do not load here (ldd / --gtest_list_tests), they are built with
 # tools/device/gpu-check.sh instead.
-# STEPS (space-separated, in order; default "stamps stages ncu"):
+# STEPS (space-separated, in order; default "stamps ab bits stages ncu"):
 #   stamps  epx-gemm-bench --stamps $STAMP_FLAGS on ExpertMajor (mode 17 stamped, and its ablations);
 #   stages  the same (flags 0) with EPX_EXPERTS_FP8_PREFILL_STAGES=3 and =2 (ring depth);
-#   ab      the A/B bench of $MODES against the default on both layouts, with the cuBLASLt loop (ITERS, default 10);
+#   ab      the A/B bench of $MODES (default 10,11) against the default on both layouts, with the cuBLASLt
+#           loop unless AB_EXTRA=--no-cublas (ITERS, default 10);
 #   torch   bench/gemm_torch.py (torch._scaled_grouped_mm, the same shapes);
 #   bits    ExpertsCuda.Fp8PrefillTmaLoadsMatchCpAsyncLoadsBitForBit (the variants' bytes against mode 8);
 #   fp8     ExpertsCuda.Fp8TensorCoreRowCountsOneTo8192 (against the CPU); rest: the other experts GPU tests;
@@ -17,7 +18,7 @@
 set -uo pipefail
 OUT="${OUT:-/tmp/gemmpf-out}"
 BUDGET="${BUDGET:-100}"
-STEPS="${STEPS:-stamps stages ncu}"
+STEPS="${STEPS:-stamps ab bits stages ncu}"
 STAMP_FLAGS="${STAMP_FLAGS:-0,1,8,4}"
 ITERS="${ITERS:-10}"
 mkdir -p "$OUT"
@@ -54,7 +55,8 @@ if [ -z "$B" ]; then
   export LD_LIBRARY_PATH="$nccl/lib:$deps:$deps/openblas-pthread${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 fi
 export CUDA_VISIBLE_DEVICES=0
-MODES="${MODES:-}"
+MODES="${MODES:-10,11}"
+AB_EXTRA="${AB_EXTRA:---no-cublas}"
 commit="$(cat "$HERE/.carry-gemmpf/commit.txt" 2>/dev/null || echo unknown)"
 bench() {  # bench NAME LIMIT ARGS...: epx-gemm-bench into $OUT/NAME.{json,log}
   local name=$1 lim=$2
@@ -72,7 +74,7 @@ for step in $STEPS; do
       for st in 3 2; do
         EPX_EXPERTS_FP8_PREFILL_STAGES=$st bench "stamps-stages$st" 15 --iters "$ITERS" --no-simt --no-cublas --prefill-only --no-flat --stamps 0
       done ;;
-    ab) bench gemm-bench 45 --iters "$ITERS" --no-simt --prefill-only ${MODES:+--prefill-modes $MODES} ;;
+    ab) bench gemm-bench 45 --iters "$ITERS" --no-simt --prefill-only $AB_EXTRA ${MODES:+--prefill-modes $MODES} ;;
     torch)
       b=$(( $(left) - 2 )); [ $b -gt 15 ] && b=15
       if [ $b -gt 8 ]; then
