@@ -568,6 +568,10 @@ int main(int argc, char** argv) {
         CK(cudaMemcpy(hb.data(), dbg, sizeof(uint32_t) * hb.size(), cudaMemcpyDeviceToHost));
         const double e = rel_l2(host_bf16(out2), host_bf16(out), {{0, L * cap}});
         const std::string name = "epx-wgmma-mode17-stamped-flags" + std::to_string(f);
+        // GEMM_BENCH_STAMPS_RAW=DIR: the raw buffer as DIR/stamps-flags<f>.u32 (layout: experts_fp8_cuda.h)
+        if (const char* dir = std::getenv("GEMM_BENCH_STAMPS_RAW"); dir != nullptr && *dir != 0)
+          std::ofstream(std::string(dir) + "/stamps-flags" + std::to_string(f) + ".u32", std::ios::binary)
+              .write(reinterpret_cast<const char*>(hb.data()), static_cast<std::streamsize>(hb.size() * sizeof(uint32_t)));
         add_row("prefill-v3-stamps", name, "expert_major", cap, ss, false, f == 0, e,
                 "set_fp8_prefill_debug flags " + std::to_string(f) +
                     " (1 no loads, 4 no promotions, 8 no weight-tile loads; results wrong unless 0); max_rel_error against epx-wgmma");

@@ -69,10 +69,16 @@ bench() {  # bench NAME LIMIT ARGS...: epx-gemm-bench into $OUT/NAME.{json,log}
 }
 for step in $STEPS; do
   case $step in
-    stamps) bench stamps 40 --iters "$ITERS" --no-simt --no-cublas --prefill-only --no-flat --stamps "$STAMP_FLAGS" ;;
+    stamps)
+      mkdir -p "$OUT/raw"
+      GEMM_BENCH_STAMPS_RAW="$OUT/raw" bench stamps 40 --iters "$ITERS" --no-simt --no-cublas --prefill-only --no-flat --stamps "$STAMP_FLAGS"
+      gzip -1 "$OUT"/raw/*.u32 2>/dev/null ;;
     stages)
       for st in 3 2; do
-        EPX_EXPERTS_FP8_PREFILL_STAGES=$st bench "stamps-stages$st" 15 --iters "$ITERS" --no-simt --no-cublas --prefill-only --no-flat --stamps 0
+        mkdir -p "$OUT/raw-stages$st"
+        GEMM_BENCH_STAMPS_RAW="$OUT/raw-stages$st" EPX_EXPERTS_FP8_PREFILL_STAGES=$st \
+          bench "stamps-stages$st" 15 --iters "$ITERS" --no-simt --no-cublas --prefill-only --no-flat --stamps 0
+        gzip -1 "$OUT/raw-stages$st"/*.u32 2>/dev/null
       done ;;
     ab) bench gemm-bench 45 --iters "$ITERS" --no-simt --prefill-only $AB_EXTRA ${MODES:+--prefill-modes $MODES} ;;
     torch)
