@@ -175,11 +175,13 @@ class CudaExperts final : public Experts {
     fp8_prefill_min_tiles_ = config.experts_fp8_prefill_min_tiles;
     // Config::experts_fp8_prefill: 1 = the variant measured fastest (kFp8PrefillDefaultMode,
     // bench/NOTES.md), 8 = cp.async loads, 16 = 8 with early scales / release and bulk stores
-    // (Fp8GemmParams::prefill_fast), 10 = 17 with TMA loads, 11 = 10 + 2-CTA clusters multicasting the
+    // (Fp8GemmParams::prefill_fast), 18 = 17 with the token scales loaded 4 K blocks at a time
+    // (Fp8GemmParams::prefill_xs_vec), 10 = 17 with TMA loads, 11 = 10 + 2-CTA clusters multicasting the
     // weight tile; same results every way.
     const int pf_mode = config.experts_fp8_prefill == 1 ? kFp8PrefillDefaultMode : config.experts_fp8_prefill;
     fp8_prefill_cluster_ = pf_mode == 11;
-    fp8_prefill_fast_ = pf_mode == 16 ? 1 : pf_mode == 17 ? 2 : 0;  // 17: 16 with wgmma's A in registers
+    fp8_prefill_fast_ = pf_mode == 16 ? 1 : pf_mode == 17 || pf_mode == 18 ? 2 : 0;  // 17: 16 with wgmma's A in registers
+    fp8_prefill_xs_vec_ = pf_mode == 18;  // 18: 17 with the token scales loaded 4 K blocks at a time
     const bool pf_tma = pf_mode == 10 || pf_mode == 11;
     // Objects with mxfp4 experts, all of them fp8_block or mxfp4 with I % 128 == 0 and H % 128 == 0,
     // fed FP8 x, run every expert on the mixed sm_90a kernels (experts_mxfp4_cuda.cu): one grouped
@@ -480,6 +482,7 @@ class CudaExperts final : public Experts {
       fp.w_maps = w_maps_.defined() ? w_maps_.data() : nullptr;
       fp.prefill_cluster = fp8_prefill_cluster_ ? 1 : 0;
       fp.prefill_fast = fp8_prefill_fast_;
+      fp.prefill_xs_vec = fp8_prefill_xs_vec_ ? 1 : 0;
       fp.row_space = in.layout == ActivationLayout::ExpertMajor ? in.x.size(0) * in.x.size(1)
                                                                : in.topk_idx.size(0) * in.topk_idx.size(1);
       // Persistent grids of one CTA per multiprocessor (the kernels take ~205-217 KiB of shared memory).
@@ -529,6 +532,7 @@ class CudaExperts final : public Experts {
   int fp8_prefill_min_tiles_ = 1; // big tiles the prefill section needs to run (EPX_EXPERTS_FP8_PREFILL_MIN_TILES; 0 -> one wave)
   bool fp8_prefill_cluster_ = false;  // their 2-CTA cluster launch (EPX_EXPERTS_FP8_PREFILL=11)
   int fp8_prefill_fast_ = 0;          // modes 16, 17 (Fp8GemmParams::prefill_fast 1, 2)
+  bool fp8_prefill_xs_vec_ = false;   // mode 18 (Fp8GemmParams::prefill_xs_vec)
   int64_t mx_inter_max_ = 0;      // widest mxfp4 expert
   bool mx_tensor_cores_ = false;  // fp8_block + mxfp4 experts with FP8 x run on the mixed sm_90a GEMMs
   bool mx_wide_ = false;          // their 512-thread variant (EPX_EXPERTS_MXFP4_TC=2)

@@ -412,8 +412,9 @@ TEST(ExpertsCuda, Fp8PrefillTmaLoadsMatchCpAsyncLoadsBitForBit) {
   // widths beside a V4-Pro-width expert (I 3072: h_stride > I). The 2-CTA cluster launch (=11:
   // row-tile pairs in lockstep, the weight tile multicast where both tiles are the same expert's;
   // pairs of different experts, K lengths and a lone last tile here), =16 (early scale reads and
-  // stage release, bulk-copy epilogue stores) and =17 (=16 with wgmma's A from registers, loaded by
-  // ldmatrix) must give the same bytes too.
+  // stage release, bulk-copy epilogue stores), =17 (=16 with wgmma's A from registers, loaded by
+  // ldmatrix) and =18 (=17 with the token scales loaded 4 K blocks at a time; V4-Pro's I 3072 = 24
+  // K blocks, V3's down 16, gate_up 56) must give the same bytes too.
   std::vector<std::shared_ptr<const ExpertWeights>> experts = same_format(WeightFormat::fp8_block, 3, 7168, 2048, 540);
   experts.push_back(ExpertWeights::random(WeightFormat::fp8_block, 7168, 3072, 544));
   const int64_t L = 4, H = 7168, cap = 300;
@@ -424,6 +425,8 @@ TEST(ExpertsCuda, Fp8PrefillTmaLoadsMatchCpAsyncLoadsBitForBit) {
   auto fast = make_experts_cuda(experts, 0);
   setenv("EPX_EXPERTS_FP8_PREFILL", "17", 1);
   auto rs = make_experts_cuda(experts, 0);
+  setenv("EPX_EXPERTS_FP8_PREFILL", "18", 1);
+  auto xs = make_experts_cuda(experts, 0);
   setenv("EPX_EXPERTS_FP8_PREFILL", "10", 1);
   auto tma = make_experts_cuda(experts, 0);
   setenv("EPX_EXPERTS_FP8_PREFILL", "11", 1);
@@ -464,8 +467,8 @@ TEST(ExpertsCuda, Fp8PrefillTmaLoadsMatchCpAsyncLoadsBitForBit) {
   poison_dev(fl_ref);
   cpa->apply(em, em_ref);
   cpa->apply(fl, fl_ref);
-  for (auto* g : {fast.get(), rs.get(), tma.get(), cl.get()}) {
-    const char* name = g == fast.get() ? "fast" : g == rs.get() ? "fast-rs" : g == tma.get() ? "tma" : "cluster";
+  for (auto* g : {fast.get(), rs.get(), xs.get(), tma.get(), cl.get()}) {
+    const char* name = g == fast.get() ? "fast" : g == rs.get() ? "fast-rs" : g == xs.get() ? "fast-rs-xs4" : g == tma.get() ? "tma" : "cluster";
     Tensor o = Tensor::empty({L, cap, H}, DType::bf16, kDev), f = Tensor::empty({N, H}, DType::bf16, kDev);
     poison_dev(o);
     poison_dev(f);

@@ -58,6 +58,11 @@ struct Fp8GemmParams {
   /// before the last promotion) and bulk-copy epilogue stores (Config::experts_fp8_prefill 16); 2 = 1
   /// with wgmma's A (the tokens) in registers (17); same bits as 0.
   int32_t prefill_fast;
+  /// cp.async prefill kernels: 1 = the producer loads each token's activation scales four K blocks at
+  /// a time (one 16-byte load per token into registers, a group ahead) and stores the K block's into
+  /// the stage, instead of a 4-byte cp.async per token and K block (one L2 sector each: ~8 % of the
+  /// stage's sectors); Config::experts_fp8_prefill 18 (= 17 with these loads). Same bits.
+  int32_t prefill_xs_vec;
   /// Debug only (set_fp8_prefill_debug; null / 0 in the library's launches): the stamped kernels'
   /// buffer and ablation flags, filled in by the launch functions.
   uint32_t* debug;

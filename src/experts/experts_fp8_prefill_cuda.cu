@@ -55,6 +55,26 @@ __device__ __forceinline__ bool resolve(const Fp8GemmParams& p, int32_t tile0, i
 /// consecutive lanes read one row's 128 contiguous bytes (a thread per row would split every
 /// 32-byte sector between two instructions: twice the L2 -> SM traffic, measured slower than the
 /// 64-row kernels).
+/// Fp8GemmParams::prefill_xs_vec, where the scale rows allow 16-byte loads (row stride a multiple
+/// of 4 floats, base 16-byte aligned); else the 4-byte cp.async per token and K block.
+template <bool kGateUp>
+__device__ __forceinline__ bool xs_vec_on(const Fp8GemmParams& p) {
+  const int64_t stride = kGateUp ? p.hidden / kBK : p.hs_stride;
+  const void* base = kGateUp ? static_cast<const void*>(p.x_scales) : static_cast<const void*>(p.hs);
+  return p.prefill_xs_vec != 0 && stride % 4 == 0 && reinterpret_cast<uintptr_t>(base) % 16 == 0;
+}
+
+/// Scales [k0, k0 + 4) of one row (zeros past nk or for an invalid row; 16-byte aligned when k0 + 4 <= nk).
+__device__ __forceinline__ float4 load_xs4(const float* row, int64_t k0, int64_t nk, bool valid) {
+  float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  if (!valid || k0 >= nk) return v;
+  if (k0 + 4 <= nk) return __ldg(reinterpret_cast<const float4*>(row + k0));
+  v.x = row[k0];
+  if (k0 + 1 < nk) v.y = row[k0 + 1];
+  if (k0 + 2 < nk) v.z = row[k0 + 2];
+  return v;
+}
+
 /// This CTA's words of the debug buffer (kDbg: set_fp8_prefill_debug), or null.
 template <bool kGateUp>
 __device__ __forceinline__ uint32_t* dbg_cta(const Fp8GemmParams& p) {
@@ -88,6 +108,7 @@ __device__ __forceinline__ void producer(const Fp8GemmParams& p, int32_t tile0, 
   const bool no_a = kDbg && (p.debug_flags & (kPfDbgNoLoads | kPfDbgNoWeights)) != 0;
   const bool no_b = kDbg && (p.debug_flags & kPfDbgNoLoads) != 0;
   int64_t seen = 0;  // kDbg: K blocks so far
+  const bool xs_vec = xs_vec_on<kGateUp>(p);
   for (int64_t item = blockIdx.x; item < num_items; item += gridDim.x) {
     Item it;
     if (!resolve<kGateUp>(p, tile0, item, it)) continue;
@@ -111,8 +132,15 @@ __device__ __forceinline__ void producer(const Fp8GemmParams& p, int32_t tile0, 
     const int64_t k16 = 16 * it.K;
     const bool wsv = pt < 4 && sub_valid<kGateUp>(it, pt & 3);
     const float* wssrc = it.w_scale + (wsv ? (sub_row<kGateUp>(it, pt & 3) / kBK) * (it.K / kBK) : 0);
+    // xs_vec: this token's scales of the current group of 4 K blocks and of the next (loaded a group ahead)
+    float4 xs_cur = make_float4(0.0f, 0.0f, 0.0f, 0.0f), xs_next = xs_cur;
+    if (xs_vec && !no_b) xs_next = load_xs4(bssrc, 0, nk, bv);
     for (int64_t kb = 0; kb < nk; ++kb) {
       const uint32_t s = pos.stage;
+      if (xs_vec && !no_b && (kb & 3) == 0) {
+        xs_cur = xs_next;
+        xs_next = load_xs4(bssrc, kb + 4, nk, bv);
+      }
       Stamps<kDbg> st;
       if constexpr (kDbg) st.rec = dbg_rec(dcta, 0, seen++, pt == 0);
       st.at(0);
@@ -135,10 +163,17 @@ __device__ __forceinline__ void producer(const Fp8GemmParams& p, int32_t tile0, 
           const bool v = j < it.num_rows;
           cp_async16(b_s + swz(j, c), b_base + (v ? rows[j] + k0 + c * 16 : 0), v);
         }
-        cp_async4(sc + (4 + pt) * 4, bssrc + kb, bv);  // token scale; 0 for rows past the tile
+        if (xs_vec) {  // token scale (0 for rows past the tile) from the registers; its arrive below
+          const int q = static_cast<int>(kb & 3);
+          const float xv = q == 0 ? xs_cur.x : q == 1 ? xs_cur.y : q == 2 ? xs_cur.z : xs_cur.w;
+          asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(sc + (4 + pt) * 4), "f"(xv) : "memory");
+        } else {
+          cp_async4(sc + (4 + pt) * 4, bssrc + kb, bv);  // token scale; 0 for rows past the tile
+        }
         if (pt < 4) cp_async4(sc + pt * 4, wssrc + kb, wsv);
       }
       cp_async_mbar_arrive(full0 + s * 8);
+      if (xs_vec) mbar_arrive(full0 + s * 8);  // release: the scale's st.shared before the consumers' reads
       st.at(2);
       pos.advance(stages);
       wrapped = wrapped || pos.stage == 0;
@@ -225,7 +260,8 @@ __global__ void __launch_bounds__(kPfThreads, 1) fp8_prefill_kernel(Fp8GemmParam
   const uint32_t smem_s = raw_s + pad;
   if (threadIdx.x == 0) {
     for (int s = 0; s < L::kStages; ++s) {
-      mbar_init(smem_s + L::kBarOff + s * 8, 128);                  // full: every producer thread's copies
+      // full: every producer thread's copies (xs_vec: + its arrive after the scale's store)
+      mbar_init(smem_s + L::kBarOff + s * 8, xs_vec_on<kGateUp>(p) ? 256 : 128);
       mbar_init(smem_s + L::kBarOff + (L::kStages + s) * 8, 8);     // empty: every consumer warp
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
