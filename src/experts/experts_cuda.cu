@@ -176,11 +176,12 @@ class CudaExperts final : public Experts {
     // Config::experts_fp8_prefill: 1 = the variant measured fastest (kFp8PrefillDefaultMode,
     // bench/NOTES.md), 8 = cp.async loads, 16 = 8 with early scales / release and bulk stores
     // (Fp8GemmParams::prefill_fast), 18 = 17 with the token scales loaded 4 K blocks at a time
-    // (Fp8GemmParams::prefill_xs_vec), 10 = 17 with TMA loads, 11 = 10 + 2-CTA clusters multicasting the
+    // (Fp8GemmParams::prefill_xs_vec), 19 = 17 with each warpgroup's own epilogue in fast forms
+    // (prefill_fast 3; within the FP8 tolerance, not 17's bits), 10 = 17 with TMA loads, 11 = 10 + 2-CTA clusters multicasting the
     // weight tile; same results every way.
     const int pf_mode = config.experts_fp8_prefill == 1 ? kFp8PrefillDefaultMode : config.experts_fp8_prefill;
     fp8_prefill_cluster_ = pf_mode == 11;
-    fp8_prefill_fast_ = pf_mode == 16 ? 1 : pf_mode == 17 || pf_mode == 18 ? 2 : 0;  // 17: 16 with wgmma's A in registers
+    fp8_prefill_fast_ = pf_mode == 16 ? 1 : pf_mode == 17 || pf_mode == 18 ? 2 : pf_mode == 19 ? 3 : 0;  // 17: 16 with wgmma's A in registers
     fp8_prefill_xs_vec_ = pf_mode == 18;  // 18: 17 with the token scales loaded 4 K blocks at a time
     const bool pf_tma = pf_mode == 10 || pf_mode == 11;
     // Objects with mxfp4 experts, all of them fp8_block or mxfp4 with I % 128 == 0 and H % 128 == 0,

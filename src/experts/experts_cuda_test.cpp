@@ -352,7 +352,8 @@ TEST(ExpertsCuda, Fp8TensorCoreRowCountsOneTo8192) {
   // 8192 (Flat, contiguous rows grouped by expert on the device; 200 pairs: ~67 per expert).
   // The same cases through the paired-K-block mainloop variant (EPX_EXPERTS_FP8_PAIRS=1), with
   // the prefill kernels off (EPX_EXPERTS_FP8_PREFILL=0: every tile on the 64-row kernels), with
-  // early scales / release and bulk-copy stores (=16), the TMA variant of the prefill kernels (=10)
+  // early scales / release and bulk-copy stores (=16), each warpgroup's own epilogue in fast forms
+  // (=19: not the same bits, so only against the CPU here), the TMA variant of the prefill kernels (=10)
   // and its 2-CTA clusters (=11); Fp8PrefillTmaLoadsMatchCpAsyncLoadsBitForBit checks those and the
   // default (=17) are bit-identical to =8.
   // These take the prefill section for any expert with > 64 rows (EPX_EXPERTS_FP8_PREFILL_MIN_TILES
@@ -374,12 +375,16 @@ TEST(ExpertsCuda, Fp8TensorCoreRowCountsOneTo8192) {
   auto gpu_cluster = make_experts_cuda(experts, 0);
   setenv("EPX_EXPERTS_FP8_PREFILL", "16", 1);
   auto gpu_fast = make_experts_cuda(experts, 0);
+  setenv("EPX_EXPERTS_FP8_PREFILL", "19", 1);
+  auto gpu_own = make_experts_cuda(experts, 0);
   unsetenv("EPX_EXPERTS_FP8_PREFILL");
   unsetenv("EPX_EXPERTS_FP8_PREFILL_MIN_TILES");
   const double tol = kMaxRelL2Fp8TensorCores;
   const std::vector<std::vector<int32_t>> cases = {{0, 1, 0}, {7, 0, 0}, {16, 17, 95}, {64, 65, 129}, {0, 1000, 0}};
-  for (auto* g : {gpu.get(), gpu_fast.get(), gpu_pairs.get(), gpu_small.get(), gpu_tma.get(), gpu_cluster.get(), gpu_gated.get()}) {
+  for (auto* g : {gpu.get(), gpu_own.get(), gpu_fast.get(), gpu_pairs.get(), gpu_small.get(), gpu_tma.get(), gpu_cluster.get(),
+                  gpu_gated.get()}) {
     const char* variant = g == gpu.get()           ? ""
+                          : g == gpu_own.get()     ? " (prefill own epilogues, fast forms)"
                           : g == gpu_fast.get()    ? " (prefill early release, bulk stores)"
                           : g == gpu_gated.get()   ? " (prefill gated: one wave)"
                           : g == gpu_pairs.get()   ? " (pairs)"

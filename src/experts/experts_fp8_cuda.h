@@ -56,7 +56,9 @@ struct Fp8GemmParams {
   int32_t prefill_cluster;
   /// cp.async prefill kernels: 1 = kblock<true> (scales read before the wgmmas, the stage released
   /// before the last promotion) and bulk-copy epilogue stores (Config::experts_fp8_prefill 16); 2 = 1
-  /// with wgmma's A (the tokens) in registers (17); same bits as 0.
+  /// with wgmma's A (the tokens) in registers (17); same bits as 0. 3 = 2 with each consumer
+  /// warpgroup's own epilogue, gate_up's math in fast forms (19; experts_fp8_prefill.cuh epilogue<.., 2>;
+  /// within the FP8 tolerance of the others, not the same bits).
   int32_t prefill_fast;
   /// cp.async prefill kernels: 1 = the producer loads each token's activation scales four K blocks at
   /// a time (one 16-byte load per token into registers, a group ahead) and stores the K block's into

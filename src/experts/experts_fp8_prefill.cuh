@@ -182,23 +182,52 @@ struct RingPos {
   }
 };
 
+/// Two floats as e4m3 codes (RNE, saturating to +-448), lo in bits 0-7 and hi in 8-15: the
+/// hardware conversion (PTX cvt.rn.satfinite.e4m3x2.f32, sm_89+), the same codes as epx's
+/// float_to_fp8_e4m3_bits for every non-NaN input.
+__device__ __forceinline__ uint32_t fp8x2_bits(float lo, float hi) {
+  uint16_t d;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(d) : "f"(hi), "f"(lo));
+  return d;
+}
+/// Two floats as bf16 (RNE), lo in bits 0-15: cvt.rn.bf16x2.f32, the same bits as
+/// float_to_bf16_bits for every non-NaN input.
+__device__ __forceinline__ uint32_t bf16x2_bits(float lo, float hi) {
+  uint32_t d;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(d) : "f"(hi), "f"(lo));
+  return d;
+}
+
 /// The end of one work item (both consumer warpgroups, 256 threads; ends with their barrier, so
 /// the staging buffer is free for the next item): gate_up writes h = silu(g) * u as FP8 e4m3 with
 /// one 1x128 scale per token (hq, hs), down writes bf16 rows of out.
-/// kBulk (Config::experts_fp8_prefill 16): the staged rows go out as one bulk copy per
+/// kEpi 1 (Config::experts_fp8_prefill 16, 17): the staged rows go out as one bulk copy per
 /// token row (cp.async.bulk, issued by the consumer thread of that row) instead of 16-byte stores
-/// by every consumer thread, and the consumers move on to the next item while the copy engine
-/// reads the staging buffer; the next epilogue waits for those reads before it writes the buffer
-/// (and bulk_end, after the last item, for the copies' completion). Same bytes.
-template <bool kGateUp, bool kBulk>
+/// by every consumer thread (kEpi 0), and the consumers move on to the next item while the copy
+/// engine reads the staging buffer; the next epilogue waits for those reads before it writes the
+/// buffer (and bulk_end, after the last item, for the copies' completion). Same bytes.
+/// kEpi 2 (Config::experts_fp8_prefill 19): as 1, but each consumer warpgroup finishes its own 64
+/// tokens alone (its own named barrier; its rows' bulk copies issued by its own threads), so the
+/// first warpgroup at the end of an item does not wait for the other and starts the next item's
+/// K blocks under the other's epilogue; and gate_up's math in fast forms: silu with __expf and
+/// __fdividef, the requantization as a product with the scale's IEEE reciprocal (the scale itself,
+/// stored in hs, unchanged): not the CPU's expression, equal within the FP8 tolerance.
+template <bool kGateUp, int kEpi>
 __device__ __forceinline__ void epilogue(const Fp8GemmParams& p, const wg::Item& it, const Who& w, float (&acc)[2][kFrag],
                                          uint8_t* smem) {
   using namespace wg;
   using L = Layout<kGateUp>;
+  constexpr bool kBulk = kEpi >= 1, kOwn = kEpi == 2;
   const int ct = w.ct, cwg = w.cwg, warp_in_wg = w.warp_in_wg, lane = w.lane;
+  // kOwn: the warpgroup's barrier (ids 3, 4; 1 is both warpgroups', 2 the producer's) and the row
+  // this thread copies (thread t < 64 of warpgroup c: row 64 c + t), else thread ct < 128: row ct
+  const int bar_id = kOwn ? 3 + cwg : 1, bar_n = kOwn ? 128 : 256;
+  const int lt = ct & 127;
+  const bool copier = kOwn ? lt < 64 : ct < kBN;
+  const int crow = kOwn ? 64 * cwg + lt : ct;
   if constexpr (kBulk) {
-    if (ct < kBN) bulk_wait_read();  // the previous item's row copies have read the staging buffer
-    named_bar_sync(1, 256);
+    if (copier) bulk_wait_read();  // the previous item's row copies have read the staging buffer
+    named_bar_sync(bar_id, bar_n);
   }
   if constexpr (kGateUp) {
     // h for (token cwg*64 + row, h column col): gate in acc[0], up in acc[1]; a token's 128 h
@@ -209,7 +238,8 @@ __device__ __forceinline__ void epilogue(const Fp8GemmParams& p, const wg::Item&
 #pragma unroll
     for (int i = 0; i < kFrag; ++i) {
       const float g = acc[0][i], u = acc[1][i];
-      acc[0][i] = g / (1.0f + expf(-g)) * u;  // silu(g) * u in fp32, the CPU's expression
+      if constexpr (kOwn) acc[0][i] = __fdividef(g, 1.0f + __expf(-g)) * u;  // silu(g) * u, fast forms
+      else acc[0][i] = g / (1.0f + expf(-g)) * u;  // silu(g) * u in fp32, the CPU's expression
       if (i & 2) m1 = fmaxf(m1, fabsf(acc[0][i]));
       else m0 = fmaxf(m0, fabsf(acc[0][i]));
     }
@@ -219,13 +249,19 @@ __device__ __forceinline__ void epilogue(const Fp8GemmParams& p, const wg::Item&
       m1 = fmaxf(m1, __shfl_xor_sync(0xffffffffu, m1, m));
     }
     const float sc0 = __fdiv_rn(fmaxf(m0, 1e-4f), kFp8E4m3Max), sc1 = __fdiv_rn(fmaxf(m1, 1e-4f), kFp8E4m3Max);
+    const float inv0 = kOwn ? __frcp_rn(sc0) : 0.0f, inv1 = kOwn ? __frcp_rn(sc1) : 0.0f;
 #pragma unroll
     for (int i = 0; i < kFrag; i += 2) {
       const int col = 8 * (i >> 2) + 2 * (lane & 3), tok = r + ((i & 2) ? 8 : 0);
-      const float scale = (i & 2) ? sc1 : sc0;
-      const uint32_t lo = float_to_fp8_e4m3_bits(__fdiv_rn(acc[0][i], scale));
-      const uint32_t hi = float_to_fp8_e4m3_bits(__fdiv_rn(acc[0][i + 1], scale));
-      *reinterpret_cast<uint16_t*>(stage + tok * kHStride + col) = static_cast<uint16_t>(lo | (hi << 8));
+      uint32_t codes;
+      if constexpr (kOwn) {
+        const float inv = (i & 2) ? inv1 : inv0;
+        codes = fp8x2_bits(acc[0][i] * inv, acc[0][i + 1] * inv);
+      } else {
+        const float scale = (i & 2) ? sc1 : sc0;
+        codes = fp8x2_bits(__fdiv_rn(acc[0][i], scale), __fdiv_rn(acc[0][i + 1], scale));
+      }
+      *reinterpret_cast<uint16_t*>(stage + tok * kHStride + col) = static_cast<uint16_t>(codes);
     }
     if ((lane & 3) == 0) {
       if (r < it.num_rows) p.hs[static_cast<int64_t>(it.row0 + r) * p.hs_stride + it.col0 / kBK] = sc0;
@@ -233,10 +269,10 @@ __device__ __forceinline__ void epilogue(const Fp8GemmParams& p, const wg::Item&
     }
     if constexpr (kBulk) {
       fence_proxy_async();  // this thread's staging writes, before the copy engine reads them
-      named_bar_sync(1, 256);
-      if (ct < it.num_rows) {
-        bulk_store(p.hq + static_cast<int64_t>(it.row0 + ct) * p.h_stride + it.col0,
-                   static_cast<uint32_t>(__cvta_generic_to_shared(stage + ct * kHStride)), kBK);
+      named_bar_sync(bar_id, bar_n);
+      if (copier && crow < it.num_rows) {
+        bulk_store(p.hq + static_cast<int64_t>(it.row0 + crow) * p.h_stride + it.col0,
+                   static_cast<uint32_t>(__cvta_generic_to_shared(stage + crow * kHStride)), kBK);
         bulk_commit();
       }
       return;
@@ -256,17 +292,16 @@ __device__ __forceinline__ void epilogue(const Fp8GemmParams& p, const wg::Item&
 #pragma unroll
       for (int i = 0; i < kFrag; i += 2) {
         const int col = 128 * sub + 8 * (i >> 2) + 2 * (lane & 3), tok = r + ((i & 2) ? 8 : 0);
-        *reinterpret_cast<uint32_t*>(stage + tok * kOutStride + col) =
-            static_cast<uint32_t>(float_to_bf16_bits(acc[sub][i])) | (static_cast<uint32_t>(float_to_bf16_bits(acc[sub][i + 1])) << 16);
+        *reinterpret_cast<uint32_t*>(stage + tok * kOutStride + col) = bf16x2_bits(acc[sub][i], acc[sub][i + 1]);
       }
     }
     if constexpr (kBulk) {
       fence_proxy_async();
-      named_bar_sync(1, 256);
-      if (ct < it.num_rows) {
+      named_bar_sync(bar_id, bar_n);
+      if (copier && crow < it.num_rows) {
         const int64_t ncols = p.hidden - it.col0 < kWRows ? p.hidden - it.col0 : kWRows;  // H % 128 == 0
-        bulk_store(p.out + static_cast<int64_t>(it.row0 + ct) * p.hidden + it.col0,
-                   static_cast<uint32_t>(__cvta_generic_to_shared(stage + ct * kOutStride)), static_cast<uint32_t>(2 * ncols));
+        bulk_store(p.out + static_cast<int64_t>(it.row0 + crow) * p.hidden + it.col0,
+                   static_cast<uint32_t>(__cvta_generic_to_shared(stage + crow * kOutStride)), static_cast<uint32_t>(2 * ncols));
         bulk_commit();
       }
       return;
@@ -284,9 +319,10 @@ __device__ __forceinline__ void epilogue(const Fp8GemmParams& p, const wg::Item&
   named_bar_sync(1, 256);  // staging is reused by the next item's epilogue
 }
 
-/// After a consumer's last epilogue<.., true>: its row copies completed (before the CTA exits).
+/// After a consumer's last epilogue<.., kEpi >= 1>: its row copies completed (before the CTA exits).
+template <int kEpi = 1>
 __device__ __forceinline__ void bulk_end(const Who& w) {
-  if (w.ct < kBN) wg::bulk_wait();
+  if (kEpi == 2 ? (w.ct & 127) < 64 : w.ct < kBN) wg::bulk_wait();
 }
 
 /// Weight tile `wt` of tile list entry `tile`, or false when this CTA-uniform item has nothing to do

@@ -189,7 +189,7 @@ __device__ __forceinline__ void producer(const Fp8GemmParams& p, int32_t tile0, 
 /// The consumer warpgroups: per K block kblock<kFast> (experts_fp8_prefill.cuh), with one arrive
 /// per warp on the stage's `empty` barrier (kFast: inside kblock, before the last promotion); per
 /// item the epilogue (kFast: bulk-copy row stores).
-template <bool kGateUp, bool kFast, bool kRs, bool kDbg>
+template <bool kGateUp, bool kFast, bool kRs, bool kDbg, bool kOwn>
 __device__ __forceinline__ void consumer(const Fp8GemmParams& p, int32_t tile0, int64_t num_items, uint32_t stages,
                                          uint8_t* smem, uint32_t smem_s) {
   using L = Layout<kGateUp>;
@@ -239,10 +239,10 @@ __device__ __forceinline__ void consumer(const Fp8GemmParams& p, int32_t tile0, 
       pos.advance(stages);
     }
     if (kDbg && ditem != nullptr) ditem[1] = clock32();
-    epilogue<kGateUp, kFast>(p, it, w, acc, smem);
+    epilogue<kGateUp, kFast ? (kOwn ? 2 : 1) : 0>(p, it, w, acc, smem);
     if (kDbg && ditem != nullptr) ditem[2] = clock32();
   }
-  if constexpr (kFast) bulk_end(w);
+  if constexpr (kFast) bulk_end<kOwn ? 2 : 1>(w);
   if (kDbg && dcta != nullptr && w.ct == 0) {
     const uint64_t g = globaltimer();
     dcta[2] = static_cast<uint32_t>(g), dcta[3] = static_cast<uint32_t>(g >> 32);
@@ -250,7 +250,7 @@ __device__ __forceinline__ void consumer(const Fp8GemmParams& p, int32_t tile0, 
   }
 }
 
-template <bool kGateUp, bool kFast, bool kRs, bool kDbg = false>
+template <bool kGateUp, bool kFast, bool kRs, bool kDbg = false, bool kOwn = false>
 __global__ void __launch_bounds__(kPfThreads, 1) fp8_prefill_kernel(Fp8GemmParams p) {
   using L = Layout<kGateUp>;
   extern __shared__ uint8_t smem_raw[];
@@ -285,13 +285,13 @@ __global__ void __launch_bounds__(kPfThreads, 1) fp8_prefill_kernel(Fp8GemmParam
     producer<kGateUp, kDbg>(p, tile0, num_items, stages, smem, smem_s);
   } else {
     setmaxnreg_inc<216>();
-    consumer<kGateUp, kFast, kRs, kDbg>(p, tile0, num_items, stages, smem, smem_s);
+    consumer<kGateUp, kFast, kRs, kDbg, kOwn>(p, tile0, num_items, stages, smem, smem_s);
   }
 }
 
 #else  // not sm_90a: the host never launches these (fp8_tensor_cores_available is false)
 
-template <bool kGateUp, bool kFast, bool kRs, bool kDbg = false>
+template <bool kGateUp, bool kFast, bool kRs, bool kDbg = false, bool kOwn = false>
 __global__ void __launch_bounds__(kPfThreads, 1) fp8_prefill_kernel(Fp8GemmParams) {
 #ifdef __CUDA_ARCH__
   __trap();
@@ -300,11 +300,14 @@ __global__ void __launch_bounds__(kPfThreads, 1) fp8_prefill_kernel(Fp8GemmParam
 
 #endif  // EPX_FP8_WGMMA
 
-/// The kernel instance of Fp8GemmParams::prefill_fast (0: mode 8, 1: 16, 2: 17 = 16 with A in registers).
+/// The kernel instance of Fp8GemmParams::prefill_fast (0: mode 8, 1: 16, 2: 17 = 16 with A in
+/// registers, 3: 19 = 17 with each warpgroup's own epilogue in fast forms, epilogue<.., 2>).
 template <bool kGateUp>
 auto prefill_kernel(int fast) {
-  return fast == 2 ? fp8_prefill_kernel<kGateUp, true, true>
-                   : fast == 1 ? fp8_prefill_kernel<kGateUp, true, false> : fp8_prefill_kernel<kGateUp, false, false>;
+  return fast == 3   ? fp8_prefill_kernel<kGateUp, true, true, false, true>
+         : fast == 2 ? fp8_prefill_kernel<kGateUp, true, true>
+         : fast == 1 ? fp8_prefill_kernel<kGateUp, true, false>
+                     : fp8_prefill_kernel<kGateUp, false, false>;
 }
 
 // set_fp8_prefill_debug's state: process-wide, for the bench only (null: the library's kernels).
@@ -334,7 +337,7 @@ void set_fp8_prefill_debug(uint32_t* buffer, uint32_t flags) {
 int fp8_prefill_smem_bytes() { return std::max(Layout<true>::kSmemBytes, Layout<false>::kSmemBytes); }
 
 void fp8_prefill_set_smem_limits() {
-  for (int fast : {0, 1, 2}) {
+  for (int fast : {0, 1, 2, 3}) {
     EPX_CUDA_CHECK(cudaFuncSetAttribute(prefill_kernel<true>(fast), cudaFuncAttributeMaxDynamicSharedMemorySize, Layout<true>::kSmemBytes));
     EPX_CUDA_CHECK(cudaFuncSetAttribute(prefill_kernel<false>(fast), cudaFuncAttributeMaxDynamicSharedMemorySize, Layout<false>::kSmemBytes));
   }

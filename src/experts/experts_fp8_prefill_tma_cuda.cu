@@ -286,7 +286,7 @@ __device__ __forceinline__ void consumer(const Fp8GemmParams& p, bool all_tma, b
       pos.advance(stages);
     }
     if (!wk.mine) continue;
-    epilogue<kGateUp, true>(p, it, w, acc, smem);
+    epilogue<kGateUp, 1>(p, it, w, acc, smem);
   }
   bulk_end(w);
 }
