@@ -27,8 +27,7 @@
 // the per-phase clock stamps of the K loop per warpgroup (medians over CTAs and a window of K blocks),
 // as rows prefill-v3-stamps; --no-flat skips the Flat prefill case)
 // (--prefill-variants: also the prefill kernels with early scales / release and bulk-copy stores,
-// EPX_EXPERTS_FP8_PREFILL=16 (the default 1 = 17), 16 with wgmma's A in registers (=17), the TMA loads (=10) and their 2-CTA clusters (=11,
-// ExpertMajor only); the variants removed in the seventh session (2-7, 9, 12-15) and the ring depths
+// EPX_EXPERTS_FP8_PREFILL=16 (the default 1 = 17), 16 with wgmma's A in registers (=17), the TMA loads (=10, ExpertMajor only); the variants removed in the seventh session (2-7, 9, 12-15) and the ring depths
 // were measured before, bench/NOTES.md)
 #include <cublasLt.h>
 #include <cuda_runtime.h>
@@ -595,15 +594,13 @@ int main(int argc, char** argv) {
       add_row("prefill-v3", "epx-wgmma-64", "expert_major", cap, s4, false, true,
               rel_l2(host_bf16(out), host_bf16(out4), {{0, L * cap}}),
               "EPX_EXPERTS_FP8_PREFILL=0 (64-row kernels only); max_rel_error = epx-wgmma (prefill kernels) against this");
-      // Early scales / release and bulk stores (=16), the TMA loads (=10) and their 2-CTA cluster
-      // launch (=11).
+      // Early scales / release and bulk stores (=16), 16 with A in registers (=17) and the TMA loads (=10).
       struct Variant {
         const char *env, *value, *backend;
       };
       for (const Variant& v : {Variant{"EPX_EXPERTS_FP8_PREFILL", "16", "epx-wgmma-fast"},
                                Variant{"EPX_EXPERTS_FP8_PREFILL", "17", "epx-wgmma-fast-rs"},
-                               Variant{"EPX_EXPERTS_FP8_PREFILL", "10", "epx-wgmma-tma-swap"},
-                               Variant{"EPX_EXPERTS_FP8_PREFILL", "11", "epx-wgmma-cluster-swap"}}) {
+                               Variant{"EPX_EXPERTS_FP8_PREFILL", "10", "epx-wgmma-tma-swap"}}) {
         if (!do_variants || !modes.empty()) break;
         setenv(v.env, v.value, 1);
         auto tcs = make_experts_cuda(experts, 0);

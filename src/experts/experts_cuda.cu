@@ -37,12 +37,14 @@ constexpr int64_t kMaxTileSlots = 1024;
 /// The FP8 prefill kernels' variant that Config::experts_fp8_prefill = 1 (the default) takes: 8
 /// experts_fp8_prefill_cuda.cu (cp.async loads, tokens in wgmma's A), 16 the same with the scales read
 /// before the wgmmas, the stage released before the last promotion and bulk-copy epilogue stores
-/// (same bits), 17 = 16 with wgmma's A (tokens) in registers, 10 / 11 experts_fp8_prefill_tma_cuda.cu (TMA loads / their 2-CTA clusters);
+/// (same bits), 17 = 16 with wgmma's A (tokens) in registers, 10 experts_fp8_prefill_tma_cuda.cu (TMA loads);
 /// whichever bench/NOTES.md measured fastest (sixth session: 8, 3296 us at DeepSeek-V3 shapes, 256
 /// rows/expert; seventh session: 17, 2 % / 5 % less time than 8 on ExpertMajor / Flat in the same run,
-/// same bytes). Removed after measurement (seventh session): 2-7 and 9 (weights in A, turn orders),
-/// 12-15 (a pipelined m64n64 consumer, 40 % slower).
-constexpr int kFp8PrefillDefaultMode = 17;
+/// same bytes; eighth session: 19, each consumer warpgroup's own epilogue in fast forms, bench/NOTES.md).
+/// Removed after measurement (seventh session): 2-7 and 9 (weights in A, turn orders),
+/// 12-15 (a pipelined m64n64 consumer, 40 % slower); eighth session: 11 (the TMA loads as 2-CTA
+/// clusters multicasting the weight tile, slower in every run).
+constexpr int kFp8PrefillDefaultMode = 19;
 
 using GemmKernel = void (*)(GemmParams);
 
@@ -177,13 +179,12 @@ class CudaExperts final : public Experts {
     // bench/NOTES.md), 8 = cp.async loads, 16 = 8 with early scales / release and bulk stores
     // (Fp8GemmParams::prefill_fast), 18 = 17 with the token scales loaded 4 K blocks at a time
     // (Fp8GemmParams::prefill_xs_vec), 19 = 17 with each warpgroup's own epilogue in fast forms
-    // (prefill_fast 3; within the FP8 tolerance, not 17's bits), 10 = 17 with TMA loads, 11 = 10 + 2-CTA clusters multicasting the
-    // weight tile; same results every way.
+    // (prefill_fast 3; within the FP8 tolerance, not 17's bits), 10 = 17 with TMA loads; same results every way
+    // (19: within the FP8 tolerance).
     const int pf_mode = config.experts_fp8_prefill == 1 ? kFp8PrefillDefaultMode : config.experts_fp8_prefill;
-    fp8_prefill_cluster_ = pf_mode == 11;
     fp8_prefill_fast_ = pf_mode == 16 ? 1 : pf_mode == 17 || pf_mode == 18 ? 2 : pf_mode == 19 ? 3 : 0;  // 17: 16 with wgmma's A in registers
     fp8_prefill_xs_vec_ = pf_mode == 18;  // 18: 17 with the token scales loaded 4 K blocks at a time
-    const bool pf_tma = pf_mode == 10 || pf_mode == 11;
+    const bool pf_tma = pf_mode == 10;
     // Objects with mxfp4 experts, all of them fp8_block or mxfp4 with I % 128 == 0 and H % 128 == 0,
     // fed FP8 x, run every expert on the mixed sm_90a kernels (experts_mxfp4_cuda.cu): one grouped
     // launch per GEMM for both formats (FHMoE: FP8 shared + MXFP4 routed). Config::experts_mxfp4_tc
@@ -219,7 +220,7 @@ class CudaExperts final : public Experts {
     descs_ = Tensor::empty({num_local * static_cast<int64_t>(sizeof(ExpertDesc))}, DType::uint8, dev);
     EPX_CUDA_CHECK(cudaMemcpy(descs_.data(), descs.data(), descs.size() * sizeof(ExpertDesc), cudaMemcpyHostToDevice));
     // The prefill kernels load the weight tiles with TMA from per-expert descriptors built here
-    // (modes 10, 11); the other modes, or a map the driver cannot encode, keep cp.async.
+    // (mode 10); the other modes, or a map the driver cannot encode, keep cp.async.
     if (fp8_tensor_cores_ && pf_tma) {
       std::vector<experts_cuda::Fp8TmaMap> maps(2 * descs.size());
       bool ok = true;
@@ -481,7 +482,6 @@ class CudaExperts final : public Experts {
       fp.num_small = big ? ws.num_tiles + 1 : nullptr;
       fp.prefill_stages = fp8_prefill_stages_;
       fp.w_maps = w_maps_.defined() ? w_maps_.data() : nullptr;
-      fp.prefill_cluster = fp8_prefill_cluster_ ? 1 : 0;
       fp.prefill_fast = fp8_prefill_fast_;
       fp.prefill_xs_vec = fp8_prefill_xs_vec_ ? 1 : 0;
       fp.row_space = in.layout == ActivationLayout::ExpertMajor ? in.x.size(0) * in.x.size(1)
@@ -531,7 +531,6 @@ class CudaExperts final : public Experts {
   bool fp8_prefill_ = false;      // experts with > 64 rows on the prefill kernels (EPX_EXPERTS_FP8_PREFILL)
   int fp8_prefill_stages_ = 0;    // their ring depth (EPX_EXPERTS_FP8_PREFILL_STAGES; 0 = maximum)
   int fp8_prefill_min_tiles_ = 1; // big tiles the prefill section needs to run (EPX_EXPERTS_FP8_PREFILL_MIN_TILES; 0 -> one wave)
-  bool fp8_prefill_cluster_ = false;  // their 2-CTA cluster launch (EPX_EXPERTS_FP8_PREFILL=11)
   int fp8_prefill_fast_ = 0;          // modes 16, 17 (Fp8GemmParams::prefill_fast 1, 2)
   bool fp8_prefill_xs_vec_ = false;   // mode 18 (Fp8GemmParams::prefill_xs_vec)
   int64_t mx_inter_max_ = 0;      // widest mxfp4 expert

@@ -353,9 +353,9 @@ TEST(ExpertsCuda, Fp8TensorCoreRowCountsOneTo8192) {
   // The same cases through the paired-K-block mainloop variant (EPX_EXPERTS_FP8_PAIRS=1), with
   // the prefill kernels off (EPX_EXPERTS_FP8_PREFILL=0: every tile on the 64-row kernels), with
   // early scales / release and bulk-copy stores (=16), each warpgroup's own epilogue in fast forms
-  // (=19: not the same bits, so only against the CPU here), the TMA variant of the prefill kernels (=10)
-  // and its 2-CTA clusters (=11); Fp8PrefillTmaLoadsMatchCpAsyncLoadsBitForBit checks those and the
-  // default (=17) are bit-identical to =8.
+  // (=19, the default since the eighth session: not the same bits as =8, so only against the CPU)
+  // and the TMA variant of the prefill kernels (=10); Fp8PrefillTmaLoadsMatchCpAsyncLoadsBitForBit
+  // checks 16, 17, 18 and 10 are bit-identical to =8.
   // These take the prefill section for any expert with > 64 rows (EPX_EXPERTS_FP8_PREFILL_MIN_TILES
   // = 1); "gated" is the default, which takes it only when the big tiles fill one wave (here only
   // flat 8192 rows: 3 x 22 tiles against ceil(132 / 16) = 9; 1000 rows are 8 tiles: 64-row kernels).
@@ -371,8 +371,6 @@ TEST(ExpertsCuda, Fp8TensorCoreRowCountsOneTo8192) {
   auto gpu_small = make_experts_cuda(experts, 0);
   setenv("EPX_EXPERTS_FP8_PREFILL", "10", 1);
   auto gpu_tma = make_experts_cuda(experts, 0);
-  setenv("EPX_EXPERTS_FP8_PREFILL", "11", 1);
-  auto gpu_cluster = make_experts_cuda(experts, 0);
   setenv("EPX_EXPERTS_FP8_PREFILL", "16", 1);
   auto gpu_fast = make_experts_cuda(experts, 0);
   setenv("EPX_EXPERTS_FP8_PREFILL", "19", 1);
@@ -381,16 +379,14 @@ TEST(ExpertsCuda, Fp8TensorCoreRowCountsOneTo8192) {
   unsetenv("EPX_EXPERTS_FP8_PREFILL_MIN_TILES");
   const double tol = kMaxRelL2Fp8TensorCores;
   const std::vector<std::vector<int32_t>> cases = {{0, 1, 0}, {7, 0, 0}, {16, 17, 95}, {64, 65, 129}, {0, 1000, 0}};
-  for (auto* g : {gpu.get(), gpu_own.get(), gpu_fast.get(), gpu_pairs.get(), gpu_small.get(), gpu_tma.get(), gpu_cluster.get(),
-                  gpu_gated.get()}) {
+  for (auto* g : {gpu.get(), gpu_own.get(), gpu_fast.get(), gpu_pairs.get(), gpu_small.get(), gpu_tma.get(), gpu_gated.get()}) {
     const char* variant = g == gpu.get()           ? ""
                           : g == gpu_own.get()     ? " (prefill own epilogues, fast forms)"
                           : g == gpu_fast.get()    ? " (prefill early release, bulk stores)"
                           : g == gpu_gated.get()   ? " (prefill gated: one wave)"
                           : g == gpu_pairs.get()   ? " (pairs)"
                           : g == gpu_small.get()   ? " (no prefill kernels)"
-                          : g == gpu_tma.get()     ? " (prefill TMA loads)"
-                                                   : " (prefill TMA 2-CTA clusters)";
+                                                   : " (prefill TMA loads)";
     uint64_t seed = 501;
     for (const auto& counts : cases) {
       const int64_t cap = *std::max_element(counts.begin(), counts.end()) + 3;
@@ -414,9 +410,7 @@ TEST(ExpertsCuda, Fp8PrefillTmaLoadsMatchCpAsyncLoadsBitForBit) {
   // run the same consumer, so the outputs must agree byte for byte: ExpertMajor (TMA for weights
   // and tokens; an expert without tokens, 129 / 300 rows: partial 128-row tiles whose TMA boxes run
   // into NaN padding rows) and Flat (weights by TMA, the token gather by cp.async), DeepSeek-V3
-  // widths beside a V4-Pro-width expert (I 3072: h_stride > I). The 2-CTA cluster launch (=11:
-  // row-tile pairs in lockstep, the weight tile multicast where both tiles are the same expert's;
-  // pairs of different experts, K lengths and a lone last tile here), =16 (early scale reads and
+  // widths beside a V4-Pro-width expert (I 3072: h_stride > I). =16 (early scale reads and
   // stage release, bulk-copy epilogue stores), =17 (=16 with wgmma's A from registers, loaded by
   // ldmatrix) and =18 (=17 with the token scales loaded 4 K blocks at a time; V4-Pro's I 3072 = 24
   // K blocks, V3's down 16, gate_up 56) must give the same bytes too.
@@ -434,8 +428,6 @@ TEST(ExpertsCuda, Fp8PrefillTmaLoadsMatchCpAsyncLoadsBitForBit) {
   auto xs = make_experts_cuda(experts, 0);
   setenv("EPX_EXPERTS_FP8_PREFILL", "10", 1);
   auto tma = make_experts_cuda(experts, 0);
-  setenv("EPX_EXPERTS_FP8_PREFILL", "11", 1);
-  auto cl = make_experts_cuda(experts, 0);
   unsetenv("EPX_EXPERTS_FP8_PREFILL");
   unsetenv("EPX_EXPERTS_FP8_PREFILL_MIN_TILES");
   auto same_bytes = [](const Tensor& a, const Tensor& b) {
@@ -472,8 +464,8 @@ TEST(ExpertsCuda, Fp8PrefillTmaLoadsMatchCpAsyncLoadsBitForBit) {
   poison_dev(fl_ref);
   cpa->apply(em, em_ref);
   cpa->apply(fl, fl_ref);
-  for (auto* g : {fast.get(), rs.get(), xs.get(), tma.get(), cl.get()}) {
-    const char* name = g == fast.get() ? "fast" : g == rs.get() ? "fast-rs" : g == xs.get() ? "fast-rs-xs4" : g == tma.get() ? "tma" : "cluster";
+  for (auto* g : {fast.get(), rs.get(), xs.get(), tma.get()}) {
+    const char* name = g == fast.get() ? "fast" : g == rs.get() ? "fast-rs" : g == xs.get() ? "fast-rs-xs4" : "tma";
     Tensor o = Tensor::empty({L, cap, H}, DType::bf16, kDev), f = Tensor::empty({N, H}, DType::bf16, kDev);
     poison_dev(o);
     poison_dev(f);

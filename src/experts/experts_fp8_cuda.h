@@ -49,11 +49,6 @@ struct Fp8GemmParams {
   /// Rows of the row space (ExpertMajor L * cap, Flat N * K): the outer extent of the TMA prefill
   /// kernels' descriptors of x (ExpertMajor gate_up) and hq (down).
   int64_t row_space;
-  /// TMA prefill kernels: 1 = launch as 2-CTA clusters: the two row tiles of a pair (tile
-  /// list entries 2j, 2j + 1) at the same weight tile run on the two CTAs in lockstep, and where
-  /// they belong to the same expert each CTA loads one 128-row half of the weight tile, multicast
-  /// to both (half the weight bytes from L2 per CTA). Same results. 0 = one CTA per work item.
-  int32_t prefill_cluster;
   /// cp.async prefill kernels: 1 = kblock<true> (scales read before the wgmmas, the stage released
   /// before the last promotion) and bulk-copy epilogue stores (Config::experts_fp8_prefill 16); 2 = 1
   /// with wgmma's A (the tokens) in registers (17); same bits as 0. 3 = 2 with each consumer
@@ -139,8 +134,8 @@ int fp8_prefill_smem_bytes();
 void fp8_prefill_set_smem_limits();
 
 /// The TMA variant of the prefill kernels (experts_fp8_prefill_tma_cuda.cu; Config::experts_fp8_prefill
-/// 10 / 11): same arguments and results; needs p.w_maps (fp8_prefill_weight_maps) and p.row_space;
-/// p.prefill_cluster = 1 launches 2-CTA clusters. Shared bytes and the one-time limit raise as above.
+/// 10): same arguments and results; needs p.w_maps (fp8_prefill_weight_maps) and p.row_space.
+/// Shared bytes and the one-time limit raise as above.
 void launch_fp8_prefill_tma_gate_up(const Fp8GemmParams& p, int grid, cudaStream_t stream);
 void launch_fp8_prefill_tma_down(const Fp8GemmParams& p, int grid, cudaStream_t stream);
 int fp8_prefill_tma_smem_bytes();

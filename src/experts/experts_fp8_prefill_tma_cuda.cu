@@ -1,9 +1,10 @@
 // experts/experts_fp8_prefill_tma_cuda.cu: a variant of the FP8 prefill grouped GEMMs of
 // experts_fp8_prefill_cuda.cu (same tiles, same consumer and epilogue, experts_fp8_prefill.cuh;
-// bit-identical output) whose operands come by TMA, opt-in (Config::experts_fp8_prefill 10, or 11 for
-// its 2-CTA cluster launch multicasting the weight tile; bench/NOTES.md: with the mode-8 consumer 10
-// was 4 % faster than the cp.async kernels on ExpertMajor and 9 % slower on Flat in one run, 11 slower
-// on both; since the eighth session both run the consumer of mode 17).
+// bit-identical output) whose operands come by TMA, opt-in (Config::experts_fp8_prefill 10; with the
+// mode-8 consumer, bench/NOTES.md: 4 % faster than the cp.async kernels on ExpertMajor and 9 % slower
+// on Flat in one run; the consumer of mode 17 since the eighth session). Its 2-CTA cluster launch
+// multicasting the weight tile (11) was slower in every run, with the mode-17 consumer too (eighth
+// session: 4618 / 5037 us against 17's 3464 / 3519), and was removed.
 //
 // One CTA per SM, 384 threads, warp-specialized:
 //   warpgroup 0 (producer, 64 registers): streams each K block's operands into a kStages-deep ring
@@ -17,7 +18,8 @@
 //     completes when the TMA bytes and all 128 threads' copies landed. Without the weight maps
 //     (the driver could not encode them) every operand goes through 16-byte cp.async;
 //   warpgroups 1, 2 (consumers, 216 registers): experts_fp8_prefill.cuh's kblock and epilogue (tokens
-//     in wgmma's A), as in experts_fp8_prefill_cuda.cu; the producer runs up to kStages blocks
+//     in wgmma's A), the consumer of mode 17 of experts_fp8_prefill_cuda.cu (until the eighth session
+//     that of mode 8; same bits); the producer runs up to kStages blocks
 //     ahead, across work items, so the next item's first stages load under the current epilogue.
 // Work items: (128-row tile, weight tile) pairs over the tile list's prefill section, walked by a
 // persistent grid in tile-major order (all weight tiles of one row tile, then the expert's next row
@@ -60,73 +62,20 @@ __device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map
       : "memory");
 }
 
-/// The same box written at the same shared offset of every CTA in `mask` (cluster ranks), each
-/// CTA's mbarrier at offset `bar` completing the box's bytes.
-__device__ __forceinline__ void tma_load_2d_multicast(uint32_t dst, const CUtensorMap* map, int32_t x, int32_t y, uint32_t bar,
-                                                      uint16_t mask) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.multicast::cluster [%0], [%1, {%2, %3}], "
-      "[%4], %5;\n" ::"r"(dst),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(x), "r"(y), "r"(bar), "h"(mask)
-      : "memory");
-}
-/// Arrives (release, cluster scope) on the mbarrier at shared offset `bar` of cluster rank `cta`.
-__device__ __forceinline__ void mbar_arrive_remote(uint32_t bar, uint32_t cta) {
-  asm volatile(
-      "{\n.reg .b32 r;\nmapa.shared::cluster.u32 r, %0, %1;\nmbarrier.arrive.release.cluster.shared::cluster.b64 _, [r];\n}\n" ::"r"(bar),
-      "r"(cta)
-      : "memory");
-}
-/// mbar_wait with cluster-scope acquire (the phase was completed by arrivals of both CTAs).
-__device__ __forceinline__ void mbar_wait_cluster(uint32_t bar, uint32_t parity) {
-  asm volatile(
-      "{\n.reg .pred done;\n"
-      "WAITC_%=:\n"
-      "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 done, [%0], %1;\n"
-      "@!done bra WAITC_%=;\n}\n" ::"r"(bar),
-      "r"(parity)
-      : "memory");
-}
-__device__ __forceinline__ uint32_t cluster_ctarank() {
-  uint32_t r;
-  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
-  return r;
-}
-__device__ __forceinline__ void cluster_sync_all() {
-  asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;\n" ::: "memory");
-}
-
-/// One step of a CTA's walk over the prefill section.
-/// Without clusters, step q = item (row tile q / max_weight_tiles, weight tile q % max_weight_tiles).
-/// With 2-CTA clusters, step q = the pair of row tiles 2 (q / mwt) + {0, 1} (rank 0, 1) at weight
-/// tile q % mwt: both CTAs take nk = max of their K blocks through their rings in lockstep (a CTA
-/// without an item, or with fewer K blocks, runs empty stages), and when both tiles belong to the
-/// same expert (the same weight tile) each CTA loads one 128-row half of it, multicast to both.
+/// Work item q (row tile q / max_weight_tiles, weight tile q % max_weight_tiles) of the prefill
+/// section, or nk == 0 when this CTA-uniform item has nothing to do (resolve_tile).
 struct Work {
   Item it{};
   int32_t expert = -1;
-  bool mine = false;   // this CTA computes `it`
-  bool mcast = false;  // cluster: the weight tile is shared with the other CTA (multicast halves)
-  int64_t nk = 0;      // K blocks this step takes through the ring
+  int64_t nk = 0;  // K blocks
 };
 
 template <bool kGateUp>
-__device__ __forceinline__ Work work_at(const Fp8GemmParams& p, int32_t tile0, int32_t num_tiles, int64_t q, bool cluster,
-                                        uint32_t rank) {
+__device__ __forceinline__ Work work_at(const Fp8GemmParams& p, int32_t tile0, int64_t q) {
   Work w;
-  const int wt = static_cast<int>(q % p.max_weight_tiles);
-  if (!cluster) {
-    w.mine = resolve_tile<kGateUp>(p, tile0 + static_cast<int32_t>(q / p.max_weight_tiles), wt, w.it, w.expert);
-    w.nk = w.mine ? w.it.K / kBK : 0;
-    return w;
-  }
-  const int64_t t = 2 * (q / p.max_weight_tiles) + rank, u = t ^ 1;
-  w.mine = t < num_tiles && resolve_tile<kGateUp>(p, tile0 + static_cast<int32_t>(t), wt, w.it, w.expert);
-  Item o;
-  int32_t eo = -1;
-  const bool theirs = u < num_tiles && resolve_tile<kGateUp>(p, tile0 + static_cast<int32_t>(u), wt, o, eo);
-  w.mcast = w.mine && theirs && eo == w.expert;
-  w.nk = max(w.mine ? w.it.K / kBK : int64_t{0}, theirs ? o.K / kBK : int64_t{0});
+  if (resolve_tile<kGateUp>(p, tile0 + static_cast<int32_t>(q / p.max_weight_tiles), static_cast<int>(q % p.max_weight_tiles), w.it,
+                            w.expert))
+    w.nk = w.it.K / kBK;
   return w;
 }
 
@@ -135,9 +84,8 @@ __device__ __forceinline__ Work work_at(const Fp8GemmParams& p, int32_t tile0, i
 /// 32-byte sector between two instructions: twice the L2 -> SM traffic, measured slower than the
 /// 64-row kernels).
 template <bool kGateUp>
-__device__ __forceinline__ void producer(const Fp8GemmParams& p, const CUtensorMap* bmap, bool tma_b, bool cluster, int32_t tile0,
-                                         int32_t num_tiles, int64_t q0, int64_t q_step, int64_t num_steps, uint32_t stages,
-                                         uint8_t* smem, uint32_t smem_s) {
+__device__ __forceinline__ void producer(const Fp8GemmParams& p, const CUtensorMap* bmap, bool tma_b, int32_t tile0, int64_t num_steps,
+                                         uint32_t stages, uint8_t* smem, uint32_t smem_s) {
   using L = Layout<kGateUp>;
   const int pt = threadIdx.x;  // 0..127
   const int c = pt & 7, r8 = pt >> 3;
@@ -149,18 +97,16 @@ __device__ __forceinline__ void producer(const Fp8GemmParams& p, const CUtensorM
   const uint32_t full0 = smem_s + L::kBarOff, empty0 = full0 + L::kStages * 8;
   const bool tma_a = p.w_maps != nullptr;
   const uint32_t tx_bytes = tma_a ? kABytes + (tma_b ? kBBytes : 0) : 0;
-  const uint32_t rank = cluster ? cluster_ctarank() : 0;
   RingPos pos;
   bool wrapped = false;  // every stage was filled once (from then on, wait for its release)
-  for (int64_t q = q0; q < num_steps; q += q_step) {
-    const Work w = work_at<kGateUp>(p, tile0, num_tiles, q, cluster, rank);
+  for (int64_t q = blockIdx.x; q < num_steps; q += gridDim.x) {
+    const Work w = work_at<kGateUp>(p, tile0, q);
     if (w.nk == 0) continue;
     const Item& it = w.it;
-    const int64_t my_nk = w.mine ? it.K / kBK : 0;
     // The weight tile's two 128-row boxes: gate_up gate rows col0.. and up rows I + col0..;
     // down output rows col0.. and col0 + 128.. (past H: zero-filled, as sub_valid's zeros).
     const CUtensorMap* amap = nullptr;
-    if (tma_a && w.mine) amap = static_cast<const CUtensorMap*>(p.w_maps) + 2 * w.expert + (kGateUp ? 0 : 1);
+    if (tma_a) amap = static_cast<const CUtensorMap*>(p.w_maps) + 2 * w.expert + (kGateUp ? 0 : 1);
     const int32_t ar0 = static_cast<int32_t>(sub_row<kGateUp>(it, 0)), ar1 = static_cast<int32_t>(sub_row<kGateUp>(it, 2));
     // Token pt's B row (gather for Flat gate_up); its scale row stays in this thread.
     const bool bv = pt < it.num_rows;
@@ -183,30 +129,15 @@ __device__ __forceinline__ void producer(const Fp8GemmParams& p, const CUtensorM
     const float* wssrc = it.w_scale + (wsv ? (sub_row<kGateUp>(it, pt & 3) / kBK) * (it.K / kBK) : 0);
     for (int64_t kb = 0; kb < w.nk; ++kb) {
       const uint32_t s = pos.stage;
-      // the consumers released the previous use (cluster: those of both CTAs)
-      if (wrapped) {
-        if (cluster) mbar_wait_cluster(empty0 + s * 8, pos.phase ^ 1u);
-        else mbar_wait(empty0 + s * 8, pos.phase ^ 1u);
-      }
+      if (wrapped) mbar_wait(empty0 + s * 8, pos.phase ^ 1u);  // the consumers released the previous use
       const uint32_t a_s = smem_s + s * kStageBytes, b_s = a_s + kABytes;
       const int64_t k0 = kb * kBK;
-      if (kb >= my_nk) {  // cluster lockstep: an empty stage (no bytes), 129 arrivals as usual
-        if (pt == 0) mbar_arrive(full0 + s * 8);
-        cp_async_mbar_arrive(full0 + s * 8);
-        pos.advance(stages);
-        wrapped = wrapped || pos.stage == 0;
-        continue;
-      }
       if (tma_a) {
         if (pt == 0) {
           const uint32_t full = full0 + s * 8;
           mbar_arrive_expect_tx(full, tx_bytes);  // the barrier's 129th arrival; TMA bytes complete it
-          if (w.mcast) {  // my half to both CTAs; the other CTA's half arrives on my barrier too
-            tma_load_2d_multicast(a_s + rank * (kTmaBox * kBK), amap, static_cast<int32_t>(k0), rank ? ar1 : ar0, full, 3);
-          } else {
-            tma_load_2d(a_s, amap, static_cast<int32_t>(k0), ar0, full);
-            tma_load_2d(a_s + kTmaBox * kBK, amap, static_cast<int32_t>(k0), ar1, full);
-          }
+          tma_load_2d(a_s, amap, static_cast<int32_t>(k0), ar0, full);
+          tma_load_2d(a_s + kTmaBox * kBK, amap, static_cast<int32_t>(k0), ar1, full);
           if (tma_b) tma_load_2d(b_s, bmap, static_cast<int32_t>(k0), it.row0, full);
         }
       } else {
@@ -235,12 +166,12 @@ __device__ __forceinline__ void producer(const Fp8GemmParams& p, const CUtensorM
   cp_async_wait<0>();
 }
 
-/// The consumer warpgroups (experts_fp8_prefill.cuh: kblock, epilogue). Cluster lockstep: a stage
-/// this CTA has no work in is released without wgmmas.
+/// The consumer warpgroups (experts_fp8_prefill.cuh: kblock, epilogue), as mode 17 of
+/// experts_fp8_prefill_cuda.cu since the eighth session: the scales read before the wgmmas, the
+/// stage released before the last promotion, wgmma's A (tokens) in registers, bulk-copy row stores.
 template <bool kGateUp>
-__device__ __forceinline__ void consumer(const Fp8GemmParams& p, bool all_tma, bool cluster, int32_t tile0, int32_t num_tiles,
-                                         int64_t q0, int64_t q_step, int64_t num_steps, uint32_t stages, uint8_t* smem,
-                                         uint32_t smem_s) {
+__device__ __forceinline__ void consumer(const Fp8GemmParams& p, bool all_tma, int32_t tile0, int64_t num_steps, uint32_t stages,
+                                         uint8_t* smem, uint32_t smem_s) {
   using L = Layout<kGateUp>;
   const Who w;
   const int lane = w.lane;
@@ -249,13 +180,11 @@ __device__ __forceinline__ void consumer(const Fp8GemmParams& p, bool all_tma, b
   float acc[2][kFrag], tmp[kFrag];
 #pragma unroll
   for (int i = 0; i < kFrag; ++i) tmp[i] = 0.0f;
-  const uint32_t rank = cluster ? cluster_ctarank() : 0;
   RingPos pos;
-  for (int64_t q = q0; q < num_steps; q += q_step) {
-    const Work wk = work_at<kGateUp>(p, tile0, num_tiles, q, cluster, rank);
+  for (int64_t q = blockIdx.x; q < num_steps; q += gridDim.x) {
+    const Work wk = work_at<kGateUp>(p, tile0, q);
     if (wk.nk == 0) continue;
     const Item& it = wk.it;
-    const int64_t nk = wk.mine ? it.K / kBK : 0;
 #pragma unroll
     for (int sub = 0; sub < 2; ++sub)
 #pragma unroll
@@ -263,39 +192,26 @@ __device__ __forceinline__ void consumer(const Fp8GemmParams& p, bool all_tma, b
     for (int64_t kb = 0; kb < wk.nk; ++kb) {
       const uint32_t s = pos.stage;
       mbar_wait(full0 + s * 8, pos.phase);
-      auto release = [&] {
+      // cp.async wrote operands through the generic proxy; wgmma reads through the async one (TMA
+      // writes through the async proxy: no fence when both operands came by TMA)
+      if (!all_tma) fence_proxy_async();
+      const uint32_t a_s = smem_s + s * kStageBytes;
+      auto release = [&] {  // 8 consumer warps release the stage
         __syncwarp();
-        if (lane == 0) {  // 8 consumer warps release the stage (cluster: in both CTAs, whose producers may multicast into it)
-          if (cluster) {
-            mbar_arrive_remote(empty0 + s * 8, 0);
-            mbar_arrive_remote(empty0 + s * 8, 1);
-          } else {
-            mbar_arrive(empty0 + s * 8);
-          }
-        }
+        if (lane == 0) mbar_arrive(empty0 + s * 8);
       };
-      if (kb < nk) {  // (cluster lockstep: past nk an empty stage)
-        // cp.async wrote operands through the generic proxy; wgmma reads through the async one (TMA
-        // writes through the async proxy: no fence when both operands came by TMA)
-        if (!all_tma) fence_proxy_async();
-        const uint32_t a_s = smem_s + s * kStageBytes;
-        kblock<true, true>(w, a_s, a_s + kABytes, scales + s * kScaleFloats, acc, tmp, release);
-      } else {
-        release();
-      }
+      kblock<true, true>(w, a_s, a_s + kABytes, scales + s * kScaleFloats, acc, tmp, release);
       pos.advance(stages);
     }
-    if (!wk.mine) continue;
     epilogue<kGateUp, 1>(p, it, w, acc, smem);
   }
   bulk_end(w);
 }
 
 template <bool kGateUp>
-__global__ void __launch_bounds__(kPfThreads, 1) fp8_prefill_tma_kernel(Fp8GemmParams p, const __grid_constant__ CUtensorMap bmap, int tma_b, int cluster) {
+__global__ void __launch_bounds__(kPfThreads, 1) fp8_prefill_tma_kernel(Fp8GemmParams p, const __grid_constant__ CUtensorMap bmap, int tma_b) {
   using L = Layout<kGateUp>;
-  // tma_b: the token tile comes by TMA from `bmap` (only with the weight maps: the launch checks);
-  // cluster: launched as 2-CTA clusters (only with the weight maps), Work's pairs and multicast
+  // tma_b: the token tile comes by TMA from `bmap` (only with the weight maps: the launch checks)
   extern __shared__ uint8_t smem_raw[];
   const uint32_t raw_s = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
   const uint32_t pad = (1024u - (raw_s & 1023u)) & 1023u;
@@ -305,35 +221,28 @@ __global__ void __launch_bounds__(kPfThreads, 1) fp8_prefill_tma_kernel(Fp8GemmP
     for (int s = 0; s < L::kStages; ++s) {
       // full: every producer thread's cp.async arrival, + thread 0's expect_tx arrival with TMA
       mbar_init(smem_s + L::kBarOff + s * 8, p.w_maps != nullptr ? 129 : 128);
-      // empty: every consumer warp (cluster: of both CTAs)
-      mbar_init(smem_s + L::kBarOff + (L::kStages + s) * 8, cluster ? 16 : 8);
+      mbar_init(smem_s + L::kBarOff + (L::kStages + s) * 8, 8);  // empty: every consumer warp
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
-  if (cluster) cluster_sync_all();  // both CTAs' barriers exist before any remote arrival or multicast
-  else __syncthreads();
+  __syncthreads();
   const int32_t tile0 = *p.num_small, tile1 = *p.num_tiles;
-  const int32_t num_tiles = max(tile1 - tile0, 0);
   // Ring depth: Fp8GemmParams::prefill_stages clamped to [2, kStages] (0 = kStages).
   const uint32_t stages = p.prefill_stages <= 0 ? L::kStages : min(max(p.prefill_stages, 2), L::kStages);
-  const int64_t num_steps = static_cast<int64_t>(cluster ? (num_tiles + 1) / 2 : num_tiles) * p.max_weight_tiles;
-  const int64_t q0 = cluster ? blockIdx.x / 2 : blockIdx.x, q_step = cluster ? gridDim.x / 2 : gridDim.x;
+  const int64_t num_steps = static_cast<int64_t>(max(tile1 - tile0, 0)) * p.max_weight_tiles;
   if (threadIdx.x < 128) {
     setmaxnreg_dec<64>();
-    producer<kGateUp>(p, &bmap, tma_b != 0, cluster != 0, tile0, num_tiles, q0, q_step, num_steps, stages, smem, smem_s);
+    producer<kGateUp>(p, &bmap, tma_b != 0, tile0, num_steps, stages, smem, smem_s);
   } else {
     setmaxnreg_inc<216>();
-    consumer<kGateUp>(p, p.w_maps != nullptr && tma_b != 0, cluster != 0, tile0, num_tiles, q0, q_step, num_steps, stages, smem,
-                      smem_s);
+    consumer<kGateUp>(p, p.w_maps != nullptr && tma_b != 0, tile0, num_steps, stages, smem, smem_s);
   }
-  // cluster: neither CTA leaves while the other may still multicast into it or arrive on its barriers
-  if (cluster) cluster_sync_all();
 }
 
 #else  // not sm_90a: the host never launches these (fp8_tensor_cores_available is false)
 
 template <bool kGateUp>
-__global__ void __launch_bounds__(kPfThreads, 1) fp8_prefill_tma_kernel(Fp8GemmParams, const __grid_constant__ CUtensorMap, int, int) {
+__global__ void __launch_bounds__(kPfThreads, 1) fp8_prefill_tma_kernel(Fp8GemmParams, const __grid_constant__ CUtensorMap, int) {
 #ifdef __CUDA_ARCH__
   __trap();
 #endif
@@ -384,61 +293,15 @@ bool fp8_prefill_weight_maps(const ExpertDesc& e, int64_t hidden, Fp8TmaMap& w13
 
 namespace {
 
-/// The kernel of the gate_up (kGateUp) or down GEMM (Config::experts_fp8_prefill 10, 11).
+/// The kernel of the gate_up (kGateUp) or down GEMM (Config::experts_fp8_prefill 10).
 template <bool kGateUp>
 auto tma_kernel() {
   return fp8_prefill_tma_kernel<kGateUp>;
 }
 
-/// Co-resident 2-CTA clusters of each prefill kernel on the current device (0: no cluster launch),
-/// measured once by fp8_prefill_tma_set_smem_limits.
-int g_max_clusters[2] = {0, 0};
-
-template <bool kGateUp>
-int max_active_clusters() {
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = dim3(2);
-  cfg.blockDim = dim3(kPfThreads);
-  cfg.dynamicSmemBytes = Layout<kGateUp>::kSmemBytes;
-  cudaLaunchAttribute attr{};
-  attr.id = cudaLaunchAttributeClusterDimension;
-  attr.val.clusterDim.x = 2;
-  attr.val.clusterDim.y = 1;
-  attr.val.clusterDim.z = 1;
-  cfg.attrs = &attr;
-  cfg.numAttrs = 1;
-  int n = 0;
-  if (cudaOccupancyMaxActiveClusters(&n, tma_kernel<kGateUp>(), &cfg) != cudaSuccess) {
-    (void)cudaGetLastError();
-    n = 0;
-  }
-  return n;
-}
-
-/// Launches one prefill kernel: as 2-CTA clusters (weight tiles multicast) when p asks for it and
-/// the device can hold clusters (grid even, at most the co-resident clusters: a persistent grid must
-/// not wait for a second wave), else as a plain grid.
 template <bool kGateUp>
 void launch_prefill(const Fp8GemmParams& p, const CUtensorMap& bmap, bool tb, int grid, cudaStream_t stream, const char* what) {
-  const int maxc = g_max_clusters[kGateUp ? 1 : 0];
-  if (p.prefill_cluster != 0 && p.w_maps != nullptr && maxc > 0) {
-    cudaLaunchConfig_t cfg{};
-    cfg.gridDim = dim3(static_cast<unsigned>(2 * std::min((grid + 1) / 2, maxc)));
-    cfg.blockDim = dim3(kPfThreads);
-    cfg.dynamicSmemBytes = Layout<kGateUp>::kSmemBytes;
-    cfg.stream = stream;
-    cudaLaunchAttribute attr{};
-    attr.id = cudaLaunchAttributeClusterDimension;
-    attr.val.clusterDim.x = 2;
-    attr.val.clusterDim.y = 1;
-    attr.val.clusterDim.z = 1;
-    cfg.attrs = &attr;
-    cfg.numAttrs = 1;
-    EPX_CUDA_CHECK(cudaLaunchKernelEx(&cfg, tma_kernel<kGateUp>(), p, bmap, tb ? 1 : 0, 1));
-  } else {
-    tma_kernel<kGateUp>()<<<grid, kPfThreads, Layout<kGateUp>::kSmemBytes, stream>>>(
-        p, bmap, tb ? 1 : 0, 0);
-  }
+  tma_kernel<kGateUp>()<<<grid, kPfThreads, Layout<kGateUp>::kSmemBytes, stream>>>(p, bmap, tb ? 1 : 0);
   cuda::check_launch(what);
 }
 
@@ -449,8 +312,6 @@ int fp8_prefill_tma_smem_bytes() { return std::max(Layout<true>::kSmemBytes, Lay
 void fp8_prefill_tma_set_smem_limits() {
   EPX_CUDA_CHECK(cudaFuncSetAttribute(tma_kernel<true>(), cudaFuncAttributeMaxDynamicSharedMemorySize, Layout<true>::kSmemBytes));
   EPX_CUDA_CHECK(cudaFuncSetAttribute(tma_kernel<false>(), cudaFuncAttributeMaxDynamicSharedMemorySize, Layout<false>::kSmemBytes));
-  g_max_clusters[1] = max_active_clusters<true>();
-  g_max_clusters[0] = max_active_clusters<false>();
 }
 
 // The token tile's map is built per launch (x and hq change between calls; a captured graph keeps
