@@ -5,11 +5,13 @@
 # prebuilt.tar.xz holds experts_cuda_test and epx-gemm-bench built from src.tar.xz on the dev machine
 # (CUDA 13.0, sm_90a); when they do not load here (ldd / --gtest_list_tests), they are built with
 # tools/device/gpu-check.sh instead.
-# STEPS (space-separated, in order; default "stamps bits ab stages ncu"; a hang in bits drops $MODES from ab):
+# STEPS (space-separated, in order; default "bits ab fp8 old torch rest"; a hang in bits drops $MODES from ab):
 #   stamps  epx-gemm-bench --stamps $STAMP_FLAGS on ExpertMajor (mode 17 stamped, and its ablations);
 #   stages  the same (flags 0) with EPX_EXPERTS_FP8_PREFILL_STAGES=3 and =2 (ring depth);
-#   ab      the A/B bench of $MODES (default 10,11,18) against the default on both layouts, with the cuBLASLt
+#   ab      the A/B bench of $MODES (default 17,18) against the default on both layouts, with the cuBLASLt
 #           loop unless AB_EXTRA=--no-cublas (ITERS, default 10);
+#   old     the default rows of epx-gemm-bench-old (prebuilt.tar.xz: the previous batch's binary, its commit
+#           in old-commit.txt) in the same run;
 #   torch   bench/gemm_torch.py (torch._scaled_grouped_mm, the same shapes);
 #   bits    ExpertsCuda.Fp8PrefillTmaLoadsMatchCpAsyncLoadsBitForBit (the variants' bytes against mode 8);
 #   fp8     ExpertsCuda.Fp8TensorCoreRowCountsOneTo8192 (against the CPU); rest: the other experts GPU tests;
@@ -18,7 +20,7 @@
 set -uo pipefail
 OUT="${OUT:-/tmp/gemmpf-out}"
 BUDGET="${BUDGET:-100}"
-STEPS="${STEPS:-stamps bits ab stages ncu}"
+STEPS="${STEPS:-bits ab fp8 old torch rest}"
 STAMP_FLAGS="${STAMP_FLAGS:-0,1,8,4}"
 ITERS="${ITERS:-10}"
 mkdir -p "$OUT"
@@ -55,8 +57,8 @@ if [ -z "$B" ]; then
   export LD_LIBRARY_PATH="$nccl/lib:$deps:$deps/openblas-pthread${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 fi
 export CUDA_VISIBLE_DEVICES=0
-MODES="${MODES:-10,11,18}"
-AB_EXTRA="${AB_EXTRA:---no-cublas}"
+MODES="${MODES:-17,18}"
+AB_EXTRA="${AB_EXTRA:-}"
 commit="$(cat "$HERE/.carry-gemmpf/commit.txt" 2>/dev/null || echo unknown)"
 bench() {  # bench NAME LIMIT ARGS...: epx-gemm-bench into $OUT/NAME.{json,log}
   local name=$1 lim=$2
@@ -81,6 +83,14 @@ for step in $STEPS; do
         gzip -1 "$OUT/raw-stages$st"/*.u32 2>/dev/null
       done ;;
     ab) bench gemm-bench 45 --iters "$ITERS" --no-simt --prefill-only $AB_EXTRA ${MODES:+--prefill-modes $MODES} ;;
+    old)
+      b=$(( $(left) - 2 )); [ $b -gt 20 ] && b=20
+      if [ -x "$B/epx-gemm-bench-old" ] && [ $b -gt 8 ]; then
+        GEMM_BENCH_COMMIT="$(cat "$B/old-commit.txt" 2>/dev/null || echo unknown)" timeout -k 2 $b "$B/epx-gemm-bench-old" \
+          --iters "$ITERS" --no-simt --no-cublas --prefill-only --json "$OUT/gemm-bench-old.json" >"$OUT/gemm-bench-old.log" 2>&1
+        say "gemm-bench-old rc=$? (limit $b s) at $((SECONDS - T0)) s"
+        grep -E "^(prefill|ceiling)" "$OUT/gemm-bench-old.log" | tee -a "$OUT/summary.txt"
+      fi ;;
     torch)
       b=$(( $(left) - 2 )); [ $b -gt 15 ] && b=15
       if [ $b -gt 8 ]; then
@@ -91,7 +101,7 @@ for step in $STEPS; do
     bits|fp8|rest)
       case $step in
         bits) f='ExpertsCuda.Fp8PrefillTmaLoadsMatchCpAsyncLoadsBitForBit'; lim=20 ;;
-        fp8) f='ExpertsCuda.Fp8TensorCoreRowCountsOneTo8192'; lim=50 ;;
+        fp8) f='ExpertsCuda.Fp8TensorCoreRowCountsOneTo8192'; lim=55 ;;
         rest) f='-ExpertsCuda.Fp8TensorCoreRowCountsOneTo8192:ExpertsCuda.Fp8PrefillTmaLoadsMatchCpAsyncLoadsBitForBit'; lim=40 ;;
       esac
       b=$(( $(left) - 1 )); [ $b -gt $lim ] && b=$lim
@@ -100,7 +110,7 @@ for step in $STEPS; do
         trc=$?
         say "test $step rc=$trc (limit $b s) at $((SECONDS - T0)) s"
         [ "$step" = bits ] && [ $trc -ge 124 ] && MODES=""  # a variant hung: the A/B measures the default only
-        grep -E "^\[ bits \]|^\[  FAILED|^\[  PASSED" "$OUT/test-$step.log" | tee -a "$OUT/summary.txt"
+        grep -E "^\[ bits \]|^\[  FAILED|^\[  PASSED|Failure|own epilogues" "$OUT/test-$step.log" | tee -a "$OUT/summary.txt"
       fi ;;
     ncu)
       b=$(( $(left) - 2 )); [ $b -gt 40 ] && b=40
