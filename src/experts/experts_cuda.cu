@@ -40,11 +40,12 @@ constexpr int64_t kMaxTileSlots = 1024;
 /// (same bits), 17 = 16 with wgmma's A (tokens) in registers, 10 experts_fp8_prefill_tma_cuda.cu (TMA loads);
 /// whichever bench/NOTES.md measured fastest (sixth session: 8, 3296 us at DeepSeek-V3 shapes, 256
 /// rows/expert; seventh session: 17, 2 % / 5 % less time than 8 on ExpertMajor / Flat in the same run,
-/// same bytes; eighth session: 19, each consumer warpgroup's own epilogue in fast forms, bench/NOTES.md).
+/// same bytes; eighth session: 17 again, with the epilogues' hardware e4m3 / bf16 conversions (same
+/// bytes, 6 % less time on Flat); 18 and 19 measured level with it, bench/NOTES.md).
 /// Removed after measurement (seventh session): 2-7 and 9 (weights in A, turn orders),
 /// 12-15 (a pipelined m64n64 consumer, 40 % slower); eighth session: 11 (the TMA loads as 2-CTA
 /// clusters multicasting the weight tile, slower in every run).
-constexpr int kFp8PrefillDefaultMode = 19;
+constexpr int kFp8PrefillDefaultMode = 17;
 
 using GemmKernel = void (*)(GemmParams);
 

@@ -353,7 +353,7 @@ TEST(ExpertsCuda, Fp8TensorCoreRowCountsOneTo8192) {
   // The same cases through the paired-K-block mainloop variant (EPX_EXPERTS_FP8_PAIRS=1), with
   // the prefill kernels off (EPX_EXPERTS_FP8_PREFILL=0: every tile on the 64-row kernels), with
   // early scales / release and bulk-copy stores (=16), each warpgroup's own epilogue in fast forms
-  // (=19, the default since the eighth session: not the same bits as =8, so only against the CPU)
+  // (=19: not the same bits as =8, so only against the CPU)
   // and the TMA variant of the prefill kernels (=10); Fp8PrefillTmaLoadsMatchCpAsyncLoadsBitForBit
   // checks 16, 17, 18 and 10 are bit-identical to =8.
   // These take the prefill section for any expert with > 64 rows (EPX_EXPERTS_FP8_PREFILL_MIN_TILES
