@@ -51,10 +51,6 @@ __device__ __forceinline__ bool resolve(const Fp8GemmParams& p, int32_t tile0, i
                                static_cast<int>(item % p.max_weight_tiles), it, expert);
 }
 
-/// Loads are coalesced: thread pt copies 16-byte chunk pt % 8 of rows pt / 8 + 16 i, so 8
-/// consecutive lanes read one row's 128 contiguous bytes (a thread per row would split every
-/// 32-byte sector between two instructions: twice the L2 -> SM traffic, measured slower than the
-/// 64-row kernels).
 /// Fp8GemmParams::prefill_xs_vec, where the scale rows allow 16-byte loads (row stride a multiple
 /// of 4 floats, base 16-byte aligned); else the 4-byte cp.async per token and K block.
 template <bool kGateUp>
@@ -90,6 +86,10 @@ __device__ __forceinline__ uint32_t* dbg_rec(uint32_t* cta, int role, int64_t kb
   return cta + kPfDbgHeader + (role * kPfDbgWin + j) * kPfDbgStamps;
 }
 
+/// Loads are coalesced: thread pt copies 16-byte chunk pt % 8 of rows pt / 8 + 16 i, so 8
+/// consecutive lanes read one row's 128 contiguous bytes (a thread per row would split every
+/// 32-byte sector between two instructions: twice the L2 -> SM traffic, measured slower than the
+/// 64-row kernels).
 template <bool kGateUp, bool kDbg>
 __device__ __forceinline__ void producer(const Fp8GemmParams& p, int32_t tile0, int64_t num_items, uint32_t stages,
                                          uint8_t* smem, uint32_t smem_s) {
