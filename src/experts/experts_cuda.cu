@@ -532,7 +532,7 @@ class CudaExperts final : public Experts {
   bool fp8_prefill_ = false;      // experts with > 64 rows on the prefill kernels (EPX_EXPERTS_FP8_PREFILL)
   int fp8_prefill_stages_ = 0;    // their ring depth (EPX_EXPERTS_FP8_PREFILL_STAGES; 0 = maximum)
   int fp8_prefill_min_tiles_ = 1; // big tiles the prefill section needs to run (EPX_EXPERTS_FP8_PREFILL_MIN_TILES; 0 -> one wave)
-  int fp8_prefill_fast_ = 0;          // modes 16, 17 (Fp8GemmParams::prefill_fast 1, 2)
+  int fp8_prefill_fast_ = 0;          // modes 16, 17 / 18, 19 (Fp8GemmParams::prefill_fast 1, 2, 3)
   bool fp8_prefill_xs_vec_ = false;   // mode 18 (Fp8GemmParams::prefill_xs_vec)
   int64_t mx_inter_max_ = 0;      // widest mxfp4 expert
   bool mx_tensor_cores_ = false;  // fp8_block + mxfp4 experts with FP8 x run on the mixed sm_90a GEMMs

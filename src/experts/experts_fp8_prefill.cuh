@@ -1,6 +1,6 @@
 // experts/experts_fp8_prefill.cuh: what the two FP8 prefill GEMM files share
-// (experts_fp8_prefill_cuda.cu: cp.async loads; experts_fp8_prefill_tma_cuda.cu: TMA loads and the
-// 2-CTA cluster launch): the CTA tile and its shared-memory layout, and the consumer warpgroups'
+// (experts_fp8_prefill_cuda.cu: cp.async loads; experts_fp8_prefill_tma_cuda.cu: TMA loads): the
+// CTA tile and its shared-memory layout, and the consumer warpgroups'
 // work on one K block (wgmmas and the block-scale promotion, kblock) and on one work item's end
 // (gate_up: silu(g) * u and the FP8 1x128 requantization of h; down: bf16 out; epilogue).
 //
