@@ -160,7 +160,8 @@ class ModularMoE {
   /// the CPU before anything moves; on CUDA from the backend's check on the device, which sees the ids
   /// as given (int64 is never narrowed), so on every rank for all2allv / ht / naive / allgather_reducescatter,
   /// and for ll (no host sync) by the next forward call, on every rank (PrepareFinalize::take_device_error is
-  /// folded into the layer's all-gather of T), that selection dropped (dispatch.h). With DP chunking,
+  /// folded into the layer's all-gather of T; on one node only: the hierarchical ll of multi-node groups
+  /// does not report it yet, so there only the rank that found it throws), that selection dropped (dispatch.h). With DP chunking,
   /// t counts from the chunk's first row.
   void forward_routed(const TensorView& x, const TensorView& topk_idx, const TensorView& topk_weights,
                       const TensorView& out, Stream stream = {});

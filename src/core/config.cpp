@@ -216,7 +216,7 @@ void Config::validate_fields() const {
   require_arg("config", "ll.items", ll_items, ll_items == "chunk" || ll_items == "run", "must be chunk or run");
   require_arg("config", "ll.combine_wait", ll_combine_wait, ll_combine_wait == "flag" || ll_combine_wait == "data" || ll_combine_wait == "flag_lane",
               "must be flag, data or flag_lane (data_nofence is now data; data_fence, data_cg and data_weak "
-              "were measured slower and removed, bench/NOTES.md seventh session)");
+              "were measured slower in the seventh session and removed in the eighth, bench/NOTES.md)");
   require_arg("config", "ht.num_sms", ht_num_sms, ht_num_sms >= 1 && ht_num_sms <= 132, "must be in [1, 132]");
   require_arg("config", "ht.warps_per_block", ht_warps_per_block, ht_warps_per_block >= 1 && ht_warps_per_block <= 32, "must be in [1, 32]");
   require_arg("config", "ht.combine_mode", ht_combine_mode, ht_combine_mode == 0 || ht_combine_mode == 1, "must be 0 or 1");
