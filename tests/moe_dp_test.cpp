@@ -245,14 +245,7 @@ TEST(DPMetadata, ChunkPlanNearInt64MaxHasNoOverflow) {
 
 TEST(DPMetadata, BadTokensOrChunkNameTheArgumentValueAndRule) {
   constexpr int64_t kMax = std::numeric_limits<int64_t>::max();
-  auto message = [](auto&& fn) {
-    try {
-      fn();
-    } catch (const InvalidArgument& e) {
-      return std::string(e.what());
-    }
-    return std::string("no InvalidArgument");
-  };
+  const auto message = [](auto&& fn) { return test::invalid_argument_message(fn); };
   std::string m = message([&] { DPMetadata::from_tokens({kMax - 5, 3, 4}, 0); });  // the sum passes INT64_MAX at rank 2
   EXPECT_NE(m.find("tokens_per_rank[2] = 4"), std::string::npos) << m;
   EXPECT_NE(m.find("INT64_MAX"), std::string::npos) << m;

@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "epx/error.h"
 #include "epx/tensor.h"
 
 namespace epx::test {
@@ -31,6 +32,17 @@ double max_rel_error(const TensorView& a, const TensorView& b);
 double rel_l2_error(const TensorView& a, const TensorView& b);
 /// Fills a tensor's bytes with a poison pattern (0xFF: NaN in bf16/fp32/fp8).
 void poison(const TensorView& t);
+
+/// The message of the epx::InvalidArgument that `fn()` throws, or "no InvalidArgument" when it throws none.
+template <class Fn>
+std::string invalid_argument_message(Fn&& fn) {
+  try {
+    fn();
+  } catch (const InvalidArgument& e) {
+    return e.what();
+  }
+  return "no InvalidArgument";
+}
 
 /// What a shell command printed and how it ended.
 struct CommandResult {

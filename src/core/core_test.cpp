@@ -5,6 +5,7 @@
 #include "epx/config.h"
 #include "epx/error.h"
 #include "epx/tensor.h"
+#include "test_util.h"
 
 using namespace epx;
 
@@ -157,14 +158,7 @@ TEST(Config, NestedJsonObjectIsNamedWithTheFlatKey) {
 // failed later, or never, in C++ code that does not call validate()). Now the key's rule is checked
 // with its origin named, and a refused value leaves the Config as it was.
 TEST(Config, SetChecksTheKeysRuleAndLeavesTheConfigOnFailure) {
-  auto message = [](auto&& fn) {
-    try {
-      fn();
-    } catch (const InvalidArgument& e) {
-      return std::string(e.what());
-    }
-    return std::string("no InvalidArgument");
-  };
+  const auto message = [](auto&& fn) { return test::invalid_argument_message(fn); };
   Config c;
   EXPECT_EQ(message([&] { c.set("ll.signal", "chunky"); }), "config: ll.signal = chunky: must be block, rank or chunk (set by api)");
   EXPECT_EQ(c.ll_signal, "chunk");  // the default, unchanged
@@ -186,14 +180,7 @@ TEST(Config, SetChecksTheKeysRuleAndLeavesTheConfigOnFailure) {
 // A whole integer too large for its field was called "not an integer"; a value set by an EPX_* variable
 // or a JSON file that breaks its rule did not say where it came from; "7 " was refused while " 7" passed.
 TEST(Config, IntegerRangeAndTheSourceOfABadValueAreNamed) {
-  auto message = [](auto&& fn) {
-    try {
-      fn();
-    } catch (const InvalidArgument& e) {
-      return std::string(e.what());
-    }
-    return std::string("no InvalidArgument");
-  };
+  const auto message = [](auto&& fn) { return test::invalid_argument_message(fn); };
   Config c;
   std::string m = message([&] { c.set("fhmoe.max_tokens", "99999999999"); });
   EXPECT_EQ(m, "config: fhmoe.max_tokens = 99999999999: must be an integer in [-2147483648, 2147483647]");
