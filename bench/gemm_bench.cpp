@@ -269,7 +269,18 @@ int main(int argc, char** argv) {
       command += " " + list;
       for (size_t b = 0; b <= list.size();) {
         const size_t e = std::min(list.find(',', b), list.size());
-        if (e > b) stamp_flags.push_back(static_cast<uint32_t>(std::stoul(list.substr(b, e - b))));
+        const std::string f = list.substr(b, e - b);
+        if (f.empty()) {  // "1,,2" and a trailing comma: no flag there
+          b = e + 1;
+          continue;
+        }
+        // Digits only, below 2^32 (std::stoul threw out of main on "x" and wrapped "-1").
+        const bool digits = f.size() <= 10 && f.find_first_not_of("0123456789") == std::string::npos;
+        if (!digits || std::stoull(f) > 0xffffffffull) {
+          std::fprintf(stderr, "epx-gemm-bench: --stamps %s: '%s' must be an unsigned 32-bit integer (flags F,F,...)\n", list.c_str(), f.c_str());
+          return 2;
+        }
+        stamp_flags.push_back(static_cast<uint32_t>(std::stoull(f)));
         b = e + 1;
       }
     }

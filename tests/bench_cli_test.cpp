@@ -98,6 +98,18 @@ TEST(BenchCli, BadFlagsExit2) {
   EXPECT_EQ(r.out.find("epx bench: 1 case(s)"), std::string::npos) << "nothing runs: " << r.out;
 }
 
+// epx-gemm-bench (CUDA builds only) parses --stamps before it opens a GPU: a flag that is not an unsigned
+// 32-bit integer is named and exits 2 (std::stoul threw out of main: abort; "-1" wrapped to 2^64 - 1).
+TEST(BenchCli, GemmBenchBadStampsExit2) {
+  const std::string bench = std::string(EPX_BINARY_DIR) + "/epx-gemm-bench";
+  if (!std::filesystem::exists(bench)) GTEST_SKIP() << "no " << bench << " (CPU-only build)";
+  for (const std::string bad : {"x", "1,x", "-1", "4294967296", "99999999999999999999999"}) {
+    const epx::test::CommandResult r = epx::test::run_command(bench + " --stamps " + bad + " 2>&1");
+    EXPECT_EQ(r.code, 2) << bad << "\n" << r.out;
+    EXPECT_NE(r.out.find("must be an unsigned 32-bit integer"), std::string::npos) << bad << "\n" << r.out;
+  }
+}
+
 TEST(BenchCli, HelpNamesTheAccounting) {
   CliResult r = run_epx("bench --help");
   EXPECT_EQ(r.code, 0) << r.out;

@@ -2,6 +2,8 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <stdexcept>
+#include <string>
 
 #include "epx/cuda.h"
 #include "epx/error.h"
@@ -55,7 +57,11 @@ TEST(CudaRuntime, CopiesAndZerosAreCompleteOnReturnForNonBlockingStreams) {
   if (gpus < 1) GTEST_SKIP() << "needs 1 GPU, found " << gpus;
   cuda::ensure_runtime();
   const Device dev = Device::cuda(0);
-  auto ok = [](cudaError_t e, const char* what) { ASSERT_EQ(e, cudaSuccess) << what << ": " << cudaGetErrorString(e); };
+  // A failed CUDA call stops the test (gtest reports the exception): an ASSERT_EQ in this lambda only
+  // returned from the lambda, and the test went on with a null buffer or an unfilled one.
+  auto ok = [](cudaError_t e, const char* what) {
+    if (e != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(e));
+  };
   ok(cudaSetDevice(0), "cudaSetDevice");
   cudaStream_t s = nullptr;
   ok(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "stream");

@@ -66,9 +66,11 @@ std::vector<T> read_rows(const std::string& op, const json& j, const std::string
 int get_int_field(const std::string& op, const json& j, const char* key) {
   require_arg(op, key, j.contains(key) ? j[key].dump() : std::string("(missing)"),
               j.contains(key) && j[key].is_number_integer(), "must be present as an integer");
-  // get<int>() would wrap: num_experts = 2^32 + 4 read as 4.
-  require_arg(op, key, j[key].dump(), j[key].is_number_unsigned() ? j[key].get<uint64_t>() <= INT32_MAX : j[key].get<int64_t>() >= INT32_MIN,
-              "must fit in a 32-bit int (at most 2147483647)");
+  // get<int>() would wrap: num_experts = 2^32 + 4 read as 4. Both bounds for a signed value (parsed text
+  // holds non-negative numbers as unsigned, but a json built in code holds them signed).
+  const bool fits = j[key].is_number_unsigned() ? j[key].get<uint64_t>() <= INT32_MAX
+                                                : j[key].get<int64_t>() >= INT32_MIN && j[key].get<int64_t>() <= INT32_MAX;
+  require_arg(op, key, j[key].dump(), fits, "must fit in a 32-bit int (in [-2147483648, 2147483647])");
   return j[key].get<int>();
 }
 }  // namespace
