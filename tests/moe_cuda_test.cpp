@@ -9,6 +9,7 @@
 
 #include <chrono>
 #include <cmath>
+#include <cstdlib>
 #include <cstdio>
 #include <fstream>
 #include <map>
@@ -434,9 +435,16 @@ TEST(ModularMoECuda, Int64TopkIdxIsNeverNarrowed) {
 // The layer now folds the backend's pending device error into its all-gather of T: in the next call
 // every rank throws InvalidArgument (rank 0 naming topk_idx[0, 0] = 999, rank 1 naming rank 0), nothing
 // moves, and the call after it is exact on both ranks.
-TEST(ModularMoECuda, LlBadIdOnOneRankStopsEveryRankAtTheNextCall) {
-  const int n = cuda::device_count();
-  if (n < 2) GTEST_SKIP() << "needs 2 GPUs, found " << n;
+namespace {
+
+/// A bad topk id (999) on rank 0 in call 1 through the layer on `backend`: call 1 throws nowhere (the
+/// backend finds it on the device, no host sync; the stream is synchronized after it), call 2 throws
+/// InvalidArgument at once on every rank (rank 0 naming `rank0_wants`, rank 1 "rank 0 rejected its
+/// arguments"), not Timeout after the group's 10 s, and call 3 is within kTol of the reference.
+/// worst_case: DispatchConfig::use_worst_case_sizing (ht). virtual_nodes: every GPU its own node (NCCL
+/// over sockets: NCCL_P2P_DISABLE / NCCL_SHM_DISABLE in the forked ranks), so ll / ht take the
+/// hierarchical path (dispatch/hier.h). Returns the failures ("" when it passed).
+std::string bad_id_on_one_rank(const std::string& backend, bool worst_case, bool virtual_nodes, const std::string& rank0_wants) {
   const std::vector<int64_t> tokens = {5, 4};
   auto w = weights_for("deepseek-v3-mini");
   const int K = w->config.router.top_k;
@@ -445,7 +453,11 @@ TEST(ModularMoECuda, LlBadIdOnOneRankStopsEveryRankAtTheNextCall) {
   std::copy_n(in.idx[0].ptr<int32_t>(), tokens[0] * K, bad.ptr<int32_t>());
   bad.ptr<int32_t>()[0] = 999;
   const std::string path = test::fresh_dir() + "/uid";
-  const std::string failed = test::run_ranks_forked(2, 120.0, [&](int rank) {
+  return test::run_ranks_forked(2, 120.0, [&](int rank) {
+    for (const char* v : {"NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE"}) {
+      if (virtual_nodes) ::setenv(v, "1", 1);
+      else ::unsetenv(v);
+    }
     auto g = make_nccl_group(path, rank, 2, rank, 10.0);  // a hang shows as Timeout after 10 s, not 60
     cuda_ok(cudaSetDevice(rank), "cudaSetDevice");
     cudaStream_t stream;
@@ -457,12 +469,19 @@ TEST(ModularMoECuda, LlBadIdOnOneRankStopsEveryRankAtTheNextCall) {
     DispatchConfig dc;
     dc.num_max_dispatch_tokens_per_rank = 16;
     dc.dispatch_dtype = DType::fp8_e4m3;
+    dc.use_worst_case_sizing = worst_case;
+    const std::string name = backend + (worst_case ? " worst-case" : "") + (virtual_nodes ? " virtual nodes" : "");
     std::string failures;
-    ModularMoE layer(w, g, "ll", dc, Config{});
+    if (g->num_nodes() != (virtual_nodes ? 2 : 1)) failures += name + ": num_nodes " + std::to_string(g->num_nodes()) + "; ";
+    ModularMoE layer(w, g, backend, dc, Config{});
     Tensor out = Tensor::empty({T, H}, DType::bf16, dev);
-    layer.forward_routed(x, idx_bad, wts, out, Stream{stream});  // ll: no throw here
-    cuda_ok(cudaStreamSynchronize(stream), "sync");
     std::string error;
+    try {
+      layer.forward_routed(x, idx_bad, wts, out, Stream{stream});  // found on the device: no throw here
+      cuda_ok(cudaStreamSynchronize(stream), "sync");
+    } catch (const Error& e) {
+      failures += name + " rank " + std::to_string(rank) + " call 1 threw: '" + e.what() + "'; ";
+    }
     const auto t0 = std::chrono::steady_clock::now();
     try {
       layer.forward_routed(x, idx, wts, out, Stream{stream});
@@ -471,22 +490,49 @@ TEST(ModularMoECuda, LlBadIdOnOneRankStopsEveryRankAtTheNextCall) {
       error = std::string(dynamic_cast<const InvalidArgument*>(&e) ? "InvalidArgument: " : "other: ") + e.what();
     }
     const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    const std::string want = rank == 0 ? "topk_idx[0, 0] = 999" : "rank 0 rejected its arguments";
+    const std::string want = rank == 0 ? rank0_wants : "rank 0 rejected its arguments";
     if (error.rfind("InvalidArgument: ", 0) != 0 || error.find(want) == std::string::npos || s > 5.0)
-      failures += "rank " + std::to_string(rank) + " call 2: want InvalidArgument naming '" + want + "' at once, got '" + error +
+      failures += name + " rank " + std::to_string(rank) + " call 2: want InvalidArgument naming '" + want + "' at once, got '" + error +
                   "' after " + std::to_string(s) + " s; ";
-    std::printf("rank %d, call 2 (%.3f s): %s\n", rank, s, error.c_str());
+    std::printf("%s: rank %d, call 2 (%.3f s): %s\n", name.c_str(), rank, s, error.c_str());
     test::poison_device(out.data(), static_cast<size_t>(out.nbytes()), "poison");
-    layer.forward_routed(x, idx, wts, out, Stream{stream});
-    cuda_ok(cudaStreamSynchronize(stream), "sync");
-    const double e = rel_l2_rows(out, in.reference, in.offset[rank], T);
-    if (!(e <= kTol)) failures += "rank " + std::to_string(rank) + " call 3: rel L2 " + std::to_string(e) + "; ";
-    if (rank == 0) std::printf("call 3: rank 0 rel L2 %.2e\n", e);
+    try {
+      layer.forward_routed(x, idx, wts, out, Stream{stream});
+      cuda_ok(cudaStreamSynchronize(stream), "sync");
+      const double e = rel_l2_rows(out, in.reference, in.offset[rank], T);
+      if (!(e <= kTol)) failures += name + " rank " + std::to_string(rank) + " call 3: rel L2 " + std::to_string(e) + "; ";
+      if (rank == 0) std::printf("%s: call 3: rank 0 rel L2 %.2e\n", name.c_str(), e);
+    } catch (const Error& e) {
+      failures += name + " rank " + std::to_string(rank) + " call 3 threw: '" + e.what() + "'; ";
+    }
+    std::fflush(stdout);
     g->barrier();
     cuda_ok(cudaStreamDestroy(stream), "stream destroy");
     if (!failures.empty()) throw std::runtime_error(failures);
   });
-  EXPECT_EQ(failed, "");
+}
+
+}  // namespace
+
+TEST(ModularMoECuda, LlBadIdOnOneRankStopsEveryRankAtTheNextCall) {
+  const int n = cuda::device_count();
+  if (n < 2) GTEST_SKIP() << "needs 2 GPUs, found " << n;
+  EXPECT_EQ(bad_id_on_one_rank("ll", false, false, "topk_idx[0, 0] = 999"), "");
+}
+
+// The same on ht with use_worst_case_sizing (no host sync: the layout kernel's verdict reaches the host
+// later) and on hierarchical ll across two virtual nodes: the layer's take_device_error fold, and the
+// backends' prepare / finalize leave the error to it (defer_device_errors), so no rank throws alone.
+TEST(ModularMoECuda, HtWorstCaseBadIdOnOneRankStopsEveryRankAtTheNextCall) {
+  const int n = cuda::device_count();
+  if (n < 2) GTEST_SKIP() << "needs 2 GPUs, found " << n;
+  EXPECT_EQ(bad_id_on_one_rank("ht", true, false, "topk_idx[0, 0] out of range"), "");
+}
+
+TEST(ModularMoECuda, HierarchicalLlBadIdOnOneRankStopsEveryRankAtTheNextCall) {
+  const int n = cuda::device_count();
+  if (n < 2) GTEST_SKIP() << "needs 2 GPUs, found " << n;
+  EXPECT_EQ(bad_id_on_one_rank("ll", false, true, "topk_idx[0, 0] = 999"), "");
 }
 
 #else

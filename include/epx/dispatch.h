@@ -207,6 +207,13 @@ class PrepareFinalize {
   /// call still running on the device comes later. ModularMoE folds it into its per-call all-gather of T, so
   /// every rank stops, not only this one (the others' next dispatch would otherwise wait until timeout_s).
   virtual std::optional<std::string> take_device_error() { return std::nullopt; }
+  /// Called once by a caller that takes those errors through take_device_error at a point every rank
+  /// reaches together (ModularMoE: its per-call all-gather of T): prepare / finalize then leave them to
+  /// it instead of throwing them themselves. Thrown there, they stop only the rank whose host saw the
+  /// report first, at a call that depends on host timing, while its peers' kernels (or NCCL steps) wait
+  /// for it until timeout_s. Also: each such error is then reported by one rank only (the one that
+  /// found it). Timeouts and explicit checks (LlCuda::check) are unchanged. Default: nothing.
+  virtual void defer_device_errors() {}
 };
 
 /// Creates backend `name` (see backend_names()) on `group`. Collective: checks that all ranks agree

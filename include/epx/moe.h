@@ -159,9 +159,10 @@ class ModularMoE {
   /// An id other than -1 or [0, E) throws InvalidArgument naming topk_idx[t, k], its value and the rule: on
   /// the CPU before anything moves; on CUDA from the backend's check on the device, which sees the ids
   /// as given (int64 is never narrowed), so on every rank for all2allv / ht / naive / allgather_reducescatter,
-  /// and for ll (no host sync) by the next forward call, on every rank (PrepareFinalize::take_device_error is
-  /// folded into the layer's all-gather of T; on one node only: the hierarchical ll of multi-node groups
-  /// does not report it yet, so there only the rank that found it throws), that selection dropped (dispatch.h). With DP chunking,
+  /// and for ll and ht with use_worst_case_sizing (no host sync) by the next forward call, on every rank,
+  /// also for the hierarchical ll / ht of multi-node groups (PrepareFinalize::take_device_error is folded
+  /// into the layer's all-gather of T; the backends' own prepare / finalize leave it to that:
+  /// defer_device_errors), that selection dropped (ll; ht worst-case moves nothing in that call) (dispatch.h). With DP chunking,
   /// t counts from the chunk's first row.
   void forward_routed(const TensorView& x, const TensorView& topk_idx, const TensorView& topk_weights,
                       const TensorView& out, Stream stream = {});

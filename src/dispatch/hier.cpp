@@ -178,20 +178,37 @@ class HierPrepareFinalize final : public PrepareFinalizeBase {
     else sum_host(args);
     const DispatchStats& ns = node_->stats();
     stats_.remote_bytes_combine = ns.remote_bytes_combine + static_cast<int64_t>(lay_.num_nodes - 1) * lay_.max_tokens * lay_.hidden * 2;
-#ifdef EPX_WITH_CUDA
-    if (cuda_ && report_host_->bad_count > 0) {
-      // A bad id a prepare refused on the device (it sent nothing for it). Thrown only here, after
-      // this round's work is enqueued on every path, so no peer is left waiting in an NCCL step
-      // (NCCL send/recv have no timeout): the peers' rounds complete, this rank learns of it.
-      const HierErrorReport rep = *report_host_;
-      report_host_->bad_count = 0;
-      throw InvalidArgument(std::string(bad_topk_id(op_prepare_, cfg_, rep.bad_token, rep.bad_column, rep.bad_value).what()) +
-                            " (found on the device by a prepare, which sent nothing for it; reported by the finalize after it)");
-    }
-#endif
+    // A bad id a prepare refused on the device (it sent nothing for it). Thrown only here, after
+    // this round's work is enqueued on every path, so no peer is left waiting in an NCCL step
+    // (NCCL send/recv have no timeout): the peers' rounds complete, this rank learns of it.
+    // Deferred (ModularMoE): take_device_error reports it at the next call, on every rank.
+    if (!defer_errors_)
+      if (auto bad = take_bad_id()) throw InvalidArgument(*bad);
+  }
+
+  std::optional<std::string> take_device_error() override {
+    if (auto bad = take_bad_id()) return bad;
+    return node_->take_device_error();
+  }
+  void defer_device_errors() override {
+    defer_errors_ = true;
+    node_->defer_device_errors();
   }
 
  private:
+  /// The bad id a CUDA prepare found on this rank (HierErrorReport), taken, as a message; else nullopt.
+  std::optional<std::string> take_bad_id() {
+#ifdef EPX_WITH_CUDA
+    if (cuda_ && report_host_->bad_count > 0) {
+      const HierErrorReport rep = *report_host_;
+      report_host_->bad_count = 0;
+      return std::string(bad_topk_id(op_prepare_, cfg_, rep.bad_token, rep.bad_column, rep.bad_value).what()) +
+             " (found on the device by a prepare, which sent nothing for it)";
+    }
+#endif
+    return std::nullopt;
+  }
+
   static void check_shape_vec(const std::string& op, const char* arg, const TensorView& t, const std::vector<int64_t>& want) {
     bool ok = t.ndim == static_cast<int>(want.size());
     for (int d = 0; ok && d < t.ndim; ++d) ok = t.shape[d] == want[static_cast<size_t>(d)];
@@ -342,6 +359,7 @@ class HierPrepareFinalize final : public PrepareFinalizeBase {
   std::vector<int64_t> block_sizes_, return_sizes_;  ///< [R] bytes to / from each rank (rail peers only)
   std::vector<int64_t> expert_out_shape_;
   std::vector<int64_t> combine_weights_shape_;  ///< FinalizeArgs::topk_weights with expert_contiguous: [N_recv of the node backend, K]
+  bool defer_errors_ = false;  ///< defer_device_errors(): bad ids only through take_device_error
 #ifdef EPX_WITH_CUDA
   HierErrorReport* report_host_ = nullptr;
   HierErrorReport* report_dev_ = nullptr;

@@ -48,7 +48,9 @@
 // the others exchange the verdict over the global group, so every rank throws. A bad topk id on
 // CUDA is not sent (treated as -1) and reported by a later finalize on that rank (InvalidArgument),
 // thrown after that finalize has enqueued all its work: the inter-node steps are NCCL send/recv,
-// which have no timeout, so no rank may skip one its peers have posted.
+// which have no timeout, so no rank may skip one its peers have posted. Under ModularMoE
+// (defer_device_errors) it is left to take_device_error instead: the layer's next call throws it on
+// every rank (the node backend's own reports are forwarded the same way).
 #pragma once
 
 #include <cstdint>

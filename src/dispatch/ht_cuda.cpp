@@ -105,24 +105,38 @@ HtCuda::~HtCuda() {
   if (record_host_) (void)cudaFreeHost(record_host_);
 }
 
+std::optional<std::string> HtCuda::take_bad_layout(const std::string& op, bool own_only) {
+  const volatile HtHostRecord* rec = record_host_;
+  if (!cfg_.use_worst_case_sizing) return std::nullopt;
+  const uint64_t epoch = rec->layout_epoch;  // written last by the layout kernel
+  std::atomic_thread_fence(std::memory_order_acquire);
+  if (!rec->any_bad || epoch <= reported_bad_epoch_) return std::nullopt;
+  // Worst-case mode never waits in prepare: a bad argument found by the layout kernel surfaces here.
+  reported_bad_epoch_ = epoch;
+  const int bad_rank = rec->bad_rank;
+  const int64_t bad_index = rec->bad_index;
+  if (rec->bad_num_tokens)
+    return op + ": an earlier prepare was rejected: its num_tokens = " + std::to_string(rec->bad_num_tokens_value) +
+           " (read on the device) was outside [0, x.shape[0]]: it moved nothing (N_recv = 0, every topk_idx -1)";
+  if (own_only && bad_index < 0) return std::nullopt;  // another rank's finding: that rank reports it
+  return op + ": an earlier prepare was rejected by rank " + std::to_string(bad_rank) +
+         (bad_rank == rank_ && bad_index >= 0
+              ? " (this rank: topk_idx[" + std::to_string(bad_index / cfg_.top_k) + ", " + std::to_string(bad_index % cfg_.top_k) +
+                    "] out of range)"
+              : std::string()) +
+         ": it moved nothing (N_recv = 0, every topk_idx -1)";
+}
+
+std::optional<std::string> HtCuda::take_device_error() {
+  if (dead_) return std::nullopt;  // the next call throws CommError
+  return take_bad_layout(op_prepare_, true);
+}
+
 void HtCuda::throw_sticky_error(const std::string& op) {
   if (dead_) throw CommError(op + ": this ht object timed out earlier: create a new one (all ranks)");
   const volatile HtHostRecord* rec = record_host_;
-  if (cfg_.use_worst_case_sizing && rec->any_bad && rec->layout_epoch > reported_bad_epoch_) {
-    // Worst-case mode never waits in prepare: a bad argument found by the layout kernel surfaces here.
-    reported_bad_epoch_ = rec->layout_epoch;
-    const int bad_rank = rec->bad_rank;
-    const int64_t bad_index = rec->bad_index;
-    if (rec->bad_num_tokens)
-      throw InvalidArgument(op + ": an earlier prepare was rejected: its num_tokens = " + std::to_string(rec->bad_num_tokens_value) +
-                            " (read on the device) was outside [0, x.shape[0]]: it moved nothing (N_recv = 0, every topk_idx -1)");
-    throw InvalidArgument(op + ": an earlier prepare was rejected by rank " + std::to_string(bad_rank) +
-                          (bad_rank == rank_ && bad_index >= 0
-                               ? " (this rank: topk_idx[" + std::to_string(bad_index / cfg_.top_k) + ", " +
-                                     std::to_string(bad_index % cfg_.top_k) + "] out of range)"
-                               : std::string()) +
-                          ": it moved nothing (N_recv = 0, every topk_idx -1)");
-  }
+  if (!defer_errors_)
+    if (auto bad = take_bad_layout(op, false)) throw InvalidArgument(*bad);
   if (rec->error_code != 0) {
     dead_ = true;
     throw Timeout(op + ": no signal from rank " + std::to_string(rec->error_peer) + " within timeout_s = " + seconds(timeout_s_) +

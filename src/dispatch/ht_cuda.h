@@ -259,9 +259,18 @@ class HtCuda final : public PrepareFinalizeBase {
   /// The HtState::timeline of the last calls (kTlCount slots, HtTimeline order), in microseconds after the
   /// layout kernel's start (synchronizes the device; diagnostics for tuning, not for the hot path).
   std::vector<double> timeline_us() const;
+  /// PrepareFinalize::take_device_error (worst-case mode): a bad topk_idx / num_tokens that the layout
+  /// kernel found on this rank in an earlier prepare (which moved nothing), taken; other ranks' findings
+  /// are cleared here and reported by the rank that found them.
+  std::optional<std::string> take_device_error() override;
+  /// PrepareFinalize::defer_device_errors: prepare / finalize no longer throw those (worst-case mode).
+  void defer_device_errors() override { defer_errors_ = true; }
 
  private:
   void throw_sticky_error(const std::string& op);
+  /// Worst-case mode: the bad-argument verdict of the last completed layout, not yet reported, as a
+  /// message (marked reported); own_only: nullopt when only another rank's arguments were bad.
+  std::optional<std::string> take_bad_layout(const std::string& op, bool own_only);
   void wait_layout(const std::string& op);
 
   HtLayout layout_;
@@ -281,6 +290,7 @@ class HtCuda final : public PrepareFinalizeBase {
   int64_t contig_cap_ = 0, contig_rows_ = 0;
   Tensor contig_x_, contig_scales_, contig_offsets_, contig_row_expert_, contig_src_, contig_pair_row_;
   bool dead_ = false;
+  bool defer_errors_ = false;  ///< defer_device_errors()
   HtDeviceHandle handle_;
   int64_t num_recv_ = 0;
   int64_t cache_hits_ = 0;

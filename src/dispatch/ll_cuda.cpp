@@ -170,6 +170,14 @@ void LlCuda::throw_reported(bool argument_errors) {
   const int peer = r->peer;
   const std::string op = r->op == LlErrorReport::dispatch ? "ll.prepare (dispatch)" : "ll.finalize (combine)";
   const long long value = r->value, index = r->index;
+  if (kind == LlErrorReport::peer_rejected) {  // an argument error too: the sequence stayed consistent
+    const_cast<LlErrorReport*>(report_host_)->kind = LlErrorReport::none;
+    EPX_CUDA_CHECK(cudaMemset(&state_.ptr<LlDeviceState>()->error_claim, 0, sizeof(int32_t)));
+    EPX_CUDA_CHECK(cudaStreamSynchronize(cudaStreamLegacy));
+    throw InvalidArgument(op_finalize_ + ": rank " + std::to_string(peer) + " refused its finalize arguments in combine call " +
+                          std::to_string(value) + " of this object (it threw there; read on the device): this rank's out of that "
+                          "call holds NaN, not the combine");
+  }
   if (kind == LlErrorReport::timeout) {
     broken_ = true;
     broken_message_ = op + ": rank " + std::to_string(rank_) + " waited more than timeout_s = " + seconds_text(launch_.timeout_s) +
@@ -210,7 +218,7 @@ void LlCuda::check(Stream stream) {
 }
 
 void LlCuda::check_prepare_args(const DispatchArgs& args) {
-  throw_reported(true);
+  throw_reported(!defer_errors_);  // deferred: ModularMoE's take_device_error reports it on every rank
   LocalError err = check_args(args);
   if (err.kind == LocalError::unsupported) throw Unsupported(err.message);
   if (err.kind != LocalError::none) throw InvalidArgument(err.message);
@@ -294,8 +302,38 @@ void LlCuda::prepare_recv(Stream stream) {
 
 void LlCuda::check_finalize_args(const FinalizeArgs& args) {
   throw_reported(false);  // a device-side argument error of the matching prepare: check() / the next prepare
+  if (!prepared_) throw InvalidArgument(op_finalize_ + ": no prepare to finalize: every rank calls prepare first (also with T = 0)");
+  try {
+    check_finalize_tensors(args);
+  } catch (const Error&) {
+    // The peers' combines of this call already wait for this rank's flags: release them marked
+    // (kLlFlagRejected), so they end at once and report it instead of timing out; then throw here.
+    launch_rejected_combine(args.stream);
+    throw;
+  }
+}
+
+void LlCuda::launch_rejected_combine(Stream stream) {
+  if (common_.combine_data) return;  // ll.combine_wait = data has no flags: the peers time out (documented)
+  try {
+    cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+    EPX_CUDA_CHECK(cudaStreamIsCapturing(cuda::native(stream), &capturing));
+    if (capturing != cudaStreamCaptureStatusNone) return;  // not into the caller's graph
+    LlCombineParams p;
+    p.c = common_;
+    p.rejected = true;
+    p.recv_count = recv_count_.ptr<const int32_t>();
+    p.first_col = first_col_.ptr<const int32_t>();
+    p.weights = weights_.ptr<const float>();
+    set_partial(p);
+    launch_ll_combine(p, blocks_, threads_, cuda::native(stream));
+  } catch (const Error&) {
+    // the caller's own error is the one to report (a stream that cannot take the launch: the peers time out)
+  }
+}
+
+void LlCuda::check_finalize_tensors(const FinalizeArgs& args) {
   const std::string& op = op_finalize_;
-  if (!prepared_) throw InvalidArgument(op + ": no prepare to finalize: every rank calls prepare first (also with T = 0)");
   for (const auto& [arg, t] : {std::pair<const char*, const TensorView*>{"expert_out", &args.expert_out}, {"out", &args.out}})
     if (t->device != group_->device()) throw Unsupported(wrong_device(op, arg, t->device));
   if (args.topk_weights.defined())  // FinalizeArgs::topk_weights is ht's expert-contiguous option

@@ -82,8 +82,14 @@
 // *_send and its *_recv no other call is made on the object.
 //
 // Errors: arguments are checked on the host before anything is launched (InvalidArgument /
-// Unsupported, on this rank only: there is no host collective in a call, so a peer's call then
-// fails with Timeout naming this rank). Device-side checks (a device num_tokens outside
+// Unsupported, on this rank only: there is no host collective in a call). A refused prepare launches
+// nothing, so a peer's call then fails with Timeout naming this rank. A refused finalize (or
+// finalize_send) still launches this rank's combine marked rejected: it reads, sends and writes no
+// rows and releases its flags as (n + 1) | kLlFlagRejected, so every peer's combine ends at once,
+// writes NaN into its out and reports it; check() or the peer's next prepare then throws
+// InvalidArgument naming this rank ("refused its finalize arguments"), and every object stays usable
+// (ModularMoE folds it into the next call's all-gather: take_device_error). Not with ll.combine_wait =
+// data (no flags: the peers time out) nor inside a graph capture. Device-side checks (a device num_tokens outside
 // [0, x.shape[0]], a topk id outside [-1, max id]) cannot throw: the kernels send nothing for them
 // (T = 0, id = -1), write an error report into host-mapped memory, and check() or the next prepare
 // throws InvalidArgument (finalize does not, so the matching combine still completes on every rank). Every device wait is bounded by timeout_s (globaltimer); a timeout is
@@ -153,6 +159,8 @@ class LlCuda final : public PrepareFinalizeBase {
   void check(Stream stream);
   /// PrepareFinalize::take_device_error: the argument error a kernel reported (cleared), without a sync.
   std::optional<std::string> take_device_error() override;
+  /// PrepareFinalize::defer_device_errors: prepare no longer throws a device-side argument error (check() does).
+  void defer_device_errors() override { defer_errors_ = true; }
 
   /// Where each slot came from (the last prepare; device tensors).
   const LlHandle& handle() const { return handle_; }
@@ -182,7 +190,14 @@ class LlCuda final : public PrepareFinalizeBase {
   LlDispatchParams dispatch_params(const DispatchArgs& args, bool send, bool recv);
   PrepareResult result() const;
   void check_prepare_args(const DispatchArgs& args);
+  /// The host checks of a finalize / finalize_send; a refused argument (InvalidArgument / Unsupported)
+  /// still launches the combine marked rejected (launch_rejected_combine) before it is thrown.
   void check_finalize_args(const FinalizeArgs& args);
+  void check_finalize_tensors(const FinalizeArgs& args);
+  /// This rank's combine of the call with LlCombineParams::rejected (no rows read, sent or written; flags
+  /// marked kLlFlagRejected): the peers' waits end and report LlErrorReport::peer_rejected. Not with
+  /// ll.combine_wait = data (no flags) nor while `stream` captures a graph; never throws.
+  void launch_rejected_combine(Stream stream);
   void set_partial(LlCombineParams& p) const;
 
   LlLayout layout_;
@@ -196,6 +211,7 @@ class LlCuda final : public PrepareFinalizeBase {
   LlHandle handle_;
   TensorView pending_out_;  ///< finalize_send -> finalize_recv
   bool broken_ = false;     ///< after a timeout: every call throws
+  bool defer_errors_ = false;  ///< defer_device_errors(): device argument errors only through take_device_error / check
   std::string broken_message_;
 };
 

@@ -209,7 +209,8 @@ __device__ __noinline__ void report(const LlCommon& c, int kind, int peer, int o
 /// trip after the last flag lands (a warp per
 /// source walking its ~B/32 flags in turn took several). Acquire loads, then the caller's
 /// __syncthreads() (NCCL-DEVICE-API.md rule 4). s_bad[s] = 1 when a wait on source s timed out
-/// (reported, naming s); the caller clears s_bad before and syncs after. `on_block0(s)` runs right
+/// (reported, naming s), 2 when its flag carried kLlFlagRejected (combine flags only; compared without
+/// the bit); the caller clears s_bad before and syncs after. `on_block0(s)` runs right
 /// after the acquire of (s, 0) (the dispatch reads the message count that block 0 released).
 template <class BaseOf, class OnBlock0>
 __device__ void wait_all_flags(const LlCommon& c, BaseOf base_of, unsigned long long target, int op, unsigned long long call, int* s_bad,
@@ -220,8 +221,8 @@ __device__ void wait_all_flags(const LlCommon& c, BaseOf base_of, unsigned long 
     if (b >= (c.signal_rank ? 1 : c.src_blocks[s])) continue;  // ll.signal = rank: block 0's word only
     const void* f = base_of(s) + 8 * static_cast<int64_t>(b);
     bool timing = false, ok = true;
-    unsigned long long start = 0;
-    while (ld_acquire_sys(f) < target) {
+    unsigned long long start = 0, v;
+    while (((v = ld_acquire_sys(f)) & ~kLlFlagRejected) < target) {
       if (!timing) {
         start = globaltimer();
         timing = true;
@@ -235,8 +236,21 @@ __device__ void wait_all_flags(const LlCommon& c, BaseOf base_of, unsigned long 
       s_bad[s] = 1;
       continue;
     }
+    if (v & kLlFlagRejected) s_bad[s] = 2;
     if (b == 0) on_block0(s);
   }
+}
+
+/// The combine receive, after wait_all_flags and its __syncthreads: the first source whose flags carried
+/// kLlFlagRejected (-1: none). This rank's own rejected call (LlCombineParams::rejected) reports nothing:
+/// its host already threw. Otherwise thread 0 reports LlErrorReport::peer_rejected (first reporter wins);
+/// the caller then writes NaN into out (acc starts at NaN). Block-uniform (shared s_bad; whole warps).
+__device__ __forceinline__ int combine_rejected_source(const LlCombineParams& p, const int* s_bad, unsigned long long call) {
+  const int l = threadIdx.x & 31;  // R <= 32: one shared load per lane and a ballot
+  const unsigned m = __ballot_sync(0xffffffffu, l < p.c.lay.num_ranks && s_bad[l] == 2);
+  const int rej = m ? __ffs(m) - 1 : -1;
+  if (rej >= 0 && !p.rejected && threadIdx.x == 0) report(p.c, LlErrorReport::peer_rejected, rej, LlErrorReport::combine, static_cast<long long>(call), 0);
+  return rej;
 }
 
 /// ll.signal = chunk: v = load() until ok(v), bounded by timeout_ns (globaltimer). `v` holds a first
@@ -1262,7 +1276,7 @@ __device__ __forceinline__ void combine_recv_runs(const LlCombineParams& p, int 
   const int64_t warps = static_cast<int64_t>(gridDim.x) * W;
   const int cpr = chunks_per_run(nch, T, warps, kRun);
   const int runs = (nch + cpr - 1) / cpr;
-  const int64_t items = static_cast<int64_t>(T) * runs;
+  const int64_t items = p.rejected ? 0 : static_cast<int64_t>(T) * runs;  // rejected: out is not written
   const int64_t first_item = static_cast<int64_t>(blockIdx.x) * W + warp;
   uint32_t mask = first_item < items ? p.dest_mask[udiv(first_item, runs)] : 0u;
   if (threadIdx.x < R) s_bad[threadIdx.x] = 0;
@@ -1273,6 +1287,7 @@ __device__ __forceinline__ void combine_recv_runs(const LlCombineParams& p, int 
   __syncthreads();
   trace_at(c, 6);
   trace_max(c, 11);
+  const float acc0 = combine_rejected_source(p, s_bad, call) >= 0 ? __uint_as_float(0x7fc00000u) : 0.0f;  // a peer rejected: NaN
   for (int64_t item = first_item; item < items; item += warps) {
     const int t = udiv(item, runs), run = static_cast<int>(item - static_cast<int64_t>(t) * runs);
     if (item != first_item) mask = p.dest_mask[t];
@@ -1281,7 +1296,7 @@ __device__ __forceinline__ void combine_recv_runs(const LlCombineParams& p, int 
 #pragma unroll
     for (int i = 0; i < kRun; ++i)
 #pragma unroll
-      for (int e = 0; e < 8; ++e) acc[i][e] = 0.0f;
+      for (int e = 0; e < 8; ++e) acc[i][e] = acc0;
     for (int r0 = 0; r0 < R; r0 += 2) {  // 2 ranks x the run's chunks in flight
       float v[2][kRun][8];
 #pragma unroll
@@ -1458,7 +1473,17 @@ __global__ void __launch_bounds__(kMaxThreads, 1) ll_combine_kernel(const __grid
   }
   if (!(p.send && run_send)) __syncthreads();
 
-  if (p.send && run_send) {
+  if (!kData && p.send && p.rejected) {  // this rank refused its finalize arguments: no rows, marked flags
+    if (run_send) __syncthreads();  // s_call_send (the sync above was skipped)
+    const unsigned long long flag = (s_call_send + 1) | kLlFlagRejected;
+    if (c.signal_rank) {
+      if (last_block(&c.state->combine_send_blocks, &s_last) && threadIdx.x < R)
+        st_release_sys_u64(c.peers[threadIdx.x] + lay.combine_flag_offset(rank, 0), flag);
+    } else {
+      if (threadIdx.x < R) st_release_sys_u64(c.peers[threadIdx.x] + lay.combine_flag_offset(rank, blockIdx.x), flag);
+      if (threadIdx.x == 0) atomicAdd(&c.state->combine_send_blocks, 1ull);
+    }
+  } else if (p.send && run_send) {
     combine_send_runs<kMaxThreads <= 512 ? 4 : 2, kMaxThreads <= 512 ? 4 : 2, kData>(p, W, warp, lane, &gave_up);
     __syncthreads();
     trace_max(c, kTrCombItems);
@@ -1623,7 +1648,7 @@ __global__ void __launch_bounds__(kMaxThreads, 1) ll_combine_kernel(const __grid
     // on the peers, for the warp's first item: its latency hides behind the wait.
     const int T = *reinterpret_cast<const volatile int32_t*>(&c.state->num_tokens);
     const int nch = static_cast<int>((H + 255) / 256);
-    const int64_t items = static_cast<int64_t>(T) * nch;
+    const int64_t items = p.rejected ? 0 : static_cast<int64_t>(T) * nch;  // rejected: out is not written
     const int64_t first_item = static_cast<int64_t>(blockIdx.x) * W + warp;
     int32_t my_first = -1;
     float my_w = 0.0f;
@@ -1641,6 +1666,7 @@ __global__ void __launch_bounds__(kMaxThreads, 1) ll_combine_kernel(const __grid
     __syncthreads();
     trace_at(c, 6);
     trace_max(c, 11);
+    const float acc0 = combine_rejected_source(p, s_bad, call) >= 0 ? __uint_as_float(0x7fc00000u) : 0.0f;  // a peer rejected: NaN
     // (token, 256-element chunk) items: a lane owns 8 elements; 4 rows are loaded at once, then added
     // in order (column order, or rank order for the partials).
     for (int64_t item = first_item; item < items; item += static_cast<int64_t>(gridDim.x) * W) {
@@ -1650,7 +1676,7 @@ __global__ void __launch_bounds__(kMaxThreads, 1) ll_combine_kernel(const __grid
       const bool ok = h < H;
       float acc[8];
 #pragma unroll
-      for (int i = 0; i < 8; ++i) acc[i] = 0.0f;
+      for (int i = 0; i < 8; ++i) acc[i] = acc0;
       if (partial) {
         for (int r0 = 0; r0 < R; r0 += 2) {  // 2 ranks' loads in flight (64 registers at 1024 threads)
           float v[2][8];

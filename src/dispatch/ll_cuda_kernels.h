@@ -16,6 +16,11 @@ namespace epx::dispatch {
 constexpr int kLlMaxRanks = 32;   ///< destination masks are uint32
 constexpr int kLlMaxTopK = 32;    ///< one lane per topk column
 constexpr int kLlChunkElems = 512; ///< elements of one warp work item: 32 lanes x 16
+/// A combine flag word's "rejected" marker: a rank that refused its finalize arguments on the host still
+/// launches its combine (LlCombineParams::rejected), sends no rows and releases (call + 1) | this bit, so
+/// the peers' waits end at once and report LlErrorReport::peer_rejected instead of timing out. The waits
+/// compare the word without the bit (a marked word of call n is not call n + 1's). Dispatch flags never carry it.
+constexpr unsigned long long kLlFlagRejected = 1ull << 62;
 
 /// Per-object device state (device memory, zeroed at create, advanced only by the kernels).
 /// The call number n of a kernel part is (blocks of that part finished so far) / B: every block
@@ -98,7 +103,9 @@ inline bool ll_trace_is_combine(int i) {
 
 /// The error report, in host-mapped memory: the kernels never trap; the host reads it.
 struct LlErrorReport {
-  enum Kind : int32_t { none = 0, timeout = 1, bad_num_tokens = 2, bad_topk_id = 3 };
+  /// peer_rejected: combine call `value`, rank `peer` refused its finalize arguments (its flags carried
+  /// kLlFlagRejected); this rank's out of that call was written as NaN.
+  enum Kind : int32_t { none = 0, timeout = 1, bad_num_tokens = 2, bad_topk_id = 3, peer_rejected = 4 };
   enum Op : int32_t { dispatch = 0, combine = 1 };
   int32_t kind;   ///< written last (after a system fence)
   int32_t peer;   ///< timeout: the rank that did not signal
@@ -172,6 +179,10 @@ struct LlDispatchParams {
 struct LlCombineParams {
   LlCommon c;
   bool send = true, recv = true;
+  /// This rank refused its finalize arguments (LlCuda::finalize): the send part reads no rows and sends
+  /// none, its flags carry kLlFlagRejected; the receive part waits as usual but writes nothing (out unused).
+  /// Never with LlCommon::combine_data (no flags there).
+  bool rejected = false;
   const uint16_t* expert_out = nullptr;  ///< [L, R*max_T, H] bf16
   uint16_t* out = nullptr;               ///< [>= T, H] bf16
   const int32_t* recv_count = nullptr;

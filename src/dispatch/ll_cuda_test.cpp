@@ -812,6 +812,92 @@ void run_combine_timeout() {
   EXPECT_EQ(failed, "");
 }
 
+/// A finalize refused on one rank reaches every rank at once (the abort marker, kLlFlagRejected): rank 0
+/// passes out with T + 1 rows, so it throws InvalidArgument at the call; rank 1's combine of that call ends
+/// long before timeout_s with its out all NaN (poisoned with a finite pattern first), and its check()
+/// throws InvalidArgument naming rank 0; rank 0's check() throws nothing; the rounds before and after are
+/// exact on both ranks (every object stays usable). `split`: both ranks use the hooks (rank 0's refused
+/// call is finalize_send). Before the marker rank 1 got Timeout after timeout_s and both objects broke.
+std::string run_combine_rejected(const std::string& name, LlCombine mode, const dispatch::LlLaunch& launch, bool split) {
+  Case c = make_case(2, 2048, 16, 4, DType::fp8_e4m3, false, false, false, false, 0.1, 16, {}, 61);
+  c.ll_combine = mode;
+  Case ca = c, cb = c;
+  ca.T = {8, 5};
+  cb.T = {7, 16};
+  cb.seed = 62;
+  const std::vector<RankInput> in = make_inputs(ca), mid = make_inputs(cb);
+  const auto want = run_cpu(c, {in, in});
+  const std::string path = nccl_path();
+  const double timeout_s = launch.timeout_s;
+  return run_ranks_forked(2, 120.0, [&](int rank) {
+    auto g = make_nccl_group(path, rank, 2, rank, 60.0);
+    cuda_ok(cudaSetDevice(rank), "cudaSetDevice");
+    const Device dev = Device::cuda(rank);
+    cudaStream_t s;
+    cuda_ok(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "stream");
+    dispatch::LlCuda ll(g, c.config(), launch);
+    std::string failures;
+    const std::string d0 = diff(gpu_round(c, ll, in[static_cast<size_t>(rank)], rank, s, split), want[0][static_cast<size_t>(rank)]);
+    if (!d0.empty()) failures += "round before: " + d0 + "; ";
+    {
+      const RankInput& ri = mid[static_cast<size_t>(rank)];
+      const int64_t T = ri.x.size(0);
+      const DevInput d = upload(ri, T, dev);
+      const PrepareResult p = ll.prepare({d.x, d.idx, d.w, Stream{s}});
+      cuda_ok(cudaStreamSynchronize(s), "sync prepare");
+      ll.check(Stream{s});
+      const Tensor eo = experts_out(c, rank, p).to(dev);
+      Tensor out = Tensor::empty({T + (rank == 0 ? 1 : 0), c.H}, DType::bf16, dev);
+      cuda_ok(cudaMemset(out.data(), 0x11, static_cast<size_t>(out.nbytes())), "poison out (finite)");
+      cuda_ok(cudaDeviceSynchronize(), "sync poison out");
+      g->barrier();
+      const auto t0 = std::chrono::steady_clock::now();
+      std::string at_call, at_check;
+      try {
+        if (split) {
+          ll.finalize_send({eo, out, Stream{s}});
+          ll.finalize_recv(Stream{s});
+        } else {
+          ll.finalize({eo, out, Stream{s}});
+        }
+      } catch (const InvalidArgument& e) {
+        at_call = e.what();
+      }
+      try {
+        ll.check(Stream{s});
+      } catch (const InvalidArgument& e) {
+        at_check = std::string("InvalidArgument: ") + e.what();
+      } catch (const Timeout& e) {
+        at_check = std::string("Timeout: ") + e.what();
+      }
+      const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      std::printf("%s rank %d after %.3f s (timeout_s %.0f): call '%s', check '%s'\n", name.c_str(), rank, secs, timeout_s, at_call.c_str(),
+                  at_check.c_str());
+      if (rank == 0) {
+        if (at_call.find("out.shape") == std::string::npos) failures += "rank 0's refusal: '" + at_call + "'; ";
+        if (!at_check.empty()) failures += "rank 0's check threw: '" + at_check + "'; ";
+      } else {
+        if (!at_call.empty()) failures += "rank 1's call threw: '" + at_call + "'; ";
+        if (at_check.rfind("InvalidArgument", 0) != 0 || at_check.find("rank 0") == std::string::npos ||
+            at_check.find("refused its finalize arguments") == std::string::npos)
+          failures += "rank 1's check: '" + at_check + "'; ";
+        const std::vector<uint8_t> bytes = host_bytes(out);
+        int64_t finite = 0;
+        for (size_t i = 0; i + 1 < bytes.size(); i += 2) {
+          const uint16_t v = static_cast<uint16_t>(bytes[i] | bytes[i + 1] << 8);
+          if ((v & 0x7f80) != 0x7f80 || (v & 0x7f) == 0) ++finite;
+        }
+        if (finite != 0) failures += "rank 1's out: " + std::to_string(finite) + " of " + std::to_string(bytes.size() / 2) + " not NaN; ";
+      }
+      if (secs > timeout_s / 2) failures += "took " + std::to_string(secs) + " s (timeout_s " + std::to_string(timeout_s) + "); ";
+    }
+    const std::string d1 = diff(gpu_round(c, ll, in[static_cast<size_t>(rank)], rank, s, split), want[1][static_cast<size_t>(rank)]);
+    if (!d1.empty()) failures += "round after: " + d1 + "; ";
+    g->barrier();
+    if (!failures.empty()) throw std::runtime_error(name + ": " + failures);
+  });
+}
+
 int gpus() { return cuda::device_count(); }
 
 TEST(LlCuda, MatchesCpuOneRank) {
@@ -948,6 +1034,22 @@ TEST(LlCuda, ManyCallsCatchesAStaleSlotTokenTwoRanks) {
 TEST(LlCuda, ErrorsTwoRanks) {
   if (gpus() < 2) GTEST_SKIP() << "needs 2 GPUs, found " << gpus();
   run_errors(2);
+}
+
+// A finalize refused on one rank stops every rank's combine at once (kLlFlagRejected; ll_cuda.h "Errors"):
+// column (fused), partial_fp32 through the hooks, and partial_bf16 with ll.signal = rank, ll.items = chunk
+// (the other send / receive paths and the last-block flag store).
+TEST(LlCuda, CombineRefusedOnOneRankReachesEveryRankTwoRanks) {
+  if (gpus() < 2) GTEST_SKIP() << "needs 2 GPUs, found " << gpus();
+  dispatch::LlLaunch dflt;
+  dflt.timeout_s = 4.0;  // the refusal must arrive in well under timeout_s / 2; without the marker rank 1 waits 4 s
+  dispatch::LlLaunch other = dflt;
+  other.signal_rank = true;
+  other.signal_chunk = false;
+  other.items_run = false;
+  EXPECT_EQ(run_combine_rejected("column", LlCombine::column, dflt, false), "");
+  EXPECT_EQ(run_combine_rejected("partial_fp32 hooks", LlCombine::partial_fp32, dflt, true), "");
+  EXPECT_EQ(run_combine_rejected("partial_bf16 signal=rank items=chunk", LlCombine::partial_bf16, other, false), "");
 }
 
 TEST(LlCuda, TimeoutNamesThePeer) {

@@ -310,6 +310,7 @@ ModularMoE::ModularMoE(std::shared_ptr<const MoEWeights> weights, std::shared_pt
   dispatch_cfg.top_k = m.top_k + (m.has_shared ? 1 : 0);
   dispatch_cfg.shared_route = m.has_shared;
   m.prepare_finalize = make_prepare_finalize(backend, group, dispatch_cfg, config);  // ll / ht launch settings from the layer's Config
+  m.prepare_finalize->defer_device_errors();  // reported by forward_routed's all-gather of T, on every rank at once
   const Capabilities& caps = m.prepare_finalize->capabilities();
 
   // DP-sharded shared expert: whole blocks of the weight format split as evenly as possible; only

@@ -1,20 +1,19 @@
 #!/usr/bin/env bash
-# tools/device/breaker-batch.sh: the correctness helper's device batch (eighth session). Run from a copy of
+# tools/device/breaker-batch.sh: the correctness helper's device batch (eighth and ninth sessions). Run from a copy of
 # main that carries .carry/deps.tar.xz and .carry-breaker/{src,prebuilt}.tar.xz:
 #   OUT=<dir> timeout -k 5 <allowance ~70 s> bash .carry-breaker/batch.sh
 # prebuilt.tar.xz holds the GPU test binaries built from src.tar.xz on the dev machine (CUDA 13.0, sm_90a,
 # stripped): the device build of the library alone takes longer than the allowance. When they do not load
 # (ldd / --gtest_list_tests), they are built with tools/device/gpu-check.sh instead (only if time allows).
-# PLAN=1 (batch 1) or 2 (default, batch 2). Order (most important first, each step with its own timeout inside BUDGET s):
+# PLAN=1 (batch 1) or 2 (default, batch 2). Order (most important first, each step with its own timeout inside BUDGET s).
+# Ninth session (source and prebuilt binaries of the breaker branch):
 # batch 1:
-#   runtime_cuda_test     Tensor::to / copy / zeros complete on return (non-blocking stream reads at once)
-#   moe_cuda_test         Int64TopkIdxIsNeverNarrowed first, then the rest (its poisons now wait)
-#   *-prefix              those two tests against the library before the fixes: expected to FAIL
-#   dispatch_cuda_test    its poisons now wait
-#   group_nccl_cuda_test  its uploads now wait
-# batch 2: moe_cuda_test LlBadIdOnOneRankStopsEveryRankAtTheNextCall + Int64 (and the first against the layer
-#   without the fold: must fail), ll_cuda_test (ErrorsTwoRanks, MatchesCpuOneRank, GraphsWithDeviceTokenCountOneRank),
-#   ht_cuda_test (LateRankIsNotOverrun, TakesTheCallersConfig) and the quick experts_cuda_test cases
+#   ll-refused          ll_cuda_test CombineRefusedOnOneRankReachesEveryRankTwoRanks (the abort marker, kLlFlagRejected)
+#   moe-badid           moe_cuda_test *BadIdOnOneRank* (ll, ht worst-case, hierarchical ll over virtual nodes)
+#   ll-refused-prefix   the same ll test with launch_rejected_combine a no-op (the library without the marker):
+#                       must FAIL (rank 1 gets Timeout after timeout_s = 4 s)
+#   ll-regress          ll_cuda_test ErrorsTwoRanks, PartialCombineMatchesCpuTwoRanks (the combine's flag compare changed)
+# batch 2: see the PLAN=2 branch below.
 set -uo pipefail
 OUT="${OUT:-/tmp/breaker-out}"
 BUDGET="${BUDGET:-64}"
@@ -32,7 +31,7 @@ if [ -f "$HERE/.carry-breaker/prebuilt.tar.xz" ]; then
   tar -C "$P" -xJf "$HERE/.carry-breaker/prebuilt.tar.xz" && tar -C "$D" -xJf "$HERE/.carry/deps.tar.xz"
   dl="$D/usr/lib/x86_64-linux-gnu"
   export LD_LIBRARY_PATH="$nccl/lib:$dl:$dl/openblas-pthread:/usr/local/cuda/lib64:/usr/local/cuda/targets/x86_64-linux/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-  check="$P/$([ "${PLAN:-2}" = 1 ] && echo moe_cuda_test || echo ll_cuda_test)"
+  check="$P/ll_cuda_test"
   ldd "$check" >"$OUT/prebuilt-ldd.txt" 2>&1
   if ! grep -q "not found" "$OUT/prebuilt-ldd.txt" && timeout 10 "$check" --gtest_list_tests >/dev/null 2>>"$OUT/prebuilt-ldd.txt"; then
     B="$P"
@@ -45,7 +44,7 @@ if [ -z "$B" ]; then
   tar -C "$S" -xJf "$HERE/.carry-breaker/src.tar.xz"
   cp "$HERE/.carry/deps.tar.xz" "$S/.carry/"
   GPU_CHECK_SRC="$S" GPU_CHECK_ONE_GPU=0 GPU_CHECK_SANITIZE=0 GPU_CHECK_CPU=0 GPU_CHECK_BENCH=0 GPU_CHECK_TESTS=0 \
-    GPU_CHECK_TARGETS="$([ "${PLAN:-2}" = 1 ] && echo runtime_cuda_test moe_cuda_test || echo ll_cuda_test ht_cuda_test)" \
+    GPU_CHECK_TARGETS="ll_cuda_test moe_cuda_test" \
     timeout -k 3 $(( $(left) - 15 )) bash "$S/tools/device/gpu-check.sh" run >"$OUT/gpu-check.out" 2>&1
   echo "build rc=$? at $((SECONDS - T0)) s" | tee -a "$OUT/summary.txt"
   B=/tmp/epx-gpu-check/build
@@ -62,28 +61,17 @@ one() {  # <name> <limit s> <binary> [gtest args]: one test run, its log under $
   (cd "$B" && timeout -k 2 "$limit" "./$bin" "$@") >"$OUT/$name.log" 2>&1
   local rc=$?
   echo "$name rc=$rc (limit $limit s) at $((SECONDS - T0)) s: $(grep -E '^\[  (PASSED|FAILED)  \] [0-9]+ test' "$OUT/$name.log" | tr '\n' ' ')skipped $(grep -cE '^\[  SKIPPED \] .*\(' "$OUT/$name.log")" | tee -a "$OUT/summary.txt"
-  grep -E '^\[  FAILED  \] [A-Z]|Failure|rank [01]:|rel L2|, call [12]:' "$OUT/$name.log" | head -24 >>"$OUT/summary.txt"
+  grep -E '^\[  FAILED  \] [A-Z]|Failure|rank [01]:|rel L2|, call [12]:|timeout_s 4\)|call 2 \(' "$OUT/$name.log" | cut -c1-400 | head -24 >>"$OUT/summary.txt"
 }
-if [ "${PLAN:-2}" = 1 ]; then  # batch 1 (bench/results/h200x2/breaker-s8-batch1-e8c7e1a/)
-  one runtime 12 runtime_cuda_test
-  one moe-int64 25 moe_cuda_test --gtest_filter='*Int64*'
-  # The same two tests linked against the library before the fixes (moe_cuda.cu, modular_moe.cpp, runtime.cpp of
-  # main 4284a17): they must FAIL there (a test that cannot fail is a defect).
-  one runtime-prefix 8 runtime_cuda_test-prefix --gtest_filter='*CompleteOnReturn*'
-  one moe-int64-prefix 20 moe_cuda_test-prefix --gtest_filter='*Int64*'
-  one dispatch 20 dispatch_cuda_test
-  one moe-rest 18 moe_cuda_test --gtest_filter='-*Int64*'
-  one group-nccl 30 group_nccl_cuda_test
-else  # batch 2: ll's device-found bad id through the layer; the ll / ht / experts tests whose poisons and uploads now wait
-  one moe-llbad-int64 20 moe_cuda_test --gtest_filter='*LlBadId*:*Int64*'
-  one ll-errors 10 ll_cuda_test --gtest_filter='LlCuda.ErrorsTwoRanks'
-  one ll-one-rank 20 ll_cuda_test --gtest_filter='LlCuda.MatchesCpuOneRank'
-  one ht-late-config 14 ht_cuda_test --gtest_filter='HtCuda.LateRankIsNotOverrun:HtCuda.TakesTheCallersConfig'
-  one experts-quick 8 experts_cuda_test --gtest_filter='*RejectsBadArguments*:*BadDeviceIndices*:*GraphCapture*'
-  # LlBadIdOnOneRankStopsEveryRankAtTheNextCall against the layer without the fold: must FAIL (rank 1 waits
-  # until the group's timeout_s = 10 s and gets Timeout).
-  one moe-llbad-prefix 30 moe_cuda_test-prefix --gtest_filter='*LlBadId*'
-  one ll-graphs-one-rank 20 ll_cuda_test --gtest_filter='LlCuda.GraphsWithDeviceTokenCountOneRank'
+if [ "${PLAN:-2}" = 1 ]; then  # batch 1 (ninth session)
+  one ll-refused 24 ll_cuda_test --gtest_filter='LlCuda.CombineRefusedOnOneRankReachesEveryRankTwoRanks'
+  one moe-badid 30 moe_cuda_test --gtest_filter='*BadIdOnOneRank*'
+  one ll-refused-prefix 28 ll_cuda_test-prefix --gtest_filter='LlCuda.CombineRefusedOnOneRankReachesEveryRankTwoRanks'
+  one ll-regress 30 ll_cuda_test --gtest_filter='LlCuda.ErrorsTwoRanks:LlCuda.PartialCombineMatchesCpuTwoRanks'
+else  # batch 2 (ninth session)
+  one moe-badid 30 moe_cuda_test --gtest_filter='*BadIdOnOneRank*'
+  one moe-badid-prefix 30 moe_cuda_test-prefix --gtest_filter='*HtWorstCase*:*Hierarchical*'
+  one ll-regress 30 ll_cuda_test --gtest_filter='LlCuda.ManyCallsVaryingTokensTwoRanks'
 fi
 echo "== summary ($((SECONDS - T0)) s)"
 cat "$OUT/summary.txt"
