@@ -40,7 +40,9 @@ shim's own checks do too: HT dispatch's (cached handle, topk_idx/topk_weights No
 through one all-gather of the host (the capacity's, when it agrees on one; one more otherwise), and the
 combines' topk_weights checks through the combine's own status exchange, which CPU groups run; ll and ht
 on CUDA check combine arguments on their own rank with no host exchange (graph-safe), so there a rejected
-combine raises on its rank and the others' combine kernels raise epx.Timeout. Not covered, because no
+combine raises on its rank; with ll the others' combines then end at once (their out NaN) and their next
+call raises epx.InvalidArgument naming that rank (the rejecting rank's flags carry a marker); with ht the
+others' combine kernels raise epx.Timeout. Not covered, because no
 collective runs there: get_dispatch_layout (a local computation, as in DeepEP) raises on the rank that
 holds a bad id only, HT dispatch with num_worst_tokens (graph-safe mode: no host all-gather) raises its
 own checks on that rank only, and a Python-level misuse (a missing argument, x not 2-D) raises before
