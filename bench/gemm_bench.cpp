@@ -283,6 +283,11 @@ int main(int argc, char** argv) {
         stamp_flags.push_back(static_cast<uint32_t>(std::stoull(f)));
         b = e + 1;
       }
+      if (!experts_cuda::fp8_prefill_stamps_built()) {
+        std::fprintf(stderr, "epx-gemm-bench: --stamps needs the stamped FP8 prefill kernels, which this build lacks "
+                             "(configure with -DEPX_FP8_PREFILL_STAMPS=ON, as tools/device/gpu-check.sh does)\n");
+        return 2;
+      }
     }
     else if (a == "--prefill-modes" && i + 1 < argc) {
       const std::string list = argv[++i];

@@ -352,10 +352,9 @@ TEST(ExpertsCuda, Fp8TensorCoreRowCountsOneTo8192) {
   // 8192 (Flat, contiguous rows grouped by expert on the device; 200 pairs: ~67 per expert).
   // The same cases through the paired-K-block mainloop variant (EPX_EXPERTS_FP8_PAIRS=1), with
   // the prefill kernels off (EPX_EXPERTS_FP8_PREFILL=0: every tile on the 64-row kernels), with
-  // early scales / release and bulk-copy stores (=16), each warpgroup's own epilogue in fast forms
-  // (=19: not the same bits as =8, so only against the CPU)
+  // the pipelined m64n64 batches (=20), with the cp.async loads and tokens from shared memory (=8)
   // and the TMA variant of the prefill kernels (=10); Fp8PrefillTmaLoadsMatchCpAsyncLoadsBitForBit
-  // checks 16, 17, 18 and 10 are bit-identical to =8.
+  // checks 17, 20 and 10 are bit-identical to =8.
   // These take the prefill section for any expert with > 64 rows (EPX_EXPERTS_FP8_PREFILL_MIN_TILES
   // = 1); "gated" is the default, which takes it only when the big tiles fill one wave (here only
   // flat 8192 rows: 3 x 22 tiles against ceil(132 / 16) = 9; 1000 rows are 8 tiles: 64-row kernels).
@@ -371,18 +370,18 @@ TEST(ExpertsCuda, Fp8TensorCoreRowCountsOneTo8192) {
   auto gpu_small = make_experts_cuda(experts, 0);
   setenv("EPX_EXPERTS_FP8_PREFILL", "10", 1);
   auto gpu_tma = make_experts_cuda(experts, 0);
-  setenv("EPX_EXPERTS_FP8_PREFILL", "16", 1);
-  auto gpu_fast = make_experts_cuda(experts, 0);
-  setenv("EPX_EXPERTS_FP8_PREFILL", "19", 1);
-  auto gpu_own = make_experts_cuda(experts, 0);
+  setenv("EPX_EXPERTS_FP8_PREFILL", "8", 1);
+  auto gpu_smem_a = make_experts_cuda(experts, 0);
+  setenv("EPX_EXPERTS_FP8_PREFILL", "20", 1);
+  auto gpu_pipe = make_experts_cuda(experts, 0);
   unsetenv("EPX_EXPERTS_FP8_PREFILL");
   unsetenv("EPX_EXPERTS_FP8_PREFILL_MIN_TILES");
   const double tol = kMaxRelL2Fp8TensorCores;
   const std::vector<std::vector<int32_t>> cases = {{0, 1, 0}, {7, 0, 0}, {16, 17, 95}, {64, 65, 129}, {0, 1000, 0}};
-  for (auto* g : {gpu.get(), gpu_own.get(), gpu_fast.get(), gpu_pairs.get(), gpu_small.get(), gpu_tma.get(), gpu_gated.get()}) {
+  for (auto* g : {gpu.get(), gpu_pipe.get(), gpu_smem_a.get(), gpu_pairs.get(), gpu_small.get(), gpu_tma.get(), gpu_gated.get()}) {
     const char* variant = g == gpu.get()           ? ""
-                          : g == gpu_own.get()     ? " (prefill own epilogues, fast forms)"
-                          : g == gpu_fast.get()    ? " (prefill early release, bulk stores)"
+                          : g == gpu_pipe.get()    ? " (prefill pipelined m64n64 batches)"
+                          : g == gpu_smem_a.get()  ? " (prefill mode 8: A from shared memory)"
                           : g == gpu_gated.get()   ? " (prefill gated: one wave)"
                           : g == gpu_pairs.get()   ? " (pairs)"
                           : g == gpu_small.get()   ? " (no prefill kernels)"
@@ -410,22 +409,20 @@ TEST(ExpertsCuda, Fp8PrefillTmaLoadsMatchCpAsyncLoadsBitForBit) {
   // run the same consumer, so the outputs must agree byte for byte: ExpertMajor (TMA for weights
   // and tokens; an expert without tokens, 129 / 300 rows: partial 128-row tiles whose TMA boxes run
   // into NaN padding rows) and Flat (weights by TMA, the token gather by cp.async), DeepSeek-V3
-  // widths beside a V4-Pro-width expert (I 3072: h_stride > I). =16 (early scale reads and
-  // stage release, bulk-copy epilogue stores), =17 (=16 with wgmma's A from registers, loaded by
-  // ldmatrix) and =18 (=17 with the token scales loaded 4 K blocks at a time; V4-Pro's I 3072 = 24
-  // K blocks, V3's down 16, gate_up 56) must give the same bytes too.
+  // widths beside a V4-Pro-width expert (I 3072: h_stride > I). =17 (early scale reads and stage
+  // release, bulk-copy epilogue stores, wgmma's A from registers, loaded by ldmatrix) and =20 (=17
+  // with the K block as 4 pipelined m64n64k32 batches: each element sums the same k32 products and
+  // is promoted once per K block with the same scale product) must give the same bytes too.
   std::vector<std::shared_ptr<const ExpertWeights>> experts = same_format(WeightFormat::fp8_block, 3, 7168, 2048, 540);
   experts.push_back(ExpertWeights::random(WeightFormat::fp8_block, 7168, 3072, 544));
   const int64_t L = 4, H = 7168, cap = 300;
   setenv("EPX_EXPERTS_FP8_PREFILL_MIN_TILES", "1", 1);  // the prefill section for these few big tiles
   setenv("EPX_EXPERTS_FP8_PREFILL", "8", 1);
   auto cpa = make_experts_cuda(experts, 0);
-  setenv("EPX_EXPERTS_FP8_PREFILL", "16", 1);
-  auto fast = make_experts_cuda(experts, 0);
   setenv("EPX_EXPERTS_FP8_PREFILL", "17", 1);
   auto rs = make_experts_cuda(experts, 0);
-  setenv("EPX_EXPERTS_FP8_PREFILL", "18", 1);
-  auto xs = make_experts_cuda(experts, 0);
+  setenv("EPX_EXPERTS_FP8_PREFILL", "20", 1);
+  auto pipe = make_experts_cuda(experts, 0);
   setenv("EPX_EXPERTS_FP8_PREFILL", "10", 1);
   auto tma = make_experts_cuda(experts, 0);
   unsetenv("EPX_EXPERTS_FP8_PREFILL");
@@ -464,8 +461,8 @@ TEST(ExpertsCuda, Fp8PrefillTmaLoadsMatchCpAsyncLoadsBitForBit) {
   poison_dev(fl_ref);
   cpa->apply(em, em_ref);
   cpa->apply(fl, fl_ref);
-  for (auto* g : {fast.get(), rs.get(), xs.get(), tma.get()}) {
-    const char* name = g == fast.get() ? "fast" : g == rs.get() ? "fast-rs" : g == xs.get() ? "fast-rs-xs4" : "tma";
+  for (auto* g : {rs.get(), pipe.get(), tma.get()}) {
+    const char* name = g == rs.get() ? "fast-rs (17)" : g == pipe.get() ? "pipe-rs (20)" : "tma (10)";
     Tensor o = Tensor::empty({L, cap, H}, DType::bf16, kDev), f = Tensor::empty({N, H}, DType::bf16, kDev);
     poison_dev(o);
     poison_dev(f);

@@ -49,17 +49,12 @@ struct Fp8GemmParams {
   /// Rows of the row space (ExpertMajor L * cap, Flat N * K): the outer extent of the TMA prefill
   /// kernels' descriptors of x (ExpertMajor gate_up) and hq (down).
   int64_t row_space;
-  /// cp.async prefill kernels: 1 = kblock<true> (scales read before the wgmmas, the stage released
-  /// before the last promotion) and bulk-copy epilogue stores (Config::experts_fp8_prefill 16); 2 = 1
-  /// with wgmma's A (the tokens) in registers (17); same bits as 0. 3 = 2 with each consumer
-  /// warpgroup's own epilogue, gate_up's math in fast forms (19; experts_fp8_prefill.cuh epilogue<.., 2>;
-  /// within the FP8 tolerance of the others, not the same bits).
+  /// cp.async prefill kernels: 2 = kblock<true, true> (scales read before the wgmmas, the stage
+  /// released before the last promotion, wgmma's A (the tokens) in registers) and bulk-copy epilogue
+  /// stores (Config::experts_fp8_prefill 17); 3 = 2 with the K block as 4 pipelined m64n64 batches
+  /// (kblock_pipe, 20); same bits as 0 (mode 8). (1 = 16 and the former 3 = 19, and prefill_xs_vec = 18,
+  /// were removed in the ninth session: measured level with 17.)
   int32_t prefill_fast;
-  /// cp.async prefill kernels: 1 = the producer loads each token's activation scales four K blocks at
-  /// a time (one 16-byte load per token into registers, a group ahead) and stores the K block's into
-  /// the stage, instead of a 4-byte cp.async per token and K block (one L2 sector each: ~8 % of the
-  /// stage's sectors); Config::experts_fp8_prefill 18 (= 17 with these loads). Same bits.
-  int32_t prefill_xs_vec;
   /// Debug only (set_fp8_prefill_debug; null / 0 in the library's launches): the stamped kernels'
   /// buffer and ablation flags, filled in by the launch functions.
   uint32_t* debug;
@@ -87,6 +82,9 @@ constexpr uint32_t kPfDbgNoWeights = 8;  ///< the producer copies the tokens and
 constexpr int kPfDbgCtas = 160, kPfDbgWin0 = 128, kPfDbgWin = 128, kPfDbgStamps = 10, kPfDbgItems = 64, kPfDbgHeader = 16;
 constexpr int kPfDbgCtaWords = kPfDbgHeader + 3 * kPfDbgWin * kPfDbgStamps + 3 * kPfDbgItems;
 constexpr int kPfDbgWords = 2 * kPfDbgCtas * kPfDbgCtaWords;
+/// True when this build carries the stamped kernels (CMake EPX_FP8_PREFILL_STAMPS=ON, the default of
+/// tools/device/gpu-check.sh; OFF in CI). Without them set_fp8_prefill_debug throws.
+bool fp8_prefill_stamps_built();
 void set_fp8_prefill_debug(uint32_t* buffer, uint32_t flags);
 
 /// One CUtensorMap (cuda.h), opaque here: 128 bytes, 128-byte aligned.

@@ -106,7 +106,8 @@ struct Stamps<true> {
 /// 4 m64n128k32 wgmmas into `tmp` (A: the warpgroup's 64 tokens; B: 128 weight rows, batch 0 the
 /// gate rows / output columns 0-127, batch 1 the up rows / 128-255), each waited for (wait_group 0)
 /// and promoted into acc[sub]; a thread's accumulators belong to 2 tokens (rows r, r + 8), so the
-/// promotion needs 2 scale products. kEarly (Config::experts_fp8_prefill 16): the 4 scale products
+/// promotion needs 2 scale products. kEarly (with kRs: Config::experts_fp8_prefill 17; alone it was
+/// mode 16, removed in the ninth session): the 4 scale products
 /// are read before the first wgmma is issued, and `release()` (the stage's `empty` arrive) runs
 /// right after the second batch's wait, before its promotion, so the producer can refill the stage
 /// meanwhile; without kEarly the caller releases after kblock returns. kRs (Config::
@@ -174,6 +175,63 @@ __device__ __forceinline__ void kblock(const Who& w, uint32_t a_s, uint32_t b_s,
   }
 }
 
+/// kblock of Config::experts_fp8_prefill 20 (Fp8GemmParams::prefill_fast 3): mode 17 (scales read
+/// first, A = the warpgroup's 64 tokens in registers by ldmatrix, the stage released after the last
+/// wait) with the K block cut into 4 batches of 4 m64n64k32 wgmmas, batch t = weight sub-tile t (64
+/// rows at a_s + t kSub: gate_up gate lo / hi, up lo / hi; down output columns 64 t ..), into the two
+/// 32-float halves of `tmp` taken in turn. After issuing batch t (t >= 1) it waits only for batch t - 1
+/// (wgmma.wait_group 1) and promotes it while t runs; the last batch is waited for with wait_group 0
+/// (the A fragments are in use until then, so no batch crosses the loop's back edge), the stage is
+/// released, and its promotion follows. Batch t's 32 floats are acc[t / 2][32 (t % 2) ..]: the n128
+/// fragment's column groups 8 (t % 2) .. (wgmma's accumulator layout: float 4 j + e holds column group
+/// j). Each element sums the same k32 products and is promoted once per K block with the same scale
+/// product as kblock<true, true>.
+template <class Release>
+__device__ __forceinline__ void kblock_pipe(const Who& w, uint32_t a_s, uint32_t b_s, const float* sc, float (&acc)[2][kFrag],
+                                            float (&tmp_all)[kFrag], Release release) {
+  using namespace wg;
+  constexpr int kHalf = kFrag / 2;  // 32 floats per m64n64 batch
+  float(&tmp)[2][kHalf] = reinterpret_cast<float(&)[2][kHalf]>(tmp_all);
+  const int r = w.cwg * 64 + 16 * w.warp_in_wg + (w.lane >> 2);  // tokens r (i & 2 == 0), r + 8
+  float sp[2][2];  // [weight block][token]: w_scale * x_scale
+  {
+    const float x0 = sc[4 + r], x1 = sc[4 + r + 8], w0 = sc[0], w1 = sc[2];
+    sp[0][0] = w0 * x0, sp[0][1] = w0 * x1, sp[1][0] = w1 * x0, sp[1][1] = w1 * x1;
+  }
+  uint32_t afr[kBK / 32][4];
+  {
+    const int m = w.lane >> 3, row = w.cwg * 64 + 16 * w.warp_in_wg + (w.lane & 7) + 8 * (m & 1);
+#pragma unroll
+    for (int k = 0; k < kBK / 32; ++k) ldmatrix_x4(afr[k], b_s + swz(row, 2 * k + (m >> 1)));
+  }
+  auto issue = [&](int t) {
+    const uint64_t db = smem_desc(a_s + t * kSub);
+    wgmma_fence();
+#pragma unroll
+    for (int k = 0; k < kBK / 32; ++k) Wgmma<64>::mma_rs(tmp[t & 1], afr[k], db + 2 * k, k);
+    wgmma_commit();
+  };
+  auto promote = [&](int t) {
+#pragma unroll
+    for (int i = 0; i < kHalf; ++i) fence_operand(tmp[t & 1][i]);
+#pragma unroll
+    for (int i = 0; i < kHalf; ++i) {
+      float& a = acc[t >> 1][kHalf * (t & 1) + i];
+      a = fmaf(tmp[t & 1][i], (i & 2) ? sp[t >> 1][1] : sp[t >> 1][0], a);
+    }
+  };
+  issue(0);
+#pragma unroll
+  for (int t = 1; t < 4; ++t) {
+    issue(t);
+    wgmma_wait<1>();
+    promote(t - 1);
+  }
+  wgmma_wait<0>();
+  release();
+  promote(3);
+}
+
 /// The ring position of the next K block: stage (0 .. stages-1) and the parity of its use.
 struct RingPos {
   uint32_t stage = 0, phase = 0;
@@ -206,25 +264,19 @@ __device__ __forceinline__ uint32_t bf16x2_bits(float lo, float hi) {
 /// by every consumer thread (kEpi 0), and the consumers move on to the next item while the copy
 /// engine reads the staging buffer; the next epilogue waits for those reads before it writes the
 /// buffer (and bulk_end, after the last item, for the copies' completion). Same bytes.
-/// kEpi 2 (Config::experts_fp8_prefill 19): as 1, but each consumer warpgroup finishes its own 64
-/// tokens alone (its own named barrier; its rows' bulk copies issued by its own threads), so the
-/// first warpgroup at the end of an item does not wait for the other and starts the next item's
-/// K blocks under the other's epilogue; and gate_up's math in fast forms: silu with __expf and
-/// __fdividef, the requantization as a product with the scale's IEEE reciprocal (the scale itself,
-/// stored in hs, unchanged): not the CPU's expression, equal within the FP8 tolerance.
+/// (Removed after measurement, ninth session: kEpi 2, each warpgroup's own epilogue in fast math
+/// forms, mode 19, measured level with 17; bench/NOTES.md eighth session.)
 template <bool kGateUp, int kEpi>
 __device__ __forceinline__ void epilogue(const Fp8GemmParams& p, const wg::Item& it, const Who& w, float (&acc)[2][kFrag],
                                          uint8_t* smem) {
   using namespace wg;
   using L = Layout<kGateUp>;
-  constexpr bool kBulk = kEpi >= 1, kOwn = kEpi == 2;
+  constexpr bool kBulk = kEpi >= 1;
   const int ct = w.ct, cwg = w.cwg, warp_in_wg = w.warp_in_wg, lane = w.lane;
-  // kOwn: the warpgroup's barrier (ids 3, 4; 1 is both warpgroups', 2 the producer's) and the row
-  // this thread copies (thread t < 64 of warpgroup c: row 64 c + t), else thread ct < 128: row ct
-  const int bar_id = kOwn ? 3 + cwg : 1, bar_n = kOwn ? 128 : 256;
-  const int lt = ct & 127;
-  const bool copier = kOwn ? lt < 64 : ct < kBN;
-  const int crow = kOwn ? 64 * cwg + lt : ct;
+  // Barrier 1: both consumer warpgroups (2 is the producer's); consumer thread ct < 128 copies row ct.
+  const int bar_id = 1, bar_n = 256;
+  const bool copier = ct < kBN;
+  const int crow = ct;
   if constexpr (kBulk) {
     if (copier) bulk_wait_read();  // the previous item's row copies have read the staging buffer
     named_bar_sync(bar_id, bar_n);
@@ -238,8 +290,7 @@ __device__ __forceinline__ void epilogue(const Fp8GemmParams& p, const wg::Item&
 #pragma unroll
     for (int i = 0; i < kFrag; ++i) {
       const float g = acc[0][i], u = acc[1][i];
-      if constexpr (kOwn) acc[0][i] = __fdividef(g, 1.0f + __expf(-g)) * u;  // silu(g) * u, fast forms
-      else acc[0][i] = g / (1.0f + expf(-g)) * u;  // silu(g) * u in fp32, the CPU's expression
+      acc[0][i] = g / (1.0f + expf(-g)) * u;  // silu(g) * u in fp32, the CPU's expression
       if (i & 2) m1 = fmaxf(m1, fabsf(acc[0][i]));
       else m0 = fmaxf(m0, fabsf(acc[0][i]));
     }
@@ -249,18 +300,11 @@ __device__ __forceinline__ void epilogue(const Fp8GemmParams& p, const wg::Item&
       m1 = fmaxf(m1, __shfl_xor_sync(0xffffffffu, m1, m));
     }
     const float sc0 = __fdiv_rn(fmaxf(m0, 1e-4f), kFp8E4m3Max), sc1 = __fdiv_rn(fmaxf(m1, 1e-4f), kFp8E4m3Max);
-    const float inv0 = kOwn ? __frcp_rn(sc0) : 0.0f, inv1 = kOwn ? __frcp_rn(sc1) : 0.0f;
 #pragma unroll
     for (int i = 0; i < kFrag; i += 2) {
       const int col = 8 * (i >> 2) + 2 * (lane & 3), tok = r + ((i & 2) ? 8 : 0);
-      uint32_t codes;
-      if constexpr (kOwn) {
-        const float inv = (i & 2) ? inv1 : inv0;
-        codes = fp8x2_bits(acc[0][i] * inv, acc[0][i + 1] * inv);
-      } else {
-        const float scale = (i & 2) ? sc1 : sc0;
-        codes = fp8x2_bits(__fdiv_rn(acc[0][i], scale), __fdiv_rn(acc[0][i + 1], scale));
-      }
+      const float scale = (i & 2) ? sc1 : sc0;
+      const uint32_t codes = fp8x2_bits(__fdiv_rn(acc[0][i], scale), __fdiv_rn(acc[0][i + 1], scale));
       *reinterpret_cast<uint16_t*>(stage + tok * kHStride + col) = static_cast<uint16_t>(codes);
     }
     if ((lane & 3) == 0) {
@@ -320,9 +364,8 @@ __device__ __forceinline__ void epilogue(const Fp8GemmParams& p, const wg::Item&
 }
 
 /// After a consumer's last epilogue<.., kEpi >= 1>: its row copies completed (before the CTA exits).
-template <int kEpi = 1>
 __device__ __forceinline__ void bulk_end(const Who& w) {
-  if (kEpi == 2 ? (w.ct & 127) < 64 : w.ct < kBN) wg::bulk_wait();
+  if (w.ct < kBN) wg::bulk_wait();
 }
 
 /// Weight tile `wt` of tile list entry `tile`, or false when this CTA-uniform item has nothing to do

@@ -15,10 +15,11 @@
 //     (acc += tmp * w_scale * x_scale), then one arrive per warp on the stage's `empty` barrier.
 //     Tokens in wgmma's A (warpgroup c: tokens 64 c ..), weights in B (batch 0: gate rows / output
 //     columns 0-127, batch 1: up rows / output columns 128-255), so a thread's accumulators hold 2
-//     tokens and the promotion needs 2 scale products. Fp8GemmParams::prefill_fast
-//     (Config::experts_fp8_prefill 16): scales read before the wgmmas, the stage released before
-//     the last promotion, the epilogue's rows stored by bulk copies; 17: the same with the tokens
-//     (wgmma's A) loaded into registers once per K block; same bits. The producer runs
+//     tokens and the promotion needs 2 scale products. Fp8GemmParams::prefill_fast 2
+//     (Config::experts_fp8_prefill 17): scales read before the wgmmas, the stage released before
+//     the last promotion, the epilogue's rows stored by bulk copies, the tokens (wgmma's A) loaded
+//     into registers once per K block; 3 (20): 17 with the K block as 4 m64n64 batches, each
+//     promoted while the next runs (kblock_pipe); same bits as mode 8. The producer runs
 //     up to kStages blocks ahead, across work items, so the next item's first stages load under
 //     the current epilogue.
 // Work items: (128-row tile, weight tile) pairs over the tile list's prefill section, walked by a
@@ -28,6 +29,7 @@
 
 #include "cuda/check.h"
 #include "epx/dtype.h"
+#include "epx/error.h"
 #include "epx/experts.h"
 #include "experts/experts_fp8_cuda.h"
 #include "experts/experts_fp8_prefill.cuh"
@@ -49,26 +51,6 @@ __device__ __forceinline__ bool resolve(const Fp8GemmParams& p, int32_t tile0, i
   int32_t expert;
   return resolve_tile<kGateUp>(p, tile0 + static_cast<int32_t>(item / p.max_weight_tiles),
                                static_cast<int>(item % p.max_weight_tiles), it, expert);
-}
-
-/// Fp8GemmParams::prefill_xs_vec, where the scale rows allow 16-byte loads (row stride a multiple
-/// of 4 floats, base 16-byte aligned); else the 4-byte cp.async per token and K block.
-template <bool kGateUp>
-__device__ __forceinline__ bool xs_vec_on(const Fp8GemmParams& p) {
-  const int64_t stride = kGateUp ? p.hidden / kBK : p.hs_stride;
-  const void* base = kGateUp ? static_cast<const void*>(p.x_scales) : static_cast<const void*>(p.hs);
-  return p.prefill_xs_vec != 0 && stride % 4 == 0 && reinterpret_cast<uintptr_t>(base) % 16 == 0;
-}
-
-/// Scales [k0, k0 + 4) of one row (zeros past nk or for an invalid row; 16-byte aligned when k0 + 4 <= nk).
-__device__ __forceinline__ float4 load_xs4(const float* row, int64_t k0, int64_t nk, bool valid) {
-  float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-  if (!valid || k0 >= nk) return v;
-  if (k0 + 4 <= nk) return __ldg(reinterpret_cast<const float4*>(row + k0));
-  v.x = row[k0];
-  if (k0 + 1 < nk) v.y = row[k0 + 1];
-  if (k0 + 2 < nk) v.z = row[k0 + 2];
-  return v;
 }
 
 /// This CTA's words of the debug buffer (kDbg: set_fp8_prefill_debug), or null.
@@ -108,7 +90,6 @@ __device__ __forceinline__ void producer(const Fp8GemmParams& p, int32_t tile0, 
   const bool no_a = kDbg && (p.debug_flags & (kPfDbgNoLoads | kPfDbgNoWeights)) != 0;
   const bool no_b = kDbg && (p.debug_flags & kPfDbgNoLoads) != 0;
   int64_t seen = 0;  // kDbg: K blocks so far
-  const bool xs_vec = xs_vec_on<kGateUp>(p);
   for (int64_t item = blockIdx.x; item < num_items; item += gridDim.x) {
     Item it;
     if (!resolve<kGateUp>(p, tile0, item, it)) continue;
@@ -132,15 +113,8 @@ __device__ __forceinline__ void producer(const Fp8GemmParams& p, int32_t tile0, 
     const int64_t k16 = 16 * it.K;
     const bool wsv = pt < 4 && sub_valid<kGateUp>(it, pt & 3);
     const float* wssrc = it.w_scale + (wsv ? (sub_row<kGateUp>(it, pt & 3) / kBK) * (it.K / kBK) : 0);
-    // xs_vec: this token's scales of the current group of 4 K blocks and of the next (loaded a group ahead)
-    float4 xs_cur = make_float4(0.0f, 0.0f, 0.0f, 0.0f), xs_next = xs_cur;
-    if (xs_vec && !no_b) xs_next = load_xs4(bssrc, 0, nk, bv);
     for (int64_t kb = 0; kb < nk; ++kb) {
       const uint32_t s = pos.stage;
-      if (xs_vec && !no_b && (kb & 3) == 0) {
-        xs_cur = xs_next;
-        xs_next = load_xs4(bssrc, kb + 4, nk, bv);
-      }
       Stamps<kDbg> st;
       if constexpr (kDbg) st.rec = dbg_rec(dcta, 0, seen++, pt == 0);
       st.at(0);
@@ -163,17 +137,10 @@ __device__ __forceinline__ void producer(const Fp8GemmParams& p, int32_t tile0, 
           const bool v = j < it.num_rows;
           cp_async16(b_s + swz(j, c), b_base + (v ? rows[j] + k0 + c * 16 : 0), v);
         }
-        if (xs_vec) {  // token scale (0 for rows past the tile) from the registers; its arrive below
-          const int q = static_cast<int>(kb & 3);
-          const float xv = q == 0 ? xs_cur.x : q == 1 ? xs_cur.y : q == 2 ? xs_cur.z : xs_cur.w;
-          asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(sc + (4 + pt) * 4), "f"(xv) : "memory");
-        } else {
-          cp_async4(sc + (4 + pt) * 4, bssrc + kb, bv);  // token scale; 0 for rows past the tile
-        }
+        cp_async4(sc + (4 + pt) * 4, bssrc + kb, bv);  // token scale; 0 for rows past the tile
         if (pt < 4) cp_async4(sc + pt * 4, wssrc + kb, wsv);
       }
       cp_async_mbar_arrive(full0 + s * 8);
-      if (xs_vec) mbar_arrive(full0 + s * 8);  // release: the scale's st.shared before the consumers' reads
       st.at(2);
       pos.advance(stages);
       wrapped = wrapped || pos.stage == 0;
@@ -186,13 +153,15 @@ __device__ __forceinline__ void producer(const Fp8GemmParams& p, int32_t tile0, 
   }
 }
 
-/// The consumer warpgroups: per K block kblock<kFast> (experts_fp8_prefill.cuh), with one arrive
-/// per warp on the stage's `empty` barrier (kFast: inside kblock, before the last promotion); per
-/// item the epilogue (kFast: bulk-copy row stores).
-template <bool kGateUp, bool kFast, bool kRs, bool kDbg, bool kOwn>
+/// The consumer warpgroups: per K block kblock (experts_fp8_prefill.cuh; kMode 0: kblock<false>,
+/// mode 8; 2: kblock<true, true>, mode 17; 3: kblock_pipe, mode 20), with one arrive per warp on the
+/// stage's `empty` barrier (kMode >= 2: inside kblock, before the last promotion); per item the
+/// epilogue (kMode >= 2: bulk-copy row stores).
+template <bool kGateUp, int kMode, bool kDbg>
 __device__ __forceinline__ void consumer(const Fp8GemmParams& p, int32_t tile0, int64_t num_items, uint32_t stages,
                                          uint8_t* smem, uint32_t smem_s) {
   using L = Layout<kGateUp>;
+  constexpr bool kFast = kMode >= 2;
   const Who w;
   const float* scales = reinterpret_cast<const float*>(smem + L::kScaleOff);
   const uint32_t full0 = smem_s + L::kBarOff, empty0 = full0 + L::kStages * 8;
@@ -234,15 +203,16 @@ __device__ __forceinline__ void consumer(const Fp8GemmParams& p, int32_t tile0, 
         __syncwarp();
         if (w.lane == 0) mbar_arrive(empty0 + s * 8);
       };
-      kblock<kFast, kRs, kDbg>(w, a_s, a_s + kABytes, scales + s * kScaleFloats, acc, tmp, release, st);
+      if constexpr (kMode == 3) kblock_pipe(w, a_s, a_s + kABytes, scales + s * kScaleFloats, acc, tmp, release);
+      else kblock<kFast, kFast, kDbg>(w, a_s, a_s + kABytes, scales + s * kScaleFloats, acc, tmp, release, st);
       if constexpr (!kFast) release();
       pos.advance(stages);
     }
     if (kDbg && ditem != nullptr) ditem[1] = clock32();
-    epilogue<kGateUp, kFast ? (kOwn ? 2 : 1) : 0>(p, it, w, acc, smem);
+    epilogue<kGateUp, kFast ? 1 : 0>(p, it, w, acc, smem);
     if (kDbg && ditem != nullptr) ditem[2] = clock32();
   }
-  if constexpr (kFast) bulk_end<kOwn ? 2 : 1>(w);
+  if constexpr (kFast) bulk_end(w);
   if (kDbg && dcta != nullptr && w.ct == 0) {
     const uint64_t g = globaltimer();
     dcta[2] = static_cast<uint32_t>(g), dcta[3] = static_cast<uint32_t>(g >> 32);
@@ -250,7 +220,7 @@ __device__ __forceinline__ void consumer(const Fp8GemmParams& p, int32_t tile0, 
   }
 }
 
-template <bool kGateUp, bool kFast, bool kRs, bool kDbg = false, bool kOwn = false>
+template <bool kGateUp, int kMode, bool kDbg = false>
 __global__ void __launch_bounds__(kPfThreads, 1) fp8_prefill_kernel(Fp8GemmParams p) {
   using L = Layout<kGateUp>;
   extern __shared__ uint8_t smem_raw[];
@@ -260,8 +230,7 @@ __global__ void __launch_bounds__(kPfThreads, 1) fp8_prefill_kernel(Fp8GemmParam
   const uint32_t smem_s = raw_s + pad;
   if (threadIdx.x == 0) {
     for (int s = 0; s < L::kStages; ++s) {
-      // full: every producer thread's copies (xs_vec: + its arrive after the scale's store)
-      mbar_init(smem_s + L::kBarOff + s * 8, xs_vec_on<kGateUp>(p) ? 256 : 128);
+      mbar_init(smem_s + L::kBarOff + s * 8, 128);                  // full: every producer thread's copies
       mbar_init(smem_s + L::kBarOff + (L::kStages + s) * 8, 8);     // empty: every consumer warp
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
@@ -285,13 +254,13 @@ __global__ void __launch_bounds__(kPfThreads, 1) fp8_prefill_kernel(Fp8GemmParam
     producer<kGateUp, kDbg>(p, tile0, num_items, stages, smem, smem_s);
   } else {
     setmaxnreg_inc<216>();
-    consumer<kGateUp, kFast, kRs, kDbg, kOwn>(p, tile0, num_items, stages, smem, smem_s);
+    consumer<kGateUp, kMode, kDbg>(p, tile0, num_items, stages, smem, smem_s);
   }
 }
 
 #else  // not sm_90a: the host never launches these (fp8_tensor_cores_available is false)
 
-template <bool kGateUp, bool kFast, bool kRs, bool kDbg = false, bool kOwn = false>
+template <bool kGateUp, int kMode, bool kDbg = false>
 __global__ void __launch_bounds__(kPfThreads, 1) fp8_prefill_kernel(Fp8GemmParams) {
 #ifdef __CUDA_ARCH__
   __trap();
@@ -300,14 +269,11 @@ __global__ void __launch_bounds__(kPfThreads, 1) fp8_prefill_kernel(Fp8GemmParam
 
 #endif  // EPX_FP8_WGMMA
 
-/// The kernel instance of Fp8GemmParams::prefill_fast (0: mode 8, 1: 16, 2: 17 = 16 with A in
-/// registers, 3: 19 = 17 with each warpgroup's own epilogue in fast forms, epilogue<.., 2>).
+/// The kernel instance of Fp8GemmParams::prefill_fast (0: mode 8, 2: 17, 3: 20 = 17 with pipelined
+/// m64n64 batches, kblock_pipe).
 template <bool kGateUp>
 auto prefill_kernel(int fast) {
-  return fast == 3   ? fp8_prefill_kernel<kGateUp, true, true, false, true>
-         : fast == 2 ? fp8_prefill_kernel<kGateUp, true, true>
-         : fast == 1 ? fp8_prefill_kernel<kGateUp, true, false>
-                     : fp8_prefill_kernel<kGateUp, false, false>;
+  return fast == 3 ? fp8_prefill_kernel<kGateUp, 3> : fast == 2 ? fp8_prefill_kernel<kGateUp, 2> : fp8_prefill_kernel<kGateUp, 0>;
 }
 
 // set_fp8_prefill_debug's state: process-wide, for the bench only (null: the library's kernels).
@@ -318,18 +284,32 @@ uint32_t g_debug_flags = 0;
 /// buffer is set (p gets the buffer and flags), else prefill_kernel(p.prefill_fast).
 template <bool kGateUp>
 void launch_prefill(Fp8GemmParams p, int grid, cudaStream_t stream) {
+#ifdef EPX_FP8_PREFILL_STAMPS
   if (g_debug_buffer != nullptr && p.prefill_fast == 2) {
     p.debug = g_debug_buffer;
     p.debug_flags = g_debug_flags;
-    fp8_prefill_kernel<kGateUp, true, true, true><<<grid, kPfThreads, Layout<kGateUp>::kSmemBytes, stream>>>(p);
-  } else {
+    fp8_prefill_kernel<kGateUp, 2, true><<<grid, kPfThreads, Layout<kGateUp>::kSmemBytes, stream>>>(p);
+    return;
+  }
+#endif
+  {
     prefill_kernel<kGateUp>(p.prefill_fast)<<<grid, kPfThreads, Layout<kGateUp>::kSmemBytes, stream>>>(p);
   }
 }
 
 }  // namespace
 
+bool fp8_prefill_stamps_built() {
+#ifdef EPX_FP8_PREFILL_STAMPS
+  return true;
+#else
+  return false;
+#endif
+}
+
 void set_fp8_prefill_debug(uint32_t* buffer, uint32_t flags) {
+  if (buffer != nullptr && !fp8_prefill_stamps_built())
+    throw Unsupported("set_fp8_prefill_debug: this build lacks the stamped FP8 prefill kernels (configure with -DEPX_FP8_PREFILL_STAMPS=ON)");
   g_debug_buffer = buffer;
   g_debug_flags = buffer != nullptr ? flags : 0;
 }
@@ -337,14 +317,16 @@ void set_fp8_prefill_debug(uint32_t* buffer, uint32_t flags) {
 int fp8_prefill_smem_bytes() { return std::max(Layout<true>::kSmemBytes, Layout<false>::kSmemBytes); }
 
 void fp8_prefill_set_smem_limits() {
-  for (int fast : {0, 1, 2, 3}) {
+  for (int fast : {0, 2, 3}) {
     EPX_CUDA_CHECK(cudaFuncSetAttribute(prefill_kernel<true>(fast), cudaFuncAttributeMaxDynamicSharedMemorySize, Layout<true>::kSmemBytes));
     EPX_CUDA_CHECK(cudaFuncSetAttribute(prefill_kernel<false>(fast), cudaFuncAttributeMaxDynamicSharedMemorySize, Layout<false>::kSmemBytes));
   }
-  EPX_CUDA_CHECK(cudaFuncSetAttribute(fp8_prefill_kernel<true, true, true, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+#ifdef EPX_FP8_PREFILL_STAMPS
+  EPX_CUDA_CHECK(cudaFuncSetAttribute(fp8_prefill_kernel<true, 2, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                       Layout<true>::kSmemBytes));
-  EPX_CUDA_CHECK(cudaFuncSetAttribute(fp8_prefill_kernel<false, true, true, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+  EPX_CUDA_CHECK(cudaFuncSetAttribute(fp8_prefill_kernel<false, 2, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                       Layout<false>::kSmemBytes));
+#endif
 }
 
 void launch_fp8_prefill_gate_up(const Fp8GemmParams& p, int grid, cudaStream_t stream) {

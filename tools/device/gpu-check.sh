@@ -96,7 +96,7 @@ run() {
   local bdir="$work/build" jobs
   jobs="$(nproc)"
   local t_conf=$SECONDS
-  cmake -S "$src" -B "$bdir" -G Ninja -DCMAKE_BUILD_TYPE=Release -DEPX_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90a \
+  cmake -S "$src" -B "$bdir" -G Ninja -DCMAKE_BUILD_TYPE=Release -DEPX_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90a -DEPX_FP8_PREFILL_STAMPS=ON \
     -DEPX_NCCL_ROOT="$nccl" -DCMAKE_PREFIX_PATH="$deps/usr" -DBLA_VENDOR=OpenBLAS -DCMAKE_POLICY_VERSION_MINIMUM=3.5 \
     -DCMAKE_LIBRARY_PATH="$arch_lib/openblas-pthread;$arch_lib" \
     -DEPX_CBLAS_INCLUDE="$deps/usr/include/x86_64-linux-gnu/openblas-pthread" >"$out/configure.log" 2>&1
