@@ -369,13 +369,17 @@ TEST(ModularMoESharedShard, OnlyWhenDpAboveOneOnGatheringBackends) {
   EXPECT_EQ(r.counters[0].shared_separate, 1);
   EXPECT_EQ(r.counters[0].shared_sharded, 0);
   EXPECT_EQ(r.gate[0], 0);  // the option overrides both gates
-  // Default gate of a sharded layer: Config::fhmoe_max_tokens_sharded; M = 6 <= it: fused, sharded.
+  // Default gate of a sharded layer: Config::fhmoe_max_tokens_sharded = 0 (ninth session's sweep):
+  // M = 6 > 0, so the chunk runs the shared expert separately, whole, not sharded.
   Case d{.preset = "qwen1.5-moe-a2.7b-mini", .backend = "allgather_reducescatter", .tokens = {4, 6}, .seed = 7};
   const Outcome q = run_case(d);
   EXPECT_LE(q.rel_l2, kTol);
-  EXPECT_EQ(q.gate[0], Config{}.fhmoe_max_tokens_sharded);
-  EXPECT_EQ(q.gate[1], Config{}.fhmoe_max_tokens_sharded);
-  EXPECT_EQ(q.counters[0].shared_sharded, 1);
+  EXPECT_EQ(Config{}.fhmoe_max_tokens_sharded, 0);
+  EXPECT_EQ(q.gate[0], 0);
+  EXPECT_EQ(q.gate[1], 0);
+  EXPECT_EQ(q.counters[0].shared_separate, 1);
+  EXPECT_EQ(q.counters[0].shared_fused, 0);
+  EXPECT_EQ(q.counters[0].shared_sharded, 0);
 }
 
 // The slices of an expert's intermediate dimension sum to the expert (down is linear in h).

@@ -93,11 +93,14 @@ struct Config {
   /// separate - 1 at T = 1: -18 % against -30 %), so graphs up to 512 keep the dispatch.
   int fhmoe_local_shared_tokens = 512;  ///< (tokens) the local shared slot when M > this
   /// The gate of layers that run the shared expert DP-sharded on fused chunks (backends that gather
-  /// every rank's tokens: naive, allgather_reducescatter; ModularMoEOptions::shard_shared_expert):
-  /// there fused costs its own launch over all gathered rows, and fused / separate - 1 was -5.1 % /
-  /// -0.4 % at M = 128 (decode) but +2.5 % / +3.1 % at 512 and 0..+6 % up to 4096 (seventh
-  /// session, bench/results/h200x2/fhmoe-s7-batch1-*/): 128 = the largest M measured where it wins.
-  int fhmoe_max_tokens_sharded = 128;
+  /// every rank's tokens: naive, allgather_reducescatter; ModularMoEOptions::shard_shared_expert).
+  /// 0 = never fuse there: with 50 steps per T (ninth session, bench/results/h200x2/fhmoe-sharded-s9-*/,
+  /// DeepSeek-V3 decode, eager) fused / separate - 1 was +16.0 / +9.2 % at 1 token per rank (naive /
+  /// allgather_reducescatter; the fused chunk's larger dispatch), -1.0 / -6.0 % at 8, +1.6 / -1.2 % at 32,
+  /// -2.4 / -3.7 % at 128, and +2.5 / +3.1 % at 512 (seventh session): the fused experts phase equals the
+  /// separate experts + shared expert phases at every T, so fusing saves no compute on these backends,
+  /// and a max-tokens gate cannot keep 8..128 without 1, where the loss is largest.
+  int fhmoe_max_tokens_sharded = 0;
 
   /// Where each field's value came from ("default", "json <file>", "env EPX_...", "api").
   std::vector<std::pair<std::string, std::string>> sources;
