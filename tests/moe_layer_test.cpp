@@ -133,8 +133,9 @@ constexpr double kTol = 1e-2;  // rel L2: bf16 operands land between 1e-3 and 1e
 
 }  // namespace
 
-// The cross product: every mini preset x backend x R, the layer's own router, default options
-// (auto gate with small T: the shared expert runs fused).
+// The cross product: every mini preset x backend x R, the layer's own router, default options but
+// the replica's gate for every layer (auto gate with small T: the shared expert runs fused; the
+// DP-sharded layers' own default gate, Config::fhmoe_max_tokens_sharded = 0, is moe_dp_test's).
 TEST(ModularMoE, EveryPresetBackendAndRankCountMatchesTheReference) {
   const std::vector<std::vector<int64_t>> rank_tokens = {{9}, {7, 12}, {5, 0, 11, 3}};
   int cases = 0;
@@ -143,6 +144,7 @@ TEST(ModularMoE, EveryPresetBackendAndRankCountMatchesTheReference) {
     for (const std::string& b : backend_names()) {
       for (const auto& tokens : rank_tokens) {
         LayerCase c{.preset = p, .backend = b, .tokens = tokens, .seed = static_cast<uint64_t>(++cases)};
+        c.options.fhmoe_max_tokens = Config{}.fhmoe_max_tokens;
         const LayerResult r = run_case(c, true);
         EXPECT_LE(r.rel_l2, kTol) << c.describe();
         for (size_t rank = 0; rank < tokens.size(); ++rank) {
@@ -196,7 +198,7 @@ TEST(ModularMoE, SeparateSharedExpertSeesTheWireX) {
 }
 
 // DP chunking: chunk 4 over T = {10, 0, 3, 9} -> ceil(10/4) = 3 chunks on every rank; rank 1 idles
-// in all three, rank 2 in the last two. Every backend.
+// in all three, rank 2 in the last two. Every backend, the replica's gate (fused) for every layer.
 TEST(ModularMoE, ChunkingWithUnevenAndZeroTokenRanks) {
   const std::vector<int64_t> tokens = {10, 0, 3, 9};
   const std::vector<int64_t> idle = {0, 3, 2, 0};
@@ -204,7 +206,7 @@ TEST(ModularMoE, ChunkingWithUnevenAndZeroTokenRanks) {
     for (const std::string& b : backend_names()) {
       for (DType d : {DType::bf16, DType::fp8_e4m3}) {
         LayerCase c{.preset = p, .backend = b, .tokens = tokens, .dispatch_dtype = d,
-                    .options = {.chunk_size = 4}, .capacity = 4, .seed = 5};
+                    .options = {.chunk_size = 4, .fhmoe_max_tokens = Config{}.fhmoe_max_tokens}, .capacity = 4, .seed = 5};
         const LayerResult r = run_case(c, true);
         EXPECT_LE(r.rel_l2, kTol) << c.describe();
         for (int rank = 0; rank < 4; ++rank) {
