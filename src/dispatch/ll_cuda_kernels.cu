@@ -1319,7 +1319,13 @@ __device__ __forceinline__ void combine_recv_runs(const LlCombineParams& p, int 
           for (int e = 0; e < 8; ++e) acc[i][e] = __fadd_rn(acc[i][e], v[q][i][e]);
       }
     }
+    const bool stamp0 = item == first_item;  // block 0's warp 0 (trace_at): the phases of its first item
+    if (stamp0 && __float_as_uint(acc[0][0]) != 0x7fc00001u) trace_at(c, kTrCombRecvLoaded0);  // after the sums (data-dependent)
     store_bf16_run<kRun>(p.out + static_cast<int64_t>(t) * H, acc, hbase, cpr, H);
+    if (stamp0) {
+      asm volatile("" ::: "memory");  // after the stores are issued
+      trace_at(c, kTrCombRecvStored0);
+    }
   }
   if (threadIdx.x == 0) atomicAdd(&c.state->combine_recv_blocks, 1ull);
 }

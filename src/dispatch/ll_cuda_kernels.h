@@ -79,7 +79,9 @@ enum LlTraceSlot : int {
   // One dependent load's round trip, stored as start + round trip (printed: the round trip in us):
   kTrDispLoadStart = 32,      ///< b0's last thread: a state word at the dispatch kernel's start (after its warp's first loads)
   kTrDispLoadWaited = 33,     ///< b0's last thread: a word of the local buffer after the wait (ll.expand = message, after its warp's item loads)
-  kTrSlots = 34
+  kTrCombRecvLoaded0 = 34,    ///< b0: warp 0's first receive item's partial rows loaded and added (flag, ll.items = run)
+  kTrCombRecvStored0 = 35,    ///< b0: warp 0's first receive item's bf16 stores issued
+  kTrSlots = 36
 };
 /// Name of a slot for the diagnostics (nullptr: unused), and whether it is on the combine's timeline.
 inline const char* ll_trace_name(int i) {
@@ -94,11 +96,12 @@ inline const char* ll_trace_name(int i) {
       "dispatch masks done (block 0)", "dispatch warp 0 items done (block 0)", "dispatch masks done, kcycles (block 0)",
       "dispatch warp 0 items done, kcycles (block 0)", "dispatch slot bases, kcycles (block 0)", "combine reduce done, kcycles (block 0)",
       "combine warp 0 rows loaded (block 0)", "combine warp 0 stores issued (block 0)",
-      "dispatch one load at the start, round trip (block 0)", "dispatch one load after the wait, round trip (block 0)"};
+      "dispatch one load at the start, round trip (block 0)", "dispatch one load after the wait, round trip (block 0)",
+      "combine warp 0 receive rows added (block 0)", "combine warp 0 receive stores issued (block 0)"};
   return i >= 0 && i < kTrSlots ? names[i] : nullptr;
 }
 inline bool ll_trace_is_combine(int i) {
-  return i == 4 || i == 5 || i == 6 || i == 7 || i == 9 || i == 11 || i == 17 || i == 18 || i == 19 || i == 22 || i == 23 || (i >= 29 && i <= 31);
+  return i == 4 || i == 5 || i == 6 || i == 7 || i == 9 || i == 11 || i == 17 || i == 18 || i == 19 || i == 22 || i == 23 || (i >= 29 && i <= 31) || i == 34 || i == 35;
 }
 
 /// The error report, in host-mapped memory: the kernels never trap; the host reads it.
