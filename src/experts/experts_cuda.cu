@@ -181,9 +181,10 @@ class CudaExperts final : public Experts {
     // Config::experts_fp8_prefill: 1 = the variant measured fastest (kFp8PrefillDefaultMode,
     // bench/NOTES.md), 8 = cp.async loads, 17 = 8 with early scales / release, bulk stores and
     // wgmma's A in registers (Fp8GemmParams::prefill_fast 2), 20 = 17 with pipelined m64n64 batches
-    // (prefill_fast 3), 10 = 17 with TMA loads; same results every way.
+    // (prefill_fast 3), 21 = 20 with the next K block's `full` wait under the last batch (4), 10 = 17
+    // with TMA loads; same results every way.
     const int pf_mode = config.experts_fp8_prefill == 1 ? kFp8PrefillDefaultMode : config.experts_fp8_prefill;
-    fp8_prefill_fast_ = pf_mode == 17 ? 2 : pf_mode == 20 ? 3 : 0;  // Fp8GemmParams::prefill_fast
+    fp8_prefill_fast_ = pf_mode == 17 ? 2 : pf_mode == 20 ? 3 : pf_mode == 21 ? 4 : 0;  // Fp8GemmParams::prefill_fast
     const bool pf_tma = pf_mode == 10;
     // Objects with mxfp4 experts, all of them fp8_block or mxfp4 with I % 128 == 0 and H % 128 == 0,
     // fed FP8 x, run every expert on the mixed sm_90a kernels (experts_mxfp4_cuda.cu): one grouped
@@ -530,7 +531,7 @@ class CudaExperts final : public Experts {
   bool fp8_prefill_ = false;      // experts with > 64 rows on the prefill kernels (EPX_EXPERTS_FP8_PREFILL)
   int fp8_prefill_stages_ = 0;    // their ring depth (EPX_EXPERTS_FP8_PREFILL_STAGES; 0 = maximum)
   int fp8_prefill_min_tiles_ = 1; // big tiles the prefill section needs to run (EPX_EXPERTS_FP8_PREFILL_MIN_TILES; 0 -> one wave)
-  int fp8_prefill_fast_ = 0;          // modes 17, 20 (Fp8GemmParams::prefill_fast 2, 3)
+  int fp8_prefill_fast_ = 0;          // modes 17, 20, 21 (Fp8GemmParams::prefill_fast 2, 3, 4)
   int64_t mx_inter_max_ = 0;      // widest mxfp4 expert
   bool mx_tensor_cores_ = false;  // fp8_block + mxfp4 experts with FP8 x run on the mixed sm_90a GEMMs
   bool mx_wide_ = false;          // their 512-thread variant (EPX_EXPERTS_MXFP4_TC=2)

@@ -52,7 +52,8 @@ struct Fp8GemmParams {
   /// cp.async prefill kernels: 2 = kblock<true, true> (scales read before the wgmmas, the stage
   /// released before the last promotion, wgmma's A (the tokens) in registers) and bulk-copy epilogue
   /// stores (Config::experts_fp8_prefill 17); 3 = 2 with the K block as 4 pipelined m64n64 batches
-  /// (kblock_pipe, 20); same bits as 0 (mode 8). (1 = 16 and the former 3 = 19, and prefill_xs_vec = 18,
+  /// (kblock_pipe, 20); 4 = 3 with the wait on the next K block's `full` barrier under the block's
+  /// last batch (21); same bits as 0 (mode 8). (1 = 16 and the former 3 = 19, and prefill_xs_vec = 18,
   /// were removed in the ninth session: measured level with 17.)
   int32_t prefill_fast;
   /// Debug only (set_fp8_prefill_debug; null / 0 in the library's launches): the stamped kernels'

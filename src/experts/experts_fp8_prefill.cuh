@@ -185,10 +185,11 @@ __device__ __forceinline__ void kblock(const Who& w, uint32_t a_s, uint32_t b_s,
 /// released, and its promotion follows. Batch t's 32 floats are acc[t / 2][32 (t % 2) ..]: the n128
 /// fragment's column groups 8 (t % 2) .. (wgmma's accumulator layout: float 4 j + e holds column group
 /// j). Each element sums the same k32 products and is promoted once per K block with the same scale
-/// product as kblock<true, true>.
-template <class Release>
+/// product as kblock<true, true>. `ahead()` runs after the third promotion, while the last batch is
+/// in flight (mode 21: the wait on the next K block's `full` barrier; mode 20: nothing).
+template <class Release, class Ahead>
 __device__ __forceinline__ void kblock_pipe(const Who& w, uint32_t a_s, uint32_t b_s, const float* sc, float (&acc)[2][kFrag],
-                                            float (&tmp_all)[kFrag], Release release) {
+                                            float (&tmp_all)[kFrag], Release release, Ahead ahead) {
   using namespace wg;
   constexpr int kHalf = kFrag / 2;  // 32 floats per m64n64 batch
   float(&tmp)[2][kHalf] = reinterpret_cast<float(&)[2][kHalf]>(tmp_all);
@@ -227,6 +228,7 @@ __device__ __forceinline__ void kblock_pipe(const Who& w, uint32_t a_s, uint32_t
     wgmma_wait<1>();
     promote(t - 1);
   }
+  ahead();
   wgmma_wait<0>();
   release();
   promote(3);
