@@ -5,22 +5,22 @@
 # prebuilt.tar.xz holds experts_cuda_test and epx-gemm-bench built from src.tar.xz on the dev machine
 # (CUDA 13.0, sm_90a); when they do not load here (ldd / --gtest_list_tests), they are built with
 # tools/device/gpu-check.sh instead.
-# STEPS (space-separated, in order; default "bits ab torch fp8 rest"; a hang in bits drops $MODES from ab):
+# STEPS (space-separated, in order; default "bits ab fp8 rest"; a hang in bits drops $MODES from ab):
 #   stamps  epx-gemm-bench --stamps $STAMP_FLAGS on ExpertMajor (mode 17 stamped, and its ablations);
 #   stages  the same (flags 0) with EPX_EXPERTS_FP8_PREFILL_STAGES=3 and =2 (ring depth);
-#   ab      the A/B bench of $MODES (default 20) against the default (17) on both layouts, with the cuBLASLt
+#   ab      the A/B bench of $MODES (default 20,21) against the default (17) on both layouts, with the cuBLASLt
 #           loop unless AB_EXTRA=--no-cublas (ITERS, default 10);
 #   old     the default rows of epx-gemm-bench-old (prebuilt.tar.xz: the previous batch's binary, its commit
 #           in old-commit.txt) in the same run;
 #   torch   bench/gemm_torch.py (torch._scaled_grouped_mm, the same shapes);
-#   bits    ExpertsCuda.Fp8PrefillTmaLoadsMatchCpAsyncLoadsBitForBit (17, 20, 10's bytes against mode 8);
+#   bits    ExpertsCuda.Fp8PrefillTmaLoadsMatchCpAsyncLoadsBitForBit (17, 20, 21, 10 against mode 8);
 #   fp8     ExpertsCuda.Fp8TensorCoreRowCountsOneTo8192 (against the CPU); rest: the other experts GPU tests;
 #   ncu     Nsight Compute (--clock-control none) on one gate_up and one down launch of the default kernels.
 # Every step has its own timeout; budget BUDGET s (default 96).
 set -uo pipefail
 OUT="${OUT:-/tmp/gemmpf-out}"
 BUDGET="${BUDGET:-96}"
-STEPS="${STEPS:-bits ab torch fp8 rest}"
+STEPS="${STEPS:-bits ab fp8 rest}"
 STAMP_FLAGS="${STAMP_FLAGS:-0,1,8,4}"
 ITERS="${ITERS:-10}"
 mkdir -p "$OUT"
@@ -57,7 +57,7 @@ if [ -z "$B" ]; then
   export LD_LIBRARY_PATH="$nccl/lib:$deps:$deps/openblas-pthread${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 fi
 export CUDA_VISIBLE_DEVICES=0
-MODES="${MODES:-20}"
+MODES="${MODES:-20,21}"
 AB_EXTRA="${AB_EXTRA:-}"
 commit="$(cat "$HERE/.carry-gemmpf/commit.txt" 2>/dev/null || echo unknown)"
 bench() {  # bench NAME LIMIT ARGS...: epx-gemm-bench into $OUT/NAME.{json,log}
