@@ -37,13 +37,13 @@ constexpr int64_t kMaxTileSlots = 1024;
 /// The FP8 prefill kernels' variant that Config::experts_fp8_prefill = 1 (the default) takes: 8
 /// experts_fp8_prefill_cuda.cu (cp.async loads, tokens in wgmma's A), 16 the same with the scales read
 /// before the wgmmas, the stage released before the last promotion and bulk-copy epilogue stores
-/// (same bits; removed in the ninth session), 17 = 16 with wgmma's A (tokens) in registers, 20 = 17 with
-/// pipelined m64n64 batches, 10 experts_fp8_prefill_tma_cuda.cu (TMA loads);
+/// (same bits; removed in the ninth session), 17 = 16 with wgmma's A (tokens) in registers,
+/// 10 experts_fp8_prefill_tma_cuda.cu (TMA loads);
 /// whichever bench/NOTES.md measured fastest (sixth session: 8, 3296 us at DeepSeek-V3 shapes, 256
 /// rows/expert; seventh session: 17, 2 % / 5 % less time than 8 on ExpertMajor / Flat in the same run,
 /// same bytes; eighth session: 17 again, with the epilogues' hardware e4m3 / bf16 conversions (same
 /// bytes, 6 % less time on Flat); 16, 18 and 19 measured level with it and removed in the ninth session,
-/// bench/NOTES.md).
+/// as were 20 and 21 (17 with pipelined m64n64 batches: 3 % slower), bench/NOTES.md).
 /// Removed after measurement (seventh session): 2-7 and 9 (weights in A, turn orders),
 /// 12-15 (a pipelined m64n64 consumer, 40 % slower); eighth session: 11 (the TMA loads as 2-CTA
 /// clusters multicasting the weight tile, slower in every run).
@@ -180,11 +180,10 @@ class CudaExperts final : public Experts {
     fp8_prefill_min_tiles_ = config.experts_fp8_prefill_min_tiles;
     // Config::experts_fp8_prefill: 1 = the variant measured fastest (kFp8PrefillDefaultMode,
     // bench/NOTES.md), 8 = cp.async loads, 17 = 8 with early scales / release, bulk stores and
-    // wgmma's A in registers (Fp8GemmParams::prefill_fast 2), 20 = 17 with pipelined m64n64 batches
-    // (prefill_fast 3), 21 = 20 with the next K block's `full` wait under the last batch (4), 10 = 17
-    // with TMA loads; same results every way.
+    // wgmma's A in registers (Fp8GemmParams::prefill_fast 2), 10 = 17 with TMA loads; same results
+    // every way.
     const int pf_mode = config.experts_fp8_prefill == 1 ? kFp8PrefillDefaultMode : config.experts_fp8_prefill;
-    fp8_prefill_fast_ = pf_mode == 17 ? 2 : pf_mode == 20 ? 3 : pf_mode == 21 ? 4 : 0;  // Fp8GemmParams::prefill_fast
+    fp8_prefill_fast_ = pf_mode == 17 ? 2 : 0;  // Fp8GemmParams::prefill_fast
     const bool pf_tma = pf_mode == 10;
     // Objects with mxfp4 experts, all of them fp8_block or mxfp4 with I % 128 == 0 and H % 128 == 0,
     // fed FP8 x, run every expert on the mixed sm_90a kernels (experts_mxfp4_cuda.cu): one grouped
@@ -531,7 +530,7 @@ class CudaExperts final : public Experts {
   bool fp8_prefill_ = false;      // experts with > 64 rows on the prefill kernels (EPX_EXPERTS_FP8_PREFILL)
   int fp8_prefill_stages_ = 0;    // their ring depth (EPX_EXPERTS_FP8_PREFILL_STAGES; 0 = maximum)
   int fp8_prefill_min_tiles_ = 1; // big tiles the prefill section needs to run (EPX_EXPERTS_FP8_PREFILL_MIN_TILES; 0 -> one wave)
-  int fp8_prefill_fast_ = 0;          // modes 17, 20, 21 (Fp8GemmParams::prefill_fast 2, 3, 4)
+  int fp8_prefill_fast_ = 0;          // mode 17 (Fp8GemmParams::prefill_fast 2)
   int64_t mx_inter_max_ = 0;      // widest mxfp4 expert
   bool mx_tensor_cores_ = false;  // fp8_block + mxfp4 experts with FP8 x run on the mixed sm_90a GEMMs
   bool mx_wide_ = false;          // their 512-thread variant (EPX_EXPERTS_MXFP4_TC=2)

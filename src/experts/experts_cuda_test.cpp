@@ -352,9 +352,9 @@ TEST(ExpertsCuda, Fp8TensorCoreRowCountsOneTo8192) {
   // 8192 (Flat, contiguous rows grouped by expert on the device; 200 pairs: ~67 per expert).
   // The same cases through the paired-K-block mainloop variant (EPX_EXPERTS_FP8_PAIRS=1), with
   // the prefill kernels off (EPX_EXPERTS_FP8_PREFILL=0: every tile on the 64-row kernels), with
-  // the pipelined m64n64 batches (=20, =21), with the cp.async loads and tokens from shared memory (=8)
+  // the cp.async loads and tokens from shared memory (=8)
   // and the TMA variant of the prefill kernels (=10); Fp8PrefillTmaLoadsMatchCpAsyncLoadsBitForBit
-  // checks 17, 20, 21 and 10 are bit-identical to =8.
+  // checks 17 and 10 are bit-identical to =8.
   // These take the prefill section for any expert with > 64 rows (EPX_EXPERTS_FP8_PREFILL_MIN_TILES
   // = 1); "gated" is the default, which takes it only when the big tiles fill one wave (here only
   // flat 8192 rows: 3 x 22 tiles against ceil(132 / 16) = 9; 1000 rows are 8 tiles: 64-row kernels).
@@ -372,19 +372,12 @@ TEST(ExpertsCuda, Fp8TensorCoreRowCountsOneTo8192) {
   auto gpu_tma = make_experts_cuda(experts, 0);
   setenv("EPX_EXPERTS_FP8_PREFILL", "8", 1);
   auto gpu_smem_a = make_experts_cuda(experts, 0);
-  setenv("EPX_EXPERTS_FP8_PREFILL", "20", 1);
-  auto gpu_pipe = make_experts_cuda(experts, 0);
-  setenv("EPX_EXPERTS_FP8_PREFILL", "21", 1);
-  auto gpu_ahead = make_experts_cuda(experts, 0);
   unsetenv("EPX_EXPERTS_FP8_PREFILL");
   unsetenv("EPX_EXPERTS_FP8_PREFILL_MIN_TILES");
   const double tol = kMaxRelL2Fp8TensorCores;
   const std::vector<std::vector<int32_t>> cases = {{0, 1, 0}, {7, 0, 0}, {16, 17, 95}, {64, 65, 129}, {0, 1000, 0}};
-  for (auto* g : {gpu.get(), gpu_pipe.get(), gpu_ahead.get(), gpu_smem_a.get(), gpu_pairs.get(), gpu_small.get(), gpu_tma.get(),
-                  gpu_gated.get()}) {
+  for (auto* g : {gpu.get(), gpu_smem_a.get(), gpu_pairs.get(), gpu_small.get(), gpu_tma.get(), gpu_gated.get()}) {
     const char* variant = g == gpu.get()           ? ""
-                          : g == gpu_pipe.get()    ? " (prefill pipelined m64n64 batches)"
-                          : g == gpu_ahead.get()   ? " (prefill pipelined, next full wait ahead)"
                           : g == gpu_smem_a.get()  ? " (prefill mode 8: A from shared memory)"
                           : g == gpu_gated.get()   ? " (prefill gated: one wave)"
                           : g == gpu_pairs.get()   ? " (pairs)"
@@ -414,10 +407,8 @@ TEST(ExpertsCuda, Fp8PrefillTmaLoadsMatchCpAsyncLoadsBitForBit) {
   // and tokens; an expert without tokens, 129 / 300 rows: partial 128-row tiles whose TMA boxes run
   // into NaN padding rows) and Flat (weights by TMA, the token gather by cp.async), DeepSeek-V3
   // widths beside a V4-Pro-width expert (I 3072: h_stride > I). =17 (early scale reads and stage
-  // release, bulk-copy epilogue stores, wgmma's A from registers, loaded by ldmatrix) and =20 (=17
-  // with the K block as 4 pipelined m64n64k32 batches: each element sums the same k32 products and
-  // is promoted once per K block with the same scale product) and =21 (=20 with the next K block's
-  // `full` wait under the last batch) must give the same bytes too.
+  // release, bulk-copy epilogue stores, wgmma's A from registers, loaded by ldmatrix) must give the
+  // same bytes too.
   std::vector<std::shared_ptr<const ExpertWeights>> experts = same_format(WeightFormat::fp8_block, 3, 7168, 2048, 540);
   experts.push_back(ExpertWeights::random(WeightFormat::fp8_block, 7168, 3072, 544));
   const int64_t L = 4, H = 7168, cap = 300;
@@ -426,10 +417,6 @@ TEST(ExpertsCuda, Fp8PrefillTmaLoadsMatchCpAsyncLoadsBitForBit) {
   auto cpa = make_experts_cuda(experts, 0);
   setenv("EPX_EXPERTS_FP8_PREFILL", "17", 1);
   auto rs = make_experts_cuda(experts, 0);
-  setenv("EPX_EXPERTS_FP8_PREFILL", "20", 1);
-  auto pipe = make_experts_cuda(experts, 0);
-  setenv("EPX_EXPERTS_FP8_PREFILL", "21", 1);
-  auto ahead = make_experts_cuda(experts, 0);
   setenv("EPX_EXPERTS_FP8_PREFILL", "10", 1);
   auto tma = make_experts_cuda(experts, 0);
   unsetenv("EPX_EXPERTS_FP8_PREFILL");
@@ -468,8 +455,8 @@ TEST(ExpertsCuda, Fp8PrefillTmaLoadsMatchCpAsyncLoadsBitForBit) {
   poison_dev(fl_ref);
   cpa->apply(em, em_ref);
   cpa->apply(fl, fl_ref);
-  for (auto* g : {rs.get(), pipe.get(), ahead.get(), tma.get()}) {
-    const char* name = g == rs.get() ? "fast-rs (17)" : g == pipe.get() ? "pipe-rs (20)" : g == ahead.get() ? "pipe-rs-ahead (21)" : "tma (10)";
+  for (auto* g : {rs.get(), tma.get()}) {
+    const char* name = g == rs.get() ? "fast-rs (17)" : "tma (10)";
     Tensor o = Tensor::empty({L, cap, H}, DType::bf16, kDev), f = Tensor::empty({N, H}, DType::bf16, kDev);
     poison_dev(o);
     poison_dev(f);

@@ -51,10 +51,9 @@ struct Fp8GemmParams {
   int64_t row_space;
   /// cp.async prefill kernels: 2 = kblock<true, true> (scales read before the wgmmas, the stage
   /// released before the last promotion, wgmma's A (the tokens) in registers) and bulk-copy epilogue
-  /// stores (Config::experts_fp8_prefill 17); 3 = 2 with the K block as 4 pipelined m64n64 batches
-  /// (kblock_pipe, 20); 4 = 3 with the wait on the next K block's `full` barrier under the block's
-  /// last batch (21); same bits as 0 (mode 8). (1 = 16 and the former 3 = 19, and prefill_xs_vec = 18,
-  /// were removed in the ninth session: measured level with 17.)
+  /// stores (Config::experts_fp8_prefill 17); same bits as 0 (mode 8). (1 = 16, 3 = 19, prefill_xs_vec
+  /// = 18 (measured level with 17) and 3 / 4 = 20 / 21 (pipelined m64n64 batches, slower) were removed
+  /// in the ninth session.)
   int32_t prefill_fast;
   /// Debug only (set_fp8_prefill_debug; null / 0 in the library's launches): the stamped kernels'
   /// buffer and ablation flags, filled in by the launch functions.

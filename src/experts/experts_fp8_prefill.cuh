@@ -10,7 +10,9 @@
 // 2 x 64 fp32 accumulators and a 64-float temporary per thread (m64n128k32 wgmmas). Promotion after
 // every 128-deep K block: acc += tmp * (w_scale * x_scale) (DeepSeek-V3's recipe; DeepGEMM's order).
 // Removed after measurement (bench/NOTES.md, sixth and seventh sessions): weights in wgmma's A, the
-// consumer turn orders, and a consumer pipelining m64n64 batches (wait_group 1): 40 % slower.
+// consumer turn orders, and a consumer pipelining m64n64 batches (wait_group 1): 40 % slower; ninth
+// session: the same pipelined batches on A in registers (modes 20, 21; kblock_pipe in 65ace9b /
+// 86ec8c9): 3 % slower than 17.
 #pragma once
 
 #include <cstdint>
@@ -173,65 +175,6 @@ __device__ __forceinline__ void kblock(const Who& w, uint32_t a_s, uint32_t b_s,
     }
     st.at(sub == 0 ? 5 : 9);
   }
-}
-
-/// kblock of Config::experts_fp8_prefill 20 (Fp8GemmParams::prefill_fast 3): mode 17 (scales read
-/// first, A = the warpgroup's 64 tokens in registers by ldmatrix, the stage released after the last
-/// wait) with the K block cut into 4 batches of 4 m64n64k32 wgmmas, batch t = weight sub-tile t (64
-/// rows at a_s + t kSub: gate_up gate lo / hi, up lo / hi; down output columns 64 t ..), into the two
-/// 32-float halves of `tmp` taken in turn. After issuing batch t (t >= 1) it waits only for batch t - 1
-/// (wgmma.wait_group 1) and promotes it while t runs; the last batch is waited for with wait_group 0
-/// (the A fragments are in use until then, so no batch crosses the loop's back edge), the stage is
-/// released, and its promotion follows. Batch t's 32 floats are acc[t / 2][32 (t % 2) ..]: the n128
-/// fragment's column groups 8 (t % 2) .. (wgmma's accumulator layout: float 4 j + e holds column group
-/// j). Each element sums the same k32 products and is promoted once per K block with the same scale
-/// product as kblock<true, true>. `ahead()` runs after the third promotion, while the last batch is
-/// in flight (mode 21: the wait on the next K block's `full` barrier; mode 20: nothing).
-template <class Release, class Ahead>
-__device__ __forceinline__ void kblock_pipe(const Who& w, uint32_t a_s, uint32_t b_s, const float* sc, float (&acc)[2][kFrag],
-                                            float (&tmp_all)[kFrag], Release release, Ahead ahead) {
-  using namespace wg;
-  constexpr int kHalf = kFrag / 2;  // 32 floats per m64n64 batch
-  float(&tmp)[2][kHalf] = reinterpret_cast<float(&)[2][kHalf]>(tmp_all);
-  const int r = w.cwg * 64 + 16 * w.warp_in_wg + (w.lane >> 2);  // tokens r (i & 2 == 0), r + 8
-  float sp[2][2];  // [weight block][token]: w_scale * x_scale
-  {
-    const float x0 = sc[4 + r], x1 = sc[4 + r + 8], w0 = sc[0], w1 = sc[2];
-    sp[0][0] = w0 * x0, sp[0][1] = w0 * x1, sp[1][0] = w1 * x0, sp[1][1] = w1 * x1;
-  }
-  uint32_t afr[kBK / 32][4];
-  {
-    const int m = w.lane >> 3, row = w.cwg * 64 + 16 * w.warp_in_wg + (w.lane & 7) + 8 * (m & 1);
-#pragma unroll
-    for (int k = 0; k < kBK / 32; ++k) ldmatrix_x4(afr[k], b_s + swz(row, 2 * k + (m >> 1)));
-  }
-  auto issue = [&](int t) {
-    const uint64_t db = smem_desc(a_s + t * kSub);
-    wgmma_fence();
-#pragma unroll
-    for (int k = 0; k < kBK / 32; ++k) Wgmma<64>::mma_rs(tmp[t & 1], afr[k], db + 2 * k, k);
-    wgmma_commit();
-  };
-  auto promote = [&](int t) {
-#pragma unroll
-    for (int i = 0; i < kHalf; ++i) fence_operand(tmp[t & 1][i]);
-#pragma unroll
-    for (int i = 0; i < kHalf; ++i) {
-      float& a = acc[t >> 1][kHalf * (t & 1) + i];
-      a = fmaf(tmp[t & 1][i], (i & 2) ? sp[t >> 1][1] : sp[t >> 1][0], a);
-    }
-  };
-  issue(0);
-#pragma unroll
-  for (int t = 1; t < 4; ++t) {
-    issue(t);
-    wgmma_wait<1>();
-    promote(t - 1);
-  }
-  ahead();
-  wgmma_wait<0>();
-  release();
-  promote(3);
 }
 
 /// The ring position of the next K block: stage (0 .. stages-1) and the parity of its use.

@@ -18,8 +18,7 @@
 //     tokens and the promotion needs 2 scale products. Fp8GemmParams::prefill_fast 2
 //     (Config::experts_fp8_prefill 17): scales read before the wgmmas, the stage released before
 //     the last promotion, the epilogue's rows stored by bulk copies, the tokens (wgmma's A) loaded
-//     into registers once per K block; 3 (20): 17 with the K block as 4 m64n64 batches, each
-//     promoted while the next runs (kblock_pipe); same bits as mode 8. The producer runs
+//     into registers once per K block; same bits as mode 8. The producer runs
 //     up to kStages blocks ahead, across work items, so the next item's first stages load under
 //     the current epilogue.
 // Work items: (128-row tile, weight tile) pairs over the tile list's prefill section, walked by a
@@ -154,8 +153,7 @@ __device__ __forceinline__ void producer(const Fp8GemmParams& p, int32_t tile0, 
 }
 
 /// The consumer warpgroups: per K block kblock (experts_fp8_prefill.cuh; kMode 0: kblock<false>,
-/// mode 8; 2: kblock<true, true>, mode 17; 3: kblock_pipe, mode 20; 4: kblock_pipe with the wait on
-/// the item's next K block's `full` barrier under the block's last batch, mode 21), with one arrive per warp on the
+/// mode 8; 2: kblock<true, true>, mode 17), with one arrive per warp on the
 /// stage's `empty` barrier (kMode >= 2: inside kblock, before the last promotion); per item the
 /// epilogue (kMode >= 2: bulk-copy row stores).
 template <bool kGateUp, int kMode, bool kDbg>
@@ -196,31 +194,15 @@ __device__ __forceinline__ void consumer(const Fp8GemmParams& p, int32_t tile0, 
         st.flags = p.debug_flags;
       }
       st.at(0);
-      // kMode 4: the item's first K block waits here; every later one was waited for by the previous
-      // block's ahead() (the same wait, moved under that block's last batch).
-      if (kMode != 4 || kb == 0) {
-        mbar_wait(full0 + s * 8, pos.phase);
-        fence_proxy_async();  // cp.async wrote through the generic proxy; wgmma reads through the async one
-      }
+      mbar_wait(full0 + s * 8, pos.phase);
+      fence_proxy_async();  // cp.async wrote through the generic proxy; wgmma reads through the async one
       st.at(1);
       const uint32_t a_s = smem_s + s * kStageBytes;
       auto release = [&] {  // 8 consumer warps release the stage
         __syncwarp();
         if (w.lane == 0) mbar_arrive(empty0 + s * 8);
       };
-      if constexpr (kMode == 3) {
-        kblock_pipe(w, a_s, a_s + kABytes, scales + s * kScaleFloats, acc, tmp, release, [] {});
-      } else if constexpr (kMode == 4) {
-        RingPos next = pos;
-        next.advance(stages);
-        auto ahead = [&] {
-          if (kb + 1 < nk) {
-            mbar_wait(full0 + next.stage * 8, next.phase);
-            fence_proxy_async();
-          }
-        };
-        kblock_pipe(w, a_s, a_s + kABytes, scales + s * kScaleFloats, acc, tmp, release, ahead);
-      } else kblock<kFast, kFast, kDbg>(w, a_s, a_s + kABytes, scales + s * kScaleFloats, acc, tmp, release, st);
+      kblock<kFast, kFast, kDbg>(w, a_s, a_s + kABytes, scales + s * kScaleFloats, acc, tmp, release, st);
       if constexpr (!kFast) release();
       pos.advance(stages);
     }
@@ -285,14 +267,10 @@ __global__ void __launch_bounds__(kPfThreads, 1) fp8_prefill_kernel(Fp8GemmParam
 
 #endif  // EPX_FP8_WGMMA
 
-/// The kernel instance of Fp8GemmParams::prefill_fast (0: mode 8, 2: 17, 3: 20 = 17 with pipelined
-/// m64n64 batches, kblock_pipe; 4: 21 = 20 with the next K block's `full` wait under the last batch).
+/// The kernel instance of Fp8GemmParams::prefill_fast (0: mode 8, 2: 17).
 template <bool kGateUp>
 auto prefill_kernel(int fast) {
-  return fast == 4   ? fp8_prefill_kernel<kGateUp, 4>
-         : fast == 3 ? fp8_prefill_kernel<kGateUp, 3>
-         : fast == 2 ? fp8_prefill_kernel<kGateUp, 2>
-                     : fp8_prefill_kernel<kGateUp, 0>;
+  return fast == 2 ? fp8_prefill_kernel<kGateUp, 2> : fp8_prefill_kernel<kGateUp, 0>;
 }
 
 // set_fp8_prefill_debug's state: process-wide, for the bench only (null: the library's kernels).
@@ -336,7 +314,7 @@ void set_fp8_prefill_debug(uint32_t* buffer, uint32_t flags) {
 int fp8_prefill_smem_bytes() { return std::max(Layout<true>::kSmemBytes, Layout<false>::kSmemBytes); }
 
 void fp8_prefill_set_smem_limits() {
-  for (int fast : {0, 2, 3, 4}) {
+  for (int fast : {0, 2}) {
     EPX_CUDA_CHECK(cudaFuncSetAttribute(prefill_kernel<true>(fast), cudaFuncAttributeMaxDynamicSharedMemorySize, Layout<true>::kSmemBytes));
     EPX_CUDA_CHECK(cudaFuncSetAttribute(prefill_kernel<false>(fast), cudaFuncAttributeMaxDynamicSharedMemorySize, Layout<false>::kSmemBytes));
   }

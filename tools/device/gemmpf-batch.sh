@@ -8,12 +8,12 @@
 # STEPS (space-separated, in order; default "bits ab fp8 rest"; a hang in bits drops $MODES from ab):
 #   stamps  epx-gemm-bench --stamps $STAMP_FLAGS on ExpertMajor (mode 17 stamped, and its ablations);
 #   stages  the same (flags 0) with EPX_EXPERTS_FP8_PREFILL_STAGES=3 and =2 (ring depth);
-#   ab      the A/B bench of $MODES (default 20,21) against the default (17) on both layouts, with the cuBLASLt
+#   ab      the A/B bench of $MODES (default none: the default alone) against the default (17) on both layouts, with the cuBLASLt
 #           loop unless AB_EXTRA=--no-cublas (ITERS, default 10);
 #   old     the default rows of epx-gemm-bench-old (prebuilt.tar.xz: the previous batch's binary, its commit
 #           in old-commit.txt) in the same run;
 #   torch   bench/gemm_torch.py (torch._scaled_grouped_mm, the same shapes);
-#   bits    ExpertsCuda.Fp8PrefillTmaLoadsMatchCpAsyncLoadsBitForBit (17, 20, 21, 10 against mode 8);
+#   bits    ExpertsCuda.Fp8PrefillTmaLoadsMatchCpAsyncLoadsBitForBit (17, 10 against mode 8);
 #   fp8     ExpertsCuda.Fp8TensorCoreRowCountsOneTo8192 (against the CPU); rest: the other experts GPU tests;
 #   ncu     Nsight Compute (--clock-control none) on one gate_up and one down launch of the default kernels.
 # Every step has its own timeout; budget BUDGET s (default 96).
@@ -57,7 +57,7 @@ if [ -z "$B" ]; then
   export LD_LIBRARY_PATH="$nccl/lib:$deps:$deps/openblas-pthread${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 fi
 export CUDA_VISIBLE_DEVICES=0
-MODES="${MODES:-20,21}"
+MODES="${MODES:-}"
 AB_EXTRA="${AB_EXTRA:-}"
 commit="$(cat "$HERE/.carry-gemmpf/commit.txt" 2>/dev/null || echo unknown)"
 bench() {  # bench NAME LIMIT ARGS...: epx-gemm-bench into $OUT/NAME.{json,log}
