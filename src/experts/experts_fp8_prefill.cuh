@@ -12,7 +12,7 @@
 // Removed after measurement (bench/NOTES.md, sixth and seventh sessions): weights in wgmma's A, the
 // consumer turn orders, and a consumer pipelining m64n64 batches (wait_group 1): 40 % slower; ninth
 // session: the same pipelined batches on A in registers (modes 20, 21; kblock_pipe in 65ace9b /
-// 86ec8c9): 3 % slower than 17.
+// c0d232f): 3-5 % slower than 17.
 #pragma once
 
 #include <cstdint>
