@@ -203,7 +203,7 @@ class PrepareFinalize {
   virtual const DispatchStats& stats() const = 0;
   /// A bad argument that a backend without host syncs found on the device in an earlier call and has not
   /// thrown yet (ll on CUDA: a bad topk_idx or num_tokens, whose selection was dropped): its sentence, taken
-  /// (this clears it, as its next prepare would), or nullopt. Reads host-mapped memory, no sync: a report of a
+  /// (this clears it, as the backend's own later throw would), or nullopt. Reads host-mapped memory, no sync: a report of a
   /// call still running on the device comes later. ModularMoE folds it into its per-call all-gather of T, so
   /// every rank stops, not only this one (the others' next dispatch would otherwise wait until timeout_s).
   virtual std::optional<std::string> take_device_error() { return std::nullopt; }

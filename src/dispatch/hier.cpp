@@ -43,6 +43,10 @@ class HierPrepareFinalize final : public PrepareFinalizeBase {
     nc.num_experts = lay_.node_experts();
     nc.num_max_dispatch_tokens_per_rank = lay_.num_nodes * lay_.max_tokens;
     node_ = factory(node_group_, nc);
+    // The node backend's device-found errors come through this wrapper (take_device_error, or thrown
+    // after finalize's inter-node step): thrown inside node_->finalize they would skip that NCCL step,
+    // which has no timeout, and leave the other nodes waiting.
+    node_->defer_device_errors();
     caps_ = node_->capabilities();
     caps_.name = name;
     caps_.hierarchical = true;
@@ -182,18 +186,17 @@ class HierPrepareFinalize final : public PrepareFinalizeBase {
     // this round's work is enqueued on every path, so no peer is left waiting in an NCCL step
     // (NCCL send/recv have no timeout): the peers' rounds complete, this rank learns of it.
     // Deferred (ModularMoE): take_device_error reports it at the next call, on every rank.
-    if (!defer_errors_)
+    if (!defer_errors_) {
       if (auto bad = take_bad_id()) throw InvalidArgument(*bad);
+      if (auto bad = node_->take_device_error()) throw InvalidArgument(*bad);
+    }
   }
 
   std::optional<std::string> take_device_error() override {
     if (auto bad = take_bad_id()) return bad;
     return node_->take_device_error();
   }
-  void defer_device_errors() override {
-    defer_errors_ = true;
-    node_->defer_device_errors();
-  }
+  void defer_device_errors() override { defer_errors_ = true; }
 
  private:
   /// The bad id a CUDA prepare found on this rank (HierErrorReport), taken, as a message; else nullopt.

@@ -8,8 +8,9 @@
 // Errors: argument errors found on the host are published to the peers through the count exchange
 // (status word) before this rank throws, so every rank of a prepare throws InvalidArgument and
 // nothing moves; a bad topk_idx found by the layout kernel does the same (in worst-case mode that
-// dispatch moves nothing, N_recv = 0, and the next call throws). A finalize argument error throws on
-// this rank only (the peers' waits then expire with Timeout naming it).
+// dispatch moves nothing, N_recv = 0, and a later finalize throws it after its launch, or
+// take_device_error takes it). A finalize argument error throws on this rank only (the peers' waits
+// then expire with Timeout naming it).
 #include <cuda_runtime_api.h>
 
 #include <atomic>
@@ -135,8 +136,9 @@ std::optional<std::string> HtCuda::take_device_error() {
 void HtCuda::throw_sticky_error(const std::string& op) {
   if (dead_) throw CommError(op + ": this ht object timed out earlier: create a new one (all ranks)");
   const volatile HtHostRecord* rec = record_host_;
-  if (!defer_errors_)
-    if (auto bad = take_bad_layout(op, false)) throw InvalidArgument(*bad);
+  // (Worst-case mode's bad-argument verdict of an earlier prepare is not thrown here, before a launch: a
+  // rank whose host saw it first would stop alone while its peers' kernels wait; finalize throws it after
+  // its launch, or take_device_error takes it.)
   if (rec->error_code != 0) {
     dead_ = true;
     throw Timeout(op + ": no signal from rank " + std::to_string(rec->error_peer) + " within timeout_s = " + seconds(timeout_s_) +
@@ -207,6 +209,7 @@ PrepareResult HtCuda::prepare(const DispatchArgs& args) {
   if (err.kind != LocalError::none) {
     // The peers learn through the status word; wait until it is published, then throw.
     wait_layout(op);
+    reported_bad_epoch_ = record_host_->layout_epoch;  // this call's verdict: thrown here with its own message
     if (err.kind == LocalError::unsupported) throw Unsupported(err.message);
     throw InvalidArgument(err.message);
   }
@@ -361,6 +364,10 @@ void HtCuda::finalize(const FinalizeArgs& args) {
   }
   launch_ht_combine(p, num_sms_, warps_, args.stream);
   if (!cfg_.use_worst_case_sizing) stats_.remote_bytes_combine = record_host_->rows_from_others * 2 * H;
+  // Worst-case mode: an earlier prepare's bad argument that the host sees by now, thrown after this
+  // combine's launch (every rank's sequence stays whole); deferred (ModularMoE): take_device_error.
+  if (!defer_errors_)
+    if (auto bad = take_bad_layout(op, false)) throw InvalidArgument(*bad);
 }
 
 std::vector<double> HtCuda::timeline_us() const {

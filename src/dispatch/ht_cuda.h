@@ -49,7 +49,7 @@
 // layout kernel reads it; only rows [0, value) of x / topk_* take part and finalize writes rows
 // [0, value) of out (the rest untouched); the handle's [T, R] views keep T = x.shape[0] rows, of
 // which rows >= value are stale. A value out of range is a bad argument (nothing moves; InvalidArgument
-// on this call, or on the next one in worst-case mode).
+// on this call, or in worst-case mode from a later finalize, after its launch).
 // Worst-case mode (DispatchConfig::use_worst_case_sizing) for CUDA graphs: prepare and finalize do
 // no host sync and no allocation; PrepareResult views have R * num_max_dispatch_tokens_per_rank rows,
 // N_recv is PrepareResult::num_recv_tokens_device ([1] int32, read it after the stream, or let the
@@ -263,7 +263,7 @@ class HtCuda final : public PrepareFinalizeBase {
   /// kernel found on this rank in an earlier prepare (which moved nothing), taken; other ranks' findings
   /// are cleared here and reported by the rank that found them.
   std::optional<std::string> take_device_error() override;
-  /// PrepareFinalize::defer_device_errors: prepare / finalize no longer throw those (worst-case mode).
+  /// PrepareFinalize::defer_device_errors: finalize no longer throws those (worst-case mode).
   void defer_device_errors() override { defer_errors_ = true; }
 
  private:

@@ -218,7 +218,9 @@ void LlCuda::check(Stream stream) {
 }
 
 void LlCuda::check_prepare_args(const DispatchArgs& args) {
-  throw_reported(!defer_errors_);  // deferred: ModularMoE's take_device_error reports it on every rank
+  // Timeouts only: a device-found argument error thrown here, before this call's launch, would leave the
+  // peers' dispatch waiting for this rank; finalize throws it after its launch (or check / take_device_error).
+  throw_reported(false);
   LocalError err = check_args(args);
   if (err.kind == LocalError::unsupported) throw Unsupported(err.message);
   if (err.kind != LocalError::none) throw InvalidArgument(err.message);
@@ -301,7 +303,7 @@ void LlCuda::prepare_recv(Stream stream) {
 }
 
 void LlCuda::check_finalize_args(const FinalizeArgs& args) {
-  throw_reported(false);  // a device-side argument error of the matching prepare: check() / the next prepare
+  throw_reported(false);  // a device-side argument error: thrown after this finalize's launch
   if (!prepared_) throw InvalidArgument(op_finalize_ + ": no prepare to finalize: every rank calls prepare first (also with T = 0)");
   try {
     check_finalize_tensors(args);
@@ -371,6 +373,15 @@ void LlCuda::finalize(const FinalizeArgs& args) {
   p.weights = weights_.ptr<const float>();
   set_partial(p);
   launch_ll_combine(p, blocks_, threads_, cuda::native(args.stream));
+  throw_launched_errors();
+}
+
+void LlCuda::throw_launched_errors() {
+  // A device-found argument error (a bad id or num_tokens of a prepare, a peer's refused finalize) that the
+  // host sees by now: thrown after this call's combine is launched, so every rank's call sequence stays
+  // whole (a throw before a launch leaves the peers' kernels waiting for this rank). Deferred
+  // (ModularMoE): left to take_device_error, which the layer folds into its all-gather.
+  if (!defer_errors_) throw_reported(true);
 }
 
 void LlCuda::finalize_send(const FinalizeArgs& args) {
@@ -402,6 +413,7 @@ void LlCuda::finalize_recv(Stream stream) {
   set_partial(p);
   launch_ll_combine(p, blocks_, threads_, cuda::native(stream));
   pending_out_ = TensorView();
+  throw_launched_errors();
 }
 
 void LlCuda::set_partial(LlCombineParams& p) const {

@@ -86,13 +86,16 @@
 // nothing, so a peer's call then fails with Timeout naming this rank. A refused finalize (or
 // finalize_send) still launches this rank's combine marked rejected: it reads, sends and writes no
 // rows and releases its flags as (n + 1) | kLlFlagRejected, so every peer's combine ends at once,
-// writes NaN into its out and reports it; check() or the peer's next prepare then throws
-// InvalidArgument naming this rank ("refused its finalize arguments"), and every object stays usable
-// (ModularMoE folds it into the next call's all-gather: take_device_error). Not with ll.combine_wait =
-// data (no flags: the peers time out) nor inside a graph capture. Device-side checks (a device num_tokens outside
-// [0, x.shape[0]], a topk id outside [-1, max id]) cannot throw: the kernels send nothing for them
-// (T = 0, id = -1), write an error report into host-mapped memory, and check() or the next prepare
-// throws InvalidArgument (finalize does not, so the matching combine still completes on every rank). Every device wait is bounded by timeout_s (globaltimer); a timeout is
+// writes NaN into its out and reports it (below: InvalidArgument naming this rank, "refused its finalize
+// arguments"), and every object stays usable. A refused finalize is that prepare's finalize: the next call
+// is a prepare, not a retry. Not with ll.combine_wait = data (no flags: the peers time out) nor inside a
+// graph capture. Device-side checks (a device num_tokens outside [0, x.shape[0]], a topk id outside
+// [-1, max id]) cannot throw: the kernels send nothing for them (T = 0, id = -1) and write an error report
+// into host-mapped memory. Such a report (and a peer's refusal) is thrown as InvalidArgument by check(),
+// or by the first finalize / finalize_recv whose host sees it, after that call's combine is launched (so
+// every rank's prepare / finalize pair completes; prepare never throws it: a throw before its launch
+// would leave the peers' dispatch waiting for this rank), or taken by take_device_error (ModularMoE folds
+// it into its next call's all-gather and defers it there: defer_device_errors). Every device wait is bounded by timeout_s (globaltimer); a timeout is
 // reported the same way and the next call or check() throws Timeout naming the peer and the
 // operation, and so does every later call (the call numbers of the ranks no longer agree).
 // Never __trap().
@@ -159,7 +162,7 @@ class LlCuda final : public PrepareFinalizeBase {
   void check(Stream stream);
   /// PrepareFinalize::take_device_error: the argument error a kernel reported (cleared), without a sync.
   std::optional<std::string> take_device_error() override;
-  /// PrepareFinalize::defer_device_errors: prepare no longer throws a device-side argument error (check() does).
+  /// PrepareFinalize::defer_device_errors: finalize no longer throws a device-side argument error (check() does).
   void defer_device_errors() override { defer_errors_ = true; }
 
   /// Where each slot came from (the last prepare; device tensors).
@@ -184,9 +187,11 @@ class LlCuda final : public PrepareFinalizeBase {
   int threads_per_block() const { return threads_; }
 
  private:
-  /// Throws a reported timeout (always) or device-side argument error (when `argument_errors`:
-  /// check() and prepare; finalize and the hooks leave it to them, so the bad call's pair completes).
+  /// Throws a reported timeout (always) or device-side argument error (when `argument_errors`: check(),
+  /// and the end of finalize / finalize_recv after their launch, so every rank's call pair completes).
   void throw_reported(bool argument_errors);
+  /// The end of finalize / finalize_recv: throw_reported(true) unless deferred (defer_device_errors).
+  void throw_launched_errors();
   LlDispatchParams dispatch_params(const DispatchArgs& args, bool send, bool recv);
   PrepareResult result() const;
   void check_prepare_args(const DispatchArgs& args);

@@ -14,7 +14,7 @@
 // interleaved; one buffer through 20 calls (eager, then graph replays) with T per call and rank
 // shrinking and growing, block and chunk, chunk with a delayed send block 0 (the stale slot-token
 // regression test) and its self-check; the send/recv split (hooks); errors: T > capacity (InvalidArgument before anything
-// is written; the next round still works), a bad device num_tokens (reported, InvalidArgument from
+// is written; the next round still works), a bad device num_tokens (reported, InvalidArgument from that finalize or
 // check(), then usable), and a rank that does not call (Timeout within the bound, naming it).
 // The expert step is the harness's TestExperts on host copies of the prepare outputs. Outputs are
 // poisoned before each call; inputs are fresh random values, never zeros.
@@ -235,8 +235,11 @@ void poison_outputs(const PrepareResult& p, dispatch::LlCuda& ll) {
 }
 
 /// One eager round on the GPU: prepare (fused or split), host experts, finalize (fused or split).
-/// `align`: a group barrier right before the prepare (the ranks launch it together).
-Snap gpu_round(const Case& c, dispatch::LlCuda& ll, const RankInput& ri, int rank, cudaStream_t s, bool split, Group* align = nullptr) {
+/// `align`: a group barrier right before the prepare (the ranks launch it together). `late_error`: no
+/// check() between prepare and finalize, and an InvalidArgument of the finalize (thrown after its launch)
+/// or of the check() after it is appended there instead of thrown.
+Snap gpu_round(const Case& c, dispatch::LlCuda& ll, const RankInput& ri, int rank, cudaStream_t s, bool split, Group* align = nullptr,
+               std::string* late_error = nullptr) {
   const Device dev = ll.handle().src_rank.device();
   const int64_t T = ri.x.size(0);
   const DevInput in = upload(ri, T, dev);
@@ -250,7 +253,7 @@ Snap gpu_round(const Case& c, dispatch::LlCuda& ll, const RankInput& ri, int ran
     p = ll.prepare(a);
   }
   cuda_ok(cudaStreamSynchronize(s), "sync prepare");
-  ll.check(Stream{s});
+  if (!late_error) ll.check(Stream{s});
   Snap snap = take(p, ll.handle().src_rank, ll.handle().src_token, ll.handle().topk_column, ll.handle().layout_range);
   if (c.ll_combine != LlCombine::column) take_msgs(snap, ll.handle(), c.K);
   const Tensor eo = experts_out(c, rank, p).to(dev);
@@ -260,14 +263,21 @@ Snap gpu_round(const Case& c, dispatch::LlCuda& ll, const RankInput& ri, int ran
   // combine that ran first had its output overwritten by the poison under GPU contention: seventh
   // session's final run, out[0] = 255).
   cuda_ok(cudaDeviceSynchronize(), "sync poison out");
-  if (split) {
-    ll.finalize_send({eo, out, Stream{s}});
-    ll.finalize_recv(Stream{s});
-  } else {
-    ll.finalize({eo, out, Stream{s}});
+  try {
+    if (split) {
+      ll.finalize_send({eo, out, Stream{s}});
+      ll.finalize_recv(Stream{s});
+    } else {
+      ll.finalize({eo, out, Stream{s}});
+    }
+    cuda_ok(cudaStreamSynchronize(s), "sync finalize");
+    ll.check(Stream{s});
+  } catch (const InvalidArgument& e) {
+    if (!late_error) throw;
+    *late_error += e.what();
+    cuda_ok(cudaStreamSynchronize(s), "sync finalize");
+    ll.check(Stream{s});  // thrown once
   }
-  cuda_ok(cudaStreamSynchronize(s), "sync finalize");
-  ll.check(Stream{s});
   snap.out = host_bytes(out);
   // Poison the outputs for the next round (recv_count / handle must be rewritten).
   poison_outputs(p, ll);
@@ -663,8 +673,8 @@ void run_errors(int R) {
       const std::string d = diff(got, want[0][static_cast<size_t>(rank)]);
       if (!d.empty()) failures += "after capacity error: " + d + "; ";
     }
-    // 3. A device num_tokens beyond x.shape[0] on the last rank: that rank sends nothing, check()
-    //    throws InvalidArgument there, and the next round is exact again.
+    // 3. A device num_tokens beyond x.shape[0] on the last rank: that rank sends nothing, its finalize
+    //    (after its launch) or check() throws InvalidArgument there, and the next round is exact again.
     {
       const DevInput d = upload(in[static_cast<size_t>(rank)], 8, dev);
       Tensor nt = Tensor::empty({1}, DType::int32, dev);
@@ -676,9 +686,9 @@ void run_errors(int R) {
       cuda_ok(cudaStreamSynchronize(s), "sync");
       const int64_t L = p.x.size(0);
       Tensor eo = Tensor::zeros({L, p.x.size(1), c.H}, DType::bf16, dev), out = Tensor::empty({8, c.H}, DType::bf16, dev);
-      pf->finalize({eo, out, Stream{s}});
       std::string what;
-      try {
+      try {  // thrown by the finalize after its launch when its host already sees the report, else by check()
+        pf->finalize({eo, out, Stream{s}});
         ll->check(Stream{s});
       } catch (const InvalidArgument& e) {
         what = e.what();
@@ -814,11 +824,16 @@ void run_combine_timeout() {
 
 /// A finalize refused on one rank reaches every rank at once (the abort marker, kLlFlagRejected): rank 0
 /// passes out with T + 1 rows, so it throws InvalidArgument at the call; rank 1's combine of that call ends
-/// long before timeout_s with its out all NaN (poisoned with a finite pattern first), and its check()
-/// throws InvalidArgument naming rank 0; rank 0's check() throws nothing; the rounds before and after are
-/// exact on both ranks (every object stays usable). `split`: both ranks use the hooks (rank 0's refused
-/// call is finalize_send). Before the marker rank 1 got Timeout after timeout_s and both objects broke.
-std::string run_combine_rejected(const std::string& name, LlCombine mode, const dispatch::LlLaunch& launch, bool split) {
+/// long before timeout_s with its out all NaN (poisoned with a finite pattern first), and rank 1 gets one
+/// InvalidArgument naming rank 0: from that finalize (after its launch) or its check(); rank 0's check()
+/// throws nothing; the rounds before and after are exact on both ranks (every object stays usable).
+/// `split`: both ranks use the hooks (rank 0's refused call is finalize_send). `rank1_checks` false: rank 1
+/// calls no check() after the refused call (only a stream sync, so the report is on its host) and goes on
+/// to the next round: its prepare must not throw (that would leave rank 0's dispatch waiting), the error
+/// comes from that round's finalize after its launch (or the check() after it), and the round is exact.
+/// Before the marker rank 1 got Timeout after timeout_s and both objects broke.
+std::string run_combine_rejected(const std::string& name, LlCombine mode, const dispatch::LlLaunch& launch, bool split,
+                                 bool rank1_checks = true) {
   Case c = make_case(2, 2048, 16, 4, DType::fp8_e4m3, false, false, false, false, 0.1, 16, {}, 61);
   c.ll_combine = mode;
   Case ca = c, cb = c;
@@ -839,6 +854,8 @@ std::string run_combine_rejected(const std::string& name, LlCombine mode, const 
     std::string failures;
     const std::string d0 = diff(gpu_round(c, ll, in[static_cast<size_t>(rank)], rank, s, split), want[0][static_cast<size_t>(rank)]);
     if (!d0.empty()) failures += "round before: " + d0 + "; ";
+    std::string at_call, at_check;
+    double secs = 0.0;
     {
       const RankInput& ri = mid[static_cast<size_t>(rank)];
       const int64_t T = ri.x.size(0);
@@ -852,7 +869,6 @@ std::string run_combine_rejected(const std::string& name, LlCombine mode, const 
       cuda_ok(cudaDeviceSynchronize(), "sync poison out");
       g->barrier();
       const auto t0 = std::chrono::steady_clock::now();
-      std::string at_call, at_check;
       try {
         if (split) {
           ll.finalize_send({eo, out, Stream{s}});
@@ -864,23 +880,17 @@ std::string run_combine_rejected(const std::string& name, LlCombine mode, const 
         at_call = e.what();
       }
       try {
-        ll.check(Stream{s});
+        if (rank1_checks || rank == 0) ll.check(Stream{s});
+        else cuda_ok(cudaStreamSynchronize(s), "sync");  // the report is on the host before the next prepare
       } catch (const InvalidArgument& e) {
         at_check = std::string("InvalidArgument: ") + e.what();
       } catch (const Timeout& e) {
         at_check = std::string("Timeout: ") + e.what();
       }
-      const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       std::printf("%s rank %d after %.3f s (timeout_s %.0f): call '%s', check '%s'\n", name.c_str(), rank, secs, timeout_s, at_call.c_str(),
                   at_check.c_str());
-      if (rank == 0) {
-        if (at_call.find("out.shape") == std::string::npos) failures += "rank 0's refusal: '" + at_call + "'; ";
-        if (!at_check.empty()) failures += "rank 0's check threw: '" + at_check + "'; ";
-      } else {
-        if (!at_call.empty()) failures += "rank 1's call threw: '" + at_call + "'; ";
-        if (at_check.rfind("InvalidArgument", 0) != 0 || at_check.find("rank 0") == std::string::npos ||
-            at_check.find("refused its finalize arguments") == std::string::npos)
-          failures += "rank 1's check: '" + at_check + "'; ";
+      if (rank == 1) {
         const std::vector<uint8_t> bytes = host_bytes(out);
         int64_t finite = 0;
         for (size_t i = 0; i + 1 < bytes.size(); i += 2) {
@@ -891,8 +901,26 @@ std::string run_combine_rejected(const std::string& name, LlCombine mode, const 
       }
       if (secs > timeout_s / 2) failures += "took " + std::to_string(secs) + " s (timeout_s " + std::to_string(timeout_s) + "); ";
     }
-    const std::string d1 = diff(gpu_round(c, ll, in[static_cast<size_t>(rank)], rank, s, split), want[1][static_cast<size_t>(rank)]);
+    std::string late;
+    const bool late_here = !rank1_checks && rank == 1;
+    const std::string d1 = diff(gpu_round(c, ll, in[static_cast<size_t>(rank)], rank, s, split, nullptr, late_here ? &late : nullptr),
+                                want[1][static_cast<size_t>(rank)]);
     if (!d1.empty()) failures += "round after: " + d1 + "; ";
+    if (late_here) std::printf("%s rank 1, round after without a check before it: '%s'\n", name.c_str(), late.c_str());
+    if (rank == 0) {
+      if (at_call.find("out.shape") == std::string::npos) failures += "rank 0's refusal: '" + at_call + "'; ";
+      if (!at_check.empty()) failures += "rank 0's check threw: '" + at_check + "'; ";
+    } else {
+      const std::vector<std::string> got_all = {at_call, at_check, late};
+      int n = 0;
+      std::string got;
+      for (const std::string& e : got_all)
+        if (!e.empty()) ++n, got = e;
+      if (n != 1) failures += "rank 1 threw " + std::to_string(n) + " times: '" + at_call + "', '" + at_check + "', '" + late + "'; ";
+      if (at_check.rfind("Timeout", 0) == 0 || got.find("rank 0") == std::string::npos ||
+          got.find("refused its finalize arguments") == std::string::npos)
+        failures += "rank 1's error: '" + got + "'; ";
+    }
     g->barrier();
     if (!failures.empty()) throw std::runtime_error(name + ": " + failures);
   });
@@ -1050,6 +1078,7 @@ TEST(LlCuda, CombineRefusedOnOneRankReachesEveryRankTwoRanks) {
   EXPECT_EQ(run_combine_rejected("column", LlCombine::column, dflt, false), "");
   EXPECT_EQ(run_combine_rejected("partial_fp32 hooks", LlCombine::partial_fp32, dflt, true), "");
   EXPECT_EQ(run_combine_rejected("partial_bf16 signal=rank items=chunk", LlCombine::partial_bf16, other, false), "");
+  EXPECT_EQ(run_combine_rejected("column, rank 1 without check", LlCombine::column, dflt, false, false), "");
 }
 
 TEST(LlCuda, TimeoutNamesThePeer) {

@@ -13,7 +13,11 @@
 #   ll-refused-prefix   the same ll test with launch_rejected_combine a no-op (the library without the marker):
 #                       must FAIL (rank 1 gets Timeout after timeout_s = 4 s)
 #   ll-regress          ll_cuda_test ErrorsTwoRanks, PartialCombineMatchesCpuTwoRanks (the combine's flag compare changed)
-# batch 2: see the PLAN=2 branch below.
+# batch 2: the same ll / moe tests after "device-found errors are thrown after the call's launch" (ll prepare never
+#   throws them; ht worst-case from finalize after its launch; hier always defers its node backend), the ll
+#   test against the library whose prepare throws them (must FAIL its 'rank 1 without check' case), the moe
+#   tests against the layer without the fold for ht / hier (must FAIL), hierarchical bad args, and
+#   runtime_cuda_test's ok() mutants (a failing setup call stops the test).
 set -uo pipefail
 OUT="${OUT:-/tmp/breaker-out}"
 BUDGET="${BUDGET:-64}"
@@ -69,9 +73,20 @@ if [ "${PLAN:-2}" = 1 ]; then  # batch 1 (ninth session)
   one ll-refused-prefix 28 ll_cuda_test-prefix --gtest_filter='LlCuda.CombineRefusedOnOneRankReachesEveryRankTwoRanks'
   one ll-regress 30 ll_cuda_test --gtest_filter='LlCuda.ErrorsTwoRanks:LlCuda.PartialCombineMatchesCpuTwoRanks'
 else  # batch 2 (ninth session)
-  one moe-badid 30 moe_cuda_test --gtest_filter='*BadIdOnOneRank*'
-  one moe-badid-prefix 30 moe_cuda_test-prefix --gtest_filter='*HtWorstCase*:*Hierarchical*'
-  one ll-regress 30 ll_cuda_test --gtest_filter='LlCuda.ManyCallsVaryingTokensTwoRanks'
+  one ll-refused 20 ll_cuda_test --gtest_filter='LlCuda.CombineRefusedOnOneRankReachesEveryRankTwoRanks'
+  one ll-errors 10 ll_cuda_test --gtest_filter='LlCuda.ErrorsTwoRanks'
+  one moe-badid 15 moe_cuda_test --gtest_filter='*BadIdOnOneRank*'
+  one hier-badargs 12 dispatch_cuda_test --gtest_filter='DispatchCuda.HierarchicalBadArgsThrowOnEveryRankTwoVirtualNodes'
+  # runtime_cuda_test's ok(): a failing setup call (cudaMallocHost made to fail) stops the test (new) vs
+  # going on with a null buffer (old lambda)
+  one runtime 6 runtime_cuda_test
+  one runtime-mutant-new 4 runtime_cuda_test-mutant-new
+  one runtime-mutant-old 4 runtime_cuda_test-mutant-old
+  # the ll test against the library whose prepare still throws a device-found error before its launch
+  # (9ea6a27's): its 'rank 1 without check' case must FAIL (rank 1's prepare throws, rank 0 times out)
+  one ll-refused-prefix2 16 ll_cuda_test-prefix2 --gtest_filter='LlCuda.CombineRefusedOnOneRankReachesEveryRankTwoRanks'
+  # the moe tests against the layer without the fold for ht / hier (no defer, no take_device_error): must FAIL
+  one moe-badid-prefix 16 moe_cuda_test-prefix --gtest_filter='*HtWorstCase*:*Hierarchical*'
 fi
 echo "== summary ($((SECONDS - T0)) s)"
 cat "$OUT/summary.txt"
