@@ -48,9 +48,10 @@
 // the others exchange the verdict over the global group, so every rank throws. A bad topk id on
 // CUDA is not sent (treated as -1) and reported by a later finalize on that rank (InvalidArgument),
 // thrown after that finalize has enqueued all its work: the inter-node steps are NCCL send/recv,
-// which have no timeout, so no rank may skip one its peers have posted. Under ModularMoE
-// (defer_device_errors) it is left to take_device_error instead: the layer's next call throws it on
-// every rank (the node backend's own reports are forwarded the same way).
+// which have no timeout, so no rank may skip one its peers have posted. The node backend's own
+// device-found errors come the same way (it is always created deferred: thrown inside its finalize they
+// would skip the inter-node step). Under ModularMoE (defer_device_errors) both are left to
+// take_device_error instead: the layer's next call throws them on every rank.
 #pragma once
 
 #include <cstdint>
