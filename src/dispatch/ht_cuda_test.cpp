@@ -534,18 +534,23 @@ std::string run_device_t(const DeviceTCase& dc, const std::shared_ptr<Group>& g,
       }
     if (!d.empty()) failures += "device-T replay " + std::to_string(i) + " (T = " + std::to_string(T) + ") rank " + std::to_string(r) + ": " + d + "\n";
   }
-  // A device count above x.shape[0]: InvalidArgument on the next call, nothing moved, object usable.
+  // A device count above x.shape[0]: nothing moved, InvalidArgument from the next call's finalize, after its
+  // launch (f58869a: never from a prepare, where one rank would stop alone before a launch its peers wait for).
   const int32_t too_many = static_cast<int32_t>(cap + 1 + r);
   test::upload_device(nt.data(), &too_many, 4, "num_tokens");
   cuda_ok(cudaGraphLaunch(exec, stream), "graph launch");
   cuda_ok(cudaStreamSynchronize(stream), "graph sync");
-  std::string what;
+  std::string what, where = "no call";
   try {
+    where = "prepare";
     pf->prepare(a);
+    where = "finalize";
+    pf->finalize({eo, out, Stream{stream}});
+    where = "no call";
   } catch (const InvalidArgument& e) {
-    what = e.what();
+    what = where + ": " + e.what();
   }
-  if (what.find("num_tokens = " + std::to_string(too_many)) == std::string::npos)
+  if (what.rfind("finalize: ", 0) != 0 || what.find("num_tokens = " + std::to_string(too_many)) == std::string::npos)
     failures += "device num_tokens " + std::to_string(too_many) + " on rank " + std::to_string(r) + ": '" + what + "'; ";
   cuda_ok(cudaStreamSynchronize(stream), "sync");
   cudaGraphExecDestroy(exec);
