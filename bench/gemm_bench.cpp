@@ -26,9 +26,9 @@
 // 1 no loads, 4 no promotions, 8 no weight-tile loads): their time (p50 of --iters) and
 // the per-phase clock stamps of the K loop per warpgroup (medians over CTAs and a window of K blocks),
 // as rows prefill-v3-stamps; --no-flat skips the Flat prefill case)
-// (--prefill-variants: also the prefill kernels with early scales / release and bulk-copy stores,
-// EPX_EXPERTS_FP8_PREFILL=16 (the default 1 = 17), 16 with wgmma's A in registers (=17), the TMA loads (=10, ExpertMajor only); the variants removed in the seventh session (2-7, 9, 12-15) and the ring depths
-// were measured before, bench/NOTES.md)
+// (--prefill-variants: also the prefill kernel with early scales / release, bulk-copy stores and wgmma's A in
+// registers (=17, the default 1) and the TMA loads (=10); the removed variants (2-7, 9, 11-16, 18-21) and the ring
+// depths were measured before, bench/NOTES.md)
 #include <cublasLt.h>
 #include <cuda_runtime.h>
 
@@ -515,9 +515,9 @@ int main(int argc, char** argv) {
       CK(cudaStreamSynchronize(stream));
       add_row("prefill-v3", "epx-wgmma-64", "flat", m, s4, false, true, rel_l2(host_bf16(out), host_bf16(out4), {{0, T}}),
               "EPX_EXPERTS_FP8_PREFILL=0 (64-row kernels only); max_rel_error = epx-wgmma (prefill kernels) against this");
-      // Early scales / release and bulk stores (=16) and the TMA weight loads (=10; Flat gathers its
-      // token rows with cp.async) on the Flat layout.
-      for (const char* mode : {"16", "17", "10"}) {
+      // Early scales / release, bulk stores and A in registers (=17) and the TMA weight loads (=10; Flat
+      // gathers its token rows with cp.async) on the Flat layout.
+      for (const char* mode : {"17", "10"}) {
         if (!do_variants || !modes.empty()) break;
         setenv("EPX_EXPERTS_FP8_PREFILL", mode, 1);
         auto tcv = make_experts_cuda(experts, 0);
@@ -526,7 +526,7 @@ int main(int argc, char** argv) {
         const Stats s5 = time_us(stream, iters, [&] { tcv->apply(in, out4, Stream{stream}); });
         CK(cudaStreamSynchronize(stream));
         const std::string md = mode;
-        const char* name = md == "16" ? "epx-wgmma-fast" : md == "17" ? "epx-wgmma-fast-rs" : "epx-wgmma-tma-swap";
+        const char* name = md == "17" ? "epx-wgmma-fast-rs" : "epx-wgmma-tma-swap";
         add_row("prefill-v3", name, "flat", m, s5, false, true,
                 rel_l2(host_bf16(out4), host_bf16(out), {{0, T}}),
                 std::string("EPX_EXPERTS_FP8_PREFILL=") + mode + "; max_rel_error against epx-wgmma");
@@ -610,12 +610,11 @@ int main(int argc, char** argv) {
       add_row("prefill-v3", "epx-wgmma-64", "expert_major", cap, s4, false, true,
               rel_l2(host_bf16(out), host_bf16(out4), {{0, L * cap}}),
               "EPX_EXPERTS_FP8_PREFILL=0 (64-row kernels only); max_rel_error = epx-wgmma (prefill kernels) against this");
-      // Early scales / release and bulk stores (=16), 16 with A in registers (=17) and the TMA loads (=10).
+      // Early scales / release, bulk stores and A in registers (=17) and the TMA loads (=10).
       struct Variant {
         const char *env, *value, *backend;
       };
-      for (const Variant& v : {Variant{"EPX_EXPERTS_FP8_PREFILL", "16", "epx-wgmma-fast"},
-                               Variant{"EPX_EXPERTS_FP8_PREFILL", "17", "epx-wgmma-fast-rs"},
+      for (const Variant& v : {Variant{"EPX_EXPERTS_FP8_PREFILL", "17", "epx-wgmma-fast-rs"},
                                Variant{"EPX_EXPERTS_FP8_PREFILL", "10", "epx-wgmma-tma-swap"}}) {
         if (!do_variants || !modes.empty()) break;
         setenv(v.env, v.value, 1);

@@ -199,10 +199,13 @@ class PrepareFinalize {
   /// the next prepare. Throws InvalidArgument (before any rank writes), Timeout, CommError.
   virtual PrepareResult prepare(const DispatchArgs& args) = 0;
   /// Combine for the last prepare. Collective. out[t] = sum_k w[t,k] * expert_{idx[t,k]}(x[t]), fp32, one rounding.
+  /// Backends without host syncs (ll on CUDA, ht in worst-case mode, hierarchical ll / ht) may throw here, after
+  /// this call's launch, the InvalidArgument of a bad argument that the device found in an earlier call, unless
+  /// defer_device_errors() was called (then take_device_error() returns it).
   virtual void finalize(const FinalizeArgs& args) = 0;
   virtual const DispatchStats& stats() const = 0;
   /// A bad argument that a backend without host syncs found on the device in an earlier call and has not
-  /// thrown yet (ll on CUDA: a bad topk_idx or num_tokens, whose selection was dropped): its sentence, taken
+  /// thrown yet (ll on CUDA, ht in worst-case mode, hierarchical ll / ht: a bad topk_idx or num_tokens, whose selection was dropped): its sentence, taken
   /// (this clears it, as the backend's own later throw would), or nullopt. Reads host-mapped memory, no sync: a report of a
   /// call still running on the device comes later. ModularMoE folds it into its per-call all-gather of T, so
   /// every rank stops, not only this one (the others' next dispatch would otherwise wait until timeout_s).

@@ -41,7 +41,7 @@ through one all-gather of the host (the capacity's, when it agrees on one; one m
 combines' topk_weights checks through the combine's own status exchange, which CPU groups run; ll and ht
 on CUDA check combine arguments on their own rank with no host exchange (graph-safe), so there a rejected
 combine raises on its rank; with ll the others' combines then end at once (their out NaN) and their next
-call raises epx.InvalidArgument naming that rank (the rejecting rank's flags carry a marker); with ht the
+combine (after its launch) or check() raises epx.InvalidArgument naming that rank (the rejecting rank's flags carry a marker); with ht the
 others' combine kernels raise epx.Timeout. Not covered, because no
 collective runs there: get_dispatch_layout (a local computation, as in DeepEP) raises on the rank that
 holds a bad id only, HT dispatch with num_worst_tokens (graph-safe mode: no host all-gather) raises its

@@ -185,7 +185,7 @@ Attributes (JSON key, environment variable):
   bind_setting(cls, "experts_fp8_pairs", "experts.fp8_pairs", &Config::experts_fp8_pairs,
                "1: the FP8 tensor-core mainloop over K-block pairs.");
   bind_setting(cls, "experts_fp8_prefill", "experts.fp8_prefill", &Config::experts_fp8_prefill,
-               "Experts with > 64 rows take the FP8 prefill GEMMs (128-row tiles): 1 (default) the measured fastest variant (now 17), 8 cp.async loads, 16 = 8 with early scales / release and bulk-copy stores, 17 = 16 with wgmma A in registers, 18 = 17 with the token scales loaded 4 K blocks at a time, 19 = 17 with each warpgroup's own epilogue in fast forms, 10 = 17 with TMA loads; 0 off.");
+               "Experts with > 64 rows take the FP8 prefill GEMMs (128-row tiles): 1 (default) the measured fastest variant (now 17), 8 cp.async loads, 17 = 8 with early scales / release, bulk-copy stores and wgmma A in registers, 10 = 17 with TMA loads; 0 off (2-7, 9, 11-16 and 18-21 were removed and are refused).");
   bind_setting(cls, "experts_fp8_prefill_stages", "experts.fp8_prefill_stages", &Config::experts_fp8_prefill_stages,
                "Ring depth of the FP8 prefill GEMMs in stages; 0 = maximum, else 2..4.");
   bind_setting(cls, "experts_fp8_prefill_min_tiles", "experts.fp8_prefill_min_tiles", &Config::experts_fp8_prefill_min_tiles,

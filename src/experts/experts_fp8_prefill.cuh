@@ -204,7 +204,7 @@ __device__ __forceinline__ uint32_t bf16x2_bits(float lo, float hi) {
 /// The end of one work item (both consumer warpgroups, 256 threads; ends with their barrier, so
 /// the staging buffer is free for the next item): gate_up writes h = silu(g) * u as FP8 e4m3 with
 /// one 1x128 scale per token (hq, hs), down writes bf16 rows of out.
-/// kEpi 1 (Config::experts_fp8_prefill 16, 17): the staged rows go out as one bulk copy per
+/// kEpi 1 (Config::experts_fp8_prefill 17): the staged rows go out as one bulk copy per
 /// token row (cp.async.bulk, issued by the consumer thread of that row) instead of 16-byte stores
 /// by every consumer thread (kEpi 0), and the consumers move on to the next item while the copy
 /// engine reads the staging buffer; the next epilogue waits for those reads before it writes the
