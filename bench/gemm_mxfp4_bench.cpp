@@ -172,7 +172,9 @@ int main(int argc, char** argv) {
   auto write_json = [&] {
     if (json_path.empty()) return;
     const char* commit = std::getenv("GEMM_BENCH_COMMIT");
+    const char* tc_env = std::getenv("EPX_EXPERTS_MXFP4_TC");  // 3: the mma.sync decode path off (A/B)
     json doc = {{"tool", "gemm bench"}, {"command", command}, {"git_commit", commit ? commit : "unknown"},
+                {"EPX_EXPERTS_MXFP4_TC", tc_env ? tc_env : "unset"},
                 {"date", utc_now()}, {"device", std::string("1 x ") + prop.name}, {"fhmoe_gate", gate}, {"results", rows}};
     std::ofstream(json_path) << doc.dump(2) << "\n";
   };

@@ -536,6 +536,77 @@ TEST(ExpertsCuda, Mxfp4TensorCoreWideScaleSpread) {
   std::printf("[ rel_l2 ] mxfp4 tensor cores wide scale spread: %.2e\n", em.max_rel_l2);
 }
 
+TEST(ExpertsCuda, Mxfp4DecodePathRowCounts) {
+  if (gpus() < 1) GTEST_SKIP() << "needs 1 GPU, found " << gpus();
+  // Experts with <= 8 rows take the mma.sync decode path of the mixed kernels (decode_item in
+  // experts_mxfp4_kernels.cuh: weights streamed into registers, one mma per 32-K scale block), 9..16
+  // rows the BN 16 wgmma path, more the BN 64 one; all three in one launch beside the FP8 shared
+  // expert. Row counts 0, 1, 7, 8, 9, 16 per expert; DeepSeek-V4-Pro (H 7168, I 3072) and V3 widths
+  // (I 2048), ExpertMajor and Flat.
+  std::vector<std::shared_ptr<const ExpertWeights>> experts = same_format(WeightFormat::mxfp4, 4, 7168, 3072, 560);
+  experts.push_back(ExpertWeights::random(WeightFormat::mxfp4, 7168, 2048, 565));
+  experts.push_back(ExpertWeights::random(WeightFormat::fp8_block, 7168, 3072, 566));
+  auto cpu = make_experts_cpu(experts);
+  auto gpu = make_experts_cuda(experts, 0);
+  const double tol = tolerance(DType::fp8_e4m3, experts);
+  const std::vector<std::vector<int32_t>> cases = {{1, 7, 8, 0, 8, 9}, {9, 16, 0, 1, 7, 3}, {8, 8, 8, 8, 8, 0}};
+  uint64_t seed = 570;
+  for (const auto& counts : cases) {
+    const EmResult em = run_expert_major(*cpu, *gpu, counts, 19, DType::fp8_e4m3, ++seed, tol);
+    std::printf("[ rel_l2 ] mxfp4 decode path v4-pro/v3 expert_major counts %d,%d,%d,%d,%d,%d: %.2e\n", counts[0], counts[1],
+                counts[2], counts[3], counts[4], counts[5], em.max_rel_l2);
+    std::fflush(stdout);
+  }
+  const double fl = run_flat(*cpu, *gpu, 20, 2, DType::fp8_e4m3, ++seed, {.masked = 0.2, .duplicates = true, .tol = tol});
+  std::printf("[ rel_l2 ] mxfp4 decode path v4-pro/v3 flat 20 tokens top-2: %.2e\n", fl);
+  // MXFP4 experts alone: the MXFP4 tolerance.
+  const std::vector<std::shared_ptr<const ExpertWeights>> routed(experts.begin(), experts.end() - 1);
+  auto cpu_r = make_experts_cpu(routed);
+  auto gpu_r = make_experts_cuda(routed, 0);
+  const EmResult em = run_expert_major(*cpu_r, *gpu_r, {8, 1, 0, 5, 8}, 8, DType::fp8_e4m3, ++seed, kMaxRelL2);
+  std::printf("[ rel_l2 ] mxfp4 decode path routed only expert_major %.2e\n", em.max_rel_l2);
+}
+
+TEST(ExpertsCuda, Mxfp4DecodePathScaleSpread) {
+  if (gpus() < 1) GTEST_SKIP() << "needs 1 GPU, found " << gpus();
+  // The decode path applies each 32-K block's e8m0 scale in fp32 after its mma: blocks 2^20 below,
+  // 2^40 above and at e8m0 0 (2^-127, the exact denormal path) beside unit blocks in the same rows
+  // and windows, for gate_up and down; <= 8 rows per expert.
+  const int64_t H = 512, I = 256;
+  std::mt19937_64 rng(580);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  Tensor gu = Tensor::empty({2 * I, H}, DType::fp32), dn = Tensor::empty({H, I}, DType::fp32);
+  const float spread[4] = {1.0f, std::ldexp(1.0f, -20), std::ldexp(1.0f, 40), std::ldexp(1.0f, -126)};
+  for (int64_t r = 0; r < 2 * I; ++r) {
+    // gate rows take 2^40 blocks, up rows not (h = silu(g) u stays inside bf16)
+    for (int64_t c = 0; c < H; ++c) {
+      const int k = static_cast<int>(((c / 32) + r) % 4);
+      const float f = (k == 2 && r >= I) ? 1.0f : spread[k];
+      gu.ptr<float>()[r * H + c] = nd(rng) * f / 4.0f;
+    }
+  }
+  for (int64_t r = 0; r < H; ++r)
+    for (int64_t c = 0; c < I; ++c) {
+      const int k = static_cast<int>(((c / 32) + r) % 4);
+      // some down rows entirely at e8m0 0 (every block 2^-126 / 4: codes of 2^-127)
+      const float f = r % 16 == 5 ? std::ldexp(1.0f, -126) : (k == 2 ? std::ldexp(1.0f, -30) : spread[k]);
+      dn.ptr<float>()[r * I + c] = nd(rng) * f / 4.0f;
+    }
+  auto w = ExpertWeights::from_float(WeightFormat::mxfp4, gu, dn);
+  int64_t zero_scales = 0;
+  for (int64_t i = 0; i < w->w2_scale.numel(); ++i) zero_scales += w->w2_scale.ptr<const uint8_t>()[i] == 0;
+  for (int64_t i = 0; i < w->w13_scale.numel(); ++i) zero_scales += w->w13_scale.ptr<const uint8_t>()[i] == 0;
+  EXPECT_GT(zero_scales, 0) << "the spread must reach e8m0 0";
+  std::vector<std::shared_ptr<const ExpertWeights>> experts = {w, ExpertWeights::random(WeightFormat::mxfp4, H, I, 581)};
+  auto cpu = make_experts_cpu(experts);
+  auto gpu = make_experts_cuda(experts, 0);
+  for (const auto& counts : std::vector<std::vector<int32_t>>{{8, 3}, {1, 8}, {7, 0}}) {
+    const EmResult em = run_expert_major(*cpu, *gpu, counts, 8, DType::fp8_e4m3, 582 + counts[0], kMaxRelL2);
+    std::printf("[ rel_l2 ] mxfp4 decode path scale spread counts %d,%d: %.2e (e8m0 zero scales %lld)\n", counts[0], counts[1],
+                em.max_rel_l2, static_cast<long long>(zero_scales));
+  }
+}
+
 // ---- errors, graphs ---------------------------------------------------------------------------
 
 TEST(ExpertsCuda, RejectsBadArguments) {

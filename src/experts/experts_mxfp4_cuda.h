@@ -40,6 +40,11 @@ struct MixedGemmParams {
   /// the warps to hide the expansion's latency; experts_mxfp4_wide_cuda.cu). false: 256 threads,
   /// 2 warpgroups of 2 sub-tiles, one weight row per thread. Same results either way.
   bool wide = false;
+  /// Tiles of <= 8 rows of mxfp4 experts run on the mma.sync decode path (decode_item in
+  /// experts_mxfp4_kernels.cuh: weights streamed from HBM into registers, no shared-memory expansion);
+  /// false (Config::experts_mxfp4_tc = 3) keeps them on the BN 16 wgmma kernel. Same results within
+  /// fp32 summation order. The wide variant ignores it.
+  bool decode = true;
 };
 
 /// True when fp8_tensor_cores_available(device) and the mixed kernels' shared-memory limit is

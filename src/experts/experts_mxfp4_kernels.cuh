@@ -11,6 +11,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "cuda/check.h"
 #include "epx/dtype.h"
@@ -18,6 +19,7 @@
 #include "experts/experts_fp8_cuda.h"
 #include "experts/experts_fp8_wgmma.cuh"
 #include "experts/experts_mxfp4_cuda.h"
+#include "experts/mxfp4_bits.h"
 
 namespace epx::experts_cuda {
 
@@ -678,6 +680,275 @@ __device__ __forceinline__ void run_item(const MixedGemmParams& p, const Item& i
   sp.mark(kDbgEpilogue);
 }
 
+// ---- decode path: mxfp4 items of <= 8 rows, weights streamed from HBM into registers, mma.sync ----
+//
+// (tenth session; bench/NOTES.md "MXFP4 decode on mma.sync".) A (row tile, weight tile) item of the
+// same shape as run_item's (gate_up: the 128 gate and 128 up weight rows of h columns col0..col0+127;
+// down: output rows col0..col0+255) on the same 256 threads, but with no shared memory for the
+// weights and no wgmma: weights are the A operand of mma.sync (16 weight rows per mma), the <= 8
+// tokens the B operand (n = 8). Canonical layout only ([rows, K/2] e2m1 pairs, low nibble = even K;
+// [rows, K/32] e8m0); no second weight copy.
+// - Warp w: 32 weight rows (2 m-tiles: gate_up the gate rows of h columns col0 + 16 w .. + 15 and the
+//   same up rows, so SiLU(gate) * up needs no exchange; down output rows col0 + 32 w .. + 31), all of K,
+//   in windows of 128 K (64 bytes per row).
+// - Loads: per window each lane (g = lane / 4, t = lane % 4) loads the 16 bytes of scale block t of rows
+//   g and g + 8 of both m-tiles (ld.global.nc, L1::no_allocate, L2::256B: one warp instruction reads 8
+//   rows x 64 contiguous bytes) and those rows' e8m0 words; the token operand (x: 8 bytes per block,
+//   h: 16) through L1. kD windows in registers per warp, and every lane keeps its row's codes kPf
+//   windows ahead in L2 (cp.async.bulk.prefetch.L2), so the bytes in flight do not cost registers.
+// - One mma per 32-K scale block: a quad transpose (3 shfl.xor + selects) gives lane t word t of every
+//   block b of its rows (8 codes, K = 32 b + 8 t + nibble); the B fragment takes the same K.
+//   gate_up: e4m3 bits of code c = ((c & 7) << 2) | ((c & 8) << 4) = e2m1(c) * 2^-6 exactly (the even
+//   nibbles of a word give A registers 0/1, the odd ones 2/3; x's bytes permuted alike), m16n8k32 e4m3,
+//   then acc += d * (2^(e - 127) * 64 * x_scale): every block's scale exact in fp32.
+//   down: bf16 of the codes through the constant e2m1 -> bf16 byte tables (e2m1x8_to_bf16 at scale 1),
+//   2 x m16n8k16 bf16 per block, acc += d * 2^(e - 127).
+//   e8m0 0 (2^-127) and 255 (NaN) take an exact per-scale conversion (the window's words are checked).
+// Tiles of 9..16 rows stay on the BN 16 wgmma kernel: a 2-n-tile decode variant needs ~240 registers
+// alone and spilled inside this kernel (ptxas -v, tenth session).
+
+__device__ __forceinline__ uint4 ldg_stream16(const void* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+__device__ __forceinline__ uint32_t ldg_u32(const void* p) { return __ldg(static_cast<const unsigned int*>(p)); }
+
+/// mma.sync m16n8k32 e4m3 x e4m3 -> f32, C = 0.
+__device__ __forceinline__ void mma_e4m3(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
+                                         uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%10, %10, %10, %10};\n"
+      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1), "f"(0.0f));
+}
+/// mma.sync m16n8k16 bf16 x bf16 -> f32, d = A B + c.
+__device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
+                                         uint32_t b1, const float (&c)[4]) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%10, %11, %12, %13};\n"
+      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1), "f"(c[0]), "f"(c[1]), "f"(c[2]), "f"(c[3]));
+}
+
+/// Within each quad of lanes (t = lane & 3), lane t holds the 4 words of scale block t; returns in
+/// n[b] word t of block b (held by lane b): n[b] = m_b[t].
+__device__ __forceinline__ void quad_transpose(const uint4& m, int t, uint32_t (&n)[4]) {
+  uint32_t p0 = m.x, p1 = m.y, p2 = m.z, p3 = m.w;
+  // p[i] = m[i ^ t]
+  if (t & 1) { const uint32_t a = p0; p0 = p1; p1 = a; const uint32_t b = p2; p2 = p3; p3 = b; }
+  if (t & 2) { const uint32_t a = p0; p0 = p2; p2 = a; const uint32_t b = p1; p1 = p3; p3 = b; }
+  // r[i] = word t of block t ^ i (lane t ^ i sent its p[i] = its word (t ^ i) ^ i = t)
+  uint32_t r0 = p0, r1 = __shfl_xor_sync(0xffffffffu, p1, 1), r2 = __shfl_xor_sync(0xffffffffu, p2, 2),
+           r3 = __shfl_xor_sync(0xffffffffu, p3, 3);
+  // n[b] = r[b ^ t]
+  if (t & 1) { const uint32_t a = r0; r0 = r1; r1 = a; const uint32_t b = r2; r2 = r3; r3 = b; }
+  if (t & 2) { const uint32_t a = r0; r0 = r2; r2 = a; const uint32_t b = r1; r1 = r3; r3 = b; }
+  n[0] = r0, n[1] = r1, n[2] = r2, n[3] = r3;
+}
+// e2m1_even_e4m3, e2m1_odd_e4m3, e8m0_special, e8m0_of: experts/mxfp4_bits.h (checked by the CPU tests).
+
+/// One mxfp4 item of <= 8 kNt rows (see above; kNt = 1 is the one instantiated), kD windows in registers
+/// per warp. smem: the CTA's shared memory (only rows[] at kRowsOff is read).
+template <bool kGateUp, int kNt, int kD>
+__device__ __forceinline__ void decode_item(const MixedGemmParams& p, const Item& it, uint8_t* smem) {
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  const int32_t* rows = reinterpret_cast<const int32_t*>(smem + kRowsOff);
+  const int nwin = static_cast<int>(it.K / 128);
+  const int64_t row_bytes = it.K / 2, srow_bytes = it.K / 32;
+  const uint8_t* codes = it.w;
+  const uint8_t* wscale = static_cast<const uint8_t*>(it.w_scale);
+  // This warp's 32 weight rows: m-tile mt (16 rows), rows rbase + roff[mt] (+ g, + 8 + g).
+  // gate_up: the gate rows of h columns col0 + 16 warp .. + 15 (mt 0) and the same up rows (mt 1);
+  // down: output rows col0 + 32 warp + 16 mt (past H: rows of the tile's first valid m-tile or row 0,
+  // read but never stored; H % 16 == 0).
+  int64_t rbase, roff[2];
+  if constexpr (kGateUp) {
+    rbase = it.col0 + 16 * warp;
+    roff[0] = 0;
+    roff[1] = it.inter;
+  } else {
+    const int64_t r_first = it.col0 + 32 * warp;
+    rbase = r_first < it.hidden ? r_first : 0;
+    roff[0] = 0;
+    roff[1] = r_first + 16 < it.hidden ? 16 : 0;
+  }
+  const uint8_t* cb[2];
+  const uint8_t* sb[2];
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt) {
+    cb[mt] = codes + (rbase + roff[mt] + g) * row_bytes + 16 * t;
+    sb[mt] = wscale + (rbase + roff[mt] + g) * srow_bytes;
+  }
+  const int64_t c8 = 8 * row_bytes, s8 = 8 * srow_bytes;
+  // L2 prefetch of the codes kPf windows ahead (lane l: row l & 15 of m-tile l >> 4, 4 windows at a time)
+  constexpr int kPf = 8;
+  const uint8_t* pf_row = codes + (rbase + roff[lane >> 4] + (lane & 15)) * row_bytes;
+  // token operand: B rows g + 8 nt; C columns 2 t, 2 t + 1 (+ 8 nt)
+  const uint8_t* bptr[kNt];
+  bool bval[kNt];
+  int32_t xsr[kNt][2];  // x_scales element offsets of the C columns' tokens; -1: no token
+#pragma unroll
+  for (int nt = 0; nt < kNt; ++nt) {
+    const int j = 8 * nt + g;
+    bval[nt] = j < it.num_rows;
+    const int32_t r = bval[nt] ? rows[j] : 0;
+    if constexpr (kGateUp) bptr[nt] = p.x + static_cast<int64_t>(r) * p.hidden + 8 * t;
+    else bptr[nt] = reinterpret_cast<const uint8_t*>(p.hb) + (static_cast<int64_t>(r) * p.hb_stride + 8 * t) * 2;
+#pragma unroll
+    for (int q = 0; q < 2; ++q) {
+      const int jj = 8 * nt + 2 * t + q;
+      xsr[nt][q] = kGateUp && jj < it.num_rows ? rows[jj] * static_cast<int32_t>(p.hidden / 128) : -1;
+    }
+  }
+  __syncthreads();  // rows[] read: the next item may rewrite it
+
+  using BT = std::conditional_t<kGateUp, uint2, uint4>;
+  struct Win {
+    uint4 a[4];       // codes: [mt][row g, g + 8], 16 bytes = scale block t of the window
+    uint32_t s[4];    // e8m0 words (the window's 4 blocks)
+    BT b[kNt][4];     // gate_up: 8 x bytes of block b; down: 8 h values of block b
+    float xs[kNt][2];
+  };
+  Win buf[kD];
+  auto load = [&](Win& w, int c) {
+    if (c >= nwin) return;
+    if ((c & 3) == 0 && c + kPf < nwin) {
+      const int n = min(4, nwin - c - kPf);
+      asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(pf_row + (c + kPf) * 64), "r"(n * 64) : "memory");
+    }
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt) {
+      w.a[2 * mt] = ldg_stream16(cb[mt] + c * 64);
+      w.a[2 * mt + 1] = ldg_stream16(cb[mt] + c8 + c * 64);
+      w.s[2 * mt] = ldg_u32(sb[mt] + c * 4);
+      w.s[2 * mt + 1] = ldg_u32(sb[mt] + s8 + c * 4);
+    }
+#pragma unroll
+    for (int nt = 0; nt < kNt; ++nt) {
+#pragma unroll
+      for (int b = 0; b < 4; ++b) {
+        if constexpr (kGateUp) {
+          uint2 v = make_uint2(0u, 0u);
+          if (bval[nt]) v = __ldg(reinterpret_cast<const uint2*>(bptr[nt] + c * 128 + 32 * b));
+          w.b[nt][b] = v;
+        } else {
+          uint4 v = make_uint4(0u, 0u, 0u, 0u);
+          if (bval[nt]) v = __ldg(reinterpret_cast<const uint4*>(bptr[nt] + (c * 128 + 32 * b) * 2));
+          w.b[nt][b] = v;
+        }
+      }
+      if constexpr (kGateUp) {
+#pragma unroll
+        for (int q = 0; q < 2; ++q) w.xs[nt][q] = xsr[nt][q] >= 0 ? __ldg(p.x_scales + (xsr[nt][q] + c)) * 64.0f : 0.0f;
+      }
+    }
+  };
+
+  float acc[2][kNt][4];
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < kNt; ++nt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[mt][nt][i] = 0.0f;
+
+  auto compute = [&](const Win& w) {
+    bool special = false;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) special |= e8m0_special(w.s[i]);
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt) {
+      uint32_t n0[4], n8[4];
+      quad_transpose(w.a[2 * mt], t, n0);
+      quad_transpose(w.a[2 * mt + 1], t, n8);
+#pragma unroll
+      for (int b = 0; b < 4; ++b) {
+        const float ws0 = e8m0_of(w.s[2 * mt], b, special), ws8 = e8m0_of(w.s[2 * mt + 1], b, special);
+        if constexpr (kGateUp) {
+          const uint32_t a0 = e2m1_even_e4m3(n0[b]), a1 = e2m1_even_e4m3(n8[b]);
+          const uint32_t a2 = e2m1_odd_e4m3(n0[b]), a3 = e2m1_odd_e4m3(n8[b]);
+#pragma unroll
+          for (int nt = 0; nt < kNt; ++nt) {
+            const uint32_t q0 = w.b[nt][b].x, q1 = w.b[nt][b].y;
+            float d[4];
+            mma_e4m3(d, a0, a1, a2, a3, prmt(q0, q1, 0x6420u), prmt(q0, q1, 0x7531u));
+            const float x0 = w.xs[nt][0], x1 = w.xs[nt][1];
+            acc[mt][nt][0] = fmaf(d[0], ws0 * x0, acc[mt][nt][0]);
+            acc[mt][nt][1] = fmaf(d[1], ws0 * x1, acc[mt][nt][1]);
+            acc[mt][nt][2] = fmaf(d[2], ws8 * x0, acc[mt][nt][2]);
+            acc[mt][nt][3] = fmaf(d[3], ws8 * x1, acc[mt][nt][3]);
+          }
+        } else {
+          // constant tables of scale 1 (expand_down_group's with e = 127): e2m1 -> bf16 exactly
+          const uint4 A0 = e2m1x8_to_bf16(n0[b], 0x3F3F3F00u, 0x40404040u, 0xC0800000u, 0xC0804000u);
+          const uint4 A8 = e2m1x8_to_bf16(n8[b], 0x3F3F3F00u, 0x40404040u, 0xC0800000u, 0xC0804000u);
+#pragma unroll
+          for (int nt = 0; nt < kNt; ++nt) {
+            const uint4 q = w.b[nt][b];
+            const float z[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            float d0[4], d[4];
+            mma_bf16(d0, A0.x, A8.x, A0.y, A8.y, q.x, q.y, z);
+            mma_bf16(d, A0.z, A8.z, A0.w, A8.w, q.z, q.w, d0);
+            acc[mt][nt][0] = fmaf(d[0], ws0, acc[mt][nt][0]);
+            acc[mt][nt][1] = fmaf(d[1], ws0, acc[mt][nt][1]);
+            acc[mt][nt][2] = fmaf(d[2], ws8, acc[mt][nt][2]);
+            acc[mt][nt][3] = fmaf(d[3], ws8, acc[mt][nt][3]);
+          }
+        }
+      }
+    }
+  };
+
+  // prefetch the first kPf windows of this warp's rows into L2, then kD windows into registers
+  if (nwin > 0) {
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(pf_row), "r"(min(kPf, nwin) * 64) : "memory");
+  }
+#pragma unroll
+  for (int j = 0; j < kD; ++j) load(buf[j], j);
+  for (int c = 0; c < nwin; c += kD) {
+#pragma unroll
+    for (int j = 0; j < kD; ++j) {
+      if (c + j < nwin) {
+        compute(buf[j]);
+        load(buf[j], c + j + kD);
+      }
+    }
+  }
+
+  if constexpr (kGateUp) {
+#pragma unroll
+    for (int nt = 0; nt < kNt; ++nt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int j = 8 * nt + 2 * t + (i & 1);
+        if (j < it.num_rows) {
+          const float gv = acc[0][nt][i], uv = acc[1][nt][i];
+          const float hv = gv / (1.0f + expf(-gv)) * uv;  // silu(g) * u in fp32, the CPU's expression
+          const int64_t col = it.col0 + 16 * warp + g + 8 * (i >> 1);
+          p.hb[static_cast<int64_t>(it.row0 + j) * p.hb_stride + col] = float_to_bf16_bits(hv);
+        }
+      }
+  } else {
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < kNt; ++nt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int j = 8 * nt + 2 * t + (i & 1);
+          const int64_t col = it.col0 + 32 * warp + 16 * mt + g + 8 * (i >> 1);
+          if (j < it.num_rows && col < it.hidden)
+            p.out[static_cast<int64_t>(it.row0 + j) * it.hidden + col] = float_to_bf16_bits(acc[mt][nt][i]);
+        }
+  }
+}
+
+
 template <bool kGateUp, int kDbg = 0, int NT = kThreads>
 __global__ void __launch_bounds__(NT, 1) mixed_gemm_kernel(MixedGemmParams p, unsigned long long* dbg) {
   extern __shared__ uint8_t smem_raw[];
@@ -731,8 +1002,14 @@ __global__ void __launch_bounds__(NT, 1) mixed_gemm_kernel(MixedGemmParams p, un
     if constexpr (kDbg > 0) {  // debug kernels (set_mixed_debug): mxfp4 items of <= 16 rows only
       if (mx && tile.num_rows <= 16) run_item<kMx, 16, kDbg, NT>(p, it, smem, smem_s, sp);
     } else if (mx) {
-      if (tile.num_rows <= 16) run_item<kMx, 16, kDbg, NT>(p, it, smem, smem_s, sp);
-      else run_item<kMx, 64, kDbg, NT>(p, it, smem, smem_s, sp);
+      if constexpr (kDbg == 0 && NT == kThreads) {  // the decode path (decode_item) for <= 16 rows
+        if (tile.num_rows <= 8 && p.decode) decode_item<kGateUp, 1, 2>(p, it, smem);
+        else if (tile.num_rows <= 16) run_item<kMx, 16, kDbg, NT>(p, it, smem, smem_s, sp);
+        else run_item<kMx, 64, kDbg, NT>(p, it, smem, smem_s, sp);
+      } else {
+        if (tile.num_rows <= 16) run_item<kMx, 16, kDbg, NT>(p, it, smem, smem_s, sp);
+        else run_item<kMx, 64, kDbg, NT>(p, it, smem, smem_s, sp);
+      }
     } else {
       if (tile.num_rows <= 16) run_item<kFp8, 16, kDbg, NT>(p, it, smem, smem_s, sp);
       else run_item<kFp8, 64, kDbg, NT>(p, it, smem, smem_s, sp);

@@ -10,6 +10,7 @@
 #include "epx/error.h"
 #include "epx/experts.h"
 #include "epx/quant.h"
+#include "experts/mxfp4_bits.h"
 #include "test_util.h"
 
 using namespace epx;
@@ -81,6 +82,39 @@ std::vector<float> mlp_row(const ExpertWeights& w, const uint16_t* x_row) {
 }  // namespace
 
 // ---- weights ---------------------------------------------------------------------------------
+
+TEST(ExpertWeights, Mxfp4DecodeBits) {
+  // The MXFP4 decode path's conversions (experts/mxfp4_bits.h), exhaustively: every e2m1 code in
+  // every nibble position maps to the e4m3 byte of e2m1 * 2^-6 (exact), and every e8m0 byte in every
+  // byte position to e8m0_bits_to_float, with the special-byte check exact (00 and FF only).
+  for (uint32_t c = 0; c < 16; ++c) {
+    for (int j = 0; j < 4; ++j) {
+      const uint32_t even = c << (8 * j), odd = c << (8 * j + 4);
+      const float want = std::ldexp(fp4_e2m1_bits_to_float(static_cast<uint8_t>(c)), -6);
+      const uint32_t be = experts_cuda::e2m1_even_e4m3(even | (0xFu << (8 * j + 4)));  // the odd neighbour set
+      const uint32_t bo = experts_cuda::e2m1_odd_e4m3(odd | (0xFu << (8 * j)));
+      EXPECT_EQ(f32_bits(fp8_e4m3_bits_to_float(static_cast<uint8_t>(be >> (8 * j)))), f32_bits(want)) << "even code " << c << " byte " << j;
+      EXPECT_EQ(f32_bits(fp8_e4m3_bits_to_float(static_cast<uint8_t>(bo >> (8 * j)))), f32_bits(want)) << "odd code " << c << " byte " << j;
+      EXPECT_EQ(be & ~(0xFFu << (8 * j)), experts_cuda::e2m1_even_e4m3(0xFu << (8 * j + 4)) & ~(0xFFu << (8 * j))) << "other bytes";
+    }
+  }
+  for (uint32_t e = 0; e < 256; ++e) {
+    for (int b = 0; b < 4; ++b) {
+      const uint32_t word = (e << (8 * b)) | (0x7F7F7F7Fu & ~(0xFFu << (8 * b)));  // byte b = e, the others 2^0
+      const bool special = experts_cuda::e8m0_special(word);
+      EXPECT_EQ(special, e == 0 || e == 255) << "byte " << e << " at " << b;
+      const float got = experts_cuda::e8m0_of(word, b, special), want = e8m0_bits_to_float(static_cast<uint8_t>(e));
+      if (e == 255) {
+        EXPECT_TRUE(std::isnan(got));
+      } else {
+        EXPECT_EQ(f32_bits(got), f32_bits(want)) << "byte " << e << " at " << b;
+      }
+      if (!special) {
+        EXPECT_EQ(f32_bits(experts_cuda::e8m0_of(word, b, true)), f32_bits(got)) << "fast and exact paths agree";
+      }
+    }
+  }
+}
 
 TEST(ExpertWeights, FormatNamesRoundTrip) {
   for (WeightFormat f : kFormats) EXPECT_EQ(parse_weight_format(weight_format_name(f)), f);
