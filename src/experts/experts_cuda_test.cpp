@@ -538,11 +538,13 @@ TEST(ExpertsCuda, Mxfp4TensorCoreWideScaleSpread) {
 
 TEST(ExpertsCuda, Mxfp4DecodePathRowCounts) {
   if (gpus() < 1) GTEST_SKIP() << "needs 1 GPU, found " << gpus();
-  // Experts with <= 8 rows take the mma.sync decode path of the mixed kernels (decode_item in
-  // experts_mxfp4_kernels.cuh: weights streamed into registers, one mma per 32-K scale block), 9..16
-  // rows the BN 16 wgmma path, more the BN 64 one; all three in one launch beside the FP8 shared
-  // expert. Row counts 0, 1, 7, 8, 9, 16 per expert; DeepSeek-V4-Pro (H 7168, I 3072) and V3 widths
-  // (I 2048), ExpertMajor and Flat.
+  // Experts with <= 16 rows take the mma.sync decode path of the mixed kernels (decode_item_ring in
+  // experts_mxfp4_kernels.cuh: weights streamed through a per-warp cp.async ring into registers, one
+  // mma per 32-K scale block; 1 n-tile up to 8 rows, 2 up to 16), more the BN 64 wgmma path; both in
+  // one launch beside the FP8 shared expert. Row counts 0, 1, 7, 8, 9, 16 per expert; DeepSeek-V4-Pro
+  // (H 7168, I 3072) and V3 widths (I 2048), ExpertMajor and Flat. Then the A/B settings of
+  // Config::experts_mxfp4_tc: 4 (the register-buffered decode_item for <= 8 rows) and 3 (no decode
+  // path: the BN 16 wgmma kernel).
   std::vector<std::shared_ptr<const ExpertWeights>> experts = same_format(WeightFormat::mxfp4, 4, 7168, 3072, 560);
   experts.push_back(ExpertWeights::random(WeightFormat::mxfp4, 7168, 2048, 565));
   experts.push_back(ExpertWeights::random(WeightFormat::fp8_block, 7168, 3072, 566));
@@ -559,6 +561,13 @@ TEST(ExpertsCuda, Mxfp4DecodePathRowCounts) {
   }
   const double fl = run_flat(*cpu, *gpu, 20, 2, DType::fp8_e4m3, ++seed, {.masked = 0.2, .duplicates = true, .tol = tol});
   std::printf("[ rel_l2 ] mxfp4 decode path v4-pro/v3 flat 20 tokens top-2: %.2e\n", fl);
+  for (const char* tc : {"4", "3"}) {
+    setenv("EPX_EXPERTS_MXFP4_TC", tc, 1);
+    auto gpu_ab = make_experts_cuda(experts, 0);
+    unsetenv("EPX_EXPERTS_MXFP4_TC");
+    const EmResult ab = run_expert_major(*cpu, *gpu_ab, cases[tc[0] == '4' ? 0 : 1], 19, DType::fp8_e4m3, ++seed, tol);
+    std::printf("[ rel_l2 ] mxfp4 decode path EPX_EXPERTS_MXFP4_TC=%s expert_major: %.2e\n", tc, ab.max_rel_l2);
+  }
   // MXFP4 experts alone: the MXFP4 tolerance.
   const std::vector<std::shared_ptr<const ExpertWeights>> routed(experts.begin(), experts.end() - 1);
   auto cpu_r = make_experts_cpu(routed);

@@ -40,11 +40,12 @@ struct MixedGemmParams {
   /// the warps to hide the expansion's latency; experts_mxfp4_wide_cuda.cu). false: 256 threads,
   /// 2 warpgroups of 2 sub-tiles, one weight row per thread. Same results either way.
   bool wide = false;
-  /// Tiles of <= 8 rows of mxfp4 experts run on the mma.sync decode path (decode_item in
-  /// experts_mxfp4_kernels.cuh: weights streamed from HBM into registers, no shared-memory expansion);
-  /// false (Config::experts_mxfp4_tc = 3) keeps them on the BN 16 wgmma kernel. Same results within
-  /// fp32 summation order. The wide variant ignores it.
-  bool decode = true;
+  /// Tiles of <= 16 rows of mxfp4 experts run on the mma.sync decode path (experts_mxfp4_kernels.cuh:
+  /// weights streamed from HBM through a per-warp cp.async ring into registers, no shared-memory
+  /// expansion): 1 (default) decode_item_ring; 2 (Config::experts_mxfp4_tc = 4, an A/B) the register-
+  /// buffered decode_item for <= 8 rows; 0 (experts_mxfp4_tc = 3) the BN 16 wgmma kernel as before.
+  /// Same results within fp32 summation order. The wide variant ignores it.
+  int decode = 1;
 };
 
 /// True when fp8_tensor_cores_available(device) and the mixed kernels' shared-memory limit is

@@ -680,22 +680,24 @@ __device__ __forceinline__ void run_item(const MixedGemmParams& p, const Item& i
   sp.mark(kDbgEpilogue);
 }
 
-// ---- decode path: mxfp4 items of <= 8 rows, weights streamed from HBM into registers, mma.sync ----
+// ---- decode path: mxfp4 items of <= 16 rows, weights streamed from HBM into registers, mma.sync ----
 //
 // (tenth session; bench/NOTES.md "MXFP4 decode on mma.sync".) A (row tile, weight tile) item of the
 // same shape as run_item's (gate_up: the 128 gate and 128 up weight rows of h columns col0..col0+127;
 // down: output rows col0..col0+255) on the same 256 threads, but with no shared memory for the
-// weights and no wgmma: weights are the A operand of mma.sync (16 weight rows per mma), the <= 8
-// tokens the B operand (n = 8). Canonical layout only ([rows, K/2] e2m1 pairs, low nibble = even K;
+// weights and no wgmma: weights are the A operand of mma.sync (16 weight rows per mma), the <= 16
+// tokens the B operand (kNt n-tiles of 8). Canonical layout only ([rows, K/2] e2m1 pairs, low nibble = even K;
 // [rows, K/32] e8m0); no second weight copy.
 // - Warp w: 32 weight rows (2 m-tiles: gate_up the gate rows of h columns col0 + 16 w .. + 15 and the
 //   same up rows, so SiLU(gate) * up needs no exchange; down output rows col0 + 32 w .. + 31), all of K,
 //   in windows of 128 K (64 bytes per row).
-// - Loads: per window each lane (g = lane / 4, t = lane % 4) loads the 16 bytes of scale block t of rows
-//   g and g + 8 of both m-tiles (ld.global.nc, L1::no_allocate, L2::256B: one warp instruction reads 8
-//   rows x 64 contiguous bytes) and those rows' e8m0 words; the token operand (x: 8 bytes per block,
-//   h: 16) through L1. kD windows in registers per warp, and every lane keeps its row's codes kPf
-//   windows ahead in L2 (cp.async.bulk.prefetch.L2), so the bytes in flight do not cost registers.
+// - Loads: per window each lane (g = lane / 4, t = lane % 4) copies the 16 bytes of scale block t of rows
+//   g and g + 8 of both m-tiles (one warp instruction reads 8 rows x 64 contiguous bytes, L2::256B), those
+//   rows' e8m0 words and its token operand (x: 8 bytes per block and the 1x128 scales, h: 16 bytes) into
+//   a per-warp cp.async ring in shared memory (decode_item_ring, DecodeRing: kRing - 1 windows in flight
+//   per warp without holding registers), and every lane keeps its row's codes kPf windows ahead in L2
+//   (cp.async.bulk.prefetch.L2). decode_item (<= 8 rows, Config::experts_mxfp4_tc = 4) is the
+//   register-buffered variant: kD windows loaded straight into registers (ld.global.nc).
 // - One mma per 32-K scale block: a quad transpose (3 shfl.xor + selects) gives lane t word t of every
 //   block b of its rows (8 codes, K = 32 b + 8 t + nibble); the B fragment takes the same K.
 //   gate_up: e4m3 bits of code c = ((c & 7) << 2) | ((c & 8) << 4) = e2m1(c) * 2^-6 exactly (the even
@@ -704,8 +706,8 @@ __device__ __forceinline__ void run_item(const MixedGemmParams& p, const Item& i
 //   down: bf16 of the codes through the constant e2m1 -> bf16 byte tables (e2m1x8_to_bf16 at scale 1),
 //   2 x m16n8k16 bf16 per block, acc += d * 2^(e - 127).
 //   e8m0 0 (2^-127) and 255 (NaN) take an exact per-scale conversion (the window's words are checked).
-// Tiles of 9..16 rows stay on the BN 16 wgmma kernel: a 2-n-tile decode variant needs ~240 registers
-// alone and spilled inside this kernel (ptxas -v, tenth session).
+// Registers (ptxas -v, tenth session): the ring variants 238 / 242 (down / gate_up) with kNt = 1 and 2,
+// no spills; the register-buffered one fits for kNt = 1 only (kNt = 2 spilled 300-1000 bytes here).
 
 __device__ __forceinline__ uint4 ldg_stream16(const void* p) {
   uint4 v;
@@ -751,6 +753,39 @@ __device__ __forceinline__ void quad_transpose(const uint4& m, int t, uint32_t (
   n[0] = r0, n[1] = r1, n[2] = r2, n[3] = r3;
 }
 // e2m1_even_e4m3, e2m1_odd_e4m3, e8m0_special, e8m0_of: experts/mxfp4_bits.h (checked by the CPU tests).
+
+/// The decode path's stores: gate_up h = bf16(silu(gate) * up) (the CPU's expression, fp32), down
+/// out = bf16(acc); acc[mt][nt][i]: rows g + 8 (i >> 1) of m-tile mt, token 8 nt + 2 t + (i & 1).
+template <bool kGateUp, int kNt>
+__device__ __forceinline__ void decode_epilogue(const MixedGemmParams& p, const Item& it, const float (&acc)[2][kNt][4], int warp,
+                                                int g, int t) {
+  if constexpr (kGateUp) {
+#pragma unroll
+    for (int nt = 0; nt < kNt; ++nt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int j = 8 * nt + 2 * t + (i & 1);
+        if (j < it.num_rows) {
+          const float gv = acc[0][nt][i], uv = acc[1][nt][i];
+          const float hv = gv / (1.0f + expf(-gv)) * uv;  // silu(g) * u in fp32, the CPU's expression
+          const int64_t col = it.col0 + 16 * warp + g + 8 * (i >> 1);
+          p.hb[static_cast<int64_t>(it.row0 + j) * p.hb_stride + col] = float_to_bf16_bits(hv);
+        }
+      }
+  } else {
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < kNt; ++nt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int j = 8 * nt + 2 * t + (i & 1);
+          const int64_t col = it.col0 + 32 * warp + 16 * mt + g + 8 * (i >> 1);
+          if (j < it.num_rows && col < it.hidden)
+            p.out[static_cast<int64_t>(it.row0 + j) * it.hidden + col] = float_to_bf16_bits(acc[mt][nt][i]);
+        }
+  }
+}
 
 /// One mxfp4 item of <= 8 kNt rows (see above; kNt = 1 is the one instantiated), kD windows in registers
 /// per warp. smem: the CTA's shared memory (only rows[] at kRowsOff is read).
@@ -920,34 +955,193 @@ __device__ __forceinline__ void decode_item(const MixedGemmParams& p, const Item
     }
   }
 
+  decode_epilogue<kGateUp, kNt>(p, it, acc, warp, g, t);
+}
+
+
+/// Shared-memory plan of decode_item_ring: per warp kRing slots of one 128-K window each, every array
+/// lane-major (lane i's 16 / 8 / 4 bytes at i * size: conflict-free, and every lane reads back only
+/// what it copied itself, so cp.async.wait_group alone orders them).
+template <bool kGateUp, int kNt>
+struct DecodeRing {
+  static constexpr int kCode = 0;                    // [4: mt, row g / g + 8][32][16 B] e2m1 codes
+  static constexpr int kScale = kCode + 4 * 32 * 16;  // [4][32][4 B] e8m0 words
+  static constexpr int kBBytes = kGateUp ? 8 : 16;    // x bytes / h values of one block per lane
+  static constexpr int kB = kScale + 4 * 32 * 4;      // [kNt][4 blocks][32][kBBytes]
+  static constexpr int kXs = kB + kNt * 4 * 32 * kBBytes;  // gate_up: [kNt][2][32][4 B] token scales
+  static constexpr int kSlot = kXs + (kGateUp ? kNt * 2 * 32 * 4 : 0);
+  static constexpr int kRing = (kExtraOff / (8 * kSlot)) < 6 ? (kExtraOff / (8 * kSlot)) : 6;
+  static_assert(kRing >= 3, "decode ring depth");
+};
+
+/// decode_item with the windows staged through a per-warp cp.async ring in shared memory
+/// (DecodeRing: kRing - 1 windows in flight per warp, ~5 x 2 KB of codes, without holding registers)
+/// instead of kD register buffers; the same loads, conversions and results.
+template <bool kGateUp, int kNt>
+__device__ __forceinline__ void decode_item_ring(const MixedGemmParams& p, const Item& it, uint8_t* smem) {
+  using R = DecodeRing<kGateUp, kNt>;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  const int32_t* rows = reinterpret_cast<const int32_t*>(smem + kRowsOff);
+  const int nwin = static_cast<int>(it.K / 128);
+  const int64_t row_bytes = it.K / 2, srow_bytes = it.K / 32;
+  const uint8_t* codes = it.w;
+  const uint8_t* wscale = static_cast<const uint8_t*>(it.w_scale);
+  int64_t rbase, roff[2];
   if constexpr (kGateUp) {
+    rbase = it.col0 + 16 * warp;
+    roff[0] = 0;
+    roff[1] = it.inter;
+  } else {
+    const int64_t r_first = it.col0 + 32 * warp;
+    rbase = r_first < it.hidden ? r_first : 0;
+    roff[0] = 0;
+    roff[1] = r_first + 16 < it.hidden ? 16 : 0;
+  }
+  const uint8_t* cb[2];
+  const uint8_t* sb[2];
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt) {
+    cb[mt] = codes + (rbase + roff[mt] + g) * row_bytes + 16 * t;
+    sb[mt] = wscale + (rbase + roff[mt] + g) * srow_bytes;
+  }
+  const int64_t c8 = 8 * row_bytes, s8 = 8 * srow_bytes;
+  constexpr int kPf = 8;
+  const uint8_t* pf_row = codes + (rbase + roff[lane >> 4] + (lane & 15)) * row_bytes;
+  const uint8_t* bptr[kNt];
+  bool bval[kNt];
+  int32_t xsr[kNt][2];
+#pragma unroll
+  for (int nt = 0; nt < kNt; ++nt) {
+    const int j = 8 * nt + g;
+    bval[nt] = j < it.num_rows;
+    const int32_t r = bval[nt] ? rows[j] : 0;
+    if constexpr (kGateUp) bptr[nt] = p.x + static_cast<int64_t>(r) * p.hidden + 8 * t;
+    else bptr[nt] = reinterpret_cast<const uint8_t*>(p.hb) + (static_cast<int64_t>(r) * p.hb_stride + 8 * t) * 2;
+#pragma unroll
+    for (int q = 0; q < 2; ++q) {
+      const int jj = 8 * nt + 2 * t + q;
+      xsr[nt][q] = kGateUp && jj < it.num_rows ? rows[jj] * static_cast<int32_t>(p.hidden / 128) : -1;
+    }
+  }
+  __syncthreads();  // rows[] read: the next item may rewrite it
+
+  const uint32_t ring_s = static_cast<uint32_t>(__cvta_generic_to_shared(smem)) + warp * R::kRing * R::kSlot;
+  const uint8_t* ring = smem + warp * R::kRing * R::kSlot;
+  auto issue = [&](int c) {  // window c into slot c % kRing; always one commit group
+    if (c < nwin) {
+      if ((c & 3) == 0 && c + kPf < nwin) {
+        const int n = min(4, nwin - c - kPf);
+        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(pf_row + (c + kPf) * 64), "r"(n * 64) : "memory");
+      }
+      const uint32_t sl = ring_s + (c % R::kRing) * R::kSlot;
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int i = 2 * mt + h;
+          asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;\n" ::"r"(sl + R::kCode + (i * 32 + lane) * 16),
+                       "l"(cb[mt] + (h ? c8 : 0) + c * 64) : "memory");
+          asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(sl + R::kScale + (i * 32 + lane) * 4),
+                       "l"(sb[mt] + (h ? s8 : 0) + c * 4) : "memory");
+        }
+      }
+#pragma unroll
+      for (int nt = 0; nt < kNt; ++nt) {
+#pragma unroll
+        for (int b = 0; b < 4; ++b) {
+          const uint32_t dst = sl + R::kB + ((nt * 4 + b) * 32 + lane) * R::kBBytes;
+          const uint8_t* src = kGateUp ? bptr[nt] + c * 128 + 32 * b : bptr[nt] + (c * 128 + 32 * b) * 2;
+          asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(dst), "l"(src), "n"(R::kBBytes),
+                       "r"(bval[nt] ? R::kBBytes : 0) : "memory");
+        }
+        if constexpr (kGateUp) {
+#pragma unroll
+          for (int q = 0; q < 2; ++q) {
+            const bool v = xsr[nt][q] >= 0;
+            asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(sl + R::kXs + ((nt * 2 + q) * 32 + lane) * 4),
+                         "l"(p.x_scales + (v ? xsr[nt][q] + c : 0)), "r"(v ? 4 : 0) : "memory");
+          }
+        }
+      }
+    }
+    cp_async_commit();
+  };
+
+  float acc[2][kNt][4];
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
     for (int nt = 0; nt < kNt; ++nt)
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int j = 8 * nt + 2 * t + (i & 1);
-        if (j < it.num_rows) {
-          const float gv = acc[0][nt][i], uv = acc[1][nt][i];
-          const float hv = gv / (1.0f + expf(-gv)) * uv;  // silu(g) * u in fp32, the CPU's expression
-          const int64_t col = it.col0 + 16 * warp + g + 8 * (i >> 1);
-          p.hb[static_cast<int64_t>(it.row0 + j) * p.hb_stride + col] = float_to_bf16_bits(hv);
-        }
-      }
-  } else {
+      for (int i = 0; i < 4; ++i) acc[mt][nt][i] = 0.0f;
+
+  if (nwin > 0) asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(pf_row), "r"(min(kPf, nwin) * 64) : "memory");
 #pragma unroll
-    for (int mt = 0; mt < 2; ++mt)
+  for (int s = 0; s < R::kRing - 1; ++s) issue(s);
+  for (int c = 0; c < nwin; ++c) {
+    cp_async_wait<R::kRing - 2>();  // window c (this lane's own copies)
+    issue(c + R::kRing - 1);        // into the slot window c - 1 used (read into registers last iteration)
+    const uint8_t* sl = ring + (c % R::kRing) * R::kSlot;
+    uint4 a[4];
+    uint32_t s[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      a[i] = *reinterpret_cast<const uint4*>(sl + R::kCode + (i * 32 + lane) * 16);
+      s[i] = *reinterpret_cast<const uint32_t*>(sl + R::kScale + (i * 32 + lane) * 4);
+    }
+    bool special = false;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) special |= e8m0_special(s[i]);
+    float xs[kNt][2];
+    if constexpr (kGateUp) {
 #pragma unroll
       for (int nt = 0; nt < kNt; ++nt)
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const int j = 8 * nt + 2 * t + (i & 1);
-          const int64_t col = it.col0 + 32 * warp + 16 * mt + g + 8 * (i >> 1);
-          if (j < it.num_rows && col < it.hidden)
-            p.out[static_cast<int64_t>(it.row0 + j) * it.hidden + col] = float_to_bf16_bits(acc[mt][nt][i]);
+        for (int q = 0; q < 2; ++q) xs[nt][q] = *reinterpret_cast<const float*>(sl + R::kXs + ((nt * 2 + q) * 32 + lane) * 4) * 64.0f;
+    }
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt) {
+      uint32_t n0[4], n8[4];
+      quad_transpose(a[2 * mt], t, n0);
+      quad_transpose(a[2 * mt + 1], t, n8);
+#pragma unroll
+      for (int b = 0; b < 4; ++b) {
+        const float ws0 = e8m0_of(s[2 * mt], b, special), ws8 = e8m0_of(s[2 * mt + 1], b, special);
+        if constexpr (kGateUp) {
+          const uint32_t a0 = e2m1_even_e4m3(n0[b]), a1 = e2m1_even_e4m3(n8[b]);
+          const uint32_t a2 = e2m1_odd_e4m3(n0[b]), a3 = e2m1_odd_e4m3(n8[b]);
+#pragma unroll
+          for (int nt = 0; nt < kNt; ++nt) {
+            const uint2 q = *reinterpret_cast<const uint2*>(sl + R::kB + ((nt * 4 + b) * 32 + lane) * 8);
+            float d[4];
+            mma_e4m3(d, a0, a1, a2, a3, prmt(q.x, q.y, 0x6420u), prmt(q.x, q.y, 0x7531u));
+            acc[mt][nt][0] = fmaf(d[0], ws0 * xs[nt][0], acc[mt][nt][0]);
+            acc[mt][nt][1] = fmaf(d[1], ws0 * xs[nt][1], acc[mt][nt][1]);
+            acc[mt][nt][2] = fmaf(d[2], ws8 * xs[nt][0], acc[mt][nt][2]);
+            acc[mt][nt][3] = fmaf(d[3], ws8 * xs[nt][1], acc[mt][nt][3]);
+          }
+        } else {
+          const uint4 A0 = e2m1x8_to_bf16(n0[b], 0x3F3F3F00u, 0x40404040u, 0xC0800000u, 0xC0804000u);
+          const uint4 A8 = e2m1x8_to_bf16(n8[b], 0x3F3F3F00u, 0x40404040u, 0xC0800000u, 0xC0804000u);
+#pragma unroll
+          for (int nt = 0; nt < kNt; ++nt) {
+            const uint4 q = *reinterpret_cast<const uint4*>(sl + R::kB + ((nt * 4 + b) * 32 + lane) * 16);
+            const float z[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            float d0[4], d[4];
+            mma_bf16(d0, A0.x, A8.x, A0.y, A8.y, q.x, q.y, z);
+            mma_bf16(d, A0.z, A8.z, A0.w, A8.w, q.z, q.w, d0);
+            acc[mt][nt][0] = fmaf(d[0], ws0, acc[mt][nt][0]);
+            acc[mt][nt][1] = fmaf(d[1], ws0, acc[mt][nt][1]);
+            acc[mt][nt][2] = fmaf(d[2], ws8, acc[mt][nt][2]);
+            acc[mt][nt][3] = fmaf(d[3], ws8, acc[mt][nt][3]);
+          }
         }
+      }
+    }
   }
+  cp_async_wait<0>();  // nothing of this item lands in shared memory after it (the next item's kind may differ)
+  decode_epilogue<kGateUp, kNt>(p, it, acc, warp, g, t);
 }
-
 
 template <bool kGateUp, int kDbg = 0, int NT = kThreads>
 __global__ void __launch_bounds__(NT, 1) mixed_gemm_kernel(MixedGemmParams p, unsigned long long* dbg) {
@@ -1002,8 +1196,10 @@ __global__ void __launch_bounds__(NT, 1) mixed_gemm_kernel(MixedGemmParams p, un
     if constexpr (kDbg > 0) {  // debug kernels (set_mixed_debug): mxfp4 items of <= 16 rows only
       if (mx && tile.num_rows <= 16) run_item<kMx, 16, kDbg, NT>(p, it, smem, smem_s, sp);
     } else if (mx) {
-      if constexpr (kDbg == 0 && NT == kThreads) {  // the decode path (decode_item) for <= 16 rows
-        if (tile.num_rows <= 8 && p.decode) decode_item<kGateUp, 1, 2>(p, it, smem);
+      if constexpr (kDbg == 0 && NT == kThreads) {  // the decode path (decode_item_ring) for <= 16 rows
+        if (tile.num_rows <= 8 && p.decode == 2) decode_item<kGateUp, 1, 2>(p, it, smem);  // register variant (A/B)
+        else if (tile.num_rows <= 8 && p.decode) decode_item_ring<kGateUp, 1>(p, it, smem);
+        else if (tile.num_rows <= 16 && p.decode) decode_item_ring<kGateUp, 2>(p, it, smem);
         else if (tile.num_rows <= 16) run_item<kMx, 16, kDbg, NT>(p, it, smem, smem_s, sp);
         else run_item<kMx, 64, kDbg, NT>(p, it, smem, smem_s, sp);
       } else {

@@ -4,12 +4,13 @@
 # Run from a copy of main that carries .carry/deps.tar.xz and .carry-mxfp4/{src,prebuilt}.tar.xz:
 #   OUT=<dir> BUDGET=<s> timeout -k 5 <allowance> bash .carry-mxfp4/batch.sh
 # prebuilt.tar.xz (built on the dev machine for sm_90a, CUDA 13.0): experts_cuda_test, epx-gemm-mxfp4-bench
-# of this branch. A = the same binary with EPX_EXPERTS_MXFP4_TC=3 (the decode path off: <= 8-row tiles on
-# the BN 16 wgmma kernel, i.e. main's kernel code for them), B = the default (decode path on).
+# of this branch. A = the same binary with EPX_EXPERTS_MXFP4_TC=3 (the decode path off: <= 16-row tiles on
+# the BN 16 wgmma kernel, i.e. main's kernel code for them), B = the default (the decode path with its
+# per-warp cp.async ring), C = EPX_EXPERTS_MXFP4_TC=4 (the decode path's register-buffered variant).
 # STEPS (in order; default "bits ab ab2 abpf"):
 #   bits   experts_cuda_test: the MXFP4 / mixed tests against the CPU (the new decode-path tests first);
-#   ab     decode (192 experts x 8 and x 32 rows, validated at x 8), A then B, ITERS calls each; ab2 a second
-#          round (B then A); abpf prefill (4096 tokens top-6, Flat) A then B;
+#   ab     decode (192 experts x 8 and x 32 rows, validated at x 8), A, B, C, ITERS calls each; ab2 a second
+#          round (C, B, A); abpf prefill (4096 tokens top-6, Flat) A then B;
 #   fhmoe  the bench's FHMoE sweep (fused vs separate shared expert), B then A.
 # Every step has its own timeout inside BUDGET seconds (default 195).
 set -uo pipefail
@@ -83,10 +84,12 @@ for step in $STEPS; do
         [ "$rc" -ge 124 ] && hung=1
       fi
       grep -hE "^\[  (FAILED|PASSED) |^\[       OK|^\[  FAILED|rel_l2|Failure" "$OUT"/gpu-tests*.log | tail -50 >>"$OUT/summary.txt" ;;
-    ab)  # decode A then B
+    ab)  # decode A, B, C
       bench 3 ab-A1 25 --iters "$ITERS" --no-simt --cases decode
-      bench 1 ab-B1 25 --iters "$ITERS" --no-simt --cases decode ;;
-    ab2)  # decode B then A (a second round, the other order)
+      bench 1 ab-B1 25 --iters "$ITERS" --no-simt --cases decode
+      bench 4 ab-C1 25 --iters "$ITERS" --no-simt --cases decode ;;
+    ab2)  # decode C, B, A (a second round, the other order)
+      bench 4 ab-C2 25 --iters "$ITERS" --no-simt --cases decode
       bench 1 ab-B2 25 --iters "$ITERS" --no-simt --cases decode
       bench 3 ab-A2 25 --iters "$ITERS" --no-simt --cases decode ;;
     abpf)  # prefill (4096 tokens top-6, Flat) A then B: the decode path must not touch it
