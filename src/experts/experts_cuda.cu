@@ -194,8 +194,12 @@ class CudaExperts final : public Experts {
                        experts_[0]->hidden % kFp8GroupSize == 0 && config.experts_simt == 0 && config.experts_mxfp4_tc >= 1 &&
                        experts_cuda::mxfp4_tensor_cores_available(device_);
     mx_wide_ = config.experts_mxfp4_tc == 2;
-    // 3: the decode path off (A/B against the BN 16 wgmma kernel); 4: its register-buffered variant (A/B)
-    mx_decode_ = config.experts_mxfp4_tc == 3 ? 0 : (config.experts_mxfp4_tc == 4 ? 2 : 1);
+    // A/Bs of the decode path: 3 off (<= 16-row tiles on the BN 16 wgmma kernel), 4 without its L2
+    // prefetch, 5 with a ring of 3 windows per warp
+    mx_decode_ = config.experts_mxfp4_tc == 3   ? 0
+                 : config.experts_mxfp4_tc == 4 ? 1 | 4
+                 : config.experts_mxfp4_tc == 5 ? 1 | 8
+                                                : 1;
     EPX_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms_, cudaDevAttrMultiProcessorCount, device_));
     // Config::experts_fp8_prefill_min_tiles = 0: the prefill section runs only when its 128-row
     // tiles fill one wave of the gate_up launch (I / 128 weight tiles each, one CTA per SM);
@@ -537,7 +541,7 @@ class CudaExperts final : public Experts {
   int64_t mx_inter_max_ = 0;      // widest mxfp4 expert
   bool mx_tensor_cores_ = false;  // fp8_block + mxfp4 experts with FP8 x run on the mixed sm_90a GEMMs
   bool mx_wide_ = false;          // their 512-thread variant (EPX_EXPERTS_MXFP4_TC=2)
-  int mx_decode_ = 1;             // MixedGemmParams::decode (EPX_EXPERTS_MXFP4_TC=3: 0, =4: 2)
+  int mx_decode_ = 1;             // MixedGemmParams::decode (EPX_EXPERTS_MXFP4_TC=3..5: A/Bs)
   int num_sms_ = 1;
   std::array<bool, 3> has_format_{};
   std::vector<Tensor> device_weights_;  // uploaded w13 / scales / w2 / scales of every expert

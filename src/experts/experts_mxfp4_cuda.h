@@ -42,8 +42,8 @@ struct MixedGemmParams {
   bool wide = false;
   /// Tiles of <= 16 rows of mxfp4 experts run on the mma.sync decode path (experts_mxfp4_kernels.cuh:
   /// weights streamed from HBM through a per-warp cp.async ring into registers, no shared-memory
-  /// expansion): 1 (default) decode_item_ring; 2 (Config::experts_mxfp4_tc = 4, an A/B) the register-
-  /// buffered decode_item for <= 8 rows; 0 (experts_mxfp4_tc = 3) the BN 16 wgmma kernel as before.
+  /// expansion): 1 (default) decode_item_ring; 0 (Config::experts_mxfp4_tc = 3) the BN 16 wgmma kernel
+  /// as before; flags on 1 (A/Bs): 4 no L2 prefetch (experts_mxfp4_tc = 4), 8 a ring of 3 windows (= 5).
   /// Same results within fp32 summation order. The wide variant ignores it.
   int decode = 1;
 };

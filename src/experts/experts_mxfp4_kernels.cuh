@@ -696,8 +696,8 @@ __device__ __forceinline__ void run_item(const MixedGemmParams& p, const Item& i
 //   rows' e8m0 words and its token operand (x: 8 bytes per block and the 1x128 scales, h: 16 bytes) into
 //   a per-warp cp.async ring in shared memory (decode_item_ring, DecodeRing: kRing - 1 windows in flight
 //   per warp without holding registers), and every lane keeps its row's codes kPf windows ahead in L2
-//   (cp.async.bulk.prefetch.L2). decode_item (<= 8 rows, Config::experts_mxfp4_tc = 4) is the
-//   register-buffered variant: kD windows loaded straight into registers (ld.global.nc).
+//   (cp.async.bulk.prefetch.L2). (A first variant with 2 windows in registers per warp, ld.global.nc,
+//   measured 4687 us against 5321 for V4-Pro decode 192 x 8, bench/NOTES.md; removed.)
 // - One mma per 32-K scale block: a quad transpose (3 shfl.xor + selects) gives lane t word t of every
 //   block b of its rows (8 codes, K = 32 b + 8 t + nibble); the B fragment takes the same K.
 //   gate_up: e4m3 bits of code c = ((c & 7) << 2) | ((c & 8) << 4) = e2m1(c) * 2^-6 exactly (the even
@@ -706,17 +706,8 @@ __device__ __forceinline__ void run_item(const MixedGemmParams& p, const Item& i
 //   down: bf16 of the codes through the constant e2m1 -> bf16 byte tables (e2m1x8_to_bf16 at scale 1),
 //   2 x m16n8k16 bf16 per block, acc += d * 2^(e - 127).
 //   e8m0 0 (2^-127) and 255 (NaN) take an exact per-scale conversion (the window's words are checked).
-// Registers (ptxas -v, tenth session): the ring variants 238 / 242 (down / gate_up) with kNt = 1 and 2,
-// no spills; the register-buffered one fits for kNt = 1 only (kNt = 2 spilled 300-1000 bytes here).
-
-__device__ __forceinline__ uint4 ldg_stream16(const void* p) {
-  uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
-  return v;
-}
-__device__ __forceinline__ uint32_t ldg_u32(const void* p) { return __ldg(static_cast<const unsigned int*>(p)); }
+// Registers (ptxas -v, tenth session): 238 / 242 (down / gate_up) with kNt = 1 and 2, no spills (the
+// register-buffered variant's kNt = 2 form spilled 300-1000 bytes inside this kernel).
 
 /// mma.sync m16n8k32 e4m3 x e4m3 -> f32, C = 0.
 __device__ __forceinline__ void mma_e4m3(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
@@ -787,178 +778,6 @@ __device__ __forceinline__ void decode_epilogue(const MixedGemmParams& p, const 
   }
 }
 
-/// One mxfp4 item of <= 8 kNt rows (see above; kNt = 1 is the one instantiated), kD windows in registers
-/// per warp. smem: the CTA's shared memory (only rows[] at kRowsOff is read).
-template <bool kGateUp, int kNt, int kD>
-__device__ __forceinline__ void decode_item(const MixedGemmParams& p, const Item& it, uint8_t* smem) {
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
-  const int32_t* rows = reinterpret_cast<const int32_t*>(smem + kRowsOff);
-  const int nwin = static_cast<int>(it.K / 128);
-  const int64_t row_bytes = it.K / 2, srow_bytes = it.K / 32;
-  const uint8_t* codes = it.w;
-  const uint8_t* wscale = static_cast<const uint8_t*>(it.w_scale);
-  // This warp's 32 weight rows: m-tile mt (16 rows), rows rbase + roff[mt] (+ g, + 8 + g).
-  // gate_up: the gate rows of h columns col0 + 16 warp .. + 15 (mt 0) and the same up rows (mt 1);
-  // down: output rows col0 + 32 warp + 16 mt (past H: rows of the tile's first valid m-tile or row 0,
-  // read but never stored; H % 16 == 0).
-  int64_t rbase, roff[2];
-  if constexpr (kGateUp) {
-    rbase = it.col0 + 16 * warp;
-    roff[0] = 0;
-    roff[1] = it.inter;
-  } else {
-    const int64_t r_first = it.col0 + 32 * warp;
-    rbase = r_first < it.hidden ? r_first : 0;
-    roff[0] = 0;
-    roff[1] = r_first + 16 < it.hidden ? 16 : 0;
-  }
-  const uint8_t* cb[2];
-  const uint8_t* sb[2];
-#pragma unroll
-  for (int mt = 0; mt < 2; ++mt) {
-    cb[mt] = codes + (rbase + roff[mt] + g) * row_bytes + 16 * t;
-    sb[mt] = wscale + (rbase + roff[mt] + g) * srow_bytes;
-  }
-  const int64_t c8 = 8 * row_bytes, s8 = 8 * srow_bytes;
-  // L2 prefetch of the codes kPf windows ahead (lane l: row l & 15 of m-tile l >> 4, 4 windows at a time)
-  constexpr int kPf = 8;
-  const uint8_t* pf_row = codes + (rbase + roff[lane >> 4] + (lane & 15)) * row_bytes;
-  // token operand: B rows g + 8 nt; C columns 2 t, 2 t + 1 (+ 8 nt)
-  const uint8_t* bptr[kNt];
-  bool bval[kNt];
-  int32_t xsr[kNt][2];  // x_scales element offsets of the C columns' tokens; -1: no token
-#pragma unroll
-  for (int nt = 0; nt < kNt; ++nt) {
-    const int j = 8 * nt + g;
-    bval[nt] = j < it.num_rows;
-    const int32_t r = bval[nt] ? rows[j] : 0;
-    if constexpr (kGateUp) bptr[nt] = p.x + static_cast<int64_t>(r) * p.hidden + 8 * t;
-    else bptr[nt] = reinterpret_cast<const uint8_t*>(p.hb) + (static_cast<int64_t>(r) * p.hb_stride + 8 * t) * 2;
-#pragma unroll
-    for (int q = 0; q < 2; ++q) {
-      const int jj = 8 * nt + 2 * t + q;
-      xsr[nt][q] = kGateUp && jj < it.num_rows ? rows[jj] * static_cast<int32_t>(p.hidden / 128) : -1;
-    }
-  }
-  __syncthreads();  // rows[] read: the next item may rewrite it
-
-  using BT = std::conditional_t<kGateUp, uint2, uint4>;
-  struct Win {
-    uint4 a[4];       // codes: [mt][row g, g + 8], 16 bytes = scale block t of the window
-    uint32_t s[4];    // e8m0 words (the window's 4 blocks)
-    BT b[kNt][4];     // gate_up: 8 x bytes of block b; down: 8 h values of block b
-    float xs[kNt][2];
-  };
-  Win buf[kD];
-  auto load = [&](Win& w, int c) {
-    if (c >= nwin) return;
-    if ((c & 3) == 0 && c + kPf < nwin) {
-      const int n = min(4, nwin - c - kPf);
-      asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(pf_row + (c + kPf) * 64), "r"(n * 64) : "memory");
-    }
-#pragma unroll
-    for (int mt = 0; mt < 2; ++mt) {
-      w.a[2 * mt] = ldg_stream16(cb[mt] + c * 64);
-      w.a[2 * mt + 1] = ldg_stream16(cb[mt] + c8 + c * 64);
-      w.s[2 * mt] = ldg_u32(sb[mt] + c * 4);
-      w.s[2 * mt + 1] = ldg_u32(sb[mt] + s8 + c * 4);
-    }
-#pragma unroll
-    for (int nt = 0; nt < kNt; ++nt) {
-#pragma unroll
-      for (int b = 0; b < 4; ++b) {
-        if constexpr (kGateUp) {
-          uint2 v = make_uint2(0u, 0u);
-          if (bval[nt]) v = __ldg(reinterpret_cast<const uint2*>(bptr[nt] + c * 128 + 32 * b));
-          w.b[nt][b] = v;
-        } else {
-          uint4 v = make_uint4(0u, 0u, 0u, 0u);
-          if (bval[nt]) v = __ldg(reinterpret_cast<const uint4*>(bptr[nt] + (c * 128 + 32 * b) * 2));
-          w.b[nt][b] = v;
-        }
-      }
-      if constexpr (kGateUp) {
-#pragma unroll
-        for (int q = 0; q < 2; ++q) w.xs[nt][q] = xsr[nt][q] >= 0 ? __ldg(p.x_scales + (xsr[nt][q] + c)) * 64.0f : 0.0f;
-      }
-    }
-  };
-
-  float acc[2][kNt][4];
-#pragma unroll
-  for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-    for (int nt = 0; nt < kNt; ++nt)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) acc[mt][nt][i] = 0.0f;
-
-  auto compute = [&](const Win& w) {
-    bool special = false;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) special |= e8m0_special(w.s[i]);
-#pragma unroll
-    for (int mt = 0; mt < 2; ++mt) {
-      uint32_t n0[4], n8[4];
-      quad_transpose(w.a[2 * mt], t, n0);
-      quad_transpose(w.a[2 * mt + 1], t, n8);
-#pragma unroll
-      for (int b = 0; b < 4; ++b) {
-        const float ws0 = e8m0_of(w.s[2 * mt], b, special), ws8 = e8m0_of(w.s[2 * mt + 1], b, special);
-        if constexpr (kGateUp) {
-          const uint32_t a0 = e2m1_even_e4m3(n0[b]), a1 = e2m1_even_e4m3(n8[b]);
-          const uint32_t a2 = e2m1_odd_e4m3(n0[b]), a3 = e2m1_odd_e4m3(n8[b]);
-#pragma unroll
-          for (int nt = 0; nt < kNt; ++nt) {
-            const uint32_t q0 = w.b[nt][b].x, q1 = w.b[nt][b].y;
-            float d[4];
-            mma_e4m3(d, a0, a1, a2, a3, prmt(q0, q1, 0x6420u), prmt(q0, q1, 0x7531u));
-            const float x0 = w.xs[nt][0], x1 = w.xs[nt][1];
-            acc[mt][nt][0] = fmaf(d[0], ws0 * x0, acc[mt][nt][0]);
-            acc[mt][nt][1] = fmaf(d[1], ws0 * x1, acc[mt][nt][1]);
-            acc[mt][nt][2] = fmaf(d[2], ws8 * x0, acc[mt][nt][2]);
-            acc[mt][nt][3] = fmaf(d[3], ws8 * x1, acc[mt][nt][3]);
-          }
-        } else {
-          // constant tables of scale 1 (expand_down_group's with e = 127): e2m1 -> bf16 exactly
-          const uint4 A0 = e2m1x8_to_bf16(n0[b], 0x3F3F3F00u, 0x40404040u, 0xC0800000u, 0xC0804000u);
-          const uint4 A8 = e2m1x8_to_bf16(n8[b], 0x3F3F3F00u, 0x40404040u, 0xC0800000u, 0xC0804000u);
-#pragma unroll
-          for (int nt = 0; nt < kNt; ++nt) {
-            const uint4 q = w.b[nt][b];
-            const float z[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-            float d0[4], d[4];
-            mma_bf16(d0, A0.x, A8.x, A0.y, A8.y, q.x, q.y, z);
-            mma_bf16(d, A0.z, A8.z, A0.w, A8.w, q.z, q.w, d0);
-            acc[mt][nt][0] = fmaf(d[0], ws0, acc[mt][nt][0]);
-            acc[mt][nt][1] = fmaf(d[1], ws0, acc[mt][nt][1]);
-            acc[mt][nt][2] = fmaf(d[2], ws8, acc[mt][nt][2]);
-            acc[mt][nt][3] = fmaf(d[3], ws8, acc[mt][nt][3]);
-          }
-        }
-      }
-    }
-  };
-
-  // prefetch the first kPf windows of this warp's rows into L2, then kD windows into registers
-  if (nwin > 0) {
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(pf_row), "r"(min(kPf, nwin) * 64) : "memory");
-  }
-#pragma unroll
-  for (int j = 0; j < kD; ++j) load(buf[j], j);
-  for (int c = 0; c < nwin; c += kD) {
-#pragma unroll
-    for (int j = 0; j < kD; ++j) {
-      if (c + j < nwin) {
-        compute(buf[j]);
-        load(buf[j], c + j + kD);
-      }
-    }
-  }
-
-  decode_epilogue<kGateUp, kNt>(p, it, acc, warp, g, t);
-}
-
-
 /// Shared-memory plan of decode_item_ring: per warp kRing slots of one 128-K window each, every array
 /// lane-major (lane i's 16 / 8 / 4 bytes at i * size: conflict-free, and every lane reads back only
 /// what it copied itself, so cp.async.wait_group alone orders them).
@@ -974,9 +793,9 @@ struct DecodeRing {
   static_assert(kRing >= 3, "decode ring depth");
 };
 
-/// decode_item with the windows staged through a per-warp cp.async ring in shared memory
-/// (DecodeRing: kRing - 1 windows in flight per warp, ~5 x 2 KB of codes, without holding registers)
-/// instead of kD register buffers; the same loads, conversions and results.
+/// One mxfp4 item of <= 8 kNt rows on the decode path (see above), the windows staged through a per-warp
+/// cp.async ring in shared memory (DecodeRing: kRing - 1 windows in flight per warp, ~5 x 2 KB of codes,
+/// without holding registers). smem: the CTA's shared memory (rows[] at kRowsOff, the ring below kExtraOff).
 template <bool kGateUp, int kNt>
 __device__ __forceinline__ void decode_item_ring(const MixedGemmParams& p, const Item& it, uint8_t* smem) {
   using R = DecodeRing<kGateUp, kNt>;
@@ -1025,15 +844,18 @@ __device__ __forceinline__ void decode_item_ring(const MixedGemmParams& p, const
   }
   __syncthreads();  // rows[] read: the next item may rewrite it
 
+  // A/B knobs (MixedGemmParams::decode): flag 4 no L2 prefetch, flag 8 a ring of 3 slots
+  const bool l2pf = (p.decode & 4) == 0;
+  const int nring = (p.decode & 8) ? 3 : R::kRing;
   const uint32_t ring_s = static_cast<uint32_t>(__cvta_generic_to_shared(smem)) + warp * R::kRing * R::kSlot;
   const uint8_t* ring = smem + warp * R::kRing * R::kSlot;
-  auto issue = [&](int c) {  // window c into slot c % kRing; always one commit group
+  auto issue = [&](int c) {  // window c into slot c % nring; always one commit group
     if (c < nwin) {
-      if ((c & 3) == 0 && c + kPf < nwin) {
+      if (l2pf && (c & 3) == 0 && c + kPf < nwin) {
         const int n = min(4, nwin - c - kPf);
         asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(pf_row + (c + kPf) * 64), "r"(n * 64) : "memory");
       }
-      const uint32_t sl = ring_s + (c % R::kRing) * R::kSlot;
+      const uint32_t sl = ring_s + (c % nring) * R::kSlot;
 #pragma unroll
       for (int mt = 0; mt < 2; ++mt) {
 #pragma unroll
@@ -1075,13 +897,15 @@ __device__ __forceinline__ void decode_item_ring(const MixedGemmParams& p, const
 #pragma unroll
       for (int i = 0; i < 4; ++i) acc[mt][nt][i] = 0.0f;
 
-  if (nwin > 0) asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(pf_row), "r"(min(kPf, nwin) * 64) : "memory");
+  if (l2pf && nwin > 0) asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(pf_row), "r"(min(kPf, nwin) * 64) : "memory");
 #pragma unroll
-  for (int s = 0; s < R::kRing - 1; ++s) issue(s);
+  for (int s = 0; s < R::kRing - 1; ++s)
+    if (s < nring - 1) issue(s);
   for (int c = 0; c < nwin; ++c) {
-    cp_async_wait<R::kRing - 2>();  // window c (this lane's own copies)
-    issue(c + R::kRing - 1);        // into the slot window c - 1 used (read into registers last iteration)
-    const uint8_t* sl = ring + (c % R::kRing) * R::kSlot;
+    if (nring == R::kRing) cp_async_wait<R::kRing - 2>();  // window c (this lane's own copies)
+    else cp_async_wait<1>();
+    issue(c + nring - 1);  // into the slot window c - 1 used (read into registers last iteration)
+    const uint8_t* sl = ring + (c % nring) * R::kSlot;
     uint4 a[4];
     uint32_t s[4];
 #pragma unroll
@@ -1089,9 +913,11 @@ __device__ __forceinline__ void decode_item_ring(const MixedGemmParams& p, const
       a[i] = *reinterpret_cast<const uint4*>(sl + R::kCode + (i * 32 + lane) * 16);
       s[i] = *reinterpret_cast<const uint32_t*>(sl + R::kScale + (i * 32 + lane) * 4);
     }
-    bool special = false;
+    // e8m0 00 / FF anywhere in the warp's window: the exact scale conversion, decided once per window
+    // and warp (a branch per block would cut the window into small basic blocks: no ILP across mmas)
+    bool sp_lane = false;
 #pragma unroll
-    for (int i = 0; i < 4; ++i) special |= e8m0_special(s[i]);
+    for (int i = 0; i < 4; ++i) sp_lane |= e8m0_special(s[i]);
     float xs[kNt][2];
     if constexpr (kGateUp) {
 #pragma unroll
@@ -1099,45 +925,50 @@ __device__ __forceinline__ void decode_item_ring(const MixedGemmParams& p, const
 #pragma unroll
         for (int q = 0; q < 2; ++q) xs[nt][q] = *reinterpret_cast<const float*>(sl + R::kXs + ((nt * 2 + q) * 32 + lane) * 4) * 64.0f;
     }
+    auto window = [&](auto sp_tag) {
+      constexpr bool kSp = decltype(sp_tag)::value;
 #pragma unroll
-    for (int mt = 0; mt < 2; ++mt) {
-      uint32_t n0[4], n8[4];
-      quad_transpose(a[2 * mt], t, n0);
-      quad_transpose(a[2 * mt + 1], t, n8);
+      for (int mt = 0; mt < 2; ++mt) {
+        uint32_t n0[4], n8[4];
+        quad_transpose(a[2 * mt], t, n0);
+        quad_transpose(a[2 * mt + 1], t, n8);
 #pragma unroll
-      for (int b = 0; b < 4; ++b) {
-        const float ws0 = e8m0_of(s[2 * mt], b, special), ws8 = e8m0_of(s[2 * mt + 1], b, special);
-        if constexpr (kGateUp) {
-          const uint32_t a0 = e2m1_even_e4m3(n0[b]), a1 = e2m1_even_e4m3(n8[b]);
-          const uint32_t a2 = e2m1_odd_e4m3(n0[b]), a3 = e2m1_odd_e4m3(n8[b]);
+        for (int b = 0; b < 4; ++b) {
+          const float ws0 = e8m0_of(s[2 * mt], b, kSp), ws8 = e8m0_of(s[2 * mt + 1], b, kSp);
+          if constexpr (kGateUp) {
+            const uint32_t a0 = e2m1_even_e4m3(n0[b]), a1 = e2m1_even_e4m3(n8[b]);
+            const uint32_t a2 = e2m1_odd_e4m3(n0[b]), a3 = e2m1_odd_e4m3(n8[b]);
 #pragma unroll
-          for (int nt = 0; nt < kNt; ++nt) {
-            const uint2 q = *reinterpret_cast<const uint2*>(sl + R::kB + ((nt * 4 + b) * 32 + lane) * 8);
-            float d[4];
-            mma_e4m3(d, a0, a1, a2, a3, prmt(q.x, q.y, 0x6420u), prmt(q.x, q.y, 0x7531u));
-            acc[mt][nt][0] = fmaf(d[0], ws0 * xs[nt][0], acc[mt][nt][0]);
-            acc[mt][nt][1] = fmaf(d[1], ws0 * xs[nt][1], acc[mt][nt][1]);
-            acc[mt][nt][2] = fmaf(d[2], ws8 * xs[nt][0], acc[mt][nt][2]);
-            acc[mt][nt][3] = fmaf(d[3], ws8 * xs[nt][1], acc[mt][nt][3]);
-          }
-        } else {
-          const uint4 A0 = e2m1x8_to_bf16(n0[b], 0x3F3F3F00u, 0x40404040u, 0xC0800000u, 0xC0804000u);
-          const uint4 A8 = e2m1x8_to_bf16(n8[b], 0x3F3F3F00u, 0x40404040u, 0xC0800000u, 0xC0804000u);
+            for (int nt = 0; nt < kNt; ++nt) {
+              const uint2 q = *reinterpret_cast<const uint2*>(sl + R::kB + ((nt * 4 + b) * 32 + lane) * 8);
+              float d[4];
+              mma_e4m3(d, a0, a1, a2, a3, prmt(q.x, q.y, 0x6420u), prmt(q.x, q.y, 0x7531u));
+              acc[mt][nt][0] = fmaf(d[0], ws0 * xs[nt][0], acc[mt][nt][0]);
+              acc[mt][nt][1] = fmaf(d[1], ws0 * xs[nt][1], acc[mt][nt][1]);
+              acc[mt][nt][2] = fmaf(d[2], ws8 * xs[nt][0], acc[mt][nt][2]);
+              acc[mt][nt][3] = fmaf(d[3], ws8 * xs[nt][1], acc[mt][nt][3]);
+            }
+          } else {
+            const uint4 A0 = e2m1x8_to_bf16(n0[b], 0x3F3F3F00u, 0x40404040u, 0xC0800000u, 0xC0804000u);
+            const uint4 A8 = e2m1x8_to_bf16(n8[b], 0x3F3F3F00u, 0x40404040u, 0xC0800000u, 0xC0804000u);
 #pragma unroll
-          for (int nt = 0; nt < kNt; ++nt) {
-            const uint4 q = *reinterpret_cast<const uint4*>(sl + R::kB + ((nt * 4 + b) * 32 + lane) * 16);
-            const float z[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-            float d0[4], d[4];
-            mma_bf16(d0, A0.x, A8.x, A0.y, A8.y, q.x, q.y, z);
-            mma_bf16(d, A0.z, A8.z, A0.w, A8.w, q.z, q.w, d0);
-            acc[mt][nt][0] = fmaf(d[0], ws0, acc[mt][nt][0]);
-            acc[mt][nt][1] = fmaf(d[1], ws0, acc[mt][nt][1]);
-            acc[mt][nt][2] = fmaf(d[2], ws8, acc[mt][nt][2]);
-            acc[mt][nt][3] = fmaf(d[3], ws8, acc[mt][nt][3]);
+            for (int nt = 0; nt < kNt; ++nt) {
+              const uint4 q = *reinterpret_cast<const uint4*>(sl + R::kB + ((nt * 4 + b) * 32 + lane) * 16);
+              const float z[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+              float d0[4], d[4];
+              mma_bf16(d0, A0.x, A8.x, A0.y, A8.y, q.x, q.y, z);
+              mma_bf16(d, A0.z, A8.z, A0.w, A8.w, q.z, q.w, d0);
+              acc[mt][nt][0] = fmaf(d[0], ws0, acc[mt][nt][0]);
+              acc[mt][nt][1] = fmaf(d[1], ws0, acc[mt][nt][1]);
+              acc[mt][nt][2] = fmaf(d[2], ws8, acc[mt][nt][2]);
+              acc[mt][nt][3] = fmaf(d[3], ws8, acc[mt][nt][3]);
+            }
           }
         }
       }
-    }
+    };
+    if (__any_sync(0xffffffffu, sp_lane)) window(std::true_type{});
+    else window(std::false_type{});
   }
   cp_async_wait<0>();  // nothing of this item lands in shared memory after it (the next item's kind may differ)
   decode_epilogue<kGateUp, kNt>(p, it, acc, warp, g, t);
@@ -1197,8 +1028,7 @@ __global__ void __launch_bounds__(NT, 1) mixed_gemm_kernel(MixedGemmParams p, un
       if (mx && tile.num_rows <= 16) run_item<kMx, 16, kDbg, NT>(p, it, smem, smem_s, sp);
     } else if (mx) {
       if constexpr (kDbg == 0 && NT == kThreads) {  // the decode path (decode_item_ring) for <= 16 rows
-        if (tile.num_rows <= 8 && p.decode == 2) decode_item<kGateUp, 1, 2>(p, it, smem);  // register variant (A/B)
-        else if (tile.num_rows <= 8 && p.decode) decode_item_ring<kGateUp, 1>(p, it, smem);
+        if (tile.num_rows <= 8 && p.decode) decode_item_ring<kGateUp, 1>(p, it, smem);
         else if (tile.num_rows <= 16 && p.decode) decode_item_ring<kGateUp, 2>(p, it, smem);
         else if (tile.num_rows <= 16) run_item<kMx, 16, kDbg, NT>(p, it, smem, smem_s, sp);
         else run_item<kMx, 64, kDbg, NT>(p, it, smem, smem_s, sp);

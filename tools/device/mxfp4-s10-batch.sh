@@ -6,17 +6,18 @@
 # prebuilt.tar.xz (built on the dev machine for sm_90a, CUDA 13.0): experts_cuda_test, epx-gemm-mxfp4-bench
 # of this branch. A = the same binary with EPX_EXPERTS_MXFP4_TC=3 (the decode path off: <= 16-row tiles on
 # the BN 16 wgmma kernel, i.e. main's kernel code for them), B = the default (the decode path with its
-# per-warp cp.async ring), C = EPX_EXPERTS_MXFP4_TC=4 (the decode path's register-buffered variant).
-# STEPS (in order; default "bits ab ab2 abpf"):
+# per-warp cp.async ring), C = EPX_EXPERTS_MXFP4_TC=4 (B without the L2 prefetch), D = 5 (B with a ring of
+# 3 windows per warp). (Batch 1 ran commit 77ed82f with A = 3 and B = its register-buffered variant.)
+# STEPS (in order; default "bits ab abx ab2 abpf fhmoe"):
 #   bits   experts_cuda_test: the MXFP4 / mixed tests against the CPU (the new decode-path tests first);
-#   ab     decode (192 experts x 8 and x 32 rows, validated at x 8), A, B, C, ITERS calls each; ab2 a second
-#          round (C, B, A); abpf prefill (4096 tokens top-6, Flat) A then B;
-#   fhmoe  the bench's FHMoE sweep (fused vs separate shared expert), B then A.
+#   ab     decode (192 experts x 8 and x 32 rows, validated at x 8), A then B, ITERS calls each; abx C, D;
+#          ab2 a second round (B, A); abpf prefill (4096 tokens top-6, Flat) A then B;
+#   fhmoe  the bench's FHMoE sweep (fused vs separate shared expert, T = 1..64: <= 2 rows per routed expert), B then A.
 # Every step has its own timeout inside BUDGET seconds (default 195).
 set -uo pipefail
 OUT="${OUT:-/tmp/mxfp4-out}"
 BUDGET="${BUDGET:-195}"
-STEPS="${STEPS:-bits ab ab2 abpf}"
+STEPS="${STEPS:-bits ab abx ab2 abpf fhmoe}"
 ITERS="${ITERS:-20}"
 mkdir -p "$OUT"
 HERE="$(pwd)"
@@ -84,20 +85,21 @@ for step in $STEPS; do
         [ "$rc" -ge 124 ] && hung=1
       fi
       grep -hE "^\[  (FAILED|PASSED) |^\[       OK|^\[  FAILED|rel_l2|Failure" "$OUT"/gpu-tests*.log | tail -50 >>"$OUT/summary.txt" ;;
-    ab)  # decode A, B, C
+    ab)  # decode A, B
       bench 3 ab-A1 25 --iters "$ITERS" --no-simt --cases decode
-      bench 1 ab-B1 25 --iters "$ITERS" --no-simt --cases decode
-      bench 4 ab-C1 25 --iters "$ITERS" --no-simt --cases decode ;;
-    ab2)  # decode C, B, A (a second round, the other order)
-      bench 4 ab-C2 25 --iters "$ITERS" --no-simt --cases decode
+      bench 1 ab-B1 25 --iters "$ITERS" --no-simt --cases decode ;;
+    abx)  # decode C (no L2 prefetch), D (a ring of 3)
+      bench 4 ab-C1 25 --iters "$ITERS" --no-simt --cases decode
+      bench 5 ab-D1 25 --iters "$ITERS" --no-simt --cases decode ;;
+    ab2)  # decode B, A (a second round, the other order)
       bench 1 ab-B2 25 --iters "$ITERS" --no-simt --cases decode
       bench 3 ab-A2 25 --iters "$ITERS" --no-simt --cases decode ;;
     abpf)  # prefill (4096 tokens top-6, Flat) A then B: the decode path must not touch it
       bench 3 ab-A-prefill 25 --iters 10 --no-simt --cases prefill
       bench 1 ab-B-prefill 25 --iters 10 --no-simt --cases prefill ;;
     fhmoe)  # the FHMoE sweep (fused vs separate), B then A
-      bench 1 fhmoe-B 40 --iters 10 --no-simt --cases fhmoe
-      bench 3 fhmoe-A 40 --iters 10 --no-simt --cases fhmoe ;;
+      bench 1 fhmoe-B 30 --iters 10 --no-simt --cases fhmoe --max-tokens 64
+      bench 3 fhmoe-A 30 --iters 10 --no-simt --cases fhmoe --max-tokens 64 ;;
   esac
 done
 echo "== summary"; cat "$OUT/summary.txt"
