@@ -80,7 +80,9 @@ constexpr int kMixedDebugWords = 2 * kMixedDebugWarps * kMixedDebugPhases;
 /// kMixedDebugWords words); 2: stamped, the expansion skipped (wrong results: an ablation for timing
 /// only); 3: stamped, the raw weight / scale loads with the .L2::256B prefetch hint (same results as
 /// 1: an A/B of the DRAM access size). The debug kernels compute mxfp4 items of <= 16 rows only (decode at 8 rows per expert);
-/// other items are skipped. Process-wide; not thread-safe.
+/// other items are skipped. With the decode path on (MixedGemmParams::decode), modes 1 and 2 run it
+/// (decode_item_ring: load_wait = the ring wait, load_issue = the next window's copies, convert = the
+/// window body; mode 2 skips the body), mode 3 the BN 16 wgmma kernel. Process-wide; not thread-safe.
 void set_mixed_debug(unsigned long long* buffer, int mode);
 
 /// gate_up of every tile: fp8_block experts write FP8 1x128 h (hq, hs) as launch_fp8_gate_up;

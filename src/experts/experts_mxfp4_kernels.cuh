@@ -796,8 +796,11 @@ struct DecodeRing {
 /// One mxfp4 item of <= 8 kNt rows on the decode path (see above), the windows staged through a per-warp
 /// cp.async ring in shared memory (DecodeRing: kRing - 1 windows in flight per warp, ~5 x 2 KB of codes,
 /// without holding registers). smem: the CTA's shared memory (rows[] at kRowsOff, the ring below kExtraOff).
-template <bool kGateUp, int kNt>
-__device__ __forceinline__ void decode_item_ring(const MixedGemmParams& p, const Item& it, uint8_t* smem) {
+/// kDbg (set_mixed_debug): 1 stamps the phases (prologue, load_wait = the ring wait, load_issue = the next
+/// window's copies, convert = the window body: conversions + mma + promotion, epilogue); 2 also skips the
+/// window body (the load path alone; wrong results, timing only).
+template <bool kGateUp, int kNt, int kDbg = 0>
+__device__ __forceinline__ void decode_item_ring(const MixedGemmParams& p, const Item& it, uint8_t* smem, Stamps<kDbg>& sp) {
   using R = DecodeRing<kGateUp, kNt>;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const int32_t* rows = reinterpret_cast<const int32_t*>(smem + kRowsOff);
@@ -901,10 +904,13 @@ __device__ __forceinline__ void decode_item_ring(const MixedGemmParams& p, const
 #pragma unroll
   for (int s = 0; s < R::kRing - 1; ++s)
     if (s < nring - 1) issue(s);
+  sp.mark(kDbgPrologue);
   for (int c = 0; c < nwin; ++c) {
     if (nring == R::kRing) cp_async_wait<R::kRing - 2>();  // window c (this lane's own copies)
     else cp_async_wait<1>();
+    sp.mark(kDbgLoadWait);
     issue(c + nring - 1);  // into the slot window c - 1 used (read into registers last iteration)
+    sp.mark(kDbgLoadIssue);
     const uint8_t* sl = ring + (c % nring) * R::kSlot;
     uint4 a[4];
     uint32_t s[4];
@@ -967,11 +973,19 @@ __device__ __forceinline__ void decode_item_ring(const MixedGemmParams& p, const
         }
       }
     };
-    if (__any_sync(0xffffffffu, sp_lane)) window(std::true_type{});
-    else window(std::false_type{});
+    if constexpr (kDbg == 2) {  // ablation: the load path alone
+      if (a[0].x == 0x12345678u && s[0] == 0x9abcdef0u) acc[0][0][0] += 1.0f;  // keeps the shared-memory reads
+    } else {
+      if (__any_sync(0xffffffffu, sp_lane)) window(std::true_type{});
+      else window(std::false_type{});
+    }
+    sp.mark(kDbgConvert);
   }
   cp_async_wait<0>();  // nothing of this item lands in shared memory after it (the next item's kind may differ)
   decode_epilogue<kGateUp, kNt>(p, it, acc, warp, g, t);
+  sp.count(kDbgStages, nwin);
+  sp.count(kDbgMxItems, 1);
+  sp.mark(kDbgEpilogue);
 }
 
 template <bool kGateUp, int kDbg = 0, int NT = kThreads>
@@ -1025,11 +1039,17 @@ __global__ void __launch_bounds__(NT, 1) mixed_gemm_kernel(MixedGemmParams p, un
     __syncthreads();
     constexpr int kFp8 = kGateUp ? kFp8GateUp : kFp8Down, kMx = kGateUp ? kMxGateUp : kMxDown;
     if constexpr (kDbg > 0) {  // debug kernels (set_mixed_debug): mxfp4 items of <= 16 rows only
-      if (mx && tile.num_rows <= 16) run_item<kMx, 16, kDbg, NT>(p, it, smem, smem_s, sp);
+      if constexpr (kDbg <= 2 && NT == kThreads) {  // modes 1 and 2: the decode path when it is on
+        if (mx && tile.num_rows <= 8 && p.decode) decode_item_ring<kGateUp, 1, kDbg>(p, it, smem, sp);
+        else if (mx && tile.num_rows <= 16 && p.decode) decode_item_ring<kGateUp, 2, kDbg>(p, it, smem, sp);
+        else if (mx && tile.num_rows <= 16) run_item<kMx, 16, kDbg, NT>(p, it, smem, smem_s, sp);
+      } else {
+        if (mx && tile.num_rows <= 16) run_item<kMx, 16, kDbg, NT>(p, it, smem, smem_s, sp);
+      }
     } else if (mx) {
       if constexpr (kDbg == 0 && NT == kThreads) {  // the decode path (decode_item_ring) for <= 16 rows
-        if (tile.num_rows <= 8 && p.decode) decode_item_ring<kGateUp, 1>(p, it, smem);
-        else if (tile.num_rows <= 16 && p.decode) decode_item_ring<kGateUp, 2>(p, it, smem);
+        if (tile.num_rows <= 8 && p.decode) decode_item_ring<kGateUp, 1, kDbg>(p, it, smem, sp);
+        else if (tile.num_rows <= 16 && p.decode) decode_item_ring<kGateUp, 2, kDbg>(p, it, smem, sp);
         else if (tile.num_rows <= 16) run_item<kMx, 16, kDbg, NT>(p, it, smem, smem_s, sp);
         else run_item<kMx, 64, kDbg, NT>(p, it, smem, smem_s, sp);
       } else {

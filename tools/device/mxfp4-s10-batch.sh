@@ -8,16 +8,18 @@
 # the BN 16 wgmma kernel, i.e. main's kernel code for them), B = the default (the decode path with its
 # per-warp cp.async ring), C = EPX_EXPERTS_MXFP4_TC=4 (B without the L2 prefetch), D = 5 (B with a ring of
 # 3 windows per warp). (Batch 1 ran commit 77ed82f with A = 3 and B = its register-buffered variant.)
-# STEPS (in order; default "bits ab abx ab2 abpf fhmoe"):
+# STEPS (in order; default "bits ab abx ab2 abpf stamps fhmoe"):
 #   bits   experts_cuda_test: the MXFP4 / mixed tests against the CPU (the new decode-path tests first);
 #   ab     decode (192 experts x 8 and x 32 rows, validated at x 8), A then B, ITERS calls each; abx C, D;
 #          ab2 a second round (B, A); abpf prefill (4096 tokens top-6, Flat) A then B;
+#   stamps B's decode path stamped (--stamps: mode 1 phases per window, mode 2 the load path alone, mode 3 the
+#          old BN 16 kernel stamped with the L2 hint);
 #   fhmoe  the bench's FHMoE sweep (fused vs separate shared expert, T = 1..64: <= 2 rows per routed expert), B then A.
-# Every step has its own timeout inside BUDGET seconds (default 195).
+# Every step has its own timeout inside BUDGET seconds (default 200).
 set -uo pipefail
 OUT="${OUT:-/tmp/mxfp4-out}"
-BUDGET="${BUDGET:-195}"
-STEPS="${STEPS:-bits ab abx ab2 abpf fhmoe}"
+BUDGET="${BUDGET:-200}"
+STEPS="${STEPS:-bits ab abx ab2 abpf stamps fhmoe}"
 ITERS="${ITERS:-20}"
 mkdir -p "$OUT"
 HERE="$(pwd)"
@@ -67,7 +69,7 @@ bench() {  # bench TC NAME LIMIT ARGS...: EPX_EXPERTS_MXFP4_TC=TC, into $OUT/NAM
   local rc=$?
   say "$name (EPX_EXPERTS_MXFP4_TC=$tc) rc=$rc (limit $b s) at $((SECONDS - T0)) s"
   [ "$rc" -ge 124 ] && hung=1
-  grep -E "^(ceiling|decode|prefill|FHMoE)" "$OUT/$name.log" | tee -a "$OUT/summary.txt"
+  grep -E "^(ceiling|decode|prefill|FHMoE|stamps)" "$OUT/$name.log" | tee -a "$OUT/summary.txt"
 }
 for step in $STEPS; do
   case $step in
@@ -97,6 +99,8 @@ for step in $STEPS; do
     abpf)  # prefill (4096 tokens top-6, Flat) A then B: the decode path must not touch it
       bench 3 ab-A-prefill 25 --iters 10 --no-simt --cases prefill
       bench 1 ab-B-prefill 25 --iters 10 --no-simt --cases prefill ;;
+    stamps)
+      bench 1 stamps-B 40 --iters 10 --no-simt --cases decode --stamps ;;
     fhmoe)  # the FHMoE sweep (fused vs separate), B then A
       bench 1 fhmoe-B 30 --iters 10 --no-simt --cases fhmoe --max-tokens 64
       bench 3 fhmoe-A 30 --iters 10 --no-simt --cases fhmoe --max-tokens 64 ;;
