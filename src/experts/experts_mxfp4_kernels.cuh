@@ -695,9 +695,12 @@ __device__ __forceinline__ void run_item(const MixedGemmParams& p, const Item& i
 //   g and g + 8 of both m-tiles (one warp instruction reads 8 rows x 64 contiguous bytes, L2::256B), those
 //   rows' e8m0 words and its token operand (x: 8 bytes per block and the 1x128 scales, h: 16 bytes) into
 //   a per-warp cp.async ring in shared memory (decode_item_ring, DecodeRing: kRing - 1 windows in flight
-//   per warp without holding registers), and every lane keeps its row's codes kPf windows ahead in L2
-//   (cp.async.bulk.prefetch.L2). (A first variant with 2 windows in registers per warp, ld.global.nc,
-//   measured 4687 us against 5321 for V4-Pro decode 192 x 8, bench/NOTES.md; removed.)
+//   per warp without holding registers); optionally (MixedGemmParams::decode without flag 4) every lane
+//   keeps its row's codes kPf windows ahead in L2 (cp.async.bulk.prefetch.L2; measured 8 % slower, off by
+//   default). (A first variant with 2 windows in registers per warp, ld.global.nc, measured 4687 us
+//   against 5321 for V4-Pro decode 192 x 8, bench/NOTES.md; removed.) Measured (batch 2): 3836 us = 1.76
+//   TB/s; the per-lane cp.async issue (~850-1180 cycles per window and warp) and the window body (~1400-
+//   1600) add up; bench/NOTES.md "Next" has the bulk-copy design that should cut both.
 // - One mma per 32-K scale block: a quad transpose (3 shfl.xor + selects) gives lane t word t of every
 //   block b of its rows (8 codes, K = 32 b + 8 t + nibble); the B fragment takes the same K.
 //   gate_up: e4m3 bits of code c = ((c & 7) << 2) | ((c & 8) << 4) = e2m1(c) * 2^-6 exactly (the even
