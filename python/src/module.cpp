@@ -121,7 +121,7 @@ Attributes (JSON key, environment variable):
   ht_num_sms (1..132), ht_warps_per_block, ht_combine_mode (0 | 1), ht_chunk_rows (1..4096), ht_fp8_unroll
       (0 | 4 | 7), ht_pdl (0..2): ht on CUDA.
   experts_simt, experts_fp8_pairs, experts_fp8_prefill (0, 1, 8, 10, 17), experts_fp8_prefill_stages (0 or 2..4),
-      experts_fp8_prefill_min_tiles (0 = one wave, >= 1), experts_mxfp4_tc (0..5): CUDA experts' kernel choice.
+      experts_fp8_prefill_min_tiles (0 = one wave, >= 1), experts_mxfp4_tc (0..6): CUDA experts' kernel choice.
   moe_chunk_size (tokens, 0 = unchunked), fhmoe_max_tokens (fuse the shared expert when M <= this).)doc");
   cls.def(pyb::init<>(), "Defaults only (no file, no environment).")
       .def_static("load", [](std::optional<std::string> path) { return path ? Config::load(*path) : Config::load(); },
@@ -191,7 +191,7 @@ Attributes (JSON key, environment variable):
   bind_setting(cls, "experts_fp8_prefill_min_tiles", "experts.fp8_prefill_min_tiles", &Config::experts_fp8_prefill_min_tiles,
                "The FP8 prefill GEMMs run only when the experts with > 64 rows fill at least this many 128-row tiles; 0 = one wave of the GPU, 1 = always.");
   bind_setting(cls, "experts_mxfp4_tc", "experts.mxfp4_tc", &Config::experts_mxfp4_tc,
-               "0: mxfp4 experts keep the SIMT GEMMs; 1: MXFP4 tensor-core kernels; 2: their 512-thread (wide) variant; 3..5: A/Bs of the mma.sync decode path.");
+               "0: mxfp4 experts keep the SIMT GEMMs; 1: MXFP4 tensor-core kernels; 2: their 512-thread (wide) variant; 3..6: A/Bs of the mma.sync decode path.");
   bind_setting(cls, "moe_chunk_size", "moe.chunk_size", &Config::moe_chunk_size, "DP chunk: at most this many tokens per MoE call per rank; 0 = unchunked.");
   bind_setting(cls, "fhmoe_max_tokens", "fhmoe.max_tokens", &Config::fhmoe_max_tokens,
                "Capability gate: fuse the shared expert when M <= this (tokens).");

@@ -543,8 +543,8 @@ TEST(ExpertsCuda, Mxfp4DecodePathRowCounts) {
   // mma per 32-K scale block; 1 n-tile up to 8 rows, 2 up to 16), more the BN 64 wgmma path; both in
   // one launch beside the FP8 shared expert. Row counts 0, 1, 7, 8, 9, 16 per expert; DeepSeek-V4-Pro
   // (H 7168, I 3072) and V3 widths (I 2048), ExpertMajor and Flat. Then the A/B settings of
-  // Config::experts_mxfp4_tc: 5 (a ring of 3 windows; 4, with the L2 prefetch, changes no data path)
-  // and 3 (no decode path: the BN 16 wgmma kernel).
+  // Config::experts_mxfp4_tc: 6 (decode_item_ring2 for <= 8 rows), 5 (a ring of 3 windows; 4, with the
+  // L2 prefetch, changes no data path) and 3 (no decode path: the BN 16 wgmma kernel).
   std::vector<std::shared_ptr<const ExpertWeights>> experts = same_format(WeightFormat::mxfp4, 4, 7168, 3072, 560);
   experts.push_back(ExpertWeights::random(WeightFormat::mxfp4, 7168, 2048, 565));
   experts.push_back(ExpertWeights::random(WeightFormat::fp8_block, 7168, 3072, 566));
@@ -561,11 +561,11 @@ TEST(ExpertsCuda, Mxfp4DecodePathRowCounts) {
   }
   const double fl = run_flat(*cpu, *gpu, 20, 2, DType::fp8_e4m3, ++seed, {.masked = 0.2, .duplicates = true, .tol = tol});
   std::printf("[ rel_l2 ] mxfp4 decode path v4-pro/v3 flat 20 tokens top-2: %.2e\n", fl);
-  for (const char* tc : {"5", "3"}) {
+  for (const char* tc : {"6", "5", "3"}) {
     setenv("EPX_EXPERTS_MXFP4_TC", tc, 1);
     auto gpu_ab = make_experts_cuda(experts, 0);
     unsetenv("EPX_EXPERTS_MXFP4_TC");
-    const EmResult ab = run_expert_major(*cpu, *gpu_ab, cases[tc[0] == '5' ? 0 : 1], 19, DType::fp8_e4m3, ++seed, tol);
+    const EmResult ab = run_expert_major(*cpu, *gpu_ab, cases[tc[0] == '3' ? 1 : (tc[0] == '6' ? 2 : 0)], 19, DType::fp8_e4m3, ++seed, tol);
     std::printf("[ rel_l2 ] mxfp4 decode path EPX_EXPERTS_MXFP4_TC=%s expert_major: %.2e\n", tc, ab.max_rel_l2);
   }
   // MXFP4 experts alone: the MXFP4 tolerance.

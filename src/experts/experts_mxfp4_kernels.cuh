@@ -991,6 +991,174 @@ __device__ __forceinline__ void decode_item_ring(const MixedGemmParams& p, const
   sp.mark(kDbgEpilogue);
 }
 
+/// Shared-memory plan of decode_item_ring2 (<= 8 rows): per warp kRing slots of one 128-K window;
+/// row-major pieces shared by the warp's lanes (cp.async.wait_group + __syncwarp), so each lane copies
+/// fewer, wider pieces and reads back the words the mma fragments want (no quad transpose).
+template <bool kGateUp>
+struct DecodeRing2 {
+  static constexpr int kRowPitch = 80;                   // 64 code bytes + 16: LDS.32 of word t of block b conflict-free
+  static constexpr int kCode = 0;                        // [32 rows: (mt, h, g)][kRowPitch]
+  static constexpr int kScale = kCode + 32 * kRowPitch;  // [32 rows][4 B] e8m0 words
+  static constexpr int kTokPitch = kGateUp ? 160 : 320;  // x: 128 bytes + 32; h: 256 bytes + 64 (conflict-free reads)
+  static constexpr int kB = kScale + 32 * 4;             // [8 tokens][kTokPitch]
+  static constexpr int kXs = kB + 8 * kTokPitch;         // gate_up: [8 tokens][4 B]
+  static constexpr int kSlot = (kXs + (kGateUp ? 32 : 0) + 127) / 128 * 128;
+  static constexpr int kRing = (kExtraOff / (8 * kSlot)) < 6 ? (kExtraOff / (8 * kSlot)) : 6;
+  static_assert(kRing >= 3, "decode ring depth");
+};
+
+/// decode_item_ring for <= 8 rows with the warp-shared slot layout of DecodeRing2: per window and lane
+/// 4 cp.async of codes, 1 of e8m0 words, 2 (x) / 4 (h) of the token operand and 1 of x scales (lanes
+/// < 8), against 4 + 4 + 4 + 2; the A fragments read as 16 LDS.32 instead of 4 LDS.128 + 4 quad
+/// transposes. MixedGemmParams::decode flag 16 (Config::experts_mxfp4_tc = 6); no L2 prefetch.
+template <bool kGateUp, int kDbg = 0>
+__device__ __forceinline__ void decode_item_ring2(const MixedGemmParams& p, const Item& it, uint8_t* smem, Stamps<kDbg>& sp) {
+  using R = DecodeRing2<kGateUp>;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  const int32_t* rows = reinterpret_cast<const int32_t*>(smem + kRowsOff);
+  const int nwin = static_cast<int>(it.K / 128);
+  const int64_t row_bytes = it.K / 2, srow_bytes = it.K / 32;
+  const uint8_t* codes = it.w;
+  const uint8_t* wscale = static_cast<const uint8_t*>(it.w_scale);
+  int64_t rbase, roff[2];
+  if constexpr (kGateUp) {
+    rbase = it.col0 + 16 * warp;
+    roff[0] = 0;
+    roff[1] = it.inter;
+  } else {
+    const int64_t r_first = it.col0 + 32 * warp;
+    rbase = r_first < it.hidden ? r_first : 0;
+    roff[0] = 0;
+    roff[1] = r_first + 16 < it.hidden ? 16 : 0;
+  }
+  // code copies: lane (g, t) copies block t of rows (mt, h, g); slot row (mt * 2 + h) * 8 + g
+  const uint8_t* cb[2];
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt) cb[mt] = codes + (rbase + roff[mt] + g) * row_bytes + 16 * t;
+  const int64_t c8 = 8 * row_bytes;
+  // e8m0 copies: lane l copies the word of slot row l = (mt, h, g) = (l >> 4, (l >> 3) & 1, l & 7)
+  const uint8_t* sbl = wscale + (rbase + roff[lane >> 4] + 8 * ((lane >> 3) & 1) + (lane & 7)) * srow_bytes;
+  // token copies: 16-byte piece q = i * 32 + lane: token q >> 3 (x) / q >> 4 (h), piece q & 7 / q & 15
+  constexpr int kBPieces = kGateUp ? 2 : 4;
+  const uint8_t* bsrc[kBPieces];
+  bool bval[kBPieces];
+  uint32_t bdst[kBPieces];
+#pragma unroll
+  for (int i = 0; i < kBPieces; ++i) {
+    const int q = i * 32 + lane;
+    const int j = kGateUp ? q >> 3 : q >> 4, k = kGateUp ? q & 7 : q & 15;
+    bval[i] = j < it.num_rows;
+    const int32_t r = bval[i] ? rows[j] : 0;
+    if constexpr (kGateUp) bsrc[i] = p.x + static_cast<int64_t>(r) * p.hidden + 16 * k;
+    else bsrc[i] = reinterpret_cast<const uint8_t*>(p.hb) + static_cast<int64_t>(r) * p.hb_stride * 2 + 16 * k;
+    bdst[i] = R::kB + j * R::kTokPitch + 16 * k;
+  }
+  const bool xs_val = kGateUp && lane < it.num_rows;
+  const int32_t xs_row = xs_val ? rows[lane] * static_cast<int32_t>(p.hidden / 128) : 0;
+  __syncthreads();  // rows[] read: the next item may rewrite it
+
+  const uint32_t ring_s = static_cast<uint32_t>(__cvta_generic_to_shared(smem)) + warp * R::kRing * R::kSlot;
+  const uint8_t* ring = smem + warp * R::kRing * R::kSlot;
+  auto issue = [&](int c) {  // window c into slot c % kRing; always one commit group
+    if (c < nwin) {
+      const uint32_t sl = ring_s + (c % R::kRing) * R::kSlot;
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+          asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;\n" ::"r"(sl + R::kCode + ((mt * 2 + h) * 8 + g) * R::kRowPitch + 16 * t),
+                       "l"(cb[mt] + (h ? c8 : 0) + c * 64) : "memory");
+      asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(sl + R::kScale + lane * 4), "l"(sbl + c * 4) : "memory");
+#pragma unroll
+      for (int i = 0; i < kBPieces; ++i)
+        asm volatile("cp.async.ca.shared.global [%0], [%1], 16, %2;\n" ::"r"(sl + bdst[i]),
+                     "l"(bsrc[i] + (kGateUp ? c * 128 : c * 256)), "r"(bval[i] ? 16 : 0) : "memory");
+      if (kGateUp && lane < 8)
+        asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(sl + R::kXs + lane * 4), "l"(p.x_scales + xs_row + c),
+                     "r"(xs_val ? 4 : 0) : "memory");
+    }
+    cp_async_commit();
+  };
+
+  float acc[2][1][4];
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) acc[mt][0][i] = 0.0f;
+
+#pragma unroll
+  for (int s = 0; s < R::kRing - 1; ++s) issue(s);
+  sp.mark(kDbgPrologue);
+  for (int c = 0; c < nwin; ++c) {
+    cp_async_wait<R::kRing - 2>();  // window c: this lane's copies
+    __syncwarp();                   // ... and the other lanes' (and every lane is done reading window c - 1)
+    sp.mark(kDbgLoadWait);
+    issue(c + R::kRing - 1);        // into the slot window c - 1 used
+    sp.mark(kDbgLoadIssue);
+    const uint8_t* sl = ring + (c % R::kRing) * R::kSlot;
+    uint32_t s[4];  // e8m0 words of rows (mt, h, g)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) s[i] = *reinterpret_cast<const uint32_t*>(sl + R::kScale + (i * 8 + g) * 4);
+    bool sp_lane = false;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) sp_lane |= e8m0_special(s[i]);
+    float xs[2] = {0.0f, 0.0f};
+    if constexpr (kGateUp) {
+      const float2 v = *reinterpret_cast<const float2*>(sl + R::kXs + 8 * t);
+      xs[0] = v.x * 64.0f;
+      xs[1] = v.y * 64.0f;
+    }
+    auto window = [&](auto sp_tag) {
+      constexpr bool kSp = decltype(sp_tag)::value;
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt) {
+        const uint8_t* r0 = sl + R::kCode + ((mt * 2) * 8 + g) * R::kRowPitch + 4 * t;
+        const uint8_t* r8 = r0 + 8 * R::kRowPitch;
+#pragma unroll
+        for (int b = 0; b < 4; ++b) {
+          const uint32_t n0 = *reinterpret_cast<const uint32_t*>(r0 + 16 * b);  // word t of block b, row g
+          const uint32_t n8 = *reinterpret_cast<const uint32_t*>(r8 + 16 * b);  // row g + 8
+          const float ws0 = e8m0_of(s[2 * mt], b, kSp), ws8 = e8m0_of(s[2 * mt + 1], b, kSp);
+          if constexpr (kGateUp) {
+            const uint2 q = *reinterpret_cast<const uint2*>(sl + R::kB + g * R::kTokPitch + 32 * b + 8 * t);
+            float d[4];
+            mma_e4m3(d, e2m1_even_e4m3(n0), e2m1_even_e4m3(n8), e2m1_odd_e4m3(n0), e2m1_odd_e4m3(n8), prmt(q.x, q.y, 0x6420u),
+                     prmt(q.x, q.y, 0x7531u));
+            acc[mt][0][0] = fmaf(d[0], ws0 * xs[0], acc[mt][0][0]);
+            acc[mt][0][1] = fmaf(d[1], ws0 * xs[1], acc[mt][0][1]);
+            acc[mt][0][2] = fmaf(d[2], ws8 * xs[0], acc[mt][0][2]);
+            acc[mt][0][3] = fmaf(d[3], ws8 * xs[1], acc[mt][0][3]);
+          } else {
+            const uint4 A0 = e2m1x8_to_bf16(n0, 0x3F3F3F00u, 0x40404040u, 0xC0800000u, 0xC0804000u);
+            const uint4 A8 = e2m1x8_to_bf16(n8, 0x3F3F3F00u, 0x40404040u, 0xC0800000u, 0xC0804000u);
+            const uint4 q = *reinterpret_cast<const uint4*>(sl + R::kB + g * R::kTokPitch + 64 * b + 16 * t);
+            const float z[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            float d0[4], d[4];
+            mma_bf16(d0, A0.x, A8.x, A0.y, A8.y, q.x, q.y, z);
+            mma_bf16(d, A0.z, A8.z, A0.w, A8.w, q.z, q.w, d0);
+            acc[mt][0][0] = fmaf(d[0], ws0, acc[mt][0][0]);
+            acc[mt][0][1] = fmaf(d[1], ws0, acc[mt][0][1]);
+            acc[mt][0][2] = fmaf(d[2], ws8, acc[mt][0][2]);
+            acc[mt][0][3] = fmaf(d[3], ws8, acc[mt][0][3]);
+          }
+        }
+      }
+    };
+    if constexpr (kDbg == 2) {  // ablation: the load path alone
+      if (s[0] == 0x9abcdef0u && *reinterpret_cast<const uint32_t*>(sl) == 0x12345678u) acc[0][0][0] += 1.0f;
+    } else {
+      if (__any_sync(0xffffffffu, sp_lane)) window(std::true_type{});
+      else window(std::false_type{});
+    }
+    sp.mark(kDbgConvert);
+  }
+  cp_async_wait<0>();  // nothing of this item lands in shared memory after it
+  decode_epilogue<kGateUp, 1>(p, it, acc, warp, g, t);
+  sp.count(kDbgStages, nwin);
+  sp.count(kDbgMxItems, 1);
+  sp.mark(kDbgEpilogue);
+}
+
 template <bool kGateUp, int kDbg = 0, int NT = kThreads>
 __global__ void __launch_bounds__(NT, 1) mixed_gemm_kernel(MixedGemmParams p, unsigned long long* dbg) {
   extern __shared__ uint8_t smem_raw[];
@@ -1043,7 +1211,8 @@ __global__ void __launch_bounds__(NT, 1) mixed_gemm_kernel(MixedGemmParams p, un
     constexpr int kFp8 = kGateUp ? kFp8GateUp : kFp8Down, kMx = kGateUp ? kMxGateUp : kMxDown;
     if constexpr (kDbg > 0) {  // debug kernels (set_mixed_debug): mxfp4 items of <= 16 rows only
       if constexpr (kDbg <= 2 && NT == kThreads) {  // modes 1 and 2: the decode path when it is on
-        if (mx && tile.num_rows <= 8 && p.decode) decode_item_ring<kGateUp, 1, kDbg>(p, it, smem, sp);
+        if (mx && tile.num_rows <= 8 && (p.decode & 16)) decode_item_ring2<kGateUp, kDbg>(p, it, smem, sp);
+        else if (mx && tile.num_rows <= 8 && p.decode) decode_item_ring<kGateUp, 1, kDbg>(p, it, smem, sp);
         else if (mx && tile.num_rows <= 16 && p.decode) decode_item_ring<kGateUp, 2, kDbg>(p, it, smem, sp);
         else if (mx && tile.num_rows <= 16) run_item<kMx, 16, kDbg, NT>(p, it, smem, smem_s, sp);
       } else {
@@ -1051,7 +1220,8 @@ __global__ void __launch_bounds__(NT, 1) mixed_gemm_kernel(MixedGemmParams p, un
       }
     } else if (mx) {
       if constexpr (kDbg == 0 && NT == kThreads) {  // the decode path (decode_item_ring) for <= 16 rows
-        if (tile.num_rows <= 8 && p.decode) decode_item_ring<kGateUp, 1, kDbg>(p, it, smem, sp);
+        if (tile.num_rows <= 8 && (p.decode & 16)) decode_item_ring2<kGateUp, kDbg>(p, it, smem, sp);
+        else if (tile.num_rows <= 8 && p.decode) decode_item_ring<kGateUp, 1, kDbg>(p, it, smem, sp);
         else if (tile.num_rows <= 16 && p.decode) decode_item_ring<kGateUp, 2, kDbg>(p, it, smem, sp);
         else if (tile.num_rows <= 16) run_item<kMx, 16, kDbg, NT>(p, it, smem, smem_s, sp);
         else run_item<kMx, 64, kDbg, NT>(p, it, smem, smem_s, sp);

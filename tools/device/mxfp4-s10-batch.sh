@@ -8,18 +8,21 @@
 # the BN 16 wgmma kernel, i.e. main's kernel code for them), B = the default (the decode path with its
 # per-warp cp.async ring), C = EPX_EXPERTS_MXFP4_TC=4 (B without the L2 prefetch), D = 5 (B with a ring of
 # 3 windows per warp). (Batch 1 ran commit 77ed82f with A = 3 and B = its register-buffered variant.)
-# STEPS (in order; default "bits ab abx ab2 abpf stamps fhmoe"):
+# From commit 4d21429 on, the default (1) is batch 2's C (no L2 prefetch) and 4 turns the prefetch on; 6 = E, the
+# warp-shared slot layout for <= 8 rows (decode_item_ring2: fewer copies, no quad transpose).
+# STEPS (in order; default "bits ab3 stamps3"; batch 2 ran "bits ab abx ab2 abpf stamps fhmoe"):
 #   bits   experts_cuda_test: the MXFP4 / mixed tests against the CPU (the new decode-path tests first);
 #   ab     decode (192 experts x 8 and x 32 rows, validated at x 8), A then B, ITERS calls each; abx C, D;
 #          ab2 a second round (B, A); abpf prefill (4096 tokens top-6, Flat) A then B;
 #   stamps B's decode path stamped (--stamps: mode 1 phases per window, mode 2 the load path alone, mode 3 the
 #          old BN 16 kernel stamped with the L2 hint);
+#   ab3    decode A (3), C (the default), E (6), E, C, A; stamps3 E stamped (--stamps);
 #   fhmoe  the bench's FHMoE sweep (fused vs separate shared expert, T = 1..64: <= 2 rows per routed expert), B then A.
 # Every step has its own timeout inside BUDGET seconds (default 200).
 set -uo pipefail
 OUT="${OUT:-/tmp/mxfp4-out}"
 BUDGET="${BUDGET:-200}"
-STEPS="${STEPS:-bits ab abx ab2 abpf stamps fhmoe}"
+STEPS="${STEPS:-bits ab3 stamps3}"
 ITERS="${ITERS:-20}"
 mkdir -p "$OUT"
 HERE="$(pwd)"
@@ -101,6 +104,15 @@ for step in $STEPS; do
       bench 1 ab-B-prefill 25 --iters 10 --no-simt --cases prefill ;;
     stamps)
       bench 1 stamps-B 40 --iters 10 --no-simt --cases decode --stamps ;;
+    ab3)  # decode A, C (default), E, E, C, A
+      bench 3 ab-A1 25 --iters "$ITERS" --no-simt --cases decode
+      bench 1 ab-C1 25 --iters "$ITERS" --no-simt --cases decode
+      bench 6 ab-E1 25 --iters "$ITERS" --no-simt --cases decode
+      bench 6 ab-E2 25 --iters "$ITERS" --no-simt --cases decode
+      bench 1 ab-C2 25 --iters "$ITERS" --no-simt --cases decode
+      bench 3 ab-A2 25 --iters "$ITERS" --no-simt --cases decode ;;
+    stamps3)
+      bench 6 stamps-E 40 --iters 10 --no-simt --cases decode --stamps ;;
     fhmoe)  # the FHMoE sweep (fused vs separate), B then A
       bench 1 fhmoe-B 30 --iters 10 --no-simt --cases fhmoe --max-tokens 64
       bench 3 fhmoe-A 30 --iters 10 --no-simt --cases fhmoe --max-tokens 64 ;;
