@@ -700,7 +700,9 @@ __device__ __forceinline__ void run_item(const MixedGemmParams& p, const Item& i
 //   default). (A first variant with 2 windows in registers per warp, ld.global.nc, measured 4687 us
 //   against 5321 for V4-Pro decode 192 x 8, bench/NOTES.md; removed.) Measured (batch 2): 3836 us = 1.76
 //   TB/s; the per-lane cp.async issue (~850-1180 cycles per window and warp) and the window body (~1400-
-//   1600) add up; bench/NOTES.md "Next" has the bulk-copy design that should cut both.
+//   1600) add up; bench/NOTES.md "Next" has the bulk-copy design that should cut both. decode_item_ring2
+//   (<= 8 rows, MixedGemmParams::decode flag 16) is a first step: a warp-shared slot layout (fewer,
+//   wider copies; the fragment words read directly, no quad transpose).
 // - One mma per 32-K scale block: a quad transpose (3 shfl.xor + selects) gives lane t word t of every
 //   block b of its rows (8 codes, K = 32 b + 8 t + nibble); the B fragment takes the same K.
 //   gate_up: e4m3 bits of code c = ((c & 7) << 2) | ((c & 8) << 4) = e2m1(c) * 2^-6 exactly (the even
@@ -709,7 +711,7 @@ __device__ __forceinline__ void run_item(const MixedGemmParams& p, const Item& i
 //   down: bf16 of the codes through the constant e2m1 -> bf16 byte tables (e2m1x8_to_bf16 at scale 1),
 //   2 x m16n8k16 bf16 per block, acc += d * 2^(e - 127).
 //   e8m0 0 (2^-127) and 255 (NaN) take an exact per-scale conversion (the window's words are checked).
-// Registers (ptxas -v, tenth session): 238 / 242 (down / gate_up) with kNt = 1 and 2, no spills (the
+// Registers (ptxas -v, tenth session): <= 240 with both ring variants and kNt = 1 and 2, no spills (the
 // register-buffered variant's kNt = 2 form spilled 300-1000 bytes inside this kernel).
 
 /// mma.sync m16n8k32 e4m3 x e4m3 -> f32, C = 0.
