@@ -543,8 +543,9 @@ TEST(ExpertsCuda, Mxfp4DecodePathRowCounts) {
   // mma per 32-K scale block; 1 n-tile up to 8 rows, 2 up to 16), more the BN 64 wgmma path; both in
   // one launch beside the FP8 shared expert. Row counts 0, 1, 7, 8, 9, 16 per expert; DeepSeek-V4-Pro
   // (H 7168, I 3072) and V3 widths (I 2048), ExpertMajor and Flat. Then the A/B settings of
-  // Config::experts_mxfp4_tc: 6 (decode_item_ring2 for <= 8 rows), 5 (a ring of 3 windows; 4, with the
-  // L2 prefetch, changes no data path) and 3 (no decode path: the BN 16 wgmma kernel).
+  // Config::experts_mxfp4_tc: 6 (decode_item_ring for <= 8 rows instead of the default decode_item_ring2),
+  // 5 (decode_item_ring with a ring of 3 windows; 4, with the L2 prefetch, changes no data path) and 3 (no
+  // decode path: the BN 16 wgmma kernel).
   std::vector<std::shared_ptr<const ExpertWeights>> experts = same_format(WeightFormat::mxfp4, 4, 7168, 3072, 560);
   experts.push_back(ExpertWeights::random(WeightFormat::mxfp4, 7168, 2048, 565));
   experts.push_back(ExpertWeights::random(WeightFormat::fp8_block, 7168, 3072, 566));

@@ -700,9 +700,9 @@ __device__ __forceinline__ void run_item(const MixedGemmParams& p, const Item& i
 //   default). (A first variant with 2 windows in registers per warp, ld.global.nc, measured 4687 us
 //   against 5321 for V4-Pro decode 192 x 8, bench/NOTES.md; removed.) Measured (batch 2): 3836 us = 1.76
 //   TB/s; the per-lane cp.async issue (~850-1180 cycles per window and warp) and the window body (~1400-
-//   1600) add up; bench/NOTES.md "Next" has the bulk-copy design that should cut both. decode_item_ring2
-//   (<= 8 rows, MixedGemmParams::decode flag 16) is a first step: a warp-shared slot layout (fewer,
-//   wider copies; the fragment words read directly, no quad transpose).
+//   1600) add up. decode_item_ring2 (<= 8 rows, MixedGemmParams::decode flag 16, the default) shares the
+//   slot among the warp's lanes (fewer, wider copies; the fragment words read directly, no quad
+//   transpose): 3040 us = 2.2 TB/s (batch 3). bench/NOTES.md "Next": bulk copies to cut the rest.
 // - One mma per 32-K scale block: a quad transpose (3 shfl.xor + selects) gives lane t word t of every
 //   block b of its rows (8 codes, K = 32 b + 8 t + nibble); the B fragment takes the same K.
 //   gate_up: e4m3 bits of code c = ((c & 7) << 2) | ((c & 8) << 4) = e2m1(c) * 2^-6 exactly (the even
@@ -1012,7 +1012,8 @@ struct DecodeRing2 {
 /// decode_item_ring for <= 8 rows with the warp-shared slot layout of DecodeRing2: per window and lane
 /// 4 cp.async of codes, 1 of e8m0 words, 2 (x) / 4 (h) of the token operand and 1 of x scales (lanes
 /// < 8), against 4 + 4 + 4 + 2; the A fragments read as 16 LDS.32 instead of 4 LDS.128 + 4 quad
-/// transposes. MixedGemmParams::decode flag 16 (Config::experts_mxfp4_tc = 6); no L2 prefetch.
+/// transposes. MixedGemmParams::decode flag 16 (the default; Config::experts_mxfp4_tc = 6 turns it off);
+/// no L2 prefetch.
 template <bool kGateUp, int kDbg = 0>
 __device__ __forceinline__ void decode_item_ring2(const MixedGemmParams& p, const Item& it, uint8_t* smem, Stamps<kDbg>& sp) {
   using R = DecodeRing2<kGateUp>;
