@@ -540,6 +540,10 @@ std::string run_device_t(const DeviceTCase& dc, const std::shared_ptr<Group>& g,
   test::upload_device(nt.data(), &too_many, 4, "num_tokens");
   cuda_ok(cudaGraphLaunch(exec, stream), "graph launch");
   cuda_ok(cudaStreamSynchronize(stream), "graph sync");
+  // The next call is a good one (T = 1): its own layout must not erase the bad replay's verdict before the host
+  // reads it (the record keeps the last bad layout until the next bad one).
+  const int32_t one = 1;
+  test::upload_device(nt.data(), &one, 4, "num_tokens");
   std::string what, where = "no call";
   try {
     where = "prepare";
