@@ -177,6 +177,72 @@ __device__ __forceinline__ void kblock(const Who& w, uint32_t a_s, uint32_t b_s,
   }
 }
 
+/// A consumer thread's loop-invariant shared-memory offsets for kblock_lean (Config::
+/// experts_fp8_prefill 22 and 10), computed once per thread and pinned in registers (an opaque asm
+/// result cannot be rematerialized): without them ptxas, at the 216-register budget of the other
+/// modes, recomputed the swizzled ldmatrix addresses and scale offsets from %tid (and the shared
+/// window from SR_CgaCtaId) in every K block, ~70 instructions per warp and block (ncu source
+/// counters, tenth session: 14 % of the consumer warps' samples).
+///   lds: byte offset, inside a stage's 128 x 128-byte token tile, of this lane's ldmatrix row for
+///        k-step 0 (warpgroup cwg's tokens); k-step k's is lds ^ (k << 5) (the 128-byte swizzle
+///        XORs the 16-byte chunk index 2 k + h with row % 8, and 2 k only touches chunk bits 1-2);
+///   sc:  byte offset of this thread's first token scale (token r) in a stage's scale block
+///        (token r + 8's is sc + 32).
+struct LeanOffsets {
+  uint32_t lds, sc;
+  __device__ __forceinline__ explicit LeanOffsets(const Who& w) {
+    const int m = w.lane >> 3, row = w.cwg * 64 + 16 * w.warp_in_wg + (w.lane & 7) + 8 * (m & 1);
+    const int r = w.cwg * 64 + 16 * w.warp_in_wg + (w.lane >> 2);
+    lds = wg::swz(row, m >> 1);
+    sc = static_cast<uint32_t>((4 + r) * 4);
+    asm volatile("" : "+r"(lds), "+r"(sc));
+  }
+};
+
+/// The other modes' stand-in (no registers).
+struct NoOffsets {
+  __device__ __forceinline__ explicit NoOffsets(const Who&) {}
+};
+
+__device__ __forceinline__ float lds_f32(uint32_t addr) {
+  float v;
+  asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(v) : "r"(addr));
+  return v;
+}
+
+/// kblock<true, true> (mode 17's K block: scales read before the wgmmas, A = the warpgroup's 64
+/// tokens in registers by ldmatrix, two batches of 4 m64n128k32 into `tmp`, each waited for and
+/// promoted, the stage released before the second promotion) with every address formed from the
+/// stage's base and the pinned LeanOffsets: a_s = the stage's weight tile (B), b_s its token tile,
+/// sc_s the stage's scale block (shared-space addresses). Same instructions on the data, same
+/// order of the products and promotions: the same bits as kblock<true, true>.
+template <class Release>
+__device__ __forceinline__ void kblock_lean(const LeanOffsets& o, uint32_t a_s, uint32_t b_s, uint32_t sc_s, float (&acc)[2][kFrag],
+                                            float (&tmp)[kFrag], Release release) {
+  using namespace wg;
+  const float x0 = lds_f32(sc_s + o.sc), x1 = lds_f32(sc_s + o.sc + 32), w0 = lds_f32(sc_s), w1 = lds_f32(sc_s + 8);
+  uint32_t afr[kBK / 32][4];
+  const uint32_t la = b_s + o.lds;
+#pragma unroll
+  for (int k = 0; k < kBK / 32; ++k) ldmatrix_x4(afr[k], la ^ static_cast<uint32_t>(k << 5));
+  float sp[2][2];  // [weight block][token]: w_scale * x_scale
+  sp[0][0] = w0 * x0, sp[0][1] = w0 * x1, sp[1][0] = w1 * x0, sp[1][1] = w1 * x1;
+#pragma unroll
+  for (int sub = 0; sub < 2; ++sub) {
+    const uint64_t db = smem_desc(a_s + 2 * sub * kSub);
+    wgmma_fence();
+#pragma unroll
+    for (int k = 0; k < kBK / 32; ++k) Wgmma<kBN>::mma_rs(tmp, afr[k], db + 2 * k, k);
+    wgmma_commit();
+    wgmma_wait<0>();
+#pragma unroll
+    for (int i = 0; i < kFrag; ++i) fence_operand(tmp[i]);
+    if (sub == 1) release();
+#pragma unroll
+    for (int i = 0; i < kFrag; ++i) acc[sub][i] = fmaf(tmp[i], (i & 2) ? sp[sub][1] : sp[sub][0], acc[sub][i]);
+  }
+}
+
 /// The ring position of the next K block: stage (0 .. stages-1) and the parity of its use.
 struct RingPos {
   uint32_t stage = 0, phase = 0;

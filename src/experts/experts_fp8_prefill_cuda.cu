@@ -161,7 +161,9 @@ __device__ __forceinline__ void consumer(const Fp8GemmParams& p, int32_t tile0, 
                                          uint8_t* smem, uint32_t smem_s) {
   using L = Layout<kGateUp>;
   constexpr bool kFast = kMode >= 2;
+  constexpr bool kLean = kMode >= 3;
   const Who w;
+  const std::conditional_t<kLean, LeanOffsets, NoOffsets> lo(w);  // only mode 22 keeps them
   const float* scales = reinterpret_cast<const float*>(smem + L::kScaleOff);
   const uint32_t full0 = smem_s + L::kBarOff, empty0 = full0 + L::kStages * 8;
   float acc[2][kFrag], tmp[kFrag];
@@ -202,7 +204,8 @@ __device__ __forceinline__ void consumer(const Fp8GemmParams& p, int32_t tile0, 
         __syncwarp();
         if (w.lane == 0) mbar_arrive(empty0 + s * 8);
       };
-      kblock<kFast, kFast, kDbg>(w, a_s, a_s + kABytes, scales + s * kScaleFloats, acc, tmp, release, st);
+      if constexpr (kLean) kblock_lean(lo, a_s, a_s + kABytes, smem_s + L::kScaleOff + s * (kScaleFloats * 4), acc, tmp, release);
+      else kblock<kFast, kFast, kDbg>(w, a_s, a_s + kABytes, scales + s * kScaleFloats, acc, tmp, release, st);
       if constexpr (!kFast) release();
       pos.advance(stages);
     }
@@ -247,11 +250,15 @@ __global__ void __launch_bounds__(kPfThreads, 1) fp8_prefill_kernel(Fp8GemmParam
   // Ring depth: Fp8GemmParams::prefill_stages clamped to [2, kStages] (0 = kStages).
   const uint32_t stages = p.prefill_stages <= 0 ? L::kStages : min(max(p.prefill_stages, 2), L::kStages);
   const int64_t num_items = static_cast<int64_t>(max(tile1 - tile0, 0)) * p.max_weight_tiles;
+  // Registers: 384 x 168 at launch = 128 x 64 + 256 x 216 (kMode 3: 128 x 40 + 256 x 232; the
+  // lean consumer keeps its per-thread offsets in the 16 registers the producer gives up).
   if (threadIdx.x < 128) {
-    setmaxnreg_dec<64>();
+    if constexpr (kMode >= 3) setmaxnreg_dec<40>();
+    else setmaxnreg_dec<64>();
     producer<kGateUp, kDbg>(p, tile0, num_items, stages, smem, smem_s);
   } else {
-    setmaxnreg_inc<216>();
+    if constexpr (kMode >= 3) setmaxnreg_inc<232>();
+    else setmaxnreg_inc<216>();
     consumer<kGateUp, kMode, kDbg>(p, tile0, num_items, stages, smem, smem_s);
   }
 }
@@ -270,7 +277,7 @@ __global__ void __launch_bounds__(kPfThreads, 1) fp8_prefill_kernel(Fp8GemmParam
 /// The kernel instance of Fp8GemmParams::prefill_fast (0: mode 8, 2: 17).
 template <bool kGateUp>
 auto prefill_kernel(int fast) {
-  return fast == 2 ? fp8_prefill_kernel<kGateUp, 2> : fp8_prefill_kernel<kGateUp, 0>;
+  return fast == 4 ? fp8_prefill_kernel<kGateUp, 4> : fast == 3 ? fp8_prefill_kernel<kGateUp, 3> : fast == 2 ? fp8_prefill_kernel<kGateUp, 2> : fp8_prefill_kernel<kGateUp, 0>;
 }
 
 // set_fp8_prefill_debug's state: process-wide, for the bench only (null: the library's kernels).
@@ -314,7 +321,7 @@ void set_fp8_prefill_debug(uint32_t* buffer, uint32_t flags) {
 int fp8_prefill_smem_bytes() { return std::max(Layout<true>::kSmemBytes, Layout<false>::kSmemBytes); }
 
 void fp8_prefill_set_smem_limits() {
-  for (int fast : {0, 2}) {
+  for (int fast : {0, 2, 3, 4}) {
     EPX_CUDA_CHECK(cudaFuncSetAttribute(prefill_kernel<true>(fast), cudaFuncAttributeMaxDynamicSharedMemorySize, Layout<true>::kSmemBytes));
     EPX_CUDA_CHECK(cudaFuncSetAttribute(prefill_kernel<false>(fast), cudaFuncAttributeMaxDynamicSharedMemorySize, Layout<false>::kSmemBytes));
   }

@@ -169,12 +169,13 @@ __device__ __forceinline__ void producer(const Fp8GemmParams& p, const CUtensorM
 /// The consumer warpgroups (experts_fp8_prefill.cuh: kblock, epilogue), as mode 17 of
 /// experts_fp8_prefill_cuda.cu since the eighth session: the scales read before the wgmmas, the
 /// stage released before the last promotion, wgmma's A (tokens) in registers, bulk-copy row stores.
-template <bool kGateUp>
+template <bool kGateUp, bool kLean>
 __device__ __forceinline__ void consumer(const Fp8GemmParams& p, bool all_tma, int32_t tile0, int64_t num_steps, uint32_t stages,
                                          uint8_t* smem, uint32_t smem_s) {
   using L = Layout<kGateUp>;
   const Who w;
   const int lane = w.lane;
+  const std::conditional_t<kLean, LeanOffsets, NoOffsets> lo(w);  // only mode 23 keeps them
   const float* scales = reinterpret_cast<const float*>(smem + L::kScaleOff);
   const uint32_t full0 = smem_s + L::kBarOff, empty0 = full0 + L::kStages * 8;
   float acc[2][kFrag], tmp[kFrag];
@@ -200,7 +201,8 @@ __device__ __forceinline__ void consumer(const Fp8GemmParams& p, bool all_tma, i
         __syncwarp();
         if (lane == 0) mbar_arrive(empty0 + s * 8);
       };
-      kblock<true, true>(w, a_s, a_s + kABytes, scales + s * kScaleFloats, acc, tmp, release);
+      if constexpr (kLean) kblock_lean(lo, a_s, a_s + kABytes, smem_s + L::kScaleOff + s * (kScaleFloats * 4), acc, tmp, release);
+      else kblock<true, true>(w, a_s, a_s + kABytes, scales + s * kScaleFloats, acc, tmp, release);
       pos.advance(stages);
     }
     epilogue<kGateUp, 1>(p, it, w, acc, smem);
@@ -208,7 +210,7 @@ __device__ __forceinline__ void consumer(const Fp8GemmParams& p, bool all_tma, i
   bulk_end(w);
 }
 
-template <bool kGateUp>
+template <bool kGateUp, bool kLean>
 __global__ void __launch_bounds__(kPfThreads, 1) fp8_prefill_tma_kernel(Fp8GemmParams p, const __grid_constant__ CUtensorMap bmap, int tma_b) {
   using L = Layout<kGateUp>;
   // tma_b: the token tile comes by TMA from `bmap` (only with the weight maps: the launch checks)
@@ -230,18 +232,21 @@ __global__ void __launch_bounds__(kPfThreads, 1) fp8_prefill_tma_kernel(Fp8GemmP
   // Ring depth: Fp8GemmParams::prefill_stages clamped to [2, kStages] (0 = kStages).
   const uint32_t stages = p.prefill_stages <= 0 ? L::kStages : min(max(p.prefill_stages, 2), L::kStages);
   const int64_t num_steps = static_cast<int64_t>(max(tile1 - tile0, 0)) * p.max_weight_tiles;
+  // Registers: 384 x 168 at launch = 128 x 64 + 256 x 216 (kLean: 128 x 40 + 256 x 232).
   if (threadIdx.x < 128) {
-    setmaxnreg_dec<64>();
+    if constexpr (kLean) setmaxnreg_dec<40>();
+    else setmaxnreg_dec<64>();
     producer<kGateUp>(p, &bmap, tma_b != 0, tile0, num_steps, stages, smem, smem_s);
   } else {
-    setmaxnreg_inc<216>();
-    consumer<kGateUp>(p, p.w_maps != nullptr && tma_b != 0, tile0, num_steps, stages, smem, smem_s);
+    if constexpr (kLean) setmaxnreg_inc<232>();
+    else setmaxnreg_inc<216>();
+    consumer<kGateUp, kLean>(p, p.w_maps != nullptr && tma_b != 0, tile0, num_steps, stages, smem, smem_s);
   }
 }
 
 #else  // not sm_90a: the host never launches these (fp8_tensor_cores_available is false)
 
-template <bool kGateUp>
+template <bool kGateUp, bool kLean>
 __global__ void __launch_bounds__(kPfThreads, 1) fp8_prefill_tma_kernel(Fp8GemmParams, const __grid_constant__ CUtensorMap, int) {
 #ifdef __CUDA_ARCH__
   __trap();
@@ -293,15 +298,15 @@ bool fp8_prefill_weight_maps(const ExpertDesc& e, int64_t hidden, Fp8TmaMap& w13
 
 namespace {
 
-/// The kernel of the gate_up (kGateUp) or down GEMM (Config::experts_fp8_prefill 10).
+/// The kernel of the gate_up (kGateUp) or down GEMM (Config::experts_fp8_prefill 10; lean: 23).
 template <bool kGateUp>
-auto tma_kernel() {
-  return fp8_prefill_tma_kernel<kGateUp>;
+auto tma_kernel(bool lean) {
+  return lean ? fp8_prefill_tma_kernel<kGateUp, true> : fp8_prefill_tma_kernel<kGateUp, false>;
 }
 
 template <bool kGateUp>
 void launch_prefill(const Fp8GemmParams& p, const CUtensorMap& bmap, bool tb, int grid, cudaStream_t stream, const char* what) {
-  tma_kernel<kGateUp>()<<<grid, kPfThreads, Layout<kGateUp>::kSmemBytes, stream>>>(p, bmap, tb ? 1 : 0);
+  tma_kernel<kGateUp>(p.prefill_fast == 3)<<<grid, kPfThreads, Layout<kGateUp>::kSmemBytes, stream>>>(p, bmap, tb ? 1 : 0);
   cuda::check_launch(what);
 }
 
@@ -310,8 +315,10 @@ void launch_prefill(const Fp8GemmParams& p, const CUtensorMap& bmap, bool tb, in
 int fp8_prefill_tma_smem_bytes() { return std::max(Layout<true>::kSmemBytes, Layout<false>::kSmemBytes); }
 
 void fp8_prefill_tma_set_smem_limits() {
-  EPX_CUDA_CHECK(cudaFuncSetAttribute(tma_kernel<true>(), cudaFuncAttributeMaxDynamicSharedMemorySize, Layout<true>::kSmemBytes));
-  EPX_CUDA_CHECK(cudaFuncSetAttribute(tma_kernel<false>(), cudaFuncAttributeMaxDynamicSharedMemorySize, Layout<false>::kSmemBytes));
+  for (bool lean : {false, true}) {
+    EPX_CUDA_CHECK(cudaFuncSetAttribute(tma_kernel<true>(lean), cudaFuncAttributeMaxDynamicSharedMemorySize, Layout<true>::kSmemBytes));
+    EPX_CUDA_CHECK(cudaFuncSetAttribute(tma_kernel<false>(lean), cudaFuncAttributeMaxDynamicSharedMemorySize, Layout<false>::kSmemBytes));
+  }
 }
 
 // The token tile's map is built per launch (x and hq change between calls; a captured graph keeps
