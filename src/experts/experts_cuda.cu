@@ -184,11 +184,11 @@ class CudaExperts final : public Experts {
     // every way.
     const int pf_mode = config.experts_fp8_prefill == 1 ? kFp8PrefillDefaultMode : config.experts_fp8_prefill;
     // 22 / 23 = 17 / 10 with the lean consumer (kblock_lean: loop-invariant offsets pinned in the
-    // registers a 40-register producer gives up; same bits). 24: a second instance of 22's kernels,
-    // the target of tools/device/sass_ffma_yield.py (a SASS experiment on the bench binary; unpatched
-    // it is 22).
-    fp8_prefill_fast_ = pf_mode == 17 ? 2 : pf_mode == 22 || pf_mode == 23 ? 3 : pf_mode == 24 ? 4 : 0;  // Fp8GemmParams::prefill_fast
-    const bool pf_tma = pf_mode == 10 || pf_mode == 23;
+    // registers a 40-register producer gives up; same bits). 24 / 25: second instances of 22's / 23's
+    // kernels, the targets of tools/device/sass_ffma_yield.py (a SASS experiment on the bench binary;
+    // unpatched they are 22 / 23).
+    fp8_prefill_fast_ = pf_mode == 17 ? 2 : pf_mode == 22 || pf_mode == 23 ? 3 : pf_mode == 24 || pf_mode == 25 ? 4 : 0;  // Fp8GemmParams::prefill_fast
+    const bool pf_tma = pf_mode == 10 || pf_mode == 23 || pf_mode == 25;
     // Objects with mxfp4 experts, all of them fp8_block or mxfp4 with I % 128 == 0 and H % 128 == 0,
     // fed FP8 x, run every expert on the mixed sm_90a kernels (experts_mxfp4_cuda.cu): one grouped
     // launch per GEMM for both formats (FHMoE: FP8 shared + MXFP4 routed). Config::experts_mxfp4_tc

@@ -210,7 +210,9 @@ __device__ __forceinline__ void consumer(const Fp8GemmParams& p, bool all_tma, i
   bulk_end(w);
 }
 
-template <bool kGateUp, bool kLean>
+/// kInst: 1 = a second instance of the lean kernel (Config::experts_fp8_prefill 25), the target of the SASS
+/// experiment tools/device/sass_ffma_yield.py; unpatched it is 23.
+template <bool kGateUp, bool kLean, int kInst>
 __global__ void __launch_bounds__(kPfThreads, 1) fp8_prefill_tma_kernel(Fp8GemmParams p, const __grid_constant__ CUtensorMap bmap, int tma_b) {
   using L = Layout<kGateUp>;
   // tma_b: the token tile comes by TMA from `bmap` (only with the weight maps: the launch checks)
@@ -246,7 +248,7 @@ __global__ void __launch_bounds__(kPfThreads, 1) fp8_prefill_tma_kernel(Fp8GemmP
 
 #else  // not sm_90a: the host never launches these (fp8_tensor_cores_available is false)
 
-template <bool kGateUp, bool kLean>
+template <bool kGateUp, bool kLean, int kInst>
 __global__ void __launch_bounds__(kPfThreads, 1) fp8_prefill_tma_kernel(Fp8GemmParams, const __grid_constant__ CUtensorMap, int) {
 #ifdef __CUDA_ARCH__
   __trap();
@@ -298,15 +300,18 @@ bool fp8_prefill_weight_maps(const ExpertDesc& e, int64_t hidden, Fp8TmaMap& w13
 
 namespace {
 
-/// The kernel of the gate_up (kGateUp) or down GEMM (Config::experts_fp8_prefill 10; lean: 23).
+/// The kernel of the gate_up (kGateUp) or down GEMM of Fp8GemmParams::prefill_fast `fast`
+/// (Config::experts_fp8_prefill 10: 0; lean 23: 3; 25: 4).
 template <bool kGateUp>
-auto tma_kernel(bool lean) {
-  return lean ? fp8_prefill_tma_kernel<kGateUp, true> : fp8_prefill_tma_kernel<kGateUp, false>;
+auto tma_kernel(int fast) {
+  return fast == 4   ? fp8_prefill_tma_kernel<kGateUp, true, 1>
+         : fast == 3 ? fp8_prefill_tma_kernel<kGateUp, true, 0>
+                     : fp8_prefill_tma_kernel<kGateUp, false, 0>;
 }
 
 template <bool kGateUp>
 void launch_prefill(const Fp8GemmParams& p, const CUtensorMap& bmap, bool tb, int grid, cudaStream_t stream, const char* what) {
-  tma_kernel<kGateUp>(p.prefill_fast == 3)<<<grid, kPfThreads, Layout<kGateUp>::kSmemBytes, stream>>>(p, bmap, tb ? 1 : 0);
+  tma_kernel<kGateUp>(p.prefill_fast)<<<grid, kPfThreads, Layout<kGateUp>::kSmemBytes, stream>>>(p, bmap, tb ? 1 : 0);
   cuda::check_launch(what);
 }
 
@@ -315,9 +320,9 @@ void launch_prefill(const Fp8GemmParams& p, const CUtensorMap& bmap, bool tb, in
 int fp8_prefill_tma_smem_bytes() { return std::max(Layout<true>::kSmemBytes, Layout<false>::kSmemBytes); }
 
 void fp8_prefill_tma_set_smem_limits() {
-  for (bool lean : {false, true}) {
-    EPX_CUDA_CHECK(cudaFuncSetAttribute(tma_kernel<true>(lean), cudaFuncAttributeMaxDynamicSharedMemorySize, Layout<true>::kSmemBytes));
-    EPX_CUDA_CHECK(cudaFuncSetAttribute(tma_kernel<false>(lean), cudaFuncAttributeMaxDynamicSharedMemorySize, Layout<false>::kSmemBytes));
+  for (int fast : {0, 3, 4}) {
+    EPX_CUDA_CHECK(cudaFuncSetAttribute(tma_kernel<true>(fast), cudaFuncAttributeMaxDynamicSharedMemorySize, Layout<true>::kSmemBytes));
+    EPX_CUDA_CHECK(cudaFuncSetAttribute(tma_kernel<false>(fast), cudaFuncAttributeMaxDynamicSharedMemorySize, Layout<false>::kSmemBytes));
   }
 }
 

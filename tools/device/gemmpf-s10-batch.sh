@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
 # tools/device/gemmpf-s10-batch.sh: the prefill grouped-GEMM helper's device batch of the tenth session (issue 6,
-# FP8 prefill kernels: the lean consumer, modes 22 / 23, and the SASS experiment of mode 24). Run from a copy of
+# FP8 prefill kernels: the lean consumer, modes 22 / 23, and the SASS experiment of modes 24 / 25). Run from a copy of
 # main that carries .carry/deps.tar.xz and .carry-gemmpf/{src,prebuilt}.tar.xz:
 #   OUT=<dir> BUDGET=<s> timeout -k 5 <s> bash .carry-gemmpf/batch.sh
 # prebuilt.tar.xz: experts_cuda_test and epx-gemm-bench built from src.tar.xz on the dev machine (CUDA 13.0,
 # sm_90a); when they do not load here they are built with tools/device/gpu-check.sh instead.
-# Before anything runs, tools/device/sass_ffma_yield.py patches mode 24's kernels in both binaries (the
-# promotion FFMAs lose their operand-reuse flags and the no-yield bit; unpatched, 24 = 22).
+# Before anything runs, tools/device/sass_ffma_yield.py patches mode 24's and 25's kernels in both binaries (the
+# promotion FFMAs lose their operand-reuse flags and the no-yield bit; unpatched, 24 = 22 and 25 = 23).
 # STEPS (space-separated, in order; default "bits ab sass ncu torch fp8"):
-#   bits   ExpertsCuda.Fp8PrefillTmaLoadsMatchCpAsyncLoadsBitForBit (17, 10, 22, 23, 24 against mode 8, byte for byte);
-#   ab     epx-gemm-bench --prefill-modes $MODES (default 22,23,24,10) against the default (17) on both layouts,
+#   bits   ExpertsCuda.Fp8PrefillTmaLoadsMatchCpAsyncLoadsBitForBit (17, 10, 22-25 against mode 8, byte for byte);
+#   ab     epx-gemm-bench --prefill-modes $MODES (default 22,23,24,25,10) against the default (17) on both layouts,
 #          with the cuBLASLt loop and the dense ceiling (ITERS, default 10); a hang in bits drops $MODES;
 #   sass   cuobjdump -sass of the prefill kernels of the (patched) bench binary;
 #   ncu    Nsight Compute --set full (--clock-control none) on one gate_up and one down launch of mode $NCU_MODE
@@ -22,7 +22,7 @@ OUT="${OUT:-/tmp/gemmpf-out}"
 BUDGET="${BUDGET:-195}"
 STEPS="${STEPS:-bits ab sass ncu torch fp8}"
 ITERS="${ITERS:-10}"
-MODES="${MODES:-22,23,24,10}"
+MODES="${MODES:-22,23,24,25,10}"
 NCU_MODE="${NCU_MODE:-24}"
 mkdir -p "$OUT"
 HERE="$(pwd)"
@@ -58,10 +58,11 @@ if [ -z "$B" ]; then
   deps=/tmp/epx-gpu-check/deps/usr/lib/x86_64-linux-gnu
   export LD_LIBRARY_PATH="$nccl/lib:$deps:$deps/openblas-pthread${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 fi
-# Mode 24's kernels (Fp8GemmParams::prefill_fast 4: fp8_prefill_kernel<*, 4, 0>) in both binaries.
+# Mode 24's and 25's kernels (Fp8GemmParams::prefill_fast 4: fp8_prefill_kernel<*, 4, 0>, fp8_prefill_tma_kernel<*, 1, 1>).
 for f in "$B/epx-gemm-bench" "$B/experts_cuda_test"; do
-  [ -f "$f" ] && python3 "$S/tools/device/sass_ffma_yield.py" "$f" fp8_prefill_kernelILb1ELi4ELb0 fp8_prefill_kernelILb0ELi4ELb0 2>&1 |
-    sed "s|^|$(basename "$f"): |" | cut -c1-60,150- | tee -a "$OUT/summary.txt"
+  [ -f "$f" ] && cp "$f" "$f.orig" && python3 "$S/tools/device/sass_ffma_yield.py" "$f" fp8_prefill_kernelILb1ELi4ELb0 fp8_prefill_kernelILb0ELi4ELb0 \
+    fp8_prefill_tma_kernelILb1ELb1ELi1 fp8_prefill_tma_kernelILb0ELb1ELi1 2>&1 |
+    sed "s|^|$(basename "$f"): |" | cut -c1-50,140- | tee -a "$OUT/summary.txt"
 done
 commit="$(cat "$HERE/.carry-gemmpf/commit.txt" 2>/dev/null || echo unknown)"
 hung=0
@@ -122,6 +123,12 @@ for step in $STEPS; do
         trc=$?
         say "test $step rc=$trc (limit $b s) at $((SECONDS - T0)) s"
         [ "$step" = bits ] && [ $trc -ge 124 ] && MODES=""  # a variant hung: the A/B measures the default only
+        if [ "$step" = bits ] && ! grep -q "^\[ bits \]" "$OUT/test-$step.log"; then
+          # the patched binaries did not run at all: back to the unpatched ones, without 24 / 25
+          for f in "$B/epx-gemm-bench" "$B/experts_cuda_test"; do [ -f "$f.orig" ] && cp "$f.orig" "$f"; done
+          MODES="22,23,10"
+          say "bits: no verdict from the patched test binary; unpatched binaries, MODES=$MODES"
+        fi
         grep -E "^\[ bits \]|^\[  FAILED|^\[  PASSED|Failure|mode 22" "$OUT/test-$step.log" | tee -a "$OUT/summary.txt"
       fi ;;
   esac
