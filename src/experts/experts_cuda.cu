@@ -187,8 +187,14 @@ class CudaExperts final : public Experts {
     // registers a 40-register producer gives up; same bits). 24 / 25: second instances of 22's / 23's
     // kernels, the targets of tools/device/sass_ffma_yield.py (a SASS experiment on the bench binary;
     // unpatched they are 22 / 23).
-    fp8_prefill_fast_ = pf_mode == 17 ? 2 : pf_mode == 22 || pf_mode == 23 ? 3 : pf_mode == 24 || pf_mode == 25 ? 4 : 0;  // Fp8GemmParams::prefill_fast
-    const bool pf_tma = pf_mode == 10 || pf_mode == 23 || pf_mode == 25;
+    // 26 / 27: the lean consumer loading the next K block's operands under the second promotion
+    // (lean_item_prefetch), cp.async / TMA loads.
+    fp8_prefill_fast_ = pf_mode == 17                    ? 2
+                        : pf_mode == 22 || pf_mode == 23 ? 3
+                        : pf_mode == 24 || pf_mode == 25 ? 4
+                        : pf_mode == 26 || pf_mode == 27 ? 5
+                                                         : 0;  // Fp8GemmParams::prefill_fast
+    const bool pf_tma = pf_mode == 10 || pf_mode == 23 || pf_mode == 25 || pf_mode == 27;
     // Objects with mxfp4 experts, all of them fp8_block or mxfp4 with I % 128 == 0 and H % 128 == 0,
     // fed FP8 x, run every expert on the mixed sm_90a kernels (experts_mxfp4_cuda.cu): one grouped
     // launch per GEMM for both formats (FHMoE: FP8 shared + MXFP4 routed). Config::experts_mxfp4_tc

@@ -413,7 +413,8 @@ TEST(ExpertsCuda, Fp8PrefillTmaLoadsMatchCpAsyncLoadsBitForBit) {
   // release, bulk-copy epilogue stores, wgmma's A from registers, loaded by ldmatrix) must give the
   // same bytes too, and so must =22 / =23 (17 / 10 with the lean consumer: the same products and
   // promotions from pinned per-thread offsets) and =24 / =25 (22's / 23's code; in a binary patched by
-  // tools/device/sass_ffma_yield.py its promotion FFMAs carry other scheduling bits, same values).
+  // tools/device/sass_ffma_yield.py its promotion FFMAs carry other scheduling bits, same values) and
+  // =26 / =27 (22 / 23 loading the next K block's operands under the last promotion).
   std::vector<std::shared_ptr<const ExpertWeights>> experts = same_format(WeightFormat::fp8_block, 3, 7168, 2048, 540);
   experts.push_back(ExpertWeights::random(WeightFormat::fp8_block, 7168, 3072, 544));
   const int64_t L = 4, H = 7168, cap = 300;
@@ -432,6 +433,10 @@ TEST(ExpertsCuda, Fp8PrefillTmaLoadsMatchCpAsyncLoadsBitForBit) {
   auto lean_sass = make_experts_cuda(experts, 0);
   setenv("EPX_EXPERTS_FP8_PREFILL", "25", 1);
   auto tma_lean_sass = make_experts_cuda(experts, 0);
+  setenv("EPX_EXPERTS_FP8_PREFILL", "26", 1);
+  auto lean_pf = make_experts_cuda(experts, 0);
+  setenv("EPX_EXPERTS_FP8_PREFILL", "27", 1);
+  auto tma_lean_pf = make_experts_cuda(experts, 0);
   unsetenv("EPX_EXPERTS_FP8_PREFILL");
   unsetenv("EPX_EXPERTS_FP8_PREFILL_MIN_TILES");
   auto same_bytes = [](const Tensor& a, const Tensor& b) {
@@ -468,13 +473,15 @@ TEST(ExpertsCuda, Fp8PrefillTmaLoadsMatchCpAsyncLoadsBitForBit) {
   poison_dev(fl_ref);
   cpa->apply(em, em_ref);
   cpa->apply(fl, fl_ref);
-  for (auto* g : {rs.get(), tma.get(), lean.get(), tma_lean.get(), lean_sass.get(), tma_lean_sass.get()}) {
+  for (auto* g : {rs.get(), tma.get(), lean.get(), tma_lean.get(), lean_sass.get(), tma_lean_sass.get(), lean_pf.get(), tma_lean_pf.get()}) {
     const char* name = g == rs.get()         ? "fast-rs (17)"
                        : g == tma.get()      ? "tma (10)"
                        : g == lean.get()     ? "lean (22)"
                        : g == tma_lean.get() ? "tma lean (23)"
                        : g == lean_sass.get() ? "lean, SASS experiment (24)"
-                                              : "tma lean, SASS experiment (25)";
+                       : g == tma_lean_sass.get() ? "tma lean, SASS experiment (25)"
+                       : g == lean_pf.get()   ? "lean, prefetch (26)"
+                                              : "tma lean, prefetch (27)";
     Tensor o = Tensor::empty({L, cap, H}, DType::bf16, kDev), f = Tensor::empty({N, H}, DType::bf16, kDev);
     poison_dev(o);
     poison_dev(f);

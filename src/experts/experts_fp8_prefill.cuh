@@ -43,8 +43,10 @@ template <bool kGateUp>
 struct Layout {
   static constexpr int kStages = kGateUp ? 4 : 3;  // down's 66 KiB staging leaves room for 3
   static constexpr int kScaleOff = kStages * kStageBytes;
-  static constexpr int kBarOff = kScaleOff + kStages * kScaleFloats * 4;   // full[kStages], empty[kStages]
-  static constexpr int kRowsOff = kBarOff + 2 * kStages * 8;              // producer: [kBN] B row byte offsets
+  // full[kStages], empty[kStages], done (completed once at the start: a wait on it never blocks)
+  static constexpr int kBarOff = kScaleOff + kStages * kScaleFloats * 4;
+  static constexpr int kDoneOff = kBarOff + 2 * kStages * 8;
+  static constexpr int kRowsOff = kDoneOff + 8;  // producer: [kBN] B row byte offsets
   static constexpr int kOutOff = (kRowsOff + kBN * 8 + 127) / 128 * 128;
   static constexpr int kOutBytes = kGateUp ? kBN * kHStride : kBN * kOutStride * 2;
   static constexpr int kSmemBytes = kOutOff + kOutBytes + 1024;  // + alignment of the base
@@ -250,6 +252,73 @@ struct RingPos {
     if (++stage == stages) stage = 0, phase ^= 1u;
   }
 };
+
+/// One K block's register operands for the prefetching lean consumer: A (the warpgroup's 64 tokens,
+/// ldmatrix fragments of the 4 k-steps) and the 4 scales (tokens r, r + 8; weight blocks 0, 1).
+struct LeanBlock {
+  uint32_t afr[kBK / 32][4];
+  float x0, x1, w0, w1;
+};
+
+/// Loads lb from the stage whose token tile is at b_s and scale block at sc_s (after its `full`).
+__device__ __forceinline__ void lean_load(const LeanOffsets& o, uint32_t b_s, uint32_t sc_s, LeanBlock& lb) {
+  const uint32_t la = b_s + o.lds;
+#pragma unroll
+  for (int k = 0; k < kBK / 32; ++k) wg::ldmatrix_x4(lb.afr[k], la ^ static_cast<uint32_t>(k << 5));
+  lb.x0 = lds_f32(sc_s + o.sc), lb.x1 = lds_f32(sc_s + o.sc + 32), lb.w0 = lds_f32(sc_s), lb.w1 = lds_f32(sc_s + 8);
+}
+
+/// The K loop of one work item for the lean consumers (Config::experts_fp8_prefill 26 / 27): kblock_lean's
+/// wgmmas and promotions, with the next K block's operands (lean_load, after its `full` wait and `fence`)
+/// loaded right after this block's second batch completed and the stage was released, before the second
+/// promotion: the ldmatrix / ld.shared latency then runs under those 64 FFMAs instead of in front of the
+/// next block's first wgmma (ncu, tenth session: WARPGROUP.ARRIVE waiting for ldmatrix, FMULs for their
+/// loads). The products of a block are formed before its operands are replaced. Same products, same
+/// order: the same bits as kblock<true, true>.
+/// The loads are unconditional (no branch around them: ptxas hoisted the promotion above such a branch,
+/// in front of the loads); after an item's last K block they reload the block just used, after a wait
+/// on the `done` barrier (done_bar, completed at the kernel's start), and the next item starts with its
+/// own wait and load.
+template <class Fence>
+__device__ __forceinline__ void lean_item_prefetch(const LeanOffsets& o, int64_t nk, RingPos& pos, uint32_t stages, uint32_t smem_s,
+                                                   uint32_t scale_s, uint32_t full0, uint32_t empty0, uint32_t done_bar, int lane,
+                                                   float (&acc)[2][kFrag], float (&tmp)[kFrag], Fence fence) {
+  using namespace wg;
+  auto stage_a = [&](uint32_t s) { return smem_s + s * kStageBytes; };
+  auto stage_sc = [&](uint32_t s) { return scale_s + s * (kScaleFloats * 4); };
+  LeanBlock lb;
+  mbar_wait(full0 + pos.stage * 8, pos.phase);
+  fence();
+  lean_load(o, stage_a(pos.stage) + kABytes, stage_sc(pos.stage), lb);
+  for (int64_t kb = 0; kb < nk; ++kb) {
+    const uint32_t s = pos.stage;
+    float sp[2][2];  // [weight block][token]: w_scale * x_scale
+    sp[0][0] = lb.w0 * lb.x0, sp[0][1] = lb.w0 * lb.x1, sp[1][0] = lb.w1 * lb.x0, sp[1][1] = lb.w1 * lb.x1;
+    pos.advance(stages);
+#pragma unroll
+    for (int sub = 0; sub < 2; ++sub) {
+      const uint64_t db = smem_desc(stage_a(s) + 2 * sub * kSub);
+      wgmma_fence();
+#pragma unroll
+      for (int k = 0; k < kBK / 32; ++k) Wgmma<kBN>::mma_rs(tmp, lb.afr[k], db + 2 * k, k);
+      wgmma_commit();
+      wgmma_wait<0>();
+#pragma unroll
+      for (int i = 0; i < kFrag; ++i) fence_operand(tmp[i]);
+      if (sub == 1) {
+        __syncwarp();
+        if (lane == 0) mbar_arrive(empty0 + s * 8);  // 8 consumer warps release the stage
+        const bool more = kb + 1 < nk;
+        mbar_wait(more ? full0 + pos.stage * 8 : done_bar, more ? pos.phase : 0u);
+        fence();
+        const uint32_t ls = more ? pos.stage : s;
+        lean_load(o, stage_a(ls) + kABytes, stage_sc(ls), lb);
+      }
+#pragma unroll
+      for (int i = 0; i < kFrag; ++i) acc[sub][i] = fmaf(tmp[i], (i & 2) ? sp[sub][1] : sp[sub][0], acc[sub][i]);
+    }
+  }
+}
 
 /// Two floats as e4m3 codes (RNE, saturating to +-448), lo in bits 0-7 and hi in 8-15: the
 /// hardware conversion (PTX cvt.rn.satfinite.e4m3x2.f32, sm_89+), the same codes as epx's

@@ -169,13 +169,13 @@ __device__ __forceinline__ void producer(const Fp8GemmParams& p, const CUtensorM
 /// The consumer warpgroups (experts_fp8_prefill.cuh: kblock, epilogue), as mode 17 of
 /// experts_fp8_prefill_cuda.cu since the eighth session: the scales read before the wgmmas, the
 /// stage released before the last promotion, wgmma's A (tokens) in registers, bulk-copy row stores.
-template <bool kGateUp, bool kLean>
+template <bool kGateUp, bool kLean, bool kPrefetch>
 __device__ __forceinline__ void consumer(const Fp8GemmParams& p, bool all_tma, int32_t tile0, int64_t num_steps, uint32_t stages,
                                          uint8_t* smem, uint32_t smem_s) {
   using L = Layout<kGateUp>;
   const Who w;
   const int lane = w.lane;
-  const std::conditional_t<kLean, LeanOffsets, NoOffsets> lo(w);  // only mode 23 keeps them
+  const std::conditional_t<kLean, LeanOffsets, NoOffsets> lo(w);  // only the lean modes (23, 25, 27) keep them
   const float* scales = reinterpret_cast<const float*>(smem + L::kScaleOff);
   const uint32_t full0 = smem_s + L::kBarOff, empty0 = full0 + L::kStages * 8;
   float acc[2][kFrag], tmp[kFrag];
@@ -190,20 +190,26 @@ __device__ __forceinline__ void consumer(const Fp8GemmParams& p, bool all_tma, i
     for (int sub = 0; sub < 2; ++sub)
 #pragma unroll
       for (int i = 0; i < kFrag; ++i) acc[sub][i] = 0.0f;
-    for (int64_t kb = 0; kb < wk.nk; ++kb) {
-      const uint32_t s = pos.stage;
-      mbar_wait(full0 + s * 8, pos.phase);
-      // cp.async wrote operands through the generic proxy; wgmma reads through the async one (TMA
-      // writes through the async proxy: no fence when both operands came by TMA)
-      if (!all_tma) fence_proxy_async();
-      const uint32_t a_s = smem_s + s * kStageBytes;
-      auto release = [&] {  // 8 consumer warps release the stage
-        __syncwarp();
-        if (lane == 0) mbar_arrive(empty0 + s * 8);
-      };
-      if constexpr (kLean) kblock_lean(lo, a_s, a_s + kABytes, smem_s + L::kScaleOff + s * (kScaleFloats * 4), acc, tmp, release);
-      else kblock<true, true>(w, a_s, a_s + kABytes, scales + s * kScaleFloats, acc, tmp, release);
-      pos.advance(stages);
+    if constexpr (kPrefetch) {  // mode 27: the next K block's operands loaded under the second promotion
+      lean_item_prefetch(lo, wk.nk, pos, stages, smem_s, smem_s + L::kScaleOff, full0, empty0, smem_s + L::kDoneOff, lane, acc, tmp, [&] {
+        if (!all_tma) fence_proxy_async();
+      });
+    } else {
+      for (int64_t kb = 0; kb < wk.nk; ++kb) {
+        const uint32_t s = pos.stage;
+        mbar_wait(full0 + s * 8, pos.phase);
+        // cp.async wrote operands through the generic proxy; wgmma reads through the async one (TMA
+        // writes through the async proxy: no fence when both operands came by TMA)
+        if (!all_tma) fence_proxy_async();
+        const uint32_t a_s = smem_s + s * kStageBytes;
+        auto release = [&] {  // 8 consumer warps release the stage
+          __syncwarp();
+          if (lane == 0) mbar_arrive(empty0 + s * 8);
+        };
+        if constexpr (kLean) kblock_lean(lo, a_s, a_s + kABytes, smem_s + L::kScaleOff + s * (kScaleFloats * 4), acc, tmp, release);
+        else kblock<true, true>(w, a_s, a_s + kABytes, scales + s * kScaleFloats, acc, tmp, release);
+        pos.advance(stages);
+      }
     }
     epilogue<kGateUp, 1>(p, it, w, acc, smem);
   }
@@ -211,7 +217,8 @@ __device__ __forceinline__ void consumer(const Fp8GemmParams& p, bool all_tma, i
 }
 
 /// kInst: 1 = a second instance of the lean kernel (Config::experts_fp8_prefill 25), the target of the SASS
-/// experiment tools/device/sass_ffma_yield.py; unpatched it is 23.
+/// experiment tools/device/sass_ffma_yield.py; unpatched it is 23. 2 = the lean consumer loading the next
+/// K block's operands under the second promotion (lean_item_prefetch; 27).
 template <bool kGateUp, bool kLean, int kInst>
 __global__ void __launch_bounds__(kPfThreads, 1) fp8_prefill_tma_kernel(Fp8GemmParams p, const __grid_constant__ CUtensorMap bmap, int tma_b) {
   using L = Layout<kGateUp>;
@@ -227,6 +234,8 @@ __global__ void __launch_bounds__(kPfThreads, 1) fp8_prefill_tma_kernel(Fp8GemmP
       mbar_init(smem_s + L::kBarOff + s * 8, p.w_maps != nullptr ? 129 : 128);
       mbar_init(smem_s + L::kBarOff + (L::kStages + s) * 8, 8);  // empty: every consumer warp
     }
+    mbar_init(smem_s + L::kDoneOff, 1);  // done: completed once here (lean_item_prefetch)
+    mbar_arrive(smem_s + L::kDoneOff);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   __syncthreads();
@@ -242,7 +251,7 @@ __global__ void __launch_bounds__(kPfThreads, 1) fp8_prefill_tma_kernel(Fp8GemmP
   } else {
     if constexpr (kLean) setmaxnreg_inc<232>();
     else setmaxnreg_inc<216>();
-    consumer<kGateUp, kLean>(p, p.w_maps != nullptr && tma_b != 0, tile0, num_steps, stages, smem, smem_s);
+    consumer<kGateUp, kLean, kInst == 2>(p, p.w_maps != nullptr && tma_b != 0, tile0, num_steps, stages, smem, smem_s);
   }
 }
 
@@ -301,10 +310,11 @@ bool fp8_prefill_weight_maps(const ExpertDesc& e, int64_t hidden, Fp8TmaMap& w13
 namespace {
 
 /// The kernel of the gate_up (kGateUp) or down GEMM of Fp8GemmParams::prefill_fast `fast`
-/// (Config::experts_fp8_prefill 10: 0; lean 23: 3; 25: 4).
+/// (Config::experts_fp8_prefill 10: 0; lean 23: 3; 25: 4; 27: 5).
 template <bool kGateUp>
 auto tma_kernel(int fast) {
-  return fast == 4   ? fp8_prefill_tma_kernel<kGateUp, true, 1>
+  return fast == 5   ? fp8_prefill_tma_kernel<kGateUp, true, 2>
+         : fast == 4 ? fp8_prefill_tma_kernel<kGateUp, true, 1>
          : fast == 3 ? fp8_prefill_tma_kernel<kGateUp, true, 0>
                      : fp8_prefill_tma_kernel<kGateUp, false, 0>;
 }
@@ -320,7 +330,7 @@ void launch_prefill(const Fp8GemmParams& p, const CUtensorMap& bmap, bool tb, in
 int fp8_prefill_tma_smem_bytes() { return std::max(Layout<true>::kSmemBytes, Layout<false>::kSmemBytes); }
 
 void fp8_prefill_tma_set_smem_limits() {
-  for (int fast : {0, 3, 4}) {
+  for (int fast : {0, 3, 4, 5}) {
     EPX_CUDA_CHECK(cudaFuncSetAttribute(tma_kernel<true>(fast), cudaFuncAttributeMaxDynamicSharedMemorySize, Layout<true>::kSmemBytes));
     EPX_CUDA_CHECK(cudaFuncSetAttribute(tma_kernel<false>(fast), cudaFuncAttributeMaxDynamicSharedMemorySize, Layout<false>::kSmemBytes));
   }
