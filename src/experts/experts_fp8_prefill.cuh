@@ -179,12 +179,13 @@ __device__ __forceinline__ void kblock(const Who& w, uint32_t a_s, uint32_t b_s,
   }
 }
 
-/// A consumer thread's loop-invariant shared-memory offsets for kblock_lean (Config::
-/// experts_fp8_prefill 22 and 10), computed once per thread and pinned in registers (an opaque asm
-/// result cannot be rematerialized): without them ptxas, at the 216-register budget of the other
-/// modes, recomputed the swizzled ldmatrix addresses and scale offsets from %tid (and the shared
-/// window from SR_CgaCtaId) in every K block, ~70 instructions per warp and block (ncu source
-/// counters, tenth session: 14 % of the consumer warps' samples).
+/// A consumer thread's loop-invariant shared-memory offsets for the lean consumers of the TMA kernels
+/// (kblock_lean: Config::experts_fp8_prefill 23; lean_item_prefetch: 27 and the default), computed
+/// once per thread and pinned in registers (an opaque asm result cannot be rematerialized; those
+/// kernels give the consumers 232 registers, the producer 40): at mode 17's 216-register budget ptxas
+/// recomputes the swizzled ldmatrix addresses and scale offsets from %tid (and the shared window from
+/// SR_CgaCtaId) in every K block, ~35 instructions per warp and block (ncu source counters, tenth
+/// session: 14 % of the consumer warps' samples with the instructions around them).
 ///   lds: byte offset, inside a stage's 128 x 128-byte token tile, of this lane's ldmatrix row for
 ///        k-step 0 (warpgroup cwg's tokens); k-step k's is lds ^ (k << 5) (the 128-byte swizzle
 ///        XORs the 16-byte chunk index 2 k + h with row % 8, and 2 k only touches chunk bits 1-2);
@@ -268,7 +269,8 @@ __device__ __forceinline__ void lean_load(const LeanOffsets& o, uint32_t b_s, ui
   lb.x0 = lds_f32(sc_s + o.sc), lb.x1 = lds_f32(sc_s + o.sc + 32), lb.w0 = lds_f32(sc_s), lb.w1 = lds_f32(sc_s + 8);
 }
 
-/// The K loop of one work item for the lean consumers (Config::experts_fp8_prefill 26 / 27): kblock_lean's
+/// The K loop of one work item for the prefetching lean consumer (Config::experts_fp8_prefill 27 and the
+/// default's TMA GEMMs): kblock_lean's
 /// wgmmas and promotions, with the next K block's operands (lean_load, after its `full` wait and `fence`)
 /// loaded right after this block's second batch completed and the stage was released, before the second
 /// promotion: the ldmatrix / ld.shared latency then runs under those 64 FFMAs instead of in front of the

@@ -161,9 +161,7 @@ __device__ __forceinline__ void consumer(const Fp8GemmParams& p, int32_t tile0, 
                                          uint8_t* smem, uint32_t smem_s) {
   using L = Layout<kGateUp>;
   constexpr bool kFast = kMode >= 2;
-  constexpr bool kLean = kMode >= 3;
   const Who w;
-  const std::conditional_t<kLean, LeanOffsets, NoOffsets> lo(w);  // only the lean modes (22, 24, 26) keep them
   const float* scales = reinterpret_cast<const float*>(smem + L::kScaleOff);
   const uint32_t full0 = smem_s + L::kBarOff, empty0 = full0 + L::kStages * 8;
   float acc[2][kFrag], tmp[kFrag];
@@ -188,31 +186,25 @@ __device__ __forceinline__ void consumer(const Fp8GemmParams& p, int32_t tile0, 
     for (int sub = 0; sub < 2; ++sub)
 #pragma unroll
       for (int i = 0; i < kFrag; ++i) acc[sub][i] = 0.0f;
-    if constexpr (kMode == 5) {  // mode 26: the next K block's operands loaded under the second promotion
-      lean_item_prefetch(lo, nk, pos, stages, smem_s, smem_s + L::kScaleOff, full0, empty0, smem_s + L::kDoneOff, w.lane, acc, tmp,
-                         [] { fence_proxy_async(); });
-    } else {
-      for (int64_t kb = 0; kb < nk; ++kb) {
-        const uint32_t s = pos.stage;
-        Stamps<kDbg> st;
-        if constexpr (kDbg) {
-          st.rec = dbg_rec(dcta, 1 + w.cwg, seen++, recorder);
-          st.flags = p.debug_flags;
-        }
-        st.at(0);
-        mbar_wait(full0 + s * 8, pos.phase);
-        fence_proxy_async();  // cp.async wrote through the generic proxy; wgmma reads through the async one
-        st.at(1);
-        const uint32_t a_s = smem_s + s * kStageBytes;
-        auto release = [&] {  // 8 consumer warps release the stage
-          __syncwarp();
-          if (w.lane == 0) mbar_arrive(empty0 + s * 8);
-        };
-        if constexpr (kLean) kblock_lean(lo, a_s, a_s + kABytes, smem_s + L::kScaleOff + s * (kScaleFloats * 4), acc, tmp, release);
-        else kblock<kFast, kFast, kDbg>(w, a_s, a_s + kABytes, scales + s * kScaleFloats, acc, tmp, release, st);
-        if constexpr (!kFast) release();
-        pos.advance(stages);
+    for (int64_t kb = 0; kb < nk; ++kb) {
+      const uint32_t s = pos.stage;
+      Stamps<kDbg> st;
+      if constexpr (kDbg) {
+        st.rec = dbg_rec(dcta, 1 + w.cwg, seen++, recorder);
+        st.flags = p.debug_flags;
       }
+      st.at(0);
+      mbar_wait(full0 + s * 8, pos.phase);
+      fence_proxy_async();  // cp.async wrote through the generic proxy; wgmma reads through the async one
+      st.at(1);
+      const uint32_t a_s = smem_s + s * kStageBytes;
+      auto release = [&] {  // 8 consumer warps release the stage
+        __syncwarp();
+        if (w.lane == 0) mbar_arrive(empty0 + s * 8);
+      };
+      kblock<kFast, kFast, kDbg>(w, a_s, a_s + kABytes, scales + s * kScaleFloats, acc, tmp, release, st);
+      if constexpr (!kFast) release();
+      pos.advance(stages);
     }
     if (kDbg && ditem != nullptr) ditem[1] = clock32();
     epilogue<kGateUp, kFast ? 1 : 0>(p, it, w, acc, smem);
@@ -239,8 +231,6 @@ __global__ void __launch_bounds__(kPfThreads, 1) fp8_prefill_kernel(Fp8GemmParam
       mbar_init(smem_s + L::kBarOff + s * 8, 128);                  // full: every producer thread's copies
       mbar_init(smem_s + L::kBarOff + (L::kStages + s) * 8, 8);     // empty: every consumer warp
     }
-    mbar_init(smem_s + L::kDoneOff, 1);  // done: completed once here (lean_item_prefetch)
-    mbar_arrive(smem_s + L::kDoneOff);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   __syncthreads();
@@ -257,15 +247,11 @@ __global__ void __launch_bounds__(kPfThreads, 1) fp8_prefill_kernel(Fp8GemmParam
   // Ring depth: Fp8GemmParams::prefill_stages clamped to [2, kStages] (0 = kStages).
   const uint32_t stages = p.prefill_stages <= 0 ? L::kStages : min(max(p.prefill_stages, 2), L::kStages);
   const int64_t num_items = static_cast<int64_t>(max(tile1 - tile0, 0)) * p.max_weight_tiles;
-  // Registers: 384 x 168 at launch = 128 x 64 + 256 x 216 (kMode 3: 128 x 40 + 256 x 232; the
-  // lean consumer keeps its per-thread offsets in the 16 registers the producer gives up).
   if (threadIdx.x < 128) {
-    if constexpr (kMode >= 3) setmaxnreg_dec<40>();
-    else setmaxnreg_dec<64>();
+    setmaxnreg_dec<64>();
     producer<kGateUp, kDbg>(p, tile0, num_items, stages, smem, smem_s);
   } else {
-    if constexpr (kMode >= 3) setmaxnreg_inc<232>();
-    else setmaxnreg_inc<216>();
+    setmaxnreg_inc<216>();
     consumer<kGateUp, kMode, kDbg>(p, tile0, num_items, stages, smem, smem_s);
   }
 }
@@ -284,7 +270,7 @@ __global__ void __launch_bounds__(kPfThreads, 1) fp8_prefill_kernel(Fp8GemmParam
 /// The kernel instance of Fp8GemmParams::prefill_fast (0: mode 8, 2: 17).
 template <bool kGateUp>
 auto prefill_kernel(int fast) {
-  return fast == 5 ? fp8_prefill_kernel<kGateUp, 5> : fast == 4 ? fp8_prefill_kernel<kGateUp, 4> : fast == 3 ? fp8_prefill_kernel<kGateUp, 3> : fast == 2 ? fp8_prefill_kernel<kGateUp, 2> : fp8_prefill_kernel<kGateUp, 0>;
+  return fast == 2 ? fp8_prefill_kernel<kGateUp, 2> : fp8_prefill_kernel<kGateUp, 0>;
 }
 
 // set_fp8_prefill_debug's state: process-wide, for the bench only (null: the library's kernels).
@@ -328,7 +314,7 @@ void set_fp8_prefill_debug(uint32_t* buffer, uint32_t flags) {
 int fp8_prefill_smem_bytes() { return std::max(Layout<true>::kSmemBytes, Layout<false>::kSmemBytes); }
 
 void fp8_prefill_set_smem_limits() {
-  for (int fast : {0, 2, 3, 4, 5}) {
+  for (int fast : {0, 2}) {
     EPX_CUDA_CHECK(cudaFuncSetAttribute(prefill_kernel<true>(fast), cudaFuncAttributeMaxDynamicSharedMemorySize, Layout<true>::kSmemBytes));
     EPX_CUDA_CHECK(cudaFuncSetAttribute(prefill_kernel<false>(fast), cudaFuncAttributeMaxDynamicSharedMemorySize, Layout<false>::kSmemBytes));
   }

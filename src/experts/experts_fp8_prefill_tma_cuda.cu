@@ -1,8 +1,11 @@
 // experts/experts_fp8_prefill_tma_cuda.cu: a variant of the FP8 prefill grouped GEMMs of
-// experts_fp8_prefill_cuda.cu (same tiles, same consumer and epilogue, experts_fp8_prefill.cuh;
-// bit-identical output) whose operands come by TMA, opt-in (Config::experts_fp8_prefill 10; with the
-// mode-8 consumer, bench/NOTES.md: 4 % faster than the cp.async kernels on ExpertMajor and 9 % slower
-// on Flat in one run; the consumer of mode 17 since the eighth session). Its 2-CTA cluster launch
+// experts_fp8_prefill_cuda.cu (same tiles, same epilogue, experts_fp8_prefill.cuh; bit-identical
+// output) whose operands come by TMA: since the tenth session the default's kernels for every GEMM
+// whose token rows are contiguous (ExpertMajor gate_up, every down), with the lean consumer that loads
+// the next K block's operands under the last promotion (lean_item_prefetch; producer 40 / consumers 232
+// registers), bench/NOTES.md tenth session; opt-in: mode 17's consumer (Config::experts_fp8_prefill 10),
+// the lean consumer without the prefetch (23), with it (27). (With the mode-8 consumer, sixth session:
+// 4 % faster than the cp.async kernels on ExpertMajor and 9 % slower on Flat.) Its 2-CTA cluster launch
 // multicasting the weight tile (11) was slower in every run, with the mode-17 consumer too (eighth
 // session: 4618 / 5037 us against 17's 3464 / 3519), and was removed.
 //
@@ -175,7 +178,7 @@ __device__ __forceinline__ void consumer(const Fp8GemmParams& p, bool all_tma, i
   using L = Layout<kGateUp>;
   const Who w;
   const int lane = w.lane;
-  const std::conditional_t<kLean, LeanOffsets, NoOffsets> lo(w);  // only the lean modes (23, 25, 27) keep them
+  const std::conditional_t<kLean, LeanOffsets, NoOffsets> lo(w);  // only the lean consumers keep them
   const float* scales = reinterpret_cast<const float*>(smem + L::kScaleOff);
   const uint32_t full0 = smem_s + L::kBarOff, empty0 = full0 + L::kStages * 8;
   float acc[2][kFrag], tmp[kFrag];
@@ -216,10 +219,9 @@ __device__ __forceinline__ void consumer(const Fp8GemmParams& p, bool all_tma, i
   bulk_end(w);
 }
 
-/// kInst: 1 = a second instance of the lean kernel (Config::experts_fp8_prefill 25), the target of the SASS
-/// experiment tools/device/sass_ffma_yield.py; unpatched it is 23. 2 = the lean consumer loading the next
-/// K block's operands under the second promotion (lean_item_prefetch; 27).
-template <bool kGateUp, bool kLean, int kInst>
+/// kLean: the consumer of kblock_lean (Config::experts_fp8_prefill 23) with kPrefetch: lean_item_prefetch
+/// (27, and the default's TMA GEMMs); registers 40 / 232 then.
+template <bool kGateUp, bool kLean, bool kPrefetch>
 __global__ void __launch_bounds__(kPfThreads, 1) fp8_prefill_tma_kernel(Fp8GemmParams p, const __grid_constant__ CUtensorMap bmap, int tma_b) {
   using L = Layout<kGateUp>;
   // tma_b: the token tile comes by TMA from `bmap` (only with the weight maps: the launch checks)
@@ -251,13 +253,13 @@ __global__ void __launch_bounds__(kPfThreads, 1) fp8_prefill_tma_kernel(Fp8GemmP
   } else {
     if constexpr (kLean) setmaxnreg_inc<232>();
     else setmaxnreg_inc<216>();
-    consumer<kGateUp, kLean, kInst == 2>(p, p.w_maps != nullptr && tma_b != 0, tile0, num_steps, stages, smem, smem_s);
+    consumer<kGateUp, kLean, kPrefetch>(p, p.w_maps != nullptr && tma_b != 0, tile0, num_steps, stages, smem, smem_s);
   }
 }
 
 #else  // not sm_90a: the host never launches these (fp8_tensor_cores_available is false)
 
-template <bool kGateUp, bool kLean, int kInst>
+template <bool kGateUp, bool kLean, bool kPrefetch>
 __global__ void __launch_bounds__(kPfThreads, 1) fp8_prefill_tma_kernel(Fp8GemmParams, const __grid_constant__ CUtensorMap, int) {
 #ifdef __CUDA_ARCH__
   __trap();
@@ -310,13 +312,12 @@ bool fp8_prefill_weight_maps(const ExpertDesc& e, int64_t hidden, Fp8TmaMap& w13
 namespace {
 
 /// The kernel of the gate_up (kGateUp) or down GEMM of Fp8GemmParams::prefill_fast `fast`
-/// (Config::experts_fp8_prefill 10: 0; lean 23: 3; 25: 4; 27: 5).
+/// (Config::experts_fp8_prefill 10: 0; lean 23: 3; lean with prefetch, 27 and the default: 5).
 template <bool kGateUp>
 auto tma_kernel(int fast) {
-  return fast == 5   ? fp8_prefill_tma_kernel<kGateUp, true, 2>
-         : fast == 4 ? fp8_prefill_tma_kernel<kGateUp, true, 1>
-         : fast == 3 ? fp8_prefill_tma_kernel<kGateUp, true, 0>
-                     : fp8_prefill_tma_kernel<kGateUp, false, 0>;
+  return fast == 5   ? fp8_prefill_tma_kernel<kGateUp, true, true>
+         : fast == 3 ? fp8_prefill_tma_kernel<kGateUp, true, false>
+                     : fp8_prefill_tma_kernel<kGateUp, false, false>;
 }
 
 template <bool kGateUp>
@@ -330,7 +331,7 @@ void launch_prefill(const Fp8GemmParams& p, const CUtensorMap& bmap, bool tb, in
 int fp8_prefill_tma_smem_bytes() { return std::max(Layout<true>::kSmemBytes, Layout<false>::kSmemBytes); }
 
 void fp8_prefill_tma_set_smem_limits() {
-  for (int fast : {0, 3, 4, 5}) {
+  for (int fast : {0, 3, 5}) {
     EPX_CUDA_CHECK(cudaFuncSetAttribute(tma_kernel<true>(fast), cudaFuncAttributeMaxDynamicSharedMemorySize, Layout<true>::kSmemBytes));
     EPX_CUDA_CHECK(cudaFuncSetAttribute(tma_kernel<false>(fast), cudaFuncAttributeMaxDynamicSharedMemorySize, Layout<false>::kSmemBytes));
   }

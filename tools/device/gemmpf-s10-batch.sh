@@ -1,29 +1,30 @@
 #!/usr/bin/env bash
-# tools/device/gemmpf-s10-batch.sh: the prefill grouped-GEMM helper's device batch of the tenth session (issue 6,
-# FP8 prefill kernels: the lean consumer, modes 22 / 23, and the SASS experiment of modes 24 / 25). Run from a copy of
-# main that carries .carry/deps.tar.xz and .carry-gemmpf/{src,prebuilt}.tar.xz:
+# tools/device/gemmpf-s10-batch.sh: the prefill grouped-GEMM helper's device batches of the tenth session (issue 6,
+# FP8 prefill kernels). Run from a copy of main that carries .carry/deps.tar.xz and .carry-gemmpf/{src,prebuilt}.tar.xz:
 #   OUT=<dir> BUDGET=<s> timeout -k 5 <s> bash .carry-gemmpf/batch.sh
 # prebuilt.tar.xz: experts_cuda_test and epx-gemm-bench built from src.tar.xz on the dev machine (CUDA 13.0,
 # sm_90a); when they do not load here they are built with tools/device/gpu-check.sh instead.
-# Before anything runs, tools/device/sass_ffma_yield.py patches mode 24's and 25's kernels in both binaries (the
-# promotion FFMAs lose their operand-reuse flags and the no-yield bit; unpatched, 24 = 22 and 25 = 23).
+# (Batch 1 of the session, commit 2f1efe9, also patched modes 24 / 25 with tools/device/sass_ffma_yield.py,
+# removed since: see bench/NOTES.md.)
 # STEPS (space-separated, in order; default "bits ab sass ncu torch fp8"):
-#   bits   ExpertsCuda.Fp8PrefillTmaLoadsMatchCpAsyncLoadsBitForBit (17, 10, 22-27 against mode 8, byte for byte);
-#   ab     epx-gemm-bench --prefill-modes $MODES (default 22,23,24,25,26,27) against the default (17) on both layouts,
+#   bits   ExpertsCuda.Fp8PrefillTmaLoadsMatchCpAsyncLoadsBitForBit (17, 10, 23, 27 and the default against mode 8,
+#          byte for byte);
+#   ab     epx-gemm-bench --prefill-modes $MODES (default 17,23,27,10) against the default on both layouts,
 #          with the cuBLASLt loop and the dense ceiling (ITERS, default 10); a hang in bits drops $MODES;
-#   sass   cuobjdump -sass of the prefill kernels of the (patched) bench binary;
+#          nvidia-smi samples the SM clock and the board power every 100 ms meanwhile (smi-ab.csv);
+#   sass   cuobjdump -sass of the prefill kernels of the bench binary;
 #   ncu    Nsight Compute --set full (--clock-control none) on one gate_up and one down launch of mode $NCU_MODE
-#          (default 24), with the per-instruction source page;
+#          (default 1: the default), ExpertMajor, with the per-instruction source page;
 #   torch  bench/gemm_torch.py (torch._scaled_grouped_mm, the same shapes);
-#   fp8    ExpertsCuda.Fp8TensorCoreRowCountsOneTo8192 (against the CPU; includes mode 22).
+#   fp8    ExpertsCuda.Fp8TensorCoreRowCountsOneTo8192 (against the CPU: the default and 17 among others).
 # Every step has its own timeout; budget BUDGET s (default 195). Writes $OUT/summary.txt first, small logs.
 set -uo pipefail
 OUT="${OUT:-/tmp/gemmpf-out}"
 BUDGET="${BUDGET:-195}"
 STEPS="${STEPS:-bits ab sass ncu torch fp8}"
 ITERS="${ITERS:-10}"
-MODES="${MODES:-22,23,24,25,26,27}"
-NCU_MODE="${NCU_MODE:-24}"
+MODES="${MODES:-17,23,27,10}"
+NCU_MODE="${NCU_MODE:-1}"
 mkdir -p "$OUT"
 HERE="$(pwd)"
 S=/tmp/s-gemmpf
@@ -58,12 +59,6 @@ if [ -z "$B" ]; then
   deps=/tmp/epx-gpu-check/deps/usr/lib/x86_64-linux-gnu
   export LD_LIBRARY_PATH="$nccl/lib:$deps:$deps/openblas-pthread${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 fi
-# Mode 24's and 25's kernels (Fp8GemmParams::prefill_fast 4: fp8_prefill_kernel<*, 4, 0>, fp8_prefill_tma_kernel<*, 1, 1>).
-for f in "$B/epx-gemm-bench" "$B/experts_cuda_test"; do
-  [ -f "$f" ] && cp "$f" "$f.orig" && python3 "$S/tools/device/sass_ffma_yield.py" "$f" fp8_prefill_kernelILb1ELi4ELb0 fp8_prefill_kernelILb0ELi4ELb0 \
-    fp8_prefill_tma_kernelILb1ELb1ELi1 fp8_prefill_tma_kernelILb0ELb1ELi1 2>&1 |
-    sed "s|^|$(basename "$f"): |" | cut -c1-50,140- | tee -a "$OUT/summary.txt"
-done
 commit="$(cat "$HERE/.carry-gemmpf/commit.txt" 2>/dev/null || echo unknown)"
 hung=0
 bench() {  # bench NAME LIMIT ARGS...: epx-gemm-bench into $OUT/NAME.{json,log}
@@ -77,12 +72,18 @@ bench() {  # bench NAME LIMIT ARGS...: epx-gemm-bench into $OUT/NAME.{json,log}
 }
 for step in $STEPS; do
   case $step in
-    ab) bench gemm-bench 95 --iters "$ITERS" --no-simt --prefill-only ${MODES:+--prefill-modes $MODES} ;;
+    ab)
+      nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu --format=csv -lms 100 \
+        >"$OUT/smi-ab.csv" 2>&1 &
+      smi=$!
+      bench gemm-bench 95 --iters "$ITERS" --no-simt --prefill-only ${MODES:+--prefill-modes $MODES}
+      kill "$smi" 2>/dev/null
+      say "smi during ab: $(awk -F', ' 'NR > 1 && $3 + 0 > 300 {n++; c += $2; p += $3; if ($3 + 0 > m) m = $3 + 0} END {if (n) printf "%d samples over 300 W: SM clock mean %.0f MHz, power mean %.0f W, max %.0f W", n, c / n, p / n, m}' "$OUT/smi-ab.csv")" ;;
     sass)
       CUOBJ="$(command -v cuobjdump || ls /usr/local/cuda/bin/cuobjdump 2>/dev/null | head -1)"
       if [ -n "$CUOBJ" ]; then
         timeout 30 "$CUOBJ" -sass "$B/epx-gemm-bench" 2>/dev/null |
-          awk '/Function :/{keep = ($0 ~ /fp8_prefill_kernelILb[01]ELi[234]ELb0|fp8_prefill_tma_kernel/)} keep' | gzip -1 >"$OUT/sass.txt.gz"
+          awk '/Function :/{keep = ($0 ~ /fp8_prefill_kernelILb[01]ELi2ELb0|fp8_prefill_tma_kernel/)} keep' | gzip -1 >"$OUT/sass.txt.gz"
         say "sass: $(zcat "$OUT/sass.txt.gz" | wc -l) lines at $((SECONDS - T0)) s"
       fi ;;
     ncu)
@@ -123,13 +124,7 @@ for step in $STEPS; do
         trc=$?
         say "test $step rc=$trc (limit $b s) at $((SECONDS - T0)) s"
         [ "$step" = bits ] && [ $trc -ge 124 ] && MODES=""  # a variant hung: the A/B measures the default only
-        if [ "$step" = bits ] && ! grep -q "^\[ bits \]" "$OUT/test-$step.log"; then
-          # the patched binaries did not run at all: back to the unpatched ones, without 24 / 25
-          for f in "$B/epx-gemm-bench" "$B/experts_cuda_test"; do [ -f "$f.orig" ] && cp "$f.orig" "$f"; done
-          MODES="22,23,26,27"
-          say "bits: no verdict from the patched test binary; unpatched binaries, MODES=$MODES"
-        fi
-        grep -E "^\[ bits \]|^\[  FAILED|^\[  PASSED|Failure|mode 22" "$OUT/test-$step.log" | tee -a "$OUT/summary.txt"
+        grep -E "^\[ bits \]|^\[  FAILED|^\[  PASSED|Failure|8192 rows|mode 17" "$OUT/test-$step.log" | tee -a "$OUT/summary.txt"
       fi ;;
   esac
 done
