@@ -6,7 +6,7 @@
 # sm_90a); when they do not load here they are built with tools/device/gpu-check.sh instead.
 # (Batch 1 of the session, commit 2f1efe9, also patched modes 24 / 25 with tools/device/sass_ffma_yield.py,
 # removed since: see bench/NOTES.md.)
-# STEPS (space-separated, in order; default "bits ab sass ncu torch fp8"):
+# STEPS (space-separated, in order; default "bits ab torch rest fp8 ncu"):
 #   bits   ExpertsCuda.Fp8PrefillTmaLoadsMatchCpAsyncLoadsBitForBit (17, 10, 23, 27 and the default against mode 8,
 #          byte for byte);
 #   ab     epx-gemm-bench --prefill-modes $MODES (default 17,23,27,10) against the default on both layouts,
@@ -16,12 +16,14 @@
 #   ncu    Nsight Compute --set full (--clock-control none) on one gate_up and one down launch of mode $NCU_MODE
 #          (default 1: the default), ExpertMajor, with the per-instruction source page;
 #   torch  bench/gemm_torch.py (torch._scaled_grouped_mm, the same shapes);
-#   fp8    ExpertsCuda.Fp8TensorCoreRowCountsOneTo8192 (against the CPU: the default and 17 among others).
+#   fp8    ExpertsCuda.Fp8TensorCoreRowCountsOneTo8192 (against the CPU: the default and 17 among others);
+#   rest   the other experts GPU tests but the MXFP4 ones (ExpertsCuda.*: shapes, formats, graphs, the full layer), on
+#          the new default.
 # Every step has its own timeout; budget BUDGET s (default 195). Writes $OUT/summary.txt first, small logs.
 set -uo pipefail
 OUT="${OUT:-/tmp/gemmpf-out}"
 BUDGET="${BUDGET:-195}"
-STEPS="${STEPS:-bits ab sass ncu torch fp8}"
+STEPS="${STEPS:-bits ab torch rest fp8 ncu}"
 ITERS="${ITERS:-10}"
 MODES="${MODES:-17,23,27,10}"
 NCU_MODE="${NCU_MODE:-1}"
@@ -87,7 +89,7 @@ for step in $STEPS; do
         say "sass: $(zcat "$OUT/sass.txt.gz" | wc -l) lines at $((SECONDS - T0)) s"
       fi ;;
     ncu)
-      b=$(cap 45)
+      b=$(cap 40)
       NCU="$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)"
       if [ "$b" -gt 20 ] && [ -n "$NCU" ]; then
         EPX_EXPERTS_FP8_PREFILL=$NCU_MODE timeout -k 3 "$b" "$NCU" --clock-control none --set full --import-source no \
@@ -113,10 +115,11 @@ for step in $STEPS; do
         say "gemm-torch rc=$? (limit $b s) at $((SECONDS - T0)) s"
         tail -3 "$OUT/gemm-torch.log" | tee -a "$OUT/summary.txt"
       fi ;;
-    bits|fp8)
+    bits|fp8|rest)
       case $step in
         bits) f='ExpertsCuda.Fp8PrefillTmaLoadsMatchCpAsyncLoadsBitForBit'; lim=35 ;;
-        fp8) f='ExpertsCuda.Fp8TensorCoreRowCountsOneTo8192'; lim=70 ;;
+        fp8) f='ExpertsCuda.Fp8TensorCoreRowCountsOneTo8192'; lim=65 ;;
+        rest) f='ExpertsCuda.*-ExpertsCuda.Fp8TensorCoreRowCountsOneTo8192:ExpertsCuda.Fp8PrefillTmaLoadsMatchCpAsyncLoadsBitForBit:ExpertsCuda.Mxfp4*'; lim=45 ;;
       esac
       b=$(( $(left) - 1 )); [ $b -gt $lim ] && b=$lim
       if [ $b -gt 4 ] && [ -x "$B/experts_cuda_test" ]; then
