@@ -17,9 +17,9 @@ if [ -x "$B/experts_cuda_test" ] && [ -n "$SAN" ]; then
   for spec in "memcheck:45:*Mxfp4DecodePath*:*Fp8TensorCoreRowCountsOneTo8192*" "racecheck:45:*Mxfp4DecodePathRowCounts*"; do
     tool=${spec%%:*}; rest=${spec#*:}; lim=${rest%%:*}; filt=${rest#*:}
     CUDA_VISIBLE_DEVICES=0 timeout -k 3 "$lim" "$SAN" --tool "$tool" ./experts_cuda_test --gtest_filter="$filt" > "/tmp/san-$tool.log" 2>&1
-    echo "$tool rc=$? (limit $lim): $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|PASSED|FAILED' /tmp/san-$tool.log | tr '\n' ' ')" | tee -a "$OUT/sanitizer-summary.txt"
+    echo "$tool rc=$? (limit $lim): $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|PASSED|FAILED' /tmp/san-$tool.log | tr '\n' ' ')" | tee -a /tmp/san-summary.txt
   done
-  tail -c 20000 /tmp/san-memcheck.log > "$OUT/san-logs.txt"; tail -c 10000 /tmp/san-racecheck.log >> "$OUT/san-logs.txt"
+  { cat /tmp/san-summary.txt; tail -c 20000 /tmp/san-memcheck.log; } > "$OUT/san-logs.txt"; tail -c 10000 /tmp/san-racecheck.log >> "$OUT/san-logs.txt"
   cd "$ROOT"
 fi
 [ -f .carry-mxfp4/batch.sh ] && OUT=$OUT bash tools/device/helpers-run.sh "mxfp4:${MXFP4_S:-100}"
