@@ -62,7 +62,7 @@ struct Config {
   int ht_pdl = 1;
   int experts_simt = 0;              ///< 1: CUDA experts always take the SIMT reference GEMMs (A/B, debugging)
   int experts_fp8_pairs = 0;         ///< 1: the FP8 tensor-core mainloop that runs K blocks in pairs (bench/NOTES.md)
-  int experts_fp8_prefill = 1;       ///< experts with > 64 rows take the FP8 warp-specialized prefill GEMMs: 1 the measured fastest (now 17), 8 cp.async loads (tokens in wgmma A), 17 = 8 with early scales / release, bulk-copy stores and wgmma A in registers, 10 = 17 with TMA loads; 0 off; 2-7, 9, 11-16 and 18-21 were removed after measurement and are refused (bench/NOTES.md)
+  int experts_fp8_prefill = 1;       ///< experts with > 64 rows take the FP8 warp-specialized prefill GEMMs: 1 per GEMM the measured fastest (TMA loads with the lean consumer where token rows are contiguous, 17's cp.async kernel for the Flat gate_up gather), 8 cp.async loads (tokens in wgmma A), 17 = 8 with early scales / release, bulk-copy stores and wgmma A in registers, 10 = 17 with TMA loads, 23 = 10 with the lean consumer (pinned per-thread offsets, 40 / 232 registers), 27 = 23 loading the next K block under the last promotion; 0 off; 2-7, 9, 11-16, 18-22 and 24-26 were removed after measurement and are refused (bench/NOTES.md)
   int experts_fp8_prefill_stages = 0; ///< their ring depth in 48 KiB stages: 0 = maximum (gate_up 4, down 3), 2..4
   /// the prefill section runs only when the experts with > 64 rows need at least this many 128-row
   /// tiles in all (decided on the device per apply); below it every tile stays on the 64-row kernels,

@@ -120,7 +120,7 @@ Attributes (JSON key, environment variable):
   ll_warps_per_block (multiple of 4 in [4, 32]), ll_num_blocks (0 = one per SM): ll on CUDA launch shape.
   ht_num_sms (1..132), ht_warps_per_block, ht_combine_mode (0 | 1), ht_chunk_rows (1..4096), ht_fp8_unroll
       (0 | 4 | 7), ht_pdl (0..2): ht on CUDA.
-  experts_simt, experts_fp8_pairs, experts_fp8_prefill (0, 1, 8, 10, 17), experts_fp8_prefill_stages (0 or 2..4),
+  experts_simt, experts_fp8_pairs, experts_fp8_prefill (0, 1, 8, 10, 17, 23, 27), experts_fp8_prefill_stages (0 or 2..4),
       experts_fp8_prefill_min_tiles (0 = one wave, >= 1), experts_mxfp4_tc (0..6): CUDA experts' kernel choice.
   moe_chunk_size (tokens, 0 = unchunked), fhmoe_max_tokens (fuse the shared expert when M <= this).)doc");
   cls.def(pyb::init<>(), "Defaults only (no file, no environment).")
@@ -185,7 +185,7 @@ Attributes (JSON key, environment variable):
   bind_setting(cls, "experts_fp8_pairs", "experts.fp8_pairs", &Config::experts_fp8_pairs,
                "1: the FP8 tensor-core mainloop over K-block pairs.");
   bind_setting(cls, "experts_fp8_prefill", "experts.fp8_prefill", &Config::experts_fp8_prefill,
-               "Experts with > 64 rows take the FP8 prefill GEMMs (128-row tiles): 1 (default) the measured fastest variant (now 17), 8 cp.async loads, 17 = 8 with early scales / release, bulk-copy stores and wgmma A in registers, 10 = 17 with TMA loads; 0 off (2-7, 9, 11-16 and 18-21 were removed and are refused).");
+               "Experts with > 64 rows take the FP8 prefill GEMMs (128-row tiles): 1 (default) per GEMM the measured fastest (TMA loads with the lean consumer where token rows are contiguous, 17 for the Flat gate_up gather), 8 cp.async loads, 17 = 8 with early scales / release, bulk-copy stores and wgmma A in registers, 10 = 17 with TMA loads, 23 = 10 with the lean consumer, 27 = 23 loading the next K block under the last promotion; 0 off (2-7, 9, 11-16, 18-22 and 24-26 were removed and are refused).");
   bind_setting(cls, "experts_fp8_prefill_stages", "experts.fp8_prefill_stages", &Config::experts_fp8_prefill_stages,
                "Ring depth of the FP8 prefill GEMMs in stages; 0 = maximum, else 2..4.");
   bind_setting(cls, "experts_fp8_prefill_min_tiles", "experts.fp8_prefill_min_tiles", &Config::experts_fp8_prefill_min_tiles,

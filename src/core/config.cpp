@@ -45,7 +45,7 @@ void for_each_field(C& c, Visit&& v) {
   v(Field{"ht.pdl", "EPX_HT_PDL", "", "HT on CUDA: 1 dispatch kernel by programmatic dependent launch, 2 also prefetches x rows into L2; 0..2"}, c.ht_pdl);
   v(Field{"experts.simt", "EPX_EXPERTS_SIMT", "", "1: CUDA experts always use the SIMT reference GEMMs; 0..1"}, c.experts_simt);
   v(Field{"experts.fp8_pairs", "EPX_EXPERTS_FP8_PAIRS", "", "1: FP8 tensor-core mainloop over K-block pairs; 0..1"}, c.experts_fp8_pairs);
-  v(Field{"experts.fp8_prefill", "EPX_EXPERTS_FP8_PREFILL", "", "experts with > 64 rows take the FP8 prefill GEMMs (128-row tiles): 1 the measured fastest (now 17), 8 cp.async loads with tokens in wgmma A, 17 = 8 with early scale reads / stage release, bulk-copy stores and wgmma's A in registers, 10 = 17 with TMA loads; 0 off; 0, 1, 8, 10 or 17 (2-7, 9, 11-16 and 18-21 were removed after measurement)"}, c.experts_fp8_prefill);
+  v(Field{"experts.fp8_prefill", "EPX_EXPERTS_FP8_PREFILL", "", "experts with > 64 rows take the FP8 prefill GEMMs (128-row tiles): 1 per GEMM the measured fastest (TMA loads with the lean consumer, 27's kernels, where token rows are contiguous; 17's cp.async kernel for the Flat gate_up gather), 8 cp.async loads with tokens in wgmma A, 17 = 8 with early scale reads / stage release, bulk-copy stores and wgmma's A in registers, 10 = 17 with TMA loads, 23 = 10 with the lean consumer, 27 = 23 loading the next K block under the last promotion; 0 off; 0, 1, 8, 10, 17, 23 or 27 (2-7, 9, 11-16, 18-22 and 24-26 were removed after measurement)"}, c.experts_fp8_prefill);
   v(Field{"experts.fp8_prefill_stages", "EPX_EXPERTS_FP8_PREFILL_STAGES", "stages", "FP8 prefill GEMMs' ring depth; 0 = maximum (gate_up 4, down 3), else 2..4"}, c.experts_fp8_prefill_stages);
   v(Field{"experts.fp8_prefill_min_tiles", "EPX_EXPERTS_FP8_PREFILL_MIN_TILES", "tiles", "FP8 prefill GEMMs run only when the experts with > 64 rows fill at least this many 128-row tiles; 0 = one wave of the GPU, 1 = always"}, c.experts_fp8_prefill_min_tiles);
   v(Field{"experts.mxfp4_tc", "EPX_EXPERTS_MXFP4_TC", "", "0: mxfp4 experts keep the SIMT GEMMs; 1: MXFP4 tensor-core kernels (<= 16-row tiles on the mma.sync decode path); 2: their 512-thread (wide) variant; A/Bs of 1: 3 without the decode path (<= 16-row tiles on the BN 16 wgmma kernel), 4 / 5 / 6 with its first layout for <= 8 rows (decode_item_ring) with the L2 prefetch / with a ring of 3 windows / as measured in batch 2; 0..6"}, c.experts_mxfp4_tc);
@@ -227,9 +227,9 @@ void Config::validate_fields() const {
   require_arg("config", "experts.fp8_pairs", experts_fp8_pairs, experts_fp8_pairs == 0 || experts_fp8_pairs == 1, "must be 0 or 1");
   require_arg("config", "experts.fp8_prefill", experts_fp8_prefill,
               experts_fp8_prefill == 0 || experts_fp8_prefill == 1 || experts_fp8_prefill == 8 || experts_fp8_prefill == 10 ||
-                  experts_fp8_prefill == 17,
-              "must be 0, 1, 8, 10 or 17 (2-7, 9, 11, 12-15, 20 and 21 were measured slower and removed; 16, 18 and 19 were measured "
-              "level with 17 and removed in the ninth session; bench/NOTES.md)");
+                  experts_fp8_prefill == 17 || experts_fp8_prefill == 23 || experts_fp8_prefill == 27,
+              "must be 0, 1, 8, 10, 17, 23 or 27 (2-7, 9, 11, 12-15, 20-22 and 26 were measured slower and removed; 16, 18, 19, 24 and 25 "
+              "were measured level and removed; bench/NOTES.md)");
   require_arg("config", "experts.fp8_prefill_stages", experts_fp8_prefill_stages,
               experts_fp8_prefill_stages == 0 || (experts_fp8_prefill_stages >= 2 && experts_fp8_prefill_stages <= 4), "must be 0 or in [2, 4]");
   require_arg("config", "experts.fp8_prefill_min_tiles", experts_fp8_prefill_min_tiles, experts_fp8_prefill_min_tiles >= 0, "must be >= 0 (0 = one wave)");

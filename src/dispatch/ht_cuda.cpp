@@ -109,9 +109,9 @@ HtCuda::~HtCuda() {
 std::optional<std::string> HtCuda::take_bad_layout(const std::string& op, bool own_only) {
   const volatile HtHostRecord* rec = record_host_;
   if (!cfg_.use_worst_case_sizing) return std::nullopt;
-  const uint64_t epoch = rec->layout_epoch;  // written last by the layout kernel
+  const uint64_t epoch = rec->bad_epoch;  // the last bad layout's epoch, written after its details
   std::atomic_thread_fence(std::memory_order_acquire);
-  if (!rec->any_bad || epoch <= reported_bad_epoch_) return std::nullopt;
+  if (epoch == 0 || epoch <= reported_bad_epoch_) return std::nullopt;
   // Worst-case mode never waits in prepare: a bad argument found by the layout kernel surfaces here.
   reported_bad_epoch_ = epoch;
   const int bad_rank = rec->bad_rank;

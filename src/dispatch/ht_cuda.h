@@ -127,6 +127,8 @@ struct HtHostRecord {
   int32_t error_op = 0;         ///< 0 layout (prepare), 1 dispatch (prepare), 2 combine (finalize)
   int32_t pad = 0;
   uint64_t layout_epoch = 0;    ///< epoch of the last completed layout kernel (written last)
+  uint64_t bad_epoch = 0;       ///< epoch of the last layout whose arguments were bad (0: none yet); bad_rank,
+                                ///< bad_index and bad_num_tokens* are that layout's and are kept until the next bad one
 };
 
 /// Device-local state (one allocation): epochs, the cached layout, the derived offsets.

@@ -433,10 +433,10 @@ struct DeviceTCase {
   std::vector<std::vector<Snapshot>> want;
 };
 
-DeviceTCase make_device_t_case() {
+DeviceTCase make_device_t_case(int R = 2) {
   DeviceTCase g;
   Case& c = g.c;
-  c.R = 2;
+  c.R = R;
   c.E = 32;
   c.K = 4;
   c.H = 1024;
@@ -447,7 +447,7 @@ DeviceTCase make_device_t_case() {
   const std::vector<std::vector<int64_t>> Ts = {{256, 200}, {0, 17}, {1, 256}, {130, 0}};
   for (size_t i = 0; i < Ts.size(); ++i) {
     Case ci = c;
-    ci.T = Ts[i];
+    ci.T = std::vector<int64_t>(Ts[i].begin(), Ts[i].begin() + R);  // R = 1: 256, 0, 1, 130
     ci.seed = 300 + i;
     g.rounds.push_back(make_inputs(ci));
   }
@@ -540,10 +540,17 @@ std::string run_device_t(const DeviceTCase& dc, const std::shared_ptr<Group>& g,
   test::upload_device(nt.data(), &too_many, 4, "num_tokens");
   cuda_ok(cudaGraphLaunch(exec, stream), "graph launch");
   cuda_ok(cudaStreamSynchronize(stream), "graph sync");
+  // The next call is a good one (T = 1): its own layout must not erase the bad replay's verdict before the host
+  // reads it (the record keeps the last bad layout until the next bad one).
+  const int32_t one = 1;
+  test::upload_device(nt.data(), &one, 4, "num_tokens");
   std::string what, where = "no call";
   try {
     where = "prepare";
     pf->prepare(a);
+    // The good call's layout has completed (and rewritten the record) before the host reads it: without the
+    // kept verdict this check fails every time, not only when the host happens to be early.
+    cuda_ok(cudaStreamSynchronize(stream), "sync prepare");
     where = "finalize";
     pf->finalize({eo, out, Stream{stream}});
     where = "no call";
@@ -933,6 +940,24 @@ TEST(HtCuda, DISABLED_Timeline) {
   const int n = cuda::device_count();
   if (n < 2) GTEST_SKIP() << "needs 2 GPUs, found " << n;
   run_timeline();
+}
+
+// The device token count under one graph, and the worst-case bad-count verdict kept until the host reads it
+// (a later good call's layout must not erase it), on one rank: runs on the one-GPU machine too.
+TEST(HtCuda, DeviceTokenCountOneRank) {
+  if (cuda::device_count() < 1) GTEST_SKIP() << "needs 1 GPU";
+  const DeviceTCase dc = make_device_t_case(1);
+  const std::string path = fresh_dir() + "/uid";
+  const std::string failed = run_ranks_forked(1, 200.0, [&](int rank) {
+    auto g = make_nccl_group(path, rank, 1, rank, 60.0);
+    cuda_ok(cudaSetDevice(rank), "cudaSetDevice");
+    cudaStream_t stream;
+    cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
+    const std::string failures = run_device_t(dc, g, stream);
+    cuda_ok(cudaStreamDestroy(stream), "stream destroy");
+    if (!failures.empty()) throw std::runtime_error("mismatches:\n" + failures);
+  });
+  EXPECT_EQ(failed, "");
 }
 
 TEST(HtCuda, MatchesHtCpuTwoRanks) {

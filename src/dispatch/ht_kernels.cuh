@@ -361,13 +361,18 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(HtParams p) {
     __threadfence();
     st_release_gpu(&st.layout_ready, 1);
     HtHostRecord* rec = p.record;
-    rec->bad_num_tokens = s_bad_tokens;
-    rec->bad_num_tokens_value = s_bad_tokens_value;
+    // The bad-argument details are written only by a bad layout, and stay until the next bad one (bad_epoch
+    // below): a later good layout must not erase a verdict the host has not read yet (worst-case mode reads
+    // it after a later launch, or after graph replays).
+    if (any_bad) {
+      rec->bad_num_tokens = s_bad_tokens;
+      rec->bad_num_tokens_value = s_bad_tokens_value;
+      rec->bad_rank = bad_rank;
+      rec->bad_index = s_bad == ULLONG_MAX ? -1 : static_cast<int64_t>(s_bad);
+    }
     rec->num_recv = off;
     rec->any_bad = any_bad;
-    rec->bad_rank = bad_rank;
     rec->cache_hit = hit;
-    rec->bad_index = s_bad == ULLONG_MAX ? -1 : static_cast<int64_t>(s_bad);
     rec->valid_selections = any_bad ? 0 : st.valid_selections;
     rec->dedup_rows = any_bad ? 0 : st.dedup_rows;
     rec->rows_to_self = any_bad ? 0 : st.rows_to[me];
@@ -375,6 +380,7 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(HtParams p) {
     rec->contig_rows = s_contig;
     st.timeline[kTlLayoutRecord] = globaltimer_ns();
     __threadfence_system();
+    if (any_bad) *reinterpret_cast<volatile uint64_t*>(&rec->bad_epoch) = epoch;
     *reinterpret_cast<volatile uint64_t*>(&rec->layout_epoch) = epoch;
   }
 }

@@ -316,6 +316,10 @@ void LlCuda::check_finalize_args(const FinalizeArgs& args) {
 }
 
 void LlCuda::launch_rejected_combine(Stream stream) {
+  // The refused finalize is this prepare's finalize (ll_cuda.h): a retry is refused on the host ("no prepare
+  // to finalize") instead of launching a second combine for one dispatch, which would put this rank's call
+  // numbers one ahead of its peers' until a timeout.
+  prepared_ = false;
   if (common_.combine_data) return;  // ll.combine_wait = data has no flags: the peers time out (documented)
   try {
     cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;

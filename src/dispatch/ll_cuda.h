@@ -88,7 +88,7 @@
 // rows and releases its flags as (n + 1) | kLlFlagRejected, so every peer's combine ends at once,
 // writes NaN into its out and reports it (below: InvalidArgument naming this rank, "refused its finalize
 // arguments"), and every object stays usable. A refused finalize is that prepare's finalize: the next call
-// is a prepare, not a retry. Not with ll.combine_wait = data (no flags: the peers time out) nor inside a
+// is a prepare, not a retry (a retried finalize throws InvalidArgument "no prepare to finalize"). Not with ll.combine_wait = data (no flags: the peers time out) nor inside a
 // graph capture. Device-side checks (a device num_tokens outside [0, x.shape[0]], a topk id outside
 // [-1, max id]) cannot throw: the kernels send nothing for them (T = 0, id = -1) and write an error report
 // into host-mapped memory. Such a report (and a peer's refusal) is thrown as InvalidArgument by check(),

@@ -928,6 +928,62 @@ std::string run_combine_rejected(const std::string& name, LlCombine mode, const 
 
 int gpus() { return cuda::device_count(); }
 
+// A refused finalize is that prepare's finalize (ll_cuda.h): retrying it with good arguments must be refused
+// on the host ("no prepare to finalize") rather than launch a second combine for one dispatch (the call
+// numbers would drift until a timeout), and the object must stay usable: the next round matches LlCpu.
+// One rank, so it runs on the one-GPU machine too (the peers' side is CombineRefusedOnOneRank...TwoRanks).
+TEST(LlCuda, RefusedFinalizeIsNotRetriedOneRank) {
+  if (gpus() < 1) GTEST_SKIP() << "needs 1 GPU, found " << gpus();
+  Case c = make_case(1, 2048, 16, 4, DType::fp8_e4m3, false, false, false, false, 0.1, 16, {}, 63);
+  Case ca = c, cb = c;
+  ca.T = {8};
+  cb.T = {7};
+  cb.seed = 64;
+  const std::vector<RankInput> in = make_inputs(ca), mid = make_inputs(cb);
+  const auto want = run_cpu(c, {in, in});
+  const std::string path = nccl_path();
+  const std::string failed = run_ranks_forked(1, 120.0, [&](int rank) {
+    auto g = make_nccl_group(path, rank, 1, rank, 60.0);
+    cuda_ok(cudaSetDevice(rank), "cudaSetDevice");
+    const Device dev = Device::cuda(rank);
+    cudaStream_t s;
+    cuda_ok(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "stream");
+    dispatch::LlLaunch launch;
+    launch.timeout_s = 4.0;
+    dispatch::LlCuda ll(g, c.config(), launch);
+    std::string failures;
+    const std::string d0 = diff(gpu_round(c, ll, in[0], rank, s, false), want[0][0]);
+    if (!d0.empty()) failures += "round before: " + d0 + "; ";
+    const RankInput& ri = mid[0];
+    const int64_t T = ri.x.size(0);
+    const DevInput d = upload(ri, T, dev);
+    const PrepareResult p = ll.prepare({d.x, d.idx, d.w, Stream{s}});
+    cuda_ok(cudaStreamSynchronize(s), "sync prepare");
+    ll.check(Stream{s});
+    const Tensor eo = experts_out(c, rank, p).to(dev);
+    Tensor bad = Tensor::empty({T + 1, c.H}, DType::bf16, dev), good = Tensor::empty({T, c.H}, DType::bf16, dev);
+    std::string refused, retried;
+    try {
+      ll.finalize({eo, bad, Stream{s}});
+    } catch (const InvalidArgument& e) {
+      refused = e.what();
+    }
+    try {
+      ll.finalize({eo, good, Stream{s}});
+    } catch (const InvalidArgument& e) {
+      retried = e.what();
+    }
+    cuda_ok(cudaStreamSynchronize(s), "sync");
+    std::printf("refused: '%s'\nretried: '%s'\n", refused.c_str(), retried.c_str());
+    if (refused.find("out.shape") == std::string::npos) failures += "the bad finalize: '" + refused + "'; ";
+    if (retried.find("no prepare to finalize") == std::string::npos) failures += "the retried finalize: '" + retried + "'; ";
+    const std::string d1 = diff(gpu_round(c, ll, in[0], rank, s, false), want[1][0]);
+    if (!d1.empty()) failures += "round after: " + d1 + "; ";
+    if (!failures.empty()) throw std::runtime_error(failures);
+  });
+  EXPECT_EQ(failed, "");
+}
+
 TEST(LlCuda, MatchesCpuOneRank) {
   if (gpus() < 1) GTEST_SKIP() << "needs 1 GPU, found " << gpus();
   run_eager(1);

@@ -34,20 +34,16 @@ constexpr std::string_view kOp = "experts_cuda.apply";
 /// grid.y of the GEMMs: CTAs stride over the device-side tile list, so the grid never depends on
 /// the counts (which the host does not know) and stays bounded for large capacities.
 constexpr int64_t kMaxTileSlots = 1024;
-/// The FP8 prefill kernels' variant that Config::experts_fp8_prefill = 1 (the default) takes: 8
-/// experts_fp8_prefill_cuda.cu (cp.async loads, tokens in wgmma's A), 16 the same with the scales read
-/// before the wgmmas, the stage released before the last promotion and bulk-copy epilogue stores
-/// (same bits; removed in the ninth session), 17 = 16 with wgmma's A (tokens) in registers,
-/// 10 experts_fp8_prefill_tma_cuda.cu (TMA loads);
-/// whichever bench/NOTES.md measured fastest (sixth session: 8, 3296 us at DeepSeek-V3 shapes, 256
-/// rows/expert; seventh session: 17, 2 % / 5 % less time than 8 on ExpertMajor / Flat in the same run,
-/// same bytes; eighth session: 17 again, with the epilogues' hardware e4m3 / bf16 conversions (same
-/// bytes, 6 % less time on Flat); 16, 18 and 19 measured level with it and removed in the ninth session,
-/// as were 20 and 21 (17 with pipelined m64n64 batches: 3 % slower), bench/NOTES.md).
-/// Removed after measurement (seventh session): 2-7 and 9 (weights in A, turn orders),
-/// 12-15 (a pipelined m64n64 consumer, 40 % slower); eighth session: 11 (the TMA loads as 2-CTA
-/// clusters multicasting the weight tile, slower in every run).
-constexpr int kFp8PrefillDefaultMode = 17;
+/// Config::experts_fp8_prefill = 1 (the default) takes, per GEMM, whichever prefill kernels bench/NOTES.md
+/// measured fastest (sixth session: 8, 3296 us at DeepSeek-V3 shapes, 256 rows/expert; seventh: 17, 2 % / 5 %
+/// less time than 8 on ExpertMajor / Flat, same bytes; eighth: 17 with the epilogues' hardware e4m3 / bf16
+/// conversions; tenth: the TMA loads with the lean consumer (27's kernels) where the token rows are contiguous,
+/// 17's cp.async kernel for the Flat gate_up's gather; the constructor below). Removed after measurement:
+/// 2-7 and 9 (weights in A, turn orders) and 12-15 (a pipelined m64n64 consumer), seventh session; 11 (TMA
+/// as 2-CTA clusters), eighth; 16, 18, 19 (level with 17) and 20, 21 (pipelined m64n64 batches on A in
+/// registers: 3 % slower), ninth; tenth: 22 (the lean consumer beside a 40-register cp.async producer: the
+/// consumers starved, 7 % slower), 24 / 25 (a SASS experiment: no reuse / yield bits on the promotion FFMAs,
+/// level); 26 (22 with 27's prefetch) went unmeasured with 22.
 
 using GemmKernel = void (*)(GemmParams);
 
@@ -178,13 +174,20 @@ class CudaExperts final : public Experts {
     fp8_prefill_ = config.experts_fp8_prefill >= 1;
     fp8_prefill_stages_ = config.experts_fp8_prefill_stages;
     fp8_prefill_min_tiles_ = config.experts_fp8_prefill_min_tiles;
-    // Config::experts_fp8_prefill: 1 = the variant measured fastest (kFp8PrefillDefaultMode,
-    // bench/NOTES.md), 8 = cp.async loads, 17 = 8 with early scales / release, bulk stores and
-    // wgmma's A in registers (Fp8GemmParams::prefill_fast 2), 10 = 17 with TMA loads; same results
-    // every way.
-    const int pf_mode = config.experts_fp8_prefill == 1 ? kFp8PrefillDefaultMode : config.experts_fp8_prefill;
-    fp8_prefill_fast_ = pf_mode == 17 ? 2 : 0;  // Fp8GemmParams::prefill_fast
-    const bool pf_tma = pf_mode == 10;
+    // Config::experts_fp8_prefill (bench/NOTES.md has the measurements; same results every way):
+    // 1 (the default) = per GEMM the kernels measured fastest (tenth session): the TMA loads with the
+    // lean consumer that loads the next K block's operands under the last promotion (27's kernels)
+    // wherever the token rows are contiguous (ExpertMajor gate_up, every down GEMM), and 17's cp.async
+    // kernel for the Flat gate_up's row gather (the TMA kernels gather with cp.async there: 8-10 %
+    // slower); 8 = cp.async loads, tokens from shared memory; 17 = 8 with early scales / release,
+    // bulk-copy stores and wgmma's A in registers (Fp8GemmParams::prefill_fast 2); 10 = 17 with TMA
+    // loads; 23 = 10 with the lean consumer (kblock_lean, 3); 27 = 23 loading the next K block early
+    // (lean_item_prefetch, 5). A map the driver cannot encode leaves every GEMM on the cp.async kernels.
+    const int pf_mode = config.experts_fp8_prefill;
+    fp8_prefill_auto_ = pf_mode == 1;
+    fp8_prefill_fast_ = pf_mode == 8 ? 0 : 2;  // the cp.async kernels' Fp8GemmParams::prefill_fast
+    fp8_prefill_tma_fast_ = pf_mode == 10 ? 0 : pf_mode == 23 ? 3 : 5;  // the TMA kernels'
+    const bool pf_tma = pf_mode == 1 || pf_mode == 10 || pf_mode == 23 || pf_mode == 27;
     // Objects with mxfp4 experts, all of them fp8_block or mxfp4 with I % 128 == 0 and H % 128 == 0,
     // fed FP8 x, run every expert on the mixed sm_90a kernels (experts_mxfp4_cuda.cu): one grouped
     // launch per GEMM for both formats (FHMoE: FP8 shared + MXFP4 routed). Config::experts_mxfp4_tc
@@ -499,14 +502,26 @@ class CudaExperts final : public Experts {
       fp.max_weight_tiles = static_cast<int32_t>(fp8_inter_max_ / kFp8GroupSize);
       const int up_grid = static_cast<int>(std::clamp<int64_t>(max_tiles * fp.max_weight_tiles, 1, num_sms_));
       experts_cuda::launch_fp8_gate_up(fp, up_grid, stream);
-      if (big && fp.w_maps != nullptr) experts_cuda::launch_fp8_prefill_tma_gate_up(fp, up_grid, stream);
-      else if (big) experts_cuda::launch_fp8_prefill_gate_up(fp, up_grid, stream);
+      // The prefill section: TMA kernels where there are weight maps, except the default's Flat gate_up
+      // (a row gather: the cp.async kernel, Config::experts_fp8_prefill above).
+      const bool tma = fp.w_maps != nullptr;
+      if (big && tma && !(fp8_prefill_auto_ && fp.gather != nullptr)) {
+        fp.prefill_fast = fp8_prefill_tma_fast_;
+        experts_cuda::launch_fp8_prefill_tma_gate_up(fp, up_grid, stream);
+      } else if (big) {
+        experts_cuda::launch_fp8_prefill_gate_up(fp, up_grid, stream);
+      }
       fp.gather = nullptr;
       fp.max_weight_tiles = static_cast<int32_t>(ceil_div(h, experts_cuda::kFp8TileWeightRows));
       const int down_grid = static_cast<int>(std::clamp<int64_t>(max_tiles * fp.max_weight_tiles, 1, num_sms_));
+      fp.prefill_fast = fp8_prefill_fast_;
       experts_cuda::launch_fp8_down(fp, down_grid, stream);
-      if (big && fp.w_maps != nullptr) experts_cuda::launch_fp8_prefill_tma_down(fp, down_grid, stream);
-      else if (big) experts_cuda::launch_fp8_prefill_down(fp, down_grid, stream);
+      if (big && tma) {
+        fp.prefill_fast = fp8_prefill_tma_fast_;
+        experts_cuda::launch_fp8_prefill_tma_down(fp, down_grid, stream);
+      } else if (big) {
+        experts_cuda::launch_fp8_prefill_down(fp, down_grid, stream);
+      }
     }
     const dim3 gate_up_grid(static_cast<unsigned>(ceil_div(2 * inter_max_, experts_cuda::kTileCols)), tile_slots);
     for (WeightFormat f : kFormats) {
@@ -540,7 +555,9 @@ class CudaExperts final : public Experts {
   bool fp8_prefill_ = false;      // experts with > 64 rows on the prefill kernels (EPX_EXPERTS_FP8_PREFILL)
   int fp8_prefill_stages_ = 0;    // their ring depth (EPX_EXPERTS_FP8_PREFILL_STAGES; 0 = maximum)
   int fp8_prefill_min_tiles_ = 1; // big tiles the prefill section needs to run (EPX_EXPERTS_FP8_PREFILL_MIN_TILES; 0 -> one wave)
-  int fp8_prefill_fast_ = 0;          // mode 17 (Fp8GemmParams::prefill_fast 2)
+  int fp8_prefill_fast_ = 2;      // the cp.async prefill kernels' variant (Fp8GemmParams::prefill_fast: 2 = mode 17, 0 = 8)
+  int fp8_prefill_tma_fast_ = 5;  // the TMA prefill kernels' (5 = 27's, 3 = 23's, 0 = 10's)
+  bool fp8_prefill_auto_ = true;  // the default (Config::experts_fp8_prefill 1): Flat gate_up on the cp.async kernel
   int64_t mx_inter_max_ = 0;      // widest mxfp4 expert
   bool mx_tensor_cores_ = false;  // fp8_block + mxfp4 experts with FP8 x run on the mixed sm_90a GEMMs
   bool mx_wide_ = false;          // their 512-thread variant (EPX_EXPERTS_MXFP4_TC=2)

@@ -353,8 +353,9 @@ TEST(ExpertsCuda, Fp8TensorCoreRowCountsOneTo8192) {
   // The same cases through the paired-K-block mainloop variant (EPX_EXPERTS_FP8_PAIRS=1), with
   // the prefill kernels off (EPX_EXPERTS_FP8_PREFILL=0: every tile on the 64-row kernels), with
   // the cp.async loads and tokens from shared memory (=8)
-  // and the TMA variant of the prefill kernels (=10); Fp8PrefillTmaLoadsMatchCpAsyncLoadsBitForBit
-  // checks 17 and 10 are bit-identical to =8.
+  // the TMA variant of the prefill kernels (=10) and 17 (the default's kernel for the Flat gate_up; the
+  // default runs the other GEMMs on the TMA kernels with the lean consumer);
+  // Fp8PrefillTmaLoadsMatchCpAsyncLoadsBitForBit checks 17, 10, 23, 27 and the default are bit-identical to =8.
   // These take the prefill section for any expert with > 64 rows (EPX_EXPERTS_FP8_PREFILL_MIN_TILES
   // = 1); "gated" is the default, which takes it only when the big tiles fill one wave (here only
   // flat 8192 rows: 3 x 22 tiles against ceil(132 / 16) = 9; 1000 rows are 8 tiles: 64-row kernels).
@@ -372,12 +373,15 @@ TEST(ExpertsCuda, Fp8TensorCoreRowCountsOneTo8192) {
   auto gpu_tma = make_experts_cuda(experts, 0);
   setenv("EPX_EXPERTS_FP8_PREFILL", "8", 1);
   auto gpu_smem_a = make_experts_cuda(experts, 0);
+  setenv("EPX_EXPERTS_FP8_PREFILL", "17", 1);
+  auto gpu_17 = make_experts_cuda(experts, 0);
   unsetenv("EPX_EXPERTS_FP8_PREFILL");
   unsetenv("EPX_EXPERTS_FP8_PREFILL_MIN_TILES");
   const double tol = kMaxRelL2Fp8TensorCores;
   const std::vector<std::vector<int32_t>> cases = {{0, 1, 0}, {7, 0, 0}, {16, 17, 95}, {64, 65, 129}, {0, 1000, 0}};
-  for (auto* g : {gpu.get(), gpu_smem_a.get(), gpu_pairs.get(), gpu_small.get(), gpu_tma.get(), gpu_gated.get()}) {
+  for (auto* g : {gpu.get(), gpu_17.get(), gpu_smem_a.get(), gpu_pairs.get(), gpu_small.get(), gpu_tma.get(), gpu_gated.get()}) {
     const char* variant = g == gpu.get()           ? ""
+                          : g == gpu_17.get()      ? " (prefill mode 17: cp.async loads)"
                           : g == gpu_smem_a.get()  ? " (prefill mode 8: A from shared memory)"
                           : g == gpu_gated.get()   ? " (prefill gated: one wave)"
                           : g == gpu_pairs.get()   ? " (pairs)"
@@ -408,7 +412,9 @@ TEST(ExpertsCuda, Fp8PrefillTmaLoadsMatchCpAsyncLoadsBitForBit) {
   // into NaN padding rows) and Flat (weights by TMA, the token gather by cp.async), DeepSeek-V3
   // widths beside a V4-Pro-width expert (I 3072: h_stride > I). =17 (early scale reads and stage
   // release, bulk-copy epilogue stores, wgmma's A from registers, loaded by ldmatrix) must give the
-  // same bytes too.
+  // same bytes too, and so must =23 (10 with the lean consumer: the same products and promotions from
+  // pinned per-thread offsets), =27 (23 loading the next K block's operands under the last promotion)
+  // and the default (=1: 27's TMA kernels, the Flat gate_up on 17's cp.async kernel).
   std::vector<std::shared_ptr<const ExpertWeights>> experts = same_format(WeightFormat::fp8_block, 3, 7168, 2048, 540);
   experts.push_back(ExpertWeights::random(WeightFormat::fp8_block, 7168, 3072, 544));
   const int64_t L = 4, H = 7168, cap = 300;
@@ -419,6 +425,12 @@ TEST(ExpertsCuda, Fp8PrefillTmaLoadsMatchCpAsyncLoadsBitForBit) {
   auto rs = make_experts_cuda(experts, 0);
   setenv("EPX_EXPERTS_FP8_PREFILL", "10", 1);
   auto tma = make_experts_cuda(experts, 0);
+  setenv("EPX_EXPERTS_FP8_PREFILL", "23", 1);
+  auto tma_lean = make_experts_cuda(experts, 0);
+  setenv("EPX_EXPERTS_FP8_PREFILL", "27", 1);
+  auto tma_lean_pf = make_experts_cuda(experts, 0);
+  setenv("EPX_EXPERTS_FP8_PREFILL", "1", 1);
+  auto dflt = make_experts_cuda(experts, 0);
   unsetenv("EPX_EXPERTS_FP8_PREFILL");
   unsetenv("EPX_EXPERTS_FP8_PREFILL_MIN_TILES");
   auto same_bytes = [](const Tensor& a, const Tensor& b) {
@@ -455,8 +467,12 @@ TEST(ExpertsCuda, Fp8PrefillTmaLoadsMatchCpAsyncLoadsBitForBit) {
   poison_dev(fl_ref);
   cpa->apply(em, em_ref);
   cpa->apply(fl, fl_ref);
-  for (auto* g : {rs.get(), tma.get()}) {
-    const char* name = g == rs.get() ? "fast-rs (17)" : "tma (10)";
+  for (auto* g : {rs.get(), tma.get(), tma_lean.get(), tma_lean_pf.get(), dflt.get()}) {
+    const char* name = g == rs.get()         ? "fast-rs (17)"
+                       : g == tma.get()      ? "tma (10)"
+                       : g == tma_lean.get() ? "tma lean (23)"
+                       : g == tma_lean_pf.get() ? "tma lean, prefetch (27)"
+                                                : "default (1: 27's TMA kernels, the Flat gate_up on 17's)";
     Tensor o = Tensor::empty({L, cap, H}, DType::bf16, kDev), f = Tensor::empty({N, H}, DType::bf16, kDev);
     poison_dev(o);
     poison_dev(f);

@@ -43,8 +43,10 @@ template <bool kGateUp>
 struct Layout {
   static constexpr int kStages = kGateUp ? 4 : 3;  // down's 66 KiB staging leaves room for 3
   static constexpr int kScaleOff = kStages * kStageBytes;
-  static constexpr int kBarOff = kScaleOff + kStages * kScaleFloats * 4;   // full[kStages], empty[kStages]
-  static constexpr int kRowsOff = kBarOff + 2 * kStages * 8;              // producer: [kBN] B row byte offsets
+  // full[kStages], empty[kStages], done (completed once at the start: a wait on it never blocks)
+  static constexpr int kBarOff = kScaleOff + kStages * kScaleFloats * 4;
+  static constexpr int kDoneOff = kBarOff + 2 * kStages * 8;
+  static constexpr int kRowsOff = kDoneOff + 8;  // producer: [kBN] B row byte offsets
   static constexpr int kOutOff = (kRowsOff + kBN * 8 + 127) / 128 * 128;
   static constexpr int kOutBytes = kGateUp ? kBN * kHStride : kBN * kOutStride * 2;
   static constexpr int kSmemBytes = kOutOff + kOutBytes + 1024;  // + alignment of the base
@@ -177,6 +179,73 @@ __device__ __forceinline__ void kblock(const Who& w, uint32_t a_s, uint32_t b_s,
   }
 }
 
+/// A consumer thread's loop-invariant shared-memory offsets for the lean consumers of the TMA kernels
+/// (kblock_lean: Config::experts_fp8_prefill 23; lean_item_prefetch: 27 and the default), computed
+/// once per thread and pinned in registers (an opaque asm result cannot be rematerialized; those
+/// kernels give the consumers 232 registers, the producer 40): at mode 17's 216-register budget ptxas
+/// recomputes the swizzled ldmatrix addresses and scale offsets from %tid (and the shared window from
+/// SR_CgaCtaId) in every K block, ~35 instructions per warp and block (ncu source counters, tenth
+/// session: 14 % of the consumer warps' samples with the instructions around them).
+///   lds: byte offset, inside a stage's 128 x 128-byte token tile, of this lane's ldmatrix row for
+///        k-step 0 (warpgroup cwg's tokens); k-step k's is lds ^ (k << 5) (the 128-byte swizzle
+///        XORs the 16-byte chunk index 2 k + h with row % 8, and 2 k only touches chunk bits 1-2);
+///   sc:  byte offset of this thread's first token scale (token r) in a stage's scale block
+///        (token r + 8's is sc + 32).
+struct LeanOffsets {
+  uint32_t lds, sc;
+  __device__ __forceinline__ explicit LeanOffsets(const Who& w) {
+    const int m = w.lane >> 3, row = w.cwg * 64 + 16 * w.warp_in_wg + (w.lane & 7) + 8 * (m & 1);
+    const int r = w.cwg * 64 + 16 * w.warp_in_wg + (w.lane >> 2);
+    lds = wg::swz(row, m >> 1);
+    sc = static_cast<uint32_t>((4 + r) * 4);
+    asm volatile("" : "+r"(lds), "+r"(sc));
+  }
+};
+
+/// The other modes' stand-in (no registers).
+struct NoOffsets {
+  __device__ __forceinline__ explicit NoOffsets(const Who&) {}
+};
+
+__device__ __forceinline__ float lds_f32(uint32_t addr) {
+  float v;
+  asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(v) : "r"(addr));
+  return v;
+}
+
+/// kblock<true, true> (mode 17's K block: scales read before the wgmmas, A = the warpgroup's 64
+/// tokens in registers by ldmatrix, two batches of 4 m64n128k32 into `tmp`, each waited for and
+/// promoted, the stage released before the second promotion) with every address formed from the
+/// stage's base and the pinned LeanOffsets: a_s = the stage's weight tile (B), b_s its token tile,
+/// sc_s the stage's scale block (shared-space addresses). Same instructions on the data, same
+/// order of the products and promotions: the same bits as kblock<true, true>.
+template <class Release>
+__device__ __forceinline__ void kblock_lean(const LeanOffsets& o, uint32_t a_s, uint32_t b_s, uint32_t sc_s, float (&acc)[2][kFrag],
+                                            float (&tmp)[kFrag], Release release) {
+  using namespace wg;
+  const float x0 = lds_f32(sc_s + o.sc), x1 = lds_f32(sc_s + o.sc + 32), w0 = lds_f32(sc_s), w1 = lds_f32(sc_s + 8);
+  uint32_t afr[kBK / 32][4];
+  const uint32_t la = b_s + o.lds;
+#pragma unroll
+  for (int k = 0; k < kBK / 32; ++k) ldmatrix_x4(afr[k], la ^ static_cast<uint32_t>(k << 5));
+  float sp[2][2];  // [weight block][token]: w_scale * x_scale
+  sp[0][0] = w0 * x0, sp[0][1] = w0 * x1, sp[1][0] = w1 * x0, sp[1][1] = w1 * x1;
+#pragma unroll
+  for (int sub = 0; sub < 2; ++sub) {
+    const uint64_t db = smem_desc(a_s + 2 * sub * kSub);
+    wgmma_fence();
+#pragma unroll
+    for (int k = 0; k < kBK / 32; ++k) Wgmma<kBN>::mma_rs(tmp, afr[k], db + 2 * k, k);
+    wgmma_commit();
+    wgmma_wait<0>();
+#pragma unroll
+    for (int i = 0; i < kFrag; ++i) fence_operand(tmp[i]);
+    if (sub == 1) release();
+#pragma unroll
+    for (int i = 0; i < kFrag; ++i) acc[sub][i] = fmaf(tmp[i], (i & 2) ? sp[sub][1] : sp[sub][0], acc[sub][i]);
+  }
+}
+
 /// The ring position of the next K block: stage (0 .. stages-1) and the parity of its use.
 struct RingPos {
   uint32_t stage = 0, phase = 0;
@@ -184,6 +253,74 @@ struct RingPos {
     if (++stage == stages) stage = 0, phase ^= 1u;
   }
 };
+
+/// One K block's register operands for the prefetching lean consumer: A (the warpgroup's 64 tokens,
+/// ldmatrix fragments of the 4 k-steps) and the 4 scales (tokens r, r + 8; weight blocks 0, 1).
+struct LeanBlock {
+  uint32_t afr[kBK / 32][4];
+  float x0, x1, w0, w1;
+};
+
+/// Loads lb from the stage whose token tile is at b_s and scale block at sc_s (after its `full`).
+__device__ __forceinline__ void lean_load(const LeanOffsets& o, uint32_t b_s, uint32_t sc_s, LeanBlock& lb) {
+  const uint32_t la = b_s + o.lds;
+#pragma unroll
+  for (int k = 0; k < kBK / 32; ++k) wg::ldmatrix_x4(lb.afr[k], la ^ static_cast<uint32_t>(k << 5));
+  lb.x0 = lds_f32(sc_s + o.sc), lb.x1 = lds_f32(sc_s + o.sc + 32), lb.w0 = lds_f32(sc_s), lb.w1 = lds_f32(sc_s + 8);
+}
+
+/// The K loop of one work item for the prefetching lean consumer (Config::experts_fp8_prefill 27 and the
+/// default's TMA GEMMs): kblock_lean's
+/// wgmmas and promotions, with the next K block's operands (lean_load, after its `full` wait and `fence`)
+/// loaded right after this block's second batch completed and the stage was released, before the second
+/// promotion: the ldmatrix / ld.shared latency then runs under those 64 FFMAs instead of in front of the
+/// next block's first wgmma (ncu, tenth session: WARPGROUP.ARRIVE waiting for ldmatrix, FMULs for their
+/// loads). The products of a block are formed before its operands are replaced. Same products, same
+/// order: the same bits as kblock<true, true>.
+/// The loads are unconditional (no branch around them: ptxas hoisted the promotion above such a branch,
+/// in front of the loads); after an item's last K block they reload the block just used, after a wait
+/// on the `done` barrier (done_bar, completed at the kernel's start), and the next item starts with its
+/// own wait and load.
+template <class Fence>
+__device__ __forceinline__ void lean_item_prefetch(const LeanOffsets& o, int64_t nk, RingPos& pos, uint32_t stages, uint32_t smem_s,
+                                                   uint32_t scale_s, uint32_t full0, uint32_t empty0, uint32_t done_bar, int lane,
+                                                   float (&acc)[2][kFrag], float (&tmp)[kFrag], Fence fence) {
+  using namespace wg;
+  auto stage_a = [&](uint32_t s) { return smem_s + s * kStageBytes; };
+  auto stage_sc = [&](uint32_t s) { return scale_s + s * (kScaleFloats * 4); };
+  LeanBlock lb;
+  mbar_wait(full0 + pos.stage * 8, pos.phase);
+  fence();
+  lean_load(o, stage_a(pos.stage) + kABytes, stage_sc(pos.stage), lb);
+  for (int64_t kb = 0; kb < nk; ++kb) {
+    const uint32_t s = pos.stage;
+    float sp[2][2];  // [weight block][token]: w_scale * x_scale
+    sp[0][0] = lb.w0 * lb.x0, sp[0][1] = lb.w0 * lb.x1, sp[1][0] = lb.w1 * lb.x0, sp[1][1] = lb.w1 * lb.x1;
+    pos.advance(stages);
+#pragma unroll
+    for (int sub = 0; sub < 2; ++sub) {
+      const uint64_t db = smem_desc(stage_a(s) + 2 * sub * kSub);
+      wgmma_fence();
+#pragma unroll
+      for (int k = 0; k < kBK / 32; ++k) Wgmma<kBN>::mma_rs(tmp, lb.afr[k], db + 2 * k, k);
+      wgmma_commit();
+      wgmma_wait<0>();
+#pragma unroll
+      for (int i = 0; i < kFrag; ++i) fence_operand(tmp[i]);
+      if (sub == 1) {
+        __syncwarp();
+        if (lane == 0) mbar_arrive(empty0 + s * 8);  // 8 consumer warps release the stage
+        const bool more = kb + 1 < nk;
+        mbar_wait(more ? full0 + pos.stage * 8 : done_bar, more ? pos.phase : 0u);
+        fence();
+        const uint32_t ls = more ? pos.stage : s;
+        lean_load(o, stage_a(ls) + kABytes, stage_sc(ls), lb);
+      }
+#pragma unroll
+      for (int i = 0; i < kFrag; ++i) acc[sub][i] = fmaf(tmp[i], (i & 2) ? sp[sub][1] : sp[sub][0], acc[sub][i]);
+    }
+  }
+}
 
 /// Two floats as e4m3 codes (RNE, saturating to +-448), lo in bits 0-7 and hi in 8-15: the
 /// hardware conversion (PTX cvt.rn.satfinite.e4m3x2.f32, sm_89+), the same codes as epx's

@@ -1,8 +1,11 @@
 // experts/experts_fp8_prefill_tma_cuda.cu: a variant of the FP8 prefill grouped GEMMs of
-// experts_fp8_prefill_cuda.cu (same tiles, same consumer and epilogue, experts_fp8_prefill.cuh;
-// bit-identical output) whose operands come by TMA, opt-in (Config::experts_fp8_prefill 10; with the
-// mode-8 consumer, bench/NOTES.md: 4 % faster than the cp.async kernels on ExpertMajor and 9 % slower
-// on Flat in one run; the consumer of mode 17 since the eighth session). Its 2-CTA cluster launch
+// experts_fp8_prefill_cuda.cu (same tiles, same epilogue, experts_fp8_prefill.cuh; bit-identical
+// output) whose operands come by TMA: since the tenth session the default's kernels for every GEMM
+// whose token rows are contiguous (ExpertMajor gate_up, every down), with the lean consumer that loads
+// the next K block's operands under the last promotion (lean_item_prefetch; producer 40 / consumers 232
+// registers), bench/NOTES.md tenth session; opt-in: mode 17's consumer (Config::experts_fp8_prefill 10),
+// the lean consumer without the prefetch (23), with it (27). (With the mode-8 consumer, sixth session:
+// 4 % faster than the cp.async kernels on ExpertMajor and 9 % slower on Flat.) Its 2-CTA cluster launch
 // multicasting the weight tile (11) was slower in every run, with the mode-17 consumer too (eighth
 // session: 4618 / 5037 us against 17's 3464 / 3519), and was removed.
 //
@@ -169,12 +172,13 @@ __device__ __forceinline__ void producer(const Fp8GemmParams& p, const CUtensorM
 /// The consumer warpgroups (experts_fp8_prefill.cuh: kblock, epilogue), as mode 17 of
 /// experts_fp8_prefill_cuda.cu since the eighth session: the scales read before the wgmmas, the
 /// stage released before the last promotion, wgmma's A (tokens) in registers, bulk-copy row stores.
-template <bool kGateUp>
+template <bool kGateUp, bool kLean, bool kPrefetch>
 __device__ __forceinline__ void consumer(const Fp8GemmParams& p, bool all_tma, int32_t tile0, int64_t num_steps, uint32_t stages,
                                          uint8_t* smem, uint32_t smem_s) {
   using L = Layout<kGateUp>;
   const Who w;
   const int lane = w.lane;
+  const std::conditional_t<kLean, LeanOffsets, NoOffsets> lo(w);  // only the lean consumers keep them
   const float* scales = reinterpret_cast<const float*>(smem + L::kScaleOff);
   const uint32_t full0 = smem_s + L::kBarOff, empty0 = full0 + L::kStages * 8;
   float acc[2][kFrag], tmp[kFrag];
@@ -189,26 +193,35 @@ __device__ __forceinline__ void consumer(const Fp8GemmParams& p, bool all_tma, i
     for (int sub = 0; sub < 2; ++sub)
 #pragma unroll
       for (int i = 0; i < kFrag; ++i) acc[sub][i] = 0.0f;
-    for (int64_t kb = 0; kb < wk.nk; ++kb) {
-      const uint32_t s = pos.stage;
-      mbar_wait(full0 + s * 8, pos.phase);
-      // cp.async wrote operands through the generic proxy; wgmma reads through the async one (TMA
-      // writes through the async proxy: no fence when both operands came by TMA)
-      if (!all_tma) fence_proxy_async();
-      const uint32_t a_s = smem_s + s * kStageBytes;
-      auto release = [&] {  // 8 consumer warps release the stage
-        __syncwarp();
-        if (lane == 0) mbar_arrive(empty0 + s * 8);
-      };
-      kblock<true, true>(w, a_s, a_s + kABytes, scales + s * kScaleFloats, acc, tmp, release);
-      pos.advance(stages);
+    if constexpr (kPrefetch) {  // mode 27: the next K block's operands loaded under the second promotion
+      lean_item_prefetch(lo, wk.nk, pos, stages, smem_s, smem_s + L::kScaleOff, full0, empty0, smem_s + L::kDoneOff, lane, acc, tmp, [&] {
+        if (!all_tma) fence_proxy_async();
+      });
+    } else {
+      for (int64_t kb = 0; kb < wk.nk; ++kb) {
+        const uint32_t s = pos.stage;
+        mbar_wait(full0 + s * 8, pos.phase);
+        // cp.async wrote operands through the generic proxy; wgmma reads through the async one (TMA
+        // writes through the async proxy: no fence when both operands came by TMA)
+        if (!all_tma) fence_proxy_async();
+        const uint32_t a_s = smem_s + s * kStageBytes;
+        auto release = [&] {  // 8 consumer warps release the stage
+          __syncwarp();
+          if (lane == 0) mbar_arrive(empty0 + s * 8);
+        };
+        if constexpr (kLean) kblock_lean(lo, a_s, a_s + kABytes, smem_s + L::kScaleOff + s * (kScaleFloats * 4), acc, tmp, release);
+        else kblock<true, true>(w, a_s, a_s + kABytes, scales + s * kScaleFloats, acc, tmp, release);
+        pos.advance(stages);
+      }
     }
     epilogue<kGateUp, 1>(p, it, w, acc, smem);
   }
   bulk_end(w);
 }
 
-template <bool kGateUp>
+/// kLean: the consumer of kblock_lean (Config::experts_fp8_prefill 23) with kPrefetch: lean_item_prefetch
+/// (27, and the default's TMA GEMMs); registers 40 / 232 then.
+template <bool kGateUp, bool kLean, bool kPrefetch>
 __global__ void __launch_bounds__(kPfThreads, 1) fp8_prefill_tma_kernel(Fp8GemmParams p, const __grid_constant__ CUtensorMap bmap, int tma_b) {
   using L = Layout<kGateUp>;
   // tma_b: the token tile comes by TMA from `bmap` (only with the weight maps: the launch checks)
@@ -223,6 +236,8 @@ __global__ void __launch_bounds__(kPfThreads, 1) fp8_prefill_tma_kernel(Fp8GemmP
       mbar_init(smem_s + L::kBarOff + s * 8, p.w_maps != nullptr ? 129 : 128);
       mbar_init(smem_s + L::kBarOff + (L::kStages + s) * 8, 8);  // empty: every consumer warp
     }
+    mbar_init(smem_s + L::kDoneOff, 1);  // done: completed once here (lean_item_prefetch)
+    mbar_arrive(smem_s + L::kDoneOff);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   __syncthreads();
@@ -230,18 +245,21 @@ __global__ void __launch_bounds__(kPfThreads, 1) fp8_prefill_tma_kernel(Fp8GemmP
   // Ring depth: Fp8GemmParams::prefill_stages clamped to [2, kStages] (0 = kStages).
   const uint32_t stages = p.prefill_stages <= 0 ? L::kStages : min(max(p.prefill_stages, 2), L::kStages);
   const int64_t num_steps = static_cast<int64_t>(max(tile1 - tile0, 0)) * p.max_weight_tiles;
+  // Registers: 384 x 168 at launch = 128 x 64 + 256 x 216 (kLean: 128 x 40 + 256 x 232).
   if (threadIdx.x < 128) {
-    setmaxnreg_dec<64>();
+    if constexpr (kLean) setmaxnreg_dec<40>();
+    else setmaxnreg_dec<64>();
     producer<kGateUp>(p, &bmap, tma_b != 0, tile0, num_steps, stages, smem, smem_s);
   } else {
-    setmaxnreg_inc<216>();
-    consumer<kGateUp>(p, p.w_maps != nullptr && tma_b != 0, tile0, num_steps, stages, smem, smem_s);
+    if constexpr (kLean) setmaxnreg_inc<232>();
+    else setmaxnreg_inc<216>();
+    consumer<kGateUp, kLean, kPrefetch>(p, p.w_maps != nullptr && tma_b != 0, tile0, num_steps, stages, smem, smem_s);
   }
 }
 
 #else  // not sm_90a: the host never launches these (fp8_tensor_cores_available is false)
 
-template <bool kGateUp>
+template <bool kGateUp, bool kLean, bool kPrefetch>
 __global__ void __launch_bounds__(kPfThreads, 1) fp8_prefill_tma_kernel(Fp8GemmParams, const __grid_constant__ CUtensorMap, int) {
 #ifdef __CUDA_ARCH__
   __trap();
@@ -293,15 +311,18 @@ bool fp8_prefill_weight_maps(const ExpertDesc& e, int64_t hidden, Fp8TmaMap& w13
 
 namespace {
 
-/// The kernel of the gate_up (kGateUp) or down GEMM (Config::experts_fp8_prefill 10).
+/// The kernel of the gate_up (kGateUp) or down GEMM of Fp8GemmParams::prefill_fast `fast`
+/// (Config::experts_fp8_prefill 10: 0; lean 23: 3; lean with prefetch, 27 and the default: 5).
 template <bool kGateUp>
-auto tma_kernel() {
-  return fp8_prefill_tma_kernel<kGateUp>;
+auto tma_kernel(int fast) {
+  return fast == 5   ? fp8_prefill_tma_kernel<kGateUp, true, true>
+         : fast == 3 ? fp8_prefill_tma_kernel<kGateUp, true, false>
+                     : fp8_prefill_tma_kernel<kGateUp, false, false>;
 }
 
 template <bool kGateUp>
 void launch_prefill(const Fp8GemmParams& p, const CUtensorMap& bmap, bool tb, int grid, cudaStream_t stream, const char* what) {
-  tma_kernel<kGateUp>()<<<grid, kPfThreads, Layout<kGateUp>::kSmemBytes, stream>>>(p, bmap, tb ? 1 : 0);
+  tma_kernel<kGateUp>(p.prefill_fast)<<<grid, kPfThreads, Layout<kGateUp>::kSmemBytes, stream>>>(p, bmap, tb ? 1 : 0);
   cuda::check_launch(what);
 }
 
@@ -310,8 +331,10 @@ void launch_prefill(const Fp8GemmParams& p, const CUtensorMap& bmap, bool tb, in
 int fp8_prefill_tma_smem_bytes() { return std::max(Layout<true>::kSmemBytes, Layout<false>::kSmemBytes); }
 
 void fp8_prefill_tma_set_smem_limits() {
-  EPX_CUDA_CHECK(cudaFuncSetAttribute(tma_kernel<true>(), cudaFuncAttributeMaxDynamicSharedMemorySize, Layout<true>::kSmemBytes));
-  EPX_CUDA_CHECK(cudaFuncSetAttribute(tma_kernel<false>(), cudaFuncAttributeMaxDynamicSharedMemorySize, Layout<false>::kSmemBytes));
+  for (int fast : {0, 3, 5}) {
+    EPX_CUDA_CHECK(cudaFuncSetAttribute(tma_kernel<true>(fast), cudaFuncAttributeMaxDynamicSharedMemorySize, Layout<true>::kSmemBytes));
+    EPX_CUDA_CHECK(cudaFuncSetAttribute(tma_kernel<false>(fast), cudaFuncAttributeMaxDynamicSharedMemorySize, Layout<false>::kSmemBytes));
+  }
 }
 
 // The token tile's map is built per launch (x and hq change between calls; a captured graph keeps
