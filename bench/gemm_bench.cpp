@@ -27,8 +27,9 @@
 // the per-phase clock stamps of the K loop per warpgroup (medians over CTAs and a window of K blocks),
 // as rows prefill-v3-stamps; --no-flat skips the Flat prefill case)
 // (--prefill-variants: also the prefill kernel with early scales / release, bulk-copy stores and wgmma's A in
-// registers (=17, the default 1) and the TMA loads (=10); the removed variants (2-7, 9, 11-16, 18-21) and the ring
-// depths were measured before, bench/NOTES.md)
+// registers (=17; the default 1 runs it for the Flat gate_up gather only), the TMA loads (=10), the TMA loads with the
+// lean consumer (=23) and with its early next-block loads (=27, the default's other kernels); the removed variants (2-7,
+// 9, 11-16, 18-22, 24-26) and the ring depths were measured before, bench/NOTES.md)
 #include <cublasLt.h>
 #include <cuda_runtime.h>
 

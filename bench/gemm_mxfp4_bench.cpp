@@ -161,9 +161,12 @@ int main(int argc, char** argv) {
   if (has_case("decode") || has_case("prefill")) {
     tc = make_experts_cuda(routed, 0);
     if (do_wide) {
+      const char* outer = std::getenv("EPX_EXPERTS_MXFP4_TC");  // restored after: later objects keep the run's setting
+      const std::string kept = outer ? outer : "";
       setenv("EPX_EXPERTS_MXFP4_TC", "2", 1);  // the 512-thread variant (opt-in)
       tcw = make_experts_cuda(routed, 0);
-      unsetenv("EPX_EXPERTS_MXFP4_TC");
+      if (outer) setenv("EPX_EXPERTS_MXFP4_TC", kept.c_str(), 1);
+      else unsetenv("EPX_EXPERTS_MXFP4_TC");
     }
   }
   std::printf("weights: %d MXFP4 experts, %.2f GB, ready in %.1f s\n", L, weight_bytes / 1e9,

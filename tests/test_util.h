@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstdlib>
 #include <random>
 #include <string>
 #include <vector>
@@ -10,6 +11,29 @@
 #include "epx/tensor.h"
 
 namespace epx::test {
+
+/// Sets (value != nullptr) or unsets an environment variable for this scope and, at its end, restores what the
+/// process had before (the old value, or unset), so a test's A/B settings (EPX_EXPERTS_*: Config::load reads them
+/// when an object is made) never erase a value given to the whole run from outside. set() changes it again inside
+/// the scope.
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, const char* value) : name_(name) {
+    if (const char* old = std::getenv(name)) old_ = old, had_ = true;
+    set(value);
+  }
+  ~ScopedEnv() { set(had_ ? old_.c_str() : nullptr); }
+  ScopedEnv(const ScopedEnv&) = delete;
+  ScopedEnv& operator=(const ScopedEnv&) = delete;
+  void set(const char* value) const {
+    if (value) ::setenv(name_.c_str(), value, 1);
+    else ::unsetenv(name_.c_str());
+  }
+
+ private:
+  std::string name_, old_;
+  bool had_ = false;
+};
 
 /// [rows, cols] bf16 with N(0, scale^2) values from `seed` (never zeros).
 Tensor random_bf16(int64_t rows, int64_t cols, uint64_t seed, float scale = 1.0f);

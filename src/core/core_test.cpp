@@ -84,7 +84,7 @@ TEST(Config, PrecedenceJsonThenEnvAndUnknownKeys) {
 
 // experts.fp8_prefill takes 0, 1 and the kernels that remain (8, 10, 17, 23, 27); the removed variants
 // (2-7, 9, 12-15: measured slower, bench/NOTES.md seventh session; 11, eighth; 16, 18, 19: level with 17,
-// and 20, 21: slower, ninth; 22, 26: slower, 24, 25: level, tenth) are refused with the reason.
+// and 20, 21: slower, ninth; 22: slower, 26: removed with it unmeasured, 24, 25: level, tenth) are refused with the reason.
 TEST(Config, Fp8PrefillModesRemovedAreRefused) {
   Config c;
   for (int m : {0, 1, 8, 10, 17, 23, 27}) {

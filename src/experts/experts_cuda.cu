@@ -232,7 +232,7 @@ class CudaExperts final : public Experts {
     descs_ = Tensor::empty({num_local * static_cast<int64_t>(sizeof(ExpertDesc))}, DType::uint8, dev);
     EPX_CUDA_CHECK(cudaMemcpy(descs_.data(), descs.data(), descs.size() * sizeof(ExpertDesc), cudaMemcpyHostToDevice));
     // The prefill kernels load the weight tiles with TMA from per-expert descriptors built here
-    // (mode 10); the other modes, or a map the driver cannot encode, keep cp.async.
+    // (modes 1, 10, 23, 27); the other modes, or a map the driver cannot encode, keep cp.async.
     if (fp8_tensor_cores_ && pf_tma) {
       std::vector<experts_cuda::Fp8TmaMap> maps(2 * descs.size());
       bool ok = true;

@@ -362,21 +362,23 @@ TEST(ExpertsCuda, Fp8TensorCoreRowCountsOneTo8192) {
   const auto experts = same_format(WeightFormat::fp8_block, 3, 7168, 2048, 500);
   auto cpu = make_experts_cpu(experts);
   auto gpu_gated = make_experts_cuda(experts, 0);
-  setenv("EPX_EXPERTS_FP8_PREFILL_MIN_TILES", "1", 1);
-  auto gpu = make_experts_cuda(experts, 0);
-  setenv("EPX_EXPERTS_FP8_PAIRS", "1", 1);
-  auto gpu_pairs = make_experts_cuda(experts, 0);
-  unsetenv("EPX_EXPERTS_FP8_PAIRS");
-  setenv("EPX_EXPERTS_FP8_PREFILL", "0", 1);
-  auto gpu_small = make_experts_cuda(experts, 0);
-  setenv("EPX_EXPERTS_FP8_PREFILL", "10", 1);
-  auto gpu_tma = make_experts_cuda(experts, 0);
-  setenv("EPX_EXPERTS_FP8_PREFILL", "8", 1);
-  auto gpu_smem_a = make_experts_cuda(experts, 0);
-  setenv("EPX_EXPERTS_FP8_PREFILL", "17", 1);
-  auto gpu_17 = make_experts_cuda(experts, 0);
-  unsetenv("EPX_EXPERTS_FP8_PREFILL");
-  unsetenv("EPX_EXPERTS_FP8_PREFILL_MIN_TILES");
+  std::unique_ptr<Experts> gpu, gpu_pairs, gpu_small, gpu_tma, gpu_smem_a, gpu_17;
+  {
+    const test::ScopedEnv min_tiles("EPX_EXPERTS_FP8_PREFILL_MIN_TILES", "1");
+    gpu = make_experts_cuda(experts, 0);
+    {
+      const test::ScopedEnv pairs("EPX_EXPERTS_FP8_PAIRS", "1");
+      gpu_pairs = make_experts_cuda(experts, 0);
+    }
+    const test::ScopedEnv mode("EPX_EXPERTS_FP8_PREFILL", "0");
+    gpu_small = make_experts_cuda(experts, 0);
+    mode.set("10");
+    gpu_tma = make_experts_cuda(experts, 0);
+    mode.set("8");
+    gpu_smem_a = make_experts_cuda(experts, 0);
+    mode.set("17");
+    gpu_17 = make_experts_cuda(experts, 0);
+  }
   const double tol = kMaxRelL2Fp8TensorCores;
   const std::vector<std::vector<int32_t>> cases = {{0, 1, 0}, {7, 0, 0}, {16, 17, 95}, {64, 65, 129}, {0, 1000, 0}};
   for (auto* g : {gpu.get(), gpu_17.get(), gpu_smem_a.get(), gpu_pairs.get(), gpu_small.get(), gpu_tma.get(), gpu_gated.get()}) {
@@ -418,21 +420,22 @@ TEST(ExpertsCuda, Fp8PrefillTmaLoadsMatchCpAsyncLoadsBitForBit) {
   std::vector<std::shared_ptr<const ExpertWeights>> experts = same_format(WeightFormat::fp8_block, 3, 7168, 2048, 540);
   experts.push_back(ExpertWeights::random(WeightFormat::fp8_block, 7168, 3072, 544));
   const int64_t L = 4, H = 7168, cap = 300;
-  setenv("EPX_EXPERTS_FP8_PREFILL_MIN_TILES", "1", 1);  // the prefill section for these few big tiles
-  setenv("EPX_EXPERTS_FP8_PREFILL", "8", 1);
-  auto cpa = make_experts_cuda(experts, 0);
-  setenv("EPX_EXPERTS_FP8_PREFILL", "17", 1);
-  auto rs = make_experts_cuda(experts, 0);
-  setenv("EPX_EXPERTS_FP8_PREFILL", "10", 1);
-  auto tma = make_experts_cuda(experts, 0);
-  setenv("EPX_EXPERTS_FP8_PREFILL", "23", 1);
-  auto tma_lean = make_experts_cuda(experts, 0);
-  setenv("EPX_EXPERTS_FP8_PREFILL", "27", 1);
-  auto tma_lean_pf = make_experts_cuda(experts, 0);
-  setenv("EPX_EXPERTS_FP8_PREFILL", "1", 1);
-  auto dflt = make_experts_cuda(experts, 0);
-  unsetenv("EPX_EXPERTS_FP8_PREFILL");
-  unsetenv("EPX_EXPERTS_FP8_PREFILL_MIN_TILES");
+  std::unique_ptr<Experts> cpa, rs, tma, tma_lean, tma_lean_pf, dflt;
+  {
+    const test::ScopedEnv min_tiles("EPX_EXPERTS_FP8_PREFILL_MIN_TILES", "1");  // the prefill section for these few big tiles
+    const test::ScopedEnv mode("EPX_EXPERTS_FP8_PREFILL", "8");
+    cpa = make_experts_cuda(experts, 0);
+    mode.set("17");
+    rs = make_experts_cuda(experts, 0);
+    mode.set("10");
+    tma = make_experts_cuda(experts, 0);
+    mode.set("23");
+    tma_lean = make_experts_cuda(experts, 0);
+    mode.set("27");
+    tma_lean_pf = make_experts_cuda(experts, 0);
+    mode.set("1");
+    dflt = make_experts_cuda(experts, 0);
+  }
   auto same_bytes = [](const Tensor& a, const Tensor& b) {
     const Tensor ah = a.to(Device::cpu()), bh = b.to(Device::cpu());
     return std::memcmp(ah.data(), bh.data(), static_cast<size_t>(ah.nbytes())) == 0;
@@ -579,9 +582,11 @@ TEST(ExpertsCuda, Mxfp4DecodePathRowCounts) {
   const double fl = run_flat(*cpu, *gpu, 20, 2, DType::fp8_e4m3, ++seed, {.masked = 0.2, .duplicates = true, .tol = tol});
   std::printf("[ rel_l2 ] mxfp4 decode path v4-pro/v3 flat 20 tokens top-2: %.2e\n", fl);
   for (const char* tc : {"6", "5", "3"}) {
-    setenv("EPX_EXPERTS_MXFP4_TC", tc, 1);
-    auto gpu_ab = make_experts_cuda(experts, 0);
-    unsetenv("EPX_EXPERTS_MXFP4_TC");
+    std::unique_ptr<Experts> gpu_ab;
+    {
+      const test::ScopedEnv tc_env("EPX_EXPERTS_MXFP4_TC", tc);
+      gpu_ab = make_experts_cuda(experts, 0);
+    }
     const EmResult ab = run_expert_major(*cpu, *gpu_ab, cases[tc[0] == '3' ? 1 : (tc[0] == '6' ? 2 : 0)], 19, DType::fp8_e4m3, ++seed, tol);
     std::printf("[ rel_l2 ] mxfp4 decode path EPX_EXPERTS_MXFP4_TC=%s expert_major: %.2e\n", tc, ab.max_rel_l2);
   }

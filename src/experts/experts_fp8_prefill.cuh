@@ -313,6 +313,9 @@ __device__ __forceinline__ void lean_item_prefetch(const LeanOffsets& o, int64_t
         const bool more = kb + 1 < nk;
         mbar_wait(more ? full0 + pos.stage * 8 : done_bar, more ? pos.phase : 0u);
         fence();
+        // After the item's last K block (!more) this reloads stage s, which was just released above and which the
+        // producer may already be refilling: the values are never used (the next item starts with its own load),
+        // the read only keeps this path branch-free. A racecheck of these TMA kernels may report it (not run yet).
         const uint32_t ls = more ? pos.stage : s;
         lean_load(o, stage_a(ls) + kABytes, stage_sc(ls), lb);
       }

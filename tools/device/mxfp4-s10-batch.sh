@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# NOTE (after 1936949): this script records how results were made with binaries from before that commit, where
+# EPX_EXPERTS_MXFP4_TC=1 (default) was decode_item_ring and =6 decode_item_ring2; at main since then the two are swapped.
 # tools/device/mxfp4-s10-batch.sh: the MXFP4 helper's device batch of the tenth session (issue 6: the
 # mma.sync decode path of the mixed MXFP4 kernels, decode_item in src/experts/experts_mxfp4_kernels.cuh).
 # Run from a copy of main that carries .carry/deps.tar.xz and .carry-mxfp4/{src,prebuilt}.tar.xz:

@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# NOTE: its ncu regex fp8_prefill_kernel matched mode 17, the default of that time (2a4546a); the default since a23ad0d also runs
+# fp8_prefill_tma_kernel (use -k regex:fp8_prefill for both).
 # tools/device/s10-probe.sh: the tenth session's first device call: hardware counters (Nsight Compute) and SASS of
 # the FP8 prefill kernels (mode 17, gate_up and down) and of the MXFP4 decode kernels, from binaries of main built on
 # the dev machine (.carry-probe/prebuilt.tar.xz: epx-gemm-bench, epx-gemm-mxfp4-bench, libepx if shared) with the

@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# NOTE (after 1936949): this script records how results were made with binaries from before that commit, where
+# EPX_EXPERTS_MXFP4_TC=1 (default) was decode_item_ring and =6 decode_item_ring2; at main since then the two are swapped.
 # lead's sanitizer / ring2 check (tenth session, one GPU): experts_cuda_test of 5f4ac10 (= main's experts sources)
 # with EPX_EXPERTS_MXFP4_TC=6 (decode_item_ring2) as the object's setting, then compute-sanitizer on the decode path.
 set -uo pipefail
