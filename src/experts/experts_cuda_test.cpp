@@ -557,14 +557,15 @@ TEST(ExpertsCuda, Mxfp4TensorCoreWideScaleSpread) {
 
 TEST(ExpertsCuda, Mxfp4DecodePathRowCounts) {
   if (gpus() < 1) GTEST_SKIP() << "needs 1 GPU, found " << gpus();
-  // Experts with <= 16 rows take the mma.sync decode path of the mixed kernels (decode_item_ring in
-  // experts_mxfp4_kernels.cuh: weights streamed through a per-warp cp.async ring into registers, one
-  // mma per 32-K scale block; 1 n-tile up to 8 rows, 2 up to 16), more the BN 64 wgmma path; both in
-  // one launch beside the FP8 shared expert. Row counts 0, 1, 7, 8, 9, 16 per expert; DeepSeek-V4-Pro
-  // (H 7168, I 3072) and V3 widths (I 2048), ExpertMajor and Flat. Then the A/B settings of
-  // Config::experts_mxfp4_tc: 6 (decode_item_ring for <= 8 rows instead of the default decode_item_ring2),
-  // 5 (decode_item_ring with a ring of 3 windows; 4, with the L2 prefetch, changes no data path) and 3 (no
-  // decode path: the BN 16 wgmma kernel).
+  // Experts with <= 16 rows take the mma.sync decode path of the mixed kernels (experts_mxfp4_kernels.cuh:
+  // <= 8 rows decode_item_bulk, bulk copies through per-warp slots of 4 windows and a per-item token
+  // buffer; 9..16 rows decode_item_ring, a per-warp cp.async ring with 2 n-tiles; one mma per 32-K scale
+  // block), more the BN 64 wgmma path; all in one launch beside the FP8 shared expert. Row counts 0, 1,
+  // 7, 8, 9, 16 per expert; DeepSeek-V4-Pro (H 7168, I 3072) and V3 widths (I 2048), ExpertMajor and Flat.
+  // Then the A/B settings of Config::experts_mxfp4_tc: 8 (decode_item_bulk deciding the e8m0 00 / FF case
+  // per window), 7 (decode_item_ring2, the warp-shared cp.async
+  // slots, for <= 8 rows), 6 (decode_item_ring for <= 8 rows), 5 (decode_item_ring with a ring of 3
+  // windows; 4, with the L2 prefetch, changes no data path) and 3 (no decode path: the BN 16 wgmma kernel).
   std::vector<std::shared_ptr<const ExpertWeights>> experts = same_format(WeightFormat::mxfp4, 4, 7168, 3072, 560);
   experts.push_back(ExpertWeights::random(WeightFormat::mxfp4, 7168, 2048, 565));
   experts.push_back(ExpertWeights::random(WeightFormat::fp8_block, 7168, 3072, 566));
@@ -581,13 +582,14 @@ TEST(ExpertsCuda, Mxfp4DecodePathRowCounts) {
   }
   const double fl = run_flat(*cpu, *gpu, 20, 2, DType::fp8_e4m3, ++seed, {.masked = 0.2, .duplicates = true, .tol = tol});
   std::printf("[ rel_l2 ] mxfp4 decode path v4-pro/v3 flat 20 tokens top-2: %.2e\n", fl);
-  for (const char* tc : {"6", "5", "3"}) {
+  for (const char* tc : {"8", "7", "6", "5", "3"}) {
     std::unique_ptr<Experts> gpu_ab;
     {
       const test::ScopedEnv tc_env("EPX_EXPERTS_MXFP4_TC", tc);
       gpu_ab = make_experts_cuda(experts, 0);
     }
-    const EmResult ab = run_expert_major(*cpu, *gpu_ab, cases[tc[0] == '3' ? 1 : (tc[0] == '6' ? 2 : 0)], 19, DType::fp8_e4m3, ++seed, tol);
+    const EmResult ab =
+        run_expert_major(*cpu, *gpu_ab, cases[tc[0] == '3' ? 1 : (tc[0] == '5' ? 0 : 2)], 19, DType::fp8_e4m3, ++seed, tol);
     std::printf("[ rel_l2 ] mxfp4 decode path EPX_EXPERTS_MXFP4_TC=%s expert_major: %.2e\n", tc, ab.max_rel_l2);
   }
   // MXFP4 experts alone: the MXFP4 tolerance.
@@ -602,39 +604,42 @@ TEST(ExpertsCuda, Mxfp4DecodePathScaleSpread) {
   if (gpus() < 1) GTEST_SKIP() << "needs 1 GPU, found " << gpus();
   // The decode path applies each 32-K block's e8m0 scale in fp32 after its mma: blocks 2^20 below,
   // 2^40 above and at e8m0 0 (2^-127, the exact denormal path) beside unit blocks in the same rows
-  // and windows, for gate_up and down; <= 8 rows per expert.
-  const int64_t H = 512, I = 256;
-  std::mt19937_64 rng(580);
-  std::normal_distribution<float> nd(0.0f, 1.0f);
-  Tensor gu = Tensor::empty({2 * I, H}, DType::fp32), dn = Tensor::empty({H, I}, DType::fp32);
-  const float spread[4] = {1.0f, std::ldexp(1.0f, -20), std::ldexp(1.0f, 40), std::ldexp(1.0f, -126)};
-  for (int64_t r = 0; r < 2 * I; ++r) {
-    // gate rows take 2^40 blocks, up rows not (h = silu(g) u stays inside bf16)
-    for (int64_t c = 0; c < H; ++c) {
-      const int k = static_cast<int>(((c / 32) + r) % 4);
-      const float f = (k == 2 && r >= I) ? 1.0f : spread[k];
-      gu.ptr<float>()[r * H + c] = nd(rng) * f / 4.0f;
+  // and windows, for gate_up and down; <= 8 rows per expert. I = 256 (down K % 512 != 0: decode_item_ring2
+  // for down, decode_item_bulk for gate_up) and I = 512 (both GEMMs on decode_item_bulk).
+  for (const int64_t I : {256, 512}) {
+    const int64_t H = 512;
+    std::mt19937_64 rng(I == 256 ? 580 : 590);
+    std::normal_distribution<float> nd(0.0f, 1.0f);
+    Tensor gu = Tensor::empty({2 * I, H}, DType::fp32), dn = Tensor::empty({H, I}, DType::fp32);
+    const float spread[4] = {1.0f, std::ldexp(1.0f, -20), std::ldexp(1.0f, 40), std::ldexp(1.0f, -126)};
+    for (int64_t r = 0; r < 2 * I; ++r) {
+      // gate rows take 2^40 blocks, up rows not (h = silu(g) u stays inside bf16)
+      for (int64_t c = 0; c < H; ++c) {
+        const int k = static_cast<int>(((c / 32) + r) % 4);
+        const float f = (k == 2 && r >= I) ? 1.0f : spread[k];
+        gu.ptr<float>()[r * H + c] = nd(rng) * f / 4.0f;
+      }
     }
-  }
-  for (int64_t r = 0; r < H; ++r)
-    for (int64_t c = 0; c < I; ++c) {
-      const int k = static_cast<int>(((c / 32) + r) % 4);
-      // some down rows entirely at e8m0 0 (every block 2^-126 / 4: codes of 2^-127)
-      const float f = r % 16 == 5 ? std::ldexp(1.0f, -126) : (k == 2 ? std::ldexp(1.0f, -30) : spread[k]);
-      dn.ptr<float>()[r * I + c] = nd(rng) * f / 4.0f;
+    for (int64_t r = 0; r < H; ++r)
+      for (int64_t c = 0; c < I; ++c) {
+        const int k = static_cast<int>(((c / 32) + r) % 4);
+        // some down rows entirely at e8m0 0 (every block 2^-126 / 4: codes of 2^-127)
+        const float f = r % 16 == 5 ? std::ldexp(1.0f, -126) : (k == 2 ? std::ldexp(1.0f, -30) : spread[k]);
+        dn.ptr<float>()[r * I + c] = nd(rng) * f / 4.0f;
+      }
+    auto w = ExpertWeights::from_float(WeightFormat::mxfp4, gu, dn);
+    int64_t zero_scales = 0;
+    for (int64_t i = 0; i < w->w2_scale.numel(); ++i) zero_scales += w->w2_scale.ptr<const uint8_t>()[i] == 0;
+    for (int64_t i = 0; i < w->w13_scale.numel(); ++i) zero_scales += w->w13_scale.ptr<const uint8_t>()[i] == 0;
+    EXPECT_GT(zero_scales, 0) << "the spread must reach e8m0 0";
+    std::vector<std::shared_ptr<const ExpertWeights>> experts = {w, ExpertWeights::random(WeightFormat::mxfp4, H, I, 581)};
+    auto cpu = make_experts_cpu(experts);
+    auto gpu = make_experts_cuda(experts, 0);
+    for (const auto& counts : std::vector<std::vector<int32_t>>{{8, 3}, {1, 8}, {7, 0}}) {
+      const EmResult em = run_expert_major(*cpu, *gpu, counts, 8, DType::fp8_e4m3, 582 + counts[0], kMaxRelL2);
+      std::printf("[ rel_l2 ] mxfp4 decode path scale spread I %lld counts %d,%d: %.2e (e8m0 zero scales %lld)\n",
+                  static_cast<long long>(I), counts[0], counts[1], em.max_rel_l2, static_cast<long long>(zero_scales));
     }
-  auto w = ExpertWeights::from_float(WeightFormat::mxfp4, gu, dn);
-  int64_t zero_scales = 0;
-  for (int64_t i = 0; i < w->w2_scale.numel(); ++i) zero_scales += w->w2_scale.ptr<const uint8_t>()[i] == 0;
-  for (int64_t i = 0; i < w->w13_scale.numel(); ++i) zero_scales += w->w13_scale.ptr<const uint8_t>()[i] == 0;
-  EXPECT_GT(zero_scales, 0) << "the spread must reach e8m0 0";
-  std::vector<std::shared_ptr<const ExpertWeights>> experts = {w, ExpertWeights::random(WeightFormat::mxfp4, H, I, 581)};
-  auto cpu = make_experts_cpu(experts);
-  auto gpu = make_experts_cuda(experts, 0);
-  for (const auto& counts : std::vector<std::vector<int32_t>>{{8, 3}, {1, 8}, {7, 0}}) {
-    const EmResult em = run_expert_major(*cpu, *gpu, counts, 8, DType::fp8_e4m3, 582 + counts[0], kMaxRelL2);
-    std::printf("[ rel_l2 ] mxfp4 decode path scale spread counts %d,%d: %.2e (e8m0 zero scales %lld)\n", counts[0], counts[1],
-                em.max_rel_l2, static_cast<long long>(zero_scales));
   }
 }
 

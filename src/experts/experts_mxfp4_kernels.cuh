@@ -50,7 +50,8 @@ constexpr int kScaleOff = kExtraOff;
 constexpr int kRowScaleOff = kScaleOff + kMaxStages * kScaleFloats * 4;
 constexpr int kRowsOff = kRowScaleOff + 2 * kRows * 4;
 constexpr int kRedOff = kRowsOff + kMaxBN * 4;
-constexpr int kSmemUsed = kRedOff + 8 * kMaxBN * 4;
+constexpr int kBarOff = kRedOff + 8 * kMaxBN * 4;  // decode_item_bulk's mbarriers: [8 warps][2 slots] + the token one
+constexpr int kSmemUsed = kBarOff + 32 * 8;
 constexpr int kSmemBytes = kSmemUsed + 1024;  // + alignment of the base to 1024 (swizzle atom)
 constexpr int kHStageStride = 128 + 16;       // fp8 gate_up epilogue: FP8 h rows (bytes), padded
 constexpr int kHbStageStride = 128 + 8;       // mxfp4 gate_up epilogue: bf16 h rows (elements), padded
@@ -783,6 +784,36 @@ __device__ __forceinline__ void decode_epilogue(const MixedGemmParams& p, const 
   }
 }
 
+/// What every decode-path variant resolves first: the lane's coordinates (g = lane / 4, t = lane % 4),
+/// the item's 128-K windows, and the warp's weight rows: m-tile mt (16 rows) starts at rbase + roff[mt];
+/// gate_up the gate rows of h columns col0 + 16 warp .. + 15 and the same up rows (rbase + inter), down
+/// the output rows col0 + 32 warp .. + 31, clamped into the tensor past H (those results are never stored).
+template <bool kGateUp>
+struct DecodeSetup {
+  int warp, lane, g, t, nwin;
+  const int32_t* rows;  // rows[j]: x row (gate_up) / h row (down) of token j of the tile (kRowsOff)
+  int64_t row_bytes, srow_bytes, rbase, roff[2];
+  __device__ __forceinline__ DecodeSetup(const Item& it, const uint8_t* smem) {
+    warp = static_cast<int>(threadIdx.x >> 5);
+    lane = static_cast<int>(threadIdx.x & 31);
+    g = lane >> 2;
+    t = lane & 3;
+    nwin = static_cast<int>(it.K / 128);
+    rows = reinterpret_cast<const int32_t*>(smem + kRowsOff);
+    row_bytes = it.K / 2;
+    srow_bytes = it.K / 32;
+    roff[0] = 0;
+    if constexpr (kGateUp) {
+      rbase = it.col0 + 16 * warp;
+      roff[1] = it.inter;
+    } else {
+      const int64_t r_first = it.col0 + 32 * warp;
+      rbase = r_first < it.hidden ? r_first : 0;
+      roff[1] = r_first + 16 < it.hidden ? 16 : 0;
+    }
+  }
+};
+
 /// Shared-memory plan of decode_item_ring: per warp kRing slots of one 128-K window each, every array
 /// lane-major (lane i's 16 / 8 / 4 bytes at i * size: conflict-free, and every lane reads back only
 /// what it copied itself, so cp.async.wait_group alone orders them).
@@ -807,23 +838,12 @@ struct DecodeRing {
 template <bool kGateUp, int kNt, int kDbg = 0>
 __device__ __forceinline__ void decode_item_ring(const MixedGemmParams& p, const Item& it, uint8_t* smem, Stamps<kDbg>& sp) {
   using R = DecodeRing<kGateUp, kNt>;
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
-  const int32_t* rows = reinterpret_cast<const int32_t*>(smem + kRowsOff);
-  const int nwin = static_cast<int>(it.K / 128);
-  const int64_t row_bytes = it.K / 2, srow_bytes = it.K / 32;
+  const DecodeSetup<kGateUp> ds(it, smem);
+  const int warp = ds.warp, lane = ds.lane, g = ds.g, t = ds.t, nwin = ds.nwin;
+  const int32_t* rows = ds.rows;
+  const int64_t row_bytes = ds.row_bytes, srow_bytes = ds.srow_bytes, rbase = ds.rbase, roff[2] = {ds.roff[0], ds.roff[1]};
   const uint8_t* codes = it.w;
   const uint8_t* wscale = static_cast<const uint8_t*>(it.w_scale);
-  int64_t rbase, roff[2];
-  if constexpr (kGateUp) {
-    rbase = it.col0 + 16 * warp;
-    roff[0] = 0;
-    roff[1] = it.inter;
-  } else {
-    const int64_t r_first = it.col0 + 32 * warp;
-    rbase = r_first < it.hidden ? r_first : 0;
-    roff[0] = 0;
-    roff[1] = r_first + 16 < it.hidden ? 16 : 0;
-  }
   const uint8_t* cb[2];
   const uint8_t* sb[2];
 #pragma unroll
@@ -1017,23 +1037,12 @@ struct DecodeRing2 {
 template <bool kGateUp, int kDbg = 0>
 __device__ __forceinline__ void decode_item_ring2(const MixedGemmParams& p, const Item& it, uint8_t* smem, Stamps<kDbg>& sp) {
   using R = DecodeRing2<kGateUp>;
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
-  const int32_t* rows = reinterpret_cast<const int32_t*>(smem + kRowsOff);
-  const int nwin = static_cast<int>(it.K / 128);
-  const int64_t row_bytes = it.K / 2, srow_bytes = it.K / 32;
+  const DecodeSetup<kGateUp> ds(it, smem);
+  const int warp = ds.warp, lane = ds.lane, g = ds.g, t = ds.t, nwin = ds.nwin;
+  const int32_t* rows = ds.rows;
+  const int64_t row_bytes = ds.row_bytes, srow_bytes = ds.srow_bytes, rbase = ds.rbase, roff[2] = {ds.roff[0], ds.roff[1]};
   const uint8_t* codes = it.w;
   const uint8_t* wscale = static_cast<const uint8_t*>(it.w_scale);
-  int64_t rbase, roff[2];
-  if constexpr (kGateUp) {
-    rbase = it.col0 + 16 * warp;
-    roff[0] = 0;
-    roff[1] = it.inter;
-  } else {
-    const int64_t r_first = it.col0 + 32 * warp;
-    rbase = r_first < it.hidden ? r_first : 0;
-    roff[0] = 0;
-    roff[1] = r_first + 16 < it.hidden ? 16 : 0;
-  }
   // code copies: lane (g, t) copies block t of rows (mt, h, g); slot row (mt * 2 + h) * 8 + g
   const uint8_t* cb[2];
 #pragma unroll
@@ -1162,6 +1171,246 @@ __device__ __forceinline__ void decode_item_ring2(const MixedGemmParams& p, cons
   sp.mark(kDbgEpilogue);
 }
 
+// ---- decode_item_bulk: the copies by the bulk-copy engine (eleventh session) ----
+// (bench/NOTES.md "(eleventh session): MXFP4 decode, the copies off the lanes".) The window body of
+// decode_item_ring2; what changes is how the operands reach shared memory:
+// - the token operand (x: 8 tokens x K bytes and their 1x128 scales; h: 8 x 2K bytes) is staged once per
+//   item for the whole CTA, 8 (+ 8) cp.async.bulk issued by warp 0 on one mbarrier (tokens past the tile's
+//   rows copy its last row: finite data in columns the epilogue never stores), instead of per warp and
+//   window (8 warps x 1 / 2 KB per window from L2 before);
+// - each warp streams its 32 weight rows through 2 slots of 4 windows: per slot one cp.async.bulk per lane
+//   (its row's 256 code bytes) and one of the row's 16 e8m0 bytes, both on the slot's mbarrier (expect_tx
+//   by lane 0): 2 copy instructions per lane per 4 windows instead of 5 per window;
+// - the 1x128 x scale is applied once per window (d * ws summed over the window's 4 blocks, then * xs).
+// Rows sit row-major at a 272-byte pitch (lane (g, t) reads word t of block b: banks 4 g + t, conflict-
+// free), the token rows at K + 32 / 2K + 64 bytes (LDS.64 / LDS.128 conflict-free). Needs K % 512 == 0
+// (16-byte e8m0 and x-scale pieces), K <= 8192 (gate_up) / 4096 (down) (token buffer) and 16-byte
+// aligned bases (decode_bulk_ok); other items keep decode_item_ring2. Shared memory: ring 144 KiB +
+// token buffer <= 66 KiB, below kExtraOff.
+
+/// Shared-memory plan of decode_item_bulk.
+template <bool kGateUp>
+struct DecodeBulk {
+  static constexpr int kWin = 4;                         // 128-K windows per slot
+  static constexpr int kRowPitch = kWin * 64 + 16;       // 256 code bytes + 16
+  static constexpr int kCode = 0;                        // [32 rows: (mt, h, g)][kRowPitch]
+  static constexpr int kScale = 32 * kRowPitch;          // [32 rows][16 B] e8m0 (4 windows x 4 blocks)
+  static constexpr int kSlot = kScale + 32 * 16;         // 9216
+  static constexpr int kSlots = 2;
+  static constexpr int kTok = 8 * kSlots * kSlot;        // token rows [8][tok_pitch], then x scales [8][K / 32 B]
+  static constexpr int kTokPad = kGateUp ? 32 : 64;
+  static constexpr int kMaxK = kGateUp ? 8192 : 4096;
+  static constexpr int kTokBytesMax = 8 * ((kGateUp ? 1 : 2) * kMaxK + kTokPad) + (kGateUp ? 8 * kMaxK / 32 : 0);
+  static_assert(kTok + kTokBytesMax <= kExtraOff, "decode_item_bulk's ring and token buffer below the extras");
+  static_assert(kSlot % 128 == 0, "slot alignment");
+};
+
+/// Per-warp state of decode_item_bulk across the items of a CTA: slot fills so far (fill f uses slot f & 1,
+/// mbarrier parity (f >> 1) & 1) and token stagings so far (the token mbarrier's parity).
+struct BulkState {
+  uint32_t fills = 0;
+  uint32_t toks = 0;
+};
+
+__device__ __forceinline__ void mx_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+/// cp.async.bulk global -> shared, completing `bytes` (multiple of 16, both addresses 16-byte aligned) on `bar`.
+__device__ __forceinline__ void mx_bulk_g2s(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst), "l"(src),
+               "r"(bytes), "r"(bar)
+               : "memory");
+}
+
+/// True when the item can take decode_item_bulk (MixedGemmParams::decode flag 32, <= 8 rows, the shapes and
+/// alignments of the bulk copies). CTA-uniform.
+template <bool kGateUp>
+__device__ __forceinline__ bool decode_bulk_ok(const MixedGemmParams& p, const Item& it) {
+  const uintptr_t tok = kGateUp ? reinterpret_cast<uintptr_t>(p.x) | reinterpret_cast<uintptr_t>(p.x_scales)
+                                : reinterpret_cast<uintptr_t>(p.hb);
+  return (p.decode & 32) && it.num_rows >= 1 && it.num_rows <= 8 && it.K % 512 == 0 && it.K <= DecodeBulk<kGateUp>::kMaxK &&
+         ((tok | reinterpret_cast<uintptr_t>(it.w) | reinterpret_cast<uintptr_t>(it.w_scale)) & 15) == 0;
+}
+
+/// Initialises decode_item_bulk's mbarriers (thread 0; the caller's __syncthreads publishes them).
+__device__ __forceinline__ void decode_bulk_init(uint32_t smem_s) {
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < 17; ++i) mbar_init(smem_s + kBarOff + 8 * i, 1);
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+}
+
+/// One mxfp4 item of <= 8 rows with bulk copies (see above; decode_bulk_ok holds). kGroup (MixedGemmParams::decode
+/// flag 64): the e8m0 00 / FF case decided once per slot of 4 windows, which then form one basic block (the
+/// scheduler can overlap one window's mma latency with the next's conversions); else once per window, as
+/// decode_item_ring2. kDbg as decode_item_ring.
+template <bool kGateUp, bool kGroup, int kDbg = 0>
+__device__ __forceinline__ void decode_item_bulk(const MixedGemmParams& p, const Item& it, uint8_t* smem, BulkState& st,
+                                                 Stamps<kDbg>& sp) {
+  using R = DecodeBulk<kGateUp>;
+  const DecodeSetup<kGateUp> ds(it, smem);
+  const int warp = ds.warp, lane = ds.lane, g = ds.g, t = ds.t, ngrp = ds.nwin / R::kWin;
+  const int64_t K = it.K;
+  const uint32_t smem_s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  // lane l copies weight row l of the slot = (mt, h, g') = (l >> 4, (l >> 3) & 1, l & 7)
+  const int64_t my_row = ds.rbase + ds.roff[lane >> 4] + 8 * ((lane >> 3) & 1) + (lane & 7);
+  const uint8_t* my_codes = it.w + my_row * ds.row_bytes;
+  const uint8_t* my_scales = static_cast<const uint8_t*>(it.w_scale) + my_row * ds.srow_bytes;
+  // token copies (warp 0): lane j < 8 token row j, lanes 8..15 (gate_up) its x-scale row
+  const uint32_t tok_row = static_cast<uint32_t>(kGateUp ? K : 2 * K), tok_pitch = tok_row + R::kTokPad;
+  const uint32_t xs_row = kGateUp ? static_cast<uint32_t>(K / 32) : 0u;  // bytes of one token's x scales
+  const uint32_t tok_bytes = 8 * (tok_row + xs_row);
+  const uint8_t* tok_src = nullptr;
+  if (warp == 0 && lane < (kGateUp ? 16 : 8)) {
+    const int j = lane & 7;
+    const int64_t r = ds.rows[j < it.num_rows ? j : it.num_rows - 1];
+    if constexpr (kGateUp) {
+      tok_src = lane < 8 ? p.x + r * p.hidden : reinterpret_cast<const uint8_t*>(p.x_scales + r * (p.hidden / 128));
+    } else {
+      tok_src = reinterpret_cast<const uint8_t*>(p.hb + r * p.hb_stride);
+    }
+  }
+  __syncthreads();     // rows[] read (the next item may rewrite it); every warp is past the previous item
+  fence_proxy_async();  // generic-proxy writes of earlier items (run_item's staging) before the bulk writes
+  const uint32_t bar_tok = smem_s + kBarOff + 16 * 8, tok_s = smem_s + R::kTok;
+  if (warp == 0) {
+    if (lane == 0) mx_expect_tx(bar_tok, tok_bytes);
+    __syncwarp();
+    if (lane < 8) mx_bulk_g2s(tok_s + lane * tok_pitch, tok_src, tok_row, bar_tok);
+    else if (kGateUp && lane < 16) mx_bulk_g2s(tok_s + 8 * tok_pitch + (lane - 8) * xs_row, tok_src, xs_row, bar_tok);
+  }
+  const uint32_t ring_s = smem_s + warp * R::kSlots * R::kSlot;
+  const uint8_t* ring = smem + warp * R::kSlots * R::kSlot;
+  auto issue = [&](int q) {  // group q (windows 4q .. 4q + 3) into slot (fills + q) & 1
+    const uint32_t slot = (st.fills + q) & 1, bar = smem_s + kBarOff + 8 * (warp * 2 + slot);
+    const uint32_t sl = ring_s + slot * R::kSlot;
+    if (lane == 0) mx_expect_tx(bar, 32 * (R::kWin * 64 + R::kWin * 4));
+    __syncwarp();
+    mx_bulk_g2s(sl + R::kCode + lane * R::kRowPitch, my_codes + q * (R::kWin * 64), R::kWin * 64, bar);
+    mx_bulk_g2s(sl + R::kScale + lane * 16, my_scales + q * (R::kWin * 4), R::kWin * 4, bar);
+  };
+  for (int q = 0; q < R::kSlots && q < ngrp; ++q) issue(q);
+  mbar_wait(bar_tok, st.toks & 1);
+  sp.mark(kDbgPrologue);
+
+  const uint8_t* tok = smem + R::kTok;
+  const float* xsc = reinterpret_cast<const float*>(smem + R::kTok + 8 * tok_pitch);  // [8][K / 128]
+  const int xs_n = static_cast<int>(K / 128);
+  float acc[2][1][4];
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) acc[mt][0][i] = 0.0f;
+
+  // window w of the slot at sl: the e8m0 words s[i] of rows (i >> 1, i & 1, g), kSp: one of them 00 / FF
+  auto window = [&](const uint8_t* sl, int c, int w, const uint32_t (&s)[4], auto sp_tag) {
+    constexpr bool kSp = decltype(sp_tag)::value;
+    float xs[2] = {0.0f, 0.0f};
+    if constexpr (kGateUp) {
+      xs[0] = xsc[(2 * t) * xs_n + c] * 64.0f;
+      xs[1] = xsc[(2 * t + 1) * xs_n + c] * 64.0f;
+    }
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt) {
+      const uint8_t* r0 = sl + R::kCode + ((mt * 2) * 8 + g) * R::kRowPitch + 64 * w + 4 * t;
+      const uint8_t* r8 = r0 + 8 * R::kRowPitch;
+      float accw[4];  // gate_up: this window's sum of d * ws, times the window's x scales below
+      (void)accw;
+#pragma unroll
+      for (int b = 0; b < 4; ++b) {
+        const uint32_t n0 = *reinterpret_cast<const uint32_t*>(r0 + 16 * b);  // word t of block b, row g
+        const uint32_t n8 = *reinterpret_cast<const uint32_t*>(r8 + 16 * b);  // row g + 8
+        const float ws0 = e8m0_of(s[2 * mt], b, kSp), ws8 = e8m0_of(s[2 * mt + 1], b, kSp);
+        if constexpr (kGateUp) {
+          const uint2 x = *reinterpret_cast<const uint2*>(tok + g * tok_pitch + c * 128 + 32 * b + 8 * t);
+          float d[4];
+          mma_e4m3(d, e2m1_even_e4m3(n0), e2m1_even_e4m3(n8), e2m1_odd_e4m3(n0), e2m1_odd_e4m3(n8), prmt(x.x, x.y, 0x6420u),
+                   prmt(x.x, x.y, 0x7531u));
+          if (b == 0) {
+            accw[0] = d[0] * ws0, accw[1] = d[1] * ws0, accw[2] = d[2] * ws8, accw[3] = d[3] * ws8;
+          } else {
+            accw[0] = fmaf(d[0], ws0, accw[0]);
+            accw[1] = fmaf(d[1], ws0, accw[1]);
+            accw[2] = fmaf(d[2], ws8, accw[2]);
+            accw[3] = fmaf(d[3], ws8, accw[3]);
+          }
+        } else {
+          const uint4 A0 = e2m1x8_to_bf16(n0, 0x3F3F3F00u, 0x40404040u, 0xC0800000u, 0xC0804000u);
+          const uint4 A8 = e2m1x8_to_bf16(n8, 0x3F3F3F00u, 0x40404040u, 0xC0800000u, 0xC0804000u);
+          const uint4 h = *reinterpret_cast<const uint4*>(tok + g * tok_pitch + c * 256 + 64 * b + 16 * t);
+          const float z[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+          float d0[4], d[4];
+          mma_bf16(d0, A0.x, A8.x, A0.y, A8.y, h.x, h.y, z);
+          mma_bf16(d, A0.z, A8.z, A0.w, A8.w, h.z, h.w, d0);
+          acc[mt][0][0] = fmaf(d[0], ws0, acc[mt][0][0]);
+          acc[mt][0][1] = fmaf(d[1], ws0, acc[mt][0][1]);
+          acc[mt][0][2] = fmaf(d[2], ws8, acc[mt][0][2]);
+          acc[mt][0][3] = fmaf(d[3], ws8, acc[mt][0][3]);
+        }
+      }
+      if constexpr (kGateUp) {
+        acc[mt][0][0] = fmaf(accw[0], xs[0], acc[mt][0][0]);
+        acc[mt][0][1] = fmaf(accw[1], xs[1], acc[mt][0][1]);
+        acc[mt][0][2] = fmaf(accw[2], xs[0], acc[mt][0][2]);
+        acc[mt][0][3] = fmaf(accw[3], xs[1], acc[mt][0][3]);
+      }
+    }
+  };
+
+  for (int q = 0; q < ngrp; ++q) {
+    const uint32_t f = st.fills + q;
+    mbar_wait(smem_s + kBarOff + 8 * (warp * 2 + (f & 1)), (f >> 1) & 1);
+    sp.mark(kDbgLoadWait);
+    const uint8_t* sl = ring + (f & 1) * R::kSlot;
+    // e8m0 words of window w, rows (i >> 1, i & 1, g) (4 bytes: its 4 blocks); true when one is 00 / FF
+    auto scales = [&](int w, uint32_t (&s)[4]) {
+      bool sp_lane = false;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        s[i] = *reinterpret_cast<const uint32_t*>(sl + R::kScale + (i * 8 + g) * 16 + 4 * w);
+        sp_lane |= e8m0_special(s[i]);
+      }
+      return sp_lane;
+    };
+    if constexpr (kDbg == 2) {  // ablation: the load path alone
+      uint32_t s[4];
+      scales(0, s);
+      if (s[0] == 0x9abcdef0u && *reinterpret_cast<const uint32_t*>(sl + 4 * lane) == 0x12345678u) acc[0][0][0] += 1.0f;
+    } else if constexpr (kGroup) {  // one decision per slot: its 4 windows unrolled in one basic block
+      uint32_t s[R::kWin][4];
+      bool sp_lane = false;
+#pragma unroll
+      for (int w = 0; w < R::kWin; ++w) sp_lane |= scales(w, s[w]);
+      if (__any_sync(0xffffffffu, sp_lane)) {
+#pragma unroll
+        for (int w = 0; w < R::kWin; ++w) window(sl, q * R::kWin + w, w, s[w], std::true_type{});
+      } else {
+#pragma unroll
+        for (int w = 0; w < R::kWin; ++w) window(sl, q * R::kWin + w, w, s[w], std::false_type{});
+      }
+    } else {  // one decision per window
+#pragma unroll 1
+      for (int w = 0; w < R::kWin; ++w) {
+        uint32_t s[4];
+        if (__any_sync(0xffffffffu, scales(w, s))) window(sl, q * R::kWin + w, w, s, std::true_type{});
+        else window(sl, q * R::kWin + w, w, s, std::false_type{});
+      }
+    }
+    sp.mark(kDbgConvert);
+    if (q + R::kSlots < ngrp) {
+      __syncwarp();  // every lane is done reading the slot
+      issue(q + R::kSlots);
+    }
+    sp.mark(kDbgLoadIssue);
+  }
+  st.fills += ngrp;
+  st.toks += 1;
+  decode_epilogue<kGateUp, 1>(p, it, acc, warp, g, t);
+  sp.count(kDbgStages, ds.nwin);
+  sp.count(kDbgMxItems, 1);
+  sp.mark(kDbgEpilogue);
+}
+
 template <bool kGateUp, int kDbg = 0, int NT = kThreads>
 __global__ void __launch_bounds__(NT, 1) mixed_gemm_kernel(MixedGemmParams p, unsigned long long* dbg) {
   extern __shared__ uint8_t smem_raw[];
@@ -1172,6 +1421,11 @@ __global__ void __launch_bounds__(NT, 1) mixed_gemm_kernel(MixedGemmParams p, un
   int32_t* rows = reinterpret_cast<int32_t*>(smem + kRowsOff);
   Stamps<kDbg> sp;
   const long long k_start = kDbg > 0 ? clock64() : 0;
+  BulkState bulk;
+  if constexpr (kDbg <= 2 && NT == kThreads) {
+    decode_bulk_init(smem_s);
+    __syncthreads();
+  }
 
   const int64_t num_items = static_cast<int64_t>(*p.num_tiles) * p.max_weight_tiles;
   // Items walk the tile list from its end: the last local expert (the FHMoE shared expert, with a
@@ -1214,7 +1468,9 @@ __global__ void __launch_bounds__(NT, 1) mixed_gemm_kernel(MixedGemmParams p, un
     constexpr int kFp8 = kGateUp ? kFp8GateUp : kFp8Down, kMx = kGateUp ? kMxGateUp : kMxDown;
     if constexpr (kDbg > 0) {  // debug kernels (set_mixed_debug): mxfp4 items of <= 16 rows only
       if constexpr (kDbg <= 2 && NT == kThreads) {  // modes 1 and 2: the decode path when it is on
-        if (mx && tile.num_rows <= 8 && (p.decode & 16)) decode_item_ring2<kGateUp, kDbg>(p, it, smem, sp);
+        if (mx && decode_bulk_ok<kGateUp>(p, it) && (p.decode & 64)) decode_item_bulk<kGateUp, true, kDbg>(p, it, smem, bulk, sp);
+        else if (mx && decode_bulk_ok<kGateUp>(p, it)) decode_item_bulk<kGateUp, false, kDbg>(p, it, smem, bulk, sp);
+        else if (mx && tile.num_rows <= 8 && (p.decode & 16)) decode_item_ring2<kGateUp, kDbg>(p, it, smem, sp);
         else if (mx && tile.num_rows <= 8 && p.decode) decode_item_ring<kGateUp, 1, kDbg>(p, it, smem, sp);
         else if (mx && tile.num_rows <= 16 && p.decode) decode_item_ring<kGateUp, 2, kDbg>(p, it, smem, sp);
         else if (mx && tile.num_rows <= 16) run_item<kMx, 16, kDbg, NT>(p, it, smem, smem_s, sp);
@@ -1223,7 +1479,9 @@ __global__ void __launch_bounds__(NT, 1) mixed_gemm_kernel(MixedGemmParams p, un
       }
     } else if (mx) {
       if constexpr (kDbg == 0 && NT == kThreads) {  // the decode path (decode_item_ring) for <= 16 rows
-        if (tile.num_rows <= 8 && (p.decode & 16)) decode_item_ring2<kGateUp, kDbg>(p, it, smem, sp);
+        if (decode_bulk_ok<kGateUp>(p, it) && (p.decode & 64)) decode_item_bulk<kGateUp, true, kDbg>(p, it, smem, bulk, sp);
+        else if (decode_bulk_ok<kGateUp>(p, it)) decode_item_bulk<kGateUp, false, kDbg>(p, it, smem, bulk, sp);
+        else if (tile.num_rows <= 8 && (p.decode & 16)) decode_item_ring2<kGateUp, kDbg>(p, it, smem, sp);
         else if (tile.num_rows <= 8 && p.decode) decode_item_ring<kGateUp, 1, kDbg>(p, it, smem, sp);
         else if (tile.num_rows <= 16 && p.decode) decode_item_ring<kGateUp, 2, kDbg>(p, it, smem, sp);
         else if (tile.num_rows <= 16) run_item<kMx, 16, kDbg, NT>(p, it, smem, smem_s, sp);
