@@ -118,9 +118,10 @@ std::unique_ptr<Experts> make_experts_cpu(std::vector<std::shared_ptr<const Expe
 /// with I % 128 == 0 (H % 128 == 0), fed FP8 x, run every expert on the mixed sm_90a kernels
 /// (src/experts/experts_mxfp4_cuda.cu): e2m1 + e8m0 streamed at 0.53 B per weight and expanded in
 /// shared memory (gate_up as e4m3 with a per-row block exponent, down as bf16 with h kept bf16);
-/// mxfp4 experts with <= 16 rows take the decode path of the same kernels instead (mma.sync with the
-/// weights streamed through a per-warp cp.async ring into registers, every 32-K block scale applied
-/// in fp32; src/experts/experts_mxfp4_kernels.cuh; Config::experts_mxfp4_tc = 3 turns it off),
+/// mxfp4 experts with <= 16 rows take the decode path of the same kernels instead (mma.sync, every
+/// 32-K block scale applied in fp32; <= 8 rows with the weights and the token operand staged by bulk
+/// copies on mbarriers, 9..16 through a per-warp cp.async ring; src/experts/experts_mxfp4_kernels.cuh;
+/// Config::experts_mxfp4_tc = 3 turns it off),
 /// fp8_block experts in the same grouped launch (FHMoE: FP8 shared + MXFP4 routed experts, one
 /// launch per GEMM); Config::experts_mxfp4_tc = 2 (EPX_EXPERTS_MXFP4_TC=2) runs them on the
 /// 512-thread variant (experts_mxfp4_wide_cuda.cu: 4 wgmma warpgroups, half a weight row expanded

@@ -198,18 +198,19 @@ class CudaExperts final : public Experts {
                        experts_cuda::mxfp4_tensor_cores_available(device_);
     mx_wide_ = config.experts_mxfp4_tc == 2;
     // The decode path without its L2 prefetch (measured 8 % faster), with the bulk copies for <= 8 rows
-    // (decode_item_bulk, eleventh session) where the shapes allow, else the warp-shared slot layout
-    // (decode_item_ring2: 3040 against 3845 us for V4-Pro decode 192 x 8; bench/NOTES.md tenth session).
-    // A/Bs: 3 off (<= 16-row tiles on the BN 16 wgmma kernel), 4 decode_item_ring with the L2 prefetch,
-    // 5 decode_item_ring with a ring of 3 windows per warp, 6 decode_item_ring, 7 decode_item_ring2, 8
-    // decode_item_bulk with the e8m0 00 / FF case decided per window instead of per slot of 4 windows.
+    // (decode_item_bulk: TMA boxes and a per-item token buffer, each item starting the next one's slots;
+    // eleventh session) where the shapes and maps allow, else the warp-shared slot layout (decode_item_ring2:
+    // 3040 against 3845 us for V4-Pro decode 192 x 8; bench/NOTES.md tenth session). A/Bs: 3 off (<= 16-row
+    // tiles on the BN 16 wgmma kernel), 4 decode_item_ring with the L2 prefetch, 5 decode_item_ring with a
+    // ring of 3 windows per warp, 6 decode_item_ring, 7 decode_item_ring2, 8 decode_item_bulk without
+    // starting the next item's slots early.
     mx_decode_ = config.experts_mxfp4_tc == 3   ? 0
                  : config.experts_mxfp4_tc == 4 ? 1
                  : config.experts_mxfp4_tc == 5 ? 1 | 4 | 8
                  : config.experts_mxfp4_tc == 6 ? 1 | 4
                  : config.experts_mxfp4_tc == 7 ? 1 | 4 | 16
                  : config.experts_mxfp4_tc == 8 ? 1 | 4 | 16 | 32
-                                                : 1 | 4 | 16 | 32 | 64;
+                                                : 1 | 4 | 16 | 32 | 128;
     EPX_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms_, cudaDevAttrMultiProcessorCount, device_));
     // Config::experts_fp8_prefill_min_tiles = 0: the prefill section runs only when its 128-row
     // tiles fill one wave of the gate_up launch (I / 128 weight tiles each, one CTA per SM);
@@ -247,6 +248,21 @@ class CudaExperts final : public Experts {
         w_maps_ = Tensor::empty({static_cast<int64_t>(maps.size() * sizeof(experts_cuda::Fp8TmaMap))}, DType::uint8, dev);
         EPX_CUDA_CHECK(cudaMemcpy(w_maps_.data(), maps.data(), maps.size() * sizeof(experts_cuda::Fp8TmaMap),
                                   cudaMemcpyHostToDevice));
+      }
+    }
+    // The MXFP4 decode path's TMA maps (decode_item_bulk); without them its items take decode_item_ring2.
+    if (has_format_[static_cast<int>(WeightFormat::mxfp4)]) {
+      std::vector<experts_cuda::Fp8TmaMap> maps(4 * descs.size());
+      bool ok = true;
+      for (size_t l = 0; l < descs.size() && ok; ++l)
+        if (descs[l].format == static_cast<int32_t>(WeightFormat::mxfp4)) {
+          experts_cuda::Fp8TmaMap m[4];
+          ok = experts_cuda::mxfp4_decode_maps(descs[l], hidden(), m);
+          for (int i = 0; i < 4 && ok; ++i) maps[4 * l + i] = m[i];
+        }
+      if (ok) {
+        mx_maps_ = Tensor::empty({static_cast<int64_t>(maps.size() * sizeof(experts_cuda::Fp8TmaMap))}, DType::uint8, dev);
+        EPX_CUDA_CHECK(cudaMemcpy(mx_maps_.data(), maps.data(), maps.size() * sizeof(experts_cuda::Fp8TmaMap), cudaMemcpyHostToDevice));
       }
     }
     // The pageable cudaMemcpy uploads above may return before their DMA lands, on the legacy stream,
@@ -483,6 +499,7 @@ class CudaExperts final : public Experts {
       mp.hb_stride = mx_inter_max_;
       mp.wide = mx_wide_;
       mp.decode = mx_decode_;
+      mp.mx_maps = mx_maps_.defined() ? static_cast<const experts_cuda::Fp8TmaMap*>(mx_maps_.data()) : nullptr;
       // Persistent grids of one CTA per multiprocessor (~219 KiB of shared memory each).
       mp.max_weight_tiles = static_cast<int32_t>(inter_max_ / kFp8GroupSize);
       const int64_t up_items = max_tiles * mp.max_weight_tiles;
@@ -565,12 +582,13 @@ class CudaExperts final : public Experts {
   int64_t mx_inter_max_ = 0;      // widest mxfp4 expert
   bool mx_tensor_cores_ = false;  // fp8_block + mxfp4 experts with FP8 x run on the mixed sm_90a GEMMs
   bool mx_wide_ = false;          // their 512-thread variant (EPX_EXPERTS_MXFP4_TC=2)
-  int mx_decode_ = 1 | 4 | 16 | 32 | 64;  // MixedGemmParams::decode (EPX_EXPERTS_MXFP4_TC=3..8: A/Bs)
+  int mx_decode_ = 1 | 4 | 16 | 32 | 128;  // MixedGemmParams::decode (EPX_EXPERTS_MXFP4_TC=3..8: A/Bs)
   int num_sms_ = 1;
   std::array<bool, 3> has_format_{};
   std::vector<Tensor> device_weights_;  // uploaded w13 / scales / w2 / scales of every expert
   Tensor descs_;                        // [L] ExpertDesc on the device
   Tensor w_maps_;                       // [2L] Fp8TmaMap of the fp8_block weights (prefill kernels' TMA), or undefined
+  Tensor mx_maps_;                      // [4L] Fp8TmaMap of the mxfp4 weights (decode_item_bulk), or undefined
   Tensor workspace_;
   int64_t workspace_bytes_ = 0;
   ErrorRecord* error_ = nullptr;        // host-mapped, pinned

@@ -100,6 +100,14 @@ struct alignas(128) Fp8TmaMap {
 /// driver lacks the entry point or the encoder rejects a map (then keep w_maps null).
 bool fp8_prefill_weight_maps(const ExpertDesc& e, int64_t hidden, Fp8TmaMap& w13_map, Fp8TmaMap& w2_map);
 
+/// Host: the TMA descriptors of one mxfp4 expert's device weights for the MXFP4 decode path
+/// (decode_item_bulk, experts_mxfp4_kernels.cuh): maps[0] w13 codes [2I rows, H/2 bytes] and maps[2] w2
+/// codes [H, I/2] in 16-row x 128-byte boxes (2 windows of 128 K), 128-byte swizzle; maps[1] w13 e8m0
+/// [2I, H/32] and maps[3] w2 e8m0 [H, I/32] in 16-row x 16-byte boxes (4 windows), no swizzle. A GEMM whose
+/// K (H for w13, I for w2) is not a multiple of 512 (16-byte e8m0 row pieces) keeps zeroed maps (its items
+/// take decode_item_ring2). False when the driver lacks the encoder or rejects a map.
+bool mxfp4_decode_maps(const ExpertDesc& e, int64_t hidden, Fp8TmaMap (&maps)[4]);
+
 /// Weight rows per CTA tile: gate_up 128 gate + 128 up rows (128 h columns = one FP8 group);
 /// down 256 output columns.
 constexpr int kFp8TileWeightRows = 256;

@@ -298,7 +298,35 @@ bool encode_fp8_map(CUtensorMap& m, const void* base, uint64_t cols, uint64_t ro
             CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
+/// 2-D map of bytes [rows, cols] (row stride `stride` bytes) in boxes of box_rows x box_cols bytes.
+bool encode_byte_map(CUtensorMap& m, const void* base, uint64_t cols, uint64_t rows, uint64_t stride, uint32_t box_cols,
+                     uint32_t box_rows, CUtensorMapSwizzle swizzle) {
+  const PFN_cuTensorMapEncodeTiled_v12000 fn = tensor_map_encoder();
+  if (fn == nullptr || base == nullptr || reinterpret_cast<uintptr_t>(base) % 16 != 0 || stride % 16 != 0 || cols < box_cols ||
+      rows < box_rows || rows > (uint64_t{1} << 31) || cols > stride)
+    return false;
+  const cuuint64_t dims[2] = {cols, rows};
+  const cuuint64_t strides[1] = {stride};
+  const cuuint32_t box[2] = {box_cols, box_rows};
+  const cuuint32_t elem[2] = {1, 1};
+  return fn(&m, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<void*>(base), dims, strides, box, elem, CU_TENSOR_MAP_INTERLEAVE_NONE,
+            swizzle, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
 }  // namespace
+
+bool mxfp4_decode_maps(const ExpertDesc& e, int64_t hidden, Fp8TmaMap (&maps)[4]) {
+  const auto inter = static_cast<uint64_t>(e.intermediate), h = static_cast<uint64_t>(hidden);
+  CUtensorMap m[4]{};
+  if (h % 512 == 0 && (!encode_byte_map(m[0], e.w13, h / 2, 2 * inter, h / 2, 128, 16, CU_TENSOR_MAP_SWIZZLE_128B) ||
+                       !encode_byte_map(m[1], e.w13_scale, h / 32, 2 * inter, h / 32, 16, 16, CU_TENSOR_MAP_SWIZZLE_NONE)))
+    return false;
+  if (inter % 512 == 0 && (!encode_byte_map(m[2], e.w2, inter / 2, h, inter / 2, 128, 16, CU_TENSOR_MAP_SWIZZLE_128B) ||
+                           !encode_byte_map(m[3], e.w2_scale, inter / 32, h, inter / 32, 16, 16, CU_TENSOR_MAP_SWIZZLE_NONE)))
+    return false;
+  for (int i = 0; i < 4; ++i) std::memcpy(maps[i].bytes, &m[i], sizeof(m[i]));
+  return true;
+}
 
 bool fp8_prefill_weight_maps(const ExpertDesc& e, int64_t hidden, Fp8TmaMap& w13_map, Fp8TmaMap& w2_map) {
   const auto inter = static_cast<uint64_t>(e.intermediate), h = static_cast<uint64_t>(hidden);

@@ -10,6 +10,7 @@
 #include <cstdint>
 
 #include "experts/experts_cuda_types.h"
+#include "experts/experts_fp8_cuda.h"
 
 namespace epx::experts_cuda {
 
@@ -44,12 +45,15 @@ struct MixedGemmParams {
   /// weights streamed from HBM through a per-warp cp.async ring into registers, no shared-memory
   /// expansion): 1 decode_item_ring; 0 (Config::experts_mxfp4_tc = 3) the BN 16 wgmma kernel as before;
   /// flags on 1: 4 no L2 prefetch, 8 a ring of 3 windows, 16 decode_item_ring2 for <= 8 rows, 32
-  /// decode_item_bulk for <= 8 rows where its shapes allow (K % 512 == 0, K <= 8192 gate_up / 4096 down;
-  /// else 16 decides), 64 its e8m0 00 / FF case decided per slot of 4 windows (else per window). The
-  /// library's default is 1 | 4 | 16 | 32 | 64; experts_mxfp4_tc = 4 gives 1, 5 gives 1 | 4 | 8, 6 gives
+  /// decode_item_bulk for <= 8 rows where its shapes allow (mx_maps, K % 512 == 0, K <= 8192 gate_up /
+  /// 4096 down; else 16 decides), 128 each decode_item_bulk item starts the next one's first slots. The
+  /// library's default is 1 | 4 | 16 | 32 | 128; experts_mxfp4_tc = 4 gives 1, 5 gives 1 | 4 | 8, 6 gives
   /// 1 | 4, 7 gives 1 | 4 | 16, 8 gives 1 | 4 | 16 | 32. Same results within fp32 summation order. The
   /// wide variant ignores it.
-  int decode = 1 | 4 | 16 | 32 | 64;
+  int decode = 1 | 4 | 16 | 32 | 128;
+  /// [L][4] TMA maps of the mxfp4 experts (mxfp4_decode_maps; other experts' entries zero), or null:
+  /// decode_item_bulk (flag 32) needs them.
+  const Fp8TmaMap* mx_maps = nullptr;
 };
 
 /// True when fp8_tensor_cores_available(device) and the mixed kernels' shared-memory limit is

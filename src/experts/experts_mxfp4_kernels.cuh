@@ -185,6 +185,7 @@ struct Item {
   int64_t hidden;          // H
   int32_t row0, num_rows;  // row-space rows of the tile
   int64_t col0;            // gate_up: first h column; down: first output column
+  int32_t expert;          // local expert (MixedGemmParams::mx_maps)
 };
 
 template <bool kGateUp>
@@ -701,9 +702,10 @@ __device__ __forceinline__ void run_item(const MixedGemmParams& p, const Item& i
 //   default). (A first variant with 2 windows in registers per warp, ld.global.nc, measured 4687 us
 //   against 5321 for V4-Pro decode 192 x 8, bench/NOTES.md; removed.) Measured (batch 2): 3836 us = 1.76
 //   TB/s; the per-lane cp.async issue (~850-1180 cycles per window and warp) and the window body (~1400-
-//   1600) add up. decode_item_ring2 (<= 8 rows, MixedGemmParams::decode flag 16, the default) shares the
-//   slot among the warp's lanes (fewer, wider copies; the fragment words read directly, no quad
-//   transpose): 3040 us = 2.2 TB/s (batch 3). bench/NOTES.md "Next": bulk copies to cut the rest.
+//   1600) add up. decode_item_ring2 (<= 8 rows, MixedGemmParams::decode flag 16) shares the slot among
+//   the warp's lanes (fewer, wider copies; the fragment words read directly, no quad transpose): 3040
+//   us = 2.2 TB/s (batch 3). decode_item_bulk (eleventh session, flag 32, the default for <= 8 rows where
+//   its shapes allow; below) moves the copies to the bulk-copy engine.
 // - One mma per 32-K scale block: a quad transpose (3 shfl.xor + selects) gives lane t word t of every
 //   block b of its rows (8 codes, K = 32 b + 8 t + nibble); the B fragment takes the same K.
 //   gate_up: e4m3 bits of code c = ((c & 7) << 2) | ((c & 8) << 4) = e2m1(c) * 2^-6 exactly (the even
@@ -1171,6 +1173,39 @@ __device__ __forceinline__ void decode_item_ring2(const MixedGemmParams& p, cons
   sp.mark(kDbgEpilogue);
 }
 
+/// Item `walk` of the persistent grid's walk (items from the end of the tile list: the last local expert, the
+/// FHMoE shared expert, first). False when it computes nothing here (a weight tile past its expert's I (gate_up)
+/// or H (down), or a format other than fp8_block / mxfp4); else `it`, `tile` and whether it is mxfp4. CTA-uniform.
+template <bool kGateUp>
+__device__ __forceinline__ bool resolve_item(const MixedGemmParams& p, int64_t num_items, int64_t walk, Item& it, Tile& tile, bool& mx) {
+  const int64_t item = num_items - 1 - walk;
+  tile = p.tiles[item / p.max_weight_tiles];
+  const int wt = static_cast<int>(item % p.max_weight_tiles);
+  const ExpertDesc e = p.experts[tile.expert];
+  mx = e.format == static_cast<int32_t>(WeightFormat::mxfp4);
+  if (!mx && e.format != static_cast<int32_t>(WeightFormat::fp8_block)) return false;
+  const int64_t inter = e.intermediate;
+  it.expert = tile.expert;
+  it.row0 = tile.row0;
+  it.num_rows = tile.num_rows;
+  it.inter = inter;
+  it.hidden = p.hidden;
+  if constexpr (kGateUp) {
+    if (static_cast<int64_t>(wt) * 128 >= inter) return false;
+    it.w = static_cast<const uint8_t*>(e.w13);
+    it.w_scale = e.w13_scale;
+    it.K = p.hidden;
+    it.col0 = static_cast<int64_t>(wt) * 128;
+  } else {
+    it.col0 = static_cast<int64_t>(wt) * kRows;
+    if (it.col0 >= p.hidden) return false;
+    it.w = static_cast<const uint8_t*>(e.w2);
+    it.w_scale = e.w2_scale;
+    it.K = inter;
+  }
+  return true;
+}
+
 // ---- decode_item_bulk: the copies by the bulk-copy engine (eleventh session) ----
 // (bench/NOTES.md "(eleventh session): MXFP4 decode, the copies off the lanes".) The window body of
 // decode_item_ring2; what changes is how the operands reach shared memory:
@@ -1178,38 +1213,46 @@ __device__ __forceinline__ void decode_item_ring2(const MixedGemmParams& p, cons
 //   item for the whole CTA, 8 (+ 8) cp.async.bulk issued by warp 0 on one mbarrier (tokens past the tile's
 //   rows copy its last row: finite data in columns the epilogue never stores), instead of per warp and
 //   window (8 warps x 1 / 2 KB per window from L2 before);
-// - each warp streams its 32 weight rows through 2 slots of 4 windows: per slot one cp.async.bulk per lane
-//   (its row's 256 code bytes) and one of the row's 16 e8m0 bytes, both on the slot's mbarrier (expect_tx
-//   by lane 0): 2 copy instructions per lane per 4 windows instead of 5 per window;
-// - the 1x128 x scale is applied once per window (d * ws summed over the window's 4 blocks, then * xs).
-// Rows sit row-major at a 272-byte pitch (lane (g, t) reads word t of block b: banks 4 g + t, conflict-
-// free), the token rows at K + 32 / 2K + 64 bytes (LDS.64 / LDS.128 conflict-free). Needs K % 512 == 0
-// (16-byte e8m0 and x-scale pieces), K <= 8192 (gate_up) / 4096 (down) (token buffer) and 16-byte
-// aligned bases (decode_bulk_ok); other items keep decode_item_ring2. Shared memory: ring 144 KiB +
-// token buffer <= 66 KiB, below kExtraOff.
+// - each warp streams its 32 weight rows (2 m-tiles of 16) through 2 slots of 4 windows, filled by TMA
+//   (cp.async.bulk.tensor.2d on the expert's maps, mxfp4_decode_maps): per slot lane 0 issues 4 code boxes
+//   (16 rows x 128 bytes = 2 windows, 128-byte swizzle) and 2 e8m0 boxes (16 rows x 16 bytes = 4 windows)
+//   on the slot's mbarrier: 6 requests per warp per 4 windows. (Batch 1 of the session filled the slots by
+//   one 1-D cp.async.bulk per lane and row, 256 code + 16 e8m0 bytes each: 64 requests per warp per slot,
+//   ~7 cycles of the SM's bulk-copy unit each; load_issue 887 / 645 cycles per window and 3730 us against
+//   ring2's 3083: removed);
+// - the 1x128 x scale is applied once per window (d * ws summed over the window's 4 blocks, then * xs);
+// - with MixedGemmParams::decode flag 128 the slots freed by an item's last 2 groups start the CTA's next
+//   item (when that one takes this path too) before the item barrier, its token copy and this epilogue.
+// Lane (g, t) reads word t of block b of rows g, g + 8 from the swizzled box (16-byte chunk c at c ^ g:
+// conflict-free), the token rows at K + 32 / 2K + 64 bytes (LDS.64 / LDS.128 conflict-free). Needs the
+// maps, K % 512 == 0 (16-byte e8m0 and x-scale pieces), K <= 8192 (gate_up) / 4096 (down) (token buffer)
+// and 16-byte aligned token bases (decode_bulk_ok); other items keep decode_item_ring2. Shared memory:
+// ring 144 KiB + token buffer <= 66 KiB, below kExtraOff.
 
 /// Shared-memory plan of decode_item_bulk.
 template <bool kGateUp>
 struct DecodeBulk {
   static constexpr int kWin = 4;                         // 128-K windows per slot
-  static constexpr int kRowPitch = kWin * 64 + 16;       // 256 code bytes + 16
-  static constexpr int kCode = 0;                        // [32 rows: (mt, h, g)][kRowPitch]
-  static constexpr int kScale = 32 * kRowPitch;          // [32 rows][16 B] e8m0 (4 windows x 4 blocks)
-  static constexpr int kSlot = kScale + 32 * 16;         // 9216
+  static constexpr int kBox = 16 * 128;                  // one code box: 16 rows x 128 bytes (2 windows), 128B-swizzled
+  static constexpr int kCode = 0;                        // [mt 2][half 2][kBox]
+  static constexpr int kScale = 4 * kBox;                // [mt 2][16 rows][16 B] e8m0 (4 windows x 4 blocks)
+  static constexpr int kSlot = kScale + 2 * 16 * 16 + 512;  // 9216: slots 1024-byte aligned (the swizzle atom)
   static constexpr int kSlots = 2;
   static constexpr int kTok = 8 * kSlots * kSlot;        // token rows [8][tok_pitch], then x scales [8][K / 32 B]
   static constexpr int kTokPad = kGateUp ? 32 : 64;
   static constexpr int kMaxK = kGateUp ? 8192 : 4096;
   static constexpr int kTokBytesMax = 8 * ((kGateUp ? 1 : 2) * kMaxK + kTokPad) + (kGateUp ? 8 * kMaxK / 32 : 0);
   static_assert(kTok + kTokBytesMax <= kExtraOff, "decode_item_bulk's ring and token buffer below the extras");
-  static_assert(kSlot % 128 == 0, "slot alignment");
+  static_assert(kSlot % 1024 == 0, "slot alignment");
 };
 
 /// Per-warp state of decode_item_bulk across the items of a CTA: slot fills so far (fill f uses slot f & 1,
-/// mbarrier parity (f >> 1) & 1) and token stagings so far (the token mbarrier's parity).
+/// mbarrier parity (f >> 1) & 1), token stagings so far (the token mbarrier's parity), and how many slots of the
+/// coming item are already being filled.
 struct BulkState {
   uint32_t fills = 0;
   uint32_t toks = 0;
+  int pre = 0;  // groups of the current item the previous one already issued (its `next`)
 };
 
 __device__ __forceinline__ void mx_expect_tx(uint32_t bar, uint32_t bytes) {
@@ -1222,14 +1265,22 @@ __device__ __forceinline__ void mx_bulk_g2s(uint32_t dst, const void* src, uint3
                : "memory");
 }
 
+/// Box (x = byte offset along K, y = row) of the 2-D map into shared `dst`, completing its bytes on `bar`.
+__device__ __forceinline__ void mx_tma_2d(uint32_t dst, const Fp8TmaMap* map, int32_t x, int32_t y, uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(x), "r"(y), "r"(bar)
+      : "memory");
+}
+
 /// True when the item can take decode_item_bulk (MixedGemmParams::decode flag 32, <= 8 rows, the shapes and
 /// alignments of the bulk copies). CTA-uniform.
 template <bool kGateUp>
 __device__ __forceinline__ bool decode_bulk_ok(const MixedGemmParams& p, const Item& it) {
   const uintptr_t tok = kGateUp ? reinterpret_cast<uintptr_t>(p.x) | reinterpret_cast<uintptr_t>(p.x_scales)
                                 : reinterpret_cast<uintptr_t>(p.hb);
-  return (p.decode & 32) && it.num_rows >= 1 && it.num_rows <= 8 && it.K % 512 == 0 && it.K <= DecodeBulk<kGateUp>::kMaxK &&
-         ((tok | reinterpret_cast<uintptr_t>(it.w) | reinterpret_cast<uintptr_t>(it.w_scale)) & 15) == 0;
+  return (p.decode & 32) && p.mx_maps != nullptr && it.num_rows >= 1 && it.num_rows <= 8 && it.K % 512 == 0 &&
+         it.K <= DecodeBulk<kGateUp>::kMaxK && (tok & 15) == 0;
 }
 
 /// Initialises decode_item_bulk's mbarriers (thread 0; the caller's __syncthreads publishes them).
@@ -1240,22 +1291,22 @@ __device__ __forceinline__ void decode_bulk_init(uint32_t smem_s) {
   }
 }
 
-/// One mxfp4 item of <= 8 rows with bulk copies (see above; decode_bulk_ok holds). kGroup (MixedGemmParams::decode
-/// flag 64): the e8m0 00 / FF case decided once per slot of 4 windows, which then form one basic block (the
-/// scheduler can overlap one window's mma latency with the next's conversions); else once per window, as
-/// decode_item_ring2. kDbg as decode_item_ring.
-template <bool kGateUp, bool kGroup, int kDbg = 0>
-__device__ __forceinline__ void decode_item_bulk(const MixedGemmParams& p, const Item& it, uint8_t* smem, BulkState& st,
-                                                 Stamps<kDbg>& sp) {
+/// One mxfp4 item of <= 8 rows with bulk copies (see above; decode_bulk_ok holds). The e8m0 00 / FF case is
+/// decided once per slot of 4 windows, which then form one basic block (batch 1: level with a decision per
+/// window, as decode_item_ring2 does; that variant is removed). next: the CTA's next item when it takes decode_item_bulk too (else null): the slots this
+/// item frees in its last 2 groups start that item's first 2 (before the item barrier, its token copy and
+/// this item's epilogue); the call for it must follow (BulkState::pre). kDbg as decode_item_ring.
+template <bool kGateUp, int kDbg = 0>
+__device__ __forceinline__ void decode_item_bulk(const MixedGemmParams& p, const Item& it, const Item* next, uint8_t* smem,
+                                                 BulkState& st, Stamps<kDbg>& sp) {
   using R = DecodeBulk<kGateUp>;
   const DecodeSetup<kGateUp> ds(it, smem);
   const int warp = ds.warp, lane = ds.lane, g = ds.g, t = ds.t, ngrp = ds.nwin / R::kWin;
   const int64_t K = it.K;
   const uint32_t smem_s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-  // lane l copies weight row l of the slot = (mt, h, g') = (l >> 4, (l >> 3) & 1, l & 7)
-  const int64_t my_row = ds.rbase + ds.roff[lane >> 4] + 8 * ((lane >> 3) & 1) + (lane & 7);
-  const uint8_t* my_codes = it.w + my_row * ds.row_bytes;
-  const uint8_t* my_scales = static_cast<const uint8_t*>(it.w_scale) + my_row * ds.srow_bytes;
+  // the maps of the item's GEMM (codes, e8m0) and the first rows of the warp's m-tiles
+  const Fp8TmaMap* my_maps = p.mx_maps + 4 * it.expert + (kGateUp ? 0 : 2);
+  const int32_t my_y[2] = {static_cast<int32_t>(ds.rbase + ds.roff[0]), static_cast<int32_t>(ds.rbase + ds.roff[1])};
   // token copies (warp 0): lane j < 8 token row j, lanes 8..15 (gate_up) its x-scale row
   const uint32_t tok_row = static_cast<uint32_t>(kGateUp ? K : 2 * K), tok_pitch = tok_row + R::kTokPad;
   const uint32_t xs_row = kGateUp ? static_cast<uint32_t>(K / 32) : 0u;  // bytes of one token's x scales
@@ -1281,15 +1332,39 @@ __device__ __forceinline__ void decode_item_bulk(const MixedGemmParams& p, const
   }
   const uint32_t ring_s = smem_s + warp * R::kSlots * R::kSlot;
   const uint8_t* ring = smem + warp * R::kSlots * R::kSlot;
-  auto issue = [&](int q) {  // group q (windows 4q .. 4q + 3) into slot (fills + q) & 1
-    const uint32_t slot = (st.fills + q) & 1, bar = smem_s + kBarOff + 8 * (warp * 2 + slot);
+  // the next item's maps, rows and groups to start here
+  const Fp8TmaMap* nx_maps = nullptr;
+  int32_t nx_y[2] = {0, 0};
+  int nx_grp = 0;
+  if (next != nullptr) {
+    const DecodeSetup<kGateUp> dn(*next, smem);
+    nx_maps = p.mx_maps + 4 * next->expert + (kGateUp ? 0 : 2);
+    nx_y[0] = static_cast<int32_t>(dn.rbase + dn.roff[0]);
+    nx_y[1] = static_cast<int32_t>(dn.rbase + dn.roff[1]);
+    nx_grp = min(R::kSlots, dn.nwin / R::kWin);
+  }
+  // group i of the stream (i < ngrp: this item's windows 4i .. 4i + 3; then the next item's groups) into slot
+  // (fills + i) & 1 (lane 0: 4 code boxes and 2 e8m0 boxes); nothing past them
+  auto issue = [&](int i) {
+    const bool mine = i < ngrp;
+    const int k = mine ? i : i - ngrp;
+    if (!mine && k >= nx_grp) return;  // warp-uniform
+    const uint32_t slot = (st.fills + i) & 1, bar = smem_s + kBarOff + 8 * (warp * 2 + slot);
     const uint32_t sl = ring_s + slot * R::kSlot;
-    if (lane == 0) mx_expect_tx(bar, 32 * (R::kWin * 64 + R::kWin * 4));
-    __syncwarp();
-    mx_bulk_g2s(sl + R::kCode + lane * R::kRowPitch, my_codes + q * (R::kWin * 64), R::kWin * 64, bar);
-    mx_bulk_g2s(sl + R::kScale + lane * 16, my_scales + q * (R::kWin * 4), R::kWin * 4, bar);
+    __syncwarp();  // every lane is done reading the slot's previous group
+    if (lane == 0) {
+      const Fp8TmaMap* m = mine ? my_maps : nx_maps;
+      mx_expect_tx(bar, 4 * R::kBox + 2 * 16 * 16);
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt) {
+        const int32_t y = mine ? my_y[mt] : nx_y[mt];
+        mx_tma_2d(sl + R::kCode + (2 * mt) * R::kBox, m, k * 256, y, bar);
+        mx_tma_2d(sl + R::kCode + (2 * mt + 1) * R::kBox, m, k * 256 + 128, y, bar);
+        mx_tma_2d(sl + R::kScale + mt * 256, m + 1, k * 16, y, bar);
+      }
+    }
   };
-  for (int q = 0; q < R::kSlots && q < ngrp; ++q) issue(q);
+  for (int i = st.pre; i < R::kSlots; ++i) issue(i);
   mbar_wait(bar_tok, st.toks & 1);
   sp.mark(kDbgPrologue);
 
@@ -1312,14 +1387,17 @@ __device__ __forceinline__ void decode_item_bulk(const MixedGemmParams& p, const
     }
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt) {
-      const uint8_t* r0 = sl + R::kCode + ((mt * 2) * 8 + g) * R::kRowPitch + 64 * w + 4 * t;
-      const uint8_t* r8 = r0 + 8 * R::kRowPitch;
+      // box (mt, w / 2), rows g and g + 8; 16-byte chunk c = 4 (w & 1) + b lands at c ^ g (128B swizzle)
+      const uint8_t* r0 = sl + R::kCode + (2 * mt + (w >> 1)) * R::kBox + g * 128 + 4 * t;
+      const uint8_t* r8 = r0 + 8 * 128;
+      const int cw = 4 * (w & 1);
       float accw[4];  // gate_up: this window's sum of d * ws, times the window's x scales below
       (void)accw;
 #pragma unroll
       for (int b = 0; b < 4; ++b) {
-        const uint32_t n0 = *reinterpret_cast<const uint32_t*>(r0 + 16 * b);  // word t of block b, row g
-        const uint32_t n8 = *reinterpret_cast<const uint32_t*>(r8 + 16 * b);  // row g + 8
+        const int ch = ((cw + b) ^ g) * 16;
+        const uint32_t n0 = *reinterpret_cast<const uint32_t*>(r0 + ch);  // word t of block b, row g
+        const uint32_t n8 = *reinterpret_cast<const uint32_t*>(r8 + ch);  // row g + 8
         const float ws0 = e8m0_of(s[2 * mt], b, kSp), ws8 = e8m0_of(s[2 * mt + 1], b, kSp);
         if constexpr (kGateUp) {
           const uint2 x = *reinterpret_cast<const uint2*>(tok + g * tok_pitch + c * 128 + 32 * b + 8 * t);
@@ -1376,7 +1454,7 @@ __device__ __forceinline__ void decode_item_bulk(const MixedGemmParams& p, const
       uint32_t s[4];
       scales(0, s);
       if (s[0] == 0x9abcdef0u && *reinterpret_cast<const uint32_t*>(sl + 4 * lane) == 0x12345678u) acc[0][0][0] += 1.0f;
-    } else if constexpr (kGroup) {  // one decision per slot: its 4 windows unrolled in one basic block
+    } else {  // one decision per slot: its 4 windows unrolled in one basic block
       uint32_t s[R::kWin][4];
       bool sp_lane = false;
 #pragma unroll
@@ -1388,23 +1466,14 @@ __device__ __forceinline__ void decode_item_bulk(const MixedGemmParams& p, const
 #pragma unroll
         for (int w = 0; w < R::kWin; ++w) window(sl, q * R::kWin + w, w, s[w], std::false_type{});
       }
-    } else {  // one decision per window
-#pragma unroll 1
-      for (int w = 0; w < R::kWin; ++w) {
-        uint32_t s[4];
-        if (__any_sync(0xffffffffu, scales(w, s))) window(sl, q * R::kWin + w, w, s, std::true_type{});
-        else window(sl, q * R::kWin + w, w, s, std::false_type{});
-      }
     }
     sp.mark(kDbgConvert);
-    if (q + R::kSlots < ngrp) {
-      __syncwarp();  // every lane is done reading the slot
-      issue(q + R::kSlots);
-    }
+    issue(q + R::kSlots);
     sp.mark(kDbgLoadIssue);
   }
   st.fills += ngrp;
   st.toks += 1;
+  st.pre = nx_grp;
   decode_epilogue<kGateUp, 1>(p, it, acc, warp, g, t);
   sp.count(kDbgStages, ds.nwin);
   sp.count(kDbgMxItems, 1);
@@ -1421,42 +1490,33 @@ __global__ void __launch_bounds__(NT, 1) mixed_gemm_kernel(MixedGemmParams p, un
   int32_t* rows = reinterpret_cast<int32_t*>(smem + kRowsOff);
   Stamps<kDbg> sp;
   const long long k_start = kDbg > 0 ? clock64() : 0;
+  const int64_t num_items = static_cast<int64_t>(*p.num_tiles) * p.max_weight_tiles;
   BulkState bulk;
   if constexpr (kDbg <= 2 && NT == kThreads) {
     decode_bulk_init(smem_s);
     __syncthreads();
   }
+  // decode_item_bulk's next item when that one takes decode_item_bulk too (the same test as the dispatch below),
+  // so the current item fills its freed slots with the next one's first windows (MixedGemmParams::decode flag 128)
+  Item next_it;
+  auto next_bulk = [&](int64_t walk) -> const Item* {
+    if ((p.decode & 128) == 0) return nullptr;
+    for (int64_t w = walk + gridDim.x; w < num_items; w += gridDim.x) {
+      Tile nt;
+      bool nmx;
+      if (resolve_item<kGateUp>(p, num_items, w, next_it, nt, nmx)) return nmx && decode_bulk_ok<kGateUp>(p, next_it) ? &next_it : nullptr;
+    }
+    return nullptr;
+  };
 
-  const int64_t num_items = static_cast<int64_t>(*p.num_tiles) * p.max_weight_tiles;
   // Items walk the tile list from its end: the last local expert (the FHMoE shared expert, with a
   // row for every token and twice the weight bytes of an MXFP4 expert) starts first instead of
   // forming the tail of the persistent grid (longest items first).
   for (int64_t walk = blockIdx.x; walk < num_items; walk += gridDim.x) {
-    const int64_t item = num_items - 1 - walk;
-    const Tile tile = p.tiles[item / p.max_weight_tiles];
-    const int wt = static_cast<int>(item % p.max_weight_tiles);
-    const ExpertDesc e = p.experts[tile.expert];
-    const bool mx = e.format == static_cast<int32_t>(WeightFormat::mxfp4);
-    if (!mx && e.format != static_cast<int32_t>(WeightFormat::fp8_block)) continue;  // CTA-uniform
     Item it;
-    const int64_t inter = e.intermediate;
-    it.row0 = tile.row0;
-    it.num_rows = tile.num_rows;
-    it.inter = inter;
-    it.hidden = p.hidden;
-    if constexpr (kGateUp) {
-      if (static_cast<int64_t>(wt) * 128 >= inter) continue;
-      it.w = static_cast<const uint8_t*>(e.w13);
-      it.w_scale = e.w13_scale;
-      it.K = p.hidden;
-      it.col0 = static_cast<int64_t>(wt) * 128;
-    } else {
-      it.col0 = static_cast<int64_t>(wt) * kRows;
-      if (it.col0 >= p.hidden) continue;
-      it.w = static_cast<const uint8_t*>(e.w2);
-      it.w_scale = e.w2_scale;
-      it.K = inter;
-    }
+    Tile tile;
+    bool mx;
+    if (!resolve_item<kGateUp>(p, num_items, walk, it, tile, mx)) continue;
     sp.start();
     if (threadIdx.x < kMaxBN) {
       const int j = threadIdx.x;
@@ -1468,8 +1528,7 @@ __global__ void __launch_bounds__(NT, 1) mixed_gemm_kernel(MixedGemmParams p, un
     constexpr int kFp8 = kGateUp ? kFp8GateUp : kFp8Down, kMx = kGateUp ? kMxGateUp : kMxDown;
     if constexpr (kDbg > 0) {  // debug kernels (set_mixed_debug): mxfp4 items of <= 16 rows only
       if constexpr (kDbg <= 2 && NT == kThreads) {  // modes 1 and 2: the decode path when it is on
-        if (mx && decode_bulk_ok<kGateUp>(p, it) && (p.decode & 64)) decode_item_bulk<kGateUp, true, kDbg>(p, it, smem, bulk, sp);
-        else if (mx && decode_bulk_ok<kGateUp>(p, it)) decode_item_bulk<kGateUp, false, kDbg>(p, it, smem, bulk, sp);
+        if (mx && decode_bulk_ok<kGateUp>(p, it)) decode_item_bulk<kGateUp, kDbg>(p, it, next_bulk(walk), smem, bulk, sp);
         else if (mx && tile.num_rows <= 8 && (p.decode & 16)) decode_item_ring2<kGateUp, kDbg>(p, it, smem, sp);
         else if (mx && tile.num_rows <= 8 && p.decode) decode_item_ring<kGateUp, 1, kDbg>(p, it, smem, sp);
         else if (mx && tile.num_rows <= 16 && p.decode) decode_item_ring<kGateUp, 2, kDbg>(p, it, smem, sp);
@@ -1479,8 +1538,7 @@ __global__ void __launch_bounds__(NT, 1) mixed_gemm_kernel(MixedGemmParams p, un
       }
     } else if (mx) {
       if constexpr (kDbg == 0 && NT == kThreads) {  // the decode path (decode_item_ring) for <= 16 rows
-        if (decode_bulk_ok<kGateUp>(p, it) && (p.decode & 64)) decode_item_bulk<kGateUp, true, kDbg>(p, it, smem, bulk, sp);
-        else if (decode_bulk_ok<kGateUp>(p, it)) decode_item_bulk<kGateUp, false, kDbg>(p, it, smem, bulk, sp);
+        if (decode_bulk_ok<kGateUp>(p, it)) decode_item_bulk<kGateUp, kDbg>(p, it, next_bulk(walk), smem, bulk, sp);
         else if (tile.num_rows <= 8 && (p.decode & 16)) decode_item_ring2<kGateUp, kDbg>(p, it, smem, sp);
         else if (tile.num_rows <= 8 && p.decode) decode_item_ring<kGateUp, 1, kDbg>(p, it, smem, sp);
         else if (tile.num_rows <= 16 && p.decode) decode_item_ring<kGateUp, 2, kDbg>(p, it, smem, sp);
