@@ -5,21 +5,22 @@
 #   OUT=<dir> BUDGET=<s> timeout -k 5 <s> bash .carry-mxfp4/batch.sh
 # prebuilt.tar.xz (built on the dev machine for sm_90a, CUDA 13.0, from the commit in commit.txt): experts_cuda_test,
 # epx-gemm-mxfp4-bench. The A/Bs are settings of the same binary (EPX_EXPERTS_MXFP4_TC):
-#   G = unset (default: decode_item_bulk, e8m0 00 / FF decided per slot of 4 windows, the 4 windows unrolled),
-#   W = 8 (decode_item_bulk, decided per window), E = 7 (decode_item_ring2: the tenth session's default),
-#   A = 3 (no decode path: the BN 16 wgmma kernel).
-# STEPS (in order; default "bits ab stamps fhmoe san"):
+#   batch 1 (commit 5b208e3): G = unset (decode_item_bulk with 1-D bulk copies, e8m0 00 / FF decided per slot),
+#     W = 8 (the same, decided per window), E = 7 (decode_item_ring2: the tenth session's default);
+#   batch 2 (STEPS="bits ab2 stamps2 fhmoe2 pf san"): T = unset (decode_item_bulk filled by TMA boxes, each item starting
+#     the next one's slots), N = 8 (T without that look-ahead), E = 7.
+# STEPS (in order; default "bits ab2 stamps2 fhmoe2 san pf"; batch 1 ran "bits ab stamps fhmoe san"):
 #   bits   experts_cuda_test: the decode-path tests (new default + the A/B settings), then the other MXFP4 / mixed tests;
-#   ab     decode 192 experts x 8 rows (validated) and x 32, G W E E W G (ITERS calls each, default 20);
-#   abpf   prefill (4096 tokens top-6, Flat) E then G: must not move;
-#   stamps G stamped (--stamps: mode 1 the phases per window, mode 2 the load path alone);
-#   fhmoe  the FHMoE sweep (fused vs separate shared expert, T = 1..64) on the default;
+#   ab     decode 192 experts x 8 rows (validated) and x 32, G W E E W G (ITERS calls each, default 20); ab2 T N E E N T;
+#   abpf   prefill (4096 tokens top-6, Flat) E then G: must not move; pf the prefill case once on the default;
+#   stamps G stamped (--stamps: mode 1 the phases per window, mode 2 the load path alone); stamps2 T likewise;
+#   fhmoe  the FHMoE sweep (fused vs separate shared expert, T = 1..64) on the default (fhmoe2: the same, named for T);
 #   san    compute-sanitizer memcheck and racecheck of Mxfp4DecodePathScaleSpread (decode_item_bulk on both GEMMs at I 512).
 # Every step has its own timeout inside BUDGET seconds (default 195). Writes $OUT/summary.txt first, small logs.
 source tools/device/batch-lib.sh
 batch_init /tmp/mxfp4-out 195
 export CUDA_VISIBLE_DEVICES=0
-STEPS="${STEPS:-bits ab stamps fhmoe san}"
+STEPS="${STEPS:-bits ab2 stamps2 fhmoe2 san pf}"
 ITERS="${ITERS:-20}"
 : >"$OUT/summary.txt"
 batch_prebuilt .carry-mxfp4
@@ -72,6 +73,19 @@ for step in $STEPS; do
       bench 7 ab-E2 25 --iters "$ITERS" --no-simt --cases decode
       bench 8 ab-W2 25 --iters "$ITERS" --no-simt --cases decode
       bench - ab-G2 25 --iters "$ITERS" --no-simt --cases decode ;;
+    ab2)
+      bench - ab-T1 25 --iters "$ITERS" --no-simt --cases decode
+      bench 8 ab-N1 25 --iters "$ITERS" --no-simt --cases decode
+      bench 7 ab-E1 25 --iters "$ITERS" --no-simt --cases decode
+      bench 7 ab-E2 25 --iters "$ITERS" --no-simt --cases decode
+      bench 8 ab-N2 25 --iters "$ITERS" --no-simt --cases decode
+      bench - ab-T2 25 --iters "$ITERS" --no-simt --cases decode ;;
+    pf)
+      bench - pf-T 25 --iters 10 --no-simt --cases prefill ;;
+    stamps2)
+      bench - stamps-T 40 --iters 10 --no-simt --cases decode --stamps ;;
+    fhmoe2)
+      bench - fhmoe-T 35 --iters 10 --no-simt --cases fhmoe --max-tokens 64 ;;
     abpf)
       bench 7 ab-E-prefill 25 --iters 10 --no-simt --cases prefill
       bench - ab-G-prefill 25 --iters 10 --no-simt --cases prefill ;;
