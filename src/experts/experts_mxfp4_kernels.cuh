@@ -1380,7 +1380,8 @@ __device__ __forceinline__ void decode_item_bulk(const MixedGemmParams& p, const
   // window w of the slot at sl: the e8m0 words s[i] of rows (i >> 1, i & 1, g), kSp: one of them 00 / FF
   auto window = [&](const uint8_t* sl, int c, int w, const uint32_t (&s)[4], auto sp_tag) {
     constexpr bool kSp = decltype(sp_tag)::value;
-    float xs[2] = {0.0f, 0.0f};
+    float xs[2] = {0.0f, 0.0f};  // gate_up: the window's x scales of tokens 2t, 2t + 1 (times 64: e4m3 codes of e2m1 / 64)
+    (void)xs;
     if constexpr (kGateUp) {
       xs[0] = xsc[(2 * t) * xs_n + c] * 64.0f;
       xs[1] = xsc[(2 * t + 1) * xs_n + c] * 64.0f;
