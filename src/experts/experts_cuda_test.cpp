@@ -559,11 +559,11 @@ TEST(ExpertsCuda, Mxfp4DecodePathRowCounts) {
   if (gpus() < 1) GTEST_SKIP() << "needs 1 GPU, found " << gpus();
   // Experts with <= 16 rows take the mma.sync decode path of the mixed kernels (experts_mxfp4_kernels.cuh:
   // <= 8 rows decode_item_bulk, TMA boxes through per-warp slots of 4 windows and a per-item token
-  // buffer, each item starting the next one's slots; 9..16 rows decode_item_ring, a per-warp cp.async ring with 2 n-tiles; one mma per 32-K scale
+  // buffer; 9..16 rows decode_item_ring, a per-warp cp.async ring with 2 n-tiles; one mma per 32-K scale
   // block), more the BN 64 wgmma path; all in one launch beside the FP8 shared expert. Row counts 0, 1,
   // 7, 8, 9, 16 per expert; DeepSeek-V4-Pro (H 7168, I 3072) and V3 widths (I 2048), ExpertMajor and Flat.
-  // Then the A/B settings of Config::experts_mxfp4_tc: 8 (decode_item_bulk without starting the next item's
-  // slots early), 7 (decode_item_ring2, the warp-shared cp.async
+  // Then the A/B settings of Config::experts_mxfp4_tc: 8 (decode_item_bulk with each item starting the next
+  // one's slots early), 7 (decode_item_ring2, the warp-shared cp.async
   // slots, for <= 8 rows), 6 (decode_item_ring for <= 8 rows), 5 (decode_item_ring with a ring of 3
   // windows; 4, with the L2 prefetch, changes no data path) and 3 (no decode path: the BN 16 wgmma kernel).
   std::vector<std::shared_ptr<const ExpertWeights>> experts = same_format(WeightFormat::mxfp4, 4, 7168, 3072, 560);
