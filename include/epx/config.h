@@ -70,7 +70,7 @@ struct Config {
   /// instead of a serial tail launch on a few. 0 = one wave: ceil(SMs / gate_up weight tiles per
   /// row tile) (bench/NOTES.md, sixth session); 1 = any big expert (the fifth session's behaviour)
   int experts_fp8_prefill_min_tiles = 0;
-  int experts_mxfp4_tc = 1;          ///< 0: mxfp4 experts keep the SIMT GEMMs; 1: MXFP4 tensor-core kernels; 2: their 512-thread (wide) variant; 3..8: A/Bs of the mma.sync decode path (experts_mxfp4_cuda.h, MixedGemmParams::decode)
+  int experts_mxfp4_tc = 1;          ///< 0: mxfp4 experts keep the SIMT GEMMs; 1: MXFP4 tensor-core kernels; 2: their 512-thread (wide) variant; 3, 7: A/Bs of the mma.sync decode path (experts_mxfp4_cuda.h, MixedGemmParams::decode)
   int moe_chunk_size = 0;            ///< DP chunk: at most this many tokens per MoE call per rank; 0 = no chunking
   /// capability gate: fuse the shared expert when M <= this (layers that run it DP-sharded take
   /// fhmoe_max_tokens_sharded instead). 4096 = the largest M measured, and fused never measurably

@@ -48,7 +48,7 @@ void for_each_field(C& c, Visit&& v) {
   v(Field{"experts.fp8_prefill", "EPX_EXPERTS_FP8_PREFILL", "", "experts with > 64 rows take the FP8 prefill GEMMs (128-row tiles): 1 per GEMM the measured fastest (TMA loads with the lean consumer, 27's kernels, where token rows are contiguous; 17's cp.async kernel for the Flat gate_up gather), 8 cp.async loads with tokens in wgmma A, 17 = 8 with early scale reads / stage release, bulk-copy stores and wgmma's A in registers, 10 = 17 with TMA loads, 23 = 10 with the lean consumer, 27 = 23 loading the next K block under the last promotion; 0 off; 0, 1, 8, 10, 17, 23 or 27 (2-7, 9, 11-16, 18-22 and 24-26 were removed after measurement)"}, c.experts_fp8_prefill);
   v(Field{"experts.fp8_prefill_stages", "EPX_EXPERTS_FP8_PREFILL_STAGES", "stages", "FP8 prefill GEMMs' ring depth; 0 = maximum (gate_up 4, down 3), else 2..4"}, c.experts_fp8_prefill_stages);
   v(Field{"experts.fp8_prefill_min_tiles", "EPX_EXPERTS_FP8_PREFILL_MIN_TILES", "tiles", "FP8 prefill GEMMs run only when the experts with > 64 rows fill at least this many 128-row tiles; 0 = one wave of the GPU, 1 = always"}, c.experts_fp8_prefill_min_tiles);
-  v(Field{"experts.mxfp4_tc", "EPX_EXPERTS_MXFP4_TC", "", "0: mxfp4 experts keep the SIMT GEMMs; 1: MXFP4 tensor-core kernels (<= 16-row tiles on the mma.sync decode path); 2: their 512-thread (wide) variant; A/Bs of 1: 3 without the decode path (<= 16-row tiles on the BN 16 wgmma kernel), 4 / 5 / 6 with its first layout for <= 8 rows (decode_item_ring) with the L2 prefetch / with a ring of 3 windows / as measured in batch 2, 7 with the warp-shared slots (decode_item_ring2) instead of the bulk copies (decode_item_bulk), 8 the bulk copies with each item starting the next one's copies early; 0..8"}, c.experts_mxfp4_tc);
+  v(Field{"experts.mxfp4_tc", "EPX_EXPERTS_MXFP4_TC", "", "0: mxfp4 experts keep the SIMT GEMMs; 1: MXFP4 tensor-core kernels (<= 16-row tiles on the mma.sync decode path); 2: their 512-thread (wide) variant; A/Bs of 1: 3 without the decode path (<= 16-row tiles on the BN 16 wgmma kernel), 7 with the warp-shared cp.async slots (decode_item_ring2) instead of the TMA slots (decode_item_bulk) for <= 8 rows; 0, 1, 2, 3 or 7"}, c.experts_mxfp4_tc);
   v(Field{"moe.chunk_size", "EPX_MOE_CHUNK_SIZE", "tokens", "DP chunk: max tokens per MoE call per rank; 0 = unchunked"}, c.moe_chunk_size);
   v(Field{"fhmoe.max_tokens", "EPX_FHMOE_MAX_TOKENS", "tokens", "fuse the shared expert when M <= this (capability gate)"}, c.fhmoe_max_tokens);
   v(Field{"fhmoe.local_shared_tokens", "EPX_FHMOE_LOCAL_SHARED_TOKENS", "tokens",
@@ -233,7 +233,9 @@ void Config::validate_fields() const {
   require_arg("config", "experts.fp8_prefill_stages", experts_fp8_prefill_stages,
               experts_fp8_prefill_stages == 0 || (experts_fp8_prefill_stages >= 2 && experts_fp8_prefill_stages <= 4), "must be 0 or in [2, 4]");
   require_arg("config", "experts.fp8_prefill_min_tiles", experts_fp8_prefill_min_tiles, experts_fp8_prefill_min_tiles >= 0, "must be >= 0 (0 = one wave)");
-  require_arg("config", "experts.mxfp4_tc", experts_mxfp4_tc, experts_mxfp4_tc >= 0 && experts_mxfp4_tc <= 8, "must be in [0, 8]");
+  require_arg("config", "experts.mxfp4_tc", experts_mxfp4_tc, (experts_mxfp4_tc >= 0 && experts_mxfp4_tc <= 3) || experts_mxfp4_tc == 7,
+              "must be 0, 1, 2, 3 or 7 (4, 5 and 6, decode_item_ring for <= 8 rows with and without its L2 prefetch or a ring of 3, "
+              "and 8, decode_item_bulk starting the next item's slots, were measured slower and removed; bench/NOTES.md)");
   require_arg("config", "moe.chunk_size", moe_chunk_size, moe_chunk_size >= 0, "must be >= 0");
   require_arg("config", "fhmoe.max_tokens", fhmoe_max_tokens, fhmoe_max_tokens >= 0, "must be >= 0");
   require_arg("config", "fhmoe.max_tokens_sharded", fhmoe_max_tokens_sharded, fhmoe_max_tokens_sharded >= 0, "must be >= 0");

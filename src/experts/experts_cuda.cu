@@ -197,20 +197,12 @@ class CudaExperts final : public Experts {
                        experts_[0]->hidden % kFp8GroupSize == 0 && config.experts_simt == 0 && config.experts_mxfp4_tc >= 1 &&
                        experts_cuda::mxfp4_tensor_cores_available(device_);
     mx_wide_ = config.experts_mxfp4_tc == 2;
-    // The decode path without its L2 prefetch (measured 8 % faster), with the bulk copies for <= 8 rows
-    // (decode_item_bulk: TMA boxes and a per-item token buffer; V4-Pro decode 192 x 8 2365 us against
-    // decode_item_ring2's 3053, bench/NOTES.md eleventh session) where the shapes and maps allow, else the
-    // warp-shared slot layout (decode_item_ring2: 3040 against 3845 us for decode_item_ring, tenth session).
-    // A/Bs: 3 off (<= 16-row tiles on the BN 16 wgmma kernel), 4 decode_item_ring with the L2 prefetch, 5
-    // decode_item_ring with a ring of 3 windows per warp, 6 decode_item_ring, 7 decode_item_ring2, 8
-    // decode_item_bulk with each item starting the next one's slots (2449 us: 3.5 % slower).
-    mx_decode_ = config.experts_mxfp4_tc == 3   ? 0
-                 : config.experts_mxfp4_tc == 4 ? 1
-                 : config.experts_mxfp4_tc == 5 ? 1 | 4 | 8
-                 : config.experts_mxfp4_tc == 6 ? 1 | 4
-                 : config.experts_mxfp4_tc == 7 ? 1 | 4 | 16
-                 : config.experts_mxfp4_tc == 8 ? 1 | 4 | 16 | 32 | 128
-                                                : 1 | 4 | 16 | 32;
+    // The decode path: <= 8 rows on TMA slots (decode_item_bulk: TMA boxes and a per-item token buffer;
+    // V4-Pro decode 192 x 8 2365 us against decode_item_ring2's 3053, bench/NOTES.md eleventh session)
+    // where the shapes and maps allow, else the warp-shared cp.async slots (decode_item_ring2: 3040 against
+    // 3845 us for decode_item_ring, tenth session); 9..16 rows decode_item_ring.
+    // A/Bs: 3 off (<= 16-row tiles on the BN 16 wgmma kernel), 7 decode_item_ring2 for every <= 8-row tile.
+    mx_decode_ = config.experts_mxfp4_tc == 3 ? 0 : config.experts_mxfp4_tc == 7 ? 1 : 1 | 2;
     EPX_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms_, cudaDevAttrMultiProcessorCount, device_));
     // Config::experts_fp8_prefill_min_tiles = 0: the prefill section runs only when its 128-row
     // tiles fill one wave of the gate_up launch (I / 128 weight tiles each, one CTA per SM);
@@ -582,7 +574,7 @@ class CudaExperts final : public Experts {
   int64_t mx_inter_max_ = 0;      // widest mxfp4 expert
   bool mx_tensor_cores_ = false;  // fp8_block + mxfp4 experts with FP8 x run on the mixed sm_90a GEMMs
   bool mx_wide_ = false;          // their 512-thread variant (EPX_EXPERTS_MXFP4_TC=2)
-  int mx_decode_ = 1 | 4 | 16 | 32;  // MixedGemmParams::decode (EPX_EXPERTS_MXFP4_TC=3..8: A/Bs)
+  int mx_decode_ = 1 | 2;  // MixedGemmParams::decode (EPX_EXPERTS_MXFP4_TC=3, 7: A/Bs)
   int num_sms_ = 1;
   std::array<bool, 3> has_format_{};
   std::vector<Tensor> device_weights_;  // uploaded w13 / scales / w2 / scales of every expert

@@ -562,10 +562,8 @@ TEST(ExpertsCuda, Mxfp4DecodePathRowCounts) {
   // buffer; 9..16 rows decode_item_ring, a per-warp cp.async ring with 2 n-tiles; one mma per 32-K scale
   // block), more the BN 64 wgmma path; all in one launch beside the FP8 shared expert. Row counts 0, 1,
   // 7, 8, 9, 16 per expert; DeepSeek-V4-Pro (H 7168, I 3072) and V3 widths (I 2048), ExpertMajor and Flat.
-  // Then the A/B settings of Config::experts_mxfp4_tc: 8 (decode_item_bulk with each item starting the next
-  // one's slots early), 7 (decode_item_ring2, the warp-shared cp.async
-  // slots, for <= 8 rows), 6 (decode_item_ring for <= 8 rows), 5 (decode_item_ring with a ring of 3
-  // windows; 4, with the L2 prefetch, changes no data path) and 3 (no decode path: the BN 16 wgmma kernel).
+  // Then the A/B settings of Config::experts_mxfp4_tc: 7 (decode_item_ring2, the warp-shared cp.async
+  // slots, for <= 8 rows) and 3 (no decode path: the BN 16 wgmma kernel).
   std::vector<std::shared_ptr<const ExpertWeights>> experts = same_format(WeightFormat::mxfp4, 4, 7168, 3072, 560);
   experts.push_back(ExpertWeights::random(WeightFormat::mxfp4, 7168, 2048, 565));
   experts.push_back(ExpertWeights::random(WeightFormat::fp8_block, 7168, 3072, 566));
@@ -582,14 +580,14 @@ TEST(ExpertsCuda, Mxfp4DecodePathRowCounts) {
   }
   const double fl = run_flat(*cpu, *gpu, 20, 2, DType::fp8_e4m3, ++seed, {.masked = 0.2, .duplicates = true, .tol = tol});
   std::printf("[ rel_l2 ] mxfp4 decode path v4-pro/v3 flat 20 tokens top-2: %.2e\n", fl);
-  for (const char* tc : {"8", "7", "6", "5", "3"}) {
+  for (const char* tc : {"7", "3"}) {
     std::unique_ptr<Experts> gpu_ab;
     {
       const test::ScopedEnv tc_env("EPX_EXPERTS_MXFP4_TC", tc);
       gpu_ab = make_experts_cuda(experts, 0);
     }
     const EmResult ab =
-        run_expert_major(*cpu, *gpu_ab, cases[tc[0] == '3' ? 1 : (tc[0] == '5' ? 0 : 2)], 19, DType::fp8_e4m3, ++seed, tol);
+        run_expert_major(*cpu, *gpu_ab, cases[tc[0] == '3' ? 1 : 2], 19, DType::fp8_e4m3, ++seed, tol);
     std::printf("[ rel_l2 ] mxfp4 decode path EPX_EXPERTS_MXFP4_TC=%s expert_major: %.2e\n", tc, ab.max_rel_l2);
   }
   // MXFP4 experts alone: the MXFP4 tolerance.

@@ -42,17 +42,15 @@ struct MixedGemmParams {
   /// 2 warpgroups of 2 sub-tiles, one weight row per thread. Same results either way.
   bool wide = false;
   /// Tiles of <= 16 rows of mxfp4 experts run on the mma.sync decode path (experts_mxfp4_kernels.cuh:
-  /// weights streamed from HBM through a per-warp cp.async ring into registers, no shared-memory
-  /// expansion): 1 decode_item_ring; 0 (Config::experts_mxfp4_tc = 3) the BN 16 wgmma kernel as before;
-  /// flags on 1: 4 no L2 prefetch, 8 a ring of 3 windows, 16 decode_item_ring2 for <= 8 rows, 32
+  /// weights streamed from HBM through shared memory into mma.sync's registers, no shared-memory
+  /// expansion): flag 1 the path itself (9..16 rows decode_item_ring, <= 8 decode_item_ring2), flag 2
   /// decode_item_bulk for <= 8 rows where its shapes allow (mx_maps, K % 512 == 0, K <= 8192 gate_up /
-  /// 4096 down; else 16 decides), 128 each decode_item_bulk item starts the next one's first slots
-  /// (measured 3.5 % slower). The library's default is 1 | 4 | 16 | 32; experts_mxfp4_tc = 4 gives 1, 5
-  /// gives 1 | 4 | 8, 6 gives 1 | 4, 7 gives 1 | 4 | 16, 8 gives 1 | 4 | 16 | 32 | 128. Same results within
-  /// fp32 summation order. The wide variant ignores it.
-  int decode = 1 | 4 | 16 | 32;
+  /// 4096 down); 0 (Config::experts_mxfp4_tc = 3) the BN 16 wgmma kernel as before. The library's
+  /// default is 1 | 2; experts_mxfp4_tc = 7 gives 1. Same results within fp32 summation order. The wide
+  /// variant ignores it.
+  int decode = 1 | 2;
   /// [L][4] TMA maps of the mxfp4 experts (mxfp4_decode_maps; other experts' entries zero), or null:
-  /// decode_item_bulk (flag 32) needs them.
+  /// decode_item_bulk (flag 2) needs them.
   const Fp8TmaMap* mx_maps = nullptr;
 };
 

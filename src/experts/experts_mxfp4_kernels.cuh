@@ -697,15 +697,14 @@ __device__ __forceinline__ void run_item(const MixedGemmParams& p, const Item& i
 //   g and g + 8 of both m-tiles (one warp instruction reads 8 rows x 64 contiguous bytes, L2::256B), those
 //   rows' e8m0 words and its token operand (x: 8 bytes per block and the 1x128 scales, h: 16 bytes) into
 //   a per-warp cp.async ring in shared memory (decode_item_ring, DecodeRing: kRing - 1 windows in flight
-//   per warp without holding registers); optionally (MixedGemmParams::decode without flag 4) every lane
-//   keeps its row's codes kPf windows ahead in L2 (cp.async.bulk.prefetch.L2; measured 8 % slower, off by
-//   default). (A first variant with 2 windows in registers per warp, ld.global.nc, measured 4687 us
-//   against 5321 for V4-Pro decode 192 x 8, bench/NOTES.md; removed.) Measured (batch 2): 3836 us = 1.76
-//   TB/s; the per-lane cp.async issue (~850-1180 cycles per window and warp) and the window body (~1400-
-//   1600) add up. decode_item_ring2 (<= 8 rows, MixedGemmParams::decode flag 16) shares the slot among
-//   the warp's lanes (fewer, wider copies; the fragment words read directly, no quad transpose): 3040
-//   us = 2.2 TB/s (batch 3). decode_item_bulk (eleventh session, flag 32, the default for <= 8 rows where
-//   its shapes allow; below) moves the copies to the bulk-copy engine.
+//   per warp without holding registers); 9..16 rows (2 n-tiles). (Removed after measurement, bench/NOTES.md
+//   tenth / eleventh sessions: 2 windows in registers per warp, 4687 us against 5321 for V4-Pro decode
+//   192 x 8; an L2 prefetch of each row kPf windows ahead, 8 % slower; a ring of 3 windows, level; this
+//   ring for <= 8 rows, 3836 us = 1.76 TB/s: the per-lane cp.async issue and the window body add up.)
+//   decode_item_ring2 (<= 8 rows where decode_item_bulk cannot run) shares the slot among the warp's lanes
+//   (fewer, wider copies; the fragment words read directly, no quad transpose): 3040 us = 2.2 TB/s.
+//   decode_item_bulk (eleventh session, MixedGemmParams::decode flag 2, the default for <= 8 rows where
+//   its shapes allow; below) moves the copies to TMA: 2365 us = 2.85 TB/s.
 // - One mma per 32-K scale block: a quad transpose (3 shfl.xor + selects) gives lane t word t of every
 //   block b of its rows (8 codes, K = 32 b + 8 t + nibble); the B fragment takes the same K.
 //   gate_up: e4m3 bits of code c = ((c & 7) << 2) | ((c & 8) << 4) = e2m1(c) * 2^-6 exactly (the even
@@ -831,7 +830,7 @@ struct DecodeRing {
   static_assert(kRing >= 3, "decode ring depth");
 };
 
-/// One mxfp4 item of <= 8 kNt rows on the decode path (see above), the windows staged through a per-warp
+/// One mxfp4 item of <= 8 kNt rows on the decode path (see above; the kernels use kNt = 2: 9..16 rows), the windows staged through a per-warp
 /// cp.async ring in shared memory (DecodeRing: kRing - 1 windows in flight per warp, ~5 x 2 KB of codes,
 /// without holding registers). smem: the CTA's shared memory (rows[] at kRowsOff, the ring below kExtraOff).
 /// kDbg (set_mixed_debug): 1 stamps the phases (prologue, load_wait = the ring wait, load_issue = the next
@@ -854,8 +853,6 @@ __device__ __forceinline__ void decode_item_ring(const MixedGemmParams& p, const
     sb[mt] = wscale + (rbase + roff[mt] + g) * srow_bytes;
   }
   const int64_t c8 = 8 * row_bytes, s8 = 8 * srow_bytes;
-  constexpr int kPf = 8;
-  const uint8_t* pf_row = codes + (rbase + roff[lane >> 4] + (lane & 15)) * row_bytes;
   const uint8_t* bptr[kNt];
   bool bval[kNt];
   int32_t xsr[kNt][2];
@@ -874,18 +871,11 @@ __device__ __forceinline__ void decode_item_ring(const MixedGemmParams& p, const
   }
   __syncthreads();  // rows[] read: the next item may rewrite it
 
-  // A/B knobs (MixedGemmParams::decode): flag 4 no L2 prefetch, flag 8 a ring of 3 slots
-  const bool l2pf = (p.decode & 4) == 0;
-  const int nring = (p.decode & 8) ? 3 : R::kRing;
   const uint32_t ring_s = static_cast<uint32_t>(__cvta_generic_to_shared(smem)) + warp * R::kRing * R::kSlot;
   const uint8_t* ring = smem + warp * R::kRing * R::kSlot;
-  auto issue = [&](int c) {  // window c into slot c % nring; always one commit group
+  auto issue = [&](int c) {  // window c into slot c % kRing; always one commit group
     if (c < nwin) {
-      if (l2pf && (c & 3) == 0 && c + kPf < nwin) {
-        const int n = min(4, nwin - c - kPf);
-        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(pf_row + (c + kPf) * 64), "r"(n * 64) : "memory");
-      }
-      const uint32_t sl = ring_s + (c % nring) * R::kSlot;
+      const uint32_t sl = ring_s + (c % R::kRing) * R::kSlot;
 #pragma unroll
       for (int mt = 0; mt < 2; ++mt) {
 #pragma unroll
@@ -927,18 +917,15 @@ __device__ __forceinline__ void decode_item_ring(const MixedGemmParams& p, const
 #pragma unroll
       for (int i = 0; i < 4; ++i) acc[mt][nt][i] = 0.0f;
 
-  if (l2pf && nwin > 0) asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(pf_row), "r"(min(kPf, nwin) * 64) : "memory");
 #pragma unroll
-  for (int s = 0; s < R::kRing - 1; ++s)
-    if (s < nring - 1) issue(s);
+  for (int s = 0; s < R::kRing - 1; ++s) issue(s);
   sp.mark(kDbgPrologue);
   for (int c = 0; c < nwin; ++c) {
-    if (nring == R::kRing) cp_async_wait<R::kRing - 2>();  // window c (this lane's own copies)
-    else cp_async_wait<1>();
+    cp_async_wait<R::kRing - 2>();  // window c (this lane's own copies)
     sp.mark(kDbgLoadWait);
-    issue(c + nring - 1);  // into the slot window c - 1 used (read into registers last iteration)
+    issue(c + R::kRing - 1);  // into the slot window c - 1 used (read into registers last iteration)
     sp.mark(kDbgLoadIssue);
-    const uint8_t* sl = ring + (c % nring) * R::kSlot;
+    const uint8_t* sl = ring + (c % R::kRing) * R::kSlot;
     uint4 a[4];
     uint32_t s[4];
 #pragma unroll
@@ -1034,8 +1021,7 @@ struct DecodeRing2 {
 /// decode_item_ring for <= 8 rows with the warp-shared slot layout of DecodeRing2: per window and lane
 /// 4 cp.async of codes, 1 of e8m0 words, 2 (x) / 4 (h) of the token operand and 1 of x scales (lanes
 /// < 8), against 4 + 4 + 4 + 2; the A fragments read as 16 LDS.32 instead of 4 LDS.128 + 4 quad
-/// transposes. MixedGemmParams::decode flag 16 (the default; Config::experts_mxfp4_tc = 6 turns it off);
-/// no L2 prefetch.
+/// transposes. The <= 8-row items decode_item_bulk cannot take (Config::experts_mxfp4_tc = 7: all of them).
 template <bool kGateUp, int kDbg = 0>
 __device__ __forceinline__ void decode_item_ring2(const MixedGemmParams& p, const Item& it, uint8_t* smem, Stamps<kDbg>& sp) {
   using R = DecodeRing2<kGateUp>;
@@ -1221,9 +1207,8 @@ __device__ __forceinline__ bool resolve_item(const MixedGemmParams& p, int64_t n
 //   ~7 cycles of the SM's bulk-copy unit each; load_issue 887 / 645 cycles per window and 3730 us against
 //   ring2's 3083: removed);
 // - the 1x128 x scale is applied once per window (d * ws summed over the window's 4 blocks, then * xs);
-// - with MixedGemmParams::decode flag 128 (opt-in: measured 3.5 % slower, batch 2) the slots freed by an
-//   item's last 2 groups start the CTA's next item (when that one takes this path too) before the item
-//   barrier, its token copy and this epilogue.
+// (Removed after batch 2: the slots freed by an item's last 2 groups starting the CTA's next item, 2449 us
+// against 2365 without; bench/NOTES.md.)
 // Lane (g, t) reads word t of block b of rows g, g + 8 from the swizzled box (16-byte chunk c at c ^ g:
 // conflict-free), the token rows at K + 32 / 2K + 64 bytes (LDS.64 / LDS.128 conflict-free). Needs the
 // maps, K % 512 == 0 (16-byte e8m0 and x-scale pieces), K <= 8192 (gate_up) / 4096 (down) (token buffer)
@@ -1248,12 +1233,10 @@ struct DecodeBulk {
 };
 
 /// Per-warp state of decode_item_bulk across the items of a CTA: slot fills so far (fill f uses slot f & 1,
-/// mbarrier parity (f >> 1) & 1), token stagings so far (the token mbarrier's parity), and how many slots of the
-/// coming item are already being filled.
+/// mbarrier parity (f >> 1) & 1) and token stagings so far (the token mbarrier's parity).
 struct BulkState {
   uint32_t fills = 0;
   uint32_t toks = 0;
-  int pre = 0;  // groups of the current item the previous one already issued (its `next`)
 };
 
 __device__ __forceinline__ void mx_expect_tx(uint32_t bar, uint32_t bytes) {
@@ -1274,13 +1257,13 @@ __device__ __forceinline__ void mx_tma_2d(uint32_t dst, const Fp8TmaMap* map, in
       : "memory");
 }
 
-/// True when the item can take decode_item_bulk (MixedGemmParams::decode flag 32, <= 8 rows, the shapes and
+/// True when the item can take decode_item_bulk (MixedGemmParams::decode flag 2, <= 8 rows, the shapes and
 /// alignments of the bulk copies). CTA-uniform.
 template <bool kGateUp>
 __device__ __forceinline__ bool decode_bulk_ok(const MixedGemmParams& p, const Item& it) {
   const uintptr_t tok = kGateUp ? reinterpret_cast<uintptr_t>(p.x) | reinterpret_cast<uintptr_t>(p.x_scales)
                                 : reinterpret_cast<uintptr_t>(p.hb);
-  return (p.decode & 32) && p.mx_maps != nullptr && it.num_rows >= 1 && it.num_rows <= 8 && it.K % 512 == 0 &&
+  return (p.decode & 2) && p.mx_maps != nullptr && it.num_rows >= 1 && it.num_rows <= 8 && it.K % 512 == 0 &&
          it.K <= DecodeBulk<kGateUp>::kMaxK && (tok & 15) == 0;
 }
 
@@ -1294,12 +1277,10 @@ __device__ __forceinline__ void decode_bulk_init(uint32_t smem_s) {
 
 /// One mxfp4 item of <= 8 rows with bulk copies (see above; decode_bulk_ok holds). The e8m0 00 / FF case is
 /// decided once per slot of 4 windows, which then form one basic block (batch 1: level with a decision per
-/// window, as decode_item_ring2 does; that variant is removed). next: the CTA's next item when it takes decode_item_bulk too (else null): the slots this
-/// item frees in its last 2 groups start that item's first 2 (before the item barrier, its token copy and
-/// this item's epilogue); the call for it must follow (BulkState::pre). kDbg as decode_item_ring.
+/// window, as decode_item_ring2 does; that variant is removed). kDbg as decode_item_ring.
 template <bool kGateUp, int kDbg = 0>
-__device__ __forceinline__ void decode_item_bulk(const MixedGemmParams& p, const Item& it, const Item* next, uint8_t* smem,
-                                                 BulkState& st, Stamps<kDbg>& sp) {
+__device__ __forceinline__ void decode_item_bulk(const MixedGemmParams& p, const Item& it, uint8_t* smem, BulkState& st,
+                                                 Stamps<kDbg>& sp) {
   using R = DecodeBulk<kGateUp>;
   const DecodeSetup<kGateUp> ds(it, smem);
   const int warp = ds.warp, lane = ds.lane, g = ds.g, t = ds.t, ngrp = ds.nwin / R::kWin;
@@ -1333,39 +1314,23 @@ __device__ __forceinline__ void decode_item_bulk(const MixedGemmParams& p, const
   }
   const uint32_t ring_s = smem_s + warp * R::kSlots * R::kSlot;
   const uint8_t* ring = smem + warp * R::kSlots * R::kSlot;
-  // the next item's maps, rows and groups to start here
-  const Fp8TmaMap* nx_maps = nullptr;
-  int32_t nx_y[2] = {0, 0};
-  int nx_grp = 0;
-  if (next != nullptr) {
-    const DecodeSetup<kGateUp> dn(*next, smem);
-    nx_maps = p.mx_maps + 4 * next->expert + (kGateUp ? 0 : 2);
-    nx_y[0] = static_cast<int32_t>(dn.rbase + dn.roff[0]);
-    nx_y[1] = static_cast<int32_t>(dn.rbase + dn.roff[1]);
-    nx_grp = min(R::kSlots, dn.nwin / R::kWin);
-  }
-  // group i of the stream (i < ngrp: this item's windows 4i .. 4i + 3; then the next item's groups) into slot
-  // (fills + i) & 1 (lane 0: 4 code boxes and 2 e8m0 boxes); nothing past them
-  auto issue = [&](int i) {
-    const bool mine = i < ngrp;
-    const int k = mine ? i : i - ngrp;
-    if (!mine && k >= nx_grp) return;  // warp-uniform
-    const uint32_t slot = (st.fills + i) & 1, bar = smem_s + kBarOff + 8 * (warp * 2 + slot);
+  // group k (windows 4k .. 4k + 3) into slot (fills + k) & 1 (lane 0: 4 code boxes and 2 e8m0 boxes)
+  auto issue = [&](int k) {
+    if (k >= ngrp) return;  // warp-uniform
+    const uint32_t slot = (st.fills + k) & 1, bar = smem_s + kBarOff + 8 * (warp * 2 + slot);
     const uint32_t sl = ring_s + slot * R::kSlot;
     __syncwarp();  // every lane is done reading the slot's previous group
     if (lane == 0) {
-      const Fp8TmaMap* m = mine ? my_maps : nx_maps;
       mx_expect_tx(bar, 4 * R::kBox + 2 * 16 * 16);
 #pragma unroll
       for (int mt = 0; mt < 2; ++mt) {
-        const int32_t y = mine ? my_y[mt] : nx_y[mt];
-        mx_tma_2d(sl + R::kCode + (2 * mt) * R::kBox, m, k * 256, y, bar);
-        mx_tma_2d(sl + R::kCode + (2 * mt + 1) * R::kBox, m, k * 256 + 128, y, bar);
-        mx_tma_2d(sl + R::kScale + mt * 256, m + 1, k * 16, y, bar);
+        mx_tma_2d(sl + R::kCode + (2 * mt) * R::kBox, my_maps, k * 256, my_y[mt], bar);
+        mx_tma_2d(sl + R::kCode + (2 * mt + 1) * R::kBox, my_maps, k * 256 + 128, my_y[mt], bar);
+        mx_tma_2d(sl + R::kScale + mt * 256, my_maps + 1, k * 16, my_y[mt], bar);
       }
     }
   };
-  for (int i = st.pre; i < R::kSlots; ++i) issue(i);
+  for (int k = 0; k < R::kSlots; ++k) issue(k);
   mbar_wait(bar_tok, st.toks & 1);
   sp.mark(kDbgPrologue);
 
@@ -1475,7 +1440,6 @@ __device__ __forceinline__ void decode_item_bulk(const MixedGemmParams& p, const
   }
   st.fills += ngrp;
   st.toks += 1;
-  st.pre = nx_grp;
   decode_epilogue<kGateUp, 1>(p, it, acc, warp, g, t);
   sp.count(kDbgStages, ds.nwin);
   sp.count(kDbgMxItems, 1);
@@ -1498,18 +1462,6 @@ __global__ void __launch_bounds__(NT, 1) mixed_gemm_kernel(MixedGemmParams p, un
     decode_bulk_init(smem_s);
     __syncthreads();
   }
-  // decode_item_bulk's next item when that one takes decode_item_bulk too (the same test as the dispatch below),
-  // so the current item fills its freed slots with the next one's first windows (MixedGemmParams::decode flag 128)
-  Item next_it;
-  auto next_bulk = [&](int64_t walk) -> const Item* {
-    if ((p.decode & 128) == 0) return nullptr;
-    for (int64_t w = walk + gridDim.x; w < num_items; w += gridDim.x) {
-      Tile nt;
-      bool nmx;
-      if (resolve_item<kGateUp>(p, num_items, w, next_it, nt, nmx)) return nmx && decode_bulk_ok<kGateUp>(p, next_it) ? &next_it : nullptr;
-    }
-    return nullptr;
-  };
 
   // Items walk the tile list from its end: the last local expert (the FHMoE shared expert, with a
   // row for every token and twice the weight bytes of an MXFP4 expert) starts first instead of
@@ -1530,9 +1482,8 @@ __global__ void __launch_bounds__(NT, 1) mixed_gemm_kernel(MixedGemmParams p, un
     constexpr int kFp8 = kGateUp ? kFp8GateUp : kFp8Down, kMx = kGateUp ? kMxGateUp : kMxDown;
     if constexpr (kDbg > 0) {  // debug kernels (set_mixed_debug): mxfp4 items of <= 16 rows only
       if constexpr (kDbg <= 2 && NT == kThreads) {  // modes 1 and 2: the decode path when it is on
-        if (mx && decode_bulk_ok<kGateUp>(p, it)) decode_item_bulk<kGateUp, kDbg>(p, it, next_bulk(walk), smem, bulk, sp);
-        else if (mx && tile.num_rows <= 8 && (p.decode & 16)) decode_item_ring2<kGateUp, kDbg>(p, it, smem, sp);
-        else if (mx && tile.num_rows <= 8 && p.decode) decode_item_ring<kGateUp, 1, kDbg>(p, it, smem, sp);
+        if (mx && decode_bulk_ok<kGateUp>(p, it)) decode_item_bulk<kGateUp, kDbg>(p, it, smem, bulk, sp);
+        else if (mx && tile.num_rows <= 8 && p.decode) decode_item_ring2<kGateUp, kDbg>(p, it, smem, sp);
         else if (mx && tile.num_rows <= 16 && p.decode) decode_item_ring<kGateUp, 2, kDbg>(p, it, smem, sp);
         else if (mx && tile.num_rows <= 16) run_item<kMx, 16, kDbg, NT>(p, it, smem, smem_s, sp);
       } else {
@@ -1540,9 +1491,8 @@ __global__ void __launch_bounds__(NT, 1) mixed_gemm_kernel(MixedGemmParams p, un
       }
     } else if (mx) {
       if constexpr (kDbg == 0 && NT == kThreads) {  // the decode path (decode_item_ring) for <= 16 rows
-        if (decode_bulk_ok<kGateUp>(p, it)) decode_item_bulk<kGateUp, kDbg>(p, it, next_bulk(walk), smem, bulk, sp);
-        else if (tile.num_rows <= 8 && (p.decode & 16)) decode_item_ring2<kGateUp, kDbg>(p, it, smem, sp);
-        else if (tile.num_rows <= 8 && p.decode) decode_item_ring<kGateUp, 1, kDbg>(p, it, smem, sp);
+        if (decode_bulk_ok<kGateUp>(p, it)) decode_item_bulk<kGateUp, kDbg>(p, it, smem, bulk, sp);
+        else if (tile.num_rows <= 8 && p.decode) decode_item_ring2<kGateUp, kDbg>(p, it, smem, sp);
         else if (tile.num_rows <= 16 && p.decode) decode_item_ring<kGateUp, 2, kDbg>(p, it, smem, sp);
         else if (tile.num_rows <= 16) run_item<kMx, 16, kDbg, NT>(p, it, smem, smem_s, sp);
         else run_item<kMx, 64, kDbg, NT>(p, it, smem, smem_s, sp);
