@@ -4,6 +4,7 @@
 // the argument errors (capacity, bad routing) raised on every rank instead of a hang.
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -453,6 +454,36 @@ TEST(ModularMoE, BadOrDisagreeingOptionsNameTheirValues) {
   });
   for (int r = 0; r < 2; ++r)
     EXPECT_NE(what[r].find("shared_mode = fused on rank 0 but separate on rank 1: all ranks must agree"), std::string::npos) << what[r];
+}
+
+TEST(ModularMoE, OutOfRuleConfigStructIsRefusedOnEveryRank) {
+  // The layer's Config reaches the backend's and the experts' launch settings: one built in C++ with a
+  // field outside its rule (validate()'s) is refused with that rule on every rank, also when only rank 1's
+  // is bad, instead of running a mode nobody asked for (ll.signal "chunck" ran block signalling on CUDA).
+  auto w = weights_for("mixtral-8x7b-mini");
+  DispatchConfig dc;
+  dc.num_max_dispatch_tokens_per_rank = 8;
+  for (const bool only_rank1 : {false, true}) {
+    auto groups = make_cpu_groups(2, 10.0);
+    std::vector<std::string> what(2);
+    const auto t0 = std::chrono::steady_clock::now();
+    run_ranks(groups, [&](int rank) {
+      Config bad;
+      if (!only_rank1 || rank == 1) bad.experts_fp8_prefill = 5;  // a removed mode
+      try {
+        ModularMoE layer(w, groups[rank], "all2allv", dc, bad);
+      } catch (const InvalidArgument& e) {
+        what[rank] = e.what();
+      }
+    });
+    EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(5)) << "a rank waited for a timeout";
+    for (int r = 0; r < 2; ++r) {
+      if (!only_rank1 || r == 1)
+        EXPECT_NE(what[r].find("config: experts.fp8_prefill = 5: must be 0, 1, 8, 10, 17, 23 or 27"), std::string::npos) << what[r];
+      else
+        EXPECT_NE(what[r].find("rank 1"), std::string::npos) << what[r];
+    }
+  }
 }
 
 TEST(ModularMoE, UnknownPresetOrBackendListsTheKnownNames) {
