@@ -486,6 +486,27 @@ TEST(ModularMoE, OutOfRuleConfigStructIsRefusedOnEveryRank) {
   }
 }
 
+TEST(ModularMoE, NullTensorDataIsAnErrorNotACrash) {
+  // x / out / topk_* views with a null data pointer and a non-empty shape: InvalidArgument naming the
+  // argument on the CPU path, before any rank reads them (this segfaulted in forward's routing / copies).
+  auto w = weights_for("mixtral-8x7b-mini");
+  DispatchConfig dc;
+  dc.num_max_dispatch_tokens_per_rank = 8;
+  auto groups = make_cpu_groups(1, 10.0);
+  ModularMoE layer(w, groups[0], "ll", dc, Config{});
+  const int64_t T = 4, H = w->config.hidden, K = w->config.router.top_k;
+  Tensor x = test::random_bf16(T, H, 3), out = Tensor::empty({T, H}, DType::bf16);
+  Tensor idx = Tensor::zeros({T, K}, DType::int32), wt = Tensor::zeros({T, K}, DType::fp32);
+  const TensorView null_x(nullptr, DType::bf16, {T, H}), null_out(nullptr, DType::bf16, {T, H});
+  const TensorView null_idx(nullptr, DType::int32, {T, K}), null_w(nullptr, DType::fp32, {T, K});
+  EXPECT_NE(test::invalid_argument_message([&] { layer.forward(null_x, out); }).find("x.data = null"), std::string::npos);
+  EXPECT_NE(test::invalid_argument_message([&] { layer.forward(x, null_out); }).find("out.data = null"), std::string::npos);
+  EXPECT_NE(test::invalid_argument_message([&] { layer.forward_routed(x, null_idx, wt, out); }).find("topk_idx.data = null"), std::string::npos);
+  EXPECT_NE(test::invalid_argument_message([&] { layer.forward_routed(x, idx, null_w, out); }).find("topk_weights.data = null"), std::string::npos);
+  // The layer is still usable.
+  layer.forward(x, out);
+}
+
 TEST(ModularMoE, UnknownPresetOrBackendListsTheKnownNames) {
   try {
     preset("deepseek-v9");

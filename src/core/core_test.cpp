@@ -49,6 +49,24 @@ TEST(Tensor, ShapeStridesRowsAndChecks) {
   EXPECT_NE(zero_rows.data(), nullptr);
 }
 
+TEST(Tensor, NullDataWithElementsIsRefusedByTheBoundaryChecks) {
+  // A view whose data is null but whose shape holds elements (a C++ caller's unset pointer) was read at the
+  // API boundary as a tensor: ModularMoE::forward and every backend's prepare segfaulted. check_contiguous,
+  // which every public entry point runs on each tensor, refuses it naming the argument; empty views (no
+  // elements, optional inputs) and real ones still pass.
+  TensorView null_x(nullptr, DType::bf16, {4, 256});
+  try {
+    check_contiguous("op", "x", null_x);
+    FAIL() << "no throw";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("op: x.data = null of [4, 256] bf16 cpu: must point to its 1024 elements"), std::string::npos)
+        << e.what();
+  }
+  EXPECT_NO_THROW(check_contiguous("op", "x", TensorView(nullptr, DType::bf16, {0, 256})));
+  EXPECT_NO_THROW(check_contiguous("op", "x", TensorView()));
+  EXPECT_NO_THROW(check_contiguous("op", "x", Tensor::zeros({4, 256}, DType::bf16)));
+}
+
 #ifndef EPX_WITH_CUDA
 TEST(Tensor, CudaTensorInCpuBuildIsUnsupported) {
   EXPECT_THROW(Tensor::empty({4}, DType::fp32, Device::cuda(0)), Unsupported);

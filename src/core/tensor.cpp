@@ -176,7 +176,16 @@ void check_shape(std::string_view op, std::string_view arg, const TensorView& t,
   }
 }
 
+void check_data(std::string_view op, std::string_view arg, const TensorView& t) {
+  if (t.data == nullptr && t.ndim > 0 && t.numel() > 0)
+    require_arg(op, std::string(arg) + ".data", "null of " + t.describe(), false,
+                "must point to its " + std::to_string(t.numel()) + " elements");
+}
+
 void check_contiguous(std::string_view op, std::string_view arg, const TensorView& t) {
+  // Every public entry point runs this on each tensor it reads or writes, so it also refuses a view that
+  // claims elements but has no memory (a C++ caller's unset pointer; the Python binding refuses it too).
+  check_data(op, arg, t);
   if (t.is_contiguous()) return;  // the message (an ostringstream) only on failure: this runs on every call
   std::string strides = "[";
   for (int i = 0; i < t.ndim; ++i) strides += (i ? ", " : "") + std::to_string(t.strides[i]);
