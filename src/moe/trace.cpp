@@ -213,6 +213,7 @@ Trace parse_trace_json(const std::string& text, const std::string& origin) {
   t.top_k = get_int_field(op, j, "top_k");
   require_arg(op, "top_k", t.top_k, t.top_k >= 1, "must be >= 1");
   if (j.contains("hidden")) t.hidden = get_int_field(op, j, "hidden");
+  require_arg(op, "hidden", t.hidden, t.hidden >= 0, "must be >= 0 (0 = no hidden states)");  // before the rows use it
   if (j.contains("source")) t.source = j["source"].is_string() ? j["source"].get<std::string>() : j["source"].dump();
   require_arg(op, "steps", j.contains("steps") ? j["steps"].type_name() : "(missing)", j.contains("steps") && j["steps"].is_array(),
               "must be an array of {\"ranks\": [...]}");
