@@ -248,6 +248,8 @@ TEST(TraceImport, BadInputGivesClearErrors) {
   // INT32_MAX itself: num_experts = largest id + 1 must fit an int (it overflowed to -2147483648).
   std::string edge = replace_once(hand_jsonl(), "\"topk_ids\": [1, 2]", "\"topk_ids\": [1, 2147483647]");
   expect_invalid([&] { import_text(edge, {.num_ranks = 1}); }, {"topk_ids[1] = 2147483647: must be -1 (no selection) or an expert id in [0, 2147483646]"});
+  // A record's "type" that is not a string was nlohmann's type_error ("type must be string, but is number").
+  expect_invalid([] { import_text("{\"type\": 3}\n" + hand_jsonl(), {.num_ranks = 1}); }, {"toy.jsonl:1 type = 3", "must be a string"});
 }
 
 TEST(Npy, ReadsNumpyWrittenBytesAndRejectsBadFiles) {

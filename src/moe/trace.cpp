@@ -338,6 +338,8 @@ Trace import_routing_jsonl(std::istream& in, const TraceImportOptions& opt, cons
       throw InvalidArgument(arg_message(op, where, "unparsable line", std::string("must be one JSON object per line (") + e.what() + ")"));
     }
     require_arg(op, where, j.type_name(), j.is_object(), "must be a JSON object");
+    if (j.contains("type"))
+      require_arg(op, where + " type", j["type"].dump(), j["type"].is_string(), "must be a string (\"route\", or a meta record's)");
     if (j.value("type", std::string("route")) != "route") {
       if (j.contains("top_k") && j["top_k"].is_number_integer()) top_k = get_int_field(op, j, "top_k");
       if (j.contains("num_experts") && j["num_experts"].is_number_integer()) meta_experts = get_int_field(op, j, "num_experts");
