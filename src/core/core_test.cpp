@@ -166,6 +166,15 @@ TEST(Config, FailedJsonOrEnvLeavesTheConfigAsItWas) {
   EXPECT_EQ(c.ht_num_sms, 64);
 }
 
+// EPX_CONFIG / --config naming a directory (a missing file name in a path) read as an empty JSON text:
+// "must be valid JSON (... unexpected end of input)". It is named as a path that is not a readable file.
+TEST(Config, JsonPathThatIsADirectoryIsNamedAsSuch) {
+  const std::string dir = ::testing::TempDir();
+  const std::string what = test::invalid_argument_message([&] { Config::load(dir); });
+  EXPECT_NE(what.find("config: json_path = " + dir + ": must name a readable file"), std::string::npos) << what;
+  EXPECT_EQ(what.find("valid JSON"), std::string::npos) << what;
+}
+
 // Keys are flat dotted names; a nested object ({"ll": {"signal": ...}}) is named as such, with the
 // flat key it meant, instead of "unknown key ll (did you mean 'ht.pdl'?)".
 TEST(Config, NestedJsonObjectIsNamedWithTheFlatKey) {
