@@ -281,6 +281,18 @@ TEST(Npy, ReadsNumpyWrittenBytesAndRejectsBadFiles) {
   expect_invalid([&] { read_npy(p.string()); }, {"data = short"});
   { std::ofstream(p, std::ios::binary) << "PK\x03\x04 not npy"; }
   expect_invalid([&] { read_npy(p.string()); }, {"magic"});
+  // A crafted shape: product(shape) * itemsize wrapped past 2^64 to 0 bytes (2^54 x 256 x 4) was read as a
+  // tensor of 2^54 rows and no data (epx moe --hidden then segfaulted); one that does not wrap but passes what the
+  // file holds (2^40 x 256 x 2 bytes) was allocated before the short read (std::bad_alloc, not an epx::Error).
+  auto npy_with = [](const std::string& descr, const std::string& shape) {
+    std::string h = "{'descr': '" + descr + "', 'fortran_order': False, 'shape': " + shape + ", }\n";
+    return std::string("\x93NUMPY\x01\x00", 8) + std::string(1, static_cast<char>(h.size() & 0xff)) +
+           std::string(1, static_cast<char>(h.size() >> 8)) + h + std::string(16, '\0');
+  };
+  { std::ofstream(p, std::ios::binary) << npy_with("<f4", "(18014398509481984, 256)"); }
+  expect_invalid([&] { read_npy(p.string()); }, {"shape = (18014398509481984, 256)", "product(shape) * itemsize must fit in int64"});
+  { std::ofstream(p, std::ios::binary) << npy_with("<u2", "(1099511627776, 256)"); }
+  expect_invalid([&] { read_npy(p.string()); }, {"data = short", "562949953421312 bytes"});
   std::filesystem::remove(p);
 }
 

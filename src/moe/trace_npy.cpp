@@ -90,7 +90,15 @@ NpyArray read_npy(const std::string& path) {
     a.shape.push_back(d);
   }
   require_arg(op, "shape", shape, is.eof(), "must hold integers only");
-  const int64_t bytes = a.numel() * itemsize(a.descr);
+  // A corrupt or crafted header: the product must not wrap (2^54 x 256 x 4 bytes wrapped to 0 and was read as a
+  // 2^54-row tensor), and no more bytes are allocated than the file holds after the header.
+  int64_t bytes = itemsize(a.descr);
+  for (int64_t d : a.shape)
+    require_arg(op, "shape", shape, !__builtin_mul_overflow(bytes, d, &bytes), "product(shape) * itemsize must fit in int64");
+  std::error_code ec;
+  const auto file_bytes = std::filesystem::file_size(path, ec);
+  const int64_t left = ec ? bytes : static_cast<int64_t>(file_bytes) - static_cast<int64_t>(f.tellg());
+  require_arg(op, "data", "short", bytes <= left, "must hold product(shape) * itemsize = " + std::to_string(bytes) + " bytes");
   a.data.resize(static_cast<size_t>(bytes));
   f.read(reinterpret_cast<char*>(a.data.data()), bytes);
   require_arg(op, "data", "short", f.gcount() == bytes, "must hold product(shape) * itemsize = " + std::to_string(bytes) + " bytes");
