@@ -67,6 +67,19 @@ TEST(Tensor, NullDataWithElementsIsRefusedByTheBoundaryChecks) {
   EXPECT_NO_THROW(check_contiguous("op", "x", Tensor::zeros({4, 256}, DType::bf16)));
 }
 
+TEST(Tensor, ShapeWhoseBytesPassInt64IsRefused) {
+  // numel() * dtype_size wrapped: Tensor::empty({2^40, 2^40}, bf16) returned a tensor of that shape over a
+  // 64-byte allocation (numel() 0), which the first write overran. The shape is refused where views are made.
+  const int64_t big = int64_t{1} << 40;
+  std::string what = test::invalid_argument_message([&] { Tensor::empty({big, big}, DType::bf16); });
+  EXPECT_NE(what.find("TensorView: shape = [1099511627776, 1099511627776] bf16: must hold at most 2^63 - 1 bytes"), std::string::npos)
+      << what;
+  what = test::invalid_argument_message([&] { TensorView(nullptr, DType::fp32, {int64_t{1} << 62, 2}); });
+  EXPECT_NE(what.find("must hold at most 2^63 - 1 bytes"), std::string::npos) << what;
+  EXPECT_NO_THROW(TensorView(nullptr, DType::bf16, {int64_t{1} << 31, 7168}));  // 2^31 rows x 7168: 64-bit, fine
+  EXPECT_NO_THROW(TensorView(nullptr, DType::bf16, {0, int64_t{1} << 62, 1 << 20}));  // no elements
+}
+
 #ifndef EPX_WITH_CUDA
 TEST(Tensor, CudaTensorInCpuBuildIsUnsupported) {
   EXPECT_THROW(Tensor::empty({4}, DType::fp32, Device::cuda(0)), Unsupported);
