@@ -43,6 +43,7 @@
 // no host collective, and the valid row count on the device (DispatchArgs::num_tokens).
 #include <algorithm>
 #include <chrono>
+#include <exception>
 #include <limits>
 #include <optional>
 #include <string>
@@ -334,20 +335,40 @@ ModularMoE::ModularMoE(std::shared_ptr<const MoEWeights> weights, std::shared_pt
     if (m.sharded && options.fhmoe_max_tokens < 0) m.fhmoe_max_tokens = config.fhmoe_max_tokens_sharded;
   }
   // After the backend (collective, and where an unsupported one stops): the CUDA experts upload
-  // this rank's weights, which is not worth doing for a backend that cannot run.
+  // this rank's weights, which is not worth doing for a backend that cannot run. A factory's Experts must
+  // fit the slots it is handed (one per local expert, the model's hidden). A failure here (a misfit, or
+  // building throws) is folded into the collective composition check below, so every rank throws at
+  // construction instead of this rank alone while its peers wait in the next collective until timeout_s.
+  std::exception_ptr build_error;
   if (!local.empty()) {
-    if (options.make_experts) {
-      m.experts = options.make_experts(std::move(local), m.device);
-      require_arg(kCtorOp, "options.make_experts", "a null Experts", m.experts != nullptr, "must return an Experts object");
-    } else {
-      m.experts = m.device.is_cpu() ? make_experts_cpu(std::move(local)) : make_experts_cuda(std::move(local), m.device.index, config);
+    const int64_t slots = static_cast<int64_t>(local.size());
+    try {
+      if (options.make_experts) {
+        m.experts = options.make_experts(std::move(local), m.device);
+        require_arg(kCtorOp, "options.make_experts", "a null Experts", m.experts != nullptr, "must return an Experts object");
+        require_arg(kCtorOp, "options.make_experts", "an Experts of num_local_experts = " + std::to_string(m.experts->num_local_experts()),
+                    m.experts->num_local_experts() == slots,
+                    "must equal the " + std::to_string(slots) + " local experts it was given (rank " + std::to_string(rank) + ")");
+        require_arg(kCtorOp, "options.make_experts", "an Experts of hidden = " + std::to_string(m.experts->hidden()),
+                    m.experts->hidden() == mc.hidden, "must equal the model's hidden = " + std::to_string(mc.hidden));
+      } else {
+        m.experts = m.device.is_cpu() ? make_experts_cpu(std::move(local)) : make_experts_cuda(std::move(local), m.device.index, config);
+      }
+    } catch (...) {
+      build_error = std::current_exception();
+      m.experts.reset();
     }
   }
   // Composition check, collective so every rank throws the same sentence: the experts must take the
   // backend's activation layout (Flat for the gathered/deduplicated backends, ExpertMajor for ll).
   const ActivationLayout layout = caps.layout;
-  const int64_t fit = !m.experts ? 2 : m.experts->supports(layout) ? 1 : 0;
+  const int64_t fit = build_error ? 3 : !m.experts ? 2 : m.experts->supports(layout) ? 1 : 0;
   const std::vector<int64_t> fits = group->all_gather_i64(fit);
+  if (build_error) std::rethrow_exception(build_error);
+  for (int r = 0; r < R; ++r)
+    if (fits[static_cast<size_t>(r)] == 3)
+      throw InvalidArgument(std::string(kCtorOp) + ": rank " + std::to_string(r) +
+                            " could not build experts that fit its local slots: every rank stops (see that rank's error)");
   for (int r = 0; r < R; ++r) {
     if (fits[static_cast<size_t>(r)] != 0) continue;
     std::string takes;
