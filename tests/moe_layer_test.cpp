@@ -507,6 +507,49 @@ TEST(ModularMoE, NullTensorDataIsAnErrorNotACrash) {
   layer.forward(x, out);
 }
 
+TEST(ModularMoE, OneRanksBadArgumentsStopEveryRankAtConstruction) {
+  // The constructor checks each rank's own arguments (its experts built, the shared expert, options, capacity)
+  // before the backend's collective creation. A failure on one rank threw there alone and its peers waited in
+  // make_prepare_finalize until timeout_s (then a Timeout naming no cause). Now every rank throws at once.
+  const MoEConfig cfg = preset("deepseek-v3-mini");
+  auto all = weights_for("deepseek-v3-mini");
+  auto first_half = MoEWeights::random(cfg, 1, 0, 100);  // rank 1 of 2 holds experts [128, 256)
+  auto no_shared = std::make_shared<MoEWeights>(*all);
+  no_shared->shared = nullptr;
+  const std::vector<std::pair<int, std::string>> faults = {
+      {0, "weights.experts[128] = null: must be built: rank 1 holds experts [128, 256)"},
+      {1, "weights.shared = null: must be set"},
+      {2, "options.chunk_size = -3: must be >= 0"},
+      {3, "dispatch_cfg.num_max_dispatch_tokens_per_rank = -1: must be >= 0"},
+      {4, "weights = null: must be set"}};
+  for (const auto& [fault, text] : faults) {
+    auto groups = make_cpu_groups(2, 10.0);
+    std::vector<std::string> what(2);
+    const auto t0 = std::chrono::steady_clock::now();
+    run_ranks(groups, [&, fault = fault](int rank) {
+      std::shared_ptr<const MoEWeights> w = all;
+      ModularMoEOptions o;
+      DispatchConfig dc;
+      dc.num_max_dispatch_tokens_per_rank = 8;
+      if (rank == 1) {
+        if (fault == 0) w = first_half;
+        if (fault == 1) w = no_shared;
+        if (fault == 2) o.chunk_size = -3;
+        if (fault == 3) dc.num_max_dispatch_tokens_per_rank = -1;
+        if (fault == 4) w = nullptr;
+      }
+      try {
+        ModularMoE layer(w, groups[rank], "all2allv", dc, Config{}, o);
+      } catch (const Error& e) {
+        what[rank] = e.what();
+      }
+    });
+    EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(5)) << "fault " << fault << ": a rank waited for timeout_s";
+    EXPECT_NE(what[1].find(text), std::string::npos) << "fault " << fault << ": " << what[1];
+    EXPECT_NE(what[0].find("rank 1 rejected its arguments"), std::string::npos) << "fault " << fault << ": " << what[0];
+  }
+}
+
 TEST(ModularMoE, UnknownPresetOrBackendListsTheKnownNames) {
   try {
     preset("deepseek-v9");
