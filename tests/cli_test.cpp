@@ -115,6 +115,30 @@ TEST(Cli, InconsistentShapesExit2WithOneLine) {
 #endif
 }
 
+// An unwritable --json path was found only when the results were written, after the whole run (a full-size
+// replay: minutes, then exit 2 and nothing kept). It is a bad flag before anything runs.
+TEST(Cli, UnwritableJsonPathIsABadFlagBeforeTheRun) {
+  const auto blocker = temp_path("not_a_dir");
+  std::ofstream(blocker) << "a file, so no directory can be made here\n";
+  const std::string json = (blocker / "out.json").string();
+  for (const std::string& args : {"moe --preset mixtral-8x7b-mini --ranks 2 --backend ll --steps 1 --tokens-per-rank 2 --json " + json,
+                                  "bench --device cpu --case ll-v3 --backend naive --ranks 2 --iters 1 --json " + json}) {
+    CliRun r = run_epx(args);
+    EXPECT_EQ(r.code, 2) << args << "\n" << r.out;
+    expect_one_line(r.err);
+    EXPECT_NE(r.err.find("--json = " + json + ": must be a writable file path"), std::string::npos) << r.err;
+    EXPECT_EQ(r.out, r.err) << "ran before refusing the flag:\n" << r.out;  // nothing on stdout: no header, no table
+  }
+  // A writable path that does not exist yet is not left behind by the check when the run then fails.
+  const auto later = temp_path("later.json");
+  std::filesystem::remove(later);
+  CliRun r = run_epx("moe --preset mixtral-8x7b-mini --ranks 2 --backend ll --steps 1 --tokens-per-rank 2 --chunk-size 1 --json " +
+                     later.string() + " --config /nonexistent.json");
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_FALSE(std::filesystem::exists(later));
+  std::filesystem::remove(blocker);
+}
+
 // --shared on a model without a shared expert chose nothing, ran, and the results named the mode.
 TEST(Cli, SharedOnAModelWithoutASharedExpertIsABadFlag) {
   const std::string run = "moe --preset mixtral-8x7b-mini --ranks 2 --backend naive --steps 1 --tokens-per-rank 2";

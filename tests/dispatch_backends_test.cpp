@@ -7,6 +7,7 @@
 #include <chrono>
 
 #include "dispatch_harness.h"
+#include "epx/config.h"
 #include "epx/error.h"
 
 using namespace epx;
@@ -333,6 +334,43 @@ TEST_P(Backend, ConfigDisagreementAndBadConfig) {
       make_prepare_finalize(name, g, cfg);
     });
     for (int r = 0; r < c.R; ++r) EXPECT_TRUE(errs[r].type == "InvalidArgument" && contains(errs[r].what, text)) << errs[r].what;
+  }
+}
+
+TEST_P(Backend, OutOfRuleConfigStructIsRefusedOnEveryRank) {
+  // A Config built in C++ (fields set directly, not through Config::set / JSON / EPX_*) reaches the
+  // backends' launch settings unchecked: ll.signal "chunck" ran block signalling, ht.chunk_rows = 0 divided by
+  // zero in ht's CUDA combine. make_prepare_finalize(name, group, cfg, config) must refuse it with the rule
+  // validate() names, on every rank (also when only one rank's Config is bad), before anything is built; the
+  // group stays usable.
+  const std::string name = GetParam();
+  Case c;
+  c.R = 2;
+  const auto in = make_inputs(c);
+  for (const bool only_rank1 : {false, true}) {
+    const auto errs = errors_on_ranks(name, c, [&](int r, std::shared_ptr<Group> g) {
+      Config bad;
+      if (!only_rank1 || r == 1) bad.ll_signal = "chunck", bad.ht_chunk_rows = 0;
+      try {
+        make_prepare_finalize(name, g, c.config(), bad);
+      } catch (const InvalidArgument&) {
+        // Nothing held is lost: the same group then builds the backend and runs a round.
+        auto pf = make_prepare_finalize(name, g, c.config(), Config{});
+        const RankInput& ri = in[static_cast<size_t>(r)];
+        PrepareResult p = pf->prepare({ri.x, ri.topk_idx, ri.topk_weights});
+        std::vector<int64_t> shape(p.x.shape.begin(), p.x.shape.begin() + p.x.ndim);
+        Tensor eo = Tensor::zeros(shape, DType::bf16), out = Tensor::empty({ri.x.size(0), c.H}, DType::bf16);
+        pf->finalize({eo, out});
+        throw;
+      }
+    });
+    for (int r = 0; r < c.R; ++r) {
+      EXPECT_EQ(errs[r].type, "InvalidArgument") << name << " rank " << r << (only_rank1 ? " (rank 1 bad)" : "");
+      if (!only_rank1 || r == 1)
+        EXPECT_TRUE(contains(errs[r].what, "config: ll.signal = chunck: must be block, rank or chunk")) << errs[r].what;
+      else
+        EXPECT_TRUE(contains(errs[r].what, "rank 1")) << errs[r].what;
+    }
   }
 }
 

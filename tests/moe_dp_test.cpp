@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <limits>
 #include <map>
@@ -201,6 +202,48 @@ TEST(ModularMoECompose, IncompatiblePairIsRejectedOnEveryRankWithOneSentence) {
       EXPECT_NE(m.find(expert_major ? "expert_major" : "flat"), std::string::npos) << m;
       EXPECT_NE(m.find(expert_major ? "(flat)" : "(expert_major)"), std::string::npos) << m;
       EXPECT_EQ(m, messages[0]);  // the same sentence on every rank
+    }
+  }
+}
+
+// A factory whose Experts do not fit the slots it was handed (one expert short, another hidden), that returns
+// null, or that throws, on rank 1 only: rank 1 threw alone (or only at its first forward) while rank 0 waited in
+// the next collective until timeout_s; one expert short even ran silently while no token reached the missing slot.
+// Now every rank throws at construction: rank 1 its own error, the others InvalidArgument naming rank 1.
+TEST(ModularMoECompose, FactoryExpertsThatDoNotFitTheSlotsStopEveryRankAtConstruction) {
+  auto w = weights_for("mixtral-8x7b-mini");
+  const std::vector<std::pair<std::string, std::string>> faults = {
+      {"short", "num_local_experts = 3: must equal the 4 local experts"},
+      {"hidden", "hidden = 128: must equal the model's hidden = 256"},
+      {"null", "a null Experts: must return an Experts object"},
+      {"throws", "factory failed on purpose"}};
+  for (const std::string b : {"ll", "all2allv"}) {
+    for (const auto& [fault, text] : faults) {
+      auto groups = make_cpu_groups(2, 10.0);
+      std::vector<std::string> what(2);
+      const auto t0 = std::chrono::steady_clock::now();
+      run_ranks(groups, [&, fault = fault](int rank) {
+        ModularMoEOptions o;
+        o.make_experts = [&](std::vector<std::shared_ptr<const ExpertWeights>> local, Device) -> std::unique_ptr<Experts> {
+          if (rank == 1) {
+            if (fault == "short") local.pop_back();
+            if (fault == "hidden") local.assign(local.size(), ExpertWeights::random(WeightFormat::bf16, 128, 128, 3));
+            if (fault == "null") return nullptr;
+            if (fault == "throws") throw InvalidArgument("factory failed on purpose");
+          }
+          return make_experts_cpu(std::move(local));
+        };
+        DispatchConfig dc;
+        dc.num_max_dispatch_tokens_per_rank = 4;
+        try {
+          ModularMoE layer(w, groups[rank], b, dc, Config{}, o);
+        } catch (const InvalidArgument& e) {
+          what[rank] = e.what();
+        }
+      });
+      EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(5)) << b << " " << fault << ": a rank waited for timeout_s";
+      EXPECT_NE(what[1].find(text), std::string::npos) << b << " " << fault << ": " << what[1];
+      EXPECT_NE(what[0].find("rank 1"), std::string::npos) << b << " " << fault << ": " << what[0];
     }
   }
 }

@@ -4,6 +4,7 @@
 // the argument errors (capacity, bad routing) raised on every rank instead of a hang.
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -453,6 +454,100 @@ TEST(ModularMoE, BadOrDisagreeingOptionsNameTheirValues) {
   });
   for (int r = 0; r < 2; ++r)
     EXPECT_NE(what[r].find("shared_mode = fused on rank 0 but separate on rank 1: all ranks must agree"), std::string::npos) << what[r];
+}
+
+TEST(ModularMoE, OutOfRuleConfigStructIsRefusedOnEveryRank) {
+  // The layer's Config reaches the backend's and the experts' launch settings: one built in C++ with a
+  // field outside its rule (validate()'s) is refused with that rule on every rank, also when only rank 1's
+  // is bad, instead of running a mode nobody asked for (ll.signal "chunck" ran block signalling on CUDA).
+  auto w = weights_for("mixtral-8x7b-mini");
+  DispatchConfig dc;
+  dc.num_max_dispatch_tokens_per_rank = 8;
+  for (const bool only_rank1 : {false, true}) {
+    auto groups = make_cpu_groups(2, 10.0);
+    std::vector<std::string> what(2);
+    const auto t0 = std::chrono::steady_clock::now();
+    run_ranks(groups, [&](int rank) {
+      Config bad;
+      if (!only_rank1 || rank == 1) bad.experts_fp8_prefill = 5;  // a removed mode
+      try {
+        ModularMoE layer(w, groups[rank], "all2allv", dc, bad);
+      } catch (const InvalidArgument& e) {
+        what[rank] = e.what();
+      }
+    });
+    EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(5)) << "a rank waited for a timeout";
+    for (int r = 0; r < 2; ++r) {
+      if (!only_rank1 || r == 1)
+        EXPECT_NE(what[r].find("config: experts.fp8_prefill = 5: must be 0, 1, 8, 10, 17, 23 or 27"), std::string::npos) << what[r];
+      else
+        EXPECT_NE(what[r].find("rank 1"), std::string::npos) << what[r];
+    }
+  }
+}
+
+TEST(ModularMoE, NullTensorDataIsAnErrorNotACrash) {
+  // x / out / topk_* views with a null data pointer and a non-empty shape: InvalidArgument naming the
+  // argument on the CPU path, before any rank reads them (this segfaulted in forward's routing / copies).
+  auto w = weights_for("mixtral-8x7b-mini");
+  DispatchConfig dc;
+  dc.num_max_dispatch_tokens_per_rank = 8;
+  auto groups = make_cpu_groups(1, 10.0);
+  ModularMoE layer(w, groups[0], "ll", dc, Config{});
+  const int64_t T = 4, H = w->config.hidden, K = w->config.router.top_k;
+  Tensor x = test::random_bf16(T, H, 3), out = Tensor::empty({T, H}, DType::bf16);
+  Tensor idx = Tensor::zeros({T, K}, DType::int32), wt = Tensor::zeros({T, K}, DType::fp32);
+  const TensorView null_x(nullptr, DType::bf16, {T, H}), null_out(nullptr, DType::bf16, {T, H});
+  const TensorView null_idx(nullptr, DType::int32, {T, K}), null_w(nullptr, DType::fp32, {T, K});
+  EXPECT_NE(test::invalid_argument_message([&] { layer.forward(null_x, out); }).find("x.data = null"), std::string::npos);
+  EXPECT_NE(test::invalid_argument_message([&] { layer.forward(x, null_out); }).find("out.data = null"), std::string::npos);
+  EXPECT_NE(test::invalid_argument_message([&] { layer.forward_routed(x, null_idx, wt, out); }).find("topk_idx.data = null"), std::string::npos);
+  EXPECT_NE(test::invalid_argument_message([&] { layer.forward_routed(x, idx, null_w, out); }).find("topk_weights.data = null"), std::string::npos);
+  // The layer is still usable.
+  layer.forward(x, out);
+}
+
+TEST(ModularMoE, OneRanksBadArgumentsStopEveryRankAtConstruction) {
+  // The constructor checks each rank's own arguments (its experts built, the shared expert, options, capacity)
+  // before the backend's collective creation. A failure on one rank threw there alone and its peers waited in
+  // make_prepare_finalize until timeout_s (then a Timeout naming no cause). Now every rank throws at once.
+  const MoEConfig cfg = preset("deepseek-v3-mini");
+  auto all = weights_for("deepseek-v3-mini");
+  auto first_half = MoEWeights::random(cfg, 1, 0, 100);  // rank 1 of 2 holds experts [128, 256)
+  auto no_shared = std::make_shared<MoEWeights>(*all);
+  no_shared->shared = nullptr;
+  const std::vector<std::pair<int, std::string>> faults = {
+      {0, "weights.experts[128] = null: must be built: rank 1 holds experts [128, 256)"},
+      {1, "weights.shared = null: must be set"},
+      {2, "options.chunk_size = -3: must be >= 0"},
+      {3, "dispatch_cfg.num_max_dispatch_tokens_per_rank = -1: must be >= 0"},
+      {4, "weights = null: must be set"}};
+  for (const auto& [fault, text] : faults) {
+    auto groups = make_cpu_groups(2, 10.0);
+    std::vector<std::string> what(2);
+    const auto t0 = std::chrono::steady_clock::now();
+    run_ranks(groups, [&, fault = fault](int rank) {
+      std::shared_ptr<const MoEWeights> w = all;
+      ModularMoEOptions o;
+      DispatchConfig dc;
+      dc.num_max_dispatch_tokens_per_rank = 8;
+      if (rank == 1) {
+        if (fault == 0) w = first_half;
+        if (fault == 1) w = no_shared;
+        if (fault == 2) o.chunk_size = -3;
+        if (fault == 3) dc.num_max_dispatch_tokens_per_rank = -1;
+        if (fault == 4) w = nullptr;
+      }
+      try {
+        ModularMoE layer(w, groups[rank], "all2allv", dc, Config{}, o);
+      } catch (const Error& e) {
+        what[rank] = e.what();
+      }
+    });
+    EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(5)) << "fault " << fault << ": a rank waited for timeout_s";
+    EXPECT_NE(what[1].find(text), std::string::npos) << "fault " << fault << ": " << what[1];
+    EXPECT_NE(what[0].find("rank 1 rejected its arguments"), std::string::npos) << "fault " << fault << ": " << what[0];
+  }
 }
 
 TEST(ModularMoE, UnknownPresetOrBackendListsTheKnownNames) {

@@ -5,8 +5,11 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <sstream>
 #include <unistd.h>
+
+#include <nlohmann/json.hpp>
 
 #include "epx/error.h"
 #include "epx/trace.h"
@@ -141,6 +144,9 @@ TEST(Trace, BadJsonTracesGiveClearErrors) {
                  {"num_experts = 4294967300", "must fit in a 32-bit int"});
   expect_invalid([] { parse_trace_json(replace_once(kHandTrace, "\"top_k\": 2", "\"top_k\": 4294967298"), "f.json"); },
                  {"top_k = 4294967298", "must fit in a 32-bit int"});
+  // A negative hidden is named with its own rule (H >= 0), not as hidden states missing "when hidden = -8".
+  expect_invalid([] { parse_trace_json(replace_once(kHandTrace, "\"top_k\": 2", "\"top_k\": 2, \"hidden\": -8"), "f.json"); },
+                 {"trace f.json", "hidden = -8", "must be >= 0"});
 }
 
 TEST(Trace, DealTokensIsContiguousAndEven) {
@@ -242,6 +248,8 @@ TEST(TraceImport, BadInputGivesClearErrors) {
   // INT32_MAX itself: num_experts = largest id + 1 must fit an int (it overflowed to -2147483648).
   std::string edge = replace_once(hand_jsonl(), "\"topk_ids\": [1, 2]", "\"topk_ids\": [1, 2147483647]");
   expect_invalid([&] { import_text(edge, {.num_ranks = 1}); }, {"topk_ids[1] = 2147483647: must be -1 (no selection) or an expert id in [0, 2147483646]"});
+  // A record's "type" that is not a string was nlohmann's type_error ("type must be string, but is number").
+  expect_invalid([] { import_text("{\"type\": 3}\n" + hand_jsonl(), {.num_ranks = 1}); }, {"toy.jsonl:1 type = 3", "must be a string"});
 }
 
 TEST(Npy, ReadsNumpyWrittenBytesAndRejectsBadFiles) {
@@ -273,6 +281,18 @@ TEST(Npy, ReadsNumpyWrittenBytesAndRejectsBadFiles) {
   expect_invalid([&] { read_npy(p.string()); }, {"data = short"});
   { std::ofstream(p, std::ios::binary) << "PK\x03\x04 not npy"; }
   expect_invalid([&] { read_npy(p.string()); }, {"magic"});
+  // A crafted shape: product(shape) * itemsize wrapped past 2^64 to 0 bytes (2^54 x 256 x 4) was read as a
+  // tensor of 2^54 rows and no data (epx moe --hidden then segfaulted); one that does not wrap but passes what the
+  // file holds (2^40 x 256 x 2 bytes) was allocated before the short read (std::bad_alloc, not an epx::Error).
+  auto npy_with = [](const std::string& descr, const std::string& shape) {
+    std::string h = "{'descr': '" + descr + "', 'fortran_order': False, 'shape': " + shape + ", }\n";
+    return std::string("\x93NUMPY\x01\x00", 8) + std::string(1, static_cast<char>(h.size() & 0xff)) +
+           std::string(1, static_cast<char>(h.size() >> 8)) + h + std::string(16, '\0');
+  };
+  { std::ofstream(p, std::ios::binary) << npy_with("<f4", "(18014398509481984, 256)"); }
+  expect_invalid([&] { read_npy(p.string()); }, {"shape = (18014398509481984, 256)", "product(shape) * itemsize must fit in int64"});
+  { std::ofstream(p, std::ios::binary) << npy_with("<u2", "(1099511627776, 256)"); }
+  expect_invalid([&] { read_npy(p.string()); }, {"data = short", "562949953421312 bytes"});
   std::filesystem::remove(p);
 }
 
@@ -291,5 +311,35 @@ TEST(Trace, DirectoryFormValidatesShapesAgainstManifest) {
   expect_invalid([&] { load_trace(dir.string()); }, {"topk_idx[0, 0] = 9", "must be -1 (no selection) or an expert id in [0, num_experts = 4)"});
   std::filesystem::remove(dir / "manifest.json");
   expect_invalid([&] { load_trace(dir.string()); }, {"manifest.json", "must exist"});
+  std::filesystem::remove_all(dir);
+}
+
+TEST(Trace, DirectoryManifestFieldsOfTheWrongTypeAreNamed) {
+  // manifest.json's optional fields were read with nlohmann's value()/get(): a string hidden, a numeric
+  // source or hidden_states file name escaped as "[json.exception.type_error.302] ..." (no field named, not
+  // an epx::Error), and hidden = 1.5 was read as 1. Each is now InvalidArgument naming the field and rule.
+  const Trace t = parse_trace_json(kHandTrace, "hand.json");
+  const auto dir = temp_path("bad_manifest");
+  save_trace(t, dir.string());
+  std::stringstream ss;
+  ss << std::ifstream(dir / "manifest.json").rdbuf();
+  const nlohmann::json good = nlohmann::json::parse(ss.str());
+  auto with = [&](const std::function<void(nlohmann::json&)>& edit) {
+    nlohmann::json j = good;
+    edit(j);
+    std::ofstream(dir / "manifest.json") << j.dump();
+  };
+  with([](nlohmann::json& j) { j["hidden"] = "abc"; });
+  expect_invalid([&] { load_trace(dir.string()); }, {"hidden = \"abc\"", "must be an integer >= 0"});
+  with([](nlohmann::json& j) { j["hidden"] = 1.5; });
+  expect_invalid([&] { load_trace(dir.string()); }, {"hidden = 1.5", "must be an integer >= 0"});
+  with([](nlohmann::json& j) { j["hidden"] = -8; });
+  expect_invalid([&] { load_trace(dir.string()); }, {"hidden = -8", "must be an integer >= 0"});
+  with([](nlohmann::json& j) { j["source"] = 3; });
+  expect_invalid([&] { load_trace(dir.string()); }, {"source = 3", "must be a string"});
+  with([](nlohmann::json& j) { j["hidden"] = 8; j["steps"][0]["ranks"][0]["hidden_states"] = 5; });
+  expect_invalid([&] { load_trace(dir.string()); }, {"steps[0].ranks[0].hidden_states", "must name a .npy file in the directory"});
+  with([](nlohmann::json&) {});
+  EXPECT_NO_THROW(load_trace(dir.string()));
   std::filesystem::remove_all(dir);
 }

@@ -230,7 +230,10 @@ struct Config;  // epx/config.h
 /// ht_num_sms, ht_warps_per_block, ht_combine_mode, ht_chunk_rows; ll on CUDA: ll_warps_per_block,
 /// ll_num_blocks, ll_signal, ll_expand) instead of a Config::load() inside the backend (which re-reads
 /// EPX_CONFIG and the EPX_* variables); ModularMoE passes its own. Across nodes the hierarchical ll / ht
-/// hands it to its node backend. Backends without such settings ignore it.
+/// hands it to its node backend. Backends without such settings ignore it. A `config` field outside its
+/// rule (a Config built in C++ bypasses Config::set's checks) throws InvalidArgument with
+/// Config::validate()'s sentence on that rank, and on the others one naming that rank, before anything is
+/// built (one all-gather of a flag).
 std::unique_ptr<PrepareFinalize> make_prepare_finalize(const std::string& name, std::shared_ptr<Group> group,
                                                        const DispatchConfig& cfg, const Config& config);
 /// naive, allgather_reducescatter, all2allv, ll, ht.

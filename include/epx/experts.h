@@ -147,8 +147,8 @@ std::unique_ptr<Experts> make_experts_cpu(std::vector<std::shared_ptr<const Expe
 /// (128-token tiles, src/experts/experts_fp8_prefill_cuda.cu) unless Config::experts_fp8_prefill = 0.
 /// The path choices experts.simt / experts.fp8_pairs / experts.fp8_prefill come from `config` (ModularMoE passes its own);
 /// the two-argument form reads them with Config::load().
-/// Throws Unsupported in a CPU-only build; InvalidArgument for bad weights or device, or (two-argument
-/// form) a bad EPX_* variable / EPX_CONFIG file.
+/// Throws Unsupported in a CPU-only build; InvalidArgument for bad weights or device, a `config` field outside
+/// its rule (Config::validate()'s sentence), or (two-argument form) a bad EPX_* variable / EPX_CONFIG file.
 std::unique_ptr<Experts> make_experts_cuda(std::vector<std::shared_ptr<const ExpertWeights>> local_experts, int device);
 std::unique_ptr<Experts> make_experts_cuda(std::vector<std::shared_ptr<const ExpertWeights>> local_experts, int device,
                                            const Config& config);

@@ -148,7 +148,8 @@ class ModularMoE {
  public:
   /// `weights` must hold at least this rank's local experts (and the shared expert if any).
   /// `backend` is a name from backend_names(); dispatch_cfg.hidden/num_experts/top_k are filled
-  /// from the model. Collective (creates the backend).
+  /// from the model. Collective (creates the backend). A `config` field outside its rule throws
+  /// InvalidArgument on every rank (make_prepare_finalize's check).
   ModularMoE(std::shared_ptr<const MoEWeights> weights, std::shared_ptr<Group> group, const std::string& backend,
              DispatchConfig dispatch_cfg, const Config& config, ModularMoEOptions options = {});
   ~ModularMoE();

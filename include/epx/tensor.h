@@ -112,6 +112,9 @@ void copy(const TensorView& dst, const TensorView& src);
 /// Argument checks for public entry points. Each throws InvalidArgument in the STYLE.md form.
 void check_dtype(std::string_view op, std::string_view arg, const TensorView& t, std::initializer_list<DType> allowed);
 void check_shape(std::string_view op, std::string_view arg, const TensorView& t, std::initializer_list<int64_t> expected);  // -1 = any
+/// A view with a null data pointer that holds elements (numel > 0, an unset pointer): "<arg>.data = null".
+void check_data(std::string_view op, std::string_view arg, const TensorView& t);
+/// Also runs check_data.
 void check_contiguous(std::string_view op, std::string_view arg, const TensorView& t);
 void check_device(std::string_view op, std::string_view arg, const TensorView& t, Device expected);
 

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <charconv>
 #include <cstdlib>
+#include <filesystem>
 #include <limits>
 #include <fstream>
 #include <functional>
@@ -249,7 +250,8 @@ Config Config::load(const std::string& json_path) {
   Config c;
   if (!json_path.empty()) {
     std::ifstream f(json_path);
-    require_arg("config", "json_path", json_path, f.good(), "must name a readable file");
+    std::error_code ec;  // a directory opens as an empty stream and read as "must be valid JSON (unexpected end of input)"
+    require_arg("config", "json_path", json_path, f.good() && !std::filesystem::is_directory(json_path, ec), "must name a readable file");
     std::stringstream ss;
     ss << f.rdbuf();
     c.apply_json_text(ss.str(), "json " + json_path);

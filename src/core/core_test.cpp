@@ -49,6 +49,37 @@ TEST(Tensor, ShapeStridesRowsAndChecks) {
   EXPECT_NE(zero_rows.data(), nullptr);
 }
 
+TEST(Tensor, NullDataWithElementsIsRefusedByTheBoundaryChecks) {
+  // A view whose data is null but whose shape holds elements (a C++ caller's unset pointer) was read at the
+  // API boundary as a tensor: ModularMoE::forward and every backend's prepare segfaulted. check_contiguous,
+  // which every public entry point runs on each tensor, refuses it naming the argument; empty views (no
+  // elements, optional inputs) and real ones still pass.
+  TensorView null_x(nullptr, DType::bf16, {4, 256});
+  try {
+    check_contiguous("op", "x", null_x);
+    FAIL() << "no throw";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("op: x.data = null of [4, 256] bf16 cpu: must point to its 1024 elements"), std::string::npos)
+        << e.what();
+  }
+  EXPECT_NO_THROW(check_contiguous("op", "x", TensorView(nullptr, DType::bf16, {0, 256})));
+  EXPECT_NO_THROW(check_contiguous("op", "x", TensorView()));
+  EXPECT_NO_THROW(check_contiguous("op", "x", Tensor::zeros({4, 256}, DType::bf16)));
+}
+
+TEST(Tensor, ShapeWhoseBytesPassInt64IsRefused) {
+  // numel() * dtype_size wrapped: Tensor::empty({2^40, 2^40}, bf16) returned a tensor of that shape over a
+  // 64-byte allocation (numel() 0), which the first write overran. The shape is refused where views are made.
+  const int64_t big = int64_t{1} << 40;
+  std::string what = test::invalid_argument_message([&] { Tensor::empty({big, big}, DType::bf16); });
+  EXPECT_NE(what.find("TensorView: shape = [1099511627776, 1099511627776] bf16: must hold at most 2^63 - 1 bytes"), std::string::npos)
+      << what;
+  what = test::invalid_argument_message([&] { TensorView(nullptr, DType::fp32, {int64_t{1} << 62, 2}); });
+  EXPECT_NE(what.find("must hold at most 2^63 - 1 bytes"), std::string::npos) << what;
+  EXPECT_NO_THROW(TensorView(nullptr, DType::bf16, {int64_t{1} << 31, 7168}));  // 2^31 rows x 7168: 64-bit, fine
+  EXPECT_NO_THROW(TensorView(nullptr, DType::bf16, {0, int64_t{1} << 62, 1 << 20}));  // no elements
+}
+
 #ifndef EPX_WITH_CUDA
 TEST(Tensor, CudaTensorInCpuBuildIsUnsupported) {
   EXPECT_THROW(Tensor::empty({4}, DType::fp32, Device::cuda(0)), Unsupported);
@@ -146,6 +177,15 @@ TEST(Config, FailedJsonOrEnvLeavesTheConfigAsItWas) {
   unsetenv("EPX_HT_NUM_SMS");
   unsetenv("EPX_TIMEOUT");
   EXPECT_EQ(c.ht_num_sms, 64);
+}
+
+// EPX_CONFIG / --config naming a directory (a missing file name in a path) read as an empty JSON text:
+// "must be valid JSON (... unexpected end of input)". It is named as a path that is not a readable file.
+TEST(Config, JsonPathThatIsADirectoryIsNamedAsSuch) {
+  const std::string dir = ::testing::TempDir();
+  const std::string what = test::invalid_argument_message([&] { Config::load(dir); });
+  EXPECT_NE(what.find("config: json_path = " + dir + ": must name a readable file"), std::string::npos) << what;
+  EXPECT_EQ(what.find("valid JSON"), std::string::npos) << what;
 }
 
 // Keys are flat dotted names; a nested object ({"ll": {"signal": ...}}) is named as such, with the

@@ -18,10 +18,19 @@ static void init_contiguous(TensorView& v, const int64_t* dims, size_t n) {
     require_arg("TensorView", "shape[" + std::to_string(i) + "]", dims[i], dims[i] >= 0, "must be >= 0");
     v.shape[i] = dims[i];
   }
-  int64_t s = 1;
+  // numel() * dtype_size must fit int64 (it wrapped: Tensor::empty({2^40, 2^40}) allocated 64 bytes for that
+  // shape). A shape with a 0 holds no elements whatever the other sizes; its strides may wrap (never used).
+  bool empty = false;
+  for (size_t i = 0; i < n; ++i) empty = empty || dims[i] == 0;
+  int64_t bytes = dtype_size(v.dtype), s = 1;
   for (int i = v.ndim - 1; i >= 0; --i) {
     v.strides[i] = s;
-    s *= v.shape[i];
+    const bool wrapped = __builtin_mul_overflow(s, v.shape[i], &s) || __builtin_mul_overflow(bytes, v.shape[i], &bytes);
+    if (wrapped && !empty) {
+      std::string shape = "[";
+      for (size_t j = 0; j < n; ++j) shape += (j ? ", " : "") + std::to_string(dims[j]);
+      require_arg("TensorView", "shape", shape + "] " + std::string(dtype_name(v.dtype)), false, "must hold at most 2^63 - 1 bytes");
+    }
   }
 }
 
@@ -176,7 +185,16 @@ void check_shape(std::string_view op, std::string_view arg, const TensorView& t,
   }
 }
 
+void check_data(std::string_view op, std::string_view arg, const TensorView& t) {
+  if (t.data == nullptr && t.ndim > 0 && t.numel() > 0)
+    require_arg(op, std::string(arg) + ".data", "null of " + t.describe(), false,
+                "must point to its " + std::to_string(t.numel()) + " elements");
+}
+
 void check_contiguous(std::string_view op, std::string_view arg, const TensorView& t) {
+  // Every public entry point runs this on each tensor it reads or writes, so it also refuses a view that
+  // claims elements but has no memory (a C++ caller's unset pointer; the Python binding refuses it too).
+  check_data(op, arg, t);
   if (t.is_contiguous()) return;  // the message (an ostringstream) only on failure: this runs on every call
   std::string strides = "[";
   for (int i = 0; i < t.ndim; ++i) strides += (i ? ", " : "") + std::to_string(t.strides[i]);

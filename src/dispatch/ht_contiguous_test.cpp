@@ -180,6 +180,51 @@ TEST(HtContiguous, MatchesTheFlatRowsAndTheOracle) {
   check_contiguous_case(c);
 }
 
+TEST(HtContiguous, AlignmentWhoseRowsPassInt32IsRefusedAtCreate) {
+  // The aligned per-expert counts (recv_count) and the layout's expert_offsets are int32. expert_alignment = 2^29
+  // over 4 local experts made M = 2^31 wrap to -2^31 ("TensorView: shape[0] = -2147483648"), 2^30 wrapped to 0 and
+  // the layout was written past its rows (segfault). ht's create now bounds the worst case it also sizes on CUDA,
+  // R * num_max_dispatch_tokens_per_rank * min(top_k, L) + L * (expert_alignment - 1), by int32, on every rank.
+  Case c;
+  c.R = 2;
+  c.E = 8;
+  c.K = 4;
+  c.H = 8;
+  c.cap = 4;
+  for (const bool contiguous : {false, true}) {
+    for (const int align : {1 << 29, 1 << 30, 2147483647}) {
+      const auto errs = errors_on_ranks(c, [&](int, std::shared_ptr<Group> g) {
+        DispatchConfig cfg = c.config();
+        cfg.expert_alignment = align;
+        cfg.expert_contiguous = contiguous;
+        make_prepare_finalize("ht", g, cfg);
+      });
+      for (int r = 0; r < c.R; ++r) {
+        EXPECT_EQ(errs[r].type, "InvalidArgument") << align << " rank " << r;
+        EXPECT_TRUE(contains(errs[r].what, "ht.create: expert_alignment = " + std::to_string(align))) << errs[r].what;
+        EXPECT_TRUE(contains(errs[r].what, "within int32")) << errs[r].what;
+      }
+    }
+  }
+  // The largest alignment that fits still runs: 2 * 4 * 4 + 4 * (a - 1) <= 2^31 - 1.
+  Case ok = c;
+  ok.align = (2147483647 - 32) / 4 + 1;
+  ok.T = {1, 1};
+  ok.masked = 0.0;
+  const auto in = make_inputs(ok);
+  const auto errs = errors_on_ranks(ok, [&](int r, std::shared_ptr<Group> g) {
+    DispatchConfig cfg = ok.config();
+    auto pf = make_prepare_finalize("ht", g, cfg);
+    const RankInput& ri = in[static_cast<size_t>(r)];
+    const PrepareResult p = pf->prepare({ri.x, ri.topk_idx, ri.topk_weights});
+    for (int l = 0; l < p.recv_count.shape[0]; ++l) {
+      const int32_t n = p.recv_count.ptr<const int32_t>()[l];
+      EXPECT_TRUE(n == 0 || n == ok.align) << "recv_count[" << l << "] = " << n;
+    }
+  });
+  for (int r = 0; r < ok.R; ++r) EXPECT_EQ(errs[r].type, "") << errs[r].what;
+}
+
 TEST(HtContiguous, ErrorsNameTheArgument) {
   Case c;
   c.R = 2;

@@ -1,6 +1,7 @@
 #include "dispatch/prepare_finalize_base.h"
 
 #include <algorithm>
+#include <limits>
 
 #include "core/binding_error.h"
 #include "core/topk_message.h"
@@ -101,6 +102,22 @@ void validate_config(const std::string& backend, const DispatchConfig& cfg, int 
   require_arg(op, "num_ranks", num_ranks, num_ranks >= 1, "must be >= 1");
   if (cfg.expert_contiguous)
     require_arg(op, "expert_contiguous", "true", backend == "ht", "is an ht option (the expert-contiguous layout of its Flat rows)");
+  if (backend == "ht" && num_ranks >= 1 && cfg.num_experts >= 1 && cfg.top_k >= 1) {
+    // ht's aligned per-expert counts (recv_count) and its expert-contiguous offsets are int32: the worst case
+    // (what ht on CUDA sizes its layout for) must fit, or they wrap (2^30 over 4 experts wrote past the layout).
+    // Without a capacity (0, CPU) the rows are unbounded here; the padding alone is still bounded.
+    const int64_t L = (cfg.num_experts + num_ranks - 1) / num_ranks + (cfg.shared_route ? 1 : 0);
+    int64_t rows = 0, pad = 0, worst = 0;
+    const bool wraps = __builtin_mul_overflow(static_cast<int64_t>(num_ranks) * cfg.num_max_dispatch_tokens_per_rank,
+                                              std::min<int64_t>(cfg.top_k, L), &rows) ||
+                       __builtin_mul_overflow(L, static_cast<int64_t>(cfg.expert_alignment) - 1, &pad) ||
+                       __builtin_add_overflow(rows, pad, &worst);
+    if (wraps) worst = std::numeric_limits<int64_t>::max();
+    require_arg(op, "expert_alignment", cfg.expert_alignment, worst <= std::numeric_limits<int32_t>::max(),
+                "must keep the aligned rows R * num_max_dispatch_tokens_per_rank * min(top_k, L) + L * (expert_alignment - 1) = " +
+                    std::to_string(worst) + " within int32 (L = " + std::to_string(L) +
+                    " local experts; recv_count and the expert-contiguous offsets are int32)");
+  }
 }
 
 InvalidArgument bad_topk_id(const std::string& op, const DispatchConfig& cfg, int64_t t, int64_t k, int64_t value) {

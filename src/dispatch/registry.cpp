@@ -103,6 +103,24 @@ std::unique_ptr<PrepareFinalize> make_backend(const std::string& name, std::shar
   // Agree first (also on the backend), so a rank with a bad name or config cannot leave its peers
   // waiting in a collective: every rank then fails the same way.
   const std::string op = (index >= 0 ? name : std::string("make_prepare_finalize")) + ".create";
+  if (config) {
+    // The caller's Config reaches the CUDA kernels' launch settings as it is (ht.chunk_rows divides, ll.signal
+    // picks a protocol): one built in C++ is held to the rules that Config::set / JSON / EPX_* enforce. A rank
+    // whose Config breaks one throws validate()'s sentence; the others learn which rank it was (one gather, so
+    // nobody waits in a later collective for a rank that stopped).
+    std::string bad;
+    try {
+      config->validate();
+    } catch (const InvalidArgument& e) {
+      bad = e.what();
+    }
+    const std::vector<int64_t> verdicts = group->all_gather_i64(bad.empty() ? 0 : 1);
+    if (!bad.empty()) throw InvalidArgument(bad);
+    for (size_t r = 0; r < verdicts.size(); ++r)
+      if (verdicts[r] != 0)
+        throw InvalidArgument(op + ": config of rank " + std::to_string(r) +
+                              " breaks a rule: every rank stops (see that rank's error)");
+  }
   group->check_agreement(op, {{"backend", index},
                               {"hidden", cfg.hidden},
                               {"num_experts", cfg.num_experts},

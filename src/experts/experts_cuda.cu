@@ -595,6 +595,9 @@ std::unique_ptr<Experts> make_experts_cuda(std::vector<std::shared_ptr<const Exp
 
 std::unique_ptr<Experts> make_experts_cuda(std::vector<std::shared_ptr<const ExpertWeights>> local_experts, int device,
                                            const Config& config) {
+  // A Config built in C++ is held to the rules Config::set / JSON / EPX_* enforce (experts.fp8_prefill = 5, a
+  // removed mode, would otherwise run some other kernel): validate()'s sentence names the key, value and rule.
+  config.validate();
   return std::make_unique<CudaExperts>(std::move(local_experts), device, config);
 }
 

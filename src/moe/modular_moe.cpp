@@ -43,6 +43,7 @@
 // no host collective, and the valid row count on the device (DispatchArgs::num_tokens).
 #include <algorithm>
 #include <chrono>
+#include <exception>
 #include <limits>
 #include <optional>
 #include <string>
@@ -250,60 +251,77 @@ ModularMoE::ModularMoE(std::shared_ptr<const MoEWeights> weights, std::shared_pt
                        DispatchConfig dispatch_cfg, const Config& config, ModularMoEOptions options)
     : impl_(std::make_unique<Impl>()) {
   Impl& m = *impl_;
-  require_arg(kCtorOp, "weights", "null", weights != nullptr, "must be set");
   require_arg(kCtorOp, "group", "null", group != nullptr, "must be set");
-  const MoEConfig& mc = weights->config;
-  validate_router_config(mc.router);
-  m.weights = weights;
-  m.group = group;
-  m.num_experts = mc.router.num_experts;
-  m.top_k = mc.router.top_k;
-  m.has_shared = mc.num_shared_experts > 0;
-  m.wire_fp8 = dispatch_cfg.dispatch_dtype == DType::fp8_e4m3;
-  m.wire_ue8m0 = dispatch_cfg.use_ue8m0;
-  m.shared_mode = options.shared_mode;
-  m.time_phases = options.time_phases;
-  m.experts_config = config;
-  if (m.has_shared) require_arg(kCtorOp, "weights.shared", "null", weights->shared != nullptr, "must be set: the model has a shared expert");
-
-  require_arg(kCtorOp, "options.chunk_size", options.chunk_size, options.chunk_size >= 0, "must be >= 0 (0 = Config::moe_chunk_size)");
-  m.chunk_size = options.chunk_size > 0 ? options.chunk_size : std::max(0, config.moe_chunk_size);
-  require_arg(kCtorOp, "options.fhmoe_max_tokens", options.fhmoe_max_tokens, options.fhmoe_max_tokens >= -1,
-              "must be >= 0 (fuse the shared expert when M <= it) or -1 (= Config::fhmoe_max_tokens)");
-  m.fhmoe_max_tokens = options.fhmoe_max_tokens >= 0 ? options.fhmoe_max_tokens : config.fhmoe_max_tokens;  // sharded: below
-  m.capacity = dispatch_cfg.num_max_dispatch_tokens_per_rank;
-  // Capacity 0 = no limit (dynamic backends; static ones such as ll reject 0 when created).
-  require_arg(kCtorOp, "dispatch_cfg.num_max_dispatch_tokens_per_rank", m.capacity, m.capacity >= 0, "must be >= 0 (0 = no limit)");
-  if (m.chunk_size > 0 && m.capacity > 0) {
-    require_arg(kCtorOp, "dispatch_cfg.num_max_dispatch_tokens_per_rank", m.capacity, m.capacity >= m.chunk_size,
-                "must be >= chunk_size = " + std::to_string(m.chunk_size) + " (every chunk is one dispatch)");
-  }
-
-  // Local experts: this rank's routed range, then the shared replica or shard (local id L-1, route id E).
   const int R = group->size(), rank = group->rank();
-  const ExpertRange range = expert_range(m.num_experts, R, rank);
   std::vector<std::shared_ptr<const ExpertWeights>> local;
-  for (int e = range.begin; e < range.end; ++e) {
-    const bool built = static_cast<size_t>(e) < weights->experts.size() && weights->experts[e];
-    require_arg(kCtorOp, "weights.experts[" + std::to_string(e) + "]", "null", built,
-                "must be built: rank " + std::to_string(rank) + " holds experts [" + std::to_string(range.begin) + ", " +
-                    std::to_string(range.end) + ")");
-    local.push_back(weights->experts[e]);
-  }
-  // A rank with no routed expert (E < R) and no shared replica still takes part in every collective;
-  // it gets an Experts object only when it has something to run.
-  m.device = group->device();
-  if (m.device.is_cuda()) {
+  // This rank's own arguments (weights and its experts, options, capacity; on CUDA the router's upload) are
+  // checked before the first collective. A failure on one rank is gathered, so every rank throws here (that rank
+  // its own error, the others naming it) instead of that rank alone while its peers wait in the backend's
+  // collective creation until timeout_s.
+  std::exception_ptr local_error;
+  try {
+    require_arg(kCtorOp, "weights", "null", weights != nullptr, "must be set");
+    const MoEConfig& mc = weights->config;
+    validate_router_config(mc.router);
+    m.weights = weights;
+    m.group = group;
+    m.num_experts = mc.router.num_experts;
+    m.top_k = mc.router.top_k;
+    m.has_shared = mc.num_shared_experts > 0;
+    m.wire_fp8 = dispatch_cfg.dispatch_dtype == DType::fp8_e4m3;
+    m.wire_ue8m0 = dispatch_cfg.use_ue8m0;
+    m.shared_mode = options.shared_mode;
+    m.time_phases = options.time_phases;
+    m.experts_config = config;
+    if (m.has_shared)
+      require_arg(kCtorOp, "weights.shared", "null", weights->shared != nullptr, "must be set: the model has a shared expert");
+
+    require_arg(kCtorOp, "options.chunk_size", options.chunk_size, options.chunk_size >= 0, "must be >= 0 (0 = Config::moe_chunk_size)");
+    m.chunk_size = options.chunk_size > 0 ? options.chunk_size : std::max(0, config.moe_chunk_size);
+    require_arg(kCtorOp, "options.fhmoe_max_tokens", options.fhmoe_max_tokens, options.fhmoe_max_tokens >= -1,
+                "must be >= 0 (fuse the shared expert when M <= it) or -1 (= Config::fhmoe_max_tokens)");
+    m.fhmoe_max_tokens = options.fhmoe_max_tokens >= 0 ? options.fhmoe_max_tokens : config.fhmoe_max_tokens;  // sharded: below
+    m.capacity = dispatch_cfg.num_max_dispatch_tokens_per_rank;
+    // Capacity 0 = no limit (dynamic backends; static ones such as ll reject 0 when created).
+    require_arg(kCtorOp, "dispatch_cfg.num_max_dispatch_tokens_per_rank", m.capacity, m.capacity >= 0, "must be >= 0 (0 = no limit)");
+    if (m.chunk_size > 0 && m.capacity > 0) {
+      require_arg(kCtorOp, "dispatch_cfg.num_max_dispatch_tokens_per_rank", m.capacity, m.capacity >= m.chunk_size,
+                  "must be >= chunk_size = " + std::to_string(m.chunk_size) + " (every chunk is one dispatch)");
+    }
+
+    // Local experts: this rank's routed range, then the shared replica or shard (local id L-1, route id E).
+    const ExpertRange range = expert_range(m.num_experts, R, rank);
+    for (int e = range.begin; e < range.end; ++e) {
+      const bool built = static_cast<size_t>(e) < weights->experts.size() && weights->experts[e];
+      require_arg(kCtorOp, "weights.experts[" + std::to_string(e) + "]", "null", built,
+                  "must be built: rank " + std::to_string(rank) + " holds experts [" + std::to_string(range.begin) + ", " +
+                      std::to_string(range.end) + ")");
+      local.push_back(weights->experts[e]);
+    }
+    // A rank with no routed expert (E < R) and no shared replica still takes part in every collective;
+    // it gets an Experts object only when it has something to run.
+    m.device = group->device();
+    if (m.device.is_cuda()) {
 #ifdef EPX_WITH_CUDA
-    m.router_weight_dev = weights->router_weight.to(m.device);
-    if (weights->correction_bias.defined()) m.correction_bias_dev = weights->correction_bias.to(m.device);
-    if (weights->shared_gate_weight.defined()) m.shared_gate_dev = weights->shared_gate_weight.to(m.device);
-    m.blas = std::make_unique<moe_cuda::Blas>(m.device.index);
-    if (m.has_shared) m.shared_only = {weights->shared};
+      m.router_weight_dev = weights->router_weight.to(m.device);
+      if (weights->correction_bias.defined()) m.correction_bias_dev = weights->correction_bias.to(m.device);
+      if (weights->shared_gate_weight.defined()) m.shared_gate_dev = weights->shared_gate_weight.to(m.device);
+      m.blas = std::make_unique<moe_cuda::Blas>(m.device.index);
+      if (m.has_shared) m.shared_only = {weights->shared};
 #else
-    no_cuda("group device = " + m.device.str());
+      no_cuda("group device = " + m.device.str());
 #endif
+    }
+  } catch (...) {
+    local_error = std::current_exception();
   }
+  const std::vector<int64_t> rejected = group->all_gather_i64(local_error ? 1 : 0);
+  if (local_error) std::rethrow_exception(local_error);
+  for (int r = 0; r < R; ++r)
+    if (rejected[static_cast<size_t>(r)] != 0)
+      throw InvalidArgument(std::string(kCtorOp) + ": rank " + std::to_string(r) +
+                            " rejected its arguments: every rank stops (see that rank's error)");
+  const MoEConfig& mc = weights->config;
 
   dispatch_cfg.hidden = mc.hidden;
   dispatch_cfg.num_experts = m.num_experts;
@@ -334,20 +352,40 @@ ModularMoE::ModularMoE(std::shared_ptr<const MoEWeights> weights, std::shared_pt
     if (m.sharded && options.fhmoe_max_tokens < 0) m.fhmoe_max_tokens = config.fhmoe_max_tokens_sharded;
   }
   // After the backend (collective, and where an unsupported one stops): the CUDA experts upload
-  // this rank's weights, which is not worth doing for a backend that cannot run.
+  // this rank's weights, which is not worth doing for a backend that cannot run. A factory's Experts must
+  // fit the slots it is handed (one per local expert, the model's hidden). A failure here (a misfit, or
+  // building throws) is folded into the collective composition check below, so every rank throws at
+  // construction instead of this rank alone while its peers wait in the next collective until timeout_s.
+  std::exception_ptr build_error;
   if (!local.empty()) {
-    if (options.make_experts) {
-      m.experts = options.make_experts(std::move(local), m.device);
-      require_arg(kCtorOp, "options.make_experts", "a null Experts", m.experts != nullptr, "must return an Experts object");
-    } else {
-      m.experts = m.device.is_cpu() ? make_experts_cpu(std::move(local)) : make_experts_cuda(std::move(local), m.device.index, config);
+    const int64_t slots = static_cast<int64_t>(local.size());
+    try {
+      if (options.make_experts) {
+        m.experts = options.make_experts(std::move(local), m.device);
+        require_arg(kCtorOp, "options.make_experts", "a null Experts", m.experts != nullptr, "must return an Experts object");
+        require_arg(kCtorOp, "options.make_experts", "an Experts of num_local_experts = " + std::to_string(m.experts->num_local_experts()),
+                    m.experts->num_local_experts() == slots,
+                    "must equal the " + std::to_string(slots) + " local experts it was given (rank " + std::to_string(rank) + ")");
+        require_arg(kCtorOp, "options.make_experts", "an Experts of hidden = " + std::to_string(m.experts->hidden()),
+                    m.experts->hidden() == mc.hidden, "must equal the model's hidden = " + std::to_string(mc.hidden));
+      } else {
+        m.experts = m.device.is_cpu() ? make_experts_cpu(std::move(local)) : make_experts_cuda(std::move(local), m.device.index, config);
+      }
+    } catch (...) {
+      build_error = std::current_exception();
+      m.experts.reset();
     }
   }
   // Composition check, collective so every rank throws the same sentence: the experts must take the
   // backend's activation layout (Flat for the gathered/deduplicated backends, ExpertMajor for ll).
   const ActivationLayout layout = caps.layout;
-  const int64_t fit = !m.experts ? 2 : m.experts->supports(layout) ? 1 : 0;
+  const int64_t fit = build_error ? 3 : !m.experts ? 2 : m.experts->supports(layout) ? 1 : 0;
   const std::vector<int64_t> fits = group->all_gather_i64(fit);
+  if (build_error) std::rethrow_exception(build_error);
+  for (int r = 0; r < R; ++r)
+    if (fits[static_cast<size_t>(r)] == 3)
+      throw InvalidArgument(std::string(kCtorOp) + ": rank " + std::to_string(r) +
+                            " could not build experts that fit its local slots: every rank stops (see that rank's error)");
   for (int r = 0; r < R; ++r) {
     if (fits[static_cast<size_t>(r)] != 0) continue;
     std::string takes;

@@ -213,6 +213,7 @@ Trace parse_trace_json(const std::string& text, const std::string& origin) {
   t.top_k = get_int_field(op, j, "top_k");
   require_arg(op, "top_k", t.top_k, t.top_k >= 1, "must be >= 1");
   if (j.contains("hidden")) t.hidden = get_int_field(op, j, "hidden");
+  require_arg(op, "hidden", t.hidden, t.hidden >= 0, "must be >= 0 (0 = no hidden states)");  // before the rows use it
   if (j.contains("source")) t.source = j["source"].is_string() ? j["source"].get<std::string>() : j["source"].dump();
   require_arg(op, "steps", j.contains("steps") ? j["steps"].type_name() : "(missing)", j.contains("steps") && j["steps"].is_array(),
               "must be an array of {\"ranks\": [...]}");
@@ -337,6 +338,8 @@ Trace import_routing_jsonl(std::istream& in, const TraceImportOptions& opt, cons
       throw InvalidArgument(arg_message(op, where, "unparsable line", std::string("must be one JSON object per line (") + e.what() + ")"));
     }
     require_arg(op, where, j.type_name(), j.is_object(), "must be a JSON object");
+    if (j.contains("type"))
+      require_arg(op, where + " type", j["type"].dump(), j["type"].is_string(), "must be a string (\"route\", or a meta record's)");
     if (j.value("type", std::string("route")) != "route") {
       if (j.contains("top_k") && j["top_k"].is_number_integer()) top_k = get_int_field(op, j, "top_k");
       if (j.contains("num_experts") && j["num_experts"].is_number_integer()) meta_experts = get_int_field(op, j, "num_experts");

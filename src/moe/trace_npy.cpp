@@ -90,7 +90,15 @@ NpyArray read_npy(const std::string& path) {
     a.shape.push_back(d);
   }
   require_arg(op, "shape", shape, is.eof(), "must hold integers only");
-  const int64_t bytes = a.numel() * itemsize(a.descr);
+  // A corrupt or crafted header: the product must not wrap (2^54 x 256 x 4 bytes wrapped to 0 and was read as a
+  // 2^54-row tensor), and no more bytes are allocated than the file holds after the header.
+  int64_t bytes = itemsize(a.descr);
+  for (int64_t d : a.shape)
+    require_arg(op, "shape", shape, !__builtin_mul_overflow(bytes, d, &bytes), "product(shape) * itemsize must fit in int64");
+  std::error_code ec;
+  const auto file_bytes = std::filesystem::file_size(path, ec);
+  const int64_t left = ec ? bytes : static_cast<int64_t>(file_bytes) - static_cast<int64_t>(f.tellg());
+  require_arg(op, "data", "short", bytes <= left, "must hold product(shape) * itemsize = " + std::to_string(bytes) + " bytes");
   a.data.resize(static_cast<size_t>(bytes));
   f.read(reinterpret_cast<char*>(a.data.data()), bytes);
   require_arg(op, "data", "short", f.gcount() == bytes, "must hold product(shape) * itemsize = " + std::to_string(bytes) + " bytes");
@@ -197,8 +205,17 @@ Trace load_trace_dir(const std::string& dir) {
   t.num_ranks = j["num_ranks"].get<int>();
   t.num_experts = j["num_experts"].get<int>();
   t.top_k = j["top_k"].get<int>();
-  t.hidden = j.value("hidden", int64_t{0});
-  t.source = j.value("source", std::string());
+  // Optional fields, each with its rule (nlohmann's value() threw its own type_error, naming no field, and read 1.5 as 1).
+  if (j.contains("hidden")) {
+    const json& h = j["hidden"];
+    require_arg(op, "hidden", h.dump(), h.is_number_integer() && (h.is_number_unsigned() || h.get<int64_t>() >= 0),
+                "must be an integer >= 0 (0 = no hidden states)");
+    t.hidden = h.get<int64_t>();
+  }
+  if (j.contains("source")) {
+    require_arg(op, "source", j["source"].dump(), j["source"].is_string(), "must be a string");
+    t.source = j["source"].get<std::string>();
+  }
   require_arg(op, "top_k", t.top_k, t.top_k >= 1, "must be >= 1");
   for (size_t s = 0; s < j["steps"].size(); ++s) {
     const json& js = j["steps"][s];
@@ -219,6 +236,8 @@ Trace load_trace_dir(const std::string& dir) {
       tr.topk_idx = from_npy(op, rname + ".topk_idx", (root / jr["topk_idx"].get<std::string>()).string(), T, t.top_k, DType::int32);
       tr.topk_weights = from_npy(op, rname + ".topk_weights", (root / jr["topk_weights"].get<std::string>()).string(), T, t.top_k, DType::fp32);
       if (jr.contains("hidden_states")) {
+        require_arg(op, rname + ".hidden_states", jr["hidden_states"].dump(), jr["hidden_states"].is_string(),
+                    "must name a .npy file in the directory");
         require_arg(op, "hidden", t.hidden, t.hidden > 0, "must be > 0 when ranks carry hidden_states");
         tr.hidden_states = from_npy(op, rname + ".hidden_states", (root / jr["hidden_states"].get<std::string>()).string(), T, t.hidden, DType::bf16);
       }

@@ -168,9 +168,11 @@ void route(const RouterConfig& cfg, const TensorView& logits, const TensorView& 
   // One device for all; CUDA tensors go to the CUDA twin (routing_cuda.h) when it is built.
   const std::pair<const char*, const TensorView*> tensors[] = {
       {"topk_idx", &topk_idx}, {"topk_weights", &topk_weights}, {"correction_bias", &correction_bias}};
+  check_data(kOp, "logits", logits);
   for (const auto& [name, t] : tensors) {
     if (t == &correction_bias && !cfg.use_correction_bias) continue;
     check_device(kOp, name, *t, logits.device);
+    check_data(kOp, name, *t);
   }
   if (logits.device.is_cuda()) {
 #ifdef EPX_WITH_CUDA

@@ -234,6 +234,13 @@ TEST(Route, BadTensorsThrow) {
   EXPECT_THROW(route(c, lg_i, {}, idx, w), InvalidArgument);
   RouterConfig s = sigmoid_cfg(4, 2, 1, 1, 1.0f, true);
   EXPECT_THROW(route(s, lg, {}, idx, w), InvalidArgument);  // bias missing
+  // Null data with a non-empty shape (an unset pointer): named, never read (this segfaulted).
+  const TensorView lg_null(nullptr, DType::fp32, {3, 4}), idx_null(nullptr, DType::int32, {3, 2});
+  EXPECT_NE(test::invalid_argument_message([&] { route(c, lg_null, {}, idx, w); }).find("route: logits.data = null"), std::string::npos);
+  EXPECT_NE(test::invalid_argument_message([&] { route(c, lg, {}, idx_null, w); }).find("route: topk_idx.data = null"), std::string::npos);
+  const TensorView bias_null(nullptr, DType::fp32, {4});
+  EXPECT_NE(test::invalid_argument_message([&] { route(s, lg, bias_null, idx, w); }).find("route: correction_bias.data = null"),
+            std::string::npos);
 }
 
 #ifndef EPX_WITH_CUDA

@@ -27,6 +27,7 @@
 #include "moe_cuda_run.h"
 #include "moe_report.h"
 #include "moe_run.h"
+#include "validators.h"
 
 #ifdef EPX_WITH_CUDA
 #include <cuda_runtime_api.h>
@@ -1232,6 +1233,7 @@ int run_bench(const BenchOptions& options, const std::string& command) {
   require_arg(kOp, "--iters", o.iters, o.iters >= 1, "must be >= 1");
   require_arg(kOp, "--warmup", o.warmup, o.warmup >= 0, "must be >= 0");
   require_arg(kOp, "--tokens-per-rank", o.tokens_per_rank, o.tokens_per_rank >= 0, "must be >= 0 (0 = the case's)");
+  require_writable_json(kOp, o.json);  // before the run, not after it
   if (!o.dtype.empty()) {
     const DType d = parse_dtype(o.dtype);
     require_arg(kOp, "--dtype", o.dtype, d == DType::bf16 || d == DType::fp8_e4m3, "must be bf16 or fp8");

@@ -131,6 +131,7 @@ int run_moe(MoeCommand& cmd, const std::string& command) {
   o.routing_given = cmd.routing->count() > 0;
   o.shared_given = cmd.shared->count() > 0;
   finish_checkpoint_options(o, *cmd.app);
+  require_writable_json("epx moe", o.json);  // before the run, not after it
   const std::string device = resolve_device(o.device);
   const Config config = o.config.empty() ? Config::load() : Config::load(o.config);
   const std::vector<std::string> backends = o.backend == "all" ? backend_names() : std::vector<std::string>{o.backend};
