@@ -182,12 +182,15 @@ class CudaExperts final : public Experts {
     // slower); 8 = cp.async loads, tokens from shared memory; 17 = 8 with early scales / release,
     // bulk-copy stores and wgmma's A in registers (Fp8GemmParams::prefill_fast 2); 10 = 17 with TMA
     // loads; 23 = 10 with the lean consumer (kblock_lean, 3); 27 = 23 loading the next K block early
-    // (lean_item_prefetch, 5). A map the driver cannot encode leaves every GEMM on the cp.async kernels.
+    // (lean_item_prefetch, 5); 28 = 27 with the Flat gate_up's token rows gathered by TMA as well (one
+    // 1-row box per row and K block, Fp8GemmParams::prefill_gather_tma; eleventh session). A map the
+    // driver cannot encode leaves every GEMM on the cp.async kernels.
     const int pf_mode = config.experts_fp8_prefill;
     fp8_prefill_auto_ = pf_mode == 1;
     fp8_prefill_fast_ = pf_mode == 8 ? 0 : 2;  // the cp.async kernels' Fp8GemmParams::prefill_fast
     fp8_prefill_tma_fast_ = pf_mode == 10 ? 0 : pf_mode == 23 ? 3 : 5;  // the TMA kernels'
-    const bool pf_tma = pf_mode == 1 || pf_mode == 10 || pf_mode == 23 || pf_mode == 27;
+    fp8_prefill_gather_tma_ = pf_mode == 28;
+    const bool pf_tma = pf_mode == 1 || pf_mode == 10 || pf_mode == 23 || pf_mode == 27 || pf_mode == 28;
     // Objects with mxfp4 experts, all of them fp8_block or mxfp4 with I % 128 == 0 and H % 128 == 0,
     // fed FP8 x, run every expert on the mixed sm_90a kernels (experts_mxfp4_cuda.cu): one grouped
     // launch per GEMM for both formats (FHMoE: FP8 shared + MXFP4 routed). Config::experts_mxfp4_tc
@@ -232,7 +235,7 @@ class CudaExperts final : public Experts {
     descs_ = Tensor::empty({num_local * static_cast<int64_t>(sizeof(ExpertDesc))}, DType::uint8, dev);
     EPX_CUDA_CHECK(cudaMemcpy(descs_.data(), descs.data(), descs.size() * sizeof(ExpertDesc), cudaMemcpyHostToDevice));
     // The prefill kernels load the weight tiles with TMA from per-expert descriptors built here
-    // (modes 1, 10, 23, 27); the other modes, or a map the driver cannot encode, keep cp.async.
+    // (modes 1, 10, 23, 27, 28); the other modes, or a map the driver cannot encode, keep cp.async.
     if (fp8_tensor_cores_ && pf_tma) {
       std::vector<experts_cuda::Fp8TmaMap> maps(2 * descs.size());
       bool ok = true;
@@ -498,12 +501,14 @@ class CudaExperts final : public Experts {
       fp.prefill_fast = fp8_prefill_fast_;
       fp.row_space = in.layout == ActivationLayout::ExpertMajor ? in.x.size(0) * in.x.size(1)
                                                                : in.topk_idx.size(0) * in.topk_idx.size(1);
+      fp.x_rows = in.layout == ActivationLayout::ExpertMajor ? fp.row_space : in.x.size(0);
+      fp.prefill_gather_tma = fp8_prefill_gather_tma_ ? 1 : 0;
       // Persistent grids of one CTA per multiprocessor (the kernels take ~205-217 KiB of shared memory).
       fp.max_weight_tiles = static_cast<int32_t>(fp8_inter_max_ / kFp8GroupSize);
       const int up_grid = static_cast<int>(std::clamp<int64_t>(max_tiles * fp.max_weight_tiles, 1, num_sms_));
       experts_cuda::launch_fp8_gate_up(fp, up_grid, stream);
       // The prefill section: TMA kernels where there are weight maps, except the default's Flat gate_up
-      // (a row gather: the cp.async kernel, Config::experts_fp8_prefill above).
+      // (a row gather: the cp.async kernel, Config::experts_fp8_prefill above; 28 gathers by TMA).
       const bool tma = fp.w_maps != nullptr;
       if (big && tma && !(fp8_prefill_auto_ && fp.gather != nullptr)) {
         fp.prefill_fast = fp8_prefill_tma_fast_;
@@ -558,6 +563,7 @@ class CudaExperts final : public Experts {
   int fp8_prefill_fast_ = 2;      // the cp.async prefill kernels' variant (Fp8GemmParams::prefill_fast: 2 = mode 17, 0 = 8)
   int fp8_prefill_tma_fast_ = 5;  // the TMA prefill kernels' (5 = 27's, 3 = 23's, 0 = 10's)
   bool fp8_prefill_auto_ = true;  // the default (Config::experts_fp8_prefill 1): Flat gate_up on the cp.async kernel
+  bool fp8_prefill_gather_tma_ = false;  // the TMA kernels gather the Flat gate_up's token rows by TMA (28)
   int64_t mx_inter_max_ = 0;      // widest mxfp4 expert
   bool mx_tensor_cores_ = false;  // fp8_block + mxfp4 experts with FP8 x run on the mixed sm_90a GEMMs
   bool mx_wide_ = false;          // their 512-thread variant (EPX_EXPERTS_MXFP4_TC=2)

@@ -49,6 +49,13 @@ struct Fp8GemmParams {
   /// Rows of the row space (ExpertMajor L * cap, Flat N * K): the outer extent of the TMA prefill
   /// kernels' descriptors of x (ExpertMajor gate_up) and hq (down).
   int64_t row_space;
+  /// Rows of x (ExpertMajor L * cap, Flat N): the outer extent of the TMA prefill kernels' descriptor of
+  /// x for the Flat gate_up's gather (prefill_gather_tma).
+  int64_t x_rows;
+  /// TMA prefill kernels, Flat gate_up (gather non-null): 1 = the token rows gathered by TMA, one
+  /// 1-row box of x per token row and K block (Config::experts_fp8_prefill 28); 0 = by cp.async.
+  /// Same bits either way.
+  int32_t prefill_gather_tma;
   /// cp.async prefill kernels: 2 = kblock<true, true> (scales read before the wgmmas, the stage
   /// released before the last promotion, wgmma's A (the tokens) in registers) and bulk-copy epilogue
   /// stores (Config::experts_fp8_prefill 17); same bits as 0 (mode 8). (1 = 16, 3 = 19, prefill_xs_vec

@@ -4,7 +4,8 @@
 // whose token rows are contiguous (ExpertMajor gate_up, every down), with the lean consumer that loads
 // the next K block's operands under the last promotion (lean_item_prefetch; producer 40 / consumers 232
 // registers), bench/NOTES.md tenth session; opt-in: mode 17's consumer (Config::experts_fp8_prefill 10),
-// the lean consumer without the prefetch (23), with it (27). (With the mode-8 consumer, sixth session:
+// the lean consumer without the prefetch (23), with it (27), 27 with the Flat gate_up's token rows
+// gathered by TMA (28, eleventh session: kTokensRows below). (With the mode-8 consumer, sixth session:
 // 4 % faster than the cp.async kernels on ExpertMajor and 9 % slower on Flat.) Its 2-CTA cluster launch
 // multicasting the weight tile (11) was slower in every run, with the mode-17 consumer too (eighth
 // session: 4618 / 5037 us against 17's 3464 / 3519), and was removed.
@@ -17,9 +18,11 @@
 //     (ExpertMajor gate_up; down's hq), the 128 x 128-byte token tile from a per-launch map of x /
 //     hq, all completing on the stage's `full` mbarrier (expect_tx); the 128 threads still
 //     cp.async the token scales (strided: [rows, K/128]) and the Flat gate_up token rows (a
-//     gather: 8 lanes per 128-byte row) and arrive with cp.async.mbarrier.arrive, so `full`
-//     completes when the TMA bytes and all 128 threads' copies landed. Without the weight maps
-//     (the driver could not encode them) every operand goes through 16-byte cp.async;
+//     gather: 8 lanes per 128-byte row; with Fp8GemmParams::prefill_gather_tma, mode 28, thread j
+//     loads token row j by TMA instead: a 1-row box of x at row j's slot) and arrive with
+//     cp.async.mbarrier.arrive, so `full` completes when the TMA bytes and all 128 threads' copies
+//     landed. Without the weight maps (the driver could not encode them) every operand goes through
+//     16-byte cp.async;
 //   warpgroups 1, 2 (consumers, 216 registers): experts_fp8_prefill.cuh's kblock and epilogue (tokens
 //     in wgmma's A), the consumer of mode 17 of experts_fp8_prefill_cuda.cu (until the eighth session
 //     that of mode 8; same bits); the producer runs up to kStages blocks
@@ -50,14 +53,47 @@ using namespace pf;
 static_assert(sizeof(CUtensorMap) == sizeof(Fp8TmaMap) && alignof(CUtensorMap) <= alignof(Fp8TmaMap), "opaque map fits");
 constexpr int kTmaBox = 128;  // TMA box: 128 rows x 128 bytes (one 16 KiB half of the weight tile, or the token tile)
 
+/// How the producer loads a stage's 128 x 128-byte token tile (the kernel's `tokens` argument).
+enum TokenLoad : int {
+  kTokensCpAsync = 0,  ///< 16-byte cp.async by the 128 producer threads (8 lanes per row; a gather through p.gather)
+  kTokensTile = 1,     ///< one 128-row TMA box of the token map (contiguous rows: ExpertMajor gate_up, down's hq)
+  kTokensRows = 2,     ///< a gather by TMA: producer thread j loads token row j as a 1-row box (128 bytes) of the map
+                       ///< of x [N, H] at its row's slot of the tile (Flat gate_up; Config::experts_fp8_prefill 28)
+};
+
+// kTokensRows writes gathered row j as a 1-row box at shared address b_s + 128 j of the stage's 1024-byte-aligned token
+// tile. The 128-byte swizzle of TMA is a function of the shared address it writes (address bits 4-6, the 16-byte chunk,
+// XOR bits 7-9; the CUDA programming guide's TMA swizzle section), not of the row's index inside its box, so chunk c of
+// that row lands where row j of one 128-row box puts it: swz(j, c) of experts_fp8_wgmma.cuh, the layout the consumers'
+// ldmatrix (and smem_desc) read. Checked on a model of both for every row and chunk of two tile bases (a box-relative
+// swizzle would leave each 1-row box unswizzled: rows j % 8 != 0 would land permuted); the hardware by the bit test
+// (ExpertsCuda.Fp8PrefillTmaLoadsMatchCpAsyncLoadsBitForBit: mode 28 on Flat against the cp.async gather of mode 8).
+constexpr uint32_t tma_swizzle_128b(uint32_t addr) { return addr ^ (((addr >> 7) & 7u) << 4); }
+constexpr uint32_t swz_model(uint32_t r, uint32_t c) { return r * 128 + ((c ^ (r & 7u)) << 4); }  // = wg::swz
+constexpr bool row_boxes_land_as_one_box() {
+  for (uint32_t tile = 0; tile < 2 * kStageBytes; tile += kStageBytes)  // stage bases: multiples of 1024
+    for (uint32_t j = 0; j < static_cast<uint32_t>(kBN); ++j)
+      for (uint32_t c = 0; c < 8; ++c)
+        if (tma_swizzle_128b(tile + kABytes + j * 128 + c * 16) != tile + kABytes + swz_model(j, c)) return false;
+  return true;
+}
+static_assert(kStageBytes % 1024 == 0 && kABytes % 1024 == 0, "token tiles start 1024-byte aligned (128-byte swizzle atoms)");
+static_assert(row_boxes_land_as_one_box(), "a 1-row TMA box at row j's slot lands as row j of the 128-row tile");
+
 #ifdef EPX_FP8_WGMMA
 
 // ---- TMA (cp.async.bulk.tensor) and mbarrier transaction counts; PTX ISA 8.0 ----
 __device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
 }
-/// Box (x = K byte offset, y = row) of the 2-D map `map` into shared `dst` (1024-byte aligned);
-/// completes `bytes` of the box on mbarrier `bar`. Rows past the map's extent land as zeros.
+/// Adds `bytes` to the current phase's expected transaction count of `bar` without arriving (PTX ISA 8.0
+/// mbarrier.expect_tx): a thread announces its own TMA bytes before it issues them.
+__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+/// Box (x = K byte offset, y = row) of the 2-D map `map` into shared `dst` (1024-byte aligned for a
+/// 128-row box; a 1-row box of the token gather lands at its row's 128-byte slot, see kTokenRows);
+/// completes the box's bytes on mbarrier `bar`. Rows past the map's extent land as zeros.
 __device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map, int32_t x, int32_t y, uint32_t bar) {
   asm volatile(
       "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(dst),
@@ -86,8 +122,11 @@ __device__ __forceinline__ Work work_at(const Fp8GemmParams& p, int32_t tile0, i
 /// consecutive lanes read one row's 128 contiguous bytes (a thread per row would split every
 /// 32-byte sector between two instructions: twice the L2 -> SM traffic, measured slower than the
 /// 64-row kernels).
+/// tokens (TokenLoad): how the token tile comes; with kTokensRows thread pt loads token row pt of every K block
+/// itself (a 1-row box of `bmap` at the row's slot, announced on `full` by its own expect_tx) and the row table
+/// is unused.
 template <bool kGateUp>
-__device__ __forceinline__ void producer(const Fp8GemmParams& p, const CUtensorMap* bmap, bool tma_b, int32_t tile0, int64_t num_steps,
+__device__ __forceinline__ void producer(const Fp8GemmParams& p, const CUtensorMap* bmap, int tokens, int32_t tile0, int64_t num_steps,
                                          uint32_t stages, uint8_t* smem, uint32_t smem_s) {
   using L = Layout<kGateUp>;
   const int pt = threadIdx.x;  // 0..127
@@ -99,6 +138,7 @@ __device__ __forceinline__ void producer(const Fp8GemmParams& p, const CUtensorM
   int64_t* rows = reinterpret_cast<int64_t*>(smem + L::kRowsOff);  // byte offset of token j's B row
   const uint32_t full0 = smem_s + L::kBarOff, empty0 = full0 + L::kStages * 8;
   const bool tma_a = p.w_maps != nullptr;
+  const bool tma_b = tokens == kTokensTile, tma_rows = tokens == kTokensRows;  // both only with tma_a (the launch)
   const uint32_t tx_bytes = tma_a ? kABytes + (tma_b ? kBBytes : 0) : 0;
   RingPos pos;
   bool wrapped = false;  // every stage was filled once (from then on, wait for its release)
@@ -143,6 +183,11 @@ __device__ __forceinline__ void producer(const Fp8GemmParams& p, const CUtensorM
           tma_load_2d(a_s + kTmaBox * kBK, amap, static_cast<int32_t>(k0), ar1, full);
           if (tma_b) tma_load_2d(b_s, bmap, static_cast<int32_t>(k0), it.row0, full);
         }
+        if (tma_rows && bv) {  // the gather: this thread's token row (rows past the tile stay as they were: the
+                               // epilogue stores no output of them, and their scales are zero)
+          mbar_expect_tx(full0 + s * 8, kBK);  // before the copy, so the phase's count never runs short
+          tma_load_2d(b_s + pt * kBK, bmap, static_cast<int32_t>(k0), static_cast<int32_t>(brow), full0 + s * 8);
+        }
       } else {
 #pragma unroll
         for (int i = 0; i < 16; ++i) {
@@ -150,7 +195,7 @@ __device__ __forceinline__ void producer(const Fp8GemmParams& p, const CUtensorM
           cp_async16(a_s + swz(r8 + 16 * i, c), abase[t] + (av[t] ? (i & 3) * k16 + k0 : 0), av[t]);
         }
       }
-      if (!tma_b) {
+      if (!tma_b && !tma_rows) {
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
           const int j = r8 + 16 * i;
@@ -222,9 +267,10 @@ __device__ __forceinline__ void consumer(const Fp8GemmParams& p, bool all_tma, i
 /// kLean: the consumer of kblock_lean (Config::experts_fp8_prefill 23) with kPrefetch: lean_item_prefetch
 /// (27, and the default's TMA GEMMs); registers 40 / 232 then.
 template <bool kGateUp, bool kLean, bool kPrefetch>
-__global__ void __launch_bounds__(kPfThreads, 1) fp8_prefill_tma_kernel(Fp8GemmParams p, const __grid_constant__ CUtensorMap bmap, int tma_b) {
+__global__ void __launch_bounds__(kPfThreads, 1) fp8_prefill_tma_kernel(Fp8GemmParams p, const __grid_constant__ CUtensorMap bmap, int tokens) {
   using L = Layout<kGateUp>;
-  // tma_b: the token tile comes by TMA from `bmap` (only with the weight maps: the launch checks)
+  // tokens (TokenLoad): the token tile by cp.async, or by TMA from `bmap` as one box or one box per row (the TMA
+  // forms only with the weight maps: the launch checks)
   extern __shared__ uint8_t smem_raw[];
   const uint32_t raw_s = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
   const uint32_t pad = (1024u - (raw_s & 1023u)) & 1023u;
@@ -249,11 +295,11 @@ __global__ void __launch_bounds__(kPfThreads, 1) fp8_prefill_tma_kernel(Fp8GemmP
   if (threadIdx.x < 128) {
     if constexpr (kLean) setmaxnreg_dec<40>();
     else setmaxnreg_dec<64>();
-    producer<kGateUp>(p, &bmap, tma_b != 0, tile0, num_steps, stages, smem, smem_s);
+    producer<kGateUp>(p, &bmap, tokens, tile0, num_steps, stages, smem, smem_s);
   } else {
     if constexpr (kLean) setmaxnreg_inc<232>();
     else setmaxnreg_inc<216>();
-    consumer<kGateUp, kLean, kPrefetch>(p, p.w_maps != nullptr && tma_b != 0, tile0, num_steps, stages, smem, smem_s);
+    consumer<kGateUp, kLean, kPrefetch>(p, p.w_maps != nullptr && tokens != kTokensCpAsync, tile0, num_steps, stages, smem, smem_s);
   }
 }
 
@@ -283,15 +329,16 @@ PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
   return fn;
 }
 
-/// 2-D map of FP8 codes [rows, cols] (row stride `stride` bytes), 128 x 128-byte boxes, 128B swizzle.
-bool encode_fp8_map(CUtensorMap& m, const void* base, uint64_t cols, uint64_t rows, uint64_t stride) {
+/// 2-D map of FP8 codes [rows, cols] (row stride `stride` bytes), boxes of box_rows x 128 bytes (128 rows: a weight
+/// half-tile or a token tile; 1: a gathered token row, kTokensRows), 128B swizzle.
+bool encode_fp8_map(CUtensorMap& m, const void* base, uint64_t cols, uint64_t rows, uint64_t stride, uint32_t box_rows = kTmaBox) {
   const PFN_cuTensorMapEncodeTiled_v12000 fn = tensor_map_encoder();
   if (fn == nullptr || base == nullptr || reinterpret_cast<uintptr_t>(base) % 16 != 0 || stride % 16 != 0 || cols < kBK ||
       rows < 1 || rows > (uint64_t{1} << 31) || cols > stride)
     return false;
   const cuuint64_t dims[2] = {cols, rows};
   const cuuint64_t strides[1] = {stride};
-  const cuuint32_t box[2] = {kBK, kTmaBox};
+  const cuuint32_t box[2] = {kBK, box_rows};
   const cuuint32_t elem[2] = {1, 1};
   return fn(&m, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<void*>(base), dims, strides, box, elem,
             CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
@@ -321,8 +368,8 @@ auto tma_kernel(int fast) {
 }
 
 template <bool kGateUp>
-void launch_prefill(const Fp8GemmParams& p, const CUtensorMap& bmap, bool tb, int grid, cudaStream_t stream, const char* what) {
-  tma_kernel<kGateUp>(p.prefill_fast)<<<grid, kPfThreads, Layout<kGateUp>::kSmemBytes, stream>>>(p, bmap, tb ? 1 : 0);
+void launch_prefill(const Fp8GemmParams& p, const CUtensorMap& bmap, TokenLoad tokens, int grid, cudaStream_t stream, const char* what) {
+  tma_kernel<kGateUp>(p.prefill_fast)<<<grid, kPfThreads, Layout<kGateUp>::kSmemBytes, stream>>>(p, bmap, tokens);
   cuda::check_launch(what);
 }
 
@@ -338,22 +385,25 @@ void fp8_prefill_tma_set_smem_limits() {
 }
 
 // The token tile's map is built per launch (x and hq change between calls; a captured graph keeps
-// the parameter by value, like the pointers in p): x [row space, H] for ExpertMajor gate_up (Flat
-// gathers: cp.async), hq [row space, h_stride] for down. Rows past the row space land as zeros;
-// rows of the box past the tile's num_rows feed only output columns the epilogue never stores.
+// the parameter by value, like the pointers in p): x [row space, H] for ExpertMajor gate_up, hq [row
+// space, h_stride] for down (kTokensTile); the Flat gate_up's gather by cp.async, or with
+// p.prefill_gather_tma by 1-row boxes of x [x_rows, H] (kTokensRows). Rows past the map's rows land as
+// zeros; rows of the tile past its num_rows feed only output rows the epilogue never stores.
 void launch_fp8_prefill_tma_gate_up(const Fp8GemmParams& p, int grid, cudaStream_t stream) {
   CUtensorMap bmap{};
-  const bool tb = p.w_maps != nullptr && p.gather == nullptr &&
-                  encode_fp8_map(bmap, p.x, static_cast<uint64_t>(p.hidden), static_cast<uint64_t>(p.row_space),
-                                 static_cast<uint64_t>(p.hidden));
-  launch_prefill<true>(p, bmap, tb, grid, stream, "fp8_prefill_tma_kernel (gate_up)");
+  const bool gather = p.gather != nullptr;
+  const int64_t rows = gather ? p.x_rows : p.row_space;
+  const bool tb = p.w_maps != nullptr && (!gather || p.prefill_gather_tma != 0) &&
+                  encode_fp8_map(bmap, p.x, static_cast<uint64_t>(p.hidden), static_cast<uint64_t>(rows), static_cast<uint64_t>(p.hidden),
+                                 gather ? 1u : static_cast<uint32_t>(kTmaBox));
+  launch_prefill<true>(p, bmap, !tb ? kTokensCpAsync : gather ? kTokensRows : kTokensTile, grid, stream, "fp8_prefill_tma_kernel (gate_up)");
 }
 
 void launch_fp8_prefill_tma_down(const Fp8GemmParams& p, int grid, cudaStream_t stream) {
   CUtensorMap bmap{};
   const bool tb = p.w_maps != nullptr && encode_fp8_map(bmap, p.hq, static_cast<uint64_t>(p.h_stride),
                                                         static_cast<uint64_t>(p.row_space), static_cast<uint64_t>(p.h_stride));
-  launch_prefill<false>(p, bmap, tb, grid, stream, "fp8_prefill_tma_kernel (down)");
+  launch_prefill<false>(p, bmap, tb ? kTokensTile : kTokensCpAsync, grid, stream, "fp8_prefill_tma_kernel (down)");
 }
 
 }  // namespace epx::experts_cuda

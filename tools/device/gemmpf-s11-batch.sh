@@ -1,0 +1,97 @@
+#!/usr/bin/env bash
+# tools/device/gemmpf-s11-batch.sh: the prefill grouped-GEMM helper's device batches of the eleventh session (issue 6,
+# FP8 prefill: the Flat gate_up's token rows gathered by TMA, Config::experts_fp8_prefill 28). Run from a copy of main
+# that carries .carry/deps.tar.xz and .carry-gemmpf/{src,prebuilt}.tar.xz:
+#   OUT=<dir> BUDGET=<s> timeout -k 5 <s> bash .carry-gemmpf/batch.sh
+# prebuilt.tar.xz: experts_cuda_test and epx-gemm-bench built from src.tar.xz on the dev machine (CUDA 13.0, sm_90a);
+# when they do not load here they are built with tools/device/gpu-check.sh instead.
+# STEPS (space-separated, in order; default "bits ab sass small racecheck memcheck"):
+#   bits      ExpertsCuda.Fp8PrefillTmaLoadsMatchCpAsyncLoadsBitForBit (17, 10, 23, 27, 28 and the default against
+#             mode 8, byte for byte, both layouts);
+#   ab        epx-gemm-bench --prefill-only --prefill-modes $MODES (default 28,17,27) beside the default (1) on both
+#             layouts, with the cuBLASLt loop and the dense ceiling (ITERS, default 10; p50); a hang in bits drops
+#             $MODES; nvidia-smi samples the SM clock every 100 ms meanwhile (smi-ab.csv);
+#   sass      cuobjdump -sass of the TMA prefill kernels of the bench binary (the producer's per-row TMA issue);
+#   small     ExpertsCuda.Fp8PrefillSmallShapes natively (default and 28 against the CPU, H 1024);
+#   racecheck compute-sanitizer --tool racecheck of the same test;
+#   memcheck  compute-sanitizer --tool memcheck of the same test;
+#   fp8       ExpertsCuda.Fp8TensorCoreRowCountsOneTo8192 (against the CPU: the default, 17 and 28 among others);
+#   rest      the other experts GPU tests but the MXFP4 ones (ExpertsCuda.*).
+# Every step has its own timeout; budget BUDGET s (default 190). Writes $OUT/summary.txt first, small logs.
+source tools/device/batch-lib.sh
+batch_init /tmp/gemmpf-out 190
+export CUDA_VISIBLE_DEVICES=0
+STEPS="${STEPS:-bits ab sass small racecheck memcheck}"
+ITERS="${ITERS:-10}"
+MODES="${MODES:-28,17,27}"
+: >"$OUT/summary.txt"
+say "gemmpf-s11-batch.sh: steps '$STEPS', modes '$MODES', iters $ITERS, budget $BUDGET s"
+HERE="$(pwd)"
+S=/tmp/s-gemmpf
+rm -rf "$S" && mkdir -p "$S/.carry"
+tar -C "$S" -xJf "$HERE/.carry-gemmpf/src.tar.xz"
+cp "$HERE/.carry/deps.tar.xz" "$S/.carry/"
+B=""
+if [ -f .carry-gemmpf/prebuilt.tar.xz ]; then
+  batch_prebuilt .carry-gemmpf
+  ldd "$P/epx-gemm-bench" "$P/experts_cuda_test" >"$OUT/prebuilt-ldd.txt" 2>&1
+  grep -q "not found" "$OUT/prebuilt-ldd.txt" || B="$P"
+  say "prebuilt: ${B:-unusable (see prebuilt-ldd.txt)} at $((SECONDS - T0)) s"
+fi
+if [ -z "$B" ]; then
+  GPU_CHECK_SRC="$S" GPU_CHECK_ONE_GPU=0 GPU_CHECK_SANITIZE=0 GPU_CHECK_CPU=0 GPU_CHECK_BENCH=0 GPU_CHECK_TESTS=0 \
+    GPU_CHECK_TARGETS="experts_cuda_test epx_gemm_bench" \
+    timeout -k 5 "$(cap 100)" bash "$S/tools/device/gpu-check.sh" run >"$OUT/gpu-check.out" 2>&1
+  say "build rc=$? at $((SECONDS - T0)) s"
+  B=/tmp/epx-gpu-check/build
+  P="$B"
+  deps=/tmp/epx-gpu-check/deps/usr/lib/x86_64-linux-gnu
+  nccl="$(python3 -c 'import nvidia.nccl as m; print(list(m.__path__)[0])' 2>/dev/null)"
+  export LD_LIBRARY_PATH="$nccl/lib:$deps:$deps/openblas-pthread${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+fi
+commit="$(cat "$HERE/.carry-gemmpf/commit.txt" 2>/dev/null || echo unknown)"
+SAN="$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null | head -1)"
+for step in $STEPS; do
+  case $step in
+    ab)
+      b=$(cap 70)
+      if [ "$b" -lt 15 ]; then say "ab skipped (no time)"; continue; fi
+      nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu --format=csv -lms 100 >"$OUT/smi-ab.csv" 2>&1 &
+      smi=$!
+      GEMM_BENCH_COMMIT="$commit" timeout -k 2 "$b" "$B/epx-gemm-bench" --json "$OUT/gemm-bench.json" --iters "$ITERS" --no-simt \
+        --prefill-only ${MODES:+--prefill-modes $MODES} >"$OUT/gemm-bench.log" 2>&1
+      say "gemm-bench rc=$? (limit $b s) at $((SECONDS - T0)) s"
+      kill "$smi" 2>/dev/null
+      grep -E "^(prefill|ceiling)" "$OUT/gemm-bench.log" | tee -a "$OUT/summary.txt"
+      say "smi during ab: $(awk -F', ' 'NR > 1 && $2 + 0 > 0 {n++; c += $2} END {if (n) printf "%d samples, SM clock mean %.0f MHz", n, c / n}' "$OUT/smi-ab.csv")" ;;
+    sass)
+      CUOBJ="$(command -v cuobjdump || ls /usr/local/cuda/bin/cuobjdump 2>/dev/null | head -1)"
+      if [ -n "$CUOBJ" ] && [ "$(cap 20)" -gt 8 ]; then
+        timeout "$(cap 20)" "$CUOBJ" -sass "$B/epx-gemm-bench" 2>/dev/null |
+          awk '/Function :/{keep = ($0 ~ /fp8_prefill_tma_kernel/)} keep' | gzip -1 >"$OUT/sass.txt.gz"
+        say "sass: $(zcat "$OUT/sass.txt.gz" | wc -l) lines, $(zcat "$OUT/sass.txt.gz" | grep -c UTMALDG) UTMALDG at $((SECONDS - T0)) s"
+      fi ;;
+    bits)
+      batch_gtest test-bits 35 ./experts_cuda_test --gtest_filter='ExpertsCuda.Fp8PrefillTmaLoadsMatchCpAsyncLoadsBitForBit'
+      rc=$(grep -o "test-bits rc=[0-9]*" "$OUT/summary.txt" | tail -1 | cut -d= -f2)
+      [ "${rc:-0}" -ge 124 ] && MODES=""  # a variant hung: the A/B measures the default only
+      grep -E "^\[ bits \]|Failure" "$OUT/test-bits.log" | tee -a "$OUT/summary.txt" ;;
+    small)
+      batch_gtest test-small 25 ./experts_cuda_test --gtest_filter='ExpertsCuda.Fp8PrefillSmallShapes'
+      grep -E "^\[ rel_l2 \]|Failure" "$OUT/test-small.log" | tee -a "$OUT/summary.txt" ;;
+    racecheck|memcheck)
+      if [ -z "$SAN" ]; then say "$step skipped (no compute-sanitizer)"; continue; fi
+      lim=45; [ $step = memcheck ] && lim=35
+      batch_gtest "san-$step" $lim "$SAN" --tool $step ./experts_cuda_test --gtest_filter='ExpertsCuda.Fp8PrefillSmallShapes'
+      grep -v "Host Frame" "$OUT/san-$step.log" | head -400 >"$OUT/san-$step.t" && mv "$OUT/san-$step.t" "$OUT/san-$step.log"
+      grep -E "^\[ rel_l2 \]|ERROR SUMMARY|RACECHECK SUMMARY|Failure" "$OUT/san-$step.log" | tee -a "$OUT/summary.txt" ;;
+    fp8)
+      batch_gtest test-fp8 75 ./experts_cuda_test --gtest_filter='ExpertsCuda.Fp8TensorCoreRowCountsOneTo8192'
+      grep -E "Failure|8192 rows|mode 28" "$OUT/test-fp8.log" | tee -a "$OUT/summary.txt" ;;
+    rest)
+      batch_gtest test-rest 45 ./experts_cuda_test \
+        --gtest_filter='ExpertsCuda.*-ExpertsCuda.Fp8TensorCoreRowCountsOneTo8192:ExpertsCuda.Fp8PrefillTmaLoadsMatchCpAsyncLoadsBitForBit:ExpertsCuda.Mxfp4*'
+      grep -E "^\[  FAILED|Failure" "$OUT/test-rest.log" | head -20 | tee -a "$OUT/summary.txt" ;;
+  esac
+done
+echo "== summary"; cat "$OUT/summary.txt"
