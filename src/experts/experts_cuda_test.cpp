@@ -508,12 +508,13 @@ TEST(ExpertsCuda, Fp8PrefillSmallShapes) {
   // both layouts; partial tiles (129, 70 rows; Flat ~90 per expert), an expert without tokens, 8 K blocks per
   // gate_up item against its 4 stages (the ring wraps inside an item) and the lean consumer's end-of-item reload
   // of a released stage (lean_item_prefetch) after every item. The
-  // default (=1: gate_up on the TMA kernels for ExpertMajor, on 17's cp.async kernel for Flat; down on TMA)
-  // and =28 (the Flat gate_up's token rows gathered by TMA, 1-row boxes).
+  // default (=1: gate_up on the TMA kernels for ExpertMajor, on 17's cp.async kernel for Flat; down on TMA),
+  // =27 (the Flat gate_up's cp.async gather on the TMA kernel, no proxy fence since the eleventh session) and
+  // =28 (the Flat gate_up's token rows gathered by TMA, 1-row boxes).
   const auto experts = same_format(WeightFormat::fp8_block, 3, 1024, 256, 560);
   auto cpu = make_experts_cpu(experts);
   const double tol = kMaxRelL2Fp8TensorCores;
-  for (const char* mode : {"1", "28"}) {
+  for (const char* mode : {"1", "27", "28"}) {
     std::unique_ptr<Experts> gpu;
     {
       const test::ScopedEnv min_tiles("EPX_EXPERTS_FP8_PREFILL_MIN_TILES", "1");  // the prefill section for these few tiles

@@ -217,8 +217,12 @@ __device__ __forceinline__ void producer(const Fp8GemmParams& p, const CUtensorM
 /// The consumer warpgroups (experts_fp8_prefill.cuh: kblock, epilogue), as mode 17 of
 /// experts_fp8_prefill_cuda.cu since the eighth session: the scales read before the wgmmas, the
 /// stage released before the last promotion, wgmma's A (tokens) in registers, bulk-copy row stores.
+/// weights_tma: the weight tiles came by TMA (async proxy), the only operand wgmma reads from shared
+/// memory: no proxy fence then, however the token tile came (every consumer here reads it with
+/// ldmatrix, a generic-proxy read like cp.async's writes; until the eleventh session the fence also
+/// ran for the Flat gate_up's cp.async gather). Without the weight maps (cp.async weights): the fence.
 template <bool kGateUp, bool kLean, bool kPrefetch>
-__device__ __forceinline__ void consumer(const Fp8GemmParams& p, bool all_tma, int32_t tile0, int64_t num_steps, uint32_t stages,
+__device__ __forceinline__ void consumer(const Fp8GemmParams& p, bool weights_tma, int32_t tile0, int64_t num_steps, uint32_t stages,
                                          uint8_t* smem, uint32_t smem_s) {
   using L = Layout<kGateUp>;
   const Who w;
@@ -240,15 +244,15 @@ __device__ __forceinline__ void consumer(const Fp8GemmParams& p, bool all_tma, i
       for (int i = 0; i < kFrag; ++i) acc[sub][i] = 0.0f;
     if constexpr (kPrefetch) {  // mode 27: the next K block's operands loaded under the second promotion
       lean_item_prefetch(lo, wk.nk, pos, stages, smem_s, smem_s + L::kScaleOff, full0, empty0, smem_s + L::kDoneOff, lane, acc, tmp, [&] {
-        if (!all_tma) fence_proxy_async();
+        if (!weights_tma) fence_proxy_async();
       });
     } else {
       for (int64_t kb = 0; kb < wk.nk; ++kb) {
         const uint32_t s = pos.stage;
         mbar_wait(full0 + s * 8, pos.phase);
-        // cp.async wrote operands through the generic proxy; wgmma reads through the async one (TMA
-        // writes through the async proxy: no fence when both operands came by TMA)
-        if (!all_tma) fence_proxy_async();
+        // cp.async wrote the weights through the generic proxy; wgmma reads them through the async one (TMA
+        // writes through the async proxy: no fence when the weights came by TMA; the tokens go by ldmatrix)
+        if (!weights_tma) fence_proxy_async();
         const uint32_t a_s = smem_s + s * kStageBytes;
         auto release = [&] {  // 8 consumer warps release the stage
           __syncwarp();
@@ -299,7 +303,7 @@ __global__ void __launch_bounds__(kPfThreads, 1) fp8_prefill_tma_kernel(Fp8GemmP
   } else {
     if constexpr (kLean) setmaxnreg_inc<232>();
     else setmaxnreg_inc<216>();
-    consumer<kGateUp, kLean, kPrefetch>(p, p.w_maps != nullptr && tokens != kTokensCpAsync, tile0, num_steps, stages, smem, smem_s);
+    consumer<kGateUp, kLean, kPrefetch>(p, p.w_maps != nullptr, tile0, num_steps, stages, smem, smem_s);
   }
 }
 

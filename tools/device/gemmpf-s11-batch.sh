@@ -8,7 +8,7 @@
 # STEPS (space-separated, in order; default "bits ab sass small racecheck memcheck"):
 #   bits      ExpertsCuda.Fp8PrefillTmaLoadsMatchCpAsyncLoadsBitForBit (17, 10, 23, 27, 28 and the default against
 #             mode 8, byte for byte, both layouts);
-#   ab        epx-gemm-bench --prefill-only --prefill-modes $MODES (default 28,17,27) beside the default (1) on both
+#   ab        epx-gemm-bench --prefill-only --prefill-modes $MODES (default 28,27,17,10) beside the default (1) on both
 #             layouts, with the cuBLASLt loop and the dense ceiling (ITERS, default 10; p50); a hang in bits drops
 #             $MODES; nvidia-smi samples the SM clock every 100 ms meanwhile (smi-ab.csv);
 #   sass      cuobjdump -sass of the TMA prefill kernels of the bench binary (the producer's per-row TMA issue);
@@ -23,7 +23,7 @@ batch_init /tmp/gemmpf-out 190
 export CUDA_VISIBLE_DEVICES=0
 STEPS="${STEPS:-bits ab sass small racecheck memcheck}"
 ITERS="${ITERS:-10}"
-MODES="${MODES:-28,17,27}"
+MODES="${MODES:-28,27,17,10}"
 : >"$OUT/summary.txt"
 say "gemmpf-s11-batch.sh: steps '$STEPS', modes '$MODES', iters $ITERS, budget $BUDGET s"
 HERE="$(pwd)"
