@@ -354,8 +354,8 @@ TEST(ExpertsCuda, Fp8TensorCoreRowCountsOneTo8192) {
   // the prefill kernels off (EPX_EXPERTS_FP8_PREFILL=0: every tile on the 64-row kernels), with
   // the cp.async loads and tokens from shared memory (=8)
   // the TMA variant of the prefill kernels (=10), 17 (the default's kernel for the Flat gate_up; the
-  // default runs the other GEMMs on the TMA kernels with the lean consumer) and 28 (the Flat gate_up's
-  // token rows gathered by TMA, 1-row boxes; partial tiles and experts without tokens among the cases);
+  // default runs the other GEMMs on the TMA kernels with the lean consumer) and 29 (the Flat gate_up's
+  // token rows permuted into row-space order first; partial tiles and experts without tokens among the cases);
   // Fp8PrefillTmaLoadsMatchCpAsyncLoadsBitForBit checks 17, 10, 23, 27 and the default are bit-identical to =8.
   // These take the prefill section for any expert with > 64 rows (EPX_EXPERTS_FP8_PREFILL_MIN_TILES
   // = 1); "gated" is the default, which takes it only when the big tiles fill one wave (here only
@@ -363,7 +363,7 @@ TEST(ExpertsCuda, Fp8TensorCoreRowCountsOneTo8192) {
   const auto experts = same_format(WeightFormat::fp8_block, 3, 7168, 2048, 500);
   auto cpu = make_experts_cpu(experts);
   auto gpu_gated = make_experts_cuda(experts, 0);
-  std::unique_ptr<Experts> gpu, gpu_pairs, gpu_small, gpu_tma, gpu_smem_a, gpu_17, gpu_28;
+  std::unique_ptr<Experts> gpu, gpu_pairs, gpu_small, gpu_tma, gpu_smem_a, gpu_17, gpu_29;
   {
     const test::ScopedEnv min_tiles("EPX_EXPERTS_FP8_PREFILL_MIN_TILES", "1");
     gpu = make_experts_cuda(experts, 0);
@@ -379,15 +379,15 @@ TEST(ExpertsCuda, Fp8TensorCoreRowCountsOneTo8192) {
     gpu_smem_a = make_experts_cuda(experts, 0);
     mode.set("17");
     gpu_17 = make_experts_cuda(experts, 0);
-    mode.set("28");
-    gpu_28 = make_experts_cuda(experts, 0);
+    mode.set("29");
+    gpu_29 = make_experts_cuda(experts, 0);
   }
   const double tol = kMaxRelL2Fp8TensorCores;
   const std::vector<std::vector<int32_t>> cases = {{0, 1, 0}, {7, 0, 0}, {16, 17, 95}, {64, 65, 129}, {0, 1000, 0}};
-  for (auto* g : {gpu.get(), gpu_17.get(), gpu_28.get(), gpu_smem_a.get(), gpu_pairs.get(), gpu_small.get(), gpu_tma.get(), gpu_gated.get()}) {
+  for (auto* g : {gpu.get(), gpu_17.get(), gpu_29.get(), gpu_smem_a.get(), gpu_pairs.get(), gpu_small.get(), gpu_tma.get(), gpu_gated.get()}) {
     const char* variant = g == gpu.get()           ? ""
                           : g == gpu_17.get()      ? " (prefill mode 17: cp.async loads)"
-                          : g == gpu_28.get()      ? " (prefill mode 28: TMA row gather)"
+                          : g == gpu_29.get()      ? " (prefill mode 29: Flat rows permuted)"
                           : g == gpu_smem_a.get()  ? " (prefill mode 8: A from shared memory)"
                           : g == gpu_gated.get()   ? " (prefill gated: one wave)"
                           : g == gpu_pairs.get()   ? " (pairs)"
@@ -420,13 +420,12 @@ TEST(ExpertsCuda, Fp8PrefillTmaLoadsMatchCpAsyncLoadsBitForBit) {
   // release, bulk-copy epilogue stores, wgmma's A from registers, loaded by ldmatrix) must give the
   // same bytes too, and so must =23 (10 with the lean consumer: the same products and promotions from
   // pinned per-thread offsets), =27 (23 loading the next K block's operands under the last promotion),
-  // =28 (27 with the Flat gate_up's token rows gathered by TMA: 1-row boxes of x at their rows' slots of
-  // the swizzled tile, rows past a partial tile left unloaded) and the default (=1: 27's TMA kernels, the
-  // Flat gate_up on 17's cp.async kernel).
+  // =29 (27 with the Flat gate_up's token rows copied into row-space order first and loaded as one TMA box
+  // per tile) and the default (=1: 27's TMA kernels, the Flat gate_up on 17's cp.async kernel).
   std::vector<std::shared_ptr<const ExpertWeights>> experts = same_format(WeightFormat::fp8_block, 3, 7168, 2048, 540);
   experts.push_back(ExpertWeights::random(WeightFormat::fp8_block, 7168, 3072, 544));
   const int64_t L = 4, H = 7168, cap = 300;
-  std::unique_ptr<Experts> cpa, rs, tma, tma_lean, tma_lean_pf, tma_gather, dflt;
+  std::unique_ptr<Experts> cpa, rs, tma, tma_lean, tma_lean_pf, tma_perm, dflt;
   {
     const test::ScopedEnv min_tiles("EPX_EXPERTS_FP8_PREFILL_MIN_TILES", "1");  // the prefill section for these few big tiles
     const test::ScopedEnv mode("EPX_EXPERTS_FP8_PREFILL", "8");
@@ -439,8 +438,8 @@ TEST(ExpertsCuda, Fp8PrefillTmaLoadsMatchCpAsyncLoadsBitForBit) {
     tma_lean = make_experts_cuda(experts, 0);
     mode.set("27");
     tma_lean_pf = make_experts_cuda(experts, 0);
-    mode.set("28");
-    tma_gather = make_experts_cuda(experts, 0);
+    mode.set("29");
+    tma_perm = make_experts_cuda(experts, 0);
     mode.set("1");
     dflt = make_experts_cuda(experts, 0);
   }
@@ -478,12 +477,12 @@ TEST(ExpertsCuda, Fp8PrefillTmaLoadsMatchCpAsyncLoadsBitForBit) {
   poison_dev(fl_ref);
   cpa->apply(em, em_ref);
   cpa->apply(fl, fl_ref);
-  for (auto* g : {rs.get(), tma.get(), tma_lean.get(), tma_lean_pf.get(), tma_gather.get(), dflt.get()}) {
+  for (auto* g : {rs.get(), tma.get(), tma_lean.get(), tma_lean_pf.get(), tma_perm.get(), dflt.get()}) {
     const char* name = g == rs.get()         ? "fast-rs (17)"
                        : g == tma.get()      ? "tma (10)"
                        : g == tma_lean.get() ? "tma lean (23)"
                        : g == tma_lean_pf.get() ? "tma lean, prefetch (27)"
-                       : g == tma_gather.get()  ? "tma lean, prefetch, TMA row gather (28)"
+                       : g == tma_perm.get()  ? "tma lean, prefetch, Flat rows permuted (29)"
                                                 : "default (1: 27's TMA kernels, the Flat gate_up on 17's)";
     Tensor o = Tensor::empty({L, cap, H}, DType::bf16, kDev), f = Tensor::empty({N, H}, DType::bf16, kDev);
     poison_dev(o);
@@ -510,11 +509,11 @@ TEST(ExpertsCuda, Fp8PrefillSmallShapes) {
   // of a released stage (lean_item_prefetch) after every item. The
   // default (=1: gate_up on the TMA kernels for ExpertMajor, on 17's cp.async kernel for Flat; down on TMA),
   // =27 (the Flat gate_up's cp.async gather on the TMA kernel, no proxy fence since the eleventh session) and
-  // =28 (the Flat gate_up's token rows gathered by TMA, 1-row boxes).
+  // =29 (the Flat gate_up's token rows permuted into row-space order first, one TMA box per tile).
   const auto experts = same_format(WeightFormat::fp8_block, 3, 1024, 256, 560);
   auto cpu = make_experts_cpu(experts);
   const double tol = kMaxRelL2Fp8TensorCores;
-  for (const char* mode : {"1", "27", "28"}) {
+  for (const char* mode : {"1", "27", "29"}) {
     std::unique_ptr<Experts> gpu;
     {
       const test::ScopedEnv min_tiles("EPX_EXPERTS_FP8_PREFILL_MIN_TILES", "1");  // the prefill section for these few tiles

@@ -5,7 +5,8 @@
 // the next K block's operands under the last promotion (lean_item_prefetch; producer 40 / consumers 232
 // registers), bench/NOTES.md tenth session; opt-in: mode 17's consumer (Config::experts_fp8_prefill 10),
 // the lean consumer without the prefetch (23), with it (27), 27 with the Flat gate_up's token rows
-// gathered by TMA (28, eleventh session: kTokensRows below). (With the mode-8 consumer, sixth session:
+// permuted into row-space order first (29, eleventh session: permute_x_kernel below). (With the mode-8
+// consumer, sixth session:
 // 4 % faster than the cp.async kernels on ExpertMajor and 9 % slower on Flat.) Its 2-CTA cluster launch
 // multicasting the weight tile (11) was slower in every run, with the mode-17 consumer too (eighth
 // session: 4618 / 5037 us against 17's 3464 / 3519), and was removed.
@@ -18,8 +19,8 @@
 //     (ExpertMajor gate_up; down's hq), the 128 x 128-byte token tile from a per-launch map of x /
 //     hq, all completing on the stage's `full` mbarrier (expect_tx); the 128 threads still
 //     cp.async the token scales (strided: [rows, K/128]) and the Flat gate_up token rows (a
-//     gather: 8 lanes per 128-byte row; with Fp8GemmParams::prefill_gather_tma, mode 28, thread j
-//     loads token row j by TMA instead: a 1-row box of x at row j's slot) and arrive with
+//     gather: 8 lanes per 128-byte row; with Fp8GemmParams::x_perm, mode 29, the rows permuted into
+//     row-space order beforehand come as one TMA box like ExpertMajor's) and arrive with
 //     cp.async.mbarrier.arrive, so `full` completes when the TMA bytes and all 128 threads' copies
 //     landed. Without the weight maps (the driver could not encode them) every operand goes through
 //     16-byte cp.async;
@@ -35,9 +36,11 @@
 
 #include <algorithm>
 #include <cstring>
+#include <string>
 
 #include "cuda/check.h"
 #include "epx/dtype.h"
+#include "epx/error.h"
 #include "epx/experts.h"
 #include "experts/experts_fp8_cuda.h"
 #include "experts/experts_fp8_prefill.cuh"
@@ -53,47 +56,14 @@ using namespace pf;
 static_assert(sizeof(CUtensorMap) == sizeof(Fp8TmaMap) && alignof(CUtensorMap) <= alignof(Fp8TmaMap), "opaque map fits");
 constexpr int kTmaBox = 128;  // TMA box: 128 rows x 128 bytes (one 16 KiB half of the weight tile, or the token tile)
 
-/// How the producer loads a stage's 128 x 128-byte token tile (the kernel's `tokens` argument).
-enum TokenLoad : int {
-  kTokensCpAsync = 0,  ///< 16-byte cp.async by the 128 producer threads (8 lanes per row; a gather through p.gather)
-  kTokensTile = 1,     ///< one 128-row TMA box of the token map (contiguous rows: ExpertMajor gate_up, down's hq)
-  kTokensRows = 2,     ///< a gather by TMA: producer thread j loads token row j as a 1-row box (128 bytes) of the map
-                       ///< of x [N, H] at its row's slot of the tile (Flat gate_up; Config::experts_fp8_prefill 28)
-};
-
-// kTokensRows writes gathered row j as a 1-row box at shared address b_s + 128 j of the stage's 1024-byte-aligned token
-// tile. The 128-byte swizzle of TMA is a function of the shared address it writes (address bits 4-6, the 16-byte chunk,
-// XOR bits 7-9; the CUDA programming guide's TMA swizzle section), not of the row's index inside its box, so chunk c of
-// that row lands where row j of one 128-row box puts it: swz(j, c) of experts_fp8_wgmma.cuh, the layout the consumers'
-// ldmatrix (and smem_desc) read. Checked on a model of both for every row and chunk of two tile bases (a box-relative
-// swizzle would leave each 1-row box unswizzled: rows j % 8 != 0 would land permuted); the hardware by the bit test
-// (ExpertsCuda.Fp8PrefillTmaLoadsMatchCpAsyncLoadsBitForBit: mode 28 on Flat against the cp.async gather of mode 8).
-constexpr uint32_t tma_swizzle_128b(uint32_t addr) { return addr ^ (((addr >> 7) & 7u) << 4); }
-constexpr uint32_t swz_model(uint32_t r, uint32_t c) { return r * 128 + ((c ^ (r & 7u)) << 4); }  // = wg::swz
-constexpr bool row_boxes_land_as_one_box() {
-  for (uint32_t tile = 0; tile < 2 * kStageBytes; tile += kStageBytes)  // stage bases: multiples of 1024
-    for (uint32_t j = 0; j < static_cast<uint32_t>(kBN); ++j)
-      for (uint32_t c = 0; c < 8; ++c)
-        if (tma_swizzle_128b(tile + kABytes + j * 128 + c * 16) != tile + kABytes + swz_model(j, c)) return false;
-  return true;
-}
-static_assert(kStageBytes % 1024 == 0 && kABytes % 1024 == 0, "token tiles start 1024-byte aligned (128-byte swizzle atoms)");
-static_assert(row_boxes_land_as_one_box(), "a 1-row TMA box at row j's slot lands as row j of the 128-row tile");
-
 #ifdef EPX_FP8_WGMMA
 
 // ---- TMA (cp.async.bulk.tensor) and mbarrier transaction counts; PTX ISA 8.0 ----
 __device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
 }
-/// Adds `bytes` to the current phase's expected transaction count of `bar` without arriving (PTX ISA 8.0
-/// mbarrier.expect_tx): a thread announces its own TMA bytes before it issues them.
-__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
-  asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
-}
-/// Box (x = K byte offset, y = row) of the 2-D map `map` into shared `dst` (1024-byte aligned for a
-/// 128-row box; a 1-row box of the token gather lands at its row's 128-byte slot, see kTokenRows);
-/// completes the box's bytes on mbarrier `bar`. Rows past the map's extent land as zeros.
+/// Box (x = K byte offset, y = row) of the 2-D map `map` into shared `dst` (1024-byte aligned);
+/// completes `bytes` of the box on mbarrier `bar`. Rows past the map's extent land as zeros.
 __device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map, int32_t x, int32_t y, uint32_t bar) {
   asm volatile(
       "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(dst),
@@ -122,11 +92,11 @@ __device__ __forceinline__ Work work_at(const Fp8GemmParams& p, int32_t tile0, i
 /// consecutive lanes read one row's 128 contiguous bytes (a thread per row would split every
 /// 32-byte sector between two instructions: twice the L2 -> SM traffic, measured slower than the
 /// 64-row kernels).
-/// tokens (TokenLoad): how the token tile comes; with kTokensRows thread pt loads token row pt of every K block
-/// itself (a 1-row box of `bmap` at the row's slot, announced on `full` by its own expect_tx) and the row table
-/// is unused.
+/// tma_b: the token tile by one TMA box of `bmap` at the tile's first row (contiguous rows: ExpertMajor
+/// gate_up, down's hq, the Flat gate_up's x_perm), else the gather / copy by cp.async; the token scales
+/// come by cp.async either way (through p.gather for the Flat gate_up).
 template <bool kGateUp>
-__device__ __forceinline__ void producer(const Fp8GemmParams& p, const CUtensorMap* bmap, int tokens, int32_t tile0, int64_t num_steps,
+__device__ __forceinline__ void producer(const Fp8GemmParams& p, const CUtensorMap* bmap, bool tma_b, int32_t tile0, int64_t num_steps,
                                          uint32_t stages, uint8_t* smem, uint32_t smem_s) {
   using L = Layout<kGateUp>;
   const int pt = threadIdx.x;  // 0..127
@@ -138,7 +108,6 @@ __device__ __forceinline__ void producer(const Fp8GemmParams& p, const CUtensorM
   int64_t* rows = reinterpret_cast<int64_t*>(smem + L::kRowsOff);  // byte offset of token j's B row
   const uint32_t full0 = smem_s + L::kBarOff, empty0 = full0 + L::kStages * 8;
   const bool tma_a = p.w_maps != nullptr;
-  const bool tma_b = tokens == kTokensTile, tma_rows = tokens == kTokensRows;  // both only with tma_a (the launch)
   const uint32_t tx_bytes = tma_a ? kABytes + (tma_b ? kBBytes : 0) : 0;
   RingPos pos;
   bool wrapped = false;  // every stage was filled once (from then on, wait for its release)
@@ -183,11 +152,6 @@ __device__ __forceinline__ void producer(const Fp8GemmParams& p, const CUtensorM
           tma_load_2d(a_s + kTmaBox * kBK, amap, static_cast<int32_t>(k0), ar1, full);
           if (tma_b) tma_load_2d(b_s, bmap, static_cast<int32_t>(k0), it.row0, full);
         }
-        if (tma_rows && bv) {  // the gather: this thread's token row (rows past the tile stay as they were: the
-                               // epilogue stores no output of them, and their scales are zero)
-          mbar_expect_tx(full0 + s * 8, kBK);  // before the copy, so the phase's count never runs short
-          tma_load_2d(b_s + pt * kBK, bmap, static_cast<int32_t>(k0), static_cast<int32_t>(brow), full0 + s * 8);
-        }
       } else {
 #pragma unroll
         for (int i = 0; i < 16; ++i) {
@@ -195,7 +159,7 @@ __device__ __forceinline__ void producer(const Fp8GemmParams& p, const CUtensorM
           cp_async16(a_s + swz(r8 + 16 * i, c), abase[t] + (av[t] ? (i & 3) * k16 + k0 : 0), av[t]);
         }
       }
-      if (!tma_b && !tma_rows) {
+      if (!tma_b) {
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
           const int j = r8 + 16 * i;
@@ -271,10 +235,9 @@ __device__ __forceinline__ void consumer(const Fp8GemmParams& p, bool weights_tm
 /// kLean: the consumer of kblock_lean (Config::experts_fp8_prefill 23) with kPrefetch: lean_item_prefetch
 /// (27, and the default's TMA GEMMs); registers 40 / 232 then.
 template <bool kGateUp, bool kLean, bool kPrefetch>
-__global__ void __launch_bounds__(kPfThreads, 1) fp8_prefill_tma_kernel(Fp8GemmParams p, const __grid_constant__ CUtensorMap bmap, int tokens) {
+__global__ void __launch_bounds__(kPfThreads, 1) fp8_prefill_tma_kernel(Fp8GemmParams p, const __grid_constant__ CUtensorMap bmap, int tma_b) {
   using L = Layout<kGateUp>;
-  // tokens (TokenLoad): the token tile by cp.async, or by TMA from `bmap` as one box or one box per row (the TMA
-  // forms only with the weight maps: the launch checks)
+  // tma_b: the token tile comes by TMA from `bmap` (only with the weight maps: the launch checks)
   extern __shared__ uint8_t smem_raw[];
   const uint32_t raw_s = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
   const uint32_t pad = (1024u - (raw_s & 1023u)) & 1023u;
@@ -299,7 +262,7 @@ __global__ void __launch_bounds__(kPfThreads, 1) fp8_prefill_tma_kernel(Fp8GemmP
   if (threadIdx.x < 128) {
     if constexpr (kLean) setmaxnreg_dec<40>();
     else setmaxnreg_dec<64>();
-    producer<kGateUp>(p, &bmap, tokens, tile0, num_steps, stages, smem, smem_s);
+    producer<kGateUp>(p, &bmap, tma_b != 0, tile0, num_steps, stages, smem, smem_s);
   } else {
     if constexpr (kLean) setmaxnreg_inc<232>();
     else setmaxnreg_inc<216>();
@@ -333,16 +296,15 @@ PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
   return fn;
 }
 
-/// 2-D map of FP8 codes [rows, cols] (row stride `stride` bytes), boxes of box_rows x 128 bytes (128 rows: a weight
-/// half-tile or a token tile; 1: a gathered token row, kTokensRows), 128B swizzle.
-bool encode_fp8_map(CUtensorMap& m, const void* base, uint64_t cols, uint64_t rows, uint64_t stride, uint32_t box_rows = kTmaBox) {
+/// 2-D map of FP8 codes [rows, cols] (row stride `stride` bytes), 128 x 128-byte boxes, 128B swizzle.
+bool encode_fp8_map(CUtensorMap& m, const void* base, uint64_t cols, uint64_t rows, uint64_t stride) {
   const PFN_cuTensorMapEncodeTiled_v12000 fn = tensor_map_encoder();
   if (fn == nullptr || base == nullptr || reinterpret_cast<uintptr_t>(base) % 16 != 0 || stride % 16 != 0 || cols < kBK ||
       rows < 1 || rows > (uint64_t{1} << 31) || cols > stride)
     return false;
   const cuuint64_t dims[2] = {cols, rows};
   const cuuint64_t strides[1] = {stride};
-  const cuuint32_t box[2] = {kBK, box_rows};
+  const cuuint32_t box[2] = {kBK, kTmaBox};
   const cuuint32_t elem[2] = {1, 1};
   return fn(&m, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<void*>(base), dims, strides, box, elem,
             CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
@@ -372,8 +334,8 @@ auto tma_kernel(int fast) {
 }
 
 template <bool kGateUp>
-void launch_prefill(const Fp8GemmParams& p, const CUtensorMap& bmap, TokenLoad tokens, int grid, cudaStream_t stream, const char* what) {
-  tma_kernel<kGateUp>(p.prefill_fast)<<<grid, kPfThreads, Layout<kGateUp>::kSmemBytes, stream>>>(p, bmap, tokens);
+void launch_prefill(const Fp8GemmParams& p, const CUtensorMap& bmap, bool tb, int grid, cudaStream_t stream, const char* what) {
+  tma_kernel<kGateUp>(p.prefill_fast)<<<grid, kPfThreads, Layout<kGateUp>::kSmemBytes, stream>>>(p, bmap, tb ? 1 : 0);
   cuda::check_launch(what);
 }
 
@@ -388,26 +350,76 @@ void fp8_prefill_tma_set_smem_limits() {
   }
 }
 
-// The token tile's map is built per launch (x and hq change between calls; a captured graph keeps
-// the parameter by value, like the pointers in p): x [row space, H] for ExpertMajor gate_up, hq [row
-// space, h_stride] for down (kTokensTile); the Flat gate_up's gather by cp.async, or with
-// p.prefill_gather_tma by 1-row boxes of x [x_rows, H] (kTokensRows). Rows past the map's rows land as
-// zeros; rows of the tile past its num_rows feed only output rows the epilogue never stores.
+// The token tile's map is built per launch (x, x_perm and hq change between calls; a captured graph
+// keeps the parameter by value, like the pointers in p): x [row space, H] for ExpertMajor gate_up,
+// x_perm [row space, H] (row stride x_perm_stride) for the Flat gate_up when permute_x_kernel copied
+// its rows there (Config::experts_fp8_prefill 29), hq [row space, h_stride] for down; otherwise the
+// Flat gate_up gathers by cp.async. Rows past the row space land as zeros; rows of the box past the
+// tile's num_rows feed only output rows the epilogue never stores.
 void launch_fp8_prefill_tma_gate_up(const Fp8GemmParams& p, int grid, cudaStream_t stream) {
   CUtensorMap bmap{};
-  const bool gather = p.gather != nullptr;
-  const int64_t rows = gather ? p.x_rows : p.row_space;
-  const bool tb = p.w_maps != nullptr && (!gather || p.prefill_gather_tma != 0) &&
-                  encode_fp8_map(bmap, p.x, static_cast<uint64_t>(p.hidden), static_cast<uint64_t>(rows), static_cast<uint64_t>(p.hidden),
-                                 gather ? 1u : static_cast<uint32_t>(kTmaBox));
-  launch_prefill<true>(p, bmap, !tb ? kTokensCpAsync : gather ? kTokensRows : kTokensTile, grid, stream, "fp8_prefill_tma_kernel (gate_up)");
+  const bool perm = p.gather != nullptr && p.x_perm != nullptr;
+  const bool tb = p.w_maps != nullptr && (p.gather == nullptr || perm) &&
+                  encode_fp8_map(bmap, perm ? p.x_perm : p.x, static_cast<uint64_t>(p.hidden), static_cast<uint64_t>(p.row_space),
+                                 static_cast<uint64_t>(perm ? p.x_perm_stride : p.hidden));
+  launch_prefill<true>(p, bmap, tb, grid, stream, "fp8_prefill_tma_kernel (gate_up)");
+}
+
+namespace {
+
+constexpr int kPermuteThreads = 512;  // 16 warps: a warp per token row
+constexpr int kPermuteUnroll = 14;    // 16-byte chunks per lane in flight (DeepSeek-V3's H 7168: 448 chunks = 14 x 32)
+
+/// The Flat gate_up's token rows in row-space order (Config::experts_fp8_prefill 29): for every tile of
+/// the prefill section ([*num_small, *num_tiles) of p.tiles) of an fp8_block expert, row r = row0 + j
+/// (j < num_rows) of x_perm (row stride x_perm_stride bytes) gets x row gather[r] (H FP8 bytes), so the
+/// TMA gate_up loads each tile's tokens as one box, as for ExpertMajor. A block per tile, a warp per
+/// row, 16-byte loads (read-only path) and stores; H % 16 == 0, x and x_perm 16-byte aligned (the launch
+/// checks). The scales stay where they are: the producer reads them through p.gather.
+__global__ void __launch_bounds__(kPermuteThreads) permute_x_kernel(Fp8GemmParams p) {
+  const int32_t tile0 = *p.num_small, tile1 = *p.num_tiles;
+  const int warp = static_cast<int>(threadIdx.x) >> 5, lane = static_cast<int>(threadIdx.x) & 31;
+  const int64_t chunks = p.hidden / 16;
+  for (int32_t t = tile0 + static_cast<int32_t>(blockIdx.x); t < tile1; t += static_cast<int32_t>(gridDim.x)) {
+    const Tile tile = p.tiles[t];
+    if (p.experts[tile.expert].format != static_cast<int32_t>(WeightFormat::fp8_block)) continue;  // not a prefill GEMM row
+    for (int j = warp; j < tile.num_rows; j += kPermuteThreads / 32) {
+      const int64_t r = tile.row0 + j;
+      const uint4* src = reinterpret_cast<const uint4*>(p.x + static_cast<int64_t>(p.gather[r]) * p.hidden);
+      uint4* dst = reinterpret_cast<uint4*>(p.x_perm + r * p.x_perm_stride);
+      for (int64_t c0 = 0; c0 < chunks; c0 += 32 * kPermuteUnroll) {
+        uint4 v[kPermuteUnroll];
+#pragma unroll
+        for (int u = 0; u < kPermuteUnroll; ++u) {
+          const int64_t c = c0 + u * 32 + lane;
+          if (c < chunks) v[u] = __ldg(src + c);
+        }
+#pragma unroll
+        for (int u = 0; u < kPermuteUnroll; ++u) {
+          const int64_t c = c0 + u * 32 + lane;
+          if (c < chunks) dst[c] = v[u];
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+
+void launch_fp8_prefill_permute_x(const Fp8GemmParams& p, int grid, cudaStream_t stream) {
+  if (p.hidden % 16 != 0 || reinterpret_cast<uintptr_t>(p.x) % 16 != 0 || reinterpret_cast<uintptr_t>(p.x_perm) % 16 != 0 ||
+      p.x_perm_stride % 16 != 0 || p.x_perm_stride < p.hidden)
+    throw InvalidArgument("launch_fp8_prefill_permute_x: x / x_perm must be 16-byte aligned with H % 16 == 0 and x_perm_stride >= H "
+                          "(H " + std::to_string(p.hidden) + ", x_perm_stride " + std::to_string(p.x_perm_stride) + ")");
+  permute_x_kernel<<<grid, kPermuteThreads, 0, stream>>>(p);
+  cuda::check_launch("permute_x_kernel");
 }
 
 void launch_fp8_prefill_tma_down(const Fp8GemmParams& p, int grid, cudaStream_t stream) {
   CUtensorMap bmap{};
   const bool tb = p.w_maps != nullptr && encode_fp8_map(bmap, p.hq, static_cast<uint64_t>(p.h_stride),
                                                         static_cast<uint64_t>(p.row_space), static_cast<uint64_t>(p.h_stride));
-  launch_prefill<false>(p, bmap, tb ? kTokensTile : kTokensCpAsync, grid, stream, "fp8_prefill_tma_kernel (down)");
+  launch_prefill<false>(p, bmap, tb, grid, stream, "fp8_prefill_tma_kernel (down)");
 }
 
 }  // namespace epx::experts_cuda

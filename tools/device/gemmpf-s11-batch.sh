@@ -1,29 +1,33 @@
 #!/usr/bin/env bash
 # tools/device/gemmpf-s11-batch.sh: the prefill grouped-GEMM helper's device batches of the eleventh session (issue 6,
-# FP8 prefill: the Flat gate_up's token rows gathered by TMA, Config::experts_fp8_prefill 28). Run from a copy of main
+# FP8 prefill: batch 1 the Flat gate_up's token rows gathered by 1-row TMA boxes, Config::experts_fp8_prefill 28, removed
+# after it; batch 2 the rows permuted into row-space order first, 29). Run from a copy of main
 # that carries .carry/deps.tar.xz and .carry-gemmpf/{src,prebuilt}.tar.xz:
 #   OUT=<dir> BUDGET=<s> timeout -k 5 <s> bash .carry-gemmpf/batch.sh
 # prebuilt.tar.xz: experts_cuda_test and epx-gemm-bench built from src.tar.xz on the dev machine (CUDA 13.0, sm_90a);
 # when they do not load here they are built with tools/device/gpu-check.sh instead.
-# STEPS (space-separated, in order; default "bits ab sass small racecheck memcheck"):
-#   bits      ExpertsCuda.Fp8PrefillTmaLoadsMatchCpAsyncLoadsBitForBit (17, 10, 23, 27, 28 and the default against
+# STEPS (space-separated, in order; default "bits ab small fp8"; batch 1 ran "bits ab sass small racecheck memcheck"
+# with MODES=28,27,17,10):
+#   bits      ExpertsCuda.Fp8PrefillTmaLoadsMatchCpAsyncLoadsBitForBit (17, 10, 23, 27, 29 and the default against
 #             mode 8, byte for byte, both layouts);
-#   ab        epx-gemm-bench --prefill-only --prefill-modes $MODES (default 28,27,17,10) beside the default (1) on both
+#   ab        epx-gemm-bench --prefill-only --prefill-modes $MODES (default 29,27,17) beside the default (1) on both
 #             layouts, with the cuBLASLt loop and the dense ceiling (ITERS, default 10; p50); a hang in bits drops
 #             $MODES; nvidia-smi samples the SM clock every 100 ms meanwhile (smi-ab.csv);
 #   sass      cuobjdump -sass of the TMA prefill kernels of the bench binary (the producer's per-row TMA issue);
-#   small     ExpertsCuda.Fp8PrefillSmallShapes natively (default and 28 against the CPU, H 1024);
+#   small     ExpertsCuda.Fp8PrefillSmallShapes natively (1, 27 and 29 against the CPU, H 1024);
 #   racecheck compute-sanitizer --tool racecheck of the same test;
 #   memcheck  compute-sanitizer --tool memcheck of the same test;
-#   fp8       ExpertsCuda.Fp8TensorCoreRowCountsOneTo8192 (against the CPU: the default, 17 and 28 among others);
+#   ncu       Nsight Compute --set full (--clock-control none) of one Flat gate_up and down launch of mode $NCU_MODE
+#             (default 29), with the per-instruction source page;
+#   fp8       ExpertsCuda.Fp8TensorCoreRowCountsOneTo8192 (against the CPU: the default, 17 and 29 among others);
 #   rest      the other experts GPU tests but the MXFP4 ones (ExpertsCuda.*).
 # Every step has its own timeout; budget BUDGET s (default 190). Writes $OUT/summary.txt first, small logs.
 source tools/device/batch-lib.sh
 batch_init /tmp/gemmpf-out 190
 export CUDA_VISIBLE_DEVICES=0
-STEPS="${STEPS:-bits ab sass small racecheck memcheck}"
+STEPS="${STEPS:-bits ab small fp8}"
 ITERS="${ITERS:-10}"
-MODES="${MODES:-28,27,17,10}"
+MODES="${MODES:-29,27,17}"
 : >"$OUT/summary.txt"
 say "gemmpf-s11-batch.sh: steps '$STEPS', modes '$MODES', iters $ITERS, budget $BUDGET s"
 HERE="$(pwd)"
@@ -85,9 +89,29 @@ for step in $STEPS; do
       batch_gtest "san-$step" $lim "$SAN" --tool $step ./experts_cuda_test --gtest_filter='ExpertsCuda.Fp8PrefillSmallShapes'
       grep -v "Host Frame" "$OUT/san-$step.log" | head -400 >"$OUT/san-$step.t" && mv "$OUT/san-$step.t" "$OUT/san-$step.log"
       grep -E "^\[ rel_l2 \]|ERROR SUMMARY|RACECHECK SUMMARY|Failure" "$OUT/san-$step.log" | tee -a "$OUT/summary.txt" ;;
+    ncu)  # Nsight Compute --set full on one Flat gate_up and down launch of mode $NCU_MODE (default 29)
+      b=$(cap 45)
+      NCU="$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)"
+      if [ "$b" -gt 20 ] && [ -n "$NCU" ]; then
+        EPX_EXPERTS_FP8_PREFILL=${NCU_MODE:-29} timeout -k 3 "$b" "$NCU" --clock-control none --set full --import-source no \
+          -k regex:fp8_prefill --launch-skip 2 --launch-count 2 -o "$OUT/ncu" -f \
+          "$B/epx-gemm-bench" --iters 1 --no-simt --no-cublas --prefill-only >"$OUT/ncu.out" 2>"$OUT/ncu.err"
+        say "ncu (mode ${NCU_MODE:-29}, Flat) rc=$? (limit $b s) at $((SECONDS - T0)) s"
+        if [ -f "$OUT/ncu.ncu-rep" ]; then
+          timeout 20 "$NCU" -i "$OUT/ncu.ncu-rep" --csv --page details >"$OUT/ncu-details.csv" 2>>"$OUT/ncu.err"
+          timeout 20 "$NCU" -i "$OUT/ncu.ncu-rep" --csv --page raw >"$OUT/ncu-raw.csv" 2>>"$OUT/ncu.err"
+          timeout 30 "$NCU" -i "$OUT/ncu.ncu-rep" --csv --page source --print-source sass >"$OUT/ncu-source.csv" 2>>"$OUT/ncu.err"
+          grep -E "\"(Duration|SM Frequency|Compute \(SM\) Throughput|L2 Cache Throughput|DRAM Throughput|Issue Slots Busy)\"" \
+            "$OUT/ncu-details.csv" | awk -F'","' '{print $5, "|", $13, $15}' | cut -c1-160 | tee -a "$OUT/summary.txt"
+          gzip -1 "$OUT"/ncu-*.csv
+          rm -f "$OUT/ncu.ncu-rep"
+        fi
+      else
+        say "ncu skipped (limit $b s, ncu '${NCU}')"
+      fi ;;
     fp8)
-      batch_gtest test-fp8 75 ./experts_cuda_test --gtest_filter='ExpertsCuda.Fp8TensorCoreRowCountsOneTo8192'
-      grep -E "Failure|8192 rows|mode 28" "$OUT/test-fp8.log" | tee -a "$OUT/summary.txt" ;;
+      batch_gtest test-fp8 85 ./experts_cuda_test --gtest_filter='ExpertsCuda.Fp8TensorCoreRowCountsOneTo8192'
+      grep -E "Failure|8192 rows|mode 29" "$OUT/test-fp8.log" | tee -a "$OUT/summary.txt" ;;
     rest)
       batch_gtest test-rest 45 ./experts_cuda_test \
         --gtest_filter='ExpertsCuda.*-ExpertsCuda.Fp8TensorCoreRowCountsOneTo8192:ExpertsCuda.Fp8PrefillTmaLoadsMatchCpAsyncLoadsBitForBit:ExpertsCuda.Mxfp4*'
