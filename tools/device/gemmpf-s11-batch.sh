@@ -13,6 +13,9 @@
 #   ab        epx-gemm-bench --prefill-only --prefill-modes $MODES (default 29,27,17) beside the default (1) on both
 #             layouts, with the cuBLASLt loop and the dense ceiling (ITERS, default 10; p50); a hang in bits drops
 #             $MODES; nvidia-smi samples the SM clock every 100 ms meanwhile (smi-ab.csv);
+#   ab2       the same with $MODES2 (default 1,29,1: the default measured before and after 29, against order effects);
+#   ncuperm   Nsight Compute (SpeedOfLight, MemoryWorkloadAnalysis) of permute_x_kernel, the TMA gate_up and down of one
+#             Flat apply with EPX_EXPERTS_FP8_PREFILL=29;
 #   sass      cuobjdump -sass of the TMA prefill kernels of the bench binary (the producer's per-row TMA issue);
 #   small     ExpertsCuda.Fp8PrefillSmallShapes natively (1, 27 and 29 against the CPU, H 1024);
 #   racecheck compute-sanitizer --tool racecheck of the same test;
@@ -28,6 +31,7 @@ export CUDA_VISIBLE_DEVICES=0
 STEPS="${STEPS:-bits ab small fp8}"
 ITERS="${ITERS:-10}"
 MODES="${MODES:-29,27,17}"
+MODES2="${MODES2:-1,29,1}"
 : >"$OUT/summary.txt"
 say "gemmpf-s11-batch.sh: steps '$STEPS', modes '$MODES', iters $ITERS, budget $BUDGET s"
 HERE="$(pwd)"
@@ -57,17 +61,32 @@ commit="$(cat "$HERE/.carry-gemmpf/commit.txt" 2>/dev/null || echo unknown)"
 SAN="$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null | head -1)"
 for step in $STEPS; do
   case $step in
-    ab)
+    ab|ab2)  # ab2: a second A/B with $MODES2 (another order), into gemm-bench2.*
       b=$(cap 70)
-      if [ "$b" -lt 15 ]; then say "ab skipped (no time)"; continue; fi
-      nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu --format=csv -lms 100 >"$OUT/smi-ab.csv" 2>&1 &
+      if [ "$b" -lt 15 ]; then say "$step skipped (no time)"; continue; fi
+      n=gemm-bench; m="$MODES"
+      [ $step = ab2 ] && n=gemm-bench2 && m="$MODES2"
+      nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu --format=csv -lms 100 >"$OUT/smi-$step.csv" 2>&1 &
       smi=$!
-      GEMM_BENCH_COMMIT="$commit" timeout -k 2 "$b" "$B/epx-gemm-bench" --json "$OUT/gemm-bench.json" --iters "$ITERS" --no-simt \
-        --prefill-only ${MODES:+--prefill-modes $MODES} >"$OUT/gemm-bench.log" 2>&1
-      say "gemm-bench rc=$? (limit $b s) at $((SECONDS - T0)) s"
+      GEMM_BENCH_COMMIT="$commit" timeout -k 2 "$b" "$B/epx-gemm-bench" --json "$OUT/$n.json" --iters "$ITERS" --no-simt \
+        --prefill-only ${m:+--prefill-modes $m} >"$OUT/$n.log" 2>&1
+      say "$n (modes '$m') rc=$? (limit $b s) at $((SECONDS - T0)) s"
       kill "$smi" 2>/dev/null
-      grep -E "^(prefill|ceiling)" "$OUT/gemm-bench.log" | tee -a "$OUT/summary.txt"
-      say "smi during ab: $(awk -F', ' 'NR > 1 && $2 + 0 > 0 {n++; c += $2} END {if (n) printf "%d samples, SM clock mean %.0f MHz", n, c / n}' "$OUT/smi-ab.csv")" ;;
+      grep -E "^(prefill|ceiling)" "$OUT/$n.log" | tee -a "$OUT/summary.txt"
+      say "smi during $step: $(awk -F', ' 'NR > 1 && $2 + 0 > 0 {n++; c += $2} END {if (n) printf "%d samples, SM clock mean %.0f MHz", n, c / n}' "$OUT/smi-$step.csv")" ;;
+    ncuperm)  # Nsight Compute (SpeedOfLight + memory sections) of one Flat apply of mode 29: permute_x_kernel, TMA gate_up, down
+      b=$(cap 45)
+      NCU="$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)"
+      if [ "$b" -gt 15 ] && [ -n "$NCU" ]; then
+        EPX_EXPERTS_FP8_PREFILL=29 timeout -k 3 "$b" "$NCU" --clock-control none --section SpeedOfLight --section MemoryWorkloadAnalysis \
+          -k regex:"permute_x|fp8_prefill_tma" --launch-skip 3 --launch-count 3 --csv --page details \
+          "$B/epx-gemm-bench" --iters 1 --no-simt --no-cublas --prefill-only >"$OUT/ncuperm.csv" 2>"$OUT/ncuperm.err"
+        say "ncuperm rc=$? (limit $b s) at $((SECONDS - T0)) s"
+        grep -E "\"(Duration|DRAM Throughput|Memory Throughput|SM Frequency|Compute \(SM\) Throughput)\"" "$OUT/ncuperm.csv" |
+          awk -F'","' '{print $5, "|", $13, $14, $15}' | cut -c1-170 | tee -a "$OUT/summary.txt"
+      else
+        say "ncuperm skipped (limit $b s, ncu '${NCU}')"
+      fi ;;
     sass)
       CUOBJ="$(command -v cuobjdump || ls /usr/local/cuda/bin/cuobjdump 2>/dev/null | head -1)"
       if [ -n "$CUOBJ" ] && [ "$(cap 20)" -gt 8 ]; then
