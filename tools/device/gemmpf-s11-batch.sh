@@ -6,8 +6,8 @@
 #   OUT=<dir> BUDGET=<s> timeout -k 5 <s> bash .carry-gemmpf/batch.sh
 # prebuilt.tar.xz: experts_cuda_test and epx-gemm-bench built from src.tar.xz on the dev machine (CUDA 13.0, sm_90a);
 # when they do not load here they are built with tools/device/gpu-check.sh instead.
-# STEPS (space-separated, in order; default "bits ab small fp8"; batch 1 ran "bits ab sass small racecheck memcheck"
-# with MODES=28,27,17,10):
+# STEPS (space-separated, in order; default "bits ab small fp8", batch 2's; batch 1 ran "bits ab sass small racecheck
+# memcheck" with MODES=28,27,17,10; batch 3 "ab ab2 ncuperm" with MODES=29,17 on batch 2's binaries):
 #   bits      ExpertsCuda.Fp8PrefillTmaLoadsMatchCpAsyncLoadsBitForBit (17, 10, 23, 27, 29 and the default against
 #             mode 8, byte for byte, both layouts);
 #   ab        epx-gemm-bench --prefill-only --prefill-modes $MODES (default 29,27,17) beside the default (1) on both
