@@ -353,9 +353,9 @@ TEST(ExpertsCuda, Fp8TensorCoreRowCountsOneTo8192) {
   // The same cases through the paired-K-block mainloop variant (EPX_EXPERTS_FP8_PAIRS=1), with
   // the prefill kernels off (EPX_EXPERTS_FP8_PREFILL=0: every tile on the 64-row kernels), with
   // the cp.async loads and tokens from shared memory (=8)
-  // the TMA variant of the prefill kernels (=10), 17 (the default's kernel for the Flat gate_up; the
-  // default runs the other GEMMs on the TMA kernels with the lean consumer) and 29 (the Flat gate_up's
-  // token rows permuted into row-space order first; partial tiles and experts without tokens among the cases);
+  // the TMA variant of the prefill kernels (=10), 17 (the default's kernel for the Flat gate_up until the
+  // eleventh session) and 29 (the default's kernels: the Flat gate_up's token rows permuted into row-space
+  // order first; partial tiles and experts without tokens among the cases);
   // Fp8PrefillTmaLoadsMatchCpAsyncLoadsBitForBit checks 17, 10, 23, 27 and the default are bit-identical to =8.
   // These take the prefill section for any expert with > 64 rows (EPX_EXPERTS_FP8_PREFILL_MIN_TILES
   // = 1); "gated" is the default, which takes it only when the big tiles fill one wave (here only
@@ -421,7 +421,7 @@ TEST(ExpertsCuda, Fp8PrefillTmaLoadsMatchCpAsyncLoadsBitForBit) {
   // same bytes too, and so must =23 (10 with the lean consumer: the same products and promotions from
   // pinned per-thread offsets), =27 (23 loading the next K block's operands under the last promotion),
   // =29 (27 with the Flat gate_up's token rows copied into row-space order first and loaded as one TMA box
-  // per tile) and the default (=1: 27's TMA kernels, the Flat gate_up on 17's cp.async kernel).
+  // per tile) and the default (=1: 29's kernels since the eleventh session).
   std::vector<std::shared_ptr<const ExpertWeights>> experts = same_format(WeightFormat::fp8_block, 3, 7168, 2048, 540);
   experts.push_back(ExpertWeights::random(WeightFormat::fp8_block, 7168, 3072, 544));
   const int64_t L = 4, H = 7168, cap = 300;
@@ -483,7 +483,7 @@ TEST(ExpertsCuda, Fp8PrefillTmaLoadsMatchCpAsyncLoadsBitForBit) {
                        : g == tma_lean.get() ? "tma lean (23)"
                        : g == tma_lean_pf.get() ? "tma lean, prefetch (27)"
                        : g == tma_perm.get()  ? "tma lean, prefetch, Flat rows permuted (29)"
-                                                : "default (1: 27's TMA kernels, the Flat gate_up on 17's)";
+                                                : "default (1: 29's kernels)";
     Tensor o = Tensor::empty({L, cap, H}, DType::bf16, kDev), f = Tensor::empty({N, H}, DType::bf16, kDev);
     poison_dev(o);
     poison_dev(f);
@@ -507,7 +507,7 @@ TEST(ExpertsCuda, Fp8PrefillSmallShapes) {
   // both layouts; partial tiles (129, 70 rows; Flat ~90 per expert), an expert without tokens, 8 K blocks per
   // gate_up item against its 4 stages (the ring wraps inside an item) and the lean consumer's end-of-item reload
   // of a released stage (lean_item_prefetch) after every item. The
-  // default (=1: gate_up on the TMA kernels for ExpertMajor, on 17's cp.async kernel for Flat; down on TMA),
+  // default (=1: 29's kernels since the eleventh session),
   // =27 (the Flat gate_up's cp.async gather on the TMA kernel, no proxy fence since the eleventh session) and
   // =29 (the Flat gate_up's token rows permuted into row-space order first, one TMA box per tile).
   const auto experts = same_format(WeightFormat::fp8_block, 3, 1024, 256, 560);
