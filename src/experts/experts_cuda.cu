@@ -45,7 +45,7 @@ constexpr int64_t kMaxTileSlots = 1024;
 /// registers: 3 % slower), ninth; tenth: 22 (the lean consumer beside a 40-register cp.async producer: the
 /// consumers starved, 7 % slower), 24 / 25 (a SASS experiment: no reuse / yield bits on the promotion FFMAs,
 /// level); 26 (22 with 27's prefetch) went unmeasured with 22; eleventh: 28 (the Flat gate_up's token rows
-/// gathered by TMA, a 1-row box per row and K block: 16 % slower on Flat than the default).
+/// gathered by TMA, a 1-row box per row and K block: 19 % more time on Flat than the default).
 
 using GemmKernel = void (*)(GemmParams);
 

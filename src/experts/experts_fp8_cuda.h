@@ -49,7 +49,7 @@ struct Fp8GemmParams {
   /// Rows of the row space (ExpertMajor L * cap, Flat N * K): the outer extent of the TMA prefill
   /// kernels' descriptors of x (ExpertMajor gate_up) and hq (down).
   int64_t row_space;
-  /// TMA prefill kernels, Flat gate_up (gather non-null), Config::experts_fp8_prefill 29: the token rows of
+  /// TMA prefill kernels, Flat gate_up (gather non-null), Config::experts_fp8_prefill 1 and 29: the token rows of
   /// the prefill tiles in row-space order ([row space, H] FP8, row stride x_perm_stride bytes, written by
   /// launch_fp8_prefill_permute_x before the gate_up), loaded one TMA box per tile as ExpertMajor's x; null:
   /// the gather by cp.async. Same bits either way.
