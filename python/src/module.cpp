@@ -120,7 +120,7 @@ Attributes (JSON key, environment variable):
   ll_warps_per_block (multiple of 4 in [4, 32]), ll_num_blocks (0 = one per SM): ll on CUDA launch shape.
   ht_num_sms (1..132), ht_warps_per_block, ht_combine_mode (0 | 1), ht_chunk_rows (1..4096), ht_fp8_unroll
       (0 | 4 | 7), ht_pdl (0..2): ht on CUDA.
-  experts_simt, experts_fp8_pairs, experts_fp8_prefill (0, 1, 8, 10, 17, 23, 27), experts_fp8_prefill_stages (0 or 2..4),
+  experts_simt, experts_fp8_pairs, experts_fp8_prefill (0, 1, 8, 10, 17, 23, 27, 29), experts_fp8_prefill_stages (0 or 2..4),
       experts_fp8_prefill_min_tiles (0 = one wave, >= 1), experts_mxfp4_tc (0..6): CUDA experts' kernel choice.
   moe_chunk_size (tokens, 0 = unchunked), fhmoe_max_tokens (fuse the shared expert when M <= this).)doc");
   cls.def(pyb::init<>(), "Defaults only (no file, no environment).")

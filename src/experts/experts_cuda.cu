@@ -38,12 +38,14 @@ constexpr int64_t kMaxTileSlots = 1024;
 /// measured fastest (sixth session: 8, 3296 us at DeepSeek-V3 shapes, 256 rows/expert; seventh: 17, 2 % / 5 %
 /// less time than 8 on ExpertMajor / Flat, same bytes; eighth: 17 with the epilogues' hardware e4m3 / bf16
 /// conversions; tenth: the TMA loads with the lean consumer (27's kernels) where the token rows are contiguous,
-/// 17's cp.async kernel for the Flat gate_up's gather; the constructor below). Removed after measurement:
+/// 17's cp.async kernel for the Flat gate_up's gather; eleventh: 29's, the Flat gate_up's token rows permuted
+/// into row-space order first and loaded by TMA as ExpertMajor's; the constructor below). Removed after measurement:
 /// 2-7 and 9 (weights in A, turn orders) and 12-15 (a pipelined m64n64 consumer), seventh session; 11 (TMA
 /// as 2-CTA clusters), eighth; 16, 18, 19 (level with 17) and 20, 21 (pipelined m64n64 batches on A in
 /// registers: 3 % slower), ninth; tenth: 22 (the lean consumer beside a 40-register cp.async producer: the
 /// consumers starved, 7 % slower), 24 / 25 (a SASS experiment: no reuse / yield bits on the promotion FFMAs,
-/// level); 26 (22 with 27's prefetch) went unmeasured with 22.
+/// level); 26 (22 with 27's prefetch) went unmeasured with 22; eleventh: 28 (the Flat gate_up's token rows
+/// gathered by TMA, a 1-row box per row and K block: 19 % more time on Flat than the default).
 
 using GemmKernel = void (*)(GemmParams);
 
@@ -175,19 +177,21 @@ class CudaExperts final : public Experts {
     fp8_prefill_stages_ = config.experts_fp8_prefill_stages;
     fp8_prefill_min_tiles_ = config.experts_fp8_prefill_min_tiles;
     // Config::experts_fp8_prefill (bench/NOTES.md has the measurements; same results every way):
-    // 1 (the default) = per GEMM the kernels measured fastest (tenth session): the TMA loads with the
-    // lean consumer that loads the next K block's operands under the last promotion (27's kernels)
-    // wherever the token rows are contiguous (ExpertMajor gate_up, every down GEMM), and 17's cp.async
-    // kernel for the Flat gate_up's row gather (the TMA kernels gather with cp.async there: 8-10 %
-    // slower); 8 = cp.async loads, tokens from shared memory; 17 = 8 with early scales / release,
+    // 1 (the default) = 29's kernels since the eleventh session (until then the Flat gate_up ran on
+    // 17's cp.async kernel): the TMA loads with the lean consumer that loads the next K block's operands
+    // under the last promotion (27's kernels) for every GEMM, the Flat gate_up's token rows permuted into
+    // row-space order first; 8 = cp.async loads, tokens from shared memory; 17 = 8 with early scales / release,
     // bulk-copy stores and wgmma's A in registers (Fp8GemmParams::prefill_fast 2); 10 = 17 with TMA
     // loads; 23 = 10 with the lean consumer (kblock_lean, 3); 27 = 23 loading the next K block early
-    // (lean_item_prefetch, 5). A map the driver cannot encode leaves every GEMM on the cp.async kernels.
+    // (lean_item_prefetch, 5); 29 = 27 with the Flat gate_up's token rows copied into row-space order
+    // first (launch_fp8_prefill_permute_x into the pair_out rows, free until the down GEMMs write them),
+    // so its gate_up loads one TMA box per tile as ExpertMajor's (Fp8GemmParams::x_perm; eleventh
+    // session). A map the driver cannot encode leaves every GEMM on the cp.async kernels.
     const int pf_mode = config.experts_fp8_prefill;
-    fp8_prefill_auto_ = pf_mode == 1;
     fp8_prefill_fast_ = pf_mode == 8 ? 0 : 2;  // the cp.async kernels' Fp8GemmParams::prefill_fast
     fp8_prefill_tma_fast_ = pf_mode == 10 ? 0 : pf_mode == 23 ? 3 : 5;  // the TMA kernels'
-    const bool pf_tma = pf_mode == 1 || pf_mode == 10 || pf_mode == 23 || pf_mode == 27;
+    fp8_prefill_permute_ = pf_mode == 1 || pf_mode == 29;
+    const bool pf_tma = pf_mode == 1 || pf_mode == 10 || pf_mode == 23 || pf_mode == 27 || pf_mode == 29;
     // Objects with mxfp4 experts, all of them fp8_block or mxfp4 with I % 128 == 0 and H % 128 == 0,
     // fed FP8 x, run every expert on the mixed sm_90a kernels (experts_mxfp4_cuda.cu): one grouped
     // launch per GEMM for both formats (FHMoE: FP8 shared + MXFP4 routed). Config::experts_mxfp4_tc
@@ -229,7 +233,7 @@ class CudaExperts final : public Experts {
     descs_ = Tensor::empty({num_local * static_cast<int64_t>(sizeof(ExpertDesc))}, DType::uint8, dev);
     EPX_CUDA_CHECK(cudaMemcpy(descs_.data(), descs.data(), descs.size() * sizeof(ExpertDesc), cudaMemcpyHostToDevice));
     // The prefill kernels load the weight tiles with TMA from per-expert descriptors built here
-    // (modes 1, 10, 23, 27); the other modes, or a map the driver cannot encode, keep cp.async.
+    // (modes 1, 10, 23, 27, 29); the other modes, or a map the driver cannot encode, keep cp.async.
     if (fp8_tensor_cores_ && pf_tma) {
       std::vector<experts_cuda::Fp8TmaMap> maps(2 * descs.size());
       bool ok = true;
@@ -515,12 +519,19 @@ class CudaExperts final : public Experts {
       fp.max_weight_tiles = static_cast<int32_t>(fp8_inter_max_ / kFp8GroupSize);
       const int up_grid = static_cast<int>(std::clamp<int64_t>(max_tiles * fp.max_weight_tiles, 1, num_sms_));
       experts_cuda::launch_fp8_gate_up(fp, up_grid, stream);
-      // The prefill section: TMA kernels where there are weight maps, except the default's Flat gate_up
-      // (a row gather: the cp.async kernel, Config::experts_fp8_prefill above).
+      // The prefill section: TMA kernels where there are weight maps. The default (and 29) first copies
+      // the Flat gate_up's token rows into row-space order, into the first H bytes of each row's pair_out
+      // row (out_rows: [N * K, H] bf16, written only by the down GEMMs after this gate_up, stream-ordered).
       const bool tma = fp.w_maps != nullptr;
-      if (big && tma && !(fp8_prefill_auto_ && fp.gather != nullptr)) {
+      if (big && tma) {
         fp.prefill_fast = fp8_prefill_tma_fast_;
+        if (fp8_prefill_permute_ && fp.gather != nullptr) {
+          fp.x_perm = reinterpret_cast<uint8_t*>(out_rows);
+          fp.x_perm_stride = 2 * h;
+          experts_cuda::launch_fp8_prefill_permute_x(fp, static_cast<int>(std::clamp<int64_t>(max_tiles, 1, 65535)), stream);
+        }
         experts_cuda::launch_fp8_prefill_tma_gate_up(fp, up_grid, stream);
+        fp.x_perm = nullptr;
       } else if (big) {
         experts_cuda::launch_fp8_prefill_gate_up(fp, up_grid, stream);
       }
@@ -570,7 +581,7 @@ class CudaExperts final : public Experts {
   int fp8_prefill_min_tiles_ = 1; // big tiles the prefill section needs to run (EPX_EXPERTS_FP8_PREFILL_MIN_TILES; 0 -> one wave)
   int fp8_prefill_fast_ = 2;      // the cp.async prefill kernels' variant (Fp8GemmParams::prefill_fast: 2 = mode 17, 0 = 8)
   int fp8_prefill_tma_fast_ = 5;  // the TMA prefill kernels' (5 = 27's, 3 = 23's, 0 = 10's)
-  bool fp8_prefill_auto_ = true;  // the default (Config::experts_fp8_prefill 1): Flat gate_up on the cp.async kernel
+  bool fp8_prefill_permute_ = true;  // the Flat gate_up's token rows copied into row-space order first (1, 29)
   int64_t mx_inter_max_ = 0;      // widest mxfp4 expert
   bool mx_tensor_cores_ = false;  // fp8_block + mxfp4 experts with FP8 x run on the mixed sm_90a GEMMs
   bool mx_wide_ = false;          // their 512-thread variant (EPX_EXPERTS_MXFP4_TC=2)

@@ -353,8 +353,9 @@ TEST(ExpertsCuda, Fp8TensorCoreRowCountsOneTo8192) {
   // The same cases through the paired-K-block mainloop variant (EPX_EXPERTS_FP8_PAIRS=1), with
   // the prefill kernels off (EPX_EXPERTS_FP8_PREFILL=0: every tile on the 64-row kernels), with
   // the cp.async loads and tokens from shared memory (=8)
-  // the TMA variant of the prefill kernels (=10) and 17 (the default's kernel for the Flat gate_up; the
-  // default runs the other GEMMs on the TMA kernels with the lean consumer);
+  // the TMA variant of the prefill kernels (=10), 17 (the default's kernel for the Flat gate_up until the
+  // eleventh session) and 29 (the default's kernels: the Flat gate_up's token rows permuted into row-space
+  // order first; partial tiles and experts without tokens among the cases);
   // Fp8PrefillTmaLoadsMatchCpAsyncLoadsBitForBit checks 17, 10, 23, 27 and the default are bit-identical to =8.
   // These take the prefill section for any expert with > 64 rows (EPX_EXPERTS_FP8_PREFILL_MIN_TILES
   // = 1); "gated" is the default, which takes it only when the big tiles fill one wave (here only
@@ -362,7 +363,7 @@ TEST(ExpertsCuda, Fp8TensorCoreRowCountsOneTo8192) {
   const auto experts = same_format(WeightFormat::fp8_block, 3, 7168, 2048, 500);
   auto cpu = make_experts_cpu(experts);
   auto gpu_gated = make_experts_cuda(experts, 0);
-  std::unique_ptr<Experts> gpu, gpu_pairs, gpu_small, gpu_tma, gpu_smem_a, gpu_17;
+  std::unique_ptr<Experts> gpu, gpu_pairs, gpu_small, gpu_tma, gpu_smem_a, gpu_17, gpu_29;
   {
     const test::ScopedEnv min_tiles("EPX_EXPERTS_FP8_PREFILL_MIN_TILES", "1");
     gpu = make_experts_cuda(experts, 0);
@@ -378,12 +379,15 @@ TEST(ExpertsCuda, Fp8TensorCoreRowCountsOneTo8192) {
     gpu_smem_a = make_experts_cuda(experts, 0);
     mode.set("17");
     gpu_17 = make_experts_cuda(experts, 0);
+    mode.set("29");
+    gpu_29 = make_experts_cuda(experts, 0);
   }
   const double tol = kMaxRelL2Fp8TensorCores;
   const std::vector<std::vector<int32_t>> cases = {{0, 1, 0}, {7, 0, 0}, {16, 17, 95}, {64, 65, 129}, {0, 1000, 0}};
-  for (auto* g : {gpu.get(), gpu_17.get(), gpu_smem_a.get(), gpu_pairs.get(), gpu_small.get(), gpu_tma.get(), gpu_gated.get()}) {
+  for (auto* g : {gpu.get(), gpu_17.get(), gpu_29.get(), gpu_smem_a.get(), gpu_pairs.get(), gpu_small.get(), gpu_tma.get(), gpu_gated.get()}) {
     const char* variant = g == gpu.get()           ? ""
                           : g == gpu_17.get()      ? " (prefill mode 17: cp.async loads)"
+                          : g == gpu_29.get()      ? " (prefill mode 29: Flat rows permuted)"
                           : g == gpu_smem_a.get()  ? " (prefill mode 8: A from shared memory)"
                           : g == gpu_gated.get()   ? " (prefill gated: one wave)"
                           : g == gpu_pairs.get()   ? " (pairs)"
@@ -415,12 +419,13 @@ TEST(ExpertsCuda, Fp8PrefillTmaLoadsMatchCpAsyncLoadsBitForBit) {
   // widths beside a V4-Pro-width expert (I 3072: h_stride > I). =17 (early scale reads and stage
   // release, bulk-copy epilogue stores, wgmma's A from registers, loaded by ldmatrix) must give the
   // same bytes too, and so must =23 (10 with the lean consumer: the same products and promotions from
-  // pinned per-thread offsets), =27 (23 loading the next K block's operands under the last promotion)
-  // and the default (=1: 27's TMA kernels, the Flat gate_up on 17's cp.async kernel).
+  // pinned per-thread offsets), =27 (23 loading the next K block's operands under the last promotion),
+  // =29 (27 with the Flat gate_up's token rows copied into row-space order first and loaded as one TMA box
+  // per tile) and the default (=1: 29's kernels since the eleventh session).
   std::vector<std::shared_ptr<const ExpertWeights>> experts = same_format(WeightFormat::fp8_block, 3, 7168, 2048, 540);
   experts.push_back(ExpertWeights::random(WeightFormat::fp8_block, 7168, 3072, 544));
   const int64_t L = 4, H = 7168, cap = 300;
-  std::unique_ptr<Experts> cpa, rs, tma, tma_lean, tma_lean_pf, dflt;
+  std::unique_ptr<Experts> cpa, rs, tma, tma_lean, tma_lean_pf, tma_perm, dflt;
   {
     const test::ScopedEnv min_tiles("EPX_EXPERTS_FP8_PREFILL_MIN_TILES", "1");  // the prefill section for these few big tiles
     const test::ScopedEnv mode("EPX_EXPERTS_FP8_PREFILL", "8");
@@ -433,6 +438,8 @@ TEST(ExpertsCuda, Fp8PrefillTmaLoadsMatchCpAsyncLoadsBitForBit) {
     tma_lean = make_experts_cuda(experts, 0);
     mode.set("27");
     tma_lean_pf = make_experts_cuda(experts, 0);
+    mode.set("29");
+    tma_perm = make_experts_cuda(experts, 0);
     mode.set("1");
     dflt = make_experts_cuda(experts, 0);
   }
@@ -470,12 +477,13 @@ TEST(ExpertsCuda, Fp8PrefillTmaLoadsMatchCpAsyncLoadsBitForBit) {
   poison_dev(fl_ref);
   cpa->apply(em, em_ref);
   cpa->apply(fl, fl_ref);
-  for (auto* g : {rs.get(), tma.get(), tma_lean.get(), tma_lean_pf.get(), dflt.get()}) {
+  for (auto* g : {rs.get(), tma.get(), tma_lean.get(), tma_lean_pf.get(), tma_perm.get(), dflt.get()}) {
     const char* name = g == rs.get()         ? "fast-rs (17)"
                        : g == tma.get()      ? "tma (10)"
                        : g == tma_lean.get() ? "tma lean (23)"
                        : g == tma_lean_pf.get() ? "tma lean, prefetch (27)"
-                                                : "default (1: 27's TMA kernels, the Flat gate_up on 17's)";
+                       : g == tma_perm.get()  ? "tma lean, prefetch, Flat rows permuted (29)"
+                                                : "default (1: 29's kernels)";
     Tensor o = Tensor::empty({L, cap, H}, DType::bf16, kDev), f = Tensor::empty({N, H}, DType::bf16, kDev);
     poison_dev(o);
     poison_dev(f);
@@ -489,6 +497,32 @@ TEST(ExpertsCuda, Fp8PrefillTmaLoadsMatchCpAsyncLoadsBitForBit) {
     std::printf("[ bits ] %s vs cp.async loads, flat: %s\n", name, fl_same ? "identical" : "DIFFER");
     std::fflush(stdout);
     EXPECT_TRUE(fl_same) << name << " flat output differs from the cp.async loads'";
+  }
+}
+
+TEST(ExpertsCuda, Fp8PrefillSmallShapes) {
+  if (gpus() < 1) GTEST_SKIP() << "needs 1 GPU, found " << gpus();
+  // The prefill kernels (128-row tiles) on a small shape, for the sanitizers (compute-sanitizer racecheck /
+  // memcheck runs this filter; natively well under a second): H 1024, I 256, three experts, against the CPU on
+  // both layouts; partial tiles (129, 70 rows; Flat ~90 per expert), an expert without tokens, 8 K blocks per
+  // gate_up item against its 4 stages (the ring wraps inside an item) and the lean consumer's end-of-item reload
+  // of a released stage (lean_item_prefetch) after every item. The
+  // default (=1: 29's kernels since the eleventh session),
+  // =27 (the Flat gate_up's cp.async gather on the TMA kernel, no proxy fence since the eleventh session) and
+  // =29 (the Flat gate_up's token rows permuted into row-space order first, one TMA box per tile).
+  const auto experts = same_format(WeightFormat::fp8_block, 3, 1024, 256, 560);
+  auto cpu = make_experts_cpu(experts);
+  const double tol = kMaxRelL2Fp8TensorCores;
+  for (const char* mode : {"1", "27", "29"}) {
+    std::unique_ptr<Experts> gpu;
+    {
+      const test::ScopedEnv min_tiles("EPX_EXPERTS_FP8_PREFILL_MIN_TILES", "1");  // the prefill section for these few tiles
+      const test::ScopedEnv m("EPX_EXPERTS_FP8_PREFILL", mode);
+      gpu = make_experts_cuda(experts, 0);
+    }
+    const EmResult em = run_expert_major(*cpu, *gpu, {129, 0, 70}, 130, DType::fp8_e4m3, 561, tol);
+    const double fl = run_flat(*cpu, *gpu, 160, 2, DType::fp8_e4m3, 562, {.masked = 0.1, .duplicates = false, .tol = tol});
+    std::printf("[ rel_l2 ] fp8 prefill mode %s small shapes: expert_major %.2e flat %.2e\n", mode, em.max_rel_l2, fl);
   }
 }
 

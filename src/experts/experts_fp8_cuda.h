@@ -49,6 +49,12 @@ struct Fp8GemmParams {
   /// Rows of the row space (ExpertMajor L * cap, Flat N * K): the outer extent of the TMA prefill
   /// kernels' descriptors of x (ExpertMajor gate_up) and hq (down).
   int64_t row_space;
+  /// TMA prefill kernels, Flat gate_up (gather non-null), Config::experts_fp8_prefill 1 and 29: the token rows of
+  /// the prefill tiles in row-space order ([row space, H] FP8, row stride x_perm_stride bytes, written by
+  /// launch_fp8_prefill_permute_x before the gate_up), loaded one TMA box per tile as ExpertMajor's x; null:
+  /// the gather by cp.async. Same bits either way.
+  uint8_t* x_perm;
+  int64_t x_perm_stride;
   /// cp.async prefill kernels: 2 = kblock<true, true> (scales read before the wgmmas, the stage
   /// released before the last promotion, wgmma's A (the tokens) in registers) and bulk-copy epilogue
   /// stores (Config::experts_fp8_prefill 17); same bits as 0 (mode 8). (1 = 16, 3 = 19, prefill_xs_vec
@@ -143,6 +149,11 @@ void fp8_prefill_set_smem_limits();
 /// 10): same arguments and results; needs p.w_maps (fp8_prefill_weight_maps) and p.row_space.
 /// Shared bytes and the one-time limit raise as above.
 void launch_fp8_prefill_tma_gate_up(const Fp8GemmParams& p, int grid, cudaStream_t stream);
+/// Copies x row p.gather[r] to row r of p.x_perm for every row r of the prefill section's tiles of
+/// fp8_block experts (Fp8GemmParams::x_perm; before launch_fp8_prefill_tma_gate_up of the Flat layout).
+/// Throws InvalidArgument unless x, x_perm and x_perm_stride are 16-byte aligned, H % 16 == 0 and
+/// x_perm_stride >= H.
+void launch_fp8_prefill_permute_x(const Fp8GemmParams& p, int grid, cudaStream_t stream);
 void launch_fp8_prefill_tma_down(const Fp8GemmParams& p, int grid, cudaStream_t stream);
 int fp8_prefill_tma_smem_bytes();
 void fp8_prefill_tma_set_smem_limits();

@@ -4,7 +4,9 @@
 // whose token rows are contiguous (ExpertMajor gate_up, every down), with the lean consumer that loads
 // the next K block's operands under the last promotion (lean_item_prefetch; producer 40 / consumers 232
 // registers), bench/NOTES.md tenth session; opt-in: mode 17's consumer (Config::experts_fp8_prefill 10),
-// the lean consumer without the prefetch (23), with it (27). (With the mode-8 consumer, sixth session:
+// the lean consumer without the prefetch (23), with it (27), 27 with the Flat gate_up's token rows
+// permuted into row-space order first (29, eleventh session: permute_x_kernel below). (With the mode-8
+// consumer, sixth session:
 // 4 % faster than the cp.async kernels on ExpertMajor and 9 % slower on Flat.) Its 2-CTA cluster launch
 // multicasting the weight tile (11) was slower in every run, with the mode-17 consumer too (eighth
 // session: 4618 / 5037 us against 17's 3464 / 3519), and was removed.
@@ -17,9 +19,11 @@
 //     (ExpertMajor gate_up; down's hq), the 128 x 128-byte token tile from a per-launch map of x /
 //     hq, all completing on the stage's `full` mbarrier (expect_tx); the 128 threads still
 //     cp.async the token scales (strided: [rows, K/128]) and the Flat gate_up token rows (a
-//     gather: 8 lanes per 128-byte row) and arrive with cp.async.mbarrier.arrive, so `full`
-//     completes when the TMA bytes and all 128 threads' copies landed. Without the weight maps
-//     (the driver could not encode them) every operand goes through 16-byte cp.async;
+//     gather: 8 lanes per 128-byte row; with Fp8GemmParams::x_perm, mode 29, the rows permuted into
+//     row-space order beforehand come as one TMA box like ExpertMajor's) and arrive with
+//     cp.async.mbarrier.arrive, so `full` completes when the TMA bytes and all 128 threads' copies
+//     landed. Without the weight maps (the driver could not encode them) every operand goes through
+//     16-byte cp.async;
 //   warpgroups 1, 2 (consumers, 216 registers): experts_fp8_prefill.cuh's kblock and epilogue (tokens
 //     in wgmma's A), the consumer of mode 17 of experts_fp8_prefill_cuda.cu (until the eighth session
 //     that of mode 8; same bits); the producer runs up to kStages blocks
@@ -32,9 +36,11 @@
 
 #include <algorithm>
 #include <cstring>
+#include <string>
 
 #include "cuda/check.h"
 #include "epx/dtype.h"
+#include "epx/error.h"
 #include "epx/experts.h"
 #include "experts/experts_fp8_cuda.h"
 #include "experts/experts_fp8_prefill.cuh"
@@ -86,6 +92,9 @@ __device__ __forceinline__ Work work_at(const Fp8GemmParams& p, int32_t tile0, i
 /// consecutive lanes read one row's 128 contiguous bytes (a thread per row would split every
 /// 32-byte sector between two instructions: twice the L2 -> SM traffic, measured slower than the
 /// 64-row kernels).
+/// tma_b: the token tile by one TMA box of `bmap` at the tile's first row (contiguous rows: ExpertMajor
+/// gate_up, down's hq, the Flat gate_up's x_perm), else the gather / copy by cp.async; the token scales
+/// come by cp.async either way (through p.gather for the Flat gate_up).
 template <bool kGateUp>
 __device__ __forceinline__ void producer(const Fp8GemmParams& p, const CUtensorMap* bmap, bool tma_b, int32_t tile0, int64_t num_steps,
                                          uint32_t stages, uint8_t* smem, uint32_t smem_s) {
@@ -172,8 +181,12 @@ __device__ __forceinline__ void producer(const Fp8GemmParams& p, const CUtensorM
 /// The consumer warpgroups (experts_fp8_prefill.cuh: kblock, epilogue), as mode 17 of
 /// experts_fp8_prefill_cuda.cu since the eighth session: the scales read before the wgmmas, the
 /// stage released before the last promotion, wgmma's A (tokens) in registers, bulk-copy row stores.
+/// weights_tma: the weight tiles came by TMA (async proxy), the only operand wgmma reads from shared
+/// memory: no proxy fence then, however the token tile came (every consumer here reads it with
+/// ldmatrix, a generic-proxy read like cp.async's writes; until the eleventh session the fence also
+/// ran for the Flat gate_up's cp.async gather). Without the weight maps (cp.async weights): the fence.
 template <bool kGateUp, bool kLean, bool kPrefetch>
-__device__ __forceinline__ void consumer(const Fp8GemmParams& p, bool all_tma, int32_t tile0, int64_t num_steps, uint32_t stages,
+__device__ __forceinline__ void consumer(const Fp8GemmParams& p, bool weights_tma, int32_t tile0, int64_t num_steps, uint32_t stages,
                                          uint8_t* smem, uint32_t smem_s) {
   using L = Layout<kGateUp>;
   const Who w;
@@ -195,15 +208,15 @@ __device__ __forceinline__ void consumer(const Fp8GemmParams& p, bool all_tma, i
       for (int i = 0; i < kFrag; ++i) acc[sub][i] = 0.0f;
     if constexpr (kPrefetch) {  // mode 27: the next K block's operands loaded under the second promotion
       lean_item_prefetch(lo, wk.nk, pos, stages, smem_s, smem_s + L::kScaleOff, full0, empty0, smem_s + L::kDoneOff, lane, acc, tmp, [&] {
-        if (!all_tma) fence_proxy_async();
+        if (!weights_tma) fence_proxy_async();
       });
     } else {
       for (int64_t kb = 0; kb < wk.nk; ++kb) {
         const uint32_t s = pos.stage;
         mbar_wait(full0 + s * 8, pos.phase);
-        // cp.async wrote operands through the generic proxy; wgmma reads through the async one (TMA
-        // writes through the async proxy: no fence when both operands came by TMA)
-        if (!all_tma) fence_proxy_async();
+        // cp.async wrote the weights through the generic proxy; wgmma reads them through the async one (TMA
+        // writes through the async proxy: no fence when the weights came by TMA; the tokens go by ldmatrix)
+        if (!weights_tma) fence_proxy_async();
         const uint32_t a_s = smem_s + s * kStageBytes;
         auto release = [&] {  // 8 consumer warps release the stage
           __syncwarp();
@@ -253,7 +266,7 @@ __global__ void __launch_bounds__(kPfThreads, 1) fp8_prefill_tma_kernel(Fp8GemmP
   } else {
     if constexpr (kLean) setmaxnreg_inc<232>();
     else setmaxnreg_inc<216>();
-    consumer<kGateUp, kLean, kPrefetch>(p, p.w_maps != nullptr && tma_b != 0, tile0, num_steps, stages, smem, smem_s);
+    consumer<kGateUp, kLean, kPrefetch>(p, p.w_maps != nullptr, tile0, num_steps, stages, smem, smem_s);
   }
 }
 
@@ -365,16 +378,69 @@ void fp8_prefill_tma_set_smem_limits() {
   }
 }
 
-// The token tile's map is built per launch (x and hq change between calls; a captured graph keeps
-// the parameter by value, like the pointers in p): x [row space, H] for ExpertMajor gate_up (Flat
-// gathers: cp.async), hq [row space, h_stride] for down. Rows past the row space land as zeros;
-// rows of the box past the tile's num_rows feed only output columns the epilogue never stores.
+// The token tile's map is built per launch (x, x_perm and hq change between calls; a captured graph
+// keeps the parameter by value, like the pointers in p): x [row space, H] for ExpertMajor gate_up,
+// x_perm [row space, H] (row stride x_perm_stride) for the Flat gate_up when permute_x_kernel copied
+// its rows there (Config::experts_fp8_prefill 29), hq [row space, h_stride] for down; otherwise the
+// Flat gate_up gathers by cp.async. Rows past the row space land as zeros; rows of the box past the
+// tile's num_rows feed only output rows the epilogue never stores.
 void launch_fp8_prefill_tma_gate_up(const Fp8GemmParams& p, int grid, cudaStream_t stream) {
   CUtensorMap bmap{};
-  const bool tb = p.w_maps != nullptr && p.gather == nullptr &&
-                  encode_fp8_map(bmap, p.x, static_cast<uint64_t>(p.hidden), static_cast<uint64_t>(p.row_space),
-                                 static_cast<uint64_t>(p.hidden));
+  const bool perm = p.gather != nullptr && p.x_perm != nullptr;
+  const bool tb = p.w_maps != nullptr && (p.gather == nullptr || perm) &&
+                  encode_fp8_map(bmap, perm ? p.x_perm : p.x, static_cast<uint64_t>(p.hidden), static_cast<uint64_t>(p.row_space),
+                                 static_cast<uint64_t>(perm ? p.x_perm_stride : p.hidden));
   launch_prefill<true>(p, bmap, tb, grid, stream, "fp8_prefill_tma_kernel (gate_up)");
+}
+
+namespace {
+
+constexpr int kPermuteThreads = 512;  // 16 warps: a warp per token row
+constexpr int kPermuteUnroll = 14;    // 16-byte chunks per lane in flight (DeepSeek-V3's H 7168: 448 chunks = 14 x 32)
+
+/// The Flat gate_up's token rows in row-space order (Config::experts_fp8_prefill 29): for every tile of
+/// the prefill section ([*num_small, *num_tiles) of p.tiles) of an fp8_block expert, row r = row0 + j
+/// (j < num_rows) of x_perm (row stride x_perm_stride bytes) gets x row gather[r] (H FP8 bytes), so the
+/// TMA gate_up loads each tile's tokens as one box, as for ExpertMajor. A block per tile, a warp per
+/// row, 16-byte loads (read-only path) and stores; H % 16 == 0, x and x_perm 16-byte aligned (the launch
+/// checks). The scales stay where they are: the producer reads them through p.gather.
+__global__ void __launch_bounds__(kPermuteThreads) permute_x_kernel(Fp8GemmParams p) {
+  const int32_t tile0 = *p.num_small, tile1 = *p.num_tiles;
+  const int warp = static_cast<int>(threadIdx.x) >> 5, lane = static_cast<int>(threadIdx.x) & 31;
+  const int64_t chunks = p.hidden / 16;
+  for (int32_t t = tile0 + static_cast<int32_t>(blockIdx.x); t < tile1; t += static_cast<int32_t>(gridDim.x)) {
+    const Tile tile = p.tiles[t];
+    if (p.experts[tile.expert].format != static_cast<int32_t>(WeightFormat::fp8_block)) continue;  // not a prefill GEMM row
+    for (int j = warp; j < tile.num_rows; j += kPermuteThreads / 32) {
+      const int64_t r = tile.row0 + j;
+      const uint4* src = reinterpret_cast<const uint4*>(p.x + static_cast<int64_t>(p.gather[r]) * p.hidden);
+      uint4* dst = reinterpret_cast<uint4*>(p.x_perm + r * p.x_perm_stride);
+      for (int64_t c0 = 0; c0 < chunks; c0 += 32 * kPermuteUnroll) {
+        uint4 v[kPermuteUnroll];
+#pragma unroll
+        for (int u = 0; u < kPermuteUnroll; ++u) {
+          const int64_t c = c0 + u * 32 + lane;
+          if (c < chunks) v[u] = __ldg(src + c);
+        }
+#pragma unroll
+        for (int u = 0; u < kPermuteUnroll; ++u) {
+          const int64_t c = c0 + u * 32 + lane;
+          if (c < chunks) dst[c] = v[u];
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+
+void launch_fp8_prefill_permute_x(const Fp8GemmParams& p, int grid, cudaStream_t stream) {
+  if (p.hidden % 16 != 0 || reinterpret_cast<uintptr_t>(p.x) % 16 != 0 || reinterpret_cast<uintptr_t>(p.x_perm) % 16 != 0 ||
+      p.x_perm_stride % 16 != 0 || p.x_perm_stride < p.hidden)
+    throw InvalidArgument("launch_fp8_prefill_permute_x: x / x_perm must be 16-byte aligned with H % 16 == 0 and x_perm_stride >= H "
+                          "(H " + std::to_string(p.hidden) + ", x_perm_stride " + std::to_string(p.x_perm_stride) + ")");
+  permute_x_kernel<<<grid, kPermuteThreads, 0, stream>>>(p);
+  cuda::check_launch("permute_x_kernel");
 }
 
 void launch_fp8_prefill_tma_down(const Fp8GemmParams& p, int grid, cudaStream_t stream) {
