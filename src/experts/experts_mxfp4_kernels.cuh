@@ -734,6 +734,21 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1
       : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1), "f"(c[0]), "f"(c[1]), "f"(c[2]), "f"(c[3]));
 }
+/// The down GEMM's step on the decode path for one 32-K block of 16 weight rows (every decode variant): the rows'
+/// codes as exact bf16 (A0: row g, A8: row g + 8, e2m1x8_to_bf16 at scale 1), 2 x m16n8k16 against the token
+/// operand q (bf16 h, 32 K: q.x, q.y the first k16, q.z, q.w the second), promoted by the rows' block scales
+/// ws0 / ws8 (2^(e - 127)) into acc (rows g, g + 8 x this lane's two tokens, mma.sync's C layout).
+__device__ __forceinline__ void down_mma_promote(const uint4& A0, const uint4& A8, const uint4& q, float ws0, float ws8,
+                                                 float (&acc)[4]) {
+  const float z[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  float d0[4], d[4];
+  mma_bf16(d0, A0.x, A8.x, A0.y, A8.y, q.x, q.y, z);
+  mma_bf16(d, A0.z, A8.z, A0.w, A8.w, q.z, q.w, d0);
+  acc[0] = fmaf(d[0], ws0, acc[0]);
+  acc[1] = fmaf(d[1], ws0, acc[1]);
+  acc[2] = fmaf(d[2], ws8, acc[2]);
+  acc[3] = fmaf(d[3], ws8, acc[3]);
+}
 
 /// Within each quad of lanes (t = lane & 3), lane t holds the 4 words of scale block t; returns in
 /// n[b] word t of block b (held by lane b): n[b] = m_b[t].
@@ -974,14 +989,7 @@ __device__ __forceinline__ void decode_item_ring(const MixedGemmParams& p, const
 #pragma unroll
             for (int nt = 0; nt < kNt; ++nt) {
               const uint4 q = *reinterpret_cast<const uint4*>(sl + R::kB + ((nt * 4 + b) * 32 + lane) * 16);
-              const float z[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-              float d0[4], d[4];
-              mma_bf16(d0, A0.x, A8.x, A0.y, A8.y, q.x, q.y, z);
-              mma_bf16(d, A0.z, A8.z, A0.w, A8.w, q.z, q.w, d0);
-              acc[mt][nt][0] = fmaf(d[0], ws0, acc[mt][nt][0]);
-              acc[mt][nt][1] = fmaf(d[1], ws0, acc[mt][nt][1]);
-              acc[mt][nt][2] = fmaf(d[2], ws8, acc[mt][nt][2]);
-              acc[mt][nt][3] = fmaf(d[3], ws8, acc[mt][nt][3]);
+              down_mma_promote(A0, A8, q, ws0, ws8, acc[mt][nt]);
             }
           }
         }
@@ -1132,14 +1140,7 @@ __device__ __forceinline__ void decode_item_ring2(const MixedGemmParams& p, cons
             const uint4 A0 = e2m1x8_to_bf16(n0, 0x3F3F3F00u, 0x40404040u, 0xC0800000u, 0xC0804000u);
             const uint4 A8 = e2m1x8_to_bf16(n8, 0x3F3F3F00u, 0x40404040u, 0xC0800000u, 0xC0804000u);
             const uint4 q = *reinterpret_cast<const uint4*>(sl + R::kB + g * R::kTokPitch + 64 * b + 16 * t);
-            const float z[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-            float d0[4], d[4];
-            mma_bf16(d0, A0.x, A8.x, A0.y, A8.y, q.x, q.y, z);
-            mma_bf16(d, A0.z, A8.z, A0.w, A8.w, q.z, q.w, d0);
-            acc[mt][0][0] = fmaf(d[0], ws0, acc[mt][0][0]);
-            acc[mt][0][1] = fmaf(d[1], ws0, acc[mt][0][1]);
-            acc[mt][0][2] = fmaf(d[2], ws8, acc[mt][0][2]);
-            acc[mt][0][3] = fmaf(d[3], ws8, acc[mt][0][3]);
+            down_mma_promote(A0, A8, q, ws0, ws8, acc[mt][0]);
           }
         }
       }
@@ -1383,14 +1384,7 @@ __device__ __forceinline__ void decode_item_bulk(const MixedGemmParams& p, const
           const uint4 A0 = e2m1x8_to_bf16(n0, 0x3F3F3F00u, 0x40404040u, 0xC0800000u, 0xC0804000u);
           const uint4 A8 = e2m1x8_to_bf16(n8, 0x3F3F3F00u, 0x40404040u, 0xC0800000u, 0xC0804000u);
           const uint4 h = *reinterpret_cast<const uint4*>(tok + g * tok_pitch + c * 256 + 64 * b + 16 * t);
-          const float z[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-          float d0[4], d[4];
-          mma_bf16(d0, A0.x, A8.x, A0.y, A8.y, h.x, h.y, z);
-          mma_bf16(d, A0.z, A8.z, A0.w, A8.w, h.z, h.w, d0);
-          acc[mt][0][0] = fmaf(d[0], ws0, acc[mt][0][0]);
-          acc[mt][0][1] = fmaf(d[1], ws0, acc[mt][0][1]);
-          acc[mt][0][2] = fmaf(d[2], ws8, acc[mt][0][2]);
-          acc[mt][0][3] = fmaf(d[3], ws8, acc[mt][0][3]);
+          down_mma_promote(A0, A8, h, ws0, ws8, acc[mt][0]);
         }
       }
       if constexpr (kGateUp) {
