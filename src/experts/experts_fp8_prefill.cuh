@@ -269,6 +269,24 @@ __device__ __forceinline__ void lean_load(const LeanOffsets& o, uint32_t b_s, ui
   lb.x0 = lds_f32(sc_s + o.sc), lb.x1 = lds_f32(sc_s + o.sc + 32), lb.w0 = lds_f32(sc_s), lb.w1 = lds_f32(sc_s + 8);
 }
 
+/// lean_load where `on` (warp-uniform), nothing otherwise: the ldmatrix / ld.shared carry the predicate themselves
+/// (no branch for ptxas to schedule the promotion around); lb keeps its values where `on` is false.
+__device__ __forceinline__ void lean_load_if(const LeanOffsets& o, uint32_t b_s, uint32_t sc_s, bool on, LeanBlock& lb) {
+  const uint32_t la = b_s + o.lds, p = on ? 1u : 0u;
+#pragma unroll
+  for (int k = 0; k < kBK / 32; ++k)
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %5, 0;\n@p ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n}\n"
+        : "+r"(lb.afr[k][0]), "+r"(lb.afr[k][1]), "+r"(lb.afr[k][2]), "+r"(lb.afr[k][3])
+        : "r"(la ^ static_cast<uint32_t>(k << 5)), "r"(p)
+        : "memory");
+  const uint32_t a[4] = {sc_s + o.sc, sc_s + o.sc + 32, sc_s, sc_s + 8};
+  float* v[4] = {&lb.x0, &lb.x1, &lb.w0, &lb.w1};
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %2, 0;\n@p ld.shared.f32 %0, [%1];\n}\n" : "+f"(*v[i]) : "r"(a[i]), "r"(p) : "memory");
+}
+
 /// The K loop of one work item for the prefetching lean consumer (Config::experts_fp8_prefill 27 and the
 /// default's TMA GEMMs): kblock_lean's
 /// wgmmas and promotions, with the next K block's operands (lean_load, after its `full` wait and `fence`)
@@ -277,10 +295,9 @@ __device__ __forceinline__ void lean_load(const LeanOffsets& o, uint32_t b_s, ui
 /// next block's first wgmma (ncu, tenth session: WARPGROUP.ARRIVE waiting for ldmatrix, FMULs for their
 /// loads). The products of a block are formed before its operands are replaced. Same products, same
 /// order: the same bits as kblock<true, true>.
-/// The loads are unconditional (no branch around them: ptxas hoisted the promotion above such a branch,
-/// in front of the loads); after an item's last K block they reload the block just used, after a wait
-/// on the `done` barrier (done_bar, completed at the kernel's start), and the next item starts with its
-/// own wait and load.
+/// No branch around the loads (ptxas hoisted the promotion above such a branch, in front of the loads): after
+/// an item's last K block the wait is on the `done` barrier (done_bar, completed at the kernel's start) and the
+/// loads are predicated off (lean_load_if); the next item starts with its own wait and load.
 template <class Fence>
 __device__ __forceinline__ void lean_item_prefetch(const LeanOffsets& o, int64_t nk, RingPos& pos, uint32_t stages, uint32_t smem_s,
                                                    uint32_t scale_s, uint32_t full0, uint32_t empty0, uint32_t done_bar, int lane,
@@ -313,11 +330,10 @@ __device__ __forceinline__ void lean_item_prefetch(const LeanOffsets& o, int64_t
         const bool more = kb + 1 < nk;
         mbar_wait(more ? full0 + pos.stage * 8 : done_bar, more ? pos.phase : 0u);
         fence();
-        // After the item's last K block (!more) this reloads stage s, which was just released above and which the
-        // producer may already be refilling: the values are never used (the next item starts with its own load),
-        // the read only keeps this path branch-free. A racecheck of these TMA kernels may report it (not run yet).
-        const uint32_t ls = more ? pos.stage : s;
-        lean_load(o, stage_a(ls) + kABytes, stage_sc(ls), lb);
+        // After the item's last K block (!more) nothing is loaded (the next item starts with its own wait and load).
+        // Until the eleventh session this reloaded the just-released stage s, which the producer may already have been
+        // refilling (values never used; a real, benign read-write race).
+        lean_load_if(o, stage_a(pos.stage) + kABytes, stage_sc(pos.stage), more, lb);
       }
 #pragma unroll
       for (int i = 0; i < kFrag; ++i) acc[sub][i] = fmaf(tmp[i], (i & 2) ? sp[sub][1] : sp[sub][0], acc[sub][i]);
