@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # tools/device/final-fhmoe.sh: the FHMoE gate measurement through the whole layer (issue 6) in the final
-# integrated run (or a helper's batch): 2 ranks, ll, FP8 dispatch, whole-layer graph, shared expert fused vs
+# integrated run (or a helper's batch): 2 ranks (FHMOE_RANKS), ll, FP8 dispatch, whole-layer graph, shared expert fused vs
 # separate (--compare; both on the tensor cores) over a routing trace of T = 1, 8, 32, 128, 512 tokens/rank, 5
 # steps each (bench/fhmoe_sweep_trace.py; the first token of each rank and step validated against
 # moe_reference_cpu), for full-size DeepSeek-V3 and then DeepSeek-V4-Pro (MXFP4 routed + FP8 shared), both with
@@ -13,6 +13,7 @@
 set -u
 T0=$SECONDS
 BUDGET=${FHMOE_FINAL_BUDGET_S:-60}
+RANKS=${FHMOE_RANKS:-2}  # 1: the whole layer on one GPU (ll loopback), where only the one-GPU kind is lent
 OUT=${OUT:-/tmp/final-fhmoe-out}
 E=${FHMOE_FINAL_EPX:-/tmp/epx-gpu-check/build/epx}  # not EPX_*: epx rejects unknown EPX_* variables
 SRC=${SRC:-$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)}
@@ -23,11 +24,11 @@ for spec in deepseek-v3:256:8 deepseek-v4-pro:384:6; do
   IFS=: read -r preset experts topk <<<"$spec"
   lim=$(( BUDGET - (SECONDS - T0) - 3 ))
   if [ "$lim" -lt 20 ]; then echo "== skipped $preset (no time left)" | tee -a "$OUT/final-fhmoe.log"; continue; fi
-  python3 "$SRC/bench/fhmoe_sweep_trace.py" --experts "$experts" --top-k "$topk" --ranks 2 --tokens 1,8,32,128,512 --steps 5 \
+  python3 "$SRC/bench/fhmoe_sweep_trace.py" --experts "$experts" --top-k "$topk" --ranks $RANKS --tokens 1,8,32,128,512 --steps 5 \
     -o "/tmp/fhmoe-trace-$preset.json"
   name="moe-$preset-sweep-ll-compare"
-  echo "== $(date -u +%T) epx moe --device cuda --ranks 2 --preset $preset --dispatch-dtype fp8 --validate-tokens 1 --expert-pool 16 --backend ll --mode decode --compare --trace <fhmoe_sweep_trace.py --experts $experts --top-k $topk --ranks 2 --tokens 1,8,32,128,512 --steps 5> (limit $lim s)" | tee -a "$OUT/final-fhmoe.log"
-  timeout -k 3 "$lim" "$E" moe --device cuda --ranks 2 --preset "$preset" --dispatch-dtype fp8 --validate-tokens 1 --expert-pool 16 \
+  echo "== $(date -u +%T) epx moe --device cuda --ranks $RANKS --preset $preset --dispatch-dtype fp8 --validate-tokens 1 --expert-pool 16 --backend ll --mode decode --compare --trace <fhmoe_sweep_trace.py --experts $experts --top-k $topk --ranks $RANKS --tokens 1,8,32,128,512 --steps 5> (limit $lim s)" | tee -a "$OUT/final-fhmoe.log"
+  timeout -k 3 "$lim" "$E" moe --device cuda --ranks $RANKS --preset "$preset" --dispatch-dtype fp8 --validate-tokens 1 --expert-pool 16 \
     --backend ll --mode decode --compare --trace "/tmp/fhmoe-trace-$preset.json" --json "$OUT/$name.json" >"$OUT/$name.log" 2>&1
   echo "== exit $? after $(( SECONDS - T0 )) s" | tee -a "$OUT/final-fhmoe.log"
   if [ -n "${FINAL_COMMIT:-}" ] && [ -f "$OUT/$name.json" ]; then
