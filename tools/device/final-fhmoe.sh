@@ -14,6 +14,7 @@ set -u
 T0=$SECONDS
 BUDGET=${FHMOE_FINAL_BUDGET_S:-60}
 RANKS=${FHMOE_RANKS:-2}  # 1: the whole layer on one GPU (ll loopback), where only the one-GPU kind is lent
+TOKENS=${FHMOE_TOKENS:-1,8,32,128,512} STEPS=${FHMOE_STEPS:-5}  # tokens/rank of the sweep, steps per size
 OUT=${OUT:-/tmp/final-fhmoe-out}
 E=${FHMOE_FINAL_EPX:-/tmp/epx-gpu-check/build/epx}  # not EPX_*: epx rejects unknown EPX_* variables
 SRC=${SRC:-$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)}
@@ -24,10 +25,10 @@ for spec in deepseek-v3:256:8 deepseek-v4-pro:384:6; do
   IFS=: read -r preset experts topk <<<"$spec"
   lim=$(( BUDGET - (SECONDS - T0) - 3 ))
   if [ "$lim" -lt 20 ]; then echo "== skipped $preset (no time left)" | tee -a "$OUT/final-fhmoe.log"; continue; fi
-  python3 "$SRC/bench/fhmoe_sweep_trace.py" --experts "$experts" --top-k "$topk" --ranks $RANKS --tokens 1,8,32,128,512 --steps 5 \
+  python3 "$SRC/bench/fhmoe_sweep_trace.py" --experts "$experts" --top-k "$topk" --ranks $RANKS --tokens $TOKENS --steps $STEPS \
     -o "/tmp/fhmoe-trace-$preset.json"
   name="moe-$preset-sweep-ll-compare"
-  echo "== $(date -u +%T) epx moe --device cuda --ranks $RANKS --preset $preset --dispatch-dtype fp8 --validate-tokens 1 --expert-pool 16 --backend ll --mode decode --compare --trace <fhmoe_sweep_trace.py --experts $experts --top-k $topk --ranks $RANKS --tokens 1,8,32,128,512 --steps 5> (limit $lim s)" | tee -a "$OUT/final-fhmoe.log"
+  echo "== $(date -u +%T) epx moe --device cuda --ranks $RANKS --preset $preset --dispatch-dtype fp8 --validate-tokens 1 --expert-pool 16 --backend ll --mode decode --compare --trace <fhmoe_sweep_trace.py --experts $experts --top-k $topk --ranks $RANKS --tokens $TOKENS --steps $STEPS> (limit $lim s)" | tee -a "$OUT/final-fhmoe.log"
   timeout -k 3 "$lim" "$E" moe --device cuda --ranks $RANKS --preset "$preset" --dispatch-dtype fp8 --validate-tokens 1 --expert-pool 16 \
     --backend ll --mode decode --compare --trace "/tmp/fhmoe-trace-$preset.json" --json "$OUT/$name.json" >"$OUT/$name.log" 2>&1
   echo "== exit $? after $(( SECONDS - T0 )) s" | tee -a "$OUT/final-fhmoe.log"
@@ -35,7 +36,7 @@ for spec in deepseek-v3:256:8 deepseek-v4-pro:384:6; do
     python3 -c 'import json,sys; p=sys.argv[1]; d=json.load(open(p)); d["git_commit"]=sys.argv[2]; json.dump(d,open(p,"w"),indent=2)' \
       "$OUT/$name.json" "$FINAL_COMMIT"
   fi
-  [ -f "$OUT/$name.json" ] && python3 "$SRC/bench/fhmoe_sweep_report.py" "$OUT/$name.json" --tokens 1,8,32,128,512 --steps 5 \
+  [ -f "$OUT/$name.json" ] && python3 "$SRC/bench/fhmoe_sweep_report.py" "$OUT/$name.json" --tokens $TOKENS --steps $STEPS \
     2>&1 | tee -a "$OUT/fhmoe-sweep.txt"
   rm -f "/tmp/fhmoe-trace-$preset.json"
 done
