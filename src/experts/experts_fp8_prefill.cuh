@@ -37,6 +37,12 @@ constexpr int kScaleFloats = 4 + kBN;           // per stage: 4 weight sub-tile 
 constexpr int kHStride = kBK + 16;              // gate_up staging: FP8 h bytes per token, padded
 constexpr int kOutStride = kWRows + 8;          // down staging: bf16 per token, padded
 constexpr int kFrag = kBN / 2;                  // accumulator floats per thread per m64n128
+/// Arrivals that complete a stage's `empty` barrier in the TMA kernels: every consumer thread arrives after its own
+/// last read of the stage. (Until the eleventh session lane 0 of each warp arrived after __syncwarp, count 8: the
+/// same order through bar.warp.sync, but compute-sanitizer racecheck does not follow it and reported every consumer
+/// read against the producer's refill, 20 reports on the small shapes; with per-thread arrivals it reports 0,
+/// bench/results/h200x1/racecheck-s11-a8ccbfa/.)
+constexpr int kEmptyArrivals = kPfThreads - 128;  // the two consumer warpgroups
 
 /// Shared-memory layout of the gate_up (kGateUp) or down kernel; base 1024-byte aligned.
 template <bool kGateUp>
@@ -300,7 +306,7 @@ __device__ __forceinline__ void lean_load_if(const LeanOffsets& o, uint32_t b_s,
 /// loads are predicated off (lean_load_if); the next item starts with its own wait and load.
 template <class Fence>
 __device__ __forceinline__ void lean_item_prefetch(const LeanOffsets& o, int64_t nk, RingPos& pos, uint32_t stages, uint32_t smem_s,
-                                                   uint32_t scale_s, uint32_t full0, uint32_t empty0, uint32_t done_bar, int lane,
+                                                   uint32_t scale_s, uint32_t full0, uint32_t empty0, uint32_t done_bar,
                                                    float (&acc)[2][kFrag], float (&tmp)[kFrag], Fence fence) {
   using namespace wg;
   auto stage_a = [&](uint32_t s) { return smem_s + s * kStageBytes; };
@@ -325,8 +331,7 @@ __device__ __forceinline__ void lean_item_prefetch(const LeanOffsets& o, int64_t
 #pragma unroll
       for (int i = 0; i < kFrag; ++i) fence_operand(tmp[i]);
       if (sub == 1) {
-        __syncwarp();
-        if (lane == 0) mbar_arrive(empty0 + s * 8);  // 8 consumer warps release the stage
+        mbar_arrive(empty0 + s * 8);  // every consumer thread releases the stage (kEmptyArrivals)
         const bool more = kb + 1 < nk;
         mbar_wait(more ? full0 + pos.stage * 8 : done_bar, more ? pos.phase : 0u);
         fence();

@@ -190,7 +190,6 @@ __device__ __forceinline__ void consumer(const Fp8GemmParams& p, bool weights_tm
                                          uint8_t* smem, uint32_t smem_s) {
   using L = Layout<kGateUp>;
   const Who w;
-  const int lane = w.lane;
   const std::conditional_t<kLean, LeanOffsets, NoOffsets> lo(w);  // only the lean consumers keep them
   const float* scales = reinterpret_cast<const float*>(smem + L::kScaleOff);
   const uint32_t full0 = smem_s + L::kBarOff, empty0 = full0 + L::kStages * 8;
@@ -207,7 +206,7 @@ __device__ __forceinline__ void consumer(const Fp8GemmParams& p, bool weights_tm
 #pragma unroll
       for (int i = 0; i < kFrag; ++i) acc[sub][i] = 0.0f;
     if constexpr (kPrefetch) {  // mode 27: the next K block's operands loaded under the second promotion
-      lean_item_prefetch(lo, wk.nk, pos, stages, smem_s, smem_s + L::kScaleOff, full0, empty0, smem_s + L::kDoneOff, lane, acc, tmp, [&] {
+      lean_item_prefetch(lo, wk.nk, pos, stages, smem_s, smem_s + L::kScaleOff, full0, empty0, smem_s + L::kDoneOff, acc, tmp, [&] {
         if (!weights_tma) fence_proxy_async();
       });
     } else {
@@ -218,10 +217,7 @@ __device__ __forceinline__ void consumer(const Fp8GemmParams& p, bool weights_tm
         // writes through the async proxy: no fence when the weights came by TMA; the tokens go by ldmatrix)
         if (!weights_tma) fence_proxy_async();
         const uint32_t a_s = smem_s + s * kStageBytes;
-        auto release = [&] {  // 8 consumer warps release the stage
-          __syncwarp();
-          if (lane == 0) mbar_arrive(empty0 + s * 8);
-        };
+        auto release = [&] { mbar_arrive(empty0 + s * 8); };  // every consumer thread releases the stage (kEmptyArrivals)
         if constexpr (kLean) kblock_lean(lo, a_s, a_s + kABytes, smem_s + L::kScaleOff + s * (kScaleFloats * 4), acc, tmp, release);
         else kblock<true, true>(w, a_s, a_s + kABytes, scales + s * kScaleFloats, acc, tmp, release);
         pos.advance(stages);
@@ -247,7 +243,7 @@ __global__ void __launch_bounds__(kPfThreads, 1) fp8_prefill_tma_kernel(Fp8GemmP
     for (int s = 0; s < L::kStages; ++s) {
       // full: every producer thread's cp.async arrival, + thread 0's expect_tx arrival with TMA
       mbar_init(smem_s + L::kBarOff + s * 8, p.w_maps != nullptr ? 129 : 128);
-      mbar_init(smem_s + L::kBarOff + (L::kStages + s) * 8, 8);  // empty: every consumer warp
+      mbar_init(smem_s + L::kBarOff + (L::kStages + s) * 8, kEmptyArrivals);  // empty: every consumer thread
     }
     mbar_init(smem_s + L::kDoneOff, 1);  // done: completed once here (lean_item_prefetch)
     mbar_arrive(smem_s + L::kDoneOff);
