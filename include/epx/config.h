@@ -79,7 +79,9 @@ struct Config {
   /// at 8, -6 % at 32 and 128, -3 % at 512; eager 512..4096: ht -3..-5 %, all2allv -2..-12 %, ll
   /// with the local shared slot a tie (-8..+6 % over two batches, +3..+14 % at 512 through the dispatch); DeepSeek-V4-Pro (MXFP4 routed, FP8 shared): ll decode
   /// -16 % at 1, -5..-7 % at 8, -1..-2 % at 32..512; eager 512..3072 ht, all2allv, ll within
-  /// -3..+2 % (ties). Above 4096 not measured.
+  /// -3..+2 % (ties). Above 4096 not measured. Eleventh session, one H200, whole layer (ll loopback, graph; the MXFP4
+  /// decode path of that session): V4-Pro -24 % at 1, -12 % at 4, -9 % at 8, -1 % at 128; V3 -15 / -14 / -5 / -3 %
+  /// (bench/results/h200x1/fhmoe1-s11-f55e988/).
   int fhmoe_max_tokens = 4096;
   /// On a backend of per-expert slots (ll: ExpertMajor, one node, CUDA), fused chunks with M > this
   /// write their shared expert rows into the shared replica's slot (local expert L-1) by hand instead
