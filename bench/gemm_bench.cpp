@@ -10,8 +10,10 @@
 //   cublaslt   a per-expert loop of cuBLASLt FP8 GEMMs (gate_up then down, per-tensor scales 1.0,
 //              bf16 out; GEMMs only: no SiLU, no requantization, h is random FP8).
 // Cases: decode = ExpertMajor (masked) with 8 tokens per expert (cap 32); prefill = Flat
-// (contiguous rows grouped by expert on the device), 4096 tokens top-8, 256 rows per expert, and
-// ExpertMajor with every row of cap 256 valid. Decode reports weight bytes / time against the HBM
+// (token rows + top-k, grouped by expert on the device), 4096 tokens top-8, 256 rows per expert,
+// ExpertMajor with every row of cap 256 valid, and Contiguous (rows already sorted by expert + cumulative
+// offsets, torch._scaled_grouped_mm's layout): the same rows with 256 per expert (byte-identical to
+// ExpertMajor's output), and uneven experts of 0..512 rows (prefill-v3-uneven). Decode reports weight bytes / time against the HBM
 // copy rate; prefill reports TFLOP/s (2 * rows * H * 3I) against the measured FP8 rate.
 // Timing: CUDA events around each call, median (p10/p90) over --iters calls after 3 warm-up calls.
 // Validation: the wgmma outputs against the SIMT outputs of the same inputs (normwise rel. L2), and
@@ -603,6 +605,71 @@ int main(int argc, char** argv) {
       CK(cudaFree(dbg));
     }
     mode_rows(in, out, "expert_major", cap);
+    // ---- prefill: Contiguous (rows sorted by expert + cumulative offsets, torch._scaled_grouped_mm's
+    // `offs`; gemm_torch.py times torch on this layout with 256 rows per expert) ----
+    {
+      // (a) the same bytes as the ExpertMajor case: x [L * 256, H], offsets 256 (l + 1); out must equal
+      //     the ExpertMajor out byte for byte.
+      const TensorView xc(x.data(), DType::fp8_e4m3, {L * cap, kH}, Device::cuda(0)),
+          xsc(xs.data(), DType::fp32, {L * cap, kH / 128}, Device::cuda(0));
+      std::vector<int32_t> ends(static_cast<size_t>(L));
+      for (int64_t l = 0; l < L; ++l) ends[l] = static_cast<int32_t>((l + 1) * cap);
+      const Tensor od = dev_from(ends.data(), {L}, DType::int32);
+      ExpertsInput ic;
+      ic.layout = ActivationLayout::Contiguous;
+      ic.x = xc, ic.x_scales = xsc, ic.expert_offsets = od;
+      Tensor oc = Tensor::empty({L * cap, kH}, DType::bf16, Device::cuda(0));
+      CK(cudaMemset(oc.data(), 0xFF, oc.nbytes()));
+      const Stats sc = time_us(stream, iters, [&] { tc->apply(ic, oc, Stream{stream}); });
+      CK(cudaStreamSynchronize(stream));
+      const std::vector<uint16_t> ocv = host_bf16(oc), emv = host_bf16(out);
+      const bool same = ocv == emv;
+      add_row("prefill-v3", "epx-wgmma", "contiguous", cap, sc, false, same, same ? 0.0 : rel_l2(ocv, emv, {{0, L * cap}}),
+              std::string("Contiguous layout, 256 rows per expert (torch._scaled_grouped_mm's offs in gemm_torch.py); ") +
+                  (same ? "byte-identical to" : "DIFFERS from") + " the expert_major row's output of the same rows");
+      // (b) uneven experts, the same L * 256 rows: counts drawn around 256 (0 .. 512), so expert boundaries
+      //     fall inside 128-row tiles; validated byte for byte against ExpertMajor of the same rows (cap 512).
+      // Pairs of experts (2j, 2j + 1) get 256 + d and 256 - d rows, d = 16 ((7 j + 3) mod 33 - 16) in [-256, 256]
+      // (multiples of 16, which torch's FP8 grouped GEMM may need; gemm_torch.py --uneven uses the same formula):
+      // the total stays L * 256.
+      std::vector<int32_t> cnt2(static_cast<size_t>(L), static_cast<int32_t>(cap));
+      for (int64_t l = 0; l + 1 < L; l += 2) {
+        const int32_t d = static_cast<int32_t>(16 * ((7 * (l / 2) + 3) % 33 - 16));
+        cnt2[l] += d, cnt2[l + 1] -= d;
+      }
+      for (int64_t l = 0, e = 0; l < L; ++l) ends[l] = static_cast<int32_t>(e += cnt2[l]);
+      const Tensor od2 = dev_from(ends.data(), {L}, DType::int32);
+      ExpertsInput iu = ic;
+      iu.expert_offsets = od2;
+      Tensor ouv = Tensor::empty({L * cap, kH}, DType::bf16, Device::cuda(0));
+      CK(cudaMemset(ouv.data(), 0xFF, ouv.nbytes()));
+      const Stats su = time_us(stream, iters, [&] { tc->apply(iu, ouv, Stream{stream}); });
+      CK(cudaStreamSynchronize(stream));
+      const int64_t cap2 = 2 * cap;
+      Tensor xe = Tensor::empty({L, cap2, kH}, DType::fp8_e4m3, Device::cuda(0)), xse = Tensor::empty({L, cap2, kH / 128}, DType::fp32, Device::cuda(0));
+      Tensor oe = Tensor::empty({L, cap2, kH}, DType::bf16, Device::cuda(0));
+      for (int64_t l = 0, b = 0; l < L; b += cnt2[l++]) {
+        CK(cudaMemcpyAsync(static_cast<uint8_t*>(xe.data()) + l * cap2 * kH, static_cast<const uint8_t*>(x.data()) + b * kH,
+                           static_cast<size_t>(cnt2[l] * kH), cudaMemcpyDeviceToDevice, stream));
+        CK(cudaMemcpyAsync(static_cast<float*>(xse.data()) + l * cap2 * (kH / 128), static_cast<const float*>(xs.data()) + b * (kH / 128),
+                           static_cast<size_t>(cnt2[l] * (kH / 128) * 4), cudaMemcpyDeviceToDevice, stream));
+      }
+      const Tensor rc2 = dev_from(cnt2.data(), {L}, DType::int32);
+      tc->apply({ActivationLayout::ExpertMajor, xe, xse, rc2, {}, {}}, oe, Stream{stream});
+      CK(cudaStreamSynchronize(stream));
+      const std::vector<uint16_t> ou = host_bf16(ouv), oev = host_bf16(oe);
+      int64_t differ = 0;
+      for (int64_t l = 0, b = 0; l < L; b += cnt2[l++])
+        differ += !std::equal(ou.begin() + b * kH, ou.begin() + (b + cnt2[l]) * kH, oev.begin() + l * cap2 * kH);
+      int32_t cmin = cnt2[0], cmax = cnt2[0];
+      for (int32_t c : cnt2) cmin = std::min(cmin, c), cmax = std::max(cmax, c);
+      add_row("prefill-v3-uneven", "epx-wgmma", "contiguous", cap, su, false, differ == 0, differ == 0 ? 0.0 : 1.0,
+              "Contiguous layout, L * 256 rows in uneven experts (" + std::to_string(cmin) + " .. " + std::to_string(cmax) +
+                  " rows, gemm_torch.py --uneven's counts); rows_per_expert is the mean; " +
+                  (differ == 0 ? "byte-identical to ExpertMajor of the same rows"
+                               : std::to_string(differ) + " experts DIFFER from ExpertMajor of the same rows"));
+      mode_rows(ic, oc, "contiguous", cap);
+    }
     if (tc64) {
       Tensor out4 = Tensor::empty({L, cap, kH}, DType::bf16, Device::cuda(0));
       CK(cudaMemset(out4.data(), 0xFF, out4.nbytes()));

@@ -8,6 +8,8 @@ requantization of h), down grouped GEMM; rows contiguous by expert with offsets 
                             not DeepSeek's 128x128 blocks), bf16 out
   torch._grouped_mm         bf16
 Timing: torch.cuda.Event around each call, median (p10/p90) over --iters calls after 3 warm-ups.
+--uneven: also the FP8 MLP at 256 rows per expert on average in uneven experts (prefill-v3-uneven; pairs of experts
+2j, 2j + 1 get 256 + d and 256 - d rows, d = 16 ((7 j + 3) mod 33 - 16): epx-gemm-bench's uneven Contiguous row).
 Writes RESULTS.md JSON (--json). Usage: python3 bench/gemm_torch.py --json gemm-torch.json
 """
 import argparse
@@ -47,6 +49,7 @@ def main():
     ap.add_argument("--json", default="")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--experts", type=int, default=128)
+    ap.add_argument("--uneven", action="store_true")
     args = ap.parse_args()
     L = args.experts
     dev = torch.device("cuda", 0)
@@ -59,8 +62,15 @@ def main():
     w2 = (torch.randn(L, H, I, device=dev, dtype=torch.bfloat16) * I ** -0.5)
     w13_q, w13_s = rowwise_fp8(w13)
     w2_q, w2_s = rowwise_fp8(w2)
-    for m in (8, 256):
-        offs = torch.arange(1, L + 1, device=dev, dtype=torch.int32) * m
+    cases = [(8, False), (256, False)] + ([(256, True)] if args.uneven else [])
+    for m, uneven in cases:
+        counts = [m] * L
+        if uneven:
+            for l in range(0, L - 1, 2):
+                d = 16 * ((7 * (l // 2) + 3) % 33 - 16)
+                counts[l] += d
+                counts[l + 1] -= d
+        offs = torch.tensor(counts, device=dev, dtype=torch.int32).cumsum(0, dtype=torch.int32)
         x = torch.randn(L * m, H, device=dev, dtype=torch.bfloat16)
         x_q, x_s = rowwise_fp8(x)
         flops = 2.0 * L * m * H * 3 * I
@@ -76,24 +86,28 @@ def main():
             h_q, h_s = rowwise_fp8(h)
             return torch._scaled_grouped_mm(h_q, w2_q.transpose(-2, -1), h_s, w2_s, offs=offs, out_dtype=torch.bfloat16)
 
-        for name, fn, wb, dt in (("torch._scaled_grouped_mm", fp8_mlp, w_bytes_fp8, "fp8_e4m3 rowwise"),
-                                 ("torch._grouped_mm", bf16_mlp, w_bytes_bf16, "bf16")):
+        case = "decode-v3" if m == 8 else "prefill-v3-uneven" if uneven else "prefill-v3"
+        backends = (("torch._scaled_grouped_mm", fp8_mlp, w_bytes_fp8, "fp8_e4m3 rowwise"),
+                    ("torch._grouped_mm", bf16_mlp, w_bytes_bf16, "bf16"))
+        for name, fn, wb, dt in backends[:1] if uneven else backends:
             try:
                 p10, p50, p90 = timeit(fn, args.iters)
             except Exception as e:  # report, keep going
-                rows.append({"case": "decode-v3" if m == 8 else "prefill-v3", "backend": name, "error": repr(e)[:400]})
+                rows.append({"case": case, "backend": name, "error": repr(e)[:400]})
                 print(f"{name} M/expert={m}: failed: {e!r}"[:300])
                 continue
             gbps = wb / (p50 * 1e-6) / 1e9
             tfl = flops / (p50 * 1e-6) / 1e12
-            rows.append({"case": "decode-v3" if m == 8 else "prefill-v3", "backend": name, "op": "gemm",
+            rows.append({"case": case, "backend": name, "op": "gemm",
                          "layout": "contiguous 2d x 3d", "num_local_experts": L, "hidden": H, "intermediate": I,
                          "rows_per_expert": m, "dtype": dt, "latency_us_p50": p50, "latency_us_p10": p10,
                          "latency_us_p90": p90, "gbps": gbps, "tflops": tfl,
                          "accounting": "weight-bytes" if m == 8 else "flops", "iterations": args.iters,
                          "validated": False,
-                         "note": "whole MLP: gate_up, silu*up, (fp8: rowwise requant of h), down"})
-            print(f"{name:26s} M/expert={m:4d}: {p50:9.1f} us  {gbps:7.0f} GB/s weights  {tfl:6.1f} TFLOP/s")
+                         "note": "whole MLP: gate_up, silu*up, (fp8: rowwise requant of h), down" +
+                                 (f"; uneven experts {min(counts)} .. {max(counts)} rows (mean {m})" if uneven else "")})
+            print(f"{name:26s} M/expert={m:4d}{' uneven' if uneven else ''}: {p50:9.1f} us  {gbps:7.0f} GB/s weights  "
+                  f"{tfl:6.1f} TFLOP/s")
     doc = {"tool": "gemm bench (torch)", "command": " ".join(["python3"] + sys.argv),
            "git_commit": "unknown", "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
            "device": "1 x " + torch.cuda.get_device_name(0), "torch_version": torch.__version__, "results": rows}

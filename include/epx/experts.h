@@ -78,6 +78,10 @@ enum class ActivationLayout : uint8_t {
   ExpertMajor,
   /// [N, H] + per-row local topk_idx/topk_weights: DeepEP HT / vLLM Standard format.
   Flat,
+  /// [N, H] with the rows already sorted by local expert + expert_offsets[L] (cumulative row ends):
+  /// the m-grouped contiguous layout of grouped GEMMs (torch._grouped_mm / torch._scaled_grouped_mm's
+  /// `offs`, DeepGEMM's m_grouped contiguous), what an HT / AG-RS receive side produces after sorting.
+  Contiguous,
 };
 std::string_view layout_name(ActivationLayout l);
 
@@ -89,6 +93,13 @@ struct ExpertsInput {
   TensorView recv_count;    ///< ExpertMajor: [L] int32 valid rows per local expert
   TensorView topk_idx;      ///< Flat: [N, K] int32 local expert index, -1 = not on this rank
   TensorView topk_weights;  ///< Flat: [N, K] fp32
+  /// Contiguous: int32 on x's device, in either of two forms (told apart by the length):
+  /// - [L] cumulative row ends (torch._grouped_mm / torch._scaled_grouped_mm's `offs`): expert l owns rows
+  ///   [l == 0 ? 0 : expert_offsets[l - 1], expert_offsets[l]);
+  /// - [L + 1] row starts with the end last (ExpertContiguousLayout::expert_offsets of ht's prepare, vLLM's
+  ///   expert_offsets): expert l owns rows [expert_offsets[l], expert_offsets[l + 1]).
+  /// Non-decreasing, each in [0, N]; rows outside every expert's range are neither read nor written.
+  TensorView expert_offsets = {};  // (a default, so brace-initialized inputs of the other layouts may omit it)
 };
 
 class Experts {
@@ -102,11 +113,14 @@ class Experts {
   /// Flat:        out [N, H] bf16; row n = sum over k with topk_idx[n,k] >= 0 of
   ///              topk_weights[n,k] * expert_{topk_idx[n,k]}(x[n]), fp32 accumulation rounded once;
   ///              rows with no local selection are zeros.
-  /// Throws InvalidArgument on shape/dtype mismatch, or an index >= L.
+  /// Contiguous:  out [N, H] bf16; row i of expert l's rows gets expert_l(x[i]) (unweighted, as
+  ///              ExpertMajor); rows outside every expert's range are not written.
+  /// Throws InvalidArgument on shape/dtype mismatch, an index >= L, or (CPU) expert_offsets that
+  /// decrease or leave [0, N].
   virtual void apply(const ExpertsInput& in, const TensorView& out, Stream stream = {}) = 0;
 };
 
-/// CPU experts over `local_experts` (index = local expert id). Supports both layouts.
+/// CPU experts over `local_experts` (index = local expert id). Supports every ActivationLayout.
 std::unique_ptr<Experts> make_experts_cpu(std::vector<std::shared_ptr<const ExpertWeights>> local_experts);
 
 /// CUDA experts over `local_experts` (index = local expert id) on cuda:`device`: the grouped expert
@@ -134,11 +148,12 @@ std::unique_ptr<Experts> make_experts_cpu(std::vector<std::shared_ptr<const Expe
 /// formats and intermediate sizes (FHMoE); hidden and every intermediate must be multiples of 8,
 /// at most 2048 local experts.
 /// apply(): all tensors on cuda:`device`, contiguous, 16-byte aligned; stream-ordered on `stream`,
-///   no host sync; recv_count (ExpertMajor) and topk_idx (Flat) are read on the device only.
-///   A topk_idx outside [-1, L) or a recv_count outside [0, cap] cannot throw at once: the entry is
-///   treated as no selection (clamped count), and the next apply() on this object throws
-///   InvalidArgument naming it (synchronize the stream first to be sure it is seen).
-///   Workspace (about the size of x for ExpertMajor; [N*K, H] bf16 + [N*K, I] fp32 for Flat; plus
+///   no host sync; recv_count (ExpertMajor), topk_idx (Flat) and expert_offsets (Contiguous) are read on
+///   the device only. A topk_idx outside [-1, L) or a recv_count outside [0, cap] cannot throw at once:
+///   the entry is treated as no selection (clamped count), and the next apply() on this object throws
+///   InvalidArgument naming it (synchronize the stream first to be sure it is seen). expert_offsets
+///   that decrease or leave [0, N] make that apply write nothing, and the next apply() throws likewise.
+///   Workspace (about the size of x for ExpertMajor and Contiguous; [N*K, H] bf16 + [N*K, I] fp32 for Flat; plus
 ///   [rows, I] FP8 + [rows, I/128] fp32 of h on the tensor-core path) is
 ///   allocated on first use and grown when a larger shape arrives: to capture apply() in a CUDA
 ///   graph, call it once eagerly with the largest shape first (growing during capture throws

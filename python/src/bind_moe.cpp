@@ -319,8 +319,11 @@ apply(prepared, out): ExpertMajor out [L, cap, H] (unweighted, rows < recv_count
       .def_property_readonly("num_local_experts", &Experts::num_local_experts)
       .def_property_readonly("hidden", &Experts::hidden)
       .def("supports", [](const Experts& e, const std::string& layout) {
-        return e.supports(layout == "expert_major" ? ActivationLayout::ExpertMajor : ActivationLayout::Flat);
-      })
+        for (ActivationLayout l : {ActivationLayout::ExpertMajor, ActivationLayout::Flat, ActivationLayout::Contiguous})
+          if (layout == layout_name(l)) return e.supports(l);
+        throw InvalidArgument(arg_message("epx.Experts.supports", "layout", layout,
+                                          "must be \"expert_major\", \"flat\" or \"contiguous\""));
+      }, pyb::arg("layout"), "Whether apply() takes this layout: \"expert_major\", \"flat\" or \"contiguous\".")
       .def("apply", [](Experts& e, const PyPrepareResult& in, pyb::handle out, int64_t stream) {
         CallArgs a("epx.Experts.apply", stream);
         TensorView o = a.get_out(out, "out", DType::bf16);

@@ -4,10 +4,12 @@
 // dispatch_harness.h (bit for bit) with the test experts run on the contiguous rows.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstring>
 
 #include "dispatch_harness.h"
 #include "epx/error.h"
+#include "epx/experts.h"
 
 using namespace epx;
 using namespace epx::test;
@@ -178,6 +180,72 @@ TEST(HtContiguous, MatchesTheFlatRowsAndTheOracle) {
   check_contiguous_case(c);
   c.T = {0, 0, 0};
   check_contiguous_case(c);
+}
+
+TEST(HtContiguous, ExpertsOnTheContiguousLayoutMatchTheFlatPath) {
+  // What a grouped-GEMM user plugs together: ht's prepare with expert_contiguous, Experts::apply on
+  // ActivationLayout::Contiguous with the layout's [L + 1] expert_offsets (padding rows included, aligned
+  // to 8), then finalize weighting the unweighted rows; against the Flat path of the same prepare
+  // (Experts::apply on the Flat rows weights them, finalize sums). Real CPU experts (bf16 weights).
+  for (const DType dt : {DType::bf16, DType::fp8_e4m3}) {
+    Case c;
+    c.R = 2;
+    c.E = 8;
+    c.K = 4;
+    c.H = 256;
+    c.cap = 32;
+    c.T = {32, 19};
+    c.dups = true;
+    c.masked = 0.2;
+    c.align = 8;
+    c.dtype = dt;
+    c.seed = dt == DType::bf16 ? 21 : 22;
+    SCOPED_TRACE(c.describe());
+    std::vector<std::shared_ptr<const ExpertWeights>> all;
+    for (int e = 0; e < c.E; ++e) all.push_back(ExpertWeights::random(WeightFormat::bf16, c.H, 64, 700 + e));
+    const auto in = make_inputs(c);
+    auto groups = make_cpu_groups(c.R, 30.0);
+    std::vector<Tensor> via_contiguous(static_cast<size_t>(c.R)), via_flat(static_cast<size_t>(c.R));
+    run_ranks(groups, [&](int r) {
+      DispatchConfig cfg = c.config();
+      cfg.expert_contiguous = true;
+      auto pf = make_prepare_finalize("ht", groups[static_cast<size_t>(r)], cfg);
+      const ExpertRange range = expert_range(c.E, c.R, r);
+      auto experts = make_experts_cpu({all.begin() + range.begin, all.begin() + range.begin + range.size()});
+      const RankInput& ri = in[static_cast<size_t>(r)];
+      const PrepareResult p = pf->prepare({ri.x, ri.topk_idx, ri.topk_weights});
+      const ExpertContiguousLayout& cl = p.contiguous;
+      const int64_t T = ri.x.size(0);
+      ExpertsInput ec;
+      ec.layout = ActivationLayout::Contiguous;
+      ec.x = cl.x, ec.x_scales = cl.x_scales, ec.expert_offsets = cl.expert_offsets;
+      Tensor eo = Tensor::empty({cl.num_rows, c.H}, DType::bf16), ef;
+      poison(eo);
+      experts->apply(ec, eo);
+      via_contiguous[static_cast<size_t>(r)] = Tensor::empty({T, c.H}, DType::bf16);
+      FinalizeArgs fa{eo, via_contiguous[static_cast<size_t>(r)]};
+      fa.topk_weights = p.topk_weights;
+      pf->finalize(fa);
+      // The Flat path: ht without expert_contiguous (whose finalize takes the Flat rows).
+      auto pf_flat = make_prepare_finalize("ht", groups[static_cast<size_t>(r)], c.config());
+      const PrepareResult pfl = pf_flat->prepare({ri.x, ri.topk_idx, ri.topk_weights});
+      ef = Tensor::empty({pfl.num_recv_tokens, c.H}, DType::bf16);
+      poison(ef);
+      experts->apply(pfl.experts_input(), ef);
+      via_flat[static_cast<size_t>(r)] = Tensor::empty({T, c.H}, DType::bf16);
+      pf_flat->finalize({ef, via_flat[static_cast<size_t>(r)]});
+    });
+    for (int r = 0; r < c.R; ++r) {
+      const Tensor& a = via_contiguous[static_cast<size_t>(r)];
+      const Tensor& b = via_flat[static_cast<size_t>(r)];
+      int64_t non_finite = 0;
+      for (int64_t i = 0; i < a.numel(); ++i) non_finite += !std::isfinite(bf16_bits_to_float(a.ptr<const uint16_t>()[i]));
+      EXPECT_EQ(non_finite, 0) << "rank " << r;
+      // Same weights and order (fp32 sum over k, one bf16 rounding per rank); the expert rows come from sgemm
+      // batches of other sizes (padding rows, duplicates shared), so allow the bf16 tolerance of METHOD.md.
+      EXPECT_LT(rel_l2_error(a, b), 1e-2) << "rank " << r << ", " << count_bit_diffs(a, b) << " elements differ in bits";
+    }
+  }
 }
 
 TEST(HtContiguous, AlignmentWhoseRowsPassInt32IsRefusedAtCreate) {

@@ -1,5 +1,5 @@
 // src/experts/experts_cpu.cpp: the CPU expert MLP (BLAS sgemm on the dequantized fp32 weights) and
-// the CPU Experts backend for both activation layouts. This is the oracle the CUDA grouped GEMM is
+// the CPU Experts backend for every activation layout. This is the oracle the CUDA grouped GEMM is
 // compared with, and what the CPU device runs for the full-size models, so tokens are grouped per
 // expert and each group is one pair of sgemm calls (never a per-token GEMV).
 #include <algorithm>
@@ -23,11 +23,35 @@ std::string_view layout_name(ActivationLayout l) {
   switch (l) {
     case ActivationLayout::ExpertMajor: return "expert_major";
     case ActivationLayout::Flat: return "flat";
+    case ActivationLayout::Contiguous: return "contiguous";
   }
   return "?";
 }
 
 namespace {
+
+/// [begin, end) rows of every local expert of the Contiguous layout, after checking expert_offsets
+/// (ExpertsInput::expert_offsets: `num_offsets` = L cumulative ends, or L + 1 starts then the end; non-decreasing,
+/// each in [0, n]).
+std::vector<std::pair<int64_t, int64_t>> contiguous_ranges(std::string_view op, const int32_t* offs, int64_t num_offsets,
+                                                           int64_t num_local, int64_t n) {
+  const bool lead = num_offsets == num_local + 1;  // [L + 1]: a first start, then L ends
+  std::vector<std::pair<int64_t, int64_t>> range(static_cast<size_t>(num_local));
+  int64_t prev = 0;
+  for (int64_t i = 0; i < num_offsets; ++i) {
+    const std::string arg = "expert_offsets[" + std::to_string(i) + "]";
+    require_arg(op, arg, offs[i], offs[i] >= 0 && offs[i] <= n, "must be in [0, N = " + std::to_string(n) + "] (a row offset)");
+    if (i > 0)
+      require_arg(op, arg, offs[i], offs[i] >= prev,
+                  "must be >= expert_offsets[" + std::to_string(i - 1) + "] = " + std::to_string(prev) +
+                      " (the offsets of experts sorted by id never decrease)");
+    prev = offs[i];
+  }
+  for (int64_t l = 0; l < num_local; ++l)
+    range[l] = lead ? std::pair<int64_t, int64_t>{offs[l], offs[l + 1]}
+                    : std::pair<int64_t, int64_t>{l == 0 ? 0 : offs[l - 1], offs[l]};
+  return range;
+}
 
 /// Rows per sgemm. Bounds the [rows, 2I] fp32 intermediate (Qwen1.5-MoE shared expert, I = 5632:
 /// 512 rows = 23 MiB instead of 180 MiB for 4000 tokens) while keeping sgemm efficient (M >= 512
@@ -109,6 +133,7 @@ class CpuExperts final : public Experts {
 
   void apply(const ExpertsInput& in, const TensorView& out, Stream) override {
     if (in.layout == ActivationLayout::ExpertMajor) apply_expert_major(in, out);
+    else if (in.layout == ActivationLayout::Contiguous) apply_contiguous(in, out);
     else apply_flat(in, out);
   }
 
@@ -151,6 +176,33 @@ class CpuExperts final : public Experts {
       rows.resize(static_cast<size_t>(counts[l]));
       for (int64_t j = 0; j < counts[l]; ++j) rows[j] = l * cap + j;
       run_expert_on_rows(*experts_[l], in, rows.data(), counts[l], x_buf, y_buf, [&](int64_t j, const float* y) {
+        uint16_t* dst = o + rows[j] * h;
+        for (int64_t i = 0; i < h; ++i) dst[i] = float_to_bf16_bits(y[i]);  // exact: y holds bf16 values
+      });
+    }
+  }
+
+  void apply_contiguous(const ExpertsInput& in, const TensorView& out) {
+    const int64_t num_local = num_local_experts(), h = hidden();
+    require_arg(kOp, "x.ndim", in.x.ndim, in.x.ndim == 2, "must be 2 ([N, H]) for the contiguous layout");
+    const int64_t n = in.x.size(0);
+    check_x(in, {n, h}, {n, h / kFp8GroupSize});
+    require_arg(kOp, "expert_offsets.ndim", in.expert_offsets.ndim, in.expert_offsets.ndim == 1,
+                "must be 1 ([L] or [L + 1] int32) for the contiguous layout");
+    const int64_t num_offsets = in.expert_offsets.size(0);
+    require_arg(kOp, "expert_offsets.shape[0]", num_offsets, num_offsets == num_local || num_offsets == num_local + 1,
+                "must be L = " + std::to_string(num_local) + " (cumulative ends, torch's offs) or L + 1 (starts, then the end)");
+    check_tensor("expert_offsets", in.expert_offsets, {DType::int32}, {num_offsets});
+    check_tensor("out", out, {DType::bf16}, {n, h});
+    const auto range = contiguous_ranges(kOp, in.expert_offsets.ptr<const int32_t>(), num_offsets, num_local, n);
+    std::vector<int64_t> rows;
+    std::vector<float> x_buf, y_buf;
+    uint16_t* o = out.ptr<uint16_t>();
+    for (int64_t l = 0; l < num_local; ++l) {
+      const int64_t count = range[l].second - range[l].first;
+      rows.resize(static_cast<size_t>(count));
+      for (int64_t j = 0; j < count; ++j) rows[j] = range[l].first + j;
+      run_expert_on_rows(*experts_[l], in, rows.data(), count, x_buf, y_buf, [&](int64_t j, const float* y) {
         uint16_t* dst = o + rows[j] * h;
         for (int64_t i = 0; i < h; ++i) dst[i] = float_to_bf16_bits(y[i]);  // exact: y holds bf16 values
       });

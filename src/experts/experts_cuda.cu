@@ -287,6 +287,7 @@ class CudaExperts final : public Experts {
     raise_device_error();
     cuda::DeviceGuard guard(device_);
     if (in.layout == ActivationLayout::ExpertMajor) apply_expert_major(in, out, cuda::native(stream));
+    else if (in.layout == ActivationLayout::Contiguous) apply_contiguous(in, out, cuda::native(stream));
     else apply_flat(in, out, cuda::native(stream));
   }
 
@@ -336,6 +337,10 @@ class CudaExperts final : public Experts {
       throw InvalidArgument(arg_message(kOp, "topk_idx[" + std::to_string(row) + ", " + std::to_string(col) + "]", value,
                                         "must be -1 (not on this rank) or a local expert index in [0, L = " +
                                             std::to_string(num_local_experts()) + ")" + when));
+    if (code == experts_cuda::kBadExpertOffsets)
+      throw InvalidArgument(arg_message(kOp, "expert_offsets[" + std::to_string(row) + "]", value,
+                                        "must be in [0, N] and >= the previous offset (offsets of experts sorted by "
+                                        "id; that apply wrote nothing)" + when));
     throw InvalidArgument(arg_message(kOp, "recv_count[" + std::to_string(row) + "]", value,
                                       "must be in [0, cap] (the x capacity per expert; clamped)" + when));
   }
@@ -390,6 +395,45 @@ class CudaExperts final : public Experts {
     experts_cuda::schedule_expert_major_kernel<<<1, experts_cuda::kScheduleThreads,
                                                  experts_cuda::schedule_smem_bytes(sp.num_local), stream>>>(sp);
     cuda::check_launch("schedule_expert_major_kernel");
+    run_mlp(in, nullptr, out.ptr<uint16_t>(), ws, max_tiles, big, stream);
+  }
+
+  /// Contiguous: ExpertMajor's kernels over a row space of x's N rows, the tiles made from expert_offsets
+  /// (schedule_expert_major_kernel with ScheduleParams::expert_offsets).
+  void apply_contiguous(const ExpertsInput& in, const TensorView& out, cudaStream_t stream) {
+    const int64_t num_local = num_local_experts(), h = hidden();
+    require_arg(kOp, "x.ndim", in.x.ndim, in.x.ndim == 2, "must be 2 ([N, H]) for the contiguous layout");
+    const int64_t n = in.x.size(0);
+    check_x(in, {n, h}, {n, h / kFp8GroupSize});
+    require_arg(kOp, "expert_offsets.ndim", in.expert_offsets.ndim, in.expert_offsets.ndim == 1,
+                "must be 1 ([L] or [L + 1] int32) for the contiguous layout");
+    const int64_t num_offsets = in.expert_offsets.size(0);
+    require_arg(kOp, "expert_offsets.shape[0]", num_offsets, num_offsets == num_local || num_offsets == num_local + 1,
+                "must be L = " + std::to_string(num_local) + " (cumulative ends, torch's offs) or L + 1 (starts, then the end)");
+    check_tensor("expert_offsets", in.expert_offsets, {DType::int32}, {num_offsets}, false);
+    check_tensor("out", out, {DType::bf16}, {n, h}, true);
+    require_arg(kOp, "N", n, n < (int64_t{1} << 31), "must be < 2^31");
+    if (n == 0) return;
+
+    // Every expert's rows end in a partial tile at most: N / kTileRows + L tiles.
+    const int64_t max_tiles = ceil_div(n, experts_cuda::kTileRows) + num_local;
+    const WorkspaceLayout layout(max_tiles, 0, n, inter_max_, 0, h, hq_cols(in), hb_bytes(in));
+    const Workspace ws = workspace(layout, stream);
+
+    experts_cuda::ScheduleParams sp{};
+    sp.num_local = static_cast<int>(num_local);
+    sp.expert_offsets = in.expert_offsets.ptr<const int32_t>();
+    sp.offsets_lead = num_offsets == num_local + 1;
+    sp.num_rows = n;
+    sp.tiles = ws.tiles;
+    sp.num_tiles = ws.num_tiles;
+    const bool big = use_prefill(in) && n > experts_cuda::kTileRows;
+    sp.big_rows = big ? experts_cuda::kFp8PrefillRows : 0;
+    sp.big_min_tiles = fp8_prefill_min_tiles_;
+    sp.error = error_dev_;
+    experts_cuda::schedule_expert_major_kernel<<<1, experts_cuda::kScheduleThreads,
+                                                 experts_cuda::schedule_smem_bytes(sp.num_local), stream>>>(sp);
+    cuda::check_launch("schedule_expert_major_kernel (contiguous)");
     run_mlp(in, nullptr, out.ptr<uint16_t>(), ws, max_tiles, big, stream);
   }
 
@@ -513,8 +557,9 @@ class CudaExperts final : public Experts {
       fp.prefill_stages = fp8_prefill_stages_;
       fp.w_maps = w_maps_.defined() ? w_maps_.data() : nullptr;
       fp.prefill_fast = fp8_prefill_fast_;
-      fp.row_space = in.layout == ActivationLayout::ExpertMajor ? in.x.size(0) * in.x.size(1)
-                                                               : in.topk_idx.size(0) * in.topk_idx.size(1);
+      fp.row_space = in.layout == ActivationLayout::ExpertMajor  ? in.x.size(0) * in.x.size(1)
+                     : in.layout == ActivationLayout::Contiguous ? in.x.size(0)
+                                                                 : in.topk_idx.size(0) * in.topk_idx.size(1);
       // Persistent grids of one CTA per multiprocessor (the kernels take ~205-217 KiB of shared memory).
       fp.max_weight_tiles = static_cast<int32_t>(fp8_inter_max_ / kFp8GroupSize);
       const int up_grid = static_cast<int>(std::clamp<int64_t>(max_tiles * fp.max_weight_tiles, 1, num_sms_));

@@ -40,7 +40,7 @@ constexpr int kMaxLocalExperts = 2048;  ///< bounds the schedule kernel's shared
 constexpr int kFp8Group = 128;
 
 /// Error codes the schedule kernels leave in the host-mapped ErrorRecord.
-enum ErrorCode : int32_t { kNoError = 0, kBadTopkIdx = 1, kBadRecvCount = 2 };
+enum ErrorCode : int32_t { kNoError = 0, kBadTopkIdx = 1, kBadRecvCount = 2, kBadExpertOffsets = 3 };
 
 /// Host-mapped record of the first bad input a schedule kernel saw; the host raises it.
 struct ErrorRecord {
@@ -57,6 +57,9 @@ struct ScheduleParams {
   int num_local;          ///< L
   int64_t cap;            ///< ExpertMajor: rows per expert in x
   const int32_t* recv_count;  ///< ExpertMajor [L]
+  const int32_t* expert_offsets;  ///< Contiguous: ExpertsInput::expert_offsets; else null
+  bool offsets_lead;      ///< Contiguous: expert_offsets is [L + 1] (starts, then the end), else [L] (cumulative ends)
+  int64_t num_rows;       ///< Contiguous: N, the rows of x
   const void* topk_idx;   ///< Flat [N, K] int32 | int64
   bool idx_int64;
   int64_t num_pairs;      ///< Flat: N * K
@@ -189,27 +192,51 @@ __device__ void block_exclusive_scan2(int32_t* a, int32_t* b, int n, int32_t* to
 /// Shared memory of the schedule kernels: 4 int arrays of L.
 constexpr int64_t schedule_smem_bytes(int num_local) { return 4LL * 4 * num_local; }
 
-/// ExpertMajor: tiles over rows [0, clamp(recv_count[l], 0, cap)) of every expert.
+/// ExpertMajor (p.expert_offsets null): tiles over rows [0, clamp(recv_count[l], 0, cap)) of every
+/// expert, row l * cap + j. Contiguous: tiles over every expert's rows of ExpertsInput::expert_offsets
+/// ([L]: [expert_offsets[l - 1] (0 for l = 0), expert_offsets[l]); [L + 1]: [expert_offsets[l],
+/// expert_offsets[l + 1])); offsets that decrease or leave [0, num_rows] are reported and no tile is
+/// made (the apply writes nothing: a clamped reading could give two experts the same rows).
 __global__ void __launch_bounds__(kScheduleThreads) schedule_expert_major_kernel(ScheduleParams p) {
   extern __shared__ int32_t smem[];
   int32_t* counts = smem;                    // [L] rows
   int32_t* big_off = counts + p.num_local;   // [L] big tiles per expert -> first big tile (big_rows > 0)
   int32_t* tile_off = big_off + p.num_local; // [L] tiles per expert -> first tile
-  __shared__ int claimed;
+  int32_t* first = tile_off + p.num_local;   // [L] Contiguous: the expert's first row
+  __shared__ int claimed, bad;
   __shared__ int32_t total_big, total_tiles, want_big;
   const int tid = threadIdx.x, L = p.num_local;
-  if (tid == 0) claimed = 0, want_big = 0;
+  if (tid == 0) claimed = 0, bad = 0, want_big = 0;
   __syncthreads();
   for (int l = tid; l < L; l += kScheduleThreads) {
-    int64_t c = p.recv_count[l];
-    if (c < 0 || c > p.cap) {
-      report_error(&claimed, p.error, kBadRecvCount, l, 0, c);
-      c = c < 0 ? 0 : p.cap;
+    int64_t c;
+    if (p.expert_offsets != nullptr) {
+      const int lead = p.offsets_lead ? 1 : 0;
+      const int64_t end = p.expert_offsets[l + lead], begin = lead || l > 0 ? p.expert_offsets[l + lead - 1] : 0;
+      if (begin < 0 || begin > p.num_rows) {  // (entry l + lead - 1: only the [L + 1] form's first start is not another's end)
+        report_error(&claimed, p.error, kBadExpertOffsets, l + lead - 1, 0, begin);
+        bad = 1;
+      } else if (end < 0 || end > p.num_rows || end < begin) {
+        report_error(&claimed, p.error, kBadExpertOffsets, l + lead, 0, end);
+        bad = 1;
+      }
+      c = end - begin;
+      first[l] = static_cast<int32_t>(begin);
+    } else {
+      c = p.recv_count[l];
+      if (c < 0 || c > p.cap) {
+        report_error(&claimed, p.error, kBadRecvCount, l, 0, c);
+        c = c < 0 ? 0 : p.cap;
+      }
     }
     counts[l] = static_cast<int32_t>(c);
     if (p.big_rows > 0 && c > kTileRows) atomicAdd(&want_big, static_cast<int32_t>((c + p.big_rows - 1) / p.big_rows));
   }
   __syncthreads();
+  if (bad) {
+    if (tid == 0) p.num_tiles[0] = 0, p.num_tiles[1] = 0;
+    return;
+  }
   const int32_t big_rows = want_big >= p.big_min_tiles ? p.big_rows : 0;  // the section pays off (ScheduleParams)
   for (int l = tid; l < L; l += kScheduleThreads) {
     const int32_t c = counts[l];
@@ -224,7 +251,7 @@ __global__ void __launch_bounds__(kScheduleThreads) schedule_expert_major_kernel
     const bool big = big_rows > 0 && c > kTileRows;
     const int32_t step = big ? big_rows : kTileRows;
     for (int32_t j = 0, t = big ? total_tiles + big_off[l] : tile_off[l]; j < c; j += step, ++t)
-      p.tiles[t] = Tile{l, static_cast<int32_t>(l * p.cap + j), min(step, c - j), 0};
+      p.tiles[t] = Tile{l, static_cast<int32_t>((p.expert_offsets != nullptr ? first[l] : l * p.cap) + j), min(step, c - j), 0};
   }
   if (tid == 0) p.num_tiles[0] = total_tiles + total_big, p.num_tiles[1] = total_tiles;
 }

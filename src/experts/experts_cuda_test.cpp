@@ -181,6 +181,83 @@ EmResult run_expert_major(Experts& cpu, Experts& gpu, const std::vector<int32_t>
   return res;
 }
 
+/// Contiguous: x [N, H], the experts' rows packed in expert order (counts[l] rows each), then `tail`
+/// NaN rows that belong to no expert; out poisoned; CPU vs CUDA, and the CUDA rows byte for byte against
+/// the same rows through ExpertMajor (every output row depends only on its input row and its expert, and
+/// both layouts tile an expert's rows from its first row).
+/// head > 0: that many NaN rows before the first expert's, with expert_offsets in the [L + 1] form (starts, then
+/// the end: ht's ExpertContiguousLayout); head = 0: the [L] form (torch's offs).
+double run_contiguous(Experts& cpu, Experts& gpu, const std::vector<int32_t>& counts, int64_t tail, DType x_dtype,
+                      uint64_t seed, double tol = kMaxRelL2, int64_t head = 0) {
+  const int64_t L = cpu.num_local_experts(), H = cpu.hidden();
+  SCOPED_TRACE("contiguous L=" + std::to_string(L) + " head=" + std::to_string(head) + " tail=" + std::to_string(tail) +
+               " H=" + std::to_string(H) + " x=" + std::string(dtype_name(x_dtype)) + " seed=" + std::to_string(seed));
+  int64_t total = 0, cap = 1;
+  for (int32_t c : counts) total += c, cap = std::max<int64_t>(cap, c);
+  const int64_t N = head + total + tail;
+  const bool lead = head > 0;
+  const Rows rows = random_rows(total, H, x_dtype, seed);
+  Tensor x = Tensor::empty({N, H}, x_dtype), scales;
+  test::poison(x);
+  if (x_dtype == DType::fp8_e4m3) {
+    scales = Tensor::empty({N, H / kFp8GroupSize}, DType::fp32);
+    test::poison(scales);
+  }
+  // The same rows in ExpertMajor form, for the byte-for-byte comparison.
+  Tensor xe = Tensor::empty({L, cap, H}, x_dtype), se, recv = Tensor::empty({L}, DType::int32);
+  test::poison(xe);
+  if (x_dtype == DType::fp8_e4m3) {
+    se = Tensor::empty({L, cap, H / kFp8GroupSize}, DType::fp32);
+    test::poison(se);
+  }
+  Tensor offs = Tensor::empty({lead ? L + 1 : L}, DType::int32);
+  if (lead) offs.ptr<int32_t>()[0] = static_cast<int32_t>(head);
+  for (int64_t l = 0, src = 0; l < L; ++l) {
+    recv.ptr<int32_t>()[l] = counts[l];
+    for (int64_t j = 0; j < counts[l]; ++j, ++src) {
+      place_row(rows, src, x, scales, head + src, H);
+      place_row(rows, src, xe, se, l * cap + j, H);
+    }
+    offs.ptr<int32_t>()[lead ? l + 1 : l] = static_cast<int32_t>(head + src);
+  }
+  Tensor out_ref = Tensor::empty({N, H}, DType::bf16);
+  test::poison(out_ref);
+  ExpertsInput in;
+  in.layout = ActivationLayout::Contiguous;
+  in.x = x, in.x_scales = scales, in.expert_offsets = offs;
+  cpu.apply(in, out_ref);
+
+  const Tensor xd = to_dev(x), sd = scales.defined() ? to_dev(scales) : Tensor(), od = to_dev(offs);
+  Tensor out = Tensor::empty({N, H}, DType::bf16, kDev);
+  poison_dev(out);
+  ExpertsInput ind;
+  ind.layout = ActivationLayout::Contiguous;
+  ind.x = xd, ind.x_scales = sd, ind.expert_offsets = od;
+  gpu.apply(ind, out);
+  const Tensor xed = to_dev(xe), sed = se.defined() ? to_dev(se) : Tensor(), rd = to_dev(recv);
+  Tensor oute = Tensor::empty({L, cap, H}, DType::bf16, kDev);
+  poison_dev(oute);
+  gpu.apply({ActivationLayout::ExpertMajor, xed, sed, rd, {}, {}}, oute);
+  const Tensor oh = out.to(Device::cpu()), oeh = oute.to(Device::cpu());
+
+  double worst = 0;
+  if (total > 0) {
+    const TensorView got = rows_2d(oh, H, head, head + total), want = rows_2d(out_ref, H, head, head + total);
+    EXPECT_EQ(count_non_finite(got), 0) << "expert rows not written or not finite";
+    worst = test::rel_l2_error(got, want);
+    EXPECT_LE(worst, tol) << sample(got, want, H);
+  }
+  int64_t differ = 0, touched = 0;
+  for (int64_t l = 0, r = head; l < L; ++l)
+    for (int64_t j = 0; j < counts[l]; ++j, ++r)
+      differ += std::memcmp(oh.ptr<const uint16_t>() + r * H, oeh.ptr<const uint16_t>() + (l * cap + j) * H, H * 2) != 0;
+  EXPECT_EQ(differ, 0) << "rows that differ from the same rows through expert_major";
+  for (int64_t i = 0; i < N * H; ++i)
+    touched += (i < head * H || i >= (head + total) * H) && oh.ptr<const uint16_t>()[i] != 0xFFFFu;
+  EXPECT_EQ(touched, 0) << "rows outside every expert's range were written";
+  return worst;
+}
+
 struct FlatOptions {
   double masked = 0.3;
   bool duplicates = true;
@@ -252,7 +329,7 @@ std::vector<std::shared_ptr<const ExpertWeights>> same_format(WeightFormat f, in
 
 // ---- correctness ------------------------------------------------------------------------------
 
-TEST(ExpertsCuda, SmallShapesEveryFormatBothLayouts) {
+TEST(ExpertsCuda, SmallShapesEveryFormatEveryLayout) {
   if (gpus() < 1) GTEST_SKIP() << "needs 1 GPU, found " << gpus();
   uint64_t seed = 900;
   for (WeightFormat f : {WeightFormat::bf16, WeightFormat::fp8_block, WeightFormat::mxfp4}) {
@@ -266,8 +343,9 @@ TEST(ExpertsCuda, SmallShapesEveryFormatBothLayouts) {
       const double fl = run_flat(*cpu, *gpu, 200, 6, xt, ++seed, {.tol = tol});
       const double fl64 =
           run_flat(*cpu, *gpu, 37, 3, xt, ++seed, {.masked = 0.5, .duplicates = true, .int64_idx = true, .tol = tol});
-      std::printf("[ rel_l2 ] %-10s x=%-8s expert_major %.2e flat %.2e flat(int64) %.2e\n", weight_format_name(f).data(),
-                  dtype_name(xt).data(), em.max_rel_l2, fl, fl64);
+      const double co = run_contiguous(*cpu, *gpu, {0, 1, 300, 77}, 5, xt, ++seed, tol);
+      std::printf("[ rel_l2 ] %-10s x=%-8s expert_major %.2e flat %.2e flat(int64) %.2e contiguous %.2e\n",
+                  weight_format_name(f).data(), dtype_name(xt).data(), em.max_rel_l2, fl, fl64, co);
     }
   }
 }
@@ -309,6 +387,8 @@ TEST(ExpertsCuda, MixedFormatsAndWidths) {
   for (DType xt : {DType::bf16, DType::fp8_e4m3}) {
     const double tol = tolerance(xt, experts);
     run_expert_major(*cpu, *gpu, {7, 40, 0, 65}, 70, xt, 85, tol);
+    run_contiguous(*cpu, *gpu, {7, 40, 0, 65}, 3, xt, 87, tol);
+    run_contiguous(*cpu, *gpu, {7, 40, 0, 65}, 0, xt, 88, tol, /*head=*/5);  // the [L + 1] form
     run_flat(*cpu, *gpu, 150, 5, xt, 86, {.masked = 0.2, .duplicates = true, .int64_idx = xt == DType::bf16, .tol = tol});
   }
 }
@@ -338,8 +418,9 @@ TEST(ExpertsCuda, DeepSeekV4ProExpertShapes) {
     const double tol = tolerance(xt, experts);
     const EmResult em = run_expert_major(*cpu, *gpu, {17, 40, 1}, 40, xt, 403, tol);
     const double fl = run_flat(*cpu, *gpu, 24, 6, xt, 404, {.masked = 0.4, .duplicates = true, .tol = tol});
-    std::printf("[ rel_l2 ] deepseek-v4-pro experts x=%-8s expert_major %.2e flat %.2e\n", dtype_name(xt).data(), em.max_rel_l2,
-                fl);
+    const double co = run_contiguous(*cpu, *gpu, {3, 8, 1}, 2, xt, 405, tol);  // the MXFP4 decode path's row counts
+    std::printf("[ rel_l2 ] deepseek-v4-pro experts x=%-8s expert_major %.2e flat %.2e contiguous %.2e\n", dtype_name(xt).data(),
+                em.max_rel_l2, fl, co);
   }
 }
 
@@ -403,6 +484,14 @@ TEST(ExpertsCuda, Fp8TensorCoreRowCountsOneTo8192) {
     }
     const double fl = run_flat(*cpu, *g, 4096, 2, DType::fp8_e4m3, ++seed, {.masked = 0.0, .duplicates = false, .tol = tol});
     std::printf("[ rel_l2 ] fp8 tensor cores%s deepseek-v3 flat 8192 rows: %.2e\n", variant, fl);
+    // Contiguous: 8192 rows whose expert boundaries fall inside 128-row tiles (TMA boxes that run into
+    // the next expert's rows and past N; on the default, gated and 64-row-only kernels: the CPU reference
+    // of 8192 rows costs seconds per variant), then a small mix on every variant.
+    const bool big = g == gpu.get() || g == gpu_gated.get() || g == gpu_small.get();
+    const double co = big ? run_contiguous(*cpu, *g, {2900, 0, 5292}, 7, DType::fp8_e4m3, ++seed, tol) : -1.0;
+    const double co2 = run_contiguous(*cpu, *g, {65, 1, 129}, 0, DType::fp8_e4m3, ++seed, tol, /*head=*/3);
+    std::printf("[ rel_l2 ] fp8 tensor cores%s deepseek-v3 contiguous 8192 / 195 rows: %.2e / %.2e (-1: not run)\n", variant, co,
+                co2);
     const double f2 = run_flat(*cpu, *g, 100, 2, DType::fp8_e4m3, ++seed, {.masked = 0.0, .duplicates = false, .tol = tol});
     std::printf("[ rel_l2 ] fp8 tensor cores%s deepseek-v3 flat 200 rows: %.2e\n", variant, f2);
     std::fflush(stdout);
@@ -733,6 +822,49 @@ TEST(ExpertsCuda, BadDeviceIndicesAreSkippedAndReportedByTheNextApply) {
     }
   }
   EXPECT_TRUE(saw_recv);
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  // Contiguous: decreasing expert_offsets make that apply write nothing (a clamped reading could give
+  // two experts the same rows), and the next apply names the entry.
+  Tensor offs_h = Tensor::empty({2}, DType::int32);
+  offs_h.ptr<int32_t>()[0] = 3, offs_h.ptr<int32_t>()[1] = 2;
+  Tensor offs = to_dev(offs_h), outc = Tensor::empty({3, H}, DType::bf16, kDev);
+  poison_dev(outc);
+  ExpertsInput ic;
+  ic.layout = ActivationLayout::Contiguous;
+  ic.x = x, ic.expert_offsets = offs;
+  gpu->apply(ic, outc);
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const Tensor och = outc.to(Device::cpu());
+  for (int64_t i = 0; i < 3 * H; ++i) ASSERT_EQ(och.ptr<uint16_t>()[i], 0xFFFFu) << "written: " << i;
+  try {
+    gpu->apply(ic, outc);
+    ADD_FAILURE() << "expected InvalidArgument for expert_offsets[1] < expert_offsets[0]";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("expert_offsets[1]"), std::string::npos) << e.what();
+  }
+  offs_h.ptr<int32_t>()[1] = 4;  // past N = 3
+  copy(offs, offs_h);
+  gpu->apply(ic, outc);
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  EXPECT_THROW(gpu->apply(ic, outc), InvalidArgument);
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  // The [L + 1] form: a first start past N, named by its index.
+  Tensor offs3_h = Tensor::empty({3}, DType::int32);
+  offs3_h.ptr<int32_t>()[0] = 4, offs3_h.ptr<int32_t>()[1] = 4, offs3_h.ptr<int32_t>()[2] = 4;
+  Tensor offs3 = to_dev(offs3_h);
+  ic.expert_offsets = offs3;
+  gpu->apply(ic, outc);
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  try {
+    gpu->apply(ic, outc);
+    ADD_FAILURE() << "expected InvalidArgument for expert_offsets[0] > N";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("expert_offsets[0]"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  Tensor offs64 = Tensor::zeros({2}, DType::int64, kDev);
+  ic.expert_offsets = offs64;
+  EXPECT_THROW(gpu->apply(ic, outc), InvalidArgument);  // int32 only, refused on the host
 }
 
 TEST(ExpertsCuda, GraphCaptureAfterWarmUp) {

@@ -371,6 +371,130 @@ TEST(ExpertsCpu, ExpertMajorZeroTokensAndBadArguments) {
                InvalidArgument);
 }
 
+// ---- Experts: contiguous ---------------------------------------------------------------------
+
+TEST(ExpertsCpu, ContiguousEqualsExpertMajorRowForRowAndLeavesTheTailAlone) {
+  const int64_t H = 256, cap = 40;
+  const int32_t counts[3] = {17, 0, 40};
+  const int32_t ends[3] = {17, 17, 57};
+  const int64_t N = 62;  // 5 tail rows that belong to no expert
+  for (bool use_fp8 : {false, true}) {
+    auto local = mixed_experts(H, use_fp8 ? 510 : 500);
+    auto experts = make_experts_cpu(local);
+    EXPECT_TRUE(experts->supports(ActivationLayout::Contiguous));
+    // The same rows in both layouts: contiguous row ends[l-1] + j = ExpertMajor row l * cap + j.
+    Tensor xc = test::random_bf16(N, H, 31, 2.0f);
+    test::poison(TensorView(xc.ptr<uint16_t>() + ends[2] * H, DType::bf16, {N - ends[2], H}));  // NaN tail
+    Tensor xe = Tensor::empty({3 * cap, H}, DType::bf16);
+    test::poison(xe);
+    for (int l = 0, begin = 0; l < 3; begin = ends[l++])
+      std::memcpy(xe.ptr<uint16_t>() + l * cap * H, xc.ptr<uint16_t>() + begin * H, static_cast<size_t>(counts[l] * H * 2));
+    ExpertsInput ic, ie;
+    Tensor qc, sc, qe, se;
+    if (use_fp8) {
+      qc = Tensor::empty({N, H}, DType::fp8_e4m3), sc = Tensor::empty({N, H / 128}, DType::fp32);
+      qe = Tensor::empty({3 * cap, H}, DType::fp8_e4m3), se = Tensor::empty({3 * cap, H / 128}, DType::fp32);
+      quantize_fp8_per_token_group(xc, qc, sc);
+      quantize_fp8_per_token_group(xe, qe, se);
+      ic.x = qc, ic.x_scales = sc;
+      ie.x = TensorView(qe.data(), DType::fp8_e4m3, {3, cap, H});
+      ie.x_scales = TensorView(se.data(), DType::fp32, {3, cap, H / 128});
+    } else {
+      ic.x = xc;
+      ie.x = TensorView(xe.data(), DType::bf16, {3, cap, H});
+    }
+    Tensor offs = Tensor::empty({3}, DType::int32), rc = Tensor::empty({3}, DType::int32);
+    std::memcpy(offs.data(), ends, sizeof(ends));
+    std::memcpy(rc.data(), counts, sizeof(counts));
+    ic.layout = ActivationLayout::Contiguous;
+    ic.expert_offsets = offs;
+    ie.layout = ActivationLayout::ExpertMajor;
+    ie.recv_count = rc;
+    Tensor oc = Tensor::empty({N, H}, DType::bf16), oe = Tensor::empty({3, cap, H}, DType::bf16);
+    std::memset(oc.data(), 0xab, oc.nbytes());  // sentinel: must survive in the tail rows
+    test::poison(oe);
+    experts->apply(ic, oc);
+    experts->apply(ie, oe);
+    for (int l = 0, begin = 0; l < 3; begin = ends[l++])
+      for (int64_t i = 0; i < counts[l] * H; ++i)  // same rows in the same sgemm batches: the same bits
+        ASSERT_EQ(oc.ptr<uint16_t>()[begin * H + i], oe.ptr<uint16_t>()[l * cap * H + i]) << "l=" << l << " i=" << i;
+    for (int64_t i = ends[2] * H; i < N * H; ++i) ASSERT_EQ(oc.ptr<uint16_t>()[i], 0xabab) << "tail row written: i=" << i;
+    // The [L + 1] form of the same ranges (ht's ExpertContiguousLayout::expert_offsets) gives the same bytes.
+    Tensor offs_l1 = Tensor::empty({4}, DType::int32), oc2 = Tensor::empty({N, H}, DType::bf16);
+    const int32_t starts[4] = {0, ends[0], ends[1], ends[2]};
+    std::memcpy(offs_l1.data(), starts, sizeof(starts));
+    std::memset(oc2.data(), 0xab, oc2.nbytes());
+    ic.expert_offsets = offs_l1;
+    experts->apply(ic, oc2);
+    ASSERT_EQ(std::memcmp(oc.data(), oc2.data(), static_cast<size_t>(oc.nbytes())), 0);
+    // And against the float64 reference, expert 2's rows.
+    std::vector<float> xf(static_cast<size_t>(counts[2] * H)), got(xf.size());
+    for (int64_t i = 0; i < counts[2] * H; ++i) {
+      xf[i] = use_fp8 ? fp8_e4m3_bits_to_float(qc.ptr<uint8_t>()[ends[1] * H + i]) * sc.ptr<float>()[(ends[1] * H + i) / 128]
+                      : bf16_bits_to_float(xc.ptr<uint16_t>()[ends[1] * H + i]);
+      got[i] = bf16_bits_to_float(oc.ptr<uint16_t>()[ends[1] * H + i]);
+    }
+    std::vector<float> ref = reference_mlp(*local[2], xf.data(), counts[2]);
+    EXPECT_LT(test::rel_l2_error(f32_view(got, counts[2], H), f32_view(ref, counts[2], H)), 1e-2);
+  }
+}
+
+TEST(ExpertsCpu, ContiguousBadOffsetsAreNamedAndNothingIsWritten) {
+  const int64_t H = 128, N = 10;
+  auto experts = make_experts_cpu({ExpertWeights::random(WeightFormat::bf16, H, 64, 1), ExpertWeights::random(WeightFormat::bf16, H, 64, 2)});
+  Tensor x = test::random_bf16(N, H, 3);
+  Tensor offs = Tensor::empty({2}, DType::int32);
+  Tensor out = Tensor::empty({N, H}, DType::bf16);
+  std::memset(out.data(), 0x5a, out.nbytes());
+  ExpertsInput in;
+  in.layout = ActivationLayout::Contiguous;
+  in.x = x;
+  in.expert_offsets = offs;
+  auto expect_error = [&](int32_t e0, int32_t e1, const std::string& what) {
+    offs.ptr<int32_t>()[0] = e0, offs.ptr<int32_t>()[1] = e1;
+    try {
+      experts->apply(in, out);
+      ADD_FAILURE() << "no error for offsets {" << e0 << ", " << e1 << "}";
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find(what), std::string::npos) << e.what();
+    }
+    for (int64_t i = 0; i < out.numel(); ++i) ASSERT_EQ(out.ptr<uint16_t>()[i], 0x5a5a) << "written before the error";
+  };
+  expect_error(6, 4, "expert_offsets[1]");   // decreasing
+  expect_error(-1, 4, "expert_offsets[0]");  // negative
+  expect_error(4, 11, "expert_offsets[1]");  // past N
+  offs.ptr<int32_t>()[0] = 0, offs.ptr<int32_t>()[1] = 0;  // no rows at all: nothing written
+  experts->apply(in, out);
+  for (int64_t i = 0; i < out.numel(); ++i) ASSERT_EQ(out.ptr<uint16_t>()[i], 0x5a5a);
+  Tensor offs64 = Tensor::zeros({2}, DType::int64);
+  in.expert_offsets = offs64;  // torch's offs are int32; int64 is refused by name
+  EXPECT_THROW(experts->apply(in, out), InvalidArgument);
+  // The [L + 1] form (starts, then the end): rows before the first start and after the end stay untouched.
+  Tensor offs3 = Tensor::empty({3}, DType::int32);
+  const int32_t starts[3] = {2, 5, 9};
+  std::memcpy(offs3.data(), starts, sizeof(starts));
+  in.expert_offsets = offs3;
+  experts->apply(in, out);
+  for (int64_t r = 0; r < N; ++r)
+    for (int64_t i = 0; i < H; ++i)
+      ASSERT_EQ(out.ptr<uint16_t>()[r * H + i] == 0x5a5a, r < 2 || r >= 9) << "row " << r << " i " << i;
+  offs3.ptr<int32_t>()[0] = 11;  // a first start past N
+  try {
+    experts->apply(in, out);
+    ADD_FAILURE() << "no error for a first start past N";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("expert_offsets[0]"), std::string::npos) << e.what();
+  }
+  Tensor offs4 = Tensor::zeros({4}, DType::int32);
+  in.expert_offsets = offs4;  // neither L nor L + 1 entries
+  EXPECT_THROW(experts->apply(in, out), InvalidArgument);
+  in.expert_offsets = TensorView();
+  EXPECT_THROW(experts->apply(in, out), InvalidArgument);
+  in.expert_offsets = offs;
+  in.x = TensorView(x.data(), DType::bf16, {2, 5, H});  // 3-D x
+  EXPECT_THROW(experts->apply(in, out), InvalidArgument);
+}
+
 // ---- Experts: flat ---------------------------------------------------------------------------
 
 TEST(ExpertsCpu, FlatWeightedSumMatchesPerRowAndIgnoresMaskedEntries) {

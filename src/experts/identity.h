@@ -4,6 +4,7 @@
 // Experts contract of experts.h exactly (ExpertMajor: rows >= recv_count untouched, unweighted;
 // Flat: weighted sum over local columns in column order, fp32, rounded once, zeros without a local
 // selection), at a cost of one pass over x, so `epx bench` times dispatch and combine, not GEMMs.
+// The Contiguous layout (no dispatch backend produces it) is refused with Unsupported.
 #pragma once
 
 #include <memory>

@@ -17,10 +17,14 @@ class IdentityExperts final : public Experts {
   IdentityExperts(int num_local, int64_t hidden, Device device) : num_local_(num_local), hidden_(hidden), device_(device) {}
   int num_local_experts() const override { return num_local_; }
   int64_t hidden() const override { return hidden_; }
-  bool supports(ActivationLayout) const override { return true; }
+  /// ExpertMajor and Flat (what the dispatch backends produce); not Contiguous.
+  bool supports(ActivationLayout layout) const override { return layout != ActivationLayout::Contiguous; }
 
   void apply(const ExpertsInput& in, const TensorView& out, Stream stream) override {
     const int64_t H = hidden_;
+    if (!supports(in.layout))
+      throw Unsupported(arg_message(kOp, "in.layout", std::string(layout_name(in.layout)),
+                                    "must be expert_major or flat (the layouts the dispatch backends produce)"));
     check_device(kOp, "x", in.x, device_);
     check_dtype(kOp, "x", in.x, {DType::bf16, DType::fp8_e4m3});
     check_contiguous(kOp, "x", in.x);
