@@ -627,6 +627,46 @@ int main(int argc, char** argv) {
       add_row("prefill-v3", "epx-wgmma", "contiguous", cap, sc, false, same, same ? 0.0 : rel_l2(ocv, emv, {{0, L * cap}}),
               std::string("Contiguous layout, 256 rows per expert (torch._scaled_grouped_mm's offs in gemm_torch.py); ") +
                   (same ? "byte-identical to" : "DIFFERS from") + " the expert_major row's output of the same rows");
+      // Run-order check (the twelfth session's first run had contiguous 12 % behind ExpertMajor on the same kernels
+      // and tiles): ExpertMajor again, then the contiguous row again, timing only.
+      {
+        Tensor o2 = Tensor::empty({L, cap, kH}, DType::bf16, Device::cuda(0));
+        const Stats se2 = time_us(stream, iters, [&] { tc->apply(in, o2, Stream{stream}); });
+        add_row("prefill-v3-order", "epx-wgmma", "expert_major", cap, se2, false, false, 0,
+                "the expert_major row again, after the contiguous row (run-order check; timing only)");
+        const Stats sc2 = time_us(stream, iters, [&] { tc->apply(ic, oc, Stream{stream}); });
+        add_row("prefill-v3-order", "epx-wgmma", "contiguous", cap, sc2, false, false, 0,
+                "the contiguous row again, after expert_major again (run-order check; timing only)");
+        CK(cudaStreamSynchronize(stream));
+        // Where the difference comes from: the host's enqueue time per apply (no sync inside the 10 calls) and each
+        // layout's apply captured once in a CUDA graph, replayed (no host work between the kernels).
+        auto host_us = [&](const std::function<void()>& fn) {
+          CK(cudaStreamSynchronize(stream));
+          const auto h0 = std::chrono::steady_clock::now();
+          for (int i = 0; i < 10; ++i) fn();
+          const double us = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - h0).count() / 10;
+          CK(cudaStreamSynchronize(stream));
+          return us;
+        };
+        const double he = host_us([&] { tc->apply(in, o2, Stream{stream}); });
+        const double hc = host_us([&] { tc->apply(ic, oc, Stream{stream}); });
+        std::printf("host enqueue per apply: expert_major %.1f us, contiguous %.1f us\n", he, hc);
+        for (int which = 0; which < 2; ++which) {
+          cudaGraph_t g;
+          cudaGraphExec_t ge;
+          CK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+          if (which == 0) tc->apply(in, o2, Stream{stream});
+          else tc->apply(ic, oc, Stream{stream});
+          CK(cudaStreamEndCapture(stream, &g));
+          CK(cudaGraphInstantiate(&ge, g, 0));
+          const Stats sg = time_us(stream, iters, [&] { CK(cudaGraphLaunch(ge, stream)); });
+          add_row("prefill-v3-order", "epx-wgmma-graph", which == 0 ? "expert_major" : "contiguous", cap, sg, false, false, 0,
+                  std::string("one apply captured in a CUDA graph, replayed (timing only); host enqueue per eager apply ") +
+                      std::to_string(which == 0 ? he : hc) + " us");
+          CK(cudaGraphExecDestroy(ge));
+          CK(cudaGraphDestroy(g));
+        }
+      }
       // (b) uneven experts, the same L * 256 rows: counts drawn around 256 (0 .. 512), so expert boundaries
       //     fall inside 128-row tiles; validated byte for byte against ExpertMajor of the same rows (cap 512).
       // Pairs of experts (2j, 2j + 1) get 256 + d and 256 - d rows, d = 16 ((7 j + 3) mod 33 - 16) in [-256, 256]
