@@ -4,7 +4,8 @@
 # on the session's new / never-sanitized experts kernels: memcheck and racecheck of ExpertsCuda.Fp8PrefillSmallShapes
 # (the FP8 prefill default's TMA kernels and mode 17's cp.async kernel, small shapes) and of
 # ExpertsCuda.Mxfp4DecodePathScaleSpread (decode_item_bulk on both GEMMs). Each sanitizer log keeps its summary and
-# the first reports. Run: mkdir -p $OUT && OUT=$OUT bash tools/device/final-s11.sh
+# the first reports; and memcheck of ExpertsCuda.SmallShapesEveryFormatEveryLayout (the Contiguous layout on every
+# format). Run: mkdir -p $OUT && OUT=$OUT bash tools/device/final-s12.sh
 set -u
 ROOT=$(pwd)
 export GPU_CHECK_GPU_JOBS=3 FINAL_SPECS="gemm:62 mxfp4:45" FINAL_RESERVE_S=150 FINAL_MOE_AB=0 NCCL_NVLS_ENABLE=0
@@ -18,7 +19,8 @@ if [ -x "$B/experts_cuda_test" ] && [ -n "$SAN" ]; then
   cd "$B"
   : >/tmp/san-summary.txt
   for spec in "memcheck:35:*Fp8PrefillSmallShapes*" "racecheck:45:*Fp8PrefillSmallShapes*" \
-              "memcheck:30:*Mxfp4DecodePathScaleSpread*" "racecheck:30:*Mxfp4DecodePathScaleSpread*"; do
+              "memcheck:30:*Mxfp4DecodePathScaleSpread*" "racecheck:30:*Mxfp4DecodePathScaleSpread*" \
+              "memcheck:40:*SmallShapesEveryFormatEveryLayout*"; do
     tool=${spec%%:*}; rest=${spec#*:}; lim=${rest%%:*}; filt=${rest#*:}
     log=/tmp/san-$tool-${filt//\*/}.log
     CUDA_VISIBLE_DEVICES=0 timeout -k 3 "$lim" "$SAN" --tool "$tool" ./experts_cuda_test --gtest_filter="$filt" >"$log" 2>&1
