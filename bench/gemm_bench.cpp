@@ -28,6 +28,10 @@
 // 1 no loads, 4 no promotions, 8 no weight-tile loads): their time (p50 of --iters) and
 // the per-phase clock stamps of the K loop per warpgroup (medians over CTAs and a window of K blocks),
 // as rows prefill-v3-stamps; --no-flat skips the Flat prefill case)
+// (--rounds N: after the prefill rows, the default kernels' Flat, ExpertMajor and Contiguous applies again in N
+// interleaved rounds (each round times each layout with --iters calls, in a rotated order); rows prefill-v3-rounds
+// give the median, min and max over the rounds of each round's p50: rows of identical GPU work move by up to ~10 %
+// inside one process with what ran before them (bench/NOTES.md, twelfth session), so layout comparisons use these)
 // (--prefill-variants: also the prefill kernel with early scales / release, bulk-copy stores and wgmma's A in
 // registers (=17; the default 1 runs it for the Flat gate_up gather only), the TMA loads (=10), the TMA loads with the
 // lean consumer (=23) and with its early next-block loads (=27, the default's other kernels); the removed variants (2-7,
@@ -251,7 +255,7 @@ static json analyze_stamps(const std::vector<uint32_t>& b, int g, std::string& l
 int main(int argc, char** argv) {
   std::setvbuf(stdout, nullptr, _IOLBF, 0);  // a run cut by a timeout keeps the rows it printed
   std::string json_path;
-  int iters = 20, L = 128;
+  int iters = 20, L = 128, rounds = 0;
   bool do_simt = true, do_cublas = true, do_variants = false, prefill_only = false, do_flat = true;
   std::vector<std::string> modes;
   std::vector<uint32_t> stamp_flags;
@@ -261,6 +265,7 @@ int main(int argc, char** argv) {
     command += " " + a;
     if (a == "--json" && i + 1 < argc) json_path = argv[++i], command += std::string(" ") + argv[i];
     else if (a == "--iters" && i + 1 < argc) iters = std::atoi(argv[++i]), command += std::string(" ") + argv[i];
+    else if (a == "--rounds" && i + 1 < argc) rounds = std::atoi(argv[++i]), command += std::string(" ") + argv[i];
     else if (a == "--experts" && i + 1 < argc) L = std::atoi(argv[++i]), command += std::string(" ") + argv[i];
     else if (a == "--no-simt") do_simt = false;
     else if (a == "--no-cublas") do_cublas = false;
@@ -303,7 +308,7 @@ int main(int argc, char** argv) {
     }
     else {
       std::fprintf(stderr, "usage: epx-gemm-bench [--json PATH] [--iters N] [--experts L] [--no-simt] [--no-cublas] [--prefill-variants] "
-                           "[--prefill-only] [--prefill-modes M,M,...] [--stamps F,F,...] [--no-flat]\n");
+                           "[--prefill-only] [--prefill-modes M,M,...] [--stamps F,F,...] [--no-flat] [--rounds N]\n");
       return 1;
     }
   }
@@ -427,6 +432,9 @@ int main(int argc, char** argv) {
     }
   };
 
+  // The default kernels' prefill applies per layout, kept for --rounds (each closure owns its tensors).
+  std::vector<std::pair<std::string, std::function<void()>>> round_cases;
+
   // ---- decode: ExpertMajor, 8 tokens per expert, cap 32 ----
   if (!prefill_only) {
     const int64_t cap = 32, m = 8;
@@ -510,6 +518,7 @@ int main(int argc, char** argv) {
     }
     add_row("prefill-v3", "epx-wgmma", "flat", m, st, false, simt != nullptr, err,
             "Flat layout: includes the device schedule, gather and the top-k weighted combine; validated against epx-simt");
+    if (rounds > 0) round_cases.push_back({"flat", [&tc, stream, in, x, xs, id, wd, out] { tc->apply(in, out, Stream{stream}); }});
     mode_rows(in, out, "flat", m);
     if (tc64) {
       Tensor out4 = Tensor::empty({T, kH}, DType::bf16, Device::cuda(0));
@@ -566,6 +575,7 @@ int main(int argc, char** argv) {
       add_row("prefill-v3", "epx-simt", "expert_major", cap, s2, false, false, 0, "");
     }
     add_row("prefill-v3", "epx-wgmma", "expert_major", cap, st, false, simt != nullptr, err, "validated against epx-simt");
+    if (rounds > 0) round_cases.push_back({"expert_major", [&tc, stream, in, x, xs, rc, out] { tc->apply(in, out, Stream{stream}); }});
     if (!stamp_flags.empty()) {
       // The stamped mode-17 kernels (results checked against the default output for flags 0), then
       // each ablation; one analysed call per flag set after the timed ones.
@@ -627,6 +637,7 @@ int main(int argc, char** argv) {
       add_row("prefill-v3", "epx-wgmma", "contiguous", cap, sc, false, same, same ? 0.0 : rel_l2(ocv, emv, {{0, L * cap}}),
               std::string("Contiguous layout, 256 rows per expert (torch._scaled_grouped_mm's offs in gemm_torch.py); ") +
                   (same ? "byte-identical to" : "DIFFERS from") + " the expert_major row's output of the same rows");
+      if (rounds > 0) round_cases.push_back({"contiguous", [&tc, stream, ic, x, xs, od, oc] { tc->apply(ic, oc, Stream{stream}); }});
       // Run-order check (the twelfth session's first run had contiguous 12 % behind ExpertMajor on the same kernels
       // and tiles): ExpertMajor again, then the contiguous row again, timing only.
       {
@@ -745,6 +756,25 @@ int main(int argc, char** argv) {
               "EPX_EXPERTS_FP8_PAIRS=1 mainloop; validated against epx-simt");
     }
   }
+  // ---- --rounds: the layouts again, interleaved ----
+  if (rounds > 0 && !round_cases.empty()) {
+    const size_t n = round_cases.size();
+    std::vector<std::vector<double>> p50(n);
+    for (int r = 0; r < rounds; ++r)
+      for (size_t j = 0; j < n; ++j) {  // round r starts at case r % n: each case runs first, last, in between
+        const size_t c = (j + static_cast<size_t>(r)) % n;
+        p50[c].push_back(time_us(stream, iters, round_cases[c].second).p50);
+      }
+    for (size_t c = 0; c < n; ++c) {
+      std::vector<double> v = p50[c];
+      std::sort(v.begin(), v.end());
+      const Stats st{v.front(), v[v.size() / 2], v.back()};
+      add_row("prefill-v3-rounds", "epx-wgmma", round_cases[c].first, 256, st, false, false, 0,
+              "median over " + std::to_string(rounds) + " interleaved rounds of each round's p50 (p10 / p90 fields: the "
+              "min / max over the rounds); outputs validated by the rows above");
+    }
+  }
+  round_cases.clear();
   tc.reset();
   tc64.reset();
   tcp.reset();

@@ -18,7 +18,7 @@ nccl="$(python3 -c 'import nvidia.nccl as m; print(list(m.__path__)[0])' 2>/dev/
 export LD_LIBRARY_PATH="$nccl/lib:$deps:$deps/openblas-pthread${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 commit="$(git -C "$SRC" rev-parse --short=12 HEAD 2>/dev/null || cat "$SRC/.carry/commit.txt" 2>/dev/null || echo unknown)"
 t0=$SECONDS
-GEMM_BENCH_COMMIT="$commit" timeout -k 5 50 "$B/epx-gemm-bench" --iters 10 --no-simt --json "$OUT/gemm-bench.json" >"$OUT/gemm-bench.log" 2>&1
+GEMM_BENCH_COMMIT="$commit" timeout -k 5 50 "$B/epx-gemm-bench" --iters 10 --rounds 5 --no-simt --json "$OUT/gemm-bench.json" >"$OUT/gemm-bench.log" 2>&1
 echo "gemm-bench rc=$? in $((SECONDS - t0)) s"
 t1=$SECONDS
 timeout -k 5 18 python3 "$SRC/bench/gemm_torch.py" --iters 10 --uneven --json "$OUT/gemm-torch.json" >"$OUT/gemm-torch.log" 2>&1
