@@ -16,6 +16,7 @@
 #include "epx/error.h"
 #include "epx/experts.h"
 #include "epx/quant.h"
+#include "experts/contiguous.h"
 
 namespace epx {
 
@@ -187,11 +188,7 @@ class CpuExperts final : public Experts {
     require_arg(kOp, "x.ndim", in.x.ndim, in.x.ndim == 2, "must be 2 ([N, H]) for the contiguous layout");
     const int64_t n = in.x.size(0);
     check_x(in, {n, h}, {n, h / kFp8GroupSize});
-    require_arg(kOp, "expert_offsets.ndim", in.expert_offsets.ndim, in.expert_offsets.ndim == 1,
-                "must be 1 ([L] or [L + 1] int32) for the contiguous layout");
-    const int64_t num_offsets = in.expert_offsets.size(0);
-    require_arg(kOp, "expert_offsets.shape[0]", num_offsets, num_offsets == num_local || num_offsets == num_local + 1,
-                "must be L = " + std::to_string(num_local) + " (cumulative ends, torch's offs) or L + 1 (starts, then the end)");
+    const int64_t num_offsets = experts_detail::contiguous_offsets_count(kOp, in.expert_offsets, num_local);
     check_tensor("expert_offsets", in.expert_offsets, {DType::int32}, {num_offsets});
     check_tensor("out", out, {DType::bf16}, {n, h});
     const auto range = contiguous_ranges(kOp, in.expert_offsets.ptr<const int32_t>(), num_offsets, num_local, n);
@@ -284,6 +281,14 @@ class CpuExperts final : public Experts {
 };
 
 }  // namespace
+
+int64_t experts_detail::contiguous_offsets_count(std::string_view op, const TensorView& offsets, int64_t num_local) {
+  require_arg(op, "expert_offsets.ndim", offsets.ndim, offsets.ndim == 1, "must be 1 ([L] or [L + 1] int32) for the contiguous layout");
+  const int64_t n = offsets.size(0);
+  require_arg(op, "expert_offsets.shape[0]", n, n == num_local || n == num_local + 1,
+              "must be L = " + std::to_string(num_local) + " (cumulative ends, torch's offs) or L + 1 (starts, then the end)");
+  return n;
+}
 
 void expert_mlp_cpu(const ExpertWeights& w, const float* x, int64_t num_rows, float* y) {
   constexpr std::string_view op = "expert_mlp_cpu";

@@ -16,6 +16,7 @@
 #include "epx/error.h"
 #include "epx/experts.h"
 #include "epx/quant.h"
+#include "experts/contiguous.h"
 #include "experts/experts_cuda_kernels.cuh"
 #include "experts/experts_fp8_cuda.h"
 #include "experts/experts_mxfp4_cuda.h"
@@ -405,11 +406,7 @@ class CudaExperts final : public Experts {
     require_arg(kOp, "x.ndim", in.x.ndim, in.x.ndim == 2, "must be 2 ([N, H]) for the contiguous layout");
     const int64_t n = in.x.size(0);
     check_x(in, {n, h}, {n, h / kFp8GroupSize});
-    require_arg(kOp, "expert_offsets.ndim", in.expert_offsets.ndim, in.expert_offsets.ndim == 1,
-                "must be 1 ([L] or [L + 1] int32) for the contiguous layout");
-    const int64_t num_offsets = in.expert_offsets.size(0);
-    require_arg(kOp, "expert_offsets.shape[0]", num_offsets, num_offsets == num_local || num_offsets == num_local + 1,
-                "must be L = " + std::to_string(num_local) + " (cumulative ends, torch's offs) or L + 1 (starts, then the end)");
+    const int64_t num_offsets = experts_detail::contiguous_offsets_count(kOp, in.expert_offsets, num_local);
     check_tensor("expert_offsets", in.expert_offsets, {DType::int32}, {num_offsets}, false);
     check_tensor("out", out, {DType::bf16}, {n, h}, true);
     require_arg(kOp, "N", n, n < (int64_t{1} << 31), "must be < 2^31");

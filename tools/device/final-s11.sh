@@ -7,7 +7,9 @@
 # the first reports. Run: mkdir -p $OUT && OUT=$OUT bash tools/device/final-s11.sh
 set -u
 ROOT=$(pwd)
-export GPU_CHECK_GPU_JOBS=3 FINAL_SPECS="gemm:50 mxfp4:45" FINAL_RESERVE_S=150 FINAL_MOE_AB=0 NCCL_NVLS_ENABLE=0
+# (FINAL_SPECS and FINAL_SAN_SPECS "tool:limit:gtest-filter ..." override the final-*.sh allowances and the sanitizer
+# runs: tools/device/final-s12.sh sets both.)
+export GPU_CHECK_GPU_JOBS=3 FINAL_SPECS="${FINAL_SPECS:-gemm:50 mxfp4:45}" FINAL_RESERVE_S=150 FINAL_MOE_AB=0 NCCL_NVLS_ENABLE=0
 OUT=$OUT bash tools/device/final.sh 1 "${FINAL_END:-360}"
 B=/tmp/epx-gpu-check/build
 nccl="$(python3 -c 'import nvidia.nccl as m; print(list(m.__path__)[0])' 2>/dev/null)"
@@ -17,13 +19,15 @@ SAN="$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 
 if [ -x "$B/experts_cuda_test" ] && [ -n "$SAN" ]; then
   cd "$B"
   : >/tmp/san-summary.txt
-  for spec in "memcheck:35:*Fp8PrefillSmallShapes*" "racecheck:45:*Fp8PrefillSmallShapes*" \
-              "memcheck:30:*Mxfp4DecodePathScaleSpread*" "racecheck:30:*Mxfp4DecodePathScaleSpread*"; do
+  set -f  # the filters' '*' stay words
+  for spec in ${FINAL_SAN_SPECS:-memcheck:35:*Fp8PrefillSmallShapes* racecheck:45:*Fp8PrefillSmallShapes* \
+              memcheck:30:*Mxfp4DecodePathScaleSpread* racecheck:30:*Mxfp4DecodePathScaleSpread*}; do
     tool=${spec%%:*}; rest=${spec#*:}; lim=${rest%%:*}; filt=${rest#*:}
     log=/tmp/san-$tool-${filt//\*/}.log
     CUDA_VISIBLE_DEVICES=0 timeout -k 3 "$lim" "$SAN" --tool "$tool" ./experts_cuda_test --gtest_filter="$filt" >"$log" 2>&1
     echo "$tool $filt rc=$? (limit $lim): $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|PASSED|FAILED' "$log" | tr '\n' ' ')" | tee -a /tmp/san-summary.txt
   done
+  set +f
   { cat /tmp/san-summary.txt; for f in /tmp/san-*-*.log; do echo "== $f"; grep -v 'Host Frame' "$f" | head -120; done; } >"$OUT/san-logs.txt"
   cd "$ROOT"
 fi
