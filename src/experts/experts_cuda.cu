@@ -383,13 +383,19 @@ class CudaExperts final : public Experts {
     const Workspace ws = workspace(layout, stream);
 
     experts_cuda::ScheduleParams sp{};
-    sp.num_local = static_cast<int>(num_local);
     sp.cap = cap;
     sp.recv_count = in.recv_count.ptr<const int32_t>();
+    // No expert can exceed kTileRows rows when cap <= kTileRows (decode): no prefill section.
+    run_rows(in, out, sp, ws, max_tiles, use_prefill(in) && cap > experts_cuda::kTileRows, stream);
+  }
+
+  /// ExpertMajor / Contiguous (sp holds the layout's fields): the schedule kernel's tiles over the experts' rows,
+  /// then the MLP in place (no gather, out rows = x rows). `big`: the prefill section may be used.
+  void run_rows(const ExpertsInput& in, const TensorView& out, experts_cuda::ScheduleParams sp, const Workspace& ws,
+                int64_t max_tiles, bool big, cudaStream_t stream) {
+    sp.num_local = num_local_experts();
     sp.tiles = ws.tiles;
     sp.num_tiles = ws.num_tiles;
-    // No expert can exceed kTileRows rows when cap <= kTileRows (decode): no prefill section.
-    const bool big = use_prefill(in) && cap > experts_cuda::kTileRows;
     sp.big_rows = big ? experts_cuda::kFp8PrefillRows : 0;
     sp.big_min_tiles = fp8_prefill_min_tiles_;
     sp.error = error_dev_;
@@ -418,20 +424,10 @@ class CudaExperts final : public Experts {
     const Workspace ws = workspace(layout, stream);
 
     experts_cuda::ScheduleParams sp{};
-    sp.num_local = static_cast<int>(num_local);
     sp.expert_offsets = in.expert_offsets.ptr<const int32_t>();
     sp.offsets_lead = num_offsets == num_local + 1;
     sp.num_rows = n;
-    sp.tiles = ws.tiles;
-    sp.num_tiles = ws.num_tiles;
-    const bool big = use_prefill(in) && n > experts_cuda::kTileRows;
-    sp.big_rows = big ? experts_cuda::kFp8PrefillRows : 0;
-    sp.big_min_tiles = fp8_prefill_min_tiles_;
-    sp.error = error_dev_;
-    experts_cuda::schedule_expert_major_kernel<<<1, experts_cuda::kScheduleThreads,
-                                                 experts_cuda::schedule_smem_bytes(sp.num_local), stream>>>(sp);
-    cuda::check_launch("schedule_expert_major_kernel (contiguous)");
-    run_mlp(in, nullptr, out.ptr<uint16_t>(), ws, max_tiles, big, stream);
+    run_rows(in, out, sp, ws, max_tiles, use_prefill(in) && n > experts_cuda::kTileRows, stream);
   }
 
   void apply_flat(const ExpertsInput& in, const TensorView& out, cudaStream_t stream) {
