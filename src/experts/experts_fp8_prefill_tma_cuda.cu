@@ -185,7 +185,7 @@ __device__ __forceinline__ void producer(const Fp8GemmParams& p, const CUtensorM
   const float* bs_base = kGateUp ? p.x_scales : p.hs;
   int64_t* rows = reinterpret_cast<int64_t*>(smem + L::kRowsOff);  // byte offset of token j's B row
   const uint32_t full0 = smem_s + L::kBarOff, empty0 = full0 + L::kStages * 8;
-  const bool tma_a = p.w_maps != nullptr;
+  const bool tma_a = kCluster || p.w_maps != nullptr;  // (the cluster launch needs the weight maps: no cp.async weight path)
   const uint32_t tx_bytes = tma_a ? kABytes + (tma_b ? kBBytes : 0) : 0;
   RingPos pos;
   bool wrapped = false;  // every stage was filled once (from then on, wait for its release)
