@@ -17,7 +17,7 @@
 #             nvidia-smi samples the SM clock every 100 ms meanwhile (smi-ab.csv);
 #   fp8       ExpertsCuda.Fp8TensorCoreRowCountsOneTo8192 (against the CPU: the default, 29, 30 among others);
 #   ncu       Nsight Compute (--clock-control none; duration, SM clock, tensor pipe active, lts__throughput, L2 -> SM
-#             bytes, DRAM bytes) of one ExpertMajor gate_up and down launch of the default and of mode 30.
+#             bytes, DRAM bytes) of one ExpertMajor gate_up and down launch of mode 30, then of the default.
 # Every step has its own timeout; budget BUDGET s (default 195). Writes $OUT/summary.txt first, small logs.
 source tools/device/batch-lib.sh
 batch_init /tmp/mcast-out 195
@@ -87,7 +87,7 @@ for step in $STEPS; do
       batch_gtest test-fp8 85 ./experts_cuda_test --gtest_filter='ExpertsCuda.Fp8TensorCoreRowCountsOneTo8192'
       grep -E "Failure|8192 rows|mode 30" "$OUT/test-fp8.log" | tee -a "$OUT/summary.txt" ;;
     ncu)  # the default's and mode 30's ExpertMajor gate_up + down (the bench's first apply after the warm-up ones)
-      for m in 1 30; do
+      for m in 30 1; do  # mode 30 first: the default has the tenth session's figures if this one is cut
         b=$(cap 40)
         if [ "$b" -lt 20 ] || [ -z "$NCU" ]; then say "ncu $m skipped (limit $b s, ncu '${NCU}')"; continue; fi
         EPX_EXPERTS_FP8_PREFILL=$m timeout -k 3 "$b" "$NCU" --clock-control none --metrics "$NCU_METRICS" \
