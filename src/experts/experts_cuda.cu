@@ -188,13 +188,16 @@ class CudaExperts final : public Experts {
     // so its gate_up loads one TMA box per tile as ExpertMajor's (Fp8GemmParams::x_perm; eleventh
     // session). A map the driver cannot encode leaves every GEMM on the cp.async kernels. 30 = 29 as 2-CTA clusters
     // whose two CTAs share the weight tile (each multicasts one 128-row half into both; Fp8GemmParams::prefill_cluster
-    // 1), 31 = the same clusters without the multicast (2: the coupled rings' cost alone); twelfth session.
+    // 1), 31 = the same clusters without the multicast (2: the coupled rings' cost alone), 32 = 30's clusters for the
+    // gate_up only (down's 3-stage ring has the least slack for the lockstep); twelfth session.
     const int pf_mode = config.experts_fp8_prefill;
     fp8_prefill_fast_ = pf_mode == 8 ? 0 : 2;  // the cp.async kernels' Fp8GemmParams::prefill_fast
     fp8_prefill_tma_fast_ = pf_mode == 10 ? 0 : pf_mode == 23 ? 3 : 5;  // the TMA kernels'
-    fp8_prefill_permute_ = pf_mode == 1 || pf_mode == 29 || pf_mode == 30 || pf_mode == 31;
-    fp8_prefill_cluster_ = pf_mode == 30 ? 1 : pf_mode == 31 ? 2 : 0;
-    const bool pf_tma = pf_mode == 1 || pf_mode == 10 || pf_mode == 23 || pf_mode == 27 || pf_mode == 29 || pf_mode == 30 || pf_mode == 31;
+    fp8_prefill_permute_ = pf_mode == 1 || pf_mode == 29 || pf_mode == 30 || pf_mode == 31 || pf_mode == 32;
+    fp8_prefill_cluster_ = pf_mode == 30 || pf_mode == 32 ? 1 : pf_mode == 31 ? 2 : 0;
+    fp8_prefill_cluster_down_ = pf_mode == 32 ? 0 : fp8_prefill_cluster_;
+    const bool pf_tma = pf_mode == 1 || pf_mode == 10 || pf_mode == 23 || pf_mode == 27 || pf_mode == 29 || pf_mode == 30 || pf_mode == 31 ||
+                        pf_mode == 32;
     // Objects with mxfp4 experts, all of them fp8_block or mxfp4 with I % 128 == 0 and H % 128 == 0,
     // fed FP8 x, run every expert on the mixed sm_90a kernels (experts_mxfp4_cuda.cu): one grouped
     // launch per GEMM for both formats (FHMoE: FP8 shared + MXFP4 routed). Config::experts_mxfp4_tc
@@ -546,6 +549,7 @@ class CudaExperts final : public Experts {
       experts_cuda::launch_fp8_down(fp, down_grid, stream);
       if (big && tma) {
         fp.prefill_fast = fp8_prefill_tma_fast_;
+        fp.prefill_cluster = fp8_prefill_cluster_down_;
         experts_cuda::launch_fp8_prefill_tma_down(fp, down_grid, stream);
       } else if (big) {
         experts_cuda::launch_fp8_prefill_down(fp, down_grid, stream);
@@ -586,7 +590,8 @@ class CudaExperts final : public Experts {
   int fp8_prefill_fast_ = 2;      // the cp.async prefill kernels' variant (Fp8GemmParams::prefill_fast: 2 = mode 17, 0 = 8)
   int fp8_prefill_tma_fast_ = 5;  // the TMA prefill kernels' (5 = 27's, 3 = 23's, 0 = 10's)
   bool fp8_prefill_permute_ = true;  // the Flat gate_up's token rows copied into row-space order first (1, 29, 30, 31)
-  int fp8_prefill_cluster_ = 0;      // the TMA prefill kernels as 2-CTA clusters (Fp8GemmParams::prefill_cluster; 30: 1, 31: 2)
+  int fp8_prefill_cluster_ = 0;      // the TMA prefill kernels as 2-CTA clusters (Fp8GemmParams::prefill_cluster; 30, 32: 1, 31: 2)
+  int fp8_prefill_cluster_down_ = 0; // the same for the down GEMM (32: 0)
   int64_t mx_inter_max_ = 0;      // widest mxfp4 expert
   bool mx_tensor_cores_ = false;  // fp8_block + mxfp4 experts with FP8 x run on the mixed sm_90a GEMMs
   bool mx_wide_ = false;          // their 512-thread variant (EPX_EXPERTS_MXFP4_TC=2)

@@ -427,12 +427,12 @@ TEST(ExpertsCuda, Fp8PrefillTmaLoadsMatchCpAsyncLoadsBitForBit) {
   // =29 (27 with the Flat gate_up's token rows copied into row-space order first and loaded as one TMA box
   // per tile) and the default (=1: 29's kernels since the eleventh session), =30 (29 as 2-CTA clusters: a cluster takes
   // tile-list entries 2 j, 2 j + 1 and multicasts the weight tile where both are one expert's; here ExpertMajor pairs
-  // (e0, e0), (e2, e2), (e2, e3: two experts, I 2048 and 3072, so down's K blocks differ) and (e3, none)) and =31 (the
-  // same clusters without the multicast).
+  // (e0, e0), (e2, e2), (e2, e3: two experts, I 2048 and 3072, so down's K blocks differ) and (e3, none)), =31 (the
+  // same clusters without the multicast) and =32 (30's clusters for the gate_up only).
   std::vector<std::shared_ptr<const ExpertWeights>> experts = same_format(WeightFormat::fp8_block, 3, 7168, 2048, 540);
   experts.push_back(ExpertWeights::random(WeightFormat::fp8_block, 7168, 3072, 544));
   const int64_t L = 4, H = 7168, cap = 300;
-  std::unique_ptr<Experts> cpa, rs, tma, tma_lean, tma_lean_pf, tma_perm, dflt, mcast, coupled;
+  std::unique_ptr<Experts> cpa, rs, tma, tma_lean, tma_lean_pf, tma_perm, dflt, mcast, coupled, mcast_up;
   {
     const test::ScopedEnv min_tiles("EPX_EXPERTS_FP8_PREFILL_MIN_TILES", "1");  // the prefill section for these few big tiles
     const test::ScopedEnv mode("EPX_EXPERTS_FP8_PREFILL", "8");
@@ -453,6 +453,8 @@ TEST(ExpertsCuda, Fp8PrefillTmaLoadsMatchCpAsyncLoadsBitForBit) {
     mcast = make_experts_cuda(experts, 0);
     mode.set("31");
     coupled = make_experts_cuda(experts, 0);
+    mode.set("32");
+    mcast_up = make_experts_cuda(experts, 0);
   }
   auto same_bytes = [](const Tensor& a, const Tensor& b) {
     const Tensor ah = a.to(Device::cpu()), bh = b.to(Device::cpu());
@@ -488,7 +490,8 @@ TEST(ExpertsCuda, Fp8PrefillTmaLoadsMatchCpAsyncLoadsBitForBit) {
   poison_dev(fl_ref);
   cpa->apply(em, em_ref);
   cpa->apply(fl, fl_ref);
-  for (auto* g : {rs.get(), tma.get(), tma_lean.get(), tma_lean_pf.get(), tma_perm.get(), dflt.get(), mcast.get(), coupled.get()}) {
+  for (auto* g : {rs.get(), tma.get(), tma_lean.get(), tma_lean_pf.get(), tma_perm.get(), dflt.get(), mcast.get(), coupled.get(),
+                  mcast_up.get()}) {
     const char* name = g == rs.get()         ? "fast-rs (17)"
                        : g == tma.get()      ? "tma (10)"
                        : g == tma_lean.get() ? "tma lean (23)"
@@ -496,6 +499,7 @@ TEST(ExpertsCuda, Fp8PrefillTmaLoadsMatchCpAsyncLoadsBitForBit) {
                        : g == tma_perm.get()  ? "tma lean, prefetch, Flat rows permuted (29)"
                        : g == mcast.get()     ? "2-CTA clusters, weight multicast (30)"
                        : g == coupled.get()   ? "2-CTA clusters, no multicast (31)"
+                       : g == mcast_up.get()  ? "2-CTA clusters for the gate_up only (32)"
                                                 : "default (1: 29's kernels)";
     Tensor o = Tensor::empty({L, cap, H}, DType::bf16, kDev), f = Tensor::empty({N, H}, DType::bf16, kDev);
     poison_dev(o);

@@ -67,6 +67,7 @@ struct Fp8GemmParams {
   /// both CTAs released it), and where both tiles are the same expert's each CTA's TMA loads one 128-row half of the
   /// 256-row weight tile multicast into both CTAs (L2 -> SM weight bytes halved); 2 = the same clusters and
   /// lockstep without the multicast (each CTA loads its whole weight tile; the lockstep's cost alone). Same bits as 0.
+  /// (Config::experts_fp8_prefill 32 sets 1 for the gate_up launch and 0 for the down launch.)
   int32_t prefill_cluster;
   /// Debug only (set_fp8_prefill_debug; null / 0 in the library's launches): the stamped kernels'
   /// buffer and ablation flags, filled in by the launch functions.

@@ -1,19 +1,19 @@
 #!/usr/bin/env bash
 # tools/device/mcast-s12-batch.sh: the weight-multicast helper's device batches of the twelfth session (issue 6, FP8
 # prefill: Config::experts_fp8_prefill 30 = 29's kernels as 2-CTA clusters sharing the weight tile by TMA multicast,
-# 31 = the same clusters without the multicast). Run from a copy of main that carries .carry/deps.tar.xz and
+# 31 = the same clusters without the multicast, 32 = 30's clusters for the gate_up only). Run from a copy of main that carries .carry/deps.tar.xz and
 # .carry-mcast/{src,prebuilt}.tar.xz:
 #   OUT=<dir> BUDGET=<s> timeout -k 5 <s> bash .carry-mcast/batch.sh
 # prebuilt.tar.xz: experts_cuda_test and epx-gemm-bench built from src.tar.xz on the dev machine (CUDA 13.0, sm_90a);
 # when they do not load here they are built with tools/device/gpu-check.sh instead.
 # STEPS (space-separated, in order; default "bits small racecheck memcheck ab fp8 ncu"):
-#   bits      ExpertsCuda.Fp8PrefillTmaLoadsMatchCpAsyncLoadsBitForBit (17, 10, 23, 27, 29, the default, 30, 31 against
+#   bits      ExpertsCuda.Fp8PrefillTmaLoadsMatchCpAsyncLoadsBitForBit (17, 10, 23, 27, 29, the default, 30, 31, 32 against
 #             mode 8, byte for byte, both layouts); a hang (rc >= 124) ends the batch (every later step runs 30 too);
 #   small     ExpertsCuda.Fp8PrefillSmallShapes natively (1, 27, 29, 30, 31 against the CPU, H 1024);
 #   racecheck compute-sanitizer --tool racecheck of the same test;
 #   memcheck  compute-sanitizer --tool memcheck of the same test;
-#   ab        epx-gemm-bench --prefill-only --prefill-modes $MODES (default 30,31,30,1: with the default's own row first,
-#             the order A B C B A) on both layouts, with the cuBLASLt loop and the dense ceiling (ITERS, default 10; p50);
+#   ab        epx-gemm-bench --prefill-only --prefill-modes $MODES (default 30,32,31,30,1: with the default's own row
+#             first, the order A B C D B A) on both layouts, with the cuBLASLt loop and the dense ceiling (ITERS, default 10; p50);
 #             nvidia-smi samples the SM clock every 100 ms meanwhile (smi-ab.csv);
 #   fp8       ExpertsCuda.Fp8TensorCoreRowCountsOneTo8192 (against the CPU: the default, 29, 30 among others);
 #   ncu       Nsight Compute (--clock-control none; duration, SM clock, tensor pipe active, lts__throughput, L2 -> SM
@@ -24,7 +24,7 @@ batch_init /tmp/mcast-out 195
 export CUDA_VISIBLE_DEVICES=0
 STEPS="${STEPS:-bits small racecheck memcheck ab fp8 ncu}"
 ITERS="${ITERS:-10}"
-MODES="${MODES:-30,31,30,1}"
+MODES="${MODES:-30,32,31,30,1}"
 : >"$OUT/summary.txt"
 say "mcast-s12-batch.sh: steps '$STEPS', modes '$MODES', iters $ITERS, budget $BUDGET s"
 HERE="$(pwd)"
