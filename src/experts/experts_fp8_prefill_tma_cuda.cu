@@ -81,22 +81,17 @@ __device__ __forceinline__ void tma_load_2d_multicast(uint32_t dst, const CUtens
       "l"(reinterpret_cast<uint64_t>(map)), "r"(x), "r"(y), "r"(bar), "h"(mask)
       : "memory");
 }
-/// Arrives (release, cluster scope) on the mbarrier at shared offset `bar` of the CTA of cluster rank `cta`.
+/// Arrives on the mbarrier at shared offset `bar` of the CTA of cluster rank `cta`, with the instruction's default
+/// semantics (release at CTA scope, as CUTLASS's and DeepGEMM's cluster pipelines arrive on a peer's `empty`): the
+/// arriving warp's reads of the stage are complete (wgmma.wait_group 0, the ldmatrix results consumed), so the peer's
+/// TMA refill has no earlier access of this thread to be ordered after. Batch 1 of the twelfth session ran it as
+/// `.release.cluster` (as the removed mode 11 did): both the multicast (30) and the clusters alone (31) took 45 % more
+/// time than the one-CTA kernel, the tensor pipe 36 % busy at 1.79 GHz (ncu); read: a cluster-scope release is a
+/// fence on the consumer's serial chain in every K block (bench/NOTES.md, twelfth session).
 __device__ __forceinline__ void mbar_arrive_cluster(uint32_t bar, uint32_t cta) {
-  asm volatile(
-      "{\n.reg .b32 ra;\nmapa.shared::cluster.u32 ra, %0, %1;\nmbarrier.arrive.release.cluster.shared::cluster.b64 _, [ra];\n}\n" ::"r"(bar),
-      "r"(cta)
-      : "memory");
-}
-/// mbar_wait with cluster-scope acquire (the phase is completed by arrivals from both CTAs of the cluster).
-__device__ __forceinline__ void mbar_wait_cluster(uint32_t bar, uint32_t parity) {
-  asm volatile(
-      "{\n.reg .pred done;\n"
-      "WAITC_%=:\n"
-      "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 done, [%0], %1;\n"
-      "@!done bra WAITC_%=;\n}\n" ::"r"(bar),
-      "r"(parity)
-      : "memory");
+  asm volatile("{\n.reg .b32 ra;\nmapa.shared::cluster.u32 ra, %0, %1;\nmbarrier.arrive.shared::cluster.b64 _, [ra];\n}\n" ::"r"(bar),
+               "r"(cta)
+               : "memory");
 }
 __device__ __forceinline__ uint32_t cluster_ctarank() {
   uint32_t r;
@@ -219,9 +214,8 @@ __device__ __forceinline__ void producer(const Fp8GemmParams& p, const CUtensorM
     const float* wssrc = it.w_scale + (wsv ? (sub_row<kGateUp>(it, pt & 3) / kBK) * (it.K / kBK) : 0);
     for (int64_t kb = 0; kb < w.nk; ++kb) {
       const uint32_t s = pos.stage;
-      if (wrapped) {  // the consumers released the previous use (kCluster: those of both CTAs)
-        if constexpr (kCluster) mbar_wait_cluster(empty0 + s * 8, pos.phase ^ 1u);
-        else mbar_wait(empty0 + s * 8, pos.phase ^ 1u);
+      if (wrapped) {  // the consumers released the previous use (kCluster: those of both CTAs; the wait's default acquire.cta)
+        mbar_wait(empty0 + s * 8, pos.phase ^ 1u);
       }
       const uint32_t a_s = smem_s + s * kStageBytes, b_s = a_s + kABytes;
       const int64_t k0 = kb * kBK;

@@ -12,7 +12,7 @@
 #   small     ExpertsCuda.Fp8PrefillSmallShapes natively (1, 27, 29, 30, 31 against the CPU, H 1024);
 #   racecheck compute-sanitizer --tool racecheck of the same test;
 #   memcheck  compute-sanitizer --tool memcheck of the same test;
-#   ab        epx-gemm-bench --prefill-only --prefill-modes $MODES (default 30,32,31,30,1: with the default's own row
+#   ab        epx-gemm-bench --prefill-only --prefill-modes $MODES (default 30,31,32,30,1: with the default's own row
 #             first, the order A B C D B A) on both layouts, with the cuBLASLt loop and the dense ceiling (ITERS, default 10; p50);
 #             nvidia-smi samples the SM clock every 100 ms meanwhile (smi-ab.csv);
 #   fp8       ExpertsCuda.Fp8TensorCoreRowCountsOneTo8192 (against the CPU: the default, 29, 30 among others);
@@ -24,7 +24,7 @@ batch_init /tmp/mcast-out 195
 export CUDA_VISIBLE_DEVICES=0
 STEPS="${STEPS:-bits small racecheck memcheck ab fp8 ncu}"
 ITERS="${ITERS:-10}"
-MODES="${MODES:-30,32,31,30,1}"
+MODES="${MODES:-30,31,32,30,1}"
 : >"$OUT/summary.txt"
 say "mcast-s12-batch.sh: steps '$STEPS', modes '$MODES', iters $ITERS, budget $BUDGET s"
 HERE="$(pwd)"
@@ -73,7 +73,7 @@ for step in $STEPS; do
       grep -v "Host Frame" "$OUT/san-$step.log" | head -400 >"$OUT/san-$step.t" && mv "$OUT/san-$step.t" "$OUT/san-$step.log"
       grep -E "^\[ rel_l2 \]|ERROR SUMMARY|RACECHECK SUMMARY|Failure" "$OUT/san-$step.log" | tee -a "$OUT/summary.txt" ;;
     ab)
-      b=$(cap 75)
+      b=$(cap 85)
       if [ "$b" -lt 15 ]; then say "$step skipped (no time)"; continue; fi
       nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu --format=csv -lms 100 >"$OUT/smi-ab.csv" 2>&1 &
       smi=$!
@@ -101,7 +101,9 @@ hdr = next((r for r in rows if "Kernel Name" in r and "ID" in r), None)
 if hdr is None:
     print("  (no ncu rows)"); sys.exit(0)
 kn, idc = hdr.index("Kernel Name"), hdr.index("ID")
-want = [c for c in hdr if "__" in c]
+keys = ("gpu__time_duration.sum", "sm__cycles_elapsed.avg.per_second", "qgmma_imma_igmma_bmma_bgmma_cycles_active.avg",
+        "lts__throughput.avg", "l1tex__m_xbar2l1tex_read_bytes.sum", "dram__bytes_read.sum", "launch__cluster_size")
+want = [c for c in hdr if any(c.startswith(k) or (k in c and c.endswith("elapsed")) for k in keys)]
 for r in rows[rows.index(hdr) + 1:]:
     if len(r) != len(hdr) or not r[idc].strip().isdigit():
         continue
