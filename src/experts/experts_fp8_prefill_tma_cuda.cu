@@ -5,11 +5,16 @@
 // the next K block's operands under the last promotion (lean_item_prefetch; producer 40 / consumers 232
 // registers), bench/NOTES.md tenth session; opt-in: mode 17's consumer (Config::experts_fp8_prefill 10),
 // the lean consumer without the prefetch (23), with it (27), 27 with the Flat gate_up's token rows
-// permuted into row-space order first (29, eleventh session: permute_x_kernel below). (With the mode-8
-// consumer, sixth session:
-// 4 % faster than the cp.async kernels on ExpertMajor and 9 % slower on Flat.) Its 2-CTA cluster launch
-// multicasting the weight tile (11) was slower in every run, with the mode-17 consumer too (eighth
-// session: 4618 / 5037 us against 17's 3464 / 3519), and was removed.
+// permuted into row-space order first (29, eleventh session: permute_x_kernel below), and 29 launched as 2-CTA
+// clusters whose CTAs take the two 128-token tiles of one expert at the same weight tile and share it (each TMA
+// multicasts one 128-row half into both; Fp8GemmParams::prefill_cluster, kCluster below): Config::experts_fp8_prefill
+// 30, the default's kernels since the twelfth session (ExpertMajor 1092 TFLOP/s against 29's 1000-1016, Flat 990
+// against 928-935, one run; ncu: the pair reads each weight tile from DRAM once (gate_up 4.1 instead of 5.3 GB), L2
+// busy 71 instead of 85 %, the SM clock 1.57 instead of 1.45 GHz at the same tensor-pipe activity), and 31 (the same
+// clusters without the multicast: level with 30). (With the mode-8 consumer, sixth session: 4 % faster than the
+// cp.async kernels on ExpertMajor and 9 % slower on Flat.) The earlier cluster launches (4, 11; fifth to eighth
+// sessions, 27-43 % slower) released the peer's stage with a cluster-scope release (`mbarrier.arrive.release.cluster`),
+// a fence on the consumers' chain in every K block: batch 1 of the twelfth session measured that form 45 % slower too.
 //
 // One CTA per SM, 384 threads, warp-specialized:
 //   warpgroup 0 (producer, 64 registers): streams each K block's operands into a kStages-deep ring
