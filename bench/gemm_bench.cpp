@@ -424,6 +424,9 @@ int main(int argc, char** argv) {
       setenv("EPX_EXPERTS_FP8_PREFILL", md.c_str(), 1);
       auto tcv = make_experts_cuda(experts, 0);
       unsetenv("EPX_EXPERTS_FP8_PREFILL");
+      if (md == "1" || md == "30" || md == "31")  // the 2-CTA cluster modes: how many clusters the launches get (0: one-CTA kernels)
+        std::printf("mode %s: 2-CTA clusters resident at once: gate_up %d, down %d\n", md.c_str(),
+                    experts_cuda::fp8_prefill_tma_max_clusters(true), experts_cuda::fp8_prefill_tma_max_clusters(false));
       CK(cudaMemset(o.data(), 0xFF, o.nbytes()));
       const Stats sm = time_us(stream, iters, [&] { tcv->apply(in, o, Stream{stream}); });
       CK(cudaStreamSynchronize(stream));

@@ -178,21 +178,27 @@ class CudaExperts final : public Experts {
     fp8_prefill_stages_ = config.experts_fp8_prefill_stages;
     fp8_prefill_min_tiles_ = config.experts_fp8_prefill_min_tiles;
     // Config::experts_fp8_prefill (bench/NOTES.md has the measurements; same results every way):
-    // 1 (the default) = 29's kernels since the eleventh session (until then the Flat gate_up ran on
-    // 17's cp.async kernel): the TMA loads with the lean consumer that loads the next K block's operands
+    // 1 (the default) = 30's kernels since the twelfth session (29's in the eleventh; until then the Flat gate_up
+    // ran on 17's cp.async kernel): the TMA loads with the lean consumer that loads the next K block's operands
     // under the last promotion (27's kernels) for every GEMM, the Flat gate_up's token rows permuted into
-    // row-space order first; 8 = cp.async loads, tokens from shared memory; 17 = 8 with early scales / release,
+    // row-space order first, launched as 2-CTA clusters sharing the weight tile; 8 = cp.async loads, tokens from shared memory; 17 = 8 with early scales / release,
     // bulk-copy stores and wgmma's A in registers (Fp8GemmParams::prefill_fast 2); 10 = 17 with TMA
     // loads; 23 = 10 with the lean consumer (kblock_lean, 3); 27 = 23 loading the next K block early
     // (lean_item_prefetch, 5); 29 = 27 with the Flat gate_up's token rows copied into row-space order
     // first (launch_fp8_prefill_permute_x into the pair_out rows, free until the down GEMMs write them),
     // so its gate_up loads one TMA box per tile as ExpertMajor's (Fp8GemmParams::x_perm; eleventh
-    // session). A map the driver cannot encode leaves every GEMM on the cp.async kernels.
+    // session). A map the driver cannot encode leaves every GEMM on the cp.async kernels. 30 = 29 as 2-CTA clusters
+    // whose two CTAs (two 128-row tiles of one expert) share the weight tile (each multicasts one 128-row half into
+    // both; Fp8GemmParams::prefill_cluster 1; twelfth session: ExpertMajor 1092 TFLOP/s against 29's 1000-1016, Flat
+    // 990 against 928-935, in one run: the pair reads each weight tile once and the chip runs ~8 % higher clocks),
+    // 31 = the same clusters without the multicast (2; measured level with 30: the gain is the pair's lockstep
+    // reading, not the halved L2 -> SM bytes).
     const int pf_mode = config.experts_fp8_prefill;
     fp8_prefill_fast_ = pf_mode == 8 ? 0 : 2;  // the cp.async kernels' Fp8GemmParams::prefill_fast
     fp8_prefill_tma_fast_ = pf_mode == 10 ? 0 : pf_mode == 23 ? 3 : 5;  // the TMA kernels'
-    fp8_prefill_permute_ = pf_mode == 1 || pf_mode == 29;
-    const bool pf_tma = pf_mode == 1 || pf_mode == 10 || pf_mode == 23 || pf_mode == 27 || pf_mode == 29;
+    fp8_prefill_permute_ = pf_mode == 1 || pf_mode == 29 || pf_mode == 30 || pf_mode == 31;
+    fp8_prefill_cluster_ = pf_mode == 1 || pf_mode == 30 ? 1 : pf_mode == 31 ? 2 : 0;
+    const bool pf_tma = pf_mode == 1 || pf_mode == 10 || pf_mode == 23 || pf_mode == 27 || pf_mode == 29 || pf_mode == 30 || pf_mode == 31;
     // Objects with mxfp4 experts, all of them fp8_block or mxfp4 with I % 128 == 0 and H % 128 == 0,
     // fed FP8 x, run every expert on the mixed sm_90a kernels (experts_mxfp4_cuda.cu): one grouped
     // launch per GEMM for both formats (FHMoE: FP8 shared + MXFP4 routed). Config::experts_mxfp4_tc
@@ -561,6 +567,7 @@ class CudaExperts final : public Experts {
       // the Flat gate_up's token rows into row-space order, into the first H bytes of each row's pair_out
       // row (out_rows: [N * K, H] bf16, written only by the down GEMMs after this gate_up, stream-ordered).
       const bool tma = fp.w_maps != nullptr;
+      fp.prefill_cluster = fp8_prefill_cluster_;
       if (big && tma) {
         fp.prefill_fast = fp8_prefill_tma_fast_;
         if (fp8_prefill_permute_ && fp.gather != nullptr) {
@@ -619,7 +626,8 @@ class CudaExperts final : public Experts {
   int fp8_prefill_min_tiles_ = 1; // big tiles the prefill section needs to run (EPX_EXPERTS_FP8_PREFILL_MIN_TILES; 0 -> one wave)
   int fp8_prefill_fast_ = 2;      // the cp.async prefill kernels' variant (Fp8GemmParams::prefill_fast: 2 = mode 17, 0 = 8)
   int fp8_prefill_tma_fast_ = 5;  // the TMA prefill kernels' (5 = 27's, 3 = 23's, 0 = 10's)
-  bool fp8_prefill_permute_ = true;  // the Flat gate_up's token rows copied into row-space order first (1, 29)
+  bool fp8_prefill_permute_ = true;  // the Flat gate_up's token rows copied into row-space order first (1, 29, 30, 31)
+  int fp8_prefill_cluster_ = 1;      // the TMA prefill kernels as 2-CTA clusters (Fp8GemmParams::prefill_cluster; 1, 30: 1, 31: 2)
   int64_t mx_inter_max_ = 0;      // widest mxfp4 expert
   bool mx_tensor_cores_ = false;  // fp8_block + mxfp4 experts with FP8 x run on the mixed sm_90a GEMMs
   bool mx_wide_ = false;          // their 512-thread variant (EPX_EXPERTS_MXFP4_TC=2)

@@ -435,8 +435,10 @@ TEST(ExpertsCuda, Fp8TensorCoreRowCountsOneTo8192) {
   // the prefill kernels off (EPX_EXPERTS_FP8_PREFILL=0: every tile on the 64-row kernels), with
   // the cp.async loads and tokens from shared memory (=8)
   // the TMA variant of the prefill kernels (=10), 17 (the default's kernel for the Flat gate_up until the
-  // eleventh session) and 29 (the default's kernels: the Flat gate_up's token rows permuted into row-space
-  // order first; partial tiles and experts without tokens among the cases);
+  // eleventh session) and 29 (the eleventh session's default kernels: the Flat gate_up's token rows permuted into
+  // row-space order first; partial tiles and experts without tokens among the cases) and 30 (29 as 2-CTA clusters
+  // sharing the weight tile by TMA multicast, the default's kernels since the twelfth session: pairs of one expert's
+  // tiles, an odd tile count, a pair of two experts' tiles);
   // Fp8PrefillTmaLoadsMatchCpAsyncLoadsBitForBit checks 17, 10, 23, 27 and the default are bit-identical to =8.
   // These take the prefill section for any expert with > 64 rows (EPX_EXPERTS_FP8_PREFILL_MIN_TILES
   // = 1); "gated" is the default, which takes it only when the big tiles fill one wave (here only
@@ -444,7 +446,7 @@ TEST(ExpertsCuda, Fp8TensorCoreRowCountsOneTo8192) {
   const auto experts = same_format(WeightFormat::fp8_block, 3, 7168, 2048, 500);
   auto cpu = make_experts_cpu(experts);
   auto gpu_gated = make_experts_cuda(experts, 0);
-  std::unique_ptr<Experts> gpu, gpu_pairs, gpu_small, gpu_tma, gpu_smem_a, gpu_17, gpu_29;
+  std::unique_ptr<Experts> gpu, gpu_pairs, gpu_small, gpu_tma, gpu_smem_a, gpu_17, gpu_29, gpu_30;
   {
     const test::ScopedEnv min_tiles("EPX_EXPERTS_FP8_PREFILL_MIN_TILES", "1");
     gpu = make_experts_cuda(experts, 0);
@@ -462,13 +464,16 @@ TEST(ExpertsCuda, Fp8TensorCoreRowCountsOneTo8192) {
     gpu_17 = make_experts_cuda(experts, 0);
     mode.set("29");
     gpu_29 = make_experts_cuda(experts, 0);
+    mode.set("30");
+    gpu_30 = make_experts_cuda(experts, 0);
   }
   const double tol = kMaxRelL2Fp8TensorCores;
   const std::vector<std::vector<int32_t>> cases = {{0, 1, 0}, {7, 0, 0}, {16, 17, 95}, {64, 65, 129}, {0, 1000, 0}};
-  for (auto* g : {gpu.get(), gpu_17.get(), gpu_29.get(), gpu_smem_a.get(), gpu_pairs.get(), gpu_small.get(), gpu_tma.get(), gpu_gated.get()}) {
+  for (auto* g : {gpu.get(), gpu_17.get(), gpu_29.get(), gpu_30.get(), gpu_smem_a.get(), gpu_pairs.get(), gpu_small.get(), gpu_tma.get(), gpu_gated.get()}) {
     const char* variant = g == gpu.get()           ? ""
                           : g == gpu_17.get()      ? " (prefill mode 17: cp.async loads)"
                           : g == gpu_29.get()      ? " (prefill mode 29: Flat rows permuted)"
+                          : g == gpu_30.get()      ? " (prefill mode 30: 2-CTA clusters, weight multicast)"
                           : g == gpu_smem_a.get()  ? " (prefill mode 8: A from shared memory)"
                           : g == gpu_gated.get()   ? " (prefill gated: one wave)"
                           : g == gpu_pairs.get()   ? " (pairs)"
@@ -510,11 +515,14 @@ TEST(ExpertsCuda, Fp8PrefillTmaLoadsMatchCpAsyncLoadsBitForBit) {
   // same bytes too, and so must =23 (10 with the lean consumer: the same products and promotions from
   // pinned per-thread offsets), =27 (23 loading the next K block's operands under the last promotion),
   // =29 (27 with the Flat gate_up's token rows copied into row-space order first and loaded as one TMA box
-  // per tile) and the default (=1: 29's kernels since the eleventh session).
+  // per tile) and the default (=1: 29's kernels in the eleventh session, 30's since the twelfth), =30 (29 as 2-CTA clusters: a cluster takes
+  // tile-list entries 2 j, 2 j + 1 and multicasts the weight tile where both are one expert's; here ExpertMajor pairs
+  // (e0, e0), (e2, e2), (e2, e3: two experts, I 2048 and 3072, so down's K blocks differ) and (e3, none)), =31 (the
+  // same clusters without the multicast); the default (=1) runs 30's kernels since the twelfth session.
   std::vector<std::shared_ptr<const ExpertWeights>> experts = same_format(WeightFormat::fp8_block, 3, 7168, 2048, 540);
   experts.push_back(ExpertWeights::random(WeightFormat::fp8_block, 7168, 3072, 544));
   const int64_t L = 4, H = 7168, cap = 300;
-  std::unique_ptr<Experts> cpa, rs, tma, tma_lean, tma_lean_pf, tma_perm, dflt;
+  std::unique_ptr<Experts> cpa, rs, tma, tma_lean, tma_lean_pf, tma_perm, dflt, mcast, coupled;
   {
     const test::ScopedEnv min_tiles("EPX_EXPERTS_FP8_PREFILL_MIN_TILES", "1");  // the prefill section for these few big tiles
     const test::ScopedEnv mode("EPX_EXPERTS_FP8_PREFILL", "8");
@@ -531,6 +539,10 @@ TEST(ExpertsCuda, Fp8PrefillTmaLoadsMatchCpAsyncLoadsBitForBit) {
     tma_perm = make_experts_cuda(experts, 0);
     mode.set("1");
     dflt = make_experts_cuda(experts, 0);
+    mode.set("30");
+    mcast = make_experts_cuda(experts, 0);
+    mode.set("31");
+    coupled = make_experts_cuda(experts, 0);
   }
   auto same_bytes = [](const Tensor& a, const Tensor& b) {
     const Tensor ah = a.to(Device::cpu()), bh = b.to(Device::cpu());
@@ -566,13 +578,15 @@ TEST(ExpertsCuda, Fp8PrefillTmaLoadsMatchCpAsyncLoadsBitForBit) {
   poison_dev(fl_ref);
   cpa->apply(em, em_ref);
   cpa->apply(fl, fl_ref);
-  for (auto* g : {rs.get(), tma.get(), tma_lean.get(), tma_lean_pf.get(), tma_perm.get(), dflt.get()}) {
+  for (auto* g : {rs.get(), tma.get(), tma_lean.get(), tma_lean_pf.get(), tma_perm.get(), dflt.get(), mcast.get(), coupled.get()}) {
     const char* name = g == rs.get()         ? "fast-rs (17)"
                        : g == tma.get()      ? "tma (10)"
                        : g == tma_lean.get() ? "tma lean (23)"
                        : g == tma_lean_pf.get() ? "tma lean, prefetch (27)"
                        : g == tma_perm.get()  ? "tma lean, prefetch, Flat rows permuted (29)"
-                                                : "default (1: 29's kernels)";
+                       : g == mcast.get()     ? "2-CTA clusters, weight multicast (30)"
+                       : g == coupled.get()   ? "2-CTA clusters, no multicast (31)"
+                                                : "default (1: 30's kernels)";
     Tensor o = Tensor::empty({L, cap, H}, DType::bf16, kDev), f = Tensor::empty({N, H}, DType::bf16, kDev);
     poison_dev(o);
     poison_dev(f);
@@ -596,13 +610,14 @@ TEST(ExpertsCuda, Fp8PrefillSmallShapes) {
   // both layouts; partial tiles (129, 70 rows; Flat ~90 per expert), an expert without tokens, 8 K blocks per
   // gate_up item against its 4 stages (the ring wraps inside an item) and the lean consumer's end-of-item reload
   // of a released stage (lean_item_prefetch) after every item. The
-  // default (=1: 29's kernels since the eleventh session),
+  // default (=1: 30's kernels since the twelfth session),
   // =27 (the Flat gate_up's cp.async gather on the TMA kernel, no proxy fence since the eleventh session) and
-  // =29 (the Flat gate_up's token rows permuted into row-space order first, one TMA box per tile).
+  // =29 (the Flat gate_up's token rows permuted into row-space order first, one TMA box per tile), =30 / =31 (29 as
+  // 2-CTA clusters with / without the weight multicast; ExpertMajor pairs (e0, e0), (e2, e3 none)).
   const auto experts = same_format(WeightFormat::fp8_block, 3, 1024, 256, 560);
   auto cpu = make_experts_cpu(experts);
   const double tol = kMaxRelL2Fp8TensorCores;
-  for (const char* mode : {"1", "27", "29"}) {
+  for (const char* mode : {"1", "27", "29", "30", "31"}) {
     std::unique_ptr<Experts> gpu;
     {
       const test::ScopedEnv min_tiles("EPX_EXPERTS_FP8_PREFILL_MIN_TILES", "1");  // the prefill section for these few tiles

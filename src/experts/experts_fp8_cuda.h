@@ -61,6 +61,13 @@ struct Fp8GemmParams {
   /// = 18 (measured level with 17) and 3 / 4 = 20 / 21 (pipelined m64n64 batches, slower) were removed
   /// in the ninth session.)
   int32_t prefill_fast;
+  /// TMA prefill kernels with prefill_fast 5 only (Config::experts_fp8_prefill 1 and 30, 31; twelfth session): 0 = one
+  /// CTA per work item (every other mode); 1 (the default's) = 2-CTA clusters: a cluster takes tile-list entries 2 j, 2 j + 1 (one
+  /// 128-row tile each) at the same weight tile, both rings in lockstep (a stage is refilled when the consumers of
+  /// both CTAs released it), and where both tiles are the same expert's each CTA's TMA loads one 128-row half of the
+  /// 256-row weight tile multicast into both CTAs (L2 -> SM weight bytes halved); 2 = the same clusters and
+  /// lockstep without the multicast (each CTA loads its whole weight tile; the lockstep's cost alone). Same bits as 0.
+  int32_t prefill_cluster;
   /// Debug only (set_fp8_prefill_debug; null / 0 in the library's launches): the stamped kernels'
   /// buffer and ablation flags, filled in by the launch functions.
   uint32_t* debug;
@@ -157,5 +164,9 @@ void launch_fp8_prefill_permute_x(const Fp8GemmParams& p, int grid, cudaStream_t
 void launch_fp8_prefill_tma_down(const Fp8GemmParams& p, int grid, cudaStream_t stream);
 int fp8_prefill_tma_smem_bytes();
 void fp8_prefill_tma_set_smem_limits();
+/// The most 2-CTA clusters of the gate_up (or down) cluster kernel (Fp8GemmParams::prefill_cluster) resident at once
+/// on the current device (cudaOccupancyMaxActiveClusters after fp8_prefill_tma_set_smem_limits; 0: none, the launch
+/// then takes the one-CTA kernel).
+int fp8_prefill_tma_max_clusters(bool gate_up);
 
 }  // namespace epx::experts_cuda

@@ -304,10 +304,12 @@ __device__ __forceinline__ void lean_load_if(const LeanOffsets& o, uint32_t b_s,
 /// No branch around the loads (ptxas hoisted the promotion above such a branch, in front of the loads): after
 /// an item's last K block the wait is on the `done` barrier (done_bar, completed at the kernel's start) and the
 /// loads are predicated off (lean_load_if); the next item starts with its own wait and load.
-template <class Fence>
+/// release(s): this thread's release of stage s (the one-CTA kernels: its arrival on the stage's `empty`; the
+/// 2-CTA cluster kernels, Fp8GemmParams::prefill_cluster: also its warp's arrival on the other CTA's).
+template <class Fence, class Release>
 __device__ __forceinline__ void lean_item_prefetch(const LeanOffsets& o, int64_t nk, RingPos& pos, uint32_t stages, uint32_t smem_s,
-                                                   uint32_t scale_s, uint32_t full0, uint32_t empty0, uint32_t done_bar,
-                                                   float (&acc)[2][kFrag], float (&tmp)[kFrag], Fence fence) {
+                                                   uint32_t scale_s, uint32_t full0, uint32_t done_bar, float (&acc)[2][kFrag],
+                                                   float (&tmp)[kFrag], Fence fence, Release release) {
   using namespace wg;
   auto stage_a = [&](uint32_t s) { return smem_s + s * kStageBytes; };
   auto stage_sc = [&](uint32_t s) { return scale_s + s * (kScaleFloats * 4); };
@@ -331,7 +333,7 @@ __device__ __forceinline__ void lean_item_prefetch(const LeanOffsets& o, int64_t
 #pragma unroll
       for (int i = 0; i < kFrag; ++i) fence_operand(tmp[i]);
       if (sub == 1) {
-        mbar_arrive(empty0 + s * 8);  // every consumer thread releases the stage (kEmptyArrivals)
+        release(s);  // every consumer thread releases the stage (kEmptyArrivals)
         const bool more = kb + 1 < nk;
         mbar_wait(more ? full0 + pos.stage * 8 : done_bar, more ? pos.phase : 0u);
         fence();

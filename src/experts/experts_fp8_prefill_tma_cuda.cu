@@ -5,11 +5,16 @@
 // the next K block's operands under the last promotion (lean_item_prefetch; producer 40 / consumers 232
 // registers), bench/NOTES.md tenth session; opt-in: mode 17's consumer (Config::experts_fp8_prefill 10),
 // the lean consumer without the prefetch (23), with it (27), 27 with the Flat gate_up's token rows
-// permuted into row-space order first (29, eleventh session: permute_x_kernel below). (With the mode-8
-// consumer, sixth session:
-// 4 % faster than the cp.async kernels on ExpertMajor and 9 % slower on Flat.) Its 2-CTA cluster launch
-// multicasting the weight tile (11) was slower in every run, with the mode-17 consumer too (eighth
-// session: 4618 / 5037 us against 17's 3464 / 3519), and was removed.
+// permuted into row-space order first (29, eleventh session: permute_x_kernel below), and 29 launched as 2-CTA
+// clusters whose CTAs take the two 128-token tiles of one expert at the same weight tile and share it (each TMA
+// multicasts one 128-row half into both; Fp8GemmParams::prefill_cluster, kCluster below): Config::experts_fp8_prefill
+// 30, the default's kernels since the twelfth session (ExpertMajor 1092 TFLOP/s against 29's 1000-1016, Flat 990
+// against 928-935, one run; ncu: the pair reads each weight tile from DRAM once (gate_up 4.1 instead of 5.3 GB), L2
+// busy 71 instead of 85 %, the SM clock 1.57 instead of 1.45 GHz at the same tensor-pipe activity), and 31 (the same
+// clusters without the multicast: level with 30). (With the mode-8 consumer, sixth session: 4 % faster than the
+// cp.async kernels on ExpertMajor and 9 % slower on Flat.) The earlier cluster launches (4, 11; fifth to eighth
+// sessions, 27-43 % slower) released the peer's stage with a cluster-scope release (`mbarrier.arrive.release.cluster`),
+// a fence on the consumers' chain in every K block: batch 1 of the twelfth session measured that form 45 % slower too.
 //
 // One CTA per SM, 384 threads, warp-specialized:
 //   warpgroup 0 (producer, 64 registers): streams each K block's operands into a kStages-deep ring
@@ -71,12 +76,46 @@ __device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map
       : "memory");
 }
 
+/// The same box written at the same shared offset of every CTA of the cluster in `mask` (cluster ranks), the mbarrier at
+/// offset `bar` of each of them completing the box's bytes (PTX ISA 8.0, .multicast::cluster).
+__device__ __forceinline__ void tma_load_2d_multicast(uint32_t dst, const CUtensorMap* map, int32_t x, int32_t y, uint32_t bar,
+                                                      uint16_t mask) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.multicast::cluster [%0], [%1, {%2, %3}], [%4], "
+      "%5;\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(x), "r"(y), "r"(bar), "h"(mask)
+      : "memory");
+}
+/// Arrives on the mbarrier at shared offset `bar` of the CTA of cluster rank `cta`, with the instruction's default
+/// semantics (release at CTA scope, as CUTLASS's and DeepGEMM's cluster pipelines arrive on a peer's `empty`): the
+/// arriving warp's reads of the stage are complete (wgmma.wait_group 0, the ldmatrix results consumed), so the peer's
+/// TMA refill has no earlier access of this thread to be ordered after. Batch 1 of the twelfth session ran it as
+/// `.release.cluster` (as the removed mode 11 did): both the multicast (30) and the clusters alone (31) took 45 % more
+/// time than the one-CTA kernel, the tensor pipe 36 % busy at 1.79 GHz (ncu); read: a cluster-scope release is a
+/// fence on the consumer's serial chain in every K block (bench/NOTES.md, twelfth session).
+__device__ __forceinline__ void mbar_arrive_cluster(uint32_t bar, uint32_t cta) {
+  asm volatile("{\n.reg .b32 ra;\nmapa.shared::cluster.u32 ra, %0, %1;\nmbarrier.arrive.shared::cluster.b64 _, [ra];\n}\n" ::"r"(bar),
+               "r"(cta)
+               : "memory");
+}
+__device__ __forceinline__ uint32_t cluster_ctarank() {
+  uint32_t r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+  return r;
+}
+/// Every thread of both CTAs of the cluster (release / acquire at cluster scope).
+__device__ __forceinline__ void cluster_sync_all() {
+  asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;\n" ::: "memory");
+}
+
 /// Work item q (row tile q / max_weight_tiles, weight tile q % max_weight_tiles) of the prefill
 /// section, or nk == 0 when this CTA-uniform item has nothing to do (resolve_tile).
 struct Work {
   Item it{};
   int32_t expert = -1;
-  int64_t nk = 0;  // K blocks
+  int64_t nk = 0;      // K blocks this step takes through the ring
+  int64_t my_nk = 0;   // of which this CTA computes `it` (the first my_nk; the one-CTA kernels: nk)
+  bool mcast = false;  // 2-CTA clusters: the weight tile is shared with the other CTA (multicast halves)
 };
 
 template <bool kGateUp>
@@ -84,8 +123,43 @@ __device__ __forceinline__ Work work_at(const Fp8GemmParams& p, int32_t tile0, i
   Work w;
   if (resolve_tile<kGateUp>(p, tile0 + static_cast<int32_t>(q / p.max_weight_tiles), static_cast<int>(q % p.max_weight_tiles), w.it,
                             w.expert))
-    w.nk = w.it.K / kBK;
+    w.nk = w.my_nk = w.it.K / kBK;
   return w;
+}
+
+/// Step q of a 2-CTA cluster (Fp8GemmParams::prefill_cluster): tile-list entries 2 (q / max_weight_tiles) + {0, 1} of
+/// the prefill section (cluster rank 0, 1) at weight tile q % max_weight_tiles. Both CTAs take nk = the larger of
+/// their K block counts through their rings in lockstep (a CTA without an item, or with fewer K blocks, runs empty
+/// stages: an expert with an odd tile count, the section's last tile, a weight tile past one expert's width, two
+/// experts of different I in down); the weight tile is multicast where both tiles are the same expert's. Both CTAs
+/// compute the same nk and mcast.
+template <bool kGateUp>
+__device__ __forceinline__ Work work_pair(const Fp8GemmParams& p, int32_t tile0, int32_t num_tiles, int64_t q, uint32_t rank) {
+  Work w;
+  const int wt = static_cast<int>(q % p.max_weight_tiles);
+  const int64_t t = 2 * (q / p.max_weight_tiles) + rank, u = t ^ 1;
+  const bool mine = t < num_tiles && resolve_tile<kGateUp>(p, tile0 + static_cast<int32_t>(t), wt, w.it, w.expert);
+  Item o;
+  int32_t eo = -1;
+  const bool theirs = u < num_tiles && resolve_tile<kGateUp>(p, tile0 + static_cast<int32_t>(u), wt, o, eo);
+  w.my_nk = mine ? w.it.K / kBK : 0;
+  w.nk = max(w.my_nk, theirs ? o.K / kBK : int64_t{0});
+  w.mcast = mine && theirs && eo == w.expert && p.prefill_cluster == 1;
+  if (!mine) w.it.num_rows = 0;  // (resolve_tile may have filled part of it)
+  return w;
+}
+
+/// The walk of the prefill section by this CTA: steps q0, q0 + q_step, .. < num_steps.
+struct Walk {
+  int32_t tile0, num_tiles;
+  int64_t q0, q_step, num_steps;
+  uint32_t rank;
+};
+
+template <bool kGateUp, bool kCluster>
+__device__ __forceinline__ Work step_at(const Fp8GemmParams& p, const Walk& wk, int64_t q) {
+  if constexpr (kCluster) return work_pair<kGateUp>(p, wk.tile0, wk.num_tiles, q, wk.rank);
+  else return work_at<kGateUp>(p, wk.tile0, q);
 }
 
 /// Loads are coalesced: thread pt copies 16-byte chunk pt % 8 of rows pt / 8 + 16 i, so 8
@@ -95,9 +169,13 @@ __device__ __forceinline__ Work work_at(const Fp8GemmParams& p, int32_t tile0, i
 /// tma_b: the token tile by one TMA box of `bmap` at the tile's first row (contiguous rows: ExpertMajor
 /// gate_up, down's hq, the Flat gate_up's x_perm), else the gather / copy by cp.async; the token scales
 /// come by cp.async either way (through p.gather for the Flat gate_up).
-template <bool kGateUp>
-__device__ __forceinline__ void producer(const Fp8GemmParams& p, const CUtensorMap* bmap, bool tma_b, int32_t tile0, int64_t num_steps,
-                                         uint32_t stages, uint8_t* smem, uint32_t smem_s) {
+/// kCluster (2-CTA clusters, TMA weights only): a stage is refilled when the consumers of both CTAs released it (its
+/// `empty` counts both); on a multicast step thread 0 loads its rank's 128-row half of the weight tile into both CTAs
+/// (the other half comes from the other CTA's producer and completes on this CTA's `full` as well: the same 48 KiB of
+/// expected bytes either way); past this CTA's K blocks (Work::my_nk) a stage is filled with nothing, 129 arrivals.
+template <bool kGateUp, bool kCluster>
+__device__ __forceinline__ void producer(const Fp8GemmParams& p, const CUtensorMap* bmap, bool tma_b, const Walk& walk, uint32_t stages,
+                                         uint8_t* smem, uint32_t smem_s) {
   using L = Layout<kGateUp>;
   const int pt = threadIdx.x;  // 0..127
   const int c = pt & 7, r8 = pt >> 3;
@@ -107,18 +185,18 @@ __device__ __forceinline__ void producer(const Fp8GemmParams& p, const CUtensorM
   const float* bs_base = kGateUp ? p.x_scales : p.hs;
   int64_t* rows = reinterpret_cast<int64_t*>(smem + L::kRowsOff);  // byte offset of token j's B row
   const uint32_t full0 = smem_s + L::kBarOff, empty0 = full0 + L::kStages * 8;
-  const bool tma_a = p.w_maps != nullptr;
+  const bool tma_a = kCluster || p.w_maps != nullptr;  // (the cluster launch needs the weight maps: no cp.async weight path)
   const uint32_t tx_bytes = tma_a ? kABytes + (tma_b ? kBBytes : 0) : 0;
   RingPos pos;
   bool wrapped = false;  // every stage was filled once (from then on, wait for its release)
-  for (int64_t q = blockIdx.x; q < num_steps; q += gridDim.x) {
-    const Work w = work_at<kGateUp>(p, tile0, q);
+  for (int64_t q = walk.q0; q < walk.num_steps; q += walk.q_step) {
+    const Work w = step_at<kGateUp, kCluster>(p, walk, q);
     if (w.nk == 0) continue;
     const Item& it = w.it;
     // The weight tile's two 128-row boxes: gate_up gate rows col0.. and up rows I + col0..;
     // down output rows col0.. and col0 + 128.. (past H: zero-filled, as sub_valid's zeros).
     const CUtensorMap* amap = nullptr;
-    if (tma_a) amap = static_cast<const CUtensorMap*>(p.w_maps) + 2 * w.expert + (kGateUp ? 0 : 1);
+    if (tma_a && w.my_nk > 0) amap = static_cast<const CUtensorMap*>(p.w_maps) + 2 * w.expert + (kGateUp ? 0 : 1);
     const int32_t ar0 = static_cast<int32_t>(sub_row<kGateUp>(it, 0)), ar1 = static_cast<int32_t>(sub_row<kGateUp>(it, 2));
     // Token pt's B row (gather for Flat gate_up); its scale row stays in this thread.
     const bool bv = pt < it.num_rows;
@@ -141,15 +219,30 @@ __device__ __forceinline__ void producer(const Fp8GemmParams& p, const CUtensorM
     const float* wssrc = it.w_scale + (wsv ? (sub_row<kGateUp>(it, pt & 3) / kBK) * (it.K / kBK) : 0);
     for (int64_t kb = 0; kb < w.nk; ++kb) {
       const uint32_t s = pos.stage;
-      if (wrapped) mbar_wait(empty0 + s * 8, pos.phase ^ 1u);  // the consumers released the previous use
+      if (wrapped) {  // the consumers released the previous use (kCluster: those of both CTAs; the wait's default acquire.cta)
+        mbar_wait(empty0 + s * 8, pos.phase ^ 1u);
+      }
       const uint32_t a_s = smem_s + s * kStageBytes, b_s = a_s + kABytes;
       const int64_t k0 = kb * kBK;
+      if constexpr (kCluster) {
+        if (kb >= w.my_nk) {  // lockstep: an empty stage (no bytes), its 129 arrivals as usual
+          if (pt == 0) mbar_arrive(full0 + s * 8);
+          cp_async_mbar_arrive(full0 + s * 8);
+          pos.advance(stages);
+          wrapped = wrapped || pos.stage == 0;
+          continue;
+        }
+      }
       if (tma_a) {
         if (pt == 0) {
           const uint32_t full = full0 + s * 8;
           mbar_arrive_expect_tx(full, tx_bytes);  // the barrier's 129th arrival; TMA bytes complete it
-          tma_load_2d(a_s, amap, static_cast<int32_t>(k0), ar0, full);
-          tma_load_2d(a_s + kTmaBox * kBK, amap, static_cast<int32_t>(k0), ar1, full);
+          if (kCluster && w.mcast) {  // this rank's half into both CTAs; the other CTA's half lands here too
+            tma_load_2d_multicast(a_s + walk.rank * (kTmaBox * kBK), amap, static_cast<int32_t>(k0), walk.rank != 0 ? ar1 : ar0, full, 3);
+          } else {
+            tma_load_2d(a_s, amap, static_cast<int32_t>(k0), ar0, full);
+            tma_load_2d(a_s + kTmaBox * kBK, amap, static_cast<int32_t>(k0), ar1, full);
+          }
           if (tma_b) tma_load_2d(b_s, bmap, static_cast<int32_t>(k0), it.row0, full);
         }
       } else {
@@ -185,9 +278,14 @@ __device__ __forceinline__ void producer(const Fp8GemmParams& p, const CUtensorM
 /// memory: no proxy fence then, however the token tile came (every consumer here reads it with
 /// ldmatrix, a generic-proxy read like cp.async's writes; until the eleventh session the fence also
 /// ran for the Flat gate_up's cp.async gather). Without the weight maps (cp.async weights): the fence.
-template <bool kGateUp, bool kLean, bool kPrefetch>
-__device__ __forceinline__ void consumer(const Fp8GemmParams& p, bool weights_tma, int32_t tile0, int64_t num_steps, uint32_t stages,
-                                         uint8_t* smem, uint32_t smem_s) {
+/// kCluster (with kLean, kPrefetch only): a stage is released to both CTAs' producers (each thread arrives on its own
+/// CTA's `empty`, lane 0 of each warp after __syncwarp also on the other CTA's), and the steps past this CTA's K
+/// blocks (Work::my_nk) are waited for and released without wgmmas (before the epilogue, so the other CTA's ring does
+/// not wait for it).
+template <bool kGateUp, bool kLean, bool kPrefetch, bool kCluster>
+__device__ __forceinline__ void consumer(const Fp8GemmParams& p, bool weights_tma, const Walk& walk, uint32_t stages, uint8_t* smem,
+                                         uint32_t smem_s) {
+  static_assert(!kCluster || (kLean && kPrefetch), "the cluster kernels run the prefetching lean consumer");
   using L = Layout<kGateUp>;
   const Who w;
   const std::conditional_t<kLean, LeanOffsets, NoOffsets> lo(w);  // only the lean consumers keep them
@@ -197,18 +295,45 @@ __device__ __forceinline__ void consumer(const Fp8GemmParams& p, bool weights_tm
 #pragma unroll
   for (int i = 0; i < kFrag; ++i) tmp[i] = 0.0f;
   RingPos pos;
-  for (int64_t q = blockIdx.x; q < num_steps; q += gridDim.x) {
-    const Work wk = work_at<kGateUp>(p, tile0, q);
+  auto release = [&](uint32_t s) {
+    mbar_arrive(empty0 + s * 8);  // every consumer thread releases the stage (kEmptyArrivals)
+    if constexpr (kCluster) {
+      __syncwarp();
+      if (w.lane == 0) mbar_arrive_cluster(empty0 + s * 8, walk.rank ^ 1u);
+    }
+  };
+  for (int64_t q = walk.q0; q < walk.num_steps; q += walk.q_step) {
+    const Work wk = step_at<kGateUp, kCluster>(p, walk, q);
     if (wk.nk == 0) continue;
     const Item& it = wk.it;
+    if constexpr (kCluster) {
+      if (wk.my_nk == 0) {  // the other CTA's item only: its stages, released unread
+        for (int64_t kb = 0; kb < wk.nk; ++kb) {
+          mbar_wait(full0 + pos.stage * 8, pos.phase);
+          release(pos.stage);
+          pos.advance(stages);
+        }
+        continue;
+      }
+    }
 #pragma unroll
     for (int sub = 0; sub < 2; ++sub)
 #pragma unroll
       for (int i = 0; i < kFrag; ++i) acc[sub][i] = 0.0f;
     if constexpr (kPrefetch) {  // mode 27: the next K block's operands loaded under the second promotion
-      lean_item_prefetch(lo, wk.nk, pos, stages, smem_s, smem_s + L::kScaleOff, full0, empty0, smem_s + L::kDoneOff, acc, tmp, [&] {
-        if (!weights_tma) fence_proxy_async();
-      });
+      lean_item_prefetch(
+          lo, wk.my_nk, pos, stages, smem_s, smem_s + L::kScaleOff, full0, smem_s + L::kDoneOff, acc, tmp,
+          [&] {
+            if (!weights_tma) fence_proxy_async();
+          },
+          release);
+      if constexpr (kCluster) {
+        for (int64_t kb = wk.my_nk; kb < wk.nk; ++kb) {  // the other CTA's longer item: empty stages
+          mbar_wait(full0 + pos.stage * 8, pos.phase);
+          release(pos.stage);
+          pos.advance(stages);
+        }
+      }
     } else {
       for (int64_t kb = 0; kb < wk.nk; ++kb) {
         const uint32_t s = pos.stage;
@@ -217,9 +342,9 @@ __device__ __forceinline__ void consumer(const Fp8GemmParams& p, bool weights_tm
         // writes through the async proxy: no fence when the weights came by TMA; the tokens go by ldmatrix)
         if (!weights_tma) fence_proxy_async();
         const uint32_t a_s = smem_s + s * kStageBytes;
-        auto release = [&] { mbar_arrive(empty0 + s * 8); };  // every consumer thread releases the stage (kEmptyArrivals)
-        if constexpr (kLean) kblock_lean(lo, a_s, a_s + kABytes, smem_s + L::kScaleOff + s * (kScaleFloats * 4), acc, tmp, release);
-        else kblock<true, true>(w, a_s, a_s + kABytes, scales + s * kScaleFloats, acc, tmp, release);
+        auto release_s = [&] { release(s); };
+        if constexpr (kLean) kblock_lean(lo, a_s, a_s + kABytes, smem_s + L::kScaleOff + s * (kScaleFloats * 4), acc, tmp, release_s);
+        else kblock<true, true>(w, a_s, a_s + kABytes, scales + s * kScaleFloats, acc, tmp, release_s);
         pos.advance(stages);
       }
     }
@@ -229,8 +354,9 @@ __device__ __forceinline__ void consumer(const Fp8GemmParams& p, bool weights_tm
 }
 
 /// kLean: the consumer of kblock_lean (Config::experts_fp8_prefill 23) with kPrefetch: lean_item_prefetch
-/// (27, and the default's TMA GEMMs); registers 40 / 232 then.
-template <bool kGateUp, bool kLean, bool kPrefetch>
+/// (27, and the default's TMA GEMMs); registers 40 / 232 then. kCluster: launched as 2-CTA clusters
+/// (Fp8GemmParams::prefill_cluster 1 or 2; Config::experts_fp8_prefill 30, 31), 27's consumer.
+template <bool kGateUp, bool kLean, bool kPrefetch, bool kCluster>
 __global__ void __launch_bounds__(kPfThreads, 1) fp8_prefill_tma_kernel(Fp8GemmParams p, const __grid_constant__ CUtensorMap bmap, int tma_b) {
   using L = Layout<kGateUp>;
   // tma_b: the token tile comes by TMA from `bmap` (only with the weight maps: the launch checks)
@@ -243,32 +369,49 @@ __global__ void __launch_bounds__(kPfThreads, 1) fp8_prefill_tma_kernel(Fp8GemmP
     for (int s = 0; s < L::kStages; ++s) {
       // full: every producer thread's cp.async arrival, + thread 0's expect_tx arrival with TMA
       mbar_init(smem_s + L::kBarOff + s * 8, p.w_maps != nullptr ? 129 : 128);
-      mbar_init(smem_s + L::kBarOff + (L::kStages + s) * 8, kEmptyArrivals);  // empty: every consumer thread
+      // empty: every consumer thread (kCluster: + every consumer warp of the other CTA)
+      mbar_init(smem_s + L::kBarOff + (L::kStages + s) * 8, kEmptyArrivals + (kCluster ? kEmptyArrivals / 32 : 0));
     }
     mbar_init(smem_s + L::kDoneOff, 1);  // done: completed once here (lean_item_prefetch)
     mbar_arrive(smem_s + L::kDoneOff);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
-  __syncthreads();
+  if constexpr (kCluster) cluster_sync_all();  // both CTAs' barriers exist before any remote arrival or multicast
+  else __syncthreads();
   const int32_t tile0 = *p.num_small, tile1 = *p.num_tiles;
   // Ring depth: Fp8GemmParams::prefill_stages clamped to [2, kStages] (0 = kStages).
   const uint32_t stages = p.prefill_stages <= 0 ? L::kStages : min(max(p.prefill_stages, 2), L::kStages);
-  const int64_t num_steps = static_cast<int64_t>(max(tile1 - tile0, 0)) * p.max_weight_tiles;
+  Walk walk{};
+  walk.tile0 = tile0;
+  walk.num_tiles = max(tile1 - tile0, 0);
+  if constexpr (kCluster) {  // cluster blockIdx.x / 2 of gridDim.x / 2 (cluster dims 2, 1, 1), steps over tile pairs
+    walk.rank = cluster_ctarank();
+    walk.q0 = blockIdx.x / 2;
+    walk.q_step = gridDim.x / 2;
+    walk.num_steps = static_cast<int64_t>((walk.num_tiles + 1) / 2) * p.max_weight_tiles;
+  } else {
+    walk.rank = 0;
+    walk.q0 = blockIdx.x;
+    walk.q_step = gridDim.x;
+    walk.num_steps = static_cast<int64_t>(walk.num_tiles) * p.max_weight_tiles;
+  }
   // Registers: 384 x 168 at launch = 128 x 64 + 256 x 216 (kLean: 128 x 40 + 256 x 232).
   if (threadIdx.x < 128) {
     if constexpr (kLean) setmaxnreg_dec<40>();
     else setmaxnreg_dec<64>();
-    producer<kGateUp>(p, &bmap, tma_b != 0, tile0, num_steps, stages, smem, smem_s);
+    producer<kGateUp, kCluster>(p, &bmap, tma_b != 0, walk, stages, smem, smem_s);
   } else {
     if constexpr (kLean) setmaxnreg_inc<232>();
     else setmaxnreg_inc<216>();
-    consumer<kGateUp, kLean, kPrefetch>(p, p.w_maps != nullptr, tile0, num_steps, stages, smem, smem_s);
+    consumer<kGateUp, kLean, kPrefetch, kCluster>(p, p.w_maps != nullptr, walk, stages, smem, smem_s);
   }
+  // kCluster: neither CTA leaves while the other may still multicast into it or arrive on its barriers
+  if constexpr (kCluster) cluster_sync_all();
 }
 
 #else  // not sm_90a: the host never launches these (fp8_tensor_cores_available is false)
 
-template <bool kGateUp, bool kLean, bool kPrefetch>
+template <bool kGateUp, bool kLean, bool kPrefetch, bool kCluster>
 __global__ void __launch_bounds__(kPfThreads, 1) fp8_prefill_tma_kernel(Fp8GemmParams, const __grid_constant__ CUtensorMap, int) {
 #ifdef __CUDA_ARCH__
   __trap();
@@ -352,14 +495,57 @@ namespace {
 /// (Config::experts_fp8_prefill 10: 0; lean 23: 3; lean with prefetch, 27 and the default: 5).
 template <bool kGateUp>
 auto tma_kernel(int fast) {
-  return fast == 5   ? fp8_prefill_tma_kernel<kGateUp, true, true>
-         : fast == 3 ? fp8_prefill_tma_kernel<kGateUp, true, false>
-                     : fp8_prefill_tma_kernel<kGateUp, false, false>;
+  return fast == 5   ? fp8_prefill_tma_kernel<kGateUp, true, true, false>
+         : fast == 3 ? fp8_prefill_tma_kernel<kGateUp, true, false, false>
+                     : fp8_prefill_tma_kernel<kGateUp, false, false, false>;
+}
+
+/// The most 2-CTA clusters of the cluster kernel that fit the device at once ([0] down, [1] gate_up; 0 = none:
+/// the one-CTA kernel then), set by fp8_prefill_tma_set_smem_limits.
+int g_max_clusters[2] = {0, 0};
+
+template <bool kGateUp>
+int max_active_clusters() {
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(2);
+  cfg.blockDim = dim3(kPfThreads);
+  cfg.dynamicSmemBytes = Layout<kGateUp>::kSmemBytes;
+  cudaLaunchAttribute attr{};
+  attr.id = cudaLaunchAttributeClusterDimension;
+  attr.val.clusterDim.x = 2;
+  attr.val.clusterDim.y = 1;
+  attr.val.clusterDim.z = 1;
+  cfg.attrs = &attr;
+  cfg.numAttrs = 1;
+  int n = 0;
+  if (cudaOccupancyMaxActiveClusters(&n, fp8_prefill_tma_kernel<kGateUp, true, true, true>, &cfg) != cudaSuccess) {
+    (void)cudaGetLastError();
+    n = 0;
+  }
+  return n;
 }
 
 template <bool kGateUp>
 void launch_prefill(const Fp8GemmParams& p, const CUtensorMap& bmap, bool tb, int grid, cudaStream_t stream, const char* what) {
-  tma_kernel<kGateUp>(p.prefill_fast)<<<grid, kPfThreads, Layout<kGateUp>::kSmemBytes, stream>>>(p, bmap, tb ? 1 : 0);
+  const int maxc = g_max_clusters[kGateUp ? 1 : 0];
+  if (p.prefill_cluster != 0 && p.prefill_fast == 5 && p.w_maps != nullptr && maxc > 0) {
+    // 2-CTA clusters (Config::experts_fp8_prefill 30, 31): as many as fit at once, each walks tile pairs
+    cudaLaunchConfig_t cfg{};
+    cfg.gridDim = dim3(static_cast<unsigned>(2 * std::min((grid + 1) / 2, maxc)));
+    cfg.blockDim = dim3(kPfThreads);
+    cfg.dynamicSmemBytes = Layout<kGateUp>::kSmemBytes;
+    cfg.stream = stream;
+    cudaLaunchAttribute attr{};
+    attr.id = cudaLaunchAttributeClusterDimension;
+    attr.val.clusterDim.x = 2;
+    attr.val.clusterDim.y = 1;
+    attr.val.clusterDim.z = 1;
+    cfg.attrs = &attr;
+    cfg.numAttrs = 1;
+    EPX_CUDA_CHECK(cudaLaunchKernelEx(&cfg, fp8_prefill_tma_kernel<kGateUp, true, true, true>, p, bmap, tb ? 1 : 0));
+  } else {
+    tma_kernel<kGateUp>(p.prefill_fast)<<<grid, kPfThreads, Layout<kGateUp>::kSmemBytes, stream>>>(p, bmap, tb ? 1 : 0);
+  }
   cuda::check_launch(what);
 }
 
@@ -367,11 +553,19 @@ void launch_prefill(const Fp8GemmParams& p, const CUtensorMap& bmap, bool tb, in
 
 int fp8_prefill_tma_smem_bytes() { return std::max(Layout<true>::kSmemBytes, Layout<false>::kSmemBytes); }
 
+int fp8_prefill_tma_max_clusters(bool gate_up) { return g_max_clusters[gate_up ? 1 : 0]; }
+
 void fp8_prefill_tma_set_smem_limits() {
   for (int fast : {0, 3, 5}) {
     EPX_CUDA_CHECK(cudaFuncSetAttribute(tma_kernel<true>(fast), cudaFuncAttributeMaxDynamicSharedMemorySize, Layout<true>::kSmemBytes));
     EPX_CUDA_CHECK(cudaFuncSetAttribute(tma_kernel<false>(fast), cudaFuncAttributeMaxDynamicSharedMemorySize, Layout<false>::kSmemBytes));
   }
+  EPX_CUDA_CHECK(cudaFuncSetAttribute(fp8_prefill_tma_kernel<true, true, true, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      Layout<true>::kSmemBytes));
+  EPX_CUDA_CHECK(cudaFuncSetAttribute(fp8_prefill_tma_kernel<false, true, true, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      Layout<false>::kSmemBytes));
+  g_max_clusters[1] = max_active_clusters<true>();
+  g_max_clusters[0] = max_active_clusters<false>();
 }
 
 // The token tile's map is built per launch (x, x_perm and hq change between calls; a captured graph
