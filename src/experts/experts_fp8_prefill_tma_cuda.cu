@@ -92,7 +92,8 @@ __device__ __forceinline__ Work work_at(const Fp8GemmParams& p, int32_t tile0, i
 
 /// The weight tile: two 128-row TMA boxes of the expert's map (thread 0). Token loads by cp.async are
 /// coalesced: thread pt copies 16-byte chunk pt % 8 of rows pt / 8 + 16 i, so 8 consecutive lanes read
-/// one row's 128 contiguous bytes.
+/// one row's 128 contiguous bytes (a thread per row would split every 32-byte sector between two
+/// instructions: twice the L2 -> SM traffic, measured slower than the 64-row kernels).
 /// tma_b: the token tile by one TMA box of `bmap` at the tile's first row (contiguous rows: ExpertMajor
 /// gate_up, down's hq, the Flat gate_up's x_perm), else the gather / copy by cp.async; the token scales
 /// come by cp.async either way (through p.gather for the Flat gate_up).
