@@ -1070,6 +1070,41 @@ TEST(LlCuda, FinalizeTwicePerPrepareOneRank) {
   }
 }
 
+// ll on CUDA made without a caller Config: make_prepare_finalize loads it (Config::load()) inside its verdict gather
+// since the twelfth session, so a bad EPX_* variable in one process stops every rank there (on two ranks the peer
+// names this one) instead of this rank alone after the agreement. One rank can only check the path: the bad
+// variable is refused naming it (as before), the gather leaves the group usable, and a good load builds an ll whose
+// round matches LlCpu. The two-rank difference needs 2 GPUs.
+TEST(LlCuda, CreateWithoutACallerConfigLoadsItInTheVerdictGatherOneRank) {
+  if (gpus() < 1) GTEST_SKIP() << "needs 1 GPU, found " << gpus();
+  Case c = make_case(1, 2048, 16, 4, DType::fp8_e4m3, false, false, false, false, 0.1, 16, {8}, 81);
+  const std::vector<RankInput> in = make_inputs(c);
+  const auto want = run_cpu(c, {in});
+  const std::string path = nccl_path();
+  const std::string failed = run_ranks_forked(1, 120.0, [&](int rank) {
+    auto g = make_nccl_group(path, rank, 1, rank, 60.0);
+    cuda_ok(cudaSetDevice(rank), "cudaSetDevice");
+    cudaStream_t s;
+    cuda_ok(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "stream");
+    std::string failures;
+    setenv("EPX_LL_SIGNAL", "chunky", 1);
+    try {
+      auto bad = make_prepare_finalize("ll", g, c.config());
+      failures += "created with EPX_LL_SIGNAL=chunky; ";
+    } catch (const InvalidArgument& e) {
+      if (std::string(e.what()).find("EPX_LL_SIGNAL") == std::string::npos) failures += std::string("the refusal: '") + e.what() + "'; ";
+    }
+    unsetenv("EPX_LL_SIGNAL");
+    auto pf = make_prepare_finalize("ll", g, c.config());
+    auto* ll = dynamic_cast<dispatch::LlCuda*>(pf.get());
+    if (ll == nullptr) throw std::runtime_error("make_prepare_finalize(\"ll\") on a CUDA group is not an LlCuda");
+    const std::string d = diff(gpu_round(c, *ll, in[0], rank, s, false), want[0][0]);
+    if (!d.empty()) failures += "round: " + d + "; ";
+    if (!failures.empty()) throw std::runtime_error(failures);
+  });
+  EXPECT_EQ(failed, "");
+}
+
 TEST(LlCuda, MatchesCpuOneRank) {
   if (gpus() < 1) GTEST_SKIP() << "needs 1 GPU, found " << gpus();
   run_eager(1);
