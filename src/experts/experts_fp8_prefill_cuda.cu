@@ -153,6 +153,13 @@ __device__ __forceinline__ void producer(const Fp8GemmParams& p, int32_t tile0, 
   }
 }
 
+/// 1, which the compiler cannot see through (a branch on it stays a branch).
+__device__ __forceinline__ uint32_t opaque_one() {
+  uint32_t v;
+  asm volatile("mov.u32 %0, 1;\n" : "=r"(v));
+  return v;
+}
+
 /// The consumer warpgroups: per K block kblock (experts_fp8_prefill.cuh; kMode 0: kblock<false>,
 /// mode 8; 2: kblock<true, true>, mode 17), with every consumer thread's arrive on the
 /// stage's `empty` barrier (kMode >= 2: inside kblock, before the last promotion); per item the
@@ -199,7 +206,15 @@ __device__ __forceinline__ void consumer(const Fp8GemmParams& p, int32_t tile0, 
       fence_proxy_async();  // cp.async wrote through the generic proxy; wgmma reads through the async one
       st.at(1);
       const uint32_t a_s = smem_s + s * kStageBytes;
-      auto release = [&] { mbar_arrive(empty0 + s * 8); };  // every consumer thread releases the stage (kEmptyArrivals)
+      // Every consumer thread releases the stage (kEmptyArrivals), behind __syncwarp and a branch on an opaque true
+      // value: the block boundary of the old lane-0 form. Without a branch there (a plain arrive, or one behind a
+      // condition ptxas folds) ptxas 13.0 schedules mode 17's K block differently and its kernels spill 28 bytes
+      // (ptxas -v), 10 % slower (gpufix batch 1, bench/NOTES.md twelfth session); with it the SASS instruction
+      // counts of all four kernels equal the lane-0 form's.
+      auto release = [&] {
+        __syncwarp();
+        if (opaque_one()) mbar_arrive(empty0 + s * 8);
+      };
       kblock<kFast, kFast, kDbg>(w, a_s, a_s + kABytes, scales + s * kScaleFloats, acc, tmp, release, st);
       if constexpr (!kFast) release();
       pos.advance(stages);
