@@ -310,6 +310,33 @@ TEST_P(Backend, BadFinalizeArgsThrowOnAllRanks) {
   }
 }
 
+TEST_P(Backend, FinalizeTwiceOnOneRankIsNamedOnEveryRank) {
+  // Every rank makes the same sequence of calls (dispatch.h). Here rank 0 finalizes its prepare twice (which is
+  // fine when every rank does it) while rank 1 moves on to its next prepare: both ranks throw InvalidArgument
+  // naming the two calls that met (not a collective's "bytes_per_rank must agree" or a timeout).
+  const std::string name = GetParam();
+  Case c;
+  c.R = 2;
+  const auto in = make_inputs(c);
+  const auto errs = errors_on_ranks(name, c, [&](int r, std::shared_ptr<Group> g) {
+    auto pf = make_prepare_finalize(name, g, c.config());
+    const RankInput& ri = in[static_cast<size_t>(r)];
+    PrepareResult p = pf->prepare({ri.x, ri.topk_idx, ri.topk_weights});
+    std::vector<int64_t> shape(p.x.shape.begin(), p.x.shape.begin() + p.x.ndim);
+    Tensor eo = Tensor::zeros(shape, DType::bf16);
+    Tensor out = Tensor::empty({ri.x.size(0), c.H}, DType::bf16);
+    pf->finalize({eo, out});
+    if (r == 0) pf->finalize({eo, out});
+    else pf->prepare({ri.x, ri.topk_idx, ri.topk_weights});
+  });
+  for (int r = 0; r < c.R; ++r) {
+    EXPECT_EQ(errs[r].type, "InvalidArgument") << name << " rank " << r << ": " << errs[r].what;
+    EXPECT_TRUE(contains(errs[r].what, name + ".finalize on rank 0") && contains(errs[r].what, name + ".prepare on rank 1") &&
+                contains(errs[r].what, "same sequence of calls"))
+        << name << " rank " << r << ": " << errs[r].what;
+  }
+}
+
 TEST_P(Backend, ConfigDisagreementAndBadConfig) {
   const std::string name = GetParam();
   Case c;

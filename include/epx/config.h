@@ -13,7 +13,7 @@ namespace epx {
 
 struct Config {
   // ---- general ----
-  double timeout_s = 60.0;           ///< longest wait on a peer before Timeout [s]; 0 < value <= 1e9
+  double timeout_s = 60.0;           ///< longest wait on a peer before Timeout [s]; 1e-3 <= value <= 1e9
                                      ///< (deadlines are int64 ns), else InvalidArgument
   std::string log_level = "warn";    ///< trace | debug | info | warn | error | off
 

@@ -104,7 +104,7 @@ and its rule (the Config keeps its old value). describe() lists "key = value  [s
 `epx info` prints. The launch settings reach a backend through make_prepare_finalize(..., settings=) or
 ModularMoE(..., config=); without one the backend reads Config.load() (EPX_CONFIG, EPX_* variables).
 Attributes (JSON key, environment variable):
-  timeout_s (timeout_s, EPX_TIMEOUT_S): float seconds, > 0: longest wait on a peer before Timeout.
+  timeout_s (timeout_s, EPX_TIMEOUT_S): float seconds in [0.001, 1e9]: longest wait on a peer before Timeout.
   ll_combine (ll.combine): "partial_fp32" | "partial_bf16" | "column": ll's combine for `epx bench`
       (the API takes DispatchConfig.ll_combine).
   ll_signal (ll.signal, EPX_LL_SIGNAL): "chunk" (default) | "block" | "rank": ll on CUDA, completion signal

@@ -29,7 +29,7 @@ struct Field {
 // THE list of configuration fields. Everything else walks it.
 template <class C, class Visit>
 void for_each_field(C& c, Visit&& v) {
-  v(Field{"timeout_s", "EPX_TIMEOUT_S", "s", "longest wait on a peer before Timeout; > 0, <= 1e9"}, c.timeout_s);
+  v(Field{"timeout_s", "EPX_TIMEOUT_S", "s", "longest wait on a peer before Timeout; >= 0.001, <= 1e9"}, c.timeout_s);
   v(Field{"log_level", "EPX_LOG_LEVEL", "", "trace|debug|info|warn|error|off"}, c.log_level);
   v(Field{"ll.warps_per_block", "EPX_LL_WARPS_PER_BLOCK", "warps", "warps per block of LL kernels; multiple of 4, 4..32"}, c.ll_warps_per_block);
   v(Field{"ll.num_blocks", "EPX_LL_NUM_BLOCKS", "blocks", "blocks of LL kernels; 0 = one per SM"}, c.ll_num_blocks);
@@ -149,12 +149,25 @@ void Config::set(const std::string& key, const std::string& value, const std::st
 
 void Config::apply_json_text(const std::string& text, const std::string& origin) {
   nlohmann::json j;
+  // Keys of the top-level object as the parser meets them: nlohmann keeps the last of a repeated key silently.
+  std::vector<std::string> seen;
+  std::string repeated;
   try {
-    j = nlohmann::json::parse(text);
+    j = nlohmann::json::parse(text, [&](int depth, nlohmann::json::parse_event_t event, nlohmann::json& parsed) {
+      if (depth == 1 && event == nlohmann::json::parse_event_t::key && repeated.empty()) {
+        const std::string k = parsed.get<std::string>();
+        if (std::find(seen.begin(), seen.end(), k) != seen.end()) repeated = k;
+        else seen.push_back(k);
+      }
+      return true;
+    });
   } catch (const nlohmann::json::exception& e) {
     throw InvalidArgument(arg_message("config", "json", origin, std::string("must be valid JSON (") + e.what() + ")"));
   }
   require_arg("config", "json", origin, j.is_object(), "must be a JSON object of \"key\": value");
+  if (!repeated.empty())  // j holds the last value given
+    throw InvalidArgument(arg_message("config", repeated, j[repeated].is_string() ? j[repeated].get<std::string>() : j[repeated].dump(),
+                                      "is given twice in one JSON object (" + origin + "); give each key once"));
   Config next = *this;  // all or nothing: a bad entry leaves *this as it was
   for (auto& [k, v] : j.items()) {
     if (v.is_object()) {
@@ -163,6 +176,16 @@ void Config::apply_json_text(const std::string& text, const std::string& origin)
                                         "holds a JSON object; keys are flat dotted names as `epx info` prints them (\"" + flat +
                                             "\": value), not nested objects"));
     }
+    // A JSON file gives numbers as JSON numbers and names as JSON strings ("5" for a number would hide a
+    // quoting slip; only EPX_* variables carry numbers as text). Unknown keys are left to set().
+    int text_field = -1;  // 1: a string field, 0: a number, -1: not a key
+    for_each_field(next, [&](const Field& f, auto& field) {
+      if (k == f.key) text_field = std::is_same_v<std::decay_t<decltype(field)>, std::string> ? 1 : 0;
+    });
+    if (text_field == 0 && v.is_string())
+      throw InvalidArgument(arg_message("config", k, v.dump(), "must be a JSON number, not a string (" + origin + ")"));
+    if (text_field == 1 && !v.is_string())
+      throw InvalidArgument(arg_message("config", k, v.dump(), "must be a JSON string (" + origin + ")"));
     next.set(k, v.is_string() ? v.get<std::string>() : v.dump(), origin);
   }
   *this = std::move(next);

@@ -263,3 +263,50 @@ TEST(Config, IntegerRangeAndTheSourceOfABadValueAreNamed) {
     }
   }
 }
+
+// Three holes the eleventh session's breaker found (twelfth session): timeout_s = 1e-300 was taken (a wait no
+// peer can meet: it ends before any step of a peer can land), a number given as a JSON string ("5") was taken,
+// and a key given twice in one JSON object silently kept the last value. Each is now refused, naming the key,
+// the value and the rule, and the Config is left as it was. EPX_* variables still carry numbers as text.
+TEST(Config, TinyTimeoutStringNumbersAndDuplicateJsonKeysAreRefused) {
+  const auto message = [](auto&& fn) { return test::invalid_argument_message(fn); };
+  Config c;
+  std::string m = message([&] { c.set("timeout_s", "1e-300"); });
+  EXPECT_NE(m.find("config: timeout_s = 1e-300: must be"), std::string::npos) << m;
+  EXPECT_NE(m.find("at least 0.001"), std::string::npos) << m;
+  m = message([&] { c.apply_json_text(R"({"timeout_s": 1e-300})", "json tiny"); });
+  EXPECT_NE(m.find("config: timeout_s = 1e-300: must be"), std::string::npos) << m;
+  EXPECT_NE(m.find("(set by json tiny)"), std::string::npos) << m;
+  EXPECT_EQ(c.timeout_s, 60.0);
+  c.set("timeout_s", "0.001");  // the smallest allowed
+  EXPECT_EQ(c.timeout_s, 0.001);
+
+  Config j;
+  m = message([&] { j.apply_json_text(R"({"ht.num_sms": 24, "timeout_s": "5"})", "json strings"); });
+  EXPECT_EQ(m, "config: timeout_s = \"5\": must be a JSON number, not a string (json strings)");
+  m = message([&] { j.apply_json_text(R"({"fhmoe.max_tokens": "7"})", "json strings"); });
+  EXPECT_EQ(m, "config: fhmoe.max_tokens = \"7\": must be a JSON number, not a string (json strings)");
+  m = message([&] { j.apply_json_text(R"({"ll.signal": 3})", "json numbers"); });
+  EXPECT_EQ(m, "config: ll.signal = 3: must be a JSON string (json numbers)");
+  EXPECT_EQ(j.timeout_s, 60.0);
+  EXPECT_EQ(j.ht_num_sms, 64);
+  j.apply_json_text(R"({"ht.num_sms": 24, "timeout_s": 5, "ll.signal": "rank"})", "json good");
+  EXPECT_EQ(j.ht_num_sms, 24);
+  EXPECT_EQ(j.timeout_s, 5.0);
+  EXPECT_EQ(j.ll_signal, "rank");
+
+  Config d;
+  m = message([&] { d.apply_json_text(R"({"ht.num_sms": 24, "timeout_s": 5, "ht.num_sms": 32})", "json dup"); });
+  EXPECT_EQ(m, "config: ht.num_sms = 32: is given twice in one JSON object (json dup); give each key once");
+  EXPECT_EQ(d.ht_num_sms, 64);
+  EXPECT_EQ(d.timeout_s, 60.0);
+
+  // The environment still gives numbers as text, and its timeout_s has the same floor.
+  setenv("EPX_TIMEOUT_S", "7.5", 1);
+  EXPECT_EQ(Config::load("").timeout_s, 7.5);
+  setenv("EPX_TIMEOUT_S", "1e-300", 1);
+  m = message([] { Config::load(""); });
+  unsetenv("EPX_TIMEOUT_S");
+  EXPECT_NE(m.find("config: timeout_s = 1e-300: must be"), std::string::npos) << m;
+  EXPECT_NE(m.find("(set by env EPX_TIMEOUT_S)"), std::string::npos) << m;
+}

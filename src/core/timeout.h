@@ -12,11 +12,17 @@ namespace epx {
 /// overflows (1e10 s wrapped the deadline into the past: an immediate Timeout).
 inline constexpr double kMaxTimeoutS = 1e9;
 
-/// Throws InvalidArgument "<op>: <arg> = <value>: <rule>" unless 0 < timeout_s <= kMaxTimeoutS
+/// The shortest timeout_s anything accepts [s]: a wait on a peer must outlast one step of the peer (a host
+/// wake-up, a kernel launch, an NCCL round trip: microseconds to milliseconds), so a smaller value is a timeout
+/// that cannot be met (1e-300 s was a 0 ns deadline: every wait timed out at once; twelfth session).
+inline constexpr double kMinTimeoutS = 1e-3;
+
+/// Throws InvalidArgument "<op>: <arg> = <value>: <rule>" unless kMinTimeoutS <= timeout_s <= kMaxTimeoutS
 /// (NaN and infinity are refused too).
 inline void require_timeout(std::string_view op, std::string_view arg, double timeout_s) {
-  require_arg(op, arg, timeout_s, timeout_s > 0 && timeout_s <= kMaxTimeoutS,
-              "must be > 0 and at most 1e9 s (finite: deadlines are int64 nanoseconds)");
+  require_arg(op, arg, timeout_s, timeout_s >= kMinTimeoutS && timeout_s <= kMaxTimeoutS,
+              "must be at least 0.001 s (a shorter wait cannot outlast one step of a peer) and at most 1e9 s "
+              "(deadlines are int64 nanoseconds)");
 }
 
 }  // namespace epx

@@ -984,6 +984,127 @@ TEST(LlCuda, RefusedFinalizeIsNotRetriedOneRank) {
   EXPECT_EQ(failed, "");
 }
 
+// Finalize twice for one prepare (dispatch.h: finalize is the combine "for the last prepare"; LlCpu, ht and the
+// hierarchical backends give a correct second result): the combine's call numbers count combines, not
+// dispatches, so a second combine of the same handle must give the CPU's answer for its own expert_out, and the
+// next round must still match (the call sequence stayed the same on every rank: here the one rank). The second
+// finalize takes -expert_out, so out2 = -out1 element by element (a stale out1 cannot pass). One rank (ll
+// loopback), so it runs on the one-GPU machine; the column combine and the fp32 partial combine (fused and
+// split finalize).
+TEST(LlCuda, FinalizeTwicePerPrepareOneRank) {
+  if (gpus() < 1) GTEST_SKIP() << "needs 1 GPU, found " << gpus();
+  for (const LlCombine mode : {LlCombine::column, LlCombine::partial_fp32}) {
+    for (const bool split : {false, true}) {
+      SCOPED_TRACE(std::string(mode == LlCombine::column ? "column" : "partial_fp32") + (split ? " split" : " fused"));
+      Case c = make_case(1, 2048, 16, 4, DType::fp8_e4m3, false, false, false, false, 0.1, 16, {}, 71);
+      c.ll_combine = mode;
+      Case ca = c, cb = c;
+      ca.T = {8};
+      cb.T = {13};
+      cb.seed = 72;
+      const std::vector<RankInput> in = make_inputs(ca), mid = make_inputs(cb);
+      const auto want = run_cpu(c, {in, mid, in});
+      const std::string path = nccl_path();
+      const std::string failed = run_ranks_forked(1, 120.0, [&](int rank) {
+        auto g = make_nccl_group(path, rank, 1, rank, 60.0);
+        cuda_ok(cudaSetDevice(rank), "cudaSetDevice");
+        const Device dev = Device::cuda(rank);
+        cudaStream_t s;
+        cuda_ok(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "stream");
+        dispatch::LlLaunch launch;
+        launch.timeout_s = 4.0;
+        dispatch::LlCuda ll(g, c.config(), launch);
+        std::string failures;
+        const std::string d0 = diff(gpu_round(c, ll, in[0], rank, s, split), want[0][0]);
+        if (!d0.empty()) failures += "round before: " + d0 + "; ";
+        const RankInput& ri = mid[0];
+        const int64_t T = ri.x.size(0);
+        const DevInput d = upload(ri, T, dev);
+        const PrepareResult p = ll.prepare({d.x, d.idx, d.w, Stream{s}});
+        cuda_ok(cudaStreamSynchronize(s), "sync prepare");
+        ll.check(Stream{s});
+        const Tensor eo_host = experts_out(c, rank, p);
+        Tensor neg = Tensor::empty({eo_host.size(0), eo_host.size(1), eo_host.size(2)}, DType::bf16);
+        for (int64_t i = 0; i < eo_host.numel(); ++i) neg.ptr<uint16_t>()[i] = eo_host.ptr<const uint16_t>()[i] ^ 0x8000u;
+        const Tensor eo = eo_host.to(dev), eo_neg = neg.to(dev);
+        std::vector<Tensor> outs;
+        for (const Tensor* e : {&eo, &eo_neg}) {
+          Tensor out = Tensor::empty({T, c.H}, DType::bf16, dev);
+          cuda_ok(cudaMemset(out.data(), 0xff, static_cast<size_t>(out.nbytes())), "poison out");
+          cuda_ok(cudaDeviceSynchronize(), "sync poison out");
+          try {
+            if (split) {
+              ll.finalize_send({*e, out, Stream{s}});
+              ll.finalize_recv(Stream{s});
+            } else {
+              ll.finalize({*e, out, Stream{s}});
+            }
+            cuda_ok(cudaStreamSynchronize(s), "sync finalize");
+            ll.check(Stream{s});
+          } catch (const std::exception& ex) {
+            failures += std::string(outs.empty() ? "first" : "second") + " finalize threw: " + ex.what() + "; ";
+          }
+          outs.push_back(out);
+        }
+        const std::vector<uint8_t> o1 = host_bytes(outs[0]), o2 = host_bytes(outs[1]);
+        if (o1 != want[1][0].out) failures += "first finalize's out differs from LlCpu's; ";
+        int64_t bad = 0, first_bad = -1;
+        for (size_t i = 0; i + 1 < want[1][0].out.size() && i + 1 < o2.size(); i += 2) {
+          uint16_t w16, g16;
+          std::memcpy(&w16, want[1][0].out.data() + i, 2);
+          std::memcpy(&g16, o2.data() + i, 2);
+          const float wv = bf16_bits_to_float(w16), gv = bf16_bits_to_float(g16);
+          if (!(gv == -wv)) {  // NaN (poison) fails; -0 / +0 compare equal (a sum to zero is +0 either way)
+            if (first_bad < 0) first_bad = static_cast<int64_t>(i / 2);
+            ++bad;
+          }
+        }
+        if (o2.size() != want[1][0].out.size() || bad != 0)
+          failures += "second finalize (-expert_out): " + std::to_string(bad) + " elements not -out1 (first " + std::to_string(first_bad) + "); ";
+        const std::string d1 = diff(gpu_round(c, ll, in[0], rank, s, split), want[2][0]);
+        if (!d1.empty()) failures += "round after: " + d1 + "; ";
+        if (!failures.empty()) throw std::runtime_error(failures);
+      });
+      EXPECT_EQ(failed, "");
+    }
+  }
+}
+
+// ll on CUDA made without a caller Config: make_prepare_finalize loads it (Config::load()) inside its verdict gather
+// since the twelfth session, so a bad EPX_* variable in one process stops every rank there (on two ranks the peer
+// names this one) instead of this rank alone after the agreement. One rank can only check the path: the bad
+// variable is refused naming it (as before), the gather leaves the group usable, and a good load builds an ll whose
+// round matches LlCpu. The two-rank difference needs 2 GPUs.
+TEST(LlCuda, CreateWithoutACallerConfigLoadsItInTheVerdictGatherOneRank) {
+  if (gpus() < 1) GTEST_SKIP() << "needs 1 GPU, found " << gpus();
+  Case c = make_case(1, 2048, 16, 4, DType::fp8_e4m3, false, false, false, false, 0.1, 16, {8}, 81);
+  const std::vector<RankInput> in = make_inputs(c);
+  const auto want = run_cpu(c, {in});
+  const std::string path = nccl_path();
+  const std::string failed = run_ranks_forked(1, 120.0, [&](int rank) {
+    auto g = make_nccl_group(path, rank, 1, rank, 60.0);
+    cuda_ok(cudaSetDevice(rank), "cudaSetDevice");
+    cudaStream_t s;
+    cuda_ok(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "stream");
+    std::string failures;
+    setenv("EPX_LL_SIGNAL", "chunky", 1);
+    try {
+      auto bad = make_prepare_finalize("ll", g, c.config());
+      failures += "created with EPX_LL_SIGNAL=chunky; ";
+    } catch (const InvalidArgument& e) {
+      if (std::string(e.what()).find("EPX_LL_SIGNAL") == std::string::npos) failures += std::string("the refusal: '") + e.what() + "'; ";
+    }
+    unsetenv("EPX_LL_SIGNAL");
+    auto pf = make_prepare_finalize("ll", g, c.config());
+    auto* ll = dynamic_cast<dispatch::LlCuda*>(pf.get());
+    if (ll == nullptr) throw std::runtime_error("make_prepare_finalize(\"ll\") on a CUDA group is not an LlCuda");
+    const std::string d = diff(gpu_round(c, *ll, in[0], rank, s, false), want[0][0]);
+    if (!d.empty()) failures += "round: " + d + "; ";
+    if (!failures.empty()) throw std::runtime_error(failures);
+  });
+  EXPECT_EQ(failed, "");
+}
+
 TEST(LlCuda, MatchesCpuOneRank) {
   if (gpus() < 1) GTEST_SKIP() << "needs 1 GPU, found " << gpus();
   run_eager(1);

@@ -43,19 +43,51 @@ PrepareResult FlatRecv::result() const {
 
 // ---- status exchange ----------------------------------------------------------------------------
 
+namespace {
+
+/// The call a status exchange belongs to, as one word every rank compares (FNV-1a of the op name).
+int64_t call_tag(const std::string& op) {
+  uint64_t h = 1469598103934665603ull;
+  for (const char ch : op) h = (h ^ static_cast<uint8_t>(ch)) * 1099511628211ull;
+  return static_cast<int64_t>(h);
+}
+
+}  // namespace
+
 std::vector<std::vector<int64_t>> exchange_status(Group& group, const std::string& op, const LocalError& local,
                                                   const std::vector<int64_t>& fields, Stream stream) {
   const int R = group.size();
-  const size_t n = 2 + fields.size();
   // A binding's own argument error (core/binding_error.h) is the sentence the other ranks read, not
   // the rejection of the placeholder it passed in the bad argument's place.
   const detail::BindingError* binding = local.kind != LocalError::none ? detail::pending_binding_error() : nullptr;
   const std::string& published = binding ? binding->message : local.message;
+  // The header [status, message length, call tag, field count] has one size in every call, so ranks that are
+  // in different calls (one finalizes twice while a peer moves on to its next prepare) meet in it and say so,
+  // instead of a collective's size mismatch (or a hang); the fields follow in a second all-gather.
+  constexpr size_t n = 4;
   std::vector<int64_t> mine(n, 0), all(n * static_cast<size_t>(R));
   mine[0] = binding ? (binding->unsupported ? LocalError::unsupported : LocalError::invalid_argument) : local.kind;
   mine[1] = static_cast<int64_t>(published.size());
-  std::copy(fields.begin(), fields.end(), mine.begin() + 2);
+  mine[2] = call_tag(op);
+  mine[3] = static_cast<int64_t>(fields.size());
   group.all_gather(mine.data(), all.data(), static_cast<int64_t>(n * sizeof(int64_t)), stream);
+  for (int r = 1; r < R; ++r) {
+    if (all[static_cast<size_t>(r) * n + 2] == all[2]) continue;
+    // Name both calls where this rank can: the calls of one object share the op's prefix ("ll.").
+    const std::string prefix = op.substr(0, op.rfind('.') + 1);
+    auto name_of = [&](int q) {
+      const int64_t t = all[static_cast<size_t>(q) * n + 2];
+      for (const std::string& cand : {op, prefix + "prepare", prefix + "finalize"})
+        if (call_tag(cand) == t) return cand;
+      return std::string("another call");
+    };
+    throw InvalidArgument(op + ": the ranks are in different calls (" + name_of(0) + " on rank 0, " + name_of(r) + " on rank " +
+                          std::to_string(r) + "): every rank makes the same sequence of calls on its object (each prepare, "
+                          "then its finalize; also with T = 0)");
+  }
+  for (int r = 0; r < R; ++r)
+    EPX_ASSERT(all[static_cast<size_t>(r) * n + 3] == mine[3], "exchange_status fields: ", all[static_cast<size_t>(r) * n + 3], " on rank ", r,
+               " but ", mine[3], " here (", op, ")");
 
   int first_bad = -1;
   for (int r = 0; r < R && first_bad < 0; ++r)
@@ -77,8 +109,12 @@ std::vector<std::vector<int64_t>> exchange_status(Group& group, const std::strin
                          text.substr(static_cast<size_t>(offset), static_cast<size_t>(lens[static_cast<size_t>(first_bad)])));
   }
   std::vector<std::vector<int64_t>> table(static_cast<size_t>(R));
+  if (fields.empty()) return table;
+  std::vector<int64_t> fall(fields.size() * static_cast<size_t>(R));
+  group.all_gather(fields.data(), fall.data(), static_cast<int64_t>(fields.size() * sizeof(int64_t)), stream);
   for (int r = 0; r < R; ++r)
-    table[static_cast<size_t>(r)].assign(all.begin() + static_cast<int64_t>(r * n + 2), all.begin() + static_cast<int64_t>((r + 1) * n));
+    table[static_cast<size_t>(r)].assign(fall.begin() + static_cast<int64_t>(static_cast<size_t>(r) * fields.size()),
+                                         fall.begin() + static_cast<int64_t>(static_cast<size_t>(r + 1) * fields.size()));
   return table;
 }
 

@@ -1,6 +1,7 @@
 // dispatch/registry.cpp: the one list of dispatch backends (STYLE.md §2), expert placement, and
 // make_prepare_finalize: agree on the config collectively, validate it, build the backend.
 #include <algorithm>
+#include <optional>
 #include <string>
 
 #include "dispatch/backends.h"
@@ -103,14 +104,21 @@ std::unique_ptr<PrepareFinalize> make_backend(const std::string& name, std::shar
   // Agree first (also on the backend), so a rank with a bad name or config cannot leave its peers
   // waiting in a collective: every rank then fails the same way.
   const std::string op = (index >= 0 ? name : std::string("make_prepare_finalize")) + ".create";
-  if (config) {
+  // A backend that reads launch settings from a Config (ll / ht on CUDA) and got none from the caller used to call
+  // Config::load() itself after the agreement, so a bad EPX_* variable (or EPX_CONFIG file) in one process stopped
+  // that rank alone and its peers waited in the backend's first collective until timeout_s. It is loaded here
+  // instead, inside the verdict gather below, and handed to the backend as the caller's would be.
+  std::optional<Config> loaded;
+  const bool load_here = !config && index >= 0 && group->device().is_cuda() && kBackends[index].make_cuda_with_config != nullptr;
+  if (config || load_here) {
     // The caller's Config reaches the CUDA kernels' launch settings as it is (ht.chunk_rows divides, ll.signal
     // picks a protocol): one built in C++ is held to the rules that Config::set / JSON / EPX_* enforce. A rank
-    // whose Config breaks one throws validate()'s sentence; the others learn which rank it was (one gather, so
-    // nobody waits in a later collective for a rank that stopped).
+    // whose Config breaks one (or whose Config::load() fails) throws that sentence; the others learn which rank
+    // it was (one gather, so nobody waits in a later collective for a rank that stopped).
     std::string bad;
     try {
-      config->validate();
+      if (load_here) loaded = Config::load();  // validates
+      else config->validate();
     } catch (const InvalidArgument& e) {
       bad = e.what();
     }
@@ -120,6 +128,7 @@ std::unique_ptr<PrepareFinalize> make_backend(const std::string& name, std::shar
       if (verdicts[r] != 0)
         throw InvalidArgument(op + ": config of rank " + std::to_string(r) +
                               " breaks a rule: every rank stops (see that rank's error)");
+    if (load_here) config = &*loaded;
   }
   group->check_agreement(op, {{"backend", index},
                               {"hidden", cfg.hidden},

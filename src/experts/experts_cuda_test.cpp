@@ -11,6 +11,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <initializer_list>
 #include <random>
 #include <string>
 #include <vector>
@@ -23,6 +24,8 @@
 
 #ifdef EPX_WITH_CUDA
 #include <cuda_runtime_api.h>
+
+#include "experts/experts_fp8_cuda.h"
 #endif
 
 namespace epx {
@@ -603,21 +606,16 @@ TEST(ExpertsCuda, Fp8PrefillTmaLoadsMatchCpAsyncLoadsBitForBit) {
   }
 }
 
-TEST(ExpertsCuda, Fp8PrefillSmallShapes) {
-  if (gpus() < 1) GTEST_SKIP() << "needs 1 GPU, found " << gpus();
-  // The prefill kernels (128-row tiles) on a small shape, for the sanitizers (compute-sanitizer racecheck /
-  // memcheck runs this filter; natively well under a second): H 1024, I 256, three experts, against the CPU on
-  // both layouts; partial tiles (129, 70 rows; Flat ~90 per expert), an expert without tokens, 8 K blocks per
-  // gate_up item against its 4 stages (the ring wraps inside an item) and the lean consumer's end-of-item reload
-  // of a released stage (lean_item_prefetch) after every item. The
-  // default (=1: 30's kernels since the twelfth session),
-  // =27 (the Flat gate_up's cp.async gather on the TMA kernel, no proxy fence since the eleventh session) and
-  // =29 (the Flat gate_up's token rows permuted into row-space order first, one TMA box per tile), =30 / =31 (29 as
-  // 2-CTA clusters with / without the weight multicast; ExpertMajor pairs (e0, e0), (e2, e3 none)).
+/// The prefill kernels (128-row tiles) on a small shape, for the sanitizers (compute-sanitizer racecheck /
+/// memcheck runs the Fp8PrefillSmallShapes* filters; natively well under a second each): H 1024, I 256, three
+/// experts, against the CPU on both layouts; partial tiles (129, 70 rows; Flat ~90 per expert), an expert without
+/// tokens, 8 K blocks per gate_up item against its 4 stages (the ring wraps inside an item); each listed
+/// EPX_EXPERTS_FP8_PREFILL mode.
+void fp8_prefill_small_shapes(std::initializer_list<const char*> modes) {
   const auto experts = same_format(WeightFormat::fp8_block, 3, 1024, 256, 560);
   auto cpu = make_experts_cpu(experts);
   const double tol = kMaxRelL2Fp8TensorCores;
-  for (const char* mode : {"1", "27", "29", "30", "31"}) {
+  for (const char* mode : modes) {
     std::unique_ptr<Experts> gpu;
     {
       const test::ScopedEnv min_tiles("EPX_EXPERTS_FP8_PREFILL_MIN_TILES", "1");  // the prefill section for these few tiles
@@ -628,6 +626,22 @@ TEST(ExpertsCuda, Fp8PrefillSmallShapes) {
     const double fl = run_flat(*cpu, *gpu, 160, 2, DType::fp8_e4m3, 562, {.masked = 0.1, .duplicates = false, .tol = tol});
     std::printf("[ rel_l2 ] fp8 prefill mode %s small shapes: expert_major %.2e flat %.2e\n", mode, em.max_rel_l2, fl);
   }
+}
+
+TEST(ExpertsCuda, Fp8PrefillSmallShapes) {
+  if (gpus() < 1) GTEST_SKIP() << "needs 1 GPU, found " << gpus();
+  // The TMA kernels: the default (=1: 30's kernels since the twelfth session), =27 (the Flat gate_up's cp.async
+  // gather on the TMA kernel, no proxy fence since the eleventh session), =29 (the Flat gate_up's token rows
+  // permuted into row-space order first, one TMA box per tile) and =30 / =31 (29 as 2-CTA clusters with / without
+  // the weight multicast; ExpertMajor pairs (e0, e0), (e2, e3 none)).
+  fp8_prefill_small_shapes({"1", "27", "29", "30", "31"});
+}
+
+TEST(ExpertsCuda, Fp8PrefillSmallShapesCpAsync) {
+  if (gpus() < 1) GTEST_SKIP() << "needs 1 GPU, found " << gpus();
+  // The cp.async kernel (experts_fp8_prefill_cuda.cu): =8 and =17 (early scale reads and stage release, bulk-copy
+  // epilogue stores, wgmma's A from registers). Its own test so racecheck / memcheck can take it alone.
+  fp8_prefill_small_shapes({"8", "17"});
 }
 
 TEST(ExpertsCuda, Fp8TensorCoreV4ProSharedExpertWidth) {
@@ -779,6 +793,144 @@ TEST(ExpertsCuda, Mxfp4DecodePathScaleSpread) {
   }
 }
 
+TEST(ExpertsCuda, Mxfp4E8m0ExtremesAndNaNEveryPath) {
+  if (gpus() < 1) GTEST_SKIP() << "needs 1 GPU, found " << gpus();
+  // e8m0 255 (NaN), 254 (2^127) and 0 (2^-127) scales written into random MXFP4 weights, on every
+  // path of the mixed kernels: <= 8 rows (decode_item_bulk; I 256: down on decode_item_ring2),
+  // 9..16 rows (decode_item_ring) and 40 rows (the BN 64 wgmma path with the weights expanded in
+  // shared memory). The CPU reference (dequantized fp32, e8m0_bits_to_float) defines the values:
+  //   expert 0: down scales 255 at (row 5, block 1) and (row 300, block 3): output columns 5 and
+  //             300 NaN for the expert's tokens; 254 at (row 77, block 0) with that block's codes all
+  //             0 but one 0.5 (column 77 ~ 2^126 h, finite: x ~ N(0, 1/16) keeps |h| far below 4);
+  //             0 at a few other down blocks;
+  //   expert 1: gate_up scale 255 at (gate row 9, block 2): h[:, 9] NaN, so every output element of
+  //             its tokens is NaN;
+  //   expert 2: gate_up 254 at (up row I + 3, block 1) with one 0.5 code (h[:, 3] ~ 2^126 x[:, 32]:
+  //             every output column of its tokens huge and finite), 0 at a few gate_up blocks. x[:, 32]
+  //             is kept small in its 1x128 group: decode_item_bulk sums d * 2^(e - 127) over a window
+  //             before the x scale, an intermediate ~9x the true value for an x at its group's max,
+  //             so a 2^127 block next to a large x overflows there first (a limit, not tested here).
+  // Checked: NaN exactly where the reference has NaN; the other elements finite, within kMaxRelL2
+  // normwise per expert over the ordinary columns and per extreme column (column 77) separately.
+  for (const int64_t I : {256, 512}) {
+    const int64_t H = 512, L = 3;
+    SCOPED_TRACE("I=" + std::to_string(I));
+    std::vector<std::shared_ptr<ExpertWeights>> w;
+    for (int l = 0; l < L; ++l) w.push_back(ExpertWeights::random(WeightFormat::mxfp4, H, I, 600 + 10 * I + l));
+    const int64_t w2_blocks = I / 32, w13_blocks = H / 32;
+    auto set_block = [](const Tensor& codes, const Tensor& scale, int64_t blocks, int64_t row, int64_t b, uint8_t e, bool one_half) {
+      scale.ptr<uint8_t>()[row * blocks + b] = e;
+      if (one_half) {  // the block's 32 codes: code 1 (0.5) at element 0, the rest 0
+        uint8_t* c = codes.ptr<uint8_t>() + row * blocks * 16 + b * 16;
+        std::memset(c, 0, 16);
+        c[0] = 0x01;
+      }
+    };
+    set_block(w[0]->w2, w[0]->w2_scale, w2_blocks, 5, 1, 255, false);
+    set_block(w[0]->w2, w[0]->w2_scale, w2_blocks, 300, 3, 255, false);
+    set_block(w[0]->w2, w[0]->w2_scale, w2_blocks, 77, 0, 254, true);
+    for (const int64_t r : {11, 12, 200, 511}) set_block(w[0]->w2, w[0]->w2_scale, w2_blocks, r, r % w2_blocks, 0, false);
+    set_block(w[1]->w13, w[1]->w13_scale, w13_blocks, 9, 2, 255, false);
+    set_block(w[2]->w13, w[2]->w13_scale, w13_blocks, I + 3, 1, 254, true);
+    for (const int64_t r : {int64_t{0}, int64_t{40}, I + 100, 2 * I - 1}) set_block(w[2]->w13, w[2]->w13_scale, w13_blocks, r, (r + 5) % w13_blocks, 0, false);
+    const std::vector<int64_t> extreme_cols = {77};  // expert 0's huge column
+
+    const std::vector<std::shared_ptr<const ExpertWeights>> experts(w.begin(), w.end());
+    auto cpu = make_experts_cpu(experts);
+    auto gpu = make_experts_cuda(experts, 0);
+    uint64_t seed = 620 + I;
+    for (const auto& counts : std::vector<std::vector<int32_t>>{{8, 3, 1}, {12, 16, 9}, {40, 33, 17}, {7, 40, 14}}) {
+      SCOPED_TRACE("counts " + std::to_string(counts[0]) + "," + std::to_string(counts[1]) + "," + std::to_string(counts[2]));
+      const int64_t cap = 41;
+      int64_t total = 0;
+      for (int32_t c : counts) total += c;
+      Rows rows;
+      {
+        const Tensor b = test::random_bf16(total, H, ++seed, 0.25f);
+        // x[:, 32..33] (what expert 2's 2^127 code meets) small in their 1x128 groups: e4m3 codes ~16,
+        // so no path's partial sum (decode_item_bulk: d * 2^127 before the x scale) leaves fp32
+        for (int64_t t = 0; t < total; ++t)
+          for (int64_t c : {32, 33}) b.ptr<uint16_t>()[t * H + c] = float_to_bf16_bits(t % 2 ? 0.02f : -0.02f);
+        rows.x = Tensor::empty({total, H}, DType::fp8_e4m3);
+        rows.scales = Tensor::empty({total, H / kFp8GroupSize}, DType::fp32);
+        quantize_fp8_per_token_group(b, rows.x, rows.scales);
+      }
+      Tensor x = Tensor::empty({L, cap, H}, DType::fp8_e4m3), scales = Tensor::empty({L, cap, H / kFp8GroupSize}, DType::fp32);
+      test::poison(x);
+      test::poison(scales);
+      Tensor recv = Tensor::empty({L}, DType::int32);
+      for (int64_t l = 0, src = 0; l < L; ++l) {
+        recv.ptr<int32_t>()[l] = counts[l];
+        for (int64_t j = 0; j < counts[l]; ++j) place_row(rows, src++, x, scales, l * cap + j, H);
+      }
+      Tensor ref = Tensor::empty({L, cap, H}, DType::bf16);
+      test::poison(ref);
+      cpu->apply({ActivationLayout::ExpertMajor, x, scales, recv, {}, {}}, ref);
+      const Tensor xd = to_dev(x), sd = to_dev(scales), rd = to_dev(recv);
+      Tensor out = Tensor::empty({L, cap, H}, DType::bf16, kDev);
+      poison_dev(out);
+      gpu->apply({ActivationLayout::ExpertMajor, xd, sd, rd, {}, {}}, out);
+      const Tensor oh = out.to(Device::cpu());
+
+      for (int64_t l = 0; l < L; ++l) {
+        SCOPED_TRACE("expert " + std::to_string(l));
+        int64_t nan_ref = 0, nan_mismatch = 0, non_finite_got = 0;
+        double num = 0, den = 0, worst_extreme = 0;
+        std::vector<double> xnum(extreme_cols.size(), 0.0), xden(extreme_cols.size(), 0.0);
+        for (int64_t j = 0; j < counts[l]; ++j)
+          for (int64_t c = 0; c < H; ++c) {
+            const int64_t i = (l * cap + j) * H + c;
+            const double g = bf16_bits_to_float(oh.ptr<const uint16_t>()[i]), r = bf16_bits_to_float(ref.ptr<const uint16_t>()[i]);
+            if (std::isnan(r)) {
+              ++nan_ref;
+              nan_mismatch += !std::isnan(g);
+              continue;
+            }
+            ASSERT_TRUE(std::isfinite(r)) << "the reference must stay finite outside its NaN: row " << j << " col " << c;
+            if (!std::isfinite(g)) {
+              ++non_finite_got;
+              continue;
+            }
+            const auto xc = std::find(extreme_cols.begin(), extreme_cols.end(), c);
+            if (l == 0 && xc != extreme_cols.end()) {
+              xnum[xc - extreme_cols.begin()] += (g - r) * (g - r);
+              xden[xc - extreme_cols.begin()] += r * r;
+            } else {
+              num += (g - r) * (g - r);
+              den += r * r;
+            }
+          }
+        const int64_t expect_nan = l == 0 ? 2 * counts[l] : (l == 1 ? counts[l] * H : 0);
+        EXPECT_EQ(nan_ref, expect_nan) << "the reference's NaN count (the test's construction)";
+        EXPECT_EQ(nan_mismatch, 0) << "elements NaN in the reference but not on the GPU";
+        EXPECT_EQ(non_finite_got, 0) << "elements finite in the reference but not on the GPU (NaN or inf)";
+        const double e = den > 0 ? std::sqrt(num / den) : 0.0;
+        if (l != 1 && counts[l] > 0) {
+          EXPECT_GT(den, 0.0);
+          EXPECT_LE(e, kMaxRelL2) << "ordinary columns";
+        }
+        for (size_t k = 0; l == 0 && counts[l] > 0 && k < extreme_cols.size(); ++k) {
+          const double xe = std::sqrt(xnum[k] / xden[k]);
+          worst_extreme = std::max(worst_extreme, xe);
+          EXPECT_GT(std::sqrt(xden[k] / counts[l]), 1e30) << "column " << extreme_cols[k] << " must carry the 2^127 block";
+          EXPECT_LE(xe, kMaxRelL2) << "extreme column " << extreme_cols[k];
+        }
+        if (l == 2 && counts[l] > 0) {
+          EXPECT_GT(std::sqrt(den / (counts[l] * H)), 1e30) << "expert 2's rows must carry the 2^127 block";
+        }
+        // Padding rows >= recv_count: never written.
+        const uint16_t* pad = oh.ptr<const uint16_t>() + (l * cap + counts[l]) * H;
+        int64_t touched = 0;
+        for (int64_t i = 0; i < (cap - counts[l]) * H; ++i) touched += pad[i] != 0xFFFFu;
+        EXPECT_EQ(touched, 0) << "padding rows were written";
+        std::printf("[ rel_l2 ] mxfp4 e8m0 extremes I %lld expert %lld rows %d: NaN %lld (mismatch %lld), ordinary %.2e, extreme %.2e\n",
+                    static_cast<long long>(I), static_cast<long long>(l), counts[l], static_cast<long long>(nan_ref),
+                    static_cast<long long>(nan_mismatch), e, worst_extreme);
+      }
+    }
+  }
+}
+
 // ---- errors, graphs ---------------------------------------------------------------------------
 
 TEST(ExpertsCuda, RejectsBadArguments) {
@@ -796,6 +948,26 @@ TEST(ExpertsCuda, RejectsBadArguments) {
   Tensor x8 = Tensor::empty({2, 4, 256}, DType::fp8_e4m3, kDev);
   EXPECT_THROW(gpu->apply({ActivationLayout::ExpertMajor, x8, {}, recv, {}, {}}, out), InvalidArgument);  // no scales
   EXPECT_NO_THROW(gpu->apply({ActivationLayout::ExpertMajor, x, {}, recv, {}, {}}, out));  // all counts 0
+}
+
+TEST(ExpertsCuda, TmaPrefillLaunchWithoutWeightMapsThrows) {
+  // The TMA prefill kernels load every weight tile through Fp8GemmParams::w_maps (their cp.async weight path,
+  // reached only without the maps, was removed in the twelfth session): a launch without them is an error
+  // naming the field, before any CUDA call (no GPU needed). apply never does this: without maps it runs the
+  // cp.async kernels (a stub map pointer here would be launched, so only the null case is checked).
+  experts_cuda::Fp8GemmParams p{};
+  for (const bool gate_up : {true, false}) {
+    try {
+      if (gate_up) experts_cuda::launch_fp8_prefill_tma_gate_up(p, 1, nullptr);
+      else experts_cuda::launch_fp8_prefill_tma_down(p, 1, nullptr);
+      ADD_FAILURE() << "launched without weight maps";
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find("w_maps is null"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find(gate_up ? "launch_fp8_prefill_tma_gate_up" : "launch_fp8_prefill_tma_down"),
+                std::string::npos)
+          << e.what();
+    }
+  }
 }
 
 TEST(ExpertsCuda, BadDeviceIndicesAreSkippedAndReportedByTheNextApply) {

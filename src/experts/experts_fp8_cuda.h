@@ -153,8 +153,9 @@ int fp8_prefill_smem_bytes();
 void fp8_prefill_set_smem_limits();
 
 /// The TMA variant of the prefill kernels (experts_fp8_prefill_tma_cuda.cu; Config::experts_fp8_prefill
-/// 10): same arguments and results; needs p.w_maps (fp8_prefill_weight_maps) and p.row_space.
-/// Shared bytes and the one-time limit raise as above.
+/// 10): same arguments and results; needs p.w_maps (fp8_prefill_weight_maps: every weight tile comes by
+/// TMA) and p.row_space. Throws InvalidArgument when p.w_maps is null (then launch the cp.async kernels
+/// above, as apply does when upload could not encode the maps). Shared bytes and the one-time limit raise as above.
 void launch_fp8_prefill_tma_gate_up(const Fp8GemmParams& p, int grid, cudaStream_t stream);
 /// Copies x row p.gather[r] to row r of p.x_perm for every row r of the prefill section's tiles of
 /// fp8_block experts (Fp8GemmParams::x_perm; before launch_fp8_prefill_tma_gate_up of the Flat layout).

@@ -37,7 +37,8 @@ constexpr int kScaleFloats = 4 + kBN;           // per stage: 4 weight sub-tile 
 constexpr int kHStride = kBK + 16;              // gate_up staging: FP8 h bytes per token, padded
 constexpr int kOutStride = kWRows + 8;          // down staging: bf16 per token, padded
 constexpr int kFrag = kBN / 2;                  // accumulator floats per thread per m64n128
-/// Arrivals that complete a stage's `empty` barrier in the TMA kernels: every consumer thread arrives after its own
+/// Arrivals that complete a stage's `empty` barrier in the FP8 prefill kernels (TMA and, since the twelfth session,
+/// the cp.async kernel of modes 8 / 17): every consumer thread arrives after its own
 /// last read of the stage. (Until the eleventh session lane 0 of each warp arrived after __syncwarp, count 8: the
 /// same order through bar.warp.sync, but compute-sanitizer racecheck does not follow it and reported every consumer
 /// read against the producer's refill, 20 reports on the small shapes; with per-thread arrivals it reports 0,
@@ -267,30 +268,42 @@ struct LeanBlock {
   float x0, x1, w0, w1;
 };
 
+/// The shared-space addresses a LeanBlock is loaded from, for the stage whose token tile is at b_s and scale block at
+/// sc_s: A's ldmatrix row address of k-step k (a(k)) and the scales x0, x1, w0, w1 (sc[0..3]). One place for
+/// lean_load and lean_load_if.
+struct LeanAddrs {
+  uint32_t la, sc[4];
+  __device__ __forceinline__ LeanAddrs(const LeanOffsets& o, uint32_t b_s, uint32_t sc_s)
+      : la(b_s + o.lds), sc{sc_s + o.sc, sc_s + o.sc + 32, sc_s, sc_s + 8} {}
+  __device__ __forceinline__ uint32_t a(int k) const { return la ^ static_cast<uint32_t>(k << 5); }
+};
+
 /// Loads lb from the stage whose token tile is at b_s and scale block at sc_s (after its `full`).
 __device__ __forceinline__ void lean_load(const LeanOffsets& o, uint32_t b_s, uint32_t sc_s, LeanBlock& lb) {
-  const uint32_t la = b_s + o.lds;
+  const LeanAddrs ad(o, b_s, sc_s);
 #pragma unroll
-  for (int k = 0; k < kBK / 32; ++k) wg::ldmatrix_x4(lb.afr[k], la ^ static_cast<uint32_t>(k << 5));
-  lb.x0 = lds_f32(sc_s + o.sc), lb.x1 = lds_f32(sc_s + o.sc + 32), lb.w0 = lds_f32(sc_s), lb.w1 = lds_f32(sc_s + 8);
+  for (int k = 0; k < kBK / 32; ++k) wg::ldmatrix_x4(lb.afr[k], ad.a(k));
+  lb.x0 = lds_f32(ad.sc[0]), lb.x1 = lds_f32(ad.sc[1]), lb.w0 = lds_f32(ad.sc[2]), lb.w1 = lds_f32(ad.sc[3]);
 }
 
 /// lean_load where `on` (warp-uniform), nothing otherwise: the ldmatrix / ld.shared carry the predicate themselves
-/// (no branch for ptxas to schedule the promotion around); lb keeps its values where `on` is false.
+/// (no branch for ptxas to schedule the promotion around); lb keeps its values where `on` is false. (lean_load is
+/// not this with on = true: that form compiles to different SASS, 8 more instructions in the default gate_up
+/// kernel, ptxas 13.0, twelfth session.)
 __device__ __forceinline__ void lean_load_if(const LeanOffsets& o, uint32_t b_s, uint32_t sc_s, bool on, LeanBlock& lb) {
-  const uint32_t la = b_s + o.lds, p = on ? 1u : 0u;
+  const LeanAddrs ad(o, b_s, sc_s);
+  const uint32_t p = on ? 1u : 0u;
 #pragma unroll
   for (int k = 0; k < kBK / 32; ++k)
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %5, 0;\n@p ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n}\n"
         : "+r"(lb.afr[k][0]), "+r"(lb.afr[k][1]), "+r"(lb.afr[k][2]), "+r"(lb.afr[k][3])
-        : "r"(la ^ static_cast<uint32_t>(k << 5)), "r"(p)
+        : "r"(ad.a(k)), "r"(p)
         : "memory");
-  const uint32_t a[4] = {sc_s + o.sc, sc_s + o.sc + 32, sc_s, sc_s + 8};
   float* v[4] = {&lb.x0, &lb.x1, &lb.w0, &lb.w1};
 #pragma unroll
   for (int i = 0; i < 4; ++i)
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %2, 0;\n@p ld.shared.f32 %0, [%1];\n}\n" : "+f"(*v[i]) : "r"(a[i]), "r"(p) : "memory");
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %2, 0;\n@p ld.shared.f32 %0, [%1];\n}\n" : "+f"(*v[i]) : "r"(ad.sc[i]), "r"(p) : "memory");
 }
 
 /// The K loop of one work item for the prefetching lean consumer (Config::experts_fp8_prefill 27 and the

@@ -12,7 +12,8 @@
 //     the gather of the Flat layout is a per-thread row index, so Flat and ExpertMajor cost the same;
 //   warpgroups 1, 2 (consumers, 216 registers; experts_fp8_prefill.cuh: kblock, epilogue): per K
 //     block two batches of 4 m64n128k32 wgmmas into a temporary, each waited for and promoted
-//     (acc += tmp * w_scale * x_scale), then one arrive per warp on the stage's `empty` barrier.
+//     (acc += tmp * w_scale * x_scale), then every consumer thread arrives on the stage's `empty`
+//     barrier (kEmptyArrivals, experts_fp8_prefill.cuh: the form compute-sanitizer racecheck follows).
 //     Tokens in wgmma's A (warpgroup c: tokens 64 c ..), weights in B (batch 0: gate rows / output
 //     columns 0-127, batch 1: up rows / output columns 128-255), so a thread's accumulators hold 2
 //     tokens and the promotion needs 2 scale products. Fp8GemmParams::prefill_fast 2
@@ -152,8 +153,15 @@ __device__ __forceinline__ void producer(const Fp8GemmParams& p, int32_t tile0, 
   }
 }
 
+/// 1, which the compiler cannot see through (a branch on it stays a branch).
+__device__ __forceinline__ uint32_t opaque_one() {
+  uint32_t v;
+  asm volatile("mov.u32 %0, 1;\n" : "=r"(v));
+  return v;
+}
+
 /// The consumer warpgroups: per K block kblock (experts_fp8_prefill.cuh; kMode 0: kblock<false>,
-/// mode 8; 2: kblock<true, true>, mode 17), with one arrive per warp on the
+/// mode 8; 2: kblock<true, true>, mode 17), with every consumer thread's arrive on the
 /// stage's `empty` barrier (kMode >= 2: inside kblock, before the last promotion); per item the
 /// epilogue (kMode >= 2: bulk-copy row stores).
 template <bool kGateUp, int kMode, bool kDbg>
@@ -198,9 +206,14 @@ __device__ __forceinline__ void consumer(const Fp8GemmParams& p, int32_t tile0, 
       fence_proxy_async();  // cp.async wrote through the generic proxy; wgmma reads through the async one
       st.at(1);
       const uint32_t a_s = smem_s + s * kStageBytes;
-      auto release = [&] {  // 8 consumer warps release the stage
+      // Every consumer thread releases the stage (kEmptyArrivals), behind __syncwarp and a branch on an opaque true
+      // value: the block boundary of the old lane-0 form. Without a branch there (a plain arrive, or one behind a
+      // condition ptxas folds) ptxas 13.0 schedules mode 17's K block differently and its kernels spill 28 bytes
+      // (ptxas -v), 10 % slower (gpufix batch 1, bench/NOTES.md twelfth session); with it the SASS instruction
+      // counts of all four kernels equal the lane-0 form's.
+      auto release = [&] {
         __syncwarp();
-        if (w.lane == 0) mbar_arrive(empty0 + s * 8);
+        if (opaque_one()) mbar_arrive(empty0 + s * 8);
       };
       kblock<kFast, kFast, kDbg>(w, a_s, a_s + kABytes, scales + s * kScaleFloats, acc, tmp, release, st);
       if constexpr (!kFast) release();
@@ -229,7 +242,7 @@ __global__ void __launch_bounds__(kPfThreads, 1) fp8_prefill_kernel(Fp8GemmParam
   if (threadIdx.x == 0) {
     for (int s = 0; s < L::kStages; ++s) {
       mbar_init(smem_s + L::kBarOff + s * 8, 128);                  // full: every producer thread's copies
-      mbar_init(smem_s + L::kBarOff + (L::kStages + s) * 8, 8);     // empty: every consumer warp
+      mbar_init(smem_s + L::kBarOff + (L::kStages + s) * 8, kEmptyArrivals);  // empty: every consumer thread
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }

@@ -27,8 +27,10 @@
 //     gather: 8 lanes per 128-byte row; with Fp8GemmParams::x_perm, mode 29, the rows permuted into
 //     row-space order beforehand come as one TMA box like ExpertMajor's) and arrive with
 //     cp.async.mbarrier.arrive, so `full` completes when the TMA bytes and all 128 threads' copies
-//     landed. Without the weight maps (the driver could not encode them) every operand goes through
-//     16-byte cp.async;
+//     landed. The weight maps are required (the launches check; without them, when the driver cannot
+//     encode them, upload leaves w_maps null and apply runs the cp.async kernels of
+//     experts_fp8_prefill_cuda.cu instead: this kernel's own cp.async weight path, which only that case
+//     reached, was removed in the twelfth session);
 //   warpgroups 1, 2 (consumers, 216 registers): experts_fp8_prefill.cuh's kblock and epilogue (tokens
 //     in wgmma's A), the consumer of mode 17 of experts_fp8_prefill_cuda.cu (until the eighth session
 //     that of mode 8; same bits); the producer runs up to kStages blocks
@@ -162,10 +164,10 @@ __device__ __forceinline__ Work step_at(const Fp8GemmParams& p, const Walk& wk, 
   else return work_at<kGateUp>(p, wk.tile0, q);
 }
 
-/// Loads are coalesced: thread pt copies 16-byte chunk pt % 8 of rows pt / 8 + 16 i, so 8
-/// consecutive lanes read one row's 128 contiguous bytes (a thread per row would split every
-/// 32-byte sector between two instructions: twice the L2 -> SM traffic, measured slower than the
-/// 64-row kernels).
+/// The weight tile: two 128-row TMA boxes of the expert's map (thread 0). Token loads by cp.async are
+/// coalesced: thread pt copies 16-byte chunk pt % 8 of rows pt / 8 + 16 i, so 8 consecutive lanes read
+/// one row's 128 contiguous bytes (a thread per row would split every 32-byte sector between two
+/// instructions: twice the L2 -> SM traffic, measured slower than the 64-row kernels).
 /// tma_b: the token tile by one TMA box of `bmap` at the tile's first row (contiguous rows: ExpertMajor
 /// gate_up, down's hq, the Flat gate_up's x_perm), else the gather / copy by cp.async; the token scales
 /// come by cp.async either way (through p.gather for the Flat gate_up).
@@ -185,8 +187,7 @@ __device__ __forceinline__ void producer(const Fp8GemmParams& p, const CUtensorM
   const float* bs_base = kGateUp ? p.x_scales : p.hs;
   int64_t* rows = reinterpret_cast<int64_t*>(smem + L::kRowsOff);  // byte offset of token j's B row
   const uint32_t full0 = smem_s + L::kBarOff, empty0 = full0 + L::kStages * 8;
-  const bool tma_a = kCluster || p.w_maps != nullptr;  // (the cluster launch needs the weight maps: no cp.async weight path)
-  const uint32_t tx_bytes = tma_a ? kABytes + (tma_b ? kBBytes : 0) : 0;
+  const uint32_t tx_bytes = kABytes + (tma_b ? kBBytes : 0);
   RingPos pos;
   bool wrapped = false;  // every stage was filled once (from then on, wait for its release)
   for (int64_t q = walk.q0; q < walk.num_steps; q += walk.q_step) {
@@ -195,8 +196,8 @@ __device__ __forceinline__ void producer(const Fp8GemmParams& p, const CUtensorM
     const Item& it = w.it;
     // The weight tile's two 128-row boxes: gate_up gate rows col0.. and up rows I + col0..;
     // down output rows col0.. and col0 + 128.. (past H: zero-filled, as sub_valid's zeros).
-    const CUtensorMap* amap = nullptr;
-    if (tma_a && w.my_nk > 0) amap = static_cast<const CUtensorMap*>(p.w_maps) + 2 * w.expert + (kGateUp ? 0 : 1);
+    const CUtensorMap* amap = nullptr;  // (a cluster step without this CTA's item has no expert)
+    if (w.my_nk > 0) amap = static_cast<const CUtensorMap*>(p.w_maps) + 2 * w.expert + (kGateUp ? 0 : 1);
     const int32_t ar0 = static_cast<int32_t>(sub_row<kGateUp>(it, 0)), ar1 = static_cast<int32_t>(sub_row<kGateUp>(it, 2));
     // Token pt's B row (gather for Flat gate_up); its scale row stays in this thread.
     const bool bv = pt < it.num_rows;
@@ -206,15 +207,6 @@ __device__ __forceinline__ void producer(const Fp8GemmParams& p, const CUtensorM
     named_bar_sync(2, 128);  // every producer thread is past the previous item's reads of rows[]
     rows[pt] = brow * b_stride;
     named_bar_sync(2, 128);
-    // Weight rows r8 + 16 i, i = 0..15: sub-tile i / 4, row (r8 + 16 (i % 4)) inside it.
-    const uint8_t* abase[4];
-    bool av[4];
-#pragma unroll
-    for (int t = 0; t < 4; ++t) {
-      av[t] = sub_valid<kGateUp>(it, t);
-      abase[t] = it.w + (av[t] ? (sub_row<kGateUp>(it, t) + r8) * it.K : 0) + c * 16;
-    }
-    const int64_t k16 = 16 * it.K;
     const bool wsv = pt < 4 && sub_valid<kGateUp>(it, pt & 3);
     const float* wssrc = it.w_scale + (wsv ? (sub_row<kGateUp>(it, pt & 3) / kBK) * (it.K / kBK) : 0);
     for (int64_t kb = 0; kb < w.nk; ++kb) {
@@ -233,24 +225,16 @@ __device__ __forceinline__ void producer(const Fp8GemmParams& p, const CUtensorM
           continue;
         }
       }
-      if (tma_a) {
-        if (pt == 0) {
-          const uint32_t full = full0 + s * 8;
-          mbar_arrive_expect_tx(full, tx_bytes);  // the barrier's 129th arrival; TMA bytes complete it
-          if (kCluster && w.mcast) {  // this rank's half into both CTAs; the other CTA's half lands here too
-            tma_load_2d_multicast(a_s + walk.rank * (kTmaBox * kBK), amap, static_cast<int32_t>(k0), walk.rank != 0 ? ar1 : ar0, full, 3);
-          } else {
-            tma_load_2d(a_s, amap, static_cast<int32_t>(k0), ar0, full);
-            tma_load_2d(a_s + kTmaBox * kBK, amap, static_cast<int32_t>(k0), ar1, full);
-          }
-          if (tma_b) tma_load_2d(b_s, bmap, static_cast<int32_t>(k0), it.row0, full);
+      if (pt == 0) {
+        const uint32_t full = full0 + s * 8;
+        mbar_arrive_expect_tx(full, tx_bytes);  // the barrier's 129th arrival; TMA bytes complete it
+        if (kCluster && w.mcast) {  // this rank's half into both CTAs; the other CTA's half lands here too
+          tma_load_2d_multicast(a_s + walk.rank * (kTmaBox * kBK), amap, static_cast<int32_t>(k0), walk.rank != 0 ? ar1 : ar0, full, 3);
+        } else {
+          tma_load_2d(a_s, amap, static_cast<int32_t>(k0), ar0, full);
+          tma_load_2d(a_s + kTmaBox * kBK, amap, static_cast<int32_t>(k0), ar1, full);
         }
-      } else {
-#pragma unroll
-        for (int i = 0; i < 16; ++i) {
-          const int t = i >> 2;
-          cp_async16(a_s + swz(r8 + 16 * i, c), abase[t] + (av[t] ? (i & 3) * k16 + k0 : 0), av[t]);
-        }
+        if (tma_b) tma_load_2d(b_s, bmap, static_cast<int32_t>(k0), it.row0, full);
       }
       if (!tma_b) {
 #pragma unroll
@@ -274,17 +258,16 @@ __device__ __forceinline__ void producer(const Fp8GemmParams& p, const CUtensorM
 /// The consumer warpgroups (experts_fp8_prefill.cuh: kblock, epilogue), as mode 17 of
 /// experts_fp8_prefill_cuda.cu since the eighth session: the scales read before the wgmmas, the
 /// stage released before the last promotion, wgmma's A (tokens) in registers, bulk-copy row stores.
-/// weights_tma: the weight tiles came by TMA (async proxy), the only operand wgmma reads from shared
-/// memory: no proxy fence then, however the token tile came (every consumer here reads it with
-/// ldmatrix, a generic-proxy read like cp.async's writes; until the eleventh session the fence also
-/// ran for the Flat gate_up's cp.async gather). Without the weight maps (cp.async weights): the fence.
+/// The weight tiles come by TMA (async proxy), the only operand wgmma reads from shared memory: no proxy
+/// fence, however the token tile came (every consumer here reads it with ldmatrix, a generic-proxy read
+/// like cp.async's writes; until the eleventh session the fence also ran for the Flat gate_up's cp.async
+/// gather, and until the twelfth for the cp.async weight path the kernel then had).
 /// kCluster (with kLean, kPrefetch only): a stage is released to both CTAs' producers (each thread arrives on its own
 /// CTA's `empty`, lane 0 of each warp after __syncwarp also on the other CTA's), and the steps past this CTA's K
 /// blocks (Work::my_nk) are waited for and released without wgmmas (before the epilogue, so the other CTA's ring does
 /// not wait for it).
 template <bool kGateUp, bool kLean, bool kPrefetch, bool kCluster>
-__device__ __forceinline__ void consumer(const Fp8GemmParams& p, bool weights_tma, const Walk& walk, uint32_t stages, uint8_t* smem,
-                                         uint32_t smem_s) {
+__device__ __forceinline__ void consumer(const Fp8GemmParams& p, const Walk& walk, uint32_t stages, uint8_t* smem, uint32_t smem_s) {
   static_assert(!kCluster || (kLean && kPrefetch), "the cluster kernels run the prefetching lean consumer");
   using L = Layout<kGateUp>;
   const Who w;
@@ -321,12 +304,8 @@ __device__ __forceinline__ void consumer(const Fp8GemmParams& p, bool weights_tm
 #pragma unroll
       for (int i = 0; i < kFrag; ++i) acc[sub][i] = 0.0f;
     if constexpr (kPrefetch) {  // mode 27: the next K block's operands loaded under the second promotion
-      lean_item_prefetch(
-          lo, wk.my_nk, pos, stages, smem_s, smem_s + L::kScaleOff, full0, smem_s + L::kDoneOff, acc, tmp,
-          [&] {
-            if (!weights_tma) fence_proxy_async();
-          },
-          release);
+      lean_item_prefetch(lo, wk.my_nk, pos, stages, smem_s, smem_s + L::kScaleOff, full0, smem_s + L::kDoneOff, acc, tmp,
+                         [] {}, release);
       if constexpr (kCluster) {
         for (int64_t kb = wk.my_nk; kb < wk.nk; ++kb) {  // the other CTA's longer item: empty stages
           mbar_wait(full0 + pos.stage * 8, pos.phase);
@@ -337,10 +316,7 @@ __device__ __forceinline__ void consumer(const Fp8GemmParams& p, bool weights_tm
     } else {
       for (int64_t kb = 0; kb < wk.nk; ++kb) {
         const uint32_t s = pos.stage;
-        mbar_wait(full0 + s * 8, pos.phase);
-        // cp.async wrote the weights through the generic proxy; wgmma reads them through the async one (TMA
-        // writes through the async proxy: no fence when the weights came by TMA; the tokens go by ldmatrix)
-        if (!weights_tma) fence_proxy_async();
+        mbar_wait(full0 + s * 8, pos.phase);  // no proxy fence: the weights came by TMA, the tokens go by ldmatrix
         const uint32_t a_s = smem_s + s * kStageBytes;
         auto release_s = [&] { release(s); };
         if constexpr (kLean) kblock_lean(lo, a_s, a_s + kABytes, smem_s + L::kScaleOff + s * (kScaleFloats * 4), acc, tmp, release_s);
@@ -359,7 +335,7 @@ __device__ __forceinline__ void consumer(const Fp8GemmParams& p, bool weights_tm
 template <bool kGateUp, bool kLean, bool kPrefetch, bool kCluster>
 __global__ void __launch_bounds__(kPfThreads, 1) fp8_prefill_tma_kernel(Fp8GemmParams p, const __grid_constant__ CUtensorMap bmap, int tma_b) {
   using L = Layout<kGateUp>;
-  // tma_b: the token tile comes by TMA from `bmap` (only with the weight maps: the launch checks)
+  // tma_b: the token tile comes by TMA from `bmap` (the launch encoded it)
   extern __shared__ uint8_t smem_raw[];
   const uint32_t raw_s = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
   const uint32_t pad = (1024u - (raw_s & 1023u)) & 1023u;
@@ -367,8 +343,8 @@ __global__ void __launch_bounds__(kPfThreads, 1) fp8_prefill_tma_kernel(Fp8GemmP
   const uint32_t smem_s = raw_s + pad;
   if (threadIdx.x == 0) {
     for (int s = 0; s < L::kStages; ++s) {
-      // full: every producer thread's cp.async arrival, + thread 0's expect_tx arrival with TMA
-      mbar_init(smem_s + L::kBarOff + s * 8, p.w_maps != nullptr ? 129 : 128);
+      // full: every producer thread's cp.async arrival + thread 0's expect_tx arrival (the TMA bytes)
+      mbar_init(smem_s + L::kBarOff + s * 8, 129);
       // empty: every consumer thread (kCluster: + every consumer warp of the other CTA)
       mbar_init(smem_s + L::kBarOff + (L::kStages + s) * 8, kEmptyArrivals + (kCluster ? kEmptyArrivals / 32 : 0));
     }
@@ -403,7 +379,7 @@ __global__ void __launch_bounds__(kPfThreads, 1) fp8_prefill_tma_kernel(Fp8GemmP
   } else {
     if constexpr (kLean) setmaxnreg_inc<232>();
     else setmaxnreg_inc<216>();
-    consumer<kGateUp, kLean, kPrefetch, kCluster>(p, p.w_maps != nullptr, walk, stages, smem, smem_s);
+    consumer<kGateUp, kLean, kPrefetch, kCluster>(p, walk, stages, smem, smem_s);
   }
   // kCluster: neither CTA leaves while the other may still multicast into it or arrive on its barriers
   if constexpr (kCluster) cluster_sync_all();
@@ -525,6 +501,14 @@ int max_active_clusters() {
   return n;
 }
 
+/// The TMA kernels load every weight tile through p.w_maps: a launch without them is a caller's error.
+void require_weight_maps(const Fp8GemmParams& p, const char* launcher) {
+  if (p.w_maps == nullptr)
+    throw InvalidArgument(std::string(launcher) + ": Fp8GemmParams::w_maps is null, but the TMA prefill kernels load every "
+                          "weight tile through the weight tensor maps (fp8_prefill_weight_maps); without them run the cp.async "
+                          "kernels (launch_fp8_prefill_gate_up / launch_fp8_prefill_down)");
+}
+
 template <bool kGateUp>
 void launch_prefill(const Fp8GemmParams& p, const CUtensorMap& bmap, bool tb, int grid, cudaStream_t stream, const char* what) {
   const int maxc = g_max_clusters[kGateUp ? 1 : 0];
@@ -575,9 +559,10 @@ void fp8_prefill_tma_set_smem_limits() {
 // Flat gate_up gathers by cp.async. Rows past the row space land as zeros; rows of the box past the
 // tile's num_rows feed only output rows the epilogue never stores.
 void launch_fp8_prefill_tma_gate_up(const Fp8GemmParams& p, int grid, cudaStream_t stream) {
+  require_weight_maps(p, "launch_fp8_prefill_tma_gate_up");
   CUtensorMap bmap{};
   const bool perm = p.gather != nullptr && p.x_perm != nullptr;
-  const bool tb = p.w_maps != nullptr && (p.gather == nullptr || perm) &&
+  const bool tb = (p.gather == nullptr || perm) &&
                   encode_fp8_map(bmap, perm ? p.x_perm : p.x, static_cast<uint64_t>(p.hidden), static_cast<uint64_t>(p.row_space),
                                  static_cast<uint64_t>(perm ? p.x_perm_stride : p.hidden));
   launch_prefill<true>(p, bmap, tb, grid, stream, "fp8_prefill_tma_kernel (gate_up)");
@@ -634,8 +619,9 @@ void launch_fp8_prefill_permute_x(const Fp8GemmParams& p, int grid, cudaStream_t
 }
 
 void launch_fp8_prefill_tma_down(const Fp8GemmParams& p, int grid, cudaStream_t stream) {
+  require_weight_maps(p, "launch_fp8_prefill_tma_down");
   CUtensorMap bmap{};
-  const bool tb = p.w_maps != nullptr && encode_fp8_map(bmap, p.hq, static_cast<uint64_t>(p.h_stride),
+  const bool tb = encode_fp8_map(bmap, p.hq, static_cast<uint64_t>(p.h_stride),
                                                         static_cast<uint64_t>(p.row_space), static_cast<uint64_t>(p.h_stride));
   launch_prefill<false>(p, bmap, tb, grid, stream, "fp8_prefill_tma_kernel (down)");
 }
