@@ -196,6 +196,20 @@ class Experts:
         self._impl.apply(prepared.raw, out, s)
         return out
 
+    def apply_contiguous(self, x, expert_offsets, out=None, x_scales=None, stream=None):
+        """Rows already sorted by local expert (the m-grouped contiguous layout of torch._grouped_mm, DeepGEMM, and
+        ht's Prepared.contiguous): x [N, H] bf16, or fp8_e4m3 with x_scales [N, H/128] fp32 (numpy: uint16 bf16 bits /
+        uint8 e4m3 bits); expert_offsets int32 [L] cumulative ends (torch's `offs`) or [L + 1] starts then the end
+        (Prepared.contiguous.expert_offsets). Returns out [N, H] bf16: row i of expert l's rows = expert_l(x[i]),
+        unweighted; rows outside every expert's range are not written (a new out leaves them uninitialized).
+        Offsets that decrease or leave [0, N] raise epx.InvalidArgument naming the entry (CUDA: the next call)."""
+        fw = framework(x)
+        if out is None:
+            out = _empty_rows_like(x, _rows(x), int(x.shape[1]), fw, self.device)
+        s = resolve_stream(stream, x, out)
+        self._impl.apply_contiguous(x, expert_offsets, out, x_scales, s)
+        return out
+
 
 class ModularMoE:
     """The EP MoE layer on one rank (include/epx/moe.h): router -> prepare -> experts -> finalize, plus

@@ -330,7 +330,22 @@ apply(prepared, out): ExpertMajor out [L, cap, H] (unweighted, rows < recv_count
         a.rethrow_local();
         const ExpertsInput ei = in.raw.experts_input();
         call_released(a, [&] { e.apply(ei, o, to_stream(stream)); });
-      }, pyb::arg("prepared"), pyb::arg("out"), pyb::arg("stream") = 0);
+      }, pyb::arg("prepared"), pyb::arg("out"), pyb::arg("stream") = 0)
+      .def("apply_contiguous", [](Experts& e, pyb::handle x, pyb::handle expert_offsets, pyb::handle out, pyb::handle x_scales,
+                                  int64_t stream) {
+        CallArgs a("epx.Experts.apply_contiguous", stream);
+        ExpertsInput in;
+        in.layout = ActivationLayout::Contiguous;
+        in.x = a.get(x, "x", x_scales.is_none() ? DType::bf16 : DType::fp8_e4m3);  // numpy: uint16 bf16 bits / uint8 e4m3 bits
+        in.x_scales = a.get(x_scales, "x_scales", std::nullopt, true);
+        in.expert_offsets = a.get(expert_offsets, "expert_offsets");
+        TensorView o = a.get_out(out, "out", DType::bf16);
+        a.rethrow_local();
+        call_released(a, [&] { e.apply(in, o, to_stream(stream)); });
+      }, pyb::arg("x"), pyb::arg("expert_offsets"), pyb::arg("out"), pyb::arg("x_scales") = pyb::none(), pyb::arg("stream") = 0,
+           "ActivationLayout::Contiguous: x [N, H] bf16 (or fp8_e4m3 with x_scales [N, H/128] fp32), rows sorted by local "
+           "expert; expert_offsets int32 [L] (cumulative ends, torch._grouped_mm's offs) or [L + 1] (starts then the end, "
+           "Prepared.contiguous.expert_offsets); out [N, H] bf16, unweighted; rows outside every expert's range untouched.");
   m.def("make_experts", [](std::vector<std::shared_ptr<ExpertWeights>> local, const std::string& device) {
     std::vector<std::shared_ptr<const ExpertWeights>> w(local.begin(), local.end());
     const Device dev = device_from_string(device);

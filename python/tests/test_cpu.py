@@ -349,6 +349,50 @@ def test_ht_expert_contiguous_layout(experts, dispatch_dtype, ranks_per_node):
     assert errs and max(errs) < tol, errs
 
 
+@pytest.mark.parametrize("dispatch_dtype", ["bf16", "fp8_e4m3"])
+def test_experts_apply_contiguous(experts, dispatch_dtype):
+    """Experts.apply_contiguous: (1) on ht's Prepared.contiguous ([L + 1] offsets, padding rows), then finalize with
+    the weights, matches the reference MoE; (2) rows sorted by expert with torch-style [L] cumulative offsets give
+    each expert's numpy output, and rows past the last offset stay as they were; (3) decreasing offsets raise
+    naming the entry."""
+    weights, fns = experts
+    cfg = epx.DispatchConfig(hidden=H, num_experts=E, top_k=K, num_max_dispatch_tokens_per_rank=T,
+                             dispatch_dtype=dispatch_dtype, expert_contiguous=True, expert_alignment=4)
+    groups = epx.make_cpu_groups(R, timeout_s=20)
+
+    def body(rank):
+        pf = epx.make_prepare_finalize("ht", groups[rank], cfg)
+        begin, end = epx.expert_range(E, R, rank)
+        ex = epx.Experts(weights[begin:end])
+        x, idx, w = make_inputs(np.random.default_rng(800 + rank), T)
+        p = pf.prepare(x, idx, w)
+        c = p.contiguous
+        y = ex.apply_contiguous(c.x, c.expert_offsets, x_scales=c.x_scales)
+        out = pf.finalize(y, topk_weights=p.topk_weights)
+        return rel_l2(f32(out), moe_out(fns, f32(x), idx, w))
+
+    tol = 1.5e-2 if dispatch_dtype == "bf16" else 8e-2
+    errs = run(groups, body)
+    assert max(errs) < tol, errs
+    if dispatch_dtype != "bf16":
+        return
+    # (2) torch's form on the CPU Experts of experts 0..2, 2 tail rows.
+    ex = epx.Experts(weights[:3])
+    counts = [5, 0, 9]
+    rng = np.random.default_rng(42)
+    xs = bits_bf16(rng.standard_normal((sum(counts) + 2, H)).astype(np.float32))
+    offs = np.cumsum(counts).astype(np.int32)
+    out = poisoned(xs.shape)
+    assert ex.apply_contiguous(xs, offs, out) is out
+    for l, (b, e) in enumerate(zip(np.concatenate([[0], offs[:-1]]), offs)):
+        if e > b:
+            assert rel_l2(f32(out[b:e]), fns[l](f32(xs[b:e]))) < 1e-2
+    assert np.array_equal(out[offs[-1]:], poisoned((2, H)))  # rows past the last offset untouched
+    # (3) decreasing offsets
+    with pytest.raises(epx.InvalidArgument, match=r"expert_offsets\[2\]"):
+        ex.apply_contiguous(xs, np.array([5, 9, 8], np.int32), out)
+
+
 @pytest.mark.parametrize("case", ["weights_to_ll", "weights_to_flat_ht", "wrong_weights_shape", "expert_contiguous_ll"])
 def test_combine_weights_misuse_fails_on_every_rank(case):
     """finalize(topk_weights=) belongs to ht with expert_contiguous: given elsewhere, or with a wrong shape, on
