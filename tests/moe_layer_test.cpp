@@ -18,6 +18,7 @@
 #include "epx/group.h"
 #include "epx/moe.h"
 #include "epx/routing.h"
+#include "experts/identity.h"
 #include "test_util.h"
 
 using namespace epx;
@@ -51,6 +52,8 @@ struct LayerCase {
   int capacity = 64;
   bool given_routing = false;   // forward_routed with random routing (-1 and duplicates) instead of forward
   uint64_t seed = 1;
+  bool expert_contiguous = false;  // DispatchConfig::expert_contiguous (ht only)
+  int expert_alignment = 1;
 
   std::string describe() const {
     std::string t;
@@ -58,7 +61,8 @@ struct LayerCase {
     return preset + " backend=" + backend + " R=" + std::to_string(tokens.size()) + " T={" + t + "} dispatch=" +
            std::string(dtype_name(dispatch_dtype)) + " chunk=" + std::to_string(options.chunk_size) +
            " shared_mode=" + std::to_string(static_cast<int>(options.shared_mode)) +
-           " fhmoe_max_tokens=" + std::to_string(options.fhmoe_max_tokens) + (given_routing ? " routed" : "");
+           " fhmoe_max_tokens=" + std::to_string(options.fhmoe_max_tokens) + (given_routing ? " routed" : "") +
+           (expert_contiguous ? " expert_contiguous align=" + std::to_string(expert_alignment) : "");
   }
 };
 
@@ -99,6 +103,8 @@ LayerResult run_case(const LayerCase& c, bool shared_fused_reference) {
     DispatchConfig dc;
     dc.num_max_dispatch_tokens_per_rank = c.capacity;
     dc.dispatch_dtype = c.dispatch_dtype;
+    dc.expert_contiguous = c.expert_contiguous;
+    dc.expert_alignment = c.expert_alignment;
     ModularMoE layer(w, groups[rank], c.backend, dc, Config{}, c.options);
     if (c.given_routing) layer.forward_routed(x[rank], idx[rank], wts[rank], out[rank]);
     else layer.forward(x[rank], out[rank]);
@@ -179,6 +185,49 @@ TEST(ModularMoE, Fp8DispatchWithMaskedAndDuplicateRoutingMatchesTheReference) {
       }
     }
   }
+}
+
+// ht with DispatchConfig::expert_contiguous: the layer runs its experts on prepare's expert-contiguous rows
+// (ActivationLayout::Contiguous, [L + 1] offsets, padding rows from expert_alignment) and finalize weights them;
+// the same reference as the Flat path, every mini preset (FHMoE's shared route among the local experts when fused),
+// bf16 and FP8 wires, shared expert fused and separate, a rank without tokens.
+TEST(ModularMoE, HtExpertContiguousLayoutMatchesTheReference) {
+  int cases = 0;
+  for (const std::string& p : mini_presets()) {
+    for (DType d : {DType::bf16, DType::fp8_e4m3}) {
+      for (SharedExpertMode mode : {SharedExpertMode::fused, SharedExpertMode::separate}) {
+        LayerCase c{.preset = p, .backend = "ht", .tokens = {11, 0, 7}, .dispatch_dtype = d, .options = {.shared_mode = mode},
+                    .given_routing = true, .seed = static_cast<uint64_t>(400 + ++cases), .expert_contiguous = true,
+                    .expert_alignment = 4};
+        const LayerResult r = run_case(c, mode == SharedExpertMode::fused);
+        EXPECT_LE(r.rel_l2, kTol) << c.describe();
+        EXPECT_EQ(r.counters[0].calls, 1) << c.describe();
+      }
+    }
+  }
+}
+
+// A layer whose experts do not take the Contiguous layout (a factory's identity experts) is refused at
+// construction on every rank, naming the layout.
+TEST(ModularMoE, ExpertContiguousNeedsExpertsThatTakeIt) {
+  auto w = weights_for("deepseek-v3-mini");
+  auto groups = make_cpu_groups(2, 10.0);
+  std::vector<std::string> errs(2);
+  run_ranks(groups, [&](int rank) {
+    DispatchConfig dc;
+    dc.num_max_dispatch_tokens_per_rank = 16;
+    dc.expert_contiguous = true;
+    ModularMoEOptions o;
+    o.make_experts = [&](std::vector<std::shared_ptr<const ExpertWeights>> local, Device dev) {
+      return make_identity_experts(static_cast<int>(local.size()), w->config.hidden, dev);
+    };
+    try {
+      ModularMoE layer(w, groups[rank], "ht", dc, Config{}, o);
+    } catch (const Unsupported& e) {
+      errs[rank] = e.what();
+    }
+  });
+  for (int r = 0; r < 2; ++r) EXPECT_NE(errs[r].find("contiguous"), std::string::npos) << "rank " << r << ": " << errs[r];
 }
 
 // The separate shared expert on an fp8 wire sees x~ (the wire's FP8 round trip), as the reference

@@ -87,6 +87,8 @@ struct DispatchConfig {
   /// (PrepareResult::contiguous; the Flat outputs stay as they are), and finalize then takes one
   /// unweighted output row per (received row, local expert) of that layout, weighting them itself
   /// when FinalizeArgs::topk_weights is given. Off: Flat only (Experts::apply weights the rows).
+  /// A ModularMoE built with it runs its experts on that layout (ActivationLayout::Contiguous with the
+  /// layout's [L + 1] offsets) and has finalize weight them; its experts must support Contiguous.
   bool expert_contiguous = false;
   /// ll only: the combine's reduction (LlCombine); sizes the ll buffer (ll_buffer_bytes). Default
   /// partial_fp32, chosen by measurement (bench/NOTES.md "LL fixed cost ... partial combine": ll-v3

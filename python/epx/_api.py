@@ -219,15 +219,18 @@ class ModularMoE:
     num_max_dispatch_tokens_per_rank: capacity per rank per call (0 = no limit; with chunk_size, chunks).
     config: an epx.Config (launch settings such as ll_signal / ll_expand / ht_num_sms; None = Config.load()).
     ll_combine: ll's combine reduction, "partial_fp32" (default) | "partial_bf16" | "column" (DispatchConfig.ll_combine).
+    expert_contiguous: ht only (DispatchConfig.expert_contiguous): the experts run on prepare's expert-contiguous rows
+    (Experts.apply_contiguous's layout) and finalize weights them, instead of the Flat rows the experts weight.
     """
 
     def __init__(self, weights, group, backend: str, *, num_max_dispatch_tokens_per_rank: int = 0, dispatch_dtype: str = "bf16",
                  use_ue8m0: bool = False, expert_alignment: int = 1, config: Optional[_epx.Config] = None,
-                 shared_mode: str = "auto", chunk_size: int = 0, fhmoe_max_tokens: int = -1, ll_combine: str = "partial_fp32"):
+                 shared_mode: str = "auto", chunk_size: int = 0, fhmoe_max_tokens: int = -1, ll_combine: str = "partial_fp32",
+                 expert_contiguous: bool = False):
         self._impl = _epx.ModularMoE(weights, group, backend, num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank,
                                      dispatch_dtype=dispatch_dtype, use_ue8m0=use_ue8m0, expert_alignment=expert_alignment,
                                      config=config, shared_mode=shared_mode, chunk_size=chunk_size, fhmoe_max_tokens=fhmoe_max_tokens,
-                                     ll_combine=ll_combine)
+                                     ll_combine=ll_combine, expert_contiguous=expert_contiguous)
         self.weights, self.group, self.backend = weights, group, backend
 
     @property

@@ -439,8 +439,9 @@ expert (separate, fused as route id E, or auto by M <= fhmoe_max_tokens). Collec
       .def(pyb::init([](std::shared_ptr<MoEWeights> weights, std::shared_ptr<Group> group, const std::string& backend,
                         int num_max_dispatch_tokens_per_rank, const std::string& dispatch_dtype, bool use_ue8m0, int expert_alignment,
                         std::optional<Config> config, const std::string& shared_mode, int chunk_size, int fhmoe_max_tokens,
-                        const std::string& ll_combine) {
+                        const std::string& ll_combine, bool expert_contiguous) {
              DispatchConfig d;
+             d.expert_contiguous = expert_contiguous;
              d.num_max_dispatch_tokens_per_rank = num_max_dispatch_tokens_per_rank;
              d.dispatch_dtype = parse_dtype(dispatch_dtype);
              d.use_ue8m0 = use_ue8m0;
@@ -457,7 +458,8 @@ expert (separate, fused as route id E, or auto by M <= fhmoe_max_tokens). Collec
            pyb::arg("weights"), pyb::arg("group"), pyb::arg("backend"), pyb::kw_only(), pyb::arg("num_max_dispatch_tokens_per_rank") = 0,
            pyb::arg("dispatch_dtype") = "bf16", pyb::arg("use_ue8m0") = false, pyb::arg("expert_alignment") = 1,
            pyb::arg("config") = pyb::none(), pyb::arg("shared_mode") = "auto", pyb::arg("chunk_size") = 0, pyb::arg("fhmoe_max_tokens") = -1,
-           pyb::arg("ll_combine") = "partial_fp32", pyb::keep_alive<1, 2>(), pyb::keep_alive<1, 3>())
+           pyb::arg("ll_combine") = "partial_fp32", pyb::arg("expert_contiguous") = false, pyb::keep_alive<1, 2>(),
+           pyb::keep_alive<1, 3>())
       .def("forward", [](ModularMoE& l, pyb::handle x, pyb::handle out, int64_t stream) {
         CallArgs a("epx.ModularMoE.forward", stream);
         TensorView xv = a.get(x, "x", DType::bf16), ov = a.get_out(out, "out", DType::bf16);

@@ -457,6 +457,37 @@ def test_modular_moe_matches_reference():
     assert rel_l2(f32(np.concatenate(outs)), f32(ref)) < 1e-2
 
 
+@pytest.mark.parametrize("shared_mode", ["fused", "separate"])
+def test_modular_moe_ht_expert_contiguous(shared_mode):
+    """ModularMoE(..., "ht", expert_contiguous=True): the experts run on prepare's expert-contiguous rows and finalize
+    weights them; the output matches moe_reference of all tokens (DeepSeek-V3-mini, its shared expert fused as a
+    route or separate); on "ll" the option is refused on every rank, naming it."""
+    weights = epx.MoEWeights.random("deepseek-v3-mini", seed=9)
+    cfg = weights.config
+    groups = epx.make_cpu_groups(R, timeout_s=30)
+    tokens = [10, 3]
+    rng = np.random.default_rng(5)
+    xs = [bits_bf16(rng.standard_normal((t, cfg.hidden)).astype(np.float32)) for t in tokens]
+
+    def body(rank):
+        with pytest.raises(Exception, match="expert_contiguous"):
+            epx.ModularMoE(weights, groups[rank], "ll", num_max_dispatch_tokens_per_rank=16, expert_contiguous=True)
+        layer = epx.ModularMoE(weights, groups[rank], "ht", num_max_dispatch_tokens_per_rank=16, shared_mode=shared_mode,
+                               expert_alignment=4, expert_contiguous=True)
+        return layer.forward(xs[rank])
+
+    outs = run(groups, body)
+    x_all = np.concatenate(xs)
+    logits = np.zeros((x_all.shape[0], cfg.router.num_experts), np.float32)
+    epx.router_logits(weights, x_all, logits)
+    idx = np.zeros((x_all.shape[0], cfg.router.top_k), np.int32)
+    w = np.zeros((x_all.shape[0], cfg.router.top_k), np.float32)
+    epx.route(cfg.router, logits, weights.correction_bias, idx, w)
+    ref = poisoned(x_all.shape)
+    epx.moe_reference(weights, x_all, idx, w, ref)
+    assert rel_l2(f32(np.concatenate(outs)), f32(ref)) < 1e-2
+
+
 def _both_ranks(groups, bad_rank_args, good_args, call):
     """Rank 0 calls with bad arguments, rank 1 with good ones; returns the exceptions (None = no error)."""
     errors = [None, None]

@@ -121,6 +121,9 @@ struct ModularMoE::Impl {
   bool wire_ue8m0 = false;
   bool has_shared = false;
   bool sharded = false;          // the shared expert runs DP-sharded on fused chunks (local expert L-1 = shard)
+  /// ht with DispatchConfig::expert_contiguous: the experts run on prepare's expert-contiguous rows
+  /// (ActivationLayout::Contiguous with its [L + 1] offsets) and finalize weights them (FinalizeArgs::topk_weights).
+  bool contiguous = false;
   int shard_slot = -1;           // L-1
   int64_t local_shared_tokens = -1;  // fused chunks of M > this: shared rows into slot L-1 by hand; -1 never (Config::fhmoe_local_shared_tokens)
   PathCounters counters;
@@ -378,7 +381,8 @@ ModularMoE::ModularMoE(std::shared_ptr<const MoEWeights> weights, std::shared_pt
   }
   // Composition check, collective so every rank throws the same sentence: the experts must take the
   // backend's activation layout (Flat for the gathered/deduplicated backends, ExpertMajor for ll).
-  const ActivationLayout layout = caps.layout;
+  m.contiguous = dispatch_cfg.expert_contiguous;  // (make_prepare_finalize refused it for every backend but ht)
+  const ActivationLayout layout = m.contiguous ? ActivationLayout::Contiguous : caps.layout;
   const int64_t fit = build_error ? 3 : !m.experts ? 2 : m.experts->supports(layout) ? 1 : 0;
   const std::vector<int64_t> fits = group->all_gather_i64(fit);
   if (build_error) std::rethrow_exception(build_error);
@@ -390,7 +394,7 @@ ModularMoE::ModularMoE(std::shared_ptr<const MoEWeights> weights, std::shared_pt
     if (fits[static_cast<size_t>(r)] != 0) continue;
     std::string takes;
     if (m.experts) {
-      for (ActivationLayout l : {ActivationLayout::Flat, ActivationLayout::ExpertMajor})
+      for (ActivationLayout l : {ActivationLayout::Flat, ActivationLayout::ExpertMajor, ActivationLayout::Contiguous})
         if (m.experts->supports(l)) takes += (takes.empty() ? "" : ", ") + std::string(layout_name(l));
     }
     throw Unsupported(arg_message(kCtorOp, "backend", backend,
@@ -721,9 +725,21 @@ void ModularMoE::Impl::run_chunk(const TensorView& x, const TensorView& topk_idx
   mark_phase(stream);
   const PrepareResult prepared = prepare_finalize->prepare(args);
   mark_phase(stream);
-  const TensorView expert_view = expert_out_like(prepared.x);
+  // ht's expert-contiguous rows (contiguous): [M, H] unweighted expert rows, weighted by finalize below.
+  const TensorView expert_view =
+      contiguous ? scratch(expert_out, DType::bf16, {prepared.contiguous.num_rows, prepared.contiguous.x.shape[1]})
+                 : expert_out_like(prepared.x);
   if (experts) {
-    experts->apply(local ? local_shared_input(prepared, x_chunk, num_tokens, stream) : prepared.experts_input(), expert_view, stream);
+    ExpertsInput in;
+    if (contiguous) {
+      in.layout = ActivationLayout::Contiguous;
+      in.x = prepared.contiguous.x;
+      in.x_scales = prepared.contiguous.x_scales;
+      in.expert_offsets = prepared.contiguous.expert_offsets;
+    } else {
+      in = local ? local_shared_input(prepared, x_chunk, num_tokens, stream) : prepared.experts_input();
+    }
+    experts->apply(in, expert_view, stream);
   } else {
     // <= 0: ll on CUDA reports -1 (only the device knows its counts).
     EPX_ASSERT(prepared.num_recv_tokens <= 0, "a rank without local experts received ", prepared.num_recv_tokens, " rows");
@@ -734,6 +750,7 @@ void ModularMoE::Impl::run_chunk(const TensorView& x, const TensorView& topk_idx
   fin.expert_out = expert_view;
   fin.out = out_chunk;
   fin.stream = stream;
+  if (contiguous) fin.topk_weights = prepared.topk_weights;
   prepare_finalize->finalize(fin);
   mark_phase(stream);
 
