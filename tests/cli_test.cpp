@@ -173,6 +173,25 @@ TEST(Cli, InfoPrintsConfigBackendsAndPresets) {
     EXPECT_NE(r.out.find(s), std::string::npos) << "epx info lacks " << s << "\n" << r.out;
 }
 
+// --expert-contiguous: ht's layer runs its experts on prepare's expert-contiguous rows (the other backends as
+// without it); every backend still validates against the reference, and the JSON says which ran it.
+TEST(Cli, ExpertContiguousRunsOnHtAndIsRecorded) {
+  const auto out = temp_path("moe-contig.json");
+  CliRun r = run_epx("moe --preset deepseek-v4-pro-mini --ranks 2 --backend all --steps 2 --tokens-per-rank 8 --dispatch-dtype fp8 "
+                     "--expert-contiguous --json " + out.string());
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("ht expert-contiguous"), std::string::npos) << r.out;
+  const nlohmann::json j = read_json(out);
+  int ht = 0;
+  for (const auto& res : j["results"]) {
+    EXPECT_EQ(res["status"], "pass") << res.dump();
+    EXPECT_EQ(res["expert_contiguous"], res["backend"] == "ht") << res.dump();
+    ht += res["backend"] == "ht";
+  }
+  EXPECT_EQ(ht, 1);
+  std::filesystem::remove(out);
+}
+
 TEST(Cli, MainJobValidatesEveryBackendAndWritesResultsJson) {
   const auto out = temp_path("moe.json");
   CliRun r = run_epx("moe --preset deepseek-v3-mini --ranks 2 --backend all --steps 2 --tokens-per-rank 8 --json " + out.string());

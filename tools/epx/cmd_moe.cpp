@@ -85,6 +85,9 @@ void add_moe_command(CLI::App& root, MoeCommand& cmd) {
               "A/B in one run: every chosen backend, each with the shared expert fused and separate (models with one), "
               "then delta tables (backends against the first; fused against separate with the path counters); also in the JSON");
   m->add_flag("--graph,!--no-graph", o.graph, "decode: replay a captured whole-layer graph where possible (default) or run eagerly");
+  m->add_flag("--expert-contiguous", o.expert_contiguous,
+              "ht: the experts run on prepare's expert-contiguous rows and finalize weights them (DispatchConfig::"
+              "expert_contiguous) instead of the Flat rows; the other backends run as without it");
   m->add_option("--seed", o.seed, "Seed of the weights, hidden states and synthetic routing")->capture_default_str();
   m->add_option("--expert-pool", o.expert_pool,
                 "P > 0: random routed expert e takes the values of expert e mod P, so each rank builds at most P experts "

@@ -193,6 +193,7 @@ RankBackendRun run_backend_on_rank(const Workload& w, const MoeOptions& o, const
   DispatchConfig dcfg;
   dcfg.num_max_dispatch_tokens_per_rank = static_cast<int>(w.capacity);
   dcfg.dispatch_dtype = w.dispatch_dtype;
+  dcfg.expert_contiguous = w.expert_contiguous && backend == "ht";  // (an ht option: the other backends run as without it)
   ModularMoEOptions mo;
   mo.shared_mode = shared_mode;
   mo.chunk_size = w.chunk_size;

@@ -117,7 +117,7 @@ void print_header(std::ostream& os, const Workload& w) {
      << ", chunk " << (w.chunk_size > 0 ? std::to_string(w.chunk_size) : std::string("none")) << ", capacity "
      << w.capacity << ", device " << (w.device_name.empty() ? cpu_device_name() : w.device_name)
      << (w.mode.empty() ? std::string() : ", mode " + w.mode + (w.use_graph ? " (graph replay where graph-safe)" : ""))
-     << (w.compare ? ", A/B" : "") << "\n";
+     << (w.compare ? ", A/B" : "") << (w.expert_contiguous ? ", ht expert-contiguous" : "") << "\n";
   if (!w.trace_source.empty()) os << "trace: " << w.trace_source << "\n";
   if (w.weights && w.weights->expert_pool > 0)
     os << "expert pool: " << w.weights->expert_pool << " (random expert e holds the values of expert e mod "
@@ -294,6 +294,7 @@ void write_results_json(const std::string& path, const std::string& command, con
         {"mode", w.mode.empty() ? json(nullptr) : json(w.mode)},
         {"graph", r.graph},
         {"chunk_size", w.chunk_size},
+        {"expert_contiguous", w.expert_contiguous && r.backend == "ht"},
         {"num_max_dispatch_tokens_per_rank", w.capacity},
         {"latency_us_p50", lat(50)},
         {"latency_us_p10", lat(10)},

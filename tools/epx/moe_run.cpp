@@ -236,6 +236,7 @@ Workload build_workload(const MoeOptions& options, const Config& config) {
   w.mode = o.mode;
   w.use_graph = o.mode == "decode" && o.graph;
   w.compare = o.compare;
+  w.expert_contiguous = o.expert_contiguous;
   w.model = workload_model(o);  // the preset, or the --checkpoint layer
   w.config = config;
   const int K = w.model.router.top_k, E = w.model.router.num_experts;
@@ -403,6 +404,7 @@ BackendResult run_backend(const Workload& w, const std::string& backend) {
   DispatchConfig dcfg;
   dcfg.num_max_dispatch_tokens_per_rank = static_cast<int>(w.capacity);
   dcfg.dispatch_dtype = w.dispatch_dtype;
+  dcfg.expert_contiguous = w.expert_contiguous && backend == "ht";  // (an ht option: the other backends run as without it)
   ModularMoEOptions mo;
   mo.shared_mode = w.shared_mode;
   mo.chunk_size = w.chunk_size;

@@ -45,6 +45,7 @@ struct MoeOptions {
   /// backend is graph-safe) or "prefill" (4096 tokens/rank unless given; eager).
   std::string mode;
   bool compare = false;  ///< A/B: every chosen backend x shared expert fused and separate, delta table
+  bool expert_contiguous = false;  ///< ht: the experts on prepare's expert-contiguous rows (DispatchConfig::expert_contiguous)
   bool graph = true;     ///< decode: replay a captured graph where possible (--no-graph: eager)
   // --checkpoint DIR --layer N [--hidden FILE] (moe_checkpoint.h): the layer and its weights from a
   // checkpoint instead of the preset, hidden states from a file.
@@ -87,6 +88,7 @@ struct Workload {
   std::string mode;                   ///< "", "decode", "prefill"
   bool use_graph = false;             ///< decode: try whole-layer graph replay (--device cuda)
   bool compare = false;               ///< --compare: results are an A/B (delta table + JSON "compare")
+  bool expert_contiguous = false;     ///< --expert-contiguous: ht's layers take DispatchConfig::expert_contiguous
   // Set by the GPU path for the report (empty: the CPU defaults).
   std::string device_name;            ///< e.g. "2 x NVIDIA H200"
   std::string nccl_version;           ///< e.g. "2.28.9"
