@@ -423,6 +423,19 @@ def test_combine_weights_misuse_fails_on_every_rank(case):
     assert isinstance(errors[1], epx.Error) and "rank 0" in str(errors[1]), repr(errors[1])
 
 
+def layer_reference(weights, x_all):
+    """moe_reference of all ranks' tokens with the model's router on the whole batch (what ModularMoE.forward computes)."""
+    cfg = weights.config
+    logits = np.zeros((x_all.shape[0], cfg.router.num_experts), np.float32)
+    epx.router_logits(weights, x_all, logits)
+    idx = np.zeros((x_all.shape[0], cfg.router.top_k), np.int32)
+    w = np.zeros((x_all.shape[0], cfg.router.top_k), np.float32)
+    epx.route(cfg.router, logits, weights.correction_bias, idx, w)
+    ref = poisoned(x_all.shape)
+    epx.moe_reference(weights, x_all, idx, w, ref)
+    return ref
+
+
 def test_modular_moe_matches_reference():
     """ModularMoE.forward on 2 ranks (ll, DeepSeek-V3-mini with its shared expert) vs moe_reference of
     all tokens with the same routing (router_logits + route on the whole batch)."""
@@ -446,15 +459,7 @@ def test_modular_moe_matches_reference():
         return out
 
     outs = run(groups, body)
-    x_all = np.concatenate(xs)
-    logits = np.zeros((x_all.shape[0], cfg.router.num_experts), np.float32)
-    epx.router_logits(weights, x_all, logits)
-    idx = np.zeros((x_all.shape[0], cfg.router.top_k), np.int32)
-    w = np.zeros((x_all.shape[0], cfg.router.top_k), np.float32)
-    epx.route(cfg.router, logits, weights.correction_bias, idx, w)
-    ref = poisoned(x_all.shape)
-    epx.moe_reference(weights, x_all, idx, w, ref)
-    assert rel_l2(f32(np.concatenate(outs)), f32(ref)) < 1e-2
+    assert rel_l2(f32(np.concatenate(outs)), f32(layer_reference(weights, np.concatenate(xs)))) < 1e-2
 
 
 @pytest.mark.parametrize("shared_mode", ["fused", "separate"])
@@ -477,15 +482,7 @@ def test_modular_moe_ht_expert_contiguous(shared_mode):
         return layer.forward(xs[rank])
 
     outs = run(groups, body)
-    x_all = np.concatenate(xs)
-    logits = np.zeros((x_all.shape[0], cfg.router.num_experts), np.float32)
-    epx.router_logits(weights, x_all, logits)
-    idx = np.zeros((x_all.shape[0], cfg.router.top_k), np.int32)
-    w = np.zeros((x_all.shape[0], cfg.router.top_k), np.float32)
-    epx.route(cfg.router, logits, weights.correction_bias, idx, w)
-    ref = poisoned(x_all.shape)
-    epx.moe_reference(weights, x_all, idx, w, ref)
-    assert rel_l2(f32(np.concatenate(outs)), f32(ref)) < 1e-2
+    assert rel_l2(f32(np.concatenate(outs)), f32(layer_reference(weights, np.concatenate(xs)))) < 1e-2
 
 
 def _both_ranks(groups, bad_rank_args, good_args, call):
