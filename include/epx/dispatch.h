@@ -132,6 +132,15 @@ struct ExpertContiguousLayout {
   /// R * num_max_dispatch_tokens_per_rank * min(K, L) + L * (expert_alignment - 1) (M itself is
   /// expert_offsets[L] on the device; rows beyond it have row_expert -1 and are not written).
   int64_t num_rows = 0;
+  /// As the Experts interface takes it: ActivationLayout::Contiguous with the [L + 1] offsets.
+  ExpertsInput experts_input() const {
+    ExpertsInput in;
+    in.layout = ActivationLayout::Contiguous;
+    in.x = x;
+    in.x_scales = x_scales;
+    in.expert_offsets = expert_offsets;
+    return in;
+  }
 };
 
 struct PrepareResult {

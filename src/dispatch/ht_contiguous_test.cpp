@@ -216,9 +216,7 @@ TEST(HtContiguous, ExpertsOnTheContiguousLayoutMatchTheFlatPath) {
       const PrepareResult p = pf->prepare({ri.x, ri.topk_idx, ri.topk_weights});
       const ExpertContiguousLayout& cl = p.contiguous;
       const int64_t T = ri.x.size(0);
-      ExpertsInput ec;
-      ec.layout = ActivationLayout::Contiguous;
-      ec.x = cl.x, ec.x_scales = cl.x_scales, ec.expert_offsets = cl.expert_offsets;
+      const ExpertsInput ec = cl.experts_input();
       Tensor eo = Tensor::empty({cl.num_rows, c.H}, DType::bf16), ef;
       poison(eo);
       experts->apply(ec, eo);

@@ -730,15 +730,9 @@ void ModularMoE::Impl::run_chunk(const TensorView& x, const TensorView& topk_idx
       contiguous ? scratch(expert_out, DType::bf16, {prepared.contiguous.num_rows, prepared.contiguous.x.shape[1]})
                  : expert_out_like(prepared.x);
   if (experts) {
-    ExpertsInput in;
-    if (contiguous) {
-      in.layout = ActivationLayout::Contiguous;
-      in.x = prepared.contiguous.x;
-      in.x_scales = prepared.contiguous.x_scales;
-      in.expert_offsets = prepared.contiguous.expert_offsets;
-    } else {
-      in = local ? local_shared_input(prepared, x_chunk, num_tokens, stream) : prepared.experts_input();
-    }
+    const ExpertsInput in = contiguous ? prepared.contiguous.experts_input()
+                            : local    ? local_shared_input(prepared, x_chunk, num_tokens, stream)
+                                       : prepared.experts_input();
     experts->apply(in, expert_view, stream);
   } else {
     // <= 0: ll on CUDA reports -1 (only the device knows its counts).
