@@ -144,7 +144,7 @@ std::unique_ptr<Experts> make_experts_cpu(std::vector<std::shared_ptr<const Expe
 /// construction) runs the simple tiled SIMT reference
 /// kernels. Both paths hold the same precision rules. Uploads every expert's weights
 /// once, in their stored format, and dequantizes them inside the GEMMs; the precision rules above
-/// and both layouts are the CPU's (make_experts_cpu), up to fp32 summation order. Experts may mix
+/// and every layout is the CPU's (make_experts_cpu), up to fp32 summation order. Experts may mix
 /// formats and intermediate sizes (FHMoE); hidden and every intermediate must be multiples of 8,
 /// at most 2048 local experts.
 /// apply(): all tensors on cuda:`device`, contiguous, 16-byte aligned; stream-ordered on `stream`,

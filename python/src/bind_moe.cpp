@@ -315,7 +315,8 @@ mxfp4 (fp4 pairs [.., K/2] + e8m0 scale per 32 inputs).)doc")
   pyb::class_<Experts, std::shared_ptr<Experts>>(m, "Experts", R"doc(
 Grouped SwiGLU experts over this rank's local experts (vLLM: FusedMoEPermuteExpertsUnpermute).
 apply(prepared, out): ExpertMajor out [L, cap, H] (unweighted, rows < recv_count); Flat out [N, H]
-(weighted sum over the row's local selections). bf16 out.)doc")
+(weighted sum over the row's local selections). bf16 out. apply_contiguous(x, expert_offsets, out, x_scales):
+rows already sorted by expert (ActivationLayout::Contiguous).)doc")
       .def_property_readonly("num_local_experts", &Experts::num_local_experts)
       .def_property_readonly("hidden", &Experts::hidden)
       .def("supports", [](const Experts& e, const std::string& layout) {
