@@ -25,6 +25,7 @@
 # NVLink multicast stays off (NCCL_NVLS_ENABLE=0): on the shared GPU hosts it can take the GPUs out of
 # service. Options (environment): GPU_CHECK_SRC (a source tree to build instead of .carry/src.tar.xz),
 # GPU_CHECK_TARGETS (build only these ninja targets), GPU_CHECK_CPU=0 (skip the CPU label), GPU_CHECK_ONE_GPU=0 (skip the one-GPU pass), GPU_CHECK_SANITIZE=0 (skip compute-sanitizer), GPU_CHECK_FILTER (a ctest -R regex applied to both labels), GPU_CHECK_GPU_JOBS (GPU tests at once, default 1),
+# GPU_CHECK_CMAKE_ARGS (more cmake -D arguments, e.g. -DEPX_PYTHON=ON: the module then lands in <build>/python/epx),
 # GPU_CHECK_NCCL (an NCCL install with include/ and lib/ instead of the wheel's; for a dry run elsewhere),
 # GPU_CHECK_BENCH=0 (skip the benchmark step), GPU_CHECK_MOE_STEPS (steps of the full-size layers, default 3),
 # GPU_CHECK_TESTS=0 (skip the GPU test label: benchmark-only runs), GPU_CHECK_BENCH_ONE_GPU=0 (skip the 1-rank
@@ -99,7 +100,7 @@ run() {
   cmake -S "$src" -B "$bdir" -G Ninja -DCMAKE_BUILD_TYPE=Release -DEPX_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90a -DEPX_FP8_PREFILL_STAMPS=ON \
     -DEPX_NCCL_ROOT="$nccl" -DCMAKE_PREFIX_PATH="$deps/usr" -DBLA_VENDOR=OpenBLAS -DCMAKE_POLICY_VERSION_MINIMUM=3.5 \
     -DCMAKE_LIBRARY_PATH="$arch_lib/openblas-pthread;$arch_lib" \
-    -DEPX_CBLAS_INCLUDE="$deps/usr/include/x86_64-linux-gnu/openblas-pthread" >"$out/configure.log" 2>&1
+    -DEPX_CBLAS_INCLUDE="$deps/usr/include/x86_64-linux-gnu/openblas-pthread" ${GPU_CHECK_CMAKE_ARGS:-} >"$out/configure.log" 2>&1
   local conf_rc=$?
   local t_build=$SECONDS build_rc=1
   if [ $conf_rc -eq 0 ]; then
