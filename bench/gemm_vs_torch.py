@@ -96,8 +96,8 @@ def main():
     ew = [epx.ExpertWeights.random("fp8_block", H, I, seed=100 + d) for d in range(D)]
     experts = epx.Experts([ew[l % D] for l in range(L)], "cuda")
     # torch: rowwise FP8 of epx's dequantized weights, [L, N, K] (K-major) viewed as [L, K, N] for 2d x 3d.
-    w13f = [torch.from_numpy(np.asarray(w.w13_float(), dtype=np.float32)).to(dev) for w in ew]  # [2I, H]
-    w2f = [torch.from_numpy(np.asarray(w.w2_float(), dtype=np.float32)).to(dev) for w in ew]    # [H, I]
+    w13f = [torch.from_numpy(np.ascontiguousarray(epx.to_float32(w.w13_float()))).to(dev) for w in ew]  # [2I, H]
+    w2f = [torch.from_numpy(np.ascontiguousarray(epx.to_float32(w.w2_float()))).to(dev) for w in ew]    # [H, I]
     q13 = [rowwise_fp8(w) for w in w13f]
     q2 = [rowwise_fp8(w) for w in w2f]
     w13_q = torch.stack([q13[l % D][0] for l in range(L)])

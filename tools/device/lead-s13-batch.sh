@@ -8,7 +8,9 @@
 #    uniform and uneven (gemm-vs-torch.json), with nvidia-smi's SM clock / power / temperature every 200 ms (smi.csv);
 # 3. examples/grouped_gemm_contiguous.py --device cuda:0 (its first GPU run);
 # 4. the full-size DeepSeek-V3 layer on one rank, ht, prefill, FP8 dispatch: Flat experts against
-#    --expert-contiguous (the layer option's first GPU run), order A B A (moe-ht-*.json).
+#    --expert-contiguous (the layer option's first GPU run), order A B A (moe-ht-*.json); with LEAD_S13_CALL=2 (the
+#    second call) both at EPX_HT_NUM_SMS=132 instead of the default 64, order B A B.
+# Everything but summary.txt comes back in $OUT/all.tar.gz (a device call returns at most 8 files).
 source tools/device/batch-lib.sh
 batch_init /tmp/lead-s13 585
 export CUDA_VISIBLE_DEVICES=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -41,7 +43,7 @@ t=$SECONDS
 say "example grouped_gemm_contiguous --device cuda:0 rc=$? in $((SECONDS - t)) s"
 tail -5 "$OUT/example-contiguous.log" | tee -a "$OUT/summary.txt"
 
-moe() {  # name [extra args]
+moe() {  # name [extra args] (EPX_* settings from the caller's environment)
   local name=$1 t=$SECONDS lim
   shift
   lim=$(cap 100)
@@ -51,7 +53,15 @@ moe() {  # name [extra args]
   say "moe $name rc=$? in $((SECONDS - t)) s"
   grep -iE "ht |layer|valid|contig|error" "$OUT/moe-ht-$name.log" | tail -6 | tee -a "$OUT/summary.txt"
 }
-moe flat-1
-moe contiguous-1 --expert-contiguous
-moe flat-2
+if [ "${LEAD_S13_CALL:-1}" = 1 ]; then
+  moe flat-1
+  moe contiguous-1 --expert-contiguous
+  moe flat-2
+else  # second call: the HT kernels' SM budget at 132 (default 64) for both, order B A B
+  EPX_HT_NUM_SMS=132 moe contiguous-sms132-1 --expert-contiguous
+  EPX_HT_NUM_SMS=132 moe flat-sms132-1
+  EPX_HT_NUM_SMS=132 moe contiguous-sms132-2 --expert-contiguous
+fi
 say "end at $((SECONDS - T0)) s"
+# At most 8 files come back from a device call: everything but summary.txt goes into one archive.
+(cd "$OUT" && tar czf /tmp/lead-s13-all.tar.gz --exclude=summary.txt . && find . -mindepth 1 ! -name summary.txt -delete && mv /tmp/lead-s13-all.tar.gz all.tar.gz)
