@@ -79,6 +79,7 @@ struct Case {
   ModularMoEOptions options{};
   int capacity = 64;
   uint64_t seed = 1;
+  Config config{};
   std::string describe() const {
     std::string t;
     for (int64_t v : tokens) t += (t.empty() ? "" : ",") + std::to_string(v);
@@ -126,7 +127,7 @@ Outcome run_case(const Case& c) {
     DispatchConfig dc;
     dc.num_max_dispatch_tokens_per_rank = c.capacity;
     dc.dispatch_dtype = c.dispatch_dtype;
-    ModularMoE layer(w, groups[rank], c.backend, dc, Config{}, c.options);
+    ModularMoE layer(w, groups[rank], c.backend, dc, c.config, c.options);
     layer.forward_routed(x[rank], idx[rank], wts[rank], out[rank]);
     res.counters[rank] = layer.counters();
     res.dp[rank] = layer.dp_metadata();
@@ -426,6 +427,39 @@ TEST(ModularMoESharedShard, OnlyWhenDpAboveOneOnGatheringBackends) {
 }
 
 // The slices of an expert's intermediate dimension sum to the expert (down is linear in h).
+// The gate of heterogeneous FHMoE (shared format != routed format, V4-Pro: FP8 shared + MXFP4 routed) is
+// Config::fhmoe_max_tokens_mixed; homogeneous layers (V3: FP8 both) keep Config::fhmoe_max_tokens; an explicit
+// ModularMoEOptions::fhmoe_max_tokens overrides both. M = 6 (the larger rank's T) against a mixed gate of 5: the
+// mixed layer runs the shared expert separately, the homogeneous one fuses it; both match the reference.
+TEST(ModularMoEGate, MixedFormatsTakeTheirOwnGate) {
+  EXPECT_EQ(Config{}.fhmoe_max_tokens_mixed, 512);
+  for (const char* backend : {"naive", "ll"}) {
+    Case mixed{.preset = "deepseek-v4-pro-mini", .backend = backend, .tokens = {4, 6}, .seed = 21};
+    mixed.config.fhmoe_max_tokens_mixed = 5;
+    const Outcome a = run_case(mixed);
+    EXPECT_LE(a.rel_l2, kTol) << mixed.describe();
+    for (int r = 0; r < 2; ++r) {
+      EXPECT_EQ(a.gate[r], 5) << mixed.describe();
+      EXPECT_EQ(a.counters[r].shared_separate, 1) << mixed.describe();
+      EXPECT_EQ(a.counters[r].shared_fused, 0) << mixed.describe();
+    }
+    Case same = mixed;
+    same.preset = "deepseek-v3-mini";
+    const Outcome b = run_case(same);
+    EXPECT_LE(b.rel_l2, kTol) << same.describe();
+    for (int r = 0; r < 2; ++r) {
+      EXPECT_EQ(b.gate[r], Config{}.fhmoe_max_tokens) << same.describe();
+      EXPECT_EQ(b.counters[r].shared_fused, 1) << same.describe();
+    }
+    Case forced = mixed;
+    forced.options.fhmoe_max_tokens = 6;  // the option wins over the mixed gate
+    const Outcome c = run_case(forced);
+    EXPECT_LE(c.rel_l2, kTol) << forced.describe();
+    EXPECT_EQ(c.gate[0], 6) << forced.describe();
+    EXPECT_EQ(c.counters[0].shared_fused, 1) << forced.describe();
+  }
+}
+
 TEST(ExpertWeightsSlice, SlicesSumToTheExpertInEveryFormat) {
   for (WeightFormat f : {WeightFormat::bf16, WeightFormat::fp8_block, WeightFormat::mxfp4}) {
     const int64_t H = 256, I = 384, M = 5;

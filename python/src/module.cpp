@@ -195,6 +195,8 @@ Attributes (JSON key, environment variable):
   bind_setting(cls, "moe_chunk_size", "moe.chunk_size", &Config::moe_chunk_size, "DP chunk: at most this many tokens per MoE call per rank; 0 = unchunked.");
   bind_setting(cls, "fhmoe_max_tokens", "fhmoe.max_tokens", &Config::fhmoe_max_tokens,
                "Capability gate: fuse the shared expert when M <= this (tokens).");
+  bind_setting(cls, "fhmoe_max_tokens_mixed", "fhmoe.max_tokens_mixed", &Config::fhmoe_max_tokens_mixed,
+               "Capability gate of layers whose shared expert's weight format differs from the routed experts' (V4-Pro: FP8 shared, MXFP4 routed), tokens.");
   bind_setting(cls, "fhmoe_max_tokens_sharded", "fhmoe.max_tokens_sharded", &Config::fhmoe_max_tokens_sharded,
                "Capability gate of layers whose fused path runs the shared expert DP-sharded (naive, allgather_reducescatter), tokens.");
   bind_setting(cls, "fhmoe_local_shared_tokens", "fhmoe.local_shared_tokens", &Config::fhmoe_local_shared_tokens,

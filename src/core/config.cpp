@@ -55,6 +55,9 @@ void for_each_field(C& c, Visit&& v) {
   v(Field{"fhmoe.local_shared_tokens", "EPX_FHMOE_LOCAL_SHARED_TOKENS", "tokens",
           "on ll (per-expert slots) fused chunks with M > this put the shared rows into the shared expert's local slot instead of the dispatch"},
     c.fhmoe_local_shared_tokens);
+  v(Field{"fhmoe.max_tokens_mixed", "EPX_FHMOE_MAX_TOKENS_MIXED", "tokens",
+          "the gate of layers whose shared expert's weight format differs from the routed experts' (V4-Pro: FP8 shared, MXFP4 routed)"},
+    c.fhmoe_max_tokens_mixed);
   v(Field{"fhmoe.max_tokens_sharded", "EPX_FHMOE_MAX_TOKENS_SHARDED", "tokens",
           "the gate of layers whose fused path runs the shared expert DP-sharded (naive, allgather_reducescatter)"},
     c.fhmoe_max_tokens_sharded);
@@ -264,6 +267,7 @@ void Config::validate_fields() const {
   require_arg("config", "moe.chunk_size", moe_chunk_size, moe_chunk_size >= 0, "must be >= 0");
   require_arg("config", "fhmoe.max_tokens", fhmoe_max_tokens, fhmoe_max_tokens >= 0, "must be >= 0");
   require_arg("config", "fhmoe.max_tokens_sharded", fhmoe_max_tokens_sharded, fhmoe_max_tokens_sharded >= 0, "must be >= 0");
+  require_arg("config", "fhmoe.max_tokens_mixed", fhmoe_max_tokens_mixed, fhmoe_max_tokens_mixed >= 0, "must be >= 0");
   require_arg("config", "fhmoe.local_shared_tokens", fhmoe_local_shared_tokens, fhmoe_local_shared_tokens >= 0, "must be >= 0");
   static const char* levels[] = {"trace", "debug", "info", "warn", "error", "off"};
   require_arg("config", "log_level", log_level, std::find(std::begin(levels), std::end(levels), log_level) != std::end(levels),

@@ -249,6 +249,13 @@ TEST(Config, IntegerRangeAndTheSourceOfABadValueAreNamed) {
   m = message([] { Config::load(""); });
   unsetenv("EPX_FHMOE_MAX_TOKENS");
   EXPECT_EQ(m, "config: fhmoe.max_tokens = -1: must be >= 0 (set by env EPX_FHMOE_MAX_TOKENS)");
+  setenv("EPX_FHMOE_MAX_TOKENS_MIXED", "-2", 1);
+  m = message([] { Config::load(""); });
+  unsetenv("EPX_FHMOE_MAX_TOKENS_MIXED");
+  EXPECT_EQ(m, "config: fhmoe.max_tokens_mixed = -2: must be >= 0 (set by env EPX_FHMOE_MAX_TOKENS_MIXED)");
+  setenv("EPX_FHMOE_MAX_TOKENS_MIXED", "768", 1);
+  EXPECT_EQ(Config::load("").fhmoe_max_tokens_mixed, 768);
+  unsetenv("EPX_FHMOE_MAX_TOKENS_MIXED");
   Config j;
   m = message([&] { j.apply_json_text(R"({"experts.fp8_prefill_min_tiles": -3})", "json my.json"); });
   EXPECT_EQ(m, "config: experts.fp8_prefill_min_tiles = -3: must be >= 0 (0 = one wave) (set by json my.json)");

@@ -115,6 +115,7 @@ struct ModularMoE::Impl {
   int64_t chunk_size = 0;        // 0 = unchunked
   int64_t capacity = 0;          // num_max_dispatch_tokens_per_rank
   int64_t fhmoe_max_tokens = 0;
+  bool mixed_formats = false;  // the shared expert's weight format differs from the routed experts' (heterogeneous FHMoE)
   int num_experts = 0;           // E
   int top_k = 0;                 // K (routed columns)
   bool wire_fp8 = false;         // dispatch_dtype fp8: the separate shared expert sees x quantized the same way
@@ -262,6 +263,7 @@ ModularMoE::ModularMoE(std::shared_ptr<const MoEWeights> weights, std::shared_pt
   // its own error, the others naming it) instead of that rank alone while its peers wait in the backend's
   // collective creation until timeout_s.
   std::exception_ptr local_error;
+  int64_t routed_code = 0;  // 1 + WeightFormat of this rank's routed experts (0: it holds none); gathered below
   try {
     require_arg(kCtorOp, "weights", "null", weights != nullptr, "must be set");
     const MoEConfig& mc = weights->config;
@@ -300,6 +302,7 @@ ModularMoE::ModularMoE(std::shared_ptr<const MoEWeights> weights, std::shared_pt
                   "must be built: rank " + std::to_string(rank) + " holds experts [" + std::to_string(range.begin) + ", " +
                       std::to_string(range.end) + ")");
       local.push_back(weights->experts[e]);
+      if (routed_code == 0) routed_code = 1 + static_cast<int64_t>(weights->experts[e]->format);
     }
     // A rank with no routed expert (E < R) and no shared replica still takes part in every collective;
     // it gets an Experts object only when it has something to run.
@@ -318,10 +321,12 @@ ModularMoE::ModularMoE(std::shared_ptr<const MoEWeights> weights, std::shared_pt
   } catch (...) {
     local_error = std::current_exception();
   }
-  const std::vector<int64_t> rejected = group->all_gather_i64(local_error ? 1 : 0);
+  // One all-gather says which ranks rejected their arguments (-1) and, otherwise, the format of their routed experts
+  // (routed_code), so every rank takes the same gate below.
+  const std::vector<int64_t> gathered = group->all_gather_i64(local_error ? -1 : routed_code);
   if (local_error) std::rethrow_exception(local_error);
   for (int r = 0; r < R; ++r)
-    if (rejected[static_cast<size_t>(r)] != 0)
+    if (gathered[static_cast<size_t>(r)] < 0)
       throw InvalidArgument(std::string(kCtorOp) + ": rank " + std::to_string(r) +
                             " rejected its arguments: every rank stops (see that rank's error)");
   const MoEConfig& mc = weights->config;
@@ -353,6 +358,16 @@ ModularMoE::ModularMoE(std::shared_ptr<const MoEWeights> weights, std::shared_pt
     const bool slots = !m.sharded && m.device.is_cuda() && caps.layout == ActivationLayout::ExpertMajor && !caps.hierarchical;
     m.local_shared_tokens = slots ? config.fhmoe_local_shared_tokens : -1;
     if (m.sharded && options.fhmoe_max_tokens < 0) m.fhmoe_max_tokens = config.fhmoe_max_tokens_sharded;
+    // Heterogeneous FHMoE (the shared expert's format differs from the routed experts' on the lowest rank holding
+    // any, e.g. V4-Pro's FP8 shared + MXFP4 routed): its own gate, Config::fhmoe_max_tokens_mixed (bench/NOTES.md).
+    int64_t routed = 0;
+    for (int64_t g : gathered)
+      if (g > 0) {
+        routed = g;
+        break;
+      }
+    m.mixed_formats = routed > 0 && routed != 1 + static_cast<int64_t>(sw.format);
+    if (!m.sharded && m.mixed_formats && options.fhmoe_max_tokens < 0) m.fhmoe_max_tokens = config.fhmoe_max_tokens_mixed;
   }
   // After the backend (collective, and where an unsupported one stops): the CUDA experts upload
   // this rank's weights, which is not worth doing for a backend that cannot run. A factory's Experts must
