@@ -26,6 +26,9 @@ check the kernels against the CPU oracle exactly); torch's output against the sa
 (reported, not gated: torch's rowwise re-quantization of the weights and h is a different recipe).
 FLOPs: 2 * rows * H * 3I per expert (gate_up 2I x H, down H x I), the accounting of epx-gemm-bench and gemm_torch.py.
 
+The uniform case also times the measured dense FP8 ceiling in the same rounds (torch._scaled_mm, cuBLASLt, per-tensor
+scales, 8192^3), so fraction_of_peak (RESULTS.md: achieved / measured ceiling) compares one clock state.
+
 Usage (the device machine; a CUDA build of the module on PYTHONPATH):
   python3 bench/gemm_vs_torch.py --rounds 9 --iters 10 --uneven --json gemm-vs-torch.json
 Writes RESULTS.md JSON (--json): one row per case and backend (p50 = median over the rounds of each round's p50,
@@ -107,6 +110,17 @@ def main():
     torch.cuda.synchronize()
     print(f"weights: {L} experts ({D} distinct), ready in {time.time() - t0:.1f} s", flush=True)
 
+    # The measured dense FP8 ceiling (RESULTS.md: fraction_of_peak = achieved / measured ceiling): torch._scaled_mm
+    # (cuBLASLt, per-tensor scales, no block-scale promotion) on 8192^3, timed in the same rounds as the two backends.
+    dn = 8192
+    da = torch.randn(dn, dn, device=dev).to(torch.float8_e4m3fn)
+    db = torch.randn(dn, dn, device=dev).to(torch.float8_e4m3fn)
+    one = torch.tensor(1.0, device=dev)
+    dense_flops = 2.0 * dn ** 3
+
+    def run_dense():
+        return torch._scaled_mm(da, db.t(), one, one, out_dtype=torch.bfloat16)
+
     rows, summary = [], []
     cases = [("prefill-v3", False)] + ([("prefill-v3-uneven", True)] if args.uneven else [])
     for case, uneven in cases:
@@ -159,6 +173,8 @@ def main():
               f"{err_e:.2e}, torch {err_t:.2e}; unwritten epx rows {unwritten}: {'ok' if ok else 'FAILED'}", flush=True)
 
         fns = {"epx-wgmma": run_epx, "torch._scaled_grouped_mm": run_torch}
+        if not uneven:
+            fns["dense-fp8-ceiling"] = run_dense  # RESULTS.md's fraction_of_peak: achieved / measured dense TFLOP/s
         names = list(fns)
         cool = {}
         for n in names:  # each backend's first timing after an idle gap
@@ -172,7 +188,25 @@ def main():
                 per[n].append(time_calls(fns[n], args.iters))
         ratios = [t / e for e, t in zip(per["epx-wgmma"], per["torch._scaled_grouped_mm"])]
         ratio = statistics.median(ratios)
+        dense = {}
+        if "dense-fp8-ceiling" in per:  # per round: epx TFLOP/s over the dense ceiling's TFLOP/s of the same round
+            fr = [(flops / e) / (dense_flops / d) for e, d in zip(per["epx-wgmma"], per["dense-fp8-ceiling"])]
+            dense = {"dense_tflops_rounds": dense_flops / (statistics.median(per["dense-fp8-ceiling"]) * 1e-6) / 1e12,
+                     "fraction_of_peak_rounds_median": statistics.median(fr), "fraction_of_peak_rounds_min": min(fr),
+                     "fraction_of_peak_rounds_max": max(fr),
+                     "fraction_of_peak_cool": (flops / cool["epx-wgmma"]) / (dense_flops / cool["dense-fp8-ceiling"])}
         for n in names:
+            if n == "dense-fp8-ceiling":
+                p50 = statistics.median(per[n])
+                rows.append({"case": "ceiling-fp8-dense-8192", "backend": "torch._scaled_mm (cuBLASLt)", "op": "gemm",
+                             "dtype": "fp8_e4m3 per-tensor", "accounting": "flops", "iterations": args.iters,
+                             "latency_us_p50": p50, "latency_us_p10": min(per[n]), "latency_us_p90": max(per[n]),
+                             "tflops": dense_flops / (p50 * 1e-6) / 1e12, "rounds": args.rounds, "rounds_us": per[n],
+                             "cool_us": cool[n], "validated": False,
+                             "note": "8192^3, timed in the same interleaved rounds as the prefill-v3 rows"})
+                print(f"{'ceiling':18s} {n:26s} rounds p50 {p50:8.1f} us {dense_flops / (p50 * 1e-6) / 1e12:7.1f} TFLOP/s; "
+                      f"cool {dense_flops / (cool[n] * 1e-6) / 1e12:7.1f} TFLOP/s", flush=True)
+                continue
             p50 = statistics.median(per[n])
             layout = "contiguous" if n == "epx-wgmma" else "contiguous 2d x 3d"
             dt = "fp8_e4m3 1x128 / 128x128 block scales" if n == "epx-wgmma" else "fp8_e4m3 rowwise"
@@ -181,10 +215,14 @@ def main():
                     "rows_min": min(counts), "rows_max": max(counts), "dtype": dt, "accounting": "flops",
                     "iterations": args.iters, "validated": ok if n == "epx-wgmma" else False,
                     "max_rel_error": err_e if n == "epx-wgmma" else err_t}
+            if n == "epx-wgmma" and dense:
+                base["fraction_of_peak"] = dense["fraction_of_peak_rounds_median"]
             rows.append(dict(base, latency_us_p50=p50, latency_us_p10=min(per[n]), latency_us_p90=max(per[n]),
                              tflops=flops / (p50 * 1e-6) / 1e12, rounds=args.rounds, rounds_us=per[n],
                              note=f"median over {args.rounds} interleaved rounds (order rotated) of each round's p50; "
                                   "p10 / p90: min / max over the rounds; max_rel_error vs an fp32 reference on sampled rows"))
+            if n == "epx-wgmma" and dense:
+                base["fraction_of_peak"] = dense["fraction_of_peak_cool"]
             rows.append(dict(base, case=case + "-cool", latency_us_p50=cool[n], tflops=flops / (cool[n] * 1e-6) / 1e12,
                              note=f"one timing of --iters calls after {args.cool} s idle (before the rounds)"))
             print(f"{case:18s} {n:26s} rounds p50 {p50:8.1f} us {flops / (p50 * 1e-6) / 1e12:7.1f} TFLOP/s "
@@ -193,8 +231,15 @@ def main():
         cr = cool["torch._scaled_grouped_mm"] / cool["epx-wgmma"]
         print(f"{case:18s} epx speed-up over torch: rounds median {ratio:.3f}x (per round {min(ratios):.3f} .. "
               f"{max(ratios):.3f}); cool {cr:.3f}x", flush=True)
-        summary.append({"case": case, "speedup_rounds_median": ratio, "speedup_rounds_min": min(ratios),
-                        "speedup_rounds_max": max(ratios), "speedup_cool": cr, "check_ok": ok})
+        if dense:
+            print(f"{case:18s} epx / dense FP8 ceiling: rounds median {dense['fraction_of_peak_rounds_median']:.3f} (per round "
+                  f"{dense['fraction_of_peak_rounds_min']:.3f} .. {dense['fraction_of_peak_rounds_max']:.3f}); cool "
+                  f"{dense['fraction_of_peak_cool']:.3f}", flush=True)
+        te = flops / (statistics.median(per["epx-wgmma"]) * 1e-6) / 1e12
+        summary.append(dict({"case": case, "epx_tflops_rounds": te, "epx_tflops_cool": flops / (cool["epx-wgmma"] * 1e-6) / 1e12,
+                             "fraction_of_datasheet_fp8_1979": te / 1979.0,
+                             "speedup_rounds_median": ratio, "speedup_rounds_min": min(ratios),
+                             "speedup_rounds_max": max(ratios), "speedup_cool": cr, "check_ok": ok}, **dense))
     doc = {"tool": "gemm bench (epx vs torch, one process)", "command": " ".join(["python3"] + sys.argv),
            "git_commit": os.environ.get("GEMM_BENCH_COMMIT", "unknown"),
            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
