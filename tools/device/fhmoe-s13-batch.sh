@@ -5,6 +5,8 @@
 # makes the separate shared expert cheaper at large M. Builds epx_cli from .carry/src.tar.xz (tools/device/gpu-check.sh,
 # GPU_CHECK_TARGETS) and runs tools/device/final-fhmoe.sh with ht, eager prefill, fused vs separate (--compare) over a
 # trace of T = 512, 1024, 2048, 4096 tokens (3 steps each), DeepSeek-V3 then DeepSeek-V4-Pro, one rank.
+# S13_TOKENS / S13_STEPS / S13_PRESETS override the sweep (the second run: S13_PRESETS=deepseek-v4-pro:384:6
+# S13_TOKENS=256,512,768,1024,2048,4096 S13_STEPS=5, the crossover of the mixed-format gate).
 # Run as a helpers-run.sh batch (.carry-lead/batch.sh) or: mkdir -p $OUT && OUT=$OUT BUDGET=200 bash tools/device/fhmoe-s13-batch.sh
 source tools/device/batch-lib.sh
 batch_init /tmp/fhmoe-s13 200
@@ -18,7 +20,8 @@ deps=/tmp/epx-gpu-check/deps/usr/lib/x86_64-linux-gnu
 nccl="$(python3 -c 'import nvidia.nccl as m; print(list(m.__path__)[0])' 2>/dev/null)"
 export LD_LIBRARY_PATH="$nccl/lib:$deps:$deps/openblas-pthread${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 b=$(cap 150)
-FHMOE_RANKS=1 FHMOE_BACKEND=ht FHMOE_MODE=prefill FHMOE_TOKENS=512,1024,2048,4096 FHMOE_STEPS=3 FHMOE_FINAL_BUDGET_S=$b \
+FHMOE_RANKS=1 FHMOE_BACKEND=ht FHMOE_MODE=prefill FHMOE_TOKENS=${S13_TOKENS:-512,1024,2048,4096} FHMOE_STEPS=${S13_STEPS:-3} \
+  FHMOE_PRESETS="${S13_PRESETS:-deepseek-v3:256:8 deepseek-v4-pro:384:6}" FHMOE_FINAL_BUDGET_S=$b \
   SRC=/tmp/epx-gpu-check/src OUT="$OUT" FINAL_COMMIT="$(cat .carry/commit.txt 2>/dev/null)" \
   timeout -k 5 "$b" bash tools/device/final-fhmoe.sh >"$OUT/fhmoe.out" 2>&1
 say "fhmoe rc=$? at $((SECONDS - T0)) s"
