@@ -9,7 +9,9 @@
 # 3. examples/grouped_gemm_contiguous.py --device cuda:0 (its first GPU run);
 # 4. the full-size DeepSeek-V3 layer on one rank, ht, prefill, FP8 dispatch: Flat experts against
 #    --expert-contiguous (the layer option's first GPU run), order A B A (moe-ht-*.json); with LEAD_S13_CALL=2 (the
-#    second call) both at EPX_HT_NUM_SMS=132 instead of the default 64, order B A B.
+#    second call) both at EPX_HT_NUM_SMS=132 instead of the default 64, order B A B; with LEAD_S13_CALL=3 (the third
+#    call) neither, nor the example: tools/device/final-fhmoe.sh on DeepSeek-V4-Pro instead (ht, eager prefill, one
+#    rank, fused vs separate, T = 256 .. 4096, 5 steps each: the mixed-format gate's crossover).
 # Everything but summary.txt comes back in $OUT/all.tar.gz (a device call returns at most 8 files).
 source tools/device/batch-lib.sh
 batch_init /tmp/lead-s13 585
@@ -38,10 +40,12 @@ say "gemm_vs_torch rc=$? in $((SECONDS - t)) s"
 kill "$smi" 2>/dev/null
 grep -E "check|speed-up|rounds p50|weights:|Error|error" "$OUT/gemm-vs-torch.log" | tee -a "$OUT/summary.txt"
 
-t=$SECONDS
-(cd "$S" && timeout -k 5 "$(cap 60)" python3 examples/grouped_gemm_contiguous.py --device cuda:0) >"$OUT/example-contiguous.log" 2>&1
-say "example grouped_gemm_contiguous --device cuda:0 rc=$? in $((SECONDS - t)) s"
-tail -5 "$OUT/example-contiguous.log" | tee -a "$OUT/summary.txt"
+if [ "${LEAD_S13_CALL:-1}" != 3 ]; then
+  t=$SECONDS
+  (cd "$S" && timeout -k 5 "$(cap 60)" python3 examples/grouped_gemm_contiguous.py --device cuda:0) >"$OUT/example-contiguous.log" 2>&1
+  say "example grouped_gemm_contiguous --device cuda:0 rc=$? in $((SECONDS - t)) s"
+  tail -5 "$OUT/example-contiguous.log" | tee -a "$OUT/summary.txt"
+fi
 
 moe() {  # name [extra args] (EPX_* settings from the caller's environment)
   local name=$1 t=$SECONDS lim
@@ -53,7 +57,14 @@ moe() {  # name [extra args] (EPX_* settings from the caller's environment)
   say "moe $name rc=$? in $((SECONDS - t)) s"
   grep -iE "ht |layer|valid|contig|error" "$OUT/moe-ht-$name.log" | tail -6 | tee -a "$OUT/summary.txt"
 }
-if [ "${LEAD_S13_CALL:-1}" = 1 ]; then
+if [ "${LEAD_S13_CALL:-1}" = 3 ]; then  # third call: the mixed-format FHMoE gate's crossover (V4-Pro, 5 steps per T)
+  b=$(cap 110)
+  FHMOE_RANKS=1 FHMOE_BACKEND=ht FHMOE_MODE=prefill FHMOE_TOKENS=256,512,768,1024,2048,4096 FHMOE_STEPS=5 \
+    FHMOE_PRESETS="deepseek-v4-pro:384:6" FHMOE_FINAL_BUDGET_S=$b FHMOE_FINAL_EPX="$B/epx" SRC="$S" OUT="$OUT/fhmoe" \
+    FINAL_COMMIT="$commit" timeout -k 5 "$b" bash tools/device/final-fhmoe.sh >"$OUT/fhmoe.out" 2>&1
+  say "fhmoe rc=$? at $((SECONDS - T0)) s"
+  cat "$OUT/fhmoe/fhmoe-sweep.txt" >>"$OUT/summary.txt" 2>/dev/null
+elif [ "${LEAD_S13_CALL:-1}" = 1 ]; then
   moe flat-1
   moe contiguous-1 --expert-contiguous
   moe flat-2
