@@ -432,7 +432,7 @@ TEST(ModularMoESharedShard, OnlyWhenDpAboveOneOnGatheringBackends) {
 // ModularMoEOptions::fhmoe_max_tokens overrides both. M = 6 (the larger rank's T) against a mixed gate of 5: the
 // mixed layer runs the shared expert separately, the homogeneous one fuses it; both match the reference.
 TEST(ModularMoEGate, MixedFormatsTakeTheirOwnGate) {
-  EXPECT_EQ(Config{}.fhmoe_max_tokens_mixed, 512);
+  EXPECT_EQ(Config{}.fhmoe_max_tokens_mixed, 1024);
   for (const char* backend : {"naive", "ll"}) {
     Case mixed{.preset = "deepseek-v4-pro-mini", .backend = backend, .tokens = {4, 6}, .seed = 21};
     mixed.config.fhmoe_max_tokens_mixed = 5;

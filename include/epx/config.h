@@ -84,16 +84,17 @@ struct Config {
   /// (bench/results/h200x1/fhmoe1-s11-f55e988/).
   int fhmoe_max_tokens = 4096;
   /// The gate of heterogeneous layers, whose shared expert's weight format differs from the routed experts'
-  /// (DeepSeek-V4-Pro: FP8 shared, MXFP4 routed; MoEConfig::shared_format != routed_format), in place of
-  /// fhmoe_max_tokens (a DP-sharded layer still takes fhmoe_max_tokens_sharded). 512: the largest M at which fused
-  /// was not slower in both measurements of the thirteenth session's data (bench/NOTES.md): the kernel-level sweep
-  /// (epx-gemm-mxfp4-bench, eleventh / twelfth sessions: fused <= separate up to T = 512 with 192 local experts,
-  /// 768 with 48; 1-4 % slower at 768..4096) and the whole layer on one H200 (ht, eager prefill, fused / separate
-  /// - 1 = -2.3 % at 512, +0.8 / +1.8 / +2.0 % at 1024 / 2048 / 4096; the experts phase alone +50 .. +530 us:
-  /// the mixed grouped launch costs more than the MXFP4 experts plus a separate FP8 shared expert once M is
-  /// large; bench/results/h200x1/fhmoe-s13-*/). Homogeneous layers (V3: FP8 both) keep fhmoe_max_tokens: there the
-  /// fused experts phase stayed faster up to 4096 in the same run.
-  int fhmoe_max_tokens_mixed = 512;
+  /// (DeepSeek-V4-Pro: FP8 shared, MXFP4 routed), in place of fhmoe_max_tokens (a DP-sharded layer still takes
+  /// fhmoe_max_tokens_sharded). 1024: the largest M at which fused was not measurably slower through the whole
+  /// V4-Pro layer on one H200 (thirteenth session, ht, eager prefill, 5 steps per M, bench/results/h200x1/
+  /// lead-s13-4a9112b/: fused / separate - 1 = -2.5 / -2.5 / -0.4 / -0.3 / +1.3 / +3.0 % at M = 256 / 512 / 768 /
+  /// 1024 / 2048 / 4096; the experts phase alone 0 / +42 / +238 / +540 us at 768 / 1024 / 2048 / 4096: the mixed
+  /// grouped launch costs more than the MXFP4 experts plus a separate FP8 shared expert once M is large). The
+  /// kernel-level sweep (epx-gemm-mxfp4-bench, eleventh / twelfth sessions) puts the crossover a little lower
+  /// (fused <= separate up to 512 with 192 local experts, 768 with 48), without the dispatch / combine the layer
+  /// adds. Homogeneous layers (V3: FP8 both) keep fhmoe_max_tokens = 4096: there the fused experts phase stayed
+  /// faster up to 4096 in the same session (bench/results/h200x1/fhmoe-s13-ec1f763/).
+  int fhmoe_max_tokens_mixed = 1024;
   /// On a backend of per-expert slots (ll: ExpertMajor, one node, CUDA), fused chunks with M > this
   /// write their shared expert rows into the shared replica's slot (local expert L-1) by hand instead
   /// of dispatching them as route id E: they are this rank's own tokens, so they skip the dispatch
