@@ -34,3 +34,14 @@ def test_gemm_vs_torch_uneven_rows_never_negative(monkeypatch):
     monkeypatch.setattr(sys, "argv", ["gemm_vs_torch.py", "--uneven", "--rows", "255", "--experts", "2"])
     with pytest.raises(AttributeError):
         g.main()
+
+
+@pytest.mark.parametrize("argv,word", [(["--cool", "-1"], "--cool"), (["--json", "/nonexistent-dir/x.json"], "--json")])
+def test_gemm_vs_torch_refuses_late_failures_up_front(monkeypatch, argv, word):
+    """A negative --cool (time.sleep raised after the weights, tokens and check had run) and a --json path that cannot be
+    written (found after every round) stop the script before any torch call, naming the flag."""
+    g = load_bench(monkeypatch, "gemm_vs_torch")
+    monkeypatch.setattr(sys, "argv", ["gemm_vs_torch.py"] + argv)
+    with pytest.raises(SystemExit) as e:
+        g.main()
+    assert word in str(e.value.code), e.value.code
