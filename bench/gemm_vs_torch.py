@@ -92,6 +92,16 @@ def main():
     args = ap.parse_args()
     if args.rounds < 1 or args.iters < 1 or args.distinct < 1 or args.experts < 1 or args.rows < 1:
         sys.exit("--rounds, --iters, --distinct, --experts and --rows must be >= 1")
+    if not args.cool >= 0:  # (NaN too) time.sleep would raise only after the weights, the tokens and the check
+        sys.exit(f"--cool {args.cool} must be >= 0 (seconds idle before each backend's cool timing)")
+    if args.json:  # before the run, not after every round
+        path = os.path.abspath(args.json)
+        if os.path.exists(path):
+            writable = os.path.isfile(path) and os.access(path, os.W_OK)
+        else:
+            writable = os.path.isdir(os.path.dirname(path)) and os.access(os.path.dirname(path), os.W_OK)
+        if not writable:
+            sys.exit(f"--json {args.json}: cannot be written (no writable file or directory there)")
     if args.uneven:  # d reaches -256 (pair j = 9): a mean below 256 rows would give an expert a negative count
         low = min(counts_for(args.experts, args.rows, True))
         if low < 0:
