@@ -92,6 +92,21 @@ def main():
     args = ap.parse_args()
     if args.rounds < 1 or args.iters < 1 or args.distinct < 1 or args.experts < 1 or args.rows < 1:
         sys.exit("--rounds, --iters, --distinct, --experts and --rows must be >= 1")
+    if not args.cool >= 0:  # (NaN too) time.sleep would raise only after the weights, the tokens and the check
+        sys.exit(f"--cool {args.cool} must be >= 0 (seconds idle before each backend's cool timing)")
+    if args.json:  # before the run, not after every round
+        path = os.path.abspath(args.json)
+        if os.path.exists(path):
+            writable = os.path.isfile(path) and os.access(path, os.W_OK)
+        else:
+            writable = os.path.isdir(os.path.dirname(path)) and os.access(os.path.dirname(path), os.W_OK)
+        if not writable:
+            sys.exit(f"--json {args.json}: cannot be written (no writable file or directory there)")
+    if args.uneven:  # d reaches -256 (pair j = 9): a mean below 256 rows would give an expert a negative count
+        low = min(counts_for(args.experts, args.rows, True))
+        if low < 0:
+            sys.exit(f"--rows {args.rows} with --uneven and --experts {args.experts}: an expert would get {low} rows "
+                     f"(--uneven moves up to 256 rows within a pair); use --rows >= {args.rows - low}")
     L, D = args.experts, min(args.distinct, args.experts)
     dev = torch.device("cuda", 0)
     torch.manual_seed(0)
@@ -167,7 +182,8 @@ def main():
             ref_e = (hq.float() * hs.repeat_interleave(128, dim=1)) @ w2f[l % D].t()
             errs_e.append((out_e[r0:s1].float() - ref_e).norm().item() / ref_e.norm().item())
             errs_t.append((y_t[r0:s1].float() - ref).norm().item() / ref.norm().item())
-        err_e, err_t = max(errs_e), max(errs_t)
+        # (no sampled rows when every sampled expert is empty: not checked, so not ok)
+        err_e, err_t = (max(errs_e), max(errs_t)) if errs_e else (float("nan"), float("nan"))
         ok = unwritten == 0 and err_e < 2e-2 and not np.isnan(err_e)
         print(f"{case}: N {N} rows ({min(counts)} .. {max(counts)} per expert); check vs fp32 reference: epx rel_l2 "
               f"{err_e:.2e}, torch {err_t:.2e}; unwritten epx rows {unwritten}: {'ok' if ok else 'FAILED'}", flush=True)

@@ -192,6 +192,19 @@ TEST(Cli, ExpertContiguousRunsOnHtAndIsRecorded) {
   std::filesystem::remove(out);
 }
 
+// --expert-contiguous is an ht option: with one other backend chosen it changes nothing, and the results would say
+// nothing either; a bad flag (exit 2, one line naming it), as --shared on a model without a shared expert.
+TEST(Cli, ExpertContiguousWithOnlyAnotherBackendIsABadFlag) {
+  for (const char* backend : {"ll", "naive"}) {
+    CliRun r = run_epx(std::string("moe --preset deepseek-v3-mini --ranks 2 --steps 1 --tokens-per-rank 4 --backend ") + backend +
+                       " --expert-contiguous");
+    EXPECT_EQ(r.code, 2) << backend << "\n" << r.out << r.err;
+    expect_one_line(r.err);
+    EXPECT_NE(r.err.find("--expert-contiguous"), std::string::npos) << r.err;
+    EXPECT_NE(r.err.find(backend), std::string::npos) << r.err;
+  }
+}
+
 TEST(Cli, MainJobValidatesEveryBackendAndWritesResultsJson) {
   const auto out = temp_path("moe.json");
   CliRun r = run_epx("moe --preset deepseek-v3-mini --ranks 2 --backend all --steps 2 --tokens-per-rank 8 --json " + out.string());

@@ -115,8 +115,8 @@ class Experts {
   ///              rows with no local selection are zeros.
   /// Contiguous:  out [N, H] bf16; row i of expert l's rows gets expert_l(x[i]) (unweighted, as
   ///              ExpertMajor); rows outside every expert's range are not written.
-  /// Throws InvalidArgument on shape/dtype mismatch, an index >= L, or (CPU) expert_offsets that
-  /// decrease or leave [0, N].
+  /// Throws InvalidArgument on shape/dtype mismatch, an index >= L, fp8_e4m3 x without x_scales, (CPU)
+  /// x_scales given with bf16 x, or (CPU) expert_offsets that decrease or leave [0, N].
   virtual void apply(const ExpertsInput& in, const TensorView& out, Stream stream = {}) = 0;
 };
 

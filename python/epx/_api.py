@@ -180,6 +180,16 @@ class Experts:
     def num_local_experts(self) -> int:
         return self._impl.num_local_experts
 
+    @property
+    def hidden(self) -> int:
+        """H of every local expert."""
+        return self._impl.hidden
+
+    def supports(self, layout: str) -> bool:
+        """Whether apply() / apply_contiguous() take `layout`: "expert_major", "flat" or "contiguous" (any other name
+        raises epx.InvalidArgument)."""
+        return self._impl.supports(layout)
+
     def apply(self, prepared: Prepared, out=None, stream=None):
         """ExpertMajor: out [L, cap, H] rows < recv_count[l] = expert_l(x[l, j]) (unweighted).
         Flat: out [N, H] = sum over local selections of w * expert(x). bf16; returns out."""
@@ -200,12 +210,19 @@ class Experts:
         """Rows already sorted by local expert (the m-grouped contiguous layout of torch._grouped_mm, DeepGEMM, and
         ht's Prepared.contiguous): x [N, H] bf16, or fp8_e4m3 with x_scales [N, H/128] fp32 (numpy: uint16 bf16 bits /
         uint8 e4m3 bits); expert_offsets int32 [L] cumulative ends (torch's `offs`) or [L + 1] starts then the end
-        (Prepared.contiguous.expert_offsets). Returns out [N, H] bf16: row i of expert l's rows = expert_l(x[i]),
+        (Prepared.contiguous.expert_offsets); x_scales given with bf16 x raise epx.InvalidArgument. Returns out [N, H] bf16: row i of expert l's rows = expert_l(x[i]),
         unweighted; rows outside every expert's range are not written (a new out leaves them uninitialized).
         Offsets that decrease or leave [0, N] raise epx.InvalidArgument naming the entry (CUDA: the next call)."""
         fw = framework(x)
         if out is None:
-            out = _empty_rows_like(x, _rows(x), int(x.shape[1]), fw, self.device)
+            shape = getattr(x, "shape", None)
+            if shape is None:  # what the binding says of a non-tensor argument
+                raise TypeError(f"epx.Experts.apply_contiguous: x: expected a tensor (torch.Tensor, numpy.ndarray, epx.Tensor or "
+                                f"any object with __dlpack__), got {type(x)}")
+            if len(shape) != 2:  # out is [N, H] like x: name x's rank, as the experts would
+                raise _epx.InvalidArgument(f"epx.Experts.apply_contiguous: x.ndim = {len(shape)}: must be 2 ([N, H]) for the "
+                                           "contiguous layout")
+            out = _empty_rows_like(x, int(shape[0]), int(shape[1]), fw, self.device)
         s = resolve_stream(stream, x, out)
         self._impl.apply_contiguous(x, expert_offsets, out, x_scales, s)
         return out

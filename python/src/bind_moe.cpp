@@ -337,11 +337,19 @@ rows already sorted by expert (ActivationLayout::Contiguous).)doc")
         CallArgs a("epx.Experts.apply_contiguous", stream);
         ExpertsInput in;
         in.layout = ActivationLayout::Contiguous;
-        in.x = a.get(x, "x", x_scales.is_none() ? DType::bf16 : DType::fp8_e4m3);  // numpy: uint16 bf16 bits / uint8 e4m3 bits
+        // numpy: uint16 bf16 bits / uint8 e4m3 bits, told apart by the width (itemsize), so uint16 x with x_scales reads as
+        // bf16 (and is refused below, naming x_scales) instead of as an unknown uint16 dtype.
+        std::optional<DType> x_bits = x_scales.is_none() ? DType::bf16 : DType::fp8_e4m3;
+        if (pyb::hasattr(x, "itemsize") && pyb::isinstance<pyb::int_>(x.attr("itemsize")))
+          x_bits = x.attr("itemsize").cast<int64_t>() == 1 ? DType::fp8_e4m3 : DType::bf16;
+        in.x = a.get(x, "x", x_bits);
         in.x_scales = a.get(x_scales, "x_scales", std::nullopt, true);
         in.expert_offsets = a.get(expert_offsets, "expert_offsets");
         TensorView o = a.get_out(out, "out", DType::bf16);
         a.rethrow_local();
+        // Every device (the CUDA experts would ignore them): scales belong to fp8_e4m3 x.
+        require_arg("epx.Experts.apply_contiguous", "x_scales", "given", in.x.dtype != DType::bf16 || !in.x_scales.defined(),
+                    "must be None for x.dtype = bf16 (scales belong to fp8_e4m3 x)");
         call_released(a, [&] { e.apply(in, o, to_stream(stream)); });
       }, pyb::arg("x"), pyb::arg("expert_offsets"), pyb::arg("out"), pyb::arg("x_scales") = pyb::none(), pyb::arg("stream") = 0,
            "ActivationLayout::Contiguous: x [N, H] bf16 (or fp8_e4m3 with x_scales [N, H/128] fp32), rows sorted by local "

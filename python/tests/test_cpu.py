@@ -393,6 +393,40 @@ def test_experts_apply_contiguous(experts, dispatch_dtype):
         ex.apply_contiguous(xs, np.array([5, 9, 8], np.int32), out)
 
 
+def test_experts_apply_contiguous_awkward_input(experts):
+    """epx.Experts (the Python class) answers supports() and hidden as the C++ object does; apply_contiguous with bad
+    input raises epx.InvalidArgument / TypeError naming the argument (x that is not 2-D or not a tensor also when out
+    is allocated for it; x_scales given with bf16 x, as epx.Tensor or as numpy uint16 bits; fp8 x without x_scales),
+    writes nothing, and the object then gives a fresh object's bytes."""
+    weights, fns = experts
+    ex = epx.Experts(weights[:2])
+    assert ex.hidden == H
+    assert ex.supports("contiguous") and ex.supports("flat") and ex.supports("expert_major")
+    for bad in ["Contiguous", "", "expert-major", "flat "]:
+        with pytest.raises(epx.InvalidArgument, match="layout"):
+            ex.supports(bad)
+    rng = np.random.default_rng(7)
+    N = 6
+    xs = bits_bf16(rng.standard_normal((N, H)).astype(np.float32))
+    offs = np.array([2, N], np.int32)
+    with pytest.raises(epx.InvalidArgument, match=r"x\.ndim = 1"):
+        ex.apply_contiguous(xs[0], offs)
+    with pytest.raises(epx.InvalidArgument, match=r"x\.ndim = 3"):
+        ex.apply_contiguous(xs.reshape(2, 3, H), offs)
+    with pytest.raises(TypeError, match="x"):
+        ex.apply_contiguous(xs.tolist(), offs)
+    out = poisoned((N, H))
+    scales = np.ones((N, H // 128), np.float32)
+    for x in (xs, epx.as_tensor(xs, "bf16")):  # bf16 x: numpy bits and epx.Tensor
+        with pytest.raises(epx.InvalidArgument, match="x_scales"):
+            ex.apply_contiguous(x, offs, out, x_scales=scales)
+    for x in (np.zeros((N, H), np.uint8), epx.as_tensor(np.zeros((N, H), np.uint8), "fp8_e4m3")):  # fp8 x, no scales
+        with pytest.raises(epx.InvalidArgument, match="x_scales"):
+            ex.apply_contiguous(x, offs, out)
+    assert np.array_equal(out, poisoned((N, H)))  # nothing written by the failed calls
+    assert np.array_equal(ex.apply_contiguous(xs, offs, out), epx.Experts(weights[:2]).apply_contiguous(xs, offs))
+
+
 @pytest.mark.parametrize("case", ["weights_to_ll", "weights_to_flat_ht", "wrong_weights_shape", "expert_contiguous_ll"])
 def test_combine_weights_misuse_fails_on_every_rank(case):
     """finalize(topk_weights=) belongs to ht with expert_contiguous: given elsewhere, or with a wrong shape, on

@@ -149,12 +149,17 @@ class CpuExperts final : public Experts {
     check_contiguous(kOp, arg, t);
   }
 
-  /// x bf16 | fp8_e4m3 with leading dims `lead`; fp8 needs x_scales [lead..., H/128] fp32.
+  /// x bf16 | fp8_e4m3 with leading dims `lead`; fp8 needs x_scales [lead..., H/128] fp32, bf16 takes none (scales
+  /// given with bf16 x would be ignored: a caller who meant FP8 x gets bf16 results without a word).
   void check_x(const ExpertsInput& in, std::initializer_list<int64_t> x_shape, std::initializer_list<int64_t> s_shape) const {
     check_tensor("x", in.x, {DType::bf16, DType::fp8_e4m3}, x_shape);
     if (in.x.dtype == DType::fp8_e4m3) {
       require_arg(kOp, "hidden", hidden(), hidden() % kFp8GroupSize == 0, "must be a multiple of 128 for fp8_e4m3 input");
+      require_arg(kOp, "x_scales", "empty", in.x_scales.defined(), "must be given for fp8_e4m3 x ([.., H/128] fp32 1x128 scales)");
       check_tensor("x_scales", in.x_scales, {DType::fp32}, s_shape);
+    } else {
+      require_arg(kOp, "x_scales", "given", !in.x_scales.defined(),
+                  "must be empty for x.dtype = bf16 (scales belong to fp8_e4m3 x)");
     }
   }
 

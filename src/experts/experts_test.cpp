@@ -495,6 +495,57 @@ TEST(ExpertsCpu, ContiguousBadOffsetsAreNamedAndNothingIsWritten) {
   EXPECT_THROW(experts->apply(in, out), InvalidArgument);
 }
 
+// x_scales belong to fp8_e4m3 x: given with bf16 x they were silently ignored (a caller who meant FP8 x and passed
+// bf16 bits got bf16 results with no word). Every layout refuses them by name; missing for fp8 x, likewise.
+TEST(ExpertsCpu, ScalesWithBf16XAreRefusedInEveryLayout) {
+  const int64_t H = 128, N = 6;
+  auto experts = make_experts_cpu({ExpertWeights::random(WeightFormat::bf16, H, 64, 1), ExpertWeights::random(WeightFormat::bf16, H, 64, 2)});
+  Tensor x = test::random_bf16(N, H, 5), scales = Tensor::zeros({N, H / 128}, DType::fp32);
+  Tensor out = Tensor::empty({N, H}, DType::bf16);
+  Tensor offs = Tensor::zeros({2}, DType::int32), rc = Tensor::zeros({2}, DType::int32);
+  offs.ptr<int32_t>()[0] = 2, offs.ptr<int32_t>()[1] = N;
+  rc.ptr<int32_t>()[0] = 2, rc.ptr<int32_t>()[1] = 3;
+  Tensor idx = Tensor::zeros({N, 1}, DType::int32), wts = Tensor::zeros({N, 1}, DType::fp32);
+  auto expect_named = [&](const ExpertsInput& in, const TensorView& o, const char* what) {
+    test::poison(out);
+    try {
+      experts->apply(in, o);
+      ADD_FAILURE() << layout_name(in.layout) << ": no error for " << what;
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find("x_scales"), std::string::npos) << e.what();
+    }
+    for (int64_t i = 0; i < out.numel(); ++i) ASSERT_EQ(out.ptr<uint16_t>()[i], 0xffff) << "written before the error";
+  };
+  ExpertsInput c;
+  c.layout = ActivationLayout::Contiguous, c.x = x, c.x_scales = scales, c.expert_offsets = offs;
+  expect_named(c, out, "x_scales with bf16 x");
+  ExpertsInput f;
+  f.layout = ActivationLayout::Flat, f.x = x, f.x_scales = scales, f.topk_idx = idx, f.topk_weights = wts;
+  expect_named(f, out, "x_scales with bf16 x");
+  ExpertsInput em;
+  em.layout = ActivationLayout::ExpertMajor, em.x = TensorView(x.data(), DType::bf16, {2, 3, H});
+  em.x_scales = TensorView(scales.data(), DType::fp32, {2, 3, H / 128}), em.recv_count = rc;
+  expect_named(em, TensorView(out.data(), DType::bf16, {2, 3, H}), "x_scales with bf16 x");
+  // fp8 x without scales: named as missing.
+  Tensor q = Tensor::zeros({N, H}, DType::fp8_e4m3);
+  c.x = q, c.x_scales = TensorView();
+  test::poison(out);
+  try {
+    experts->apply(c, out);
+    ADD_FAILURE() << "no error for fp8 x without x_scales";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("x_scales"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("fp8_e4m3 x"), std::string::npos) << e.what();
+  }
+  // The object is still good: the same call without scales equals a fresh object's.
+  c.x = x, c.x_scales = TensorView();
+  Tensor o1 = Tensor::empty({N, H}, DType::bf16), o2 = Tensor::empty({N, H}, DType::bf16);
+  test::poison(o1), test::poison(o2);
+  experts->apply(c, o1);
+  make_experts_cpu({ExpertWeights::random(WeightFormat::bf16, H, 64, 1), ExpertWeights::random(WeightFormat::bf16, H, 64, 2)})->apply(c, o2);
+  ASSERT_EQ(std::memcmp(o1.data(), o2.data(), static_cast<size_t>(o1.nbytes())), 0);
+}
+
 // ---- Experts: flat ---------------------------------------------------------------------------
 
 TEST(ExpertsCpu, FlatWeightedSumMatchesPerRowAndIgnoresMaskedEntries) {

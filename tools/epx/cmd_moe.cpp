@@ -87,7 +87,8 @@ void add_moe_command(CLI::App& root, MoeCommand& cmd) {
   m->add_flag("--graph,!--no-graph", o.graph, "decode: replay a captured whole-layer graph where possible (default) or run eagerly");
   m->add_flag("--expert-contiguous", o.expert_contiguous,
               "ht: the experts run on prepare's expert-contiguous rows and finalize weights them (DispatchConfig::"
-              "expert_contiguous) instead of the Flat rows; the other backends run as without it");
+              "expert_contiguous) instead of the Flat rows; with --backend all the other backends run as without it, with one "
+              "other --backend it is a bad flag");
   m->add_option("--seed", o.seed, "Seed of the weights, hidden states and synthetic routing")->capture_default_str();
   m->add_option("--expert-pool", o.expert_pool,
                 "P > 0: random routed expert e takes the values of expert e mod P, so each rank builds at most P experts "

@@ -250,6 +250,9 @@ Workload build_workload(const MoeOptions& options, const Config& config) {
   // Given on a model without one, --shared chose nothing, and the results would say it ran.
   require_arg(kOp, "--shared", o.shared, !o.shared_given || w.model.num_shared_experts > 0,
               "needs a model with a shared expert (" + w.model.name + " has none)");
+  // Likewise --expert-contiguous with one backend other than ht: it would change nothing and the results would not say so.
+  require_arg(kOp, "--expert-contiguous", "given", !o.expert_contiguous || o.backend == "ht" || o.backend == "all",
+              "is an ht option (the experts on ht's expert-contiguous rows); --backend " + o.backend + " does not take it");
   require_arg(kOp, "--warmup", o.warmup, o.warmup >= 0, "must be >= 0");
   require_arg(kOp, "--chunk-size", o.chunk_size, o.chunk_size >= 0, "must be >= 0 (0 = moe.chunk_size of the config)");
   require_arg(kOp, "--expert-pool", o.expert_pool, o.expert_pool >= 0 && o.expert_pool <= E,
