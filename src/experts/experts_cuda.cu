@@ -314,7 +314,12 @@ class CudaExperts final : public Experts {
     check_tensor("x", in.x, {DType::bf16, DType::fp8_e4m3}, x_shape, true);
     if (in.x.dtype == DType::fp8_e4m3) {
       require_arg(kOp, "hidden", hidden(), hidden() % kFp8GroupSize == 0, "must be a multiple of 128 for fp8_e4m3 input");
+      require_arg(kOp, "x_scales", "empty", in.x_scales.defined(), "must be given for fp8_e4m3 x ([.., H/128] fp32 1x128 scales)");
       check_tensor("x_scales", in.x_scales, {DType::fp32}, s_shape, false);
+    } else {
+      // As the CPU experts: scales given with bf16 x would be ignored (a caller who meant FP8 x would get bf16 results).
+      require_arg(kOp, "x_scales", "given", !in.x_scales.defined(),
+                  "must be empty for x.dtype = bf16 (scales belong to fp8_e4m3 x)");
     }
   }
 
