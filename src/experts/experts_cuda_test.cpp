@@ -14,6 +14,7 @@
 #include <initializer_list>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "epx/cuda.h"
@@ -1057,6 +1058,31 @@ TEST(ExpertsCuda, TmaPrefillLaunchWithoutWeightMapsThrows) {
           << e.what();
     }
   }
+}
+
+TEST(ExpertsCuda, Fp8PrefillClusterCountCachedPerDevice) {
+  if (gpus() < 1) GTEST_SKIP() << "needs 1 GPU, found " << gpus();
+  if (!experts_cuda::fp8_tensor_cores_available(0)) GTEST_SKIP() << "needs the sm_90a FP8 tensor cores on device 0";
+  // fp8_tensor_cores_available(0) measured device 0's 2-CTA cluster counts (cudaOccupancyMaxActiveClusters, cached per
+  // device ordinal since the thirteenth session; before, one figure per process, the last device's). Every thread
+  // with device 0 current reads the same figures; an H200 fits 66 clusters of either kernel.
+  const int gate_up = experts_cuda::fp8_prefill_tma_max_clusters(true), down = experts_cuda::fp8_prefill_tma_max_clusters(false);
+  EXPECT_GT(gate_up, 0);
+  EXPECT_GT(down, 0);
+  std::printf("[ clusters ] device 0: gate_up %d, down %d\n", gate_up, down);
+  std::vector<std::thread> threads;
+  std::vector<int> differ(8, 0);
+  for (int t = 0; t < 8; ++t)
+    threads.emplace_back([&, t] {
+      if (cudaSetDevice(0) != cudaSuccess) {
+        differ[t] = -1;
+        return;
+      }
+      for (int i = 0; i < 1000; ++i)
+        differ[t] += experts_cuda::fp8_prefill_tma_max_clusters(i % 2 == 0) != (i % 2 == 0 ? gate_up : down);
+    });
+  for (auto& th : threads) th.join();
+  for (int t = 0; t < 8; ++t) EXPECT_EQ(differ[t], 0) << "thread " << t << " (-1: cudaSetDevice failed)";
 }
 
 TEST(ExpertsCuda, BadDeviceIndicesAreSkippedAndReportedByTheNextApply) {
