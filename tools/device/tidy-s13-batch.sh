@@ -19,6 +19,7 @@ batch_init /tmp/tidy-out 195
 export CUDA_VISIBLE_DEVICES=0 NCCL_NVLS_ENABLE=0
 : >"$OUT/summary.txt"
 batch_prebuilt .carry-tidy
+cp "$P/mutation-mut17.patch" "$OUT/" 2>/dev/null
 ldd "$P/experts_cuda_test" >"$OUT/prebuilt-ldd.txt" 2>&1
 if grep -q "not found" "$OUT/prebuilt-ldd.txt" || [ ! -x "$P/experts_cuda_test" ]; then
   say "prebuilt unusable (prebuilt-ldd.txt): building experts_cuda_test with gpu-check.sh"
