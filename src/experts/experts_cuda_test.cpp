@@ -14,6 +14,7 @@
 #include <initializer_list>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "epx/cuda.h"
@@ -135,32 +136,54 @@ struct EmResult {
   double max_rel_l2 = 0;
 };
 
-/// ExpertMajor: x [L, cap, H] with rows >= counts[l] NaN-poisoned; out poisoned; CPU vs CUDA.
-EmResult run_expert_major(Experts& cpu, Experts& gpu, const std::vector<int32_t>& counts, int64_t cap, DType x_dtype,
-                          uint64_t seed, double tol = kMaxRelL2, Stream stream = {}) {
-  const int64_t L = cpu.num_local_experts(), H = cpu.hidden();
-  SCOPED_TRACE("expert_major L=" + std::to_string(L) + " cap=" + std::to_string(cap) + " H=" + std::to_string(H) + " x=" +
-               std::string(dtype_name(x_dtype)) + " seed=" + std::to_string(seed));
-  int64_t total = 0;
-  for (int32_t c : counts) total += c;
-  const Rows rows = random_rows(total, H, x_dtype, seed);
-  Tensor x = Tensor::empty({L, cap, H}, x_dtype), scales;
-  test::poison(x);
-  if (x_dtype == DType::fp8_e4m3) {
-    scales = Tensor::empty({L, cap, H / kFp8GroupSize}, DType::fp32);
-    test::poison(scales);
-  }
-  Tensor recv = Tensor::empty({L}, DType::int32);
-  for (int64_t l = 0, src = 0; l < L; ++l) {
-    recv.ptr<int32_t>()[l] = counts[l];
-    for (int64_t j = 0; j < counts[l]; ++j) place_row(rows, src++, x, scales, l * cap + j, H);
-  }
-  Tensor out_ref = Tensor::empty({L, cap, H}, DType::bf16);
-  test::poison(out_ref);
-  ExpertsInput in{ActivationLayout::ExpertMajor, x, scales, recv, {}, {}};
-  cpu.apply(in, out_ref);
+// A case is built once: its fresh random inputs on the host and the CPU experts' output on them (the reference,
+// the expensive part at DeepSeek shapes), then checked against any number of CUDA Experts (variants of one test
+// share the case, so the reference is not recomputed per variant). Each check copies the inputs to the device
+// anew and NaN-poisons the device output before the run.
 
-  const Tensor xd = to_dev(x), sd = scales.defined() ? to_dev(scales) : Tensor(), rd = to_dev(recv);
+/// ExpertMajor case: x [L, cap, H] (dtype x_dtype; rows >= counts[l] NaN-poisoned), scales [L, cap, H/128] fp32
+/// for FP8 x, recv_count [L] int32 = counts, and ref [L, cap, H] bf16 = the CPU experts' output (padding rows
+/// left poisoned).
+struct EmCase {
+  std::vector<int32_t> counts;
+  int64_t L = 0, H = 0, cap = 0;
+  Tensor x, scales, recv, ref;
+  std::string trace;
+};
+
+EmCase expert_major_case(Experts& cpu, const std::vector<int32_t>& counts, int64_t cap, DType x_dtype, uint64_t seed) {
+  EmCase c;
+  c.counts = counts, c.L = cpu.num_local_experts(), c.H = cpu.hidden(), c.cap = cap;
+  const int64_t L = c.L, H = c.H;
+  c.trace = "expert_major L=" + std::to_string(L) + " cap=" + std::to_string(cap) + " H=" + std::to_string(H) + " x=" +
+            std::string(dtype_name(x_dtype)) + " seed=" + std::to_string(seed);
+  SCOPED_TRACE(c.trace);
+  int64_t total = 0;
+  for (int32_t n : counts) total += n;
+  const Rows rows = random_rows(total, H, x_dtype, seed);
+  c.x = Tensor::empty({L, cap, H}, x_dtype);
+  test::poison(c.x);
+  if (x_dtype == DType::fp8_e4m3) {
+    c.scales = Tensor::empty({L, cap, H / kFp8GroupSize}, DType::fp32);
+    test::poison(c.scales);
+  }
+  c.recv = Tensor::empty({L}, DType::int32);
+  for (int64_t l = 0, src = 0; l < L; ++l) {
+    c.recv.ptr<int32_t>()[l] = counts[l];
+    for (int64_t j = 0; j < counts[l]; ++j) place_row(rows, src++, c.x, c.scales, l * cap + j, H);
+  }
+  c.ref = Tensor::empty({L, cap, H}, DType::bf16);
+  test::poison(c.ref);
+  cpu.apply({ActivationLayout::ExpertMajor, c.x, c.scales, c.recv, {}, {}}, c.ref);
+  return c;
+}
+
+/// Runs `gpu` on case c (out poisoned first) and checks every expert's valid rows against c.ref (all finite,
+/// normwise relative L2 <= tol) and its padding rows unwritten (the poison byte for byte).
+EmResult check_expert_major(Experts& gpu, const EmCase& c, double tol = kMaxRelL2, Stream stream = {}) {
+  SCOPED_TRACE(c.trace);
+  const int64_t L = c.L, H = c.H, cap = c.cap;
+  const Tensor xd = to_dev(c.x), sd = c.scales.defined() ? to_dev(c.scales) : Tensor(), rd = to_dev(c.recv);
   Tensor out = Tensor::empty({L, cap, H}, DType::bf16, kDev);
   poison_dev(out);
   gpu.apply({ActivationLayout::ExpertMajor, xd, sd, rd, {}, {}}, out, stream);
@@ -168,76 +191,98 @@ EmResult run_expert_major(Experts& cpu, Experts& gpu, const std::vector<int32_t>
 
   EmResult res;
   for (int64_t l = 0; l < L; ++l) {
-    if (counts[l] > 0) {
-      const TensorView got = rows_2d(oh, H, l * cap, l * cap + counts[l]), want = rows_2d(out_ref, H, l * cap, l * cap + counts[l]);
+    if (c.counts[l] > 0) {
+      const TensorView got = rows_2d(oh, H, l * cap, l * cap + c.counts[l]), want = rows_2d(c.ref, H, l * cap, l * cap + c.counts[l]);
       EXPECT_EQ(count_non_finite(got), 0) << "expert " << l << ": valid rows not written or not finite";
       const double e = test::rel_l2_error(got, want);
-      EXPECT_LE(e, tol) << "expert " << l << " rows " << counts[l] << sample(got, want, H);
+      EXPECT_LE(e, tol) << "expert " << l << " rows " << c.counts[l] << sample(got, want, H);
       res.max_rel_l2 = std::max(res.max_rel_l2, e);
     }
     // Rows >= recv_count are never written: the poison survives byte for byte.
-    const uint16_t* pad = oh.ptr<const uint16_t>() + (l * cap + counts[l]) * H;
+    const uint16_t* pad = oh.ptr<const uint16_t>() + (l * cap + c.counts[l]) * H;
     int64_t touched = 0;
-    for (int64_t i = 0; i < (cap - counts[l]) * H; ++i) touched += pad[i] != 0xFFFFu;
+    for (int64_t i = 0; i < (cap - c.counts[l]) * H; ++i) touched += pad[i] != 0xFFFFu;
     EXPECT_EQ(touched, 0) << "expert " << l << ": padding rows were written";
   }
   return res;
 }
 
-/// Contiguous: x [N, H], the experts' rows packed in expert order (counts[l] rows each), then `tail`
-/// NaN rows that belong to no expert; out poisoned; CPU vs CUDA, and the CUDA rows byte for byte against
-/// the same rows through ExpertMajor (every output row depends only on its input row and its expert, and
-/// both layouts tile an expert's rows from its first row).
-/// head > 0: that many NaN rows before the first expert's, with expert_offsets in the [L + 1] form (starts, then
-/// the end: ht's ExpertContiguousLayout); head = 0: the [L] form (torch's offs).
-double run_contiguous(Experts& cpu, Experts& gpu, const std::vector<int32_t>& counts, int64_t tail, DType x_dtype,
-                      uint64_t seed, double tol = kMaxRelL2, int64_t head = 0) {
-  const int64_t L = cpu.num_local_experts(), H = cpu.hidden();
-  SCOPED_TRACE("contiguous L=" + std::to_string(L) + " head=" + std::to_string(head) + " tail=" + std::to_string(tail) +
-               " H=" + std::to_string(H) + " x=" + std::string(dtype_name(x_dtype)) + " seed=" + std::to_string(seed));
-  int64_t total = 0, cap = 1;
-  for (int32_t c : counts) total += c, cap = std::max<int64_t>(cap, c);
-  const int64_t N = head + total + tail;
+/// ExpertMajor: x [L, cap, H] with rows >= counts[l] NaN-poisoned; out poisoned; CPU vs CUDA.
+EmResult run_expert_major(Experts& cpu, Experts& gpu, const std::vector<int32_t>& counts, int64_t cap, DType x_dtype,
+                          uint64_t seed, double tol = kMaxRelL2, Stream stream = {}) {
+  return check_expert_major(gpu, expert_major_case(cpu, counts, cap, x_dtype, seed), tol, stream);
+}
+
+/// Contiguous case: x [N, H], the experts' rows packed in expert order (counts[l] rows each) after `head` NaN rows
+/// and before `tail` NaN rows that belong to no expert; expert_offsets in the [L + 1] form (starts, then the end:
+/// ht's ExpertContiguousLayout) when head > 0, else the [L] form (torch's offs); the same rows in ExpertMajor form
+/// (xe [L, cap, H], recv = counts; cap = the largest count) for the byte-for-byte comparison; ref [N, H] bf16 = the
+/// CPU experts' output.
+struct ContigCase {
+  std::vector<int32_t> counts;
+  int64_t L = 0, H = 0, head = 0, total = 0, cap = 1, N = 0;
+  Tensor x, scales, offs, xe, se, recv, ref;
+  std::string trace;
+};
+
+ContigCase contiguous_case(Experts& cpu, const std::vector<int32_t>& counts, int64_t tail, DType x_dtype, uint64_t seed,
+                           int64_t head = 0) {
+  ContigCase c;
+  c.counts = counts, c.L = cpu.num_local_experts(), c.H = cpu.hidden(), c.head = head;
+  const int64_t L = c.L, H = c.H;
+  c.trace = "contiguous L=" + std::to_string(L) + " head=" + std::to_string(head) + " tail=" + std::to_string(tail) +
+            " H=" + std::to_string(H) + " x=" + std::string(dtype_name(x_dtype)) + " seed=" + std::to_string(seed);
+  SCOPED_TRACE(c.trace);
+  for (int32_t n : counts) c.total += n, c.cap = std::max<int64_t>(c.cap, n);
+  const int64_t cap = c.cap, N = c.N = head + c.total + tail;
   const bool lead = head > 0;
-  const Rows rows = random_rows(total, H, x_dtype, seed);
-  Tensor x = Tensor::empty({N, H}, x_dtype), scales;
-  test::poison(x);
+  const Rows rows = random_rows(c.total, H, x_dtype, seed);
+  c.x = Tensor::empty({N, H}, x_dtype);
+  test::poison(c.x);
   if (x_dtype == DType::fp8_e4m3) {
-    scales = Tensor::empty({N, H / kFp8GroupSize}, DType::fp32);
-    test::poison(scales);
+    c.scales = Tensor::empty({N, H / kFp8GroupSize}, DType::fp32);
+    test::poison(c.scales);
   }
-  // The same rows in ExpertMajor form, for the byte-for-byte comparison.
-  Tensor xe = Tensor::empty({L, cap, H}, x_dtype), se, recv = Tensor::empty({L}, DType::int32);
-  test::poison(xe);
+  c.xe = Tensor::empty({L, cap, H}, x_dtype), c.recv = Tensor::empty({L}, DType::int32);
+  test::poison(c.xe);
   if (x_dtype == DType::fp8_e4m3) {
-    se = Tensor::empty({L, cap, H / kFp8GroupSize}, DType::fp32);
-    test::poison(se);
+    c.se = Tensor::empty({L, cap, H / kFp8GroupSize}, DType::fp32);
+    test::poison(c.se);
   }
-  Tensor offs = Tensor::empty({lead ? L + 1 : L}, DType::int32);
-  if (lead) offs.ptr<int32_t>()[0] = static_cast<int32_t>(head);
+  c.offs = Tensor::empty({lead ? L + 1 : L}, DType::int32);
+  if (lead) c.offs.ptr<int32_t>()[0] = static_cast<int32_t>(head);
   for (int64_t l = 0, src = 0; l < L; ++l) {
-    recv.ptr<int32_t>()[l] = counts[l];
+    c.recv.ptr<int32_t>()[l] = counts[l];
     for (int64_t j = 0; j < counts[l]; ++j, ++src) {
-      place_row(rows, src, x, scales, head + src, H);
-      place_row(rows, src, xe, se, l * cap + j, H);
+      place_row(rows, src, c.x, c.scales, head + src, H);
+      place_row(rows, src, c.xe, c.se, l * cap + j, H);
     }
-    offs.ptr<int32_t>()[lead ? l + 1 : l] = static_cast<int32_t>(head + src);
+    c.offs.ptr<int32_t>()[lead ? l + 1 : l] = static_cast<int32_t>(head + src);
   }
-  Tensor out_ref = Tensor::empty({N, H}, DType::bf16);
-  test::poison(out_ref);
+  c.ref = Tensor::empty({N, H}, DType::bf16);
+  test::poison(c.ref);
   ExpertsInput in;
   in.layout = ActivationLayout::Contiguous;
-  in.x = x, in.x_scales = scales, in.expert_offsets = offs;
-  cpu.apply(in, out_ref);
+  in.x = c.x, in.x_scales = c.scales, in.expert_offsets = c.offs;
+  cpu.apply(in, c.ref);
+  return c;
+}
 
-  const Tensor xd = to_dev(x), sd = scales.defined() ? to_dev(scales) : Tensor(), od = to_dev(offs);
+/// Runs `gpu` on case c (outputs poisoned first) and checks the experts' rows against c.ref (all finite, normwise
+/// relative L2 <= tol), byte for byte against the same rows through ExpertMajor on `gpu` (every output row depends
+/// only on its input row and its expert, and both layouts tile an expert's rows from its first row), and the rows
+/// outside every expert's range unwritten. Returns the relative L2 error.
+double check_contiguous(Experts& gpu, const ContigCase& c, double tol = kMaxRelL2) {
+  SCOPED_TRACE(c.trace);
+  const int64_t L = c.L, H = c.H, head = c.head, total = c.total, cap = c.cap, N = c.N;
+  const Tensor xd = to_dev(c.x), sd = c.scales.defined() ? to_dev(c.scales) : Tensor(), od = to_dev(c.offs);
   Tensor out = Tensor::empty({N, H}, DType::bf16, kDev);
   poison_dev(out);
   ExpertsInput ind;
   ind.layout = ActivationLayout::Contiguous;
   ind.x = xd, ind.x_scales = sd, ind.expert_offsets = od;
   gpu.apply(ind, out);
-  const Tensor xed = to_dev(xe), sed = se.defined() ? to_dev(se) : Tensor(), rd = to_dev(recv);
+  const Tensor xed = to_dev(c.xe), sed = c.se.defined() ? to_dev(c.se) : Tensor(), rd = to_dev(c.recv);
   Tensor oute = Tensor::empty({L, cap, H}, DType::bf16, kDev);
   poison_dev(oute);
   gpu.apply({ActivationLayout::ExpertMajor, xed, sed, rd, {}, {}}, oute);
@@ -245,20 +290,26 @@ double run_contiguous(Experts& cpu, Experts& gpu, const std::vector<int32_t>& co
 
   double worst = 0;
   if (total > 0) {
-    const TensorView got = rows_2d(oh, H, head, head + total), want = rows_2d(out_ref, H, head, head + total);
+    const TensorView got = rows_2d(oh, H, head, head + total), want = rows_2d(c.ref, H, head, head + total);
     EXPECT_EQ(count_non_finite(got), 0) << "expert rows not written or not finite";
     worst = test::rel_l2_error(got, want);
     EXPECT_LE(worst, tol) << sample(got, want, H);
   }
   int64_t differ = 0, touched = 0;
   for (int64_t l = 0, r = head; l < L; ++l)
-    for (int64_t j = 0; j < counts[l]; ++j, ++r)
+    for (int64_t j = 0; j < c.counts[l]; ++j, ++r)
       differ += std::memcmp(oh.ptr<const uint16_t>() + r * H, oeh.ptr<const uint16_t>() + (l * cap + j) * H, H * 2) != 0;
   EXPECT_EQ(differ, 0) << "rows that differ from the same rows through expert_major";
   for (int64_t i = 0; i < N * H; ++i)
     touched += (i < head * H || i >= (head + total) * H) && oh.ptr<const uint16_t>()[i] != 0xFFFFu;
   EXPECT_EQ(touched, 0) << "rows outside every expert's range were written";
   return worst;
+}
+
+/// Contiguous: builds the case (contiguous_case) and checks `gpu` on it (check_contiguous).
+double run_contiguous(Experts& cpu, Experts& gpu, const std::vector<int32_t>& counts, int64_t tail, DType x_dtype,
+                      uint64_t seed, double tol = kMaxRelL2, int64_t head = 0) {
+  return check_contiguous(gpu, contiguous_case(cpu, counts, tail, x_dtype, seed, head), tol);
 }
 
 struct FlatOptions {
@@ -268,41 +319,59 @@ struct FlatOptions {
   double tol = kMaxRelL2;  ///< normwise and worst-row bound
 };
 
-/// Flat: x [N, H]; topk_idx local or -1, weights NaN at -1, x rows without a local selection NaN.
-double run_flat(Experts& cpu, Experts& gpu, int64_t N, int K, DType x_dtype, uint64_t seed, const FlatOptions& opt = {}) {
+/// Flat case: x [N, H] (+ scales [N, H/128] fp32 for FP8 x), topk_idx [N, K] (int32, or int64 with
+/// opt.int64_idx) local or -1, topk_weights [N, K] fp32 NaN at -1, x rows without a local selection NaN;
+/// ref [N, H] bf16 = the CPU experts' output.
+struct FlatCase {
+  int64_t N = 0, H = 0;
+  Tensor x, scales, idx, weights, ref;
+  std::vector<bool> has_local;
+  std::string trace;
+};
+
+FlatCase flat_case(Experts& cpu, int64_t N, int K, DType x_dtype, uint64_t seed, const FlatOptions& opt = {}) {
+  FlatCase c;
   const int64_t L = cpu.num_local_experts(), H = cpu.hidden();
-  SCOPED_TRACE("flat L=" + std::to_string(L) + " N=" + std::to_string(N) + " K=" + std::to_string(K) + " H=" +
-               std::to_string(H) + " x=" + std::string(dtype_name(x_dtype)) + (opt.int64_idx ? " idx=int64" : "") +
-               " seed=" + std::to_string(seed));
-  Tensor idx32, weights;
+  c.N = N, c.H = H;
+  c.trace = "flat L=" + std::to_string(L) + " N=" + std::to_string(N) + " K=" + std::to_string(K) + " H=" + std::to_string(H) +
+            " x=" + std::string(dtype_name(x_dtype)) + (opt.int64_idx ? " idx=int64" : "") + " seed=" + std::to_string(seed);
+  SCOPED_TRACE(c.trace);
+  Tensor idx32;
   test::random_routing(N, K, static_cast<int>(L), seed, {.masked_fraction = opt.masked, .allow_duplicates = opt.duplicates},
-                       idx32, weights);
+                       idx32, c.weights);
   const Rows rows = random_rows(N, H, x_dtype, seed + 1);
-  Tensor x = rows.x, scales = rows.scales;
+  c.x = rows.x, c.scales = rows.scales;
   if (N == 0) {
-    x = Tensor::empty({0, H}, x_dtype);
-    if (x_dtype == DType::fp8_e4m3) scales = Tensor::empty({0, H / kFp8GroupSize}, DType::fp32);
+    c.x = Tensor::empty({0, H}, x_dtype);
+    if (x_dtype == DType::fp8_e4m3) c.scales = Tensor::empty({0, H / kFp8GroupSize}, DType::fp32);
   }
-  std::vector<bool> has_local(static_cast<size_t>(N), false);
+  c.has_local.assign(static_cast<size_t>(N), false);
   for (int64_t n = 0; n < N; ++n) {
     for (int k = 0; k < K; ++k) {
-      if (idx32.ptr<int32_t>()[n * K + k] >= 0) has_local[n] = true;
-      else weights.ptr<float>()[n * K + k] = std::nanf("");  // must never be read
+      if (idx32.ptr<int32_t>()[n * K + k] >= 0) c.has_local[n] = true;
+      else c.weights.ptr<float>()[n * K + k] = std::nanf("");  // must never be read
     }
-    if (!has_local[n]) {  // such rows must never be read either
-      std::memset(static_cast<char*>(x.data()) + n * H * dtype_size(x_dtype), 0xFF, H * dtype_size(x_dtype));
-      if (scales.defined()) std::memset(scales.ptr<float>() + n * (H / kFp8GroupSize), 0xFF, H / kFp8GroupSize * 4);
+    if (!c.has_local[n]) {  // such rows must never be read either
+      std::memset(static_cast<char*>(c.x.data()) + n * H * dtype_size(x_dtype), 0xFF, H * dtype_size(x_dtype));
+      if (c.scales.defined()) std::memset(c.scales.ptr<float>() + n * (H / kFp8GroupSize), 0xFF, H / kFp8GroupSize * 4);
     }
   }
-  Tensor idx = idx32;
+  c.idx = idx32;
   if (opt.int64_idx) {
-    idx = Tensor::empty({N, K}, DType::int64);
-    for (int64_t i = 0; i < N * K; ++i) idx.ptr<int64_t>()[i] = idx32.ptr<int32_t>()[i];
+    c.idx = Tensor::empty({N, K}, DType::int64);
+    for (int64_t i = 0; i < N * K; ++i) c.idx.ptr<int64_t>()[i] = idx32.ptr<int32_t>()[i];
   }
-  Tensor out_ref = Tensor::empty({N, H}, DType::bf16);
-  cpu.apply({ActivationLayout::Flat, x, scales, {}, idx, weights}, out_ref);
+  c.ref = Tensor::empty({N, H}, DType::bf16);
+  cpu.apply({ActivationLayout::Flat, c.x, c.scales, {}, c.idx, c.weights}, c.ref);
+  return c;
+}
 
-  const Tensor xd = to_dev(x), sd = scales.defined() ? to_dev(scales) : Tensor(), id = to_dev(idx), wd = to_dev(weights);
+/// Runs `gpu` on case c (out poisoned first) and checks every row finite, the rows without a local selection exact
+/// zeros, and the normwise and worst-row relative L2 against c.ref <= tol. Returns the normwise error.
+double check_flat(Experts& gpu, const FlatCase& c, double tol = kMaxRelL2) {
+  SCOPED_TRACE(c.trace);
+  const int64_t N = c.N, H = c.H;
+  const Tensor xd = to_dev(c.x), sd = c.scales.defined() ? to_dev(c.scales) : Tensor(), id = to_dev(c.idx), wd = to_dev(c.weights);
   Tensor out = Tensor::empty({N, H}, DType::bf16, kDev);
   poison_dev(out);
   gpu.apply({ActivationLayout::Flat, xd, sd, {}, id, wd}, out);
@@ -312,16 +381,21 @@ double run_flat(Experts& cpu, Experts& gpu, int64_t N, int K, DType x_dtype, uin
   EXPECT_EQ(count_non_finite(oh), 0) << "rows not written or not finite";
   int64_t nonzero_empty = 0;
   for (int64_t n = 0; n < N; ++n)
-    if (!has_local[n])
+    if (!c.has_local[n])
       for (int64_t i = 0; i < H; ++i) nonzero_empty += oh.ptr<const uint16_t>()[n * H + i] != 0;
   EXPECT_EQ(nonzero_empty, 0) << "rows without a local selection must be exact zeros";
   double worst_row = 0;
   for (int64_t n = 0; n < N; ++n)
-    if (has_local[n]) worst_row = std::max(worst_row, test::rel_l2_error(rows_2d(oh, H, n, n + 1), rows_2d(out_ref, H, n, n + 1)));
-  const double e = test::rel_l2_error(oh, out_ref);
-  EXPECT_LE(e, opt.tol) << sample(oh, out_ref, H);
-  EXPECT_LE(worst_row, opt.tol) << "worst single row";
+    if (c.has_local[n]) worst_row = std::max(worst_row, test::rel_l2_error(rows_2d(oh, H, n, n + 1), rows_2d(c.ref, H, n, n + 1)));
+  const double e = test::rel_l2_error(oh, c.ref);
+  EXPECT_LE(e, tol) << sample(oh, c.ref, H);
+  EXPECT_LE(worst_row, tol) << "worst single row";
   return e;
+}
+
+/// Flat: builds the case (flat_case) and checks `gpu` on it (check_flat, opt.tol).
+double run_flat(Experts& cpu, Experts& gpu, int64_t N, int K, DType x_dtype, uint64_t seed, const FlatOptions& opt = {}) {
+  return check_flat(gpu, flat_case(cpu, N, K, x_dtype, seed, opt), opt.tol);
 }
 
 std::vector<std::shared_ptr<const ExpertWeights>> same_format(WeightFormat f, int L, int64_t H, int64_t I, uint64_t seed) {
@@ -445,7 +519,9 @@ TEST(ExpertsCuda, Fp8TensorCoreRowCountsOneTo8192) {
   // Fp8PrefillTmaLoadsMatchCpAsyncLoadsBitForBit checks 17, 10, 23, 27 and the default are bit-identical to =8.
   // These take the prefill section for any expert with > 64 rows (EPX_EXPERTS_FP8_PREFILL_MIN_TILES
   // = 1); "gated" is the default, which takes it only when the big tiles fill one wave (here only
-  // flat 8192 rows: 3 x 22 tiles against ceil(132 / 16) = 9; 1000 rows are 8 tiles: 64-row kernels).
+  // the 8192-row cases, e.g. Flat: 3 x 22 tiles against ceil(132 / 16) = 9; 1000 rows are 8 tiles: 64-row kernels).
+  // Every variant runs every case, the 8192-row Contiguous one included (before the thirteenth session only three
+  // variants ran it, to save its CPU reference per variant).
   const auto experts = same_format(WeightFormat::fp8_block, 3, 7168, 2048, 500);
   auto cpu = make_experts_cpu(experts);
   auto gpu_gated = make_experts_cuda(experts, 0);
@@ -471,36 +547,43 @@ TEST(ExpertsCuda, Fp8TensorCoreRowCountsOneTo8192) {
     gpu_30 = make_experts_cuda(experts, 0);
   }
   const double tol = kMaxRelL2Fp8TensorCores;
-  const std::vector<std::vector<int32_t>> cases = {{0, 1, 0}, {7, 0, 0}, {16, 17, 95}, {64, 65, 129}, {0, 1000, 0}};
-  for (auto* g : {gpu.get(), gpu_17.get(), gpu_29.get(), gpu_30.get(), gpu_smem_a.get(), gpu_pairs.get(), gpu_small.get(), gpu_tma.get(), gpu_gated.get()}) {
-    const char* variant = g == gpu.get()           ? ""
-                          : g == gpu_17.get()      ? " (prefill mode 17: cp.async loads)"
-                          : g == gpu_29.get()      ? " (prefill mode 29: Flat rows permuted)"
-                          : g == gpu_30.get()      ? " (prefill mode 30: 2-CTA clusters, weight multicast)"
-                          : g == gpu_smem_a.get()  ? " (prefill mode 8: A from shared memory)"
-                          : g == gpu_gated.get()   ? " (prefill gated: one wave)"
-                          : g == gpu_pairs.get()   ? " (pairs)"
-                          : g == gpu_small.get()   ? " (no prefill kernels)"
-                                                   : " (prefill TMA loads)";
-    uint64_t seed = 501;
-    for (const auto& counts : cases) {
-      const int64_t cap = *std::max_element(counts.begin(), counts.end()) + 3;
-      const EmResult em = run_expert_major(*cpu, *g, counts, cap, DType::fp8_e4m3, ++seed, tol);
-      std::printf("[ rel_l2 ] fp8 tensor cores%s deepseek-v3 expert_major counts %d,%d,%d: %.2e\n", variant, counts[0],
-                  counts[1], counts[2], em.max_rel_l2);
+  // The cases, each with its own fresh random rows, and their CPU references are built once and every variant is
+  // checked against them (each check copies the inputs to the device and poisons the outputs first): at 8192 rows
+  // the reference costs seconds, which per variant made this test take ~112 s on an H200.
+  const DType x8 = DType::fp8_e4m3;
+  const FlatOptions all_local{.masked = 0.0, .duplicates = false, .tol = tol};
+  uint64_t seed = 501;
+  std::vector<EmCase> em_cases;
+  for (const std::vector<int32_t>& counts : {std::vector<int32_t>{0, 1, 0}, {7, 0, 0}, {16, 17, 95}, {64, 65, 129}, {0, 1000, 0}})
+    em_cases.push_back(expert_major_case(*cpu, counts, *std::max_element(counts.begin(), counts.end()) + 3, x8, ++seed));
+  const FlatCase flat_8192 = flat_case(*cpu, 4096, 2, x8, ++seed, all_local);
+  // Contiguous: 8192 rows whose expert boundaries fall inside 128-row tiles (TMA boxes that run into the next
+  // expert's rows and past N), and a small mix with leading rows (the [L + 1] offsets).
+  const ContigCase contig_8192 = contiguous_case(*cpu, {2900, 0, 5292}, 7, x8, ++seed);
+  const ContigCase contig_195 = contiguous_case(*cpu, {65, 1, 129}, 0, x8, ++seed, /*head=*/3);
+  const FlatCase flat_200 = flat_case(*cpu, 100, 2, x8, ++seed, all_local);
+  const std::pair<Experts*, const char*> variants[] = {{gpu.get(), ""},
+                                                       {gpu_17.get(), " (prefill mode 17: cp.async loads)"},
+                                                       {gpu_29.get(), " (prefill mode 29: Flat rows permuted)"},
+                                                       {gpu_30.get(), " (prefill mode 30: 2-CTA clusters, weight multicast)"},
+                                                       {gpu_smem_a.get(), " (prefill mode 8: A from shared memory)"},
+                                                       {gpu_pairs.get(), " (pairs)"},
+                                                       {gpu_small.get(), " (no prefill kernels)"},
+                                                       {gpu_tma.get(), " (prefill TMA loads)"},
+                                                       {gpu_gated.get(), " (prefill gated: one wave)"}};
+  for (const auto& [g, variant] : variants) {
+    SCOPED_TRACE(std::string("variant") + (*variant ? variant : " (default kernels, prefill min tiles 1)"));
+    for (const EmCase& c : em_cases) {
+      const EmResult em = check_expert_major(*g, c, tol);
+      std::printf("[ rel_l2 ] fp8 tensor cores%s deepseek-v3 expert_major counts %d,%d,%d: %.2e\n", variant, c.counts[0],
+                  c.counts[1], c.counts[2], em.max_rel_l2);
       std::fflush(stdout);  // a run cut by a timeout keeps the verdicts so far
     }
-    const double fl = run_flat(*cpu, *g, 4096, 2, DType::fp8_e4m3, ++seed, {.masked = 0.0, .duplicates = false, .tol = tol});
+    const double fl = check_flat(*g, flat_8192, tol);
     std::printf("[ rel_l2 ] fp8 tensor cores%s deepseek-v3 flat 8192 rows: %.2e\n", variant, fl);
-    // Contiguous: 8192 rows whose expert boundaries fall inside 128-row tiles (TMA boxes that run into
-    // the next expert's rows and past N; on the default, gated and 64-row-only kernels: the CPU reference
-    // of 8192 rows costs seconds per variant), then a small mix on every variant.
-    const bool big = g == gpu.get() || g == gpu_gated.get() || g == gpu_small.get();
-    const double co = big ? run_contiguous(*cpu, *g, {2900, 0, 5292}, 7, DType::fp8_e4m3, ++seed, tol) : -1.0;
-    const double co2 = run_contiguous(*cpu, *g, {65, 1, 129}, 0, DType::fp8_e4m3, ++seed, tol, /*head=*/3);
-    std::printf("[ rel_l2 ] fp8 tensor cores%s deepseek-v3 contiguous 8192 / 195 rows: %.2e / %.2e (-1: not run)\n", variant, co,
-                co2);
-    const double f2 = run_flat(*cpu, *g, 100, 2, DType::fp8_e4m3, ++seed, {.masked = 0.0, .duplicates = false, .tol = tol});
+    const double co = check_contiguous(*g, contig_8192, tol), co2 = check_contiguous(*g, contig_195, tol);
+    std::printf("[ rel_l2 ] fp8 tensor cores%s deepseek-v3 contiguous 8192 / 195 rows: %.2e / %.2e\n", variant, co, co2);
+    const double f2 = check_flat(*g, flat_200, tol);
     std::printf("[ rel_l2 ] fp8 tensor cores%s deepseek-v3 flat 200 rows: %.2e\n", variant, f2);
     std::fflush(stdout);
   }
@@ -615,15 +698,18 @@ void fp8_prefill_small_shapes(std::initializer_list<const char*> modes) {
   const auto experts = same_format(WeightFormat::fp8_block, 3, 1024, 256, 560);
   auto cpu = make_experts_cpu(experts);
   const double tol = kMaxRelL2Fp8TensorCores;
+  const EmCase em_case = expert_major_case(*cpu, {129, 0, 70}, 130, DType::fp8_e4m3, 561);  // one CPU reference for every mode
+  const FlatCase flat = flat_case(*cpu, 160, 2, DType::fp8_e4m3, 562, {.masked = 0.1, .duplicates = false});
   for (const char* mode : modes) {
+    SCOPED_TRACE(std::string("EPX_EXPERTS_FP8_PREFILL=") + mode);
     std::unique_ptr<Experts> gpu;
     {
       const test::ScopedEnv min_tiles("EPX_EXPERTS_FP8_PREFILL_MIN_TILES", "1");  // the prefill section for these few tiles
       const test::ScopedEnv m("EPX_EXPERTS_FP8_PREFILL", mode);
       gpu = make_experts_cuda(experts, 0);
     }
-    const EmResult em = run_expert_major(*cpu, *gpu, {129, 0, 70}, 130, DType::fp8_e4m3, 561, tol);
-    const double fl = run_flat(*cpu, *gpu, 160, 2, DType::fp8_e4m3, 562, {.masked = 0.1, .duplicates = false, .tol = tol});
+    const EmResult em = check_expert_major(*gpu, em_case, tol);
+    const double fl = check_flat(*gpu, flat, tol);
     std::printf("[ rel_l2 ] fp8 prefill mode %s small shapes: expert_major %.2e flat %.2e\n", mode, em.max_rel_l2, fl);
   }
 }
@@ -722,31 +808,35 @@ TEST(ExpertsCuda, Mxfp4DecodePathRowCounts) {
   auto cpu = make_experts_cpu(experts);
   auto gpu = make_experts_cuda(experts, 0);
   const double tol = tolerance(DType::fp8_e4m3, experts);
-  const std::vector<std::vector<int32_t>> cases = {{1, 7, 8, 0, 8, 9}, {9, 16, 0, 1, 7, 3}, {8, 8, 8, 8, 8, 0}};
+  // The cases and their CPU references are built once; the default and both A/B settings run every one.
   uint64_t seed = 570;
-  for (const auto& counts : cases) {
-    const EmResult em = run_expert_major(*cpu, *gpu, counts, 19, DType::fp8_e4m3, ++seed, tol);
-    std::printf("[ rel_l2 ] mxfp4 decode path v4-pro/v3 expert_major counts %d,%d,%d,%d,%d,%d: %.2e\n", counts[0], counts[1],
-                counts[2], counts[3], counts[4], counts[5], em.max_rel_l2);
+  std::vector<EmCase> cases;
+  for (const std::vector<int32_t>& counts : {std::vector<int32_t>{1, 7, 8, 0, 8, 9}, {9, 16, 0, 1, 7, 3}, {8, 8, 8, 8, 8, 0}})
+    cases.push_back(expert_major_case(*cpu, counts, 19, DType::fp8_e4m3, ++seed));
+  for (const EmCase& c : cases) {
+    const EmResult em = check_expert_major(*gpu, c, tol);
+    std::printf("[ rel_l2 ] mxfp4 decode path v4-pro/v3 expert_major counts %d,%d,%d,%d,%d,%d: %.2e\n", c.counts[0], c.counts[1],
+                c.counts[2], c.counts[3], c.counts[4], c.counts[5], em.max_rel_l2);
     std::fflush(stdout);
   }
   const double fl = run_flat(*cpu, *gpu, 20, 2, DType::fp8_e4m3, ++seed, {.masked = 0.2, .duplicates = true, .tol = tol});
   std::printf("[ rel_l2 ] mxfp4 decode path v4-pro/v3 flat 20 tokens top-2: %.2e\n", fl);
   for (const char* tc : {"7", "3"}) {
+    SCOPED_TRACE(std::string("EPX_EXPERTS_MXFP4_TC=") + tc);
     std::unique_ptr<Experts> gpu_ab;
     {
       const test::ScopedEnv tc_env("EPX_EXPERTS_MXFP4_TC", tc);
       gpu_ab = make_experts_cuda(experts, 0);
     }
-    const EmResult ab =
-        run_expert_major(*cpu, *gpu_ab, cases[tc[0] == '3' ? 1 : 2], 19, DType::fp8_e4m3, ++seed, tol);
-    std::printf("[ rel_l2 ] mxfp4 decode path EPX_EXPERTS_MXFP4_TC=%s expert_major: %.2e\n", tc, ab.max_rel_l2);
+    double worst = 0;
+    for (const EmCase& c : cases) worst = std::max(worst, check_expert_major(*gpu_ab, c, tol).max_rel_l2);
+    std::printf("[ rel_l2 ] mxfp4 decode path EPX_EXPERTS_MXFP4_TC=%s expert_major (3 cases): %.2e\n", tc, worst);
   }
   // MXFP4 experts alone: the MXFP4 tolerance.
   const std::vector<std::shared_ptr<const ExpertWeights>> routed(experts.begin(), experts.end() - 1);
   auto cpu_r = make_experts_cpu(routed);
   auto gpu_r = make_experts_cuda(routed, 0);
-  const EmResult em = run_expert_major(*cpu_r, *gpu_r, {8, 1, 0, 5, 8}, 8, DType::fp8_e4m3, ++seed, kMaxRelL2);
+  const EmResult em = run_expert_major(*cpu_r, *gpu_r, {8, 1, 0, 5, 8}, 8, DType::fp8_e4m3, 577, kMaxRelL2);
   std::printf("[ rel_l2 ] mxfp4 decode path routed only expert_major %.2e\n", em.max_rel_l2);
 }
 
@@ -968,6 +1058,31 @@ TEST(ExpertsCuda, TmaPrefillLaunchWithoutWeightMapsThrows) {
           << e.what();
     }
   }
+}
+
+TEST(ExpertsCuda, Fp8PrefillClusterCountCachedPerDevice) {
+  if (gpus() < 1) GTEST_SKIP() << "needs 1 GPU, found " << gpus();
+  if (!experts_cuda::fp8_tensor_cores_available(0)) GTEST_SKIP() << "needs the sm_90a FP8 tensor cores on device 0";
+  // fp8_tensor_cores_available(0) measured device 0's 2-CTA cluster counts (cudaOccupancyMaxActiveClusters, cached per
+  // device ordinal since the thirteenth session; before, one figure per process, the last device's). Every thread
+  // with device 0 current reads the same figures; an H200 fits 66 clusters of either kernel.
+  const int gate_up = experts_cuda::fp8_prefill_tma_max_clusters(true), down = experts_cuda::fp8_prefill_tma_max_clusters(false);
+  EXPECT_GT(gate_up, 0);
+  EXPECT_GT(down, 0);
+  std::printf("[ clusters ] device 0: gate_up %d, down %d\n", gate_up, down);
+  std::vector<std::thread> threads;
+  std::vector<int> differ(8, 0);
+  for (int t = 0; t < 8; ++t)
+    threads.emplace_back([&, t] {
+      if (cudaSetDevice(0) != cudaSuccess) {
+        differ[t] = -1;
+        return;
+      }
+      for (int i = 0; i < 1000; ++i)
+        differ[t] += experts_cuda::fp8_prefill_tma_max_clusters(i % 2 == 0) != (i % 2 == 0 ? gate_up : down);
+    });
+  for (auto& th : threads) th.join();
+  for (int t = 0; t < 8; ++t) EXPECT_EQ(differ[t], 0) << "thread " << t << " (-1: cudaSetDevice failed)";
 }
 
 TEST(ExpertsCuda, BadDeviceIndicesAreSkippedAndReportedByTheNextApply) {

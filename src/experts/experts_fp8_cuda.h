@@ -166,8 +166,9 @@ void launch_fp8_prefill_tma_down(const Fp8GemmParams& p, int grid, cudaStream_t 
 int fp8_prefill_tma_smem_bytes();
 void fp8_prefill_tma_set_smem_limits();
 /// The most 2-CTA clusters of the gate_up (or down) cluster kernel (Fp8GemmParams::prefill_cluster) resident at once
-/// on the current device (cudaOccupancyMaxActiveClusters after fp8_prefill_tma_set_smem_limits; 0: none, the launch
-/// then takes the one-CTA kernel).
+/// on the current device (cudaOccupancyMaxActiveClusters with the raised shared-memory limit; 0: none, the launch
+/// then takes the one-CTA kernel). Measured once per device ordinal, on first use there (fp8_prefill_tma_set_smem_limits
+/// or the first cluster launch), and cached per device (thread-safe). Throws InvalidArgument for an ordinal >= 64.
 int fp8_prefill_tma_max_clusters(bool gate_up);
 
 }  // namespace epx::experts_cuda

@@ -42,7 +42,9 @@
 #include <cudaTypedefs.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
+#include <mutex>
 #include <string>
 
 #include "cuda/check.h"
@@ -476,28 +478,72 @@ auto tma_kernel(int fast) {
                      : fp8_prefill_tma_kernel<kGateUp, false, false, false>;
 }
 
-/// The most 2-CTA clusters of the cluster kernel that fit the device at once ([0] down, [1] gate_up; 0 = none:
-/// the one-CTA kernel then), set by fp8_prefill_tma_set_smem_limits.
-int g_max_clusters[2] = {0, 0};
-
+/// The 2-CTA cluster kernel of the gate_up (kGateUp) or down GEMM (Config::experts_fp8_prefill 30, 31: 27's
+/// consumer with prefetch, Fp8GemmParams::prefill_cluster).
 template <bool kGateUp>
-int max_active_clusters() {
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = dim3(2);
-  cfg.blockDim = dim3(kPfThreads);
-  cfg.dynamicSmemBytes = Layout<kGateUp>::kSmemBytes;
-  cudaLaunchAttribute attr{};
+auto cluster_kernel() {
+  return fp8_prefill_tma_kernel<kGateUp, true, true, true>;
+}
+
+/// The launch configuration of cluster_kernel<kGateUp>: `grid` CTAs (even) in clusters of 2 along x, kPfThreads
+/// threads, Layout<kGateUp>::kSmemBytes of dynamic shared memory, on `stream`. The cluster dimension goes in
+/// `attr`, which the returned config points to (it must outlive the config's use).
+template <bool kGateUp>
+cudaLaunchConfig_t cluster_config(unsigned grid, cudaStream_t stream, cudaLaunchAttribute& attr) {
+  attr = {};
   attr.id = cudaLaunchAttributeClusterDimension;
   attr.val.clusterDim.x = 2;
   attr.val.clusterDim.y = 1;
   attr.val.clusterDim.z = 1;
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(grid);
+  cfg.blockDim = dim3(kPfThreads);
+  cfg.dynamicSmemBytes = Layout<kGateUp>::kSmemBytes;
+  cfg.stream = stream;
   cfg.attrs = &attr;
   cfg.numAttrs = 1;
+  return cfg;
+}
+
+/// Raises the dynamic shared-memory limit of every gate_up (kGateUp) or down TMA kernel (tma_kernel's three, the
+/// cluster kernel) to Layout<kGateUp>::kSmemBytes on the current device.
+template <bool kGateUp>
+void raise_smem_limits() {
+  for (auto* k : {tma_kernel<kGateUp>(0), tma_kernel<kGateUp>(3), tma_kernel<kGateUp>(5), cluster_kernel<kGateUp>()})
+    EPX_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, Layout<kGateUp>::kSmemBytes));
+}
+
+/// Device ordinals with a cached cluster count (g_max_clusters); a larger ordinal is an error.
+constexpr int kMaxDevices = 64;
+
+/// Per device ordinal d: the most 2-CTA clusters of the cluster kernel resident at once on d ([d][0] down,
+/// [d][1] gate_up), stored as count + 1 (0: not measured on d yet). Filled by max_clusters on first use on d.
+std::atomic<int> g_max_clusters[kMaxDevices][2];
+std::mutex g_max_clusters_mu;
+
+/// The most 2-CTA clusters of cluster_kernel<kGateUp> resident at once on the current device (0: none fit, or
+/// the query failed; the launch then takes the one-CTA kernel). The first call for a device raises the kernels'
+/// shared-memory limits there and asks cudaOccupancyMaxActiveClusters, once (under a mutex); later calls read the
+/// cached figure. Throws InvalidArgument for a device ordinal >= kMaxDevices.
+template <bool kGateUp>
+int max_clusters() {
+  int device = 0;
+  EPX_CUDA_CHECK(cudaGetDevice(&device));
+  require_arg("fp8_prefill_tma max_clusters", "current device", device, device >= 0 && device < kMaxDevices,
+              "the cached 2-CTA cluster counts cover device ordinals 0..63");
+  std::atomic<int>& slot = g_max_clusters[device][kGateUp ? 1 : 0];
+  if (const int v = slot.load(std::memory_order_acquire); v > 0) return v - 1;
+  const std::lock_guard<std::mutex> lock(g_max_clusters_mu);
+  if (const int v = slot.load(std::memory_order_relaxed); v > 0) return v - 1;
+  raise_smem_limits<kGateUp>();
+  cudaLaunchAttribute attr;
+  const cudaLaunchConfig_t cfg = cluster_config<kGateUp>(2, nullptr, attr);
   int n = 0;
-  if (cudaOccupancyMaxActiveClusters(&n, fp8_prefill_tma_kernel<kGateUp, true, true, true>, &cfg) != cudaSuccess) {
+  if (cudaOccupancyMaxActiveClusters(&n, cluster_kernel<kGateUp>(), &cfg) != cudaSuccess) {
     (void)cudaGetLastError();
     n = 0;
   }
+  slot.store(n + 1, std::memory_order_release);
   return n;
 }
 
@@ -511,22 +557,12 @@ void require_weight_maps(const Fp8GemmParams& p, const char* launcher) {
 
 template <bool kGateUp>
 void launch_prefill(const Fp8GemmParams& p, const CUtensorMap& bmap, bool tb, int grid, cudaStream_t stream, const char* what) {
-  const int maxc = g_max_clusters[kGateUp ? 1 : 0];
-  if (p.prefill_cluster != 0 && p.prefill_fast == 5 && p.w_maps != nullptr && maxc > 0) {
+  const int maxc = p.prefill_cluster != 0 && p.prefill_fast == 5 && p.w_maps != nullptr ? max_clusters<kGateUp>() : 0;
+  if (maxc > 0) {
     // 2-CTA clusters (Config::experts_fp8_prefill 30, 31): as many as fit at once, each walks tile pairs
-    cudaLaunchConfig_t cfg{};
-    cfg.gridDim = dim3(static_cast<unsigned>(2 * std::min((grid + 1) / 2, maxc)));
-    cfg.blockDim = dim3(kPfThreads);
-    cfg.dynamicSmemBytes = Layout<kGateUp>::kSmemBytes;
-    cfg.stream = stream;
-    cudaLaunchAttribute attr{};
-    attr.id = cudaLaunchAttributeClusterDimension;
-    attr.val.clusterDim.x = 2;
-    attr.val.clusterDim.y = 1;
-    attr.val.clusterDim.z = 1;
-    cfg.attrs = &attr;
-    cfg.numAttrs = 1;
-    EPX_CUDA_CHECK(cudaLaunchKernelEx(&cfg, fp8_prefill_tma_kernel<kGateUp, true, true, true>, p, bmap, tb ? 1 : 0));
+    cudaLaunchAttribute attr;
+    const cudaLaunchConfig_t cfg = cluster_config<kGateUp>(static_cast<unsigned>(2 * std::min((grid + 1) / 2, maxc)), stream, attr);
+    EPX_CUDA_CHECK(cudaLaunchKernelEx(&cfg, cluster_kernel<kGateUp>(), p, bmap, tb ? 1 : 0));
   } else {
     tma_kernel<kGateUp>(p.prefill_fast)<<<grid, kPfThreads, Layout<kGateUp>::kSmemBytes, stream>>>(p, bmap, tb ? 1 : 0);
   }
@@ -537,19 +573,13 @@ void launch_prefill(const Fp8GemmParams& p, const CUtensorMap& bmap, bool tb, in
 
 int fp8_prefill_tma_smem_bytes() { return std::max(Layout<true>::kSmemBytes, Layout<false>::kSmemBytes); }
 
-int fp8_prefill_tma_max_clusters(bool gate_up) { return g_max_clusters[gate_up ? 1 : 0]; }
+int fp8_prefill_tma_max_clusters(bool gate_up) { return gate_up ? max_clusters<true>() : max_clusters<false>(); }
 
 void fp8_prefill_tma_set_smem_limits() {
-  for (int fast : {0, 3, 5}) {
-    EPX_CUDA_CHECK(cudaFuncSetAttribute(tma_kernel<true>(fast), cudaFuncAttributeMaxDynamicSharedMemorySize, Layout<true>::kSmemBytes));
-    EPX_CUDA_CHECK(cudaFuncSetAttribute(tma_kernel<false>(fast), cudaFuncAttributeMaxDynamicSharedMemorySize, Layout<false>::kSmemBytes));
-  }
-  EPX_CUDA_CHECK(cudaFuncSetAttribute(fp8_prefill_tma_kernel<true, true, true, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                      Layout<true>::kSmemBytes));
-  EPX_CUDA_CHECK(cudaFuncSetAttribute(fp8_prefill_tma_kernel<false, true, true, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                      Layout<false>::kSmemBytes));
-  g_max_clusters[1] = max_active_clusters<true>();
-  g_max_clusters[0] = max_active_clusters<false>();
+  raise_smem_limits<true>();
+  raise_smem_limits<false>();
+  max_clusters<true>();  // measured here, outside any graph capture, once per device
+  max_clusters<false>();
 }
 
 // The token tile's map is built per launch (x, x_perm and hq change between calls; a captured graph
