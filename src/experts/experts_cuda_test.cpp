@@ -1037,7 +1037,17 @@ TEST(ExpertsCuda, RejectsBadArguments) {
   EXPECT_THROW(gpu->apply({ActivationLayout::ExpertMajor, x, {}, recv, {}, {}}, out_bad), InvalidArgument);  // shape
   Tensor x8 = Tensor::empty({2, 4, 256}, DType::fp8_e4m3, kDev);
   EXPECT_THROW(gpu->apply({ActivationLayout::ExpertMajor, x8, {}, recv, {}, {}}, out), InvalidArgument);  // no scales
-  EXPECT_NO_THROW(gpu->apply({ActivationLayout::ExpertMajor, x, {}, recv, {}, {}}, out));  // all counts 0
+  // Scales with bf16 x were ignored (as on the CPU until the thirteenth session): now refused by name, every layout.
+  Tensor xs = Tensor::zeros({2, 4, 2}, DType::fp32, kDev);
+  const std::string m = test::invalid_argument_message([&] { gpu->apply({ActivationLayout::ExpertMajor, x, xs, recv, {}, {}}, out); });
+  EXPECT_NE(m.find("x_scales"), std::string::npos) << m;
+  EXPECT_NE(m.find("must be empty for x.dtype = bf16"), std::string::npos) << m;
+  Tensor xf = Tensor::empty({8, 256}, DType::bf16, kDev), xfs = Tensor::zeros({8, 2}, DType::fp32, kDev);
+  Tensor outf = Tensor::empty({8, 256}, DType::bf16, kDev), offs = to_dev(Tensor::zeros({2}, DType::int32));
+  ExpertsInput ic{ActivationLayout::Contiguous, xf, xfs, {}, {}, {}};
+  ic.expert_offsets = offs;
+  EXPECT_THROW(gpu->apply(ic, outf), InvalidArgument);
+  EXPECT_NO_THROW(gpu->apply({ActivationLayout::ExpertMajor, x, {}, recv, {}, {}}, out));  // all counts 0: still usable
 }
 
 TEST(ExpertsCuda, TmaPrefillLaunchWithoutWeightMapsThrows) {
