@@ -31,7 +31,8 @@
 // (--rounds N: after the prefill rows, the default kernels' Flat, ExpertMajor, Contiguous and uneven Contiguous
 // (layout contiguous-uneven) applies again in N interleaved rounds (each round times each case with --iters calls, in a
 // rotated order), and with --prefill-modes each listed mode's applies of the same inputs (layouts "<layout>-mode<M>");
-// rows prefill-v3-rounds give the median, min and max over the rounds of each round's p50: rows of identical GPU work
+// rows prefill-v3-rounds give the median, min and max over the rounds of each round's p50 (and every round's p50 in the
+// JSON's round_p50_us): rows of identical GPU work
 // move by up to ~10 % inside one process with what ran before them (bench/NOTES.md, twelfth session), so layout and
 // mode comparisons use these)
 // (--prefill-variants: also the prefill kernel with early scales / release, bulk-copy stores and wgmma's A in
@@ -794,7 +795,10 @@ int main(int argc, char** argv) {
       const Stats st{v.front(), v[v.size() / 2], v.back()};
       add_row("prefill-v3-rounds", "epx-wgmma", round_cases[c].first, 256, st, false, false, 0,
               "median over " + std::to_string(rounds) + " interleaved rounds of each round's p50 (p10 / p90 fields: the "
-              "min / max over the rounds); outputs validated by the rows above");
+              "min / max over the rounds); outputs validated by the rows above; round_p50_us: each round's p50, in round order "
+              "(paired comparisons round by round)");
+      rows.back()["round_p50_us"] = p50[c];
+      write_json();
     }
   }
   round_cases.clear();
