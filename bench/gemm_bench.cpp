@@ -28,10 +28,13 @@
 // 1 no loads, 4 no promotions, 8 no weight-tile loads): their time (p50 of --iters) and
 // the per-phase clock stamps of the K loop per warpgroup (medians over CTAs and a window of K blocks),
 // as rows prefill-v3-stamps; --no-flat skips the Flat prefill case)
-// (--rounds N: after the prefill rows, the default kernels' Flat, ExpertMajor and Contiguous applies again in N
-// interleaved rounds (each round times each layout with --iters calls, in a rotated order); rows prefill-v3-rounds
-// give the median, min and max over the rounds of each round's p50: rows of identical GPU work move by up to ~10 %
-// inside one process with what ran before them (bench/NOTES.md, twelfth session), so layout comparisons use these)
+// (--rounds N: after the prefill rows, the default kernels' Flat, ExpertMajor, Contiguous and uneven Contiguous
+// (layout contiguous-uneven) applies again in N interleaved rounds (each round times each case with --iters calls, in a
+// rotated order), and with --prefill-modes each listed mode's applies of the same inputs (layouts "<layout>-mode<M>");
+// rows prefill-v3-rounds give the median, min and max over the rounds of each round's p50 (and every round's p50 in the
+// JSON's round_p50_us): rows of identical GPU work
+// move by up to ~10 % inside one process with what ran before them (bench/NOTES.md, twelfth session), so layout and
+// mode comparisons use these)
 // (--prefill-variants: also the prefill kernel with early scales / release, bulk-copy stores and wgmma's A in
 // registers (=17; the default 1 runs it for the Flat gate_up gather only), the TMA loads (=10), the TMA loads with the
 // lean consumer (=23) and with its early next-block loads (=27, the default's other kernels); the removed variants (2-7,
@@ -414,29 +417,45 @@ int main(int argc, char** argv) {
                 100.0 * (decode ? gbps / hbm_gbps : tfl / fp8_tflops), decode ? "HBM copy" : "FP8 dense", err);
   };
 
+  // The default kernels' prefill applies per layout, kept for --rounds (each closure owns its tensors); with
+  // --prefill-modes also each listed mode's applies (cases "<layout>-mode<M>").
+  std::vector<std::pair<std::string, std::function<void()>>> round_cases;
+  // One Experts object per --prefill-modes mode, made at its first use (kept until the rounds ran).
+  std::vector<std::pair<std::string, std::shared_ptr<Experts>>> mode_objects;
+  auto mode_object = [&](const std::string& md) {
+    for (const auto& [m, e] : mode_objects)
+      if (m == md) return e;
+    setenv("EPX_EXPERTS_FP8_PREFILL", md.c_str(), 1);
+    std::shared_ptr<Experts> e = make_experts_cuda(experts, 0);
+    unsetenv("EPX_EXPERTS_FP8_PREFILL");
+    if (md == "1" || md == "30" || md == "31" || md == "33")  // the 2-CTA cluster modes: clusters the launches get (0: one-CTA kernels)
+      std::printf("mode %s: 2-CTA clusters resident at once: gate_up %d, down %d\n", md.c_str(),
+                  experts_cuda::fp8_prefill_tma_max_clusters(true), experts_cuda::fp8_prefill_tma_max_clusters(false));
+    mode_objects.emplace_back(md, e);
+    return e;
+  };
   // Rows epx-wgmma-mode<M> of --prefill-modes on one prefill input (max_rel_error against `ref`,
   // the default kernels' output of the same input).
-  auto mode_rows = [&](const ExpertsInput& in, const Tensor& ref, const char* layout, int64_t rows_per_expert) {
+  // `keep`: the tensors `in` views, held by the mode's --rounds closure.
+  auto mode_rows = [&](const ExpertsInput& in, const Tensor& ref, const char* layout, int64_t rows_per_expert,
+                       const std::vector<Tensor>& keep) {
     const TensorView& rv = ref.view();
-    Tensor o = Tensor::empty(std::vector<int64_t>(rv.shape.begin(), rv.shape.begin() + rv.ndim), DType::bf16, Device::cuda(0));
+    const std::vector<int64_t> shape(rv.shape.begin(), rv.shape.begin() + rv.ndim);
     const int64_t nrows = ref.numel() / kH;
     for (const std::string& md : modes) {
-      setenv("EPX_EXPERTS_FP8_PREFILL", md.c_str(), 1);
-      auto tcv = make_experts_cuda(experts, 0);
-      unsetenv("EPX_EXPERTS_FP8_PREFILL");
-      if (md == "1" || md == "30" || md == "31")  // the 2-CTA cluster modes: how many clusters the launches get (0: one-CTA kernels)
-        std::printf("mode %s: 2-CTA clusters resident at once: gate_up %d, down %d\n", md.c_str(),
-                    experts_cuda::fp8_prefill_tma_max_clusters(true), experts_cuda::fp8_prefill_tma_max_clusters(false));
+      const std::shared_ptr<Experts> tcv = mode_object(md);
+      Tensor o = Tensor::empty(shape, DType::bf16, Device::cuda(0));
       CK(cudaMemset(o.data(), 0xFF, o.nbytes()));
       const Stats sm = time_us(stream, iters, [&] { tcv->apply(in, o, Stream{stream}); });
       CK(cudaStreamSynchronize(stream));
       add_row("prefill-v3", "epx-wgmma-mode" + md, layout, rows_per_expert, sm, false, true,
               rel_l2(host_bf16(o), host_bf16(ref), {{0, nrows}}), "EPX_EXPERTS_FP8_PREFILL=" + md + "; max_rel_error against epx-wgmma");
+      const std::string rc = std::string(layout) + "-mode" + md;
+      bool listed = false;
+      for (const auto& c : round_cases) listed = listed || c.first == rc;
+      if (rounds > 0 && !listed) round_cases.push_back({rc, [tcv, in, o, keep, stream] { tcv->apply(in, o, Stream{stream}); }});
     }
   };
-
-  // The default kernels' prefill applies per layout, kept for --rounds (each closure owns its tensors).
-  std::vector<std::pair<std::string, std::function<void()>>> round_cases;
 
   // ---- decode: ExpertMajor, 8 tokens per expert, cap 32 ----
   if (!prefill_only) {
@@ -522,7 +541,7 @@ int main(int argc, char** argv) {
     add_row("prefill-v3", "epx-wgmma", "flat", m, st, false, simt != nullptr, err,
             "Flat layout: includes the device schedule, gather and the top-k weighted combine; validated against epx-simt");
     if (rounds > 0) round_cases.push_back({"flat", [&tc, stream, in, x, xs, id, wd, out] { tc->apply(in, out, Stream{stream}); }});
-    mode_rows(in, out, "flat", m);
+    mode_rows(in, out, "flat", m, {x, xs, id, wd});
     if (tc64) {
       Tensor out4 = Tensor::empty({T, kH}, DType::bf16, Device::cuda(0));
       CK(cudaMemset(out4.data(), 0xFF, out4.nbytes()));
@@ -617,7 +636,7 @@ int main(int argc, char** argv) {
       }
       CK(cudaFree(dbg));
     }
-    mode_rows(in, out, "expert_major", cap);
+    mode_rows(in, out, "expert_major", cap, {x, xs, rc});
     // ---- prefill: Contiguous (rows sorted by expert + cumulative offsets, torch._scaled_grouped_mm's
     // `offs`; gemm_torch.py times torch on this layout with 256 rows per expert) ----
     {
@@ -722,7 +741,9 @@ int main(int argc, char** argv) {
                   " rows, gemm_torch.py --uneven's counts); rows_per_expert is the mean; " +
                   (differ == 0 ? "byte-identical to ExpertMajor of the same rows"
                                : std::to_string(differ) + " experts DIFFER from ExpertMajor of the same rows"));
-      mode_rows(ic, oc, "contiguous", cap);
+      if (rounds > 0) round_cases.push_back({"contiguous-uneven", [&tc, stream, iu, x, xs, od2, ouv] { tc->apply(iu, ouv, Stream{stream}); }});
+      mode_rows(ic, oc, "contiguous", cap, {x, xs, od});
+      mode_rows(iu, ouv, "contiguous-uneven", cap, {x, xs, od2});
     }
     if (tc64) {
       Tensor out4 = Tensor::empty({L, cap, kH}, DType::bf16, Device::cuda(0));
@@ -774,10 +795,14 @@ int main(int argc, char** argv) {
       const Stats st{v.front(), v[v.size() / 2], v.back()};
       add_row("prefill-v3-rounds", "epx-wgmma", round_cases[c].first, 256, st, false, false, 0,
               "median over " + std::to_string(rounds) + " interleaved rounds of each round's p50 (p10 / p90 fields: the "
-              "min / max over the rounds); outputs validated by the rows above");
+              "min / max over the rounds); outputs validated by the rows above; round_p50_us: each round's p50, in round order "
+              "(paired comparisons round by round)");
+      rows.back()["round_p50_us"] = p50[c];
+      write_json();
     }
   }
   round_cases.clear();
+  mode_objects.clear();
   tc.reset();
   tc64.reset();
   tcp.reset();

@@ -192,13 +192,18 @@ class CudaExperts final : public Experts {
     // both; Fp8GemmParams::prefill_cluster 1; twelfth session: ExpertMajor 1092 TFLOP/s against 29's 1000-1016, Flat
     // 990 against 928-935, in one run: the pair reads each weight tile once and the chip runs ~8 % higher clocks),
     // 31 = the same clusters without the multicast (2; measured level with 30: the gain is the pair's lockstep
-    // reading, not the halved L2 -> SM bytes).
+    // reading, not the halved L2 -> SM bytes). Since the thirteenth session the clusters (1, 30, 31) take the prefill
+    // section's tiles ordered for pairs (ScheduleParams::pair_big: every pair one expert's but one per two odd-count
+    // experts); 33 = 30 on the section in plain expert order (the twelfth session's pairing: an odd-count expert shifts
+    // every later pair onto two experts; the bench's uneven counts: 63 of 148 pairs straddle instead of 23).
     const int pf_mode = config.experts_fp8_prefill;
     fp8_prefill_fast_ = pf_mode == 8 ? 0 : 2;  // the cp.async kernels' Fp8GemmParams::prefill_fast
     fp8_prefill_tma_fast_ = pf_mode == 10 ? 0 : pf_mode == 23 ? 3 : 5;  // the TMA kernels'
-    fp8_prefill_permute_ = pf_mode == 1 || pf_mode == 29 || pf_mode == 30 || pf_mode == 31;
-    fp8_prefill_cluster_ = pf_mode == 1 || pf_mode == 30 ? 1 : pf_mode == 31 ? 2 : 0;
-    const bool pf_tma = pf_mode == 1 || pf_mode == 10 || pf_mode == 23 || pf_mode == 27 || pf_mode == 29 || pf_mode == 30 || pf_mode == 31;
+    fp8_prefill_permute_ = pf_mode == 1 || pf_mode == 29 || pf_mode == 30 || pf_mode == 31 || pf_mode == 33;
+    fp8_prefill_cluster_ = pf_mode == 1 || pf_mode == 30 || pf_mode == 33 ? 1 : pf_mode == 31 ? 2 : 0;
+    fp8_prefill_pair_tiles_ = fp8_prefill_cluster_ != 0 && pf_mode != 33;
+    const bool pf_tma = pf_mode == 1 || pf_mode == 10 || pf_mode == 23 || pf_mode == 27 || pf_mode == 29 || pf_mode == 30 || pf_mode == 31 ||
+                        pf_mode == 33;
     // Objects with mxfp4 experts, all of them fp8_block or mxfp4 with I % 128 == 0 and H % 128 == 0,
     // fed FP8 x, run every expert on the mixed sm_90a kernels (experts_mxfp4_cuda.cu): one grouped
     // launch per GEMM for both formats (FHMoE: FP8 shared + MXFP4 routed). Config::experts_mxfp4_tc
@@ -409,6 +414,7 @@ class CudaExperts final : public Experts {
     sp.num_tiles = ws.num_tiles;
     sp.big_rows = big ? experts_cuda::kFp8PrefillRows : 0;
     sp.big_min_tiles = fp8_prefill_min_tiles_;
+    sp.pair_big = fp8_prefill_pair_tiles_;
     sp.error = error_dev_;
     experts_cuda::schedule_expert_major_kernel<<<1, experts_cuda::kScheduleThreads,
                                                  experts_cuda::schedule_smem_bytes(sp.num_local), stream>>>(sp);
@@ -476,6 +482,7 @@ class CudaExperts final : public Experts {
     const bool big = use_prefill(in) && num_pairs > experts_cuda::kTileRows;
     sp.big_rows = big ? experts_cuda::kFp8PrefillRows : 0;
     sp.big_min_tiles = fp8_prefill_min_tiles_;
+    sp.pair_big = fp8_prefill_pair_tiles_;
     sp.error = error_dev_;
     experts_cuda::schedule_flat_kernel<<<1, experts_cuda::kScheduleThreads, experts_cuda::schedule_smem_bytes(sp.num_local),
                                          stream>>>(sp);
@@ -632,7 +639,8 @@ class CudaExperts final : public Experts {
   int fp8_prefill_fast_ = 2;      // the cp.async prefill kernels' variant (Fp8GemmParams::prefill_fast: 2 = mode 17, 0 = 8)
   int fp8_prefill_tma_fast_ = 5;  // the TMA prefill kernels' (5 = 27's, 3 = 23's, 0 = 10's)
   bool fp8_prefill_permute_ = true;  // the Flat gate_up's token rows copied into row-space order first (1, 29, 30, 31)
-  int fp8_prefill_cluster_ = 1;      // the TMA prefill kernels as 2-CTA clusters (Fp8GemmParams::prefill_cluster; 1, 30: 1, 31: 2)
+  int fp8_prefill_cluster_ = 1;      // the TMA prefill kernels as 2-CTA clusters (Fp8GemmParams::prefill_cluster; 1, 30, 33: 1, 31: 2)
+  bool fp8_prefill_pair_tiles_ = true;  // the prefill section ordered for the clusters' pairs (ScheduleParams::pair_big; 1, 30, 31)
   int64_t mx_inter_max_ = 0;      // widest mxfp4 expert
   bool mx_tensor_cores_ = false;  // fp8_block + mxfp4 experts with FP8 x run on the mixed sm_90a GEMMs
   bool mx_wide_ = false;          // their 512-thread variant (EPX_EXPERTS_MXFP4_TC=2)

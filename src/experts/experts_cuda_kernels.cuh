@@ -36,7 +36,7 @@ constexpr int kTileCols = 64;   ///< output columns per GEMM tile (gate_up: 32 g
 constexpr int kTileK = 32;      ///< reduction depth per shared-memory stage (one MXFP4 block)
 constexpr int kGemmThreads = 128;
 constexpr int kScheduleThreads = 1024;
-constexpr int kMaxLocalExperts = 2048;  ///< bounds the schedule kernel's shared memory (4 int arrays of L)
+constexpr int kMaxLocalExperts = 2048;  ///< bounds the schedule kernel's shared memory (5 int arrays of L: 40 KiB)
 constexpr int kFp8Group = 128;
 
 /// Error codes the schedule kernels leave in the host-mapped ErrorRecord.
@@ -76,6 +76,12 @@ struct ScheduleParams {
   /// need at least this many big tiles in all (else every expert is tiled by kTileRows and
   /// num_tiles[1] = num_tiles[0]: the prefill launches find no tile). <= 1: always.
   int32_t big_min_tiles;
+  /// big_rows > 0 only: the order of the section's tiles for the 2-CTA cluster kernels (Fp8GemmParams::prefill_cluster),
+  /// which pair tile-list entries 2 j, 2 j + 1 (experts_fp8_prefill_tma_cuda.cu, work_pair). false: every expert's
+  /// tiles in expert order (an expert with an odd tile count shifts every later pair onto two experts until the next
+  /// odd one). true: order_big_tiles_for_pairs below, so that every pair but those of the odd experts' last tiles is
+  /// one expert's. The tiles are the same either way (only their positions differ): same results.
+  bool pair_big;
   ErrorRecord* error;     ///< host-mapped
 };
 
@@ -146,7 +152,7 @@ __device__ __forceinline__ void report_error(int* claimed, ErrorRecord* rec, int
 
 /// Exclusive prefix sums of a[0, n) and b[0, n) in place (shared memory), with the totals; all
 /// kScheduleThreads threads call it. Each thread scans a contiguous chunk; the chunk sums are
-/// scanned with warp shuffles, then across the 32 warps.
+/// scanned with warp shuffles, then across the 32 warps. b (with total_b) may be null: a alone.
 __device__ void block_exclusive_scan2(int32_t* a, int32_t* b, int n, int32_t* total_a, int32_t* total_b) {
   static_assert(kScheduleThreads == 32 * 32, "one warp scans the 32 warp sums");
   __shared__ int2 warp_sums[32];
@@ -155,9 +161,9 @@ __device__ void block_exclusive_scan2(int32_t* a, int32_t* b, int n, int32_t* to
   const int begin = min(n, tid * per), end = min(n, begin + per);
   int32_t sa = 0, sb = 0;
   for (int i = begin; i < end; ++i) {
-    const int32_t va = a[i], vb = b[i];
+    const int32_t va = a[i], vb = b != nullptr ? b[i] : 0;
     a[i] = sa;
-    b[i] = sb;
+    if (b != nullptr) b[i] = sb;
     sa += va;
     sb += vb;
   }
@@ -183,14 +189,65 @@ __device__ void block_exclusive_scan2(int32_t* a, int32_t* b, int n, int32_t* to
   const int32_t ea = base.x + ia - sa, eb = base.y + ib - sb;
   for (int i = begin; i < end; ++i) {
     a[i] += ea;
-    b[i] += eb;
+    if (b != nullptr) b[i] += eb;
   }
-  if (tid == 0) *total_a = warp_sums[31].x, *total_b = warp_sums[31].y;
+  if (tid == 0) {
+    *total_a = warp_sums[31].x;
+    if (total_b != nullptr) *total_b = warp_sums[31].y;
+  }
   __syncthreads();
 }
 
-/// Shared memory of the schedule kernels: 4 int arrays of L.
-constexpr int64_t schedule_smem_bytes(int num_local) { return 4LL * 4 * num_local; }
+/// Shared memory of the schedule kernels: 5 int arrays of L.
+constexpr int64_t schedule_smem_bytes(int num_local) { return 5LL * 4 * num_local; }
+
+/// The positions of the prefill section's tiles for 2-CTA pairs (ScheduleParams::pair_big); all kScheduleThreads
+/// threads call it. nb(l): expert l's tiles in the section (0 for an expert outside it). The cluster kernels pair
+/// section entries 2 j, 2 j + 1, so the order is built from blocks that start at even positions:
+///   - an expert with an even tile count: its tiles in row order (all its pairs are its own);
+///   - the odd-count experts, coupled in expert order (the 1st with the 2nd, the 3rd with the 4th, ...): the first
+///     one's tiles in row order, its last tile (the partial one) at an even position, then at once the second one's
+///     last tile (the pair of two experts: no multicast), then the second one's other tiles in row order; so each
+///     expert's tiles stay together and each expert's weight tiles are read in one stretch of the walk;
+///   - an odd-count expert left without a partner (an odd number of them): its tiles last, the final one alone.
+/// The blocks come in expert order, each coupled second expert moved up behind its first. Out: pos[l] = the section
+/// position of expert l's first block entry; lead[l] = 1 where that entry is the expert's last tile (its other tiles
+/// follow in row order), else 0; *total = sum of nb. Scratch: pos and lead only ([L] each, shared memory); five
+/// barriers and two block scans (a microsecond or two on the one-CTA schedule kernel).
+template <class Nb>
+__device__ void order_big_tiles_for_pairs(const Nb& nb, int L, int32_t* pos, int32_t* lead, int32_t* total) {
+  __shared__ int32_t total_odd, total_blocks;
+  const int tid = threadIdx.x;
+  for (int l = tid; l < L; l += kScheduleThreads) lead[l] = nb(l) & 1;
+  __syncthreads();
+  block_exclusive_scan2(lead, nullptr, L, &total_odd, nullptr);  // lead[l]: rank of odd expert l among the odd ones
+  for (int l = tid; l < L; l += kScheduleThreads)
+    if (nb(l) & 1) pos[lead[l]] = l;  // pos[r]: the odd expert of rank r
+  __syncthreads();
+  for (int l = tid; l < L; l += kScheduleThreads) {  // lead[l]: the partner (odd experts; -1: none), -2 (even count)
+    const int32_t r = lead[l];
+    lead[l] = (nb(l) & 1) == 0 ? -2 : (r ^ 1) < total_odd ? pos[r ^ 1] : -1;
+  }
+  __syncthreads();
+  for (int l = tid; l < L; l += kScheduleThreads) {  // block sizes: a couple's block is its first expert's
+    const int32_t pa = lead[l];
+    pos[l] = pa == -2 ? nb(l) : pa > l ? nb(l) + nb(pa) : 0;
+  }
+  __syncthreads();
+  block_exclusive_scan2(pos, nullptr, L, &total_blocks, nullptr);
+  for (int l = tid; l < L; l += kScheduleThreads) {
+    const int32_t pa = lead[l];
+    if (pa >= 0 && pa < l) pos[l] = pos[pa] + nb(pa);  // the couple's second expert: behind the first one's tiles
+    else if (pa == -1) pos[l] = total_blocks, *total = total_blocks + nb(l);  // the odd one out: last
+    lead[l] = pa >= 0 && pa < l ? 1 : 0;
+  }
+  if (tid == 0 && (total_odd & 1) == 0) *total = total_blocks;
+  __syncthreads();
+}
+
+/// Section position (from the first block entry) of tile j (row order, of n) of an expert whose block leads with its
+/// last tile (order_big_tiles_for_pairs' lead) or not.
+__device__ __forceinline__ int32_t big_tile_slot(int32_t j, int32_t n, bool lead) { return !lead ? j : j == n - 1 ? 0 : j + 1; }
 
 /// ExpertMajor (p.expert_offsets null): tiles over rows [0, clamp(recv_count[l], 0, cap)) of every
 /// expert, row l * cap + j. Contiguous: tiles over every expert's rows of ExpertsInput::expert_offsets
@@ -203,6 +260,7 @@ __global__ void __launch_bounds__(kScheduleThreads) schedule_expert_major_kernel
   int32_t* big_off = counts + p.num_local;   // [L] big tiles per expert -> first big tile (big_rows > 0)
   int32_t* tile_off = big_off + p.num_local; // [L] tiles per expert -> first tile
   int32_t* first = tile_off + p.num_local;   // [L] Contiguous: the expert's first row
+  int32_t* lead = first + p.num_local;       // [L] pair_big: order_big_tiles_for_pairs' lead
   __shared__ int claimed, bad;
   __shared__ int32_t total_big, total_tiles, want_big;
   const int tid = threadIdx.x, L = p.num_local;
@@ -246,12 +304,19 @@ __global__ void __launch_bounds__(kScheduleThreads) schedule_expert_major_kernel
   }
   __syncthreads();
   block_exclusive_scan2(big_off, tile_off, L, &total_big, &total_tiles);
+  const bool pairs = p.pair_big && big_rows > 0;
+  if (pairs)  // big_off: the blocks' first positions instead (the same tiles, placed for 2-CTA pairs)
+    order_big_tiles_for_pairs(
+        [&](int l) { return big_rows > 0 && counts[l] > kTileRows ? (counts[l] + big_rows - 1) / big_rows : 0; }, L, big_off, lead,
+        &total_big);
   for (int l = tid; l < L; l += kScheduleThreads) {
     const int32_t c = counts[l];
     const bool big = big_rows > 0 && c > kTileRows;
-    const int32_t step = big ? big_rows : kTileRows;
-    for (int32_t j = 0, t = big ? total_tiles + big_off[l] : tile_off[l]; j < c; j += step, ++t)
-      p.tiles[t] = Tile{l, static_cast<int32_t>((p.expert_offsets != nullptr ? first[l] : l * p.cap) + j), min(step, c - j), 0};
+    const int32_t step = big ? big_rows : kTileRows, n = (c + step - 1) / step;
+    const bool lead_last = pairs && big && lead[l] != 0;
+    for (int32_t j = 0; j < n; ++j)
+      p.tiles[big ? total_tiles + big_off[l] + big_tile_slot(j, n, lead_last) : tile_off[l] + j] =
+          Tile{l, static_cast<int32_t>((p.expert_offsets != nullptr ? first[l] : l * p.cap) + j * step), min(step, c - j * step), 0};
   }
   if (tid == 0) p.num_tiles[0] = total_tiles + total_big, p.num_tiles[1] = total_tiles;
 }
@@ -264,6 +329,7 @@ __global__ void __launch_bounds__(kScheduleThreads) schedule_flat_kernel(Schedul
   int32_t* row_off = counts + p.num_local;     // [L] first grouped position
   int32_t* tile_off = row_off + p.num_local;   // [L] first tile
   int32_t* fill = tile_off + p.num_local;      // [L]
+  int32_t* lead = fill + p.num_local;          // [L] pair_big: order_big_tiles_for_pairs' lead
   __shared__ int claimed;
   __shared__ int32_t total_rows, total_tiles;
   const int tid = threadIdx.x, L = p.num_local;
@@ -297,12 +363,23 @@ __global__ void __launch_bounds__(kScheduleThreads) schedule_flat_kernel(Schedul
   // The big tiles' offsets, scanned in `fill` (reset to the pair cursor below); `counts` is scanned
   // alongside (it becomes row_off; the counts are recovered from row_off's differences).
   block_exclusive_scan2(fill, counts, L, &total_big, &total_rows2);
+  auto count_of = [&](int l) { return (l + 1 < L ? row_off[l + 1] : total_rows) - row_off[l]; };
+  const bool pairs = p.pair_big && big_rows > 0;
+  if (pairs)  // fill: the blocks' first positions instead (the same tiles, placed for 2-CTA pairs)
+    order_big_tiles_for_pairs(
+        [&](int l) {
+          const int32_t c = count_of(l);
+          return c > kTileRows ? (c + big_rows - 1) / big_rows : 0;
+        },
+        L, fill, lead, &total_big);
   for (int l = tid; l < L; l += kScheduleThreads) {
-    const int32_t c = (l + 1 < L ? row_off[l + 1] : total_rows) - row_off[l];
+    const int32_t c = count_of(l);
     const bool big = big_rows > 0 && c > kTileRows;
-    const int32_t step = big ? big_rows : kTileRows;
-    for (int32_t j = 0, t = big ? total_tiles + fill[l] : tile_off[l]; j < c; j += step, ++t)
-      p.tiles[t] = Tile{l, row_off[l] + j, min(step, c - j), 0};
+    const int32_t step = big ? big_rows : kTileRows, n = (c + step - 1) / step;
+    const bool lead_last = pairs && big && lead[l] != 0;
+    for (int32_t j = 0; j < n; ++j)
+      p.tiles[big ? total_tiles + fill[l] + big_tile_slot(j, n, lead_last) : tile_off[l] + j] =
+          Tile{l, row_off[l] + j * step, min(step, c - j * step), 0};
   }
   __syncthreads();
   for (int l = tid; l < L; l += kScheduleThreads) fill[l] = 0;

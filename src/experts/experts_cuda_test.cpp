@@ -601,14 +601,23 @@ TEST(ExpertsCuda, Fp8PrefillTmaLoadsMatchCpAsyncLoadsBitForBit) {
   // same bytes too, and so must =23 (10 with the lean consumer: the same products and promotions from
   // pinned per-thread offsets), =27 (23 loading the next K block's operands under the last promotion),
   // =29 (27 with the Flat gate_up's token rows copied into row-space order first and loaded as one TMA box
-  // per tile) and the default (=1: 29's kernels in the eleventh session, 30's since the twelfth), =30 (29 as 2-CTA clusters: a cluster takes
-  // tile-list entries 2 j, 2 j + 1 and multicasts the weight tile where both are one expert's; here ExpertMajor pairs
-  // (e0, e0), (e2, e2), (e2, e3: two experts, I 2048 and 3072, so down's K blocks differ) and (e3, none)), =31 (the
-  // same clusters without the multicast); the default (=1) runs 30's kernels since the twelfth session.
+  // per tile) and the default (=1: 29's kernels in the eleventh session, 30's since the twelfth), =30 (29 as 2-CTA
+  // clusters: a cluster takes tile-list entries 2 j, 2 j + 1 and multicasts the weight tile where both are one
+  // expert's), =31 (the same clusters without the multicast) and =33 (30 on the tile list in plain expert order, the
+  // twelfth session's pairing). Since the thirteenth session 1, 30 and 31 order the prefill section for the pairs
+  // (ScheduleParams::pair_big: each expert's tiles in pairs, the last tiles of two odd-count experts paired with each
+  // other, an odd one out last). Tile counts (128 rows) and the pairs they give:
+  //   ExpertMajor 129, 0, 300, 200 (2, 0, 3, 2): 33 (e0, e0), (e2, e2), (e2, e3: two experts, I 2048 and 3072, so
+  //     down's K blocks differ), (e3, none); 1 / 30 / 31 (e0, e0), (e3, e3), (e2, e2), (e2, none);
+  //   ExpertMajor and Contiguous 100, 300, 200, 290 (1, 3, 2, 3): 33 (e0, e1), (e1, e1), (e2, e2), (e3, e3), (e3, none);
+  //     1 / 30 / 31 (e0, e1's last), (e1, e1), (e2, e2), (e3, e3), (e3, none);
+  //   Contiguous and Flat 120, 250, 256, 380 (1, 2, 2, 3): 33 (e0, e1), (e1, e2), (e2, e3), (e3, e3); 1 / 30 / 31
+  //     (e0, e3's last: two experts of different I), (e3, e3), (e1, e1), (e2, e2);
+  //   Flat 600 tokens top-2 with 10 % masked, random routing (~270 rows per expert).
   std::vector<std::shared_ptr<const ExpertWeights>> experts = same_format(WeightFormat::fp8_block, 3, 7168, 2048, 540);
   experts.push_back(ExpertWeights::random(WeightFormat::fp8_block, 7168, 3072, 544));
-  const int64_t L = 4, H = 7168, cap = 300;
-  std::unique_ptr<Experts> cpa, rs, tma, tma_lean, tma_lean_pf, tma_perm, dflt, mcast, coupled;
+  const int64_t L = 4, H = 7168;
+  std::unique_ptr<Experts> cpa, rs, tma, tma_lean, tma_lean_pf, tma_perm, dflt, mcast, coupled, index_pairs;
   {
     const test::ScopedEnv min_tiles("EPX_EXPERTS_FP8_PREFILL_MIN_TILES", "1");  // the prefill section for these few big tiles
     const test::ScopedEnv mode("EPX_EXPERTS_FP8_PREFILL", "8");
@@ -629,42 +638,89 @@ TEST(ExpertsCuda, Fp8PrefillTmaLoadsMatchCpAsyncLoadsBitForBit) {
     mcast = make_experts_cuda(experts, 0);
     mode.set("31");
     coupled = make_experts_cuda(experts, 0);
+    mode.set("33");
+    index_pairs = make_experts_cuda(experts, 0);
   }
   auto same_bytes = [](const Tensor& a, const Tensor& b) {
     const Tensor ah = a.to(Device::cpu()), bh = b.to(Device::cpu());
     return std::memcmp(ah.data(), bh.data(), static_cast<size_t>(ah.nbytes())) == 0;
   };
-  // ExpertMajor inputs.
-  const std::vector<int32_t> counts = {129, 0, 300, 200};
-  const Rows em_rows = random_rows(cap * L, H, DType::fp8_e4m3, 545);
-  Tensor x = Tensor::empty({L, cap, H}, DType::fp8_e4m3), scales = Tensor::empty({L, cap, H / kFp8GroupSize}, DType::fp32);
-  test::poison(x);
-  test::poison(scales);
-  Tensor recv = Tensor::empty({L}, DType::int32);
-  for (int64_t l = 0, src = 0; l < L; ++l) {
-    recv.ptr<int32_t>()[l] = counts[l];
-    for (int64_t j = 0; j < counts[l]; ++j) place_row(em_rows, src++, x, scales, l * cap + j, H);
+  // One input per case; `keep` holds its device tensors, `out_shape` the output's.
+  struct Case {
+    std::string name;
+    ExpertsInput in;
+    std::vector<int64_t> out_shape;
+    std::vector<Tensor> keep;
+    Tensor ref;
+  };
+  std::vector<Case> cases;
+  auto expert_major = [&](const std::string& name, const std::vector<int32_t>& counts, uint64_t seed) {
+    const int64_t cap = *std::max_element(counts.begin(), counts.end());
+    const Rows rows = random_rows(cap * L, H, DType::fp8_e4m3, seed);
+    Tensor x = Tensor::empty({L, cap, H}, DType::fp8_e4m3), scales = Tensor::empty({L, cap, H / kFp8GroupSize}, DType::fp32);
+    test::poison(x);
+    test::poison(scales);
+    Tensor recv = Tensor::empty({L}, DType::int32);
+    for (int64_t l = 0, src = 0; l < L; ++l) {
+      recv.ptr<int32_t>()[l] = counts[l];
+      for (int64_t j = 0; j < counts[l]; ++j) place_row(rows, src++, x, scales, l * cap + j, H);
+    }
+    Case c{name, {}, {L, cap, H}, {to_dev(x), to_dev(scales), to_dev(recv)}, {}};
+    c.in = {ActivationLayout::ExpertMajor, c.keep[0], c.keep[1], c.keep[2], {}, {}};
+    cases.push_back(std::move(c));
+  };
+  auto contiguous = [&](const std::string& name, const std::vector<int32_t>& counts, uint64_t seed) {
+    int64_t total = 0;
+    for (int32_t n : counts) total += n;
+    const int64_t N = total + 5;  // 5 rows of no expert at the end (left unwritten: their poison compares)
+    const Rows rows = random_rows(N, H, DType::fp8_e4m3, seed);
+    Tensor offs = Tensor::empty({L}, DType::int32);
+    for (int64_t l = 0, e = 0; l < L; ++l) offs.ptr<int32_t>()[l] = static_cast<int32_t>(e += counts[l]);
+    Case c{name, {}, {N, H}, {to_dev(rows.x), to_dev(rows.scales), to_dev(offs)}, {}};
+    c.in.layout = ActivationLayout::Contiguous;
+    c.in.x = c.keep[0], c.in.x_scales = c.keep[1], c.in.expert_offsets = c.keep[2];
+    cases.push_back(std::move(c));
+  };
+  auto flat = [&](const std::string& name, const Tensor& idx, const Tensor& weights, uint64_t seed) {
+    const int64_t N = idx.size(0);
+    const Rows rows = random_rows(N, H, DType::fp8_e4m3, seed);
+    Case c{name, {}, {N, H}, {to_dev(rows.x), to_dev(rows.scales), to_dev(idx), to_dev(weights)}, {}};
+    c.in = {ActivationLayout::Flat, c.keep[0], c.keep[1], {}, c.keep[2], c.keep[3]};
+    cases.push_back(std::move(c));
+  };
+  expert_major("expert_major 129,0,300,200", {129, 0, 300, 200}, 545);
+  expert_major("expert_major 100,300,200,290", {100, 300, 200, 290}, 548);
+  contiguous("contiguous 100,300,200,290", {100, 300, 200, 290}, 549);
+  contiguous("contiguous 120,250,256,380", {120, 250, 256, 380}, 550);
+  {
+    const int K = 2;
+    Tensor idx, weights;
+    test::random_routing(600, K, static_cast<int>(L), 546, {.masked_fraction = 0.1, .allow_duplicates = false}, idx, weights);
+    for (int64_t i = 0; i < idx.numel(); ++i)
+      if (idx.ptr<int32_t>()[i] < 0) weights.ptr<float>()[i] = 0.0f;
+    flat("flat 600 x 2 random", idx, weights, 547);
+    // 120, 250, 256, 380 (pair) rows per expert: labels in expert order, token n gets labels n and n + N (never one
+    // expert twice: expert 2's labels are tokens 370.. in the first half and ..122 in the second).
+    const std::vector<int32_t> counts = {120, 250, 256, 380};
+    std::vector<int32_t> labels;
+    for (int32_t l = 0; l < L; ++l) labels.insert(labels.end(), counts[l], l);
+    const int64_t N = static_cast<int64_t>(labels.size()) / K;
+    Tensor idx2 = Tensor::empty({N, K}, DType::int32), w2 = Tensor::empty({N, K}, DType::fp32);
+    std::mt19937 rng(551);
+    std::uniform_real_distribution<float> u(0.05f, 1.0f);
+    for (int64_t n = 0; n < N; ++n)
+      for (int k = 0; k < K; ++k) idx2.ptr<int32_t>()[n * K + k] = labels[n + k * N], w2.ptr<float>()[n * K + k] = u(rng);
+    flat("flat 120,250,256,380", idx2, w2, 552);
   }
-  const Tensor xd = to_dev(x), sd = to_dev(scales), rd = to_dev(recv);
-  const ExpertsInput em{ActivationLayout::ExpertMajor, xd, sd, rd, {}, {}};
-  // Flat inputs.
-  const int64_t N = 600;
-  const int K = 2;
-  Tensor idx, weights;
-  test::random_routing(N, K, static_cast<int>(L), 546, {.masked_fraction = 0.1, .allow_duplicates = false}, idx, weights);
-  for (int64_t i = 0; i < N * K; ++i)
-    if (idx.ptr<int32_t>()[i] < 0) weights.ptr<float>()[i] = 0.0f;
-  const Rows fl_rows = random_rows(N, H, DType::fp8_e4m3, 547);
-  const Tensor fxd = to_dev(fl_rows.x), fsd = to_dev(fl_rows.scales), id = to_dev(idx), wd = to_dev(weights);
-  const ExpertsInput fl{ActivationLayout::Flat, fxd, fsd, {}, id, wd};
   // Reference outputs of the cp.async loads; each comparison is printed as it completes (a hang
   // in one variant leaves the earlier verdicts in the log).
-  Tensor em_ref = Tensor::empty({L, cap, H}, DType::bf16, kDev), fl_ref = Tensor::empty({N, H}, DType::bf16, kDev);
-  poison_dev(em_ref);
-  poison_dev(fl_ref);
-  cpa->apply(em, em_ref);
-  cpa->apply(fl, fl_ref);
-  for (auto* g : {rs.get(), tma.get(), tma_lean.get(), tma_lean_pf.get(), tma_perm.get(), dflt.get(), mcast.get(), coupled.get()}) {
+  for (Case& c : cases) {
+    c.ref = Tensor::empty(c.out_shape, DType::bf16, kDev);
+    poison_dev(c.ref);
+    cpa->apply(c.in, c.ref);
+  }
+  for (auto* g : {rs.get(), tma.get(), tma_lean.get(), tma_lean_pf.get(), tma_perm.get(), dflt.get(), mcast.get(), coupled.get(),
+                  index_pairs.get()}) {
     const char* name = g == rs.get()         ? "fast-rs (17)"
                        : g == tma.get()      ? "tma (10)"
                        : g == tma_lean.get() ? "tma lean (23)"
@@ -672,33 +728,32 @@ TEST(ExpertsCuda, Fp8PrefillTmaLoadsMatchCpAsyncLoadsBitForBit) {
                        : g == tma_perm.get()  ? "tma lean, prefetch, Flat rows permuted (29)"
                        : g == mcast.get()     ? "2-CTA clusters, weight multicast (30)"
                        : g == coupled.get()   ? "2-CTA clusters, no multicast (31)"
+                       : g == index_pairs.get() ? "2-CTA clusters, tiles in expert order (33)"
                                                 : "default (1: 30's kernels)";
-    Tensor o = Tensor::empty({L, cap, H}, DType::bf16, kDev), f = Tensor::empty({N, H}, DType::bf16, kDev);
-    poison_dev(o);
-    poison_dev(f);
-    g->apply(em, o);
-    const bool em_same = same_bytes(o, em_ref);
-    std::printf("[ bits ] %s vs cp.async loads, expert_major: %s\n", name, em_same ? "identical" : "DIFFER");
-    std::fflush(stdout);
-    EXPECT_TRUE(em_same) << name << " expert_major output differs from the cp.async loads'";
-    g->apply(fl, f);
-    const bool fl_same = same_bytes(f, fl_ref);
-    std::printf("[ bits ] %s vs cp.async loads, flat: %s\n", name, fl_same ? "identical" : "DIFFER");
-    std::fflush(stdout);
-    EXPECT_TRUE(fl_same) << name << " flat output differs from the cp.async loads'";
+    for (const Case& c : cases) {
+      Tensor o = Tensor::empty(c.out_shape, DType::bf16, kDev);
+      poison_dev(o);
+      g->apply(c.in, o);
+      const bool same = same_bytes(o, c.ref);
+      std::printf("[ bits ] %s vs cp.async loads, %s: %s\n", name, c.name.c_str(), same ? "identical" : "DIFFER");
+      std::fflush(stdout);
+      EXPECT_TRUE(same) << name << " " << c.name << " output differs from the cp.async loads'";
+    }
   }
 }
 
 /// The prefill kernels (128-row tiles) on a small shape, for the sanitizers (compute-sanitizer racecheck /
 /// memcheck runs the Fp8PrefillSmallShapes* filters; natively well under a second each): H 1024, I 256, three
 /// experts, against the CPU on both layouts; partial tiles (129, 70 rows; Flat ~90 per expert), an expert without
-/// tokens, 8 K blocks per gate_up item against its 4 stages (the ring wraps inside an item); each listed
-/// EPX_EXPERTS_FP8_PREFILL mode.
+/// tokens, 8 K blocks per gate_up item against its 4 stages (the ring wraps inside an item); ExpertMajor 70, 300, 129
+/// rows (1, 3, 2 tiles: the cluster modes 1 / 30 / 31 pair expert 0's tile with expert 1's last, the schedule kernel's
+/// pair order, ScheduleParams::pair_big); each listed EPX_EXPERTS_FP8_PREFILL mode.
 void fp8_prefill_small_shapes(std::initializer_list<const char*> modes) {
   const auto experts = same_format(WeightFormat::fp8_block, 3, 1024, 256, 560);
   auto cpu = make_experts_cpu(experts);
   const double tol = kMaxRelL2Fp8TensorCores;
   const EmCase em_case = expert_major_case(*cpu, {129, 0, 70}, 130, DType::fp8_e4m3, 561);  // one CPU reference for every mode
+  const EmCase em_case2 = expert_major_case(*cpu, {70, 300, 129}, 300, DType::fp8_e4m3, 563);
   const FlatCase flat = flat_case(*cpu, 160, 2, DType::fp8_e4m3, 562, {.masked = 0.1, .duplicates = false});
   for (const char* mode : modes) {
     SCOPED_TRACE(std::string("EPX_EXPERTS_FP8_PREFILL=") + mode);
@@ -709,8 +764,10 @@ void fp8_prefill_small_shapes(std::initializer_list<const char*> modes) {
       gpu = make_experts_cuda(experts, 0);
     }
     const EmResult em = check_expert_major(*gpu, em_case, tol);
+    const EmResult em2 = check_expert_major(*gpu, em_case2, tol);
     const double fl = check_flat(*gpu, flat, tol);
-    std::printf("[ rel_l2 ] fp8 prefill mode %s small shapes: expert_major %.2e flat %.2e\n", mode, em.max_rel_l2, fl);
+    std::printf("[ rel_l2 ] fp8 prefill mode %s small shapes: expert_major %.2e / %.2e flat %.2e\n", mode, em.max_rel_l2,
+                em2.max_rel_l2, fl);
   }
 }
 
@@ -718,9 +775,9 @@ TEST(ExpertsCuda, Fp8PrefillSmallShapes) {
   if (gpus() < 1) GTEST_SKIP() << "needs 1 GPU, found " << gpus();
   // The TMA kernels: the default (=1: 30's kernels since the twelfth session), =27 (the Flat gate_up's cp.async
   // gather on the TMA kernel, no proxy fence since the eleventh session), =29 (the Flat gate_up's token rows
-  // permuted into row-space order first, one TMA box per tile) and =30 / =31 (29 as 2-CTA clusters with / without
-  // the weight multicast; ExpertMajor pairs (e0, e0), (e2, e3 none)).
-  fp8_prefill_small_shapes({"1", "27", "29", "30", "31"});
+  // permuted into row-space order first, one TMA box per tile), =30 / =31 (29 as 2-CTA clusters with / without
+  // the weight multicast; ExpertMajor pairs (e0, e0), (e2, none)) and =33 (30 pairing the tiles in expert order).
+  fp8_prefill_small_shapes({"1", "27", "29", "30", "31", "33"});
 }
 
 TEST(ExpertsCuda, Fp8PrefillSmallShapesCpAsync) {

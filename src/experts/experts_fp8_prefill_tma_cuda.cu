@@ -134,9 +134,12 @@ __device__ __forceinline__ Work work_at(const Fp8GemmParams& p, int32_t tile0, i
 /// Step q of a 2-CTA cluster (Fp8GemmParams::prefill_cluster): tile-list entries 2 (q / max_weight_tiles) + {0, 1} of
 /// the prefill section (cluster rank 0, 1) at weight tile q % max_weight_tiles. Both CTAs take nk = the larger of
 /// their K block counts through their rings in lockstep (a CTA without an item, or with fewer K blocks, runs empty
-/// stages: an expert with an odd tile count, the section's last tile, a weight tile past one expert's width, two
-/// experts of different I in down); the weight tile is multicast where both tiles are the same expert's. Both CTAs
-/// compute the same nk and mcast.
+/// stages: the section's last tile, a weight tile past one expert's width, two experts of different I in down); the
+/// weight tile is multicast where both tiles are the same expert's. Both CTAs compute the same nk and mcast. The
+/// schedule kernels order the section for these pairs (ScheduleParams::pair_big, order_big_tiles_for_pairs in
+/// experts_cuda_kernels.cuh; not for Config::experts_fp8_prefill 33): each expert's tiles come in pairs, and only
+/// the last tiles of two odd-count experts share a pair (each expert's tiles still in one stretch of the walk);
+/// in plain expert order an odd-count expert shifted every later pair onto two experts until the next odd one.
 template <bool kGateUp>
 __device__ __forceinline__ Work work_pair(const Fp8GemmParams& p, int32_t tile0, int32_t num_tiles, int64_t q, uint32_t rank) {
   Work w;
@@ -333,7 +336,7 @@ __device__ __forceinline__ void consumer(const Fp8GemmParams& p, const Walk& wal
 
 /// kLean: the consumer of kblock_lean (Config::experts_fp8_prefill 23) with kPrefetch: lean_item_prefetch
 /// (27, and the default's TMA GEMMs); registers 40 / 232 then. kCluster: launched as 2-CTA clusters
-/// (Fp8GemmParams::prefill_cluster 1 or 2; Config::experts_fp8_prefill 30, 31), 27's consumer.
+/// (Fp8GemmParams::prefill_cluster 1 or 2; Config::experts_fp8_prefill 30, 33, 31), 27's consumer.
 template <bool kGateUp, bool kLean, bool kPrefetch, bool kCluster>
 __global__ void __launch_bounds__(kPfThreads, 1) fp8_prefill_tma_kernel(Fp8GemmParams p, const __grid_constant__ CUtensorMap bmap, int tma_b) {
   using L = Layout<kGateUp>;
