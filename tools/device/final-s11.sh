@@ -9,7 +9,7 @@ set -u
 ROOT=$(pwd)
 # (FINAL_SPECS and FINAL_SAN_SPECS "tool:limit:gtest-filter ..." override the final-*.sh allowances and the sanitizer
 # runs: tools/device/final-s12.sh sets both.)
-export GPU_CHECK_GPU_JOBS=3 FINAL_SPECS="${FINAL_SPECS:-gemm:50 mxfp4:45}" FINAL_RESERVE_S=150 FINAL_MOE_AB=0 NCCL_NVLS_ENABLE=0
+export GPU_CHECK_GPU_JOBS=3 FINAL_SPECS="${FINAL_SPECS:-gemm:50 mxfp4:45}" FINAL_RESERVE_S=${FINAL_RESERVE_S:-150} FINAL_MOE_AB=0 NCCL_NVLS_ENABLE=0
 OUT=$OUT bash tools/device/final.sh 1 "${FINAL_END:-360}"
 B=/tmp/epx-gpu-check/build
 nccl="$(python3 -c 'import nvidia.nccl as m; print(list(m.__path__)[0])' 2>/dev/null)"
