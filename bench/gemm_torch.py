@@ -44,6 +44,18 @@ def rowwise_fp8(x):
     return (x.float() / scale).to(torch.float8_e4m3fn), scale.squeeze(-1)
 
 
+def counts_for(L, m, uneven):
+    """Rows per expert: m each, or with `uneven` pairs 2j, 2j + 1 get m + d and m - d, d = 16 ((7 j + 3) mod 33 - 16)
+    (epx-gemm-bench's uneven Contiguous row; bench/gemm_vs_torch.py uses the same split)."""
+    counts = [m] * L
+    if uneven:
+        for l in range(0, L - 1, 2):
+            d = 16 * ((7 * (l // 2) + 3) % 33 - 16)
+            counts[l] += d
+            counts[l + 1] -= d
+    return counts
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default="")
@@ -64,12 +76,7 @@ def main():
     w2_q, w2_s = rowwise_fp8(w2)
     cases = [(8, False), (256, False)] + ([(256, True)] if args.uneven else [])
     for m, uneven in cases:
-        counts = [m] * L
-        if uneven:
-            for l in range(0, L - 1, 2):
-                d = 16 * ((7 * (l // 2) + 3) % 33 - 16)
-                counts[l] += d
-                counts[l + 1] -= d
+        counts = counts_for(L, m, uneven)
         offs = torch.tensor(counts, device=dev, dtype=torch.int32).cumsum(0, dtype=torch.int32)
         x = torch.randn(L * m, H, device=dev, dtype=torch.bfloat16)
         x_q, x_s = rowwise_fp8(x)

@@ -47,13 +47,10 @@ import torch
 
 import epx
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gemm_torch import counts_for, rowwise_fp8  # noqa: E402  (the same recipe and split as bench/gemm_torch.py)
+
 H, I = 7168, 2048
-
-
-def rowwise_fp8(x):
-    amax = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-4)
-    scale = amax / 448.0
-    return (x.float() / scale).to(torch.float8_e4m3fn), scale.squeeze(-1)
 
 
 def time_calls(fn, iters):
@@ -67,16 +64,6 @@ def time_calls(fn, iters):
         b.record()
     torch.cuda.synchronize()
     return statistics.median(a.elapsed_time(b) * 1e3 for a, b in evs)
-
-
-def counts_for(L, m, uneven):
-    counts = [m] * L
-    if uneven:
-        for l in range(0, L - 1, 2):
-            d = 16 * ((7 * (l // 2) + 3) % 33 - 16)
-            counts[l] += d
-            counts[l + 1] -= d
-    return counts
 
 
 def main():
