@@ -191,6 +191,7 @@ class LayoutGroup final : public Group {
   int size() const override { return inner_->size(); }
   Device device() const override { return inner_->device(); }
   std::string name() const override { return inner_->name() + "-layout"; }
+  double timeout_s() const override { return inner_->timeout_s(); }
   void barrier() override { inner_->barrier(); }
   void all_gather(const void* s, void* r, int64_t b, Stream st) override { inner_->all_gather(s, r, b, st); }
   void all_gatherv(const void* s, void* r, const std::vector<int64_t>& b, Stream st) override { inner_->all_gatherv(s, r, b, st); }

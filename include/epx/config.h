@@ -19,7 +19,7 @@ struct Config {
 
   // ---- parameters that affect performance (launch shapes; defaults chosen by measurement) ----
   int ll_warps_per_block = 16;       ///< warps per block of LL kernels; multiple of 4 (16: bench/NOTES.md, fourth session)
-  int ll_num_blocks = 0;             ///< blocks of LL kernels; 0 = one per SM
+  int ll_num_blocks = 0;             ///< blocks of LL kernels; 0 = one per SM (on virtual ranks, per SM of the rank's share: SMs / ranks per GPU)
   /// ll combine reduction for epx bench: column | partial_fp32 | partial_bf16 (epx::LlCombine; the
   /// API takes DispatchConfig::ll_combine, the same default, chosen by measurement).
   std::string ll_combine = "partial_fp32";
@@ -51,7 +51,7 @@ struct Config {
   /// flag_lane (A/B, rank-local) keeps the seventh session's per-lane stores. data's A/B variants
   /// (data_nofence, data_fence, data_cg, data_weak) were removed and are refused.
   std::string ll_combine_wait = "flag";
-  int ht_num_sms = 64;               ///< SM budget of HT kernels (64: measured, bench/NOTES.md "Fourth session: bandwidth")
+  int ht_num_sms = 64;               ///< SM budget of HT kernels (on virtual ranks at most SMs / ranks per GPU) (64: measured, bench/NOTES.md "Fourth session: bandwidth")
   int ht_warps_per_block = 16;       ///< warps per block of HT kernels
   int ht_combine_mode = 0;           ///< HT combine on CUDA: 0 all sends then all reduces, 1 pipelined (bench/NOTES.md)
   int ht_chunk_rows = 4;             ///< HT combine on CUDA: rows per chunk flag (bench/NOTES.md "HT kernels")

@@ -1,7 +1,9 @@
 // epx/group.h: a group of R ranks (the EP group) and its collectives.
 //
 // CPU: ranks are threads of one process sharing host memory (make_cpu_groups); this is the
-// reference and the embedded default with no GPU. CUDA (later): one process per GPU over NCCL.
+// reference and the embedded default with no GPU. CUDA: one process per GPU over NCCL
+// (make_nccl_group), or R "virtual ranks" as threads of one process on one GPU
+// (make_virtual_cuda_groups), so every multi-rank CUDA path runs on a machine with fewer GPUs.
 // All collectives are blocking on the CPU, stream-ordered on CUDA, and every wait on a peer is
 // bounded by Config::timeout_s (Timeout naming the peer and the operation). Every timeout_s argument
 // below must be finite, > 0 and at most 1e9 s (deadlines are int64 nanoseconds), else InvalidArgument.
@@ -74,6 +76,13 @@ class Group {
   virtual Device device() const = 0;
   /// Name unique to this group (two groups on one node never share names or buffers).
   virtual std::string name() const = 0;
+  /// The bound on every wait of this group [s] (host waits; the device-side waits of the ll, ht and
+  /// hier kernels use it too).
+  virtual double timeout_s() const = 0;
+  /// Ranks of this group that share this rank's GPU: 1 for NCCL groups (one process per GPU) and CPU
+  /// groups; R for virtual ranks (make_virtual_cuda_groups). Kernels whose blocks wait on peers take
+  /// at most 1 / ranks_per_gpu() of the device, so every rank's grid is resident at once.
+  virtual int ranks_per_gpu() const { return 1; }
 
   virtual void barrier() = 0;
   /// recv [R * bytes_per_rank] = concat over ranks of send [bytes_per_rank].
@@ -126,6 +135,35 @@ std::vector<std::shared_ptr<Group>> make_cpu_groups(int num_ranks, double timeou
 /// (peers blocked in a collective throw CommError instead of hanging) and the first exception is
 /// rethrown here after all threads joined.
 void run_ranks(const std::vector<std::shared_ptr<Group>>& groups, const std::function<void(int rank)>& fn);
+
+// ---- virtual ranks: R ranks as threads of one process on one CUDA device --------------------------
+
+/// R groups whose ranks are threads of this process on CUDA device `device` ("virtual ranks"),
+/// for machines with fewer GPUs than ranks; element r is rank r; drive them with run_ranks.
+///
+/// Semantics are the NCCL group's: every collective is stream-ordered on the Stream given (the
+/// legacy default stream, Stream{}, makes the call synchronous), host pointers are staged and make
+/// the call synchronous, fp32 / bf16 sums are in fp32 in rank order with one rounding (bit-identical
+/// to the CPU group), and alloc_symmetric returns per-rank cudaMalloc allocations, zero-filled, with
+/// peers[r] = rank r's allocation (same device, so directly addressable): the ll / ht / hier kernels
+/// run on it unchanged. A collective's host side meets its peers through the CPU group's two-phase
+/// protocol (a rank that never calls gives the others a Timeout naming it); its device side is a
+/// one-block barrier kernel before and after the copies, bounded by timeout_s on the device (a peer
+/// whose stream never gets there is named in the Timeout of the next call). CUDA graphs: each rank
+/// captures and replays on its own stream (capture mode ThreadLocal), as on separate GPUs.
+///
+/// Each rank must run its work on its own stream created with cudaStreamNonBlocking: the legacy
+/// default stream would serialise the ranks' kernels, and kernels that wait on peers would wait on
+/// work queued behind them. ranks_per_gpu() = num_ranks: kernels that wait on peers (ll, ht) take
+/// at most their share of the SMs, and a launch configuration that cannot fit is refused by name at
+/// create. Timings on virtual ranks measure one GPU's memory, not NVLink.
+///
+/// ranks_per_node > 0 reports num_ranks / ranks_per_node virtual nodes of consecutive ranks (as
+/// make_cpu_groups does), on which ll and ht take their hierarchical path. Throws InvalidArgument
+/// (num_ranks outside [1, 64], bad device, timeout_s or ranks_per_node), CudaError; Unsupported in
+/// a CPU-only build.
+std::vector<std::shared_ptr<Group>> make_virtual_cuda_groups(int num_ranks, int device = 0, double timeout_s = 60.0,
+                                                             int ranks_per_node = 0);
 
 // ---- groups over NCCL: one process per GPU (CUDA builds; CPU-only builds throw Unsupported) -------
 

@@ -117,7 +117,7 @@ class NcclGroup final : public Group {
   const ncclDevComm& dev_comm() const;
   int lsa_rank() const { return state_->lsa_rank; }
   /// The bound on every wait of this group [s] (device-side waits of the LL and HT kernels use it too).
-  double timeout_s() const { return state_->timeout_s; }
+  double timeout_s() const override { return state_->timeout_s; }
   int lsa_size() const { return state_->lsa_size; }
   /// The window behind a buffer from alloc_symmetric of this group. Throws InvalidArgument otherwise.
   ncclWindow_t window(const SymmetricBuffer& buffer) const;

@@ -13,4 +13,8 @@ std::shared_ptr<Group> make_nccl_group(const UniqueId&, int, int, int, double) {
   throw Unsupported("group.create: backend = nccl: this build has no CUDA/NCCL (configure with EPX_CUDA=ON)");
 }
 
+std::vector<std::shared_ptr<Group>> make_virtual_cuda_groups(int, int, double, int) {
+  throw Unsupported("make_virtual_cuda_groups: this build has no CUDA (configure with EPX_CUDA=ON)");
+}
+
 }  // namespace epx

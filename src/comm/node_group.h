@@ -34,6 +34,8 @@ class NodeGroup final : public Group {
   int size() const override { return layout_.local_size; }
   Device device() const override { return parent_->device(); }
   std::string name() const override { return parent_->name() + "-node" + std::to_string(layout_.node); }
+  double timeout_s() const override { return parent_->timeout_s(); }
+  int ranks_per_gpu() const override { return parent_->ranks_per_gpu(); }
 
   void barrier() override;
   void all_gather(const void* send, void* recv, int64_t bytes_per_rank, Stream s = {}) override;

@@ -32,13 +32,13 @@ void for_each_field(C& c, Visit&& v) {
   v(Field{"timeout_s", "EPX_TIMEOUT_S", "s", "longest wait on a peer before Timeout; >= 0.001, <= 1e9"}, c.timeout_s);
   v(Field{"log_level", "EPX_LOG_LEVEL", "", "trace|debug|info|warn|error|off"}, c.log_level);
   v(Field{"ll.warps_per_block", "EPX_LL_WARPS_PER_BLOCK", "warps", "warps per block of LL kernels; multiple of 4, 4..32"}, c.ll_warps_per_block);
-  v(Field{"ll.num_blocks", "EPX_LL_NUM_BLOCKS", "blocks", "blocks of LL kernels; 0 = one per SM"}, c.ll_num_blocks);
+  v(Field{"ll.num_blocks", "EPX_LL_NUM_BLOCKS", "blocks", "blocks of LL kernels; 0 = one per SM (per SM of the rank's share on virtual ranks)"}, c.ll_num_blocks);
   v(Field{"ll.combine", "EPX_LL_COMBINE", "", "ll combine reduction: column|partial_fp32|partial_bf16"}, c.ll_combine);
   v(Field{"ll.signal", "EPX_LL_SIGNAL", "", "ll completion signal: block|rank|chunk"}, c.ll_signal);
   v(Field{"ll.expand", "EPX_LL_EXPAND", "", "ll dispatch expansion: expert|message"}, c.ll_expand);
   v(Field{"ll.items", "EPX_LL_ITEMS", "", "ll work items (combine send/receive, dispatch expansion): run|chunk"}, c.ll_items);
   v(Field{"ll.combine_wait", "EPX_LL_COMBINE_WAIT", "", "ll partial combine, receive signal: data|flag (flag_lane: flag with the seventh session's per-lane fp32 stores, A/B; every rank flag* or every rank data)"}, c.ll_combine_wait);
-  v(Field{"ht.num_sms", "EPX_HT_NUM_SMS", "SMs", "SM budget of HT kernels; 1..132"}, c.ht_num_sms);
+  v(Field{"ht.num_sms", "EPX_HT_NUM_SMS", "SMs", "SM budget of HT kernels; 1..132 (at most SMs / ranks per GPU on virtual ranks)"}, c.ht_num_sms);
   v(Field{"ht.warps_per_block", "EPX_HT_WARPS_PER_BLOCK", "warps", "warps per block of HT kernels; 1..32 (ht on CUDA: 1..16)"}, c.ht_warps_per_block);
   v(Field{"ht.combine_mode", "EPX_HT_COMBINE_MODE", "", "HT combine on CUDA: 0 all sends then all reduces, 1 pipelined (one target per token only)"}, c.ht_combine_mode);
   v(Field{"ht.chunk_rows", "EPX_HT_CHUNK_ROWS", "rows", "HT combine on CUDA: rows per chunk flag; 1..4096"}, c.ht_chunk_rows);

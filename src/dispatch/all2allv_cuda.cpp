@@ -1,4 +1,4 @@
-// dispatch/all2allv_cuda.cpp: "all2allv" on an NCCL group, the CUDA twin of dedup_cpu.h: a token
+// dispatch/all2allv_cuda.cpp: "all2allv" on a CUDA group, the CUDA twin of dedup_cpu.h: a token
 // goes once to each destination rank holding >= 1 of its selections; rows ordered by source rank,
 // then source token; the reverse all_to_allv brings each destination's weighted partial back and
 // the source sums them in fp32 in destination-rank order, rounding once (zeros for a token that

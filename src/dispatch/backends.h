@@ -1,6 +1,6 @@
 // dispatch/backends.h: factories of the CPU and CUDA backends, called only by the table in
 // registry.cpp. Each factory runs after the group agreed on `cfg` and validate_config accepted it.
-// The CUDA factories exist in EPX_CUDA builds only and take an NCCL group (comm/group_nccl.h).
+// The CUDA factories exist in EPX_CUDA builds only and take a CUDA group (NCCL, or virtual ranks).
 #pragma once
 
 #include <memory>
@@ -23,7 +23,7 @@ std::unique_ptr<PrepareFinalize> make_all2allv_cuda(std::shared_ptr<Group> group
 std::unique_ptr<PrepareFinalize> make_ht_cuda(std::shared_ptr<Group> group, const DispatchConfig& cfg);
 std::unique_ptr<PrepareFinalize> make_ht_cuda(std::shared_ptr<Group> group, const DispatchConfig& cfg, const Config& config);
 /// ll on CUDA (ll_cuda.h): launch shape from `config` or Config::load() (ll_warps_per_block,
-/// ll_num_blocks, ll_signal, ll_expand), device wait bound = the NCCL group's timeout_s.
+/// ll_num_blocks, ll_signal, ll_expand), device wait bound = the group's timeout_s.
 std::unique_ptr<PrepareFinalize> make_ll_cuda(std::shared_ptr<Group> group, const DispatchConfig& cfg);
 std::unique_ptr<PrepareFinalize> make_ll_cuda(std::shared_ptr<Group> group, const DispatchConfig& cfg, const Config& config);
 

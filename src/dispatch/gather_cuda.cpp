@@ -1,4 +1,4 @@
-// dispatch/gather_cuda.cpp: "naive" and "allgather_reducescatter" on an NCCL group, the CUDA twins
+// dispatch/gather_cuda.cpp: "naive" and "allgather_reducescatter" on a CUDA group, the CUDA twins
 // of gather_cpu.h / naive_cpu.cpp / agrs_cpu.cpp: the same gathered Flat layout (every token on
 // every rank, ordered by source rank then token), the same fp32 rank-order reductions (the NCCL
 // group sums bf16 partials in rank order and rounds once, as the CPU group), the same stats.

@@ -1,4 +1,4 @@
-// dispatch/ht_cuda.cpp: the ht backend object on an NCCL group (contract: ht_cuda.h): argument
+// dispatch/ht_cuda.cpp: the ht backend object on a CUDA group (contract: ht_cuda.h): argument
 // checks, the symmetric buffer, the host-mapped record, and the host side of prepare / finalize.
 //
 // Host waits: none in worst-case mode (use_worst_case_sizing; graph-safe). Otherwise prepare reads
@@ -19,8 +19,6 @@
 #include <thread>
 #include <algorithm>
 
-#include "comm/group_nccl.h"
-#include "comm/node_group.h"
 #include "cuda/check.h"
 #include "dispatch/backends.h"
 #include "dispatch/ht_cuda.h"
@@ -46,8 +44,7 @@ HtCuda::HtCuda(std::shared_ptr<Group> group, const DispatchConfig& cfg) : HtCuda
 HtCuda::HtCuda(std::shared_ptr<Group> group, const DispatchConfig& cfg, const Config& config)
     : PrepareFinalizeBase("ht", ActivationLayout::Flat, true, std::move(group), cfg) {
   const std::string op = "ht.create";
-  const auto* nccl = dynamic_cast<const comm::NcclGroup*>(&comm::root_group(*group_));  // a node group: its parent's
-  if (!nccl) throw Unsupported(op + ": group " + group_->name() + " is not an NCCL group: ht on CUDA needs symmetric memory");
+  if (!group_->device().is_cuda()) throw Unsupported(op + ": group " + group_->name() + " is not a CUDA group: ht on CUDA needs symmetric memory");
   caps_.graph_safe = cfg_.use_worst_case_sizing;
   accepts_device_num_tokens_ = true;
   require_arg(op, "num_ranks", num_ranks_, num_ranks_ <= kHtMaxRanks,
@@ -55,7 +52,7 @@ HtCuda::HtCuda(std::shared_ptr<Group> group, const DispatchConfig& cfg, const Co
   require_arg(op, "num_max_dispatch_tokens_per_rank", cfg_.num_max_dispatch_tokens_per_rank, cfg_.num_max_dispatch_tokens_per_rank >= 1,
               "must be >= 1 for ht on CUDA (its buffers are sized for R * num_max_dispatch_tokens_per_rank rows at create)");
   require_arg(op, "hidden", cfg_.hidden, cfg_.dispatch_dtype == DType::fp8_e4m3 || cfg_.hidden % 8 == 0, "must be a multiple of 8");
-  timeout_s_ = nccl->timeout_s();
+  timeout_s_ = group_->timeout_s();
   cuda::DeviceGuard guard(group_->device().index);
   int sms = 0;
   EPX_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, group_->device().index));
@@ -63,7 +60,12 @@ HtCuda::HtCuda(std::shared_ptr<Group> group, const DispatchConfig& cfg, const Co
               "must be in [1, SMs of " + group_->device().str() + " = " + std::to_string(sms) + "] (Config / EPX_HT_NUM_SMS)");
   require_arg(op, "ht_warps_per_block", config.ht_warps_per_block, config.ht_warps_per_block >= 1 && config.ht_warps_per_block <= 16,
               "must be in [1, 16] for ht on CUDA (512-thread CTAs keep 128 registers per thread; Config / EPX_HT_WARPS_PER_BLOCK)");
-  num_sms_ = config.ht_num_sms;
+  // Ranks sharing this GPU (virtual ranks) each take at most their share of its SMs: the combine's
+  // CTAs wait on peers, so every rank's grid must be resident at once.
+  const int sharing = std::max(1, group_->ranks_per_gpu());
+  num_sms_ = std::min(config.ht_num_sms, sms / sharing);
+  require_arg(op, "ranks_per_gpu", sharing, num_sms_ >= 1,
+              "must be <= the SMs of " + group_->device().str() + " = " + std::to_string(sms) + " (each rank's ht grid needs one SM)");
   warps_ = config.ht_warps_per_block;
   combine_mode_ = config.ht_combine_mode;
   chunk_rows_ = config.ht_chunk_rows;

@@ -3,10 +3,11 @@
 
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
+
 #include <cmath>
 #include <cstring>
 
-#include "comm/group_nccl.h"
 #include "comm/node_group.h"
 #include "core/timeout.h"
 #include "cuda/check.h"
@@ -53,7 +54,10 @@ LlCuda::LlCuda(std::shared_ptr<Group> group, const DispatchConfig& cfg, const Ll
   threads_ = 32 * launch.warps_per_block;
   int sms = 0;
   EPX_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, group_->device().index));
-  blocks_ = launch.num_blocks > 0 ? launch.num_blocks : sms;
+  // Ranks sharing this GPU (virtual ranks) each take their share of it: every rank's blocks wait on
+  // peers, so all of them must be resident at once.
+  const int sharing = std::max(1, group_->ranks_per_gpu());
+  blocks_ = launch.num_blocks > 0 ? launch.num_blocks : std::max(1, sms / sharing);
   require_arg(op, "ll.num_blocks", blocks_, blocks_ <= LlLayout::kMaxSignalBlocks,
               "must be <= " + std::to_string(LlLayout::kMaxSignalBlocks) + " (one signal word per send block, ll_layout.h)");
   // ll.expand = message needs per-(id, token) bitmaps in shared memory: where they do not fit, the
@@ -63,10 +67,11 @@ LlCuda::LlCuda(std::shared_ptr<Group> group, const DispatchConfig& cfg, const Ll
   require_arg(op, "num_max_dispatch_tokens_per_rank", cfg.num_max_dispatch_tokens_per_rank, dsmem <= 200 * 1024,
               "needs " + std::to_string(dsmem) + " bytes of shared memory per block with " + std::to_string(num_ranks_) +
                   " ranks (at most 204800): use a smaller capacity");
-  const int resident = ll_max_resident_blocks(threads_, dsmem, csmem);
+  const int resident = ll_max_resident_blocks(threads_, dsmem, csmem) / sharing;
   require_arg(op, "ll.num_blocks", blocks_, blocks_ <= resident,
-              "must be <= " + std::to_string(resident) + " (blocks of " + std::to_string(threads_) +
-                  " threads that fit on the GPU at once; every LL block may wait on peers)");
+              "must be <= " + std::to_string(resident) + " (blocks of " + std::to_string(threads_) + " threads that fit on the GPU at once" +
+                  (sharing > 1 ? ", divided among the " + std::to_string(sharing) + " ranks sharing it" : std::string()) +
+                  "; every LL block may wait on peers)");
 
   // Every rank learns every rank's block count (the signal targets) and protocol modes; collective,
   // like the buffer. Bits 32 / 33: ll.signal = rank / message expansion possible and asked for.
@@ -494,7 +499,7 @@ std::unique_ptr<PrepareFinalize> make_ll_cuda(std::shared_ptr<Group> group, cons
   const std::string& wait = config.ll_combine_wait;
   launch.combine_data = wait == "data";
   launch.combine_lane = wait == "flag_lane";
-  if (const auto* nccl = dynamic_cast<const comm::NcclGroup*>(&comm::root_group(*group))) launch.timeout_s = nccl->timeout_s();
+  launch.timeout_s = group->timeout_s();
   return make_ll_cuda(std::move(group), cfg, launch);
 }
 

@@ -130,7 +130,7 @@ struct LlLaunch {
 
 class LlCuda final : public PrepareFinalizeBase {
  public:
-  /// Collective (alloc_symmetric, the exchange of every rank's block count). group: an NCCL group
+  /// Collective (alloc_symmetric, the exchange of every rank's block count). group: a CUDA group (NCCL or virtual ranks)
   /// whose ranks all share one LSA team (one NVLink domain). Throws InvalidArgument for
   /// num_max_dispatch_tokens_per_rank = 0, R > 32, top_k > 32, or a launch shape whose blocks
   /// cannot all be resident; Unsupported when a peer is not load/store accessible.

@@ -1,5 +1,5 @@
 // dispatch/prepare_finalize_cuda.h: what the flat CUDA backends (naive, allgather_reducescatter,
-// all2allv over an NCCL group) share: the plan + status exchange, the row encoder and the Flat
+// all2allv over a CUDA group) share: the plan + status exchange, the row encoder and the Flat
 // decoder, around the kernels of flat_cuda.h. Same layouts, semantics, stats and error sentences as
 // the CPU reference (prepare_finalize_cpu.h); tensors live on the group's GPU, every step is
 // stream-ordered on DispatchArgs::stream / FinalizeArgs::stream.
@@ -37,7 +37,7 @@ class DeviceBuffer {
 
 class CudaPrepareFinalize : public PrepareFinalizeBase {
  public:
-  /// group: an NCCL group (device cuda:i).
+  /// group: a CUDA group (NCCL or virtual ranks; device cuda:i).
   CudaPrepareFinalize(const std::string& name, std::shared_ptr<Group> group, const DispatchConfig& cfg);
 
  protected:

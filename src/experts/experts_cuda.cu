@@ -372,16 +372,22 @@ class CudaExperts final : public Experts {
                                       "exceeds the " + std::to_string(workspace_bytes_) +
                                           " bytes allocated so far while the stream is being captured (call apply "
                                           "once eagerly with the largest shape before capturing)"));
-      EPX_CUDA_CHECK(cudaDeviceSynchronize());  // earlier applies may still use the old workspace
-      workspace_ = Tensor();
+      // Stream-ordered free and allocation: the old workspace goes after the earlier applies on this
+      // stream, with no host wait and no device-wide sync (cudaFree's would stall on other ranks'
+      // kernels on this GPU that wait for work this rank has yet to queue: virtual ranks).
       // 1/8 headroom: eager prefill steps receive a few % more or fewer rows each, and every new
       // maximum cost a sync + free + malloc of ~1-2 GB (1-2 ms inside the experts phase;
       // bench/NOTES.md, seventh session).
       const int64_t bytes = align_up(layout.total + layout.total / 8, 256);
-      workspace_ = Tensor::empty({bytes}, DType::uint8, Device::cuda(device_));
+      cuda::DeviceGuard guard(device_);
+      void* old = workspace_.release();
+      if (old) EPX_CUDA_CHECK(cudaFreeAsync(old, stream));
+      void* p = nullptr;
+      EPX_CUDA_CHECK(cudaMallocAsync(&p, static_cast<size_t>(bytes), stream));
+      workspace_.reset(p);
       workspace_bytes_ = bytes;
     }
-    return layout.carve(workspace_.data());
+    return layout.carve(static_cast<uint8_t*>(workspace_.get()));
   }
 
   void apply_expert_major(const ExpertsInput& in, const TensorView& out, cudaStream_t stream) {
@@ -651,7 +657,12 @@ class CudaExperts final : public Experts {
   Tensor descs_;                        // [L] ExpertDesc on the device
   Tensor w_maps_;                       // [2L] Fp8TmaMap of the fp8_block weights (prefill kernels' TMA), or undefined
   Tensor mx_maps_;                      // [4L] Fp8TmaMap of the mxfp4 weights (decode_item_bulk), or undefined
-  Tensor workspace_;
+  /// cudaMallocAsync'd on the stream of the apply that grew it; a later growth frees it on its own
+  /// stream (stream-ordered), the destructor with cudaFree (which waits for the device).
+  struct CudaFree {
+    void operator()(void* p) const { (void)cudaFree(p); }
+  };
+  std::unique_ptr<void, CudaFree> workspace_;
   int64_t workspace_bytes_ = 0;
   ErrorRecord* error_ = nullptr;        // host-mapped, pinned
   ErrorRecord* error_dev_ = nullptr;

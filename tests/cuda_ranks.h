@@ -1,0 +1,62 @@
+// tests/cuda_ranks.h: multi-rank CUDA tests on whatever GPUs the machine has.
+//
+// run_cuda_ranks(R, ...) runs fn(rank, group) on R ranks:
+//   - real form, when the machine has >= R GPUs: one forked process per GPU, an NCCL group each
+//     (forked_ranks.h; rank r on device r);
+//   - virtual ranks otherwise (or when EPX_TEST_VIRTUAL_RANKS=1): one forked process whose R threads
+//     are the ranks of make_virtual_cuda_groups on device 0.
+// Either way the gtest process never initialises CUDA, a hang is killed at the deadline, and a rank
+// reports failure by throwing (its message goes to stderr; the returned text names the failure).
+//
+// A body that runs on virtual ranks shares one GPU with its peers, so it must not wait for the whole
+// device while a peer may wait for it: work on the rank's own cudaStreamNonBlocking stream, wait
+// with cudaStreamSynchronize(stream) (or the legacy-stream helpers below), never cudaDeviceSynchronize
+// between a peer's kernels and this rank's matching ones. Per-rank state lives in the body (threads,
+// not processes: nothing written from the body is private to the rank).
+#pragma once
+
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "epx/cuda.h"
+#include "epx/group.h"
+#include "forked_ranks.h"
+
+#ifdef EPX_WITH_CUDA
+namespace epx::test {
+
+/// True when R ranks run as virtual ranks here: fewer than R GPUs, or EPX_TEST_VIRTUAL_RANKS=1.
+inline bool virtual_ranks_for(int R) {
+  const char* force = std::getenv("EPX_TEST_VIRTUAL_RANKS");
+  if (force && std::strcmp(force, "1") == 0) return true;
+  return cuda::device_count() < R;
+}
+
+/// "" when every rank of R returned within deadline_s, else what failed. timeout_s bounds the
+/// group's waits; ranks_per_node > 0 gives virtual ranks that many ranks per (virtual) node, and in
+/// the real form is ignored (the node layout then comes from NCCL's environment, as in production).
+inline std::string run_cuda_ranks(int R, double deadline_s, const std::function<void(int rank, const std::shared_ptr<Group>& g)>& fn,
+                                  double timeout_s = 60.0, int ranks_per_node = 0) {
+  if (!virtual_ranks_for(R)) {
+    const std::string path = fresh_dir() + "/uid";
+    return run_ranks_forked(R, deadline_s, [&](int rank) {
+      auto g = make_nccl_group(path, rank, R, rank, timeout_s);
+      cuda_ok(cudaSetDevice(rank), "cudaSetDevice");
+      fn(rank, g);
+    });
+  }
+  const std::string failed = run_ranks_forked(1, deadline_s, [&](int) {
+    auto groups = make_virtual_cuda_groups(R, 0, timeout_s, ranks_per_node);
+    run_ranks(groups, [&](int rank) {
+      cuda_ok(cudaSetDevice(0), "cudaSetDevice");
+      fn(rank, groups[static_cast<size_t>(rank)]);
+    });
+  });
+  return failed.empty() ? failed : "virtual ranks (" + std::to_string(R) + " on one GPU): " + failed;
+}
+
+}  // namespace epx::test
+#endif  // EPX_WITH_CUDA
