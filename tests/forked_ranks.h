@@ -116,16 +116,18 @@ inline void cuda_ok(cudaError_t e, const char* what) {
 
 /// cudaMemset(p, byte, bytes), then waits for it. cudaMemset runs on the legacy default stream, which a
 /// cudaStreamNonBlocking stream does not wait for: without the wait, a launch there can run first and
-/// have its output overwritten by the poison (the seventh session's ll_cuda_test out = 255).
+/// have its output overwritten by the poison. The wait is on the legacy stream, not the device: on
+/// virtual ranks (cuda_ranks.h) a peer's kernel on this GPU may wait for work this rank has yet to queue.
 inline void poison_device(void* p, size_t bytes, const char* what, int byte = 0xFF) {
   if (bytes > 0) cuda_ok(cudaMemset(p, byte, bytes), what);
-  cuda_ok(cudaDeviceSynchronize(), what);
+  cuda_ok(cudaStreamSynchronize(cudaStreamLegacy), what);
 }
 
-/// cudaMemcpy host -> device, then waits: from pageable memory it may return before the DMA lands.
+/// cudaMemcpy host -> device, then waits (on the legacy stream, as poison_device): from pageable
+/// memory it may return before the DMA lands.
 inline void upload_device(void* dst, const void* src, size_t bytes, const char* what) {
   if (bytes > 0) cuda_ok(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice), what);
-  cuda_ok(cudaDeviceSynchronize(), what);
+  cuda_ok(cudaStreamSynchronize(cudaStreamLegacy), what);
 }
 #endif
 
