@@ -56,8 +56,10 @@ struct DeviceWorld {
     EPX_CUDA_CHECK(cudaHostGetDevicePointer(&dev_ptr, host, 0));
     record_dev = static_cast<comm::VirtualTimeoutRecord*>(dev_ptr);
     EPX_CUDA_CHECK(cudaDeviceSynchronize());
+    cuda::virtual_ranks_begin();
   }
   ~DeviceWorld() {
+    cuda::virtual_ranks_end();
     cuda::DeviceGuard guard(device);
     (void)cudaDeviceSynchronize();
     if (flags) (void)cudaFree(flags);
@@ -280,10 +282,8 @@ class VirtualCudaGroup final : public comm::ThreadWorldGroup {
     void* mem = nullptr;
     const size_t sz = static_cast<size_t>((std::max<int64_t>(bytes, 1) + 255) / 256 * 256);
     EPX_CUDA_CHECK(cudaMalloc(&mem, sz));
-    std::shared_ptr<void> mine(mem, [device](void* q) {
-      cuda::DeviceGuard g(device);
-      (void)cudaFree(q);
-    });
+    // Freed like a Tensor (the reaper thread while virtual ranks are live: cudaFree waits for the device).
+    std::shared_ptr<void> mine(mem, [device](void* q) { device_allocator(DeviceKind::cuda)->free(q, device); });
     EPX_CUDA_CHECK(cudaMemsetAsync(mem, 0, sz, internal_));
     EPX_CUDA_CHECK(cudaStreamSynchronize(internal_));
     auto owners = std::make_shared<std::vector<std::shared_ptr<void>>>(static_cast<size_t>(size()));

@@ -37,6 +37,12 @@ inline cudaStream_t native(Stream s) { return static_cast<cudaStream_t>(s.handle
 /// then asks the driver directly instead of a child process). Throws CudaError.
 void set_device(int device);
 
+/// While virtual ranks are live in this process (between begin and end, counted), Tensor frees go
+/// to a background thread: cudaFree waits for the whole device, so a rank's thread must not call it
+/// while a peer's kernel on the same GPU may wait for this rank's next kernel.
+void virtual_ranks_begin();
+void virtual_ranks_end();
+
 /// Makes `device` current for its scope and restores the previous device after.
 class DeviceGuard {
  public:

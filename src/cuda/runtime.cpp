@@ -10,9 +10,13 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <condition_variable>
 #include <csignal>
+#include <deque>
 #include <mutex>
 #include <string>
+#include <thread>
+#include <utility>
 
 #include "cuda/check.h"
 #include "epx/cuda.h"
@@ -69,8 +73,55 @@ void* device_alloc(int64_t bytes, int device) {
   return p;
 }
 
+// Frees handed over while virtual ranks are live (the reaper thread below).
+struct Reaper {
+  std::mutex mu;
+  std::condition_variable cv;
+  std::deque<std::pair<void*, int>> queue;
+  bool started = false;
+};
+Reaper& reaper() {
+  static Reaper* r = new Reaper();  // never destroyed: the thread may outlive static destruction
+  return *r;
+}
+std::atomic<int> g_virtual_worlds{0};
+
+void free_now(void* p, int device);
+
+void reaper_loop() {
+  Reaper& r = reaper();
+  std::unique_lock<std::mutex> lk(r.mu);
+  for (;;) {
+    r.cv.wait(lk, [&] { return !r.queue.empty(); });
+    const auto [p, device] = r.queue.front();
+    r.queue.pop_front();
+    lk.unlock();
+    free_now(p, device);
+    lk.lock();
+  }
+}
+
 // Runs inside shared_ptr deleters: never throws, reports failures in the log.
+//
+// cudaFree waits for the whole device. With virtual ranks (several ranks' threads on one GPU) a rank
+// that frees between two of its kernels would wait for a peer's kernel that waits for this rank's
+// next one: the free goes to a reaper thread instead, which waits for the device in its place.
 void device_free(void* p, int device) {
+  if (g_virtual_worlds.load(std::memory_order_acquire) > 0) {
+    Reaper& r = reaper();
+    std::lock_guard<std::mutex> lk(r.mu);
+    if (!r.started) {
+      std::thread(reaper_loop).detach();
+      r.started = true;
+    }
+    r.queue.emplace_back(p, device);
+    r.cv.notify_one();
+    return;
+  }
+  free_now(p, device);
+}
+
+void free_now(void* p, int device) {
   int previous = -1;
   if (cudaGetDevice(&previous) != cudaSuccess) previous = -1;
   if (previous != device) (void)cudaSetDevice(device);
@@ -150,6 +201,9 @@ int probe_device_count_in_child() {
 }
 
 }  // namespace
+
+void virtual_ranks_begin() { g_virtual_worlds.fetch_add(1, std::memory_order_acq_rel); }
+void virtual_ranks_end() { g_virtual_worlds.fetch_sub(1, std::memory_order_acq_rel); }
 
 DeviceGuard::DeviceGuard(int device) {
   mark_used();
