@@ -1,29 +1,39 @@
 // dispatch/ll_cuda_test.cpp: the ll backend on CUDA (ll_cuda.h) against the CPU reference LlCpu on
-// the same inputs, one forked process per GPU (R = 2 where two GPUs exist, R = 1 otherwise):
+// the same inputs. Multi-rank cases run through tests/cuda_ranks.h run_cuda_ranks: one forked process
+// per GPU where the machine has enough GPUs, else R virtual ranks (threads) on GPU 0; at 1 and 2 ranks,
+// and at 4 and 8 ranks on small shapes where a case takes a rank count:
 //   - prepare: recv_count, every valid row of x (bf16 bits / fp8 codes), x_scales, the handle
 //     (src_rank, src_token, topk_column of every valid slot) and layout_range, bit for bit;
 //   - finalize: out bit for bit (fp32 column-order sum, one rounding; with the expert-side partial
 //     combine modes LlCombine::partial_fp32 / partial_bf16, LlCpu in the same mode, plus the
 //     handle's per-message rows msg_count / msg_src_token / msg_rows / msg_weights);
 // at the ll-v3 (H 7168, E 256, K 8, fp8) and ll-v4 (E 384, K 6, fp8) shapes and hidden 2048 / 4096
-// (bf16, fp8, fp8 + UE8M0, shared route, duplicates, int64 ids), T in {0, 1, 7, 128} with -1
-// selections and different T per rank, two rounds per object (both parities);
+// (bf16, fp8, fp8 + UE8M0, shared route, duplicates, int64 ids) on 1 and 2 ranks, hidden 384 / 512 /
+// 1024 on 4 and 8 ranks; T in {0, 1, 7, 128} with -1 selections and different T per rank, three
+// rounds per object (both parities, one through the send/recv hooks);
 // the protocol the Config does not choose (ll.signal / ll.expand / ll.items) on the partial_fp32 cases;
-// CUDA graphs: prepare and finalize captured separately, replayed with a device-side T that
-// changes between replays and differs between ranks; two graphs on one object replayed
-// interleaved; one buffer through 20 calls (eager, then graph replays) with T per call and rank
-// shrinking and growing, block and chunk, chunk with a delayed send block 0 (the stale slot-token
-// regression test) and its self-check; the send/recv split (hooks); errors: T > capacity (InvalidArgument before anything
-// is written; the next round still works), a bad device num_tokens (reported, InvalidArgument from that finalize or
-// check(), then usable), and a rank that does not call (Timeout within the bound, naming it).
+// CUDA graphs (each rank captures on its own stream, cudaStreamCaptureModeThreadLocal): prepare and
+// finalize captured separately, replayed with a device-side T that changes between replays and
+// differs between ranks, the first replay equal to the eager call on the same inputs; two graphs on
+// one object replayed interleaved; one buffer through 20 calls (eager, then graph replays of the
+// same inputs, each replay equal to its eager call) with T per call and rank shrinking and growing,
+// block and chunk, chunk with a delayed send block 0 (the stale slot-token regression test) and its
+// self-check; errors: T > capacity (InvalidArgument before anything is written; the next round still
+// works), a bad device num_tokens (reported, InvalidArgument from that finalize or check(), then
+// usable), a finalize refused on one rank (every peer told at once), and a stopped rank that never
+// calls (its body sleeps, or on virtual ranks returns early): every other rank gets Timeout within
+// the bound, naming it.
 // The expert step is the harness's TestExperts on host copies of the prepare outputs. Outputs are
-// poisoned before each call; inputs are fresh random values, never zeros.
+// poisoned before each call; inputs are fresh random values, never zeros. Rank bodies work on their
+// own cudaStreamNonBlocking stream and wait on it or on the legacy stream, never on the whole device
+// (cuda_ranks.h), and never touch the environment (set before run_cuda_ranks).
 #include <gtest/gtest.h>
 
 #include <chrono>
 #include <cstdio>
-#include <cstdlib>  // setenv
+#include <cstdlib>  // setenv (the test bodies' callers only)
 #include <cstring>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -33,6 +43,7 @@
 #include "epx/cuda.h"
 #include "epx/dispatch.h"
 #include "epx/error.h"
+#include "cuda_ranks.h"
 #include "forked_ranks.h"
 
 using namespace epx;
@@ -45,6 +56,62 @@ using namespace epx::test;
 #include "dispatch/ll_cuda.h"
 
 namespace {
+
+/// This rank's stream: cudaStreamNonBlocking, so it never waits for another rank's work on the legacy
+/// stream; destroyed at scope exit.
+struct RankStream {
+  cudaStream_t s = nullptr;
+  RankStream() { cuda_ok(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "stream"); }
+  ~RankStream() {
+    if (s) (void)cudaStreamDestroy(s);
+  }
+  RankStream(const RankStream&) = delete;
+  RankStream& operator=(const RankStream&) = delete;
+};
+
+/// Waits for this thread's legacy-stream memsets / copies (they do not order a cudaStreamNonBlocking
+/// stream, and a pageable upload may return before its DMA lands); not for the device: on virtual
+/// ranks a peer's kernel on this GPU may wait for work this rank has yet to queue.
+void sync_legacy(const char* what) { cuda_ok(cudaStreamSynchronize(cudaStreamLegacy), what); }
+
+/// Sets an environment variable for its scope (in the gtest process, before the ranks start: a rank
+/// body never touches the environment), then restores the previous value.
+struct ScopedEnv {
+  std::string name;
+  std::optional<std::string> before;
+  ScopedEnv(std::string n, const std::string& value) : name(std::move(n)) {
+    if (const char* v = std::getenv(name.c_str())) before = v;
+    ::setenv(name.c_str(), value.c_str(), 1);
+  }
+  ~ScopedEnv() {
+    if (before) ::setenv(name.c_str(), before->c_str(), 1);
+    else ::unsetenv(name.c_str());
+  }
+  ScopedEnv(const ScopedEnv&) = delete;
+  ScopedEnv& operator=(const ScopedEnv&) = delete;
+};
+
+/// Tokens per rank for R ranks: `pattern` repeated from rank 0.
+std::vector<int64_t> per_rank(int R, const std::vector<int64_t>& pattern) {
+  std::vector<int64_t> T(static_cast<size_t>(R));
+  for (int r = 0; r < R; ++r) T[static_cast<size_t>(r)] = pattern[static_cast<size_t>(r) % pattern.size()];
+  return T;
+}
+
+/// Throws this rank's failures ("" = none), after printing them: on virtual ranks only the first rank's
+/// exception comes back from run_ranks, so every rank's own list goes to stderr too.
+void throw_failures(int rank, const std::string& failures) {
+  if (failures.empty()) return;
+  std::fprintf(stderr, "[rank %d] %s\n", rank, failures.c_str());
+  std::fflush(stderr);
+  throw std::runtime_error("rank " + std::to_string(rank) + ": " + failures);
+}
+
+/// One line naming where R ranks run (in the test log).
+void say_where(int R) {
+  std::printf("%d rank%s: %s\n", R, R == 1 ? "" : "s", virtual_ranks_for(R) ? "virtual ranks on GPU 0" : "one GPU per rank (NCCL)");
+  std::fflush(stdout);
+}
 
 /// What one rank's prepare + finalize produced, reduced to the parts both devices define (valid
 /// rows only: rows >= recv_count[l] are stale by contract).
@@ -219,7 +286,7 @@ DevInput upload(const RankInput& ri, int64_t rows, Device dev) {
   cuda_ok(cudaMemcpy(d.w.data(), ri.topk_weights.data(), static_cast<size_t>(ri.topk_weights.nbytes()), cudaMemcpyHostToDevice), "w");
   // The memsets run on the legacy stream and a pageable cudaMemcpy may return before its DMA lands;
   // the tests launch on cudaStreamNonBlocking streams, which do not wait for either.
-  cuda_ok(cudaDeviceSynchronize(), "sync upload");
+  sync_legacy("sync upload");
   return d;
 }
 
@@ -231,7 +298,7 @@ void poison_outputs(const PrepareResult& p, dispatch::LlCuda& ll) {
                           &ll.handle().msg_count, &ll.handle().msg_src_token, &ll.handle().msg_rows, &ll.handle().msg_weights})
     cuda_ok(cudaMemset(t->data(), 0xff, static_cast<size_t>(t->nbytes())), "poison handle");
   // Landed before the next prepare on the non-blocking stream (graph replays follow at once).
-  cuda_ok(cudaDeviceSynchronize(), "sync poison handle");
+  sync_legacy("sync poison handle");
 }
 
 /// One eager round on the GPU: prepare (fused or split), host experts, finalize (fused or split).
@@ -259,10 +326,9 @@ Snap gpu_round(const Case& c, dispatch::LlCuda& ll, const RankInput& ri, int ran
   const Tensor eo = experts_out(c, rank, p).to(dev);
   Tensor out = Tensor::empty({T, c.H}, DType::bf16, dev);
   cuda_ok(cudaMemset(out.data(), 0xff, static_cast<size_t>(out.nbytes())), "poison out");
-  // Legacy-stream memset and pageable upload of eo: done before the non-blocking stream's combine (a
-  // combine that ran first had its output overwritten by the poison under GPU contention: seventh
-  // session's final run, out[0] = 255).
-  cuda_ok(cudaDeviceSynchronize(), "sync poison out");
+  // Legacy-stream memset: done before the non-blocking stream's combine (a combine that ran first
+  // would have its output overwritten by the poison).
+  sync_legacy("sync poison out");
   try {
     if (split) {
       ll.finalize_send({eo, out, Stream{s}});
@@ -283,7 +349,7 @@ Snap gpu_round(const Case& c, dispatch::LlCuda& ll, const RankInput& ri, int ran
   poison_outputs(p, ll);
   cuda_ok(cudaMemset(p.x.data, 0xff, static_cast<size_t>(p.x.nbytes())), "poison x");
   if (p.x_scales.defined()) cuda_ok(cudaMemset(p.x_scales.data, 0xff, static_cast<size_t>(p.x_scales.nbytes())), "poison scales");
-  cuda_ok(cudaDeviceSynchronize(), "sync poison");
+  sync_legacy("sync poison");
   return snap;
 }
 
@@ -301,7 +367,21 @@ Case make_case(int R, int64_t H, int E, int K, DType dt, bool ue8m0, bool shared
   return c;
 }
 
+std::vector<EagerCase> cases_of(std::vector<Case> cs, LlCombine mode);
+
+/// The eager cases at R ranks: the shapes below on 1 and 2 ranks; on 4 and 8 ranks small ones (hidden
+/// 1024 bf16 with duplicates, 512 fp8, 384 fp8 + UE8M0 with the shared route, int64 ids and an uneven
+/// expert split), each with T in {0, 1, 7, 128} (or the capacity 16) across the ranks.
 std::vector<EagerCase> eager_cases(int R, LlCombine mode, bool all) {
+  if (R > 2) {
+    std::vector<Case> cs = {
+        make_case(R, 1024, 4 * R, 8, DType::bf16, false, false, true, false, 0.2, 128, per_rank(R, {128, 0, 7, 1}), 121),
+        make_case(R, 512, 2 * R, 4, DType::fp8_e4m3, false, false, false, false, 0.15, 128, per_rank(R, {1, 128, 0, 7}), 122),
+        make_case(R, 384, R + 3, 3, DType::fp8_e4m3, true, true, false, true, 0.25, 16, per_rank(R, {7, 16, 0, 1}), 123),
+    };
+    if (!all) cs = mode == LlCombine::partial_bf16 ? std::vector<Case>{cs[0]} : std::vector<Case>{cs[1], cs[2]};
+    return cases_of(std::move(cs), mode);
+  }
   auto t = [&](std::vector<int64_t> two) { return R == 2 ? two : std::vector<int64_t>{two[0]}; };
   std::vector<Case> cs = {
       // ll-v3: DeepSeek-V3 decode
@@ -321,6 +401,11 @@ std::vector<EagerCase> eager_cases(int R, LlCombine mode, bool all) {
   // T 0 / 16, and 2048 with T 0; the GPU test label's time.
   if (all && R == 1) cs = {cs[0], cs[2], cs[4], cs[6]};
   if (!all) cs = mode == LlCombine::partial_bf16 ? std::vector<Case>{cs[4], cs[5]} : std::vector<Case>{cs[0], cs[1], cs[4], cs[5]};
+  return cases_of(std::move(cs), mode);
+}
+
+/// Three rounds per case (the second with the ranks' T reversed), with LlCpu's results.
+std::vector<EagerCase> cases_of(std::vector<Case> cs, LlCombine mode) {
   std::vector<EagerCase> out;
   for (Case c : cs) {
     c.ll_combine = mode;
@@ -338,24 +423,20 @@ std::vector<EagerCase> eager_cases(int R, LlCombine mode, bool all) {
   return out;
 }
 
-std::string nccl_path() { return fresh_dir() + "/uid"; }
-
 /// `launch`: construct LlCuda with this launch shape / protocol instead of make_prepare_finalize's
 /// (the Config's).
 void run_eager(int R, LlCombine mode = LlCombine::column, const dispatch::LlLaunch* launch = nullptr) {
+  say_where(R);
   const std::vector<EagerCase> cases = eager_cases(R, mode, mode == LlCombine::column);
-  const std::string path = nccl_path();
-  const std::string failed = run_ranks_forked(R, 400.0, [&](int rank) {
-    auto g = make_nccl_group(path, rank, R, rank, 60.0);
-    cuda_ok(cudaSetDevice(rank), "cudaSetDevice");
-    cudaStream_t s;
-    cuda_ok(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "stream");
+  const std::string failed = run_cuda_ranks(R, 400.0, [&](int rank, const std::shared_ptr<Group>& g) {
+    const RankStream rs;
+    const cudaStream_t s = rs.s;
     std::string failures;
     for (const EagerCase& ec : cases) {
       std::unique_ptr<PrepareFinalize> pf =
           launch ? std::make_unique<dispatch::LlCuda>(g, ec.c.config(), *launch) : make_prepare_finalize("ll", g, ec.c.config());
       auto* ll = dynamic_cast<dispatch::LlCuda*>(pf.get());
-      if (!ll) throw std::runtime_error("make_prepare_finalize(ll) on an NCCL group is not LlCuda");
+      if (!ll) throw std::runtime_error("make_prepare_finalize(ll) on a CUDA group is not LlCuda");
       if (!ll->capabilities().graph_safe || !ll->capabilities().static_buffers) throw std::runtime_error("capabilities");
       for (size_t i = 0; i < ec.rounds.size(); ++i) {
         const bool split = i == 2;  // the third round through the send/recv hooks
@@ -368,8 +449,7 @@ void run_eager(int R, LlCombine mode = LlCombine::column, const dispatch::LlLaun
       }
     }
     g->barrier();
-    cuda_ok(cudaStreamDestroy(s), "stream destroy");
-    if (!failures.empty()) throw std::runtime_error("mismatches:\n" + failures);
+    if (!failures.empty()) throw_failures(rank, "mismatches:\n" + failures);
   });
   EXPECT_EQ(failed, "");
 }
@@ -390,14 +470,24 @@ void capture(cudaStream_t s, cudaGraphExec_t& exec, const std::function<void()>&
 }
 
 /// Graph A: x [cap, H] with a device num_tokens; graph B: x [5, H] (host T = 5). Replays of A
-/// with T per (replay, rank) from `ta`, interleaved with B; every replay checked against LlCpu.
+/// with T per (replay, rank) from `ta`, interleaved with B; every replay checked against LlCpu, and
+/// the first against an eager call on the same inputs made before the captures (bit for bit). Each
+/// rank captures on its own stream (cudaStreamCaptureModeThreadLocal: the peers' threads go on).
+/// The ll-v3 shape on 1 and 2 ranks, hidden 1024 with 4 experts per rank on 4 and 8.
 void run_graphs(int R, LlCombine mode = LlCombine::column) {
-  Case c = make_case(R, 7168, 256, 8, DType::fp8_e4m3, false, false, false, false, 0.1, 128, {}, 31);
+  say_where(R);
+  Case c = R <= 2 ? make_case(R, 7168, 256, 8, DType::fp8_e4m3, false, false, false, false, 0.1, 128, {}, 31)
+                  : make_case(R, 1024, 4 * R, 8, DType::fp8_e4m3, false, false, false, false, 0.1, 128, {}, 31);
   c.ll_combine = mode;
   Case cb = c;
   cb.T.assign(static_cast<size_t>(R), 5);
   cb.seed = 32;
-  const std::vector<std::vector<int64_t>> ta = {{128, 3}, {0, 128}, {7, 1}, {1, 0}, {64, 100}};  // [replay][rank]
+  const std::vector<std::vector<int64_t>> ta = {{128, 3}, {0, 128}, {7, 1}, {1, 0}, {64, 100}};  // [replay][rank], ranks 0 and 1
+  const std::vector<int64_t> spread = {0, 1, 7, 128, 33};
+  // T of graph A's replay `a` on rank r: ta for ranks 0 and 1, `spread` shifted per replay for the others.
+  auto t_of = [&](int a, int r) -> int64_t {
+    return r < 2 ? ta[static_cast<size_t>(a)][static_cast<size_t>(r)] : spread[static_cast<size_t>(a + r) % spread.size()];
+  };
   Case cfull = c;
   cfull.T.assign(static_cast<size_t>(R), 128);
   const std::vector<RankInput> full = make_inputs(cfull), inb = make_inputs(cb);
@@ -405,21 +495,24 @@ void run_graphs(int R, LlCombine mode = LlCombine::column) {
   const std::vector<int> schedule = {0, -1, 1, 2, -1, 3, 4};
   std::vector<std::vector<RankInput>> rounds;
   for (int sidx : schedule) {
-    std::vector<RankInput> per_rank;
+    std::vector<RankInput> ranks_in;
     for (int r = 0; r < R; ++r)
-      per_rank.push_back(sidx < 0 ? inb[static_cast<size_t>(r)] : head(full[static_cast<size_t>(r)], ta[static_cast<size_t>(sidx)][static_cast<size_t>(r % 2)]));
-    rounds.push_back(std::move(per_rank));
+      ranks_in.push_back(sidx < 0 ? inb[static_cast<size_t>(r)] : head(full[static_cast<size_t>(r)], t_of(sidx, r)));
+    rounds.push_back(std::move(ranks_in));
   }
   const auto want = run_cpu(c, rounds);
-  const std::string path = nccl_path();
-  const std::string failed = run_ranks_forked(R, 300.0, [&](int rank) {
-    auto g = make_nccl_group(path, rank, R, rank, 60.0);
-    cuda_ok(cudaSetDevice(rank), "cudaSetDevice");
-    const Device dev = Device::cuda(rank);
-    cudaStream_t s;
-    cuda_ok(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "stream");
+  const std::string failed = run_cuda_ranks(R, 300.0, [&](int rank, const std::shared_ptr<Group>& g) {
+    const Device dev = g->device();
+    const RankStream rs;
+    const cudaStream_t s = rs.s;
     auto pf = make_prepare_finalize("ll", g, c.config());
     auto* ll = dynamic_cast<dispatch::LlCuda*>(pf.get());
+    if (!ll) throw std::runtime_error("make_prepare_finalize(ll) on a CUDA group is not LlCuda");
+    std::string failures;
+    // The eager call on replay 0's inputs (schedule[0] is graph A): replay 0 must give the same bits.
+    const Snap eager = gpu_round(c, *ll, rounds[0][static_cast<size_t>(rank)], rank, s, false);
+    const std::string de = diff(eager, want[0][static_cast<size_t>(rank)]);
+    if (!de.empty()) failures += "eager call before the captures: " + de + "\n";
     const DevInput a = upload(full[static_cast<size_t>(rank)], 128, dev), b = upload(inb[static_cast<size_t>(rank)], 5, dev);
     Tensor nt = Tensor::zeros({1}, DType::int32, dev);
     const int64_t L = num_local_experts(c.config(), R, rank), cap = static_cast<int64_t>(R) * c.cap;
@@ -433,10 +526,9 @@ void run_graphs(int R, LlCombine mode = LlCombine::column) {
     capture(s, ga.finalize, [&] { pf->finalize({eo_a, out_a, Stream{s}}); });
     capture(s, gb.prepare, [&] { pb = pf->prepare({b.x, b.idx, b.w, Stream{s}}); });
     capture(s, gb.finalize, [&] { pf->finalize({eo_b, out_b, Stream{s}}); });
-    std::string failures;
     for (size_t i = 0; i < schedule.size(); ++i) {
       const bool is_a = schedule[i] >= 0;
-      const int32_t T = is_a ? static_cast<int32_t>(ta[static_cast<size_t>(schedule[i])][static_cast<size_t>(rank % 2)]) : 5;
+      const int32_t T = is_a ? static_cast<int32_t>(t_of(schedule[i], rank)) : 5;
       if (is_a) cuda_ok(cudaMemcpyAsync(nt.data(), &T, 4, cudaMemcpyHostToDevice, s), "num_tokens");
       cuda_ok(cudaStreamSynchronize(s), "sync");
       cuda_ok(cudaGraphLaunch(is_a ? ga.prepare : gb.prepare, s), "replay prepare");
@@ -449,7 +541,7 @@ void run_graphs(int R, LlCombine mode = LlCombine::column) {
       copy(eo, experts_out(c, rank, p));
       Tensor& out = is_a ? out_a : out_b;
       cuda_ok(cudaMemset(out.data(), 0xff, static_cast<size_t>(out.nbytes())), "poison out");
-      cuda_ok(cudaDeviceSynchronize(), "sync poison out");  // see gpu_round
+      sync_legacy("sync poison out");  // see gpu_round
       cuda_ok(cudaGraphLaunch(is_a ? ga.finalize : gb.finalize, s), "replay finalize");
       cuda_ok(cudaStreamSynchronize(s), "sync finalize");
       ll->check(Stream{s});
@@ -463,13 +555,17 @@ void run_graphs(int R, LlCombine mode = LlCombine::column) {
       ob.resize(static_cast<size_t>(T) * c.H * 2);
       snap.out = ob;
       poison_outputs(p, *ll);
-      const std::string d = diff(snap, want[i][static_cast<size_t>(rank)]);
+      std::string d = diff(snap, want[i][static_cast<size_t>(rank)]);
+      if (i == 0) {
+        const std::string dv = diff(snap, eager);
+        if (!dv.empty()) d += "vs the eager call: " + dv;
+      }
       if (!d.empty()) failures += "replay " + std::to_string(i) + (is_a ? " (graph A, T=" + std::to_string(T) + ")" : " (graph B)") + ": " + d + "\n";
       if (rank == 0) std::printf("graph replay %zu: graph %s, T = %d on rank 0: %s\n", i, is_a ? "A" : "B", T, d.empty() ? "bit-exact" : "DIFFERS");
     }
     for (cudaGraphExec_t e : {ga.prepare, ga.finalize, gb.prepare, gb.finalize}) cuda_ok(cudaGraphExecDestroy(e), "exec destroy");
     g->barrier();
-    if (!failures.empty()) throw std::runtime_error(failures);
+    throw_failures(rank, failures);
   });
   EXPECT_EQ(failed, "");
 }
@@ -518,9 +614,10 @@ std::vector<std::vector<RankInput>> many_calls_inputs(const Case& c) {
 /// One ll buffer, kManyCallsT's calls eager (call 3 through the send/recv hooks), then the same
 /// calls as replays of one captured prepare / finalize graph pair with the token count on the device:
 /// 2 x 10 consecutive calls on one object, each checked bit for bit against LlCpu (outputs poisoned
-/// before each call). `launch` per rank (rank 0's may carry the debug delay). The ranks are aligned by
-/// a group barrier before each prepare. Returns the failures of both ranks ("" = all exact, every rank
-/// finished) and prints one line per call and rank.
+/// before each call), and each replay against the eager call on the same inputs. `launch` per rank
+/// (rank 0's may carry the debug delay). The ranks are aligned by a group barrier before each prepare.
+/// Returns the failures of both ranks ("" = all exact, every rank finished) and prints one line per
+/// call and rank.
 std::string run_many_calls(const std::string& name, const std::vector<dispatch::LlLaunch>& launch) {
   constexpr int R = 2;
   // ll-v3's hidden size, dtype, top-k and capacity (so the send items map to blocks as at ll-v3: 14
@@ -531,14 +628,13 @@ std::string run_many_calls(const std::string& name, const std::vector<dispatch::
     return k;
   }();
   static const std::vector<std::vector<RankInput>> rounds = many_calls_inputs(c);
-  static const std::vector<std::vector<Snap>> want = run_cpu(c, rounds);
-  const std::string path = nccl_path(), dir = fresh_dir();
-  const std::string status = run_ranks_forked(R, 300.0, [&](int rank) {
-    auto g = make_nccl_group(path, rank, R, rank, 60.0);
-    cuda_ok(cudaSetDevice(rank), "cudaSetDevice");
-    const Device dev = Device::cuda(rank);
-    cudaStream_t s;
-    cuda_ok(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "stream");
+  static const std::vector<std::vector<Snap>> want = run_cpu(c, rounds);  // all three: read-only in the ranks
+  say_where(R);
+  const std::string dir = fresh_dir();
+  const std::string status = run_cuda_ranks(R, 300.0, [&](int rank, const std::shared_ptr<Group>& g) {
+    const Device dev = g->device();
+    const RankStream rs;
+    const cudaStream_t s = rs.s;
     dispatch::LlCuda ll(g, c.config(), launch[static_cast<size_t>(rank)]);
     std::string failures;
     auto record = [&](const std::string& what, size_t i, const std::string& d) {
@@ -549,9 +645,10 @@ std::string run_many_calls(const std::string& name, const std::vector<dispatch::
       std::fflush(stdout);  // a step cut by a time limit keeps its lines
     };
     // 1. Eager calls 0..9.
+    std::vector<Snap> eager;
     for (size_t i = 0; i < rounds.size(); ++i) {
-      const Snap got = gpu_round(c, ll, rounds[i][static_cast<size_t>(rank)], rank, s, i == 3, g.get());
-      record("eager", i, diff(got, want[i][static_cast<size_t>(rank)]));
+      eager.push_back(gpu_round(c, ll, rounds[i][static_cast<size_t>(rank)], rank, s, i == 3, g.get()));
+      record("eager", i, diff(eager.back(), want[i][static_cast<size_t>(rank)]));
     }
     // 2. Calls 10..19: graph replays, x [cap, H] with the token count on the device, fresh inputs per replay.
     const int64_t L = num_local_experts(c.config(), R, rank), cap = static_cast<int64_t>(R) * c.cap;
@@ -575,7 +672,7 @@ std::string run_many_calls(const std::string& name, const std::vector<dispatch::
       cuda_ok(cudaMemcpy(in.idx.data(), ri.topk_idx.data(), static_cast<size_t>(ri.topk_idx.nbytes()), cudaMemcpyHostToDevice), "idx");
       cuda_ok(cudaMemcpy(in.w.data(), ri.topk_weights.data(), static_cast<size_t>(ri.topk_weights.nbytes()), cudaMemcpyHostToDevice), "w");
       cuda_ok(cudaMemcpy(nt.data(), &T, 4, cudaMemcpyHostToDevice), "num_tokens");
-      cuda_ok(cudaDeviceSynchronize(), "sync inputs");  // legacy-stream memsets, pageable copies (see upload)
+      sync_legacy("sync inputs");  // legacy-stream memsets, pageable copies (see upload)
       g->barrier();
       cuda_ok(cudaGraphLaunch(gp.prepare, s), "replay prepare");
       cuda_ok(cudaStreamSynchronize(s), "sync prepare");
@@ -584,7 +681,7 @@ std::string run_many_calls(const std::string& name, const std::vector<dispatch::
       take_msgs(snap, ll.handle(), c.K);
       copy(eo, experts_out(c, rank, p));
       cuda_ok(cudaMemset(out.data(), 0xff, static_cast<size_t>(out.nbytes())), "poison out");
-      cuda_ok(cudaDeviceSynchronize(), "sync poison out");
+      sync_legacy("sync poison out");
       cuda_ok(cudaGraphLaunch(gp.finalize, s), "replay finalize");
       cuda_ok(cudaStreamSynchronize(s), "sync finalize");
       ll.check(Stream{s});
@@ -600,12 +697,12 @@ std::string run_many_calls(const std::string& name, const std::vector<dispatch::
       poison_outputs(p, ll);
       cuda_ok(cudaMemset(p.x.data, 0xff, static_cast<size_t>(p.x.nbytes())), "poison x");
       cuda_ok(cudaMemset(p.x_scales.data, 0xff, static_cast<size_t>(p.x_scales.nbytes())), "poison scales");
-      cuda_ok(cudaDeviceSynchronize(), "sync poison");
-      record("graph", i, extra + diff(snap, want[i][static_cast<size_t>(rank)]));
+      sync_legacy("sync poison");
+      const std::string vs_eager = diff(snap, eager[i]);  // the replay of call i gives the eager call's bits
+      record("graph", i, extra + diff(snap, want[i][static_cast<size_t>(rank)]) + (vs_eager.empty() ? "" : "vs the eager call: " + vs_eager));
     }
     for (cudaGraphExec_t e : {gp.prepare, gp.finalize}) cuda_ok(cudaGraphExecDestroy(e), "exec destroy");
     g->barrier();
-    cuda_ok(cudaStreamDestroy(s), "stream destroy");
     std::fflush(stdout);
     FILE* f = std::fopen((dir + "/failures-" + std::to_string(rank)).c_str(), "w");  // read by the parent
     if (!f) throw std::runtime_error("cannot write " + dir);
@@ -645,13 +742,11 @@ void run_errors(int R) {
   c17.T.assign(static_cast<size_t>(R), 17);
   const std::vector<RankInput> big = make_inputs(c17);
   const auto want = run_cpu(c, {in, in});
-  const std::string path = nccl_path();
-  const std::string failed = run_ranks_forked(R, 120.0, [&](int rank) {
-    auto g = make_nccl_group(path, rank, R, rank, 60.0);
-    cuda_ok(cudaSetDevice(rank), "cudaSetDevice");
-    const Device dev = Device::cuda(rank);
-    cudaStream_t s;
-    cuda_ok(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "stream");
+  say_where(R);
+  const std::string failed = run_cuda_ranks(R, 120.0, [&](int rank, const std::shared_ptr<Group>& g) {
+    const Device dev = g->device();
+    const RankStream rs;
+    const cudaStream_t s = rs.s;
     auto pf = make_prepare_finalize("ll", g, c.config());
     auto* ll = dynamic_cast<dispatch::LlCuda*>(pf.get());
     std::string failures;
@@ -716,140 +811,186 @@ void run_errors(int R) {
       if (what.find("num_tokens") == std::string::npos) failures += "CPU ll accepted num_tokens: '" + what + "'; ";
     }
     g->barrier();
-    if (!failures.empty()) throw std::runtime_error(failures);
+    throw_failures(rank, failures);
   });
   EXPECT_EQ(failed, "");
 }
 
-/// Rank 1 never calls: rank 0's prepare fails within timeout_s (+ slack) with Timeout naming rank 1,
-/// and every later call throws too. Never a hang.
-void run_timeout() {
-  const Case c = make_case(2, 2048, 16, 4, DType::bf16, false, false, false, false, 0.0, 8, {4, 4}, 51);
+// ---- a stopped rank ------------------------------------------------------------------------------
+
+/// How the stopped rank of the timeout tests does not take part.
+enum class Stop {
+  sleeps,   ///< alive, but never makes the call: sleeps past the others' timeout
+  returns,  ///< its body returns at once (virtual ranks only: on real GPUs it sleeps, see stop_mode)
+};
+
+/// `want` where the ranks are virtual; on real GPUs always Stop::sleeps: a process that exits while its
+/// peers still store into its symmetric memory over NVLink is not what these tests are about.
+Stop stop_mode(int R, Stop want) { return virtual_ranks_for(R) ? want : Stop::sleeps; }
+
+/// The group timeout of the stopped-rank tests: short on virtual ranks (every host wait of the test
+/// ends within it); on real GPUs the NCCL start-up of R processes needs more.
+double stop_group_timeout(int R) { return virtual_ranks_for(R) ? 5.0 : 60.0; }
+
+/// The stopped rank's part: wait past `secs` (Stop::sleeps) or nothing (Stop::returns).
+void stopped_rank(Stop stop, double secs) {
+  if (stop == Stop::sleeps) std::this_thread::sleep_for(std::chrono::duration<double>(secs));  // alive, but never calls
+}
+
+/// The end of a stopped-rank test's body. Real form (one process per GPU): the process exits here
+/// without teardown (messages to the stopped rank were never consumed); on virtual ranks the body
+/// returns (or throws the failures) like any other, and its objects are destroyed: their waits are over.
+void end_stopped_test(int rank, const std::string& failures, bool real) {
+  std::fflush(stdout);
+  if (real) {
+    if (!failures.empty()) std::fprintf(stderr, "[rank %d] FAILED: %s\n", rank, failures.c_str());
+    std::fflush(stderr);
+    _exit(failures.empty() ? 0 : 1);
+  }
+  throw_failures(rank, failures);
+}
+
+/// Rank `stopped` never calls: every other rank's prepare fails within timeout_s (+ slack) with
+/// Timeout naming the stopped rank, and its next call throws that too. Never a hang.
+void run_timeout(int R, int stopped, Stop want_stop) {
+  const Stop stop = stop_mode(R, want_stop);
+  const bool real = !virtual_ranks_for(R);
+  say_where(R);
+  std::printf("rank %d stopped (%s)\n", stopped, stop == Stop::sleeps ? "sleeps" : "returns at once");
+  const Case c = make_case(R, 2048, 16, 4, DType::bf16, false, false, false, false, 0.0, 8, std::vector<int64_t>(static_cast<size_t>(R), 4), 51);
   const std::vector<RankInput> in = make_inputs(c);
-  const std::string path = nccl_path();
-  constexpr double kTimeout = 2.0;
-  const std::string failed = run_ranks_forked(2, 60.0, [&](int rank) {
-    auto g = make_nccl_group(path, rank, 2, rank, 60.0);
-    cuda_ok(cudaSetDevice(rank), "cudaSetDevice");
-    cudaStream_t s;
-    cuda_ok(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "stream");
-    dispatch::LlCuda ll(g, c.config(), {.warps_per_block = 8, .num_blocks = 0, .timeout_s = kTimeout});
-    std::string failures;
-    if (rank == 0) {
-      const DevInput d = upload(in[0], 4, Device::cuda(0));
-      const auto t0 = std::chrono::steady_clock::now();
-      std::string what;
-      try {
-        ll.prepare({d.x, d.idx, d.w, Stream{s}});
-        ll.check(Stream{s});
-      } catch (const Timeout& e) {
-        what = e.what();
-      }
-      const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-      std::printf("timeout after %.2f s (bound %.1f s): %s\n", secs, kTimeout, what.c_str());
-      if (what.find("rank 1") == std::string::npos || what.find("prepare") == std::string::npos) failures += "timeout message: '" + what + "'; ";
-      if (secs < kTimeout * 0.9 || secs > kTimeout + 5.0) failures += "timeout took " + std::to_string(secs) + " s; ";
-      std::string again;
-      try {
-        ll.prepare({d.x, d.idx, d.w, Stream{s}});
-      } catch (const Timeout& e) {
-        again = e.what();
-      }
-      if (again.find("rank 1") == std::string::npos) failures += "the next call did not throw Timeout: '" + again + "'; ";
-    } else {
-      std::this_thread::sleep_for(std::chrono::duration<double>(kTimeout + 3.0));  // alive, but never calls
-    }
-    std::fflush(stdout);
-    if (!failures.empty()) {
-      std::fprintf(stderr, "[rank %d] FAILED: %s\n", rank, failures.c_str());
-      std::fflush(stderr);
-      _exit(1);
-    }
-    _exit(0);  // skip teardown: rank 0's messages to rank 1 were never consumed
-  });
+  constexpr double kTimeout = 3.0;
+  const std::string who = "rank " + std::to_string(stopped);
+  const std::string failed = run_cuda_ranks(
+      R, 60.0,
+      [&](int rank, const std::shared_ptr<Group>& g) {
+        const RankStream rs;
+        const cudaStream_t s = rs.s;
+        dispatch::LlCuda ll(g, c.config(), {.warps_per_block = 8, .num_blocks = 0, .timeout_s = kTimeout});
+        std::string failures;
+        if (rank == stopped) {
+          stopped_rank(stop, kTimeout + 2.0);
+          return end_stopped_test(rank, failures, real);
+        }
+        const DevInput d = upload(in[static_cast<size_t>(rank)], 4, g->device());
+        const auto t0 = std::chrono::steady_clock::now();
+        std::string what;
+        try {
+          ll.prepare({d.x, d.idx, d.w, Stream{s}});
+          ll.check(Stream{s});
+        } catch (const Timeout& e) {
+          what = e.what();
+        }
+        const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        std::printf("rank %d: timeout after %.2f s (bound %.1f s): %s\n", rank, secs, kTimeout, what.c_str());
+        if (what.find(who) == std::string::npos || what.find("prepare") == std::string::npos)
+          failures += "timeout message does not name " + who + " and the prepare: '" + what + "'; ";
+        if (secs < kTimeout * 0.9 || secs > kTimeout + 5.0) failures += "timeout took " + std::to_string(secs) + " s; ";
+        std::string again;
+        try {
+          ll.prepare({d.x, d.idx, d.w, Stream{s}});
+        } catch (const Timeout& e) {
+          again = e.what();
+        }
+        if (again.find(who) == std::string::npos) failures += "the next call did not throw Timeout naming " + who + ": '" + again + "'; ";
+        end_stopped_test(rank, failures, real);
+      },
+      stop_group_timeout(R));
   EXPECT_EQ(failed, "");
 }
 
-/// ll.combine_wait = data, partial_fp32: both ranks prepare, rank 1 never finalizes: rank 0's
-/// finalize (its receive polls rank 1's partial rows) ends within timeout_s (+ slack) and check()
-/// throws Timeout naming rank 1 and the finalize. Never a hang.
-void run_combine_timeout() {
-  Case c = make_case(2, 2048, 16, 4, DType::bf16, false, false, false, false, 0.0, 8, {4, 4}, 52);
+/// ll.combine_wait = data, partial_fp32: every rank prepares, rank `stopped` never finalizes: every
+/// other rank's finalize (its receive polls the stopped rank's partial rows: each rank's token 0 is
+/// routed there) ends within timeout_s (+ slack) and check() throws Timeout naming the stopped rank and
+/// the finalize. Never a hang.
+void run_combine_timeout(int R, int stopped, Stop want_stop) {
+  const Stop stop = stop_mode(R, want_stop);
+  const bool real = !virtual_ranks_for(R);
+  say_where(R);
+  std::printf("rank %d stopped after its prepare (%s)\n", stopped, stop == Stop::sleeps ? "sleeps" : "returns at once");
+  Case c = make_case(R, 2048, 16, 4, DType::bf16, false, false, false, false, 0.0, 8, std::vector<int64_t>(static_cast<size_t>(R), 4), 52);
   c.ll_combine = LlCombine::partial_fp32;
-  const std::vector<RankInput> in = make_inputs(c);
-  const std::string path = nccl_path();
-  constexpr double kTimeout = 2.0;
-  const std::string failed = run_ranks_forked(2, 60.0, [&](int rank) {
-    auto g = make_nccl_group(path, rank, 2, rank, 60.0);
-    cuda_ok(cudaSetDevice(rank), "cudaSetDevice");
-    const Device dev = Device::cuda(rank);
-    cudaStream_t s;
-    cuda_ok(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "stream");
-    dispatch::LlLaunch launch;
-    launch.timeout_s = kTimeout;
-    launch.combine_data = true;
-    dispatch::LlCuda ll(g, c.config(), launch);
-    std::string failures;
-    const DevInput d = upload(in[static_cast<size_t>(rank)], 4, dev);
-    const PrepareResult p = ll.prepare({d.x, d.idx, d.w, Stream{s}});
-    ll.check(Stream{s});
-    const int64_t L = p.x.size(0);
-    Tensor eo = Tensor::zeros({L, p.x.size(1), c.H}, DType::bf16, dev), out = Tensor::empty({4, c.H}, DType::bf16, dev);
-    if (rank == 0) {
-      const auto t0 = std::chrono::steady_clock::now();
-      std::string what;
-      try {
-        ll.finalize({eo, out, Stream{s}});
+  std::vector<RankInput> in = make_inputs(c);
+  // Token 0 of every rank selects an expert of the stopped rank (column 0 := one it does not name yet),
+  // so every other rank's combine waits for a row from it (combine_wait = data waits for rows only).
+  const ExpertRange sr = expert_range(c.E, c.R, stopped);
+  for (RankInput& ri : in) {
+    int32_t* id = ri.topk_idx.ptr<int32_t>();  // int32 ids (Case::idx64 false)
+    bool there = false;
+    for (int k = 0; k < c.K; ++k) there = there || (id[k] >= sr.begin && id[k] < sr.end);
+    for (int e = sr.begin; !there && e < sr.end; ++e) {
+      bool named = false;
+      for (int k = 0; k < c.K; ++k) named = named || id[k] == e;
+      if (!named) id[0] = e, there = true;
+    }
+  }
+  constexpr double kTimeout = 3.0;
+  const std::string who = "rank " + std::to_string(stopped);
+  const std::string failed = run_cuda_ranks(
+      R, 60.0,
+      [&](int rank, const std::shared_ptr<Group>& g) {
+        const Device dev = g->device();
+        const RankStream rs;
+        const cudaStream_t s = rs.s;
+        dispatch::LlLaunch launch;
+        launch.timeout_s = kTimeout;
+        launch.combine_data = true;
+        dispatch::LlCuda ll(g, c.config(), launch);
+        std::string failures;
+        const DevInput d = upload(in[static_cast<size_t>(rank)], 4, dev);
+        const PrepareResult p = ll.prepare({d.x, d.idx, d.w, Stream{s}});
         ll.check(Stream{s});
-      } catch (const Timeout& e) {
-        what = e.what();
-      }
-      const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-      std::printf("combine timeout after %.2f s (bound %.1f s): %s\n", secs, kTimeout, what.c_str());
-      if (what.find("rank 1") == std::string::npos || what.find("finalize") == std::string::npos) failures += "timeout message: '" + what + "'; ";
-      if (secs < kTimeout * 0.9 || secs > kTimeout + 5.0) failures += "timeout took " + std::to_string(secs) + " s; ";
-    } else {
-      std::this_thread::sleep_for(std::chrono::duration<double>(kTimeout + 3.0));  // alive, but never finalizes
-    }
-    std::fflush(stdout);
-    if (!failures.empty()) {
-      std::fprintf(stderr, "[rank %d] FAILED: %s\n", rank, failures.c_str());
-      std::fflush(stderr);
-      _exit(1);
-    }
-    _exit(0);  // skip teardown: rank 0's partial rows to rank 1 were never consumed
-  });
+        if (rank == stopped) {
+          stopped_rank(stop, kTimeout + 2.0);
+          return end_stopped_test(rank, failures, real);
+        }
+        const int64_t L = p.x.size(0);
+        Tensor eo = Tensor::zeros({L, p.x.size(1), c.H}, DType::bf16, dev), out = Tensor::empty({4, c.H}, DType::bf16, dev);
+        const auto t0 = std::chrono::steady_clock::now();
+        std::string what;
+        try {
+          ll.finalize({eo, out, Stream{s}});
+          ll.check(Stream{s});
+        } catch (const Timeout& e) {
+          what = e.what();
+        }
+        const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        std::printf("rank %d: combine timeout after %.2f s (bound %.1f s): %s\n", rank, secs, kTimeout, what.c_str());
+        if (what.find(who) == std::string::npos || what.find("finalize") == std::string::npos)
+          failures += "timeout message does not name " + who + " and the finalize: '" + what + "'; ";
+        if (secs < kTimeout * 0.9 || secs > kTimeout + 5.0) failures += "timeout took " + std::to_string(secs) + " s; ";
+        end_stopped_test(rank, failures, real);
+      },
+      stop_group_timeout(R));
   EXPECT_EQ(failed, "");
 }
 
 /// A finalize refused on one rank reaches every rank at once (the abort marker, kLlFlagRejected): rank 0
-/// passes out with T + 1 rows, so it throws InvalidArgument at the call; rank 1's combine of that call ends
-/// long before timeout_s with its out all NaN (poisoned with a finite pattern first), and rank 1 gets one
-/// InvalidArgument naming rank 0: from that finalize (after its launch) or its check(); rank 0's check()
-/// throws nothing; the rounds before and after are exact on both ranks (every object stays usable).
-/// `split`: both ranks use the hooks (rank 0's refused call is finalize_send). `rank1_checks` false: rank 1
-/// calls no check() after the refused call (only a stream sync, so the report is on its host) and goes on
-/// to the next round: its prepare must not throw (that would leave rank 0's dispatch waiting), the error
-/// comes from that round's finalize after its launch (or the check() after it), and the round is exact.
-/// Before the marker rank 1 got Timeout after timeout_s and both objects broke.
-std::string run_combine_rejected(const std::string& name, LlCombine mode, const dispatch::LlLaunch& launch, bool split,
-                                 bool rank1_checks = true) {
-  Case c = make_case(2, 2048, 16, 4, DType::fp8_e4m3, false, false, false, false, 0.1, 16, {}, 61);
+/// passes out with T + 1 rows, so it throws InvalidArgument at the call; every other rank's combine of that
+/// call ends long before timeout_s with its out all NaN (poisoned with a finite pattern first), and each
+/// gets one InvalidArgument naming rank 0: from that finalize (after its launch) or its check(); rank 0's
+/// check() throws nothing; the rounds before and after are exact on every rank (every object stays usable).
+/// `split`: all ranks use the hooks (rank 0's refused call is finalize_send). `peers_check` false: the
+/// other ranks call no check() after the refused call (only a stream sync, so the report is on their host)
+/// and go on to the next round: their prepare must not throw (that would leave rank 0's dispatch waiting),
+/// the error comes from that round's finalize after its launch (or the check() after it), and the round is
+/// exact. Without the marker the peers would get Timeout after timeout_s and every object would break.
+std::string run_combine_rejected(int R, const std::string& name, LlCombine mode, const dispatch::LlLaunch& launch, bool split,
+                                 bool peers_check = true) {
+  say_where(R);
+  Case c = make_case(R, 2048, 16, 4, DType::fp8_e4m3, false, false, false, false, 0.1, 16, {}, 61);
   c.ll_combine = mode;
   Case ca = c, cb = c;
-  ca.T = {8, 5};
-  cb.T = {7, 16};
+  ca.T = per_rank(R, {8, 5, 0, 1});
+  cb.T = per_rank(R, {7, 16, 1, 0});  // rank 0's T >= 1 (its refused out has T + 1 rows)
   cb.seed = 62;
   const std::vector<RankInput> in = make_inputs(ca), mid = make_inputs(cb);
   const auto want = run_cpu(c, {in, in});
-  const std::string path = nccl_path();
   const double timeout_s = launch.timeout_s;
-  return run_ranks_forked(2, 120.0, [&](int rank) {
-    auto g = make_nccl_group(path, rank, 2, rank, 60.0);
-    cuda_ok(cudaSetDevice(rank), "cudaSetDevice");
-    const Device dev = Device::cuda(rank);
-    cudaStream_t s;
-    cuda_ok(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "stream");
+  return run_cuda_ranks(R, 120.0, [&](int rank, const std::shared_ptr<Group>& g) {
+    const Device dev = g->device();
+    const RankStream rs;
+    const cudaStream_t s = rs.s;
     dispatch::LlCuda ll(g, c.config(), launch);
     std::string failures;
     const std::string d0 = diff(gpu_round(c, ll, in[static_cast<size_t>(rank)], rank, s, split), want[0][static_cast<size_t>(rank)]);
@@ -866,7 +1007,7 @@ std::string run_combine_rejected(const std::string& name, LlCombine mode, const 
       const Tensor eo = experts_out(c, rank, p).to(dev);
       Tensor out = Tensor::empty({T + (rank == 0 ? 1 : 0), c.H}, DType::bf16, dev);
       cuda_ok(cudaMemset(out.data(), 0x11, static_cast<size_t>(out.nbytes())), "poison out (finite)");
-      cuda_ok(cudaDeviceSynchronize(), "sync poison out");
+      sync_legacy("sync poison out");
       g->barrier();
       const auto t0 = std::chrono::steady_clock::now();
       try {
@@ -880,7 +1021,7 @@ std::string run_combine_rejected(const std::string& name, LlCombine mode, const 
         at_call = e.what();
       }
       try {
-        if (rank1_checks || rank == 0) ll.check(Stream{s});
+        if (peers_check || rank == 0) ll.check(Stream{s});
         else cuda_ok(cudaStreamSynchronize(s), "sync");  // the report is on the host before the next prepare
       } catch (const InvalidArgument& e) {
         at_check = std::string("InvalidArgument: ") + e.what();
@@ -890,23 +1031,23 @@ std::string run_combine_rejected(const std::string& name, LlCombine mode, const 
       secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       std::printf("%s rank %d after %.3f s (timeout_s %.0f): call '%s', check '%s'\n", name.c_str(), rank, secs, timeout_s, at_call.c_str(),
                   at_check.c_str());
-      if (rank == 1) {
+      if (rank != 0) {
         const std::vector<uint8_t> bytes = host_bytes(out);
         int64_t finite = 0;
         for (size_t i = 0; i + 1 < bytes.size(); i += 2) {
           const uint16_t v = static_cast<uint16_t>(bytes[i] | bytes[i + 1] << 8);
           if ((v & 0x7f80) != 0x7f80 || (v & 0x7f) == 0) ++finite;
         }
-        if (finite != 0) failures += "rank 1's out: " + std::to_string(finite) + " of " + std::to_string(bytes.size() / 2) + " not NaN; ";
+        if (finite != 0) failures += "out: " + std::to_string(finite) + " of " + std::to_string(bytes.size() / 2) + " not NaN; ";
       }
       if (secs > timeout_s / 2) failures += "took " + std::to_string(secs) + " s (timeout_s " + std::to_string(timeout_s) + "); ";
     }
     std::string late;
-    const bool late_here = !rank1_checks && rank == 1;
+    const bool late_here = !peers_check && rank != 0;
     const std::string d1 = diff(gpu_round(c, ll, in[static_cast<size_t>(rank)], rank, s, split, nullptr, late_here ? &late : nullptr),
                                 want[1][static_cast<size_t>(rank)]);
     if (!d1.empty()) failures += "round after: " + d1 + "; ";
-    if (late_here) std::printf("%s rank 1, round after without a check before it: '%s'\n", name.c_str(), late.c_str());
+    if (late_here) std::printf("%s rank %d, round after without a check before it: '%s'\n", name.c_str(), rank, late.c_str());
     if (rank == 0) {
       if (at_call.find("out.shape") == std::string::npos) failures += "rank 0's refusal: '" + at_call + "'; ";
       if (!at_check.empty()) failures += "rank 0's check threw: '" + at_check + "'; ";
@@ -916,24 +1057,28 @@ std::string run_combine_rejected(const std::string& name, LlCombine mode, const 
       std::string got;
       for (const std::string& e : got_all)
         if (!e.empty()) ++n, got = e;
-      if (n != 1) failures += "rank 1 threw " + std::to_string(n) + " times: '" + at_call + "', '" + at_check + "', '" + late + "'; ";
+      if (n != 1) failures += "threw " + std::to_string(n) + " times: '" + at_call + "', '" + at_check + "', '" + late + "'; ";
       if (at_check.rfind("Timeout", 0) == 0 || got.find("rank 0") == std::string::npos ||
           got.find("refused its finalize arguments") == std::string::npos)
-        failures += "rank 1's error: '" + got + "'; ";
+        failures += "error: '" + got + "'; ";
     }
     g->barrier();
-    if (!failures.empty()) throw std::runtime_error(name + ": " + failures);
+    if (!failures.empty()) throw_failures(rank, name + ": " + failures);
   });
 }
 
 int gpus() { return cuda::device_count(); }
+
+/// The only skip for want of GPUs: none at all. With fewer GPUs than ranks the ranks run as virtual
+/// ranks on GPU 0 (cuda_ranks.h).
+constexpr const char* kNoGpu = "no CUDA GPU on this machine";
 
 // A refused finalize is that prepare's finalize (ll_cuda.h): retrying it with good arguments must be refused
 // on the host ("no prepare to finalize") rather than launch a second combine for one dispatch (the call
 // numbers would drift until a timeout), and the object must stay usable: the next round matches LlCpu.
 // One rank, so it runs on the one-GPU machine too (the peers' side is CombineRefusedOnOneRank...TwoRanks).
 TEST(LlCuda, RefusedFinalizeIsNotRetriedOneRank) {
-  if (gpus() < 1) GTEST_SKIP() << "needs 1 GPU, found " << gpus();
+  if (gpus() < 1) GTEST_SKIP() << kNoGpu;
   Case c = make_case(1, 2048, 16, 4, DType::fp8_e4m3, false, false, false, false, 0.1, 16, {}, 63);
   Case ca = c, cb = c;
   ca.T = {8};
@@ -941,13 +1086,11 @@ TEST(LlCuda, RefusedFinalizeIsNotRetriedOneRank) {
   cb.seed = 64;
   const std::vector<RankInput> in = make_inputs(ca), mid = make_inputs(cb);
   const auto want = run_cpu(c, {in, in});
-  const std::string path = nccl_path();
-  const std::string failed = run_ranks_forked(1, 120.0, [&](int rank) {
-    auto g = make_nccl_group(path, rank, 1, rank, 60.0);
-    cuda_ok(cudaSetDevice(rank), "cudaSetDevice");
-    const Device dev = Device::cuda(rank);
-    cudaStream_t s;
-    cuda_ok(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "stream");
+  say_where(1);
+  const std::string failed = run_cuda_ranks(1, 120.0, [&](int rank, const std::shared_ptr<Group>& g) {
+    const Device dev = g->device();
+    const RankStream rs;
+    const cudaStream_t s = rs.s;
     dispatch::LlLaunch launch;
     launch.timeout_s = 4.0;
     dispatch::LlCuda ll(g, c.config(), launch);
@@ -979,7 +1122,7 @@ TEST(LlCuda, RefusedFinalizeIsNotRetriedOneRank) {
     if (retried.find("no prepare to finalize") == std::string::npos) failures += "the retried finalize: '" + retried + "'; ";
     const std::string d1 = diff(gpu_round(c, ll, in[0], rank, s, false), want[1][0]);
     if (!d1.empty()) failures += "round after: " + d1 + "; ";
-    if (!failures.empty()) throw std::runtime_error(failures);
+    throw_failures(rank, failures);
   });
   EXPECT_EQ(failed, "");
 }
@@ -992,7 +1135,7 @@ TEST(LlCuda, RefusedFinalizeIsNotRetriedOneRank) {
 // loopback), so it runs on the one-GPU machine; the column combine and the fp32 partial combine (fused and
 // split finalize).
 TEST(LlCuda, FinalizeTwicePerPrepareOneRank) {
-  if (gpus() < 1) GTEST_SKIP() << "needs 1 GPU, found " << gpus();
+  if (gpus() < 1) GTEST_SKIP() << kNoGpu;
   for (const LlCombine mode : {LlCombine::column, LlCombine::partial_fp32}) {
     for (const bool split : {false, true}) {
       SCOPED_TRACE(std::string(mode == LlCombine::column ? "column" : "partial_fp32") + (split ? " split" : " fused"));
@@ -1004,13 +1147,11 @@ TEST(LlCuda, FinalizeTwicePerPrepareOneRank) {
       cb.seed = 72;
       const std::vector<RankInput> in = make_inputs(ca), mid = make_inputs(cb);
       const auto want = run_cpu(c, {in, mid, in});
-      const std::string path = nccl_path();
-      const std::string failed = run_ranks_forked(1, 120.0, [&](int rank) {
-        auto g = make_nccl_group(path, rank, 1, rank, 60.0);
-        cuda_ok(cudaSetDevice(rank), "cudaSetDevice");
-        const Device dev = Device::cuda(rank);
-        cudaStream_t s;
-        cuda_ok(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "stream");
+      say_where(1);
+      const std::string failed = run_cuda_ranks(1, 120.0, [&](int rank, const std::shared_ptr<Group>& g) {
+        const Device dev = g->device();
+        const RankStream rs;
+        const cudaStream_t s = rs.s;
         dispatch::LlLaunch launch;
         launch.timeout_s = 4.0;
         dispatch::LlCuda ll(g, c.config(), launch);
@@ -1031,7 +1172,7 @@ TEST(LlCuda, FinalizeTwicePerPrepareOneRank) {
         for (const Tensor* e : {&eo, &eo_neg}) {
           Tensor out = Tensor::empty({T, c.H}, DType::bf16, dev);
           cuda_ok(cudaMemset(out.data(), 0xff, static_cast<size_t>(out.nbytes())), "poison out");
-          cuda_ok(cudaDeviceSynchronize(), "sync poison out");
+          sync_legacy("sync poison out");
           try {
             if (split) {
               ll.finalize_send({*e, out, Stream{s}});
@@ -1063,80 +1204,133 @@ TEST(LlCuda, FinalizeTwicePerPrepareOneRank) {
           failures += "second finalize (-expert_out): " + std::to_string(bad) + " elements not -out1 (first " + std::to_string(first_bad) + "); ";
         const std::string d1 = diff(gpu_round(c, ll, in[0], rank, s, split), want[2][0]);
         if (!d1.empty()) failures += "round after: " + d1 + "; ";
-        if (!failures.empty()) throw std::runtime_error(failures);
+        throw_failures(rank, failures);
       });
       EXPECT_EQ(failed, "");
     }
   }
 }
 
-// ll on CUDA made without a caller Config: make_prepare_finalize loads it (Config::load()) inside its verdict gather
-// since the twelfth session, so a bad EPX_* variable in one process stops every rank there (on two ranks the peer
-// names this one) instead of this rank alone after the agreement. One rank can only check the path: the bad
-// variable is refused naming it (as before), the gather leaves the group usable, and a good load builds an ll whose
-// round matches LlCpu. The two-rank difference needs 2 GPUs.
-TEST(LlCuda, CreateWithoutACallerConfigLoadsItInTheVerdictGatherOneRank) {
-  if (gpus() < 1) GTEST_SKIP() << "needs 1 GPU, found " << gpus();
-  Case c = make_case(1, 2048, 16, 4, DType::fp8_e4m3, false, false, false, false, 0.1, 16, {8}, 81);
-  const std::vector<RankInput> in = make_inputs(c);
-  const auto want = run_cpu(c, {in});
-  const std::string path = nccl_path();
-  const std::string failed = run_ranks_forked(1, 120.0, [&](int rank) {
-    auto g = make_nccl_group(path, rank, 1, rank, 60.0);
-    cuda_ok(cudaSetDevice(rank), "cudaSetDevice");
-    cudaStream_t s;
-    cuda_ok(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "stream");
-    std::string failures;
-    setenv("EPX_LL_SIGNAL", "chunky", 1);
-    try {
-      auto bad = make_prepare_finalize("ll", g, c.config());
-      failures += "created with EPX_LL_SIGNAL=chunky; ";
-    } catch (const InvalidArgument& e) {
-      if (std::string(e.what()).find("EPX_LL_SIGNAL") == std::string::npos) failures += std::string("the refusal: '") + e.what() + "'; ";
-    }
-    unsetenv("EPX_LL_SIGNAL");
-    auto pf = make_prepare_finalize("ll", g, c.config());
-    auto* ll = dynamic_cast<dispatch::LlCuda*>(pf.get());
-    if (ll == nullptr) throw std::runtime_error("make_prepare_finalize(\"ll\") on a CUDA group is not an LlCuda");
-    const std::string d = diff(gpu_round(c, *ll, in[0], rank, s, false), want[0][0]);
-    if (!d.empty()) failures += "round: " + d + "; ";
-    if (!failures.empty()) throw std::runtime_error(failures);
-  });
-  EXPECT_EQ(failed, "");
+// ll on CUDA made without a caller Config: make_prepare_finalize loads it (Config::load()) inside its verdict
+// gather, so a bad EPX_* variable stops every rank there instead of one rank alone after the agreement. The bad
+// variable is set in this process before the ranks start (a rank body never touches the environment), so every
+// rank sees it: each refuses naming it, and the gather leaves the group usable: an ll made with the caller's
+// Config (loaded before the variable was set) gives a round that matches LlCpu. On two ranks also one rank's
+// bad caller Config (ll.signal "chunky", built in C++): that rank throws the rule's sentence, the other names it.
+// The per-process difference of the environment itself (one process bad, its peer naming it) needs one
+// process per GPU; the same gather is covered here through the caller's Config.
+TEST(LlCuda, CreateWithoutACallerConfigLoadsItInTheVerdictGather) {
+  if (gpus() < 1) GTEST_SKIP() << kNoGpu;
+  const Config good = Config::load();
+  for (const int R : {1, 2}) {
+    SCOPED_TRACE(std::to_string(R) + " ranks");
+    Case c = make_case(R, 2048, 16, 4, DType::fp8_e4m3, false, false, false, false, 0.1, 16, per_rank(R, {8, 3}), 81);
+    const std::vector<RankInput> in = make_inputs(c);
+    const auto want = run_cpu(c, {in});
+    say_where(R);
+    const ScopedEnv bad_env("EPX_LL_SIGNAL", "chunky");
+    const std::string failed = run_cuda_ranks(R, 120.0, [&](int rank, const std::shared_ptr<Group>& g) {
+      const RankStream rs;
+      const cudaStream_t s = rs.s;
+      std::string failures;
+      try {
+        auto bad = make_prepare_finalize("ll", g, c.config());
+        failures += "created with EPX_LL_SIGNAL=chunky; ";
+      } catch (const InvalidArgument& e) {
+        if (std::string(e.what()).find("EPX_LL_SIGNAL") == std::string::npos) failures += std::string("the refusal: '") + e.what() + "'; ";
+      }
+      if (R == 2) {  // rank 1's caller Config breaks a rule; rank 0's is good
+        Config mine = good;
+        if (rank == 1) mine.ll_signal = "chunky";
+        std::string what;
+        try {
+          auto bad = make_prepare_finalize("ll", g, c.config(), mine);
+          failures += "created with rank 1's ll.signal = chunky; ";
+        } catch (const InvalidArgument& e) {
+          what = e.what();
+        }
+        if (rank == 1 && what.find("ll.signal") == std::string::npos) failures += "rank 1's refusal: '" + what + "'; ";
+        if (rank == 0 && what.find("rank 1") == std::string::npos) failures += "rank 0's refusal does not name rank 1: '" + what + "'; ";
+      }
+      auto pf = make_prepare_finalize("ll", g, c.config(), good);
+      auto* ll = dynamic_cast<dispatch::LlCuda*>(pf.get());
+      if (ll == nullptr) throw std::runtime_error("make_prepare_finalize(\"ll\") on a CUDA group is not an LlCuda");
+      const std::string d = diff(gpu_round(c, *ll, in[static_cast<size_t>(rank)], rank, s, false), want[0][static_cast<size_t>(rank)]);
+      if (!d.empty()) failures += "round: " + d + "; ";
+      throw_failures(rank, failures);
+    });
+    EXPECT_EQ(failed, "");
+  }
 }
 
 TEST(LlCuda, MatchesCpuOneRank) {
-  if (gpus() < 1) GTEST_SKIP() << "needs 1 GPU, found " << gpus();
+  if (gpus() < 1) GTEST_SKIP() << kNoGpu;
   run_eager(1);
 }
 
 TEST(LlCuda, MatchesCpuTwoRanks) {
-  if (gpus() < 2) GTEST_SKIP() << "needs 2 GPUs, found " << gpus();
+  if (gpus() < 1) GTEST_SKIP() << kNoGpu;
   run_eager(2);
 }
 
-TEST(LlCuda, GraphsWithDeviceTokenCountTwoRanks) {
-  if (gpus() < 2) GTEST_SKIP() << "needs 2 GPUs, found " << gpus();
-  run_graphs(2);
+// Small shapes (eager_cases): bf16 with duplicates, fp8, fp8 + UE8M0 with the shared route and int64 ids;
+// T in {0, 1, 7, 128} across the ranks.
+TEST(LlCuda, MatchesCpuFourRanks) {
+  if (gpus() < 1) GTEST_SKIP() << kNoGpu;
+  run_eager(4);
+}
+
+TEST(LlCuda, MatchesCpuEightRanks) {
+  if (gpus() < 1) GTEST_SKIP() << kNoGpu;
+  run_eager(8);
 }
 
 TEST(LlCuda, GraphsWithDeviceTokenCountOneRank) {
-  if (gpus() < 1) GTEST_SKIP() << "needs 1 GPU, found " << gpus();
+  if (gpus() < 1) GTEST_SKIP() << kNoGpu;
   run_graphs(1);
+}
+
+TEST(LlCuda, GraphsWithDeviceTokenCountTwoRanks) {
+  if (gpus() < 1) GTEST_SKIP() << kNoGpu;
+  run_graphs(2);
+}
+
+// Small shape (run_graphs), column and partial_fp32 combine.
+TEST(LlCuda, GraphsWithDeviceTokenCountFourRanks) {
+  if (gpus() < 1) GTEST_SKIP() << kNoGpu;
+  run_graphs(4);
+  run_graphs(4, LlCombine::partial_fp32);
+}
+
+TEST(LlCuda, GraphsWithDeviceTokenCountEightRanks) {
+  if (gpus() < 1) GTEST_SKIP() << kNoGpu;
+  run_graphs(8);
+  run_graphs(8, LlCombine::partial_fp32);
 }
 
 // Expert-side partial combine (LlCombine::partial_fp32 / partial_bf16) against LlCpu in the same mode.
 TEST(LlCuda, PartialCombineMatchesCpuTwoRanks) {
-  if (gpus() < 2) GTEST_SKIP() << "needs 2 GPUs, found " << gpus();
+  if (gpus() < 1) GTEST_SKIP() << kNoGpu;
   run_eager(2, LlCombine::partial_fp32);
   run_eager(2, LlCombine::partial_bf16);
 }
 
+TEST(LlCuda, PartialCombineMatchesCpuFourRanks) {
+  if (gpus() < 1) GTEST_SKIP() << kNoGpu;
+  run_eager(4, LlCombine::partial_fp32);
+  run_eager(4, LlCombine::partial_bf16);
+}
+
+TEST(LlCuda, PartialCombineMatchesCpuEightRanks) {
+  if (gpus() < 1) GTEST_SKIP() << kNoGpu;
+  run_eager(8, LlCombine::partial_fp32);
+  run_eager(8, LlCombine::partial_bf16);
+}
+
 // The protocol the Config does not choose by default (ll.signal block <-> rank, ll.expand expert <->
 // message, ll.items chunk <-> run; bench/NOTES.md), so both stay covered whatever the defaults:
-// partial_fp32 cases.
-TEST(LlCuda, OtherProtocolMatchesCpuTwoRanks) {
-  if (gpus() < 2) GTEST_SKIP() << "needs 2 GPUs, found " << gpus();
+// partial_fp32 cases, at R ranks.
+void run_other_protocol(int R) {
   const Config defaults;
   dispatch::LlLaunch launch;
   launch.signal_rank = defaults.ll_signal != "rank";
@@ -1145,7 +1339,7 @@ TEST(LlCuda, OtherProtocolMatchesCpuTwoRanks) {
   launch.items_run = defaults.ll_items != "run";
   std::printf("ll.signal = %s, ll.expand = %s, ll.items = %s\n", launch.signal_rank ? "rank" : "block", launch.expand_message ? "message" : "expert",
               launch.items_run ? "run" : "chunk");
-  run_eager(2, LlCombine::partial_fp32, &launch);
+  run_eager(R, LlCombine::partial_fp32, &launch);
   {  // ll.signal chunk <-> block (whichever is not the default) with the default expansion and items
     dispatch::LlLaunch other;
     other.signal_rank = false;
@@ -1154,14 +1348,28 @@ TEST(LlCuda, OtherProtocolMatchesCpuTwoRanks) {
     other.items_run = defaults.ll_items == "run";
     std::printf("ll.signal = %s, ll.expand = %s, ll.items = %s\n", other.signal_chunk ? "chunk" : "block", defaults.ll_expand.c_str(),
                 defaults.ll_items.c_str());
-    run_eager(2, LlCombine::partial_fp32, &other);
+    run_eager(R, LlCombine::partial_fp32, &other);
   }
+}
+
+TEST(LlCuda, OtherProtocolMatchesCpuTwoRanks) {
+  if (gpus() < 1) GTEST_SKIP() << kNoGpu;
+  run_other_protocol(2);
+}
+
+TEST(LlCuda, OtherProtocolMatchesCpuFourRanks) {
+  if (gpus() < 1) GTEST_SKIP() << kNoGpu;
+  run_other_protocol(4);
+}
+
+TEST(LlCuda, OtherProtocolMatchesCpuEightRanks) {
+  if (gpus() < 1) GTEST_SKIP() << kNoGpu;
+  run_other_protocol(8);
 }
 
 // ll.combine_wait, the value the Config does not choose (flag <-> data; ll_cuda.h): partial_fp32 and
 // partial_bf16 eager (three rounds per object: both parities, a parity region reused, the hooks).
-TEST(LlCuda, OtherCombineWaitTwoRanks) {
-  if (gpus() < 2) GTEST_SKIP() << "needs 2 GPUs, found " << gpus();
+void run_other_combine_wait(int R) {
   const Config defaults;
   dispatch::LlLaunch launch;
   launch.signal_rank = defaults.ll_signal == "rank";
@@ -1170,26 +1378,35 @@ TEST(LlCuda, OtherCombineWaitTwoRanks) {
   launch.combine_data = defaults.ll_combine_wait != "data";
   launch.timeout_s = Config::load().timeout_s;  // EPX_TIMEOUT_S bounds a hang
   std::printf("ll.combine_wait = %s\n", launch.combine_data ? "data" : "flag");
-  run_eager(2, LlCombine::partial_fp32, &launch);
-  run_eager(2, LlCombine::partial_bf16, &launch);
+  run_eager(R, LlCombine::partial_fp32, &launch);
+  run_eager(R, LlCombine::partial_bf16, &launch);
 }
 
-// The same, partial_fp32 graphs (seven replays on one object, T changing per replay and rank).
+TEST(LlCuda, OtherCombineWaitTwoRanks) {
+  if (gpus() < 1) GTEST_SKIP() << kNoGpu;
+  run_other_combine_wait(2);
+}
+
+TEST(LlCuda, OtherCombineWaitFourRanks) {
+  if (gpus() < 1) GTEST_SKIP() << kNoGpu;
+  run_other_combine_wait(4);
+}
+
+// The same, partial_fp32 graphs (seven replays on one object, T changing per replay and rank); the
+// Config's value is set in this process before the ranks start (run_graphs builds through the Config).
 TEST(LlCuda, OtherCombineWaitGraphsTwoRanks) {
-  if (gpus() < 2) GTEST_SKIP() << "needs 2 GPUs, found " << gpus();
+  if (gpus() < 1) GTEST_SKIP() << kNoGpu;
   const char* wait = Config().ll_combine_wait != "data" ? "data" : "flag";
   std::printf("ll.combine_wait = %s\n", wait);
-  const std::string before = Config::load().ll_combine_wait;
-  ::setenv("EPX_LL_COMBINE_WAIT", wait, 1);  // run_graphs builds through the Config
+  const ScopedEnv env("EPX_LL_COMBINE_WAIT", wait);
   run_graphs(2, LlCombine::partial_fp32);
-  ::setenv("EPX_LL_COMBINE_WAIT", before.c_str(), 1);
 }
 
-// ll.combine_wait = flag_lane (LlLaunch::combine_lane, rank-local: the seventh session's per-lane fp32
-// stores, the A/B of the default whole-line stores; bench/NOTES.md eighth session): partial_fp32 eager,
-// three rounds per object (the third through the hooks).
+// ll.combine_wait = flag_lane (LlLaunch::combine_lane, rank-local: per-lane fp32 stores, the A/B of the
+// default whole-line stores; bench/NOTES.md): partial_fp32 eager, three rounds per object (the third
+// through the hooks).
 TEST(LlCuda, CombineFlagLaneStoresTwoRanks) {
-  if (gpus() < 2) GTEST_SKIP() << "needs 2 GPUs, found " << gpus();
+  if (gpus() < 1) GTEST_SKIP() << kNoGpu;
   const Config defaults;
   dispatch::LlLaunch launch;
   launch.signal_rank = defaults.ll_signal == "rank";
@@ -1201,18 +1418,19 @@ TEST(LlCuda, CombineFlagLaneStoresTwoRanks) {
 }
 
 TEST(LlCuda, PartialCombineGraphsTwoRanks) {
-  if (gpus() < 2) GTEST_SKIP() << "needs 2 GPUs, found " << gpus();
+  if (gpus() < 1) GTEST_SKIP() << kNoGpu;
   run_graphs(2, LlCombine::partial_fp32);
 }
 
 // One buffer, 20 consecutive calls (10 eager, 10 graph replays with the token count on the device), T
-// per call and rank in {0, 1, 7, 128} shrinking and growing, fresh inputs, every call against LlCpu:
-// ll.signal = block and chunk; chunk also with rank 0's block 0 delayed (3 ms before its tagged
-// stores and again before its items), so rank 1 reads rank 0's slot-token words of call 4 while they
-// still hold call 0's token (the seventh session's stale-token bug, found by reading: with its
-// two-valued tag this passed as current and the expansion read message slot 0 before it was written).
+// per call and rank in {0, 1, 7, 128} shrinking and growing, fresh inputs, every call against LlCpu and
+// every replay against its eager call: ll.signal = block and chunk; chunk also with rank 0's block 0
+// delayed (3 ms before its tagged stores and again before its items), so rank 1 reads rank 0's
+// slot-token words of call 4 while they still hold call 0's token (with a two-valued tag such a stale
+// word passed as current and the expansion read message slot 0 before it was written). Two ranks: the
+// inputs are built around rank 0's messages to rank 1.
 TEST(LlCuda, ManyCallsVaryingTokensTwoRanks) {
-  if (gpus() < 2) GTEST_SKIP() << "needs 2 GPUs, found " << gpus();
+  if (gpus() < 1) GTEST_SKIP() << kNoGpu;
   const dispatch::LlLaunch block = many_calls_launch(false), chunk = many_calls_launch(true);
   dispatch::LlLaunch delayed = chunk;
   delayed.debug_block0_delay_ns = 3'000'000;
@@ -1221,11 +1439,11 @@ TEST(LlCuda, ManyCallsVaryingTokensTwoRanks) {
   EXPECT_EQ(run_many_calls("ll.signal=chunk rank0-delayed", {delayed, chunk}), "");
 }
 
-// The self-check of the test above: with the slot-token tag cut to 2 bits (calls n and n - 4 share one,
-// as with the seventh session's tag) and rank 0's block 0 delayed, rank 1's call 4 (eager) and 14
-// (graph) must differ from LlCpu: the test catches the bug it is for.
+// The self-check of the test above: with the slot-token tag cut to 2 bits (calls n and n - 4 share one)
+// and rank 0's block 0 delayed, rank 1's call 4 (eager) and 14 (graph) must differ from LlCpu: the test
+// catches the bug it is for.
 TEST(LlCuda, ManyCallsCatchesAStaleSlotTokenTwoRanks) {
-  if (gpus() < 2) GTEST_SKIP() << "needs 2 GPUs, found " << gpus();
+  if (gpus() < 1) GTEST_SKIP() << kNoGpu;
   dispatch::LlLaunch weak = many_calls_launch(true);
   weak.debug_token_tag_mask = 3;
   dispatch::LlLaunch delayed = weak;
@@ -1237,35 +1455,72 @@ TEST(LlCuda, ManyCallsCatchesAStaleSlotTokenTwoRanks) {
 }
 
 TEST(LlCuda, ErrorsTwoRanks) {
-  if (gpus() < 2) GTEST_SKIP() << "needs 2 GPUs, found " << gpus();
+  if (gpus() < 1) GTEST_SKIP() << kNoGpu;
   run_errors(2);
+}
+
+TEST(LlCuda, ErrorsFourRanks) {
+  if (gpus() < 1) GTEST_SKIP() << kNoGpu;
+  run_errors(4);
+}
+
+TEST(LlCuda, ErrorsEightRanks) {
+  if (gpus() < 1) GTEST_SKIP() << kNoGpu;
+  run_errors(8);
 }
 
 // A finalize refused on one rank stops every rank's combine at once (kLlFlagRejected; ll_cuda.h "Errors"):
 // column (fused), partial_fp32 through the hooks, and partial_bf16 with ll.signal = rank, ll.items = chunk
-// (the other send / receive paths and the last-block flag store).
+// (the other send / receive paths and the last-block flag store); on 4 and 8 ranks the column case.
 TEST(LlCuda, CombineRefusedOnOneRankReachesEveryRankTwoRanks) {
-  if (gpus() < 2) GTEST_SKIP() << "needs 2 GPUs, found " << gpus();
+  if (gpus() < 1) GTEST_SKIP() << kNoGpu;
   dispatch::LlLaunch dflt;
-  dflt.timeout_s = 4.0;  // the refusal must arrive in well under timeout_s / 2; without the marker rank 1 waits 4 s
+  dflt.timeout_s = 4.0;  // the refusal must arrive in well under timeout_s / 2; without the marker the peers wait 4 s
   dispatch::LlLaunch other = dflt;
   other.signal_rank = true;
   other.signal_chunk = false;
   other.items_run = false;
-  EXPECT_EQ(run_combine_rejected("column", LlCombine::column, dflt, false), "");
-  EXPECT_EQ(run_combine_rejected("partial_fp32 hooks", LlCombine::partial_fp32, dflt, true), "");
-  EXPECT_EQ(run_combine_rejected("partial_bf16 signal=rank items=chunk", LlCombine::partial_bf16, other, false), "");
-  EXPECT_EQ(run_combine_rejected("column, rank 1 without check", LlCombine::column, dflt, false, false), "");
+  EXPECT_EQ(run_combine_rejected(2, "column", LlCombine::column, dflt, false), "");
+  EXPECT_EQ(run_combine_rejected(2, "partial_fp32 hooks", LlCombine::partial_fp32, dflt, true), "");
+  EXPECT_EQ(run_combine_rejected(2, "partial_bf16 signal=rank items=chunk", LlCombine::partial_bf16, other, false), "");
+  EXPECT_EQ(run_combine_rejected(2, "column, rank 1 without check", LlCombine::column, dflt, false, false), "");
 }
 
-TEST(LlCuda, TimeoutNamesThePeer) {
-  if (gpus() < 2) GTEST_SKIP() << "needs 2 GPUs, found " << gpus();
-  run_timeout();
+TEST(LlCuda, CombineRefusedOnOneRankReachesEveryRankFourAndEightRanks) {
+  if (gpus() < 1) GTEST_SKIP() << kNoGpu;
+  dispatch::LlLaunch dflt;
+  dflt.timeout_s = 4.0;
+  EXPECT_EQ(run_combine_rejected(4, "column", LlCombine::column, dflt, false), "");
+  EXPECT_EQ(run_combine_rejected(4, "column, peers without check", LlCombine::column, dflt, false, false), "");
+  EXPECT_EQ(run_combine_rejected(8, "column", LlCombine::column, dflt, false), "");
 }
 
-TEST(LlCuda, CombineWaitDataTimeoutNamesThePeer) {
-  if (gpus() < 2) GTEST_SKIP() << "needs 2 GPUs, found " << gpus();
-  run_combine_timeout();
+// A stopped rank (it never calls; ll timeout_s 3 s, the group's 5 s on virtual ranks): every other rank's
+// call ends with Timeout naming it. Two ranks: the stopped one sleeps; four: it returns at once (on
+// virtual ranks; on real GPUs it sleeps); eight: rank 5 of 8 sleeps.
+TEST(LlCuda, TimeoutNamesThePeerTwoRanks) {
+  if (gpus() < 1) GTEST_SKIP() << kNoGpu;
+  run_timeout(2, 1, Stop::sleeps);
+}
+
+TEST(LlCuda, TimeoutNamesThePeerFourRanks) {
+  if (gpus() < 1) GTEST_SKIP() << kNoGpu;
+  run_timeout(4, 2, Stop::returns);
+}
+
+TEST(LlCuda, TimeoutNamesThePeerEightRanks) {
+  if (gpus() < 1) GTEST_SKIP() << kNoGpu;
+  run_timeout(8, 5, Stop::sleeps);
+}
+
+TEST(LlCuda, CombineWaitDataTimeoutNamesThePeerTwoRanks) {
+  if (gpus() < 1) GTEST_SKIP() << kNoGpu;
+  run_combine_timeout(2, 1, Stop::sleeps);
+}
+
+TEST(LlCuda, CombineWaitDataTimeoutNamesThePeerFourRanks) {
+  if (gpus() < 1) GTEST_SKIP() << kNoGpu;
+  run_combine_timeout(4, 1, Stop::returns);
 }
 
 }  // namespace
