@@ -7,6 +7,7 @@ patterns, see epx.bf16 / epx.to_float32). CUDA calls are ordered on `stream` (No
 stream for CUDA torch tensors).
 
     groups = epx.make_cpu_groups(2)                    # ranks as threads (CPU reference)
+    groups = epx.make_virtual_cuda_groups(4)           # or: 4 ranks as threads on one GPU (run_ranks drives both)
     group  = epx.group_from_torch()                    # or: one NCCL group over a torch.distributed job
     pf     = epx.make_prepare_finalize("ll", group, epx.DispatchConfig(hidden=..., num_experts=..., top_k=...,
                                                    num_max_dispatch_tokens_per_rank=...))
@@ -48,6 +49,7 @@ from ._epx import (  # noqa: F401
     make_cpu_groups,
     make_nccl_group,
     make_nccl_group_from_env,
+    make_virtual_cuda_groups,
     moe_reference,
     nccl_version,
     num_local_experts,

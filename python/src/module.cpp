@@ -211,11 +211,14 @@ Attributes (JSON key, environment variable):
 void bind_groups(pyb::module_& m) {
   pyb::class_<Group, std::shared_ptr<Group>>(m, "Group", R"doc(
 A group of R ranks (the EP group). CPU groups (make_cpu_groups) are threads of this process; NCCL groups
-(make_nccl_group, group_from_torch) are one process per GPU. Every wait on a peer is bounded by timeout_s.)doc")
+(make_nccl_group, group_from_torch) are one process per GPU; virtual ranks (make_virtual_cuda_groups) are
+threads of this process on one GPU. Every wait on a peer is bounded by timeout_s.)doc")
       .def_property_readonly("rank", &Group::rank)
       .def_property_readonly("size", &Group::size)
       .def_property_readonly("device", [](const Group& g) { return g.device().str(); })
       .def_property_readonly("name", &Group::name)
+      .def_property_readonly("ranks_per_gpu", &Group::ranks_per_gpu,
+                             "Ranks of this group on this rank's GPU: R for virtual ranks, else 1.")
       .def("barrier", &Group::barrier, pyb::call_guard<pyb::gil_scoped_release>(), "Collective.")
       .def("all_gather_i64", &Group::all_gather_i64, pyb::arg("value"), pyb::call_guard<pyb::gil_scoped_release>(),
            "Collective: one int64 from every rank, in rank order.")
@@ -239,9 +242,26 @@ A group of R ranks (the EP group). CPU groups (make_cpu_groups) are threads of t
       fn(rank);
     });
   }, pyb::arg("groups"), pyb::arg("fn"), R"doc(
-Runs fn(rank) on one thread per rank of `groups` (CPU groups). If a rank raises, the world is aborted
-(peers blocked in a collective raise CommError instead of hanging) and the first exception is raised
-here once every thread has finished. epx calls release the GIL, so the ranks run in parallel.)doc");
+Runs fn(rank) on one thread per rank of `groups` (CPU groups, or virtual ranks: make_virtual_cuda_groups).
+If a rank raises, the world is aborted (peers blocked in a collective raise CommError instead of hanging)
+and the first exception is raised here once every thread has finished. epx calls release the GIL, so the
+ranks run in parallel.)doc");
+  m.def("make_virtual_cuda_groups", &make_virtual_cuda_groups, pyb::arg("num_ranks"), pyb::arg("device") = 0,
+        pyb::arg("timeout_s") = 60.0, pyb::arg("ranks_per_node") = 0, pyb::call_guard<pyb::gil_scoped_release>(), R"doc(
+R groups whose ranks are threads of this process on CUDA device `device` ("virtual ranks"), for machines
+with fewer GPUs than ranks; element r is rank r. Drive them with run_ranks (one thread per rank).
+
+The NCCL group's semantics: collectives are stream-ordered, prepare / finalize of every backend (ll and ht
+too), ModularMoE and CUDA graphs run unchanged, and the kernels that wait on peers (ll, ht) take at most
+1 / num_ranks of the GPU's SMs each. Each rank works on its own non-blocking stream (torch: inside the
+rank's function, `with torch.cuda.stream(torch.cuda.Stream()):`, whose pool streams are non-blocking;
+torch's default stream would serialise the ranks) and waits with that stream's synchronize(), never for
+the whole device (torch.cuda.synchronize()) between multi-rank calls: a peer's kernel on the same GPU may
+wait for work this rank has not queued yet. Timings measure one GPU's memory, not NVLink.
+timeout_s [s] bounds every wait, on the host and on the device. ranks_per_node > 0: the ranks report
+num_ranks / ranks_per_node virtual nodes of consecutive ranks (ll and ht then take their hierarchical path).
+Raises InvalidArgument (ValueError) for num_ranks outside [1, 64] or a bad device, timeout_s or
+ranks_per_node; CudaError; Unsupported (NotImplementedError) in a CPU-only build.)doc");
 
   pyb::class_<UniqueId>(m, "UniqueId", "The 128-byte NCCL unique id that names one NCCL group; rank 0 creates it.")
       .def_static("create", &UniqueId::create, "A fresh id (ncclGetUniqueId). Raises Unsupported in a CPU-only build.")

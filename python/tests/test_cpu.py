@@ -580,6 +580,21 @@ def test_make_cpu_groups_rejects_a_negative_ranks_per_node():
         epx.make_cpu_groups(4, 5, -2)
 
 
+def test_make_virtual_cuda_groups_checks_its_arguments_first():
+    """Virtual ranks (threads on one GPU): a bad num_ranks or ranks_per_node is a ValueError naming it, raised
+    before any GPU is asked for (so also here, without one); a CPU-only build raises NotImplementedError."""
+    assert "ranks_per_gpu" in dir(epx.Group)
+    assert epx.make_cpu_groups(2)[0].ranks_per_gpu == 1
+    if not epx.built_with_cuda():
+        with pytest.raises(NotImplementedError):
+            epx.make_virtual_cuda_groups(2)
+        return
+    for kwargs, what in [({"num_ranks": 0}, "num_ranks = 0"), ({"num_ranks": 65}, "num_ranks = 65"),
+                         ({"num_ranks": 4, "ranks_per_node": 3}, "ranks_per_node = 3")]:
+        with pytest.raises(ValueError, match=what):
+            epx.make_virtual_cuda_groups(**kwargs)
+
+
 def test_run_ranks_propagates_python_errors():
     groups = epx.make_cpu_groups(R, timeout_s=30)
 

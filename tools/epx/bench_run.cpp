@@ -494,6 +494,10 @@ void run_epx_backend_graph(const Job& job, const BenchCase& c, int64_t T, const 
     ll_diagnostics_guarded(*ll, *group, word, stream, timer, iteration_twice, "T per rank, second of two back-to-back replays");
   }
   res.out = out.to(Device::cpu());
+  // No rank queues the T = 1 warm-up (kernels that wait on peers) before every rank is past the diagnostics,
+  // whose trace reads wait for the whole device: on virtual ranks (one GPU) that wait would hold a peer's
+  // kernel waiting for this rank's next one.
+  group->barrier();
   // The fixed floor: the same graphs with one token per rank.
   set_tokens(std::min<int32_t>(1, static_cast<int32_t>(T)));
   for (int i = 0; i < warmup; ++i) iteration(false, scratch_d, scratch_c);
@@ -708,6 +712,9 @@ void run_jobs_on_rank(const BenchOptions& o, const std::vector<BenchCase>& cases
     ktm.reason = "unavailable: --device cpu (no GPU kernels)";
   } else if (o.kernel_time == "off") {
     ktm.reason = "off";
+  } else if (group->ranks_per_gpu() > 1) {
+    // One CUPTI timer per process (kernel_time.h): R ranks' threads cannot each run their rounds on it.
+    ktm.reason = "unavailable: virtual ranks (one CUPTI timer per process, shared by the ranks' threads)";
   } else {
     ktm.on = true;
     (void)kt::KernelTimer::instance();  // CUPTI attaches here, before any graph is captured (kernel_time.cpp)
@@ -931,6 +938,9 @@ int64_t bytes_per_selection(const BenchCase& c, DType dtype, const std::string& 
 int report(const BenchOptions& o, const std::vector<BenchCase>& cases, const std::vector<Job>& jobs, std::vector<JobResult>& results,
            bool cuda, int R, const Config& config, const std::string& command) {
   using json = nlohmann::ordered_json;
+  // Virtual ranks (R threads on one GPU): the times are one GPU's memory, not NVLink.
+  const bool virtual_ranks = cuda && o.ranks_per_gpu_for_report > 1;
+  const json ranks_per_gpu = cuda ? json(o.ranks_per_gpu_for_report) : json(nullptr);
   // Inputs of every rank, regenerated here (deterministic per (seed, case, rank)) for the references.
   std::vector<std::vector<RankInputs>> inputs(cases.size());
   auto inputs_of = [&](size_t ci) -> const std::vector<RankInputs>& {
@@ -1011,7 +1021,7 @@ int report(const BenchOptions& o, const std::vector<BenchCase>& cases, const std
       const double gbps = ran && p50 > 0 ? bytes / (p50 * 1e3) : NAN;
       const Prediction pred = predict(c.name, job.dtype, job.backend, op, R);
       // Predictions were written for the GPUs at the case's own shape and uniform routing.
-      const bool has_pred = !one_token && pred.predicted_us > 0 && cuda && T == c.tokens_per_rank && o.routing == "uniform";
+      const bool has_pred = !one_token && pred.predicted_us > 0 && cuda && !virtual_ranks && T == c.tokens_per_rank && o.routing == "uniform";
       const bool row_validated = validated && !one_token;
       // --kernel-time (KernelRun): each rank's own p50 / p90 / mean of its calls' kernel sums (and spans), the
       // largest over the ranks; the per-iteration slowest rank's p50 beside it (it also holds the iterations
@@ -1065,6 +1075,7 @@ int report(const BenchOptions& o, const std::vector<BenchCase>& cases, const std
           {"top_k", c.top_k},
           {"num_experts", c.num_experts},
           {"ranks", R},
+          {"ranks_per_gpu", ranks_per_gpu},
           {"dtype", std::string(dtype_name(op == "dispatch" ? job.dtype : DType::bf16))},
           {"dispatch_dtype", std::string(dtype_name(job.dtype))},
           {"routing", o.routing == "zipf" ? "zipf(s=" + fixed(o.zipf_s, 2) + ")" : o.routing},
@@ -1135,8 +1146,13 @@ int report(const BenchOptions& o, const std::vector<BenchCase>& cases, const std
           raw["tokens_per_rank"] == row["tokens_per_rank"] && !raw["latency_us_p50"].is_null())
         row["speedup_vs_nccl_a2a_raw"] = raw["latency_us_p50"].get<double>() / row["latency_us_p50"].get<double>();
   }
-  std::cout << "node layout: " << o.node_layout_for_report.describe() << " (NCCL LSA team " << o.node_layout_for_report.lsa_size << ")\n"
-            << table.str() << kernel_lines.str();
+  std::cout << "node layout: " << o.node_layout_for_report.describe()
+            << (virtual_ranks ? std::string(" (virtual ranks: threads on one GPU)")
+                              : " (NCCL LSA team " + std::to_string(o.node_layout_for_report.lsa_size) + ")")
+            << "\n" << table.str() << kernel_lines.str();
+  if (virtual_ranks)
+    std::cout << virtual_ranks_note(R) << ": epx bench measures one GPU's memory, not NVLink; " << kRaw
+              << " is the virtual group's all_to_allv (copies on the GPU, no NCCL); no predictions (written for NVLink)\n";
   std::cout << "GB/s: bytes per rank (mean over ranks) / p50; accounting per case (ANCHORS.md): ";
   for (const BenchCase& c : cases) std::cout << c.name << " " << c.accounting << "  ";
   std::cout << "\nlatency: per iteration the slowest rank's, " << (cuda ? (o.graph ? "CUDA events around CUDA-graph replays" : "CUDA events") : "host clock") << ", after " << o.warmup
@@ -1160,7 +1176,8 @@ int report(const BenchOptions& o, const std::vector<BenchCase>& cases, const std
                 {"git_commit", git_commit()},
                 {"date", date},
                 {"device", cuda ? o.device_name_for_report : cpu_device_name()},
-                {"nccl_version", cuda ? json(nccl_version_string()) : json(nullptr)},
+                {"nccl_version", cuda && !virtual_ranks ? json(nccl_version_string()) : json(nullptr)},
+                {"ranks_per_gpu", ranks_per_gpu},
                 {"epx_version", EPX_VERSION},
                 {"results", std::move(rows)}};
     doc["config"] = config.describe();
@@ -1254,16 +1271,18 @@ int run_bench(const BenchOptions& options, const std::string& command) {
   const Config config = o.config.empty() ? Config::load() : Config::load(o.config);
   bool cuda = o.device == "cuda";
   if (o.device == "auto") cuda = cuda::built_with_cuda() && cuda::device_count() >= o.ranks;
+  CudaRanks where;  // --device cuda: one process per GPU, or virtual ranks on GPU 0 when fewer GPUs are visible
   if (cuda) {
     require_arg(kOp, "--device", o.device, cuda::built_with_cuda(), "this build has no CUDA (configure with -DEPX_CUDA=ON); use --device cpu");
-    const int gpus = cuda::device_count();
-    require_arg(kOp, "--ranks", o.ranks, o.ranks <= gpus,
-                "must be <= the visible GPUs = " + std::to_string(gpus) + " with --device cuda (one process per GPU)");
+    where = cuda_ranks_for(kOp, o.ranks);
   }
   require_arg(kOp, "--graph", "set", !o.graph || cuda, "needs --device cuda (CUDA graphs)");
   // on = kernel time or a failed run (auto reports 'unavailable' and goes on): refuse what cannot measure it.
   require_arg(kOp, "--kernel-time", o.kernel_time, o.kernel_time != "on" || cuda,
               "on needs --device cuda (the GPU durations of the calls' kernels); use auto or off with CPU ranks");
+  require_arg(kOp, "--kernel-time", o.kernel_time, o.kernel_time != "on" || !where.virtual_ranks,
+              "on needs one process per GPU (R <= visible GPUs = " + std::to_string(where.gpus) +
+                  "): CUPTI's timer is one per process, and virtual ranks share one; use auto or off");
 #ifndef EPX_WITH_CUPTI
   require_arg(kOp, "--kernel-time", o.kernel_time, o.kernel_time != "on",
               "on needs a build with CUPTI (CMake EPX_CUPTI=AUTO|ON finding CUDA::cupti, or EPX_CUPTI_ROOT); this build has "
@@ -1272,8 +1291,11 @@ int run_bench(const BenchOptions& options, const std::string& command) {
   const std::vector<Job> jobs = make_jobs(o, cases);
   const int R = o.ranks;
   std::cout << "epx bench: " << cases.size() << " case(s), " << jobs.size() << " (case, dtype, backend) jobs, " << R << " ranks on "
-            << (cuda ? "cuda (one process per GPU)" : "cpu (threads)") << ", " << o.iters << " iterations after " << o.warmup
-            << " warm-up, routing " << o.routing << "\n" << std::flush;
+            << (!cuda ? "cpu (threads)" : where.virtual_ranks ? "cuda (virtual ranks: threads of one process on GPU 0)" : "cuda (one process per GPU)")
+            << ", " << o.iters << " iterations after " << o.warmup << " warm-up, routing " << o.routing << "\n";
+  if (cuda && where.virtual_ranks)
+    std::cout << virtual_ranks_note(R) << ": epx bench measures one GPU's memory, not NVLink\n";
+  std::cout << std::flush;
 
   if (!cuda) {
     std::vector<JobResult> results(jobs.size());
@@ -1290,30 +1312,31 @@ int run_bench(const BenchOptions& options, const std::string& command) {
     return report(ro, cases, jobs, results, false, R, config, command);
   }
 #ifdef EPX_WITH_CUDA
-  comm::LaunchOptions lo;
-  lo.num_ranks = R;
-  lo.tag = "epx-bench";
-  lo.reporter_rank = 0;
-  lo.grace_s = std::min(10.0, config.timeout_s);
-  const comm::LaunchResult lr = comm::launch_ranks(lo, [&](const comm::RankEnv& env) -> int {
-    if (cudaSetDevice(env.rank) != cudaSuccess) throw CudaError("epx bench: cudaSetDevice(" + std::to_string(env.rank) + ") failed");
-    auto group = make_nccl_group(env.rendezvous_path, env.rank, env.world, env.rank, config.timeout_s);
+  // One body per rank on its group, NCCL (one process per GPU) or virtual (threads on GPU 0).
+  return launch_cuda_ranks(kOp, where, config, "epx-bench", [&](const std::shared_ptr<Group>& group) -> int {
+    // The rank's own non-blocking stream: virtual ranks share one GPU, and the legacy stream would
+    // serialise them behind each other's kernels that wait on peers.
     cudaStream_t stream = nullptr;
     if (cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) != cudaSuccess) throw CudaError("epx bench: cudaStreamCreate failed");
     std::vector<JobResult> results(jobs.size());
-    run_jobs_on_rank(o, cases, jobs, group, Stream{stream}, [&](size_t j, RankJobResult&& res) {
-      results[j].job = jobs[j];
-      gather_to_rank0(*group, std::move(res), results[j]);
-    });
-    group->barrier();
-    if (env.rank != 0) return 0;  // rank 0 validates and reports after the others have left
+    try {
+      run_jobs_on_rank(o, cases, jobs, group, Stream{stream}, [&](size_t j, RankJobResult&& res) {
+        results[j].job = jobs[j];
+        gather_to_rank0(*group, std::move(res), results[j]);
+      });
+      group->barrier();
+    } catch (...) {
+      (void)cudaStreamDestroy(stream);
+      throw;
+    }
+    (void)cudaStreamDestroy(stream);  // every use was waited for (timer syncs, synchronous gathers)
+    if (group->rank() != 0) return 0;  // rank 0 validates and reports after the others have left
     BenchOptions ro = o;
-    ro.device_name_for_report = gpu_device_name(R);
+    ro.device_name_for_report = where.device_name();
+    ro.ranks_per_gpu_for_report = where.ranks_per_gpu();
     ro.node_layout_for_report = group->node_layout();
     return report(ro, cases, jobs, results, true, R, config, command);
   });
-  if (!lr.failure.empty()) std::cerr << "epx: error: epx bench: " << lr.failure << "\n";
-  return lr.exit_code;
 #else
   return 1;
 #endif

@@ -18,7 +18,13 @@
 // same backend on CPU ranks (make_cpu_groups) on the same inputs; with --device cpu, with the
 // identity formula out[t] = sum_k w[t,k] * round_bf16(x~[t]) instead.
 // --device cuda: one process per GPU through the epx launcher; rank 0 validates and reports after
-// the other ranks have finished.
+// the other ranks have finished. With fewer GPUs than ranks: R virtual ranks, threads of one process
+// on GPU 0 (make_virtual_cuda_groups; launch_cuda_ranks in moe_cuda_run.h), the same body on each
+// rank's group. The times then measure one GPU's memory, not NVLink: the header and the report say
+// so, JSON "ranks_per_gpu" is R (1 with one process per GPU, null on CPU ranks), nccl_a2a_raw is the
+// virtual group's all_to_allv (copies on the GPU; nccl_version null), no prediction is compared (they
+// were written for NVLink), and --kernel-time is unavailable (one CUPTI timer per process; `on` is a
+// bad flag).
 // --graph (cuda): prepare and finalize of each graph-safe backend (ll) are captured in two CUDA graphs
 // (separately; the identity expert step runs eagerly between them, untimed) and each timed
 // iteration replays them, with CUDA events around each replay (after the alignment the GPU idles
@@ -68,13 +74,14 @@ struct BenchOptions {
   int warmup = 10;
   std::string routing = "uniform";  ///< uniform | zipf
   double zipf_s = 1.2;
-  std::string device = "auto";      ///< cpu | cuda | auto (cuda when built with it and R GPUs are visible)
+  std::string device = "auto";      ///< cpu | cuda (virtual ranks on GPU 0 when fewer than R GPUs) | auto (cuda when built with it and R GPUs are visible)
   int64_t tokens_per_rank = 0;      ///< 0: the case's (cuda) or min(case, 16) (cpu)
   std::string dtype;                ///< "" = the case's dtypes; else bf16 or fp8
   uint64_t seed = 1;
   std::string json;
   std::string config;
   std::string device_name_for_report;  ///< set by run_bench on CUDA ("2 x NVIDIA H200")
+  int ranks_per_gpu_for_report = 0;    ///< set by run_bench on CUDA: 1, or R on virtual ranks (JSON "ranks_per_gpu")
   NodeLayout node_layout_for_report;   ///< set by run_bench: the group's node layout (JSON "node_layout")
   bool graph = false;               ///< --graph: time CUDA-graph replays (cuda only)
   std::string kernel_time = "auto"; ///< --kernel-time: auto (on with CUPTI on cuda) | on | off

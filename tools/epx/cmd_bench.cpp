@@ -35,14 +35,18 @@ void add_bench_command(CLI::App& root, BenchCommand& cmd) {
         return bad.empty() ? std::string() : "'" + bad + "' is not a backend (one of the names in epx info, nccl_a2a_raw, all)";
       })
       ->capture_default_str();
-  b->add_option("--ranks", o.ranks, "R: ranks (one process per GPU with --device cuda)")->check(CLI::Range(1, 1024))->capture_default_str();
+  b->add_option("--ranks", o.ranks,
+                "R: ranks (one process per GPU with --device cuda; with fewer GPUs, R virtual ranks: threads on GPU 0, "
+                "timing one GPU's memory, not NVLink)")->check(CLI::Range(1, 1024))->capture_default_str();
   b->add_option("--iters", o.iters, "Timed iterations per (case, dtype, backend)")->check(CLI::Range(1, 1 << 20))->capture_default_str();
   b->add_option("--warmup", o.warmup, "Untimed iterations first")->check(CLI::Range(0, 1 << 20))->capture_default_str();
   b->add_option("--routing", o.routing, "uniform: K distinct experts uniformly at random; zipf: skewed expert popularity (--zipf-s)")
       ->check(CLI::IsMember({"uniform", "zipf"}))
       ->capture_default_str();
   b->add_option("--zipf-s", o.zipf_s, "Zipf exponent of --routing zipf")->check(positive_number())->capture_default_str();
-  b->add_option("--device", o.device, "cuda, cpu (ranks are threads: a smoke test), or auto (cuda when built with it and R GPUs are visible)")
+  b->add_option("--device", o.device,
+                "cuda (one process per GPU, or virtual ranks on GPU 0 when fewer than R GPUs are visible), cpu (ranks are "
+                "threads: a smoke test), or auto (cuda when built with it and R GPUs are visible)")
       ->check(CLI::IsMember({"cpu", "cuda", "auto"}))
       ->capture_default_str();
   b->add_option("--tokens-per-rank", o.tokens_per_rank, "T: override the case's tokens per rank (0 = the case's, capped at 16 on cpu; a value given here is used as is)")
@@ -72,11 +76,15 @@ void add_bench_command(CLI::App& root, BenchCommand& cmd) {
       "predicted_us: bench/NOTES.md (2 ranks, the case's tokens, uniform routing).\n"
       "kern p50/p90 (--kernel-time, cuda + CUPTI): sum of each call's kernel durations (CUPTI activity records; each rank's\n"
       "percentile, the largest) in separate rounds; span p50: first kernel start to last kernel end; kGB/s: the accounting on kern p50.\n"
+      "--device cuda with fewer GPUs than R: R virtual ranks (threads of one process on GPU 0, each with its share of the\n"
+      "SMs); validated the same way, but the times measure one GPU's memory, not NVLink (JSON ranks_per_gpu = R; no\n"
+      "predictions; nccl_a2a_raw is the virtual group's all-to-all; --kernel-time unavailable).\n"
       "Exit status: 0 every epx backend that ran validated, 1 otherwise, 2 a bad flag.\n"
       "Examples:\n"
       "  epx bench --case ll-v3 --backend all --ranks 2 --json bench/results/h200x2/bench-ll-v3.json\n"
       "  epx bench --case ht-v3 --backend all2allv --ranks 2 --routing zipf\n"
-      "  epx bench --device cpu --case ll-v3 --ranks 2 --iters 5");
+      "  epx bench --device cpu --case ll-v3 --ranks 2 --iters 5\n"
+      "  epx bench --device cuda --case ll-v3 --backend all --ranks 2 --iters 20   (one GPU: 2 virtual ranks)");
 }
 
 int run_bench(BenchCommand& cmd, const std::string& command) { return run_bench(cmd.options, command); }

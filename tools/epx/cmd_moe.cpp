@@ -16,8 +16,8 @@ namespace epx::cli {
 namespace {
 constexpr std::string_view kOp = "epx moe";
 
-// cpu: R ranks as threads of this process. cuda: one process per GPU (moe_cuda_run.h). auto stays
-// on the CPU: the GPU path is asked for by name.
+// cpu: R ranks as threads of this process. cuda: one process per GPU, or R virtual ranks on GPU 0
+// when fewer GPUs are visible (moe_cuda_run.h). auto stays on the CPU: the GPU path is asked for by name.
 std::string resolve_device(const std::string& device) {
   if (device == "cuda") {
 #ifdef EPX_WITH_CUDA
@@ -55,7 +55,9 @@ void add_moe_command(CLI::App& root, MoeCommand& cmd) {
                   ->check(CLI::Range(1, 1 << 20))
                   ->capture_default_str();
   m->add_option("--warmup", o.warmup, "W: untimed, unvalidated steps run first")->check(CLI::Range(0, 1 << 20))->capture_default_str();
-  m->add_option("--device", o.device, "cpu (ranks are threads), cuda (one process per GPU, forked by epx), or auto (= cpu)")
+  m->add_option("--device", o.device,
+                "cpu (ranks are threads), cuda (one process per GPU, forked by epx; with fewer GPUs than R, R virtual ranks: "
+                "threads of one process on GPU 0), or auto (= cpu)")
       ->check(CLI::IsMember({"cpu", "cuda", "auto"}))
       ->capture_default_str();
   cmd.routing = m->add_option("--routing", o.routing,
@@ -114,7 +116,9 @@ void add_moe_command(CLI::App& root, MoeCommand& cmd) {
       "--device cuda: one process per GPU (R <= visible GPUs), each building only its own experts; latency from CUDA\n"
       "events around forward after a group barrier, the slowest rank's; the first V (--validate-tokens) tokens of each\n"
       "rank and step are checked against moe_reference_cpu on rank 0. If a rank dies, the others are stopped and the\n"
-      "exit status is non-zero, naming it.\n"
+      "exit status is non-zero, naming it. With fewer GPUs than R: R virtual ranks, threads of one process on GPU 0\n"
+      "(each rank its own stream and share of the SMs); the same validation, and timings of one GPU's memory, not\n"
+      "NVLink (the header says so; JSON ranks_per_gpu = R, else 1).\n"
       "--mode decode|prefill and --compare report per-step latency p25/p50/p75/p99 and mean, tokens/s (tokens of all\n"
       "ranks over the summed step latencies), the path counters and the error against the reference.\n"
       "Exit status: 0 every backend passed, 1 a validation failure or runtime error, 2 a bad flag or inconsistent shapes.\n"
@@ -122,6 +126,7 @@ void add_moe_command(CLI::App& root, MoeCommand& cmd) {
       "  epx moe --preset deepseek-v3-mini --ranks 4 --backend all --json results.json\n"
       "  epx moe --preset qwen3-30b-a3b-mini --ranks 8 --backend ll --routing zipf --zipf-s 1.2 --dispatch-dtype fp8\n"
       "  epx moe --device cuda --ranks 2 --preset deepseek-v3 --backend naive --steps 3\n"
+      "  epx moe --device cuda --ranks 4 --preset deepseek-v3-mini --backend all   (one GPU: 4 virtual ranks)\n"
       "  epx moe --device cuda --ranks 2 --preset deepseek-v3 --mode decode --compare --backend all --steps 20\n"
       "  epx trace import routing.jsonl --ranks 4 -o t.json && epx moe --preset qwen1.5-moe-a2.7b --trace t.json\n"
       "  epx moe --checkpoint /models/Qwen3-30B-A3B --layer 5 --ranks 4 --backend ll --hidden h.npy");

@@ -22,6 +22,8 @@
 
 #ifdef EPX_WITH_CUDA
 #include <cuda_runtime_api.h>
+
+#include "comm/group_virtual.h"
 #endif
 
 namespace epx::cli {
@@ -36,6 +38,16 @@ std::string nccl_version_string() {
 
 std::string gpu_device_name(int) { return ""; }
 std::vector<std::string> gpu_topology_lines() { return {}; }
+
+CudaRanks cuda_ranks_for(std::string_view op, int ranks) {
+  require_arg(op, "--device", "cuda", false, "this build has no CUDA (configure with -DEPX_CUDA=ON)");
+  return CudaRanks{ranks, 0, false};
+}
+
+int launch_cuda_ranks(std::string_view op, const CudaRanks&, const Config&, const std::string&,
+                      const std::function<int(const std::shared_ptr<Group>&)>&) {
+  throw Unsupported(std::string(op) + ": --device = cuda: this build has no CUDA (configure with -DEPX_CUDA=ON)");
+}
 
 int run_moe_cuda(const MoeOptions&, const Config&, const std::vector<std::string>&, bool, const std::string&) {
   throw Unsupported("epx moe: --device = cuda: this build has no CUDA (configure with -DEPX_CUDA=ON)");
@@ -361,11 +373,11 @@ RankBackendRun run_backend_on_rank(const Workload& w, const MoeOptions& o, const
   return run;
 }
 
+/// One rank of `epx moe --device cuda`, on its group (NCCL or virtual: launch_cuda_ranks). Rank 0
+/// validates and reports after the others returned; returns the exit code (0 on the other ranks).
 int moe_rank(const MoeOptions& options, const Config& config, const std::vector<std::string>& backends, bool all_backends,
-             const std::string& command, const comm::RankEnv& env) {
-  const int r = env.rank, R = env.world;
-  cuda_ok(cudaSetDevice(r), "cudaSetDevice");
-  auto group = make_nccl_group(env.rendezvous_path, r, R, r, config.timeout_s);
+             const std::string& command, const CudaRanks& where, const std::shared_ptr<Group>& group) {
+  const int r = group->rank(), R = group->size();
   // This rank's experts only (full-size presets hold 10^10 weights over all experts).
   const MoEConfig model = workload_model(options);
   const ExpertRange range = expert_range(model.router.num_experts, R, r);
@@ -374,10 +386,11 @@ int moe_rank(const MoeOptions& options, const Config& config, const std::vector<
   o.expert_end = range.end;
   const auto t_build = std::chrono::steady_clock::now();
   Workload w = build_workload(o, config);
-  w.device_name = gpu_device_name(R);
+  w.device_name = where.device_name();
   w.nodes = group->node_layout();
   w.has_nodes = true;
-  w.nccl_version = nccl_version_string();
+  w.nccl_version = where.nccl_version();
+  w.ranks_per_gpu = where.ranks_per_gpu();
   if (r == 0) {
     print_header(std::cout, w);
     std::cout << std::flush;
@@ -397,18 +410,26 @@ int moe_rank(const MoeOptions& options, const Config& config, const std::vector<
     }
     out_dev.push_back(Tensor::empty({in.x[r].size(0), H}, DType::bf16, dev));
   }
+  // The rank's own non-blocking stream (virtual ranks share one GPU: the legacy stream would
+  // serialise them behind each other's kernels that wait on peers).
   cudaStream_t stream = nullptr;
   cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate");
   std::vector<RankBackendRun> runs;
   const std::vector<RunVariant> variants = run_variants(w, backends, o.compare);
-  for (const RunVariant& v : variants) {
-    const auto t0 = std::chrono::steady_clock::now();
-    runs.push_back(run_backend_on_rank(w, o, v.backend, v.shared_mode, group, stream, x_dev, idx_dev, wts_dev, out_dev));
-    if (r == 0)
-      std::cerr << v.backend << " [" << shared_mode_name(v.shared_mode) << "]: " << runs.back().result.status << " ("
-                << std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() << " s)\n";
+  try {
+    for (const RunVariant& v : variants) {
+      const auto t0 = std::chrono::steady_clock::now();
+      runs.push_back(run_backend_on_rank(w, o, v.backend, v.shared_mode, group, stream, x_dev, idx_dev, wts_dev, out_dev));
+      if (r == 0)
+        std::cerr << v.backend << " [" << shared_mode_name(v.shared_mode) << "]: " << runs.back().result.status << " ("
+                  << std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() << " s)\n";
+    }
+    group->barrier();
+  } catch (...) {
+    (void)cudaStreamDestroy(stream);
+    throw;
   }
-  group->barrier();
+  (void)cudaStreamDestroy(stream);  // every use above was waited for (events, synchronous copies)
   if (r != 0) return 0;  // rank 0 validates and reports after the others have left
 
   // ---- rank 0: validate the gathered rows against the reference on the same subset ----
@@ -456,6 +477,81 @@ int moe_rank(const MoeOptions& options, const Config& config, const std::vector<
 }
 
 }  // namespace
+
+std::string CudaRanks::device_name() const { return gpu_device_name(virtual_ranks ? 1 : ranks); }
+
+std::string CudaRanks::nccl_version() const { return virtual_ranks ? std::string() : nccl_version_string(); }
+
+CudaRanks cuda_ranks_for(std::string_view op, int ranks) {
+  CudaRanks where;
+  where.ranks = ranks;
+  where.gpus = cuda::device_count();
+  require_arg(op, "--ranks", ranks, ranks >= 1, "must be >= 1");
+  require_arg(op, "--device", "cuda", where.gpus >= 1, "no GPU is visible to this process");
+  where.virtual_ranks = ranks > where.gpus;
+  require_arg(op, "--ranks", ranks, !where.virtual_ranks || ranks <= comm::kMaxVirtualRanks,
+              "must be <= the visible GPUs = " + std::to_string(where.gpus) + " (one process per GPU) or <= " +
+                  std::to_string(comm::kMaxVirtualRanks) + " (virtual ranks: threads on one GPU)");
+  return where;
+}
+
+int launch_cuda_ranks(std::string_view op, const CudaRanks& where, const Config& config, const std::string& tag,
+                      const std::function<int(const std::shared_ptr<Group>&)>& body) {
+  const int R = where.ranks;
+  auto set_device = [op](int device) {
+    const cudaError_t e = cudaSetDevice(device);
+    if (e != cudaSuccess)
+      throw CudaError(std::string(op) + ": cudaSetDevice(" + std::to_string(device) + "): " + cudaGetErrorString(e));
+  };
+  comm::LaunchOptions lo;
+  lo.tag = tag;
+  lo.reporter_rank = 0;
+  lo.grace_s = std::min(10.0, config.timeout_s);
+  if (!where.virtual_ranks) {
+    lo.num_ranks = R;
+    const comm::LaunchResult lr = comm::launch_ranks(lo, [&](const comm::RankEnv& env) {
+      set_device(env.rank);
+      auto group = make_nccl_group(env.rendezvous_path, env.rank, env.world, env.rank, config.timeout_s);
+      return body(group);
+    });
+    if (!lr.failure.empty()) std::cerr << "epx: error: " << op << ": " << lr.failure << "\n";
+    return lr.exit_code;
+  }
+  // Virtual ranks: one child (this process stays without CUDA, like the launcher's parent), R threads.
+  lo.num_ranks = 1;
+  const comm::LaunchResult lr = comm::launch_ranks(lo, [&](const comm::RankEnv&) -> int {
+    const std::vector<std::shared_ptr<Group>> groups = make_virtual_cuda_groups(R, 0, config.timeout_s);
+    std::vector<int> codes(static_cast<size_t>(R), 0);
+    try {
+      run_ranks(groups, [&](int rank) {
+        try {
+          const std::shared_ptr<Group>& group = groups[static_cast<size_t>(rank)];
+          set_device(group->device().index);
+          codes[static_cast<size_t>(rank)] = body(group);
+        } catch (const std::exception& e) {
+          std::fprintf(stderr, "epx: rank %d: error: %s\n", rank, e.what());
+          throw;
+        }
+      });
+    } catch (const InvalidArgument&) {
+      return 2;
+    } catch (const std::exception&) {
+      return 1;
+    }
+    for (int q = 1; q < R; ++q)
+      if (codes[static_cast<size_t>(q)] != 0) return codes[static_cast<size_t>(q)];
+    return codes[0];
+  });
+  if (!lr.failure.empty() && !lr.ranks.empty()) {
+    const comm::RankExit& e = lr.ranks[0];
+    const char* name = e.exited ? nullptr : ::strsignal(e.signal);
+    std::cerr << "epx: error: " << op << ": the process of the " << R << " virtual ranks "
+              << (e.exited ? "exited with status " + std::to_string(e.exit_code)
+                           : "was killed by signal " + std::to_string(e.signal) + " (" + (name ? name : "?") + ")")
+              << "\n";
+  }
+  return lr.exit_code;
+}
 
 std::string gpu_device_name(int num_gpus) {
   cudaDeviceProp prop{};
@@ -510,27 +606,20 @@ int run_moe_cuda(const MoeOptions& options, const Config& config, const std::vec
                  const std::string& command) {
   int R = options.ranks;
   if (!options.trace.empty()) R = load_trace(options.trace).num_ranks;
-  const int gpus = cuda::device_count();
-  require_arg(kOp, "--ranks", R, R >= 1 && R <= gpus,
-              "must be in [1, visible GPUs = " + std::to_string(gpus) + "] with --device cuda (one process per GPU)");
+  const CudaRanks where = cuda_ranks_for(kOp, R);
   require_arg(kOp, "--validate-tokens", options.validate_tokens, options.validate_tokens >= 0, "must be >= 0 (0 = all)");
   require_arg(kOp, "--debug-kill-rank", options.debug_kill_rank, options.debug_kill_rank < R, "must be < ranks");
+  require_arg(kOp, "--debug-kill-rank", options.debug_kill_rank, options.debug_kill_rank < 0 || !where.virtual_ranks,
+              "kills a rank's process: it needs one process per rank (R <= visible GPUs), not virtual ranks");
   // Flags and shapes are checked here, before any rank starts (no experts built: cheap).
   {
     MoeOptions probe = options;
     probe.expert_begin = probe.expert_end = 0;
     (void)build_workload(probe, config);
   }
-  comm::LaunchOptions lo;
-  lo.num_ranks = R;
-  lo.tag = "epx-moe";
-  lo.reporter_rank = 0;
-  lo.grace_s = std::min(10.0, config.timeout_s);
-  const comm::LaunchResult lr = comm::launch_ranks(lo, [&](const comm::RankEnv& env) {
-    return moe_rank(options, config, backends, all_backends, command, env);
+  return launch_cuda_ranks(kOp, where, config, "epx-moe", [&](const std::shared_ptr<Group>& group) {
+    return moe_rank(options, config, backends, all_backends, command, where, group);
   });
-  if (!lr.failure.empty()) std::cerr << "epx: error: epx moe: " << lr.failure << "\n";
-  return lr.exit_code;
 }
 
 #endif  // EPX_WITH_CUDA

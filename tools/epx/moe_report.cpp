@@ -86,6 +86,10 @@ std::string command_line(int argc, char** argv) {
   return s;
 }
 
+std::string virtual_ranks_note(int ranks) {
+  return "virtual ranks: " + std::to_string(ranks) + " on one GPU (timings measure one GPU's memory, not NVLink)";
+}
+
 std::string cpu_device_name() {
   const unsigned n = std::thread::hardware_concurrency();
   return "cpu (" + std::to_string(n ? n : 1) + " threads)";
@@ -122,7 +126,11 @@ void print_header(std::ostream& os, const Workload& w) {
   if (w.weights && w.weights->expert_pool > 0)
     os << "expert pool: " << w.weights->expert_pool << " (random expert e holds the values of expert e mod "
        << w.weights->expert_pool << "; one copy per expert on the device)\n";
-  if (w.has_nodes) os << "node layout: " << w.nodes.describe() << " (NCCL LSA team " << w.nodes.lsa_size << ")\n";
+  if (w.ranks_per_gpu > 1) os << virtual_ranks_note(w.ranks_per_gpu) << "\n";
+  if (w.has_nodes)
+    os << "node layout: " << w.nodes.describe()
+       << (w.ranks_per_gpu > 1 ? std::string(" (virtual ranks: threads on one GPU)") : " (NCCL LSA team " + std::to_string(w.nodes.lsa_size) + ")")
+       << "\n";
 }
 
 namespace {
@@ -284,6 +292,7 @@ void write_results_json(const std::string& path, const std::string& command, con
         {"num_experts", m.router.num_experts},
         {"num_shared_experts", m.num_shared_experts},
         {"ranks", w.num_ranks},
+        {"ranks_per_gpu", w.ranks_per_gpu > 0 ? json(w.ranks_per_gpu) : json(nullptr)},
         {"dtype", std::string(dtype_name(w.dispatch_dtype))},
         {"weight_format", std::string(weight_format_name(m.routed_format))},
         {"routing", w.routing},
@@ -341,6 +350,8 @@ void write_results_json(const std::string& path, const std::string& command, con
               {"date", date},            {"device", w.device_name.empty() ? cpu_device_name() : w.device_name},
               {"nccl_version", w.nccl_version.empty() ? json(nullptr) : json(w.nccl_version)},
               {"epx_version", EPX_VERSION}, {"results", std::move(rs)}};
+  // Ranks sharing one GPU: 1 (one process per GPU), R (virtual ranks: timings of one GPU's memory, not NVLink), null (CPU).
+  doc["ranks_per_gpu"] = w.ranks_per_gpu > 0 ? json(w.ranks_per_gpu) : json(nullptr);
   if (!w.trace_source.empty()) doc["trace_source"] = w.trace_source;
   if (w.weights && w.weights->expert_pool > 0) doc["expert_pool"] = w.weights->expert_pool;  // MoEWeights::expert_pool
   doc["node_layout"] = node_layout_json(w.has_nodes ? w.nodes : NodeLayout::from_keys(std::vector<int64_t>(static_cast<size_t>(std::max(1, w.num_ranks)), 0), 0));

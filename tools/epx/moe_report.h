@@ -30,6 +30,9 @@ void write_results_json(const std::string& path, const std::string& command, con
 std::string git_commit();
 /// "epx <args...>" with shell quoting, for the JSON "command" and the repro line.
 std::string command_line(int argc, char** argv);
+/// "virtual ranks: R on one GPU (timings measure one GPU's memory, not NVLink)": the header line of a
+/// GPU run whose R ranks are threads on one GPU (make_virtual_cuda_groups).
+std::string virtual_ranks_note(int ranks);
 /// "cpu (N threads)".
 std::string cpu_device_name();
 /// The JSON "node_layout" of a run (RESULTS.md; issue 11): num_nodes, ranks_per_node (0 when

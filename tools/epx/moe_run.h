@@ -91,7 +91,10 @@ struct Workload {
   bool expert_contiguous = false;     ///< --expert-contiguous: ht's layers take DispatchConfig::expert_contiguous
   // Set by the GPU path for the report (empty: the CPU defaults).
   std::string device_name;            ///< e.g. "2 x NVIDIA H200"
-  std::string nccl_version;           ///< e.g. "2.28.9"
+  std::string nccl_version;           ///< e.g. "2.28.9"; empty on virtual ranks (their collectives are device copies)
+  /// Ranks sharing one GPU (GPU runs): 1 with one process per GPU, R on virtual ranks
+  /// (make_virtual_cuda_groups); 0 on CPU ranks (JSON null).
+  int ranks_per_gpu = 0;
 };
 
 /// Result of one backend over all steps.
