@@ -1,26 +1,47 @@
-// dispatch/dispatch_cuda_test.cpp: naive, allgather_reducescatter and all2allv on NCCL groups, one
-// forked process per GPU (R = 1, and R = 2 where two GPUs exist), against the CPU backends run on
-// the same inputs: every prepare output (x, x_scales, local topk_idx, topk_weights, recv_count) and
-// every finalize output bit for bit, and the same DispatchStats.
+// dispatch/dispatch_cuda_test.cpp: every dispatch backend on CUDA groups against the CPU backends run
+// on the same inputs, through tests/cuda_ranks.h (one forked process per GPU with an NCCL group where
+// the machine has R GPUs, else R virtual ranks as threads on one GPU), at R = 1, 2, 4 and 8:
+//   - naive, allgather_reducescatter and all2allv: every prepare output (x, x_scales, local topk_idx,
+//     topk_weights, recv_count) and every finalize output bit for bit, and the same DispatchStats;
+//   - ll and ht on one node (their flat path): the valid rows of every prepare output and every
+//     finalize output bit for bit against LlCpu / HtCpu;
+//   - ll and ht across nodes (the hierarchical path, src/dispatch/hier.h): in the real form every GPU
+//     is its own node (NCCL's variables, NodeEnv), on virtual ranks the group reports nodes of
+//     ranks_per_node ranks (2 nodes of 1, 2 and 4 ranks at R = 2, 4 and 8); bit for bit against the
+//     CPU twin of the hierarchical path, and against the flat CPU backends (rows bit for bit with one
+//     rank per node, the combine within bf16 noise);
+//   - the node layout every group reports and the path (flat or hierarchical) ll and ht take on it;
+//   - a bad id or bad arguments on one rank (InvalidArgument on every rank, the object usable after),
+//     and a rank that stops taking part (its peers get Timeout naming it, naive / agrs / all2allv).
 //
-// Inputs are fresh random tokens (never zeros) with uneven T per rank (T = 0 included), -1
+// Inputs are fresh random tokens (never zeros) with uneven T per rank (0, 1, 7 and 128 included), -1
 // selections, duplicate experts, the shared route, int32 and int64 ids, bf16 and fp8 (incl. UE8M0)
-// dispatch, hidden 7168 and 2048, a rank holding no expert; two rounds per backend object with
-// different shapes (the second on the legacy default stream, with x and out 2 bytes off alignment),
-// and device outputs poisoned (NaN) before each call. The experts step is the
-// harness's deterministic TestExperts run on the host on copies of the prepare outputs, so this
-// test does not depend on the CUDA experts. The CPU oracle runs in the parent before the fork;
-// every child inherits it.
+// dispatch, hidden 7168 and 2048 (2048 only at R >= 4), ranks holding no expert; two rounds per
+// backend object with different shapes (the second on the legacy default stream, or on virtual ranks
+// for ll / ht, whose kernels wait on peers, a second stream of the rank's own; x and out 2 bytes off
+// alignment, except for flat ll, which needs them 16-byte aligned), and device outputs poisoned (NaN)
+// before each call. The experts step is the harness's
+// deterministic TestExperts run on the host on copies of the prepare outputs, so this test does not
+// depend on the CUDA experts. The CPU oracles run in the gtest process before the ranks are forked;
+// every rank reads them (shared read-only by the threads of virtual ranks).
 #include <gtest/gtest.h>
+#include <stdlib.h>
 
+#include <algorithm>
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <memory>
+#include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
+#include "cuda_ranks.h"
 #include "dispatch/hier.h"
 #include "dispatch_harness.h"
 #include "epx/cuda.h"
@@ -37,6 +58,7 @@ using namespace epx::test;
 namespace {
 
 const std::vector<std::string> kBackends = {"naive", "allgather_reducescatter", "all2allv"};
+const std::vector<std::string> kNodeBackends = {"ll", "ht"};  // flat on one node, hierarchical across nodes
 
 /// One rank's view of one prepare/experts/finalize round, as host bytes.
 struct Snapshot {
@@ -98,23 +120,25 @@ struct GpuCase {
 };
 
 /// The case list for R ranks; round 2 reverses the token counts (and changes the seed), so buffers
-/// are reused with other sizes.
+/// are reused with other sizes. At R >= 4 the shapes are small (hidden 2048, T in {0, 1, 7, 128}).
 std::vector<GpuCase> make_cases(int R) {
   struct Spec {
-    int64_t H;
+    int64_t H, H_small;  // hidden at R <= 2, and at R >= 4
     DType dtype;
     bool ue8m0;
     int E, K;
-    std::vector<int64_t> T1, T2;  // tokens per rank for R = 1 and R = 2
+    std::vector<int64_t> T1, T2, Tn;  // tokens per rank for R = 1, R = 2, and R >= 4 (cycled over the ranks)
     bool shared, dups, idx64;
     double masked;
   };
   const std::vector<Spec> specs = {
-      {7168, DType::fp8_e4m3, false, 16, 8, {37}, {37, 0}, false, true, false, 0.2},
-      {2048, DType::bf16, false, 8, 4, {64}, {5, 64}, true, true, true, 0.15},
-      {2048, DType::fp8_e4m3, true, 3, 2, {1}, {0, 1}, false, false, false, 0.3},
-      {7168, DType::bf16, false, 1, 2, {16}, {16, 9}, false, true, false, 0.1},  // R = 2: rank 1 holds no expert
-      {2048, DType::bf16, false, 4, 2, {0}, {0, 0}, false, false, false, 0.0},
+      {7168, 2048, DType::fp8_e4m3, false, 16, 8, {37}, {37, 0}, {7, 0, 128, 1}, false, true, false, 0.2},
+      // The bad-id cases use this one: the last rank has T > 0 at every R.
+      {2048, 2048, DType::bf16, false, 8, 4, {64}, {5, 64}, {1, 128, 0, 7}, true, true, true, 0.15},
+      {2048, 2048, DType::fp8_e4m3, true, 3, 2, {1}, {0, 1}, {0, 1}, false, false, false, 0.3},  // R >= 4: ranks without an expert
+      {7168, 2048, DType::bf16, false, 1, 2, {16}, {16, 9}, {7, 128, 1, 0}, false, true, false, 0.1},  // only rank 0 holds an expert
+      {2048, 2048, DType::bf16, false, 4, 2, {0}, {0, 0}, {0}, false, false, false, 0.0},
+      {2048, 2048, DType::fp8_e4m3, false, 8, 4, {128}, {7, 128}, {128, 7, 1, 0}, false, true, false, 0.25},
   };
   std::vector<GpuCase> cases;
   uint64_t seed = 11;
@@ -124,9 +148,10 @@ std::vector<GpuCase> make_cases(int R) {
     c.R = R;
     c.E = sp.E;
     c.K = sp.K;
-    c.H = sp.H;
-    c.cap = 64;
-    c.T = R == 1 ? sp.T1 : sp.T2;
+    c.H = R <= 2 ? sp.H : sp.H_small;
+    const std::vector<int64_t>& pattern = R == 1 ? sp.T1 : R == 2 ? sp.T2 : sp.Tn;
+    for (int r = 0; r < R; ++r) c.T.push_back(pattern[static_cast<size_t>(r) % pattern.size()]);
+    c.cap = static_cast<int>(std::max<int64_t>(64, *std::max_element(c.T.begin(), c.T.end())));
     c.dtype = sp.dtype;
     c.ue8m0 = sp.ue8m0;
     c.shared = sp.shared;
@@ -201,7 +226,10 @@ std::string compare(const Snapshot& got, const Snapshot& want) {
   return d;
 }
 
-/// Backend `name` on this rank's NCCL group over all rounds of one object.
+/// Backend `name` (naive, allgather_reducescatter, all2allv) on this rank's group over all rounds of
+/// one object. Odd rounds run on the legacy default stream, also on virtual ranks (these backends
+/// move data only through the group's collectives, which run a legacy-stream call on the rank's own
+/// stream, and their kernels wait on no peer).
 std::vector<Snapshot> run_gpu(const std::string& name, const Case& c, const Rounds& rounds, const std::shared_ptr<Group>& g,
                               cudaStream_t stream) {
   const int r = g->rank();
@@ -275,91 +303,90 @@ void check_bad_id_throws_everywhere(const std::string& name, const GpuCase& gc, 
   if (r == 0) std::printf("bad id: %s\n", what.c_str());
 }
 
-/// How the forked ranks see each other: as NCCL normally does (one host: one node, the single-node
-/// fast path), or as virtual nodes, one GPU each, NCCL over its network (socket) transport.
+/// How the ranks see each other: one node (NCCL's single-node fast path; a virtual group of one
+/// node), or several nodes: in the real form every GPU its own node, NCCL over its network (socket)
+/// transport; on virtual ranks nodes of ranks_per_node consecutive ranks.
 enum class Nodes { one_host, virtual_nodes };
 
-/// Sets (virtual_nodes) or clears the NCCL variables that make every GPU its own node; each forked
-/// rank calls it before its first NCCL call (NCCL reads its environment once per process).
-void set_node_env(Nodes nodes) {
-  for (const char* v : {"NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE"}) {
-    if (nodes == Nodes::virtual_nodes) ::setenv(v, "1", 1);
-    else ::unsetenv(v);
+/// Sets (virtual_nodes) or clears (one_host) the NCCL variables that make every GPU its own node, in
+/// this (the gtest) process before the real form's ranks are forked: NCCL reads its environment once
+/// per process, and a rank's thread must not set it. Restores the previous values when it goes.
+class NodeEnv {
+ public:
+  explicit NodeEnv(Nodes nodes) {
+    for (size_t i = 0; i < kVars.size(); ++i) {
+      if (const char* old = std::getenv(kVars[i])) saved_[i] = std::string(old);
+      if (nodes == Nodes::virtual_nodes) ::setenv(kVars[i], "1", 1);
+      else ::unsetenv(kVars[i]);
+    }
   }
+  ~NodeEnv() {
+    for (size_t i = 0; i < kVars.size(); ++i) {
+      if (saved_[i]) ::setenv(kVars[i], saved_[i]->c_str(), 1);
+      else ::unsetenv(kVars[i]);
+    }
+  }
+  NodeEnv(const NodeEnv&) = delete;
+  NodeEnv& operator=(const NodeEnv&) = delete;
+
+ private:
+  static constexpr std::array<const char*, 2> kVars = {"NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE"};
+  std::array<std::optional<std::string>, 2> saved_;
+};
+
+/// Where a test's R ranks run (run_cuda_ranks' choice) and the node layout their groups must report.
+struct Placement {
+  int R = 1;
+  bool virt = false;  ///< virtual ranks on one GPU, else one forked process per GPU (NCCL)
+  Nodes nodes = Nodes::one_host;
+  int per_node = 1;   ///< ranks per node: R on one node; across nodes 1 in the real form, else the virtual layout's
+  int num_nodes() const { return R / per_node; }
+  /// ranks_per_node for run_cuda_ranks (used by virtual ranks only).
+  int virtual_ranks_per_node() const { return virt && nodes == Nodes::virtual_nodes ? per_node : 0; }
+  std::string describe() const {
+    return std::to_string(R) + (virt ? " virtual ranks" : " ranks (one GPU each)") + ", " + std::to_string(num_nodes()) + " node(s) x " +
+           std::to_string(per_node);
+  }
+};
+
+/// R ranks on one node, or (virtual_nodes) on several: one rank per GPU-node in the real form, nodes of
+/// virtual_per_node ranks on virtual ranks (it must divide R and be less than R).
+Placement place(int R, Nodes nodes, int virtual_per_node = 1) {
+  Placement p;
+  p.R = R;
+  p.virt = virtual_ranks_for(R);
+  p.nodes = nodes;
+  p.per_node = nodes == Nodes::one_host ? R : p.virt ? virtual_per_node : 1;
+  return p;
 }
 
-/// "" when the group's node layout is the one `nodes` must give (and NCCL's LSA team agrees), else
-/// what differs. Proves which path ran: 1 node x R ranks = single-node fast path (device comm on the
-/// global communicator), R nodes x 1 rank = per-node communicators, host collectives across nodes.
-std::string check_node_layout(const Group& g, Nodes nodes) {
+/// run_cuda_ranks for placement p: the real form's NCCL variables are set here, before its ranks are
+/// forked; virtual ranks get their node layout from ranks_per_node.
+std::string run_placed(const Placement& p, double deadline_s, const std::function<void(int rank, const std::shared_ptr<Group>& g)>& fn,
+                       double timeout_s = 60.0) {
+  std::optional<NodeEnv> env;
+  if (!p.virt) env.emplace(p.nodes);
+  return run_cuda_ranks(p.R, deadline_s, fn, timeout_s, p.virtual_ranks_per_node());
+}
+
+/// "" when the group's node layout is the one p must give (and the LSA team is the node), else what
+/// differs. Proves which path ran: one node = the single-node fast path (NCCL: device comm on the
+/// global communicator), several = hierarchical ll / ht (NCCL: per-node communicators, host
+/// collectives across nodes; virtual ranks: the node group of each virtual node).
+std::string check_node_layout(const Group& g, const Placement& p) {
   const NodeLayout l = g.node_layout();
-  const int R = g.size();
+  const int P = p.per_node, N = p.num_nodes(), r = g.rank();
   std::string d;
-  const int want_nodes = nodes == Nodes::virtual_nodes ? R : 1;
-  if (l.num_nodes != want_nodes || g.num_nodes() != want_nodes)
-    d += "num_nodes " + std::to_string(l.num_nodes) + ", want " + std::to_string(want_nodes) + " (" + l.describe() + "); ";
-  if (g.ranks_per_node() != R / want_nodes) d += "ranks_per_node " + std::to_string(g.ranks_per_node()) + "; ";
-  if (g.node_id() != (nodes == Nodes::virtual_nodes ? g.rank() : 0)) d += "node_id " + std::to_string(g.node_id()) + "; ";
-  if (g.local_rank() != (nodes == Nodes::virtual_nodes ? 0 : g.rank())) d += "local_rank " + std::to_string(g.local_rank()) + "; ";
+  if (l.num_nodes != N || g.num_nodes() != N) d += "num_nodes " + std::to_string(l.num_nodes) + ", want " + std::to_string(N) + " (" + l.describe() + "); ";
+  if (g.ranks_per_node() != P) d += "ranks_per_node " + std::to_string(g.ranks_per_node()) + ", want " + std::to_string(P) + "; ";
+  if (g.node_id() != r / P) d += "node_id " + std::to_string(g.node_id()) + ", want " + std::to_string(r / P) + "; ";
+  if (g.local_rank() != r % P) d += "local_rank " + std::to_string(g.local_rank()) + ", want " + std::to_string(r % P) + "; ";
   if (l.lsa_size != l.local_size)
-    d += "NCCL's LSA team has " + std::to_string(l.lsa_size) + " ranks, the node " + std::to_string(l.local_size) + "; ";
+    d += "the LSA team has " + std::to_string(l.lsa_size) + " ranks, the node " + std::to_string(l.local_size) + "; ";
   return d;
 }
 
-/// Runs every backend on every case on R forked ranks and compares with the CPU snapshots.
-void run_world(int R, Nodes nodes = Nodes::one_host) {
-  std::vector<GpuCase> cases = make_cases(R);
-  for (GpuCase& gc : cases)
-    for (const std::string& name : kBackends) gc.want.push_back(run_cpu(name, gc.c, gc.rounds));
-  const std::string path = fresh_dir() + "/uid";
-  const std::string failed = run_ranks_forked(R, 300.0, [&](int rank) {
-    set_node_env(nodes);
-    auto g = make_nccl_group(path, rank, R, rank, 60.0);
-    cuda_ok(cudaSetDevice(rank), "cudaSetDevice");  // the test's own copies, memsets and stream
-    cudaStream_t stream;
-    cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
-    std::string failures = check_node_layout(*g, nodes);
-    if (rank == 0)
-      std::printf("node layout: %s (NCCL LSA team %d)%s\n", g->node_layout().describe().c_str(), g->node_layout().lsa_size,
-                  failures.empty() ? "" : (" WRONG: " + failures).c_str());
-    // Which path ll and ht take: hierarchical across the virtual nodes, the flat backend (the
-    // single-node fast path) on one host. Proven by the object's capabilities and its node backend.
-    for (const char* name : {"ll", "ht"}) {
-      auto pf = make_prepare_finalize(name, g, cases[0].c.config());
-      const bool hier = pf->capabilities().hierarchical, inner = dispatch::hierarchical_node_backend(*pf) != nullptr;
-      const bool want = nodes == Nodes::virtual_nodes;
-      if (hier != want || inner != want)
-        failures += std::string(name) + ": hierarchical = " + (hier ? "true" : "false") + ", want " + (want ? "true" : "false") + "; ";
-      else if (rank == 0)
-        std::printf("%s on %s: %s path\n", name, g->node_layout().describe().c_str(), hier ? "hierarchical" : "single-node (flat)");
-    }
-    int checked = 0;
-    for (const GpuCase& gc : cases) {
-      for (size_t b = 0; b < kBackends.size(); ++b) {
-        const auto got = run_gpu(kBackends[b], gc.c, gc.rounds, g, stream);
-        for (size_t i = 0; i < got.size(); ++i) {
-          const Snapshot& want = gc.want[b][i][static_cast<size_t>(rank)];
-          const std::string d = compare(got[i], want);
-          if (!d.empty()) failures += kBackends[b] + " round " + std::to_string(i) + " rank " + std::to_string(rank) + " " + gc.c.describe() + ": " + d + "\n";
-          ++checked;
-          if (rank == 0 && i + 1 == got.size())
-            std::printf("%-24s %s: N=%lld %s, prepare + finalize %s vs CPU (out rel_l2 %.1e)\n", kBackends[b].c_str(),
-                        gc.c.describe().c_str(), static_cast<long long>(got[i].num_recv_tokens), got[i].layout.c_str(),
-                        d.empty() ? "bit-exact" : "DIFFER", rel_l2_bf16(got[i].out, want.out));
-        }
-      }
-    }
-    for (const std::string& name : kBackends) check_bad_id_throws_everywhere(name, cases[1], g, stream, failures);
-    // ll and ht on CUDA have their own tests: ll_cuda_test.cpp, ht_cuda_test.cpp.
-    g->barrier();
-    cuda_ok(cudaStreamDestroy(stream), "stream destroy");
-    if (!failures.empty()) throw std::runtime_error("mismatches:\n" + failures);
-    if (rank == 0) std::printf("dispatch CUDA OK on %d rank(s): %d rounds bit-exact vs the CPU backends\n", R, checked);
-  });
-  EXPECT_EQ(failed, "");
-}
-
-// ---- hierarchical ll / ht (src/dispatch/hier.h) across virtual nodes ------------------------------
+// ---- ll / ht (flat on one node, hierarchical across nodes: src/dispatch/hier.h) ---------------------
 
 /// One rank's prepare/experts/finalize round of ll or ht as host bytes; ExpertMajor keeps only the
 /// valid rows [0, recv_count[l]) of each expert (the rest is stale by contract).
@@ -431,28 +458,37 @@ std::vector<std::vector<HierSnap>> run_hier_cpu(const std::string& name, const C
   return snaps;
 }
 
-std::vector<HierSnap> run_hier_gpu(const std::string& name, const Case& c, const Rounds& rounds, const std::shared_ptr<Group>& g,
-                                   cudaStream_t stream) {
+/// ll or ht on this rank's group over all rounds of one object; `hierarchical`: the path it must take.
+/// Odd rounds run on odd_stream (the legacy default stream when null; on virtual ranks a second
+/// cudaStreamNonBlocking stream of the rank: the legacy stream would queue a peer's kernel behind this
+/// rank's, which waits for it) with x / out 2 bytes off alignment, except for flat ll (its kernels move
+/// 16-byte vectors: x and out must be 16-byte aligned).
+std::vector<HierSnap> run_node_gpu(const std::string& name, const Case& c, const Rounds& rounds, const std::shared_ptr<Group>& g,
+                                   cudaStream_t stream, cudaStream_t odd_stream, bool hierarchical) {
   const int r = g->rank();
   const Device dev = g->device();
   auto pf = make_prepare_finalize(name, g, c.config());
-  if (!pf->capabilities().hierarchical) throw std::runtime_error(name + " did not take the hierarchical path");
+  if (pf->capabilities().hierarchical != hierarchical)
+    throw std::runtime_error(name + (hierarchical ? " did not take the hierarchical path" : " took the hierarchical path on one node"));
+  if (pf->capabilities().name != name) throw std::runtime_error("capabilities().name = " + pf->capabilities().name);
+  const bool misalign = hierarchical || name != "ll";
   std::vector<HierSnap> snaps(rounds.size());
   for (size_t i = 0; i < rounds.size(); ++i) {
     const RankInput& ri = rounds[i][static_cast<size_t>(r)];
     const int64_t T = ri.x.size(0);
-    const bool odd = i % 2 == 1;  // odd rounds: legacy default stream, x / out 2 bytes off alignment
-    const cudaStream_t s = odd ? nullptr : stream;
-    const Tensor x_store = Tensor::empty({T * c.H + 1}, DType::bf16, dev);
-    const TensorView x(x_store.ptr<uint16_t>() + (odd ? 1 : 0), DType::bf16, {T, c.H}, dev);
+    const bool odd = i % 2 == 1;
+    const cudaStream_t s = odd ? odd_stream : stream;
+    const int64_t off = odd && misalign ? 1 : 0;
+    const Tensor x_store = Tensor::empty({T * c.H + 8}, DType::bf16, dev);
+    const TensorView x(x_store.ptr<uint16_t>() + off, DType::bf16, {T, c.H}, dev);
     copy(x, ri.x);
     const Tensor idx = ri.topk_idx.to(dev), w = ri.topk_weights.to(dev);
     const PrepareResult p = pf->prepare({x, idx, w, Stream{s}});
     cuda_ok(cudaStreamSynchronize(s), "sync after prepare");
     const Tensor eo = hier_take(c, r, p, snaps[i]).to(dev);
-    const Tensor out_store = Tensor::empty({T * c.H + 1}, DType::bf16, dev);
+    const Tensor out_store = Tensor::empty({T * c.H + 8}, DType::bf16, dev);
     test::poison_device(out_store.data(), static_cast<size_t>(out_store.nbytes()), "poison out");  // waits: s may be non-blocking
-    const TensorView out(out_store.ptr<uint16_t>() + (odd ? 1 : 0), DType::bf16, {T, c.H}, dev);
+    const TensorView out(out_store.ptr<uint16_t>() + off, DType::bf16, {T, c.H}, dev);
     pf->finalize({eo, out, Stream{s}});
     cuda_ok(cudaStreamSynchronize(s), "sync after finalize");
     snaps[i].out = host_bytes(out);
@@ -474,11 +510,89 @@ std::string compare_hier(const HierSnap& got, const HierSnap& want) {
   return d;
 }
 
-/// ll and ht across R virtual nodes (1 GPU each, NCCL over sockets) against (a) the CPU twin of the
-/// hierarchical path, bit for bit, and (b) the flat CPU backends (LlCpu / HtCpu): the same rows bit
-/// for bit (one rank per node keeps the slot order) and the combine within bf16 noise (one extra
-/// rounding of each node's partial, hier.h).
-void run_hier_world(int R) {
+/// Runs every backend on every case on the ranks of placement p and compares with the CPU snapshots:
+/// naive / agrs / all2allv always; ll and ht against LlCpu / HtCpu when p is one node (across nodes
+/// they take the hierarchical path, which run_hier_world checks; here only the path is checked).
+void run_world(const Placement& pl) {
+  const int R = pl.R;
+  const bool one_node = pl.num_nodes() == 1;
+  std::vector<GpuCase> cases = make_cases(R);
+  for (GpuCase& gc : cases)
+    for (const std::string& name : kBackends) gc.want.push_back(run_cpu(name, gc.c, gc.rounds));
+  std::vector<std::vector<std::vector<std::vector<HierSnap>>>> node_want(cases.size());  // [case][ll, ht][round][rank]
+  if (one_node)
+    for (size_t i = 0; i < cases.size(); ++i)
+      for (const std::string& name : kNodeBackends) node_want[i].push_back(run_hier_cpu(name, cases[i].c, cases[i].rounds, 0));
+  std::printf("%s\n", pl.describe().c_str());
+  const std::string failed = run_placed(pl, 300.0, [&](int rank, const std::shared_ptr<Group>& g) {
+    cudaStream_t stream = nullptr, odd_stream = nullptr;  // odd_stream: see run_node_gpu
+    cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
+    if (pl.virt) cuda_ok(cudaStreamCreateWithFlags(&odd_stream, cudaStreamNonBlocking), "stream");
+    std::string failures = check_node_layout(*g, pl);
+    if (rank == 0)
+      std::printf("node layout: %s (LSA team %d)%s\n", g->node_layout().describe().c_str(), g->node_layout().lsa_size,
+                  failures.empty() ? "" : (" WRONG: " + failures).c_str());
+    // Which path ll and ht take: hierarchical across nodes, the flat backend (the single-node fast
+    // path) on one node. Proven by the object's capabilities and its node backend.
+    for (const std::string& name : kNodeBackends) {
+      auto pf = make_prepare_finalize(name, g, cases[0].c.config());
+      const bool hier = pf->capabilities().hierarchical, inner = dispatch::hierarchical_node_backend(*pf) != nullptr;
+      const bool want = !one_node;
+      if (hier != want || inner != want)
+        failures += name + ": hierarchical = " + (hier ? "true" : "false") + ", want " + (want ? "true" : "false") + "; ";
+      else if (rank == 0)
+        std::printf("%s on %s: %s path\n", name.c_str(), g->node_layout().describe().c_str(), hier ? "hierarchical" : "single-node (flat)");
+    }
+    int checked = 0;
+    for (const GpuCase& gc : cases) {
+      for (size_t b = 0; b < kBackends.size(); ++b) {
+        const auto got = run_gpu(kBackends[b], gc.c, gc.rounds, g, stream);
+        for (size_t i = 0; i < got.size(); ++i) {
+          const Snapshot& want = gc.want[b][i][static_cast<size_t>(rank)];
+          const std::string d = compare(got[i], want);
+          if (!d.empty()) failures += kBackends[b] + " round " + std::to_string(i) + " rank " + std::to_string(rank) + " " + gc.c.describe() + ": " + d + "\n";
+          ++checked;
+          if (rank == 0 && i + 1 == got.size())
+            std::printf("%-24s %s: N=%lld %s, prepare + finalize %s vs CPU (out rel_l2 %.1e)\n", kBackends[b].c_str(),
+                        gc.c.describe().c_str(), static_cast<long long>(got[i].num_recv_tokens), got[i].layout.c_str(),
+                        d.empty() ? "bit-exact" : "DIFFER", rel_l2_bf16(got[i].out, want.out));
+        }
+      }
+    }
+    // ll and ht on one node against LlCpu / HtCpu (their protocols in depth: ll_cuda_test.cpp, ht_cuda_test.cpp).
+    if (one_node) {
+      for (size_t ci = 0; ci < cases.size(); ++ci) {
+        const GpuCase& gc = cases[ci];
+        for (size_t b = 0; b < kNodeBackends.size(); ++b) {
+          const auto got = run_node_gpu(kNodeBackends[b], gc.c, gc.rounds, g, stream, odd_stream, false);
+          for (size_t i = 0; i < got.size(); ++i) {
+            const std::string d = compare_hier(got[i], node_want[ci][b][i][static_cast<size_t>(rank)]);
+            if (!d.empty()) failures += kNodeBackends[b] + " round " + std::to_string(i) + " rank " + std::to_string(rank) + " " + gc.c.describe() + ": " + d + "\n";
+            ++checked;
+            if (rank == 0 && i + 1 == got.size())
+              std::printf("%-24s %s: prepare + finalize %s vs %s\n", kNodeBackends[b].c_str(), gc.c.describe().c_str(),
+                          d.empty() ? "bit-exact" : "DIFFER", kNodeBackends[b] == "ll" ? "LlCpu" : "HtCpu");
+          }
+        }
+      }
+    }
+    for (const std::string& name : kBackends) check_bad_id_throws_everywhere(name, cases[1], g, stream, failures);
+    g->barrier();
+    cuda_ok(cudaStreamDestroy(stream), "stream destroy");
+    if (odd_stream) cuda_ok(cudaStreamDestroy(odd_stream), "stream destroy");
+    if (!failures.empty()) throw std::runtime_error("mismatches:\n" + failures);
+    if (rank == 0) std::printf("dispatch CUDA OK on %s: %d rounds bit-exact vs the CPU backends\n", pl.describe().c_str(), checked);
+  });
+  EXPECT_EQ(failed, "") << pl.describe();
+}
+
+/// ll and ht across the nodes of placement pl (real form: one GPU per node, NCCL over sockets;
+/// virtual ranks: nodes of pl.per_node ranks) against (a) the CPU twin of the hierarchical path (CPU
+/// groups of the same node layout), bit for bit, and (b) the flat CPU backends (LlCpu / HtCpu): with
+/// one rank per node the same rows bit for bit (it keeps the slot order), and the combine within bf16
+/// noise (one extra rounding of each node's partial, hier.h).
+void run_hier_world(const Placement& pl) {
+  const int R = pl.R, P = pl.per_node;
   struct HierCase {
     std::string name;
     GpuCase g;
@@ -486,11 +600,11 @@ void run_hier_world(int R) {
     bool unsupported = false;                     // a node holds no routed expert
   };
   std::vector<HierCase> hcs;
-  for (const std::string name : {"ll", "ht"}) {
+  for (const std::string& name : kNodeBackends) {
     std::vector<GpuCase> cases = make_cases(R);
     for (size_t i = 0; i < cases.size(); ++i) {
       HierCase h{name, cases[i], {}, {}, false};
-      h.unsupported = dispatch::why_no_hierarchical(name, *make_cpu_groups(R, 30.0, 1)[0], h.g.c.config()).has_value();
+      h.unsupported = dispatch::why_no_hierarchical(name, *make_cpu_groups(R, 30.0, P)[0], h.g.c.config()).has_value();
       hcs.push_back(std::move(h));
       if (name == "ll" && i == 0) {  // the default combine mode too
         HierCase p{name, cases[i], {}, {}, false};
@@ -501,18 +615,16 @@ void run_hier_world(int R) {
   }
   for (HierCase& h : hcs) {
     if (h.unsupported) continue;
-    h.twin = run_hier_cpu(h.name, h.g.c, h.g.rounds, 1);
+    h.twin = run_hier_cpu(h.name, h.g.c, h.g.rounds, P);
     h.flat = run_hier_cpu(h.name, h.g.c, h.g.rounds, 0);
   }
-  const std::string path = fresh_dir() + "/uid";
-  const std::string failed = run_ranks_forked(R, 300.0, [&](int rank) {
-    set_node_env(Nodes::virtual_nodes);
-    auto g = make_nccl_group(path, rank, R, rank, 60.0);
-    cuda_ok(cudaSetDevice(rank), "cudaSetDevice");
-    cudaStream_t stream;
+  std::printf("%s\n", pl.describe().c_str());
+  const std::string failed = run_placed(pl, 300.0, [&](int rank, const std::shared_ptr<Group>& g) {
+    cudaStream_t stream = nullptr, odd_stream = nullptr;  // odd_stream: see run_node_gpu
     cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
-    std::string failures = check_node_layout(*g, Nodes::virtual_nodes);
-    if (rank == 0) std::printf("node layout: %s (NCCL LSA team %d)\n", g->node_layout().describe().c_str(), g->node_layout().lsa_size);
+    if (pl.virt) cuda_ok(cudaStreamCreateWithFlags(&odd_stream, cudaStreamNonBlocking), "stream");
+    std::string failures = check_node_layout(*g, pl);
+    if (rank == 0) std::printf("node layout: %s (LSA team %d)\n", g->node_layout().describe().c_str(), g->node_layout().lsa_size);
     int checked = 0;
     for (const HierCase& h : hcs) {
       const Case& c = h.g.c;
@@ -531,15 +643,16 @@ void run_hier_world(int R) {
           std::printf("%s: Unsupported as expected: %s\n", what.c_str(), msg.c_str());
         continue;
       }
-      const auto got = run_hier_gpu(h.name, c, h.g.rounds, g, stream);
+      const auto got = run_node_gpu(h.name, c, h.g.rounds, g, stream, odd_stream, true);
       for (size_t i = 0; i < got.size(); ++i) {
         const HierSnap& twin = h.twin[i][static_cast<size_t>(rank)];
         const HierSnap& flat = h.flat[i][static_cast<size_t>(rank)];
         const std::string d = compare_hier(got[i], twin);
+        // Rows against the flat backend: with one rank per node only (several reorder the slots).
         HierSnap flat_rows = flat, got_rows = got[i];
         flat_rows.out.clear();
         got_rows.out.clear();
-        const std::string df = compare_hier(got_rows, flat_rows);
+        const std::string df = P == 1 ? compare_hier(got_rows, flat_rows) : "";
         const double rel = rel_l2_bf16(got[i].out, flat.out);
         const int64_t T = h.g.rounds[i][static_cast<size_t>(rank)].x.size(0);
         if (!d.empty()) failures += what + " round " + std::to_string(i) + " rank " + std::to_string(rank) + " vs CPU twin: " + d + "\n";
@@ -548,14 +661,15 @@ void run_hier_world(int R) {
         ++checked;
         if (rank == 0 && i + 1 == got.size())
           std::printf("%-28s: prepare + finalize %s vs the CPU twin; rows %s vs flat %s, out rel_l2 %.1e\n", what.c_str(),
-                      d.empty() ? "bit-exact" : "DIFFER", df.empty() ? "bit-exact" : "DIFFER", h.name == "ll" ? "LlCpu" : "HtCpu", rel);
+                      d.empty() ? "bit-exact" : "DIFFER", P != 1 ? "not compared" : df.empty() ? "bit-exact" : "DIFFER",
+                      h.name == "ll" ? "LlCpu" : "HtCpu", rel);
       }
     }
     // A bad id on the last rank of graph-safe hierarchical ll: the device sends nothing for it and that
-    // rank's finalize reports it after enqueuing all its work, so the other rank's round completes
-    // (no rank is left in an NCCL step), and the object stays usable.
+    // rank's finalize reports it after enqueuing all its work, so the other ranks' rounds complete
+    // (no rank is left in an inter-node step), and the object stays usable.
     {
-      const GpuCase& gc = hcs[2].g;  // ll, bf16, shared route, int64 ids, T = [5, 64]
+      const GpuCase& gc = hcs[2].g;  // ll, bf16, shared route, int64 ids, T > 0 on the last rank
       const Case& c = gc.c;
       if (hcs[2].name != "ll" || !c.idx64 || c.tokens(R - 1) < 1) throw std::runtime_error("bad-id case: " + hcs[2].name + " " + c.describe());
       const RankInput& ri = gc.rounds[0][static_cast<size_t>(rank)];
@@ -590,20 +704,22 @@ void run_hier_world(int R) {
     }
     g->barrier();
     cuda_ok(cudaStreamDestroy(stream), "stream destroy");
+    if (odd_stream) cuda_ok(cudaStreamDestroy(odd_stream), "stream destroy");
     if (!failures.empty()) throw std::runtime_error("mismatches:\n" + failures);
-    if (rank == 0) std::printf("hierarchical ll/ht OK on %d virtual nodes: %d rounds checked\n", R, checked);
+    if (rank == 0) std::printf("hierarchical ll/ht OK on %s: %d rounds checked\n", pl.describe().c_str(), checked);
   });
-  EXPECT_EQ(failed, "");
+  EXPECT_EQ(failed, "") << pl.describe();
 }
 
-/// Bad arguments on ONE rank of an eager hierarchical call across R virtual nodes: every rank throws
+/// Bad arguments on ONE rank of an eager hierarchical call across the nodes of pl: every rank throws
 /// InvalidArgument quickly (the verdict is shared over the whole group before the inter-node
 /// ncclSend/ncclRecv, hier.cpp), none is left waiting; the object stays usable and its next rounds
 /// equal the CPU twin bit for bit. Per backend (ll, ht): (1) prepare with T = cap + 1 on the last rank,
 /// (2) finalize with out [T + 1, H] on the last rank, then the same finalize with the right out.
 /// The group's timeout is short (10 s) and every throwing call must return within 5 s, so a hang
-/// fails the test (or the forked ranks' 120 s deadline) instead of stalling the run.
-void run_hier_bad_args(int R) {
+/// fails the test (or the ranks' 120 s deadline) instead of stalling the run.
+void run_hier_bad_args(const Placement& pl) {
+  const int R = pl.R;
   Case c;
   c.R = R;
   c.E = 8;
@@ -622,16 +738,13 @@ void run_hier_bad_args(int R) {
   const std::vector<RankInput> too_many = make_inputs(big);
   const std::vector<std::string> names = {"ll", "ht"};
   std::vector<std::vector<std::vector<HierSnap>>> twin;  // [backend][round][rank]
-  for (const std::string& name : names) twin.push_back(run_hier_cpu(name, c, good, 1));
+  for (const std::string& name : names) twin.push_back(run_hier_cpu(name, c, good, pl.per_node));
   const double kGroupTimeoutS = 10.0, kMaxThrowS = 5.0;
-  const std::string path = fresh_dir() + "/uid";
-  const std::string failed = run_ranks_forked(R, 120.0, [&](int rank) {
-    set_node_env(Nodes::virtual_nodes);
-    auto g = make_nccl_group(path, rank, R, rank, kGroupTimeoutS);
-    cuda_ok(cudaSetDevice(rank), "cudaSetDevice");
-    cudaStream_t stream;
+  std::printf("%s\n", pl.describe().c_str());
+  const std::string failed = run_placed(pl, 120.0, [&](int rank, const std::shared_ptr<Group>& g) {
+    cudaStream_t stream = nullptr;
     cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
-    std::string failures = check_node_layout(*g, Nodes::virtual_nodes);
+    std::string failures = check_node_layout(*g, pl);
     const Device dev = g->device();
     const bool bad_rank = rank == R - 1;
     const RankInput& ri = good[0][static_cast<size_t>(rank)];
@@ -701,41 +814,186 @@ void run_hier_bad_args(int R) {
     g->barrier();
     cuda_ok(cudaStreamDestroy(stream), "stream destroy");
     if (!failures.empty()) throw std::runtime_error("failures:\n" + failures);
-    if (rank == 0) std::printf("hierarchical ll/ht on %d virtual nodes: bad arguments on one rank throw on every rank\n", R);
-  });
-  EXPECT_EQ(failed, "");
+    if (rank == 0) std::printf("hierarchical ll/ht on %s: bad arguments on one rank throw on every rank\n", pl.describe().c_str());
+  }, kGroupTimeoutS);
+  EXPECT_EQ(failed, "") << pl.describe();
 }
 
-TEST(DispatchCuda, HierarchicalLlHtMatchCpuTwoVirtualNodes) {
-  const int n = cuda::device_count();
-  if (n < 2) GTEST_SKIP() << "needs 2 GPUs, found " << n;
-  run_hier_world(2);
+/// True when `msg` names rank r ("rank r" not followed by another digit).
+bool names_rank(const std::string& msg, int r) {
+  const std::string key = "rank " + std::to_string(r);
+  for (size_t at = msg.find(key); at != std::string::npos; at = msg.find(key, at + 1)) {
+    const size_t end = at + key.size();
+    if (end == msg.size() || msg[end] < '0' || msg[end] > '9') return true;
+  }
+  return false;
 }
 
-TEST(DispatchCuda, HierarchicalBadArgsThrowOnEveryRankTwoVirtualNodes) {
-  const int n = cuda::device_count();
-  if (n < 2) GTEST_SKIP() << "needs 2 GPUs, found " << n;
-  run_hier_bad_args(2);
+/// Rank `stopped` of R stops taking part in backend `name` after create (its body returns before
+/// prepare): every other rank's prepare throws within about the group's timeout (3 s), and the next
+/// call throws CommError. On virtual ranks the error names the stopped rank: Timeout ("rank S did not
+/// arrive"), or CommError where a peer's Timeout aborted the group first (its reason names rank S
+/// too). NCCL cannot tell which peer of a collective is missing, so the real form checks the kind
+/// and the time only; there the stopped rank stays alive (a silent peer, not a dead process) until
+/// its peers are done, and the group and backend are leaked (no teardown that could wait on a peer).
+void run_stopped_rank(int R, const std::string& name, int stopped) {
+  Case c;
+  c.R = R;
+  c.E = 2 * R;
+  c.K = 2;
+  c.H = 256;
+  c.cap = 16;
+  c.seed = 91;
+  const std::vector<RankInput> in = make_inputs(c);  // T = cap/2 + r
+  const bool virt = virtual_ranks_for(R);
+  const double kGroupTimeoutS = 3.0, kMaxS = 20.0;
+  const std::string failed = run_cuda_ranks(
+      R, 120.0,
+      [&](int rank, const std::shared_ptr<Group>& g) {
+        auto pf = make_prepare_finalize(name, g, c.config());
+        if (rank == stopped) {
+          if (!virt) {
+            static_cast<void>(new std::shared_ptr<Group>(g));
+            static_cast<void>(pf.release());
+            std::this_thread::sleep_for(std::chrono::duration<double>(3 * kGroupTimeoutS));
+          }
+          return;
+        }
+        cudaStream_t stream = nullptr;
+        cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
+        const Device dev = g->device();
+        const RankInput& ri = in[static_cast<size_t>(rank)];
+        const Tensor x = ri.x.to(dev), idx = ri.topk_idx.to(dev), w = ri.topk_weights.to(dev);
+        auto call = [&](std::string& what) {
+          try {
+            pf->prepare({x, idx, w, Stream{stream}});
+          } catch (const Timeout& e) {
+            what = e.what();
+            return std::string("Timeout");
+          } catch (const CommError& e) {
+            what = e.what();
+            return std::string("CommError");
+          }
+          return std::string("no error");
+        };
+        const auto t0 = std::chrono::steady_clock::now();
+        std::string what, again;
+        const std::string kind = call(what);
+        const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        const std::string kind_again = call(again);
+        std::string failures;
+        const bool kind_ok = kind == "Timeout" || (kind == "CommError" && (!virt || what.find("timed out") != std::string::npos));
+        if (!kind_ok || s > kMaxS || (virt && !names_rank(what, stopped)))
+          failures += name + ": rank " + std::to_string(rank) + " got " + kind + " after " + std::to_string(s) + " s: '" + what +
+                      "' (want Timeout naming rank " + std::to_string(stopped) + " within " + std::to_string(kMaxS) + " s); ";
+        if (kind_again != "CommError") failures += name + ": the call after the timeout gave " + kind_again + " '" + again + "', want CommError; ";
+        if (failures.empty())
+          std::printf("%s, rank %d stopped: rank %d got %s after %.1f s: %s\n", name.c_str(), stopped, rank, kind.c_str(), s, what.c_str());
+        if (virt) {
+          cuda_ok(cudaStreamDestroy(stream), "stream destroy");
+        } else {
+          static_cast<void>(new std::shared_ptr<Group>(g));
+          static_cast<void>(pf.release());
+        }
+        if (!failures.empty()) throw std::runtime_error(failures);
+      },
+      kGroupTimeoutS);
+  EXPECT_EQ(failed, "") << name << ", R = " << R << ", rank " << stopped << " stopped";
 }
+
+bool has_gpu() { return cuda::device_count() >= 1; }
+
+// ---- the tests: every multi-rank case at R = 2, 4 and 8 (virtual ranks where GPUs are short) ----
 
 TEST(DispatchCuda, FlatBackendsMatchCpuOneRank) {
-  const int n = cuda::device_count();
-  if (n < 1) GTEST_SKIP() << "needs 1 GPU, found " << n;
-  run_world(1);
+  if (!has_gpu()) GTEST_SKIP() << "needs 1 GPU";
+  run_world(place(1, Nodes::one_host));
 }
 
 TEST(DispatchCuda, FlatBackendsMatchCpuTwoRanks) {
-  const int n = cuda::device_count();
-  if (n < 2) GTEST_SKIP() << "needs 2 GPUs, found " << n;
-  run_world(2);
+  if (!has_gpu()) GTEST_SKIP() << "needs 1 GPU (virtual ranks run on one)";
+  run_world(place(2, Nodes::one_host));
 }
 
-// The same backends across 2 virtual nodes (1 GPU each; NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1:
-// NCCL's socket transport between the GPUs): per-node communicators, host collectives across.
+TEST(DispatchCuda, FlatBackendsMatchCpuFourRanks) {
+  if (!has_gpu()) GTEST_SKIP() << "needs 1 GPU (virtual ranks run on one)";
+  run_world(place(4, Nodes::one_host));
+}
+
+TEST(DispatchCuda, FlatBackendsMatchCpuEightRanks) {
+  if (!has_gpu()) GTEST_SKIP() << "needs 1 GPU (virtual ranks run on one)";
+  run_world(place(8, Nodes::one_host));
+}
+
+// The same backends across nodes: in the real form every GPU its own node (NCCL_P2P_DISABLE=1
+// NCCL_SHM_DISABLE=1: NCCL's socket transport between the GPUs; per-node communicators, host
+// collectives across), on virtual ranks 2 nodes of R / 2 ranks.
 TEST(DispatchCuda, FlatBackendsMatchCpuTwoVirtualNodes) {
-  const int n = cuda::device_count();
-  if (n < 2) GTEST_SKIP() << "needs 2 GPUs, found " << n;
-  run_world(2, Nodes::virtual_nodes);
+  if (!has_gpu()) GTEST_SKIP() << "needs 1 GPU (virtual ranks run on one)";
+  run_world(place(2, Nodes::virtual_nodes, 1));
+}
+
+TEST(DispatchCuda, FlatBackendsMatchCpuVirtualNodesFourRanks) {
+  if (!has_gpu()) GTEST_SKIP() << "needs 1 GPU (virtual ranks run on one)";
+  run_world(place(4, Nodes::virtual_nodes, 2));
+}
+
+TEST(DispatchCuda, FlatBackendsMatchCpuVirtualNodesEightRanks) {
+  if (!has_gpu()) GTEST_SKIP() << "needs 1 GPU (virtual ranks run on one)";
+  run_world(place(8, Nodes::virtual_nodes, 4));
+}
+
+TEST(DispatchCuda, HierarchicalLlHtMatchCpuTwoVirtualNodes) {
+  if (!has_gpu()) GTEST_SKIP() << "needs 1 GPU (virtual ranks run on one)";
+  run_hier_world(place(2, Nodes::virtual_nodes, 1));
+}
+
+TEST(DispatchCuda, HierarchicalLlHtMatchCpuVirtualNodesFourRanks) {
+  if (!has_gpu()) GTEST_SKIP() << "needs 1 GPU (virtual ranks run on one)";
+  run_hier_world(place(4, Nodes::virtual_nodes, 2));
+}
+
+TEST(DispatchCuda, HierarchicalLlHtMatchCpuVirtualNodesEightRanks) {
+  if (!has_gpu()) GTEST_SKIP() << "needs 1 GPU (virtual ranks run on one)";
+  run_hier_world(place(8, Nodes::virtual_nodes, 4));
+}
+
+TEST(DispatchCuda, HierarchicalBadArgsThrowOnEveryRankTwoVirtualNodes) {
+  if (!has_gpu()) GTEST_SKIP() << "needs 1 GPU (virtual ranks run on one)";
+  run_hier_bad_args(place(2, Nodes::virtual_nodes, 1));
+}
+
+TEST(DispatchCuda, HierarchicalBadArgsThrowOnEveryRankVirtualNodesFourRanks) {
+  if (!has_gpu()) GTEST_SKIP() << "needs 1 GPU (virtual ranks run on one)";
+  run_hier_bad_args(place(4, Nodes::virtual_nodes, 2));
+}
+
+TEST(DispatchCuda, HierarchicalBadArgsThrowOnEveryRankVirtualNodesEightRanks) {
+  if (!has_gpu()) GTEST_SKIP() << "needs 1 GPU (virtual ranks run on one)";
+  run_hier_bad_args(place(8, Nodes::virtual_nodes, 4));
+}
+
+// One rank stops taking part: naive stops the last rank, allgather_reducescatter rank 0, all2allv
+// rank R / 2.
+void run_stopped_ranks(int R) {
+  run_stopped_rank(R, "naive", R - 1);
+  run_stopped_rank(R, "allgather_reducescatter", 0);
+  run_stopped_rank(R, "all2allv", R / 2);
+}
+
+TEST(DispatchCuda, StoppedRankTimesOutTwoRanks) {
+  if (!has_gpu()) GTEST_SKIP() << "needs 1 GPU (virtual ranks run on one)";
+  run_stopped_ranks(2);
+}
+
+TEST(DispatchCuda, StoppedRankTimesOutFourRanks) {
+  if (!has_gpu()) GTEST_SKIP() << "needs 1 GPU (virtual ranks run on one)";
+  run_stopped_ranks(4);
+}
+
+TEST(DispatchCuda, StoppedRankTimesOutEightRanks) {
+  if (!has_gpu()) GTEST_SKIP() << "needs 1 GPU (virtual ranks run on one)";
+  run_stopped_ranks(8);
 }
 
 }  // namespace
