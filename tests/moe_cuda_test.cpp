@@ -1,21 +1,30 @@
-// ModularMoE on 2 GPUs (one forked process per GPU, NCCL group) against moe_reference_cpu computed
-// in the parent before the fork: the DP-sharded shared expert on allgather_reducescatter and naive
-// (bf16 and fp8 wires, a shared gate, an idle rank), the graph refusal of a backend that is not
-// graph-safe, and the whole-layer CUDA graph on ll: captured once at T_max, replayed with different
-// valid counts per rank (0 included), the shared expert fused and separate, every replay's valid rows
-// against the reference of its path; fused against separate against the CPU reference eagerly. The ll case
-// skips, naming the reason, while ll has no CUDA implementation. Outputs are NaN-poisoned first.
+// ModularMoE on CUDA through tests/cuda_ranks.h run_cuda_ranks: one forked process per GPU with an
+// NCCL group where the machine has enough GPUs, else R virtual ranks (threads) on GPU 0; every case
+// at 2, 4 and 8 ranks on the mini presets, against moe_reference_cpu computed in the parent before
+// the ranks start: the DP-sharded shared expert on allgather_reducescatter and naive (bf16 and fp8
+// wires, a shared gate, an idle rank), the graph refusal of a backend that is not graph-safe, and the
+// whole-layer CUDA graph on ll: captured once at T_max, replayed with different valid counts per rank
+// (0 included), the shared expert fused and separate, every replay's valid rows against the reference
+// of its path and bit for bit against an eager twin layer on the same rows; fused against separate
+// against the CPU reference eagerly; int64 ids never narrowed; a bad id on one rank stopping every
+// rank at the next call (ll, ht worst-case, hierarchical ll); a stopped rank named in every other
+// rank's error. Outputs are NaN-poisoned first.
+//
+// Rank bodies work on their own cudaStreamNonBlocking stream and wait on it (or on the legacy stream),
+// never on the whole device, never touch the environment (set before run_cuda_ranks), and only read
+// what the parent built (weights, inputs, references): on virtual ranks they are threads.
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <cmath>
-#include <cstdlib>
 #include <cstdio>
-#include <fstream>
+#include <cstdlib>
 #include <map>
 #include <memory>
 #include <numeric>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "epx/config.h"
@@ -29,6 +38,8 @@
 
 #ifdef EPX_WITH_CUDA
 #include <cuda_runtime_api.h>
+
+#include "cuda_ranks.h"
 #endif
 
 using namespace epx;
@@ -38,18 +49,66 @@ using namespace epx;
 namespace {
 
 using test::cuda_ok;
+using test::run_cuda_ranks;
+using test::virtual_ranks_for;
 
-std::shared_ptr<const MoEWeights> weights_for(const std::string& name) {
+/// The weights of a preset, built in the gtest process before the ranks start: rank bodies only read
+/// the shared_ptr they are handed (on virtual ranks they are threads, and this cache is not
+/// thread-safe). "deepseek-v3-mini-wide-shared" is deepseek-v3-mini with a shared expert 128 * R wide:
+/// one fp8_block 128-block per rank of R, the narrowest shared expert that still runs DP-sharded.
+std::shared_ptr<const MoEWeights> weights_for(const std::string& name, int R = 2) {
   static std::map<std::string, std::shared_ptr<const MoEWeights>> cache;
-  auto& w = cache[name];
-  if (!w && name == "deepseek-v3-mini-wide-shared") {  // fp8_block shared 256 wide: one 128-block per rank
+  const bool wide = name == "deepseek-v3-mini-wide-shared";
+  auto& w = cache[wide ? name + " R" + std::to_string(R) : name];
+  if (!w && wide) {
     MoEConfig c = preset("deepseek-v3-mini");
     c.name = name;
-    c.shared_intermediate = 256;
+    c.shared_intermediate = 128 * R;
     w = MoEWeights::random(c, 99);
   }
   if (!w) w = MoEWeights::random(preset(name), 2025);
   return w;
+}
+
+/// Tokens per rank for R ranks: `pattern` repeated from rank 0 (R = 2 takes its first two).
+std::vector<int64_t> per_rank(int R, const std::vector<int64_t>& pattern) {
+  std::vector<int64_t> T(static_cast<size_t>(R));
+  for (int r = 0; r < R; ++r) T[static_cast<size_t>(r)] = pattern[static_cast<size_t>(r) % pattern.size()];
+  return T;
+}
+
+/// "{5,0,3,8}"
+std::string list_text(const std::vector<int64_t>& v) {
+  std::string s = "{";
+  for (size_t i = 0; i < v.size(); ++i) s += (i ? "," : "") + std::to_string(v[i]);
+  return s + "}";
+}
+
+/// One line naming where R ranks run (in the test log).
+void say_where(int R) {
+  std::printf("%d ranks: %s\n", R, virtual_ranks_for(R) ? "virtual ranks on GPU 0" : "one GPU per rank (NCCL)");
+  std::fflush(stdout);
+}
+
+/// This rank's stream: cudaStreamNonBlocking (never waits for another rank's legacy-stream work),
+/// destroyed at scope exit.
+struct RankStream {
+  cudaStream_t s = nullptr;
+  RankStream() { cuda_ok(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "stream"); }
+  ~RankStream() {
+    if (s) (void)cudaStreamDestroy(s);
+  }
+  RankStream(const RankStream&) = delete;
+  RankStream& operator=(const RankStream&) = delete;
+};
+
+/// Throws this rank's failures ("" = none), after printing them: on virtual ranks only the first
+/// rank's exception comes back from run_ranks, so every rank's own list goes to stderr too.
+void throw_failures(int rank, const std::string& failures) {
+  if (failures.empty()) return;
+  std::fprintf(stderr, "[rank %d] %s\n", rank, failures.c_str());
+  std::fflush(stderr);
+  throw std::runtime_error("rank " + std::to_string(rank) + ": " + failures);
 }
 
 /// Per-rank inputs [T_r rows] and the reference of the concatenated rows.
@@ -115,49 +174,53 @@ struct ShardCase {
   DType wire;
 };
 
+/// Every multi-rank case at R ranks: 2, and 4 and 8 on the mini presets.
+class ModularMoECuda : public ::testing::TestWithParam<int> {};
+
 }  // namespace
 
-TEST(ModularMoECuda, ShardedSharedExpertOnGatheringBackendsMatchesTheReference) {
-  const int n = cuda::device_count();
-  if (n < 2) GTEST_SKIP() << "needs 2 GPUs, found " << n;
+TEST_P(ModularMoECuda, ShardedSharedExpertOnGatheringBackendsMatchesTheReference) {
+  const int R = GetParam();
+  say_where(R);
   const std::vector<ShardCase> cases = {
-      {"qwen1.5-moe-a2.7b-mini", "allgather_reducescatter", {5, 0}, DType::bf16},
-      {"qwen1.5-moe-a2.7b-mini", "allgather_reducescatter", {6, 11}, DType::fp8_e4m3},
-      {"qwen1.5-moe-a2.7b-mini", "naive", {9, 4}, DType::bf16},
-      {"deepseek-v3-mini-wide-shared", "allgather_reducescatter", {7, 3}, DType::fp8_e4m3},
+      {"qwen1.5-moe-a2.7b-mini", "allgather_reducescatter", per_rank(R, {5, 0, 3, 8}), DType::bf16},
+      {"qwen1.5-moe-a2.7b-mini", "allgather_reducescatter", per_rank(R, {6, 11, 0, 2}), DType::fp8_e4m3},
+      {"qwen1.5-moe-a2.7b-mini", "naive", per_rank(R, {9, 4, 1, 0}), DType::bf16},
+      {"deepseek-v3-mini-wide-shared", "allgather_reducescatter", per_rank(R, {7, 3, 0, 5}), DType::fp8_e4m3},
   };
+  std::vector<std::shared_ptr<const MoEWeights>> weights;
   std::vector<Inputs> inputs;
-  for (size_t i = 0; i < cases.size(); ++i)
-    inputs.push_back(make_inputs(*weights_for(cases[i].preset), cases[i].tokens, 40 + i, cases[i].wire));
-  const std::string path = test::fresh_dir() + "/uid";
-  const std::string failed = test::run_ranks_forked(2, 300.0, [&](int rank) {
-    auto g = make_nccl_group(path, rank, 2, rank, 60.0);
-    cuda_ok(cudaSetDevice(rank), "cudaSetDevice");
-    cudaStream_t stream;
-    cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
+  for (size_t i = 0; i < cases.size(); ++i) {
+    weights.push_back(weights_for(cases[i].preset, R));
+    inputs.push_back(make_inputs(*weights.back(), cases[i].tokens, 40 + i, cases[i].wire));
+  }
+  const std::string failed = run_cuda_ranks(R, 300.0, [&](int rank, const std::shared_ptr<Group>& g) {
+    const RankStream rs;
+    const cudaStream_t stream = rs.s;
     const Device dev = g->device();
     std::string failures;
     for (size_t i = 0; i < cases.size(); ++i) {
       const ShardCase& c = cases[i];
+      const int64_t T = c.tokens[static_cast<size_t>(rank)];
       DispatchConfig dc;
       dc.num_max_dispatch_tokens_per_rank = 16;
       dc.dispatch_dtype = c.wire;
       ModularMoEOptions o;
       o.shared_mode = SharedExpertMode::fused;
-      ModularMoE layer(weights_for(c.preset), g, c.backend, dc, Config{}, o);
+      ModularMoE layer(weights[i], g, c.backend, dc, Config{}, o);
       const Tensor x = inputs[i].x[rank].to(dev), idx = inputs[i].idx[rank].to(dev), wts = inputs[i].wts[rank].to(dev);
-      Tensor out = Tensor::empty({c.tokens[rank], weights_for(c.preset)->config.hidden}, DType::bf16, dev);
+      Tensor out = Tensor::empty({T, weights[i]->config.hidden}, DType::bf16, dev);
       test::poison_device(out.data(), static_cast<size_t>(out.nbytes()), "poison");
       layer.forward_routed(x, idx, wts, out, Stream{stream});
       cuda_ok(cudaStreamSynchronize(stream), "sync");
-      const double e = rel_l2_rows(out, inputs[i].reference, inputs[i].offset[rank], c.tokens[rank]);
+      const double e = rel_l2_rows(out, inputs[i].reference, inputs[i].offset[rank], T);
       const PathCounters& pc = layer.counters();
       if (!(e <= kTol) || !layer.shared_expert_sharded() || pc.shared_sharded != 1)
         failures += c.preset + " " + c.backend + " rank " + std::to_string(rank) + ": rel L2 " + std::to_string(e) + " sharded " +
                     std::to_string(layer.shared_expert_sharded()) + " counter " + std::to_string(pc.shared_sharded) + "; ";
-      if (rank == 0) std::printf("%s %s %s T={%lld,%lld}: rank 0 rel L2 %.2e (sharded)\n", c.preset.c_str(), c.backend.c_str(),
-                                 std::string(dtype_name(c.wire)).c_str(), static_cast<long long>(c.tokens[0]),
-                                 static_cast<long long>(c.tokens[1]), e);
+      if (rank == 0)
+        std::printf("%s %s %s T=%s: rank 0 rel L2 %.2e (sharded)\n", c.preset.c_str(), c.backend.c_str(),
+                    std::string(dtype_name(c.wire)).c_str(), list_text(c.tokens).c_str(), e);
       // Not graph-safe: the refusal names the backend and the reason, and capture throws.
       if (i == 0) {
         const auto why = layer.why_no_graph(16);
@@ -174,133 +237,139 @@ TEST(ModularMoECuda, ShardedSharedExpertOnGatheringBackendsMatchesTheReference) 
       }
     }
     g->barrier();
-    cuda_ok(cudaStreamDestroy(stream), "stream destroy");
-    if (!failures.empty()) throw std::runtime_error(failures);
+    throw_failures(rank, failures);
   });
   EXPECT_EQ(failed, "");
 }
 
-TEST(ModularMoECuda, WholeLayerGraphOnLlReplaysWithDifferentCountsPerRank) {
-  const int n = cuda::device_count();
-  if (n < 2) GTEST_SKIP() << "needs 2 GPUs, found " << n;
+// The whole layer on ll captured at T_max = 16 and replayed with valid counts per rank that differ
+// between replays and ranks (0 included). Each replay's valid rows: against the CPU reference of its
+// shared path, and bit for bit against an eager twin layer (same weights, options and Config) run on
+// the same rows: the graph computes what the eager layer does.
+TEST_P(ModularMoECuda, WholeLayerGraphOnLlReplaysWithDifferentCountsPerRankAndEqualsEager) {
+  const int R = GetParam();
+  say_where(R);
   constexpr int64_t kMax = 16;
   auto w = weights_for("deepseek-v3-mini");
   const int64_t H = w->config.hidden;
-  const Inputs in = make_inputs(*w, {kMax, kMax}, 77, DType::fp8_e4m3);
-  // Valid rows per replay and rank: equal, different, one rank idle.
-  const std::vector<std::vector<int64_t>> replays = {{kMax, kMax}, {7, kMax}, {0, 5}, {kMax, 1}};
+  const Inputs in = make_inputs(*w, std::vector<int64_t>(static_cast<size_t>(R), kMax), 77, DType::fp8_e4m3);
+  // Valid rows per replay and rank: all, different, ranks idle.
+  const std::vector<std::vector<int64_t>> replays = {std::vector<int64_t>(static_cast<size_t>(R), kMax), per_rank(R, {7, kMax, 0, 3}),
+                                                     per_rank(R, {0, 5, kMax, 1}), per_rank(R, {kMax, 1, 9, 0})};
   // The shared expert fused (the default gate at T_max = 16) and separate (x~ on the FP8 tensor cores;
   // its recv_count is the graph's device count, so only the valid rows are computed).
   std::vector<Tensor> refs, refs_separate;
-  for (const auto& v : replays) refs.push_back(reference_of(*w, in, v, DType::fp8_e4m3));
-  for (const auto& v : replays) refs_separate.push_back(reference_of(*w, in, v, DType::fp8_e4m3, false));
-  const std::string dir = test::fresh_dir();
-  const std::string path = dir + "/uid", skip_file = dir + "/skip";
-  const std::string failed = test::run_ranks_forked(2, 300.0, [&](int rank) {
-    auto g = make_nccl_group(path, rank, 2, rank, 60.0);
-    cuda_ok(cudaSetDevice(rank), "cudaSetDevice");
-    cudaStream_t stream;
-    cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
+  std::vector<std::vector<int64_t>> firsts;  // first reference row of each rank, per replay
+  for (const auto& v : replays) {
+    refs.push_back(reference_of(*w, in, v, DType::fp8_e4m3));
+    refs_separate.push_back(reference_of(*w, in, v, DType::fp8_e4m3, false));
+    std::vector<int64_t> f(static_cast<size_t>(R), 0);
+    for (int r = 1; r < R; ++r) f[static_cast<size_t>(r)] = f[static_cast<size_t>(r - 1)] + v[static_cast<size_t>(r - 1)];
+    firsts.push_back(f);
+  }
+  const std::string failed = run_cuda_ranks(R, 300.0, [&](int rank, const std::shared_ptr<Group>& g) {
+    const RankStream rs;
+    const cudaStream_t stream = rs.s;
     const Device dev = g->device();
     DispatchConfig dc;
     dc.num_max_dispatch_tokens_per_rank = kMax;
     dc.dispatch_dtype = DType::fp8_e4m3;
     std::string failures;
+    const Tensor x = in.x[rank].to(dev), idx = in.idx[rank].to(dev), wts = in.wts[rank].to(dev);
     // auto (fused through the dispatch at T_max = 16), auto with the local shared slot (M > 0:
     // the shared rows written into slot L-1 by the layer; the separate path's rounding), separate.
     for (const auto& [mode, local] : std::vector<std::pair<SharedExpertMode, bool>>{
              {SharedExpertMode::auto_gate, false}, {SharedExpertMode::auto_gate, true}, {SharedExpertMode::separate, false}}) {
       const bool separate = mode == SharedExpertMode::separate;
+      const char* what = separate ? "separate" : local ? "fused (local slot)" : "fused";
       ModularMoEOptions o;
       o.shared_mode = mode;
       Config cfg;
       if (local) cfg.fhmoe_local_shared_tokens = 0;
-      std::unique_ptr<ModularMoE> layer;
-      try {
-        layer = std::make_unique<ModularMoE>(w, g, "ll", dc, cfg, o);
-      } catch (const Unsupported& e) {
-        if (rank == 0) std::ofstream(skip_file) << e.what();
-        return;  // every rank throws the same (creation is collective)
-      }
-      if (auto why = layer->why_no_graph(kMax)) throw std::runtime_error("ll not graph-capturable: " + *why);
-      const Tensor x = in.x[rank].to(dev), idx = in.idx[rank].to(dev), wts = in.wts[rank].to(dev);
+      ModularMoE layer(w, g, "ll", dc, cfg, o);
+      ModularMoE eager(w, g, "ll", dc, cfg, o);  // the eager twin
+      if (auto why = layer.why_no_graph(kMax)) throw std::runtime_error("ll not graph-capturable: " + *why);
       Tensor out = Tensor::empty({kMax, H}, DType::bf16, dev), count = Tensor::zeros({1}, DType::int32, dev);
+      Tensor eager_out = Tensor::empty({kMax, H}, DType::bf16, dev);
       int32_t c = static_cast<int32_t>(kMax);
       test::upload_device(count.data(), &c, sizeof c, "count");
-      layer->capture_graph(x, idx, wts, out, count, Stream{stream});
+      layer.capture_graph(x, idx, wts, out, count, Stream{stream});
       for (size_t i = 0; i < replays.size(); ++i) {
-        c = static_cast<int32_t>(replays[i][rank]);
+        const int64_t n = replays[i][static_cast<size_t>(rank)];
+        c = static_cast<int32_t>(n);
         test::upload_device(count.data(), &c, sizeof c, "count");
         test::poison_device(out.data(), static_cast<size_t>(out.nbytes()), "poison");
-        layer->replay_graph(Stream{stream});
+        layer.replay_graph(Stream{stream});
         cuda_ok(cudaStreamSynchronize(stream), "sync");
-        const int64_t first = rank == 0 ? 0 : replays[i][0];
-        const double e = rel_l2_rows(out, separate || local ? refs_separate[i] : refs[i], first, c);
-        const char* what = separate ? "separate" : local ? "fused (local slot)" : "fused";
-        if (!(e <= kTol))
-          failures += std::string(what) + " replay " + std::to_string(i) + " rank " + std::to_string(rank) + ": rel L2 " + std::to_string(e) + "; ";
+        const double e = rel_l2_rows(out, separate || local ? refs_separate[i] : refs[i], firsts[i][static_cast<size_t>(rank)], n);
+        const std::string where = std::string(what) + " replay " + std::to_string(i) + " rank " + std::to_string(rank);
+        if (!(e <= kTol)) failures += where + ": rel L2 " + std::to_string(e) + "; ";
+        // The eager twin on the same rows (T = n on this rank).
+        test::poison_device(eager_out.data(), static_cast<size_t>(eager_out.nbytes()), "poison");
+        eager.forward_routed(x.view().slice_rows(0, n), idx.view().slice_rows(0, n), wts.view().slice_rows(0, n),
+                             eager_out.view().slice_rows(0, n), Stream{stream});
+        cuda_ok(cudaStreamSynchronize(stream), "sync");
+        const std::string diff = test::first_diff(where + " against eager", test::host_bytes(out.view().slice_rows(0, n)),
+                                                  test::host_bytes(eager_out.view().slice_rows(0, n)));
+        if (!diff.empty()) {
+          const double ee = rel_l2_rows(eager_out, separate || local ? refs_separate[i] : refs[i], firsts[i][static_cast<size_t>(rank)], n);
+          failures += diff + "(eager rel L2 to the reference " + std::to_string(ee) + "); ";
+        }
         if (rank == 0)
-          std::printf("graph replay %zu (n = %d, %d), shared expert %s: rank 0 rel L2 %.2e\n", i, static_cast<int>(replays[i][0]),
-                      static_cast<int>(replays[i][1]), what, e);
+          std::printf("graph replay %zu (n = %s), shared expert %s: rank 0 rel L2 %.2e, %s eager\n", i, list_text(replays[i]).c_str(), what,
+                      e, diff.empty() ? "equal to" : "DIFFERENT from");
       }
-      const PathCounters& pc = layer->counters();
+      const PathCounters& pc = layer.counters();
       if (pc.graph_replays != static_cast<int64_t>(replays.size())) failures += "graph_replays counter wrong; ";
       if ((separate ? pc.shared_separate : pc.shared_fused) != static_cast<int64_t>(replays.size()))
         failures += std::string("shared path counter wrong (") + (separate ? "separate" : "fused") + "); ";
-      if (layer->shared_local_slot_tokens() != (local ? 0 : Config{}.fhmoe_local_shared_tokens))
-        failures += "shared_local_slot_tokens " + std::to_string(layer->shared_local_slot_tokens()) + "; ";
+      if (layer.shared_local_slot_tokens() != (local ? 0 : Config{}.fhmoe_local_shared_tokens))
+        failures += "shared_local_slot_tokens " + std::to_string(layer.shared_local_slot_tokens()) + "; ";
+      g->barrier();  // every rank's replays and eager calls are done before the layers go
     }
-    g->barrier();
-    cuda_ok(cudaStreamDestroy(stream), "stream destroy");
-    if (!failures.empty()) throw std::runtime_error(failures);
+    throw_failures(rank, failures);
   });
   EXPECT_EQ(failed, "");
-  std::ifstream skip(skip_file);
-  if (skip) {
-    std::string why((std::istreambuf_iterator<char>(skip)), std::istreambuf_iterator<char>());
-    GTEST_SKIP() << "ll has no CUDA implementation in this build: " << why;
-  }
 }
 
 // The shared expert fused (FHMoE: route id E inside the routed launch) against separate (x
 // quantized to FP8 1x128 as the wire does, then a one-expert ExpertMajor layout on the FP8 tensor
 // cores, added to the combined rows) against the CPU reference of each path, on fresh random
 // inputs: DeepSeek-V3 (fp8_block routed + shared) and V4-Pro (MXFP4 routed, fp8_block shared), ll
-// (ExpertMajor) and all2allv (Flat), rank 0 with 80 tokens (the shared expert's rows straddle
-// 64-row tiles), then the auto gate below and above fhmoe_max_tokens (the counters show the path).
-TEST(ModularMoECuda, SharedExpertFusedAndSeparateMatchTheReferenceAndEachOther) {
-  const int n = cuda::device_count();
-  if (n < 2) GTEST_SKIP() << "needs 2 GPUs, found " << n;
-  const std::vector<int64_t> tokens = {80, 37};
+// (ExpertMajor) and all2allv (Flat) (on 4 and 8 ranks V3 on ll and V4-Pro on all2allv), rank 0 with
+// 80 tokens (the shared expert's rows straddle 64-row tiles), then the auto gate below and above
+// fhmoe_max_tokens (the counters show the path).
+TEST_P(ModularMoECuda, SharedExpertFusedAndSeparateMatchTheReferenceAndEachOther) {
+  const int R = GetParam();
+  say_where(R);
+  const std::vector<int64_t> tokens = per_rank(R, {80, 37, 12, 0});
   struct Case {
     std::string preset, backend;
   };
-  const std::vector<Case> cases = {{"deepseek-v3-mini", "ll"}, {"deepseek-v3-mini", "all2allv"},
-                                   {"deepseek-v4-pro-mini", "ll"}, {"deepseek-v4-pro-mini", "all2allv"}};
+  std::vector<Case> cases = {{"deepseek-v3-mini", "ll"}, {"deepseek-v3-mini", "all2allv"},
+                             {"deepseek-v4-pro-mini", "ll"}, {"deepseek-v4-pro-mini", "all2allv"}};
+  if (R > 2) cases = {cases[0], cases[3]};
+  std::vector<std::shared_ptr<const MoEWeights>> weights;
   std::vector<Inputs> inputs;
   std::vector<Tensor> ref_separate;
   for (size_t i = 0; i < cases.size(); ++i) {
-    const MoEWeights& w = *weights_for(cases[i].preset);
-    inputs.push_back(make_inputs(w, tokens, 60 + i, DType::fp8_e4m3));
-    ref_separate.push_back(reference_of(w, inputs.back(), tokens, DType::fp8_e4m3, false));
+    weights.push_back(weights_for(cases[i].preset));
+    inputs.push_back(make_inputs(*weights.back(), tokens, 60 + i, DType::fp8_e4m3));
+    ref_separate.push_back(reference_of(*weights.back(), inputs.back(), tokens, DType::fp8_e4m3, false));
   }
-  const std::string path = test::fresh_dir() + "/uid";
-  const std::string failed = test::run_ranks_forked(2, 300.0, [&](int rank) {
-    auto g = make_nccl_group(path, rank, 2, rank, 60.0);
-    cuda_ok(cudaSetDevice(rank), "cudaSetDevice");
-    cudaStream_t stream;
-    cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
+  const std::string failed = run_cuda_ranks(R, 300.0, [&](int rank, const std::shared_ptr<Group>& g) {
+    const RankStream rs;
+    const cudaStream_t stream = rs.s;
     const Device dev = g->device();
     std::string failures;
     for (size_t i = 0; i < cases.size(); ++i) {
       const Case& c = cases[i];
-      auto w = weights_for(c.preset);
+      const auto& w = weights[i];
       const int64_t H = w->config.hidden, T = tokens[static_cast<size_t>(rank)];
       DispatchConfig dc;
       dc.num_max_dispatch_tokens_per_rank = 96;
       dc.dispatch_dtype = DType::fp8_e4m3;
       const Tensor x = inputs[i].x[rank].to(dev), idx = inputs[i].idx[rank].to(dev), wts = inputs[i].wts[rank].to(dev);
-      // fused, separate, auto with the gate at 100 (M = 80: fused) and at 50 (separate)
       // fused, separate, auto with the gate at 100 (M = 80: fused) and at 50 (separate); then fused
       // with the local shared slot for every M (fhmoe.local_shared_tokens = 0; ll only: the layer
       // writes the shared rows into slot L-1, the separate path's rounding).
@@ -317,13 +386,13 @@ TEST(ModularMoECuda, SharedExpertFusedAndSeparateMatchTheReferenceAndEachOther) 
         o.fhmoe_max_tokens = gate;
         Config cfg;
         if (local) cfg.fhmoe_local_shared_tokens = 0;
-        auto layer = std::make_unique<ModularMoE>(w, g, c.backend, dc, cfg, o);
+        ModularMoE layer(w, g, c.backend, dc, cfg, o);
         Tensor out = Tensor::empty({T, H}, DType::bf16, dev);
         test::poison_device(out.data(), static_cast<size_t>(out.nbytes()), "poison");
-        layer->forward_routed(x, idx, wts, out, Stream{stream});
+        layer.forward_routed(x, idx, wts, out, Stream{stream});
         cuda_ok(cudaStreamSynchronize(stream), "sync");
         const bool fused = mode == SharedExpertMode::fused || (mode == SharedExpertMode::auto_gate && gate >= 80);
-        const PathCounters& pc = layer->counters();
+        const PathCounters& pc = layer.counters();
         const std::string what = c.preset + " " + c.backend + " mode " + std::to_string(static_cast<int>(mode)) + " gate " +
                                  std::to_string(gate) + " rank " + std::to_string(rank);
         if (pc.shared_fused != (fused ? 1 : 0) || pc.shared_separate != (fused ? 0 : 1))
@@ -335,14 +404,15 @@ TEST(ModularMoECuda, SharedExpertFusedAndSeparateMatchTheReferenceAndEachOther) 
           std::printf("%s%s: rel L2 %.2e against the %s reference\n", what.c_str(), local ? " (local slot)" : "", e,
                       rounds_once ? "fused" : "separate");
         outs.push_back(std::move(out));
+        g->barrier();  // every rank's call is done before the layer goes
       }
-      {  // fused against separate, directly
+      if (T > 0) {  // fused against separate, directly
         const Tensor a = outs[0].to(Device::cpu()), b = outs[1].to(Device::cpu());
         const double e = test::rel_l2_error(a, b);
         if (!(e <= kTol)) failures += c.preset + " " + c.backend + " rank " + std::to_string(rank) + ": fused vs separate rel L2 " + std::to_string(e) + "; ";
         if (rank == 0) std::printf("%s %s: rank 0 fused vs separate rel L2 %.2e\n", c.preset.c_str(), c.backend.c_str(), e);
       }
-      if (outs.size() > 4) {  // the local slot against separate: the same GEMMs and roundings
+      if (T > 0 && outs.size() > 4) {  // the local slot against separate: the same GEMMs and roundings
         const Tensor a = outs[4].to(Device::cpu()), b = outs[1].to(Device::cpu());
         const double e = test::rel_l2_error(a, b);
         if (!(e <= 1e-3)) failures += c.preset + " " + c.backend + " rank " + std::to_string(rank) + ": local slot vs separate rel L2 " + std::to_string(e) + "; ";
@@ -350,47 +420,48 @@ TEST(ModularMoECuda, SharedExpertFusedAndSeparateMatchTheReferenceAndEachOther) 
       }
     }
     g->barrier();
-    cuda_ok(cudaStreamDestroy(stream), "stream destroy");
-    if (!failures.empty()) throw std::runtime_error(failures);
+    throw_failures(rank, failures);
   });
   EXPECT_EQ(failed, "");
 }
 
 // int64 topk_idx on CUDA reaches the dispatch unnarrowed. In range, int64 routes give the reference
 // on ll (ExpertMajor), ht and all2allv (Flat); DeepSeek-V3 with its shared expert fused, so the
-// layer's route columns have K+1 columns. Out of int32's range, rank 0's 2^32 + 3 (narrowed: expert 3)
-// and rank 1's -2^32 - 1 (narrowed: -1, no selection) are rejected on both ranks with
-// InvalidArgument naming topk_idx[t, k], the value and the rule: all2allv and ht in that call, ll
-// (no host sync) in the next one, whose selection was dropped; then the layer runs again.
-TEST(ModularMoECuda, Int64TopkIdxIsNeverNarrowed) {
-  const int n = cuda::device_count();
-  if (n < 2) GTEST_SKIP() << "needs 2 GPUs, found " << n;
-  const std::vector<int64_t> tokens = {6, 5};
+// layer's route columns have K+1 columns. Out of int32's range, every rank's one bad id (even ranks
+// 2^32 + 3 + r, narrowed: expert 3 + r; odd ranks -2^32 - r, narrowed: -r, no selection for rank 1)
+// is rejected on every rank with InvalidArgument naming its topk_idx[t, k], the value and the rule:
+// all2allv and ht in that call, ll (no host sync) in the next one, whose selection was dropped; then
+// the layer runs again.
+TEST_P(ModularMoECuda, Int64TopkIdxIsNeverNarrowed) {
+  const int R = GetParam();
+  say_where(R);
+  const std::vector<int64_t> tokens = per_rank(R, {6, 5, 7, 5});
   auto w = weights_for("deepseek-v3-mini");
   const int K = w->config.router.top_k;
   const Inputs in = make_inputs(*w, tokens, 91, DType::fp8_e4m3);
-  const std::vector<int64_t> bad_value = {(int64_t{1} << 32) + 3, -(int64_t{1} << 32) - 1};
-  const std::vector<std::pair<int64_t, int64_t>> bad_at = {{1, 0}, {4, K - 1}};  // (t, k) per rank
+  std::vector<int64_t> bad_value;
+  std::vector<std::pair<int64_t, int64_t>> bad_at;  // (t, k) per rank
   std::vector<Tensor> idx64, bad64;
-  for (size_t r = 0; r < tokens.size(); ++r) {
-    const int64_t T = tokens[r];
+  for (int r = 0; r < R; ++r) {
+    const int64_t T = tokens[static_cast<size_t>(r)];
+    bad_value.push_back(r % 2 == 0 ? (int64_t{1} << 32) + 3 + r : -(int64_t{1} << 32) - r);
+    bad_at.push_back(r == 0 ? std::pair<int64_t, int64_t>{1, 0} : r == 1 ? std::pair<int64_t, int64_t>{4, K - 1}
+                                                                         : std::pair<int64_t, int64_t>{(1 + 3 * r) % T, (5 * r) % K});
     idx64.push_back(Tensor::empty({T, K}, DType::int64));
-    for (int64_t i = 0; i < T * K; ++i) idx64.back().ptr<int64_t>()[i] = in.idx[r].ptr<int32_t>()[i];
+    for (int64_t i = 0; i < T * K; ++i) idx64.back().ptr<int64_t>()[i] = in.idx[static_cast<size_t>(r)].ptr<int32_t>()[i];
     bad64.push_back(Tensor::empty({T, K}, DType::int64));
     std::copy_n(idx64.back().ptr<int64_t>(), T * K, bad64.back().ptr<int64_t>());
-    bad64.back().ptr<int64_t>()[bad_at[r].first * K + bad_at[r].second] = bad_value[r];
+    bad64.back().ptr<int64_t>()[bad_at.back().first * K + bad_at.back().second] = bad_value.back();
   }
-  const std::string path = test::fresh_dir() + "/uid";
-  const std::string failed = test::run_ranks_forked(2, 300.0, [&](int rank) {
-    auto g = make_nccl_group(path, rank, 2, rank, 60.0);
-    cuda_ok(cudaSetDevice(rank), "cudaSetDevice");
-    cudaStream_t stream;
-    cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
+  const std::string failed = run_cuda_ranks(R, 300.0, [&](int rank, const std::shared_ptr<Group>& g) {
+    const RankStream rs;
+    const cudaStream_t stream = rs.s;
     const Device dev = g->device();
-    const int64_t H = w->config.hidden, T = tokens[static_cast<size_t>(rank)];
-    const Tensor x = in.x[rank].to(dev), idx = idx64[rank].to(dev), bad = bad64[rank].to(dev), wts = in.wts[rank].to(dev);
-    const std::string want_elem = "topk_idx[" + std::to_string(bad_at[rank].first) + ", " + std::to_string(bad_at[rank].second) +
-                                  "] = " + std::to_string(bad_value[rank]);
+    const size_t me = static_cast<size_t>(rank);
+    const int64_t H = w->config.hidden, T = tokens[me];
+    const Tensor x = in.x[me].to(dev), idx = idx64[me].to(dev), bad = bad64[me].to(dev), wts = in.wts[me].to(dev);
+    const std::string want_elem = "topk_idx[" + std::to_string(bad_at[me].first) + ", " + std::to_string(bad_at[me].second) +
+                                  "] = " + std::to_string(bad_value[me]);
     std::string failures;
     for (const std::string backend : {"all2allv", "ht", "ll"}) {
       DispatchConfig dc;
@@ -402,7 +473,7 @@ TEST(ModularMoECuda, Int64TopkIdxIsNeverNarrowed) {
         test::poison_device(out.data(), static_cast<size_t>(out.nbytes()), "poison");
         layer.forward_routed(x, idx, wts, out, Stream{stream});
         cuda_ok(cudaStreamSynchronize(stream), "sync");
-        const double e = rel_l2_rows(out, in.reference, in.offset[rank], T);
+        const double e = rel_l2_rows(out, in.reference, in.offset[me], T);
         if (!(e <= kTol)) failures += backend + " int64 " + when + " rank " + std::to_string(rank) + ": rel L2 " + std::to_string(e) + "; ";
         if (rank == 0) std::printf("%s int64 topk_idx %s: rank 0 rel L2 %.2e\n", backend.c_str(), when, e);
       };
@@ -422,10 +493,9 @@ TEST(ModularMoECuda, Int64TopkIdxIsNeverNarrowed) {
         failures += backend + " rank " + std::to_string(rank) + ": want InvalidArgument naming '" + want_elem + "', got '" + error + "'; ";
       if (calls != (backend == "ll" ? 2 : 1)) failures += backend + " threw in call " + std::to_string(calls) + "; ";
       run_good("after the rejection");
+      g->barrier();  // every rank's calls are done before the layer goes
     }
-    g->barrier();
-    cuda_ok(cudaStreamDestroy(stream), "stream destroy");
-    if (!failures.empty()) throw std::runtime_error(failures);
+    throw_failures(rank, failures);
   });
   EXPECT_EQ(failed, "");
 }
@@ -433,107 +503,172 @@ TEST(ModularMoECuda, Int64TopkIdxIsNeverNarrowed) {
 // ll finds a bad id on the device (no host sync): the selection is dropped and the rank's next prepare
 // threw, while the other ranks' next dispatch waited for it until timeout_s (Timeout, object unusable).
 // The layer now folds the backend's pending device error into its all-gather of T: in the next call
-// every rank throws InvalidArgument (rank 0 naming topk_idx[0, 0] = 999, rank 1 naming rank 0), nothing
-// moves, and the call after it is exact on both ranks.
+// every rank throws InvalidArgument (rank 0 naming topk_idx[0, 0] = 999, every other rank naming rank
+// 0), nothing moves, and the call after it is exact on every rank.
 namespace {
 
-/// A bad topk id (999) on rank 0 in call 1 through the layer on `backend`: call 1 throws nowhere (the
-/// backend finds it on the device, no host sync; the stream is synchronized after it), call 2 throws
-/// InvalidArgument at once on every rank (rank 0 naming `rank0_wants`, rank 1 "rank 0 rejected its
-/// arguments"), not Timeout after the group's 10 s, and call 3 is within kTol of the reference.
-/// worst_case: DispatchConfig::use_worst_case_sizing (ht). virtual_nodes: every GPU its own node (NCCL
-/// over sockets: NCCL_P2P_DISABLE / NCCL_SHM_DISABLE in the forked ranks), so ll / ht take the
-/// hierarchical path (dispatch/hier.h). Returns the failures ("" when it passed).
-std::string bad_id_on_one_rank(const std::string& backend, bool worst_case, bool virtual_nodes, const std::string& rank0_wants) {
-  const std::vector<int64_t> tokens = {5, 4};
+/// A bad topk id (999) on rank 0 in call 1 through the layer on `backend` at R ranks: call 1 throws
+/// nowhere (the backend finds it on the device, no host sync; the stream is synchronized after it),
+/// call 2 throws InvalidArgument at once on every rank (rank 0 naming `rank0_wants`, the others "rank 0
+/// rejected its arguments"), not Timeout after the group's 10 s, and call 3 is within kTol of the
+/// reference. worst_case: DispatchConfig::use_worst_case_sizing (ht). virtual_nodes: every rank its own
+/// node, so ll / ht take the hierarchical path (dispatch/hier.h): in the real form NCCL over sockets
+/// (NCCL_P2P_DISABLE / NCCL_SHM_DISABLE, set here before the ranks start), on virtual ranks
+/// ranks_per_node = 1. Returns the failures ("" when it passed).
+std::string bad_id_on_one_rank(int R, const std::string& backend, bool worst_case, bool virtual_nodes, const std::string& rank0_wants) {
+  say_where(R);
+  const std::vector<int64_t> tokens = per_rank(R, {5, 4, 0, 2});
   auto w = weights_for("deepseek-v3-mini");
   const int K = w->config.router.top_k;
   const Inputs in = make_inputs(*w, tokens, 93, DType::fp8_e4m3);
   Tensor bad = Tensor::empty({tokens[0], K}, DType::int32);
   std::copy_n(in.idx[0].ptr<int32_t>(), tokens[0] * K, bad.ptr<int32_t>());
   bad.ptr<int32_t>()[0] = 999;
-  const std::string path = test::fresh_dir() + "/uid";
-  return test::run_ranks_forked(2, 120.0, [&](int rank) {
-    for (const char* v : {"NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE"}) {
-      if (virtual_nodes) ::setenv(v, "1", 1);
-      else ::unsetenv(v);
-    }
-    auto g = make_nccl_group(path, rank, 2, rank, 10.0);  // a hang shows as Timeout after 10 s, not 60
-    cuda_ok(cudaSetDevice(rank), "cudaSetDevice");
-    cudaStream_t stream;
-    cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
-    const Device dev = g->device();
-    const int64_t H = w->config.hidden, T = tokens[static_cast<size_t>(rank)];
-    const Tensor x = in.x[rank].to(dev), idx = in.idx[rank].to(dev), wts = in.wts[rank].to(dev);
-    const Tensor idx_bad = rank == 0 ? bad.to(dev) : idx;
-    DispatchConfig dc;
-    dc.num_max_dispatch_tokens_per_rank = 16;
-    dc.dispatch_dtype = DType::fp8_e4m3;
-    dc.use_worst_case_sizing = worst_case;
-    const std::string name = backend + (worst_case ? " worst-case" : "") + (virtual_nodes ? " virtual nodes" : "");
-    std::string failures;
-    if (g->num_nodes() != (virtual_nodes ? 2 : 1)) failures += name + ": num_nodes " + std::to_string(g->num_nodes()) + "; ";
-    ModularMoE layer(w, g, backend, dc, Config{});
-    Tensor out = Tensor::empty({T, H}, DType::bf16, dev);
-    std::string error;
-    try {
-      layer.forward_routed(x, idx_bad, wts, out, Stream{stream});  // found on the device: no throw here
-      cuda_ok(cudaStreamSynchronize(stream), "sync");
-    } catch (const Error& e) {
-      failures += name + " rank " + std::to_string(rank) + " call 1 threw: '" + e.what() + "'; ";
-    }
-    const auto t0 = std::chrono::steady_clock::now();
-    try {
-      layer.forward_routed(x, idx, wts, out, Stream{stream});
-      cuda_ok(cudaStreamSynchronize(stream), "sync");
-    } catch (const Error& e) {
-      error = std::string(dynamic_cast<const InvalidArgument*>(&e) ? "InvalidArgument: " : "other: ") + e.what();
-    }
-    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    const std::string want = rank == 0 ? rank0_wants : "rank 0 rejected its arguments";
-    if (error.rfind("InvalidArgument: ", 0) != 0 || error.find(want) == std::string::npos || s > 5.0)
-      failures += name + " rank " + std::to_string(rank) + " call 2: want InvalidArgument naming '" + want + "' at once, got '" + error +
-                  "' after " + std::to_string(s) + " s; ";
-    std::printf("%s: rank %d, call 2 (%.3f s): %s\n", name.c_str(), rank, s, error.c_str());
-    test::poison_device(out.data(), static_cast<size_t>(out.nbytes()), "poison");
-    try {
-      layer.forward_routed(x, idx, wts, out, Stream{stream});
-      cuda_ok(cudaStreamSynchronize(stream), "sync");
-      const double e = rel_l2_rows(out, in.reference, in.offset[rank], T);
-      if (!(e <= kTol)) failures += name + " rank " + std::to_string(rank) + " call 3: rel L2 " + std::to_string(e) + "; ";
-      if (rank == 0) std::printf("%s: call 3: rank 0 rel L2 %.2e\n", name.c_str(), e);
-    } catch (const Error& e) {
-      failures += name + " rank " + std::to_string(rank) + " call 3 threw: '" + e.what() + "'; ";
-    }
-    std::fflush(stdout);
-    g->barrier();
-    cuda_ok(cudaStreamDestroy(stream), "stream destroy");
-    if (!failures.empty()) throw std::runtime_error(failures);
-  });
+  const char* nccl_no_p2p = virtual_nodes ? "1" : nullptr;
+  const test::ScopedEnv p2p("NCCL_P2P_DISABLE", nccl_no_p2p), shm("NCCL_SHM_DISABLE", nccl_no_p2p);
+  return run_cuda_ranks(
+      R, 120.0,
+      [&](int rank, const std::shared_ptr<Group>& g) {
+        const RankStream rs;
+        const cudaStream_t stream = rs.s;
+        const Device dev = g->device();
+        const size_t me = static_cast<size_t>(rank);
+        const int64_t H = w->config.hidden, T = tokens[me];
+        const Tensor x = in.x[me].to(dev), idx = in.idx[me].to(dev), wts = in.wts[me].to(dev);
+        const Tensor idx_bad = rank == 0 ? bad.to(dev) : idx;
+        DispatchConfig dc;
+        dc.num_max_dispatch_tokens_per_rank = 16;
+        dc.dispatch_dtype = DType::fp8_e4m3;
+        dc.use_worst_case_sizing = worst_case;
+        const std::string name = backend + (worst_case ? " worst-case" : "") + (virtual_nodes ? " virtual nodes" : "");
+        std::string failures;
+        if (g->num_nodes() != (virtual_nodes ? R : 1)) failures += name + ": num_nodes " + std::to_string(g->num_nodes()) + "; ";
+        ModularMoE layer(w, g, backend, dc, Config{});
+        Tensor out = Tensor::empty({T, H}, DType::bf16, dev);
+        std::string error;
+        try {
+          layer.forward_routed(x, idx_bad, wts, out, Stream{stream});  // found on the device: no throw here
+          cuda_ok(cudaStreamSynchronize(stream), "sync");
+        } catch (const Error& e) {
+          failures += name + " rank " + std::to_string(rank) + " call 1 threw: '" + e.what() + "'; ";
+        }
+        const auto t0 = std::chrono::steady_clock::now();
+        try {
+          layer.forward_routed(x, idx, wts, out, Stream{stream});
+          cuda_ok(cudaStreamSynchronize(stream), "sync");
+        } catch (const Error& e) {
+          error = std::string(dynamic_cast<const InvalidArgument*>(&e) ? "InvalidArgument: " : "other: ") + e.what();
+        }
+        const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        const std::string want = rank == 0 ? rank0_wants : "rank 0 rejected its arguments";
+        if (error.rfind("InvalidArgument: ", 0) != 0 || error.find(want) == std::string::npos || s > 5.0)
+          failures += name + " rank " + std::to_string(rank) + " call 2: want InvalidArgument naming '" + want + "' at once, got '" + error +
+                      "' after " + std::to_string(s) + " s; ";
+        std::printf("%s: rank %d, call 2 (%.3f s): %s\n", name.c_str(), rank, s, error.c_str());
+        test::poison_device(out.data(), static_cast<size_t>(out.nbytes()), "poison");
+        try {
+          layer.forward_routed(x, idx, wts, out, Stream{stream});
+          cuda_ok(cudaStreamSynchronize(stream), "sync");
+          const double e = rel_l2_rows(out, in.reference, in.offset[me], T);
+          if (!(e <= kTol)) failures += name + " rank " + std::to_string(rank) + " call 3: rel L2 " + std::to_string(e) + "; ";
+          if (rank == 0) std::printf("%s: call 3: rank 0 rel L2 %.2e\n", name.c_str(), e);
+        } catch (const Error& e) {
+          failures += name + " rank " + std::to_string(rank) + " call 3 threw: '" + e.what() + "'; ";
+        }
+        std::fflush(stdout);
+        g->barrier();
+        throw_failures(rank, failures);
+      },
+      10.0,  // a hang shows as Timeout after 10 s, not 60
+      virtual_nodes ? 1 : 0);
 }
 
 }  // namespace
 
-TEST(ModularMoECuda, LlBadIdOnOneRankStopsEveryRankAtTheNextCall) {
-  const int n = cuda::device_count();
-  if (n < 2) GTEST_SKIP() << "needs 2 GPUs, found " << n;
-  EXPECT_EQ(bad_id_on_one_rank("ll", false, false, "topk_idx[0, 0] = 999"), "");
+TEST_P(ModularMoECuda, LlBadIdOnOneRankStopsEveryRankAtTheNextCall) {
+  EXPECT_EQ(bad_id_on_one_rank(GetParam(), "ll", false, false, "topk_idx[0, 0] = 999"), "");
 }
 
 // The same on ht with use_worst_case_sizing (no host sync: the layout kernel's verdict reaches the host
-// later) and on hierarchical ll across two virtual nodes: the layer's take_device_error fold, and the
-// backends' prepare / finalize leave the error to it (defer_device_errors), so no rank throws alone.
-TEST(ModularMoECuda, HtWorstCaseBadIdOnOneRankStopsEveryRankAtTheNextCall) {
-  const int n = cuda::device_count();
-  if (n < 2) GTEST_SKIP() << "needs 2 GPUs, found " << n;
-  EXPECT_EQ(bad_id_on_one_rank("ht", true, false, "topk_idx[0, 0] out of range"), "");
+// later) and on hierarchical ll across virtual nodes (one rank each): the layer's take_device_error
+// fold, and the backends' prepare / finalize leave the error to it (defer_device_errors), so no rank
+// throws alone.
+TEST_P(ModularMoECuda, HtWorstCaseBadIdOnOneRankStopsEveryRankAtTheNextCall) {
+  EXPECT_EQ(bad_id_on_one_rank(GetParam(), "ht", true, false, "topk_idx[0, 0] out of range"), "");
 }
 
-TEST(ModularMoECuda, HierarchicalLlBadIdOnOneRankStopsEveryRankAtTheNextCall) {
-  const int n = cuda::device_count();
-  if (n < 2) GTEST_SKIP() << "needs 2 GPUs, found " << n;
-  EXPECT_EQ(bad_id_on_one_rank("ll", false, true, "topk_idx[0, 0] = 999"), "");
+TEST_P(ModularMoECuda, HierarchicalLlBadIdOnOneRankStopsEveryRankAtTheNextCall) {
+  EXPECT_EQ(bad_id_on_one_rank(GetParam(), "ll", false, true, "topk_idx[0, 0] = 999"), "");
 }
+
+// A stopped rank: every rank builds the layer (ll, collective), then rank R-1 stops (on virtual ranks
+// its body returns: it never calls forward; in the real form its process sleeps past the others'
+// timeout, then exits without teardown). Every other rank's forward ends within the group's timeout
+// (+ slack) with an error naming the stopped rank: Timeout on the rank whose wait ran out first; the
+// group is then aborted, and the ranks still waiting get CommError carrying that reason. NCCL cannot
+// tell which peer never called, so in the real form the error names the operation only. Never a hang.
+TEST_P(ModularMoECuda, AStoppedRankIsNamedInEveryOtherRanksError) {
+  const int R = GetParam();
+  say_where(R);
+  const bool real = !virtual_ranks_for(R);
+  const int stopped = R - 1;
+  const double timeout = real ? 15.0 : 3.0;  // NCCL's start-up of R processes runs under this bound too
+  auto w = weights_for("deepseek-v3-mini");
+  const std::vector<int64_t> tokens = per_rank(R, {4, 3});
+  const Inputs in = make_inputs(*w, tokens, 95, DType::fp8_e4m3);
+  const std::string who = "rank " + std::to_string(stopped);
+  const std::string failed = run_cuda_ranks(
+      R, 120.0,
+      [&](int rank, const std::shared_ptr<Group>& g) {
+        const RankStream rs;
+        const cudaStream_t stream = rs.s;
+        const Device dev = g->device();
+        const size_t me = static_cast<size_t>(rank);
+        std::string failures;
+        {
+          DispatchConfig dc;
+          dc.num_max_dispatch_tokens_per_rank = 16;
+          dc.dispatch_dtype = DType::fp8_e4m3;
+          ModularMoE layer(w, g, "ll", dc, Config{});
+          if (rank == stopped) {
+            if (real) {  // alive, but never calls; then gone without teardown
+              std::this_thread::sleep_for(std::chrono::duration<double>(timeout + 3.0));
+              std::fflush(stdout);
+              _exit(0);
+            }
+            return;  // never calls forward
+          }
+          const Tensor x = in.x[me].to(dev), idx = in.idx[me].to(dev), wts = in.wts[me].to(dev);
+          Tensor out = Tensor::empty({tokens[me], w->config.hidden}, DType::bf16, dev);
+          const auto t0 = std::chrono::steady_clock::now();
+          std::string what;
+          try {
+            layer.forward_routed(x, idx, wts, out, Stream{stream});
+            cuda_ok(cudaStreamSynchronize(stream), "sync");
+          } catch (const Timeout& e) {
+            what = std::string("Timeout: ") + e.what();
+          } catch (const CommError& e) {
+            what = std::string("CommError: ") + e.what();
+          }
+          const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+          std::printf("rank %d: after %.2f s (timeout %.1f s): %s\n", rank, secs, timeout, what.c_str());
+          if (what.empty()) failures += "forward without " + who + " did not throw Timeout or CommError; ";
+          else if (!real && what.find(who) == std::string::npos) failures += "the error does not name " + who + ": '" + what + "'; ";
+          if (secs < timeout * 0.9 || secs > timeout + 5.0) failures += "the error came after " + std::to_string(secs) + " s; ";
+        }
+        std::fflush(stdout);
+        if (real) {  // the group is aborted: exit without teardown
+          if (!failures.empty()) std::fprintf(stderr, "[rank %d] FAILED: %s\n", rank, failures.c_str());
+          std::fflush(stderr);
+          _exit(failures.empty() ? 0 : 1);
+        }
+        throw_failures(rank, failures);
+      },
+      timeout);
+  EXPECT_EQ(failed, "");
+}
+
+INSTANTIATE_TEST_SUITE_P(Ranks, ModularMoECuda, ::testing::Values(2, 4, 8), [](const auto& info) { return "R" + std::to_string(info.param); });
 
 #else
 

@@ -1,8 +1,20 @@
-// comm/group_nccl_cuda_test.cpp: the NCCL group on real GPUs, one forked process per GPU.
+// comm/group_nccl_cuda_test.cpp: the NCCL group on CUDA, and the Group semantics it shares with
+// virtual ranks.
+//
+// Group semantics (every collective's results against a host reference, on the rank's stream and on
+// the legacy default stream, in place, host pointers, agreement checks throwing on every rank,
+// symmetric memory written into the next rank, graph capture of a collective, a rank that never calls)
+// run through tests/cuda_ranks.h run_cuda_ranks at 1 / 2 / 4 / 8 ranks: one forked process per GPU
+// with an NCCL group where the machine has enough GPUs, else R virtual ranks (threads) on GPU 0.
+// NCCL internals (LSA windows, the device communicator and LSA barrier, the node layout NCCL's
+// environment gives, groups from the launcher's environment, creation without a rank, a rank's process
+// dying) keep the real form: one forked process per GPU, skipped with the reason when GPUs are short.
 //
 // The gtest process itself never initialises CUDA (cuda::device_count() asks a child), so the ranks
-// it forks can each open their GPU. A rank reports through its exit status and stderr; the parent
-// kills every rank still running after a deadline, so a hang fails the test instead of the suite.
+// it forks can each open their GPU. A rank reports by throwing (its message goes to stderr); the
+// parent kills every rank still running after a deadline, so a hang fails the test instead of the
+// suite. Rank bodies that may run as virtual ranks wait on their own stream (or the legacy stream),
+// never on the whole device, and never touch the environment.
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <stdlib.h>
@@ -31,6 +43,7 @@
 #include <cuda_runtime_api.h>
 
 #include "comm/group_nccl.h"
+#include "cuda_ranks.h"
 #endif
 #include "forked_ranks.h"
 
@@ -273,29 +286,196 @@ void check_collectives(Group& g, cudaStream_t stream) {
   g.barrier();
 }
 
-TEST(NcclGroupCuda, CollectivesMatchHostReference) {
-  const int n = gpus();
-  if (n < 1) GTEST_SKIP() << "needs 1 GPU, found " << n;
-  const int world = n;
-  const std::string path = fresh_dir() + "/uid";
-  const std::string failed = run_ranks_forked(world, 240.0, [&](int rank) {
-    auto g = make_nccl_group(path, rank, world, rank, 60.0);
-    require(g->rank() == rank && g->size() == world, "rank/size");
-    require(g->device() == Device::cuda(rank), "device");
-    cudaStream_t stream;
-    cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
-    check_collectives(*g, stream);
-    // The default stream works too.
+// ---- Group semantics: NCCL groups where there are enough GPUs, virtual ranks otherwise -------------
+
+using test::run_cuda_ranks;
+using test::virtual_ranks_for;
+
+/// run_cuda_ranks with the rank prepended to a failing rank's message (on virtual ranks only the
+/// first rank's exception comes back, so the message must say whose it is).
+std::string on_ranks(int R, double deadline_s, const std::function<void(int, const std::shared_ptr<Group>&)>& fn, double timeout_s = 60.0) {
+  std::printf("%d rank%s: %s\n", R, R == 1 ? "" : "s", virtual_ranks_for(R) ? "virtual ranks on GPU 0" : "one GPU per rank (NCCL)");
+  std::fflush(stdout);
+  return run_cuda_ranks(
+      R, deadline_s,
+      [&](int rank, const std::shared_ptr<Group>& g) {
+        try {
+          fn(rank, g);
+        } catch (const std::exception& e) {
+          throw std::runtime_error("rank " + std::to_string(rank) + ": " + e.what());
+        }
+      },
+      timeout_s);
+}
+
+/// This rank's stream: cudaStreamNonBlocking, destroyed at scope exit.
+struct RankStream {
+  cudaStream_t s = nullptr;
+  RankStream() { cuda_ok(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "stream"); }
+  ~RankStream() {
+    if (s) (void)cudaStreamDestroy(s);
+  }
+  RankStream(const RankStream&) = delete;
+  RankStream& operator=(const RankStream&) = delete;
+};
+
+/// Group semantics at R ranks (1, 2, 4, 8).
+class GroupCuda : public ::testing::TestWithParam<int> {};
+/// Group semantics that need a peer (2, 4, 8 ranks).
+class GroupCudaPeers : public ::testing::TestWithParam<int> {};
+
+TEST_P(GroupCuda, CollectivesMatchHostReference) {
+  if (gpus() < 1) GTEST_SKIP() << "needs a GPU (virtual ranks run on one), found none";
+  const int R = GetParam();
+  const bool virt = virtual_ranks_for(R);
+  const std::string failed = on_ranks(R, 240.0, [&](int rank, const std::shared_ptr<Group>& g) {
+    require(g->rank() == rank && g->size() == R, "rank/size");
+    require(g->device() == Device::cuda(virt ? 0 : rank), "device " + g->device().str());
+    require(g->ranks_per_gpu() == (virt ? R : 1), "ranks_per_gpu " + std::to_string(g->ranks_per_gpu()));
+    const RankStream rs;
+    check_collectives(*g, rs.s);
+    // The legacy default stream works too.
     check_collectives(*g, nullptr);
-    cuda_ok(cudaStreamDestroy(stream), "stream destroy");
-    if (rank == 0) std::printf("collectives OK on %d ranks (%s)\n", world, g->name().c_str());
+    if (rank == 0) std::printf("collectives OK on %d ranks (%s)\n", R, g->name().c_str());
   });
   EXPECT_EQ(failed, "");
 }
 
+// alloc_symmetric: zero-filled, peers[rank] is the local buffer and every peer pointer is usable from
+// this rank: host-ordered stores into the next rank (stream sync, host barrier) land there.
+TEST_P(GroupCudaPeers, SymmetricMemoryHostOrderedWriteToNextRank) {
+  if (gpus() < 1) GTEST_SKIP() << "needs a GPU (virtual ranks run on one), found none";
+  const int R = GetParam();
+  const std::string failed = on_ranks(R, 240.0, [&](int rank, const std::shared_ptr<Group>& g) {
+    const int64_t bytes = (1 << 20) + 12;  // not a multiple of 4 KiB
+    const int64_t words = bytes / 4;
+    SymmetricBuffer buf = g->alloc_symmetric(bytes);
+    require(buf.bytes == bytes && buf.local != nullptr, "buffer");
+    require(static_cast<int>(buf.peers.size()) == R && buf.peers[static_cast<size_t>(rank)] == buf.local, "peers[rank] == local");
+    for (int r = 0; r < R; ++r) require(buf.peers[static_cast<size_t>(r)] != nullptr, "peer pointer " + std::to_string(r));
+    auto got = to_host(static_cast<const uint32_t*>(buf.local), static_cast<size_t>(words));
+    for (int64_t i = 0; i < words; ++i) require(got[static_cast<size_t>(i)] == 0, "zero-filled at " + std::to_string(i));
+    const RankStream rs;
+    const int next = (rank + 1) % R, prev = (rank + R - 1) % R;
+    g->barrier();  // every rank's zero check is done before anyone writes
+    comm::launch_fill_pattern(static_cast<uint32_t*>(buf.peers[static_cast<size_t>(next)]), words, 2000u + rank, rs.s);
+    cuda_ok(cudaStreamSynchronize(rs.s), "sync");
+    g->barrier();
+    got = to_host(static_cast<const uint32_t*>(buf.local), static_cast<size_t>(words));
+    for (int64_t i = 0; i < words; ++i)
+      require(got[static_cast<size_t>(i)] == comm::pattern_word(2000u + prev, static_cast<uint64_t>(i)),
+              "word " + std::to_string(i) + " from rank " + std::to_string(prev));
+    g->barrier();  // every rank's reads are done before the buffers go
+    if (rank == 0) std::printf("symmetric memory OK: %d ranks wrote %lld bytes each into the next rank\n", R, static_cast<long long>(bytes));
+  });
+  EXPECT_EQ(failed, "");
+}
+
+// An in-place all_reduce_sum captured into a CUDA graph on the rank's stream and replayed 20 times:
+// every replay sums again (R^20 everywhere), after an eager call that connected the ranks.
+TEST_P(GroupCudaPeers, GraphReplayOfCollective) {
+  if (gpus() < 1) GTEST_SKIP() << "needs a GPU (virtual ranks run on one), found none";
+  const int R = GetParam();
+  const std::string failed = on_ranks(R, 240.0, [&](int rank, const std::shared_ptr<Group>& g) {
+    const RankStream rs;
+    const cudaStream_t stream = rs.s;
+    const int64_t n_red = 1024;
+    float* red = to_device(std::vector<float>(n_red, 1.0f));
+    g->all_reduce_sum(red, red, n_red, DType::fp32, Stream{stream});  // connect before capturing
+    cuda_ok(cudaStreamSynchronize(stream), "sync");
+    auto got = to_host(red, static_cast<size_t>(n_red));
+    for (int64_t i = 0; i < n_red; ++i) require(got[static_cast<size_t>(i)] == static_cast<float>(R), "eager all_reduce: " + std::to_string(got[static_cast<size_t>(i)]));
+    g->barrier();  // every rank's eager sum is done before its input is reset
+    test::upload_device(red, std::vector<float>(n_red, 1.0f).data(), n_red * 4, "reset");
+    g->barrier();
+
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    cuda_ok(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), "begin capture");
+    g->all_reduce_sum(red, red, n_red, DType::fp32, Stream{stream});
+    cuda_ok(cudaStreamEndCapture(stream, &graph), "end capture");
+    cuda_ok(cudaGraphInstantiate(&exec, graph, 0), "instantiate");
+    constexpr int kReplays = 20;
+    for (int i = 0; i < kReplays; ++i) cuda_ok(cudaGraphLaunch(exec, stream), "launch");
+    cuda_ok(cudaStreamSynchronize(stream), "sync");
+    const float want = std::pow(static_cast<float>(R), static_cast<float>(kReplays));  // a power of two: exact
+    got = to_host(red, static_cast<size_t>(n_red));
+    for (int64_t i = 0; i < n_red; ++i)
+      require(got[static_cast<size_t>(i)] == want, "all_reduce in graph: " + std::to_string(got[static_cast<size_t>(i)]) + " at " +
+                                                       std::to_string(i) + ", want " + std::to_string(want));
+    g->barrier();  // every rank's replays are done before the graph and buffer go
+    cuda_ok(cudaGraphExecDestroy(exec), "exec destroy");
+    cuda_ok(cudaGraphDestroy(graph), "graph destroy");
+    cuda_ok(cudaFree(red), "free");
+    if (rank == 0) std::printf("graph OK: %d replays of an in-place all_reduce on %d ranks\n", kReplays, R);
+  });
+  EXPECT_EQ(failed, "");
+}
+
+// A rank that stops taking part (rank R-1, alive: on virtual ranks its body returns, in the real form
+// its process sleeps past the others' timeout, then exits without teardown): every other rank's
+// barrier ends within the group's timeout (+ slack) with Timeout, or (virtual ranks: the group is
+// aborted by the rank whose wait ran out first) CommError carrying that Timeout; on virtual ranks
+// the error names the stopped rank (NCCL cannot tell which peer never called, so the real form's
+// error names the operation only). The group is aborted: the next call throws CommError at once.
+TEST_P(GroupCudaPeers, ARankThatNeverCallsTimesOut) {
+  if (gpus() < 1) GTEST_SKIP() << "needs a GPU (virtual ranks run on one), found none";
+  const int R = GetParam();
+  const bool real = !virtual_ranks_for(R);
+  const int stopped = R - 1;
+  const double timeout = real ? 15.0 : 3.0;  // NCCL's start-up of R processes runs under this bound too
+  const std::string who = "rank " + std::to_string(stopped);
+  const std::string failed = on_ranks(
+      R, 120.0,
+      [&](int rank, const std::shared_ptr<Group>& g) {
+        g->barrier();  // every rank alive
+        if (rank == stopped) {
+          if (real) {  // alive, but never calls; then gone without teardown
+            std::this_thread::sleep_for(std::chrono::duration<double>(timeout + 3.0));
+            std::fflush(stdout);
+            _exit(0);
+          }
+          return;
+        }
+        const auto t0 = std::chrono::steady_clock::now();
+        std::string what;
+        try {
+          g->barrier();
+        } catch (const Timeout& e) {
+          what = std::string("Timeout: ") + e.what();
+        } catch (const CommError& e) {
+          what = std::string("CommError: ") + e.what();
+        }
+        const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        std::printf("rank %d: after %.2f s (timeout %.1f s): %s\n", rank, s, timeout, what.c_str());
+        std::fflush(stdout);
+        require(!what.empty(), "a barrier without " + who + " must throw Timeout or CommError");
+        require(real || what.find(who) != std::string::npos, "the error does not name " + who + ": '" + what + "'");
+        require(s >= 0.9 * timeout && s < timeout + 5.0, "the error came after " + std::to_string(s) + " s");
+        bool threw = false;
+        try {
+          g->barrier();
+        } catch (const CommError&) {
+          threw = true;  // aborted group: every later call fails at once
+        }
+        require(threw, "a call after the abort must throw CommError");
+        if (real) {  // the group is aborted: exit without teardown
+          std::fflush(stdout);
+          _exit(0);
+        }
+      },
+      timeout);
+  EXPECT_EQ(failed, "");
+}
+
+INSTANTIATE_TEST_SUITE_P(Ranks, GroupCuda, ::testing::Values(1, 2, 4, 8), [](const auto& info) { return "R" + std::to_string(info.param); });
+INSTANTIATE_TEST_SUITE_P(Ranks, GroupCudaPeers, ::testing::Values(2, 4, 8), [](const auto& info) { return "R" + std::to_string(info.param); });
+
+// ---- NCCL internals: the real form, one forked process per GPU --------------------------------------
+
 TEST(NcclGroupCuda, SymmetricMemoryLsaWriteToNextRank) {
   const int n = gpus();
-  if (n < 1) GTEST_SKIP() << "needs 1 GPU, found " << n;
+  if (n < 1) GTEST_SKIP() << "needs a GPU: NCCL LSA windows and the LSA barrier (real form only), found none";
   const int world = n;
   const std::string path = fresh_dir() + "/uid";
   const std::string failed = run_ranks_forked(world, 240.0, [&](int rank) {
@@ -321,26 +501,17 @@ TEST(NcclGroupCuda, SymmetricMemoryLsaWriteToNextRank) {
     int* mismatches = to_device(std::vector<int>{0});
     const int next = (rank + 1) % world, prev = (rank + world - 1) % world;
 
-    // Round 1, device-ordered: LSA stores into the next rank, LSA barrier (acq_rel), check in-stream.
+    // Device-ordered: LSA stores into the next rank, LSA barrier (acq_rel), check in-stream.
     g->barrier();  // every rank's zero check is done before anyone writes
     comm::launch_fill_pattern(static_cast<uint32_t*>(buf.peers[next]), words, 1000u + rank, stream);
     ng->lsa_barrier(Stream{stream});
     comm::launch_count_pattern_mismatches(static_cast<const uint32_t*>(buf.local), words, 1000u + prev, mismatches, stream);
     cuda_ok(cudaStreamSynchronize(stream), "sync");
-    require(to_host(mismatches, 1)[0] == 0, "round 1: " + std::to_string(to_host(mismatches, 1)[0]) +
-                                                 " words from rank " + std::to_string(prev) + " differ");
+    require(to_host(mismatches, 1)[0] == 0, "LSA round: " + std::to_string(to_host(mismatches, 1)[0]) +
+                                                " words from rank " + std::to_string(prev) + " differ");
     auto got = to_host(static_cast<const uint32_t*>(buf.local), static_cast<size_t>(words));
     for (int64_t i = 0; i < words; ++i)
-      require(got[i] == comm::pattern_word(1000u + prev, i), "round 1 host check at word " + std::to_string(i));
-
-    // Round 2, host-ordered: stores, stream sync, host barrier, then read.
-    g->barrier();  // round 1 reads are done everywhere
-    comm::launch_fill_pattern(static_cast<uint32_t*>(buf.peers[next]), words, 2000u + rank, stream);
-    cuda_ok(cudaStreamSynchronize(stream), "sync");
-    g->barrier();
-    got = to_host(static_cast<const uint32_t*>(buf.local), static_cast<size_t>(words));
-    for (int64_t i = 0; i < words; ++i)
-      require(got[i] == comm::pattern_word(2000u + prev, i), "round 2 host check at word " + std::to_string(i));
+      require(got[i] == comm::pattern_word(1000u + prev, i), "LSA round host check at word " + std::to_string(i));
 
     // A second buffer gets its own window; a foreign pointer has none.
     SymmetricBuffer other = g->alloc_symmetric(4096);
@@ -357,7 +528,7 @@ TEST(NcclGroupCuda, SymmetricMemoryLsaWriteToNextRank) {
     g->barrier();  // quiesce before the buffers deregister (NCCL-DEVICE-API.md §1.5)
     cudaFree(mismatches);
     cuda_ok(cudaStreamDestroy(stream), "stream destroy");
-    if (rank == 0) std::printf("symmetric memory OK: %d ranks wrote %lld bytes each into the next rank\n", world,
+    if (rank == 0) std::printf("LSA OK: %d ranks wrote %lld bytes each into the next rank through the LSA barrier\n", world,
                                static_cast<long long>(bytes));
   });
   EXPECT_EQ(failed, "");
@@ -365,7 +536,7 @@ TEST(NcclGroupCuda, SymmetricMemoryLsaWriteToNextRank) {
 
 TEST(NcclGroupCuda, GraphReplayOfLsaKernelsAndCollective) {
   const int n = gpus();
-  if (n < 1) GTEST_SKIP() << "needs 1 GPU, found " << n;
+  if (n < 1) GTEST_SKIP() << "needs a GPU: NCCL LSA stores and the LSA barrier in a CUDA graph (real form only), found none";
   const int world = n;
   const std::string path = fresh_dir() + "/uid";
   const std::string failed = run_ranks_forked(world, 240.0, [&](int rank) {
@@ -415,7 +586,7 @@ TEST(NcclGroupCuda, GraphReplayOfLsaKernelsAndCollective) {
 
 TEST(NcclGroupCuda, DeadPeerFailsBarrierWithinTimeout) {
   const int n = gpus();
-  if (n < 2) GTEST_SKIP() << "needs 2 GPUs, found " << n;
+  if (n < 2) GTEST_SKIP() << "needs 2 GPUs: a rank's process dies (real form only: virtual ranks share one process), found " << n;
   const std::string path = fresh_dir() + "/uid";
   const std::string failed = run_ranks_forked(2, 120.0, [&](int rank) {
     auto g = make_nccl_group(path, rank, 2, rank, 5.0);
@@ -450,7 +621,7 @@ TEST(NcclGroupCuda, DeadPeerFailsBarrierWithinTimeout) {
 
 TEST(NcclGroupCuda, RecreateFromEnvironment) {
   const int n = gpus();
-  if (n < 1) GTEST_SKIP() << "needs 1 GPU, found " << n;
+  if (n < 1) GTEST_SKIP() << "needs a GPU: NCCL groups from the launcher's environment (real form only), found none";
   const int world = n;
   const std::string dir = fresh_dir();
   const std::string failed = run_ranks_forked(world, 240.0, [&](int rank) {
@@ -475,7 +646,7 @@ TEST(NcclGroupCuda, RecreateFromEnvironment) {
 // device communicator and windows (LSA team of 1: no peer pointer across nodes).
 TEST(NcclGroupCuda, VirtualNodesOverTcp) {
   const int n = gpus();
-  if (n < 2) GTEST_SKIP() << "needs 2 GPUs, found " << n;
+  if (n < 2) GTEST_SKIP() << "needs 2 GPUs: NCCL's node layout over sockets, one GPU per rank (real form only), found " << n;
   const int world = 2;
   const int port = test::free_tcp_port();
   ASSERT_GT(port, 0);
@@ -519,7 +690,7 @@ TEST(NcclGroupCuda, VirtualNodesOverTcp) {
 
 TEST(NcclGroupCuda, MissingRankTimesOut) {
   const int n = gpus();
-  if (n < 1) GTEST_SKIP() << "needs 1 GPU, found " << n;
+  if (n < 1) GTEST_SKIP() << "needs a GPU: NCCL group creation without a rank (real form only), found none";
   const std::string path = fresh_dir() + "/uid";
   // Only rank 0 of a 2-rank group shows up: creation must fail with Timeout within its bound.
   const std::string failed = run_ranks_forked(1, 90.0, [&](int) {
