@@ -1,29 +1,45 @@
-// dispatch/ht_cuda_test.cpp: the ht backend on CUDA (ht_cuda.h) on 2 forked ranks against HtCpu
-// (ht.h) on CPU ranks with the same inputs: every prepare output (x, x_scales, local topk_idx,
-// topk_weights, recv_count, N_recv), the handle (rank prefix matrix, is_token_in_rank, recv_src_idx,
-// per-expert counts), the stats, and every finalize output, bit for bit.
+// dispatch/ht_cuda_test.cpp: the ht backend on CUDA (ht_cuda.h) against HtCpu (ht.h) on CPU ranks with
+// the same inputs: every prepare output (x, x_scales, local topk_idx, topk_weights, recv_count, N_recv),
+// the handle (rank prefix matrix, is_token_in_rank, recv_src_idx, per-expert counts), the stats, and
+// every finalize output, bit for bit. Multi-rank cases run through tests/cuda_ranks.h run_cuda_ranks:
+// one forked process per GPU where the machine has enough GPUs, else R virtual ranks (threads) on GPU 0;
+// at 2 ranks, and at 4 and 8 ranks on small shapes where a case takes a rank count.
 //
-// Inputs: fresh random tokens (never zeros); ht-v3 (H 7168, E 256, top-8) and hidden 2048; T per
-// rank in {0, 1, 4095, 4096, 8192}; uniform and Zipf routing; bf16 and fp8 (incl. UE8M0); -1
-// selections, duplicate experts, the shared route, int64 ids, expert_alignment > 1. Three rounds
-// per object: A, then A's routing with new tokens (the cached layout must be reused: one cache hit),
-// then a new routing. The experts step is replaced by a deterministic random expert_out [N_recv, H]
-// (a function of case, round and rank), the same on both sides, so combine is checked exactly.
-// Device outputs are poisoned before each call. Also: worst-case sizing under CUDA-graph capture and
-// replay (three replays with new inputs), a bad id and an oversized T (InvalidArgument on every
-// rank, object usable after), and a silent peer (Timeout naming it, no hang).
+// Inputs: fresh random tokens (never zeros). On 2 ranks ht-v3 (H 7168, E 256, top-8) and hidden 2048;
+// T per rank in {0, 1, 4095, 4096, 8192}; uniform and Zipf routing; bf16 and fp8 (incl. UE8M0); -1
+// selections, duplicate experts, the shared route, int64 ids, expert_alignment > 1, the
+// expert-contiguous layout. On 2, 4 and 8 ranks small shapes (hidden 256..1024, capacity 8..128) with
+// T in {0, 1, 7, 128} differing between ranks and between rounds, the same features. Three rounds per
+// object: A, then A's routing with new tokens (the cached layout must be reused: one cache hit), then
+// a new routing. The experts step is replaced by a deterministic random expert_out [N_recv, H] (a
+// function of case, round and rank), the same on both sides, so combine is checked exactly. Device
+// outputs are poisoned before each call.
+// Also, at 2, 4 and 8 ranks: worst-case sizing (use_worst_case_sizing) eagerly and under CUDA-graph
+// capture and replay (replays with new inputs, the first equal to the eager call on the same inputs),
+// the device token count under one graph (T per replay and rank, 0 included), bad arguments (a bad id,
+// an oversized T: InvalidArgument on every rank naming the rank, object usable after), the caller's
+// Config and the SM share on virtual ranks, and a stopped rank (created the object, never calls
+// prepare, or never calls finalize): every other rank gets Timeout naming it within the short group
+// timeout, no hang. On 2 ranks: a late rank is not overrun, and the hierarchical ht takes the caller's
+// Config (also on 4 ranks in 2 nodes). On 1 rank: the device token count.
+// Rank bodies work on their own cudaStreamNonBlocking stream and wait on it or on the legacy stream,
+// never on the whole device between multi-rank calls (cuda_ranks.h), and never touch the environment
+// (set before run_cuda_ranks).
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
-#include <cstdlib>
+#include <cstdlib>  // setenv (the test bodies' callers only)
 #include <cstring>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "cuda_ranks.h"
 #include "dispatch/ht.h"
 #include "dispatch_harness.h"
 #include "epx/config.h"
@@ -42,6 +58,49 @@ using namespace epx::test;
 #include "dispatch/ht_cuda.h"
 
 namespace {
+
+/// This rank's stream: cudaStreamNonBlocking, so it never waits for another rank's work on the legacy
+/// stream; destroyed at scope exit.
+struct RankStream {
+  cudaStream_t s = nullptr;
+  RankStream() { cuda_ok(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "stream"); }
+  ~RankStream() {
+    if (s) (void)cudaStreamDestroy(s);
+  }
+  RankStream(const RankStream&) = delete;
+  RankStream& operator=(const RankStream&) = delete;
+};
+
+/// Tokens per rank for R ranks: `pattern` repeated from rank 0.
+std::vector<int64_t> per_rank(int R, const std::vector<int64_t>& pattern) {
+  std::vector<int64_t> T(static_cast<size_t>(R));
+  for (int r = 0; r < R; ++r) T[static_cast<size_t>(r)] = pattern[static_cast<size_t>(r) % pattern.size()];
+  return T;
+}
+
+/// Throws this rank's failures ("" = none), after printing them: on virtual ranks only the first rank's
+/// exception comes back from run_ranks, so every rank's own list goes to stderr too.
+void throw_failures(int rank, const std::string& failures) {
+  if (failures.empty()) return;
+  std::fprintf(stderr, "[rank %d] %s\n", rank, failures.c_str());
+  std::fflush(stderr);
+  throw std::runtime_error("rank " + std::to_string(rank) + ": mismatches:\n" + failures);
+}
+
+/// One line naming where R ranks run (in the test log).
+void say_where(int R) {
+  std::printf("%d rank%s: %s\n", R, R == 1 ? "" : "s", virtual_ranks_for(R) ? "virtual ranks on GPU 0" : "one GPU per rank (NCCL)");
+  std::fflush(stdout);
+}
+
+bool has_gpu() { return cuda::device_count() >= 1; }
+
+/// SMs of the group's GPU.
+int device_sms(const std::shared_ptr<Group>& g) {
+  int sms = 0;
+  cuda_ok(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, g->device().index), "SM count");
+  return sms;
+}
 
 template <class T>
 std::vector<uint8_t> vec_bytes(const std::vector<T>& v) {
@@ -198,18 +257,61 @@ std::string compare(const Snapshot& got, const Snapshot& want) {
   return d;
 }
 
+/// Three rounds on one object: A, A's routing with new tokens (the cached layout: one cache hit), then a
+/// new routing, with T3 tokens per rank when given (else A's).
+Rounds three_rounds(const Case& c, const std::vector<int64_t>& T3 = {}) {
+  const std::vector<RankInput> a = make_inputs(c);
+  Case c2 = c;
+  c2.seed = c.seed + 1000;
+  std::vector<RankInput> a2 = make_inputs(c2);  // new tokens, A's routing
+  for (int r = 0; r < c.R; ++r) {
+    a2[static_cast<size_t>(r)].topk_idx = a[static_cast<size_t>(r)].topk_idx;
+    a2[static_cast<size_t>(r)].topk_weights = a[static_cast<size_t>(r)].topk_weights;
+  }
+  Case c3 = c;
+  c3.seed = c.seed + 2000;
+  if (!T3.empty()) c3.T = T3;
+  return {a, a2, make_inputs(c3)};
+}
+
+struct Spec {
+  int64_t H;
+  DType dtype;
+  bool ue8m0;
+  int E, K, cap;
+  std::vector<int64_t> T;
+  double zipf, masked;
+  bool shared, dups, idx64;
+  int align;
+  bool contig = false;
+  std::vector<int64_t> T3 = {};  ///< tokens per rank of the third round (empty: T)
+};
+
+HtCase make_ht_case(int R, const Spec& sp, uint64_t seed) {
+  HtCase g;
+  g.contig = sp.contig;
+  Case& c = g.c;
+  c.R = R;
+  c.E = sp.E;
+  c.K = sp.K;
+  c.H = sp.H;
+  c.cap = sp.cap;
+  c.T = sp.T;
+  c.dtype = sp.dtype;
+  c.ue8m0 = sp.ue8m0;
+  c.shared = sp.shared;
+  c.dups = sp.dups;
+  c.idx64 = sp.idx64;
+  c.masked = sp.masked;
+  c.zipf = sp.zipf;
+  c.align = sp.align;
+  c.seed = seed;
+  g.rounds = three_rounds(c, sp.T3);
+  return g;
+}
+
+/// The 2-rank cases at full size (ht-v3 and hidden 2048).
 std::vector<HtCase> make_cases() {
-  struct Spec {
-    int64_t H;
-    DType dtype;
-    bool ue8m0;
-    int E, K, cap;
-    std::vector<int64_t> T;
-    double zipf, masked;
-    bool shared, dups, idx64;
-    int align;
-    bool contig = false;
-  };
   const std::vector<Spec> specs = {
       {7168, DType::fp8_e4m3, false, 256, 8, 4096, {4096, 4096}, 0.0, 0.05, false, false, false, 1},   // ht-v3 fp8
       {7168, DType::bf16, false, 256, 8, 4096, {4095, 1}, 1.2, 0.1, false, true, true, 1},            // ht-v3 bf16, Zipf
@@ -225,38 +327,25 @@ std::vector<HtCase> make_cases() {
   };
   std::vector<HtCase> cases;
   uint64_t seed = 41;
-  for (const Spec& sp : specs) {
-    HtCase g;
-    g.contig = sp.contig;
-    Case& c = g.c;
-    c.R = 2;
-    c.E = sp.E;
-    c.K = sp.K;
-    c.H = sp.H;
-    c.cap = sp.cap;
-    c.T = sp.T;
-    c.dtype = sp.dtype;
-    c.ue8m0 = sp.ue8m0;
-    c.shared = sp.shared;
-    c.dups = sp.dups;
-    c.idx64 = sp.idx64;
-    c.masked = sp.masked;
-    c.zipf = sp.zipf;
-    c.align = sp.align;
-    c.seed = seed++;
-    const std::vector<RankInput> a = make_inputs(c);
-    Case c2 = c;
-    c2.seed = c.seed + 1000;
-    std::vector<RankInput> a2 = make_inputs(c2);  // new tokens, A's routing
-    for (int r = 0; r < c.R; ++r) {
-      a2[static_cast<size_t>(r)].topk_idx = a[static_cast<size_t>(r)].topk_idx;
-      a2[static_cast<size_t>(r)].topk_weights = a[static_cast<size_t>(r)].topk_weights;
-    }
-    Case c3 = c;
-    c3.seed = c.seed + 2000;
-    g.rounds = {a, a2, make_inputs(c3)};
-    cases.push_back(std::move(g));
-  }
+  for (const Spec& sp : specs) cases.push_back(make_ht_case(2, sp, seed++));
+  return cases;
+}
+
+/// Small shapes for R ranks (2, 4 or 8): T in {0, 1, 7, 128} differing between ranks, and between the
+/// first rounds and the third; bf16, fp8 and fp8 + UE8M0; Flat and expert-contiguous.
+std::vector<HtCase> make_small_cases(int R) {
+  const auto T = [R](std::vector<int64_t> pattern) { return per_rank(R, pattern); };
+  const std::vector<Spec> specs = {
+      {1024, DType::bf16, false, 4 * R, 4, 128, T({128, 7, 0, 1}), 0.0, 0.2, false, true, false, 1, false, T({1, 0, 128, 7})},
+      {512, DType::fp8_e4m3, false, 2 * R + 4, 4, 128, T({1, 128, 0, 7}), 1.2, 0.15, false, false, true, 1, false, T({7, 1, 128, 0})},
+      {384, DType::fp8_e4m3, true, R + 3, 3, 16, T({7, 16, 0, 1}), 0.0, 0.25, true, false, false, 8, false, T({16, 0, 1, 7})},  // shared route
+      {512, DType::fp8_e4m3, false, 4 * R, 4, 128, T({128, 1, 7, 0}), 1.1, 0.2, false, true, false, 16, true, T({0, 7, 1, 128})},  // contiguous
+      {1024, DType::bf16, false, 4 * R, 6, 128, T({0, 7, 128, 1}), 0.0, 0.1, true, false, true, 8, true, T({128, 0, 1, 7})},   // contiguous, shared
+      {256, DType::bf16, false, 2 * R, 2, 8, T({0}), 0.0, 0.0, false, false, false, 1},                                          // nobody sends
+  };
+  std::vector<HtCase> cases;
+  uint64_t seed = 500 + 10 * static_cast<uint64_t>(R);
+  for (const Spec& sp : specs) cases.push_back(make_ht_case(R, sp, seed++));
   return cases;
 }
 
@@ -303,25 +392,26 @@ std::vector<Snapshot> run_gpu(const Case& c, const Rounds& rounds, bool contig, 
   return snaps;
 }
 
-// ---- worst-case sizing under a CUDA graph -----------------------------------------------------------
+// ---- worst-case sizing, eagerly and under a CUDA graph ---------------------------------------------
 
 /// The graph case: bf16, expert_out = the received x itself (a device copy inside the graph), so the
-/// combine output is known from HtCpu with the same "experts".
+/// combine output is known from HtCpu with the same "experts". T per rank is fixed (the captured shapes)
+/// and differs between ranks.
 struct GraphCase {
   Case c;
   Rounds rounds;
   std::vector<std::vector<Snapshot>> want;
 };
 
-GraphCase make_graph_case() {
+GraphCase make_graph_case(int R) {
   GraphCase g;
   Case& c = g.c;
-  c.R = 2;
+  c.R = R;
   c.E = 32;
   c.K = 4;
-  c.H = 2048;
-  c.cap = 512;
-  c.T = {500, 512};
+  c.H = R == 2 ? 2048 : 1024;
+  c.cap = R == 2 ? 512 : 128;
+  c.T = R == 2 ? std::vector<int64_t>{500, 512} : per_rank(R, {128, 7, 0, 1});
   c.dtype = DType::bf16;
   c.masked = 0.2;
   c.zipf = 1.1;
@@ -355,6 +445,9 @@ GraphCase make_graph_case() {
   return g;
 }
 
+/// Worst-case sizing on one object: an eager prepare + experts copy + finalize on round 0's inputs (against
+/// HtCpu), then the same three steps captured in one graph and replayed once per round with new inputs
+/// (against HtCpu; the first replay, on round 0's inputs, also against the eager call).
 std::string run_graph(const GraphCase& gc, const std::shared_ptr<Group>& g, cudaStream_t stream) {
   const Case& c = gc.c;
   const int r = g->rank();
@@ -367,37 +460,22 @@ std::string run_graph(const GraphCase& gc, const std::shared_ptr<Group>& g, cuda
   const Tensor x = Tensor::empty({T, c.H}, DType::bf16, dev);
   const Tensor idx = Tensor::empty({T, c.K}, DType::int32, dev), w = Tensor::empty({T, c.K}, DType::fp32, dev);
   const Tensor eo = Tensor::empty({rows, c.H}, DType::bf16, dev), out = Tensor::empty({T, c.H}, DType::bf16, dev);
-  copy(x, gc.rounds[0][static_cast<size_t>(r)].x);
-  copy(idx, gc.rounds[0][static_cast<size_t>(r)].topk_idx);
-  copy(w, gc.rounds[0][static_cast<size_t>(r)].topk_weights);
-  g->barrier();
-  cudaGraph_t graph = nullptr;
-  PrepareResult p;
-  cuda_ok(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), "begin capture");
-  p = pf->prepare({x, idx, w, Stream{stream}});
-  cuda_ok(cudaMemcpyAsync(eo.data(), p.x.data, static_cast<size_t>(rows * c.H * 2), cudaMemcpyDeviceToDevice, stream), "experts copy");
-  pf->finalize({eo, out, Stream{stream}});
-  cuda_ok(cudaStreamEndCapture(stream, &graph), "end capture");
-  if (p.num_recv_tokens != rows) return "worst-case num_recv_tokens " + std::to_string(p.num_recv_tokens) + ", want " + std::to_string(rows) + "; ";
-  cudaGraphExec_t exec = nullptr;
-  cuda_ok(cudaGraphInstantiate(&exec, graph, 0), "instantiate");
-  std::string failures;
-  for (size_t i = 0; i < gc.rounds.size(); ++i) {
+  // Round i's inputs into the captured buffers, out poisoned (legacy-stream copies, waited for).
+  auto load = [&](size_t i) {
     const RankInput& ri = gc.rounds[i][static_cast<size_t>(r)];
     copy(x, ri.x);
     copy(idx, ri.topk_idx);
     copy(w, ri.topk_weights);
-    cuda_ok(cudaMemset(out.data(), 0xFF, static_cast<size_t>(out.nbytes())), "poison");
-    cuda_ok(cudaDeviceSynchronize(), "sync inputs");
-    cuda_ok(cudaGraphLaunch(exec, stream), "graph launch");
-    cuda_ok(cudaStreamSynchronize(stream), "graph sync");
-    const Snapshot& want = gc.want[i][static_cast<size_t>(r)];
+    poison_device(out.data(), static_cast<size_t>(out.nbytes()), "poison out");
+  };
+  // What the call on `p` left (after the stream), compared with `want`; "" when equal.
+  auto check = [&](const PrepareResult& p, const Snapshot& want, Snapshot& got) {
     int32_t n = -1;
     cuda_ok(cudaMemcpy(&n, p.num_recv_tokens_device.data, 4, cudaMemcpyDeviceToHost), "read N_recv");
     std::string d;
     if (n != want.num_recv_tokens) d += "N_recv " + std::to_string(n) + ", want " + std::to_string(want.num_recv_tokens) + "; ";
+    got.num_recv_tokens = n;
     const int64_t N = std::min<int64_t>(std::max(n, 0), rows);
-    Snapshot got;
     got.x = host_bytes(p.x.slice_rows(0, N));
     got.topk_idx = host_bytes(p.topk_idx.slice_rows(0, N));
     got.topk_weights = host_bytes(p.topk_weights.slice_rows(0, N));
@@ -412,42 +490,88 @@ std::string run_graph(const GraphCase& gc, const std::shared_ptr<Group>& g, cuda
         d += "topk_idx beyond N_recv is not -1 at byte " + std::to_string(j) + "; ";
         break;
       }
+    return d;
+  };
+  std::string failures;
+  // Eager, on round 0's inputs.
+  load(0);
+  g->barrier();
+  const PrepareResult pe = pf->prepare({x, idx, w, Stream{stream}});
+  if (pe.num_recv_tokens != rows)
+    failures += "eager worst-case num_recv_tokens " + std::to_string(pe.num_recv_tokens) + ", want " + std::to_string(rows) + "; ";
+  cuda_ok(cudaMemcpyAsync(eo.data(), pe.x.data, static_cast<size_t>(rows * c.H * 2), cudaMemcpyDeviceToDevice, stream), "experts copy");
+  pf->finalize({eo, out, Stream{stream}});
+  cuda_ok(cudaStreamSynchronize(stream), "eager sync");
+  Snapshot eager;
+  const std::string de = check(pe, gc.want[0][static_cast<size_t>(r)], eager);
+  if (!de.empty()) failures += "eager worst-case call rank " + std::to_string(r) + ": " + de + "\n";
+  // The same steps in one graph.
+  cudaGraph_t graph = nullptr;
+  PrepareResult p;
+  cuda_ok(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), "begin capture");
+  p = pf->prepare({x, idx, w, Stream{stream}});
+  cuda_ok(cudaMemcpyAsync(eo.data(), p.x.data, static_cast<size_t>(rows * c.H * 2), cudaMemcpyDeviceToDevice, stream), "experts copy");
+  pf->finalize({eo, out, Stream{stream}});
+  cuda_ok(cudaStreamEndCapture(stream, &graph), "end capture");
+  if (p.num_recv_tokens != rows) return "worst-case num_recv_tokens " + std::to_string(p.num_recv_tokens) + ", want " + std::to_string(rows) + "; ";
+  cudaGraphExec_t exec = nullptr;
+  cuda_ok(cudaGraphInstantiate(&exec, graph, 0), "instantiate");
+  for (size_t i = 0; i < gc.rounds.size(); ++i) {
+    load(i);
+    cuda_ok(cudaGraphLaunch(exec, stream), "graph launch");
+    cuda_ok(cudaStreamSynchronize(stream), "graph sync");
+    Snapshot got;
+    std::string d = check(p, gc.want[i][static_cast<size_t>(r)], got);
+    if (i == 0) {  // the eager call's inputs: the replay must equal it
+      if (got.num_recv_tokens != eager.num_recv_tokens)
+        d += "N_recv " + std::to_string(got.num_recv_tokens) + ", eager " + std::to_string(eager.num_recv_tokens) + "; ";
+      d += first_diff("x vs eager", got.x, eager.x) + first_diff("topk_idx vs eager", got.topk_idx, eager.topk_idx) +
+           first_diff("topk_weights vs eager", got.topk_weights, eager.topk_weights) +
+           first_diff("recv_count vs eager", got.recv_count, eager.recv_count) + first_diff("out vs eager", got.out, eager.out);
+    }
     if (!d.empty()) failures += "graph replay " + std::to_string(i) + " rank " + std::to_string(r) + ": " + d + "\n";
   }
   const DispatchStats& st = pf->stats();
   if (st.num_rank_dedup_rows <= 0 && T > 0) failures += "worst-case stats not refreshed from the device record; ";
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);
-  if (r == 0) std::printf("graph: %zu replays (worst-case sizing, %lld rows) %s\n", gc.rounds.size(), static_cast<long long>(rows),
-                          failures.empty() ? "bit-exact vs HtCpu" : "DIFFER");
+  if (r == 0)
+    std::printf("graph: eager call + %zu replays (worst-case sizing, %lld rows) %s\n", gc.rounds.size(), static_cast<long long>(rows),
+                failures.empty() ? "bit-exact vs HtCpu, first replay equal to the eager call" : "DIFFER");
   std::fflush(stdout);
   return failures;
 }
 
 /// Device token count (DispatchArgs::num_tokens) under one captured graph: x / topk_* buffers of
-/// cap rows, a different T per replay (0 and cap included), rows beyond T hold stale tokens of an
-/// earlier replay; out rows beyond T must stay untouched (poison).
+/// cap rows, a different T per replay and rank (0 and cap included), rows beyond T hold stale tokens of
+/// an earlier replay; out rows beyond T must stay untouched (poison).
 struct DeviceTCase {
   Case c;
   Rounds rounds;  // [replay][rank], x with T rows of that replay
   std::vector<std::vector<Snapshot>> want;
 };
 
-DeviceTCase make_device_t_case(int R = 2) {
+DeviceTCase make_device_t_case(int R) {
   DeviceTCase g;
   Case& c = g.c;
   c.R = R;
   c.E = 32;
   c.K = 4;
-  c.H = 1024;
-  c.cap = 256;
+  c.H = R <= 2 ? 1024 : 512;
+  c.cap = R <= 2 ? 256 : 128;
   c.dtype = DType::fp8_e4m3;
   c.masked = 0.1;
   c.zipf = 1.2;
-  const std::vector<std::vector<int64_t>> Ts = {{256, 200}, {0, 17}, {1, 256}, {130, 0}};
+  std::vector<std::vector<int64_t>> Ts;
+  if (R <= 2) {  // R = 1: 256, 0, 1, 130
+    for (const std::vector<int64_t>& t : std::vector<std::vector<int64_t>>{{256, 200}, {0, 17}, {1, 256}, {130, 0}})
+      Ts.emplace_back(t.begin(), t.begin() + R);
+  } else {
+    Ts = {per_rank(R, {128, 7, 0, 1}), per_rank(R, {0, 1, 128, 7}), per_rank(R, {1, 0, 7, 128}), per_rank(R, {7, 128, 1, 0})};
+  }
   for (size_t i = 0; i < Ts.size(); ++i) {
     Case ci = c;
-    ci.T = std::vector<int64_t>(Ts[i].begin(), Ts[i].begin() + R);  // R = 1: 256, 0, 1, 130
+    ci.T = Ts[i];
     ci.seed = 300 + i;
     g.rounds.push_back(make_inputs(ci));
   }
@@ -480,10 +604,9 @@ std::string run_device_t(const DeviceTCase& dc, const std::shared_ptr<Group>& g,
   const Tensor x = Tensor::empty({cap, c.H}, DType::bf16, dev), idx = Tensor::empty({cap, c.K}, DType::int32, dev),
                w = Tensor::empty({cap, c.K}, DType::fp32, dev), nt = Tensor::zeros({1}, DType::int32, dev);
   const Tensor eo = Tensor::empty({rows, c.H}, DType::bf16, dev), out = Tensor::empty({cap, c.H}, DType::bf16, dev);
-  cuda_ok(cudaMemset(x.data(), 0, static_cast<size_t>(x.nbytes())), "x");
-  cuda_ok(cudaMemset(idx.data(), 0, static_cast<size_t>(idx.nbytes())), "idx");  // expert 0 everywhere: stale rows that would move
-  cuda_ok(cudaMemset(w.data(), 0, static_cast<size_t>(w.nbytes())), "w");
-  cuda_ok(cudaDeviceSynchronize(), "sync");
+  poison_device(x.data(), static_cast<size_t>(x.nbytes()), "x", 0);
+  poison_device(idx.data(), static_cast<size_t>(idx.nbytes()), "idx", 0);  // expert 0 everywhere: stale rows that would move
+  poison_device(w.data(), static_cast<size_t>(w.nbytes()), "w", 0);
   g->barrier();
   cudaGraph_t graph = nullptr;
   PrepareResult p;
@@ -501,20 +624,19 @@ std::string run_device_t(const DeviceTCase& dc, const std::shared_ptr<Group>& g,
     const Snapshot& want = dc.want[i][static_cast<size_t>(r)];
     const int64_t T = ri.x.size(0);
     if (T > 0) {
-      cuda_ok(cudaMemcpy(x.data(), ri.x.data(), static_cast<size_t>(ri.x.nbytes()), cudaMemcpyHostToDevice), "x");
-      cuda_ok(cudaMemcpy(idx.data(), ri.topk_idx.data(), static_cast<size_t>(ri.topk_idx.nbytes()), cudaMemcpyHostToDevice), "idx");
-      cuda_ok(cudaMemcpy(w.data(), ri.topk_weights.data(), static_cast<size_t>(ri.topk_weights.nbytes()), cudaMemcpyHostToDevice), "w");
+      upload_device(x.data(), ri.x.data(), static_cast<size_t>(ri.x.nbytes()), "x");
+      upload_device(idx.data(), ri.topk_idx.data(), static_cast<size_t>(ri.topk_idx.nbytes()), "idx");
+      upload_device(w.data(), ri.topk_weights.data(), static_cast<size_t>(ri.topk_weights.nbytes()), "w");
     }
     const int32_t t32 = static_cast<int32_t>(T);
-    cuda_ok(cudaMemcpy(nt.data(), &t32, 4, cudaMemcpyHostToDevice), "num_tokens");
+    upload_device(nt.data(), &t32, 4, "num_tokens");
     // The experts' stand-in: the same random rows as HtCpu's, in the first N_recv rows (known from the CPU).
     const int64_t N = want.num_recv_tokens;
     if (N > 0) {
       const Tensor e = expert_out_for(N, c.H, eo_seed(c, i, r));
-      cuda_ok(cudaMemcpy(eo.data(), e.data(), static_cast<size_t>(e.nbytes()), cudaMemcpyHostToDevice), "eo");
+      upload_device(eo.data(), e.data(), static_cast<size_t>(e.nbytes()), "eo");
     }
-    cuda_ok(cudaMemset(out.data(), 0xFF, static_cast<size_t>(out.nbytes())), "poison");
-    cuda_ok(cudaDeviceSynchronize(), "sync inputs");
+    poison_device(out.data(), static_cast<size_t>(out.nbytes()), "poison");
     g->barrier();
     cuda_ok(cudaGraphLaunch(exec, stream), "graph launch");
     cuda_ok(cudaStreamSynchronize(stream), "graph sync");
@@ -535,15 +657,15 @@ std::string run_device_t(const DeviceTCase& dc, const std::shared_ptr<Group>& g,
     if (!d.empty()) failures += "device-T replay " + std::to_string(i) + " (T = " + std::to_string(T) + ") rank " + std::to_string(r) + ": " + d + "\n";
   }
   // A device count above x.shape[0]: nothing moved, InvalidArgument from the next call's finalize, after its
-  // launch (f58869a: never from a prepare, where one rank would stop alone before a launch its peers wait for).
+  // launch (never from a prepare, where one rank would stop alone before a launch its peers wait for).
   const int32_t too_many = static_cast<int32_t>(cap + 1 + r);
-  test::upload_device(nt.data(), &too_many, 4, "num_tokens");
+  upload_device(nt.data(), &too_many, 4, "num_tokens");
   cuda_ok(cudaGraphLaunch(exec, stream), "graph launch");
   cuda_ok(cudaStreamSynchronize(stream), "graph sync");
   // The next call is a good one (T = 1): its own layout must not erase the bad replay's verdict before the host
   // reads it (the record keeps the last bad layout until the next bad one).
   const int32_t one = 1;
-  test::upload_device(nt.data(), &one, 4, "num_tokens");
+  upload_device(nt.data(), &one, 4, "num_tokens");
   std::string what, where = "no call";
   try {
     where = "prepare";
@@ -569,23 +691,25 @@ std::string run_device_t(const DeviceTCase& dc, const std::shared_ptr<Group>& g,
 
 // ---- errors --------------------------------------------------------------------------------------
 
+/// Bad arguments on one rank reach every rank: a bad id on rank 1, T > capacity on rank 0 (InvalidArgument
+/// on every rank, the others naming the rank); the object is usable after; a finalize with the wrong rows.
 std::string check_errors(const std::shared_ptr<Group>& g, cudaStream_t stream) {
-  const int r = g->rank();
+  const int r = g->rank(), R = g->size();
   const Device dev = g->device();
   Case c;
-  c.R = 2;
-  c.E = 8;
+  c.R = R;
+  c.E = std::max(8, 2 * R);
   c.K = 2;
   c.H = 256;
   c.cap = 32;
-  c.T = {20, 32};
+  c.T = per_rank(R, {20, 32});
   c.seed = 5;
   const auto in = make_inputs(c);
   auto pf = make_prepare_finalize("ht", g, c.config());
   const RankInput& ri = in[static_cast<size_t>(r)];
   const Tensor x = ri.x.to(dev), w = ri.topk_weights.to(dev);
   std::string failures;
-  // A bad id on rank 1: InvalidArgument everywhere, naming the entry on rank 1.
+  // A bad id on rank 1: InvalidArgument everywhere, naming the entry on rank 1 and rank 1 elsewhere.
   Tensor bad = ri.topk_idx;
   if (r == 1) {
     bad = Tensor::empty({ri.x.size(0), c.K}, DType::int32);
@@ -598,7 +722,7 @@ std::string check_errors(const std::shared_ptr<Group>& g, cudaStream_t stream) {
   } catch (const InvalidArgument& e) {
     what = e.what();
   }
-  if ((r == 1 && what.find("topk_idx[3, 1]") == std::string::npos) || (r == 0 && what.find("rank 1") == std::string::npos))
+  if ((r == 1 && what.find("topk_idx[3, 1]") == std::string::npos) || (r != 1 && what.find("rank 1") == std::string::npos))
     failures += "bad id: rank " + std::to_string(r) + " threw '" + what + "'; ";
   if (r == 0) std::printf("bad id: %s\n", what.c_str());
   // T > capacity on rank 0.
@@ -611,7 +735,7 @@ std::string check_errors(const std::shared_ptr<Group>& g, cudaStream_t stream) {
   } catch (const InvalidArgument& e) {
     what = e.what();
   }
-  if ((r == 0 && what.find("num_tokens = 40") == std::string::npos) || (r == 1 && what.find("rank 0") == std::string::npos))
+  if ((r == 0 && what.find("num_tokens = 40") == std::string::npos) || (r != 0 && what.find("rank 0") == std::string::npos))
     failures += "T > capacity: rank " + std::to_string(r) + " threw '" + what + "'; ";
   if (r == 0) std::printf("T > capacity: %s\n", what.c_str());
   // Still usable.
@@ -620,7 +744,7 @@ std::string check_errors(const std::shared_ptr<Group>& g, cudaStream_t stream) {
   pf->finalize({eo, out, Stream{stream}});
   cuda_ok(cudaStreamSynchronize(stream), "sync");
   // A finalize with the wrong expert_out rows: InvalidArgument on this rank, before anything moves
-  // (both ranks make the same mistake, so neither waits).
+  // (every rank makes the same mistake, so none waits).
   what.clear();
   try {
     const Tensor eo_bad = Tensor::zeros({p.num_recv_tokens + 1, c.H}, DType::bf16, dev);
@@ -642,17 +766,18 @@ std::string check_errors(const std::shared_ptr<Group>& g, cudaStream_t stream) {
   return failures;
 }
 
-void run_world() {
-  std::vector<HtCase> cases = make_cases();
+/// Every case of R ranks (the full-size ones on 2 ranks, the small ones on 2, 4 and 8), then the graph,
+/// device-T and error checks on the same ranks.
+void run_world(int R, double deadline_s) {
+  say_where(R);
+  std::vector<HtCase> cases = R == 2 ? make_cases() : std::vector<HtCase>{};
+  for (HtCase& hc : make_small_cases(R)) cases.push_back(std::move(hc));
   for (HtCase& hc : cases) hc.want = run_cpu(hc.c, hc.rounds, hc.contig);
-  const GraphCase gc = make_graph_case();
-  const DeviceTCase dc = make_device_t_case();
-  const std::string path = fresh_dir() + "/uid";
-  const std::string failed = run_ranks_forked(2, 500.0, [&](int rank) {
-    auto g = make_nccl_group(path, rank, 2, rank, 60.0);
-    cuda_ok(cudaSetDevice(rank), "cudaSetDevice");
-    cudaStream_t stream;
-    cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
+  const GraphCase gc = make_graph_case(R);
+  const DeviceTCase dc = make_device_t_case(R);
+  const std::string failed = run_cuda_ranks(R, deadline_s, [&](int rank, const std::shared_ptr<Group>& g) {
+    const RankStream rs;
+    const cudaStream_t stream = rs.s;
     std::string failures;
     for (const HtCase& hc : cases) {
       const auto got = run_gpu(hc.c, hc.rounds, hc.contig, g, stream);
@@ -673,8 +798,7 @@ void run_world() {
     failures += run_device_t(dc, g, stream);
     failures += check_errors(g, stream);
     g->barrier();
-    cuda_ok(cudaStreamDestroy(stream), "stream destroy");
-    if (!failures.empty()) throw std::runtime_error("mismatches:\n" + failures);
+    throw_failures(rank, failures);
   });
   EXPECT_EQ(failed, "");
 }
@@ -682,19 +806,19 @@ void run_world() {
 /// A late rank must not be overrun (the ordering bug that compute-sanitizer's slow-down exposed:
 /// bench/NOTES.md "ht ordering bug"). Rank 1 has no tokens, so its combines wait for nothing; rank 0
 /// sleeps before its first finalize of every round; each prepare is finalized twice (expert_contiguous:
-/// weighted, then unweighted; Flat: two expert_out). Before the fix rank 1's second combine stored
-/// into rank 0's `back` before rank 0 had reduced the first one, deterministically: rank 0's first out
-/// came out of the second combine's rows.
+/// weighted, then unweighted; Flat: two expert_out). Without the "combine done" wait rank 1's second
+/// combine stores into rank 0's `back` before rank 0 has reduced the first one, deterministically: rank
+/// 0's first out comes out of the second combine's rows.
 void run_late_rank() {
-  struct Spec {
+  struct LateSpec {
     bool contig;
     DType dtype;
     int64_t H;
   };
-  const std::vector<Spec> specs = {{true, DType::bf16, 2048}, {false, DType::fp8_e4m3, 2048}, {false, DType::bf16, 7168}};
+  const std::vector<LateSpec> specs = {{true, DType::bf16, 2048}, {false, DType::fp8_e4m3, 2048}, {false, DType::bf16, 7168}};
   std::vector<HtCase> cases;
   uint64_t seed = 90;
-  for (const Spec& sp : specs) {
+  for (const LateSpec& sp : specs) {
     HtCase g;
     g.contig = sp.contig;
     Case& c = g.c;
@@ -718,12 +842,10 @@ void run_late_rank() {
   drive.late_rank = 0;
   drive.late_ms = 300;
   for (HtCase& hc : cases) hc.want = run_cpu(hc.c, hc.rounds, hc.contig, drive);
-  const std::string path = fresh_dir() + "/uid";
-  const std::string failed = run_ranks_forked(2, 200.0, [&](int rank) {
-    auto g = make_nccl_group(path, rank, 2, rank, 60.0);
-    cuda_ok(cudaSetDevice(rank), "cudaSetDevice");
-    cudaStream_t stream;
-    cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
+  say_where(2);
+  const std::string failed = run_cuda_ranks(2, 200.0, [&](int rank, const std::shared_ptr<Group>& g) {
+    const RankStream rs;
+    const cudaStream_t stream = rs.s;
     std::string failures;
     for (const HtCase& hc : cases) {
       const auto got = run_gpu(hc.c, hc.rounds, hc.contig, g, stream, drive);
@@ -739,133 +861,238 @@ void run_late_rank() {
       std::fflush(stdout);
     }
     g->barrier();
-    cuda_ok(cudaStreamDestroy(stream), "stream destroy");
-    if (!failures.empty()) throw std::runtime_error("mismatches:\n" + failures);
+    throw_failures(rank, failures);
   });
   EXPECT_EQ(failed, "");
 }
 
 /// make_prepare_finalize(name, group, cfg, config): HtCuda takes its launch settings from the caller's
-/// Config (ModularMoE passes its own), not from a Config::load() of its own; and still round-trips.
-void run_callers_config() {
-  const std::string path = fresh_dir() + "/uid";
+/// Config (ModularMoE passes its own), not from a Config::load() of its own, at most the rank's share of
+/// the SMs (SMs / ranks_per_gpu: all of them with one rank per GPU, 1/R on R virtual ranks); and still
+/// round-trips.
+void run_callers_config(int R) {
+  say_where(R);
   Case c;
-  c.R = 2;
-  c.E = 8;
+  c.R = R;
+  c.E = std::max(8, 2 * R);
   c.K = 2;
   c.H = 256;
   c.cap = 32;
-  c.T = {20, 32};
+  c.T = per_rank(R, {20, 32, 0, 1});
   c.seed = 7;
   const auto in = make_inputs(c);
   const auto want = run_cpu(c, {in}, false);
-  const std::string failed = run_ranks_forked(2, 120.0, [&](int rank) {
-    auto g = make_nccl_group(path, rank, 2, rank, 60.0);
-    cuda_ok(cudaSetDevice(rank), "cudaSetDevice");
-    cudaStream_t stream;
-    cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
+  const std::string failed = run_cuda_ranks(R, 120.0, [&](int rank, const std::shared_ptr<Group>& g) {
+    const RankStream rs;
+    const cudaStream_t stream = rs.s;
+    const int sms = device_sms(g), share = sms / std::max(1, g->ranks_per_gpu());
+    if (g->ranks_per_gpu() != (virtual_ranks_for(R) ? R : 1))
+      throw std::runtime_error("ranks_per_gpu " + std::to_string(g->ranks_per_gpu()) + " on rank " + std::to_string(rank));
+    std::string failures;
     Config config;  // defaults, then two fields: whatever EPX_HT_* says must not matter
     config.ht_num_sms = 5;
     config.ht_warps_per_block = 3;
     auto pf = make_prepare_finalize("ht", g, c.config(), config);
     auto* ht = dynamic_cast<dispatch::HtCuda*>(pf.get());
-    std::string failures;
+    const int want_sms = std::min(5, share);
     if (!ht) failures += "not HtCuda; ";
-    else if (ht->num_sms() != 5 || ht->warps_per_block() != 3)
-      failures += "num_sms " + std::to_string(ht->num_sms()) + " warps " + std::to_string(ht->warps_per_block()) + ", want 5 and 3; ";
+    else if (ht->num_sms() != want_sms || ht->warps_per_block() != 3)
+      failures += "num_sms " + std::to_string(ht->num_sms()) + " warps " + std::to_string(ht->warps_per_block()) + ", want " +
+                  std::to_string(want_sms) + " and 3; ";
+    pf.reset();
+    config.ht_num_sms = sms;  // every SM asked for: the rank gets its share
+    pf = make_prepare_finalize("ht", g, c.config(), config);
+    ht = dynamic_cast<dispatch::HtCuda*>(pf.get());
+    if (ht && ht->num_sms() != share)
+      failures += "ht_num_sms = " + std::to_string(sms) + " (all SMs) gave num_sms " + std::to_string(ht->num_sms()) + ", want the share " +
+                  std::to_string(share) + "; ";
+    if (rank == 0) std::printf("ht num_sms: %d of %d SMs asked for 5, %d asked for all (%d ranks per GPU)\n", want_sms, sms, share, g->ranks_per_gpu());
     pf.reset();
     const auto got = run_gpu(c, {in}, false, g, stream);  // the default object still matches HtCpu
     failures += compare(got[0], want[0][static_cast<size_t>(rank)]);
     g->barrier();
-    cuda_ok(cudaStreamDestroy(stream), "stream destroy");
-    if (!failures.empty()) throw std::runtime_error("rank " + std::to_string(rank) + ": " + failures);
+    throw_failures(rank, failures);
   });
   EXPECT_EQ(failed, "");
 }
 
-/// The same across 2 virtual nodes (NCCL without P2P / SHM: one rank per node, the hierarchical ht of
-/// hier.h): the caller's Config reaches the node backend (HtCuda on the 1-rank node group).
-void run_hier_callers_config() {
-  const std::string path = fresh_dir() + "/uid";
+/// Sets the NCCL variables that make every GPU its own node, in this (the gtest) process before the real
+/// form's ranks are forked (NCCL reads its environment once per process; a rank's thread must not set
+/// it), and restores the previous values when it goes.
+class NcclNodesEnv {
+ public:
+  NcclNodesEnv() {
+    for (size_t i = 0; i < kVars.size(); ++i) {
+      if (const char* old = std::getenv(kVars[i])) saved_[i] = std::string(old);
+      ::setenv(kVars[i], "1", 1);
+    }
+  }
+  ~NcclNodesEnv() {
+    for (size_t i = 0; i < kVars.size(); ++i) {
+      if (saved_[i]) ::setenv(kVars[i], saved_[i]->c_str(), 1);
+      else ::unsetenv(kVars[i]);
+    }
+  }
+  NcclNodesEnv(const NcclNodesEnv&) = delete;
+  NcclNodesEnv& operator=(const NcclNodesEnv&) = delete;
+
+ private:
+  static constexpr std::array<const char*, 2> kVars = {"NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE"};
+  std::array<std::optional<std::string>, 2> saved_;
+};
+
+/// The same across nodes (the hierarchical ht of hier.h): in the real form every GPU its own node (NCCL
+/// without P2P / SHM), on virtual ranks nodes of `virtual_per_node` ranks; the caller's Config reaches
+/// the node backend (HtCuda on the node group).
+void run_hier_callers_config(int R, int virtual_per_node) {
+  say_where(R);
+  const bool virt = virtual_ranks_for(R);
+  const int want_nodes = virt ? R / virtual_per_node : R;
+  std::optional<NcclNodesEnv> env;
+  if (!virt) env.emplace();
   Case c;
-  c.R = 2;
-  c.E = 8;
+  c.R = R;
+  c.E = std::max(8, 2 * R);
   c.K = 2;
   c.H = 256;
   c.cap = 32;
-  const std::string failed = run_ranks_forked(2, 120.0, [&](int rank) {
-    for (const char* v : {"NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE"}) ::setenv(v, "1", 1);
-    auto g = make_nccl_group(path, rank, 2, rank, 60.0);
-    cuda_ok(cudaSetDevice(rank), "cudaSetDevice");
-    std::string failures;
-    if (g->num_nodes() != 2) failures += "num_nodes " + std::to_string(g->num_nodes()) + ", want 2 (virtual nodes); ";
-    Config config;
-    config.ht_num_sms = 5;
-    config.ht_warps_per_block = 3;
-    auto pf = make_prepare_finalize("ht", g, c.config(), config);
-    const auto* node = dynamic_cast<const dispatch::HtCuda*>(dispatch::hierarchical_node_backend(*pf));
-    if (!pf->capabilities().hierarchical || !node) failures += "not hierarchical ht over HtCuda; ";
-    else if (node->num_sms() != 5 || node->warps_per_block() != 3)
-      failures += "node backend num_sms " + std::to_string(node->num_sms()) + " warps " + std::to_string(node->warps_per_block()) + ", want 5 and 3; ";
-    g->barrier();
-    if (!failures.empty()) throw std::runtime_error("rank " + std::to_string(rank) + ": " + failures);
-  });
+  const std::string failed = run_cuda_ranks(
+      R, 120.0,
+      [&](int rank, const std::shared_ptr<Group>& g) {
+        std::string failures;
+        if (g->num_nodes() != want_nodes) failures += "num_nodes " + std::to_string(g->num_nodes()) + ", want " + std::to_string(want_nodes) + "; ";
+        const int want_sms = std::min(5, device_sms(g) / std::max(1, g->ranks_per_gpu()));
+        Config config;
+        config.ht_num_sms = 5;
+        config.ht_warps_per_block = 3;
+        auto pf = make_prepare_finalize("ht", g, c.config(), config);
+        const auto* node = dynamic_cast<const dispatch::HtCuda*>(dispatch::hierarchical_node_backend(*pf));
+        if (!pf->capabilities().hierarchical || !node) failures += "not hierarchical ht over HtCuda; ";
+        else if (node->num_sms() != want_sms || node->warps_per_block() != 3)
+          failures += "node backend num_sms " + std::to_string(node->num_sms()) + " warps " + std::to_string(node->warps_per_block()) + ", want " +
+                      std::to_string(want_sms) + " and 3; ";
+        g->barrier();
+        throw_failures(rank, failures);
+      },
+      60.0, virt ? virtual_per_node : 0);
   EXPECT_EQ(failed, "");
 }
 
-/// Rank 1 never calls prepare: rank 0 gets Timeout naming rank 1 within about timeout_s, then
-/// CommError on the next call; nothing hangs.
-void run_timeout() {
-  const std::string path = fresh_dir() + "/uid";
-  const std::string failed = run_ranks_forked(2, 120.0, [&](int rank) {
-    auto g = make_nccl_group(path, rank, 2, rank, 3.0);
-    cuda_ok(cudaSetDevice(rank), "cudaSetDevice");
-    Case c;
-    c.R = 2;
-    c.E = 8;
-    c.K = 2;
-    c.H = 256;
-    c.cap = 16;
-    c.T = {8, 8};
-    const auto in = make_inputs(c);
-    auto pf = make_prepare_finalize("ht", g, c.config());
-    // Leak the group and the backend: the peer is gone, so no teardown that could wait on it.
-    static auto* keep_g = new std::shared_ptr<Group>(g);
-    static auto* keep_pf = new std::unique_ptr<PrepareFinalize>(std::move(pf));
-    (void)keep_g;
-    if (rank == 1) {
-      std::this_thread::sleep_for(std::chrono::seconds(6));
-      return;
+// ---- a stopped rank ------------------------------------------------------------------------------
+
+/// The group timeout of the stopped-rank tests: every device wait of ht is bounded by it.
+constexpr double kStopTimeout = 3.0;
+
+/// The stopped rank's part: on virtual ranks its body returns at once (its thread ends; the buffers its
+/// peers store into are co-owned and stay); in the real form its process sleeps past its peers' timeouts
+/// (a process that exits while its peers still store into its memory over NVLink is not what this tests).
+void stopped_rank(bool real) {
+  if (real) std::this_thread::sleep_for(std::chrono::duration<double>(kStopTimeout + 4.0));
+}
+
+/// The end of a stopped-rank test's body. Real form (one process per GPU): the process exits here without
+/// teardown (the stopped rank never consumed what its peers sent); on virtual ranks the body returns (or
+/// throws the failures) like any other, and its objects are destroyed: their waits are over.
+void end_stopped_test(int rank, const std::string& failures, bool real) {
+  std::fflush(stdout);
+  if (real) {
+    if (!failures.empty()) std::fprintf(stderr, "[rank %d] FAILED: %s\n", rank, failures.c_str());
+    std::fflush(stderr);
+    _exit(failures.empty() ? 0 : 1);
+  }
+  throw_failures(rank, failures);
+}
+
+/// Rank `stopped` creates the object with the others but never calls prepare (at_finalize false), or
+/// prepares with them and never calls finalize (at_finalize true: every rank's token 0 selects one of its
+/// experts, so every other rank's combine waits for its rows). Every other rank gets Timeout naming the
+/// stopped rank within about the group timeout (prepare: from that call; finalize: once the combine has
+/// given up, from the next call), then CommError from the call after; nothing hangs.
+void run_stopped_rank(int R, int stopped, bool at_finalize) {
+  say_where(R);
+  const bool real = !virtual_ranks_for(R);
+  std::printf("rank %d stops before its %s (%s)\n", stopped, at_finalize ? "finalize" : "prepare", real ? "sleeps" : "returns at once");
+  Case c;
+  c.R = R;
+  c.E = std::max(8, 2 * R);
+  c.K = 2;
+  c.H = 256;
+  c.cap = 16;
+  c.T = per_rank(R, {8, 5, 1, 7});
+  c.masked = 0.0;
+  c.seed = 51;
+  std::vector<RankInput> in = make_inputs(c);
+  const ExpertRange sr = expert_range(c.E, c.R, stopped);
+  for (RankInput& ri : in) {  // token 0 of every rank: column 0 := an expert of the stopped rank that it does not name yet
+    int32_t* id = ri.topk_idx.ptr<int32_t>();  // int32 ids (Case::idx64 false), T >= 1 everywhere
+    bool there = false;
+    for (int k = 0; k < c.K; ++k) there = there || (id[k] >= sr.begin && id[k] < sr.end);
+    for (int e = sr.begin; !there && e < sr.end; ++e) {
+      bool named = false;
+      for (int k = 0; k < c.K; ++k) named = named || id[k] == e;
+      if (!named) id[0] = e, there = true;
     }
-    const Device dev = g->device();
-    const RankInput& ri = in[0];
-    const auto t0 = std::chrono::steady_clock::now();
-    std::string what;
-    try {
-      (*keep_pf)->prepare({ri.x.to(dev), ri.topk_idx.to(dev), ri.topk_weights.to(dev)});
-    } catch (const Timeout& e) {
-      what = e.what();
-    }
-    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    std::printf("timeout after %.1f s: %s\n", s, what.c_str());
-    if (what.find("rank 1") == std::string::npos || s > 20) throw std::runtime_error("want Timeout naming rank 1 within ~3 s: '" + what + "'");
-    bool comm_error = false;
-    try {
-      (*keep_pf)->prepare({ri.x.to(dev), ri.topk_idx.to(dev), ri.topk_weights.to(dev)});
-    } catch (const CommError&) {
-      comm_error = true;
-    }
-    if (!comm_error) throw std::runtime_error("the call after a timeout did not throw CommError");
-  });
+  }
+  const std::string who = "rank " + std::to_string(stopped);
+  const std::string failed = run_cuda_ranks(
+      R, 90.0,
+      [&](int rank, const std::shared_ptr<Group>& g) {
+        const Device dev = g->device();
+        const RankStream rs;
+        const cudaStream_t s = rs.s;
+        auto pf = make_prepare_finalize("ht", g, c.config());
+        const RankInput& ri = in[static_cast<size_t>(rank)];
+        const Tensor x = ri.x.to(dev), idx = ri.topk_idx.to(dev), w = ri.topk_weights.to(dev);
+        std::string failures;
+        if (rank == stopped && !at_finalize) {
+          stopped_rank(real);
+          return end_stopped_test(rank, failures, real);
+        }
+        std::string what;
+        auto t0 = std::chrono::steady_clock::now();
+        try {
+          const PrepareResult p = pf->prepare({x, idx, w, Stream{s}});
+          cuda_ok(cudaStreamSynchronize(s), "sync prepare");
+          if (at_finalize) {
+            if (rank == stopped) {
+              stopped_rank(real);
+              return end_stopped_test(rank, failures, real);
+            }
+            const Tensor eo = Tensor::zeros({p.num_recv_tokens, c.H}, DType::bf16, dev), out = Tensor::empty({ri.x.size(0), c.H}, DType::bf16, dev);
+            t0 = std::chrono::steady_clock::now();
+            pf->finalize({eo, out, Stream{s}});
+            cuda_ok(cudaStreamSynchronize(s), "sync finalize");  // the combine gives up after the timeout
+            pf->prepare({x, idx, w, Stream{s}});                   // the next call reports it
+          }
+        } catch (const Timeout& e) {
+          what = e.what();
+        }
+        const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        std::printf("rank %d: timeout after %.2f s (bound %.1f s): %s\n", rank, secs, kStopTimeout, what.c_str());
+        const char* op = at_finalize ? "finalize" : "prepare";
+        if (what.find(who) == std::string::npos || what.find(op) == std::string::npos)
+          failures += "want Timeout naming " + who + " and the " + op + ": '" + what + "'; ";
+        if (secs < kStopTimeout * 0.9 || secs > kStopTimeout + 15.0) failures += "timeout took " + std::to_string(secs) + " s; ";
+        bool comm_error = false;
+        try {
+          pf->prepare({x, idx, w, Stream{s}});
+        } catch (const CommError&) {
+          comm_error = true;
+        }
+        if (!comm_error) failures += "the call after a timeout did not throw CommError; ";
+        cuda_ok(cudaStreamSynchronize(s), "sync");
+        end_stopped_test(rank, failures, real);
+      },
+      kStopTimeout);
   EXPECT_EQ(failed, "");
 }
 
 /// Diagnostics (run with --gtest_also_run_disabled_tests): ht-v3 round trips aligned as `epx bench`
 /// aligns them (host barrier, then a one-float all-reduce on the stream), CUDA-event times of prepare
 /// and finalize and the device timeline (HtTimeline, us after the layout kernel's start), medians over
-/// the iterations, per rank; no correctness claim.
+/// the iterations, per rank; no correctness claim. Real form only (one GPU per rank): it times NVLink, and
+/// HtCuda::timeline_us synchronizes the whole device, which on virtual ranks waits for the peers' kernels.
 void run_timeline() {
-  const std::string path = fresh_dir() + "/uid";
   Case c;
   c.R = 2;
   c.E = 256;
@@ -875,11 +1102,9 @@ void run_timeline() {
   c.T = {4096, 4096};
   c.masked = 0.0;
   const auto in = make_inputs(c);
-  const std::string failed = run_ranks_forked(2, 200.0, [&](int rank) {
-    auto g = make_nccl_group(path, rank, 2, rank, 60.0);
-    cuda_ok(cudaSetDevice(rank), "cudaSetDevice");
-    cudaStream_t stream;
-    cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
+  const std::string failed = run_cuda_ranks(2, 200.0, [&](int rank, const std::shared_ptr<Group>& g) {
+    const RankStream rs;
+    const cudaStream_t stream = rs.s;
     const Device dev = g->device();
     const Tensor x = in[static_cast<size_t>(rank)].x.to(dev), idx = in[static_cast<size_t>(rank)].topk_idx.to(dev),
                  w = in[static_cast<size_t>(rank)].topk_weights.to(dev);
@@ -937,57 +1162,97 @@ void run_timeline() {
 }  // namespace
 
 TEST(HtCuda, DISABLED_Timeline) {
-  const int n = cuda::device_count();
-  if (n < 2) GTEST_SKIP() << "needs 2 GPUs, found " << n;
+  if (virtual_ranks_for(2)) GTEST_SKIP() << "needs 2 GPUs: times the kernels over NVLink, and timeline_us synchronizes the whole device";
   run_timeline();
 }
 
 // The device token count under one graph, and the worst-case bad-count verdict kept until the host reads it
-// (a later good call's layout must not erase it), on one rank: runs on the one-GPU machine too.
+// (a later good call's layout must not erase it), on one rank.
 TEST(HtCuda, DeviceTokenCountOneRank) {
-  if (cuda::device_count() < 1) GTEST_SKIP() << "needs 1 GPU";
+  if (!has_gpu()) GTEST_SKIP() << "needs 1 GPU";
   const DeviceTCase dc = make_device_t_case(1);
-  const std::string path = fresh_dir() + "/uid";
-  const std::string failed = run_ranks_forked(1, 200.0, [&](int rank) {
-    auto g = make_nccl_group(path, rank, 1, rank, 60.0);
-    cuda_ok(cudaSetDevice(rank), "cudaSetDevice");
-    cudaStream_t stream;
-    cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
-    const std::string failures = run_device_t(dc, g, stream);
-    cuda_ok(cudaStreamDestroy(stream), "stream destroy");
-    if (!failures.empty()) throw std::runtime_error("mismatches:\n" + failures);
+  const std::string failed = run_cuda_ranks(1, 200.0, [&](int rank, const std::shared_ptr<Group>& g) {
+    const RankStream rs;
+    throw_failures(rank, run_device_t(dc, g, rs.s));
   });
   EXPECT_EQ(failed, "");
 }
 
 TEST(HtCuda, MatchesHtCpuTwoRanks) {
-  const int n = cuda::device_count();
-  if (n < 2) GTEST_SKIP() << "needs 2 GPUs, found " << n;
-  run_world();
+  if (!has_gpu()) GTEST_SKIP() << "needs 1 GPU (virtual ranks run on one)";
+  run_world(2, 500.0);
+}
+
+TEST(HtCuda, MatchesHtCpuFourRanks) {
+  if (!has_gpu()) GTEST_SKIP() << "needs 1 GPU (virtual ranks run on one)";
+  run_world(4, 200.0);
+}
+
+TEST(HtCuda, MatchesHtCpuEightRanks) {
+  if (!has_gpu()) GTEST_SKIP() << "needs 1 GPU (virtual ranks run on one)";
+  run_world(8, 200.0);
 }
 
 TEST(HtCuda, LateRankIsNotOverrun) {
-  const int n = cuda::device_count();
-  if (n < 2) GTEST_SKIP() << "needs 2 GPUs, found " << n;
+  if (!has_gpu()) GTEST_SKIP() << "needs 1 GPU (virtual ranks run on one)";
   run_late_rank();
 }
 
-TEST(HtCuda, TakesTheCallersConfig) {
-  const int n = cuda::device_count();
-  if (n < 2) GTEST_SKIP() << "needs 2 GPUs, found " << n;
-  run_callers_config();
+TEST(HtCuda, TakesTheCallersConfigTwoRanks) {
+  if (!has_gpu()) GTEST_SKIP() << "needs 1 GPU (virtual ranks run on one)";
+  run_callers_config(2);
 }
 
-TEST(HtCuda, HierarchicalTakesTheCallersConfig) {
-  const int n = cuda::device_count();
-  if (n < 2) GTEST_SKIP() << "needs 2 GPUs, found " << n;
-  run_hier_callers_config();
+TEST(HtCuda, TakesTheCallersConfigFourRanks) {
+  if (!has_gpu()) GTEST_SKIP() << "needs 1 GPU (virtual ranks run on one)";
+  run_callers_config(4);
 }
 
-TEST(HtCuda, SilentPeerTimesOut) {
-  const int n = cuda::device_count();
-  if (n < 2) GTEST_SKIP() << "needs 2 GPUs, found " << n;
-  run_timeout();
+TEST(HtCuda, TakesTheCallersConfigEightRanks) {
+  if (!has_gpu()) GTEST_SKIP() << "needs 1 GPU (virtual ranks run on one)";
+  run_callers_config(8);
+}
+
+// Real form: 2 GPUs, each its own node; virtual ranks: 2 nodes of 1 rank.
+TEST(HtCuda, HierarchicalTakesTheCallersConfigTwoRanks) {
+  if (!has_gpu()) GTEST_SKIP() << "needs 1 GPU (virtual ranks run on one)";
+  run_hier_callers_config(2, 1);
+}
+
+// Real form: 4 GPUs, each its own node; virtual ranks: 2 nodes of 2 ranks.
+TEST(HtCuda, HierarchicalTakesTheCallersConfigFourRanks) {
+  if (!has_gpu()) GTEST_SKIP() << "needs 1 GPU (virtual ranks run on one)";
+  run_hier_callers_config(4, 2);
+}
+
+TEST(HtCuda, StoppedRankTimesOutInPrepareTwoRanks) {
+  if (!has_gpu()) GTEST_SKIP() << "needs 1 GPU (virtual ranks run on one)";
+  run_stopped_rank(2, 1, false);
+}
+
+TEST(HtCuda, StoppedRankTimesOutInPrepareFourRanks) {
+  if (!has_gpu()) GTEST_SKIP() << "needs 1 GPU (virtual ranks run on one)";
+  run_stopped_rank(4, 2, false);
+}
+
+TEST(HtCuda, StoppedRankTimesOutInPrepareEightRanks) {
+  if (!has_gpu()) GTEST_SKIP() << "needs 1 GPU (virtual ranks run on one)";
+  run_stopped_rank(8, 5, false);
+}
+
+TEST(HtCuda, StoppedRankTimesOutInFinalizeTwoRanks) {
+  if (!has_gpu()) GTEST_SKIP() << "needs 1 GPU (virtual ranks run on one)";
+  run_stopped_rank(2, 0, true);
+}
+
+TEST(HtCuda, StoppedRankTimesOutInFinalizeFourRanks) {
+  if (!has_gpu()) GTEST_SKIP() << "needs 1 GPU (virtual ranks run on one)";
+  run_stopped_rank(4, 3, true);
+}
+
+TEST(HtCuda, StoppedRankTimesOutInFinalizeEightRanks) {
+  if (!has_gpu()) GTEST_SKIP() << "needs 1 GPU (virtual ranks run on one)";
+  run_stopped_rank(8, 6, true);
 }
 
 #else
