@@ -42,6 +42,7 @@
 #include <vector>
 
 #include "cuda_ranks.h"
+#include "test_util.h"
 #include "dispatch/hier.h"
 #include "dispatch_harness.h"
 #include "epx/cuda.h"
@@ -313,25 +314,11 @@ enum class Nodes { one_host, virtual_nodes };
 /// per process, and a rank's thread must not set it. Restores the previous values when it goes.
 class NodeEnv {
  public:
-  explicit NodeEnv(Nodes nodes) {
-    for (size_t i = 0; i < kVars.size(); ++i) {
-      if (const char* old = std::getenv(kVars[i])) saved_[i] = std::string(old);
-      if (nodes == Nodes::virtual_nodes) ::setenv(kVars[i], "1", 1);
-      else ::unsetenv(kVars[i]);
-    }
-  }
-  ~NodeEnv() {
-    for (size_t i = 0; i < kVars.size(); ++i) {
-      if (saved_[i]) ::setenv(kVars[i], saved_[i]->c_str(), 1);
-      else ::unsetenv(kVars[i]);
-    }
-  }
-  NodeEnv(const NodeEnv&) = delete;
-  NodeEnv& operator=(const NodeEnv&) = delete;
+  explicit NodeEnv(Nodes nodes) : p2p_("NCCL_P2P_DISABLE", on(nodes)), shm_("NCCL_SHM_DISABLE", on(nodes)) {}
 
  private:
-  static constexpr std::array<const char*, 2> kVars = {"NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE"};
-  std::array<std::optional<std::string>, 2> saved_;
+  static const char* on(Nodes nodes) { return nodes == Nodes::virtual_nodes ? "1" : nullptr; }
+  test::ScopedEnv p2p_, shm_;
 };
 
 /// Where a test's R ranks run (run_cuda_ranks' choice) and the node layout their groups must report.

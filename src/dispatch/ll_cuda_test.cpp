@@ -44,6 +44,7 @@
 #include "epx/dispatch.h"
 #include "epx/error.h"
 #include "cuda_ranks.h"
+#include "test_util.h"
 #include "forked_ranks.h"
 
 using namespace epx;
@@ -74,22 +75,6 @@ struct RankStream {
 /// ranks a peer's kernel on this GPU may wait for work this rank has yet to queue.
 void sync_legacy(const char* what) { cuda_ok(cudaStreamSynchronize(cudaStreamLegacy), what); }
 
-/// Sets an environment variable for its scope (in the gtest process, before the ranks start: a rank
-/// body never touches the environment), then restores the previous value.
-struct ScopedEnv {
-  std::string name;
-  std::optional<std::string> before;
-  ScopedEnv(std::string n, const std::string& value) : name(std::move(n)) {
-    if (const char* v = std::getenv(name.c_str())) before = v;
-    ::setenv(name.c_str(), value.c_str(), 1);
-  }
-  ~ScopedEnv() {
-    if (before) ::setenv(name.c_str(), before->c_str(), 1);
-    else ::unsetenv(name.c_str());
-  }
-  ScopedEnv(const ScopedEnv&) = delete;
-  ScopedEnv& operator=(const ScopedEnv&) = delete;
-};
 
 /// Tokens per rank for R ranks: `pattern` repeated from rank 0.
 std::vector<int64_t> per_rank(int R, const std::vector<int64_t>& pattern) {
@@ -1228,7 +1213,7 @@ TEST(LlCuda, CreateWithoutACallerConfigLoadsItInTheVerdictGather) {
     const std::vector<RankInput> in = make_inputs(c);
     const auto want = run_cpu(c, {in});
     say_where(R);
-    const ScopedEnv bad_env("EPX_LL_SIGNAL", "chunky");
+    const test::ScopedEnv bad_env("EPX_LL_SIGNAL", "chunky");
     const std::string failed = run_cuda_ranks(R, 120.0, [&](int rank, const std::shared_ptr<Group>& g) {
       const RankStream rs;
       const cudaStream_t s = rs.s;
@@ -1398,7 +1383,7 @@ TEST(LlCuda, OtherCombineWaitGraphsTwoRanks) {
   if (gpus() < 1) GTEST_SKIP() << kNoGpu;
   const char* wait = Config().ll_combine_wait != "data" ? "data" : "flag";
   std::printf("ll.combine_wait = %s\n", wait);
-  const ScopedEnv env("EPX_LL_COMBINE_WAIT", wait);
+  const test::ScopedEnv env("EPX_LL_COMBINE_WAIT", wait);
   run_graphs(2, LlCombine::partial_fp32);
 }
 
