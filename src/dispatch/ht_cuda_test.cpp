@@ -440,6 +440,7 @@ GraphCase make_graph_case(int R) {
       Tensor out = Tensor::empty({ri.x.size(0), c.H}, DType::bf16);
       pf->finalize({p.x, out});
       s.out = host_bytes(out);
+      s.stats = pf->stats();
     }
   });
   return g;
@@ -531,8 +532,13 @@ std::string run_graph(const GraphCase& gc, const std::shared_ptr<Group>& g, cuda
     }
     if (!d.empty()) failures += "graph replay " + std::to_string(i) + " rank " + std::to_string(r) + ": " + d + "\n";
   }
+  // The stats of the last replay, from the device record.
   const DispatchStats& st = pf->stats();
-  if (st.num_rank_dedup_rows <= 0 && T > 0) failures += "worst-case stats not refreshed from the device record; ";
+  const DispatchStats& want_st = gc.want.back()[static_cast<size_t>(r)].stats;
+  if (st.num_valid_selections != want_st.num_valid_selections || st.num_rank_dedup_rows != want_st.num_rank_dedup_rows)
+    failures += "worst-case stats {" + std::to_string(st.num_valid_selections) + ", " + std::to_string(st.num_rank_dedup_rows) + "} on rank " +
+                std::to_string(r) + ", want {" + std::to_string(want_st.num_valid_selections) + ", " + std::to_string(want_st.num_rank_dedup_rows) +
+                "} (not refreshed from the device record?); ";
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);
   if (r == 0)

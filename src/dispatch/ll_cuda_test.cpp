@@ -33,7 +33,6 @@
 #include <cstdio>
 #include <cstdlib>  // setenv (the test bodies' callers only)
 #include <cstring>
-#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
