@@ -40,6 +40,7 @@
 #include <vector>
 
 #include "cuda_ranks.h"
+#include "test_util.h"
 #include "dispatch/ht.h"
 #include "dispatch_harness.h"
 #include "epx/config.h"
@@ -927,24 +928,10 @@ void run_callers_config(int R) {
 /// it), and restores the previous values when it goes.
 class NcclNodesEnv {
  public:
-  NcclNodesEnv() {
-    for (size_t i = 0; i < kVars.size(); ++i) {
-      if (const char* old = std::getenv(kVars[i])) saved_[i] = std::string(old);
-      ::setenv(kVars[i], "1", 1);
-    }
-  }
-  ~NcclNodesEnv() {
-    for (size_t i = 0; i < kVars.size(); ++i) {
-      if (saved_[i]) ::setenv(kVars[i], saved_[i]->c_str(), 1);
-      else ::unsetenv(kVars[i]);
-    }
-  }
-  NcclNodesEnv(const NcclNodesEnv&) = delete;
-  NcclNodesEnv& operator=(const NcclNodesEnv&) = delete;
+  NcclNodesEnv() : p2p_("NCCL_P2P_DISABLE", "1"), shm_("NCCL_SHM_DISABLE", "1") {}
 
  private:
-  static constexpr std::array<const char*, 2> kVars = {"NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE"};
-  std::array<std::optional<std::string>, 2> saved_;
+  test::ScopedEnv p2p_, shm_;
 };
 
 /// The same across nodes (the hierarchical ht of hier.h): in the real form every GPU its own node (NCCL
