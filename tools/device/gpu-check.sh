@@ -28,7 +28,8 @@
 # GPU_CHECK_CMAKE_ARGS (more cmake -D arguments, e.g. -DEPX_PYTHON=ON: the module then lands in <build>/python/epx),
 # GPU_CHECK_NCCL (an NCCL install with include/ and lib/ instead of the wheel's; for a dry run elsewhere),
 # GPU_CHECK_BENCH=0 (skip the benchmark step), GPU_CHECK_MOE_STEPS (steps of the full-size layers, default 3),
-# GPU_CHECK_SAN_VIRTUAL (space-separated "tool:test:gtest-filter" runs of compute-sanitizer on virtual ranks, e.g.
+# GPU_CHECK_SAN_SINGLE (the single-process kernel tests under memcheck + racecheck; default quant_cuda_test
+# routing_cuda_test runtime_cuda_test), GPU_CHECK_SAN_VIRTUAL (space-separated "tool:test:gtest-filter" runs of compute-sanitizer on virtual ranks, e.g.
 # "memcheck:ll_cuda_test:*R2*"), GPU_CHECK_TESTS=0 (skip the GPU test label: benchmark-only runs), GPU_CHECK_BENCH_ONE_GPU=0 (skip the 1-rank
 # benchmarks; default: as GPU_CHECK_ONE_GPU), GPU_CHECK_DEADLINE_S (seconds since the script started after
 # which no benchmark run starts; each is cut to fit).
@@ -136,7 +137,7 @@ run() {
   if [ $build_rc -eq 0 ] && [ "${GPU_CHECK_SANITIZE:-1}" != 0 ] && command -v compute-sanitizer >/dev/null; then
     san_rc=0
     {
-      for t in quant_cuda_test routing_cuda_test runtime_cuda_test; do
+      for t in ${GPU_CHECK_SAN_SINGLE-quant_cuda_test routing_cuda_test runtime_cuda_test}; do
         for tool in memcheck racecheck; do
           echo "== compute-sanitizer --tool $tool $t"
           (cd "$bdir" && timeout 240 compute-sanitizer --tool "$tool" --error-exitcode 9 "./$t") || san_rc=1
