@@ -62,8 +62,10 @@ HtCuda::HtCuda(std::shared_ptr<Group> group, const DispatchConfig& cfg, const Co
               "must be in [1, 16] for ht on CUDA (512-thread CTAs keep 128 registers per thread; Config / EPX_HT_WARPS_PER_BLOCK)");
   // Ranks sharing this GPU (virtual ranks) each take at most their share of its SMs: the combine's
   // CTAs wait on peers, so every rank's grid must be resident at once.
+  // The share counts the one-CTA layout kernel, which runs beside the dispatch CTAs (programmatic
+  // dependent launch) and waits on peers too.
   const int sharing = std::max(1, group_->ranks_per_gpu());
-  num_sms_ = std::min(config.ht_num_sms, sms / sharing);
+  num_sms_ = std::min(config.ht_num_sms, sharing > 1 ? sms / sharing - 1 : sms);
   require_arg(op, "ranks_per_gpu", sharing, num_sms_ >= 1,
               "must be <= the SMs of " + group_->device().str() + " = " + std::to_string(sms) + " (each rank's ht grid needs one SM)");
   warps_ = config.ht_warps_per_block;

@@ -892,7 +892,7 @@ void run_callers_config(int R) {
   const std::string failed = run_cuda_ranks(R, 120.0, [&](int rank, const std::shared_ptr<Group>& g) {
     const RankStream rs;
     const cudaStream_t stream = rs.s;
-    const int sms = device_sms(g), share = sms / std::max(1, g->ranks_per_gpu());
+    const int sms = device_sms(g), share = g->ranks_per_gpu() > 1 ? sms / g->ranks_per_gpu() - 1 : sms;  // the layout CTA counts
     if (g->ranks_per_gpu() != (virtual_ranks_for(R) ? R : 1))
       throw std::runtime_error("ranks_per_gpu " + std::to_string(g->ranks_per_gpu()) + " on rank " + std::to_string(rank));
     std::string failures;
