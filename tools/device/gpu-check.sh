@@ -19,8 +19,9 @@
 #         results.tar.gz the benchmark step (after the tests): bench-ll-v3.json bench-ht-v3.json
 #                       moe-deepseek-v3.json moe-deepseek-v4-pro.json (2 ranks; RESULTS.md JSON, for
 #                       bench/results/h200x2/), bench-*-r1.json and moe-deepseek-v3-r1.json (1 rank, for
-#                       bench/results/h200x1/), bench.log
-#                       (configure.log is then appended to build.log, to stay within 8 files)
+#                       bench/results/h200x1/), bench.log; and one folder per suite (GPU_CHECK_SUITES, below)
+#                       with suites.log
+#                       (configure.log is appended to build.log, to stay within 8 files)
 #
 # NVLink multicast stays off (NCCL_NVLS_ENABLE=0): on the shared GPU hosts it can take the GPUs out of
 # service. Options (environment): GPU_CHECK_SRC (a source tree to build instead of .carry/src.tar.xz),
@@ -32,12 +33,42 @@
 # routing_cuda_test runtime_cuda_test), GPU_CHECK_SAN_VIRTUAL (space-separated "tool:test:gtest-filter" runs of compute-sanitizer on virtual ranks, e.g.
 # "memcheck:ll_cuda_test:*R2*"), GPU_CHECK_TESTS=0 (skip the GPU test label: benchmark-only runs), GPU_CHECK_BENCH_ONE_GPU=0 (skip the 1-rank
 # benchmarks; default: as GPU_CHECK_ONE_GPU), GPU_CHECK_DEADLINE_S (seconds since the script started after
-# which no benchmark run starts; each is cut to fit).
+# which no benchmark or suite run starts; each is cut to fit), GPU_CHECK_WORK (the work folder, default /tmp/epx-gpu-check).
+#
+# Suites: GPU_CHECK_SUITES="ll ht ..." runs these after the benchmark step (also with GPU_CHECK_BENCH=0), each into
+# <suite>/ of results.tar.gz, in the order given; the figures of README.md come from them (bench/results/README.md
+# names which). Two ranks are two GPUs (one process each); on a one-GPU machine `epx --device cuda` runs them as
+# virtual ranks on GPU 0 (one GPU's memory, not NVLink), except in multinode and san2, which need two GPUs.
+#   ll         epx bench ll-v3 / ll-v4, ll beside nccl_a2a_raw, CUDA-graph replays (p50 of 200): the defaults and the
+#              A/B rows of each ll.* setting (ll.signal block, partial_bf16, flag_lane, data, column, ll.items chunk)
+#   ht         epx bench ht-v3, ht beside nccl_a2a_raw, at EPX_HT_NUM_SMS 64 (the default), 24, 16, 8, 48
+#   multinode  2 virtual nodes of 1 GPU (NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1, TCP rendezvous): every backend at
+#              ll-v3, ll hierarchical under graph replay, ht-v3 fp8, epx moe deepseek-v3-mini; and ll-v3 on one node
+#   layer      the full-size DeepSeek-V3 layer, 2 ranks, FP8 dispatch, every backend, shared expert fused vs separate
+#              (--compare, --expert-pool 16): decode (128 tokens/rank, 10 steps, ll as a whole-layer graph) and
+#              prefill (4096 tokens/rank, 3 steps)
+#   fhmoe      the FHMoE gate through the layer: fused vs separate over a routing trace of GPU_CHECK_FHMOE_TOKENS
+#              tokens/rank (default 1,8,32,128,512), GPU_CHECK_FHMOE_STEPS (5) steps each, GPU_CHECK_FHMOE_RANKS (2)
+#              ranks, backend GPU_CHECK_FHMOE_BACKEND (ll) in mode GPU_CHECK_FHMOE_MODE (decode), for
+#              GPU_CHECK_FHMOE_PRESETS ("deepseek-v3:256:8 deepseek-v4-pro:384:6": preset:experts:top-k);
+#              fhmoe-sweep.txt has fused / separate - 1 per size (bench/fhmoe_sweep_report.py)
+#   gemm       epx-gemm-bench --rounds 5 (the FP8 experts: decode, prefill per layout, cuBLASLt, HBM copy) and
+#              bench/gemm_torch.py (torch's grouped GEMMs, own process); with the Python module built
+#              (GPU_CHECK_CMAKE_ARGS=-DEPX_PYTHON=ON) also bench/gemm_vs_torch.py (epx and torch in one process,
+#              interleaved rounds) and examples/grouped_gemm_contiguous.py --device cuda:0
+#   mxfp4      epx-gemm-mxfp4-bench on GPU 0: DeepSeek-V4-Pro MXFP4 decode / prefill, the FHMoE kernel-level sweep
+#   python     tools/device/py-check.sh on the same source: pip install ., import, GPU and CPU pytest, the quick start
+#   san2       compute-sanitizer memcheck + racecheck on ll and ht with 2 ranks (one process per GPU,
+#              --target-processes all): the ll-v3 / ht-v3 benches and the two-rank tests (GPU_CHECK_SAN2_LL_FILTER,
+#              GPU_CHECK_SAN2_HT_FILTER: their gtest filters)
+#   there, after a `run` on the same machine:   bash tools/device/gpu-check.sh suites
+#       runs GPU_CHECK_SUITES on the tree that run built (nothing is rebuilt) and writes $OUT/results.tar.gz.
 set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 CARRY="$ROOT/.carry"
 MODE="${1:-run}"
+WORK="${GPU_CHECK_WORK:-/tmp/epx-gpu-check}"
 
 pack() {
   mkdir -p "$CARRY"
@@ -67,12 +98,19 @@ pack_deps() {
   tar -C / -cf - -T "$CARRY/deps.list" | xz -T2 -6 >"$CARRY/deps.tar.xz"
 }
 
+device_env() {  # NVLink multicast off; the NCCL wheel and the unpacked deps on LD_LIBRARY_PATH (sets nccl)
+  export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+  export NCCL_DEBUG="${NCCL_DEBUG:-WARN}"
+  nccl="${GPU_CHECK_NCCL:-$(python3 -c 'import nvidia.nccl as m; print(list(m.__path__)[0])' 2>/dev/null)}"
+  [ -f "$nccl/include/nccl.h" ] || { echo "no NCCL wheel found (python3 -c 'import nvidia.nccl')"; return 1; }
+  local arch_lib="$WORK/deps/usr/lib/x86_64-linux-gnu"
+  export LD_LIBRARY_PATH="$nccl/lib:$arch_lib:$arch_lib/openblas-pthread${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+}
+
 run() {
   local out="${OUT:-/tmp/epx-gpu-check-out}"
   mkdir -p "$out"
-  export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-  export NCCL_DEBUG="${NCCL_DEBUG:-WARN}"
-  local work=/tmp/epx-gpu-check deps=/tmp/epx-gpu-check/deps
+  local work="$WORK" deps="$WORK/deps"
   rm -rf "$work" && mkdir -p "$work/src" "$deps"
   local t0=$SECONDS
   tar -C "$deps" -xJf "$CARRY/deps.tar.xz" || { echo "cannot unpack $CARRY/deps.tar.xz (run 'pack' first)"; return 1; }
@@ -82,10 +120,8 @@ run() {
     src="$work/src"
   fi
   local nccl
-  nccl="${GPU_CHECK_NCCL:-$(python3 -c 'import nvidia.nccl as m; print(list(m.__path__)[0])' 2>/dev/null)}"
-  [ -f "$nccl/include/nccl.h" ] || { echo "no NCCL wheel found (python3 -c 'import nvidia.nccl')"; return 1; }
+  device_env || return 1
   local arch_lib="$deps/usr/lib/x86_64-linux-gnu"
-  export LD_LIBRARY_PATH="$nccl/lib:$arch_lib:$arch_lib/openblas-pthread${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 
   {
     echo "== date"; date -u
@@ -158,11 +194,11 @@ run() {
   t_end=$SECONDS
 
   # ---- benchmark step: epx bench + the full-size layers, after the tests (results.tar.gz) ----
-  local bench_rc=-1 t_bench=$SECONDS
+  local bench_rc=-1 t_bench=$SECONDS res="$work/results"
+  mkdir -p "$res"
   if [ $build_rc -eq 0 ] && [ "${GPU_CHECK_BENCH:-1}" != 0 ]; then
     bench_rc=0
-    local res="$work/results" epx="$bdir/epx" steps="${GPU_CHECK_MOE_STEPS:-3}"
-    mkdir -p "$res"
+    local epx="$bdir/epx" steps="${GPU_CHECK_MOE_STEPS:-3}"
     bench_one() {  # <limit_s> <epx args...>: one run, logged; a failure or timeout is counted, not fatal
       local limit=$1 left=$(( ${GPU_CHECK_DEADLINE_S:-100000} - SECONDS )); shift
       [ "$left" -lt "$limit" ] && limit=$left
@@ -185,27 +221,25 @@ run() {
           --validate-tokens 8 --json "$res/moe-deepseek-v3-r1.json"
       fi
     } >"$res/bench.log" 2>&1
-    # The source came from `git archive`, so epx cannot see its commit: name the packed one.
-    if [ -z "${GPU_CHECK_SRC:-}" ] && [ -f "$CARRY/commit.txt" ]; then
-      python3 - "$res" "$(cat "$CARRY/commit.txt")" <<'PY'
-import glob, json, os, sys
-for p in glob.glob(os.path.join(sys.argv[1], "*.json")):
-    d = json.load(open(p))
-    if d.get("git_commit") in (None, "unknown"):
-        d["git_commit"] = sys.argv[2]
-        json.dump(d, open(p, "w"), indent=2)
-PY
-    fi
-    tar -C "$res" -czf "$out/results.tar.gz" .
-    # Stay within the 8 files that come back.
-    cat "$out/configure.log" >>"$out/build.log" && rm -f "$out/configure.log"
   fi
-  local t_bench_end=$SECONDS
+  local t_bench_end=$SECONDS suites_rc=-1
+  if [ $build_rc -eq 0 ] && [ -n "${GPU_CHECK_SUITES:-}" ]; then
+    run_suites "$src" "$bdir" "$res" "$out"
+    suites_rc=$SUITES_RC
+  fi
+  local t_suites_end=$SECONDS
+  if [ $bench_rc -ge 0 ] || [ $suites_rc -ge 0 ]; then
+    [ -z "${GPU_CHECK_SRC:-}" ] && stamp_commit "$res"
+    tar -C "$res" -czf "$out/results.tar.gz" .
+  fi
+  # Stay within the 8 files that come back.
+  [ -f "$out/configure.log" ] && cat "$out/configure.log" >>"$out/build.log" && rm -f "$out/configure.log"
 
   CONF_RC=$conf_rc BUILD_RC=$build_rc GPU_RC=$gpu_rc GPU1_RC=$gpu1_rc CPU_RC=$cpu_rc \
   S_UNPACK=$((t_conf - t0)) S_CONF=$((t_build - t_conf)) S_BUILD=$((t_gpu - t_build)) S_GPU=$((t_gpu1 - t_gpu)) \
   S_GPU1=$((t_cpu - t_gpu1)) \
-  S_CPU=$((t_san - t_cpu)) S_SAN=$((t_end - t_san)) SAN_RC=$san_rc BENCH_RC=$bench_rc S_BENCH=$((t_bench_end - t_bench)) python3 - "$out" "$src" "$nccl" <<'PY'
+  S_CPU=$((t_san - t_cpu)) S_SAN=$((t_end - t_san)) SAN_RC=$san_rc BENCH_RC=$bench_rc S_BENCH=$((t_bench_end - t_bench)) \
+  SUITES_RC=$suites_rc S_SUITES=$((t_suites_end - t_bench_end)) python3 - "$out" "$src" "$nccl" <<'PY'
 import json, re, sys, os
 out, src, nccl = sys.argv[1:4]
 def tally(name):
@@ -226,9 +260,10 @@ summary = {
   "what": "tools/device/gpu-check.sh run",
   "source": src,
   "nccl_wheel": nccl, "nccl_header_version": int(code.group(1)) if code else None,
-  "rc": {k: int(os.environ[v]) for k, v in [("configure", "CONF_RC"), ("build", "BUILD_RC"), ("gpu_tests", "GPU_RC"), ("gpu_tests_one_gpu", "GPU1_RC"), ("cpu_tests", "CPU_RC"), ("sanitizer", "SAN_RC"), ("bench", "BENCH_RC")]},
-  "seconds": {k: int(os.environ[v]) for k, v in [("unpack", "S_UNPACK"), ("configure", "S_CONF"), ("build", "S_BUILD"), ("gpu_tests", "S_GPU"), ("gpu_tests_one_gpu", "S_GPU1"), ("cpu_tests", "S_CPU"), ("sanitizer", "S_SAN"), ("bench", "S_BENCH")]},
+  "rc": {k: int(os.environ[v]) for k, v in [("configure", "CONF_RC"), ("build", "BUILD_RC"), ("gpu_tests", "GPU_RC"), ("gpu_tests_one_gpu", "GPU1_RC"), ("cpu_tests", "CPU_RC"), ("sanitizer", "SAN_RC"), ("bench", "BENCH_RC"), ("suites", "SUITES_RC")]},
+  "seconds": {k: int(os.environ[v]) for k, v in [("unpack", "S_UNPACK"), ("configure", "S_CONF"), ("build", "S_BUILD"), ("gpu_tests", "S_GPU"), ("gpu_tests_one_gpu", "S_GPU1"), ("cpu_tests", "S_CPU"), ("sanitizer", "S_SAN"), ("bench", "S_BENCH"), ("suites", "S_SUITES")]},
   "gpu": tally("gpu.log"), "gpu_one_gpu": tally("gpu1.log"), "cpu": tally("cpu.log"),
+  "suites": os.environ.get("GPU_CHECK_SUITES", ""),
 }
 json.dump(summary, open(os.path.join(out, "summary.json"), "w"), indent=2)
 print(json.dumps(summary, indent=2))
@@ -239,11 +274,179 @@ PY
   echo "== cpu tests"; grep -E "tests passed|\*\*\*Failed|Not Run|Timeout" "$out/cpu.log" | head -40
   echo "== sanitizer"; grep -E "^== compute-sanitizer|ERROR SUMMARY|RACECHECK SUMMARY|PASSED|FAILED" "$out/sanitizer.log" 2>/dev/null | head -40
   echo "== bench (results.tar.gz)"; [ -f "$work/results/bench.log" ] && grep -E "^== |validated|backends pass|wrote|error|rank [0-9]|^(ll|ht)-v" "$work/results/bench.log" | head -120
-  [ $conf_rc -eq 0 ] && [ $build_rc -eq 0 ] && [ $gpu_rc -le 0 ] && [ $gpu1_rc -le 0 ] && [ $cpu_rc -le 0 ] && [ $san_rc -le 0 ] && [ $bench_rc -le 0 ]
+  [ -f "$res/suites.log" ] && { echo "== suites (results.tar.gz)"; suites_digest "$res"; }
+  [ $conf_rc -eq 0 ] && [ $build_rc -eq 0 ] && [ $gpu_rc -le 0 ] && [ $gpu1_rc -le 0 ] && [ $cpu_rc -le 0 ] && [ $san_rc -le 0 ] \
+    && [ $bench_rc -le 0 ] && [ $suites_rc -le 0 ]
+}
+
+stamp_commit() {  # <folder>: the packed commit into every RESULTS.md JSON below it that lacks one
+  # The source came from `git archive`, so epx cannot see its commit: name the packed one.
+  [ -f "$CARRY/commit.txt" ] || return 0
+  python3 - "$1" "$(cat "$CARRY/commit.txt")" <<'PY'
+import glob, json, os, sys
+for p in glob.glob(os.path.join(sys.argv[1], "**", "*.json"), recursive=True):
+    try:
+        d = json.load(open(p))
+    except (OSError, ValueError):
+        continue  # a run cut by its time limit
+    if isinstance(d, dict) and d.get("git_commit") in (None, "unknown"):
+        d["git_commit"] = sys.argv[2]
+        json.dump(d, open(p, "w"), indent=2)
+PY
+}
+
+# ---- suites (GPU_CHECK_SUITES): each a function suite_<name> <folder>; src, bdir, epx and commit come from run_suites ----
+step() {  # <limit_s> <log> <cmd...>: one command from the source root, output to <log>, cut to GPU_CHECK_DEADLINE_S
+  local limit=$1 log=$2 left=$(( ${GPU_CHECK_DEADLINE_S:-100000} - SECONDS )) t=$SECONDS rc
+  shift 2
+  [ "$left" -lt "$limit" ] && limit=$left
+  if [ "$limit" -lt 15 ]; then echo "== skipped (GPU_CHECK_DEADLINE_S): $*"; SUITES_RC=1; return 1; fi
+  echo "== $(date -u +%T) $* (limit ${limit} s)"
+  (cd "$src" && timeout -k 5 "$limit" "$@") >"$log" 2>&1
+  rc=$?
+  echo "   exit $rc after $((SECONDS - t)) s: $log"
+  [ $rc -eq 0 ] || SUITES_RC=1
+  return $rc
+}
+
+suite_ll() {
+  local o=$1 b=(bench --device cuda --backend "ll,nccl_a2a_raw" --ranks 2 --graph --iters 200 --warmup 20)
+  row() { local name=$1 case=$2; shift 2; step 30 "$o/$name.log" env "$@" "$epx" "${b[@]}" --case "$case" --json "$o/$name.json"; }
+  row ll-v3 ll-v3
+  row ll-v3-signal_block ll-v3 EPX_LL_SIGNAL=block
+  row ll-v3-partial_bf16 ll-v3 EPX_LL_COMBINE=partial_bf16
+  row ll-v3-flag_lane ll-v3 EPX_LL_COMBINE_WAIT=flag_lane
+  row ll-v3-wait_data ll-v3 EPX_LL_COMBINE_WAIT=data
+  row ll-v4 ll-v4
+  row ll-v3-column ll-v3 EPX_LL_COMBINE=column
+  row ll-v3-items_chunk ll-v3 EPX_LL_ITEMS=chunk
+}
+
+suite_ht() {
+  local o=$1 sms
+  for sms in 64 24 16 8 48; do
+    step 30 "$o/ht-v3-sms$sms.log" env EPX_HT_NUM_SMS=$sms "$epx" bench --device cuda --case ht-v3 --backend ht,nccl_a2a_raw --ranks 2 \
+      --warmup 5 --iters 50 --json "$o/ht-v3-sms$sms.json"
+  done
+}
+
+suite_multinode() {
+  local o=$1 nodes=(env NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1)
+  local b=(bench --device cuda --case ll-v3 --backend "naive,allgather_reducescatter,all2allv,ll,ht,nccl_a2a_raw" --ranks 2 --iters 50 --warmup 5)
+  step 40 "$o/multinode-ll-v3-2x1.log" "${nodes[@]}" EPX_RENDEZVOUS=tcp://127.0.0.1:29531 "$epx" "${b[@]}" \
+    --json "$o/multinode-ll-v3-2x1.json"
+  step 30 "$o/multinode-ll-v3-1x2.log" "$epx" "${b[@]}" --json "$o/multinode-ll-v3-1x2.json"
+  step 40 "$o/multinode-ll-v3-2x1-graph.log" "${nodes[@]}" EPX_RENDEZVOUS=tcp://127.0.0.1:29532 "$epx" bench --device cuda --case ll-v3 \
+    --backend ll --ranks 2 --iters 50 --warmup 5 --graph --json "$o/multinode-ll-v3-2x1-graph.json"
+  step 60 "$o/multinode-moe-deepseek-v3-mini-2x1.log" "${nodes[@]}" "$epx" moe --device cuda --ranks 2 \
+    --preset deepseek-v3-mini --backend all --steps 2 --tokens-per-rank 24 --json "$o/multinode-moe-deepseek-v3-mini-2x1.json"
+  step 60 "$o/multinode-ht-v3-2x1.log" "${nodes[@]}" EPX_RENDEZVOUS=tcp://127.0.0.1:29533 "$epx" bench --device cuda --case ht-v3 \
+    --backend ht,all2allv --dtype fp8 --ranks 2 --iters 10 --warmup 2 --json "$o/multinode-ht-v3-2x1.json"
+}
+
+suite_layer() {
+  # --expert-pool 16: the host builds 16 distinct experts per rank (~4 s instead of 13-41 s); the device still holds
+  # one copy of every expert and the reference uses the same values.
+  local o=$1 c=(--device cuda --ranks 2 --preset deepseek-v3 --backend all --compare --dispatch-dtype fp8 --validate-tokens 2
+                --expert-pool 16)
+  step 120 "$o/moe-decode-deepseek-v3.log" "$epx" moe "${c[@]}" --mode decode --steps 10 --json "$o/moe-decode-deepseek-v3.json"
+  step 120 "$o/moe-prefill-deepseek-v3.log" "$epx" moe "${c[@]}" --mode prefill --steps 3 --json "$o/moe-prefill-deepseek-v3.json"
+}
+
+suite_fhmoe() {
+  local o=$1 ranks=${GPU_CHECK_FHMOE_RANKS:-2} tokens=${GPU_CHECK_FHMOE_TOKENS:-1,8,32,128,512} steps=${GPU_CHECK_FHMOE_STEPS:-5}
+  local backend=${GPU_CHECK_FHMOE_BACKEND:-ll} mode=${GPU_CHECK_FHMOE_MODE:-decode} spec preset experts topk name
+  for spec in ${GPU_CHECK_FHMOE_PRESETS:-deepseek-v3:256:8 deepseek-v4-pro:384:6}; do
+    IFS=: read -r preset experts topk <<<"$spec"
+    name="moe-$preset-sweep-$backend-$mode-compare"
+    python3 "$src/bench/fhmoe_sweep_trace.py" --experts "$experts" --top-k "$topk" --ranks "$ranks" --tokens "$tokens" \
+      --steps "$steps" -o "$o/trace-$preset.json" >"$o/trace-$preset.log" 2>&1 || { echo "== trace for $preset failed"; SUITES_RC=1; continue; }
+    step 180 "$o/$name.log" "$epx" moe --device cuda --ranks "$ranks" --preset "$preset" --dispatch-dtype fp8 --validate-tokens 1 \
+      --expert-pool 16 --backend "$backend" --mode "$mode" --compare --trace "$o/trace-$preset.json" --json "$o/$name.json"
+    rm -f "$o/trace-$preset.json"
+    [ -f "$o/$name.json" ] && python3 "$src/bench/fhmoe_sweep_report.py" "$o/$name.json" --tokens "$tokens" --steps "$steps" \
+      >>"$o/fhmoe-sweep.txt" 2>&1
+  done
+}
+
+suite_gemm() {
+  local o=$1
+  step 90 "$o/gemm-bench.log" env GEMM_BENCH_COMMIT="$commit" "$bdir/epx-gemm-bench" --iters 10 --rounds 5 --no-simt \
+    --json "$o/gemm-bench.json"
+  step 60 "$o/gemm-torch.log" python3 bench/gemm_torch.py --iters 10 --uneven --json "$o/gemm-torch.json"
+  if [ -d "$bdir/python/epx" ]; then
+    step 180 "$o/gemm-vs-torch.log" env PYTHONPATH="$bdir/python" GEMM_BENCH_COMMIT="$commit" CUDA_VISIBLE_DEVICES=0 \
+      python3 bench/gemm_vs_torch.py --rounds 9 --iters 10 --uneven --cool 10 --json "$o/gemm-vs-torch.json"
+    step 60 "$o/example-contiguous.log" env PYTHONPATH="$bdir/python" CUDA_VISIBLE_DEVICES=0 \
+      python3 examples/grouped_gemm_contiguous.py --device cuda:0
+  else
+    echo "== gemm_vs_torch.py and grouped_gemm_contiguous.py skipped: no Python module (GPU_CHECK_CMAKE_ARGS=-DEPX_PYTHON=ON)"
+  fi
+}
+
+suite_mxfp4() {
+  local o=$1
+  step 90 "$o/gemm-mxfp4.log" env CUDA_VISIBLE_DEVICES=0 GEMM_BENCH_COMMIT="$commit" "$bdir/epx-gemm-mxfp4-bench" --iters 10 \
+    --no-simt --stamps --fhmoe-experts 192,48 --json "$o/gemm-mxfp4.json"
+}
+
+suite_python() {
+  local o=$1
+  step 300 "$o/py-check.log" env OUT="$o" PYTEST_EPX_COMMIT="$commit" bash tools/device/py-check.sh "$src" "$CARRY/deps.tar.xz"
+}
+
+suite_san2() {
+  local o=$1 cs=(env EPX_TIMEOUT_S=900 compute-sanitizer --target-processes all --report-api-errors no --error-exitcode 9) tool
+  local ll_filter=${GPU_CHECK_SAN2_LL_FILTER:-LlCuda.PartialCombineMatchesCpuTwoRanks:LlCuda.GraphsWithDeviceTokenCountTwoRanks}
+  for tool in memcheck racecheck; do
+    step 120 "$o/$tool-ll-bench.log" "${cs[@]}" --tool $tool "$epx" bench --device cuda --case ll-v3 --backend ll --ranks 2 --iters 3 --warmup 1 \
+      --kernel-time off --json "$o/$tool-ll-bench.json"
+    step 150 "$o/$tool-ht-bench.log" "${cs[@]}" --tool $tool "$epx" bench --device cuda --case ht-v3 --backend ht --ranks 2 --iters 2 --warmup 1 \
+      --kernel-time off --json "$o/$tool-ht-bench.json"
+    step 150 "$o/$tool-ll-test.log" "${cs[@]}" --tool $tool "$bdir/ll_cuda_test" --gtest_filter="$ll_filter"
+  done
+  step 150 "$o/memcheck-ht-test.log" "${cs[@]}" --tool memcheck "$bdir/ht_cuda_test" \
+    --gtest_filter="${GPU_CHECK_SAN2_HT_FILTER:-HtCuda.MatchesHtCpuTwoRanks}"
+}
+
+run_suites() {  # <src> <build> <results> <out>: GPU_CHECK_SUITES into <results>/<suite>/, the log in <results>/suites.log
+  local src=$1 bdir=$2 res=$3 out=$4 epx="$2/epx" name commit
+  commit="$(cat "$CARRY/commit.txt" 2>/dev/null || git -C "$src" rev-parse --short=12 HEAD 2>/dev/null || echo unknown)"
+  SUITES_RC=0
+  for name in $GPU_CHECK_SUITES; do
+    if ! declare -F "suite_$name" >/dev/null; then echo "== unknown suite $name"; SUITES_RC=1; continue; fi
+    mkdir -p "$res/$name"
+    echo "== suite $name"
+    "suite_$name" "$res/$name"
+    tar -C "$res" -czf "$out/results.tar.gz" .  # after every suite: a later time limit keeps what ran
+  done >>"$res/suites.log" 2>&1
+}
+
+suites_digest() {  # <results>: the suites' verdict lines
+  grep -E "^== (suite|skipped|unknown)|exit [1-9]" "$1/suites.log" | head -60
+  grep -hE "^(ll|ht)-v[34] |backends pass|FAIL" "$1"/{ll,ht,multinode,layer}/*.log 2>/dev/null | head -60
+  cat "$1/fhmoe/fhmoe-sweep.txt" 2>/dev/null | head -40
+  grep -hE "ERROR SUMMARY|RACECHECK SUMMARY" "$1"/san2/*.log 2>/dev/null | sort | uniq -c
+  grep -E "rc=" "$1/python/py-env.txt" 2>/dev/null
+}
+
+suites_only() {  # GPU_CHECK_SUITES on the tree an earlier `run` built on this machine
+  local out="${OUT:-/tmp/epx-gpu-check-out}" src="${GPU_CHECK_SRC:-$WORK/src}" bdir="$WORK/build" nccl
+  [ -x "$bdir/epx" ] || { echo "no $bdir/epx: run 'bash tools/device/gpu-check.sh run' on this machine first"; return 1; }
+  [ -n "${GPU_CHECK_SUITES:-}" ] || { echo "GPU_CHECK_SUITES names no suite"; return 2; }
+  mkdir -p "$out" && device_env || return 1
+  local res="$WORK/results-suites"
+  rm -rf "$res" && mkdir -p "$res"
+  run_suites "$src" "$bdir" "$res" "$out"
+  [ -z "${GPU_CHECK_SRC:-}" ] && stamp_commit "$res"
+  tar -C "$res" -czf "$out/results.tar.gz" .
+  suites_digest "$res"
+  return $SUITES_RC
 }
 
 case "$MODE" in
   pack) pack ;;
   run) run ;;
-  *) echo "usage: $0 pack|run" >&2; exit 2 ;;
+  suites) suites_only ;;
+  *) echo "usage: $0 pack|run|suites" >&2; exit 2 ;;
 esac
