@@ -26,8 +26,13 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "bench", "results")
 FILE_EXT = (".json", ".log", ".txt", ".md", ".csv", ".out", ".gz", ".xz")
-CODE_PREFIXES = ("tools/", "src/", "include/", "tests/", "python/src", "python/tests", "examples/", "docs/",
-                 "scripts/", "build/", "/", "$", "~")
+CODE_PREFIXES = ("tools/", "src/", "include/", "tests/", "python/", "examples/", "docs/", "scripts/", "build/",
+                 "/", "$", "~")
+
+
+def code_path(token):
+    """A path of the source tree (a bare `python/` is a run's folder of that name)."""
+    return token != "python/" and token.startswith(CODE_PREFIXES)
 
 
 def expand_braces(path):
@@ -97,7 +102,7 @@ def main():
             if doc == index:
                 last = None  # the last full path of this line: bare names sit beside it
                 for t in tokens:
-                    if not looks_like_path(t) or t.startswith("bench/results") or t.startswith(CODE_PREFIXES):
+                    if not looks_like_path(t) or t.startswith("bench/results") or code_path(t):
                         continue
                     if t.startswith("../"):
                         if not os.path.abspath(os.path.join(RESULTS, t)).startswith(ROOT + os.sep):
@@ -117,7 +122,7 @@ def main():
             else:
                 folder = os.path.dirname(doc)
                 for t in tokens:
-                    if (not looks_like_path(t) or t.startswith("bench/results") or t.startswith(CODE_PREFIXES)
+                    if (not looks_like_path(t) or t.startswith("bench/results") or code_path(t)
                             or t.startswith(".") and not t.startswith("../")):
                         continue
                     if "/" in t.rstrip("/"):
