@@ -35,18 +35,9 @@ constexpr std::string_view kOp = "experts_cuda.apply";
 /// grid.y of the GEMMs: CTAs stride over the device-side tile list, so the grid never depends on
 /// the counts (which the host does not know) and stays bounded for large capacities.
 constexpr int64_t kMaxTileSlots = 1024;
-/// Config::experts_fp8_prefill = 1 (the default) takes, per GEMM, whichever prefill kernels bench/NOTES.md
-/// measured fastest (sixth session: 8, 3296 us at DeepSeek-V3 shapes, 256 rows/expert; seventh: 17, 2 % / 5 %
-/// less time than 8 on ExpertMajor / Flat, same bytes; eighth: 17 with the epilogues' hardware e4m3 / bf16
-/// conversions; tenth: the TMA loads with the lean consumer (27's kernels) where the token rows are contiguous,
-/// 17's cp.async kernel for the Flat gate_up's gather; eleventh: 29's, the Flat gate_up's token rows permuted
-/// into row-space order first and loaded by TMA as ExpertMajor's; the constructor below). Removed after measurement:
-/// 2-7 and 9 (weights in A, turn orders) and 12-15 (a pipelined m64n64 consumer), seventh session; 11 (TMA
-/// as 2-CTA clusters), eighth; 16, 18, 19 (level with 17) and 20, 21 (pipelined m64n64 batches on A in
-/// registers: 3 % slower), ninth; tenth: 22 (the lean consumer beside a 40-register cp.async producer: the
-/// consumers starved, 7 % slower), 24 / 25 (a SASS experiment: no reuse / yield bits on the promotion FFMAs,
-/// level); 26 (22 with 27's prefetch) went unmeasured with 22; eleventh: 28 (the Flat gate_up's token rows
-/// gathered by TMA, a 1-row box per row and K block: 19 % more time on Flat than the default).
+// Config::experts_fp8_prefill = 1 (the default) takes, per GEMM, the prefill kernels measured fastest (bench/NOTES.md,
+// 'FP8 prefill GEMM'): 30's (the constructor below). The other kernels that remain are opt-in, for comparison;
+// variants measured slower or level are not kept, and Config refuses their numbers.
 
 using GemmKernel = void (*)(GemmParams);
 
@@ -178,24 +169,22 @@ class CudaExperts final : public Experts {
     fp8_prefill_stages_ = config.experts_fp8_prefill_stages;
     fp8_prefill_min_tiles_ = config.experts_fp8_prefill_min_tiles;
     // Config::experts_fp8_prefill (bench/NOTES.md has the measurements; same results every way):
-    // 1 (the default) = 30's kernels since the twelfth session (29's in the eleventh; until then the Flat gate_up
-    // ran on 17's cp.async kernel): the TMA loads with the lean consumer that loads the next K block's operands
+    // 1 (the default) = 30's kernels: the TMA loads with the lean consumer that loads the next K block's operands
     // under the last promotion (27's kernels) for every GEMM, the Flat gate_up's token rows permuted into
     // row-space order first, launched as 2-CTA clusters sharing the weight tile; 8 = cp.async loads, tokens from shared memory; 17 = 8 with early scales / release,
     // bulk-copy stores and wgmma's A in registers (Fp8GemmParams::prefill_fast 2); 10 = 17 with TMA
     // loads; 23 = 10 with the lean consumer (kblock_lean, 3); 27 = 23 loading the next K block early
     // (lean_item_prefetch, 5); 29 = 27 with the Flat gate_up's token rows copied into row-space order
     // first (launch_fp8_prefill_permute_x into the pair_out rows, free until the down GEMMs write them),
-    // so its gate_up loads one TMA box per tile as ExpertMajor's (Fp8GemmParams::x_perm; eleventh
-    // session). A map the driver cannot encode leaves every GEMM on the cp.async kernels. 30 = 29 as 2-CTA clusters
+    // so its gate_up loads one TMA box per tile as ExpertMajor's (Fp8GemmParams::x_perm). A map the driver cannot
+    // encode leaves every GEMM on the cp.async kernels. 30 = 29 as 2-CTA clusters
     // whose two CTAs (two 128-row tiles of one expert) share the weight tile (each multicasts one 128-row half into
-    // both; Fp8GemmParams::prefill_cluster 1; twelfth session: ExpertMajor 1092 TFLOP/s against 29's 1000-1016, Flat
-    // 990 against 928-935, in one run: the pair reads each weight tile once and the chip runs ~8 % higher clocks),
-    // 31 = the same clusters without the multicast (2; measured level with 30: the gain is the pair's lockstep
-    // reading, not the halved L2 -> SM bytes). Since the thirteenth session the clusters (1, 30, 31) take the prefill
+    // both; Fp8GemmParams::prefill_cluster 1: the pair reads each weight tile once and the chip runs at higher
+    // clocks), 31 = the same clusters without the multicast (2; measured level with 30: the gain is the pair's
+    // lockstep reading, not the halved L2 -> SM bytes). The clusters (1, 30, 31) take the prefill
     // section's tiles ordered for pairs (ScheduleParams::pair_big: every pair one expert's but one per two odd-count
-    // experts); 33 = 30 on the section in plain expert order (the twelfth session's pairing: an odd-count expert shifts
-    // every later pair onto two experts; the bench's uneven counts: 63 of 148 pairs straddle instead of 23).
+    // experts); 33 = 30 on the section in plain expert order (an odd-count expert shifts every later pair onto two
+    // experts: with the bench's uneven counts 63 of 148 pairs straddle two experts instead of 23).
     const int pf_mode = config.experts_fp8_prefill;
     fp8_prefill_fast_ = pf_mode == 8 ? 0 : 2;  // the cp.async kernels' Fp8GemmParams::prefill_fast
     fp8_prefill_tma_fast_ = pf_mode == 10 ? 0 : pf_mode == 23 ? 3 : 5;  // the TMA kernels'
@@ -213,17 +202,16 @@ class CudaExperts final : public Experts {
                        experts_[0]->hidden % kFp8GroupSize == 0 && config.experts_simt == 0 && config.experts_mxfp4_tc >= 1 &&
                        experts_cuda::mxfp4_tensor_cores_available(device_);
     mx_wide_ = config.experts_mxfp4_tc == 2;
-    // The decode path: <= 8 rows on TMA slots (decode_item_bulk: TMA boxes and a per-item token buffer;
-    // V4-Pro decode 192 x 8 2365 us against decode_item_ring2's 3053, bench/NOTES.md eleventh session)
-    // where the shapes and maps allow, else the warp-shared cp.async slots (decode_item_ring2: 3040 against
-    // 3845 us for decode_item_ring, tenth session); 9..16 rows decode_item_ring.
-    // A/Bs: 3 off (<= 16-row tiles on the BN 16 wgmma kernel), 7 decode_item_ring2 for every <= 8-row tile.
+    // The decode path: <= 8 rows on TMA slots (decode_item_bulk: TMA boxes and a per-item token buffer, the
+    // fastest; bench/NOTES.md, 'MXFP4 decode, the copies off the lanes') where the shapes and maps allow, else the
+    // warp-shared cp.async slots (decode_item_ring2, faster than decode_item_ring there); 9..16 rows decode_item_ring.
+    // For comparison: 3 off (<= 16-row tiles on the BN 16 wgmma kernel), 7 decode_item_ring2 for every <= 8-row tile.
     mx_decode_ = config.experts_mxfp4_tc == 3 ? 0 : config.experts_mxfp4_tc == 7 ? 1 : 1 | 2;
     EPX_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms_, cudaDevAttrMultiProcessorCount, device_));
     // Config::experts_fp8_prefill_min_tiles = 0: the prefill section runs only when its 128-row
     // tiles fill one wave of the gate_up launch (I / 128 weight tiles each, one CTA per SM);
     // fewer big tiles stay 64-row tiles in the persistent grid of the 64-row kernels instead of a
-    // serial tail on a few SMs (the fused shared expert at decode: bench/NOTES.md, sixth session).
+    // serial tail on a few SMs (the fused shared expert at decode: bench/NOTES.md, 'the fused decode regression').
     if (fp8_prefill_min_tiles_ == 0 && fp8_inter_max_ > 0)
       fp8_prefill_min_tiles_ = static_cast<int>(ceil_div(num_sms_, std::max<int64_t>(1, fp8_inter_max_ / kFp8GroupSize)));
     std::vector<ExpertDesc> descs;
@@ -376,8 +364,7 @@ class CudaExperts final : public Experts {
       // stream, with no host wait and no device-wide sync (cudaFree's would stall on other ranks'
       // kernels on this GPU that wait for work this rank has yet to queue: virtual ranks).
       // 1/8 headroom: eager prefill steps receive a few % more or fewer rows each, and every new
-      // maximum cost a sync + free + malloc of ~1-2 GB (1-2 ms inside the experts phase;
-      // bench/NOTES.md, seventh session).
+      // maximum reallocates ~1-2 GB inside the experts phase.
       const int64_t bytes = align_up(layout.total + layout.total / 8, 256);
       cuda::DeviceGuard guard(device_);
       void* old = workspace_.release();

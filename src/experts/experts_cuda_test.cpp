@@ -39,7 +39,7 @@ constexpr double kMaxRelL2 = 1e-2;  // METHOD.md, bf16 operands; NaN never passe
 /// 128-deep K block keeps ~14 mantissa bits (DeepSeek-V3 technical report, section 3.3.2, the
 /// reason for the per-128 promotion): h lands ~1e-4 off the CPU's fp32 values, and the FP8 1x128
 /// requantization of h then rounds ~1% of its elements to the neighbouring e4m3 value (one step =
-/// 6-12 %). Measured on an H200 (batch of 2026-11-30): normwise 2-5e-3 at DeepSeek shapes, up to
+/// 6-12 %). Measured on an H200: normwise 2-5e-3 at DeepSeek shapes, up to
 /// 1.6e-2 over 5 rows and 3.6e-2 for single rows of the H 384 / I 128 shapes. The bound stays
 /// below one e4m3 step (2^-4 = 6.25e-2): an indexing or scale error costs O(1).
 constexpr double kMaxRelL2Fp8TensorCores = 5e-2;
@@ -511,17 +511,15 @@ TEST(ExpertsCuda, Fp8TensorCoreRowCountsOneTo8192) {
   // The same cases through the paired-K-block mainloop variant (EPX_EXPERTS_FP8_PAIRS=1), with
   // the prefill kernels off (EPX_EXPERTS_FP8_PREFILL=0: every tile on the 64-row kernels), with
   // the cp.async loads and tokens from shared memory (=8)
-  // the TMA variant of the prefill kernels (=10), 17 (the default's kernel for the Flat gate_up until the
-  // eleventh session) and 29 (the eleventh session's default kernels: the Flat gate_up's token rows permuted into
-  // row-space order first; partial tiles and experts without tokens among the cases) and 30 (29 as 2-CTA clusters
-  // sharing the weight tile by TMA multicast, the default's kernels since the twelfth session: pairs of one expert's
-  // tiles, an odd tile count, a pair of two experts' tiles);
+  // the TMA variant of the prefill kernels (=10), 17 (the cp.async kernels with the Flat gate_up's gather), 29 (the
+  // Flat gate_up's token rows permuted into row-space order first; partial tiles and experts without tokens among
+  // the cases) and 30 (29 as 2-CTA clusters sharing the weight tile by TMA multicast, the default's kernels: pairs of
+  // one expert's tiles, an odd tile count, a pair of two experts' tiles);
   // Fp8PrefillTmaLoadsMatchCpAsyncLoadsBitForBit checks 17, 10, 23, 27 and the default are bit-identical to =8.
   // These take the prefill section for any expert with > 64 rows (EPX_EXPERTS_FP8_PREFILL_MIN_TILES
   // = 1); "gated" is the default, which takes it only when the big tiles fill one wave (here only
   // the 8192-row cases, e.g. Flat: 3 x 22 tiles against ceil(132 / 16) = 9; 1000 rows are 8 tiles: 64-row kernels).
-  // Every variant runs every case, the 8192-row Contiguous one included (before the thirteenth session only three
-  // variants ran it, to save its CPU reference per variant).
+  // Every variant runs every case, the 8192-row Contiguous one included.
   const auto experts = same_format(WeightFormat::fp8_block, 3, 7168, 2048, 500);
   auto cpu = make_experts_cpu(experts);
   auto gpu_gated = make_experts_cuda(experts, 0);
@@ -601,10 +599,10 @@ TEST(ExpertsCuda, Fp8PrefillTmaLoadsMatchCpAsyncLoadsBitForBit) {
   // same bytes too, and so must =23 (10 with the lean consumer: the same products and promotions from
   // pinned per-thread offsets), =27 (23 loading the next K block's operands under the last promotion),
   // =29 (27 with the Flat gate_up's token rows copied into row-space order first and loaded as one TMA box
-  // per tile) and the default (=1: 29's kernels in the eleventh session, 30's since the twelfth), =30 (29 as 2-CTA
+  // per tile) and the default (=1: 30's kernels), =30 (29 as 2-CTA
   // clusters: a cluster takes tile-list entries 2 j, 2 j + 1 and multicasts the weight tile where both are one
-  // expert's), =31 (the same clusters without the multicast) and =33 (30 on the tile list in plain expert order, the
-  // twelfth session's pairing). Since the thirteenth session 1, 30 and 31 order the prefill section for the pairs
+  // expert's), =31 (the same clusters without the multicast) and =33 (30 on the tile list in plain expert
+  // order). 1, 30 and 31 order the prefill section for the pairs
   // (ScheduleParams::pair_big: each expert's tiles in pairs, the last tiles of two odd-count experts paired with each
   // other, an odd one out last). Tile counts (128 rows) and the pairs they give:
   //   ExpertMajor 129, 0, 300, 200 (2, 0, 3, 2): 33 (e0, e0), (e2, e2), (e2, e3: two experts, I 2048 and 3072, so
@@ -773,8 +771,8 @@ void fp8_prefill_small_shapes(std::initializer_list<const char*> modes) {
 
 TEST(ExpertsCuda, Fp8PrefillSmallShapes) {
   if (gpus() < 1) GTEST_SKIP() << "needs 1 GPU, found " << gpus();
-  // The TMA kernels: the default (=1: 30's kernels since the twelfth session), =27 (the Flat gate_up's cp.async
-  // gather on the TMA kernel, no proxy fence since the eleventh session), =29 (the Flat gate_up's token rows
+  // The TMA kernels: the default (=1: 30's kernels), =27 (the Flat gate_up's cp.async gather on the TMA kernel,
+  // no proxy fence), =29 (the Flat gate_up's token rows
   // permuted into row-space order first, one TMA box per tile), =30 / =31 (29 as 2-CTA clusters with / without
   // the weight multicast; ExpertMajor pairs (e0, e0), (e2, none)) and =33 (30 pairing the tiles in expert order).
   fp8_prefill_small_shapes({"1", "27", "29", "30", "31", "33"});
@@ -1094,7 +1092,7 @@ TEST(ExpertsCuda, RejectsBadArguments) {
   EXPECT_THROW(gpu->apply({ActivationLayout::ExpertMajor, x, {}, recv, {}, {}}, out_bad), InvalidArgument);  // shape
   Tensor x8 = Tensor::empty({2, 4, 256}, DType::fp8_e4m3, kDev);
   EXPECT_THROW(gpu->apply({ActivationLayout::ExpertMajor, x8, {}, recv, {}, {}}, out), InvalidArgument);  // no scales
-  // Scales with bf16 x were ignored (as on the CPU until the thirteenth session): now refused by name, every layout.
+  // Scales with bf16 x are refused by name, every layout (as on the CPU).
   Tensor xs = Tensor::zeros({2, 4, 2}, DType::fp32, kDev);
   const std::string m = test::invalid_argument_message([&] { gpu->apply({ActivationLayout::ExpertMajor, x, xs, recv, {}, {}}, out); });
   EXPECT_NE(m.find("x_scales"), std::string::npos) << m;
@@ -1108,8 +1106,8 @@ TEST(ExpertsCuda, RejectsBadArguments) {
 }
 
 TEST(ExpertsCuda, TmaPrefillLaunchWithoutWeightMapsThrows) {
-  // The TMA prefill kernels load every weight tile through Fp8GemmParams::w_maps (their cp.async weight path,
-  // reached only without the maps, was removed in the twelfth session): a launch without them is an error
+  // The TMA prefill kernels load every weight tile through Fp8GemmParams::w_maps (they have no cp.async weight
+  // path): a launch without them is an error
   // naming the field, before any CUDA call (no GPU needed). apply never does this: without maps it runs the
   // cp.async kernels (a stub map pointer here would be launched, so only the null case is checked).
   experts_cuda::Fp8GemmParams p{};
@@ -1131,7 +1129,7 @@ TEST(ExpertsCuda, Fp8PrefillClusterCountCachedPerDevice) {
   if (gpus() < 1) GTEST_SKIP() << "needs 1 GPU, found " << gpus();
   if (!experts_cuda::fp8_tensor_cores_available(0)) GTEST_SKIP() << "needs the sm_90a FP8 tensor cores on device 0";
   // fp8_tensor_cores_available(0) measured device 0's 2-CTA cluster counts (cudaOccupancyMaxActiveClusters, cached per
-  // device ordinal since the thirteenth session; before, one figure per process, the last device's). Every thread
+  // device ordinal, not one figure per process). Every thread
   // with device 0 current reads the same figures; an H200 fits 66 clusters of either kernel.
   const int gate_up = experts_cuda::fp8_prefill_tma_max_clusters(true), down = experts_cuda::fp8_prefill_tma_max_clusters(false);
   EXPECT_GT(gate_up, 0);

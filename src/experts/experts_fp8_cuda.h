@@ -57,11 +57,9 @@ struct Fp8GemmParams {
   int64_t x_perm_stride;
   /// cp.async prefill kernels: 2 = kblock<true, true> (scales read before the wgmmas, the stage
   /// released before the last promotion, wgmma's A (the tokens) in registers) and bulk-copy epilogue
-  /// stores (Config::experts_fp8_prefill 17); same bits as 0 (mode 8). (1 = 16, 3 = 19, prefill_xs_vec
-  /// = 18 (measured level with 17) and 3 / 4 = 20 / 21 (pipelined m64n64 batches, slower) were removed
-  /// in the ninth session.)
+  /// stores (Config::experts_fp8_prefill 17); same bits as 0 (mode 8).
   int32_t prefill_fast;
-  /// TMA prefill kernels with prefill_fast 5 only (Config::experts_fp8_prefill 1 and 30, 31; twelfth session): 0 = one
+  /// TMA prefill kernels with prefill_fast 5 only (Config::experts_fp8_prefill 1, 30, 31 and 33): 0 = one
   /// CTA per work item (every other mode); 1 (the default's) = 2-CTA clusters: a cluster takes tile-list entries 2 j, 2 j + 1 (one
   /// 128-row tile each) at the same weight tile, both rings in lockstep (a stage is refilled when the consumers of
   /// both CTAs released it), and where both tiles are the same expert's each CTA's TMA loads one 128-row half of the

@@ -9,10 +9,9 @@
 // with tokens 64 c .. 64 c + 63 in wgmma's A and the weight rows in B (DeepGEMM's orientation),
 // 2 x 64 fp32 accumulators and a 64-float temporary per thread (m64n128k32 wgmmas). Promotion after
 // every 128-deep K block: acc += tmp * (w_scale * x_scale) (DeepSeek-V3's recipe; DeepGEMM's order).
-// Removed after measurement (bench/NOTES.md, sixth and seventh sessions): weights in wgmma's A, the
-// consumer turn orders, and a consumer pipelining m64n64 batches (wait_group 1): 40 % slower; ninth
-// session: the same pipelined batches on A in registers (modes 20, 21; kblock_pipe in 65ace9b /
-// c0d232f): 3-5 % slower than 17.
+// Weights in wgmma's A, consumer turn orders and consumers that pipeline m64n64 batches (wait_group 1, A from
+// shared memory or in registers) measured slower and are not kept (bench/NOTES.md, 'FP8 prefill GEMM, the
+// consumer side').
 #pragma once
 
 #include <cstdint>
@@ -37,12 +36,11 @@ constexpr int kScaleFloats = 4 + kBN;           // per stage: 4 weight sub-tile 
 constexpr int kHStride = kBK + 16;              // gate_up staging: FP8 h bytes per token, padded
 constexpr int kOutStride = kWRows + 8;          // down staging: bf16 per token, padded
 constexpr int kFrag = kBN / 2;                  // accumulator floats per thread per m64n128
-/// Arrivals that complete a stage's `empty` barrier in the FP8 prefill kernels (TMA and, since the twelfth session,
-/// the cp.async kernel of modes 8 / 17): every consumer thread arrives after its own
-/// last read of the stage. (Until the eleventh session lane 0 of each warp arrived after __syncwarp, count 8: the
-/// same order through bar.warp.sync, but compute-sanitizer racecheck does not follow it and reported every consumer
-/// read against the producer's refill, 20 reports on the small shapes; with per-thread arrivals it reports 0,
-/// bench/results/h200x1/racecheck-s11-a8ccbfa/.)
+/// Arrivals that complete a stage's `empty` barrier in the FP8 prefill kernels (TMA and the cp.async kernel of
+/// modes 8 / 17): every consumer thread arrives after its own last read of the stage. (Lane 0 of each warp arriving
+/// after __syncwarp, count 8, gives the same order through bar.warp.sync, but compute-sanitizer racecheck does not
+/// follow it and reports every consumer read against the producer's refill; with per-thread arrivals it reports
+/// none.)
 constexpr int kEmptyArrivals = kPfThreads - 128;  // the two consumer warpgroups
 
 /// Shared-memory layout of the gate_up (kGateUp) or down kernel; base 1024-byte aligned.
@@ -117,8 +115,7 @@ struct Stamps<true> {
 /// 4 m64n128k32 wgmmas into `tmp` (A: the warpgroup's 64 tokens; B: 128 weight rows, batch 0 the
 /// gate rows / output columns 0-127, batch 1 the up rows / 128-255), each waited for (wait_group 0)
 /// and promoted into acc[sub]; a thread's accumulators belong to 2 tokens (rows r, r + 8), so the
-/// promotion needs 2 scale products. kEarly (with kRs: Config::experts_fp8_prefill 17; alone it was
-/// mode 16, removed in the ninth session): the 4 scale products
+/// promotion needs 2 scale products. kEarly (with kRs: Config::experts_fp8_prefill 17): the 4 scale products
 /// are read before the first wgmma is issued, and `release()` (the stage's `empty` arrive) runs
 /// right after the second batch's wait, before its promotion, so the producer can refill the stage
 /// meanwhile; without kEarly the caller releases after kblock returns. kRs (Config::
@@ -191,8 +188,8 @@ __device__ __forceinline__ void kblock(const Who& w, uint32_t a_s, uint32_t b_s,
 /// once per thread and pinned in registers (an opaque asm result cannot be rematerialized; those
 /// kernels give the consumers 232 registers, the producer 40): at mode 17's 216-register budget ptxas
 /// recomputes the swizzled ldmatrix addresses and scale offsets from %tid (and the shared window from
-/// SR_CgaCtaId) in every K block, ~35 instructions per warp and block (ncu source counters, tenth
-/// session: 14 % of the consumer warps' samples with the instructions around them).
+/// SR_CgaCtaId) in every K block, ~35 instructions per warp and block (ncu source counters: 14 % of the consumer
+/// warps' samples with the instructions around them; bench/NOTES.md, 'what the hardware counters say').
 ///   lds: byte offset, inside a stage's 128 x 128-byte token tile, of this lane's ldmatrix row for
 ///        k-step 0 (warpgroup cwg's tokens); k-step k's is lds ^ (k << 5) (the 128-byte swizzle
 ///        XORs the 16-byte chunk index 2 k + h with row % 8, and 2 k only touches chunk bits 1-2);
@@ -289,7 +286,7 @@ __device__ __forceinline__ void lean_load(const LeanOffsets& o, uint32_t b_s, ui
 /// lean_load where `on` (warp-uniform), nothing otherwise: the ldmatrix / ld.shared carry the predicate themselves
 /// (no branch for ptxas to schedule the promotion around); lb keeps its values where `on` is false. (lean_load is
 /// not this with on = true: that form compiles to different SASS, 8 more instructions in the default gate_up
-/// kernel, ptxas 13.0, twelfth session.)
+/// kernel with ptxas 13.0.)
 __device__ __forceinline__ void lean_load_if(const LeanOffsets& o, uint32_t b_s, uint32_t sc_s, bool on, LeanBlock& lb) {
   const LeanAddrs ad(o, b_s, sc_s);
   const uint32_t p = on ? 1u : 0u;
@@ -311,7 +308,7 @@ __device__ __forceinline__ void lean_load_if(const LeanOffsets& o, uint32_t b_s,
 /// wgmmas and promotions, with the next K block's operands (lean_load, after its `full` wait and `fence`)
 /// loaded right after this block's second batch completed and the stage was released, before the second
 /// promotion: the ldmatrix / ld.shared latency then runs under those 64 FFMAs instead of in front of the
-/// next block's first wgmma (ncu, tenth session: WARPGROUP.ARRIVE waiting for ldmatrix, FMULs for their
+/// next block's first wgmma (where ncu shows WARPGROUP.ARRIVE waiting for ldmatrix, FMULs for their
 /// loads). The products of a block are formed before its operands are replaced. Same products, same
 /// order: the same bits as kblock<true, true>.
 /// No branch around the loads (ptxas hoisted the promotion above such a branch, in front of the loads): after
@@ -351,8 +348,8 @@ __device__ __forceinline__ void lean_item_prefetch(const LeanOffsets& o, int64_t
         mbar_wait(more ? full0 + pos.stage * 8 : done_bar, more ? pos.phase : 0u);
         fence();
         // After the item's last K block (!more) nothing is loaded (the next item starts with its own wait and load).
-        // Until the eleventh session this reloaded the just-released stage s, which the producer may already have been
-        // refilling (values never used; a real, benign read-write race).
+        // Loading anyway would read the just-released stage s, which the producer may already be refilling (values
+        // never used, but a real read-write race).
         lean_load_if(o, stage_a(pos.stage) + kABytes, stage_sc(pos.stage), more, lb);
       }
 #pragma unroll
@@ -385,8 +382,6 @@ __device__ __forceinline__ uint32_t bf16x2_bits(float lo, float hi) {
 /// by every consumer thread (kEpi 0), and the consumers move on to the next item while the copy
 /// engine reads the staging buffer; the next epilogue waits for those reads before it writes the
 /// buffer (and bulk_end, after the last item, for the copies' completion). Same bytes.
-/// (Removed after measurement, ninth session: kEpi 2, each warpgroup's own epilogue in fast math
-/// forms, mode 19, measured level with 17; bench/NOTES.md eighth session.)
 template <bool kGateUp, int kEpi>
 __device__ __forceinline__ void epilogue(const Fp8GemmParams& p, const wg::Item& it, const Who& w, float (&acc)[2][kFrag],
                                          uint8_t* smem) {

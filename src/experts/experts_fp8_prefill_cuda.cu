@@ -207,10 +207,10 @@ __device__ __forceinline__ void consumer(const Fp8GemmParams& p, int32_t tile0, 
       st.at(1);
       const uint32_t a_s = smem_s + s * kStageBytes;
       // Every consumer thread releases the stage (kEmptyArrivals), behind __syncwarp and a branch on an opaque true
-      // value: the block boundary of the old lane-0 form. Without a branch there (a plain arrive, or one behind a
+      // value: the block boundary a lane-0 arrive would have. Without a branch there (a plain arrive, or one behind a
       // condition ptxas folds) ptxas 13.0 schedules mode 17's K block differently and its kernels spill 28 bytes
-      // (ptxas -v), 10 % slower (gpufix batch 1, bench/NOTES.md twelfth session); with it the SASS instruction
-      // counts of all four kernels equal the lane-0 form's.
+      // (ptxas -v), 10 % slower (bench/NOTES.md, 'gpufix batch 1'); with it the SASS instruction counts of all four
+      // kernels equal those of a lane-0 arrive.
       auto release = [&] {
         __syncwarp();
         if (opaque_one()) mbar_arrive(empty0 + s * 8);

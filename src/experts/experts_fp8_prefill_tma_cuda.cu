@@ -1,20 +1,18 @@
 // experts/experts_fp8_prefill_tma_cuda.cu: a variant of the FP8 prefill grouped GEMMs of
 // experts_fp8_prefill_cuda.cu (same tiles, same epilogue, experts_fp8_prefill.cuh; bit-identical
-// output) whose operands come by TMA: since the tenth session the default's kernels for every GEMM
-// whose token rows are contiguous (ExpertMajor gate_up, every down), with the lean consumer that loads
-// the next K block's operands under the last promotion (lean_item_prefetch; producer 40 / consumers 232
-// registers), bench/NOTES.md tenth session; opt-in: mode 17's consumer (Config::experts_fp8_prefill 10),
-// the lean consumer without the prefetch (23), with it (27), 27 with the Flat gate_up's token rows
-// permuted into row-space order first (29, eleventh session: permute_x_kernel below), and 29 launched as 2-CTA
+// output) whose operands come by TMA. The default (Config::experts_fp8_prefill 1, the kernels of 30) runs every
+// GEMM here: the lean consumer that loads the next K block's operands under the last promotion
+// (lean_item_prefetch; producer 40 / consumers 232 registers), the Flat gate_up's token rows permuted into
+// row-space order first (permute_x_kernel below) so that every GEMM's token rows are contiguous, and 2-CTA
 // clusters whose CTAs take the two 128-token tiles of one expert at the same weight tile and share it (each TMA
-// multicasts one 128-row half into both; Fp8GemmParams::prefill_cluster, kCluster below): Config::experts_fp8_prefill
-// 30, the default's kernels since the twelfth session (ExpertMajor 1092 TFLOP/s against 29's 1000-1016, Flat 990
-// against 928-935, one run; ncu: the pair reads each weight tile from DRAM once (gate_up 4.1 instead of 5.3 GB), L2
-// busy 71 instead of 85 %, the SM clock 1.57 instead of 1.45 GHz at the same tensor-pipe activity), and 31 (the same
-// clusters without the multicast: level with 30). (With the mode-8 consumer, sixth session: 4 % faster than the
-// cp.async kernels on ExpertMajor and 9 % slower on Flat.) The earlier cluster launches (4, 11; fifth to eighth
-// sessions, 27-43 % slower) released the peer's stage with a cluster-scope release (`mbarrier.arrive.release.cluster`),
-// a fence on the consumers' chain in every K block: batch 1 of the twelfth session measured that form 45 % slower too.
+// multicasts one 128-row half into both; Fp8GemmParams::prefill_cluster, kCluster below): the pair reads each
+// weight tile from DRAM once, L2 is less busy and the SM clock runs higher at the same tensor-pipe activity, the
+// fastest form measured (bench/NOTES.md, 'the weight tile shared by a 2-CTA cluster'). Opt-in, for comparison:
+// mode 17's consumer (Config::experts_fp8_prefill 10), the lean consumer without the prefetch (23), with it (27),
+// 27 with the Flat gate_up's token rows permuted first (29), 29 as the clusters (30, the default's kernels), the
+// same clusters without the multicast (31: level with 30) and 30 pairing the tiles in plain expert order (33).
+// A CTA releases its peer's stage with a CTA-scope arrive (mbar_arrive_cluster): a cluster-scope release
+// (`mbarrier.arrive.release.cluster`) is a fence on the consumers' chain in every K block, ~45 % slower.
 //
 // One CTA per SM, 384 threads, warp-specialized:
 //   warpgroup 0 (producer, 64 registers): streams each K block's operands into a kStages-deep ring
@@ -29,11 +27,10 @@
 //     cp.async.mbarrier.arrive, so `full` completes when the TMA bytes and all 128 threads' copies
 //     landed. The weight maps are required (the launches check; without them, when the driver cannot
 //     encode them, upload leaves w_maps null and apply runs the cp.async kernels of
-//     experts_fp8_prefill_cuda.cu instead: this kernel's own cp.async weight path, which only that case
-//     reached, was removed in the twelfth session);
+//     experts_fp8_prefill_cuda.cu instead);
 //   warpgroups 1, 2 (consumers, 216 registers): experts_fp8_prefill.cuh's kblock and epilogue (tokens
-//     in wgmma's A), the consumer of mode 17 of experts_fp8_prefill_cuda.cu (until the eighth session
-//     that of mode 8; same bits); the producer runs up to kStages blocks
+//     in wgmma's A), the consumer of mode 17 of experts_fp8_prefill_cuda.cu (the same bits as mode 8's);
+//     the producer runs up to kStages blocks
 //     ahead, across work items, so the next item's first stages load under the current epilogue.
 // Work items: (128-row tile, weight tile) pairs over the tile list's prefill section, walked by a
 // persistent grid in tile-major order (all weight tiles of one row tile, then the expert's next row
@@ -93,10 +90,9 @@ __device__ __forceinline__ void tma_load_2d_multicast(uint32_t dst, const CUtens
 /// Arrives on the mbarrier at shared offset `bar` of the CTA of cluster rank `cta`, with the instruction's default
 /// semantics (release at CTA scope, as CUTLASS's and DeepGEMM's cluster pipelines arrive on a peer's `empty`): the
 /// arriving warp's reads of the stage are complete (wgmma.wait_group 0, the ldmatrix results consumed), so the peer's
-/// TMA refill has no earlier access of this thread to be ordered after. Batch 1 of the twelfth session ran it as
-/// `.release.cluster` (as the removed mode 11 did): both the multicast (30) and the clusters alone (31) took 45 % more
-/// time than the one-CTA kernel, the tensor pipe 36 % busy at 1.79 GHz (ncu); read: a cluster-scope release is a
-/// fence on the consumer's serial chain in every K block (bench/NOTES.md, twelfth session).
+/// TMA refill has no earlier access of this thread to be ordered after. Not `.release.cluster`: a cluster-scope
+/// release is a fence on the consumer's serial chain in every K block (with it both 30 and 31 take ~45 % more time
+/// than the one-CTA kernel; bench/NOTES.md, 'the weight tile shared by a 2-CTA cluster').
 __device__ __forceinline__ void mbar_arrive_cluster(uint32_t bar, uint32_t cta) {
   asm volatile("{\n.reg .b32 ra;\nmapa.shared::cluster.u32 ra, %0, %1;\nmbarrier.arrive.shared::cluster.b64 _, [ra];\n}\n" ::"r"(bar),
                "r"(cta)
@@ -139,7 +135,7 @@ __device__ __forceinline__ Work work_at(const Fp8GemmParams& p, int32_t tile0, i
 /// schedule kernels order the section for these pairs (ScheduleParams::pair_big, order_big_tiles_for_pairs in
 /// experts_cuda_kernels.cuh; not for Config::experts_fp8_prefill 33): each expert's tiles come in pairs, and only
 /// the last tiles of two odd-count experts share a pair (each expert's tiles still in one stretch of the walk);
-/// in plain expert order an odd-count expert shifted every later pair onto two experts until the next odd one.
+/// in plain expert order (33) an odd-count expert shifts every later pair onto two experts until the next odd one.
 template <bool kGateUp>
 __device__ __forceinline__ Work work_pair(const Fp8GemmParams& p, int32_t tile0, int32_t num_tiles, int64_t q, uint32_t rank) {
   Work w;
@@ -261,12 +257,11 @@ __device__ __forceinline__ void producer(const Fp8GemmParams& p, const CUtensorM
 }
 
 /// The consumer warpgroups (experts_fp8_prefill.cuh: kblock, epilogue), as mode 17 of
-/// experts_fp8_prefill_cuda.cu since the eighth session: the scales read before the wgmmas, the
+/// experts_fp8_prefill_cuda.cu: the scales read before the wgmmas, the
 /// stage released before the last promotion, wgmma's A (tokens) in registers, bulk-copy row stores.
 /// The weight tiles come by TMA (async proxy), the only operand wgmma reads from shared memory: no proxy
 /// fence, however the token tile came (every consumer here reads it with ldmatrix, a generic-proxy read
-/// like cp.async's writes; until the eleventh session the fence also ran for the Flat gate_up's cp.async
-/// gather, and until the twelfth for the cp.async weight path the kernel then had).
+/// like cp.async's writes, the Flat gate_up's cp.async gather included).
 /// kCluster (with kLean, kPrefetch only): a stage is released to both CTAs' producers (each thread arrives on its own
 /// CTA's `empty`, lane 0 of each warp after __syncwarp also on the other CTA's), and the steps past this CTA's K
 /// blocks (Work::my_nk) are waited for and released without wgmmas (before the epilogue, so the other CTA's ring does

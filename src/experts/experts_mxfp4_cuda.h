@@ -45,7 +45,7 @@ struct MixedGemmParams {
   /// weights streamed from HBM through shared memory into mma.sync's registers, no shared-memory
   /// expansion): flag 1 the path itself (9..16 rows decode_item_ring, <= 8 decode_item_ring2), flag 2
   /// decode_item_bulk for <= 8 rows where its shapes allow (mx_maps, K % 512 == 0, K <= 8192 gate_up /
-  /// 4096 down); 0 (Config::experts_mxfp4_tc = 3) the BN 16 wgmma kernel as before. The library's
+  /// 4096 down); 0 (Config::experts_mxfp4_tc = 3) the BN 16 wgmma kernel. The library's
   /// default is 1 | 2; experts_mxfp4_tc = 7 gives 1. Same results within fp32 summation order. The wide
   /// variant ignores it.
   int decode = 1 | 2;

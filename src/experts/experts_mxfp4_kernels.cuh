@@ -684,7 +684,7 @@ __device__ __forceinline__ void run_item(const MixedGemmParams& p, const Item& i
 
 // ---- decode path: mxfp4 items of <= 16 rows, weights streamed from HBM into registers, mma.sync ----
 //
-// (tenth session; bench/NOTES.md "MXFP4 decode on mma.sync".) A (row tile, weight tile) item of the
+// (bench/NOTES.md, 'MXFP4 decode on mma.sync'.) A (row tile, weight tile) item of the
 // same shape as run_item's (gate_up: the 128 gate and 128 up weight rows of h columns col0..col0+127;
 // down: output rows col0..col0+255) on the same 256 threads, but with no shared memory for the
 // weights and no wgmma: weights are the A operand of mma.sync (16 weight rows per mma), the <= 16
@@ -697,14 +697,12 @@ __device__ __forceinline__ void run_item(const MixedGemmParams& p, const Item& i
 //   g and g + 8 of both m-tiles (one warp instruction reads 8 rows x 64 contiguous bytes, L2::256B), those
 //   rows' e8m0 words and its token operand (x: 8 bytes per block and the 1x128 scales, h: 16 bytes) into
 //   a per-warp cp.async ring in shared memory (decode_item_ring, DecodeRing: kRing - 1 windows in flight
-//   per warp without holding registers); 9..16 rows (2 n-tiles). (Removed after measurement, bench/NOTES.md
-//   tenth / eleventh sessions: 2 windows in registers per warp, 4687 us against 5321 for V4-Pro decode
-//   192 x 8; an L2 prefetch of each row kPf windows ahead, 8 % slower; a ring of 3 windows, level; this
-//   ring for <= 8 rows, 3836 us = 1.76 TB/s: the per-lane cp.async issue and the window body add up.)
+//   per warp without holding registers); 9..16 rows (2 n-tiles). For <= 8 rows the per-lane cp.async issue and
+//   the window body add up, so two faster forms take them:
 //   decode_item_ring2 (<= 8 rows where decode_item_bulk cannot run) shares the slot among the warp's lanes
-//   (fewer, wider copies; the fragment words read directly, no quad transpose): 3040 us = 2.2 TB/s.
-//   decode_item_bulk (eleventh session, MixedGemmParams::decode flag 2, the default for <= 8 rows where
-//   its shapes allow; below) moves the copies to TMA: 2365 us = 2.85 TB/s.
+//   (fewer, wider copies; the fragment words read directly, no quad transpose);
+//   decode_item_bulk (MixedGemmParams::decode flag 2, the default for <= 8 rows where its shapes allow; below)
+//   moves the copies to TMA, the fastest (bench/NOTES.md, 'MXFP4 decode, the copies off the lanes').
 // - One mma per 32-K scale block: a quad transpose (3 shfl.xor + selects) gives lane t word t of every
 //   block b of its rows (8 codes, K = 32 b + 8 t + nibble); the B fragment takes the same K.
 //   gate_up: e4m3 bits of code c = ((c & 7) << 2) | ((c & 8) << 4) = e2m1(c) * 2^-6 exactly (the even
@@ -713,8 +711,8 @@ __device__ __forceinline__ void run_item(const MixedGemmParams& p, const Item& i
 //   down: bf16 of the codes through the constant e2m1 -> bf16 byte tables (e2m1x8_to_bf16 at scale 1),
 //   2 x m16n8k16 bf16 per block, acc += d * 2^(e - 127).
 //   e8m0 0 (2^-127) and 255 (NaN) take an exact per-scale conversion (the window's words are checked).
-// Registers (ptxas -v, tenth session): <= 240 with both ring variants and kNt = 1 and 2, no spills (the
-// register-buffered variant's kNt = 2 form spilled 300-1000 bytes inside this kernel).
+// Registers (ptxas -v): <= 240 with both ring variants and kNt = 1 and 2, no spills (windows buffered in
+// registers instead of the ring spill at kNt = 2).
 
 /// mma.sync m16n8k32 e4m3 x e4m3 -> f32, C = 0.
 __device__ __forceinline__ void mma_e4m3(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
@@ -1193,8 +1191,8 @@ __device__ __forceinline__ bool resolve_item(const MixedGemmParams& p, int64_t n
   return true;
 }
 
-// ---- decode_item_bulk: the copies by the bulk-copy engine (eleventh session) ----
-// (bench/NOTES.md "(eleventh session): MXFP4 decode, the copies off the lanes".) The window body of
+// ---- decode_item_bulk: the copies by the bulk-copy engine ----
+// (bench/NOTES.md, 'MXFP4 decode, the copies off the lanes'.) The window body of
 // decode_item_ring2; what changes is how the operands reach shared memory:
 // - the token operand (x: 8 tokens x K bytes and their 1x128 scales; h: 8 x 2K bytes) is staged once per
 //   item for the whole CTA, 8 (+ 8) cp.async.bulk issued by warp 0 on one mbarrier (tokens past the tile's
@@ -1203,13 +1201,10 @@ __device__ __forceinline__ bool resolve_item(const MixedGemmParams& p, int64_t n
 // - each warp streams its 32 weight rows (2 m-tiles of 16) through 2 slots of 4 windows, filled by TMA
 //   (cp.async.bulk.tensor.2d on the expert's maps, mxfp4_decode_maps): per slot lane 0 issues 4 code boxes
 //   (16 rows x 128 bytes = 2 windows, 128-byte swizzle) and 2 e8m0 boxes (16 rows x 16 bytes = 4 windows)
-//   on the slot's mbarrier: 6 requests per warp per 4 windows. (Batch 1 of the session filled the slots by
-//   one 1-D cp.async.bulk per lane and row, 256 code + 16 e8m0 bytes each: 64 requests per warp per slot,
-//   ~7 cycles of the SM's bulk-copy unit each; load_issue 887 / 645 cycles per window and 3730 us against
-//   ring2's 3083: removed);
+//   on the slot's mbarrier: 6 requests per warp per 4 windows (one 1-D cp.async.bulk per lane and row would be
+//   64 requests per warp per slot, ~7 cycles of the SM's bulk-copy unit each: slower than decode_item_ring2);
 // - the 1x128 x scale is applied once per window (d * ws summed over the window's 4 blocks, then * xs);
-// (Removed after batch 2: the slots freed by an item's last 2 groups starting the CTA's next item, 2449 us
-// against 2365 without; bench/NOTES.md.)
+// (Starting the CTA's next item in the slots freed by an item's last 2 groups measured slower: not done.)
 // Lane (g, t) reads word t of block b of rows g, g + 8 from the swizzled box (16-byte chunk c at c ^ g:
 // conflict-free), the token rows at K + 32 / 2K + 64 bytes (LDS.64 / LDS.128 conflict-free). Needs the
 // maps, K % 512 == 0 (16-byte e8m0 and x-scale pieces), K <= 8192 (gate_up) / 4096 (down) (token buffer)
@@ -1277,8 +1272,8 @@ __device__ __forceinline__ void decode_bulk_init(uint32_t smem_s) {
 }
 
 /// One mxfp4 item of <= 8 rows with bulk copies (see above; decode_bulk_ok holds). The e8m0 00 / FF case is
-/// decided once per slot of 4 windows, which then form one basic block (batch 1: level with a decision per
-/// window, as decode_item_ring2 does; that variant is removed). kDbg as decode_item_ring.
+/// decided once per slot of 4 windows, which then form one basic block (measured level with a decision per
+/// window, as decode_item_ring2 makes). kDbg as decode_item_ring.
 template <bool kGateUp, int kDbg = 0>
 __device__ __forceinline__ void decode_item_bulk(const MixedGemmParams& p, const Item& it, uint8_t* smem, BulkState& st,
                                                  Stamps<kDbg>& sp) {
