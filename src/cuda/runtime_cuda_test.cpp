@@ -51,7 +51,7 @@ TEST(CudaRuntime, TensorRoundTripThroughDevice) {
 // Tensor::to, copy and Tensor::zeros on CUDA are complete on return, so a cudaStreamNonBlocking
 // stream (which does not wait for the legacy default stream they run on) may read the result at
 // once: the last 4 KiB of 1 GiB, read on such a stream right after each call, hold the new bytes.
-// (Before, cudaMemcpy device -> device and cudaMemset only queued the work: that read saw the old bytes.)
+// (cudaMemcpy device -> device and cudaMemset alone only queue the work: that read would see the old bytes.)
 TEST(CudaRuntime, CopiesAndZerosAreCompleteOnReturnForNonBlockingStreams) {
   const int gpus = cuda::device_count();
   if (gpus < 1) GTEST_SKIP() << "needs 1 GPU, found " << gpus;

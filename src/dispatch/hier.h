@@ -2,7 +2,7 @@
 //
 // make_prepare_finalize builds this wrapper for "ll" and "ht" when Group::num_nodes() > 1 (NCCL
 // groups across hosts or virtual nodes; CPU groups from make_cpu_groups(R, timeout, ranks_per_node)),
-// never on one node, where the flat backend (the single-node fast path) runs as before.
+// never on one node, where the flat backend (the single-node fast path) runs.
 // Capabilities::hierarchical says which one a caller got.
 //
 // Two stages. M = num_max_dispatch_tokens_per_rank, N nodes of P ranks (equal, consecutive ranks),

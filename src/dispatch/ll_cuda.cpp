@@ -493,9 +493,9 @@ std::unique_ptr<PrepareFinalize> make_ll_cuda(std::shared_ptr<Group> group, cons
   launch.signal_chunk = config.ll_signal == "chunk";
   launch.expand_message = config.ll_expand == "message";
   launch.items_run = config.ll_items == "run";
-  // ll.combine_wait (bench/NOTES.md, seventh and eighth sessions): flag (fp32 partial rows stored as whole
-  // lines), data (volatile loads and stores, no fence), flag_lane (flag with the seventh session's per-lane
-  // stores: the A/B).
+  // ll.combine_wait (bench/NOTES.md, 'LL combine, the rows as the signal'): flag (fp32 partial rows stored as
+  // whole lines), data (volatile loads and stores, no fence), flag_lane (flag with per-lane stores, kept for
+  // comparison).
   const std::string& wait = config.ll_combine_wait;
   launch.combine_data = wait == "data";
   launch.combine_lane = wait == "flag_lane";

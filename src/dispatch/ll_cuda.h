@@ -66,7 +66,7 @@
 //     message's routing, the source's count and the call number in one round trip (no block-wide
 //     prefix), then every local row of the run at once; its receive takes (token, run of 2 chunks);
 //     the dispatch expansion takes (message, run of 2 chunks). Runs are sized so one round covers
-//     the grid (bench/NOTES.md, fifth session).
+//     the grid (bench/NOTES.md, 'LL combine runs').
 //
 // Protocol: call n of each part (dispatch/combine, send/recv) is derived on the device from a
 // per-object counter of finished blocks (n = counter / B), and flags are monotonic (n + 1 after

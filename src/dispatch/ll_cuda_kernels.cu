@@ -56,7 +56,7 @@ __device__ __forceinline__ uint32_t count_tag(unsigned long long call) { return 
 /// ll.signal = chunk: the slot-token word of call n, (n + 1 mod 2^32) << 32 | t (t < 2^31, or
 /// kLlNoToken). These words are stored only for the slots that carry a message (and one scrubbed slot per
 /// call, ll_scrub_slot), so unlike the count words a slot's word can be many calls old: a two-valued
-/// tag would let call n - 4's token pass as call n's (seventh session). Accepted only when its high
+/// tag would let call n - 4's token pass as call n's. Accepted only when its high
 /// half equals call n's: a stale word is from a call m < n of the same parity whose word was not
 /// rewritten since, and n - m <= 2 max_T < 2^32 because every call rewrites slot ll_scrub_slot(n) (a
 /// token or kLlNoToken), which visits every slot of a parity within max_T calls of that parity.
@@ -147,7 +147,7 @@ __device__ __forceinline__ unsigned long long ld_volatile_u64(const void* p) {
   return v;
 }
 /// x / b for the call counters (x < 2^50, 0 < b <= 1024): a double-precision quotient and one
-/// correction each way, instead of the 64-bit integer division sequence (sixth session).
+/// correction each way, instead of the 64-bit integer division sequence.
 __device__ __forceinline__ unsigned long long div_blocks(unsigned long long x, unsigned b) {
   unsigned long long q = static_cast<unsigned long long>(__dmul_rz(static_cast<double>(x), __drcp_rn(static_cast<double>(b))));
   if (q * b > x) --q;
@@ -284,7 +284,7 @@ __device__ __forceinline__ float round_up_pow2(float s) {
 /// __fdiv_rn(a, b) wherever |a / b| >= 2^-12 (Markstein's theorem: y within half an ulp, q within
 /// one); below that the residual can underflow and the last bit may differ, but such quotients
 /// convert to the same e4m3 value, a zero of a's sign (checked against IEEE division on 6.3e7 random
-/// bf16 inputs and group scales, bench/NOTES.md sixth session). a = -0 keeps its sign (a y).
+/// bf16 inputs and group scales; bench/NOTES.md, 'LL dispatch front, FP8 quotients'). a = -0 keeps its sign (a y).
 __device__ __forceinline__ float quotient_rn(float a, float b, float y) {
   const float q0 = __fmul_rn(a, y);
   const float q1 = __fmaf_rn(__fmaf_rn(-q0, b, a), y, q0);
@@ -357,8 +357,8 @@ __device__ __forceinline__ int chunks_per_run(int nch, int64_t rows, int64_t war
 // kMessage: ll.expand = message (LlCommon::expand_message); the other expansion's code is compiled
 // out (a smaller kernel: its instructions are fetched cold on every SM at every launch).
 // kChunk: ll.signal = chunk (LlCommon::signal_chunk, with kMessage); a template parameter so the
-// other protocols' kernels compile exactly as without it (batches 1-2 of the seventh session: with
-// the chunk code in the same kernel, the block protocol's receive part ran ~2 us slower).
+// other protocols' kernels compile exactly as without it (with the chunk code in the same kernel, the block
+// protocol's receive part runs ~2 us slower; bench/NOTES.md, 'll.signal = chunk').
 template <bool kFp8, int kMaxThreads, bool kMessage, bool kChunk = false>
 __global__ void __launch_bounds__(kMaxThreads, 1) ll_dispatch_kernel(const __grid_constant__ LlDispatchParams p) {
   extern __shared__ __align__(16) uint8_t smem[];
@@ -378,7 +378,7 @@ __global__ void __launch_bounds__(kMaxThreads, 1) ll_dispatch_kernel(const __gri
   uint32_t* s_bm = reinterpret_cast<uint32_t*>(smem) + max_t + static_cast<int64_t>(max_t) * R;  // after s_mask, s_slot
   int32_t* s_pre = reinterpret_cast<int32_t*>(s_bm + static_cast<int64_t>(NI) * Wm);
   int32_t* s_tot = s_pre + static_cast<int64_t>(NI) * Wm;
-  // The front (sixth session, bench/NOTES.md): every load the send part needs first goes out before
+  // The front (bench/NOTES.md, 'LL dispatch front'): every load the send part needs first goes out before
   // anything waits on one: thread 0's call counters and T (three independent loads), the ids of every
   // row that may be read (rows < min(x.shape[0], max_T), so before T is known), one lane per (token,
   // column) with G lanes per token (K rounded up to a power of two), and the warp's first item.
@@ -702,7 +702,7 @@ __global__ void __launch_bounds__(kMaxThreads, 1) ll_dispatch_kernel(const __gri
         float wk = 0.0f, sc[kRunD] = {};
         uint4 a[kRunD] = {}, b2[kRunD] = {};
       };
-      // Items over the capacity R x max_T (sixth session): a warp knows its first item's message before
+      // Items over the capacity R x max_T: a warp knows its first item's message before
       // the counts, so its loads, the message counts and the slot-base counts are one round trip after
       // the wait; items of slots j >= the source's count are skipped (their speculative loads unused).
       const int64_t gwarps = static_cast<int64_t>(gridDim.x) * Wr;
@@ -1088,8 +1088,8 @@ __device__ __forceinline__ void load_partial(const uint8_t* row, int64_t h, floa
 /// per round trip, sums them in column order in fp32 (the arithmetic of gather_columns: acc + w_k *
 /// y_k, separate roundings, column order), and stores the run's partial row to the source: fp32 rows
 /// as whole 128-byte lines per warp instruction (the halves of two lanes' 8 elements exchanged by
-/// shuffles; weak stores, or volatile with kData), unless LlCommon::combine_lane (the seventh
-/// session's per-lane 2 x 16-byte stores, A/B: bench/NOTES.md eighth session).
+/// shuffles; weak stores, or volatile with kData), unless LlCommon::combine_lane (ll.combine_wait = flag_lane:
+/// per-lane 2 x 16-byte stores, kept for comparison; bench/NOTES.md, 'LL combine, where the first ~6 us go').
 template <int kG, int kRun, bool kData>
 __device__ __forceinline__ void combine_send_runs(const LlCombineParams& p, int W, int warp, int lane, bool* gave_up) {
   const LlCommon& c = p.c;

@@ -132,22 +132,22 @@ struct LlCommon {
   bool signal_rank = false;     ///< one completion word per (source, destination), stored by the source's last block
   /// ll.signal = chunk (with expand_message): the counts and each message slot's source token go out
   /// tagged before the payload; the receiver waits per (message, run) item only for the flags of the
-  /// send blocks that stored its chunks (no wait for the whole grid). ll_cuda.h, seventh session.
+  /// send blocks that stored its chunks (no wait for the whole grid); ll_cuda.h.
   bool signal_chunk = false;
   int32_t src_warps[kLlMaxRanks] = {};  ///< warps per block of every source rank (ll.signal = chunk: its item -> block map)
   /// Tests only (LlLaunch::debug_*; 0 / all ones in production). ll.signal = chunk: block 0 of the sender
   /// sleeps this long [ns] before its tagged stores and again before its send items (a receiver then
   /// sees an old slot-token word, and the message's payload late).
   long long debug_block0_delay_ns = 0;
-  /// Tests only: the slot-token tag is (n + 1) & this mask; 3 makes calls n and n - 4 share one, as the
-  /// seventh session's two-valued tag did (the regression test's self-check that it catches that bug).
+  /// Tests only: the slot-token tag is (n + 1) & this mask; 3 makes calls n and n - 4 share one, as a
+  /// two-valued tag would (the regression test's self-check that it catches that bug).
   uint32_t debug_token_tag_mask = 0xffffffffu;
   bool expand_message = false;  ///< sender-ranked slots, (message, chunk) expansion on the receiver
   bool items_run = false;       ///< combine (partial modes): a warp takes a run of chunks of one row (ll.items = run)
   bool combine_data = false;    ///< partial combine: the rows are the signal (ll.combine_wait = data, ll_cuda.h)
-  /// flag (A/B, ll.combine_wait = flag_lane): the fp32 partial rows stored per lane (2 x 16 bytes of a
-  /// lane's 8 elements, the seventh session's pattern) instead of as whole 128-byte lines per warp
-  /// instruction (the default since the eighth session: bench/NOTES.md).
+  /// flag, kept for comparison (ll.combine_wait = flag_lane): the fp32 partial rows stored per lane (2 x 16 bytes
+  /// of a lane's 8 elements) instead of as whole 128-byte lines per warp instruction (the default, by measurement:
+  /// bench/NOTES.md, 'LL combine, where the first ~6 us go').
   bool combine_lane = false;
 };
 
