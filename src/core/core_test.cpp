@@ -113,11 +113,8 @@ TEST(Config, PrecedenceJsonThenEnvAndUnknownKeys) {
   EXPECT_THROW(c.set("timeout_s", "abc"), InvalidArgument);
 }
 
-// experts.fp8_prefill takes 0, 1 and the kernels that remain (8, 10, 17, 23, 27, 29, 30, 31, 33); the removed variants
-// (2-7, 9, 12-15: measured slower, bench/NOTES.md seventh session; 11, eighth; 16, 18, 19: level with 17,
-// and 20, 21: slower, ninth; 22: slower, 26: removed with it unmeasured, 24, 25: level, tenth; 28: slower, eleventh;
-// 32 (2-CTA clusters for the gate_up only): slower than 30, twelfth) are refused
-// with the reason.
+// experts.fp8_prefill takes 0, 1 and the kernels that remain (8, 10, 17, 23, 27, 29, 30, 31, 33); the numbers of
+// variants measured slower or level and removed (bench/NOTES.md, 'FP8 prefill GEMM') are refused with the reason.
 TEST(Config, Fp8PrefillModesRemovedAreRefused) {
   Config c;
   for (int m : {0, 1, 8, 10, 17, 23, 27, 29, 30, 31, 33}) {
@@ -271,10 +268,10 @@ TEST(Config, IntegerRangeAndTheSourceOfABadValueAreNamed) {
   }
 }
 
-// Three holes the eleventh session's breaker found (twelfth session): timeout_s = 1e-300 was taken (a wait no
-// peer can meet: it ends before any step of a peer can land), a number given as a JSON string ("5") was taken,
-// and a key given twice in one JSON object silently kept the last value. Each is now refused, naming the key,
-// the value and the rule, and the Config is left as it was. EPX_* variables still carry numbers as text.
+// Three inputs the Config refuses, naming the key, the value and the rule, and leaving the Config as it was:
+// timeout_s = 1e-300 (a wait no peer can meet: it ends before any step of a peer can land), a number given as a
+// JSON string ("5"), and a key given twice in one JSON object (taking the last would hide the first). EPX_*
+// variables still carry numbers as text.
 TEST(Config, TinyTimeoutStringNumbersAndDuplicateJsonKeysAreRefused) {
   const auto message = [](auto&& fn) { return test::invalid_argument_message(fn); };
   Config c;

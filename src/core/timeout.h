@@ -14,7 +14,7 @@ inline constexpr double kMaxTimeoutS = 1e9;
 
 /// The shortest timeout_s anything accepts [s]: a wait on a peer must outlast one step of the peer (a host
 /// wake-up, a kernel launch, an NCCL round trip: microseconds to milliseconds), so a smaller value is a timeout
-/// that cannot be met (1e-300 s was a 0 ns deadline: every wait timed out at once; twelfth session).
+/// that cannot be met (1e-300 s would be a 0 ns deadline: every wait would time out at once).
 inline constexpr double kMinTimeoutS = 1e-3;
 
 /// Throws InvalidArgument "<op>: <arg> = <value>: <rule>" unless kMinTimeoutS <= timeout_s <= kMaxTimeoutS
