@@ -303,24 +303,24 @@ class CapturedGraph {
 /// --graph: after the rank alignment the GPU idles this long (200 us) before the start event, so the host has
 /// queued the timed replays by then and their launch latency on the host is not in the figure.
 constexpr long long kAlignDelayNs = 200000;
-/// --kernel-time rounds: 1 ms instead. CUPTI's API records slow the host, and with 200 us one rank's graph was
-/// still being queued when the GPUs left the alignment (sixth session, batch 1: one rank's ll dispatch kernel
-/// waited 35-60 us for the other's, p50), which the kernel time of the waiting rank then holds.
+/// --kernel-time rounds: 1 ms instead. CUPTI's API records slow the host, and with 200 us one rank's graph can
+/// still be queued when the GPUs leave the alignment (one rank's ll dispatch kernel then waits tens of us for the
+/// other's), which the kernel time of the waiting rank then holds (bench/NOTES.md, 'kernel time (CUPTI)').
 constexpr long long kKernelAlignDelayNs = 1000000;
 
 /// --graph alignment: host barrier, the delay kernel (the hosts queue the rest meanwhile), *then* the
-/// device-side 1-float all-reduce, so the GPUs leave it within a signal latency of each other. (The
-/// delay after the all-reduce, as before, started on each GPU when its own host launched it: the
-/// host jitter, tens of us, became start skew in the dispatch figure; bench/NOTES.md.)
+/// device-side 1-float all-reduce, so the GPUs leave it within a signal latency of each other. (A
+/// delay after the all-reduce would start on each GPU when its own host launched it: the host jitter,
+/// tens of us, would become start skew in the dispatch figure.)
 void align_ranks_delayed(Group& group, const Tensor& word, Stream stream, long long delay_ns = kAlignDelayNs) {
   group.barrier();
   dispatch::launch_gpu_delay(delay_ns, static_cast<cudaStream_t>(stream.handle));
   group.all_reduce_sum(word.data(), word.data(), 1, DType::fp32, stream);
 }
 
-/// --graph, ll diagnostics (stderr; bench/NOTES.md, fifth session): (1) the launch floor under the
-/// same timing, CUDA events around a graph of one empty kernel of the LL kernels' launch shape, and
-/// of a one-warp kernel; (2) the kernels' per-phase stamps (LlTraceSlot) over 20 untimed rounds with
+/// --graph, ll diagnostics (stderr; bench/NOTES.md, 'LL combine runs, per-phase stamps, the launch floor'):
+/// (1) the launch floor under the same timing, CUDA events around a graph of one empty kernel of the LL kernels'
+/// launch shape, and of a one-warp kernel; (2) the kernels' per-phase stamps (LlTraceSlot) over 20 untimed rounds with
 /// stamp kernels before and after each graph, medians. Collective (the ranks align every round).
 template <class Stamped>
 void ll_diagnostics(dispatch::LlCuda& ll, Group& group, const Tensor& word, Stream stream, IterTimer& timer, Stamped stamped,
@@ -450,7 +450,7 @@ void run_epx_backend_graph(const Job& job, const BenchCase& c, int64_t T, const 
   for (int i = 0; i < iters; ++i) iteration(true, res.dispatch_us, res.combine_us);
   timer.sync();
   kernel_rounds(ktm, *group, iters, iteration, stream, res.kernel);
-  // ll diagnostics (bench/NOTES.md, fifth session): one untimed round with stamp kernels around the graphs.
+  // ll diagnostics: one untimed round with stamp kernels around the graphs.
   auto iteration_stamped = [&](dispatch::LlCuda& ll) {
     align_ranks_delayed(*group, word, stream);
     ll.stamp(dispatch::kTrHostPreDisp, stream);
@@ -1025,7 +1025,7 @@ int report(const BenchOptions& o, const std::vector<BenchCase>& cases, const std
       const bool row_validated = validated && !one_token;
       // --kernel-time (KernelRun): each rank's own p50 / p90 / mean of its calls' kernel sums (and spans), the
       // largest over the ranks; the per-iteration slowest rank's p50 beside it (it also holds the iterations
-      // where one rank's kernel waited for a peer that started late: batch 2 of the sixth session).
+      // where one rank's kernel waited for a peer that started late).
       const int opi = op == "dispatch" ? 0 : 1;
       const KernelRun* kr0 = status == 0 && !jr.ranks.empty() ? (one_token ? &jr.ranks[0].kernel_1tok : &jr.ranks[0].kernel) : nullptr;
       const bool kran = kr0 && kr0->ran;
@@ -1205,7 +1205,7 @@ std::vector<BenchCase> bench_cases() {
 }
 
 Prediction predict(const std::string& case_name, DType dtype, const std::string& backend, const std::string& op, int ranks) {
-  // bench/NOTES.md, "2026-11-30: NCCL host-collective backends on CUDA (issue 3), 2 ranks"; ranges
+  // bench/NOTES.md, 'NCCL host-collective backends on CUDA'; ranges
   // there, their midpoints here. 2 ranks only: nothing was written down for other R.
   if (ranks != 2) return {};
   const bool disp = op == "dispatch";

@@ -46,7 +46,7 @@
 //   kernel_us_p50/p90/mean sum of the call's kernel durations, us (each rank's statistic, the largest)
 //   kernel_us_p50_slowest_rank_per_iteration  p50 over the iterations of the slower rank's sum: it also holds
 //                          the iterations where a rank's kernel waited for a peer that started late (in the
-//                          CUPTI rounds one rank often does; sixth session batch 2, bench/NOTES.md)
+//                          CUPTI rounds one rank often does; bench/NOTES.md, 'kernel time (CUPTI)')
 //   kernel_span_us_p50/p90 last kernel end - first kernel start of the call, us (as kernel_us)
 //   kernel_us_p50_per_rank each rank's own p50 of kernel_us
 //   kernel_gbps            the row's accounting (deepep-ll / deepep-ht) bytes per rank / kernel_us_p50

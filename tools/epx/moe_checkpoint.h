@@ -2,7 +2,7 @@
 // shape, router and weights from a Hugging Face checkpoint (include/epx/checkpoint.h) instead of
 // a preset with random weights, and hidden states from a file instead of random ones. The hooks
 // below are what build_workload (moe_run.cpp) and the GPU path (moe_cuda_run.cpp) call; without
-// --checkpoint / --hidden they return the preset and MoEWeights::random as before.
+// --checkpoint / --hidden they return the preset and MoEWeights::random.
 #pragma once
 
 #include <CLI/CLI.hpp>
