@@ -1,12 +1,15 @@
 // tests/docs_test.cpp: the docs keep telling the same story as the code (STYLE.md §5, §10):
-// docs/architecture.md names every src/ folder and every public interface header, and getenv
-// appears nowhere in src/ but src/core/config.cpp.
+// docs/architecture.md names every src/ folder and every public interface header, getenv
+// appears nowhere in src/ but src/core/config.cpp, and the product carries no lab notes (issue 27).
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cctype>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
 #include <string>
+#include <vector>
 
 namespace fs = std::filesystem;
 
@@ -18,6 +21,56 @@ std::string read(const fs::path& p) {
   std::stringstream ss;
   ss << f.rdbuf();
   return ss.str();
+}
+
+bool word_char(char c) { return std::isalnum(static_cast<unsigned char>(c)) != 0 || c == '_'; }
+bool digits(const std::string& s, size_t pos, size_t n) {
+  for (size_t i = pos; i < pos + n; ++i)
+    if (std::isdigit(static_cast<unsigned char>(s[i])) == 0) return false;
+  return true;
+}
+
+/// What makes `line` a lab note, or "" if nothing does: the word "session" or "sessions" in any case, standing
+/// alone (an identifier that contains it, such as NCCL's ncclLsaBarrierSession, does not count), or an ISO date
+/// (YYYY-MM-DD). Those belong in bench/NOTES.md, the lab notebook; the product says what the code does and
+/// why, in the present tense, and cites a NOTES.md section where a default's history matters.
+std::string lab_note(const std::string& line) {
+  static const std::string kWord = std::string("sess") + "ion";  // in pieces, so that this file holds no hit
+  std::string low(line);
+  std::transform(low.begin(), low.end(), low.begin(), [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+  for (size_t p = low.find(kWord); p != std::string::npos; p = low.find(kWord, p + 1)) {
+    size_t end = p + kWord.size();
+    if (end < low.size() && low[end] == 's') ++end;
+    if ((p == 0 || !word_char(low[p - 1])) && (end == low.size() || !word_char(low[end])))
+      return "the word '" + line.substr(p, end - p) + "'";
+  }
+  for (size_t p = 0; p + 10 <= line.size(); ++p) {
+    if (p > 0 && word_char(line[p - 1])) continue;
+    if (digits(line, p, 4) && line[p + 4] == '-' && digits(line, p + 5, 2) && line[p + 7] == '-' && digits(line, p + 8, 2) &&
+        (p + 10 == line.size() || !word_char(line[p + 10])))
+      return "the date " + line.substr(p, 10);
+  }
+  return "";
+}
+
+/// Appends "file:line: what: text" for every lab note in `file` to `hits`.
+void find_lab_notes(const fs::path& file, std::vector<std::string>& hits) {
+  std::istringstream in(read(file));
+  std::string line;
+  for (int n = 1; std::getline(in, line); ++n) {
+    const std::string what = lab_note(line);
+    if (what.empty()) continue;
+    const size_t first = line.find_first_not_of(" \t");
+    std::string text = first == std::string::npos ? line : line.substr(first);
+    if (text.size() > 140) text = text.substr(0, 140) + " ...";
+    hits.push_back(file.lexically_relative(kRoot).string() + ":" + std::to_string(n) + ": " + what + ": " + text);
+  }
+}
+
+std::string lines(const std::vector<std::string>& v) {
+  std::string s;
+  for (const auto& x : v) s += "  " + x + "\n";
+  return s;
 }
 }  // namespace
 
@@ -68,4 +121,48 @@ TEST(Docs, ReadmeGivesTheTwoCommands) {
   EXPECT_TRUE(fs::exists(kRoot / "scripts" / "run-main.sh"));
   EXPECT_TRUE(fs::exists(kRoot / "scripts" / "run-tests.sh"));
   EXPECT_TRUE(fs::exists(kRoot / ".ci" / "run"));
+}
+
+// Issue 27, "product, not lab": the code, its comments, docstrings and help text, and the docs carry no
+// session numbers and no dates (bench/NOTES.md does). Every source and markdown file of the product is read.
+TEST(Docs, NoLabNotesInTheProduct) {
+  std::vector<std::string> hits;
+  int files = 0;
+  for (const char* dir : {"src", "include", "python/epx", "python/src", "tools/epx", "docs"}) {
+    ASSERT_TRUE(fs::is_directory(kRoot / dir)) << dir;
+    for (const auto& e : fs::recursive_directory_iterator(kRoot / dir)) {
+      if (!e.is_regular_file()) continue;
+      const std::string ext = e.path().extension().string();
+      if (ext != ".cpp" && ext != ".h" && ext != ".cu" && ext != ".cuh" && ext != ".hpp" && ext != ".cc" && ext != ".py" &&
+          ext != ".md" && ext != ".txt")
+        continue;
+      ++files;
+      find_lab_notes(e.path(), hits);
+    }
+  }
+  EXPECT_GT(files, 0);
+  EXPECT_TRUE(hits.empty()) << hits.size() << " lines read like lab notes (say what the code does and why; the "
+                            << "history goes to bench/NOTES.md, cited at most once per knob):\n"
+                            << lines(hits);
+}
+
+// The README is the product's front page: the same rule.
+TEST(Docs, NoLabNotesInTheReadme) {
+  std::vector<std::string> hits;
+  ASSERT_TRUE(fs::exists(kRoot / "README.md"));
+  find_lab_notes(kRoot / "README.md", hits);
+  EXPECT_TRUE(hits.empty()) << hits.size() << " lines of README.md read like lab notes (the history goes to "
+                            << "bench/NOTES.md):\n"
+                            << lines(hits);
+}
+
+// The scanner itself: what counts as a lab note and what does not.
+TEST(Docs, LabNoteScannerFindsWordsAndDates) {
+  const std::string w = std::string("Sess") + "ion";
+  EXPECT_NE(lab_note("// measured in the seventh " + w + "s"), "");
+  EXPECT_NE(lab_note("// (" + w + " 7)"), "");
+  EXPECT_NE(lab_note("batch of 2026-11-30: 3 us"), "");
+  EXPECT_EQ(lab_note("ncclLsaBarrier" + w + "<ncclCoopCta> bar"), "");
+  EXPECT_EQ(lab_note("a " + w + "_id or " + w + "less value"), "");
+  EXPECT_EQ(lab_note("shape 4096-128-64 and 12026-11-30x"), "");
 }
