@@ -413,7 +413,7 @@ TEST(ModularMoESharedShard, OnlyWhenDpAboveOneOnGatheringBackends) {
   EXPECT_EQ(r.counters[0].shared_separate, 1);
   EXPECT_EQ(r.counters[0].shared_sharded, 0);
   EXPECT_EQ(r.gate[0], 0);  // the option overrides both gates
-  // Default gate of a sharded layer: Config::fhmoe_max_tokens_sharded = 0 (ninth session's sweep):
+  // Default gate of a sharded layer: Config::fhmoe_max_tokens_sharded = 0 (bench/NOTES.md, the sharded gate sweep):
   // M = 6 > 0, so the chunk runs the shared expert separately, whole, not sharded.
   Case d{.preset = "qwen1.5-moe-a2.7b-mini", .backend = "allgather_reducescatter", .tokens = {4, 6}, .seed = 7};
   const Outcome q = run_case(d);

@@ -81,7 +81,7 @@ void add_bench_command(CLI::App& root, BenchCommand& cmd) {
       "predictions; nccl_a2a_raw is the virtual group's all-to-all; --kernel-time unavailable).\n"
       "Exit status: 0 every epx backend that ran validated, 1 otherwise, 2 a bad flag.\n"
       "Examples:\n"
-      "  epx bench --case ll-v3 --backend all --ranks 2 --json bench/results/h200x2/bench-ll-v3.json\n"
+      "  epx bench --case ll-v3 --backend all --ranks 2 --json bench-ll-v3.json\n"
       "  epx bench --case ht-v3 --backend all2allv --ranks 2 --routing zipf\n"
       "  epx bench --device cpu --case ll-v3 --ranks 2 --iters 5\n"
       "  epx bench --device cuda --case ll-v3 --backend all --ranks 2 --iters 20   (one GPU: 2 virtual ranks)");
