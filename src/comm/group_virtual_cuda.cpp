@@ -147,7 +147,11 @@ class VirtualCudaGroup final : public comm::ThreadWorldGroup {
       EPX_CUDA_CHECK(cudaDeviceSynchronize());
     }
     check_device_timeout(op);
-    world_->collective(rank_, op, {}, [] {}, [] {});
+    // Between the phases no rank has work in flight (each synchronised the device before arriving)
+    // and none launches any: rank 0 frees what the ranks' Tensors released since the last barrier.
+    world_->collective(rank_, op, {}, [] {}, [&] {
+      if (rank_ == 0) cuda::free_deferred();
+    });
   }
 
   void all_gather(const void* send, void* recv, int64_t bytes_per_rank, Stream stream) override {
@@ -282,7 +286,7 @@ class VirtualCudaGroup final : public comm::ThreadWorldGroup {
     void* mem = nullptr;
     const size_t sz = static_cast<size_t>((std::max<int64_t>(bytes, 1) + 255) / 256 * 256);
     EPX_CUDA_CHECK(cudaMalloc(&mem, sz));
-    // Freed like a Tensor (the reaper thread while virtual ranks are live: cudaFree waits for the device).
+    // Freed like a Tensor (held back while virtual ranks are live: cudaFree waits for the device).
     std::shared_ptr<void> mine(mem, [device](void* q) { device_allocator(DeviceKind::cuda)->free(q, device); });
     EPX_CUDA_CHECK(cudaMemsetAsync(mem, 0, sz, internal_));
     EPX_CUDA_CHECK(cudaStreamSynchronize(internal_));

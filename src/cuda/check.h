@@ -37,11 +37,13 @@ inline cudaStream_t native(Stream s) { return static_cast<cudaStream_t>(s.handle
 /// then asks the driver directly instead of a child process). Throws CudaError.
 void set_device(int device);
 
-/// While virtual ranks are live in this process (between begin and end, counted), Tensor frees go
-/// to a background thread: cudaFree waits for the whole device, so a rank's thread must not call it
-/// while a peer's kernel on the same GPU may wait for this rank's next kernel.
+/// While virtual ranks are live in this process (between begin and end, counted), Tensor frees are
+/// held back: cudaFree waits for the whole device, and a rank's peers may have kernels in flight
+/// that wait for this rank's next one. free_deferred() frees them; call it only where no rank has
+/// work in flight (the virtual group's barrier does, between its phases); the last end() calls it.
 void virtual_ranks_begin();
 void virtual_ranks_end();
+void free_deferred();
 
 /// Makes `device` current for its scope and restores the previous device after.
 class DeviceGuard {

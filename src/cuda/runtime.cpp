@@ -10,13 +10,11 @@
 #include <unistd.h>
 
 #include <atomic>
-#include <condition_variable>
 #include <csignal>
-#include <deque>
 #include <mutex>
 #include <string>
-#include <thread>
 #include <utility>
+#include <vector>
 
 #include "cuda/check.h"
 #include "epx/cuda.h"
@@ -73,49 +71,31 @@ void* device_alloc(int64_t bytes, int device) {
   return p;
 }
 
-// Frees handed over while virtual ranks are live (the reaper thread below).
-struct Reaper {
+// Frees held back while virtual ranks are live (free_deferred below).
+struct Deferred {
   std::mutex mu;
-  std::condition_variable cv;
-  std::deque<std::pair<void*, int>> queue;
-  bool started = false;
+  std::vector<std::pair<void*, int>> list;
 };
-Reaper& reaper() {
-  static Reaper* r = new Reaper();  // never destroyed: the thread may outlive static destruction
-  return *r;
+Deferred& deferred() {
+  static Deferred* d = new Deferred();  // never destroyed: frees may come during static destruction
+  return *d;
 }
 std::atomic<int> g_virtual_worlds{0};
 
 void free_now(void* p, int device);
 
-void reaper_loop() {
-  Reaper& r = reaper();
-  std::unique_lock<std::mutex> lk(r.mu);
-  for (;;) {
-    r.cv.wait(lk, [&] { return !r.queue.empty(); });
-    const auto [p, device] = r.queue.front();
-    r.queue.pop_front();
-    lk.unlock();
-    free_now(p, device);
-    lk.lock();
-  }
-}
-
 // Runs inside shared_ptr deleters: never throws, reports failures in the log.
 //
-// cudaFree waits for the whole device. With virtual ranks (several ranks' threads on one GPU) a rank
-// that frees between two of its kernels would wait for a peer's kernel that waits for this rank's
-// next one: the free goes to a reaper thread instead, which waits for the device in its place.
+// cudaFree waits for the whole device. With virtual ranks (several ranks' threads on one GPU) a
+// rank that frees between two of its kernels would wait for a peer's kernel that waits for this
+// rank's next one; a free on another thread may hold the driver while it waits, stalling the
+// peers' launches. So while virtual ranks are live, frees are held back until a point where no
+// rank has work in flight (free_deferred: the virtual group's barrier, the last world's end).
 void device_free(void* p, int device) {
   if (g_virtual_worlds.load(std::memory_order_acquire) > 0) {
-    Reaper& r = reaper();
-    std::lock_guard<std::mutex> lk(r.mu);
-    if (!r.started) {
-      std::thread(reaper_loop).detach();
-      r.started = true;
-    }
-    r.queue.emplace_back(p, device);
-    r.cv.notify_one();
+    Deferred& d = deferred();
+    std::lock_guard<std::mutex> lk(d.mu);
+    d.list.emplace_back(p, device);
     return;
   }
   free_now(p, device);
@@ -203,7 +183,18 @@ int probe_device_count_in_child() {
 }  // namespace
 
 void virtual_ranks_begin() { g_virtual_worlds.fetch_add(1, std::memory_order_acq_rel); }
-void virtual_ranks_end() { g_virtual_worlds.fetch_sub(1, std::memory_order_acq_rel); }
+void virtual_ranks_end() {
+  if (g_virtual_worlds.fetch_sub(1, std::memory_order_acq_rel) == 1) free_deferred();
+}
+void free_deferred() {
+  std::vector<std::pair<void*, int>> list;
+  {
+    Deferred& d = deferred();
+    std::lock_guard<std::mutex> lk(d.mu);
+    list.swap(d.list);
+  }
+  for (const auto& [p, device] : list) free_now(p, device);
+}
 
 DeviceGuard::DeviceGuard(int device) {
   mark_used();
