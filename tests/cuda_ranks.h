@@ -28,6 +28,18 @@
 #ifdef EPX_WITH_CUDA
 namespace epx::test {
 
+/// This rank's stream, created cudaStreamNonBlocking (it never waits for another rank's work on the
+/// legacy stream) and destroyed at scope exit.
+struct RankStream {
+  cudaStream_t s = nullptr;
+  RankStream() { cuda_ok(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "stream"); }
+  ~RankStream() {
+    if (s) (void)cudaStreamDestroy(s);
+  }
+  RankStream(const RankStream&) = delete;
+  RankStream& operator=(const RankStream&) = delete;
+};
+
 /// True when R ranks run as virtual ranks here: fewer than R GPUs, or EPX_TEST_VIRTUAL_RANKS=1.
 inline bool virtual_ranks_for(int R) {
   const char* force = std::getenv("EPX_TEST_VIRTUAL_RANKS");

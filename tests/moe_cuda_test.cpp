@@ -90,17 +90,7 @@ void say_where(int R) {
   std::fflush(stdout);
 }
 
-/// This rank's stream: cudaStreamNonBlocking (never waits for another rank's legacy-stream work),
-/// destroyed at scope exit.
-struct RankStream {
-  cudaStream_t s = nullptr;
-  RankStream() { cuda_ok(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "stream"); }
-  ~RankStream() {
-    if (s) (void)cudaStreamDestroy(s);
-  }
-  RankStream(const RankStream&) = delete;
-  RankStream& operator=(const RankStream&) = delete;
-};
+using test::RankStream;
 
 /// Throws this rank's failures ("" = none), after printing them: on virtual ranks only the first
 /// rank's exception comes back from run_ranks, so every rank's own list goes to stderr too.

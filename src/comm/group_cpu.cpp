@@ -49,14 +49,7 @@ class CpuGroup final : public comm::ThreadWorldGroup {
   World& world() override { return *world_; }
   double timeout_s() const override { return world_->timeout_s(); }
   const std::shared_ptr<World>& world_ptr() const { return world_; }
-  NodeLayout node_layout() const override {
-    if (ranks_per_node_ <= 0) return Group::node_layout();
-    std::vector<int64_t> keys(static_cast<size_t>(size()));
-    for (int r = 0; r < size(); ++r) keys[static_cast<size_t>(r)] = r / ranks_per_node_;
-    NodeLayout l = NodeLayout::from_keys(keys, rank_);
-    l.lsa_size = l.local_size;  // shared memory: every rank of a (virtual) node is load/store accessible
-    return l;
-  }
+  NodeLayout node_layout() const override { return comm::thread_node_layout(size(), ranks_per_node_, rank_); }
 
   void barrier() override {
     world_->collective(rank_, "group.barrier", {}, [] {}, [] {});

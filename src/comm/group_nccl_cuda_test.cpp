@@ -308,16 +308,7 @@ std::string on_ranks(int R, double deadline_s, const std::function<void(int, con
       timeout_s);
 }
 
-/// This rank's stream: cudaStreamNonBlocking, destroyed at scope exit.
-struct RankStream {
-  cudaStream_t s = nullptr;
-  RankStream() { cuda_ok(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "stream"); }
-  ~RankStream() {
-    if (s) (void)cudaStreamDestroy(s);
-  }
-  RankStream(const RankStream&) = delete;
-  RankStream& operator=(const RankStream&) = delete;
-};
+using test::RankStream;
 
 /// Group semantics at R ranks (1, 2, 4, 8).
 class GroupCuda : public ::testing::TestWithParam<int> {};

@@ -250,6 +250,18 @@ class World {
   std::string abort_reason_;
 };
 
+/// The node layout of rank `rank` of R thread ranks: one node (ranks_per_node <= 0), or R /
+/// ranks_per_node nodes of consecutive ranks; every rank of a node is load/store accessible (one
+/// process: shared host memory, or one device).
+inline NodeLayout thread_node_layout(int num_ranks, int ranks_per_node, int rank) {
+  std::vector<int64_t> keys(static_cast<size_t>(num_ranks), 0);
+  if (ranks_per_node > 0)
+    for (int r = 0; r < num_ranks; ++r) keys[static_cast<size_t>(r)] = r / ranks_per_node;
+  NodeLayout l = NodeLayout::from_keys(keys, rank);
+  l.lsa_size = l.local_size;
+  return l;
+}
+
 /// A Group whose ranks are threads sharing one World (run_ranks aborts it when a rank throws).
 class ThreadWorldGroup : public Group {
  public:

@@ -60,17 +60,7 @@ using namespace epx::test;
 
 namespace {
 
-/// This rank's stream: cudaStreamNonBlocking, so it never waits for another rank's work on the legacy
-/// stream; destroyed at scope exit.
-struct RankStream {
-  cudaStream_t s = nullptr;
-  RankStream() { cuda_ok(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "stream"); }
-  ~RankStream() {
-    if (s) (void)cudaStreamDestroy(s);
-  }
-  RankStream(const RankStream&) = delete;
-  RankStream& operator=(const RankStream&) = delete;
-};
+using test::RankStream;
 
 /// Tokens per rank for R ranks: `pattern` repeated from rank 0.
 std::vector<int64_t> per_rank(int R, const std::vector<int64_t>& pattern) {

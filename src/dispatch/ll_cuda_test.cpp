@@ -57,17 +57,7 @@ using namespace epx::test;
 
 namespace {
 
-/// This rank's stream: cudaStreamNonBlocking, so it never waits for another rank's work on the legacy
-/// stream; destroyed at scope exit.
-struct RankStream {
-  cudaStream_t s = nullptr;
-  RankStream() { cuda_ok(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "stream"); }
-  ~RankStream() {
-    if (s) (void)cudaStreamDestroy(s);
-  }
-  RankStream(const RankStream&) = delete;
-  RankStream& operator=(const RankStream&) = delete;
-};
+using test::RankStream;
 
 /// Waits for this thread's legacy-stream memsets / copies (they do not order a cudaStreamNonBlocking
 /// stream, and a pageable upload may return before its DMA lands); not for the device: on virtual
