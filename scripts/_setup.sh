@@ -36,11 +36,14 @@ epx_install_packages() {
   "${sudo[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${missing[@]}"
 }
 
+# epx_build [target...]: configure, then build the targets given (default: everything).
 epx_build() {
   # shellcheck disable=SC2086  # CMAKE_ARGS is a word list on purpose
   local py=(-DEPX_PYTHON="${PYTHON_BINDINGS:-ON}")
   local python="${PYTHON:-/usr/bin/python3}"
   [ -x "$python" ] && py+=(-DPython3_EXECUTABLE="$python")
   cmake -S "$EPX_ROOT" -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release "${py[@]}" ${CMAKE_ARGS:-} >/dev/null
-  cmake --build "$BUILD_DIR" -j "${JOBS:-$(nproc)}"
+  local targets=()
+  [ $# -gt 0 ] && targets=(--target "$@")
+  cmake --build "$BUILD_DIR" -j "${JOBS:-$(nproc)}" "${targets[@]}"
 }
