@@ -15,11 +15,15 @@
 // not processes: nothing written from the body is private to the rank).
 #pragma once
 
+#include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <memory>
+#include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "epx/cuda.h"
 #include "epx/group.h"
@@ -45,6 +49,31 @@ inline bool virtual_ranks_for(int R) {
   const char* force = std::getenv("EPX_TEST_VIRTUAL_RANKS");
   if (force && std::strcmp(force, "1") == 0) return true;
   return cuda::device_count() < R;
+}
+
+/// True when the machine has a GPU (virtual ranks need one).
+inline bool has_gpu() { return cuda::device_count() >= 1; }
+
+/// Tokens per rank for R ranks: `pattern` repeated from rank 0.
+inline std::vector<int64_t> per_rank(int R, const std::vector<int64_t>& pattern) {
+  std::vector<int64_t> T(static_cast<size_t>(R));
+  for (int r = 0; r < R; ++r) T[static_cast<size_t>(r)] = pattern[static_cast<size_t>(r) % pattern.size()];
+  return T;
+}
+
+/// One line naming where R ranks run (in the test log).
+inline void say_where(int R) {
+  std::printf("%d rank%s: %s\n", R, R == 1 ? "" : "s", virtual_ranks_for(R) ? "virtual ranks on GPU 0" : "one GPU per rank (NCCL)");
+  std::fflush(stdout);
+}
+
+/// Throws this rank's failures ("" = none), after printing them: on virtual ranks only the first
+/// rank's exception comes back from run_ranks, so every rank's own list goes to stderr too.
+inline void throw_failures(int rank, const std::string& failures) {
+  if (failures.empty()) return;
+  std::fprintf(stderr, "[rank %d] %s\n", rank, failures.c_str());
+  std::fflush(stderr);
+  throw std::runtime_error("rank " + std::to_string(rank) + ": " + failures);
 }
 
 /// "" when every rank of R returned within deadline_s, else what failed. timeout_s bounds the

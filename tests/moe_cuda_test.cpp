@@ -70,13 +70,6 @@ std::shared_ptr<const MoEWeights> weights_for(const std::string& name, int R = 2
   return w;
 }
 
-/// Tokens per rank for R ranks: `pattern` repeated from rank 0 (R = 2 takes its first two).
-std::vector<int64_t> per_rank(int R, const std::vector<int64_t>& pattern) {
-  std::vector<int64_t> T(static_cast<size_t>(R));
-  for (int r = 0; r < R; ++r) T[static_cast<size_t>(r)] = pattern[static_cast<size_t>(r) % pattern.size()];
-  return T;
-}
-
 /// "{5,0,3,8}"
 std::string list_text(const std::vector<int64_t>& v) {
   std::string s = "{";
@@ -84,22 +77,10 @@ std::string list_text(const std::vector<int64_t>& v) {
   return s + "}";
 }
 
-/// One line naming where R ranks run (in the test log).
-void say_where(int R) {
-  std::printf("%d ranks: %s\n", R, virtual_ranks_for(R) ? "virtual ranks on GPU 0" : "one GPU per rank (NCCL)");
-  std::fflush(stdout);
-}
-
 using test::RankStream;
-
-/// Throws this rank's failures ("" = none), after printing them: on virtual ranks only the first
-/// rank's exception comes back from run_ranks, so every rank's own list goes to stderr too.
-void throw_failures(int rank, const std::string& failures) {
-  if (failures.empty()) return;
-  std::fprintf(stderr, "[rank %d] %s\n", rank, failures.c_str());
-  std::fflush(stderr);
-  throw std::runtime_error("rank " + std::to_string(rank) + ": " + failures);
-}
+using test::per_rank;
+using test::throw_failures;
+using test::say_where;
 
 /// Per-rank inputs [T_r rows] and the reference of the concatenated rows.
 struct Inputs {

@@ -161,28 +161,10 @@ class CpuGroup final : public comm::ThreadWorldGroup {
     if (!mem) throw Error("group.alloc_symmetric: cannot allocate " + std::to_string(bytes) + " bytes on cpu");
     std::memset(mem, 0, sz);
     std::shared_ptr<void> mine(mem, [](void* q) { std::free(q); });
-    auto owners = std::make_shared<std::vector<std::shared_ptr<void>>>(static_cast<size_t>(size()));
-    SymmetricBuffer buf;
-    buf.local = mem;
-    buf.bytes = bytes;
-    buf.peers.resize(static_cast<size_t>(size()));
-    Posted p;
-    p.n = bytes;
-    p.owner = &mine;
-    world_->collective(
-        rank_, "group.alloc_symmetric", p, [&] { world_->check_same_n("group.alloc_symmetric", "bytes"); },
-        [&] {
-          // Every rank co-owns every piece, so the buffer outlives any destruction order of the groups.
-          for (int r = 0; r < size(); ++r) {
-            (*owners)[static_cast<size_t>(r)] = *world_->posted[static_cast<size_t>(r)].owner;
-            buf.peers[static_cast<size_t>(r)] = (*owners)[static_cast<size_t>(r)].get();
-          }
-        });
-    buf.owner = owners;
-    return buf;
+    return world_->share_symmetric(rank_, "group.alloc_symmetric", bytes, std::move(mine));
   }
 
-   std::shared_ptr<World> world_;
+  std::shared_ptr<World> world_;
   int rank_;
   int ranks_per_node_ = 0;  ///< 0: one node (the default layout)
 };

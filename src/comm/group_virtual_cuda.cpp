@@ -283,24 +283,7 @@ class VirtualCudaGroup final : public comm::ThreadWorldGroup {
     std::shared_ptr<void> mine(mem, [device](void* q) { device_allocator(DeviceKind::cuda)->free(q, device); });
     EPX_CUDA_CHECK(cudaMemsetAsync(mem, 0, sz, internal_));
     EPX_CUDA_CHECK(cudaStreamSynchronize(internal_));
-    auto owners = std::make_shared<std::vector<std::shared_ptr<void>>>(static_cast<size_t>(size()));
-    SymmetricBuffer buf;
-    buf.local = mem;
-    buf.bytes = bytes;
-    buf.peers.resize(static_cast<size_t>(size()));
-    Posted p;
-    p.n = bytes;
-    p.owner = &mine;
-    world_->collective(rank_, op, p, [&] { world_->check_same_n(op, "bytes"); },
-                       [&] {
-                         // Every rank co-owns every piece: the buffer outlives any destruction order of the groups.
-                         for (int r = 0; r < size(); ++r) {
-                           (*owners)[static_cast<size_t>(r)] = *world_->posted[static_cast<size_t>(r)].owner;
-                           buf.peers[static_cast<size_t>(r)] = (*owners)[static_cast<size_t>(r)].get();
-                         }
-                       });
-    buf.owner = owners;
-    return buf;
+    return world_->share_symmetric(rank_, op, bytes, std::move(mine));
   }
 
  private:

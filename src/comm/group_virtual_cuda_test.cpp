@@ -38,13 +38,12 @@ namespace {
 #ifdef EPX_WITH_CUDA
 
 using test::cuda_ok;
+using test::has_gpu;
 using test::run_ranks_forked;
 
 void require(bool ok, const std::string& what) {
   if (!ok) throw std::runtime_error(what);
 }
-
-bool has_gpu() { return cuda::device_count() >= 1; }
 
 /// fn(rank, group) on R virtual ranks in one forked child; "" on success.
 std::string on_virtual_ranks(int R, const std::function<void(int, const std::shared_ptr<Group>&)>& fn, double timeout_s = 30.0,

@@ -223,6 +223,29 @@ class World {
       }
   }
 
+  /// alloc_symmetric's exchange: rank `rank` posts its allocation `mine` of `bytes` (all ranks must
+  /// agree on bytes) and gets the buffer whose peers[r] is rank r's. Every rank co-owns every piece,
+  /// so the buffer outlives any destruction order of the groups.
+  SymmetricBuffer share_symmetric(int rank, const char* op, int64_t bytes, std::shared_ptr<void> mine) {
+    auto owners = std::make_shared<std::vector<std::shared_ptr<void>>>(static_cast<size_t>(num_ranks_));
+    SymmetricBuffer buf;
+    buf.local = mine.get();
+    buf.bytes = bytes;
+    buf.peers.resize(static_cast<size_t>(num_ranks_));
+    Posted p;
+    p.n = bytes;
+    p.owner = &mine;
+    collective(rank, op, p, [&] { check_same_n(op, "bytes"); },
+               [&] {
+                 for (int r = 0; r < num_ranks_; ++r) {
+                   (*owners)[static_cast<size_t>(r)] = *posted[static_cast<size_t>(r)].owner;
+                   buf.peers[static_cast<size_t>(r)] = (*owners)[static_cast<size_t>(r)].get();
+                 }
+               });
+    buf.owner = owners;
+    return buf;
+  }
+
   std::vector<Posted> posted;  // slot r written only by rank r, read by all between the phases
 
  private:

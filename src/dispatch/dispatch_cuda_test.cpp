@@ -58,6 +58,8 @@ using namespace epx::test;
 
 namespace {
 
+using test::has_gpu;
+
 const std::vector<std::string> kBackends = {"naive", "allgather_reducescatter", "all2allv"};
 const std::vector<std::string> kNodeBackends = {"ll", "ht"};  // flat on one node, hierarchical across nodes
 
@@ -887,8 +889,6 @@ void run_stopped_rank(int R, const std::string& name, int stopped) {
       kGroupTimeoutS);
   EXPECT_EQ(failed, "") << name << ", R = " << R << ", rank " << stopped << " stopped";
 }
-
-bool has_gpu() { return cuda::device_count() >= 1; }
 
 // ---- the tests: every multi-rank case at R = 2, 4 and 8 (virtual ranks where GPUs are short) ----
 

@@ -61,30 +61,10 @@ using namespace epx::test;
 namespace {
 
 using test::RankStream;
-
-/// Tokens per rank for R ranks: `pattern` repeated from rank 0.
-std::vector<int64_t> per_rank(int R, const std::vector<int64_t>& pattern) {
-  std::vector<int64_t> T(static_cast<size_t>(R));
-  for (int r = 0; r < R; ++r) T[static_cast<size_t>(r)] = pattern[static_cast<size_t>(r) % pattern.size()];
-  return T;
-}
-
-/// Throws this rank's failures ("" = none), after printing them: on virtual ranks only the first rank's
-/// exception comes back from run_ranks, so every rank's own list goes to stderr too.
-void throw_failures(int rank, const std::string& failures) {
-  if (failures.empty()) return;
-  std::fprintf(stderr, "[rank %d] %s\n", rank, failures.c_str());
-  std::fflush(stderr);
-  throw std::runtime_error("rank " + std::to_string(rank) + ": mismatches:\n" + failures);
-}
-
-/// One line naming where R ranks run (in the test log).
-void say_where(int R) {
-  std::printf("%d rank%s: %s\n", R, R == 1 ? "" : "s", virtual_ranks_for(R) ? "virtual ranks on GPU 0" : "one GPU per rank (NCCL)");
-  std::fflush(stdout);
-}
-
-bool has_gpu() { return cuda::device_count() >= 1; }
+using test::per_rank;
+using test::throw_failures;
+using test::say_where;
+using test::has_gpu;
 
 /// SMs of the group's GPU.
 int device_sms(const std::shared_ptr<Group>& g) {

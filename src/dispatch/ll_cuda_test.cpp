@@ -58,34 +58,15 @@ using namespace epx::test;
 namespace {
 
 using test::RankStream;
+using test::per_rank;
+using test::throw_failures;
+using test::say_where;
 
 /// Waits for this thread's legacy-stream memsets / copies (they do not order a cudaStreamNonBlocking
 /// stream, and a pageable upload may return before its DMA lands); not for the device: on virtual
 /// ranks a peer's kernel on this GPU may wait for work this rank has yet to queue.
 void sync_legacy(const char* what) { cuda_ok(cudaStreamSynchronize(cudaStreamLegacy), what); }
 
-
-/// Tokens per rank for R ranks: `pattern` repeated from rank 0.
-std::vector<int64_t> per_rank(int R, const std::vector<int64_t>& pattern) {
-  std::vector<int64_t> T(static_cast<size_t>(R));
-  for (int r = 0; r < R; ++r) T[static_cast<size_t>(r)] = pattern[static_cast<size_t>(r) % pattern.size()];
-  return T;
-}
-
-/// Throws this rank's failures ("" = none), after printing them: on virtual ranks only the first rank's
-/// exception comes back from run_ranks, so every rank's own list goes to stderr too.
-void throw_failures(int rank, const std::string& failures) {
-  if (failures.empty()) return;
-  std::fprintf(stderr, "[rank %d] %s\n", rank, failures.c_str());
-  std::fflush(stderr);
-  throw std::runtime_error("rank " + std::to_string(rank) + ": " + failures);
-}
-
-/// One line naming where R ranks run (in the test log).
-void say_where(int R) {
-  std::printf("%d rank%s: %s\n", R, R == 1 ? "" : "s", virtual_ranks_for(R) ? "virtual ranks on GPU 0" : "one GPU per rank (NCCL)");
-  std::fflush(stdout);
-}
 
 /// What one rank's prepare + finalize produced, reduced to the parts both devices define (valid
 /// rows only: rows >= recv_count[l] are stale by contract).
