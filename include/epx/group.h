@@ -156,7 +156,9 @@ void run_ranks(const std::vector<std::shared_ptr<Group>>& groups, const std::fun
 /// default stream would serialise the ranks' kernels, and kernels that wait on peers would wait on
 /// work queued behind them. ranks_per_gpu() = num_ranks: kernels that wait on peers (ll, ht) take
 /// at most their share of the SMs, and a launch configuration that cannot fit is refused by name at
-/// create. Timings on virtual ranks measure one GPU's memory, not NVLink.
+/// create. While virtual ranks are live, freed CUDA Tensor memory is released at the next barrier()
+/// (or when the last group goes): cudaFree waits for the whole device, which a rank must not do while
+/// a peer's kernel may wait for it. Timings on virtual ranks measure one GPU's memory, not NVLink.
 ///
 /// ranks_per_node > 0 reports num_ranks / ranks_per_node virtual nodes of consecutive ranks (as
 /// make_cpu_groups does), on which ll and ht take their hierarchical path. Throws InvalidArgument
