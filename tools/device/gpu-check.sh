@@ -25,7 +25,7 @@
 #
 # NVLink multicast stays off (NCCL_NVLS_ENABLE=0): on the shared GPU hosts it can take the GPUs out of
 # service. Options (environment): GPU_CHECK_SRC (a source tree to build instead of .carry/src.tar.xz),
-# GPU_CHECK_TARGETS (build only these ninja targets), GPU_CHECK_CPU=0 (skip the CPU label), GPU_CHECK_ONE_GPU=0 (skip the one-GPU pass), GPU_CHECK_SANITIZE=0 (skip compute-sanitizer), GPU_CHECK_FILTER (a ctest -R regex applied to both labels), GPU_CHECK_GPU_JOBS (GPU tests at once, default 1),
+# GPU_CHECK_TARGETS (build only these ninja targets), GPU_CHECK_CPU=0 (skip the CPU label), GPU_CHECK_ONE_GPU=0 (skip the one-GPU pass), GPU_CHECK_SANITIZE=0 (skip compute-sanitizer), GPU_CHECK_FILTER (a ctest -R regex applied to both labels), GPU_CHECK_GPU_JOBS (GPU tests at once, default 1; GPU_CHECK_RERUN=0: no lone rerun of what failed under -j), GPU_CHECK_TEST_LIMIT_S (seconds per GPU test, default 300),
 # GPU_CHECK_CMAKE_ARGS (more cmake -D arguments, e.g. -DEPX_PYTHON=ON: the module then lands in <build>/python/epx),
 # GPU_CHECK_NCCL (an NCCL install with include/ and lib/ instead of the wheel's; for a dry run elsewhere),
 # GPU_CHECK_BENCH=0 (skip the benchmark step), GPU_CHECK_MOE_STEPS (steps of the full-size layers, default 3),
@@ -147,21 +147,21 @@ run() {
     build_rc=$?
   fi
   local t_gpu=$SECONDS gpu_rc=-1 gpu1_rc=-1 cpu_rc=-1 t_gpu1 t_cpu t_end
-  local filter=()
+  local filter=() test_limit="${GPU_CHECK_TEST_LIMIT_S:-300}"
   [ -n "${GPU_CHECK_FILTER:-}" ] && filter=(-R "$GPU_CHECK_FILTER")
   if [ $conf_rc -eq 0 ] && [ "${GPU_CHECK_TESTS:-1}" != 0 ]; then
     # GPU_CHECK_GPU_JOBS=N runs N GPU tests at once (the rendezvous dirs are mkdtemp-unique); a test
     # that fails under -j is rerun alone before it counts as failed (contention must not decide).
-    (cd "$bdir" && ctest -L gpu -V -j "${GPU_CHECK_GPU_JOBS:-1}" --timeout 300 "${filter[@]}") >"$out/gpu.log" 2>&1
+    (cd "$bdir" && ctest -L gpu -V -j "${GPU_CHECK_GPU_JOBS:-1}" --timeout "$test_limit" "${filter[@]}") >"$out/gpu.log" 2>&1
     gpu_rc=$?
-    if [ $gpu_rc -ne 0 ] && [ "${GPU_CHECK_GPU_JOBS:-1}" != 1 ]; then
-      (cd "$bdir" && ctest --rerun-failed -V --timeout 300) >>"$out/gpu.log" 2>&1
+    if [ $gpu_rc -ne 0 ] && [ "${GPU_CHECK_GPU_JOBS:-1}" != 1 ] && [ "${GPU_CHECK_RERUN:-1}" != 0 ]; then
+      (cd "$bdir" && ctest --rerun-failed -V --timeout "$test_limit") >>"$out/gpu.log" 2>&1
       gpu_rc=$?
     fi
   fi
   t_gpu1=$SECONDS
   if [ $conf_rc -eq 0 ] && [ "${GPU_CHECK_ONE_GPU:-1}" != 0 ]; then
-    (cd "$bdir" && CUDA_VISIBLE_DEVICES=0 ctest -L gpu -V --timeout 300 "${filter[@]}") >"$out/gpu1.log" 2>&1
+    (cd "$bdir" && CUDA_VISIBLE_DEVICES=0 ctest -L gpu -V --timeout "$test_limit" "${filter[@]}") >"$out/gpu1.log" 2>&1
     gpu1_rc=$?
   fi
   t_cpu=$SECONDS
