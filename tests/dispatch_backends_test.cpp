@@ -366,7 +366,7 @@ TEST_P(Backend, ConfigDisagreementAndBadConfig) {
 
 TEST_P(Backend, OutOfRuleConfigStructIsRefusedOnEveryRank) {
   // A Config built in C++ (fields set directly, not through Config::set / JSON / EPX_*) reaches the
-  // backends' launch settings unchecked: ll.signal "chunck" ran block signalling, ht.chunk_rows = 0 divided by
+  // backends' launch settings unchecked: ll.combine_wait "flags" ran a mode nobody asked for, ht.chunk_rows = 0 divided by
   // zero in ht's CUDA combine. make_prepare_finalize(name, group, cfg, config) must refuse it with the rule
   // validate() names, on every rank (also when only one rank's Config is bad), before anything is built; the
   // group stays usable.
@@ -377,7 +377,7 @@ TEST_P(Backend, OutOfRuleConfigStructIsRefusedOnEveryRank) {
   for (const bool only_rank1 : {false, true}) {
     const auto errs = errors_on_ranks(name, c, [&](int r, std::shared_ptr<Group> g) {
       Config bad;
-      if (!only_rank1 || r == 1) bad.ll_signal = "chunck", bad.ht_chunk_rows = 0;
+      if (!only_rank1 || r == 1) bad.ll_combine_wait = "flags", bad.ht_chunk_rows = 0;
       try {
         make_prepare_finalize(name, g, c.config(), bad);
       } catch (const InvalidArgument&) {
@@ -394,7 +394,7 @@ TEST_P(Backend, OutOfRuleConfigStructIsRefusedOnEveryRank) {
     for (int r = 0; r < c.R; ++r) {
       EXPECT_EQ(errs[r].type, "InvalidArgument") << name << " rank " << r << (only_rank1 ? " (rank 1 bad)" : "");
       if (!only_rank1 || r == 1)
-        EXPECT_TRUE(contains(errs[r].what, "config: ll.signal = chunck: must be block, rank or chunk")) << errs[r].what;
+        EXPECT_TRUE(contains(errs[r].what, "config: ll.combine_wait = flags: must be flag or data")) << errs[r].what;
       else
         EXPECT_TRUE(contains(errs[r].what, "rank 1")) << errs[r].what;
     }

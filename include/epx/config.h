@@ -23,32 +23,13 @@ struct Config {
   /// ll combine reduction for epx bench: column | partial_fp32 | partial_bf16 (epx::LlCombine; the
   /// API takes DispatchConfig::ll_combine, the same default, chosen by measurement).
   std::string ll_combine = "partial_fp32";
-  /// ll completion signal: chunk (default, by measurement: with ll.expand = message the counts and each
-  /// message slot's source token are sent tagged before the payload, and each expansion item waits only
-  /// for the flags of the send blocks that stored its chunks; -3.5 us at ll-v3 against block; the slot-token
-  /// words carry the call's own number, so no stale word passes as current; bench/NOTES.md, 'll.signal =
-  /// chunk') | block (one flag word per (source, send block), the
-  /// receiver waits for all, then loads the counts and expands) | rank (the source's last block to
-  /// finish stores one word per destination: +2-3 us at ll-v3 for its fence and atomic chain).
-  std::string ll_signal = "chunk";
-  /// ll dispatch expansion: message (default, by measurement: the sender ranks each token per expert,
-  /// warps copy (message, chunk) items; -10 us at ll-v3) | expert (a block per local expert scans
-  /// all messages; bench/NOTES.md).
-  std::string ll_expand = "message";
-  /// ll work items: run (default, by measurement: a warp takes a run of consecutive chunks of one
-  /// message / token: the partial combine's send and receive, the dispatch expansion; routing loaded
-  /// once, all the run's loads in flight; -1.4 us dispatch, -2.7 us partial_bf16 combine at ll-v3,
-  /// bench/NOTES.md, 'LL combine runs') | chunk (a warp takes one chunk at a time). Rank-local, same results.
-  std::string ll_items = "run";
   /// ll partial combine (partial_fp32 / partial_bf16), how the receiver learns that a partial row
   /// arrived: flag (one flag word per (source, send block), released after the block's stores; the
-  /// receiver waits for all, then reduces; the fp32 partial rows go out as whole 128-byte lines per warp
-  /// instruction) | data (the partial rows are the signal: the receiver
+  /// receiver waits for all, then reduces) | data (the partial rows are the signal: the receiver
   /// re-poisons every row it read with an impossible word and polls the row itself, so each
-  /// (token, run) is reduced as soon as its rows land; no release round trip) | flag_lane (flag with
-  /// per-lane fp32 stores, kept for comparison; rank-local). All ranks must agree (flag_lane counts as flag);
-  /// the same results. flag stays the default: data measured 2 us faster in two runs and 0.9 us slower in a
-  /// third, and slower at T = 1 (bench/NOTES.md, 'LL combine, the rows as the signal').
+  /// (token, run) is reduced as soon as its rows land; no release round trip). All ranks must agree;
+  /// the same results. flag is the default: data is faster in some runs and slower in others, and
+  /// slower at T = 1 (bench/NOTES.md, 'LL combine, the rows as the signal').
   std::string ll_combine_wait = "flag";
   int ht_num_sms = 64;               ///< SM budget of HT kernels (on virtual ranks at most SMs / ranks per GPU) (64: measured, bench/NOTES.md, 'HT kernels')
   int ht_warps_per_block = 16;       ///< warps per block of HT kernels
@@ -61,7 +42,10 @@ struct Config {
   int ht_pdl = 1;
   int experts_simt = 0;              ///< 1: CUDA experts always take the SIMT reference GEMMs (for comparison and debugging)
   int experts_fp8_pairs = 0;         ///< 1: the FP8 tensor-core mainloop that runs K blocks in pairs (bench/NOTES.md)
-  int experts_fp8_prefill = 1;       ///< experts with > 64 rows take the FP8 warp-specialized prefill GEMMs: 1 the measured fastest (30's kernels: TMA loads with the lean consumer, the Flat gate_up's token rows permuted into row-space order first, 2-CTA clusters sharing the weight tile), 8 cp.async loads (tokens in wgmma A), 17 = 8 with early scales / release, bulk-copy stores and wgmma A in registers, 10 = 17 with TMA loads, 23 = 10 with the lean consumer (pinned per-thread offsets, 40 / 232 registers), 27 = 23 loading the next K block under the last promotion, 29 = 27 with the Flat gate_up's token rows copied into row-space order first (one TMA box per tile), 30 = 29 as 2-CTA clusters whose CTAs (two 128-token tiles of one expert) share the weight tile, each TMA-multicasting one 128-row half into both (the default's kernels), 31 = 30's clusters without the multicast (measured level with 30), 33 = 30 pairing the tile list's entries in plain expert order (1, 30 and 31 order the tiles so that each pair is one expert's but one per two odd-count experts, ScheduleParams::pair_big); 0 off; other values are refused (bench/NOTES.md, 'FP8 prefill GEMM')
+  /// 1: experts with > 64 rows take the FP8 warp-specialized prefill GEMMs (128-row tiles: TMA loads,
+  /// 2-CTA clusters sharing the weight tile; the cp.async kernels where a TMA map cannot be encoded);
+  /// 0: every tile stays on the 64-row kernels (bench/NOTES.md, 'FP8 prefill GEMM')
+  int experts_fp8_prefill = 1;
   int experts_fp8_prefill_stages = 0; ///< their ring depth in 48 KiB stages: 0 = maximum (gate_up 4, down 3), 2..4
   /// the prefill section runs only when the experts with > 64 rows need at least this many 128-row
   /// tiles in all (decided on the device per apply); below it every tile stays on the 64-row kernels,
@@ -69,7 +53,7 @@ struct Config {
   /// instead of a serial tail launch on a few. 0 = one wave: ceil(SMs / gate_up weight tiles per
   /// row tile) (bench/NOTES.md, 'the fused decode regression'); 1 = any big expert
   int experts_fp8_prefill_min_tiles = 0;
-  int experts_mxfp4_tc = 1;          ///< 0: mxfp4 experts keep the SIMT GEMMs; 1: MXFP4 tensor-core kernels; 2: their 512-thread (wide) variant; 3, 7: 1 with another form of the mma.sync decode path, for comparison (experts_mxfp4_cuda.h, MixedGemmParams::decode)
+  int experts_mxfp4_tc = 1;          ///< 1: mxfp4 experts run on the MXFP4 tensor-core kernels; 0: the SIMT GEMMs
   int moe_chunk_size = 0;            ///< DP chunk: at most this many tokens per MoE call per rank; 0 = no chunking
   /// capability gate: fuse the shared expert when M <= this (layers that run it DP-sharded take
   /// fhmoe_max_tokens_sharded instead, layers of mixed weight formats fhmoe_max_tokens_mixed). 4096 = the

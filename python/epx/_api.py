@@ -79,7 +79,7 @@ class PrepareFinalize:
     (NotImplementedError) for a backend/device pair that does not exist; Timeout; CommError.
 
     config: the DispatchConfig (or its fields as keywords). settings: an epx.Config whose launch settings
-    the CUDA kernels take (ll: ll_signal, ll_expand, ll_warps_per_block, ll_num_blocks; ht: ht_num_sms,
+    the CUDA kernels take (ll: ll_warps_per_block, ll_num_blocks, ll_combine_wait; ht: ht_num_sms,
     ht_warps_per_block, ht_combine_mode, ht_chunk_rows); None = Config.load() (EPX_CONFIG, EPX_* variables).
     """
 
@@ -234,7 +234,7 @@ class ModularMoE:
 
     weights: MoEWeights holding at least this rank's experts; backend: a name from backend_names();
     num_max_dispatch_tokens_per_rank: capacity per rank per call (0 = no limit; with chunk_size, chunks).
-    config: an epx.Config (launch settings such as ll_signal / ll_expand / ht_num_sms; None = Config.load()).
+    config: an epx.Config (launch settings such as ll_num_blocks / ht_num_sms; None = Config.load()).
     ll_combine: ll's combine reduction, "partial_fp32" (default) | "partial_bf16" | "column" (DispatchConfig.ll_combine).
     expert_contiguous: ht only (DispatchConfig.expert_contiguous): the experts run on prepare's expert-contiguous rows
     (Experts.apply_contiguous's layout) and finalize weights them, instead of the Flat rows the experts weight.

@@ -107,22 +107,14 @@ Attributes (JSON key, environment variable):
   timeout_s (timeout_s, EPX_TIMEOUT_S): float seconds in [0.001, 1e9]: longest wait on a peer before Timeout.
   ll_combine (ll.combine): "partial_fp32" | "partial_bf16" | "column": ll's combine for `epx bench`
       (the API takes DispatchConfig.ll_combine).
-  ll_signal (ll.signal, EPX_LL_SIGNAL): "chunk" (default) | "block" | "rank": ll on CUDA, completion signal
-      per send block with the counts sent first and each chunk waiting only for its send block's flag, per
-      send block with a wait for all, or one word per destination rank; all ranks must agree.
-  ll_expand (ll.expand, EPX_LL_EXPAND): "message" (default) | "expert": ll on CUDA, dispatch expansion
-      per (message, chunk) with sender-ranked slots, or a block per local expert; all ranks must agree.
-  ll_items (ll.items, EPX_LL_ITEMS): "run" (default) | "chunk": ll on CUDA, work items of a run of consecutive
-      chunks of one row or of one 256/512-element chunk (rank-local, the same results).
   ll_combine_wait (ll.combine_wait, EPX_LL_COMBINE_WAIT): "flag" (default) | "data": ll on CUDA, partial combine:
-      the receiver waits for per-block flags, or polls the partial rows themselves; all ranks must agree
-      ("flag_lane": flag with per-lane fp32 stores, for comparison, rank-local).
+      the receiver waits for per-block flags, or polls the partial rows themselves; all ranks must agree.
   ll_warps_per_block (multiple of 4 in [4, 32]), ll_num_blocks (0 = one per SM): ll on CUDA launch shape.
   ht_num_sms (1..132), ht_warps_per_block, ht_combine_mode (0 | 1), ht_chunk_rows (1..4096), ht_fp8_unroll
       (0 | 4 | 7), ht_pdl (0..2): ht on CUDA.
-  experts_simt, experts_fp8_pairs, experts_fp8_prefill (0, 1, 8, 10, 17, 23, 27, 29, 30, 31, 33),
+  experts_simt, experts_fp8_pairs, experts_fp8_prefill (0 | 1),
       experts_fp8_prefill_stages (0 or 2..4), experts_fp8_prefill_min_tiles (0 = one wave, >= 1),
-      experts_mxfp4_tc (0, 1, 2, 3, 7): CUDA experts' kernel choice.
+      experts_mxfp4_tc (0 | 1): CUDA experts' kernel choice.
   moe_chunk_size (tokens, 0 = unchunked), fhmoe_max_tokens (fuse the shared expert when M <= this).)doc");
   cls.def(pyb::init<>(), "Defaults only (no file, no environment).")
       .def_static("load", [](std::optional<std::string> path) { return path ? Config::load(*path) : Config::load(); },
@@ -160,15 +152,6 @@ Attributes (JSON key, environment variable):
   bind_setting(cls, "ll_num_blocks", "ll.num_blocks", &Config::ll_num_blocks, "Blocks of the ll CUDA kernels; 0 = one per SM.");
   bind_setting(cls, "ll_combine", "ll.combine", &Config::ll_combine,
                "\"partial_fp32\" | \"partial_bf16\" | \"column\" (epx bench; the API takes DispatchConfig.ll_combine).");
-  bind_setting(cls, "ll_signal", "ll.signal", &Config::ll_signal,
-               "ll on CUDA, dispatch completion signal: \"block\" (default: one flag word per (source, send block)) or "
-               "\"rank\" (one word per destination, stored by the source's last block). All ranks must agree.");
-  bind_setting(cls, "ll_expand", "ll.expand", &Config::ll_expand,
-               "ll on CUDA, dispatch expansion: \"message\" (default: (message, chunk) items with sender-ranked slots) or "
-               "\"expert\" (a block per local expert scans all messages). All ranks must agree.");
-  bind_setting(cls, "ll_items", "ll.items", &Config::ll_items,
-               "ll on CUDA, work items: \"chunk\" (one chunk of a row per warp) or \"run\" (a run of consecutive chunks "
-               "of one message / token per warp). Rank-local; the results are the same.");
   bind_setting(cls, "ll_combine_wait", "ll.combine_wait", &Config::ll_combine_wait,
                "ll on CUDA, partial combine: \"flag\" (default: per-send-block flags, then the reduction) or \"data\" "
                "(the partial rows are the signal: each token reduced as its rows land). All ranks must agree.");
@@ -186,13 +169,13 @@ Attributes (JSON key, environment variable):
   bind_setting(cls, "experts_fp8_pairs", "experts.fp8_pairs", &Config::experts_fp8_pairs,
                "1: the FP8 tensor-core mainloop over K-block pairs.");
   bind_setting(cls, "experts_fp8_prefill", "experts.fp8_prefill", &Config::experts_fp8_prefill,
-               "Experts with > 64 rows take the FP8 prefill GEMMs (128-row tiles): 1 (default) the measured fastest (2-CTA clusters sharing each weight tile by TMA multicast, the tile list ordered so each pair is one expert's), 8 cp.async loads, 17 = 8 with early scales / release, bulk-copy stores and wgmma A in registers, 10 = 17 with TMA loads, 23 = 10 with the lean consumer, 27 = 23 loading the next K block under the last promotion, 29 = 27 with the Flat gate_up's rows permuted first, 30 = 29 as 2-CTA clusters (the default's kernels), 31 = 30 without the multicast, 33 = 30 pairing tiles by list index; 0 off; other values are refused (include/epx/config.h)");
+               "1 (default): experts with > 64 rows take the FP8 prefill GEMMs (128-row tiles); 0: the 64-row kernels.");
   bind_setting(cls, "experts_fp8_prefill_stages", "experts.fp8_prefill_stages", &Config::experts_fp8_prefill_stages,
                "Ring depth of the FP8 prefill GEMMs in stages; 0 = maximum, else 2..4.");
   bind_setting(cls, "experts_fp8_prefill_min_tiles", "experts.fp8_prefill_min_tiles", &Config::experts_fp8_prefill_min_tiles,
                "The FP8 prefill GEMMs run only when the experts with > 64 rows fill at least this many 128-row tiles; 0 = one wave of the GPU, 1 = always.");
   bind_setting(cls, "experts_mxfp4_tc", "experts.mxfp4_tc", &Config::experts_mxfp4_tc,
-               "0: mxfp4 experts keep the SIMT GEMMs; 1: MXFP4 tensor-core kernels; 2: their 512-thread (wide) variant; 3, 7: 1 with another form of the mma.sync decode path, for comparison.");
+               "1 (default): mxfp4 experts run on the MXFP4 tensor-core kernels; 0: the SIMT GEMMs.");
   bind_setting(cls, "moe_chunk_size", "moe.chunk_size", &Config::moe_chunk_size, "DP chunk: at most this many tokens per MoE call per rank; 0 = unchunked.");
   bind_setting(cls, "fhmoe_max_tokens", "fhmoe.max_tokens", &Config::fhmoe_max_tokens,
                "Capability gate: fuse the shared expert when M <= this (tokens).");

@@ -139,10 +139,10 @@ def test_config_json_and_env(tmp_path):
 
 def test_config_set_and_apply_json_validate():
     """Config.set / apply_json hold the same rules as attribute assignment: a value that parses but breaks
-    its field's rule (ht.num_sms = 0, ll.signal = "blok", ll.warps_per_block = 6) raises ValueError naming
+    its field's rule (ht.num_sms = 0, ll.combine_wait = "flags", ll.warps_per_block = 6) raises ValueError naming
     the key, value and rule, and the Config keeps its old values (also the other keys of that JSON)."""
     c = epx.Config()
-    for key, bad, attr in (("ht.num_sms", 0, "ht_num_sms"), ("ll.signal", "blok", "ll_signal"),
+    for key, bad, attr in (("ht.num_sms", 0, "ht_num_sms"), ("ll.combine_wait", "flags", "ll_combine_wait"),
                            ("ll.warps_per_block", 6, "ll_warps_per_block"), ("timeout_s", -1, "timeout_s")):
         before = getattr(c, attr)
         with pytest.raises(ValueError, match=key.replace(".", r"\.") + " = " + str(bad) + ": must"):
@@ -152,8 +152,8 @@ def test_config_set_and_apply_json_validate():
             c.apply_json(json.dumps({"moe.chunk_size": 8, key: bad}))
         assert getattr(c, attr) == before and c.moe_chunk_size == 0, key
         assert "api" not in dict(c.sources).values() and "python" not in dict(c.sources).values(), c.sources
-    c.apply_json(json.dumps({"ht.num_sms": 24, "ll.signal": "rank"}))
-    assert (c.ht_num_sms, c.ll_signal) == (24, "rank")
+    c.apply_json(json.dumps({"ht.num_sms": 24, "ll.combine_wait": "data"}))
+    assert (c.ht_num_sms, c.ll_combine_wait) == (24, "data")
 
 
 @pytest.mark.parametrize("backend", epx.backend_names())
@@ -243,32 +243,32 @@ def test_ll_combine_modes(experts, mode):
 
 
 def test_config_launch_settings(monkeypatch):
-    """Config exposes ll.signal / ll.expand (and the other launch settings) by attribute: defaults, assignment
+    """Config exposes ll.combine_wait / ht.num_sms (and the other launch settings) by attribute: defaults, assignment
     recorded as source "api", bad values raise ValueError naming the key and leave the old value, the EPX_*
     variables reach Config.load(); make_prepare_finalize(settings=) and ModularMoE(config=) take a Config."""
     c = epx.Config()
-    assert (c.ll_signal, c.ll_expand, c.ll_combine) == ("chunk", "message", "partial_fp32")
-    c.ll_signal, c.ll_expand, c.ht_num_sms, c.ht_combine_mode = "rank", "expert", 24, 1
-    assert (c.ll_signal, c.ll_expand, c.ht_num_sms, c.ht_combine_mode) == ("rank", "expert", 24, 1)
+    assert (c.ll_combine_wait, c.ll_combine) == ("flag", "partial_fp32")
+    c.ll_combine_wait, c.ll_num_blocks, c.ht_num_sms, c.ht_combine_mode = "data", 8, 24, 1
+    assert (c.ll_combine_wait, c.ll_num_blocks, c.ht_num_sms, c.ht_combine_mode) == ("data", 8, 24, 1)
     src = dict(c.sources)
-    assert src["ll.signal"] == "api" and src["ll.expand"] == "api" and src["ht.num_sms"] == "api"
-    for attr, bad, key in (("ll_signal", "warp", "ll.signal"), ("ll_expand", "token", "ll.expand"),
+    assert src["ll.combine_wait"] == "api" and src["ll.num_blocks"] == "api" and src["ht.num_sms"] == "api"
+    for attr, bad, key in (("ll_combine_wait", "rows", "ll.combine_wait"), ("ll_num_blocks", -1, "ll.num_blocks"),
                            ("ht_num_sms", 0, "ht.num_sms"), ("ll_warps_per_block", 6, "ll.warps_per_block"),
                            ("ht_chunk_rows", "many", "ht.chunk_rows"), ("timeout_s", -1, "timeout_s")):
         before = getattr(c, attr)
         with pytest.raises(ValueError, match=key.replace(".", r"\.")):
             setattr(c, attr, bad)
         assert getattr(c, attr) == before, attr
-    monkeypatch.setenv("EPX_LL_SIGNAL", "rank")
-    monkeypatch.setenv("EPX_LL_EXPAND", "expert")
+    monkeypatch.setenv("EPX_LL_COMBINE_WAIT", "data")
+    monkeypatch.setenv("EPX_LL_NUM_BLOCKS", "8")
     env = epx.Config.load()
-    assert (env.ll_signal, env.ll_expand) == ("rank", "expert")
-    assert dict(env.sources)["ll.signal"] == "env EPX_LL_SIGNAL"
-    monkeypatch.setenv("EPX_LL_SIGNAL", "sometimes")
-    with pytest.raises(ValueError, match=r"ll\.signal"):
+    assert (env.ll_combine_wait, env.ll_num_blocks) == ("data", 8)
+    assert dict(env.sources)["ll.combine_wait"] == "env EPX_LL_COMBINE_WAIT"
+    monkeypatch.setenv("EPX_LL_COMBINE_WAIT", "sometimes")
+    with pytest.raises(ValueError, match=r"ll\.combine_wait"):
         epx.Config.load()
-    monkeypatch.delenv("EPX_LL_SIGNAL")
-    monkeypatch.delenv("EPX_LL_EXPAND")
+    monkeypatch.delenv("EPX_LL_COMBINE_WAIT")
+    monkeypatch.delenv("EPX_LL_NUM_BLOCKS")
 
     groups = epx.make_cpu_groups(R, timeout_s=20)
     cfg = epx.DispatchConfig(hidden=H, num_experts=E, top_k=K, num_max_dispatch_tokens_per_rank=T)
@@ -484,7 +484,7 @@ def test_modular_moe_matches_reference():
         with pytest.raises(ValueError, match="ll_combine"):
             epx.ModularMoE(weights, groups[rank], "ll", num_max_dispatch_tokens_per_rank=16, ll_combine="rows")
         settings = epx.Config()
-        settings.ll_signal = "rank"  # a launch setting of ll on CUDA; the CPU backend ignores it
+        settings.ll_combine_wait = "data"  # a launch setting of ll on CUDA; the CPU backend ignores it
         layer = epx.ModularMoE(weights, groups[rank], "ll", num_max_dispatch_tokens_per_rank=16, shared_mode="separate",
                                config=settings, ll_combine="column")
         out = layer.forward(xs[rank])

@@ -261,7 +261,7 @@ def part_deepep(rank, group, out_dir):
 
 def part_integration(rank, group, out_dir):
     """What a vLLM / SGLang integration sets: ll with launch settings through settings=epx.Config
-    (ll_signal "rank", ll_expand "expert", and the defaults), and ht with expert_contiguous: torch experts
+    (ll_combine_wait "data", and the defaults), and ht with expert_contiguous: torch experts
     on prepared.contiguous (row i = expert row_expert[i] on x[i], unweighted), finalize weighting them with
     topk_weights=prepared.topk_weights (and unweighted); each against the torch MoE."""
     from torch_reference import make_fn, moe_reference, rel_l2
@@ -271,9 +271,9 @@ def part_integration(rank, group, out_dir):
     begin, end = epx.expert_range(E, WORLD, rank)
     local = [fns[e] for e in range(begin, end)]
     rows = []
-    for signal, expand in (("block", "message"), ("rank", "expert")):
+    for wait in ("flag", "data"):
         settings = epx.Config()
-        settings.ll_signal, settings.ll_expand = signal, expand
+        settings.ll_combine_wait = wait
         cfg = epx.DispatchConfig(hidden=H, num_experts=E, top_k=K, num_max_dispatch_tokens_per_rank=T)
         pf = epx.make_prepare_finalize("ll", group, cfg, settings=settings)
         errs = []
@@ -289,7 +289,7 @@ def part_integration(rank, group, out_dir):
             if tokens:
                 errs.append(rel_l2(out.float(), moe_reference(fns, x, idx, w).float()))
         torch.cuda.synchronize()
-        rows.append({"what": f"ll settings ll_signal={signal} ll_expand={expand}", "max_rel_error": max(errs)})
+        rows.append({"what": f"ll settings ll_combine_wait={wait}", "max_rel_error": max(errs)})
     for dtype in ("bf16", "fp8_e4m3"):
         cfg = epx.DispatchConfig(hidden=H, num_experts=E, top_k=K, num_max_dispatch_tokens_per_rank=T, dispatch_dtype=dtype,
                                  expert_contiguous=True, expert_alignment=8)

@@ -34,10 +34,7 @@ void for_each_field(C& c, Visit&& v) {
   v(Field{"ll.warps_per_block", "EPX_LL_WARPS_PER_BLOCK", "warps", "warps per block of LL kernels; multiple of 4, 4..32"}, c.ll_warps_per_block);
   v(Field{"ll.num_blocks", "EPX_LL_NUM_BLOCKS", "blocks", "blocks of LL kernels; 0 = one per SM (per SM of the rank's share on virtual ranks)"}, c.ll_num_blocks);
   v(Field{"ll.combine", "EPX_LL_COMBINE", "", "ll combine reduction: column|partial_fp32|partial_bf16"}, c.ll_combine);
-  v(Field{"ll.signal", "EPX_LL_SIGNAL", "", "ll completion signal: block|rank|chunk"}, c.ll_signal);
-  v(Field{"ll.expand", "EPX_LL_EXPAND", "", "ll dispatch expansion: expert|message"}, c.ll_expand);
-  v(Field{"ll.items", "EPX_LL_ITEMS", "", "ll work items (combine send/receive, dispatch expansion): run|chunk"}, c.ll_items);
-  v(Field{"ll.combine_wait", "EPX_LL_COMBINE_WAIT", "", "ll partial combine, receive signal: data|flag (flag_lane: flag with per-lane fp32 stores, for comparison; every rank flag* or every rank data)"}, c.ll_combine_wait);
+  v(Field{"ll.combine_wait", "EPX_LL_COMBINE_WAIT", "", "ll partial combine, receive signal: flag|data (every rank the same)"}, c.ll_combine_wait);
   v(Field{"ht.num_sms", "EPX_HT_NUM_SMS", "SMs", "SM budget of HT kernels; 1..132 (at most SMs / ranks per GPU on virtual ranks)"}, c.ht_num_sms);
   v(Field{"ht.warps_per_block", "EPX_HT_WARPS_PER_BLOCK", "warps", "warps per block of HT kernels; 1..32 (ht on CUDA: 1..16)"}, c.ht_warps_per_block);
   v(Field{"ht.combine_mode", "EPX_HT_COMBINE_MODE", "", "HT combine on CUDA: 0 all sends then all reduces, 1 pipelined (one target per token only)"}, c.ht_combine_mode);
@@ -46,10 +43,10 @@ void for_each_field(C& c, Visit&& v) {
   v(Field{"ht.pdl", "EPX_HT_PDL", "", "HT on CUDA: 1 dispatch kernel by programmatic dependent launch, 2 also prefetches x rows into L2; 0..2"}, c.ht_pdl);
   v(Field{"experts.simt", "EPX_EXPERTS_SIMT", "", "1: CUDA experts always use the SIMT reference GEMMs; 0..1"}, c.experts_simt);
   v(Field{"experts.fp8_pairs", "EPX_EXPERTS_FP8_PAIRS", "", "1: FP8 tensor-core mainloop over K-block pairs; 0..1"}, c.experts_fp8_pairs);
-  v(Field{"experts.fp8_prefill", "EPX_EXPERTS_FP8_PREFILL", "", "experts with > 64 rows take the FP8 prefill GEMMs (128-row tiles): 1 the measured fastest (30's kernels: TMA loads with the lean consumer, the Flat gate_up's token rows permuted into row-space order first, 2-CTA clusters sharing the weight tile), 8 cp.async loads with tokens in wgmma A, 17 = 8 with early scale reads / stage release, bulk-copy stores and wgmma's A in registers, 10 = 17 with TMA loads, 23 = 10 with the lean consumer, 27 = 23 loading the next K block under the last promotion, 29 = 27 with the Flat gate_up's token rows copied into row-space order first (one TMA box per tile), 30 = 29 as 2-CTA clusters sharing the weight tile (TMA multicast; the default's kernels; the tiles ordered so that a pair is one expert's), 31 = 30's clusters without the multicast, 33 = 30 pairing the tiles in plain expert order; 0 off; 0, 1, 8, 10, 17, 23, 27, 29, 30, 31 or 33"}, c.experts_fp8_prefill);
+  v(Field{"experts.fp8_prefill", "EPX_EXPERTS_FP8_PREFILL", "", "1: experts with > 64 rows take the FP8 prefill GEMMs (128-row tiles); 0: the 64-row kernels; 0..1"}, c.experts_fp8_prefill);
   v(Field{"experts.fp8_prefill_stages", "EPX_EXPERTS_FP8_PREFILL_STAGES", "stages", "FP8 prefill GEMMs' ring depth; 0 = maximum (gate_up 4, down 3), else 2..4"}, c.experts_fp8_prefill_stages);
   v(Field{"experts.fp8_prefill_min_tiles", "EPX_EXPERTS_FP8_PREFILL_MIN_TILES", "tiles", "FP8 prefill GEMMs run only when the experts with > 64 rows fill at least this many 128-row tiles; 0 = one wave of the GPU, 1 = always"}, c.experts_fp8_prefill_min_tiles);
-  v(Field{"experts.mxfp4_tc", "EPX_EXPERTS_MXFP4_TC", "", "0: mxfp4 experts keep the SIMT GEMMs; 1: MXFP4 tensor-core kernels (<= 16-row tiles on the mma.sync decode path); 2: their 512-thread (wide) variant; variants of 1, for comparison: 3 without the decode path (<= 16-row tiles on the BN 16 wgmma kernel), 7 with the warp-shared cp.async slots (decode_item_ring2) instead of the TMA slots (decode_item_bulk) for <= 8 rows; 0, 1, 2, 3 or 7"}, c.experts_mxfp4_tc);
+  v(Field{"experts.mxfp4_tc", "EPX_EXPERTS_MXFP4_TC", "", "1: mxfp4 experts run on the MXFP4 tensor-core kernels; 0: the SIMT GEMMs; 0..1"}, c.experts_mxfp4_tc);
   v(Field{"moe.chunk_size", "EPX_MOE_CHUNK_SIZE", "tokens", "DP chunk: max tokens per MoE call per rank; 0 = unchunked"}, c.moe_chunk_size);
   v(Field{"fhmoe.max_tokens", "EPX_FHMOE_MAX_TOKENS", "tokens", "fuse the shared expert when M <= this (capability gate)"}, c.fhmoe_max_tokens);
   v(Field{"fhmoe.local_shared_tokens", "EPX_FHMOE_LOCAL_SHARED_TOKENS", "tokens",
@@ -237,13 +234,7 @@ void Config::validate_fields() const {
   require_arg("config", "ll.combine", ll_combine, ll_combine == "column" || ll_combine == "partial_fp32" || ll_combine == "partial_bf16",
               "must be one of column, partial_fp32, partial_bf16");
   require_arg("config", "ll.num_blocks", ll_num_blocks, ll_num_blocks >= 0, "must be >= 0");
-  require_arg("config", "ll.signal", ll_signal, ll_signal == "block" || ll_signal == "rank" || ll_signal == "chunk",
-              "must be block, rank or chunk");
-  require_arg("config", "ll.expand", ll_expand, ll_expand == "expert" || ll_expand == "message", "must be expert or message");
-  require_arg("config", "ll.items", ll_items, ll_items == "chunk" || ll_items == "run", "must be chunk or run");
-  require_arg("config", "ll.combine_wait", ll_combine_wait, ll_combine_wait == "flag" || ll_combine_wait == "data" || ll_combine_wait == "flag_lane",
-              "must be flag, data or flag_lane (data_nofence is now data; data_fence, data_cg and data_weak "
-              "were measured slower and removed, bench/NOTES.md)");
+  require_arg("config", "ll.combine_wait", ll_combine_wait, ll_combine_wait == "flag" || ll_combine_wait == "data", "must be flag or data");
   require_arg("config", "ht.num_sms", ht_num_sms, ht_num_sms >= 1 && ht_num_sms <= 132, "must be in [1, 132]");
   require_arg("config", "ht.warps_per_block", ht_warps_per_block, ht_warps_per_block >= 1 && ht_warps_per_block <= 32, "must be in [1, 32]");
   require_arg("config", "ht.combine_mode", ht_combine_mode, ht_combine_mode == 0 || ht_combine_mode == 1, "must be 0 or 1");
@@ -252,18 +243,11 @@ void Config::validate_fields() const {
   require_arg("config", "ht.pdl", ht_pdl, ht_pdl >= 0 && ht_pdl <= 2, "must be 0, 1 or 2");
   require_arg("config", "experts.simt", experts_simt, experts_simt == 0 || experts_simt == 1, "must be 0 or 1");
   require_arg("config", "experts.fp8_pairs", experts_fp8_pairs, experts_fp8_pairs == 0 || experts_fp8_pairs == 1, "must be 0 or 1");
-  require_arg("config", "experts.fp8_prefill", experts_fp8_prefill,
-              experts_fp8_prefill == 0 || experts_fp8_prefill == 1 || experts_fp8_prefill == 8 || experts_fp8_prefill == 10 ||
-                  experts_fp8_prefill == 17 || experts_fp8_prefill == 23 || experts_fp8_prefill == 27 || experts_fp8_prefill == 29 ||
-                  experts_fp8_prefill == 30 || experts_fp8_prefill == 31 || experts_fp8_prefill == 33,
-              "must be 0, 1, 8, 10, 17, 23, 27, 29, 30, 31 or 33 (2-7, 9, 11, 12-15, 20-22, 28 and 32 were measured slower and removed, 26 with 22 unmeasured; 16, "
-              "18, 19, 24 and 25 were measured level and removed; bench/NOTES.md)");
+  require_arg("config", "experts.fp8_prefill", experts_fp8_prefill, experts_fp8_prefill == 0 || experts_fp8_prefill == 1, "must be 0 or 1");
   require_arg("config", "experts.fp8_prefill_stages", experts_fp8_prefill_stages,
               experts_fp8_prefill_stages == 0 || (experts_fp8_prefill_stages >= 2 && experts_fp8_prefill_stages <= 4), "must be 0 or in [2, 4]");
   require_arg("config", "experts.fp8_prefill_min_tiles", experts_fp8_prefill_min_tiles, experts_fp8_prefill_min_tiles >= 0, "must be >= 0 (0 = one wave)");
-  require_arg("config", "experts.mxfp4_tc", experts_mxfp4_tc, (experts_mxfp4_tc >= 0 && experts_mxfp4_tc <= 3) || experts_mxfp4_tc == 7,
-              "must be 0, 1, 2, 3 or 7 (4, 5 and 6, decode_item_ring for <= 8 rows with and without its L2 prefetch or a ring of 3, "
-              "and 8, decode_item_bulk starting the next item's slots, were measured slower and removed; bench/NOTES.md)");
+  require_arg("config", "experts.mxfp4_tc", experts_mxfp4_tc, experts_mxfp4_tc == 0 || experts_mxfp4_tc == 1, "must be 0 or 1");
   require_arg("config", "moe.chunk_size", moe_chunk_size, moe_chunk_size >= 0, "must be >= 0");
   require_arg("config", "fhmoe.max_tokens", fhmoe_max_tokens, fhmoe_max_tokens >= 0, "must be >= 0");
   require_arg("config", "fhmoe.max_tokens_sharded", fhmoe_max_tokens_sharded, fhmoe_max_tokens_sharded >= 0, "must be >= 0");

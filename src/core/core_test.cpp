@@ -113,52 +113,52 @@ TEST(Config, PrecedenceJsonThenEnvAndUnknownKeys) {
   EXPECT_THROW(c.set("timeout_s", "abc"), InvalidArgument);
 }
 
-// experts.fp8_prefill takes 0, 1 and the kernels that remain (8, 10, 17, 23, 27, 29, 30, 31, 33); the numbers of
-// variants measured slower or level and removed (bench/NOTES.md, 'FP8 prefill GEMM') are refused with the reason.
-TEST(Config, Fp8PrefillModesRemovedAreRefused) {
+// experts.fp8_prefill takes 0 and 1, experts.mxfp4_tc 0 and 1; the numbers of the removed kernel variants
+// (bench/NOTES.md, 'Variants removed from the product') are refused with the rule.
+TEST(Config, ExpertsKernelChoicesAreOnOff) {
   Config c;
-  for (int m : {0, 1, 8, 10, 17, 23, 27, 29, 30, 31, 33}) {
+  for (int m : {0, 1}) {
     c.experts_fp8_prefill = m;
+    c.experts_mxfp4_tc = m;
     EXPECT_NO_THROW(c.validate()) << m;
   }
-  for (int m : {2, 5, 9, 11, 12, 15, 16, 18, 19, 20, 21, 22, 24, 25, 26, 28, 32, 34, -1}) {
+  c.experts_mxfp4_tc = 1;
+  for (int m : {2, 8, 10, 17, 23, 27, 29, 30, 31, 33, -1}) {
     c.experts_fp8_prefill = m;
-    try {
-      c.validate();
-      FAIL() << m;
-    } catch (const InvalidArgument& e) {
-      // The value refused, the values that remain, and why the others went (every refusal says
-      // "removed", so that word alone would pass whatever the message named).
-      const std::string what = e.what();
-      EXPECT_NE(what.find("experts.fp8_prefill = " + std::to_string(m) + ": "), std::string::npos) << what;
-      EXPECT_NE(what.find("must be 0, 1, 8, 10, 17, 23, 27, 29, 30, 31 or 33 ("), std::string::npos) << what;
-      EXPECT_NE(what.find("were measured slower and removed"), std::string::npos) << what;
-    }
+    EXPECT_EQ(test::invalid_argument_message([&] { c.validate(); }), "config: experts.fp8_prefill = " + std::to_string(m) + ": must be 0 or 1") << m;
+  }
+  c.experts_fp8_prefill = 1;
+  for (int m : {2, 3, 7, -1}) {
+    c.experts_mxfp4_tc = m;
+    EXPECT_EQ(test::invalid_argument_message([&] { c.validate(); }), "config: experts.mxfp4_tc = " + std::to_string(m) + ": must be 0 or 1") << m;
   }
 }
 
-// ll.combine_wait takes flag and data (and flag_lane, the A/B); data's removed A/B variants (data_fence,
-// data_cg, data_weak: measured slower; data_nofence: now data; bench/NOTES.md) are refused with the reason.
-TEST(Config, LlCombineWaitRemovedVariantsAreRefused) {
+// ll.combine_wait takes flag and data; the removed flag_lane and data's removed variants are refused.
+TEST(Config, LlCombineWaitTakesFlagOrData) {
   Config c;
-  for (const char* w : {"flag", "data", "flag_lane"}) {
+  for (const char* w : {"flag", "data"}) {
     c.ll_combine_wait = w;
     EXPECT_NO_THROW(c.validate()) << w;
   }
-  for (const char* w : {"data_fence", "data_nofence", "data_cg", "data_weak", "flag_self", "flags", ""}) {
+  for (const char* w : {"flag_lane", "data_fence", "data_nofence", "data_cg", "data_weak", "flags", ""}) {
     c.ll_combine_wait = w;
-    try {
-      c.validate();
-      FAIL() << w;
-    } catch (const InvalidArgument& e) {
-      // The value refused, the values that remain, and what became of each removed variant.
-      const std::string what = e.what();
-      EXPECT_NE(what.find(std::string("ll.combine_wait = ") + w + ": "), std::string::npos) << what;
-      EXPECT_NE(what.find("must be flag, data or flag_lane "), std::string::npos) << what;
-      EXPECT_NE(what.find("data_nofence is now data"), std::string::npos) << what;
-      EXPECT_NE(what.find("data_fence, data_cg and data_weak were measured slower"), std::string::npos) << what;
-    }
+    EXPECT_EQ(test::invalid_argument_message([&] { c.validate(); }), std::string("config: ll.combine_wait = ") + w + ": must be flag or data") << w;
   }
+}
+
+// The removed ll protocol knobs (ll.signal, ll.expand, ll.items) are unknown keys now: a JSON file or an
+// EPX_* variable naming one is refused, not silently ignored.
+TEST(Config, RemovedLlKnobsAreUnknownKeys) {
+  Config c;
+  for (const char* key : {"ll.signal", "ll.expand", "ll.items"}) {
+    const std::string what = test::invalid_argument_message([&] { c.set(key, "chunk"); });
+    EXPECT_NE(what.find(key), std::string::npos) << what;
+  }
+  setenv("EPX_LL_SIGNAL", "chunk", 1);
+  const std::string what = test::invalid_argument_message([&] { c.apply_env(); });
+  unsetenv("EPX_LL_SIGNAL");
+  EXPECT_NE(what.find("EPX_LL_SIGNAL"), std::string::npos) << what;
 }
 
 // A JSON document or environment with one bad entry changes nothing: the entries before it are not
@@ -192,22 +192,22 @@ TEST(Config, JsonPathThatIsADirectoryIsNamedAsSuch) {
 TEST(Config, NestedJsonObjectIsNamedWithTheFlatKey) {
   Config c;
   try {
-    c.apply_json_text(R"({"ll": {"signal": "rank"}})", "json nested");
+    c.apply_json_text(R"({"ll": {"combine": "column"}})", "json nested");
     FAIL();
   } catch (const InvalidArgument& e) {
-    EXPECT_NE(std::string(e.what()).find("\"ll.signal\""), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("\"ll.combine\""), std::string::npos) << e.what();
   }
-  EXPECT_EQ(c.ll_signal, "chunk");
+  EXPECT_EQ(c.ll_combine, "partial_fp32");
 }
 
-// Config::set checked only that a value parses: ll.signal = chunky or ht.num_sms = 0 were taken (and
+// Config::set checked only that a value parses: ll.combine = columns or ht.num_sms = 0 were taken (and
 // failed later, or never, in C++ code that does not call validate()). Now the key's rule is checked
 // with its origin named, and a refused value leaves the Config as it was.
 TEST(Config, SetChecksTheKeysRuleAndLeavesTheConfigOnFailure) {
   const auto message = [](auto&& fn) { return test::invalid_argument_message(fn); };
   Config c;
-  EXPECT_EQ(message([&] { c.set("ll.signal", "chunky"); }), "config: ll.signal = chunky: must be block, rank or chunk (set by api)");
-  EXPECT_EQ(c.ll_signal, "chunk");  // the default, unchanged
+  EXPECT_EQ(message([&] { c.set("ll.combine", "columns"); }), "config: ll.combine = columns: must be one of column, partial_fp32, partial_bf16 (set by api)");
+  EXPECT_EQ(c.ll_combine, "partial_fp32");  // the default, unchanged
   EXPECT_EQ(message([&] { c.set("ht.num_sms", "0", "cli"); }), "config: ht.num_sms = 0: must be in [1, 132] (set by cli)");
   EXPECT_EQ(c.ht_num_sms, 64);
   EXPECT_NE(message([&] { c.set("timeout_s", "-1"); }).find("timeout_s = -1"), std::string::npos);
@@ -219,8 +219,8 @@ TEST(Config, SetChecksTheKeysRuleAndLeavesTheConfigOnFailure) {
   EXPECT_EQ(c.sources[0], (std::pair<std::string, std::string>{"ht.num_sms", "cli"}));
   // A field set badly in code elsewhere does not make an unrelated set() fail.
   c.ll_warps_per_block = 6;
-  EXPECT_NO_THROW(c.set("ll.signal", "rank"));
-  EXPECT_EQ(c.ll_signal, "rank");
+  EXPECT_NO_THROW(c.set("ll.combine", "column"));
+  EXPECT_EQ(c.ll_combine, "column");
 }
 
 // A whole integer too large for its field was called "not an integer"; a value set by an EPX_* variable
@@ -290,14 +290,14 @@ TEST(Config, TinyTimeoutStringNumbersAndDuplicateJsonKeysAreRefused) {
   EXPECT_EQ(m, "config: timeout_s = \"5\": must be a JSON number, not a string (json strings)");
   m = message([&] { j.apply_json_text(R"({"fhmoe.max_tokens": "7"})", "json strings"); });
   EXPECT_EQ(m, "config: fhmoe.max_tokens = \"7\": must be a JSON number, not a string (json strings)");
-  m = message([&] { j.apply_json_text(R"({"ll.signal": 3})", "json numbers"); });
-  EXPECT_EQ(m, "config: ll.signal = 3: must be a JSON string (json numbers)");
+  m = message([&] { j.apply_json_text(R"({"ll.combine": 3})", "json numbers"); });
+  EXPECT_EQ(m, "config: ll.combine = 3: must be a JSON string (json numbers)");
   EXPECT_EQ(j.timeout_s, 60.0);
   EXPECT_EQ(j.ht_num_sms, 64);
-  j.apply_json_text(R"({"ht.num_sms": 24, "timeout_s": 5, "ll.signal": "rank"})", "json good");
+  j.apply_json_text(R"({"ht.num_sms": 24, "timeout_s": 5, "ll.combine": "column"})", "json good");
   EXPECT_EQ(j.ht_num_sms, 24);
   EXPECT_EQ(j.timeout_s, 5.0);
-  EXPECT_EQ(j.ll_signal, "rank");
+  EXPECT_EQ(j.ll_combine, "column");
 
   Config d;
   m = message([&] { d.apply_json_text(R"({"ht.num_sms": 24, "timeout_s": 5, "ht.num_sms": 32})", "json dup"); });

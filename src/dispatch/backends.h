@@ -23,7 +23,7 @@ std::unique_ptr<PrepareFinalize> make_all2allv_cuda(std::shared_ptr<Group> group
 std::unique_ptr<PrepareFinalize> make_ht_cuda(std::shared_ptr<Group> group, const DispatchConfig& cfg);
 std::unique_ptr<PrepareFinalize> make_ht_cuda(std::shared_ptr<Group> group, const DispatchConfig& cfg, const Config& config);
 /// ll on CUDA (ll_cuda.h): launch shape from `config` or Config::load() (ll_warps_per_block,
-/// ll_num_blocks, ll_signal, ll_expand), device wait bound = the group's timeout_s.
+/// ll_num_blocks, ll_combine_wait), device wait bound = the group's timeout_s.
 std::unique_ptr<PrepareFinalize> make_ll_cuda(std::shared_ptr<Group> group, const DispatchConfig& cfg);
 std::unique_ptr<PrepareFinalize> make_ll_cuda(std::shared_ptr<Group> group, const DispatchConfig& cfg, const Config& config);
 

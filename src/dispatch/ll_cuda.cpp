@@ -60,8 +60,8 @@ LlCuda::LlCuda(std::shared_ptr<Group> group, const DispatchConfig& cfg, const Ll
   blocks_ = launch.num_blocks > 0 ? launch.num_blocks : std::max(1, sms / sharing);
   require_arg(op, "ll.num_blocks", blocks_, blocks_ <= LlLayout::kMaxSignalBlocks,
               "must be <= " + std::to_string(LlLayout::kMaxSignalBlocks) + " (one signal word per send block, ll_layout.h)");
-  // ll.expand = message needs per-(id, token) bitmaps in shared memory: where they do not fit, the
-  // expert expansion (same results) is used; every rank then uses it (the all-gather below).
+  // The message expansion needs per-(id, token) bitmaps in shared memory: where they do not fit, the
+  // expert expansion with block signals (same results) is used; every rank then uses it (the all-gather below).
   const bool want_message = launch.expand_message && ll_dispatch_smem_bytes(layout_, true, num_local_) <= 200 * 1024;
   const size_t dsmem = ll_dispatch_smem_bytes(layout_, want_message, num_local_), csmem = ll_combine_smem_bytes(num_local_, num_ranks_);
   require_arg(op, "num_max_dispatch_tokens_per_rank", cfg.num_max_dispatch_tokens_per_rank, dsmem <= 200 * 1024,
@@ -74,31 +74,20 @@ LlCuda::LlCuda(std::shared_ptr<Group> group, const DispatchConfig& cfg, const Ll
                   "; every LL block may wait on peers)");
 
   // Every rank learns every rank's block count (the signal targets) and protocol modes; collective,
-  // like the buffer. Bits 32 / 33: ll.signal = rank / message expansion possible and asked for.
-  // Bit 34: ll.combine_wait = data; bit 35: ll.signal = chunk; bits 40-45: warps per block (ll.signal =
-  // chunk: the receiver maps a source's send item to its block).
-  require_arg(op, "ll.signal", "rank and chunk", !(launch.signal_rank && launch.signal_chunk), "must be one of block, rank, chunk");
-  const int64_t mine = static_cast<int64_t>(blocks_) | (launch.signal_rank ? int64_t{1} << 32 : 0) | (want_message ? int64_t{1} << 33 : 0) |
-                       (launch.combine_data ? int64_t{1} << 34 : 0) | (launch.signal_chunk ? int64_t{1} << 35 : 0) |
+  // like the buffer. Bit 33: message expansion possible and asked for; bit 34: ll.combine_wait = data;
+  // bits 40-45: warps per block (chunk signals: the receiver maps a source's send item to its block).
+  const int64_t mine = static_cast<int64_t>(blocks_) | (want_message ? int64_t{1} << 33 : 0) | (launch.combine_data ? int64_t{1} << 34 : 0) |
                        (static_cast<int64_t>(launch.warps_per_block) << 40);
   const std::vector<int64_t> all_blocks = group_->all_gather_i64(mine);
   bool all_message = true;
   for (int r = 0; r < num_ranks_; ++r) {
     const int64_t v = all_blocks[static_cast<size_t>(r)];
-    require_arg(op, "ll.signal", launch.signal_rank ? "rank" : "block", ((v >> 32) & 1) == (launch.signal_rank ? 1 : 0),
-                "must be the same on every rank (rank " + std::to_string(r) + " differs)");
     require_arg(op, "ll.combine_wait", launch.combine_data ? "data" : "flag", ((v >> 34) & 1) == (launch.combine_data ? 1 : 0),
-                "must be the same on every rank (rank " + std::to_string(r) + " differs)");
-    require_arg(op, "ll.signal", launch.signal_chunk ? "chunk" : "not chunk", ((v >> 35) & 1) == (launch.signal_chunk ? 1 : 0),
                 "must be the same on every rank (rank " + std::to_string(r) + " differs)");
     all_message = all_message && ((v >> 33) & 1) != 0;
   }
-  common_.signal_rank = launch.signal_rank;
   common_.expand_message = all_message;
-  common_.signal_chunk = launch.signal_chunk && all_message;  // chunk flags need the message expansion; else block flags
-  common_.items_run = launch.items_run;
   common_.combine_data = launch.combine_data && layout_.partial();
-  common_.combine_lane = launch.combine_lane;
   common_.debug_block0_delay_ns = launch.debug_block0_delay_ns;
   common_.debug_token_tag_mask = launch.debug_token_tag_mask;
   buffer_ = group_->alloc_symmetric(layout_.total_bytes());
@@ -357,6 +346,8 @@ void LlCuda::check_finalize_tensors(const FinalizeArgs& args) {
                   args.expert_out.shape[2] == cfg_.hidden,
               "must be [" + std::to_string(num_local_) + ", " + std::to_string(cap) + ", " + std::to_string(cfg_.hidden) + "]");
   check_contiguous(op, "expert_out", args.expert_out);
+  require_arg(op, "addend", args.addend.describe(), !args.addend.defined(),
+              "must be empty for ll on CUDA (Capabilities::combine_addend = false)");
   check_dtype(op, "out", args.out, {DType::bf16});
   require_arg(op, "out.shape", args.out.describe(),
               args.out.ndim == 2 && args.out.shape[0] == prepared_tokens_ && args.out.shape[1] == cfg_.hidden,
@@ -489,16 +480,7 @@ std::unique_ptr<PrepareFinalize> make_ll_cuda(std::shared_ptr<Group> group, cons
   launch.warps_per_block = config.ll_warps_per_block;
   launch.num_blocks = config.ll_num_blocks;
   launch.timeout_s = config.timeout_s;
-  launch.signal_rank = config.ll_signal == "rank";
-  launch.signal_chunk = config.ll_signal == "chunk";
-  launch.expand_message = config.ll_expand == "message";
-  launch.items_run = config.ll_items == "run";
-  // ll.combine_wait (bench/NOTES.md, 'LL combine, the rows as the signal'): flag (fp32 partial rows stored as
-  // whole lines), data (volatile loads and stores, no fence), flag_lane (flag with per-lane stores, kept for
-  // comparison).
-  const std::string& wait = config.ll_combine_wait;
-  launch.combine_data = wait == "data";
-  launch.combine_lane = wait == "flag_lane";
+  launch.combine_data = config.ll_combine_wait == "data";  // bench/NOTES.md, 'LL combine, the rows as the signal'
   launch.timeout_s = group->timeout_s();
   return make_ll_cuda(std::move(group), cfg, launch);
 }

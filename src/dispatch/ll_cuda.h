@@ -8,36 +8,32 @@
 // Kernels (ll_cuda_kernels.cu): one per phase, B blocks (Config ll_num_blocks, 0 = one per SM) of
 // 32 x ll_warps_per_block threads, all resident at once (checked at create).
 //   dispatch send: every block computes the destination mask of every token and the slot of token t
-//     at destination d (tokens before t going to d, a ballot scan); warps take (token, 512-element
-//     chunk) items, quantize in registers (fp8) and store 16-byte vectors straight into each
-//     destination's message slot (a token crosses NVLink once per destination rank). Then one
-//     thread per destination stores n + 1 into this block's own flag word there (release order;
-//     one word per (source, block): no contended remote atomics). With ll.signal = rank instead every
-//     block makes its stores visible (fence.acq_rel.sys) and counts itself on a local counter; the
-//     last block of the call (fence, the counter chain carries the other blocks' releases) stores
-//     n + 1 into block 0's word at each destination, so a receiver polls R words, not R x B.
-//   dispatch recv: wait (acquire) until all B_s flags of every source reached n + 1; then block-per-
-//     local-expert: which messages select it (ballots over 32 messages), an exclusive scan (slot
-//     order = source rank, then source token), and all warps copy (slot, chunk) items into x.
-//     ll.expand = message: the sender also ranks each token among its own tokens per expert id
-//     (shared-memory bitmaps, one bit per (id, token)) and stores that rank per column in the
-//     message, and the per-(source, local expert) counts at the destination; the receiver then
-//     needs no scan: slot = (tokens of lower source ranks for that expert) + rank, and all warps of
-//     the grid take (message, chunk) items, load the chunk once and store it into each of its local
-//     experts' slots.
-//   ll.signal = chunk (LlLaunch::signal_chunk; needs ll.expand = message, else block):
-//     block 0 of the sender stores, right after its slot scan and before any payload, the per-
-//     (destination, local expert) counts and the message counts as tagged words (count_tag: every
+//     at destination d (tokens before t going to d, a ballot scan), and ranks each token among its
+//     own tokens per expert id (shared-memory bitmaps, one bit per (id, token)); warps take (token,
+//     512-element chunk) items, quantize in registers (fp8) and store 16-byte vectors straight into
+//     each destination's message slot (a token crosses NVLink once per destination rank), with the
+//     token's rank per column. Block 0 stores, right after its slot scan and before any payload, the
+//     per-(destination, local expert) counts and the message counts as tagged words (count_tag: every
 //     call stores all of them, so a word of parity n % 2 holds zeros or call n - 2's value, whose
 //     tag differs, so no flag is needed for them), and each message slot's source token t as a 64-bit
 //     word tagged with the call's own number, (n + 1) << 32 | t (a slot carries a message only in
 //     some calls, so its word can be many calls old; one more slot per call and destination is
 //     rewritten round robin, so no word is more than 2 max_T calls old and the 32-bit tag cannot wrap onto it:
-//     slot_token_word in ll_cuda_kernels.cu); every block releases its flag as with ll.signal = block. The receiver polls the counts (normally there already), computes the slot bases, and
-//     each (message, run) item waits only for the flags of the send blocks that stored its chunk 0
-//     and its run's chunks (source s's item t * nchunks + c runs on block (item / W_s) mod B_s; W_s,
-//     B_s exchanged at create): the expansion of a message starts when its blocks are done, not after
-//     the slowest block of the grid, and the counts' round trip is off the critical path.
+//     slot_token_word in ll_cuda_kernels.cu). Then each block's last warp stores n + 1 into the block's
+//     own flag word at every destination (release order; one word per (source, block): no contended
+//     remote atomics).
+//   dispatch recv: the receiver polls the counts (normally there already), computes the slot bases
+//     (slot = tokens of lower source ranks for that expert + the sender's rank), and all warps of the
+//     grid take (message, run of chunks) items; each item waits only for the flags of the send blocks
+//     that stored its chunk 0 and its run's chunks (source s's item t * nchunks + c runs on block
+//     (item / W_s) mod B_s; W_s, B_s exchanged at create), loads the run once and stores it into each
+//     of its local experts' slots: the expansion of a message starts when its blocks are done, not
+//     after the slowest block of the grid, and the counts' round trip is off the critical path.
+//   The fallback where the bitmaps do not fit in shared memory (large capacities with many experts;
+//     every rank then takes it, same results): the expert expansion with block signals: the receiver
+//     waits (acquire) until all B_s flags of every source reached n + 1, then block-per-local-expert:
+//     which messages select it (ballots over 32 messages), an exclusive scan (slot order = source
+//     rank, then source token), and all warps copy (slot, chunk) items into x.
 //   combine send: (slot, chunk) items copy expert_out rows straight into the source's combine
 //     region at (token, first column of that expert); signal as above.
 //   combine recv: wait, then (token, chunk) items sum w * y over columns in column order in fp32
@@ -47,8 +43,8 @@
 //     sums each message's local rows weighted in column order in fp32 and stores one partial row
 //     (fp32, or bf16 rounded) per (token, rank) at the source, which adds them in rank order (fp32,
 //     one more rounding). Bit-identical to LlCpu in the same mode. fp32 rows go out as whole 128-byte
-//     lines per warp instruction (two lanes' halves exchanged by shuffles: 2.4 us faster at ll-v3 than
-//     a lane's own 2 x 16 bytes, which ll.combine_wait = flag_lane keeps as the A/B; bench/NOTES.md).
+//     lines per warp instruction (two lanes' halves exchanged by shuffles; bench/NOTES.md, 'LL combine,
+//     where the first ~6 us go').
 //   ll.combine_wait = data (LlLaunch::combine_data; partial modes; every rank the same, the same
 //     results): no combine flags. The receiver's partial-row regions hold a poison word
 //     (kLlPoison = 0xffffffff, never a partial's word: the sender canonicalizes NaN) wherever no row
@@ -61,12 +57,11 @@
 //     combine receives this rank has finished (word combine_flag(rank, 0) there, release), and a
 //     sender's call n waits (usually already true) until the destination finished receive n - 2,
 //     whose parity region call n overwrites. Both parities are poisoned at create.
-//   ll.items = run (LlLaunch::items_run; rank-local, the same results): the partial combine's send
-//     takes (message, run of up to 4 consecutive 256-element chunks) items, each warp loading its
-//     message's routing, the source's count and the call number in one round trip (no block-wide
-//     prefix), then every local row of the run at once; its receive takes (token, run of 2 chunks);
-//     the dispatch expansion takes (message, run of 2 chunks). Runs are sized so one round covers
-//     the grid (bench/NOTES.md, 'LL combine runs').
+//   Runs: the partial combine's send takes (message, run of up to 4 consecutive 256-element chunks)
+//     items, each warp loading its message's routing, the source's count and the call number in one
+//     round trip (no block-wide prefix), then every local row of the run at once; its receive takes
+//     (token, run of 2 chunks); the dispatch expansion takes (message, run of 2 chunks). Runs are sized
+//     so one round covers the grid (bench/NOTES.md, 'LL combine runs').
 //
 // Protocol: call n of each part (dispatch/combine, send/recv) is derived on the device from a
 // per-object counter of finished blocks (n = counter / B), and flags are monotonic (n + 1 after
@@ -116,12 +111,11 @@ struct LlLaunch {
   int warps_per_block = 16;   ///< 4..32 (Config's default)
   int num_blocks = 0;         ///< 0 = one per SM
   double timeout_s = 60.0;    ///< bound of every device-side wait on a peer
-  bool signal_rank = false;   ///< Config ll.signal = rank (LlCommon::signal_rank); every rank must agree
-  bool signal_chunk = true;   ///< Config ll.signal = chunk, the default (LlCommon::signal_chunk; needs ll.expand = message, else block); every rank must agree
-  bool expand_message = true;  ///< Config ll.expand = message (LlCommon::expand_message); every rank must agree
-  bool items_run = true;       ///< Config ll.items = run (LlCommon::items_run); rank-local
+  /// The message expansion with chunk signals where its bitmaps fit in shared memory; false forces the
+  /// fallback (expert expansion, block signals) that large capacities take (tests); every rank takes the
+  /// fallback when one does (exchanged at create).
+  bool expand_message = true;
   bool combine_data = false;   ///< Config ll.combine_wait = data (LlCommon::combine_data); every rank must agree
-  bool combine_lane = false;   ///< Config ll.combine_wait = flag_lane (LlCommon::combine_lane; A/B); rank-local
   /// Tests only (ll_cuda_test's stale-token regression test): LlCommon::debug_block0_delay_ns (>= 0) and
   /// debug_token_tag_mask; rank-local; the defaults leave the protocol as documented.
   long long debug_block0_delay_ns = 0;

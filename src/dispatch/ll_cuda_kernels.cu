@@ -47,13 +47,13 @@ __device__ __forceinline__ uint32_t ld_relaxed_sys_u32(const void* p) {
 __device__ __forceinline__ void st_relaxed_sys_u32(void* p, uint32_t v) {
   asm volatile("st.relaxed.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
-/// ll.signal = chunk: the tag of call n's count words, 1 + (n / 2) % 2. Every call stores every count
+/// The chunk signals (message expansion): the tag of call n's count words, 1 + (n / 2) % 2. Every call stores every count
 /// word (all destinations, all local experts), so a count word of parity n % 2 holds, before call n's
 /// value lands, either zeros (never written: tag 0) or call n - 2's value (the other tag: receive n - 2
 /// saw that value, so no older one can be seen after it); a source never runs two calls ahead
 /// (ll_cuda.h), so the tag identifies call n's value.
 __device__ __forceinline__ uint32_t count_tag(unsigned long long call) { return 1u + static_cast<uint32_t>((call >> 1) & 1u); }
-/// ll.signal = chunk: the slot-token word of call n, (n + 1 mod 2^32) << 32 | t (t < 2^31, or
+/// The chunk signals (message expansion): the slot-token word of call n, (n + 1 mod 2^32) << 32 | t (t < 2^31, or
 /// kLlNoToken). These words are stored only for the slots that carry a message (and one scrubbed slot per
 /// call, ll_scrub_slot), so unlike the count words a slot's word can be many calls old: a two-valued
 /// tag would let call n - 4's token pass as call n's. Accepted only when its high
@@ -124,23 +124,6 @@ __device__ __forceinline__ int umod(int64_t a, int b) { return static_cast<int>(
 
 __device__ __forceinline__ unsigned lanemask_of(int i) { return (1u << i) - 1u; }  // bits below i, i < 32
 
-/// ll.signal = rank: every block counts itself on `blocks` (the part's finished-block counter) after
-/// a system-scope fence, so the counter's RMW chain carries each block's stores; the block that
-/// completes the call (old = n B + B - 1) fences again (acquire) and returns true: its stores and
-/// releases after this are ordered after every block's stores (cumulativity, NCCL-DEVICE-API.md §3).
-/// Block-wide (one __syncthreads), s_flag: a __shared__ int.
-__device__ __forceinline__ bool last_block(unsigned long long* blocks, int* s_flag) {
-  if (threadIdx.x == 0) {
-    fence_acq_rel_sys();
-    const unsigned long long old = atomicAdd(blocks, 1ull);
-    const bool last = old % gridDim.x == gridDim.x - 1;
-    if (last) fence_acq_rel_sys();
-    *s_flag = last ? 1 : 0;
-  }
-  __syncthreads();
-  return *s_flag != 0;
-}
-
 __device__ __forceinline__ unsigned long long ld_volatile_u64(const void* p) {
   unsigned long long v;
   asm volatile("ld.volatile.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
@@ -205,8 +188,7 @@ __device__ __noinline__ void report(const LlCommon& c, int kind, int peer, int o
 
 /// Block-wide: waits until every flag of every source (one 8-byte word per (source s, send block
 /// b < src_blocks[s]) at base_of(s) + 8 b) reached `target`, one flag per thread where the block has
-/// enough threads (ll.signal = rank: one word per source, b = 0), so the wait ends about one round
-/// trip after the last flag lands (a warp per
+/// enough threads, so the wait ends about one round trip after the last flag lands (a warp per
 /// source walking its ~B/32 flags in turn took several). Acquire loads, then the caller's
 /// __syncthreads() (NCCL-DEVICE-API.md rule 4). s_bad[s] = 1 when a wait on source s timed out
 /// (reported, naming s), 2 when its flag carried kLlFlagRejected (combine flags only; compared without
@@ -218,7 +200,7 @@ __device__ void wait_all_flags(const LlCommon& c, BaseOf base_of, unsigned long 
   const int R = c.lay.num_ranks;
   for (int i = threadIdx.x; i < R * LlLayout::kMaxSignalBlocks; i += blockDim.x) {
     const int s = i / LlLayout::kMaxSignalBlocks, b = i - s * LlLayout::kMaxSignalBlocks;
-    if (b >= (c.signal_rank ? 1 : c.src_blocks[s])) continue;  // ll.signal = rank: block 0's word only
+    if (b >= c.src_blocks[s]) continue;
     const void* f = base_of(s) + 8 * static_cast<int64_t>(b);
     bool timing = false, ok = true;
     unsigned long long start = 0, v;
@@ -253,7 +235,7 @@ __device__ __forceinline__ int combine_rejected_source(const LlCombineParams& p,
   return rej;
 }
 
-/// ll.signal = chunk: v = load() until ok(v), bounded by timeout_ns (globaltimer). `v` holds a first
+/// The chunk signals (message expansion): v = load() until ok(v), bounded by timeout_ns (globaltimer). `v` holds a first
 /// value already loaded by the caller. On a timeout reports (naming source s), sets s_bad[s] and
 /// returns false; so does a wait that finds s_bad[s] set by another thread of the block (one timeout
 /// per source and block, not one per waiting warp).
@@ -307,11 +289,10 @@ __device__ __forceinline__ int64_t load_id(const LlDispatchParams& p, int64_t i)
   return p.idx64 ? static_cast<const int64_t*>(p.topk_idx)[i] : static_cast<const int32_t*>(p.topk_idx)[i];
 }
 
-/// The combine's column-order gather (column mode on the source, and the partial modes' expert
-/// side): acc += w_k * row_k for the lanes' columns k with my_row >= 0, in column order, fp32 with
-/// separate roundings; 4 rows' 16-byte loads in flight per round trip. row_at(r) is the address of
-/// this lane's 8 bf16 elements of row r; kReadOnly: the rows are read-only for the kernel (__ldg).
-template <bool kReadOnly, class RowAt>
+/// The column mode's receive gather: acc += w_k * row_k for the lanes' columns k with my_row >= 0, in
+/// column order, fp32 with separate roundings; 4 rows' 16-byte loads in flight per round trip.
+/// row_at(r) is the address of this lane's 8 bf16 elements of row r.
+template <class RowAt>
 __device__ __forceinline__ void gather_columns(int32_t my_row, float my_w, bool ok, RowAt row_at, float (&acc)[8]) {
   unsigned live = __ballot_sync(0xffffffffu, my_row >= 0);
   while (live) {
@@ -326,10 +307,7 @@ __device__ __forceinline__ void gather_columns(int32_t my_row, float my_w, bool 
       if (!live) f[j] = -1;
       live &= live - 1;
       y[j] = make_uint4(0, 0, 0, 0);
-      if (f[j] >= 0 && ok) {
-        if constexpr (kReadOnly) y[j] = __ldg(reinterpret_cast<const uint4*>(row_at(f[j])));
-        else y[j] = ld16(row_at(f[j]));
-      }
+      if (f[j] >= 0 && ok) y[j] = ld16(row_at(f[j]));
     }
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
@@ -354,12 +332,11 @@ __device__ __forceinline__ int chunks_per_run(int nch, int64_t rows, int64_t war
 
 // kMaxThreads: 1024 (64 registers per thread, a few spilled) or 512 (128 registers); the launch picks
 // the smallest that holds the block.
-// kMessage: ll.expand = message (LlCommon::expand_message); the other expansion's code is compiled
-// out (a smaller kernel: its instructions are fetched cold on every SM at every launch).
-// kChunk: ll.signal = chunk (LlCommon::signal_chunk, with kMessage); a template parameter so the
-// other protocols' kernels compile exactly as without it (with the chunk code in the same kernel, the block
-// protocol's receive part runs ~2 us slower; bench/NOTES.md, 'll.signal = chunk').
-template <bool kFp8, int kMaxThreads, bool kMessage, bool kChunk = false>
+// kMessage: the message expansion with chunk signals (LlCommon::expand_message, ll_cuda.h); false: the
+// expert expansion with block signals, the fallback where the message expansion's bitmaps do not fit in
+// shared memory. The other's code is compiled out (a smaller kernel: its instructions are fetched cold on
+// every SM at every launch).
+template <bool kFp8, int kMaxThreads, bool kMessage>
 __global__ void __launch_bounds__(kMaxThreads, 1) ll_dispatch_kernel(const __grid_constant__ LlDispatchParams p) {
   extern __shared__ __align__(16) uint8_t smem[];
   const LlCommon& c = p.c;
@@ -369,9 +346,9 @@ __global__ void __launch_bounds__(kMaxThreads, 1) ll_dispatch_kernel(const __gri
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, W = blockDim.x >> 5;
   const int nchunks = static_cast<int>((H + kLlChunkElems - 1) / kLlChunkElems);
   __shared__ unsigned long long s_call_send, s_call_recv;
-  __shared__ int s_T, s_total, s_last;
+  __shared__ int s_T, s_total;
   __shared__ int s_count[kLlMaxRanks], s_n[kLlMaxRanks], s_bad[kLlMaxRanks], s_mp[kLlMaxRanks + 1];
-  // ll.expand = message, send part: s_bm[id][w] bit i = token 32 w + i selects id; s_pre[id][w] =
+  // The message expansion, send part: s_bm[id][w] bit i = token 32 w + i selects id; s_pre[id][w] =
   // tokens before 32 w that select id; s_tot[id] = all tokens that select it.
   constexpr bool by_message = kMessage;
   const int NI = lay.num_ids, Wm = (max_t + 31) / 32;
@@ -463,7 +440,7 @@ __global__ void __launch_bounds__(kMaxThreads, 1) ll_dispatch_kernel(const __gri
     }
     s_T = static_cast<int>(T);
   }
-  if (kMessage && kChunk && threadIdx.x < kLlMaxRanks) s_bad[threadIdx.x] = 0;  // ll.signal = chunk: no barrier of its own
+  if (kMessage && threadIdx.x < kLlMaxRanks) s_bad[threadIdx.x] = 0;  // chunk signals: no barrier of its own
   __syncthreads();
   trace_at(c, kTrDispT);
   trace_at(c, kTrDispMasks);  // the masks are done at the same barrier now
@@ -501,10 +478,10 @@ __global__ void __launch_bounds__(kMaxThreads, 1) ll_dispatch_kernel(const __gri
     }
     __syncthreads();
     trace_at(c, kTrDispScanned);
-    constexpr bool chunk_sig = kMessage && kChunk;
+    constexpr bool chunk_sig = kMessage;
     const bool debug_delay = chunk_sig && blockIdx.x == 0 && c.debug_block0_delay_ns > 0;  // tests only (block-uniform)
     if (debug_delay) debug_block_delay(c.debug_block0_delay_ns);
-    if (chunk_sig && blockIdx.x == 0) {  // ll.signal = chunk: the tagged counts and slot tokens first, ahead of the payload
+    if (chunk_sig && blockIdx.x == 0) {  // chunk signals: the tagged counts and slot tokens first, ahead of the payload
       const uint32_t tag = count_tag(s_call_send), tmask = c.debug_token_tag_mask;
       for (int t = threadIdx.x; t < T; t += blockDim.x) {  // message slot -> source token, per destination
         const uint32_t mt = s_mask[t];
@@ -622,8 +599,9 @@ __global__ void __launch_bounds__(kMaxThreads, 1) ll_dispatch_kernel(const __gri
     __syncthreads();
     trace_max(c, kTrDispItems);
     if (blockIdx.x == 0 && threadIdx.x == 0) c.state->num_tokens = T;
-    // The block that stores the counts: block 0 (ll.signal = block), or the last block to finish.
-    const bool counter = chunk_sig ? false : c.signal_rank ? last_block(&c.state->dispatch_send_blocks, &s_last) : blockIdx.x == 0;
+    // The block that stores the counts after its payload: block 0 (the expert expansion; with the message
+    // expansion block 0 stored them tagged ahead of the payload).
+    const bool counter = chunk_sig ? false : blockIdx.x == 0;
     if (by_message && counter) {  // tokens per (destination, local expert) for the receivers' slot bases
       for (int d = 0; d < R; ++d) {
         const int Ld = c.placement.num_local(d);
@@ -636,23 +614,23 @@ __global__ void __launch_bounds__(kMaxThreads, 1) ll_dispatch_kernel(const __gri
       __syncthreads();
     }
     trace_at(c, kTrDispCounts);
-    // ll.signal = chunk: the block's last warp releases the flags and takes no receive work, so the other
+    // chunk signals: the block's last warp releases the flags and takes no receive work, so the other
     // warps go on to the counts and their expansion items while its release waits for the acknowledgements.
     const bool rel_warp = chunk_sig && W > 1;
-    if (rel_warp ? warp == W - 1 && lane < R : threadIdx.x < R && (counter || !c.signal_rank)) {  // flags after all the block's stores (cumulative release)
+    if (rel_warp ? warp == W - 1 && lane < R : threadIdx.x < R) {  // flags after all the block's stores (cumulative release)
       const int d = rel_warp ? lane : static_cast<int>(threadIdx.x);
       if (counter) st_relaxed_sys_u64(c.peers[d] + lay.dispatch_count_offset(parity, rank), static_cast<unsigned long long>(s_count[d]));
-      st_release_sys_u64(c.peers[d] + lay.dispatch_flag_offset(rank, c.signal_rank ? 0 : blockIdx.x), s_call_send + 1);
+      st_release_sys_u64(c.peers[d] + lay.dispatch_flag_offset(rank, blockIdx.x), s_call_send + 1);
     }
-    if (!c.signal_rank && threadIdx.x == 0) atomicAdd(&c.state->dispatch_send_blocks, 1ull);
+    if (threadIdx.x == 0) atomicAdd(&c.state->dispatch_send_blocks, 1ull);
     trace_max(c, 1);
   }
 
   if (p.recv) {
     const unsigned long long call = s_call_recv;
     const int parity = static_cast<int>(call & 1);
-    constexpr bool chunk_sig = kMessage && kChunk;  // ll.signal = chunk: per-item waits on the send blocks' flags
-    // ll.signal = chunk: warps [0, Wr) receive (the last one released the flags, ll.signal = chunk above;
+    constexpr bool chunk_sig = kMessage;  // chunk signals: per-item waits on the send blocks' flags
+    // chunk signals: warps [0, Wr) receive (the last one released the flags, the chunk signals above;
     // their barrier is the named barrier 1); s_bad was cleared at the front.
     const bool split = chunk_sig && W > 1;
     const int Wr = split ? W - 1 : W, nthr = 32 * Wr;
@@ -667,7 +645,7 @@ __global__ void __launch_bounds__(kMaxThreads, 1) ll_dispatch_kernel(const __gri
     if (!chunk_sig) wait_all_flags(
         c, [&](int s) { return c.local + lay.dispatch_flag_offset(s, 0); }, call + 1, LlErrorReport::dispatch, call, s_bad,
         [&](int s) {  // block 0's flag of s was released after the count
-          if constexpr (!by_message) {  // (ll.expand = message loads the counts after the wait, with the rest)
+          if constexpr (!by_message) {  // (the message expansion loads the counts after the wait, with the rest)
             long long n = static_cast<long long>(ld_relaxed_sys_u64(c.local + lay.dispatch_count_offset(parity, s)));
             if (n < 0 || n > max_t) n = 0;
             s_n[s] = static_cast<int>(n);
@@ -687,13 +665,13 @@ __global__ void __launch_bounds__(kMaxThreads, 1) ll_dispatch_kernel(const __gri
     trace_at(c, 2);
     trace_max(c, 10);
     if constexpr (by_message) {
-    if (warp < Wr) {  // ll.signal = chunk: the releasing warp skips the receive work
+    if (warp < Wr) {  // chunk signals: the releasing warp skips the receive work
       const int L = c.num_local;
       const int64_t cap = static_cast<int64_t>(R) * max_t, gpr = H / 128;
       // (message, 512-element chunk) items over the whole grid: the chunk is loaded once and stored
       // into the slot of each local expert the message selects (its first column naming it). The
       // warp's first item is loaded before the slot bases (its loads overlap the counts' round trip).
-      // ll.items = run: (message, run of up to kRunD consecutive chunks) items, so one round covers
+      // Runs: (message, run of up to kRunD consecutive chunks) items, so one round covers
       // more of the grid's work (ll-v3: 256 messages x 7 runs of 2 chunks on 2112 warps).
       constexpr int kRunD = 2;
       struct Item {
@@ -706,7 +684,7 @@ __global__ void __launch_bounds__(kMaxThreads, 1) ll_dispatch_kernel(const __gri
       // the counts, so its loads, the message counts and the slot-base counts are one round trip after
       // the wait; items of slots j >= the source's count are skipped (their speculative loads unused).
       const int64_t gwarps = static_cast<int64_t>(gridDim.x) * Wr;
-      const int cprd = c.items_run ? chunks_per_run(nchunks, cap, gwarps, kRunD) : 1;
+      const int cprd = chunks_per_run(nchunks, cap, gwarps, kRunD);
       const int runsd = (nchunks + cprd - 1) / cprd;
       auto load_item = [&](int64_t item, Item& m) {  // all loads of the item at once (one round trip)
         const int flat = udiv(item, runsd);  // = s max_T + j
@@ -738,7 +716,7 @@ __global__ void __launch_bounds__(kMaxThreads, 1) ll_dispatch_kernel(const __gri
       const int64_t first_recv = static_cast<int64_t>(blockIdx.x) * Wr + warp;
       Item m;
       if (!chunk_sig && first_recv < items) load_item(first_recv, m);
-      unsigned long long first_tok = 0;  // ll.signal = chunk: the first item's slot-token word, loaded before the counts' round trip
+      unsigned long long first_tok = 0;  // chunk signals: the first item's slot-token word, loaded before the counts' round trip
       if (chunk_sig && lane == 0 && first_recv < items) {
         const int flat = udiv(first_recv, runsd), s = udiv(flat, max_t);
         first_tok = ld_relaxed_sys_u64(c.local + lay.slot_token_offset(parity, s, flat - s * max_t));
@@ -752,7 +730,7 @@ __global__ void __launch_bounds__(kMaxThreads, 1) ll_dispatch_kernel(const __gri
       };
       int32_t* s_base = reinterpret_cast<int32_t*>(smem);  // [L][R]
       if (chunk_sig) {
-        // ll.signal = chunk: the senders stored their tagged counts before their payload, so they are
+        // chunk signals: the senders stored their tagged counts before their payload, so they are
         // normally here already: the message counts (s_n) and the slot bases, each word polled until it
         // carries call n's tag (timed-out sources count 0); block 0 writes recv_count and layout_range.
         const uint32_t tag = count_tag(call);
@@ -1082,14 +1060,13 @@ __device__ __forceinline__ void load_partial(const uint8_t* row, int64_t h, floa
   }
 }
 
-/// Partial combine send, ll.items = run: items are (message slot, run of cpr consecutive 256-element
+/// Partial combine send: items are (message slot, run of cpr consecutive 256-element
 /// chunks) over the capacity R x max_T; a warp loads its message's routing, the source's message
 /// count and the call number in one round trip, then kG local rows x cpr chunks of loads in flight
 /// per round trip, sums them in column order in fp32 (the arithmetic of gather_columns: acc + w_k *
 /// y_k, separate roundings, column order), and stores the run's partial row to the source: fp32 rows
 /// as whole 128-byte lines per warp instruction (the halves of two lanes' 8 elements exchanged by
-/// shuffles; weak stores, or volatile with kData), unless LlCommon::combine_lane (ll.combine_wait = flag_lane:
-/// per-lane 2 x 16-byte stores, kept for comparison; bench/NOTES.md, 'LL combine, where the first ~6 us go').
+/// shuffles; weak stores, or volatile with kData; bench/NOTES.md, 'LL combine, where the first ~6 us go').
 template <int kG, int kRun, bool kData>
 __device__ __forceinline__ void combine_send_runs(const LlCombineParams& p, int W, int warp, int lane, bool* gave_up) {
   const LlCommon& c = p.c;
@@ -1189,11 +1166,11 @@ __device__ __forceinline__ void combine_send_runs(const LlCombineParams& p, int 
     for (int i = 0; i < kRun; ++i) {
       const int64_t h = hbase + i * 256;
       if (i >= cpr) continue;  // warp-uniform
-      if (kData || !c.combine_lane) {
-        if constexpr (kData) {
+      if constexpr (kData) {
 #pragma unroll
-          for (int e = 0; e < 8; ++e) acc[i][e] = canon_nan(acc[i][e]);
-        }
+        for (int e = 0; e < 8; ++e) acc[i][e] = canon_nan(acc[i][e]);
+      }
+      {
         if (f32) {
           // Whole lines per instruction (512 contiguous bytes): the chunk's elements [4 lane, +4), then
           // [128 + 4 lane, +4), i.e. half (lane & 1) of lane (lane >> 1)'s eight and of lane 16 + (lane >> 1)'s.
@@ -1222,12 +1199,7 @@ __device__ __forceinline__ void combine_send_runs(const LlCombineParams& p, int 
         }
       }
       if (h >= H) continue;
-      if (f32) {
-        const uint4 a = make_uint4(__float_as_uint(acc[i][0]), __float_as_uint(acc[i][1]), __float_as_uint(acc[i][2]), __float_as_uint(acc[i][3]));
-        const uint4 b = make_uint4(__float_as_uint(acc[i][4]), __float_as_uint(acc[i][5]), __float_as_uint(acc[i][6]), __float_as_uint(acc[i][7]));
-        st16(dst + 4 * h, a);
-        st16(dst + 4 * h + 16, b);
-      } else {
+      {  // bf16 partial rows
         uint32_t o[4];
 #pragma unroll
         for (int e = 0; e < 4; ++e)
@@ -1259,7 +1231,7 @@ __device__ __forceinline__ void store_bf16_run(uint16_t* out_row, const float (&
   }
 }
 
-/// Partial combine receive, ll.items = run: items are (token, run of cpr 256-element chunks); the
+/// Partial combine receive (flag): items are (token, run of cpr 256-element chunks); the
 /// first item's routing (dest_mask) is loaded before the wait; then the partial rows of every rank
 /// in the token's mask, all of the run's loads in flight, are added in rank order in fp32 and
 /// rounded once to bf16. Block-wide (the wait). s_bad: the caller's shared [kLlMaxRanks].
@@ -1454,7 +1426,7 @@ __global__ void __launch_bounds__(kMaxThreads, 1) ll_combine_kernel(const __grid
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, W = blockDim.x >> 5;
   const bool partial = lay.partial(), f32 = lay.combine == 1;
   __shared__ unsigned long long s_call_send, s_call_recv;
-  __shared__ int s_bad[kLlMaxRanks], s_last;
+  __shared__ int s_bad[kLlMaxRanks];
   __shared__ unsigned long long tr_ns0, tr_clk0;  // block 0's start (trace_clk; shared: no registers held)
   if (threadIdx.x == 0 && blockIdx.x == 0) {
     tr_ns0 = globaltimer();
@@ -1462,10 +1434,10 @@ __global__ void __launch_bounds__(kMaxThreads, 1) ll_combine_kernel(const __grid
     c.state->trace[4] = tr_ns0;
   }
   trace_max(c, 9);
-  // ll.items = run (partial modes): the send part's warps read the call number themselves with their
+  // Partial modes: the send part's warps take runs and read the call number themselves with their
   // first item's routing (one round trip less); s_call_send is read by the flags only, after a sync.
-  constexpr bool data = kData;  // ll.combine_wait = data (partial modes; its send always takes runs)
-  const bool run_send = partial && (c.items_run || data);
+  constexpr bool data = kData;  // ll.combine_wait = data (partial modes)
+  const bool run_send = partial;
   bool gave_up = false;  // ll.combine_wait = data: this thread's waits timed out
   if (threadIdx.x == 0) {  // both loads out before either division waits
     const unsigned long long cs = ld_volatile_u64(&c.state->combine_send_blocks), cr = ld_volatile_u64(&c.state->combine_recv_blocks);
@@ -1482,53 +1454,26 @@ __global__ void __launch_bounds__(kMaxThreads, 1) ll_combine_kernel(const __grid
   if (!kData && p.send && p.rejected) {  // this rank refused its finalize arguments: no rows, marked flags
     if (run_send) __syncthreads();  // s_call_send (the sync above was skipped)
     const unsigned long long flag = (s_call_send + 1) | kLlFlagRejected;
-    if (c.signal_rank) {
-      if (last_block(&c.state->combine_send_blocks, &s_last) && threadIdx.x < R)
-        st_release_sys_u64(c.peers[threadIdx.x] + lay.combine_flag_offset(rank, 0), flag);
-    } else {
-      if (threadIdx.x < R) st_release_sys_u64(c.peers[threadIdx.x] + lay.combine_flag_offset(rank, blockIdx.x), flag);
-      if (threadIdx.x == 0) atomicAdd(&c.state->combine_send_blocks, 1ull);
-    }
+    if (threadIdx.x < R) st_release_sys_u64(c.peers[threadIdx.x] + lay.combine_flag_offset(rank, blockIdx.x), flag);
+    if (threadIdx.x == 0) atomicAdd(&c.state->combine_send_blocks, 1ull);
   } else if (p.send && run_send) {
     combine_send_runs<kMaxThreads <= 512 ? 4 : 2, kMaxThreads <= 512 ? 4 : 2, kData>(p, W, warp, lane, &gave_up);
     __syncthreads();
     trace_max(c, kTrCombItems);
     if constexpr (data) {  // no flags: the rows are the signal; the counter numbers the calls
       if (threadIdx.x == 0) atomicAdd(&c.state->combine_send_blocks, 1ull);
-    } else if (c.signal_rank) {  // the last block to finish signals for all (last_block)
-      if (last_block(&c.state->combine_send_blocks, &s_last) && threadIdx.x < R)
-        st_release_sys_u64(c.peers[threadIdx.x] + lay.combine_flag_offset(rank, 0), s_call_send + 1);
     } else {
       if (threadIdx.x < R) st_release_sys_u64(c.peers[threadIdx.x] + lay.combine_flag_offset(rank, blockIdx.x), s_call_send + 1);
       if (threadIdx.x == 0) atomicAdd(&c.state->combine_send_blocks, 1ull);
     }
     trace_max(c, 5);
-  } else if (!kData && p.send) {
+  } else if (!kData && p.send) {  // column mode
     const int parity = static_cast<int>(s_call_send & 1);
-    // Items are (row group, chunk): column mode a group is one slot of some local expert (prefix over
-    // recv_count[L]); partial modes one received message (prefix over msg_count[R]).
-    const int G = partial ? R : L;
+    // Items are (slot, chunk), a slot of some local expert (prefix over recv_count[L]).
+    const int G = L;
     int32_t* s_pref = reinterpret_cast<int32_t*>(smem);  // [G + 1]
-    // Partial modes enumerate (message slot, chunk) items over the capacity R x max_T (the message
-    // index is then known before the counts), so the warp's first item's routing is loaded together
-    // with the counts (one round trip less); items of slots >= the count are skipped.
-    const int nchp = static_cast<int>((H + 255) / 256);
-    const int64_t first_send = static_cast<int64_t>(blockIdx.x) * W + warp;
-    int32_t pre_row = -1, pre_t = 0;
-    float pre_wt = 0.0f;
-    if (partial && L > 0 && first_send < static_cast<int64_t>(R) * max_t * nchp) {
-      const int64_t mi = first_send / nchp;  // = s max_T + j
-      if (lane < K) {
-        pre_row = p.msg_rows[mi * K + lane];
-        pre_wt = p.msg_weights[mi * K + lane];
-      }
-      pre_t = p.msg_src_token[mi];
-    }
     // All threads load the counts at once (one memory latency), then warp 0 scans in shared memory.
-    if (!partial || L > 0)
-      for (int g = threadIdx.x; g < G; g += blockDim.x) s_pref[g] = partial ? p.msg_count[g] : p.recv_count[g];
-    else
-      for (int g = threadIdx.x; g < G; g += blockDim.x) s_pref[g] = 0;  // no local experts: nothing to send
+    for (int g = threadIdx.x; g < G; g += blockDim.x) s_pref[g] = p.recv_count[g];
     __syncthreads();
     if (warp == 0) {
       int running = 0;
@@ -1548,83 +1493,37 @@ __global__ void __launch_bounds__(kMaxThreads, 1) ll_combine_kernel(const __grid
     }
     __syncthreads();
     trace_at(c, kTrCombCounts);
-    if (!partial) {
-      // (slot, 1024-element chunk) items: 4 independent 16-byte loads per lane, then 4 stores.
-      const int nch = static_cast<int>((H + 1023) / 1024);
-      const int64_t items = static_cast<int64_t>(s_pref[L]) * nch;
-      for (int64_t item = static_cast<int64_t>(blockIdx.x) * W + warp; item < items; item += static_cast<int64_t>(gridDim.x) * W) {
-        const int flat = static_cast<int>(item / nch), ch = static_cast<int>(item % nch);
-        int lo = 0, hi = L;  // largest l with s_pref[l] <= flat
-        while (hi - lo > 1) {
-          const int mid = (lo + hi) >> 1;
-          if (s_pref[mid] <= flat) lo = mid;
-          else hi = mid;
-        }
-        const int64_t row = static_cast<int64_t>(lo) * cap + (flat - s_pref[lo]);
-        const int s = p.src_rank[row], t = p.src_token[row], k = p.topk_column[row];
-        const uint16_t* src = p.expert_out + row * H;
-        uint8_t* dst = c.peers[s] + lay.combine_row_offset(parity, t, k);
-        uint4 v[4];
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const int64_t h = static_cast<int64_t>(ch) * 1024 + i * 256 + lane * 8;
-          if (h < H) v[i] = __ldg(reinterpret_cast<const uint4*>(src + h));
-        }
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const int64_t h = static_cast<int64_t>(ch) * 1024 + i * 256 + lane * 8;
-          if (h < H) st16(dst + 2 * h, v[i]);
-        }
+    // (slot, 1024-element chunk) items: 4 independent 16-byte loads per lane, then 4 stores.
+    const int nch = static_cast<int>((H + 1023) / 1024);
+    const int64_t items = static_cast<int64_t>(s_pref[L]) * nch;
+    for (int64_t item = static_cast<int64_t>(blockIdx.x) * W + warp; item < items; item += static_cast<int64_t>(gridDim.x) * W) {
+      const int flat = static_cast<int>(item / nch), ch = static_cast<int>(item % nch);
+      int lo = 0, hi = L;  // largest l with s_pref[l] <= flat
+      while (hi - lo > 1) {
+        const int mid = (lo + hi) >> 1;
+        if (s_pref[mid] <= flat) lo = mid;
+        else hi = mid;
       }
-    } else {
-      // (message, 256-element chunk) items: the message's local rows weighted and summed in column
-      // order in fp32 (4 rows' loads in flight), one partial row to the source.
-      const int nch = nchp;
-      const int64_t items = static_cast<int64_t>(R) * max_t * nch;
-      for (int64_t item = first_send; item < items; item += static_cast<int64_t>(gridDim.x) * W) {
-        const int flat = static_cast<int>(item / nch), ch = static_cast<int>(item % nch);
-        const int s = flat / max_t;
-        if (flat - s * max_t >= s_pref[s + 1] - s_pref[s]) continue;  // beyond the messages s sent (warp-uniform)
-        const int64_t mi = flat;  // s max_T + j
-        const bool pre = item == first_send;
-        int32_t my_row = pre ? pre_row : -1;
-        float my_w = pre ? pre_wt : 0.0f;
-        if (!pre && lane < K) {
-          my_row = p.msg_rows[mi * K + lane];
-          my_w = p.msg_weights[mi * K + lane];
-        }
-        const int t = pre ? pre_t : p.msg_src_token[mi];
-        const int64_t h = static_cast<int64_t>(ch) * 256 + lane * 8;
-        const bool ok = h < H;
-        float acc[8];
+      const int64_t row = static_cast<int64_t>(lo) * cap + (flat - s_pref[lo]);
+      const int s = p.src_rank[row], t = p.src_token[row], k = p.topk_column[row];
+      const uint16_t* src = p.expert_out + row * H;
+      uint8_t* dst = c.peers[s] + lay.combine_row_offset(parity, t, k);
+      uint4 v[4];
 #pragma unroll
-        for (int i = 0; i < 8; ++i) acc[i] = 0.0f;
-        // Only the columns with a local row, 4 at a time in column order (one round trip per 4).
-        gather_columns<true>(my_row, my_w, ok, [&](int f) { return p.expert_out + static_cast<int64_t>(f) * H + h; }, acc);
-        if (ok) {
-          uint8_t* dst = c.peers[s] + lay.combine_partial_offset(parity, t, rank);
-          if (f32) {
-            st16(dst + 4 * h, make_uint4(__float_as_uint(acc[0]), __float_as_uint(acc[1]), __float_as_uint(acc[2]), __float_as_uint(acc[3])));
-            st16(dst + 4 * h + 16, make_uint4(__float_as_uint(acc[4]), __float_as_uint(acc[5]), __float_as_uint(acc[6]), __float_as_uint(acc[7])));
-          } else {
-            uint32_t o[4];
+      for (int i = 0; i < 4; ++i) {
+        const int64_t h = static_cast<int64_t>(ch) * 1024 + i * 256 + lane * 8;
+        if (h < H) v[i] = __ldg(reinterpret_cast<const uint4*>(src + h));
+      }
 #pragma unroll
-            for (int i = 0; i < 4; ++i)
-              o[i] = static_cast<uint32_t>(float_to_bf16_bits(acc[2 * i])) | (static_cast<uint32_t>(float_to_bf16_bits(acc[2 * i + 1])) << 16);
-            st16(dst + 2 * h, make_uint4(o[0], o[1], o[2], o[3]));
-          }
-        }
+      for (int i = 0; i < 4; ++i) {
+        const int64_t h = static_cast<int64_t>(ch) * 1024 + i * 256 + lane * 8;
+        if (h < H) st16(dst + 2 * h, v[i]);
       }
     }
     __syncthreads();
     trace_max(c, kTrCombItems);
-    if (c.signal_rank) {  // the last block to finish signals for all (last_block)
-      if (last_block(&c.state->combine_send_blocks, &s_last) && threadIdx.x < R)
-        st_release_sys_u64(c.peers[threadIdx.x] + lay.combine_flag_offset(rank, 0), s_call_send + 1);
-    } else {
-      if (threadIdx.x < R) st_release_sys_u64(c.peers[threadIdx.x] + lay.combine_flag_offset(rank, blockIdx.x), s_call_send + 1);
-      if (threadIdx.x == 0) atomicAdd(&c.state->combine_send_blocks, 1ull);
-    }
+    if (threadIdx.x < R) st_release_sys_u64(c.peers[threadIdx.x] + lay.combine_flag_offset(rank, blockIdx.x), s_call_send + 1);
+    if (threadIdx.x == 0) atomicAdd(&c.state->combine_send_blocks, 1ull);
     trace_max(c, 5);
   }
 
@@ -1639,13 +1538,13 @@ __global__ void __launch_bounds__(kMaxThreads, 1) ll_combine_kernel(const __grid
     }
     return;
   }
-  if (p.recv && partial && c.items_run) {
+  if (p.recv && partial) {
     combine_recv_runs<2>(p, W, warp, lane, &s_call_recv, s_bad);
     __syncthreads();
     trace_at(c, kTrCombReduced0);
     trace_clk(c, kTrCombReducedCyc, tr_ns0, tr_clk0);
     trace_max(c, 7);
-  } else if (p.recv) {
+  } else if (p.recv) {  // column mode
     if (threadIdx.x < R) s_bad[threadIdx.x] = 0;
     __syncthreads();  // s_call_recv (read before a sync that the send part may have skipped)
     const unsigned long long call = s_call_recv;
@@ -1658,11 +1557,8 @@ __global__ void __launch_bounds__(kMaxThreads, 1) ll_combine_kernel(const __grid
     const int64_t first_item = static_cast<int64_t>(blockIdx.x) * W + warp;
     int32_t my_first = -1;
     float my_w = 0.0f;
-    uint32_t my_mask = 0;
     auto load_routing = [&](int t) {
-      if (partial) {
-        my_mask = p.dest_mask[t];
-      } else if (lane < K) {
+      if (lane < K) {
         my_first = p.first_col[static_cast<int64_t>(t) * K + lane];
         my_w = p.weights[static_cast<int64_t>(t) * K + lane];
       }
@@ -1674,7 +1570,7 @@ __global__ void __launch_bounds__(kMaxThreads, 1) ll_combine_kernel(const __grid
     trace_max(c, 11);
     const float acc0 = combine_rejected_source(p, s_bad, call) >= 0 ? __uint_as_float(0x7fc00000u) : 0.0f;  // a peer rejected: NaN
     // (token, 256-element chunk) items: a lane owns 8 elements; 4 rows are loaded at once, then added
-    // in order (column order, or rank order for the partials).
+    // in column order.
     for (int64_t item = first_item; item < items; item += static_cast<int64_t>(gridDim.x) * W) {
       const int t = static_cast<int>(item / nch), ch = static_cast<int>(item % nch);
       if (item != first_item) load_routing(t);
@@ -1683,27 +1579,8 @@ __global__ void __launch_bounds__(kMaxThreads, 1) ll_combine_kernel(const __grid
       float acc[8];
 #pragma unroll
       for (int i = 0; i < 8; ++i) acc[i] = acc0;
-      if (partial) {
-        for (int r0 = 0; r0 < R; r0 += 2) {  // 2 ranks' loads in flight (64 registers at 1024 threads)
-          float v[2][8];
-#pragma unroll
-          for (int j = 0; j < 2; ++j)
-            if (r0 + j < R && ((my_mask >> (r0 + j)) & 1u) && ok) {
-              const uint8_t* row = c.local + lay.combine_partial_offset(parity, t, r0 + j);
-              if (f32) load_partial<true>(row, h, v[j]);
-              else load_partial<false>(row, h, v[j]);
-            }
-#pragma unroll
-          for (int j = 0; j < 2; ++j) {
-            if (r0 + j >= R || !((my_mask >> (r0 + j)) & 1u)) continue;
-#pragma unroll
-            for (int i = 0; i < 8; ++i) acc[i] = __fadd_rn(acc[i], v[j][i]);
-          }
-        }
-      } else {
-        // valid columns, 4 at a time in column order
-        gather_columns<false>(my_first, my_w, ok, [&](int f) { return c.local + lay.combine_row_offset(parity, t, f) + 2 * h; }, acc);
-      }
+      // valid columns, 4 at a time in column order
+      gather_columns(my_first, my_w, ok, [&](int f) { return c.local + lay.combine_row_offset(parity, t, f) + 2 * h; }, acc);
       uint32_t o[4];
 #pragma unroll
       for (int i = 0; i < 4; ++i)
@@ -1785,8 +1662,6 @@ int ll_max_resident_blocks(int threads, size_t dispatch_smem, size_t combine_sme
   };
   if (threads > 512) {
     check(reinterpret_cast<const void*>(&ll_dispatch_kernel<true, 1024, true>), dispatch_smem);
-    check(reinterpret_cast<const void*>(&ll_dispatch_kernel<true, 1024, true, true>), dispatch_smem);
-    check(reinterpret_cast<const void*>(&ll_dispatch_kernel<false, 1024, true, true>), dispatch_smem);
     check(reinterpret_cast<const void*>(&ll_dispatch_kernel<false, 1024, true>), dispatch_smem);
     check(reinterpret_cast<const void*>(&ll_dispatch_kernel<true, 1024, false>), dispatch_smem);
     check(reinterpret_cast<const void*>(&ll_dispatch_kernel<false, 1024, false>), dispatch_smem);
@@ -1794,8 +1669,6 @@ int ll_max_resident_blocks(int threads, size_t dispatch_smem, size_t combine_sme
     check(reinterpret_cast<const void*>(&ll_combine_kernel<1024, true>), combine_smem);
   } else {
     check(reinterpret_cast<const void*>(&ll_dispatch_kernel<true, 512, true>), dispatch_smem);
-    check(reinterpret_cast<const void*>(&ll_dispatch_kernel<true, 512, true, true>), dispatch_smem);
-    check(reinterpret_cast<const void*>(&ll_dispatch_kernel<false, 512, true, true>), dispatch_smem);
     check(reinterpret_cast<const void*>(&ll_dispatch_kernel<false, 512, true>), dispatch_smem);
     check(reinterpret_cast<const void*>(&ll_dispatch_kernel<true, 512, false>), dispatch_smem);
     check(reinterpret_cast<const void*>(&ll_dispatch_kernel<false, 512, false>), dispatch_smem);
@@ -1807,18 +1680,14 @@ int ll_max_resident_blocks(int threads, size_t dispatch_smem, size_t combine_sme
 
 void launch_ll_dispatch(const LlDispatchParams& p, int blocks, int threads, cudaStream_t stream) {
   const size_t smem = ll_dispatch_smem_bytes(p.c.lay, p.c.expand_message, p.c.num_local);
-  const bool fp8 = p.c.lay.use_fp8, msg = p.c.expand_message, chunk = p.c.signal_chunk;
+  const bool fp8 = p.c.lay.use_fp8, msg = p.c.expand_message;
   if (threads > 512) {
-    if (fp8 && msg && chunk) ll_dispatch_kernel<true, 1024, true, true><<<blocks, threads, smem, stream>>>(p);
-    else if (msg && chunk) ll_dispatch_kernel<false, 1024, true, true><<<blocks, threads, smem, stream>>>(p);
-    else if (fp8 && msg) ll_dispatch_kernel<true, 1024, true><<<blocks, threads, smem, stream>>>(p);
+    if (fp8 && msg) ll_dispatch_kernel<true, 1024, true><<<blocks, threads, smem, stream>>>(p);
     else if (msg) ll_dispatch_kernel<false, 1024, true><<<blocks, threads, smem, stream>>>(p);
     else if (fp8) ll_dispatch_kernel<true, 1024, false><<<blocks, threads, smem, stream>>>(p);
     else ll_dispatch_kernel<false, 1024, false><<<blocks, threads, smem, stream>>>(p);
   } else {
-    if (fp8 && msg && chunk) ll_dispatch_kernel<true, 512, true, true><<<blocks, threads, smem, stream>>>(p);
-    else if (msg && chunk) ll_dispatch_kernel<false, 512, true, true><<<blocks, threads, smem, stream>>>(p);
-    else if (fp8 && msg) ll_dispatch_kernel<true, 512, true><<<blocks, threads, smem, stream>>>(p);
+    if (fp8 && msg) ll_dispatch_kernel<true, 512, true><<<blocks, threads, smem, stream>>>(p);
     else if (msg) ll_dispatch_kernel<false, 512, true><<<blocks, threads, smem, stream>>>(p);
     else if (fp8) ll_dispatch_kernel<true, 512, false><<<blocks, threads, smem, stream>>>(p);
     else ll_dispatch_kernel<false, 512, false><<<blocks, threads, smem, stream>>>(p);

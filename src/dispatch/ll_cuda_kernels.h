@@ -78,8 +78,8 @@ enum LlTraceSlot : int {
   kTrCombStored0 = 31,        ///< b0: warp 0's first item's stores issued
   // One dependent load's round trip, stored as start + round trip (printed: the round trip in us):
   kTrDispLoadStart = 32,      ///< b0's last thread: a state word at the dispatch kernel's start (after its warp's first loads)
-  kTrDispLoadWaited = 33,     ///< b0's last thread: a word of the local buffer after the wait (ll.expand = message, after its warp's item loads)
-  kTrCombRecvLoaded0 = 34,    ///< b0: warp 0's first receive item's partial rows loaded and added (flag, ll.items = run)
+  kTrDispLoadWaited = 33,     ///< b0's last thread: a word of the local buffer after the wait (message expansion, after its warp's item loads)
+  kTrCombRecvLoaded0 = 34,    ///< b0: warp 0's first receive item's partial rows loaded and added (flag)
   kTrCombRecvStored0 = 35,    ///< b0: warp 0's first receive item's bf16 stores issued
   kTrSlots = 36
 };
@@ -129,26 +129,20 @@ struct LlCommon {
   LlDeviceState* state = nullptr;
   LlErrorReport* error = nullptr;        ///< device alias of the host-mapped report
   long long timeout_ns = 0;
-  bool signal_rank = false;     ///< one completion word per (source, destination), stored by the source's last block
-  /// ll.signal = chunk (with expand_message): the counts and each message slot's source token go out
-  /// tagged before the payload; the receiver waits per (message, run) item only for the flags of the
-  /// send blocks that stored its chunks (no wait for the whole grid); ll_cuda.h.
-  bool signal_chunk = false;
-  int32_t src_warps[kLlMaxRanks] = {};  ///< warps per block of every source rank (ll.signal = chunk: its item -> block map)
-  /// Tests only (LlLaunch::debug_*; 0 / all ones in production). ll.signal = chunk: block 0 of the sender
+  int32_t src_warps[kLlMaxRanks] = {};  ///< warps per block of every source rank (chunk signals: its item -> block map)
+  /// Tests only (LlLaunch::debug_*; 0 / all ones in production). Chunk signals: block 0 of the sender
   /// sleeps this long [ns] before its tagged stores and again before its send items (a receiver then
   /// sees an old slot-token word, and the message's payload late).
   long long debug_block0_delay_ns = 0;
   /// Tests only: the slot-token tag is (n + 1) & this mask; 3 makes calls n and n - 4 share one, as a
   /// two-valued tag would (the regression test's self-check that it catches that bug).
   uint32_t debug_token_tag_mask = 0xffffffffu;
-  bool expand_message = false;  ///< sender-ranked slots, (message, chunk) expansion on the receiver
-  bool items_run = false;       ///< combine (partial modes): a warp takes a run of chunks of one row (ll.items = run)
+  /// The message expansion (sender-ranked slots, (message, run) expansion on the receiver) with chunk
+  /// signals: the counts and each message slot's source token go out tagged before the payload, and the
+  /// receiver waits per (message, run) item only for the flags of the send blocks that stored its chunks.
+  /// false: the expert expansion with block signals (where the bitmaps do not fit; ll_cuda.h).
+  bool expand_message = false;
   bool combine_data = false;    ///< partial combine: the rows are the signal (ll.combine_wait = data, ll_cuda.h)
-  /// flag, kept for comparison (ll.combine_wait = flag_lane): the fp32 partial rows stored per lane (2 x 16 bytes
-  /// of a lane's 8 elements) instead of as whole 128-byte lines per warp instruction (the default, by measurement:
-  /// bench/NOTES.md, 'LL combine, where the first ~6 us go').
-  bool combine_lane = false;
 };
 
 struct LlDispatchParams {

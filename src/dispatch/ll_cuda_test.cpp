@@ -11,13 +11,14 @@
 // (bf16, fp8, fp8 + UE8M0, shared route, duplicates, int64 ids) on 1 and 2 ranks, hidden 384 / 512 /
 // 1024 on 4 and 8 ranks; T in {0, 1, 7, 128} with -1 selections and different T per rank, three
 // rounds per object (both parities, one through the send/recv hooks);
-// the protocol the Config does not choose (ll.signal / ll.expand / ll.items) on the partial_fp32 cases;
+// the fallback protocol (expert expansion, block signals: LlLaunch::expand_message = false, what large
+// capacities take) on the partial_fp32 cases; ll.combine_wait = data;
 // CUDA graphs (each rank captures on its own stream, cudaStreamCaptureModeThreadLocal): prepare and
 // finalize captured separately, replayed with a device-side T that changes between replays and
 // differs between ranks, the first replay equal to the eager call on the same inputs; two graphs on
 // one object replayed interleaved; one buffer through 20 calls (eager, then graph replays of the
 // same inputs, each replay equal to its eager call) with T per call and rank shrinking and growing,
-// block and chunk, chunk with a delayed send block 0 (the stale slot-token regression test) and its
+// the fallback and the default, the default with a delayed send block 0 (the stale slot-token regression test) and its
 // self-check; errors: T > capacity (InvalidArgument before anything is written; the next round still
 // works), a bad device num_tokens (reported, InvalidArgument from that finalize or check(), then
 // usable), a finalize refused on one rank (every peer told at once), and a stopped rank that never
@@ -679,9 +680,9 @@ std::string run_many_calls(const std::string& name, const std::vector<dispatch::
   return status + failures;
 }
 
-dispatch::LlLaunch many_calls_launch(bool chunk) {
+dispatch::LlLaunch many_calls_launch(bool message) {
   dispatch::LlLaunch l;
-  l.signal_chunk = chunk;
+  l.expand_message = message;
   l.timeout_s = Config::load().timeout_s;  // EPX_TIMEOUT_S bounds a hang
   return l;
 }
@@ -1171,7 +1172,7 @@ TEST(LlCuda, FinalizeTwicePerPrepareOneRank) {
 // variable is set in this process before the ranks start (a rank body never touches the environment), so every
 // rank sees it: each refuses naming it, and the gather leaves the group usable: an ll made with the caller's
 // Config (loaded before the variable was set) gives a round that matches LlCpu. On two ranks also one rank's
-// bad caller Config (ll.signal "chunky", built in C++): that rank throws the rule's sentence, the other names it.
+// bad caller Config (ll.combine_wait "flags", built in C++): that rank throws the rule's sentence, the other names it.
 // The per-process difference of the environment itself (one process bad, its peer naming it) needs one
 // process per GPU; the same gather is covered here through the caller's Config.
 TEST(LlCuda, CreateWithoutACallerConfigLoadsItInTheVerdictGather) {
@@ -1183,28 +1184,28 @@ TEST(LlCuda, CreateWithoutACallerConfigLoadsItInTheVerdictGather) {
     const std::vector<RankInput> in = make_inputs(c);
     const auto want = run_cpu(c, {in});
     say_where(R);
-    const test::ScopedEnv bad_env("EPX_LL_SIGNAL", "chunky");
+    const test::ScopedEnv bad_env("EPX_LL_COMBINE_WAIT", "flags");
     const std::string failed = run_cuda_ranks(R, 120.0, [&](int rank, const std::shared_ptr<Group>& g) {
       const RankStream rs;
       const cudaStream_t s = rs.s;
       std::string failures;
       try {
         auto bad = make_prepare_finalize("ll", g, c.config());
-        failures += "created with EPX_LL_SIGNAL=chunky; ";
+        failures += "created with EPX_LL_COMBINE_WAIT=flags; ";
       } catch (const InvalidArgument& e) {
-        if (std::string(e.what()).find("EPX_LL_SIGNAL") == std::string::npos) failures += std::string("the refusal: '") + e.what() + "'; ";
+        if (std::string(e.what()).find("EPX_LL_COMBINE_WAIT") == std::string::npos) failures += std::string("the refusal: '") + e.what() + "'; ";
       }
       if (R == 2) {  // rank 1's caller Config breaks a rule; rank 0's is good
         Config mine = good;
-        if (rank == 1) mine.ll_signal = "chunky";
+        if (rank == 1) mine.ll_combine_wait = "flags";
         std::string what;
         try {
           auto bad = make_prepare_finalize("ll", g, c.config(), mine);
-          failures += "created with rank 1's ll.signal = chunky; ";
+          failures += "created with rank 1's ll.combine_wait = flags; ";
         } catch (const InvalidArgument& e) {
           what = e.what();
         }
-        if (rank == 1 && what.find("ll.signal") == std::string::npos) failures += "rank 1's refusal: '" + what + "'; ";
+        if (rank == 1 && what.find("ll.combine_wait") == std::string::npos) failures += "rank 1's refusal: '" + what + "'; ";
         if (rank == 0 && what.find("rank 1") == std::string::npos) failures += "rank 0's refusal does not name rank 1: '" + what + "'; ";
       }
       auto pf = make_prepare_finalize("ll", g, c.config(), good);
@@ -1282,29 +1283,13 @@ TEST(LlCuda, PartialCombineMatchesCpuEightRanks) {
   run_eager(8, LlCombine::partial_bf16);
 }
 
-// The protocol the Config does not choose by default (ll.signal block <-> rank, ll.expand expert <->
-// message, ll.items chunk <-> run; bench/NOTES.md), so both stay covered whatever the defaults:
-// partial_fp32 cases, at R ranks.
+// The fallback protocol (the expert expansion with block signals, LlLaunch::expand_message = false),
+// which capacities whose message bitmaps do not fit in shared memory take: partial_fp32 cases, at R ranks.
 void run_other_protocol(int R) {
-  const Config defaults;
   dispatch::LlLaunch launch;
-  launch.signal_rank = defaults.ll_signal != "rank";
-  launch.signal_chunk = false;
-  launch.expand_message = defaults.ll_expand != "message";
-  launch.items_run = defaults.ll_items != "run";
-  std::printf("ll.signal = %s, ll.expand = %s, ll.items = %s\n", launch.signal_rank ? "rank" : "block", launch.expand_message ? "message" : "expert",
-              launch.items_run ? "run" : "chunk");
+  launch.expand_message = false;
+  std::printf("ll: the expert expansion with block signals\n");
   run_eager(R, LlCombine::partial_fp32, &launch);
-  {  // ll.signal chunk <-> block (whichever is not the default) with the default expansion and items
-    dispatch::LlLaunch other;
-    other.signal_rank = false;
-    other.signal_chunk = defaults.ll_signal != "chunk";
-    other.expand_message = defaults.ll_expand == "message";
-    other.items_run = defaults.ll_items == "run";
-    std::printf("ll.signal = %s, ll.expand = %s, ll.items = %s\n", other.signal_chunk ? "chunk" : "block", defaults.ll_expand.c_str(),
-                defaults.ll_items.c_str());
-    run_eager(R, LlCombine::partial_fp32, &other);
-  }
 }
 
 TEST(LlCuda, OtherProtocolMatchesCpuTwoRanks) {
@@ -1327,9 +1312,6 @@ TEST(LlCuda, OtherProtocolMatchesCpuEightRanks) {
 void run_other_combine_wait(int R) {
   const Config defaults;
   dispatch::LlLaunch launch;
-  launch.signal_rank = defaults.ll_signal == "rank";
-  launch.expand_message = defaults.ll_expand == "message";
-  launch.items_run = defaults.ll_items == "run";
   launch.combine_data = defaults.ll_combine_wait != "data";
   launch.timeout_s = Config::load().timeout_s;  // EPX_TIMEOUT_S bounds a hang
   std::printf("ll.combine_wait = %s\n", launch.combine_data ? "data" : "flag");
@@ -1357,21 +1339,6 @@ TEST(LlCuda, OtherCombineWaitGraphsTwoRanks) {
   run_graphs(2, LlCombine::partial_fp32);
 }
 
-// ll.combine_wait = flag_lane (LlLaunch::combine_lane, rank-local: per-lane fp32 stores, the A/B of the
-// default whole-line stores; bench/NOTES.md): partial_fp32 eager, three rounds per object (the third
-// through the hooks).
-TEST(LlCuda, CombineFlagLaneStoresTwoRanks) {
-  if (gpus() < 1) GTEST_SKIP() << kNoGpu;
-  const Config defaults;
-  dispatch::LlLaunch launch;
-  launch.signal_rank = defaults.ll_signal == "rank";
-  launch.expand_message = defaults.ll_expand == "message";
-  launch.items_run = defaults.ll_items == "run";
-  launch.combine_lane = true;
-  launch.timeout_s = Config::load().timeout_s;
-  run_eager(2, LlCombine::partial_fp32, &launch);
-}
-
 TEST(LlCuda, PartialCombineGraphsTwoRanks) {
   if (gpus() < 1) GTEST_SKIP() << kNoGpu;
   run_graphs(2, LlCombine::partial_fp32);
@@ -1379,7 +1346,8 @@ TEST(LlCuda, PartialCombineGraphsTwoRanks) {
 
 // One buffer, 20 consecutive calls (10 eager, 10 graph replays with the token count on the device), T
 // per call and rank in {0, 1, 7, 128} shrinking and growing, fresh inputs, every call against LlCpu and
-// every replay against its eager call: ll.signal = block and chunk; chunk also with rank 0's block 0
+// every replay against its eager call: the fallback (block signals) and the default (chunk signals); the
+// default also with rank 0's block 0
 // delayed (3 ms before its tagged stores and again before its items), so rank 1 reads rank 0's
 // slot-token words of call 4 while they still hold call 0's token (with a two-valued tag such a stale
 // word passed as current and the expansion read message slot 0 before it was written). Two ranks: the
@@ -1389,9 +1357,9 @@ TEST(LlCuda, ManyCallsVaryingTokensTwoRanks) {
   const dispatch::LlLaunch block = many_calls_launch(false), chunk = many_calls_launch(true);
   dispatch::LlLaunch delayed = chunk;
   delayed.debug_block0_delay_ns = 3'000'000;
-  EXPECT_EQ(run_many_calls("ll.signal=block", {block, block}), "");
-  EXPECT_EQ(run_many_calls("ll.signal=chunk", {chunk, chunk}), "");
-  EXPECT_EQ(run_many_calls("ll.signal=chunk rank0-delayed", {delayed, chunk}), "");
+  EXPECT_EQ(run_many_calls("fallback (block signals)", {block, block}), "");
+  EXPECT_EQ(run_many_calls("chunk signals", {chunk, chunk}), "");
+  EXPECT_EQ(run_many_calls("chunk signals rank0-delayed", {delayed, chunk}), "");
 }
 
 // The self-check of the test above: with the slot-token tag cut to 2 bits (calls n and n - 4 share one)
@@ -1403,7 +1371,7 @@ TEST(LlCuda, ManyCallsCatchesAStaleSlotTokenTwoRanks) {
   weak.debug_token_tag_mask = 3;
   dispatch::LlLaunch delayed = weak;
   delayed.debug_block0_delay_ns = 3'000'000;
-  const std::string failed = run_many_calls("ll.signal=chunk tag-mask-3 rank0-delayed", {delayed, weak});
+  const std::string failed = run_many_calls("chunk signals tag-mask-3 rank0-delayed", {delayed, weak});
   std::printf("self-check failures (expected on rank 1, eager and graph call 4):\n%s", failed.c_str());
   EXPECT_NE(failed.find("eager call 4 rank 1"), std::string::npos) << failed;
   EXPECT_NE(failed.find("graph call 4 rank 1"), std::string::npos) << failed;
@@ -1425,19 +1393,17 @@ TEST(LlCuda, ErrorsEightRanks) {
 }
 
 // A finalize refused on one rank stops every rank's combine at once (kLlFlagRejected; ll_cuda.h "Errors"):
-// column (fused), partial_fp32 through the hooks, and partial_bf16 with ll.signal = rank, ll.items = chunk
-// (the other send / receive paths and the last-block flag store); on 4 and 8 ranks the column case.
+// column (fused), partial_fp32 through the hooks, and partial_bf16 after the fallback dispatch (expert
+// expansion, block signals); on 4 and 8 ranks the column case.
 TEST(LlCuda, CombineRefusedOnOneRankReachesEveryRankTwoRanks) {
   if (gpus() < 1) GTEST_SKIP() << kNoGpu;
   dispatch::LlLaunch dflt;
   dflt.timeout_s = 4.0;  // the refusal must arrive in well under timeout_s / 2; without the marker the peers wait 4 s
   dispatch::LlLaunch other = dflt;
-  other.signal_rank = true;
-  other.signal_chunk = false;
-  other.items_run = false;
+  other.expand_message = false;
   EXPECT_EQ(run_combine_rejected(2, "column", LlCombine::column, dflt, false), "");
   EXPECT_EQ(run_combine_rejected(2, "partial_fp32 hooks", LlCombine::partial_fp32, dflt, true), "");
-  EXPECT_EQ(run_combine_rejected(2, "partial_bf16 signal=rank items=chunk", LlCombine::partial_bf16, other, false), "");
+  EXPECT_EQ(run_combine_rejected(2, "partial_bf16 fallback expansion", LlCombine::partial_bf16, other, false), "");
   EXPECT_EQ(run_combine_rejected(2, "column, rank 1 without check", LlCombine::column, dflt, false, false), "");
 }
 

@@ -52,7 +52,7 @@ TEST(LlLayout, DeepSeekV3DecodeNumbers) {
   EXPECT_EQ(lay.msg_scales_offset(), 80 + 7168);
   EXPECT_EQ(dispatch::ll_buffer_bytes(cfg, 2), lay.total_bytes());
   // 8 * (2 R 256 + 2 R) = 8224 of flags and counts, 4 * 2 R (E + 1) = 4112 of expert counts, then the
-  // slot tokens (ll.signal = chunk, uint64 words) 8 * 2 R max_T = 4096 from 12336 (8-byte aligned), 128-byte aligned end
+  // slot tokens (chunk signals, uint64 words) 8 * 2 R max_T = 4096 from 12336 (8-byte aligned), 128-byte aligned end
   EXPECT_EQ(lay.expert_count_offset(0, 0, 0), 8224);
   EXPECT_EQ(lay.slot_token_offset(0, 0, 0), 12336);
   EXPECT_EQ(lay.slot_token_offset(0, 0, 0) % 8, 0);
@@ -102,7 +102,7 @@ TEST(LlLayout, RegionsAreAlignedAndDisjoint) {
           EXPECT_EQ(lay.expert_count_offset(1, 0, 0), lay.expert_count_offset(0, R - 1, 6) + 4);
           EXPECT_GE(lay.slot_token_offset(0, 0, 0), lay.expert_count_offset(1, R - 1, 6) + 4);
           EXPECT_GE(lay.signal_bytes(), lay.slot_token_offset(1, R - 1, 4) + 8);
-          EXPECT_EQ(lay.slot_token_offset(0, 0, 0) % 8, 0);  // uint64 words (ll.signal = chunk)
+          EXPECT_EQ(lay.slot_token_offset(0, 0, 0) % 8, 0);  // uint64 words (chunk signals)
           EXPECT_EQ(lay.dispatch_recv_offset() % 128, 0);
           EXPECT_EQ(lay.combine_recv_offset() % 128, 0);
           EXPECT_GE(lay.dispatch_msg_offset(1, 0, 0), lay.dispatch_msg_offset(0, R - 1, 4) + lay.msg_bytes());

@@ -40,7 +40,7 @@
 # names which). Two ranks are two GPUs (one process each); on a one-GPU machine `epx --device cuda` runs them as
 # virtual ranks on GPU 0 (one GPU's memory, not NVLink), except in multinode and san2, which need two GPUs.
 #   ll         epx bench ll-v3 / ll-v4, ll beside nccl_a2a_raw, CUDA-graph replays (p50 of 200): the defaults and the
-#              A/B rows of each ll.* setting (ll.signal block, partial_bf16, flag_lane, data, column, ll.items chunk)
+#              rows of the other ll.* values (partial_bf16, ll.combine_wait data, column)
 #   ht         epx bench ht-v3, ht beside nccl_a2a_raw, at EPX_HT_NUM_SMS 64 (the default), 24, 16, 8, 48
 #   multinode  2 virtual nodes of 1 GPU (NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1, TCP rendezvous): every backend at
 #              ll-v3, ll hierarchical under graph replay, ht-v3 fp8, epx moe deepseek-v3-mini; and ll-v3 on one node
@@ -313,13 +313,10 @@ suite_ll() {
   local o=$1 b=(bench --device cuda --backend "ll,nccl_a2a_raw" --ranks 2 --graph --iters 200 --warmup 20)
   row() { local name=$1 case=$2; shift 2; step 30 "$o/$name.log" env "$@" "$epx" "${b[@]}" --case "$case" --json "$o/$name.json"; }
   row ll-v3 ll-v3
-  row ll-v3-signal_block ll-v3 EPX_LL_SIGNAL=block
   row ll-v3-partial_bf16 ll-v3 EPX_LL_COMBINE=partial_bf16
-  row ll-v3-flag_lane ll-v3 EPX_LL_COMBINE_WAIT=flag_lane
   row ll-v3-wait_data ll-v3 EPX_LL_COMBINE_WAIT=data
   row ll-v4 ll-v4
   row ll-v3-column ll-v3 EPX_LL_COMBINE=column
-  row ll-v3-items_chunk ll-v3 EPX_LL_ITEMS=chunk
 }
 
 suite_ht() {
