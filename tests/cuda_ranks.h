@@ -77,10 +77,14 @@ inline void throw_failures(int rank, const std::string& failures) {
 }
 
 /// "" when every rank of R returned within deadline_s, else what failed. timeout_s bounds the
-/// group's waits; ranks_per_node > 0 gives virtual ranks that many ranks per (virtual) node, and in
+/// group's waits (< 0: EPX_TIMEOUT_S, else 60 s); ranks_per_node > 0 gives virtual ranks that many ranks per (virtual) node, and in
 /// the real form is ignored (the node layout then comes from NCCL's environment, as in production).
 inline std::string run_cuda_ranks(int R, double deadline_s, const std::function<void(int rank, const std::shared_ptr<Group>& g)>& fn,
-                                  double timeout_s = 60.0, int ranks_per_node = 0) {
+                                  double timeout_s = -1.0, int ranks_per_node = 0) {
+  if (timeout_s < 0) {
+    const char* env = std::getenv("EPX_TIMEOUT_S");
+    timeout_s = env != nullptr && std::atof(env) > 0 ? std::atof(env) : 60.0;
+  }
   if (!virtual_ranks_for(R)) {
     const std::string path = fresh_dir() + "/uid";
     return run_ranks_forked(R, deadline_s, [&](int rank) {

@@ -134,12 +134,9 @@ std::unique_ptr<Experts> make_experts_cpu(std::vector<std::shared_ptr<const Expe
 /// shared memory (gate_up as e4m3 with a per-row block exponent, down as bf16 with h kept bf16);
 /// mxfp4 experts with <= 16 rows take the decode path of the same kernels instead (mma.sync, every
 /// 32-K block scale applied in fp32; <= 8 rows with the weights and the token operand staged by bulk
-/// copies on mbarriers, 9..16 through a per-warp cp.async ring; src/experts/experts_mxfp4_kernels.cuh;
-/// Config::experts_mxfp4_tc = 3 turns it off),
+/// copies on mbarriers, 9..16 through a per-warp cp.async ring; src/experts/experts_mxfp4_kernels.cuh),
 /// fp8_block experts in the same grouped launch (FHMoE: FP8 shared + MXFP4 routed experts, one
-/// launch per GEMM); Config::experts_mxfp4_tc = 2 (EPX_EXPERTS_MXFP4_TC=2) runs them on the
-/// 512-thread variant (experts_mxfp4_wide_cuda.cu: 4 wgmma warpgroups, half a weight row expanded
-/// per thread; same results). Every other case (bf16 x, bf16 experts, other GPUs, or the
+/// launch per GEMM); Config::experts_mxfp4_tc = 0 keeps them on the SIMT GEMMs. Every other case (bf16 x, bf16 experts, other GPUs, or the
 /// Config::experts_simt = 1, from EPX_EXPERTS_SIMT=1 or EPX_CONFIG, read by Config::load() at
 /// construction) runs the simple tiled SIMT reference
 /// kernels. Both paths hold the same precision rules. Uploads every expert's weights
