@@ -36,8 +36,7 @@ constexpr std::string_view kOp = "experts_cuda.apply";
 /// the counts (which the host does not know) and stays bounded for large capacities.
 constexpr int64_t kMaxTileSlots = 1024;
 // Config::experts_fp8_prefill = 1 (the default) takes, per GEMM, the prefill kernels measured fastest (bench/NOTES.md,
-// 'FP8 prefill GEMM'): 30's (the constructor below). The other kernels that remain are opt-in, for comparison;
-// variants measured slower or level are not kept, and Config refuses their numbers.
+// 'FP8 prefill GEMM'; the variants measured slower or level: 'Variants removed from the product').
 
 using GemmKernel = void (*)(GemmParams);
 
@@ -156,7 +155,7 @@ class CudaExperts final : public Experts {
     const Device dev = Device::cuda(device_);
     // fp8_block experts fed FP8 activations run on the sm_90a tensor-core GEMMs
     // (experts_fp8_cuda.cu) where the GPU and the build have them; Config::experts_simt
-    // (EPX_EXPERTS_SIMT=1) keeps the SIMT reference GEMMs (A/B comparisons).
+    // (EPX_EXPERTS_SIMT=1) keeps the SIMT reference GEMMs.
     fp8_tensor_cores_ = has_format_[static_cast<int>(WeightFormat::fp8_block)] && config.experts_simt == 0 &&
                         experts_cuda::fp8_tensor_cores_available(device_);
     // Config::experts_fp8_pairs (EPX_EXPERTS_FP8_PAIRS=1): the mainloop variant that runs K blocks
@@ -165,48 +164,27 @@ class CudaExperts final : public Experts {
     // Config::experts_fp8_prefill (EPX_EXPERTS_FP8_PREFILL, default 1): experts with more than
     // kTileRows rows run in 128-row tiles on the warp-specialized prefill GEMMs
     // (experts_fp8_prefill_cuda.cu); 0 keeps every tile on the 64-row kernels.
-    fp8_prefill_ = config.experts_fp8_prefill >= 1;
+    fp8_prefill_ = config.experts_fp8_prefill == 1;
     fp8_prefill_stages_ = config.experts_fp8_prefill_stages;
     fp8_prefill_min_tiles_ = config.experts_fp8_prefill_min_tiles;
-    // Config::experts_fp8_prefill (bench/NOTES.md has the measurements; same results every way):
-    // 1 (the default) = 30's kernels: the TMA loads with the lean consumer that loads the next K block's operands
-    // under the last promotion (27's kernels) for every GEMM, the Flat gate_up's token rows permuted into
-    // row-space order first, launched as 2-CTA clusters sharing the weight tile; 8 = cp.async loads, tokens from shared memory; 17 = 8 with early scales / release,
-    // bulk-copy stores and wgmma's A in registers (Fp8GemmParams::prefill_fast 2); 10 = 17 with TMA
-    // loads; 23 = 10 with the lean consumer (kblock_lean, 3); 27 = 23 loading the next K block early
-    // (lean_item_prefetch, 5); 29 = 27 with the Flat gate_up's token rows copied into row-space order
-    // first (launch_fp8_prefill_permute_x into the pair_out rows, free until the down GEMMs write them),
-    // so its gate_up loads one TMA box per tile as ExpertMajor's (Fp8GemmParams::x_perm). A map the driver cannot
-    // encode leaves every GEMM on the cp.async kernels. 30 = 29 as 2-CTA clusters
-    // whose two CTAs (two 128-row tiles of one expert) share the weight tile (each multicasts one 128-row half into
-    // both; Fp8GemmParams::prefill_cluster 1: the pair reads each weight tile once and the chip runs at higher
-    // clocks), 31 = the same clusters without the multicast (2; measured level with 30: the gain is the pair's
-    // lockstep reading, not the halved L2 -> SM bytes). The clusters (1, 30, 31) take the prefill
-    // section's tiles ordered for pairs (ScheduleParams::pair_big: every pair one expert's but one per two odd-count
-    // experts); 33 = 30 on the section in plain expert order (an odd-count expert shifts every later pair onto two
-    // experts: with the bench's uneven counts 63 of 148 pairs straddle two experts instead of 23).
-    const int pf_mode = config.experts_fp8_prefill;
-    fp8_prefill_fast_ = pf_mode == 8 ? 0 : 2;  // the cp.async kernels' Fp8GemmParams::prefill_fast
-    fp8_prefill_tma_fast_ = pf_mode == 10 ? 0 : pf_mode == 23 ? 3 : 5;  // the TMA kernels'
-    fp8_prefill_permute_ = pf_mode == 1 || pf_mode == 29 || pf_mode == 30 || pf_mode == 31 || pf_mode == 33;
-    fp8_prefill_cluster_ = pf_mode == 1 || pf_mode == 30 || pf_mode == 33 ? 1 : pf_mode == 31 ? 2 : 0;
-    fp8_prefill_pair_tiles_ = fp8_prefill_cluster_ != 0 && pf_mode != 33;
-    const bool pf_tma = pf_mode == 1 || pf_mode == 10 || pf_mode == 23 || pf_mode == 27 || pf_mode == 29 || pf_mode == 30 || pf_mode == 31 ||
-                        pf_mode == 33;
+    // The prefill kernels (same results every way): TMA loads with the lean consumer that loads the next K block's
+    // operands under the last promotion (Fp8GemmParams::prefill_fast 5) for every GEMM, the Flat gate_up's token rows
+    // first copied into row-space order (launch_fp8_prefill_permute_x into the pair_out rows, free until the down
+    // GEMMs write them; Fp8GemmParams::x_perm), launched as 2-CTA clusters whose two CTAs (two 128-row tiles of one
+    // expert) share the weight tile by TMA multicast (Fp8GemmParams::prefill_cluster 1), the prefill section's tiles
+    // ordered for the pairs (ScheduleParams::pair_big: every pair one expert's but one per two odd-count experts);
+    // the one-CTA TMA kernel where no cluster fits. A weight map the driver cannot encode leaves every GEMM on the
+    // cp.async kernels (early scale reads and stage release, bulk-copy stores, wgmma's A in registers: prefill_fast 2).
     // Objects with mxfp4 experts, all of them fp8_block or mxfp4 with I % 128 == 0 and H % 128 == 0,
     // fed FP8 x, run every expert on the mixed sm_90a kernels (experts_mxfp4_cuda.cu): one grouped
     // launch per GEMM for both formats (FHMoE: FP8 shared + MXFP4 routed). Config::experts_mxfp4_tc
-    // = 0 (EPX_EXPERTS_MXFP4_TC=0) keeps them on the SIMT GEMMs (A/B comparisons); 2 takes the
-    // 512-thread variant (MixedGemmParams::wide, experts_mxfp4_wide_cuda.cu; same results).
+    // = 0 (EPX_EXPERTS_MXFP4_TC=0) keeps them on the SIMT GEMMs.
     mx_tensor_cores_ = has_format_[static_cast<int>(WeightFormat::mxfp4)] && mx_shapes_ok &&
                        experts_[0]->hidden % kFp8GroupSize == 0 && config.experts_simt == 0 && config.experts_mxfp4_tc >= 1 &&
                        experts_cuda::mxfp4_tensor_cores_available(device_);
-    mx_wide_ = config.experts_mxfp4_tc == 2;
-    // The decode path: <= 8 rows on TMA slots (decode_item_bulk: TMA boxes and a per-item token buffer, the
-    // fastest; bench/NOTES.md, 'MXFP4 decode, the copies off the lanes') where the shapes and maps allow, else the
+    // The decode path (mx_decode_): <= 8 rows on TMA slots (decode_item_bulk: TMA boxes and a per-item token buffer,
+    // the fastest; bench/NOTES.md, 'MXFP4 decode, the copies off the lanes') where the shapes and maps allow, else the
     // warp-shared cp.async slots (decode_item_ring2, faster than decode_item_ring there); 9..16 rows decode_item_ring.
-    // For comparison: 3 off (<= 16-row tiles on the BN 16 wgmma kernel), 7 decode_item_ring2 for every <= 8-row tile.
-    mx_decode_ = config.experts_mxfp4_tc == 3 ? 0 : config.experts_mxfp4_tc == 7 ? 1 : 1 | 2;
     EPX_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms_, cudaDevAttrMultiProcessorCount, device_));
     // Config::experts_fp8_prefill_min_tiles = 0: the prefill section runs only when its 128-row
     // tiles fill one wave of the gate_up launch (I / 128 weight tiles each, one CTA per SM);
@@ -232,9 +210,9 @@ class CudaExperts final : public Experts {
     }
     descs_ = Tensor::empty({num_local * static_cast<int64_t>(sizeof(ExpertDesc))}, DType::uint8, dev);
     EPX_CUDA_CHECK(cudaMemcpy(descs_.data(), descs.data(), descs.size() * sizeof(ExpertDesc), cudaMemcpyHostToDevice));
-    // The prefill kernels load the weight tiles with TMA from per-expert descriptors built here
-    // (modes 1, 10, 23, 27, 29); the other modes, or a map the driver cannot encode, keep cp.async.
-    if (fp8_tensor_cores_ && pf_tma) {
+    // The prefill kernels load the weight tiles with TMA from per-expert descriptors built here; a map the
+    // driver cannot encode keeps every GEMM on the cp.async kernels.
+    if (fp8_tensor_cores_) {
       std::vector<experts_cuda::Fp8TmaMap> maps(2 * descs.size());
       bool ok = true;
       for (size_t l = 0; l < descs.size() && ok; ++l)
@@ -541,7 +519,6 @@ class CudaExperts final : public Experts {
       fill_tc_params(mp);
       mp.hb = ws.hb;
       mp.hb_stride = mx_inter_max_;
-      mp.wide = mx_wide_;
       mp.decode = mx_decode_;
       mp.mx_maps = mx_maps_.defined() ? static_cast<const experts_cuda::Fp8TmaMap*>(mx_maps_.data()) : nullptr;
       // Persistent grids of one CTA per multiprocessor (~219 KiB of shared memory each).
@@ -568,7 +545,7 @@ class CudaExperts final : public Experts {
       fp.max_weight_tiles = static_cast<int32_t>(fp8_inter_max_ / kFp8GroupSize);
       const int up_grid = static_cast<int>(std::clamp<int64_t>(max_tiles * fp.max_weight_tiles, 1, num_sms_));
       experts_cuda::launch_fp8_gate_up(fp, up_grid, stream);
-      // The prefill section: TMA kernels where there are weight maps. The default (and 29) first copies
+      // The prefill section: TMA kernels where there are weight maps. They first copy
       // the Flat gate_up's token rows into row-space order, into the first H bytes of each row's pair_out
       // row (out_rows: [N * K, H] bf16, written only by the down GEMMs after this gate_up, stream-ordered).
       const bool tma = fp.w_maps != nullptr;
@@ -629,15 +606,14 @@ class CudaExperts final : public Experts {
   bool fp8_prefill_ = false;      // experts with > 64 rows on the prefill kernels (EPX_EXPERTS_FP8_PREFILL)
   int fp8_prefill_stages_ = 0;    // their ring depth (EPX_EXPERTS_FP8_PREFILL_STAGES; 0 = maximum)
   int fp8_prefill_min_tiles_ = 1; // big tiles the prefill section needs to run (EPX_EXPERTS_FP8_PREFILL_MIN_TILES; 0 -> one wave)
-  int fp8_prefill_fast_ = 2;      // the cp.async prefill kernels' variant (Fp8GemmParams::prefill_fast: 2 = mode 17, 0 = 8)
-  int fp8_prefill_tma_fast_ = 5;  // the TMA prefill kernels' (5 = 27's, 3 = 23's, 0 = 10's)
-  bool fp8_prefill_permute_ = true;  // the Flat gate_up's token rows copied into row-space order first (1, 29, 30, 31)
-  int fp8_prefill_cluster_ = 1;      // the TMA prefill kernels as 2-CTA clusters (Fp8GemmParams::prefill_cluster; 1, 30, 33: 1, 31: 2)
-  bool fp8_prefill_pair_tiles_ = true;  // the prefill section ordered for the clusters' pairs (ScheduleParams::pair_big; 1, 30, 31)
+  static constexpr int fp8_prefill_fast_ = 2;      // the cp.async prefill kernels (Fp8GemmParams::prefill_fast)
+  static constexpr int fp8_prefill_tma_fast_ = 5;  // the TMA prefill kernels' lean consumer with the prefetch
+  static constexpr bool fp8_prefill_permute_ = true;  // the Flat gate_up's token rows copied into row-space order first
+  static constexpr int fp8_prefill_cluster_ = 1;      // the TMA prefill kernels as 2-CTA clusters sharing the weight tile by multicast
+  static constexpr bool fp8_prefill_pair_tiles_ = true;  // the prefill section ordered for the clusters' pairs (ScheduleParams::pair_big)
   int64_t mx_inter_max_ = 0;      // widest mxfp4 expert
   bool mx_tensor_cores_ = false;  // fp8_block + mxfp4 experts with FP8 x run on the mixed sm_90a GEMMs
-  bool mx_wide_ = false;          // their 512-thread variant (EPX_EXPERTS_MXFP4_TC=2)
-  int mx_decode_ = 1 | 2;  // MixedGemmParams::decode (EPX_EXPERTS_MXFP4_TC=3, 7: A/Bs)
+  static constexpr int mx_decode_ = 1 | 2;  // MixedGemmParams::decode: the mma.sync decode path with its TMA slots
   int num_sms_ = 1;
   std::array<bool, 3> has_format_{};
   std::vector<Tensor> device_weights_;  // uploaded w13 / scales / w2 / scales of every expert
