@@ -160,6 +160,9 @@ struct CheckpointLayerInfo {
   int num_hidden_layers = 0;        ///< 0 when config.json lacks it
   MoEConfig config;                 ///< name "<model_type>-layer<N>"
   std::string prefix;               ///< "model.layers.<N>.mlp." (or ".block_sparse_moe.")
+  /// The routed experts' activation (gpt-oss: gpt_oss_glu with alpha 1.702 and swiglu_limit;
+  /// DeepSeek-V4: silu_glu clamped to swiglu_limit; else plain silu_glu). Every loaded expert carries it.
+  ExpertActivation activation;
 };
 
 struct MoELayerLoadOptions {
@@ -185,8 +188,9 @@ struct MoELayerLoadOptions {
 struct MoELayerCheckpoint {
   CheckpointLayerInfo info;
   std::shared_ptr<MoEWeights> weights;  ///< config = info.config (shared_intermediate = this shard's width)
-  /// What the checkpoint holds that the epx layer does not compute (e.g. gpt-oss biases and its
-  /// clamped SwiGLU), or conversions made (F32/F16 expert weights rounded to bf16). One sentence each.
+  /// Conversions made (F32/F16 expert weights rounded to bf16) and tensors the model has that the
+  /// checkpoint lacks (a gpt-oss bias, read as 0). One sentence each. Nothing the checkpoint holds
+  /// is dropped: a setting epx does not compute is refused at load instead.
   std::vector<std::string> notes;
 };
 

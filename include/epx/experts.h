@@ -1,14 +1,30 @@
 // epx/experts.h: expert weights and the Experts interface (vLLM: FusedMoEPermuteExpertsUnpermute).
 //
-// Every expert is a SwiGLU MLP (DeepSeek, Qwen, Mixtral):
-//   h = silu(x W_gate^T) * (x W_up^T)        [M, I]
-//   y = h W_down^T                           [M, H]
-// with fp32 accumulation. Precision of the intermediate h before the down projection, by format:
-//   bf16, mxfp4 : h rounded to bf16;
-//   fp8_block   : h quantized to FP8 e4m3 1x128 with fp32 scales (DeepSeek-V3 recipe).
-// y is rounded to bf16 once (the layout every combine consumes).
+// Every expert is a gated MLP with fp32 accumulation:
+//   [g, u] = x W13^T + b13                   [M, 2I]  (b13 optional, fp32)
+//   h      = act(g, u)                       [M, I]
+//   y      = h W2^T + b2                     [M, H]   (b2 optional, fp32)
+// act is ExpertActivation (the model family's own):
+//   silu_glu    : h = silu(g) * u                                    (DeepSeek, Qwen, Mixtral);
+//                 with a finite limit, g = min(g, limit) and u = clamp(u, -limit, limit) first
+//                 (DeepSeek-V4's clamped SwiGLU, swiglu_limit);
+//   gpt_oss_glu : g = min(g, limit), u = clamp(u, -limit, limit),
+//                 h = (u + 1) * g * sigmoid(alpha * g)               (gpt-oss, alpha 1.702, limit 7).
+// gpt-oss is computed as transformers' modeling_gpt_oss.py defines it (GptOssExperts: gate_up =
+// x @ gate_up_proj + gate_up_proj_bias, gate = gate_up[..., ::2], up = gate_up[..., 1::2], the
+// clamps, glu = gate * sigmoid(gate * alpha), (up + 1) * glu @ down_proj + down_proj_bias); the
+// checkpoint loader de-interleaves gate/up rows and biases into the [gate; up] layout below.
+// Rounding rule (one rule for every activation): the bf16 model rounds every op's output to bf16
+// (the gate_up GEMM, the bias add, each elementwise op, the down GEMM, its bias add); epx keeps
+// [g, u], the biases and the activation in fp32 and rounds where the down GEMM reads its operand
+// and where the expert's output leaves:
+//   bf16, mxfp4 : h rounded to bf16 (the down GEMM's bf16 operand);
+//   fp8_block   : h quantized to FP8 e4m3 1x128 with fp32 scales (DeepSeek-V3 recipe);
+//   y = h W2^T + b2 rounded to bf16 once (the layout every combine consumes).
+// So epx's expert is the fp32 model rounded at two points, never less exact than the bf16 model.
 #pragma once
 
+#include <limits>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -32,6 +48,27 @@ std::string_view weight_format_name(WeightFormat f);
 int64_t intermediate_granularity(WeightFormat f);
 WeightFormat parse_weight_format(std::string_view name);  // throws InvalidArgument
 
+/// The expert MLP's activation (see the file comment for the formulas).
+struct ExpertActivation {
+  enum class Kind : uint8_t {
+    silu_glu,     ///< silu(g) * u, g and u clamped to `limit` when it is finite
+    gpt_oss_glu,  ///< (clamp(u) + 1) * min(g, limit) * sigmoid(alpha * min(g, limit))
+  };
+  Kind kind = Kind::silu_glu;
+  float alpha = 1.702f;  ///< gpt_oss_glu only (GptOssExperts.alpha)
+  /// g <= limit, -limit <= u <= limit before the activation; +infinity = no clamp (silu_glu's
+  /// default). gpt_oss_glu needs a finite limit (gpt-oss: swiglu_limit = 7.0).
+  float limit = std::numeric_limits<float>::infinity();
+
+  static ExpertActivation silu() { return {}; }
+  static ExpertActivation gpt_oss(float alpha = 1.702f, float limit = 7.0f) { return {Kind::gpt_oss_glu, alpha, limit}; }
+  /// silu_glu with no clamp: what every CUDA expert path computes.
+  bool is_plain_silu() const { return kind == Kind::silu_glu && !(limit < std::numeric_limits<float>::infinity()); }
+  bool operator==(const ExpertActivation&) const = default;
+};
+/// "silu_glu", "silu_glu(limit=L)" or "gpt_oss_glu(alpha=A, limit=L)".
+std::string expert_activation_name(const ExpertActivation& a);
+
 /// One expert's weights, CPU-resident. Layout follows HF checkpoints, gate and up stacked:
 ///   w13 [2I, H]  rows [0, I) = gate_proj.weight, rows [I, 2I) = up_proj.weight
 ///   w2  [H, I]   = down_proj.weight
@@ -39,11 +76,22 @@ WeightFormat parse_weight_format(std::string_view name);  // throws InvalidArgum
 ///   bf16      : w13 bf16 [2I, H];          w2 bf16 [H, I];          scales undefined
 ///   fp8_block : w13 fp8_e4m3 [2I, H], w13_scale fp32 [2I/128, H/128]; w2 likewise [H/128, I/128]
 ///   mxfp4     : w13 fp4_e2m1x2 [2I, H/2], w13_scale e8m0 [2I, H/32]; w2 [H, I/2], w2_scale [H, I/32]
+/// Optional biases, fp32 in every format (gpt-oss): b13 [2I] (rows [0, I) gate, [I, 2I) up), b2 [H];
+/// undefined = no bias. The CPU experts compute them; make_experts_cuda refuses experts that have
+/// them, or an activation other than plain silu_glu (Unsupported, naming the expert).
 struct ExpertWeights {
   WeightFormat format = WeightFormat::bf16;
   int64_t hidden = 0;        ///< H
   int64_t intermediate = 0;  ///< I
   Tensor w13, w13_scale, w2, w2_scale;
+  Tensor b13, b2;            ///< fp32 [2I], [H], or undefined
+  ExpertActivation activation;
+
+  /// Whether b13 or b2 is defined, or the activation is not plain silu_glu: what only the CPU computes.
+  bool has_cpu_only_math() const { return b13.defined() || b2.defined() || !activation.is_plain_silu(); }
+  /// Checks b13 / b2 (fp32, contiguous, CPU, [2I] / [H]) and the activation (finite alpha, limit > 0,
+  /// gpt_oss_glu with a finite limit). Throws InvalidArgument naming `what` and the field.
+  void check_extras(std::string_view op, const std::string& what) const;
 
   /// Quantizes fp32 weights gate_up [2I, H] and down [H, I] into `format`.
   /// fp8_block needs H % 128 == 0 and I % 128 == 0; mxfp4 needs H % 32 == 0 and I % 32 == 0.
@@ -55,6 +103,8 @@ struct ExpertWeights {
   /// gate rows [begin, end), up rows [I + begin, I + end) of w13 and columns [begin, end) of w2, with
   /// their scale blocks. The slices of one expert sum to it: down(h) = sum over slices of
   /// down_s(h_s), the split the DP-sharded shared expert uses (Megatron-style intermediate split).
+  /// The activation is kept; b13 is sliced with the rows; b2 stays on the slice with begin == 0
+  /// only, so the slices still sum to the expert.
   /// begin and end must be multiples of intermediate_granularity(format) (or end == I) with
   /// 0 <= begin < end <= I. Throws InvalidArgument naming the bad bound.
   std::shared_ptr<ExpertWeights> slice_intermediate(int64_t begin, int64_t end) const;
@@ -70,7 +120,8 @@ struct ExpertWeights {
 };
 
 /// CPU reference of one expert: x [M, H] fp32 (already dequantized input) -> y [M, H] fp32 whose
-/// values are bf16-rounded (see the precision rules above). Uses BLAS sgemm (fp32 accumulation).
+/// values are bf16-rounded (see the precision rules above), with the expert's biases and
+/// activation. Uses BLAS sgemm (fp32 accumulation).
 void expert_mlp_cpu(const ExpertWeights& w, const float* x, int64_t num_rows, float* y);
 
 enum class ActivationLayout : uint8_t {
@@ -110,9 +161,11 @@ class Experts {
   virtual bool supports(ActivationLayout layout) const = 0;
   /// ExpertMajor: out [L, cap, H] bf16; row j < recv_count[l] of expert l gets expert_l(x[l, j])
   ///              (unweighted); rows >= recv_count[l] are not written.
-  /// Flat:        out [N, H] bf16; row n = sum over k with topk_idx[n,k] >= 0 of
-  ///              topk_weights[n,k] * expert_{topk_idx[n,k]}(x[n]), fp32 accumulation rounded once;
-  ///              rows with no local selection are zeros.
+  /// Flat:        out [N, H] bf16 or fp32; row n = sum over k with topk_idx[n,k] >= 0 of
+  ///              topk_weights[n,k] * expert_{topk_idx[n,k]}(x[n]), fp32 accumulation in column
+  ///              order, rounded once to bf16, or left unrounded in an fp32 out (the partial that a
+  ///              Flat combine sums over ranks before its one rounding); rows with no local selection
+  ///              are zeros.
   /// Contiguous:  out [N, H] bf16; row i of expert l's rows gets expert_l(x[i]) (unweighted, as
   ///              ExpertMajor); rows outside every expert's range are not written.
   /// Throws InvalidArgument on shape/dtype mismatch, an index >= L, fp8_e4m3 x without x_scales, (CPU)
@@ -159,7 +212,10 @@ std::unique_ptr<Experts> make_experts_cpu(std::vector<std::shared_ptr<const Expe
 /// (128-token tiles, src/experts/experts_fp8_prefill_cuda.cu) unless Config::experts_fp8_prefill = 0.
 /// The path choices experts.simt / experts.fp8_pairs / experts.fp8_prefill come from `config` (ModularMoE passes its own);
 /// the two-argument form reads them with Config::load().
-/// Throws Unsupported in a CPU-only build; InvalidArgument for bad weights or device, a `config` field outside
+/// Throws Unsupported in a CPU-only build, and (before anything is uploaded or launched) for an expert
+/// with biases (b13 / b2) or an activation other than plain silu_glu (gpt-oss's clamped SwiGLU,
+/// DeepSeek-V4's clamp): no CUDA kernel (SIMT, FP8, MXFP4) computes them, so such layers run on the
+/// CPU experts only; InvalidArgument for bad weights or device, a `config` field outside
 /// its rule (Config::validate()'s sentence), or (two-argument form) a bad EPX_* variable / EPX_CONFIG file.
 std::unique_ptr<Experts> make_experts_cuda(std::vector<std::shared_ptr<const ExpertWeights>> local_experts, int device);
 std::unique_ptr<Experts> make_experts_cuda(std::vector<std::shared_ptr<const ExpertWeights>> local_experts, int device,

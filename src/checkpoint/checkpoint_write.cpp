@@ -160,9 +160,18 @@ void write_moe_checkpoint(const std::string& dir, const MoEWeights& w, const Che
       out.add(mlp + "experts.gate_up_proj", gu);
       out.add(mlp + "experts.down_proj", dn);
     }
-    out.add(mlp + "experts.gate_up_proj_bias", Tensor::zeros({E, 2 * I}, DType::bf16));
-    out.add(mlp + "experts.down_proj_bias", Tensor::zeros({E, H}, DType::bf16));
-    out.add(mlp + "router.bias", Tensor::zeros({E}, DType::bf16));
+    // Biases in router_dtype (BF16 as the released checkpoints, F32 exact), gate_up interleaved as the weight.
+    Tensor gb = Tensor::zeros({E * 2 * I}, DType::fp32), db = Tensor::zeros({E * H}, DType::fp32);
+    for (int e = 0; e < E; ++e) {
+      const ExpertWeights& x = *w.experts[e];
+      if (x.b13.defined())
+        for (int64_t c = 0; c < 2 * I; ++c) gb.ptr<float>()[e * 2 * I + c] = x.b13.ptr<const float>()[c % 2 == 0 ? c / 2 : I + c / 2];
+      if (x.b2.defined()) std::memcpy(db.ptr<float>() + e * H, x.b2.ptr<const float>(), static_cast<size_t>(H) * 4);
+    }
+    out.add(mlp + "experts.gate_up_proj_bias", reshaped(f32_as(gb, o.router_dtype), {E, 2 * I}));
+    out.add(mlp + "experts.down_proj_bias", reshaped(f32_as(db, o.router_dtype), {E, H}));
+    const Tensor rb = w.router_bias.defined() ? w.router_bias : Tensor::zeros({E}, DType::fp32);
+    out.add(mlp + "router.bias", reshaped(f32_as(rb, o.router_dtype), {E}));
   } else {
     const bool mix = conv == CheckpointConvention::mixtral;
     for (int e = 0; e < E; ++e)
@@ -223,7 +232,7 @@ void write_moe_checkpoint(const std::string& dir, const MoEWeights& w, const Che
       c["intermediate_size"] = I;
       c["num_local_experts"] = E;
       c["experts_per_token"] = rc.top_k;
-      c["swiglu_limit"] = 7.0;
+      c["swiglu_limit"] = w.experts[0]->activation.kind == ExpertActivation::Kind::gpt_oss_glu ? w.experts[0]->activation.limit : 7.0f;
       if (m.routed_format == WeightFormat::mxfp4) c["quantization_config"] = {{"quant_method", "mxfp4"}};
       break;
   }

@@ -199,12 +199,6 @@ Tensor read_f32(const Reader& r, const std::string& name, const std::vector<int6
   return out;
 }
 
-bool all_zero(std::span<const uint8_t> b) {
-  for (uint8_t v : b)
-    if (v != 0) return false;
-  return true;
-}
-
 // ---- formats ----------------------------------------------------------------------------------------
 
 /// Format of a per-expert weight from its dtype and the scale tensor beside it.
@@ -331,6 +325,26 @@ std::shared_ptr<ExpertWeights> load_gpt_oss_float(const Reader& r, const Names& 
   for (int64_t i = 0; i < I; ++i)
     for (int64_t h = 0; h < H; ++h) b[h * I + i] = float_to_bf16_bits(float_at(d, dt.dtype, i * H + h));
   return make_expert(WeightFormat::bf16, H, I, w13, w2);
+}
+
+/// gpt-oss expert e's biases (gate_up_proj_bias [E, 2I] interleaved like the weight's columns,
+/// down_proj_bias [E, H]) into b13 [gate; up] and b2, fp32, and its activation.
+void add_gpt_oss_extras(const Reader& r, const Names& n, int e, int E, int64_t H, int64_t I, const ExpertActivation& act,
+                        ExpertWeights& x) {
+  x.activation = act;
+  const std::string gb = n.packed("gate_up_proj_bias"), db = n.packed("down_proj_bias");
+  if (r.ck.contains(gb)) {
+    const auto& t = r.checked(gb, {"BF16", "F16", "F32"}, {E, 2 * I}, "[num_local_experts, 2 x intermediate_size]: GptOssExperts.gate_up_proj_bias");
+    const uint8_t* p = expert_slice(r, gb, e, E).data();
+    x.b13 = Tensor::empty({2 * I}, DType::fp32);
+    for (int64_t c = 0; c < 2 * I; ++c) x.b13.ptr<float>()[c % 2 == 0 ? c / 2 : I + c / 2] = float_at(p, t.dtype, c);  // gate = [::2], up = [1::2]
+  }
+  if (r.ck.contains(db)) {
+    const auto& t = r.checked(db, {"BF16", "F16", "F32"}, {E, H}, "[num_local_experts, hidden_size]: GptOssExperts.down_proj_bias");
+    const uint8_t* p = expert_slice(r, db, e, E).data();
+    x.b2 = Tensor::empty({H}, DType::fp32);
+    for (int64_t h = 0; h < H; ++h) x.b2.ptr<float>()[h] = float_at(p, t.dtype, h);
+  }
 }
 
 CheckpointConvention convention_of(const std::string& model_type, const Checkpoint& ck, int layer) {
@@ -466,6 +480,15 @@ CheckpointLayerInfo read_moe_layer_info(const Checkpoint& ck, int layer) {
     }
   }
 
+  // The experts' activation. gpt-oss: GptOssExperts' clamped SwiGLU, alpha 1.702 (a constant of the
+  // model code; config.json has no key for it) and limit swiglu_limit (GptOssConfig default 7.0;
+  // transformers' GptOssExperts holds 7.0 itself, OpenAI's reference reads swiglu_limit).
+  if (conv == CheckpointConvention::gpt_oss) {
+    const double limit = c.number("swiglu_limit", 7.0);
+    require_arg(kOp, c.path + " swiglu_limit", limit, std::isfinite(limit) && limit > 0, "must be a finite number > 0");
+    info.activation = ExpertActivation::gpt_oss(1.702f, static_cast<float>(limit));
+  }
+
   // Formats, from the tensors' dtypes.
   if (conv == CheckpointConvention::gpt_oss) {
     m.routed_format = ck.contains(n.packed("gate_up_proj_blocks")) ? WeightFormat::mxfp4 : WeightFormat::bf16;
@@ -516,8 +539,9 @@ MoELayerCheckpoint load_moe_layer(const Checkpoint& ck, const MoELayerLoadOption
   for (int e : ids) {
     if (w->experts[static_cast<size_t>(e)]) continue;
     if (info.convention == CheckpointConvention::gpt_oss) {
-      w->experts[static_cast<size_t>(e)] = m.routed_format == WeightFormat::mxfp4 ? load_gpt_oss_mxfp4(r, n, e, E, H, I)
-                                                                                   : load_gpt_oss_float(r, n, e, E, H, I, &converted);
+      auto x = m.routed_format == WeightFormat::mxfp4 ? load_gpt_oss_mxfp4(r, n, e, E, H, I) : load_gpt_oss_float(r, n, e, E, H, I, &converted);
+      add_gpt_oss_extras(r, n, e, E, H, I, info.activation, *x);
+      w->experts[static_cast<size_t>(e)] = x;
       continue;
     }
     const Matrix gate = load_matrix(r, n.expert(e, Proj::gate), m.routed_format, I, H, why_in, &converted);
@@ -559,18 +583,14 @@ MoELayerCheckpoint load_moe_layer(const Checkpoint& ck, const MoELayerLoadOption
 
   if (converted) out.notes.push_back("expert weights stored as F16/F32 were rounded to bf16 (round to nearest even)");
   if (info.convention == CheckpointConvention::gpt_oss) {
-    const ConfigReader c = read_config(ck);
-    out.notes.push_back("gpt-oss experts use a clamped SwiGLU ((up + 1) * gate * sigmoid(1.702 * gate), limit swiglu_limit = " +
-                        std::to_string(c.number("swiglu_limit", 7.0)).substr(0, 4) +
-                        "); epx runs the plain SwiGLU silu(gate) * up on the same weights");
-    for (const char* b : {"gate_up_proj_bias", "down_proj_bias"}) {
-      const std::string name = n.packed(b);
-      if (ck.contains(name))
-        out.notes.push_back(name + (all_zero(ck.bytes(name)) ? " is all zero (nothing lost)" : " is not applied (epx experts have no bias)"));
+    // GptOssTopKRouter: logits = F.linear(x, weight, bias). transformers' _init_weights would fill an
+    // absent bias with random values; a checkpoint without one is read as bias 0 and says so.
+    if (o.load_router) {
+      if (ck.contains(n.router_bias())) w->router_bias = read_f32(r, n.router_bias(), {E}, "[num_local_experts]: GptOssTopKRouter.bias");
+      else out.notes.push_back(n.router_bias() + " is absent: the router runs without a logit bias");
     }
-    if (ck.contains(n.router_bias()))
-      out.notes.push_back(n.router_bias() + (all_zero(ck.bytes(n.router_bias())) ? " is all zero (nothing lost)"
-                                                                                   : " is not applied (the epx router has no logit bias)"));
+    for (const char* b : {"gate_up_proj_bias", "down_proj_bias"})
+      if (!ck.contains(n.packed(b))) out.notes.push_back(n.packed(b) + " is absent: the experts run without it (bias 0)");
   }
   out.weights = w;
   return out;

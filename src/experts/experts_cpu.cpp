@@ -4,6 +4,7 @@
 // expert and each group is one pair of sgemm calls (never a per-token GEMV).
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -71,11 +72,26 @@ void expert_mlp_block(const ExpertWeights& w, const float* x, int64_t num_rows, 
                       std::vector<float>& h, std::vector<uint8_t>& h_q, std::vector<float>& h_scales) {
   const int64_t hidden = w.hidden, inter = w.intermediate;
   gemm_abt(num_rows, 2 * inter, hidden, x, w.w13_f32(), gate_up.data());
+  const float* b13 = w.b13.defined() ? w.b13.ptr<const float>() : nullptr;
+  const ExpertActivation act = w.activation;
+  const bool clamp = act.limit < std::numeric_limits<float>::infinity();
   for (int64_t r = 0; r < num_rows; ++r) {
-    const float* g = gate_up.data() + r * 2 * inter;
-    const float* u = g + inter;
+    float* g = gate_up.data() + r * 2 * inter;
+    float* u = g + inter;
     float* hr = h.data() + r * inter;
-    for (int64_t i = 0; i < inter; ++i) hr[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];  // silu(g) * u, fp32
+    if (b13)
+      for (int64_t i = 0; i < 2 * inter; ++i) g[i] += b13[i];  // gate_up + gate_up_proj_bias, fp32
+    if (clamp)
+      for (int64_t i = 0; i < inter; ++i) {  // gate = gate.clamp(max=limit); up = up.clamp(-limit, limit)
+        g[i] = std::min(g[i], act.limit);
+        u[i] = std::clamp(u[i], -act.limit, act.limit);
+      }
+    if (act.kind == ExpertActivation::Kind::gpt_oss_glu) {
+      // glu = gate * sigmoid(gate * alpha); (up + 1) * glu, fp32
+      for (int64_t i = 0; i < inter; ++i) hr[i] = (u[i] + 1.0f) * (g[i] / (1.0f + std::exp(-act.alpha * g[i])));
+    } else {
+      for (int64_t i = 0; i < inter; ++i) hr[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];  // silu(g) * u, fp32
+    }
     if (w.format == WeightFormat::fp8_block) {
       // DeepSeek-V3: the down projection consumes h as FP8 1x128 with fp32 scales.
       quantize_fp8_row(hr, inter, h_q.data(), h_scales.data(), kFp8GroupSize, false);
@@ -85,6 +101,11 @@ void expert_mlp_block(const ExpertWeights& w, const float* x, int64_t num_rows, 
     }
   }
   gemm_abt(num_rows, hidden, inter, h.data(), w.w2_f32(), y);
+  if (w.b2.defined()) {
+    const float* b2 = w.b2.ptr<const float>();
+    for (int64_t r = 0; r < num_rows; ++r)
+      for (int64_t i = 0; i < hidden; ++i) y[r * hidden + i] += b2[i];  // + down_proj_bias, fp32, before the one rounding
+  }
   for (int64_t i = 0; i < num_rows * hidden; ++i) y[i] = round_bf16(y[i]);
 }
 
@@ -125,6 +146,7 @@ class CpuExperts final : public Experts {
       require_arg("make_experts_cpu", arg, "null", experts_[l] != nullptr, "must be non-null");
       require_arg("make_experts_cpu", arg + ".hidden", experts_[l]->hidden, experts_[l]->hidden == experts_[0]->hidden,
                   "must equal local_experts[0].hidden = " + std::to_string(experts_[0]->hidden));
+      experts_[l]->check_extras("make_experts_cpu", arg);
     }
   }
 
@@ -220,7 +242,7 @@ class CpuExperts final : public Experts {
     const int64_t k = in.topk_idx.size(1);
     check_tensor("topk_idx", in.topk_idx, {DType::int32, DType::int64}, {n, k});
     check_tensor("topk_weights", in.topk_weights, {DType::fp32}, {n, k});
-    check_tensor("out", out, {DType::bf16}, {n, h});
+    check_tensor("out", out, {DType::bf16, DType::fp32}, {n, h});  // fp32: the weighted sum unrounded
 
     // Validate every index before any work, then bucket the valid (row, k) pairs by expert
     // (counting sort; within an expert, pairs keep row-major order).
@@ -266,7 +288,7 @@ class CpuExperts final : public Experts {
     // Weighted sum in column order, fp32, one rounding. Invalid columns are skipped (select), so
     // neither their weights nor x rows without a local selection are ever read.
     const float* weights = in.topk_weights.ptr<const float>();
-    uint16_t* o = out.ptr<uint16_t>();
+    const bool out_f32 = out.dtype == DType::fp32;
     std::vector<float> acc(static_cast<size_t>(h));
     for (int64_t r = 0; r < n; ++r) {
       std::fill(acc.begin(), acc.end(), 0.0f);
@@ -277,8 +299,12 @@ class CpuExperts final : public Experts {
         const uint16_t* y = pair_out.data() + p * h;
         for (int64_t i = 0; i < h; ++i) acc[i] += wt * bf16_bits_to_float(y[i]);
       }
-      uint16_t* dst = o + r * h;
-      for (int64_t i = 0; i < h; ++i) dst[i] = float_to_bf16_bits(acc[i]);
+      if (out_f32) {
+        std::copy(acc.begin(), acc.end(), out.ptr<float>() + r * h);
+      } else {
+        uint16_t* dst = out.ptr<uint16_t>() + r * h;
+        for (int64_t i = 0; i < h; ++i) dst[i] = float_to_bf16_bits(acc[i]);
+      }
     }
   }
 
@@ -303,6 +329,7 @@ void expert_mlp_cpu(const ExpertWeights& w, const float* x, int64_t num_rows, fl
   if (w.format == WeightFormat::fp8_block)
     require_arg(op, "w.intermediate", w.intermediate, w.intermediate % kFp8GroupSize == 0,
                 "must be a multiple of 128 for fp8_block (h is quantized 1x128)");
+  w.check_extras(op, "w");
   if (num_rows == 0) return;
   const int64_t m_max = std::min(num_rows, kRowsPerGemm);
   std::vector<float> gate_up(static_cast<size_t>(m_max * 2 * w.intermediate));

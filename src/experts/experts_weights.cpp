@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstring>
 #include <exception>
+#include <sstream>
 #include <thread>
 #include <vector>
 
@@ -245,6 +246,35 @@ std::shared_ptr<ExpertWeights> ExpertWeights::random(WeightFormat format, int64_
   return w;
 }
 
+std::string expert_activation_name(const ExpertActivation& a) {
+  auto num = [](float v) {
+    std::ostringstream o;
+    o << v;
+    return o.str();
+  };
+  if (a.kind == ExpertActivation::Kind::gpt_oss_glu) return "gpt_oss_glu(alpha=" + num(a.alpha) + ", limit=" + num(a.limit) + ")";
+  return a.is_plain_silu() ? "silu_glu" : "silu_glu(limit=" + num(a.limit) + ")";
+}
+
+void ExpertWeights::check_extras(std::string_view op, const std::string& what) const {
+  auto check_bias = [&](const Tensor& b, const char* name, int64_t n) {
+    if (!b.defined()) return;
+    const std::string arg = what + "." + name;
+    check_device(op, arg, b, Device::cpu());
+    check_dtype(op, arg, b, {DType::fp32});
+    check_shape(op, arg, b, {n});
+    check_contiguous(op, arg, b);
+  };
+  check_bias(b13, "b13", 2 * intermediate);
+  check_bias(b2, "b2", hidden);
+  const ExpertActivation& a = activation;
+  require_arg(op, what + ".activation.limit", a.limit, a.limit > 0, "must be > 0 (the clamp bound; +inf = none)");
+  if (a.kind == ExpertActivation::Kind::gpt_oss_glu) {
+    require_arg(op, what + ".activation.limit", a.limit, std::isfinite(a.limit), "must be finite for gpt_oss_glu (swiglu_limit)");
+    require_arg(op, what + ".activation.alpha", a.alpha, std::isfinite(a.alpha), "must be finite");
+  }
+}
+
 int64_t intermediate_granularity(WeightFormat f) {
   switch (f) {
     case WeightFormat::bf16: return 8;
@@ -290,6 +320,13 @@ std::shared_ptr<ExpertWeights> ExpertWeights::slice_intermediate(int64_t begin, 
   w->w13 = Tensor::empty({2 * n, w13.size(1)}, w13.dtype());
   copy_rows(w13, begin, end, w->w13, 0);
   copy_rows(w13, I + begin, I + end, w->w13, n);
+  w->activation = activation;
+  if (b13.defined()) {  // gate bias [begin, end), up bias [I + begin, I + end)
+    w->b13 = Tensor::empty({2 * n}, DType::fp32);
+    std::memcpy(w->b13.ptr<float>(), b13.ptr<const float>() + begin, static_cast<size_t>(n) * 4);
+    std::memcpy(w->b13.ptr<float>() + n, b13.ptr<const float>() + I + begin, static_cast<size_t>(n) * 4);
+  }
+  if (b2.defined() && begin == 0) w->b2 = b2;  // added once: the slices sum to the expert
   // w2 [H, I] (mxfp4: [H, I/2] packed pairs): columns of the slice.
   switch (format) {
     case WeightFormat::bf16:

@@ -92,6 +92,15 @@ void router_logits_cpu(const MoEWeights& w, const TensorView& x, const TensorVie
   cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(T), static_cast<int>(E), static_cast<int>(H), 1.0f,
               xf.data(), static_cast<int>(H), w.router_weight.ptr<const float>(), static_cast<int>(H), 0.0f,
               logits.ptr<float>(), static_cast<int>(E));
+  if (w.router_bias.defined()) {
+    require_arg(op, "w.router_bias", w.router_bias.view().describe(),
+                w.router_bias.dtype() == DType::fp32 && w.router_bias.numel() == E && w.router_bias.device().is_cpu(),
+                "must be [E] fp32 on the CPU");
+    const float* b = w.router_bias.ptr<const float>();
+    float* l = logits.ptr<float>();
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t e = 0; e < E; ++e) l[t * E + e] += b[e];  // F.linear(x, W, b): the bias joins the fp32 logits
+  }
 }
 
 void moe_reference_cpu(const MoEWeights& w, const TensorView& x, const TensorView& topk_idx,
@@ -173,8 +182,9 @@ void moe_reference_cpu(const MoEWeights& w, const TensorView& x, const TensorVie
       if (has_shared) {
         const float g = moe_detail::shared_gate_value(w, xb + t * H);
         const float* sy = shared_y.data() + (t - t0) * H;
-        // separate: the layer adds g * shared to the finalized (bf16) routed rows
-        if (!opt.shared_fused)
+        // two_roundings (separate path on a backend without Capabilities::combine_addend): the layer adds
+        // g * shared to the finalized (bf16) routed rows
+        if (!opt.shared_fused && opt.two_roundings)
           for (int64_t h = 0; h < H; ++h) acc[h] = bf16_bits_to_float(float_to_bf16_bits(acc[h]));
         for (int64_t h = 0; h < H; ++h) acc[h] += g * sy[h];
       }
