@@ -427,7 +427,7 @@ class CudaExperts final : public Experts {
     const int64_t k = in.topk_idx.size(1);
     check_tensor("topk_idx", in.topk_idx, {DType::int32, DType::int64}, {n, k}, false);
     check_tensor("topk_weights", in.topk_weights, {DType::fp32}, {n, k}, false);
-    check_tensor("out", out, {DType::bf16}, {n, h}, true);
+    check_tensor("out", out, {DType::bf16, DType::fp32}, {n, h}, true);  // fp32: the weighted sum unrounded
     const int64_t num_pairs = n * k;
     require_arg(kOp, "N * K", num_pairs, num_pairs < (int64_t{1} << 31), "must be < 2^31");
     if (n == 0) return;
@@ -464,7 +464,8 @@ class CudaExperts final : public Experts {
     cp.pair_out = ws.pair_out;
     cp.slot = ws.slot;
     cp.topk_weights = in.topk_weights.ptr<const float>();
-    cp.out = out.ptr<uint16_t>();
+    cp.out = out.dtype == DType::bf16 ? out.ptr<uint16_t>() : nullptr;
+    cp.out_f32 = out.dtype == DType::fp32 ? out.ptr<float>() : nullptr;
     cp.num_tokens = n;
     cp.hidden = h;
     cp.top_k = static_cast<int>(k);
@@ -642,6 +643,21 @@ std::unique_ptr<Experts> make_experts_cuda(std::vector<std::shared_ptr<const Exp
   // A Config built in C++ is held to the rules Config::set / JSON / EPX_* enforce (experts.fp8_prefill = 5, a
   // removed mode, would otherwise run some other kernel): validate()'s sentence names the key, value and rule.
   config.validate();
+  // Biases and activations other than plain SwiGLU (gpt-oss, DeepSeek-V4's clamp) exist only on the CPU
+  // experts: refused here, before any upload or launch, on every CUDA path (SIMT, FP8, MXFP4).
+  for (size_t l = 0; l < local_experts.size(); ++l) {
+    const ExpertWeights* w = local_experts[l].get();
+    if (!w || !w->has_cpu_only_math()) continue;
+    const std::string arg = "local_experts[" + std::to_string(l) + "]";
+    std::string what;
+    if (w->b13.defined()) what = arg + ".b13";
+    else if (w->b2.defined()) what = arg + ".b2";
+    else what = arg + ".activation";
+    throw Unsupported(arg_message(kMake, what,
+                                  w->b13.defined() || w->b2.defined() ? std::string("defined") : expert_activation_name(w->activation),
+                                  "the CUDA experts (SIMT, FP8, MXFP4 kernels) compute no expert bias and only the plain "
+                                  "silu(gate) * up activation; run this layer (gpt-oss, DeepSeek-V4 clamped SwiGLU) on the CPU experts"));
+  }
   return std::make_unique<CudaExperts>(std::move(local_experts), device, config);
 }
 
