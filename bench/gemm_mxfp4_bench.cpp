@@ -6,7 +6,6 @@
 // whole expert MLP per call, in the same process:
 //   ceiling    HBM copy bandwidth (1 GiB device-to-device copy, bytes read + written);
 //   epx-mxfp4-wgmma  make_experts_cuda (the sm_90a mixed tensor-core path, experts_mxfp4_cuda.cu);
-//   epx-mxfp4-wgmma-wide  with --wide: the opt-in 512-thread variant (EPX_EXPERTS_MXFP4_TC=2),
 //              validated against the CPU (decode) / the default variant (prefill);
 //   epx-simt   the same with EPX_EXPERTS_SIMT=1 (the SIMT reference GEMMs), unless --no-simt.
 // Order: ceiling, the FHMoE sweeps, decode, prefill (an opt-in variant that fails loses only the rows after it).
@@ -26,10 +25,7 @@
 // cycles per K-loop stage (set_mixed_debug, experts_mxfp4_cuda.h), a timing-only ablation (the
 // expansion skipped) and the .L2::256B load hint as decode-v4pro-stamps rows.
 // Usage: epx-gemm-mxfp4-bench [--json PATH] [--iters N] [--experts L] [--no-simt] [--max-tokens T]
-//        [--fhmoe-experts L1,L2,...] [--cases fhmoe,decode,prefill] [--stamps] [--wide]
-// --wide adds the 512-thread variant (EPX_EXPERTS_MXFP4_TC=2) to the decode and prefill cases
-// (decode validated against the CPU experts, prefill against the default variant), stamped too
-// with --stamps.
+//        [--fhmoe-experts L1,L2,...] [--cases fhmoe,decode,prefill] [--stamps]
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -92,7 +88,7 @@ int main(int argc, char** argv) {
   int iters = 20, L = 192;
   int64_t max_tokens = 4096;
   std::vector<int> fhmoe_experts;  // routed experts per FHMoE sweep (default: L)
-  bool do_simt = true, do_stamps = false, do_wide = false;
+  bool do_simt = true, do_stamps = false;
   std::string cases = "fhmoe,decode,prefill";
   std::string command = "epx-gemm-mxfp4-bench";
   for (int i = 1; i < argc; ++i) {
@@ -104,7 +100,6 @@ int main(int argc, char** argv) {
     else if (a == "--max-tokens" && i + 1 < argc) max_tokens = std::atoll(argv[++i]), command += std::string(" ") + argv[i];
     else if (a == "--no-simt") do_simt = false;
     else if (a == "--stamps") do_stamps = true;
-    else if (a == "--wide") do_wide = true;
     else if (a == "--cases" && i + 1 < argc) cases = argv[++i], command += std::string(" ") + argv[i];
     else if (a == "--fhmoe-experts" && i + 1 < argc) {
       const std::string list = argv[++i];
@@ -117,7 +112,7 @@ int main(int argc, char** argv) {
     } else {
       std::fprintf(stderr,
                    "usage: epx-gemm-mxfp4-bench [--json PATH] [--iters N] [--experts L] [--no-simt] [--max-tokens T] "
-                   "[--fhmoe-experts L1,L2,...] [--cases fhmoe,decode,prefill] [--stamps] [--wide]\n");
+                   "[--fhmoe-experts L1,L2,...] [--cases fhmoe,decode,prefill] [--stamps]\n");
       return 1;
     }
   }
@@ -157,25 +152,15 @@ int main(int argc, char** argv) {
   const std::shared_ptr<const ExpertWeights> shared = ExpertWeights::random(WeightFormat::fp8_block, kH, kI, 13);
   unsetenv("EPX_EXPERTS_SIMT");
   auto has_case = [&](const std::string& c) { return ("," + cases + ",").find("," + c + ",") != std::string::npos; };
-  std::unique_ptr<Experts> tc, tcw;
-  if (has_case("decode") || has_case("prefill")) {
-    tc = make_experts_cuda(routed, 0);
-    if (do_wide) {
-      const char* outer = std::getenv("EPX_EXPERTS_MXFP4_TC");  // restored after: later objects keep the run's setting
-      const std::string kept = outer ? outer : "";
-      setenv("EPX_EXPERTS_MXFP4_TC", "2", 1);  // the 512-thread variant (opt-in)
-      tcw = make_experts_cuda(routed, 0);
-      if (outer) setenv("EPX_EXPERTS_MXFP4_TC", kept.c_str(), 1);
-      else unsetenv("EPX_EXPERTS_MXFP4_TC");
-    }
-  }
+  std::unique_ptr<Experts> tc;
+  if (has_case("decode") || has_case("prefill")) tc = make_experts_cuda(routed, 0);
   std::printf("weights: %d MXFP4 experts, %.2f GB, ready in %.1f s\n", L, weight_bytes / 1e9,
               std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
 
   auto write_json = [&] {
     if (json_path.empty()) return;
     const char* commit = std::getenv("GEMM_BENCH_COMMIT");
-    const char* tc_env = std::getenv("EPX_EXPERTS_MXFP4_TC");  // 3: the mma.sync decode path off (A/B)
+    const char* tc_env = std::getenv("EPX_EXPERTS_MXFP4_TC");
     json doc = {{"tool", "gemm bench"}, {"command", command}, {"git_commit", commit ? commit : "unknown"},
                 {"EPX_EXPERTS_MXFP4_TC", tc_env ? tc_env : "unset"},
                 {"date", utc_now()}, {"device", std::string("1 x ") + prop.name}, {"fhmoe_gate", gate}, {"results", rows}};
@@ -347,10 +332,9 @@ int main(int argc, char** argv) {
       CK(cudaMalloc(&dbg, experts_cuda::kMixedDebugWords * sizeof(unsigned long long)));
       static const char* kPhaseNames[] = {"issue", "load_wait", "convert", "mma_wait", "promote", "fence", "barrier", "load_issue",
                                           "prologue", "epilogue"};
-      for (int mode : {1, 2, 3, 4}) {
-        if (mode == 4 && !tcw) break;
-        Experts* obj = mode == 4 ? tcw.get() : tc.get();  // mode 4: the wide variant, stamped (mode 1)
-        experts_cuda::set_mixed_debug(dbg, mode == 4 ? 1 : mode);
+      for (int mode : {1, 2, 3}) {
+        Experts* obj = tc.get();
+        experts_cuda::set_mixed_debug(dbg, mode);
         CK(cudaMemset(out.data(), 0xFF, out.nbytes()));
         const Stats sd = time_us(stream, iters, [&] { obj->apply(in, out, Stream{stream}); });
         CK(cudaStreamSynchronize(stream));
@@ -364,8 +348,7 @@ int main(int argc, char** argv) {
         rd["case"] = "decode-v4pro-stamps";
         rd["backend"] = mode == 1   ? "epx-mxfp4-wgmma-stamped"
                         : mode == 2 ? "ablation-no-expansion"
-                        : mode == 3 ? "epx-mxfp4-wgmma-stamped-l2pf256"
-                                    : "epx-mxfp4-wgmma-wide-stamped";
+                                    : "epx-mxfp4-wgmma-stamped-l2pf256";
         rd["gbps"] = weight_bytes / (sd.p50 * 1e-6) / 1e9;
         rd["fraction_of_peak"] = rd["gbps"].get<double>() / hbm_gbps;
         rd["max_rel_error"] = mode != 2 ? rel_l2(to_float(host_bf16(out)), refv, ranges) : -1.0;
@@ -376,7 +359,7 @@ int main(int argc, char** argv) {
           auto at = [&](int w, int ph) { return static_cast<double>(w0[w * experts_cuda::kMixedDebugPhases + ph]); };
           const double stages = at(0, experts_cuda::kDbgStages), items = at(0, experts_cuda::kDbgMxItems) + at(0, experts_cuda::kDbgFp8Items);
           const double ctas = at(0, experts_cuda::kDbgCtas);
-          int warps = 0;  // warps per CTA that stamped (8, or 16 for the wide variant)
+          int warps = 0;  // warps per CTA that stamped (8)
           for (int w = 0; w < experts_cuda::kMixedDebugWarps; ++w) warps += at(w, experts_cuda::kDbgCtas) > 0;
           warps = std::max(warps, 1);
           json ph = json::object();
@@ -405,23 +388,10 @@ int main(int argc, char** argv) {
                      "mode " + std::to_string(mode) +
                      (mode == 1   ? " (stamped kernels, results checked)"
                       : mode == 2 ? " (expansion skipped, timing only)"
-                      : mode == 3 ? " (stamped, raw loads with the .L2::256B prefetch hint, results checked)"
-                                  : " (the wide variant stamped, results checked)");
+                                  : " (stamped, raw loads with the .L2::256B prefetch hint, results checked)");
         add_row(rd, sd, (std::string("stamped mode ") + std::to_string(mode)).c_str());
       }
       CK(cudaFree(dbg));
-    }
-    if (tcw) {
-      CK(cudaMemset(out.data(), 0xFF, out.nbytes()));
-      const Stats sw = time_us(stream, iters, [&] { tcw->apply(in, out, Stream{stream}); });
-      CK(cudaStreamSynchronize(stream));
-      json rw = r;
-      rw["backend"] = "epx-mxfp4-wgmma-wide";
-      rw["gbps"] = weight_bytes / (sw.p50 * 1e-6) / 1e9;
-      rw["fraction_of_peak"] = rw["gbps"].get<double>() / hbm_gbps;
-      rw["max_rel_error"] = m == 8 ? rel_l2(to_float(host_bf16(out)), refv, ranges) : -1.0;
-      rw["note"] = "EPX_EXPERTS_MXFP4_TC=2: 512 threads, 4 consumer warpgroups, half a weight row loaded and expanded per thread";
-      add_row(rw, sw, (std::to_string(static_cast<int>(rw["gbps"].get<double>())) + " GB/s of weights (wide)").c_str());
     }
     if (do_simt && m == 8) {
       setenv("EPX_EXPERTS_SIMT", "1", 1);
@@ -463,21 +433,8 @@ int main(int argc, char** argv) {
               {"tflops", flops / (st.p50 * 1e-6) / 1e12}, {"accounting", "flops"}, {"validated", false},
               {"note", "timing only (the GPU tests check the Flat layout at 8192 rows against the CPU)"}};
     add_row(r, st, (std::to_string(static_cast<int>(flops / (st.p50 * 1e-6) / 1e12)) + " TFLOP/s").c_str());
-    if (tcw) {
-      Tensor out3 = Tensor::empty({T, kH}, DType::bf16, Device::cuda(0));
-      const Stats sw = time_us(stream, iters, [&] { tcw->apply(in, out3, Stream{stream}); });
-      CK(cudaStreamSynchronize(stream));
-      json rw = r;
-      rw["backend"] = "epx-mxfp4-wgmma-wide";
-      rw["tflops"] = flops / (sw.p50 * 1e-6) / 1e12;
-      rw["validated"] = true;
-      rw["max_rel_error"] = rel_l2(to_float(host_bf16(out3)), to_float(host_bf16(out)), {{0, T}});
-      rw["note"] = "EPX_EXPERTS_MXFP4_TC=2; validated against epx-mxfp4-wgmma (same results expected: 0)";
-      add_row(rw, sw, (std::to_string(static_cast<int>(rw["tflops"].get<double>())) + " TFLOP/s (wide)").c_str());
-    }
   }
   tc.reset();
-  tcw.reset();
 
   write_json();
   if (!json_path.empty()) std::printf("wrote %s\n", json_path.c_str());

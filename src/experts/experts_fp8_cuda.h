@@ -110,6 +110,10 @@ struct alignas(128) Fp8TmaMap {
 /// cudaGetDriverEntryPointByVersion (no libcuda link). Returns false (maps untouched) when the
 /// driver lacks the entry point or the encoder rejects a map (then keep w_maps null).
 bool fp8_prefill_weight_maps(const ExpertDesc& e, int64_t hidden, Fp8TmaMap& w13_map, Fp8TmaMap& w2_map);
+/// Tests only: while `refuse` is set, fp8_prefill_weight_maps returns false as for a map the driver cannot
+/// encode, so Experts objects made meanwhile run their prefill GEMMs on the cp.async kernels (the fallback).
+/// Process-wide; not thread-safe.
+void set_fp8_prefill_refuse_weight_maps(bool refuse);
 
 /// Host: the TMA descriptors of one mxfp4 expert's device weights for the MXFP4 decode path
 /// (decode_item_bulk, experts_mxfp4_kernels.cuh): maps[0] w13 codes [2I rows, H/2 bytes] and maps[2] w2

@@ -280,22 +280,23 @@ __global__ void __launch_bounds__(kPfThreads, 1) fp8_prefill_kernel(Fp8GemmParam
 
 #endif  // EPX_FP8_WGMMA
 
-/// The kernel instance of Fp8GemmParams::prefill_fast (0: mode 8, 2: 17).
+/// The kernel instance (Fp8GemmParams::prefill_fast 2: early scale reads and stage release, bulk-copy
+/// stores, wgmma's A in registers).
 template <bool kGateUp>
-auto prefill_kernel(int fast) {
-  return fast == 2 ? fp8_prefill_kernel<kGateUp, 2> : fp8_prefill_kernel<kGateUp, 0>;
+auto prefill_kernel() {
+  return fp8_prefill_kernel<kGateUp, 2>;
 }
 
 // set_fp8_prefill_debug's state: process-wide, for the bench only (null: the library's kernels).
 uint32_t* g_debug_buffer = nullptr;
 uint32_t g_debug_flags = 0;
 
-/// The kernel of launch_fp8_prefill_gate_up / _down: the stamped instance of mode 17 while a debug
-/// buffer is set (p gets the buffer and flags), else prefill_kernel(p.prefill_fast).
+/// The kernel of launch_fp8_prefill_gate_up / _down: the stamped instance while a debug buffer is set
+/// (p gets the buffer and flags), else prefill_kernel().
 template <bool kGateUp>
 void launch_prefill(Fp8GemmParams p, int grid, cudaStream_t stream) {
 #ifdef EPX_FP8_PREFILL_STAMPS
-  if (g_debug_buffer != nullptr && p.prefill_fast == 2) {
+  if (g_debug_buffer != nullptr) {
     p.debug = g_debug_buffer;
     p.debug_flags = g_debug_flags;
     fp8_prefill_kernel<kGateUp, 2, true><<<grid, kPfThreads, Layout<kGateUp>::kSmemBytes, stream>>>(p);
@@ -303,7 +304,7 @@ void launch_prefill(Fp8GemmParams p, int grid, cudaStream_t stream) {
   }
 #endif
   {
-    prefill_kernel<kGateUp>(p.prefill_fast)<<<grid, kPfThreads, Layout<kGateUp>::kSmemBytes, stream>>>(p);
+    prefill_kernel<kGateUp>()<<<grid, kPfThreads, Layout<kGateUp>::kSmemBytes, stream>>>(p);
   }
 }
 
@@ -327,10 +328,8 @@ void set_fp8_prefill_debug(uint32_t* buffer, uint32_t flags) {
 int fp8_prefill_smem_bytes() { return std::max(Layout<true>::kSmemBytes, Layout<false>::kSmemBytes); }
 
 void fp8_prefill_set_smem_limits() {
-  for (int fast : {0, 2}) {
-    EPX_CUDA_CHECK(cudaFuncSetAttribute(prefill_kernel<true>(fast), cudaFuncAttributeMaxDynamicSharedMemorySize, Layout<true>::kSmemBytes));
-    EPX_CUDA_CHECK(cudaFuncSetAttribute(prefill_kernel<false>(fast), cudaFuncAttributeMaxDynamicSharedMemorySize, Layout<false>::kSmemBytes));
-  }
+  EPX_CUDA_CHECK(cudaFuncSetAttribute(prefill_kernel<true>(), cudaFuncAttributeMaxDynamicSharedMemorySize, Layout<true>::kSmemBytes));
+  EPX_CUDA_CHECK(cudaFuncSetAttribute(prefill_kernel<false>(), cudaFuncAttributeMaxDynamicSharedMemorySize, Layout<false>::kSmemBytes));
 #ifdef EPX_FP8_PREFILL_STAMPS
   EPX_CUDA_CHECK(cudaFuncSetAttribute(fp8_prefill_kernel<true, 2, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                       Layout<true>::kSmemBytes));

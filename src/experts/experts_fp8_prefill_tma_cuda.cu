@@ -456,7 +456,14 @@ bool mxfp4_decode_maps(const ExpertDesc& e, int64_t hidden, Fp8TmaMap (&maps)[4]
   return true;
 }
 
+namespace {
+bool g_refuse_weight_maps = false;  // set_fp8_prefill_refuse_weight_maps (tests only)
+}  // namespace
+
+void set_fp8_prefill_refuse_weight_maps(bool refuse) { g_refuse_weight_maps = refuse; }
+
 bool fp8_prefill_weight_maps(const ExpertDesc& e, int64_t hidden, Fp8TmaMap& w13_map, Fp8TmaMap& w2_map) {
+  if (g_refuse_weight_maps) return false;
   const auto inter = static_cast<uint64_t>(e.intermediate), h = static_cast<uint64_t>(hidden);
   CUtensorMap m13{}, m2{};
   if (!encode_fp8_map(m13, e.w13, h, 2 * inter, h) || !encode_fp8_map(m2, e.w2, inter, h, inter)) return false;
@@ -467,17 +474,15 @@ bool fp8_prefill_weight_maps(const ExpertDesc& e, int64_t hidden, Fp8TmaMap& w13
 
 namespace {
 
-/// The kernel of the gate_up (kGateUp) or down GEMM of Fp8GemmParams::prefill_fast `fast`
-/// (Config::experts_fp8_prefill 10: 0; lean 23: 3; lean with prefetch, 27 and the default: 5).
+/// The one-CTA kernel of the gate_up (kGateUp) or down GEMM (the lean consumer with the prefetch,
+/// Fp8GemmParams::prefill_fast 5), where no 2-CTA cluster fits.
 template <bool kGateUp>
-auto tma_kernel(int fast) {
-  return fast == 5   ? fp8_prefill_tma_kernel<kGateUp, true, true, false>
-         : fast == 3 ? fp8_prefill_tma_kernel<kGateUp, true, false, false>
-                     : fp8_prefill_tma_kernel<kGateUp, false, false, false>;
+auto tma_kernel() {
+  return fp8_prefill_tma_kernel<kGateUp, true, true, false>;
 }
 
-/// The 2-CTA cluster kernel of the gate_up (kGateUp) or down GEMM (Config::experts_fp8_prefill 30, 31: 27's
-/// consumer with prefetch, Fp8GemmParams::prefill_cluster).
+/// The 2-CTA cluster kernel of the gate_up (kGateUp) or down GEMM (the same consumer,
+/// Fp8GemmParams::prefill_cluster).
 template <bool kGateUp>
 auto cluster_kernel() {
   return fp8_prefill_tma_kernel<kGateUp, true, true, true>;
@@ -503,11 +508,11 @@ cudaLaunchConfig_t cluster_config(unsigned grid, cudaStream_t stream, cudaLaunch
   return cfg;
 }
 
-/// Raises the dynamic shared-memory limit of every gate_up (kGateUp) or down TMA kernel (tma_kernel's three, the
+/// Raises the dynamic shared-memory limit of every gate_up (kGateUp) or down TMA kernel (the one-CTA and the
 /// cluster kernel) to Layout<kGateUp>::kSmemBytes on the current device.
 template <bool kGateUp>
 void raise_smem_limits() {
-  for (auto* k : {tma_kernel<kGateUp>(0), tma_kernel<kGateUp>(3), tma_kernel<kGateUp>(5), cluster_kernel<kGateUp>()})
+  for (auto* k : {tma_kernel<kGateUp>(), cluster_kernel<kGateUp>()})
     EPX_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, Layout<kGateUp>::kSmemBytes));
 }
 
@@ -557,12 +562,12 @@ template <bool kGateUp>
 void launch_prefill(const Fp8GemmParams& p, const CUtensorMap& bmap, bool tb, int grid, cudaStream_t stream, const char* what) {
   const int maxc = p.prefill_cluster != 0 && p.prefill_fast == 5 && p.w_maps != nullptr ? max_clusters<kGateUp>() : 0;
   if (maxc > 0) {
-    // 2-CTA clusters (Config::experts_fp8_prefill 30, 31): as many as fit at once, each walks tile pairs
+    // 2-CTA clusters: as many as fit at once, each walks tile pairs
     cudaLaunchAttribute attr;
     const cudaLaunchConfig_t cfg = cluster_config<kGateUp>(static_cast<unsigned>(2 * std::min((grid + 1) / 2, maxc)), stream, attr);
     EPX_CUDA_CHECK(cudaLaunchKernelEx(&cfg, cluster_kernel<kGateUp>(), p, bmap, tb ? 1 : 0));
   } else {
-    tma_kernel<kGateUp>(p.prefill_fast)<<<grid, kPfThreads, Layout<kGateUp>::kSmemBytes, stream>>>(p, bmap, tb ? 1 : 0);
+    tma_kernel<kGateUp>()<<<grid, kPfThreads, Layout<kGateUp>::kSmemBytes, stream>>>(p, bmap, tb ? 1 : 0);
   }
   cuda::check_launch(what);
 }

@@ -1,9 +1,7 @@
 // experts/experts_mxfp4_cuda.cu: tensor-core grouped GEMMs for MXFP4 experts on sm_90a, with the
 // fp8_block experts of the same object in the same launch (FHMoE: FP8 shared + MXFP4 routed).
 // The device code is in experts_mxfp4_kernels.cuh; this file instantiates the 256-thread kernels
-// and holds the host API; experts_mxfp4_wide_cuda.cu the 512-thread variant (Config::experts_mxfp4_tc
-// = 2: 4 warpgroups, each the wgmma consumer of one 64-row sub-tile, every thread loading and
-// expanding half a weight row), experts_mxfp4_debug_cuda.cu the kernels of set_mixed_debug.
+// and holds the host API; experts_mxfp4_debug_cuda.cu the kernels of set_mixed_debug.
 //
 // Structure as experts_fp8_cuda.cu (read it first): weights in wgmma's M slot, tokens in N (BN = 16
 // or 64 per tile, chosen on the device), one CTA of 2 warpgroups computes 256 weight rows x BN
@@ -54,7 +52,6 @@ bool mxfp4_tensor_cores_available(int device) {
     } else {
       allow_smem<true, 0, kThreads>();
       allow_smem<false, 0, kThreads>();
-      mx_wide_allow_smem();
       mx_debug_allow_smem();
       done[device] = 1;
     }
@@ -70,11 +67,9 @@ int g_debug_mode = 0;
 template <bool kGateUp>
 void launch_mixed(const MixedGemmParams& p, int grid, cudaStream_t stream) {
   const int mode = g_debug_buffer != nullptr ? g_debug_mode : 0;
-  if (p.wide) mx_wide_launch(kGateUp, mode > 0, p, grid, stream, g_debug_buffer);  // stamped for every debug mode
-  else if (mode > 0) mx_debug_launch(kGateUp, mode, p, grid, stream, g_debug_buffer);
+  if (mode > 0) mx_debug_launch(kGateUp, mode, p, grid, stream, g_debug_buffer);
   else launch_kernel<kGateUp, 0, kThreads>(p, grid, stream, nullptr);
-  cuda::check_launch(kGateUp ? (p.wide ? "mixed_gemm_kernel (gate_up, wide)" : "mixed_gemm_kernel (gate_up)")
-                             : (p.wide ? "mixed_gemm_kernel (down, wide)" : "mixed_gemm_kernel (down)"));
+  cuda::check_launch(kGateUp ? "mixed_gemm_kernel (gate_up)" : "mixed_gemm_kernel (down)");
 }
 }  // namespace
 

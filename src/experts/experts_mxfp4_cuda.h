@@ -36,18 +36,12 @@ struct MixedGemmParams {
   int64_t hb_stride;
   // down output: bf16 [row space, H]
   uint16_t* out;
-  /// The wide variant (Config::experts_mxfp4_tc = 2): 512 threads, 4 warpgroups each the wgmma
-  /// consumer of one 64-row sub-tile, every thread loading and expanding half a weight row (twice
-  /// the warps to hide the expansion's latency; experts_mxfp4_wide_cuda.cu). false: 256 threads,
-  /// 2 warpgroups of 2 sub-tiles, one weight row per thread. Same results either way.
-  bool wide = false;
   /// Tiles of <= 16 rows of mxfp4 experts run on the mma.sync decode path (experts_mxfp4_kernels.cuh:
   /// weights streamed from HBM through shared memory into mma.sync's registers, no shared-memory
   /// expansion): flag 1 the path itself (9..16 rows decode_item_ring, <= 8 decode_item_ring2), flag 2
   /// decode_item_bulk for <= 8 rows where its shapes allow (mx_maps, K % 512 == 0, K <= 8192 gate_up /
-  /// 4096 down); 0 (Config::experts_mxfp4_tc = 3) the BN 16 wgmma kernel. The library's
-  /// default is 1 | 2; experts_mxfp4_tc = 7 gives 1. Same results within fp32 summation order. The wide
-  /// variant ignores it.
+  /// 4096 down); without mx_maps flag 2's items take decode_item_ring2. 0: the BN 16 wgmma kernel. The
+  /// library always passes 1 | 2. Same results within fp32 summation order.
   int decode = 1 | 2;
   /// [L][4] TMA maps of the mxfp4 experts (mxfp4_decode_maps; other experts' entries zero), or null:
   /// decode_item_bulk (flag 2) needs them.
@@ -80,7 +74,7 @@ enum MixedDebugPhase : int {
   kDbgCtas = 14,      ///< count: CTAs
   kMixedDebugPhases = 16,
 };
-constexpr int kMixedDebugWarps = 16;  ///< warps per CTA of the widest variant (unused slots stay 0)
+constexpr int kMixedDebugWarps = 16;  ///< warp slots per CTA in the debug buffer (the kernels use 8; unused slots stay 0)
 constexpr int kMixedDebugWords = 2 * kMixedDebugWarps * kMixedDebugPhases;
 /// mode 0: the normal kernels (default); 1: stamped kernels writing into `buffer` (device memory of
 /// kMixedDebugWords words); 2: stamped, the expansion skipped (wrong results: an ablation for timing

@@ -2,7 +2,6 @@
 // (design and precision: experts_mxfp4_cuda.cu), shared by the translation units that instantiate
 // its kernels, so they compile in parallel (ptxas takes tens of seconds per instantiation set):
 //   experts_mxfp4_cuda.cu        the 256-thread kernels and the host API (experts_mxfp4_cuda.h);
-//   experts_mxfp4_wide_cuda.cu   the 512-thread variant (MixedGemmParams::wide);
 //   experts_mxfp4_debug_cuda.cu  the stamped / ablation kernels of set_mixed_debug.
 // Include only from those files: the kernels live in an anonymous namespace (one copy per file,
 // each instantiating its own).
@@ -25,9 +24,6 @@ namespace epx::experts_cuda {
 
 // Launchers of the kernels instantiated in the other translation units (dbg: the set_mixed_debug
 // buffer, or null), and their shared-memory opt-in (cudaFuncSetAttribute, once per device).
-/// experts_mxfp4_wide_cuda.cu: the 512-thread kernels, stamped (kDbg 1) when `stamped`.
-void mx_wide_launch(bool gate_up, bool stamped, const MixedGemmParams& p, int grid, cudaStream_t stream, unsigned long long* dbg);
-void mx_wide_allow_smem();
 /// experts_mxfp4_debug_cuda.cu: the 256-thread debug kernels of set_mixed_debug mode 1..3.
 void mx_debug_launch(bool gate_up, int mode, const MixedGemmParams& p, int grid, cudaStream_t stream, unsigned long long* dbg);
 void mx_debug_allow_smem();
@@ -36,9 +32,6 @@ namespace {
 
 
 constexpr int kThreads = 256;
-/// The wide variant (Config::experts_mxfp4_tc = 2, MixedGemmParams::wide): 4 warpgroups, each the
-/// wgmma consumer of one 64-row sub-tile, and every thread loads and expands half a weight row.
-constexpr int kThreadsWide = 512;
 constexpr int kRows = kFp8TileWeightRows;  // 256 weight rows per item
 constexpr int kMaxBN = 64;
 constexpr int kSubBytes = 64 * 128;        // one m64 sub-tile of the operand (8 KiB)
@@ -56,7 +49,6 @@ constexpr int kSmemBytes = kSmemUsed + 1024;  // + alignment of the base to 1024
 constexpr int kHStageStride = 128 + 16;       // fp8 gate_up epilogue: FP8 h rows (bytes), padded
 constexpr int kHbStageStride = 128 + 8;       // mxfp4 gate_up epilogue: bf16 h rows (elements), padded
 constexpr int kOutStageStride = kRows + 8;    // down epilogue: bf16 out rows (elements), padded
-constexpr int kXchOff = 64 * 1024;            // wide gate_up epilogue: up accumulators [2][kMaxBN / 2][128] fp32
 
 /// The four item kinds: (format, GEMM).
 enum Kind : int { kFp8GateUp = 0, kFp8Down = 1, kMxGateUp = 2, kMxDown = 3 };
@@ -72,7 +64,7 @@ struct KT {
   // fp8: [A 32 KiB | B 8 KiB]; mxfp4: [B 8 KiB | raw codes, rows padded | raw scales 1 KiB]
   // 64 / 32 code bytes per row and stage; + 16 for the row-per-thread reads (conflict-free)
   static constexpr int kRowBytes = kGateUp ? 64 : 32;  // code bytes of one row per stage
-  static constexpr int kRawStride = kRowBytes + 16;  // + 16: conflict-free row reads; wide: the half-row scale words
+  static constexpr int kRawStride = kRowBytes + 16;  // + 16: conflict-free row reads
   static constexpr int kStageBytes = !kMx ? 40 * 1024 : (kGateUp ? 29 * 1024 : 21 * 1024);
   static constexpr int kAOff = 0;                        // fp8: the operand tile itself
   static constexpr int kBOff = kMx ? 0 : 32 * 1024;
@@ -81,7 +73,7 @@ struct KT {
   static constexpr int kConvOff = kStages * kStageBytes;  // mxfp4: two expanded tiles
   static constexpr int kRingEnd = kConvOff + (kMx ? 2 * kConvBytes : 0);
   static_assert(kRingEnd <= kExtraOff, "ring below the extras");
-  // raw scale words: one per row (the wide variant keeps its two in the row's padding instead)
+  // raw scale words: one per row
   static constexpr int kRawScaleBytes = kRows * 4;
   static_assert(!kMx || kRawScaleOff + kRawScaleBytes <= kStageBytes, "mxfp4 stage fits");
   static_assert(kStageBytes % 1024 == 0 && kConvOff % 1024 == 0, "swizzled tiles 1024-aligned");
@@ -328,57 +320,37 @@ __device__ __forceinline__ float row_scale_of(int E) {
 /// rows x 128 bytes); gate_up also writes each row's scale 2^(E-133). 256 threads: row threadIdx.x,
 /// every group of it. scale_byte: byte offset of the stage's first e8m0 scale of the thread's row
 /// (down only).
-/// Wide variant (NT = 512): row tid & 255, half h = tid >> 8 (gate_up groups 2h, 2h + 1; down group
-/// h); its scale word sits in the row's padding at byte kRowBytes + 4 h (each half loads its own).
 template <int kK, int NT>
 __device__ __forceinline__ void convert_row(const uint8_t* stage, uint8_t* conv, float* row_scale, const int64_t* scale_byte) {
   using T = KT<kK>;
   const int tid = threadIdx.x;
-  if constexpr (NT == kThreadsWide) {
-    const int r = tid & 255, h = tid >> 8;
-    const uint8_t* raw = stage + T::kRawOff + r * T::kRawStride;
-    const uint32_t scw = *reinterpret_cast<const uint32_t*>(raw + T::kRowBytes + 4 * h);
-    if constexpr (T::kGateUp) {
-      const int e0 = scw & 0xFF, e1 = (scw >> 8) & 0xFF, e2 = (scw >> 16) & 0xFF, e3 = scw >> 24;
-      const int E = max(max(e0, e1), max(e2, e3));
-      if (h == 0) row_scale[r] = row_scale_of(E);
+  {
+  const int r = tid;
+  const uint8_t* raw = stage + T::kRawOff + r * T::kRawStride;
+  const uint32_t scw = *reinterpret_cast<const uint32_t*>(stage + T::kRawScaleOff + r * 4);
+  if constexpr (T::kGateUp) {
+    const int e0 = scw & 0xFF, e1 = (scw >> 8) & 0xFF, e2 = (scw >> 16) & 0xFF, e3 = scw >> 24;
+    const int E = max(max(e0, e1), max(e2, e3));
+    row_scale[r] = row_scale_of(E);
 #pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        const int g = 2 * h + j;
-        expand_gate_up_group(raw + g * 16, (scw >> (8 * g)) & 0xFF, E, conv, r, g);
-      }
-    } else {
-      const uint32_t pair = scw >> (8 * (scale_byte[0] & 2));
-      expand_down_group(raw + h * 16, (pair >> (8 * h)) & 0xFFu, conv, r, h);
-    }
-  } else {
-    const int r = tid;
-    const uint8_t* raw = stage + T::kRawOff + r * T::kRawStride;
-    const uint32_t scw = *reinterpret_cast<const uint32_t*>(stage + T::kRawScaleOff + r * 4);
-    if constexpr (T::kGateUp) {
-      const int e0 = scw & 0xFF, e1 = (scw >> 8) & 0xFF, e2 = (scw >> 16) & 0xFF, e3 = scw >> 24;
-      const int E = max(max(e0, e1), max(e2, e3));
-      row_scale[r] = row_scale_of(E);
+    for (int g = 0; g < 4; ++g) expand_gate_up_group(raw + g * 16, (scw >> (8 * g)) & 0xFF, E, conv, r, g);
+  } else {  // 64 elements = 2 groups; the scale pair sits at byte (scale_byte & 2) of the word
+    const uint32_t pair = scw >> (8 * (scale_byte[0] & 2));
 #pragma unroll
-      for (int g = 0; g < 4; ++g) expand_gate_up_group(raw + g * 16, (scw >> (8 * g)) & 0xFF, E, conv, r, g);
-    } else {  // 64 elements = 2 groups; the scale pair sits at byte (scale_byte & 2) of the word
-      const uint32_t pair = scw >> (8 * (scale_byte[0] & 2));
-#pragma unroll
-      for (int g = 0; g < 2; ++g) expand_down_group(raw + g * 16, (pair >> (8 * g)) & 0xFFu, conv, r, g);
-    }
+    for (int g = 0; g < 2; ++g) expand_down_group(raw + g * 16, (pair >> (8 * g)) & 0xFFu, conv, r, g);
+  }
   }
 }
 
 /// One (row tile, weight tile) item of kind kK with BN token columns. smem: 1024-aligned base.
 /// NT threads: kThreads (2 warpgroups, each the consumer of sub-tiles wg and 2 + wg, one weight row
-/// per thread) or kThreadsWide (4 warpgroups, each the consumer of sub-tile wg; half a row per thread).
+/// per thread).
 template <int kK, int BN, int kDbg, int NT>
 __device__ __forceinline__ void run_item(const MixedGemmParams& p, const Item& it, uint8_t* smem, uint32_t smem_s,
                                          Stamps<kDbg>& sp) {
   using T = KT<kK>;
   constexpr bool kGateUp = T::kGateUp;
-  constexpr bool kWide = NT == kThreadsWide;
-  constexpr int kSubs = kWide ? 1 : 2;  // 64-row sub-tiles per warpgroup
+  constexpr int kSubs = 2;  // 64-row sub-tiles per warpgroup
   constexpr int kFrag = BN / 2;
   constexpr int S = T::kStages;
   const int tid = threadIdx.x, wg = tid >> 7, warp_in_wg = (tid >> 5) & 3, lane = tid & 31;
@@ -391,13 +363,13 @@ __device__ __forceinline__ void run_item(const MixedGemmParams& p, const Item& i
   const int64_t b_stride = kGateUp ? p.hidden : (T::kMx ? p.hb_stride * 2 : p.h_stride);  // bytes
   const float* bs_base = kGateUp ? p.x_scales : p.hs;
   const int64_t bs_stride = kGateUp ? p.hidden / 128 : p.hs_stride;
-  // mxfp4: this thread's weight row (row r = tid of the 256-row tile; wide: tid & 255, half tid >> 8)
-  const int my_r = kWide ? (tid & 255) : tid, my_h = kWide ? (tid >> 8) : 0;
+  // mxfp4: this thread's weight row (row r = tid of the 256-row tile)
+  const int my_r = tid;
   const int my_t = my_r >> 6;
   const bool my_valid = sub_valid<kGateUp>(it, my_t);
   const int64_t my_row = sub_row<kGateUp>(it, my_t) + (my_r & 63);
   // sub-tile of this warpgroup's s-th accumulator
-  auto sub_of = [&](int s) { return kWide ? wg : 2 * s + wg; };
+  auto sub_of = [&](int s) { return 2 * s + wg; };
   const int64_t my_scale0 = T::kMx ? my_row * (it.K / 32) : 0;  // byte of this row's first e8m0 scale
 
   auto load_stage = [&](int s, int64_t kb) {
@@ -420,15 +392,6 @@ __device__ __forceinline__ void run_item(const MixedGemmParams& p, const Item& i
         const uint8_t* src = v ? it.w + (sub_row<kGateUp>(it, t) + (r & 63)) * it.K + kb * 128 + c * 16 : it.w;
         cp_async16(st + T::kAOff + swz(r, c), src, v);
       }
-    } else if constexpr (kWide) {
-      constexpr int kHalf = T::kKPerStage / 64;  // 16-byte code chunks per half row per stage (2 | 1)
-      const uint8_t* src_row = it.w + my_row * (it.K / 2) + kb * (T::kKPerStage / 2);
-      const uint32_t dst = st + T::kRawOff + my_r * T::kRawStride;
-#pragma unroll
-      for (int c = my_h * kHalf; c < (my_h + 1) * kHalf; ++c) cp_async16(dst + c * 16, my_valid ? src_row + c * 16 : it.w, my_valid);
-      const int64_t sb = my_scale0 + kb * (T::kKPerStage / 32);
-      const uint8_t* ssrc = static_cast<const uint8_t*>(it.w_scale) + (sb & ~int64_t{3});
-      cp_async4(dst + T::kRowBytes + 4 * my_h, my_valid ? ssrc : it.w_scale, my_valid);
     } else {
       constexpr int kChunks = T::kKPerStage / 32;  // 16-byte code chunks per row per stage
       const uint8_t* src_row = it.w + my_row * (it.K / 2) + kb * (T::kKPerStage / 2);
@@ -567,29 +530,11 @@ __device__ __forceinline__ void run_item(const MixedGemmParams& p, const Item& i
 
   if constexpr (kGateUp) {
     float hv[kFrag];
-    // h owners: the threads holding gate (sub-tiles 0, 1): warpgroups 0, 1 (wide: of 4)
-    const bool h_owner = !kWide || wg < 2;
-    if constexpr (kWide) {
-      // up (sub-tiles 2, 3) lives in warpgroups 2, 3: handed to 0, 1 through the free ring
-      float* xch = reinterpret_cast<float*>(smem + kXchOff);  // [2][kFrag][128] fp32
-      if (wg >= 2) {
+    const bool h_owner = true;  // every thread holds gate (sub-tile wg) and up (2 + wg) of its rows
 #pragma unroll
-        for (int i = 0; i < kFrag; ++i) xch[((wg - 2) * kFrag + i) * 128 + (tid & 127)] = acc[0][i];
-      }
-      __syncthreads();
-      if (h_owner) {
-#pragma unroll
-        for (int i = 0; i < kFrag; ++i) {
-          const float g = acc[0][i], u = xch[(wg * kFrag + i) * 128 + (tid & 127)];
-          hv[i] = g / (1.0f + expf(-g)) * u;  // silu(g) * u in fp32, the CPU's expression
-        }
-      }
-    } else {
-#pragma unroll
-      for (int i = 0; i < kFrag; ++i) {
-        const float g = acc[0][i], u = acc[kSubs - 1][i];
-        hv[i] = g / (1.0f + expf(-g)) * u;  // silu(g) * u in fp32, the CPU's expression
-      }
+    for (int i = 0; i < kFrag; ++i) {
+      const float g = acc[0][i], u = acc[kSubs - 1][i];
+      hv[i] = g / (1.0f + expf(-g)) * u;  // silu(g) * u in fp32, the CPU's expression
     }
     if constexpr (T::kMx) {
       uint16_t* stage = reinterpret_cast<uint16_t*>(smem);  // [BN][kHbStageStride] bf16 h
