@@ -4,7 +4,9 @@
 //            local expert must process, in the backend's ActivationLayout (optionally FP8).
 //   experts  : Experts::apply on that layout.
 //   finalize (combine): expert outputs back to the source rank, weighted by topk_weights and
-//            reduced in fp32, rounded once -> out [T, H] bf16.
+//            reduced in fp32, rounded once -> out [T, H] bf16. The Flat backends' per-rank partial
+//            sums cross ranks in fp32 (DispatchConfig::flat_combine), and a separate shared expert
+//            joins the same fp32 sum (FinalizeArgs::addend) before that one rounding.
 // prepare and finalize are one object because finalize needs what prepare learnt (the handle:
 // where each received row came from).
 //
@@ -69,6 +71,21 @@ enum class LlCombine : int32_t {
 LlCombine parse_ll_combine(const std::string& text, const std::string& what);
 const char* ll_combine_name(LlCombine mode);
 
+/// How the Flat-layout backends (naive, allgather_reducescatter, all2allv, ht) carry each rank's
+/// weighted partial sum across ranks in combine (DispatchConfig::flat_combine).
+enum class FlatCombine : int32_t {
+  /// The partial stays fp32 (Experts::apply writes the Flat rows as fp32, expert_out fp32): the
+  /// reduce-scatter / all-reduce / reverse all-to-all moves fp32 rows, the source sums the ranks'
+  /// partials in rank order, then FinalizeArgs::addend, in fp32, and rounds once. 4H bytes per row.
+  partial_fp32 = 0,
+  /// The partial is rounded to bf16 by the experts (expert_out bf16) before it crosses ranks; the
+  /// source sums the bf16 partials in fp32 and rounds once more: two roundings. 2H bytes per row.
+  partial_bf16 = 1,
+};
+/// "partial_fp32" | "partial_bf16"; throws InvalidArgument naming `what` otherwise.
+FlatCombine parse_flat_combine(const std::string& text, const std::string& what);
+const char* flat_combine_name(FlatCombine mode);
+
 struct DispatchConfig {
   int64_t hidden = 0;                         ///< H; multiple of 8 (bf16) and of 128 for fp8 dispatch
   int num_experts = 0;                        ///< E (routed experts, global)
@@ -95,6 +112,11 @@ struct DispatchConfig {
   /// FP8 combine 31.1 us against 40.1 us for column, still fp32 with one rounding); `column` keeps the
   /// no-EP reference's summation order bit for bit.
   LlCombine ll_combine = LlCombine::partial_fp32;
+  /// naive, allgather_reducescatter, all2allv, ht: the dtype each rank's partial sum crosses ranks
+  /// in (FlatCombine); expert_out of finalize is fp32 for partial_fp32 (one rounding) and bf16 for
+  /// partial_bf16 (two roundings). ll ignores it (ll_combine). ht on CUDA moves bf16 partials only
+  /// and refuses partial_fp32 (Unsupported naming this field).
+  FlatCombine flat_combine = FlatCombine::partial_fp32;
 };
 
 /// Experts [begin, end) held by `rank` out of E split over R (sizes differ by at most one).
@@ -161,18 +183,25 @@ struct PrepareResult {
 };
 
 struct FinalizeArgs {
-  TensorView expert_out;  ///< as Experts::apply wrote it: ExpertMajor [L, cap, H] / Flat [N_recv, H] bf16
-                          ///< (ht with expert_contiguous: [M, H], row i = expert row_expert[i] on contiguous.x[i], unweighted)
+  TensorView expert_out;  ///< as Experts::apply wrote it: ExpertMajor [L, cap, H] bf16 / Flat [N_recv, H] fp32
+                          ///< (DispatchConfig::flat_combine partial_fp32) or bf16 (partial_bf16)
+                          ///< (ht with expert_contiguous: [M, H] bf16, row i = expert row_expert[i] on contiguous.x[i], unweighted)
   TensorView out;         ///< [T, H] bf16 (T of the matching prepare), written
   Stream stream{};
   /// ht with expert_contiguous only (DeepEP's optional combine weights; vLLM's weight-and-reduce in
   /// finalize): [N_recv, K] fp32, usually PrepareResult::topk_weights. Given: received row n's partial
   /// is sum over k with pair_row[n, k] >= 0 of topk_weights[n, k] * expert_out[pair_row[n, k]]
   /// (weighted); empty: the same sum with weight 1 (unweighted: the weights were applied before the
-  /// experts). fp32 from 0, product and sum rounded separately, k in order, rounded to bf16 once per
-  /// rank; the source then sums the ranks' partials as always. Every other backend and the Flat
-  /// layout (whose rows Experts::apply already weighted) throw InvalidArgument when it is set.
+  /// experts). fp32 from 0, product and sum rounded separately, k in order, kept fp32 (flat_combine
+  /// partial_fp32) or rounded to bf16 (partial_bf16) per rank; the source then sums the ranks'
+  /// partials as always. Every other backend and the Flat layout (whose rows Experts::apply already
+  /// weighted) throw InvalidArgument when it is set.
   TensorView topk_weights{};
+  /// Optional [T, H] fp32 on the group's device (backends with Capabilities::combine_addend): added to
+  /// each token's fp32 sum after the ranks' partials, before the one rounding to bf16. ModularMoE
+  /// passes g(t) * shared(x~[t]) of the separate shared expert here, so that path rounds once too.
+  /// Backends without the capability throw InvalidArgument when it is set.
+  TensorView addend{};
 };
 
 /// Byte accounting of the last prepare/finalize on this rank (ANCHORS.md).
@@ -197,6 +226,9 @@ struct Capabilities {
   /// (src/dispatch/hier.h: inter-node NCCL stage, then the backend inside each node). false on one
   /// node: the flat backend, the single-node fast path.
   bool hierarchical = false;
+  /// finalize takes FinalizeArgs::addend (every CPU backend but the hierarchical ones; naive,
+  /// allgather_reducescatter and all2allv on CUDA).
+  bool combine_addend = false;
 };
 
 class PrepareFinalize {

@@ -161,9 +161,11 @@ class Experts {
   virtual bool supports(ActivationLayout layout) const = 0;
   /// ExpertMajor: out [L, cap, H] bf16; row j < recv_count[l] of expert l gets expert_l(x[l, j])
   ///              (unweighted); rows >= recv_count[l] are not written.
-  /// Flat:        out [N, H] bf16; row n = sum over k with topk_idx[n,k] >= 0 of
-  ///              topk_weights[n,k] * expert_{topk_idx[n,k]}(x[n]), fp32 accumulation rounded once;
-  ///              rows with no local selection are zeros.
+  /// Flat:        out [N, H] bf16 or fp32; row n = sum over k with topk_idx[n,k] >= 0 of
+  ///              topk_weights[n,k] * expert_{topk_idx[n,k]}(x[n]), fp32 accumulation in column
+  ///              order, rounded once to bf16, or left unrounded in an fp32 out (the partial that a
+  ///              Flat combine sums over ranks before its one rounding); rows with no local selection
+  ///              are zeros.
   /// Contiguous:  out [N, H] bf16; row i of expert l's rows gets expert_l(x[i]) (unweighted, as
   ///              ExpertMajor); rows outside every expert's range are not written.
   /// Throws InvalidArgument on shape/dtype mismatch, an index >= L, fp8_e4m3 x without x_scales, (CPU)

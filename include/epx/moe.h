@@ -221,8 +221,10 @@ class ModularMoE {
 void router_logits_cpu(const MoEWeights& w, const TensorView& x, const TensorView& logits);
 
 /// Single-rank, no-EP reference of the whole layer on CPU:
-///   fused:    out[t] = round_bf16( sum_k w[t,k] * expert_{idx[t,k]}(x~[t]) + g(t) * shared(x~[t]) )
-///   separate: out[t] = round_bf16( round_bf16(sum_k w[t,k] * expert_{idx[t,k]}(x~[t])) + g(t) * shared(x~[t]) )
+///   out[t] = round_bf16( sum_k w[t,k] * expert_{idx[t,k]}(x~[t]) + g(t) * shared(x~[t]) )   (one rounding;
+///            ModularMoE's fused path, and its separate path on backends with Capabilities::combine_addend)
+///   two_roundings, separate path only:
+///   out[t] = round_bf16( round_bf16(sum_k w[t,k] * expert_{idx[t,k]}(x~[t])) + g(t) * shared(x~[t]) )
 /// with routed expert outputs bf16-rounded, the sum in fp32 in column order. x~ = x, or x quantized
 /// to FP8 1x128 and back when dispatch_dtype is fp8 (as the wire does); the shared expert sees x~ on
 /// both paths (the layer's separate path quantizes x as the wire does, so an fp8_block shared
@@ -230,9 +232,12 @@ void router_logits_cpu(const MoEWeights& w, const TensorView& x, const TensorVie
 struct ReferenceOptions {
   DType dispatch_dtype = DType::bf16;
   bool use_ue8m0 = false;
-  /// The layer's shared path: true = fused (one rounding); false = separate (the combined routed
-  /// rows are rounded to bf16 before g * shared is added, as ModularMoE's separate path does).
+  /// The layer's shared path: true = fused; false = separate. Both round once unless two_roundings.
   bool shared_fused = false;
+  /// With shared_fused = false: the combined routed rows are rounded to bf16 before g * shared is
+  /// added, as ModularMoE's separate path does on a backend without Capabilities::combine_addend
+  /// (ll and ht on CUDA, the hierarchical backends).
+  bool two_roundings = false;
 };
 void moe_reference_cpu(const MoEWeights& w, const TensorView& x, const TensorView& topk_idx,
                        const TensorView& topk_weights, const TensorView& out, const ReferenceOptions& opt = {});

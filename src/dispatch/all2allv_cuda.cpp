@@ -1,7 +1,8 @@
 // dispatch/all2allv_cuda.cpp: "all2allv" on a CUDA group, the CUDA twin of dedup_cpu.h: a token
 // goes once to each destination rank holding >= 1 of its selections; rows ordered by source rank,
-// then source token; the reverse all_to_allv brings each destination's weighted partial back and
-// the source sums them in fp32 in destination-rank order, rounding once (zeros for a token that
+// then source token; the reverse all_to_allv brings each destination's weighted partial (fp32, or
+// bf16 with flat_combine partial_bf16) back and the source sums them in fp32 in destination-rank
+// order, then the addend, rounding once (zeros for a token that
 // went nowhere). Stats as the CPU reference (deepep-ht accounting).
 //
 // prepare: plan (also each token's row in each destination block) + exchange (one host sync),
@@ -15,7 +16,9 @@ namespace {
 
 class All2allvCuda final : public CudaPrepareFinalize {
  public:
-  All2allvCuda(std::shared_ptr<Group> group, const DispatchConfig& cfg) : CudaPrepareFinalize("all2allv", std::move(group), cfg) {}
+  All2allvCuda(std::shared_ptr<Group> group, const DispatchConfig& cfg) : CudaPrepareFinalize("all2allv", std::move(group), cfg) {
+    caps_.combine_addend = true;
+  }
 
   PrepareResult prepare(const DispatchArgs& args) override {
     cuda::DeviceGuard guard(device().index);
@@ -52,9 +55,10 @@ class All2allvCuda final : public CudaPrepareFinalize {
     return decode_rows(recv, num_recv_, args.stream);
   }
 
-  /// expert_out [N_recv, H] bf16 (row = this rank's weighted partial for that token); out [T, H] bf16.
+  /// expert_out [N_recv, H] fp32 | bf16 (row = this rank's weighted partial for that token, as
+  /// flat_combine says); out [T, H] bf16; FinalizeArgs::addend joins before the one rounding.
   void finalize(const FinalizeArgs& args) override {
-    const int64_t H = cfg_.hidden, row = 2 * H;
+    const int64_t H = cfg_.hidden, row = dtype_size(partial_dtype()) * H;
     const int R = num_ranks_;
     cuda::DeviceGuard guard(device().index);
     begin_finalize(args, {num_recv_, H}, args.stream);
@@ -64,10 +68,12 @@ class All2allvCuda final : public CudaPrepareFinalize {
       recv_bytes[static_cast<size_t>(r)] = count_matrix_[static_cast<size_t>(rank_)][static_cast<size_t>(r)] * row;
       if (r != rank_) stats_.remote_bytes_combine += send_bytes[static_cast<size_t>(r)];
     }
-    uint16_t* back = static_cast<uint16_t*>(back_.ensure(num_send_ * row, device()));
+    void* back = back_.ensure(num_send_ * row, device());
     group_->all_to_allv(args.expert_out.data, send_bytes, back, recv_bytes, args.stream);
     CombineParams cp;
     cp.back = back;
+    cp.back_f32 = partial_dtype() == DType::fp32;
+    cp.addend = args.addend.defined() ? args.addend.ptr<const float>() : nullptr;
     cp.num_tokens = prepared_tokens_;
     cp.hidden = H;
     cp.num_ranks = R;

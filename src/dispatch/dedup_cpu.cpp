@@ -70,7 +70,9 @@ PrepareResult DedupCpu::prepare(const DispatchArgs& args) {
 }
 
 void DedupCpu::finalize(const FinalizeArgs& args) {
-  const int64_t H = cfg_.hidden, row = 2 * H;
+  const int64_t H = cfg_.hidden;
+  const DType dt = partial_dtype();
+  const int64_t row = dtype_size(dt) * H;
   const int64_t num_recv = static_cast<int64_t>(recv_src_rank_.size());
   begin_finalize(args, {num_recv, H});
   std::vector<int64_t> send_bytes(static_cast<size_t>(num_ranks_)), recv_bytes(static_cast<size_t>(num_ranks_));
@@ -83,22 +85,35 @@ void DedupCpu::finalize(const FinalizeArgs& args) {
     recv_bytes[static_cast<size_t>(r)] = static_cast<int64_t>(send_tokens_[static_cast<size_t>(r)].size()) * row;
     if (r != rank_) stats_.remote_bytes_combine += send_bytes[static_cast<size_t>(r)];
   }
-  std::vector<uint16_t> back(static_cast<size_t>(num_back * H));
+  std::vector<uint8_t> back(static_cast<size_t>(num_back * row));
   group_->all_to_allv(args.expert_out.data, send_bytes, back.data(), recv_bytes);
 
   // Returned rows come in the order tokens were sent: walk each destination's list once.
   const int64_t T = prepared_tokens_;
-  std::vector<const uint16_t*> partials(static_cast<size_t>(T * num_ranks_), nullptr);
+  std::vector<const uint8_t*> partials(static_cast<size_t>(T * num_ranks_), nullptr);
   for (int d = 0; d < num_ranks_; ++d) {
     const auto& tokens = send_tokens_[static_cast<size_t>(d)];
     for (size_t j = 0; j < tokens.size(); ++j)
-      partials[static_cast<size_t>(tokens[j] * num_ranks_ + d)] = back.data() + (block_row[static_cast<size_t>(d)] + static_cast<int64_t>(j)) * H;
+      partials[static_cast<size_t>(tokens[j] * num_ranks_ + d)] = back.data() + (block_row[static_cast<size_t>(d)] + static_cast<int64_t>(j)) * row;
+  }
+  const float* addend = args.addend.defined() ? args.addend.ptr<const float>() : nullptr;
+  if (dt == DType::fp32) {
+    std::vector<const float*> mine(static_cast<size_t>(num_ranks_));
+    for (int64_t t = 0; t < T; ++t) {
+      for (int d = 0; d < num_ranks_; ++d)
+        mine[static_cast<size_t>(d)] = reinterpret_cast<const float*>(partials[static_cast<size_t>(t * num_ranks_ + d)]);
+      sum_partials_fp32(mine, addend ? addend + t * H : nullptr, H, args.out.ptr<uint16_t>() + t * H);
+    }
+    return;
   }
   std::vector<const uint16_t*> mine(static_cast<size_t>(num_ranks_));
   for (int64_t t = 0; t < T; ++t) {
-    for (int d = 0; d < num_ranks_; ++d) mine[static_cast<size_t>(d)] = partials[static_cast<size_t>(t * num_ranks_ + d)];
+    for (int d = 0; d < num_ranks_; ++d)
+      mine[static_cast<size_t>(d)] = reinterpret_cast<const uint16_t*>(partials[static_cast<size_t>(t * num_ranks_ + d)]);
     sum_partials_bf16(mine, H, args.out.ptr<uint16_t>() + t * H);
   }
+  // partial_bf16: the addend's add rounds once more (three roundings with the experts' own).
+  if (addend) finish_rows(args.out.data, DType::bf16, addend, T * H, args.out.ptr<uint16_t>());
 }
 
 }  // namespace epx::dispatch

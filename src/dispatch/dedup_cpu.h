@@ -10,11 +10,12 @@
 //   topk_idx     [N_recv, K] int32 local expert index, -1 where the selection is not on this rank
 //   topk_weights [N_recv, K] fp32
 //   recv_count   [L] int32 rows selecting local expert l at least once (ht: rounded up to expert_alignment)
-// finalize: expert_out [N_recv, H] bf16 (each row = this rank's weighted partial sum for that token)
-// goes back by the reverse all_to_allv; the source sums the partials of each token in fp32 in
-// destination-rank order and rounds once. A token with no valid selection gets a zero row.
+// finalize: expert_out [N_recv, H] (each row = this rank's weighted partial sum for that token; fp32
+// with flat_combine partial_fp32, bf16 with partial_bf16) goes back by the reverse all_to_allv; the
+// source sums the partials of each token in fp32 in destination-rank order, then
+// FinalizeArgs::addend, and rounds once. A token with no valid selection gets a zero row (or the addend).
 // Bytes reported (ANCHORS.md, deepep-ht): num_rank_dedup_rows rows, incl. to self; remote bytes =
-// rows to / from other ranks x RowCodec::row_bytes (dispatch) and x H x 2 (combine).
+// rows to / from other ranks x RowCodec::row_bytes (dispatch) and x H x (4 | 2) (combine).
 #pragma once
 
 #include "dispatch/prepare_finalize_cpu.h"
@@ -24,7 +25,9 @@ namespace epx::dispatch {
 class DedupCpu : public CpuPrepareFinalize {
  public:
   DedupCpu(const std::string& name, std::shared_ptr<Group> group, const DispatchConfig& cfg, bool cache_layout)
-      : CpuPrepareFinalize(name, ActivationLayout::Flat, false, std::move(group), cfg), cache_layout_(cache_layout) {}
+      : CpuPrepareFinalize(name, ActivationLayout::Flat, false, std::move(group), cfg), cache_layout_(cache_layout) {
+    caps_.combine_addend = true;
+  }
   PrepareResult prepare(const DispatchArgs& args) override;
   void finalize(const FinalizeArgs& args) override;
 

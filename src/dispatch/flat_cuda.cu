@@ -43,9 +43,17 @@ void launch_unpack_rows(const UnpackParams& p, Stream stream) {
 
 void launch_combine_rows(const CombineParams& p, Stream stream) {
   if (p.num_tokens == 0) return;
-  const bool vec = p.hidden % 8 == 0 && reinterpret_cast<uintptr_t>(p.out) % 16 == 0 && reinterpret_cast<uintptr_t>(p.back) % 16 == 0;
+  const bool vec = !p.back_f32 && !p.addend && p.hidden % 8 == 0 && reinterpret_cast<uintptr_t>(p.out) % 16 == 0 &&
+                   reinterpret_cast<uintptr_t>(p.back) % 16 == 0;
   kernels::combine_rows_kernel<<<cuda::grid_for(p.num_tokens, 1, kMaxRowBlocks), kernels::kCombineThreads, 0, cuda::native(stream)>>>(p, vec);
   cuda::check_launch("combine_rows_kernel");
+}
+
+void launch_finish_rows(const FinishParams& p, Stream stream) {
+  if (p.n == 0) return;
+  kernels::finish_rows_kernel<<<cuda::grid_for(p.n, kernels::kCombineThreads, kMaxRowBlocks), kernels::kCombineThreads, 0,
+                                cuda::native(stream)>>>(p);
+  cuda::check_launch("finish_rows_kernel");
 }
 
 }  // namespace epx::dispatch

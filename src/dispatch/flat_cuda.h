@@ -88,16 +88,35 @@ struct UnpackParams {
 void launch_unpack_rows(const UnpackParams& p, Stream stream);
 
 /// out[t] = round_bf16(sum over destinations d in rank order that token t went to of back[row of
-/// (t, d)]), fp32, zeros for a token sent nowhere (DedupCpu::finalize).
+/// (t, d)] + addend[t]), fp32, zeros (or the addend) for a token sent nowhere (DedupCpu::finalize).
+/// bf16 back (flat_combine partial_bf16): the sum of the partials is rounded before the addend joins
+/// and rounded again, as the CPU does.
 struct CombineParams {
-  const uint16_t* back = nullptr;        ///< [sum of dest counts, H] bf16, blocks per destination as sent
+  const void* back = nullptr;            ///< [sum of dest counts, H] fp32 | bf16, blocks per destination as sent
+  bool back_f32 = false;                 ///< back holds fp32 partials (flat_combine partial_fp32)
   int64_t num_tokens = 0;
   int64_t hidden = 0;
   int num_ranks = 1;
   const int32_t* send_pos = nullptr;     ///< [T, R]
   const int64_t* dest_counts = nullptr;  ///< [R]
+  const float* addend = nullptr;         ///< [T, H] fp32 (FinalizeArgs::addend), or null
   uint16_t* out = nullptr;               ///< [T, H] bf16, contiguous
 };
 void launch_combine_rows(const CombineParams& p, Stream stream);
+
+/// out[i] = round_bf16(sum over r < num_ranks in rank order of parts[r * rank_stride + i], from 0.0f,
+/// then + addend[i]) for i < n: the last step of naive (the all-gathered fp32 partials, or the bf16
+/// all-reduce result with num_ranks = 1) and of allgather_reducescatter (its reduce_scatterv result,
+/// num_ranks = 1) on CUDA, as CpuPrepareFinalize::finish_rows and the CPU group's rank-order sums.
+struct FinishParams {
+  const void* parts = nullptr;   ///< fp32 | bf16
+  bool parts_f32 = false;
+  int num_ranks = 1;
+  int64_t rank_stride = 0;       ///< elements between rank r's block and rank r + 1's
+  int64_t n = 0;
+  const float* addend = nullptr; ///< [n] fp32, or null
+  uint16_t* out = nullptr;       ///< [n] bf16
+};
+void launch_finish_rows(const FinishParams& p, Stream stream);
 
 }  // namespace epx::dispatch

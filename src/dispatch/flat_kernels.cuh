@@ -143,15 +143,17 @@ __global__ void __launch_bounds__(kRowThreads) unpack_rows_kernel(UnpackParams p
 __global__ void __launch_bounds__(kCombineThreads) combine_rows_kernel(CombineParams p, bool vec) {
   const int64_t H = p.hidden;
   const int R = p.num_ranks;
+  const uint16_t* back16 = static_cast<const uint16_t*>(p.back);
+  const float* back32 = static_cast<const float*>(p.back);
   for (int64_t t = blockIdx.x; t < p.num_tokens; t += gridDim.x) {
     const int32_t* pos = p.send_pos + t * R;
-    if (vec) {  // 8 bf16 per thread and step; H % 8 == 0, 16-byte aligned rows
+    if (vec) {  // bf16 partials without addend: 8 per thread and step; H % 8 == 0, 16-byte aligned rows
       for (int64_t i = threadIdx.x * 8; i < H; i += blockDim.x * 8) {
         float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
         int64_t block_row = 0;
         for (int d = 0; d < R; ++d) {
           if (pos[d] >= 0) {
-            const uint4 v = *reinterpret_cast<const uint4*>(p.back + (block_row + pos[d]) * H + i);
+            const uint4 v = *reinterpret_cast<const uint4*>(back16 + (block_row + pos[d]) * H + i);
             const uint32_t w[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
@@ -172,12 +174,33 @@ __global__ void __launch_bounds__(kCombineThreads) combine_rows_kernel(CombinePa
         float acc = 0.0f;
         int64_t block_row = 0;
         for (int d = 0; d < R; ++d) {
-          if (pos[d] >= 0) acc += bf16_bits_to_float(p.back[(block_row + pos[d]) * H + i]);
+          if (pos[d] >= 0) {
+            const int64_t at = (block_row + pos[d]) * H + i;
+            acc += p.back_f32 ? back32[at] : bf16_bits_to_float(back16[at]);
+          }
           block_row += p.dest_counts[d];
+        }
+        if (p.addend) {
+          if (!p.back_f32) acc = bf16_bits_to_float(float_to_bf16_bits(acc));  // partial_bf16: the sum rounded first
+          acc += p.addend[t * H + i];
         }
         p.out[t * H + i] = float_to_bf16_bits(acc);
       }
     }
+  }
+}
+
+__global__ void __launch_bounds__(kCombineThreads) finish_rows_kernel(FinishParams p) {
+  const uint16_t* parts16 = static_cast<const uint16_t*>(p.parts);
+  const float* parts32 = static_cast<const float*>(p.parts);
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < p.n; i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    float acc = 0.0f;
+    for (int r = 0; r < p.num_ranks; ++r) {
+      const int64_t at = r * p.rank_stride + i;
+      acc += p.parts_f32 ? parts32[at] : bf16_bits_to_float(parts16[at]);
+    }
+    if (p.addend) acc += p.addend[i];
+    p.out[i] = float_to_bf16_bits(acc);
   }
 }
 

@@ -30,7 +30,7 @@ PrepareResult GatherCpu::prepare(const DispatchArgs& args) {
 
 const void* GatherCpu::partials(const FinalizeArgs& args) {
   if (num_exposed_rows_ == num_rows_) return args.expert_out.data;
-  zeros_.assign(static_cast<size_t>(num_rows_ * cfg_.hidden), 0);
+  zeros_.assign(static_cast<size_t>(num_rows_ * cfg_.hidden), 0.0f);  // room for fp32 or bf16 zeros
   return zeros_.data();
 }
 

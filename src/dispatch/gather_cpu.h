@@ -5,6 +5,9 @@
 //   topk_idx     [N, K] int32: local expert index on this rank, -1 where the expert lives elsewhere
 //   topk_weights [N, K] fp32
 //   recv_count   [L] int32: rows selecting local expert l at least once
+// finalize reduces the [N, H] partials (fp32 with flat_combine partial_fp32, bf16 with partial_bf16)
+// over ranks in rank order in fp32; FinalizeArgs::addend joins each token's sum last, then one
+// rounding to bf16 (partial_bf16: the bf16 reduction rounds, the addend's add rounds again).
 // Rows without a local selection are still present (the experts write zeros for them). A rank
 // holding no expert (E < R, no shared route) gets N = 0 rows: it has nothing to run, and its
 // finalize contributes zeros.
@@ -25,9 +28,9 @@ class GatherCpu : public CpuPrepareFinalize {
   int64_t token_offset_ = 0;              ///< first row of this rank's tokens in the gathered rows
   int64_t num_rows_ = 0;                  ///< N gathered rows
   int64_t num_exposed_rows_ = 0;          ///< rows handed to the experts: N, or 0 on a rank without experts
-  /// expert_out data to reduce: the caller's, or zeros [N, H] on a rank without experts.
+  /// expert_out data to reduce: the caller's, or zeros [N, H] (partial_dtype()) on a rank without experts.
   const void* partials(const FinalizeArgs& args);
-  std::vector<uint16_t> zeros_;
+  std::vector<float> zeros_;
   FlatRecv recv_;
 };
 

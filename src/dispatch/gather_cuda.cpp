@@ -1,7 +1,8 @@
 // dispatch/gather_cuda.cpp: "naive" and "allgather_reducescatter" on a CUDA group, the CUDA twins
 // of gather_cpu.h / naive_cpu.cpp / agrs_cpu.cpp: the same gathered Flat layout (every token on
-// every rank, ordered by source rank then token), the same fp32 rank-order reductions (the NCCL
-// group sums bf16 partials in rank order and rounds once, as the CPU group), the same stats.
+// every rank, ordered by source rank then token), the same fp32 rank-order reductions of the fp32
+// (flat_combine partial_fp32) or bf16 (partial_bf16) partials, FinalizeArgs::addend joining before the
+// one rounding (launch_finish_rows, as CpuPrepareFinalize::finish_rows), the same stats.
 //
 // prepare: plan + exchange (one host sync), encode this rank's rows, one all_gatherv of the rows,
 // decode. A rank holding no expert gets N = 0 rows and contributes zeros in finalize.
@@ -9,6 +10,7 @@
 
 #include "cuda/check.h"
 #include "dispatch/backends.h"
+#include "dispatch/flat_cuda.h"
 #include "dispatch/prepare_finalize_cuda.h"
 
 namespace epx::dispatch {
@@ -42,7 +44,7 @@ class GatherCuda : public CudaPrepareFinalize {
   /// expert_out data to reduce: the caller's, or zeros [N, H] on a rank without experts.
   const void* partials(const FinalizeArgs& args) {
     if (num_exposed_rows_ == num_rows_) return args.expert_out.data;
-    const int64_t bytes = num_rows_ * cfg_.hidden * 2;
+    const int64_t bytes = num_rows_ * cfg_.hidden * dtype_size(partial_dtype());
     void* zeros = zeros_.ensure(bytes, device());
     if (bytes > 0) EPX_CUDA_CHECK(cudaMemsetAsync(zeros, 0, static_cast<size_t>(bytes), cuda::native(args.stream)));
     return zeros;
@@ -56,34 +58,57 @@ class GatherCuda : public CudaPrepareFinalize {
 };
 
 /// finalize = all-reduce (sum) of every rank's [N, H] partials, then this rank keeps its own T rows.
-/// Combine bytes use ring all-reduce accounting: 2 (R-1)/R x N x H x 2.
+/// fp32 partials: an all-gather, then this rank's rows summed in rank order (the group's fp32
+/// all-reduce is NCCL's ring, whose order differs from the CPU's); bf16: the group's all-reduce
+/// (rank order). Combine bytes use ring all-reduce accounting: 2 (R-1)/R x N x H x (4 | 2).
 class NaiveCuda final : public GatherCuda {
  public:
-  NaiveCuda(std::shared_ptr<Group> group, const DispatchConfig& cfg) : GatherCuda("naive", std::move(group), cfg) { caps_.gathers_all_tokens = true; }
+  NaiveCuda(std::shared_ptr<Group> group, const DispatchConfig& cfg) : GatherCuda("naive", std::move(group), cfg) {
+    caps_.gathers_all_tokens = true;
+    caps_.combine_addend = true;
+  }
 
-  /// expert_out [N, H] bf16 (N = num_recv_tokens of the last prepare); out [T, H] bf16.
+  /// expert_out [N, H] fp32 | bf16 (N = num_recv_tokens of the last prepare); out [T, H] bf16.
   void finalize(const FinalizeArgs& args) override {
     const int64_t H = cfg_.hidden;
     cuda::DeviceGuard guard(device().index);
     begin_finalize(args, {num_exposed_rows_, H}, args.stream);
-    uint16_t* reduced = static_cast<uint16_t*>(reduced_.ensure(num_rows_ * H * 2, device()));
-    group_->all_reduce_sum(partials(args), reduced, num_rows_ * H, DType::bf16, args.stream);
+    const DType dt = partial_dtype();
+    const int64_t es = dtype_size(dt);
     const int64_t T = tokens_per_rank_[static_cast<size_t>(rank_)];
-    if (T > 0)
-      EPX_CUDA_CHECK(cudaMemcpyAsync(args.out.data, reduced + token_offset_ * H, static_cast<size_t>(T * H * 2),
-                                     cudaMemcpyDeviceToDevice, cuda::native(args.stream)));
-    stats_.remote_bytes_combine = num_ranks_ > 1 ? 2 * (num_ranks_ - 1) * num_rows_ * H * 2 / num_ranks_ : 0;
+    FinishParams fp;
+    fp.n = T * H;
+    fp.addend = args.addend.defined() ? args.addend.ptr<const float>() : nullptr;
+    fp.out = args.out.ptr<uint16_t>();
+    if (dt == DType::fp32) {
+      uint8_t* all = static_cast<uint8_t*>(reduced_.ensure(num_ranks_ * num_rows_ * H * es, device()));
+      if (num_rows_ > 0) group_->all_gather(partials(args), all, num_rows_ * H * es, args.stream);
+      fp.parts = all + token_offset_ * H * es;
+      fp.parts_f32 = true;
+      fp.num_ranks = num_ranks_;
+      fp.rank_stride = num_rows_ * H;
+    } else {
+      uint8_t* reduced = static_cast<uint8_t*>(reduced_.ensure(num_rows_ * H * es, device()));
+      group_->all_reduce_sum(partials(args), reduced, num_rows_ * H, DType::bf16, args.stream);
+      fp.parts = reduced + token_offset_ * H * es;
+    }
+    launch_finish_rows(fp, args.stream);
+    stats_.remote_bytes_combine = num_ranks_ > 1 ? 2 * (num_ranks_ - 1) * num_rows_ * H * es / num_ranks_ : 0;
   }
 
  private:
   DeviceBuffer reduced_;
 };
 
-/// finalize = reduce_scatterv of the [N, H] bf16 partials straight into out. Combine bytes: the rows
-/// of other ranks' tokens this rank sends, (N - T) x H x 2.
+/// finalize = reduce_scatterv (rank order) of the [N, H] partials: bf16 without an addend straight
+/// into out, else into fp32 / bf16 sums that launch_finish_rows adds the addend to and rounds.
+/// Combine bytes: the rows of other ranks' tokens this rank sends, (N - T) x H x (4 | 2).
 class AgrsCuda final : public GatherCuda {
  public:
-  AgrsCuda(std::shared_ptr<Group> group, const DispatchConfig& cfg) : GatherCuda("allgather_reducescatter", std::move(group), cfg) { caps_.gathers_all_tokens = true; }
+  AgrsCuda(std::shared_ptr<Group> group, const DispatchConfig& cfg) : GatherCuda("allgather_reducescatter", std::move(group), cfg) {
+    caps_.gathers_all_tokens = true;
+    caps_.combine_addend = true;
+  }
 
   void finalize(const FinalizeArgs& args) override {
     const int64_t H = cfg_.hidden;
@@ -91,9 +116,26 @@ class AgrsCuda final : public GatherCuda {
     begin_finalize(args, {num_exposed_rows_, H}, args.stream);
     std::vector<int64_t> counts(static_cast<size_t>(num_ranks_));
     for (int r = 0; r < num_ranks_; ++r) counts[static_cast<size_t>(r)] = tokens_per_rank_[static_cast<size_t>(r)] * H;
-    group_->reduce_scatterv(partials(args), args.out.data, counts, DType::bf16, args.stream);
-    stats_.remote_bytes_combine = (num_rows_ - tokens_per_rank_[static_cast<size_t>(rank_)]) * H * 2;
+    const DType dt = partial_dtype();
+    const int64_t T = tokens_per_rank_[static_cast<size_t>(rank_)];
+    if (dt == DType::bf16 && !args.addend.defined()) {
+      group_->reduce_scatterv(partials(args), args.out.data, counts, DType::bf16, args.stream);
+    } else {
+      void* sum = sum_.ensure(T * H * dtype_size(dt), device());
+      group_->reduce_scatterv(partials(args), sum, counts, dt, args.stream);
+      FinishParams fp;
+      fp.parts = sum;
+      fp.parts_f32 = dt == DType::fp32;
+      fp.n = T * H;
+      fp.addend = args.addend.defined() ? args.addend.ptr<const float>() : nullptr;
+      fp.out = args.out.ptr<uint16_t>();
+      launch_finish_rows(fp, args.stream);
+    }
+    stats_.remote_bytes_combine = (num_rows_ - T) * H * dtype_size(dt);
   }
+
+ private:
+  DeviceBuffer sum_;
 };
 
 }  // namespace

@@ -50,6 +50,7 @@ class HierPrepareFinalize final : public PrepareFinalizeBase {
     caps_ = node_->capabilities();
     caps_.name = name;
     caps_.hierarchical = true;
+    caps_.combine_addend = false;  // the node combine rounds, then the inter-node sum rounds again
     cuda_ = group_->device().is_cuda();
     local_checks_only_ = cuda_ && caps_.graph_safe;
     accepts_device_num_tokens_ = cuda_;
@@ -147,7 +148,9 @@ class HierPrepareFinalize final : public PrepareFinalizeBase {
       if (!prepared_) throw InvalidArgument(op + ": no prepare to finalize: every rank calls prepare first (also with T = 0)");
       for (const auto& [arg, t] : {std::pair<const char*, const TensorView*>{"expert_out", &args.expert_out}, {"out", &args.out}})
         if (t->device != group_->device()) throw Unsupported(wrong_device(op, arg, t->device));
-      check_dtype(op, "expert_out", args.expert_out, {DType::bf16});
+      // The node backend's expert_out dtype: Flat (ht) partials as DispatchConfig::flat_combine says.
+      const bool fp32 = caps_.layout == ActivationLayout::Flat && !cfg_.expert_contiguous && cfg_.flat_combine == FlatCombine::partial_fp32;
+      check_dtype(op, "expert_out", args.expert_out, {fp32 ? DType::fp32 : DType::bf16});
       check_shape_vec(op, "expert_out", args.expert_out, expert_out_shape_);
       check_contiguous(op, "expert_out", args.expert_out);
       check_dtype(op, "out", args.out, {DType::bf16});
@@ -175,7 +178,7 @@ class HierPrepareFinalize final : public PrepareFinalizeBase {
     } else {
       exchange_status(*group_, op, err, {}, args.stream);
     }
-    FinalizeArgs inner{args.expert_out, out_in_, args.stream, args.topk_weights};
+    FinalizeArgs inner{args.expert_out, out_in_, args.stream, args.topk_weights, {}};
     node_->finalize(inner);
     group_->all_to_allv(out_in_.data(), return_sizes_, ret_.data(), return_sizes_, args.stream);
     if (cuda_) sum_cuda(args);

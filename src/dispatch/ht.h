@@ -13,8 +13,9 @@
 // is not an earlier column's, the row is appended to e's segment (offsets = exclusive prefix sum
 // of the aligned recv_count; padding rows zero, row_expert -1); pair_row[n, k] is that row (a
 // duplicate column shares it). finalize then takes expert_out [M, H] (one unweighted row per pair)
-// and forms each received row's partial as round_bf16(sum_k w[n,k] * expert_out[pair_row[n,k]]) in
-// fp32 (w = FinalizeArgs::topk_weights, or 1), before the usual return and rank-order sum.
+// and forms each received row's partial as sum_k w[n,k] * expert_out[pair_row[n,k]] in fp32
+// (w = FinalizeArgs::topk_weights, or 1), kept fp32 (flat_combine partial_fp32) or rounded to bf16
+// (partial_bf16), before the usual return and rank-order sum.
 // Data movement and combine as dispatch/dedup_cpu.h (the CPU reference moves rows with
 // all_to_allv; the CUDA kernel may use worst-case static buffers, same layout).
 #pragma once

@@ -100,7 +100,9 @@ void HtCpu::finalize(const FinalizeArgs& args) {
     err = {LocalError::invalid_argument, e.what()};
   }
   if (err.kind != LocalError::none) exchange_status(*group_, op, err, {});  // every rank throws
-  Tensor partial = Tensor::empty({N, H}, DType::bf16);
+  // The partial of each received row: fp32 (flat_combine partial_fp32) or rounded to bf16 (partial_bf16).
+  const bool fp32 = partial_dtype() == DType::fp32;
+  Tensor partial = Tensor::empty({N, H}, partial_dtype());
   const int32_t* pair = contig_pair_row_.ptr<const int32_t>();
   const float* w = args.topk_weights.defined() ? args.topk_weights.ptr<const float>() : nullptr;
   const uint16_t* y = args.expert_out.ptr<const uint16_t>();
@@ -116,7 +118,9 @@ void HtCpu::finalize(const FinalizeArgs& args) {
         acc[static_cast<size_t>(i)] += prod;
       }
     }
-    for (int64_t i = 0; i < H; ++i) partial.ptr<uint16_t>()[n * H + i] = float_to_bf16_bits(acc[static_cast<size_t>(i)]);
+    if (fp32) std::copy(acc.begin(), acc.end(), partial.ptr<float>() + n * H);
+    else
+      for (int64_t i = 0; i < H; ++i) partial.ptr<uint16_t>()[n * H + i] = float_to_bf16_bits(acc[static_cast<size_t>(i)]);
   }
   FinalizeArgs flat = args;
   flat.expert_out = partial;

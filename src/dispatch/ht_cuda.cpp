@@ -52,6 +52,10 @@ HtCuda::HtCuda(std::shared_ptr<Group> group, const DispatchConfig& cfg, const Co
   require_arg(op, "num_max_dispatch_tokens_per_rank", cfg_.num_max_dispatch_tokens_per_rank, cfg_.num_max_dispatch_tokens_per_rank >= 1,
               "must be >= 1 for ht on CUDA (its buffers are sized for R * num_max_dispatch_tokens_per_rank rows at create)");
   require_arg(op, "hidden", cfg_.hidden, cfg_.dispatch_dtype == DType::fp8_e4m3 || cfg_.hidden % 8 == 0, "must be a multiple of 8");
+  if (cfg_.flat_combine != FlatCombine::partial_bf16)
+    throw Unsupported(arg_message(op, "flat_combine", flat_combine_name(cfg_.flat_combine),
+                                  "must be partial_bf16 for ht on CUDA: its combine kernels move bf16 partials (two roundings); "
+                                  "partial_fp32 runs on the CPU ht and on naive, allgather_reducescatter and all2allv"));
   timeout_s_ = group_->timeout_s();
   cuda::DeviceGuard guard(group_->device().index);
   int sms = 0;
@@ -323,6 +327,8 @@ void HtCuda::finalize(const FinalizeArgs& args) {
     check_contiguous(op, arg, *t);
     require_arg(op, std::string(arg) + ".ndim", t->ndim, t->ndim == 2, "must be 2");
   }
+  require_arg(op, "addend", args.addend.describe(), !args.addend.defined(),
+              "must be empty for ht on CUDA (Capabilities::combine_addend = false)");
   if (cfg_.expert_contiguous) {
     require_arg(op, "expert_out.shape[0]", args.expert_out.shape[0], args.expert_out.shape[0] == contig_rows_,
                 std::string("must equal ") + (cfg_.use_worst_case_sizing ? "the expert-contiguous capacity " : "M = ") +

@@ -14,6 +14,7 @@ uint64_t* signal(void* base, int64_t offset) { return reinterpret_cast<uint64_t*
 
 LlCpu::LlCpu(std::shared_ptr<Group> group, const DispatchConfig& cfg)
     : CpuPrepareFinalize("ll", ActivationLayout::ExpertMajor, true, std::move(group), cfg) {
+  caps_.combine_addend = true;
   require_arg("ll.create", "num_max_dispatch_tokens_per_rank", cfg.num_max_dispatch_tokens_per_rank,
               cfg.num_max_dispatch_tokens_per_rank > 0, "must be > 0 (LL buffers are sized by it)");
   layout_ = ll_layout(cfg_, num_ranks_);
@@ -161,6 +162,7 @@ void LlCpu::finalize(const FinalizeArgs& args) {
   const uint16_t* y = args.expert_out.ptr<const uint16_t>();
   const int64_t T = prepared_tokens_;
   uint16_t* out = args.out.ptr<uint16_t>();
+  const float* addend = args.addend.defined() ? args.addend.ptr<const float>() : nullptr;  // joins before the rounding
   std::vector<float> acc(static_cast<size_t>(H));
 
   if (lay.partial()) {
@@ -203,6 +205,8 @@ void LlCpu::finalize(const FinalizeArgs& args) {
           acc[static_cast<size_t>(i)] += v;
         }
       }
+      if (addend)
+        for (int64_t i = 0; i < H; ++i) acc[static_cast<size_t>(i)] += addend[t * H + i];
       for (int64_t i = 0; i < H; ++i) out[t * H + i] = float_to_bf16_bits(acc[static_cast<size_t>(i)]);
     }
     return;
@@ -233,6 +237,8 @@ void LlCpu::finalize(const FinalizeArgs& args) {
       const uint16_t* row = reinterpret_cast<const uint16_t*>(at(buffer_.local, lay.combine_row_offset(parity, static_cast<int>(t), first)));
       for (int64_t i = 0; i < H; ++i) acc[static_cast<size_t>(i)] += w * bf16_bits_to_float(row[i]);
     }
+    if (addend)
+      for (int64_t i = 0; i < H; ++i) acc[static_cast<size_t>(i)] += addend[t * H + i];
     for (int64_t i = 0; i < H; ++i) out[t * H + i] = float_to_bf16_bits(acc[static_cast<size_t>(i)]);
   }
 }

@@ -135,6 +135,8 @@ void validate_config(const std::string& backend, const DispatchConfig& cfg, int 
   require_arg(op, "expert_alignment", cfg.expert_alignment, cfg.expert_alignment >= 1, "must be >= 1");
   const auto mode = static_cast<int64_t>(cfg.ll_combine);
   require_arg(op, "ll_combine", mode, mode >= 0 && mode <= 2, "must be an LlCombine (0 column, 1 partial_fp32, 2 partial_bf16)");
+  const auto flat = static_cast<int64_t>(cfg.flat_combine);
+  require_arg(op, "flat_combine", flat, flat >= 0 && flat <= 1, "must be a FlatCombine (0 partial_fp32, 1 partial_bf16)");
   require_arg(op, "num_ranks", num_ranks, num_ranks >= 1, "must be >= 1");
   if (cfg.expert_contiguous)
     require_arg(op, "expert_contiguous", "true", backend == "ht", "is an ht option (the expert-contiguous layout of its Flat rows)");
@@ -252,12 +254,26 @@ void PrepareFinalizeBase::begin_finalize(const FinalizeArgs& a, const std::vecto
     for (const auto& [arg, t] : {std::pair<const char*, const TensorView*>{"expert_out", &a.expert_out}, {"out", &a.out}}) {
       if (t->device != group_->device()) throw Unsupported(wrong_device(op, arg, t->device));
     }
-    check_dtype(op, "expert_out", a.expert_out, {DType::bf16});
+    const DType partial = caps_.layout == ActivationLayout::Flat ? partial_dtype() : DType::bf16;
+    if (a.expert_out.dtype != partial)
+      require_arg(op, "expert_out.dtype", dtype_name(a.expert_out.dtype), false,
+                  "must be " + std::string(dtype_name(partial)) +
+                      (caps_.layout == ActivationLayout::Flat
+                           ? std::string(" (flat_combine = ") + flat_combine_name(cfg_.flat_combine) + ")"
+                           : std::string(" (the experts' unweighted rows)")));
     check_shape_vec(op, "expert_out", a.expert_out, expert_out_shape);
     check_contiguous(op, "expert_out", a.expert_out);
     check_dtype(op, "out", a.out, {DType::bf16});
     check_shape_vec(op, "out", a.out, {prepared_tokens_, cfg_.hidden});
     check_contiguous(op, "out", a.out);
+    if (a.addend.defined()) {
+      require_arg(op, "addend", a.addend.describe(), caps_.combine_addend,
+                  "must be empty for backend " + caps_.name + " (Capabilities::combine_addend = false)");
+      if (a.addend.device != group_->device()) throw Unsupported(wrong_device(op, "addend", a.addend.device));
+      check_dtype(op, "addend", a.addend, {DType::fp32});
+      check_shape_vec(op, "addend", a.addend, {prepared_tokens_, cfg_.hidden});
+      check_contiguous(op, "addend", a.addend);
+    }
     if (a.topk_weights.defined())
       require_arg(op, "topk_weights", a.topk_weights.describe(), false,
                   "must be empty for backend " + caps_.name +

@@ -82,9 +82,13 @@ class PrepareFinalizeBase : public PrepareFinalize {
   /// Every check of `args` that reads no tensor data (devices, dtypes, shapes, contiguity, T <= capacity),
   /// as a LocalError (never thrown here). The ids themselves are checked by the backend.
   LocalError check_args(const DispatchArgs& args) const;
-  /// Checks out [T of the last prepare, H] bf16 and expert_out (`expert_out_shape`, bf16), then
-  /// exchanges status (on `stream`) so every rank throws if one rank's arguments are bad.
+  /// Checks out [T of the last prepare, H] bf16, expert_out (`expert_out_shape`; bf16 for ExpertMajor,
+  /// partial_dtype() for Flat) and addend ([T, H] fp32 where Capabilities::combine_addend, else empty),
+  /// then exchanges status (on `stream`) so every rank throws if one rank's arguments are bad.
   void begin_finalize(const FinalizeArgs& args, const std::vector<int64_t>& expert_out_shape, Stream stream = {});
+
+  /// The dtype a rank's partial sum crosses ranks in (DispatchConfig::flat_combine): fp32 or bf16.
+  DType partial_dtype() const { return cfg_.flat_combine == FlatCombine::partial_fp32 ? DType::fp32 : DType::bf16; }
 
   /// Rank that processes selection `id` of a token from `src_rank` (-1 for no selection).
   int dest_rank(int32_t id, int src_rank) const { return placement_.dest_rank(id, src_rank); }

@@ -112,4 +112,23 @@ void CpuPrepareFinalize::sum_partials_bf16(const std::vector<const uint16_t*>& p
   }
 }
 
+void CpuPrepareFinalize::sum_partials_fp32(const std::vector<const float*>& partials, const float* addend, int64_t hidden,
+                                           uint16_t* out) {
+  for (int64_t i = 0; i < hidden; ++i) {
+    float acc = 0.0f;
+    for (const float* p : partials)
+      if (p) acc += p[i];
+    if (addend) acc += addend[i];
+    out[i] = float_to_bf16_bits(acc);
+  }
+}
+
+void CpuPrepareFinalize::finish_rows(const void* sum, DType sum_dtype, const float* addend, int64_t n, uint16_t* out) {
+  for (int64_t i = 0; i < n; ++i) {
+    float acc = sum_dtype == DType::fp32 ? static_cast<const float*>(sum)[i] : bf16_bits_to_float(static_cast<const uint16_t*>(sum)[i]);
+    if (addend) acc += addend[i];
+    out[i] = float_to_bf16_bits(acc);
+  }
+}
+
 }  // namespace epx::dispatch

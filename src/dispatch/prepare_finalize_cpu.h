@@ -46,6 +46,11 @@ class CpuPrepareFinalize : public PrepareFinalizeBase {
   void decode_flat(const uint8_t* rows, int64_t num_rows, const std::vector<int>& src_rank, FlatRecv& out) const;
   /// out[t] = round_bf16(sum over partials p of p[t]) in the order given, fp32; partial = nullptr skipped.
   static void sum_partials_bf16(const std::vector<const uint16_t*>& partials, int64_t hidden, uint16_t* out);
+  /// The same over fp32 partials, then + addend (nullptr: none) before the one rounding.
+  static void sum_partials_fp32(const std::vector<const float*>& partials, const float* addend, int64_t hidden, uint16_t* out);
+  /// out[i] = round_bf16(sum[i] + addend[i]) for i < n (addend nullptr: round_bf16(sum[i])): the last step of an
+  /// fp32 reduction. sum is fp32 (`sum_dtype` fp32) or bf16 (partial_bf16: the reduction rounded already).
+  static void finish_rows(const void* sum, DType sum_dtype, const float* addend, int64_t n, uint16_t* out);
 
  private:
   LocalError check_prepare(const DispatchArgs& args, Routing& routing) const;

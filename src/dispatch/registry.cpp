@@ -75,6 +75,20 @@ const char* ll_combine_name(LlCombine mode) {
   return "?";
 }
 
+FlatCombine parse_flat_combine(const std::string& text, const std::string& what) {
+  if (text == "partial_fp32") return FlatCombine::partial_fp32;
+  if (text == "partial_bf16") return FlatCombine::partial_bf16;
+  throw InvalidArgument(what + " = \"" + text + "\": must be one of partial_fp32 (one rounding), partial_bf16 (two roundings)");
+}
+
+const char* flat_combine_name(FlatCombine mode) {
+  switch (mode) {
+    case FlatCombine::partial_fp32: return "partial_fp32";
+    case FlatCombine::partial_bf16: return "partial_bf16";
+  }
+  return "?";
+}
+
 int expert_rank(int num_experts, int num_ranks, int expert) {
   require_arg("expert_rank", "expert", expert, expert >= 0 && expert < num_experts,
               "must be in [0, num_experts = " + std::to_string(num_experts) + ")");
@@ -141,11 +155,13 @@ std::unique_ptr<PrepareFinalize> make_backend(const std::string& name, std::shar
                               {"expert_alignment", cfg.expert_alignment},
                               {"use_worst_case_sizing", cfg.use_worst_case_sizing},
                               {"expert_contiguous", cfg.expert_contiguous},
-                              {"ll_combine", static_cast<int64_t>(cfg.ll_combine)}},
+                              {"ll_combine", static_cast<int64_t>(cfg.ll_combine)},
+                              {"flat_combine", static_cast<int64_t>(cfg.flat_combine)}},
                          [](size_t field, int64_t v) -> std::string {  // names, not enum indices, in the message
                            if (field == 0) return v >= 0 && v < static_cast<int64_t>(std::size(kBackends)) ? kBackends[v].name : "an unknown name";
                            if (field == 5) return std::string(dtype_name(static_cast<DType>(v)));
                            if (field == 11) return v >= 0 && v <= 2 ? ll_combine_name(static_cast<LlCombine>(v)) : "";
+                           if (field == 12) return v >= 0 && v <= 1 ? flat_combine_name(static_cast<FlatCombine>(v)) : "";
                            return "";
                          });
   if (index < 0) {

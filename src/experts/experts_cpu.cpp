@@ -242,7 +242,7 @@ class CpuExperts final : public Experts {
     const int64_t k = in.topk_idx.size(1);
     check_tensor("topk_idx", in.topk_idx, {DType::int32, DType::int64}, {n, k});
     check_tensor("topk_weights", in.topk_weights, {DType::fp32}, {n, k});
-    check_tensor("out", out, {DType::bf16}, {n, h});
+    check_tensor("out", out, {DType::bf16, DType::fp32}, {n, h});  // fp32: the weighted sum unrounded
 
     // Validate every index before any work, then bucket the valid (row, k) pairs by expert
     // (counting sort; within an expert, pairs keep row-major order).
@@ -288,7 +288,7 @@ class CpuExperts final : public Experts {
     // Weighted sum in column order, fp32, one rounding. Invalid columns are skipped (select), so
     // neither their weights nor x rows without a local selection are ever read.
     const float* weights = in.topk_weights.ptr<const float>();
-    uint16_t* o = out.ptr<uint16_t>();
+    const bool out_f32 = out.dtype == DType::fp32;
     std::vector<float> acc(static_cast<size_t>(h));
     for (int64_t r = 0; r < n; ++r) {
       std::fill(acc.begin(), acc.end(), 0.0f);
@@ -299,8 +299,12 @@ class CpuExperts final : public Experts {
         const uint16_t* y = pair_out.data() + p * h;
         for (int64_t i = 0; i < h; ++i) acc[i] += wt * bf16_bits_to_float(y[i]);
       }
-      uint16_t* dst = o + r * h;
-      for (int64_t i = 0; i < h; ++i) dst[i] = float_to_bf16_bits(acc[i]);
+      if (out_f32) {
+        std::copy(acc.begin(), acc.end(), out.ptr<float>() + r * h);
+      } else {
+        uint16_t* dst = out.ptr<uint16_t>() + r * h;
+        for (int64_t i = 0; i < h; ++i) dst[i] = float_to_bf16_bits(acc[i]);
+      }
     }
   }
 

@@ -112,7 +112,8 @@ struct CombineParams {
   const uint16_t* pair_out;  ///< [N*K, H] bf16
   const int32_t* slot;       ///< [N*K]
   const float* topk_weights; ///< [N, K]
-  uint16_t* out;             ///< [N, H] bf16
+  uint16_t* out;             ///< [N, H] bf16, or null when out_f32 is given
+  float* out_f32;            ///< [N, H] fp32 (the weighted sum unrounded), or null
   int64_t num_tokens, hidden;
   int top_k;
 };
@@ -679,8 +680,8 @@ __global__ void __launch_bounds__(kQuantizeThreads) quantize_h_kernel(QuantizeHP
 
 constexpr int kCombineThreads = 128;
 
-/// out[n, :] = bf16(sum over k with slot >= 0, in column order, of w[n, k] * y[slot]); invalid
-/// columns are skipped (select), so their weights and rows are never read.
+/// out[n, :] = bf16(sum over k with slot >= 0, in column order, of w[n, k] * y[slot]) (out_f32: the
+/// sum unrounded); invalid columns are skipped (select), so their weights and rows are never read.
 __global__ void __launch_bounds__(kCombineThreads) combine_kernel(CombineParams p) {
   for (int64_t n = blockIdx.x; n < p.num_tokens; n += gridDim.x) {
     for (int64_t c = threadIdx.x * 8; c < p.hidden; c += kCombineThreads * 8) {
@@ -696,6 +697,12 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(CombineParams 
           acc[2 * j] = __fadd_rn(acc[2 * j], __fmul_rn(w, bf16_lo(yw[j])));
           acc[2 * j + 1] = __fadd_rn(acc[2 * j + 1], __fmul_rn(w, bf16_hi(yw[j])));
         }
+      }
+      if (p.out_f32) {
+        float4* dst = reinterpret_cast<float4*>(p.out_f32 + n * p.hidden + c);
+        dst[0] = make_float4(acc[0], acc[1], acc[2], acc[3]);
+        dst[1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
+        continue;
       }
       uint32_t o[4];
 #pragma unroll

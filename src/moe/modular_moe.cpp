@@ -21,10 +21,12 @@
 // per chunk. Fused: column K = E (the source rank's shared replica, local expert L-1 there) with
 // weight g(t) = 1 or sigmoid(x . gate); the shared expert then sees the dispatched x (FP8 on an fp8
 // wire). Separate: column K = -1 (no traffic); the shared expert runs here on x~, x quantized to FP8
-// 1x128 as the wire does (fp8 wire; else x), and g(t) * its output is added to the finalized rows (a
-// second bf16 rounding; the fused path rounds once). On CUDA x~ goes to a one-expert ExpertMajor
+// 1x128 as the wire does (fp8 wire; else x), and g(t) * its output joins the combine's fp32 sum
+// (FinalizeArgs::addend) before its one rounding, as on the fused path; on a backend without
+// Capabilities::combine_addend (ll / ht on CUDA, hierarchical) it is added to the finalized rows
+// instead (a second bf16 rounding). On CUDA x~ goes to a one-expert ExpertMajor
 // layout [1, n, H] (contiguous, M = n), so an fp8_block shared expert runs on the same FP8
-// tensor-core GEMMs as the fused one and the two paths differ only in that rounding.
+// tensor-core GEMMs as the fused one and the two paths differ only in where g(t) * y joins the sum.
 // Gate: fuse when M = max over ranks of this chunk's tokens <= fhmoe_max_tokens (the sharded gate
 // for a DP-sharded layer). M comes from the gathered T, so every rank takes the same path and the
 // collectives line up. Local shared slot (CUDA, ExpertMajor slots of one node: ll): a fused chunk
@@ -50,6 +52,7 @@
 #include <vector>
 
 #include "epx/error.h"
+#include "epx/log.h"
 #include "epx/moe.h"
 #include "epx/quant.h"
 #include "moe/moe_internal.h"
@@ -134,7 +137,10 @@ struct ModularMoE::Impl {
   std::vector<std::shared_ptr<const ExpertWeights>> shared_only;  // CUDA separate path: {weights->shared}
 
   // Scratch reused across calls (on `device`).
-  Tensor expert_out;             // bf16 storage for Experts::apply, grown on demand
+  Tensor expert_out;             // storage for Experts::apply (bf16, or fp32 Flat partials), grown on demand
+  DType flat_partial = DType::bf16;  // expert_out of the Flat layout: fp32 with DispatchConfig::flat_combine partial_fp32
+  bool combine_addend = false;   // the backend takes FinalizeArgs::addend: the separate shared expert joins its fp32 sum
+  Tensor shared_addend;          // [n, H] fp32 g * shared(x~) of a separate chunk (combine_addend)
   std::vector<float> x_float, shared_y;
   Tensor route_idx, route_wts, gate;  // [n, K+1] routing of the chunk, g [n] (CUDA)
   Tensor logits, router_idx, router_wts;  // forward(): router logits [T, E] and its top-k [T, K]
@@ -209,7 +215,8 @@ struct ModularMoE::Impl {
   /// in the layer's own [L] counts (the backend's recv_count, which its combine reads, stays 0 there).
   ExpertsInput local_shared_input(const PrepareResult& prepared, const TensorView& x_chunk, const TensorView& num_tokens,
                                   Stream stream);
-  /// out_chunk += g * shared(x_chunk): the separate shared expert (CPU or CUDA). `num_tokens`
+  /// out_chunk += g * shared(x_chunk): the separate shared expert (CPU or CUDA); out_chunk fp32 (the
+  /// combine's FinalizeArgs::addend) is overwritten with g * shared(x_chunk) instead. `num_tokens`
   /// (whole-layer graph only): the valid rows' count on the device; rows past it are not computed.
   void add_separate_shared(const TensorView& x_chunk, const TensorView& out_chunk, const TensorView& g,
                            const std::vector<float>& gate_host, const TensorView& num_tokens, Stream stream);
@@ -339,6 +346,12 @@ ModularMoE::ModularMoE(std::shared_ptr<const MoEWeights> weights, std::shared_pt
   dispatch_cfg.num_experts = m.num_experts;
   dispatch_cfg.top_k = m.top_k + (m.has_shared ? 1 : 0);
   dispatch_cfg.shared_route = m.has_shared;
+  // ht on CUDA combines bf16 partials only (DispatchConfig::flat_combine): that backend runs with two
+  // roundings, said once in the log, instead of refusing the layer.
+  if (backend == "ht" && group->device().is_cuda() && dispatch_cfg.flat_combine == FlatCombine::partial_fp32) {
+    dispatch_cfg.flat_combine = FlatCombine::partial_bf16;
+    if (rank == 0) log::warn("ModularMoE: ht on CUDA combines bf16 partials (flat_combine = partial_bf16: two roundings)");
+  }
   m.prepare_finalize = make_prepare_finalize(backend, group, dispatch_cfg, config);  // ll / ht launch settings from the layer's Config
   m.prepare_finalize->defer_device_errors();  // reported by forward_routed's all-gather of T, on every rank at once
   const Capabilities& caps = m.prepare_finalize->capabilities();
@@ -400,6 +413,8 @@ ModularMoE::ModularMoE(std::shared_ptr<const MoEWeights> weights, std::shared_pt
   }
   // Composition check, collective so every rank throws the same sentence: the experts must take the
   // backend's activation layout (Flat for the gathered/deduplicated backends, ExpertMajor for ll).
+  m.flat_partial = dispatch_cfg.flat_combine == FlatCombine::partial_fp32 ? DType::fp32 : DType::bf16;
+  m.combine_addend = caps.combine_addend;
   m.contiguous = dispatch_cfg.expert_contiguous;  // (make_prepare_finalize refused it for every backend but ht)
   const ActivationLayout layout = m.contiguous ? ActivationLayout::Contiguous : caps.layout;
   const int64_t fit = build_error ? 3 : !m.experts ? 2 : m.experts->supports(layout) ? 1 : 0;
@@ -585,7 +600,9 @@ TensorView ModularMoE::Impl::scratch(Tensor& t, DType dtype, const std::vector<i
 }
 
 TensorView ModularMoE::Impl::expert_out_like(const TensorView& recv_x) {
-  return scratch(expert_out, DType::bf16, std::vector<int64_t>(recv_x.shape.begin(), recv_x.shape.begin() + recv_x.ndim));
+  // Flat rows are each rank's weighted partials: fp32 (one rounding, in the combine) or bf16 (partial_bf16).
+  const DType dtype = recv_x.ndim == 2 ? flat_partial : DType::bf16;
+  return scratch(expert_out, dtype, std::vector<int64_t>(recv_x.shape.begin(), recv_x.shape.begin() + recv_x.ndim));
 }
 
 void ModularMoE::Impl::route_columns(const TensorView& x, const TensorView& topk_idx, const TensorView& topk_weights,
@@ -665,6 +682,7 @@ void ModularMoE::Impl::add_separate_shared(const TensorView& x_chunk, const Tens
       }
       const TensorView y = scratch(shared_out, DType::bf16, {1, n, H});
       shared_experts->apply(in, y, stream);
+      if (out_chunk.dtype == DType::fp32) moe_cuda::zero_async(out_chunk, stream);  // the addend: 0 + g * y
       moe_cuda::add_shared(out_chunk, TensorView(y.data, DType::bf16, {n, H}, device), g, stream, num_tokens);
       return;
     }
@@ -676,6 +694,7 @@ void ModularMoE::Impl::add_separate_shared(const TensorView& x_chunk, const Tens
     moe_cuda::fill_single_route(in.topk_idx, in.topk_weights, stream);
     const TensorView y = scratch(shared_out, DType::bf16, {n, H});
     shared_experts->apply(in, y, stream);
+    if (out_chunk.dtype == DType::fp32) moe_cuda::zero_async(out_chunk, stream);  // the addend: 0 + g * y
     moe_cuda::add_shared(out_chunk, y, g, stream);
     return;
 #else
@@ -689,6 +708,12 @@ void ModularMoE::Impl::add_separate_shared(const TensorView& x_chunk, const Tens
   if (wire_fp8)  // x~: the wire's FP8 round trip, as the fused path sees it
     for (int64_t t = 0; t < n; ++t) moe_detail::fp8_round_trip_row(x_float.data() + t * H, H, wire_ue8m0);
   expert_mlp_cpu(*w.shared, x_float.data(), n, shared_y.data());
+  if (out_chunk.dtype == DType::fp32) {  // the combine's addend: g * y, joined before its one rounding
+    float* a = out_chunk.ptr<float>();
+    for (int64_t t = 0; t < n; ++t)
+      for (int64_t h = 0; h < H; ++h) a[t * H + h] = gate_host[t] * shared_y[t * H + h];
+    return;
+  }
   uint16_t* o = out_chunk.ptr<uint16_t>();
   for (int64_t t = 0; t < n; ++t)
     for (int64_t h = 0; h < H; ++h)
@@ -764,10 +789,17 @@ void ModularMoE::Impl::run_chunk(const TensorView& x, const TensorView& topk_idx
   fin.out = out_chunk;
   fin.stream = stream;
   if (contiguous) fin.topk_weights = prepared.topk_weights;
+  // The separate shared expert joins the combine's fp32 sum (one rounding) where the backend takes an
+  // addend; else it is added to the combined bf16 rows after finalize (a second rounding).
+  const bool separate = has_shared && !fused && n > 0;
+  if (separate && combine_addend) {
+    fin.addend = scratch(shared_addend, DType::fp32, {n, weights->config.hidden});
+    add_separate_shared(x_chunk, fin.addend, g, gate_host, num_tokens, stream);
+  }
   prepare_finalize->finalize(fin);
   mark_phase(stream);
 
-  if (has_shared && !fused && n > 0) add_separate_shared(x_chunk, out_chunk, g, gate_host, num_tokens, stream);
+  if (separate && !combine_addend) add_separate_shared(x_chunk, out_chunk, g, gate_host, num_tokens, stream);
   if (local && n > 0) {  // out += g * y of slot L-1 (the combine saw no route to it)
 #ifdef EPX_WITH_CUDA
     const int64_t L = expert_view.shape[0], cap = expert_view.shape[1], H = expert_view.shape[2];
@@ -823,8 +855,14 @@ void ModularMoE::Impl::add_sharded_shared(const PrepareResult& prepared, const T
   gate_all_host.assign(static_cast<size_t>(N), 1.0f);
   if (gated) group->all_gatherv(gate_host.data(), gate_all_host.data(), gate_bytes);
   experts->apply(in, y, stream);
-  uint16_t* o = expert_view.ptr<uint16_t>();
   const uint16_t* yb = y.ptr<const uint16_t>();
+  if (expert_view.dtype == DType::fp32) {  // fp32 partials: the shard joins them unrounded
+    float* p = expert_view.ptr<float>();
+    for (int64_t t = 0; t < N; ++t)
+      for (int64_t h = 0; h < H; ++h) p[t * H + h] += gate_all_host[t] * bf16_bits_to_float(yb[t * H + h]);
+    return;
+  }
+  uint16_t* o = expert_view.ptr<uint16_t>();
   for (int64_t t = 0; t < N; ++t)
     for (int64_t h = 0; h < H; ++h)
       o[t * H + h] = float_to_bf16_bits(bf16_bits_to_float(o[t * H + h]) + gate_all_host[t] * bf16_bits_to_float(yb[t * H + h]));

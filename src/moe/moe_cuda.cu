@@ -90,6 +90,14 @@ __global__ void add_shared_kernel(uint16_t* __restrict__ out, const uint16_t* __
   }
 }
 
+/// fp32 out: out[i] += g * y[i], unrounded (an fp32 partial, or FinalizeArgs::addend from zeros).
+__global__ void add_shared_f32_kernel(float* __restrict__ out, const uint16_t* __restrict__ y, const float* __restrict__ gate,
+                                      int64_t H, int64_t n, const int32_t* __restrict__ num_rows) {
+  if (num_rows != nullptr) n = min(n, static_cast<int64_t>(max(*num_rows, 0)) * H);
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n; i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    out[i] = __fadd_rn(out[i], __fmul_rn(gate[i / H], bf16_bits_to_float(y[i])));
+}
+
 void require_cuda_contiguous(std::string_view arg, const TensorView& t, std::initializer_list<DType> dtypes) {
   require_arg(kOp, arg, t.device.str(), t.device.is_cuda(), "must be a CUDA tensor");
   check_dtype(kOp, arg, t, dtypes);
@@ -212,6 +220,13 @@ void fill_single_route(const TensorView& idx, const TensorView& weights, Stream 
   cuda::check_launch("single_route_kernel");
 }
 
+void zero_async(const TensorView& t, Stream stream) {
+  require_cuda_contiguous("t", t, {t.dtype});
+  if (t.nbytes() == 0) return;
+  cuda::DeviceGuard guard(t.device.index);
+  EPX_CUDA_CHECK(cudaMemsetAsync(t.data, 0, static_cast<size_t>(t.nbytes()), cuda::native(stream)));
+}
+
 void fill_i32(const TensorView& t, int32_t value, Stream stream) {
   require_cuda_contiguous("t", t, {DType::int32});
   const int64_t n = t.numel();
@@ -248,7 +263,7 @@ void copy_async(const TensorView& dst, const TensorView& src, Stream stream) {
 
 void add_shared(const TensorView& out, const TensorView& shared_y, const TensorView& gate, Stream stream,
                 const TensorView& num_rows) {
-  require_cuda_contiguous("out", out, {DType::bf16});
+  require_cuda_contiguous("out", out, {DType::bf16, DType::fp32});
   require_cuda_contiguous("shared_y", shared_y, {DType::bf16});
   require_cuda_contiguous("gate", gate, {DType::fp32});
   if (num_rows.defined()) require_cuda_contiguous("num_rows", num_rows, {DType::int32});
@@ -257,6 +272,13 @@ void add_shared(const TensorView& out, const TensorView& shared_y, const TensorV
   require_arg(kOp, "gate.numel()", gate.numel(), gate.numel() >= n, "must be >= n = " + std::to_string(n));
   if (n == 0 || H == 0) return;
   cuda::DeviceGuard guard(out.device.index);
+  if (out.dtype == DType::fp32) {
+    add_shared_f32_kernel<<<cuda::grid_for(n * H, 256, 8192), 256, 0, cuda::native(stream)>>>(
+        out.ptr<float>(), shared_y.ptr<const uint16_t>(), gate.ptr<const float>(), H, n * H,
+        num_rows.defined() ? num_rows.ptr<const int32_t>() : nullptr);
+    cuda::check_launch("add_shared_f32_kernel");
+    return;
+  }
   add_shared_kernel<<<cuda::grid_for(n * H, 256, 8192), 256, 0, cuda::native(stream)>>>(
       out.ptr<uint16_t>(), shared_y.ptr<const uint16_t>(), gate.ptr<const float>(), H, n * H,
       num_rows.defined() ? num_rows.ptr<const int32_t>() : nullptr);

@@ -63,6 +63,8 @@ void fill_single_route(const TensorView& idx, const TensorView& weights, Stream 
 /// t [numel] int32 on the device = value everywhere (e.g. recv_count [1] = n of the separate shared
 /// expert as a one-expert ExpertMajor layout). Stream-ordered, capturable.
 void fill_i32(const TensorView& t, int32_t value, Stream stream);
+/// t (contiguous, on the device) = zero bytes, stream-ordered, capturable.
+void zero_async(const TensorView& t, Stream stream);
 
 /// The counts of the local shared slot (ModularMoE, fhmoe.local_shared): counts [L] int32 =
 /// recv_count [L] (the backend's, left as it is) with counts[L-1] = *num_rows when num_rows ([1]
@@ -123,6 +125,7 @@ class Graph {
 
 /// out [n, H] bf16 (in place) = round_bf16(out + gate[t] * shared_y[t]) with shared_y [n, H] bf16
 /// (the expert output, already bf16-rounded) and gate [n] fp32: the CPU's add, element for element.
+/// out fp32 (an fp32 partial, or a combine's addend): out += gate[t] * shared_y[t], unrounded.
 /// num_rows: optional [1] int32 on the device (a graph's valid count): rows >= it are left alone.
 void add_shared(const TensorView& out, const TensorView& shared_y, const TensorView& gate, Stream stream,
                 const TensorView& num_rows = {});

@@ -182,8 +182,9 @@ void moe_reference_cpu(const MoEWeights& w, const TensorView& x, const TensorVie
       if (has_shared) {
         const float g = moe_detail::shared_gate_value(w, xb + t * H);
         const float* sy = shared_y.data() + (t - t0) * H;
-        // separate: the layer adds g * shared to the finalized (bf16) routed rows
-        if (!opt.shared_fused)
+        // two_roundings (separate path on a backend without Capabilities::combine_addend): the layer adds
+        // g * shared to the finalized (bf16) routed rows
+        if (!opt.shared_fused && opt.two_roundings)
           for (int64_t h = 0; h < H; ++h) acc[h] = bf16_bits_to_float(float_to_bf16_bits(acc[h]));
         for (int64_t h = 0; h < H; ++h) acc[h] += g * sy[h];
       }
