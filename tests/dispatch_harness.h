@@ -56,7 +56,7 @@ class TestExperts final : public Experts {
       else
         for (int64_t i = 0; i < H; ++i) xr[static_cast<size_t>(i)] = bf16_bits_to_float(in.x.ptr<const uint16_t>()[row * H + i]);
     };
-    uint16_t* o = out.ptr<uint16_t>();
+    uint16_t* o = static_cast<uint16_t*>(out.data);
     if (in.layout == ActivationLayout::ExpertMajor) {
       const int64_t L = in.x.size(0), cap = in.x.size(1);
       EXPECT_EQ(L, num_local_experts());
@@ -86,7 +86,10 @@ class TestExperts final : public Experts {
         for (int64_t i = 0; i < H; ++i) acc[static_cast<size_t>(i)] += w * y[static_cast<size_t>(i)];
       }
       rows_without_local_selection += !any;
-      for (int64_t i = 0; i < H; ++i) o[n * H + i] = float_to_bf16_bits(acc[static_cast<size_t>(i)]);
+      if (out.dtype == DType::fp32)  // the unrounded partial (flat_combine partial_fp32)
+        std::copy(acc.begin(), acc.end(), out.ptr<float>() + n * H);
+      else
+        for (int64_t i = 0; i < H; ++i) o[n * H + i] = float_to_bf16_bits(acc[static_cast<size_t>(i)]);
     }
   }
 
@@ -112,6 +115,13 @@ struct Case {
   bool idx64 = false;
   uint64_t seed = 1;
   LlCombine ll_combine = LlCombine::column;  ///< ll only (the "bit for bit" rule holds for column)
+  /// Flat backends. These cases keep the bf16 partials (two roundings) their oracle was written for;
+  /// one_rounding_test.cpp runs partial_fp32, DispatchConfig's default.
+  FlatCombine flat_combine = FlatCombine::partial_bf16;
+  /// dtype of expert_out for a prepare of `layout`.
+  DType expert_out_dtype(ActivationLayout layout) const {
+    return layout == ActivationLayout::Flat && flat_combine == FlatCombine::partial_fp32 ? DType::fp32 : DType::bf16;
+  }
 
   int64_t tokens(int r) const { return T.empty() ? cap / 2 + r : T[static_cast<size_t>(r)]; }
   DispatchConfig config() const {
@@ -125,6 +135,7 @@ struct Case {
     c.shared_route = shared;
     c.expert_alignment = align;
     c.ll_combine = ll_combine;
+    c.flat_combine = flat_combine;
     return c;
   }
   std::string describe() const {
@@ -245,7 +256,7 @@ inline std::vector<RankResult> run_layer(const std::string& name, const Case& c,
       const RankInput& ri = inputs[static_cast<size_t>(it) % inputs.size()][static_cast<size_t>(r)];
       PrepareResult p = pf->prepare({ri.x, ri.topk_idx, ri.topk_weights});
       std::vector<int64_t> shape(p.x.shape.begin(), p.x.shape.begin() + p.x.ndim);
-      Tensor expert_out = Tensor::empty(shape, DType::bf16);
+      Tensor expert_out = Tensor::empty(shape, c.expert_out_dtype(p.layout));
       poison(expert_out);
       if (ids.empty()) {
         // As the MoE layer does: a rank without experts runs none; the poison must not be read.
@@ -271,7 +282,7 @@ inline std::vector<RankResult> run_layer(const std::string& name, const Case& c,
 inline void expect_matches_oracle(const std::string& name, const Case& c, const std::vector<RankInput>& in,
                                   const std::vector<RankResult>& res) {
   const bool flat = name != "ll" || c.ll_combine != LlCombine::column;
-  const bool round_partials = name != "ll" || c.ll_combine == LlCombine::partial_bf16;
+  const bool round_partials = name != "ll" ? c.flat_combine == FlatCombine::partial_bf16 : c.ll_combine == LlCombine::partial_bf16;
   for (int r = 0; r < c.R; ++r) {
     const RankInput& ri = in[static_cast<size_t>(r)];
     const Tensor& out = res[static_cast<size_t>(r)].out;
