@@ -253,6 +253,9 @@ DispatchConfig dispatch_config(const BenchCase& c, int64_t T, DType dtype) {
   // ll's combine reduction from the config (JSON "ll.combine" / EPX_LL_COMBINE; the ranks and the
   // CPU reference of the validation read the same).
   cfg.ll_combine = parse_ll_combine(Config::load().ll_combine, "ll.combine");
+  // The bench's identity experts write bf16 Flat rows: the Flat backends run with bf16 partials
+  // (two roundings, 2 B per element in combine); DispatchConfig's default partial_fp32 moves 4 B.
+  cfg.flat_combine = FlatCombine::partial_bf16;
   return cfg;
 }
 
