@@ -163,6 +163,9 @@ struct CheckpointLayerInfo {
   /// The routed experts' activation (gpt-oss: gpt_oss_glu with alpha 1.702 and swiglu_limit;
   /// DeepSeek-V4: silu_glu clamped to swiglu_limit; else plain silu_glu). Every loaded expert carries it.
   ExpertActivation activation;
+  /// The routed experts are transformers 5.x fused tensors (P experts.gate_up_proj [E, 2I, H],
+  /// P experts.down_proj [E, H, I]) rather than 4.x per-expert modules (gpt-oss: always stacked).
+  bool fused_experts = false;
 };
 
 struct MoELayerLoadOptions {
@@ -229,6 +232,10 @@ struct CheckpointWriteOptions {
   int num_shards = 1;
   std::string router_dtype = "BF16";
   std::string model_type;  ///< "" = the convention's usual one (deepseek_v3, qwen3_moe / qwen2_moe, mixtral, gpt_oss)
+  /// Routed experts as transformers 5.x writes them: P experts.gate_up_proj [E, 2I, H] and
+  /// P experts.down_proj [E, H, I] (Mixtral's block named "mlp." as 5.x renames it); bf16 experts
+  /// of deepseek / qwen_moe / mixtral only. false: 4.x per-expert modules.
+  bool fused_experts = false;
 };
 void write_moe_checkpoint(const std::string& dir, const MoEWeights& weights, const CheckpointWriteOptions& options);
 

@@ -526,7 +526,14 @@ TEST(CheckpointErrors, ConfigProblemsNameTheKey) {
     f(c);
     std::ofstream(cp, std::ios::trunc) << c.dump();
   };
+  // An omitted key takes the family's class default (DeepseekV3Config hidden_size 7168), which the tensors refute;
+  // an unknown model_type has no defaults, so the key is required.
   with([](json& c) { c.erase("hidden_size"); });
+  expect_load_error(dir, 2, {"model.layers.2.mlp.gate.weight", "must be [32, 7168]"});
+  with([](json& c) {
+    c.erase("hidden_size");
+    c["model_type"] = "some_moe";
+  });
   expect_load_error(dir, 2, {"hidden_size = missing"});
   with([](json& c) { c["num_experts_per_tok"] = "eight"; });
   expect_load_error(dir, 2, {"num_experts_per_tok", "must be an integer"});

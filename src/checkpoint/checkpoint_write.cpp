@@ -118,8 +118,13 @@ void write_moe_checkpoint(const std::string& dir, const MoEWeights& w, const Che
     require_arg(kOp, "routed_format", weight_format_name(m.routed_format), m.routed_format != WeightFormat::mxfp4,
                 conv_name + " checkpoints hold bf16 or fp8_block experts");
 
+  if (o.fused_experts) {
+    require_arg(kOp, "fused_experts", "true", conv != CheckpointConvention::gpt_oss, "gpt-oss has one stacked layout (set false)");
+    require_arg(kOp, "routed_format", weight_format_name(m.routed_format), m.routed_format == WeightFormat::bf16,
+                "must be bf16 for fused (transformers 5.x) experts");
+  }
   const std::string L = "model.layers." + std::to_string(o.layer) + ".";
-  const std::string mlp = L + (conv == CheckpointConvention::mixtral ? "block_sparse_moe." : "mlp.");
+  const std::string mlp = L + (conv == CheckpointConvention::mixtral && !o.fused_experts ? "block_sparse_moe." : "mlp.");
   Out out;
 
   // Router.
@@ -172,6 +177,14 @@ void write_moe_checkpoint(const std::string& dir, const MoEWeights& w, const Che
     out.add(mlp + "experts.down_proj_bias", reshaped(f32_as(db, o.router_dtype), {E, H}));
     const Tensor rb = w.router_bias.defined() ? w.router_bias : Tensor::zeros({E}, DType::fp32);
     out.add(mlp + "router.bias", reshaped(f32_as(rb, o.router_dtype), {E}));
+  } else if (o.fused_experts) {
+    Tensor gu = Tensor::empty({E, 2 * I, H}, DType::bf16), dn = Tensor::empty({E, H, I}, DType::bf16);
+    for (int e = 0; e < E; ++e) {  // w13 = [gate; up] and w2 are the fused tensors' per-expert slices as they are
+      std::memcpy(gu.ptr<uint16_t>() + e * 2 * I * H, w.experts[e]->w13.data(), static_cast<size_t>(2 * I * H * 2));
+      std::memcpy(dn.ptr<uint16_t>() + e * H * I, w.experts[e]->w2.data(), static_cast<size_t>(H * I * 2));
+    }
+    out.add(mlp + "experts.gate_up_proj", gu);
+    out.add(mlp + "experts.down_proj", dn);
   } else {
     const bool mix = conv == CheckpointConvention::mixtral;
     for (int e = 0; e < E; ++e)

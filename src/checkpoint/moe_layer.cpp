@@ -128,11 +128,47 @@ struct Names {
   std::string router_bias() const { return prefix + "router.bias"; }  // gpt-oss
   std::string correction_bias() const { return prefix + "gate.e_score_correction_bias"; }
   std::string shared_gate() const { return prefix + "shared_expert_gate.weight"; }
-  std::string packed(const char* what) const { return prefix + "experts." + what; }  // gpt-oss stacked tensors
+  std::string packed(const char* what) const { return prefix + "experts." + what; }  // gpt-oss stacked / 5.x fused tensors
 };
+
+// ---- per-family defaults -------------------------------------------------------------------------
+
+/// What a transformers configuration class gives a key config.json omits (DeepseekV3Config,
+/// Qwen3MoeConfig, Qwen2MoeConfig, MixtralConfig, GptOssConfig). Unset = required (unknown model_type).
+struct FamilyDefaults {
+  std::optional<int64_t> hidden, intermediate, num_experts, top_k, n_shared, n_group, topk_group, first_dense, shared_inter;
+  std::optional<double> scaling;
+  std::optional<bool> norm_topk_prob;
+};
+
+FamilyDefaults family_defaults(const std::string& model_type) {
+  FamilyDefaults d;
+  if (model_type == "deepseek_v3") {  // DeepseekV3Config.__init__
+    d.hidden = 7168, d.intermediate = 2048, d.num_experts = 256, d.top_k = 8, d.n_shared = 1, d.n_group = 8, d.topk_group = 4;
+    d.first_dense = 3, d.scaling = 2.5, d.norm_topk_prob = true;
+  } else if (model_type == "qwen3_moe") {  // Qwen3MoeConfig
+    d.hidden = 2048, d.intermediate = 768, d.num_experts = 128, d.top_k = 8, d.norm_topk_prob = false;
+  } else if (model_type == "qwen2_moe") {  // Qwen2MoeConfig
+    d.hidden = 2048, d.intermediate = 1408, d.num_experts = 60, d.top_k = 4, d.shared_inter = 5632, d.norm_topk_prob = false;
+  } else if (model_type == "mixtral") {  // MixtralConfig
+    d.hidden = 4096, d.intermediate = 14336, d.num_experts = 8, d.top_k = 2;
+  } else if (model_type == "gpt_oss") {  // GptOssConfig
+    d.hidden = 2880, d.intermediate = 2880, d.num_experts = 128, d.top_k = 4;
+  }
+  return d;
+}
 
 std::string layer_prefix(CheckpointConvention c, int layer) {
   return "model.layers." + std::to_string(layer) + (c == CheckpointConvention::mixtral ? ".block_sparse_moe." : ".mlp.");
+}
+
+/// Mixtral's block is "block_sparse_moe." in 4.x checkpoints and "mlp." in what transformers 5.x
+/// writes (conversion_mapping.py renames it); the router tells which one this checkpoint has.
+std::string checkpoint_prefix(const Checkpoint& ck, CheckpointConvention c, int layer) {
+  if (c == CheckpointConvention::mixtral && !ck.contains(layer_prefix(c, layer) + "gate.weight") &&
+      ck.contains(layer_prefix(CheckpointConvention::deepseek, layer) + "gate.weight"))
+    return layer_prefix(CheckpointConvention::deepseek, layer);
+  return layer_prefix(c, layer);
 }
 
 // ---- checked reads -------------------------------------------------------------------------------
@@ -327,6 +363,21 @@ std::shared_ptr<ExpertWeights> load_gpt_oss_float(const Reader& r, const Names& 
   return make_expert(WeightFormat::bf16, H, I, w13, w2);
 }
 
+/// transformers 5.x fused expert e: gate_up_proj [E, 2I, H] (rows [0, I) gate, [I, 2I) up: w13 as
+/// is), down_proj [E, H, I] (w2 as is).
+std::shared_ptr<ExpertWeights> load_fused(const Reader& r, const Names& n, int e, int E, int64_t H, int64_t I, bool* converted) {
+  const std::string gu = n.packed("gate_up_proj"), dn = n.packed("down_proj");
+  const auto& gt = r.checked(gu, {"BF16", "F16", "F32"}, {E, 2 * I, H}, "[num_experts, 2 x intermediate, hidden_size]: transformers 5.x fused experts");
+  const auto& dt = r.checked(dn, {"BF16", "F16", "F32"}, {E, H, I}, "[num_experts, hidden_size, intermediate]: transformers 5.x fused experts");
+  if (gt.dtype != "BF16" || dt.dtype != "BF16") *converted = true;
+  Matrix w13, w2;
+  w13.w = Tensor::empty({2 * I, H}, DType::bf16);
+  w2.w = Tensor::empty({H, I}, DType::bf16);
+  convert_floats(expert_slice(r, gu, e, E).data(), gt.dtype, 2 * I * H, w13.w);
+  convert_floats(expert_slice(r, dn, e, E).data(), dt.dtype, H * I, w2.w);
+  return make_expert(WeightFormat::bf16, H, I, w13, w2);
+}
+
 /// gpt-oss expert e's biases (gate_up_proj_bias [E, 2I] interleaved like the weight's columns,
 /// down_proj_bias [E, H]) into b13 [gate; up] and b2, fp32, and its activation.
 void add_gpt_oss_extras(const Reader& r, const Names& n, int e, int E, int64_t H, int64_t I, const ExpertActivation& act,
@@ -389,7 +440,7 @@ CheckpointLayerInfo read_moe_layer_info(const Checkpoint& ck, int layer) {
   info.layer = layer;
   info.model_type = c.string("model_type", "");
   info.convention = convention_of(info.model_type, ck, layer);
-  info.prefix = layer_prefix(info.convention, layer);
+  info.prefix = checkpoint_prefix(ck, info.convention, layer);
   info.num_hidden_layers = c.int32({"num_hidden_layers"}, 0);
   if (info.num_hidden_layers > 0)
     require_arg(kOp, "layer", layer, layer < info.num_hidden_layers,
@@ -400,7 +451,8 @@ CheckpointLayerInfo read_moe_layer_info(const Checkpoint& ck, int layer) {
 
   // Which layers are MoE (the others are dense MLPs with no router).
   if (conv == CheckpointConvention::deepseek) {
-    const int64_t first_dense = c.integer({"first_k_dense_replace"}, 0), freq = c.integer({"moe_layer_freq"}, 1);
+    const int64_t first_dense = c.integer({"first_k_dense_replace"}, family_defaults(info.model_type).first_dense.value_or(0)),
+                  freq = c.integer({"moe_layer_freq"}, 1);
     require_arg(kOp, "layer", layer, layer >= first_dense && freq > 0 && layer % freq == 0,
                 "is a dense layer of this model (first_k_dense_replace = " + std::to_string(first_dense) + ", moe_layer_freq = " +
                     std::to_string(freq) + " in " + c.path + ")");
@@ -413,15 +465,26 @@ CheckpointLayerInfo read_moe_layer_info(const Checkpoint& ck, int layer) {
                 "is a dense layer of this model (mlp_only_layers / decoder_sparse_step = " + std::to_string(step) + " in " + c.path + ")");
   }
 
+  const FamilyDefaults def = family_defaults(info.model_type);
   MoEConfig& m = info.config;
   m.name = (info.model_type.empty() ? std::string(checkpoint_convention_name(conv)) : info.model_type) + "-layer" + std::to_string(layer);
-  m.hidden = c.integer({"hidden_size"});
+  m.hidden = c.integer({"hidden_size"}, def.hidden);
   m.intermediate = conv == CheckpointConvention::mixtral || conv == CheckpointConvention::gpt_oss
-                       ? c.integer({"intermediate_size"})
-                       : c.integer({"moe_intermediate_size", "intermediate_size"});
+                       ? c.integer({"intermediate_size"}, def.intermediate)
+                       // the class default is moe_intermediate_size's; intermediate_size is the dense layers' width there
+                       : (def.intermediate ? c.integer({"moe_intermediate_size"}, def.intermediate)
+                                           : c.integer({"moe_intermediate_size", "intermediate_size"}));
   RouterConfig& rc = m.router;
-  rc.num_experts = c.int32({"n_routed_experts", "num_experts", "num_local_experts"});
-  rc.top_k = c.int32({"num_experts_per_tok", "experts_per_token"});
+  rc.num_experts = c.int32({"n_routed_experts", "num_experts", "num_local_experts"}, def.num_experts);
+  rc.top_k = c.int32({"num_experts_per_tok", "experts_per_token"}, def.top_k);
+
+  // The experts' activation function: SiLU for every family but gpt-oss (whose experts ignore
+  // hidden_act). Anything else is refused rather than run as SiLU.
+  if (conv != CheckpointConvention::gpt_oss) {
+    const std::string act = c.string("hidden_act", "silu");
+    if (act != "silu" && act != "swish")
+      throw Unsupported(arg_message(kOp, c.path + " hidden_act", act, "must be silu (or its alias swish): the activation epx's experts compute"));
+  }
   require_arg(kOp, c.path + " hidden_size", m.hidden, m.hidden > 0, "must be > 0");
   require_arg(kOp, c.path + " intermediate size", m.intermediate, m.intermediate > 0, "must be > 0");
   require_arg(kOp, c.path + " number of experts", rc.num_experts, rc.num_experts > 0, "must be > 0");
@@ -442,20 +505,30 @@ CheckpointLayerInfo read_moe_layer_info(const Checkpoint& ck, int layer) {
     rc.use_correction_bias = topk_method == "noaux_tc" || (topk_method.empty() && has_bias);
     if (rc.use_correction_bias && rc.scoring != ScoringFunc::sigmoid)
       throw Unsupported(arg_message(kOp, c.path + " scoring_func", s, "noaux_tc with e_score_correction_bias needs sigmoid scoring"));
-    rc.renormalize = c.boolean("norm_topk_prob", rc.scoring == ScoringFunc::sigmoid);
-    rc.routed_scaling_factor = static_cast<float>(c.number("routed_scaling_factor", 1.0));
+    rc.renormalize = c.boolean("norm_topk_prob", def.norm_topk_prob.value_or(rc.scoring == ScoringFunc::sigmoid));
+    rc.routed_scaling_factor = static_cast<float>(c.number("routed_scaling_factor", def.scaling.value_or(1.0)));
     if (topk_method == "greedy") {
       rc.n_group = rc.topk_group = 1;
     } else {
-      rc.n_group = c.int32({"n_group"}, 1);
-      rc.topk_group = c.int32({"topk_group"}, rc.n_group);
+      rc.n_group = c.int32({"n_group"}, def.n_group.value_or(1));
+      rc.topk_group = c.int32({"topk_group"}, def.topk_group.value_or(rc.n_group));
+    }
+    // DeepSeek-V4: hash-routed layers (a token-id table, not a learned top-k) and its clamped SwiGLU.
+    if (const json* v = c.find({"mlp_layer_types"}); v && v->is_array() && static_cast<size_t>(layer) < v->size() &&
+                                                      (*v)[static_cast<size_t>(layer)] == "hash_moe")
+      throw Unsupported(arg_message(kOp, c.path + " mlp_layer_types[" + std::to_string(layer) + "]", "hash_moe",
+                                    "is DeepSeek-V4's hash routing (experts chosen by token id); epx routes by the learned gate only"));
+    if (c.find({"swiglu_limit"})) {
+      const double limit = c.number("swiglu_limit", 0.0);
+      require_arg(kOp, c.path + " swiglu_limit", limit, std::isfinite(limit) && limit > 0, "must be a finite number > 0");
+      info.activation.limit = static_cast<float>(limit);  // routed experts: silu(min(g, L)) * clamp(u, -L, L)
     }
   } else {
     if (!scoring.empty() && scoring != "softmax")
       throw Unsupported(arg_message(kOp, c.path + " scoring_func", scoring, "must be softmax for " + std::string(checkpoint_convention_name(conv))));
     rc.scoring = ScoringFunc::softmax;
     // Mixtral and gpt-oss renormalise the top-k (gpt-oss: softmax over the top-k logits, the same).
-    rc.renormalize = conv == CheckpointConvention::qwen_moe ? c.boolean("norm_topk_prob", false) : true;
+    rc.renormalize = conv == CheckpointConvention::qwen_moe ? c.boolean("norm_topk_prob", def.norm_topk_prob.value_or(false)) : true;
   }
   try {
     validate_router_config(rc);
@@ -465,14 +538,14 @@ CheckpointLayerInfo read_moe_layer_info(const Checkpoint& ck, int layer) {
 
   // Shared expert.
   if (conv == CheckpointConvention::deepseek) {
-    const int64_t ns = c.integer({"n_shared_experts"}, 0);
+    const int64_t ns = c.integer({"n_shared_experts"}, def.n_shared.value_or(0));
     require_arg(kOp, c.path + " n_shared_experts", ns, ns >= 0, "must be >= 0");
     if (ns > 0) {
       m.num_shared_experts = 1;  // n shared experts of width I act as one of width n * I
       m.shared_intermediate = ns * I;
     }
   } else if (conv == CheckpointConvention::qwen_moe) {
-    const int64_t si = c.integer({"shared_expert_intermediate_size"}, 0);
+    const int64_t si = c.integer({"shared_expert_intermediate_size"}, def.shared_inter.value_or(0));
     if (si > 0 && (ck.contains(n.shared(Proj::gate)) || info.model_type == "qwen2_moe")) {
       m.num_shared_experts = 1;
       m.shared_intermediate = si;
@@ -494,6 +567,17 @@ CheckpointLayerInfo read_moe_layer_info(const Checkpoint& ck, int layer) {
     m.routed_format = ck.contains(n.packed("gate_up_proj_blocks")) ? WeightFormat::mxfp4 : WeightFormat::bf16;
     if (m.routed_format == WeightFormat::bf16 && !ck.contains(n.packed("gate_up_proj")))
       r.bad(n.packed("gate_up_proj_blocks"), "presence", "missing", "a gpt-oss layer needs experts.gate_up_proj_blocks (MXFP4) or experts.gate_up_proj");
+  } else if (ck.contains(n.packed("gate_up_proj"))) {
+    // transformers 5.x fused experts: gate_up_proj [E, 2I, H] (gate rows then up rows per expert, the
+    // 4.x gate/up weights concatenated), down_proj [E, H, I]. Float only: a quantized fused tensor is refused.
+    info.fused_experts = true;
+    for (const char* t : {"gate_up_proj", "down_proj"}) {
+      const SafetensorsTensorInfo& ti = r.info(n.packed(t));
+      if (!one_of(ti.dtype, {"BF16", "F16", "F32"}))
+        throw Unsupported(arg_message(kOp, "tensor " + quote_name(n.packed(t)) + " dtype", ti.dtype,
+                                      "must be BF16, F16 or F32: epx reads fused (transformers 5.x) experts unquantized only"));
+    }
+    m.routed_format = WeightFormat::bf16;
   } else {
     m.routed_format = detect_format(r, n.expert(0, Proj::gate));
   }
@@ -544,10 +628,17 @@ MoELayerCheckpoint load_moe_layer(const Checkpoint& ck, const MoELayerLoadOption
       w->experts[static_cast<size_t>(e)] = x;
       continue;
     }
-    const Matrix gate = load_matrix(r, n.expert(e, Proj::gate), m.routed_format, I, H, why_in, &converted);
-    const Matrix up = load_matrix(r, n.expert(e, Proj::up), m.routed_format, I, H, why_in, &converted);
-    const Matrix down = load_matrix(r, n.expert(e, Proj::down), m.routed_format, H, I, why_out, &converted);
-    w->experts[static_cast<size_t>(e)] = make_expert(m.routed_format, H, I, ckpt::stack(gate, up, m.routed_format), down);
+    std::shared_ptr<ExpertWeights> x;
+    if (info.fused_experts) {
+      x = load_fused(r, n, e, E, H, I, &converted);
+    } else {
+      const Matrix gate = load_matrix(r, n.expert(e, Proj::gate), m.routed_format, I, H, why_in, &converted);
+      const Matrix up = load_matrix(r, n.expert(e, Proj::up), m.routed_format, I, H, why_in, &converted);
+      const Matrix down = load_matrix(r, n.expert(e, Proj::down), m.routed_format, H, I, why_out, &converted);
+      x = make_expert(m.routed_format, H, I, ckpt::stack(gate, up, m.routed_format), down);
+    }
+    x->activation = info.activation;
+    w->experts[static_cast<size_t>(e)] = x;
   }
 
   if (o.load_router) {
