@@ -77,9 +77,9 @@ pack() {
   else
     pack_deps
   fi
-  git -C "$ROOT" archive --format=tar HEAD | xz -T2 -6 >"$CARRY/src.tar.xz"
-  git -C "$ROOT" rev-parse --short=12 HEAD >"$CARRY/commit.txt"
-  echo "packed $(git -C "$ROOT" rev-parse --short HEAD): $(du -h "$CARRY/deps.tar.xz" | cut -f1) deps, $(du -h "$CARRY/src.tar.xz" | cut -f1) source"
+  git -C "$ROOT" archive --format=tar "${GPU_CHECK_REF:-HEAD}" | xz -T2 -6 >"$CARRY/src.tar.xz"
+  git -C "$ROOT" rev-parse --short=12 "${GPU_CHECK_REF:-HEAD}" >"$CARRY/commit.txt"
+  echo "packed $(git -C "$ROOT" rev-parse --short "${GPU_CHECK_REF:-HEAD}"): $(du -h "$CARRY/deps.tar.xz" | cut -f1) deps, $(du -h "$CARRY/src.tar.xz" | cut -f1) source"
 }
 
 pack_deps() {
