@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from . import _epx
-from ._frameworks import empty_bf16, framework, resolve_stream, to_framework
+from ._frameworks import empty_bf16, empty_fp32, framework, resolve_stream, to_framework
 
 
 @dataclass
@@ -54,6 +54,9 @@ class Prepared:
     raw             the epx._epx.PrepareResult (what Experts.apply takes)
     num_recv_tokens_device  ht on CUDA: [1] int32 N_recv on the device; else None
     contiguous      ht with DispatchConfig(expert_contiguous=True): an ExpertContiguous; else None
+    expert_out_dtype  what finalize takes as expert_out: "fp32" for the Flat layout with DispatchConfig.flat_combine
+                    "partial_fp32" (the default: each rank's weighted partial stays fp32 until the one rounding),
+                    else "bf16"; Experts.apply allocates its out in it
     """
 
     layout: str
@@ -66,6 +69,7 @@ class Prepared:
     raw: Any
     num_recv_tokens_device: Any = None
     contiguous: Optional[ExpertContiguous] = None
+    expert_out_dtype: str = "bf16"
 
 
 class PrepareFinalize:
@@ -129,12 +133,14 @@ class PrepareFinalize:
         contiguous = None if c is None else ExpertContiguous(
             to_framework(c.x, fw), to_framework(c.x_scales, fw), to_framework(c.expert_offsets, fw),
             to_framework(c.row_expert, fw), to_framework(c.pair_row, fw), c.num_rows)
+        fp32 = r.layout == "flat" and c is None and self.config.flat_combine == "partial_fp32"
         return Prepared(r.layout, to_framework(r.x, fw), to_framework(r.x_scales, fw), to_framework(r.recv_count, fw),
                         to_framework(r.topk_idx, fw), to_framework(r.topk_weights, fw), r.num_recv_tokens, r,
-                        to_framework(r.num_recv_tokens_device, fw), contiguous)
+                        to_framework(r.num_recv_tokens_device, fw), contiguous, "fp32" if fp32 else "bf16")
 
     def finalize(self, expert_out, out=None, stream=None, topk_weights=None, *, reject=None):
-        """Combine expert_out (ExpertMajor [L, cap, H] / Flat [N_recv, H] bf16, as the experts wrote it;
+        """Combine expert_out (ExpertMajor [L, cap, H] bf16 / Flat [N_recv, H] fp32, or bf16 with flat_combine
+        "partial_bf16": Prepared.expert_out_dtype, as the experts wrote it;
         ht with expert_contiguous: [M, H] bf16, one unweighted row per Prepared.contiguous row) for the
         last prepare into out [T, H] bf16 (allocated like prepare's x when None); returns out.
 
@@ -192,14 +198,18 @@ class Experts:
 
     def apply(self, prepared: Prepared, out=None, stream=None):
         """ExpertMajor: out [L, cap, H] rows < recv_count[l] = expert_l(x[l, j]) (unweighted).
-        Flat: out [N, H] = sum over local selections of w * expert(x). bf16; returns out."""
+        Flat: out [N, H] = sum over local selections of w * expert(x), fp32 accumulation. out bf16, or fp32 (the sum
+        unrounded); allocated in prepared.expert_out_dtype when None (what that prepare's finalize takes). Returns out."""
         fw = framework(prepared.x)
         if out is None:
             shape = tuple(prepared.raw.x.shape)
+            fp32 = getattr(prepared, "expert_out_dtype", "bf16") == "fp32"
             if fw == "torch":
                 import torch
 
-                out = torch.empty(shape, dtype=torch.bfloat16, device=prepared.x.device)
+                out = torch.empty(shape, dtype=torch.float32 if fp32 else torch.bfloat16, device=prepared.x.device)
+            elif fp32:
+                out = empty_fp32(shape, fw, self.device)
             else:
                 out = empty_bf16(shape, fw, self.device)
         s = resolve_stream(stream, prepared.x, out)
@@ -236,6 +246,8 @@ class ModularMoE:
     num_max_dispatch_tokens_per_rank: capacity per rank per call (0 = no limit; with chunk_size, chunks).
     config: an epx.Config (launch settings such as ll_num_blocks / ht_num_sms; None = Config.load()).
     ll_combine: ll's combine reduction, "partial_fp32" (default) | "partial_bf16" | "column" (DispatchConfig.ll_combine).
+    flat_combine: the Flat backends' partials across ranks, "partial_fp32" (default, one rounding) | "partial_bf16"
+    (two roundings) (DispatchConfig.flat_combine).
     expert_contiguous: ht only (DispatchConfig.expert_contiguous): the experts run on prepare's expert-contiguous rows
     (Experts.apply_contiguous's layout) and finalize weights them, instead of the Flat rows the experts weight.
     """
@@ -243,11 +255,11 @@ class ModularMoE:
     def __init__(self, weights, group, backend: str, *, num_max_dispatch_tokens_per_rank: int = 0, dispatch_dtype: str = "bf16",
                  use_ue8m0: bool = False, expert_alignment: int = 1, config: Optional[_epx.Config] = None,
                  shared_mode: str = "auto", chunk_size: int = 0, fhmoe_max_tokens: int = -1, ll_combine: str = "partial_fp32",
-                 expert_contiguous: bool = False):
+                 expert_contiguous: bool = False, flat_combine: str = "partial_fp32"):
         self._impl = _epx.ModularMoE(weights, group, backend, num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank,
                                      dispatch_dtype=dispatch_dtype, use_ue8m0=use_ue8m0, expert_alignment=expert_alignment,
                                      config=config, shared_mode=shared_mode, chunk_size=chunk_size, fhmoe_max_tokens=fhmoe_max_tokens,
-                                     ll_combine=ll_combine, expert_contiguous=expert_contiguous)
+                                     ll_combine=ll_combine, expert_contiguous=expert_contiguous, flat_combine=flat_combine)
         self.weights, self.group, self.backend = weights, group, backend
 
     @property

@@ -112,6 +112,18 @@ def empty_bf16(shape, fw: str, device: str):
     return _epx.empty(list(shape), "bf16", device)
 
 
+def empty_fp32(shape, fw: str, device: str):
+    if fw == "torch":
+        import torch
+
+        return torch.empty(tuple(shape), dtype=torch.float32, device=device)
+    if fw == "numpy":
+        import numpy as np
+
+        return np.empty(tuple(shape), dtype=np.float32)
+    return _epx.empty(list(shape), "fp32", device)
+
+
 def to_float32(x):
     """fp32 values of a bf16 / fp8 / fp16 / fp32 tensor: torch -> torch.float32 tensor, numpy (bit
     patterns: uint16 = bf16, uint8 = fp8_e4m3) -> float32 ndarray, epx.Tensor -> float32 ndarray."""

@@ -209,7 +209,7 @@ class Buffer:
         pf = self._backend(self.ht_backend, hidden=int(x.shape[1]), num_experts=int(num_experts), top_k=int(topk_idx.shape[1]),
                            num_max_dispatch_tokens_per_rank=capacity,
                            dispatch_dtype="fp8_e4m3" if use_fp8 else "bf16", expert_alignment=int(expert_alignment),
-                           use_worst_case_sizing=num_worst_tokens > 0)
+                           use_worst_case_sizing=num_worst_tokens > 0, flat_combine="partial_bf16")
         p = pf.prepare(x, topk_idx, topk_weights, stream)
         counts = [] if num_worst_tokens > 0 else [int(c) for c in p.recv_count.tolist()]
         recv_x = (p.x, p.x_scales) if use_fp8 else p.x
@@ -241,7 +241,8 @@ class Buffer:
     def combine(self, x, handle: Handle, topk_weights=None, bias=None, config=None, previous_event=None,
                 async_finish: bool = False, allocate_on_comm_stream: bool = False, *, out=None, stream=None):
         """x: expert outputs [N_recv, H] bf16 (weighted per row as epx Experts Flat writes them), summed without
-        weights (DeepEP's HT combine). Returns (combined_x [T, H], None, None). topk_weights: must be None;
+        weights in fp32 and rounded once (DeepEP's HT combine; the shim's ht runs flat_combine "partial_bf16", as
+        DeepEP's combine takes bf16 rows). Returns (combined_x [T, H], None, None). topk_weights: must be None;
         DeepEP reduces them to the source ranks as its second result, epx's ht does not carry weights back:
         given, it raises Unsupported (NotImplementedError) on every rank, naming this rule."""
         reject = None

@@ -94,7 +94,7 @@ void bind_dispatch(pyb::module_& m) {
   pyb::class_<DispatchConfig>(m, "DispatchConfig", "Backend configuration (include/epx/dispatch.h); all ranks must agree.")
       .def(pyb::init([](int64_t hidden, int num_experts, int top_k, int num_max_dispatch_tokens_per_rank, const std::string& dispatch_dtype,
                         bool use_ue8m0, bool shared_route, int expert_alignment, bool use_worst_case_sizing,
-                        const std::string& ll_combine, bool expert_contiguous) {
+                        const std::string& ll_combine, bool expert_contiguous, const std::string& flat_combine) {
              DispatchConfig c;
              c.hidden = hidden;
              c.num_experts = num_experts;
@@ -107,12 +107,19 @@ void bind_dispatch(pyb::module_& m) {
              c.use_worst_case_sizing = use_worst_case_sizing;
              c.ll_combine = parse_ll_combine(ll_combine, "DispatchConfig.ll_combine");
              c.expert_contiguous = expert_contiguous;
+             c.flat_combine = parse_flat_combine(flat_combine, "DispatchConfig.flat_combine");
              return c;
            }),
            pyb::kw_only(), pyb::arg("hidden") = 0, pyb::arg("num_experts") = 0, pyb::arg("top_k") = 0,
            pyb::arg("num_max_dispatch_tokens_per_rank") = 0, pyb::arg("dispatch_dtype") = "bf16", pyb::arg("use_ue8m0") = false,
            pyb::arg("shared_route") = false, pyb::arg("expert_alignment") = 1, pyb::arg("use_worst_case_sizing") = false,
-           pyb::arg("ll_combine") = "partial_fp32", pyb::arg("expert_contiguous") = false)
+           pyb::arg("ll_combine") = "partial_fp32", pyb::arg("expert_contiguous") = false, pyb::arg("flat_combine") = "partial_fp32")
+      .def_property("flat_combine", [](const DispatchConfig& c) { return std::string(flat_combine_name(c.flat_combine)); },
+                    [](DispatchConfig& c, const std::string& s) { c.flat_combine = parse_flat_combine(s, "DispatchConfig.flat_combine"); },
+                    "naive, allgather_reducescatter, all2allv, ht (epx::FlatCombine): the dtype each rank's Flat partial crosses "
+                    "ranks in. \"partial_fp32\" (default: the experts write fp32 rows, finalize takes expert_out fp32 and sums "
+                    "the ranks' partials in fp32, one rounding) or \"partial_bf16\" (expert_out bf16: the partials are rounded "
+                    "before the sum, two roundings). ValueError otherwise.")
       .def_property("ll_combine", [](const DispatchConfig& c) { return std::string(ll_combine_name(c.ll_combine)); },
                     [](DispatchConfig& c, const std::string& s) { c.ll_combine = parse_ll_combine(s, "DispatchConfig.ll_combine"); },
                     "ll combine reduction (epx::LlCombine): \"partial_fp32\" (default: expert-side fp32 partial sums, one "
@@ -140,7 +147,7 @@ void bind_dispatch(pyb::module_& m) {
         return "epx.DispatchConfig(hidden=" + std::to_string(c.hidden) + ", num_experts=" + std::to_string(c.num_experts) +
                ", top_k=" + std::to_string(c.top_k) + ", num_max_dispatch_tokens_per_rank=" +
                std::to_string(c.num_max_dispatch_tokens_per_rank) + ", dispatch_dtype='" + std::string(dtype_name(c.dispatch_dtype)) +
-               "', ll_combine='" + ll_combine_name(c.ll_combine) + "'" + (c.expert_contiguous ? ", expert_contiguous=True" : "") + ")";
+               "', ll_combine='" + ll_combine_name(c.ll_combine) + "', flat_combine='" + flat_combine_name(c.flat_combine) + "'" + (c.expert_contiguous ? ", expert_contiguous=True" : "") + ")";
       });
 
   m.def("backend_names", &backend_names);
@@ -252,8 +259,8 @@ Raises InvalidArgument (on every rank), Unsupported, Timeout, CommError.)doc")
         call_released(a, [&] { p.pf->finalize(f); });
       }, pyb::arg("expert_out"), pyb::arg("out"), pyb::arg("stream") = 0, pyb::arg("topk_weights") = pyb::none(),
          pyb::arg("reject") = pyb::none(), R"doc(
-Combine for the last prepare (collective). expert_out: as the experts wrote it (ExpertMajor [L, cap, H] /
-Flat [N_recv, H] bf16; ht with expert_contiguous: [M, H] bf16, row i = expert row_expert[i] on
+Combine for the last prepare (collective). expert_out: as the experts wrote it (ExpertMajor [L, cap, H] bf16 /
+Flat [N_recv, H] fp32, or bf16 with DispatchConfig.flat_combine = "partial_bf16"; ht with expert_contiguous: [M, H] bf16, row i = expert row_expert[i] on
 contiguous.x[i], unweighted); out [T, H] bf16 is written: out[t] = sum_k w[t,k] * expert_{idx[t,k]}(x[t]),
 fp32 accumulation, one rounding. topk_weights: ht with expert_contiguous only, [N_recv, K] fp32 on the
 group's device (usually PrepareResult.topk_weights): received row n's partial is
@@ -315,7 +322,8 @@ mxfp4 (fp4 pairs [.., K/2] + e8m0 scale per 32 inputs).)doc")
   pyb::class_<Experts, std::shared_ptr<Experts>>(m, "Experts", R"doc(
 Grouped SwiGLU experts over this rank's local experts (vLLM: FusedMoEPermuteExpertsUnpermute).
 apply(prepared, out): ExpertMajor out [L, cap, H] (unweighted, rows < recv_count); Flat out [N, H]
-(weighted sum over the row's local selections). bf16 out. apply_contiguous(x, expert_offsets, out, x_scales):
+(weighted sum over the row's local selections): bf16, or fp32 (the sum unrounded: the partial a Flat
+combine with flat_combine = "partial_fp32" takes). apply_contiguous(x, expert_offsets, out, x_scales):
 rows already sorted by expert (ActivationLayout::Contiguous).)doc")
       .def_property_readonly("num_local_experts", &Experts::num_local_experts)
       .def_property_readonly("hidden", &Experts::hidden)
@@ -448,7 +456,7 @@ expert (separate, fused as route id E, or auto by M <= fhmoe_max_tokens). Collec
       .def(pyb::init([](std::shared_ptr<MoEWeights> weights, std::shared_ptr<Group> group, const std::string& backend,
                         int num_max_dispatch_tokens_per_rank, const std::string& dispatch_dtype, bool use_ue8m0, int expert_alignment,
                         std::optional<Config> config, const std::string& shared_mode, int chunk_size, int fhmoe_max_tokens,
-                        const std::string& ll_combine, bool expert_contiguous) {
+                        const std::string& ll_combine, bool expert_contiguous, const std::string& flat_combine) {
              DispatchConfig d;
              d.expert_contiguous = expert_contiguous;
              d.num_max_dispatch_tokens_per_rank = num_max_dispatch_tokens_per_rank;
@@ -456,6 +464,7 @@ expert (separate, fused as route id E, or auto by M <= fhmoe_max_tokens). Collec
              d.use_ue8m0 = use_ue8m0;
              d.expert_alignment = expert_alignment;
              d.ll_combine = parse_ll_combine(ll_combine, "ModularMoE.ll_combine");
+             d.flat_combine = parse_flat_combine(flat_combine, "ModularMoE.flat_combine");
              ModularMoEOptions o;
              o.shared_mode = parse_shared_mode(shared_mode);
              o.chunk_size = chunk_size;
@@ -467,7 +476,8 @@ expert (separate, fused as route id E, or auto by M <= fhmoe_max_tokens). Collec
            pyb::arg("weights"), pyb::arg("group"), pyb::arg("backend"), pyb::kw_only(), pyb::arg("num_max_dispatch_tokens_per_rank") = 0,
            pyb::arg("dispatch_dtype") = "bf16", pyb::arg("use_ue8m0") = false, pyb::arg("expert_alignment") = 1,
            pyb::arg("config") = pyb::none(), pyb::arg("shared_mode") = "auto", pyb::arg("chunk_size") = 0, pyb::arg("fhmoe_max_tokens") = -1,
-           pyb::arg("ll_combine") = "partial_fp32", pyb::arg("expert_contiguous") = false, pyb::keep_alive<1, 2>(),
+           pyb::arg("ll_combine") = "partial_fp32", pyb::arg("expert_contiguous") = false, pyb::arg("flat_combine") = "partial_fp32",
+           pyb::keep_alive<1, 2>(),
            pyb::keep_alive<1, 3>())
       .def("forward", [](ModularMoE& l, pyb::handle x, pyb::handle out, int64_t stream) {
         CallArgs a("epx.ModularMoE.forward", stream);

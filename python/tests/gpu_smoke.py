@@ -41,7 +41,7 @@ def exercise(rank, group, tag):
         pf = step(rank, f"{tag}: {backend} create", lambda backend=backend: epx.make_prepare_finalize(
             backend, group, epx.DispatchConfig(hidden=H, num_experts=E, top_k=K, num_max_dispatch_tokens_per_rank=T)))
         p = step(rank, f"{tag}: {backend} prepare", lambda pf=pf: pf.prepare(x, idx, w))
-        y = torch.zeros(p.x.shape, dtype=torch.bfloat16, device="cuda")
+        y = torch.zeros(p.x.shape, dtype=torch.float32 if p.expert_out_dtype == "fp32" else torch.bfloat16, device="cuda")
         step(rank, f"{tag}: {backend} finalize", lambda pf=pf: pf.finalize(y))
         step(rank, f"{tag}: {backend} sync", torch.cuda.synchronize)
         del pf, p

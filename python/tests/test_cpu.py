@@ -52,12 +52,14 @@ def run(groups, fn):
 
 
 def numpy_experts(prepared, local_fns, scales_group=128):
-    """The experts step written in numpy against prepare's layout (both layouts, bf16 or fp8)."""
+    """The experts step written in numpy against prepare's layout (both layouts, bf16 or fp8). Flat rows are
+    written in prepared.expert_out_dtype: fp32 (the weighted sum unrounded, flat_combine partial_fp32) or bf16."""
     x = f32(prepared.x)
     if prepared.x_scales is not None:  # fp8: dequantize 1x128 groups
         s = np.asarray(prepared.x_scales, dtype=np.float32)
         x = x * np.repeat(s, scales_group, axis=-1)
-    out = poisoned(prepared.x.shape)
+    fp32 = prepared.expert_out_dtype == "fp32"
+    out = np.full(prepared.x.shape, np.nan, np.float32) if fp32 else poisoned(prepared.x.shape)
     if prepared.layout == "expert_major":
         counts = np.asarray(prepared.recv_count)
         for l, n in enumerate(counts):
@@ -70,7 +72,7 @@ def numpy_experts(prepared, local_fns, scales_group=128):
             for k in range(idx.shape[1]):
                 if idx[n, k] >= 0:
                     acc += w[n, k] * local_fns[idx[n, k]](x[n:n + 1])[0]
-            out[n] = bits_bf16(acc)
+            out[n] = acc if fp32 else bits_bf16(acc)
     return out
 
 
@@ -238,6 +240,40 @@ def test_ll_combine_modes(experts, mode):
     assert max(errs) < 1.5e-2, errs
     with pytest.raises(ValueError, match="ll_combine"):
         epx.DispatchConfig(ll_combine="rows")
+
+
+@pytest.mark.parametrize("backend", ["naive", "allgather_reducescatter", "all2allv", "ht"])
+def test_flat_combine_rounds_once_by_default(backend):
+    """DispatchConfig.flat_combine: with the default "partial_fp32" prepare says expert_out is fp32 and the two-rank
+    cancellation (rank 0's experts give 2^-9, rank 1's give 1 + (-1) ... summed: 1 + 2^-9 - 1) returns 2^-9; with
+    "partial_bf16" (two roundings: rank 0's partial 1 + 2^-9 rounds to 1) it returns 0. A bad name raises ValueError."""
+    E2, K2, T2 = 2, 2, 4
+    groups = epx.make_cpu_groups(2, timeout_s=20)
+    for mode, want in (("partial_fp32", 2.0 ** -9), ("partial_bf16", 0.0)):
+        cfg = epx.DispatchConfig(hidden=H, num_experts=E2, top_k=K2, num_max_dispatch_tokens_per_rank=T2, flat_combine=mode)
+        assert cfg.flat_combine == mode
+
+        def body(rank):
+            pf = epx.make_prepare_finalize(backend, groups[rank], cfg)
+            tokens = T2 if rank == 0 else 0
+            x = bits_bf16(np.ones((tokens, H), np.float32))
+            idx = np.tile(np.array([[0, 1]], np.int32), (tokens, 1))  # expert 0 on rank 0, expert 1 on rank 1
+            w = np.ones((tokens, K2), np.float32)
+            p = pf.prepare(x, idx, w)
+            assert p.expert_out_dtype == ("fp32" if mode == "partial_fp32" else "bf16")
+            # Rank 0's partial: 1 + 2^-9 (its expert 0 gives it); rank 1's: -1.
+            value = 1.0 + 2.0 ** -9 if rank == 0 else -1.0
+            n = p.x.shape[0]
+            y = np.full((n, H), value, np.float32)
+            y[np.asarray(p.topk_idx).max(axis=1) < 0] = 0.0  # rows without a local selection are zeros
+            out = poisoned((tokens, H))
+            pf.finalize(y if mode == "partial_fp32" else bits_bf16(y), out)
+            return f32(out)
+
+        got = run(groups, body)[0]
+        assert np.all(got == np.float32(want)), (backend, mode, np.unique(got))
+    with pytest.raises(ValueError, match="flat_combine"):
+        epx.DispatchConfig(flat_combine="fp32")
     with pytest.raises(ValueError, match="ll_combine"):
         cfg.ll_combine = "partial_fp16"
 
@@ -446,7 +482,8 @@ def test_combine_weights_misuse_fails_on_every_rank(case):
         p = pf.prepare(x, idx, w)
         n = p.num_recv_tokens
         rows = p.contiguous.num_rows if p.contiguous is not None else n
-        y = np.zeros((rows,) + tuple(p.x.shape[1:]) if p.contiguous is not None else p.x.shape, np.uint16)
+        y = np.zeros((rows,) + tuple(p.x.shape[1:]) if p.contiguous is not None else p.x.shape,
+                     np.float32 if p.expert_out_dtype == "fp32" else np.uint16)
         good_w = p.topk_weights if p.contiguous is not None else None
         tw = {"weights_to_ll": np.ones((4, K), np.float32), "weights_to_flat_ht": p.topk_weights,
               "wrong_weights_shape": np.ones((n + 1, K), np.float32)}[case] if bad else good_w

@@ -67,17 +67,19 @@ def part_dispatch(rank, group, out_dir):
     fns = {e: make_fn(w, "cuda") for e, w in enumerate(ws)}
     begin, end = epx.expert_range(E, WORLD, rank)
     rows = []
-    variants = [(b, False) for b in epx.backend_names()] + [("ht", True)]  # ht also in graph-safe worst-case sizing
-    for backend, worst_case in variants:
+    # ht also in graph-safe worst-case sizing; all2allv and ht also with the two-roundings opt-in (bf16 partials).
+    variants = [(b, False, "partial_fp32") for b in epx.backend_names()] + [("ht", True, "partial_fp32")] + \
+        [(b, False, "partial_bf16") for b in ("all2allv", "ht")]
+    for backend, worst_case, flat_combine in variants:
         for dtype in ("bf16", "fp8_e4m3"):
             cfg = epx.DispatchConfig(hidden=H, num_experts=E, top_k=K, num_max_dispatch_tokens_per_rank=T, dispatch_dtype=dtype,
-                                     use_worst_case_sizing=worst_case)
+                                     use_worst_case_sizing=worst_case, flat_combine=flat_combine)
             try:
                 pf = epx.make_prepare_finalize(backend, group, cfg)
             except NotImplementedError as e:
                 rows.append({"backend": backend, "dtype": dtype, "skipped": str(e)})
                 continue
-            label = backend + ("+worst_case" if worst_case else "")
+            label = backend + ("+worst_case" if worst_case else "") + ("+partial_bf16" if flat_combine == "partial_bf16" else "")
             errs, copies = [], 0
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
@@ -163,7 +165,8 @@ def part_bad_inputs(rank, group, out_dir):
             res[name] = {"error": type(e).__name__, "mro": [c.__name__ for c in type(e).__mro__], "message": str(e)[:300]}
         res[name]["seconds"] = time.monotonic() - t0
     p = pf.prepare(x, idx, w)
-    out = pf.finalize(torch.zeros(p.x.shape, dtype=torch.bfloat16, device="cuda"))
+    out = pf.finalize(torch.zeros(p.x.shape, dtype=torch.float32 if p.expert_out_dtype == "fp32" else torch.bfloat16,
+                                  device="cuda"))
     torch.cuda.synchronize()
     res["good_after"] = {"error": None, "finite": bool(torch.isfinite(out.float()).all())}
     return res
@@ -196,7 +199,8 @@ def part_graph(rank, group, out_dir):
                 y = (p.x.float() * 2).to(torch.bfloat16)
             else:  # flat: the row's weighted sum over its local selections (topk_idx -1 = none)
                 wsum = (p.topk_weights * (p.topk_idx >= 0)).sum(dim=1, keepdim=True)
-                y = (p.x.float() * 2 * wsum).to(torch.bfloat16)
+                y = p.x.float() * 2 * wsum  # fp32 partial (flat_combine partial_fp32), or bf16 rows
+                y = y if p.expert_out_dtype == "fp32" else y.to(torch.bfloat16)
             pf.finalize(y, dst)
 
         s = torch.cuda.Stream()

@@ -42,7 +42,7 @@ def _experts(prepared, begin, end):
     """The expert step on prepare's layout, with no host sync (the ranks share one GPU): local expert l
     (global begin + l) scales its rows by SCALES[begin + l]. expert_major [L, cap, H]: rows below
     recv_count[l] scaled, the rest zero; flat [N_recv, H]: row n times sum_k w[n, k] * scale of its local
-    selections (topk_idx >= 0). bf16 out, as experts write it."""
+    selections (topk_idx >= 0). bf16 out, as experts write it (flat: prepared.expert_out_dtype, fp32 by default)."""
     x = prepared.x.float()
     if prepared.x_scales is not None:
         x = x * prepared.x_scales.float().repeat_interleave(x.shape[-1] // prepared.x_scales.shape[-1], dim=-1)
@@ -54,7 +54,7 @@ def _experts(prepared, begin, end):
     idx = prepared.topk_idx.long()
     w = prepared.topk_weights.float()
     per_row = torch.where(idx >= 0, w * s[idx.clamp(min=0)], torch.zeros_like(w)).sum(dim=1, keepdim=True)
-    return (x * per_row).to(torch.bfloat16)
+    return x * per_row if prepared.expert_out_dtype == "fp32" else (x * per_row).to(torch.bfloat16)
 
 
 def _run(groups, device, backend, dtype):

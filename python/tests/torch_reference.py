@@ -64,7 +64,8 @@ def dequant(prepared):
 def experts_on_layout(prepared, local_fns):
     """The experts step in plain torch on prepare's layout; local_fns[l] = expert of local id l.
     expert_major: out [L, cap, H], rows < recv_count[l] = expert_l(x) (reads the counts on the host).
-    flat: out [N, H] = sum over local selections of w * expert(x)."""
+    flat: out [N, H] = sum over local selections of w * expert(x), in prepared.expert_out_dtype (fp32: the partial
+    unrounded, flat_combine partial_fp32; bf16: partial_bf16)."""
     x = dequant(prepared)
     if prepared.layout == "expert_major":
         out = torch.zeros(x.shape, dtype=torch.bfloat16, device=x.device)
@@ -78,7 +79,12 @@ def experts_on_layout(prepared, local_fns):
         rows, cols = (idx == l).nonzero(as_tuple=True)
         if rows.numel():
             acc.index_add_(0, rows, prepared.topk_weights[rows, cols, None] * local_fns[l](x[rows]))
-    return acc.to(torch.bfloat16)
+    return acc if prepared.expert_out_dtype == "fp32" else acc.to(torch.bfloat16)
+
+
+def partial_dtype(prepared):
+    """The torch dtype finalize takes as expert_out for this prepare (Prepared.expert_out_dtype)."""
+    return torch.float32 if prepared.expert_out_dtype == "fp32" else torch.bfloat16
 
 
 def rel_l2(a, b):
