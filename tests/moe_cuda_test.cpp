@@ -89,8 +89,11 @@ struct Inputs {
   std::vector<int64_t> offset;   // first reference row of each rank
 };
 
-/// Reference of rows [0, valid[r]) of each rank's inputs (`fused`: the shared path it models).
-Tensor reference_of(const MoEWeights& w, const Inputs& in, const std::vector<int64_t>& valid, DType wire, bool fused = true) {
+/// Reference of rows [0, valid[r]) of each rank's inputs (`fused`: the shared path it models;
+/// `two_roundings`: the separate path's routed sum rounded to bf16 before g * shared joins, as the
+/// layer does where the shared rows are added after the combine: the local shared slot).
+Tensor reference_of(const MoEWeights& w, const Inputs& in, const std::vector<int64_t>& valid, DType wire, bool fused = true,
+                    bool two_roundings = false) {
   const int64_t H = w.config.hidden;
   const int K = w.config.router.top_k;
   const int64_t T = std::accumulate(valid.begin(), valid.end(), int64_t{0});
@@ -103,7 +106,7 @@ Tensor reference_of(const MoEWeights& w, const Inputs& in, const std::vector<int
     row += valid[r];
   }
   Tensor out = Tensor::empty({T, H}, DType::bf16);
-  moe_reference_cpu(w, x, idx, wts, out, {.dispatch_dtype = wire, .shared_fused = fused});
+  moe_reference_cpu(w, x, idx, wts, out, {.dispatch_dtype = wire, .shared_fused = fused, .two_roundings = two_roundings});
   return out;
 }
 
@@ -229,11 +232,14 @@ TEST_P(ModularMoECuda, WholeLayerGraphOnLlReplaysWithDifferentCountsPerRankAndEq
                                                      per_rank(R, {0, 5, kMax, 1}), per_rank(R, {kMax, 1, 9, 0})};
   // The shared expert fused (the default gate at T_max = 16) and separate (x~ on the FP8 tensor cores;
   // its recv_count is the graph's device count, so only the valid rows are computed).
-  std::vector<Tensor> refs, refs_separate;
+  // separate: g * shared joins ll's fp32 sum (FinalizeArgs::addend), one rounding; the local slot adds the
+  // shared rows to the combined bf16 rows, two roundings.
+  std::vector<Tensor> refs, refs_separate, refs_local;
   std::vector<std::vector<int64_t>> firsts;  // first reference row of each rank, per replay
   for (const auto& v : replays) {
     refs.push_back(reference_of(*w, in, v, DType::fp8_e4m3));
     refs_separate.push_back(reference_of(*w, in, v, DType::fp8_e4m3, false));
+    refs_local.push_back(reference_of(*w, in, v, DType::fp8_e4m3, false, true));
     std::vector<int64_t> f(static_cast<size_t>(R), 0);
     for (int r = 1; r < R; ++r) f[static_cast<size_t>(r)] = f[static_cast<size_t>(r - 1)] + v[static_cast<size_t>(r - 1)];
     firsts.push_back(f);
@@ -272,7 +278,8 @@ TEST_P(ModularMoECuda, WholeLayerGraphOnLlReplaysWithDifferentCountsPerRankAndEq
         test::poison_device(out.data(), static_cast<size_t>(out.nbytes()), "poison");
         layer.replay_graph(Stream{stream});
         cuda_ok(cudaStreamSynchronize(stream), "sync");
-        const double e = rel_l2_rows(out, separate || local ? refs_separate[i] : refs[i], firsts[i][static_cast<size_t>(rank)], n);
+        const Tensor& ref = separate ? refs_separate[i] : local ? refs_local[i] : refs[i];
+        const double e = rel_l2_rows(out, ref, firsts[i][static_cast<size_t>(rank)], n);
         const std::string where = std::string(what) + " replay " + std::to_string(i) + " rank " + std::to_string(rank);
         if (!(e <= kTol)) failures += where + ": rel L2 " + std::to_string(e) + "; ";
         // The eager twin on the same rows (T = n on this rank).
@@ -283,7 +290,7 @@ TEST_P(ModularMoECuda, WholeLayerGraphOnLlReplaysWithDifferentCountsPerRankAndEq
         const std::string diff = test::first_diff(where + " against eager", test::host_bytes(out.view().slice_rows(0, n)),
                                                   test::host_bytes(eager_out.view().slice_rows(0, n)));
         if (!diff.empty()) {
-          const double ee = rel_l2_rows(eager_out, separate || local ? refs_separate[i] : refs[i], firsts[i][static_cast<size_t>(rank)], n);
+          const double ee = rel_l2_rows(eager_out, ref, firsts[i][static_cast<size_t>(rank)], n);
           failures += diff + "(eager rel L2 to the reference " + std::to_string(ee) + "); ";
         }
         if (rank == 0)
@@ -305,7 +312,7 @@ TEST_P(ModularMoECuda, WholeLayerGraphOnLlReplaysWithDifferentCountsPerRankAndEq
 
 // The shared expert fused (FHMoE: route id E inside the routed launch) against separate (x
 // quantized to FP8 1x128 as the wire does, then a one-expert ExpertMajor layout on the FP8 tensor
-// cores, added to the combined rows) against the CPU reference of each path, on fresh random
+// cores, joining the combine's fp32 sum as FinalizeArgs::addend) against the CPU reference of each path, on fresh random
 // inputs: DeepSeek-V3 (fp8_block routed + shared) and V4-Pro (MXFP4 routed, fp8_block shared), ll
 // (ExpertMajor) and all2allv (Flat) (on 4 and 8 ranks V3 on ll and V4-Pro on all2allv), rank 0 with
 // 80 tokens (the shared expert's rows straddle 64-row tiles), then the auto gate below and above
@@ -322,11 +329,12 @@ TEST_P(ModularMoECuda, SharedExpertFusedAndSeparateMatchTheReferenceAndEachOther
   if (R > 2) cases = {cases[0], cases[3]};
   std::vector<std::shared_ptr<const MoEWeights>> weights;
   std::vector<Inputs> inputs;
-  std::vector<Tensor> ref_separate;
+  std::vector<Tensor> ref_separate, ref_local;  // one rounding (the addend joins the combine's sum); two (the local slot)
   for (size_t i = 0; i < cases.size(); ++i) {
     weights.push_back(weights_for(cases[i].preset));
     inputs.push_back(make_inputs(*weights.back(), tokens, 60 + i, DType::fp8_e4m3));
     ref_separate.push_back(reference_of(*weights.back(), inputs.back(), tokens, DType::fp8_e4m3, false));
+    ref_local.push_back(reference_of(*weights.back(), inputs.back(), tokens, DType::fp8_e4m3, false, true));
   }
   const std::string failed = run_cuda_ranks(R, 300.0, [&](int rank, const std::shared_ptr<Group>& g) {
     const RankStream rs;
@@ -368,12 +376,12 @@ TEST_P(ModularMoECuda, SharedExpertFusedAndSeparateMatchTheReferenceAndEachOther
                                  std::to_string(gate) + " rank " + std::to_string(rank);
         if (pc.shared_fused != (fused ? 1 : 0) || pc.shared_separate != (fused ? 0 : 1))
           failures += what + ": counters fused " + std::to_string(pc.shared_fused) + " separate " + std::to_string(pc.shared_separate) + "; ";
-        const bool rounds_once = fused && !local;
-        const double e = rel_l2_rows(out, rounds_once ? inputs[i].reference : ref_separate[i], inputs[i].offset[rank], T);
+        const Tensor& ref = local ? ref_local[i] : fused ? inputs[i].reference : ref_separate[i];
+        const double e = rel_l2_rows(out, ref, inputs[i].offset[rank], T);
         if (!(e <= kTol)) failures += what + (local ? " local slot" : "") + ": rel L2 " + std::to_string(e) + "; ";
         if (rank == 0)
           std::printf("%s%s: rel L2 %.2e against the %s reference\n", what.c_str(), local ? " (local slot)" : "", e,
-                      rounds_once ? "fused" : "separate");
+                      local ? "separate two-roundings" : fused ? "fused" : "separate");
         outs.push_back(std::move(out));
         g->barrier();  // every rank's call is done before the layer goes
       }
@@ -383,10 +391,10 @@ TEST_P(ModularMoECuda, SharedExpertFusedAndSeparateMatchTheReferenceAndEachOther
         if (!(e <= kTol)) failures += c.preset + " " + c.backend + " rank " + std::to_string(rank) + ": fused vs separate rel L2 " + std::to_string(e) + "; ";
         if (rank == 0) std::printf("%s %s: rank 0 fused vs separate rel L2 %.2e\n", c.preset.c_str(), c.backend.c_str(), e);
       }
-      if (T > 0 && outs.size() > 4) {  // the local slot against separate: the same GEMMs and roundings
+      if (T > 0 && outs.size() > 4) {  // the local slot against separate: the same GEMMs, one rounding more
         const Tensor a = outs[4].to(Device::cpu()), b = outs[1].to(Device::cpu());
         const double e = test::rel_l2_error(a, b);
-        if (!(e <= 1e-3)) failures += c.preset + " " + c.backend + " rank " + std::to_string(rank) + ": local slot vs separate rel L2 " + std::to_string(e) + "; ";
+        if (!(e <= 4e-3)) failures += c.preset + " " + c.backend + " rank " + std::to_string(rank) + ": local slot vs separate rel L2 " + std::to_string(e) + "; ";
         if (rank == 0) std::printf("%s %s: rank 0 fused (local slot) vs separate rel L2 %.2e\n", c.preset.c_str(), c.backend.c_str(), e);
       }
     }

@@ -90,10 +90,11 @@ std::vector<int> local_ids(const Case& c, int rank) {
   return ids;
 }
 
-/// The experts step on host copies of a prepare's outputs: expert_out [N, H] bf16 (Flat contract).
+/// The experts step on host copies of a prepare's outputs: expert_out [N, H] (Flat contract), fp32 (the
+/// unrounded partial, flat_combine partial_fp32) or bf16 (partial_bf16) as the case says.
 Tensor experts_out(const Case& c, int rank, const Snapshot& s) {
   const int64_t N = s.num_recv_tokens, H = c.H, K = c.K;
-  Tensor out = Tensor::empty({N, H}, DType::bf16);
+  Tensor out = Tensor::empty({N, H}, c.expert_out_dtype(ActivationLayout::Flat));
   poison(out);
   const std::vector<int> ids = local_ids(c, rank);
   if (ids.empty() || N == 0) return out;
@@ -162,6 +163,8 @@ std::vector<GpuCase> make_cases(int R) {
     c.idx64 = sp.idx64;
     c.masked = sp.masked;
     c.seed = seed++;
+    // DispatchConfig's default, one rounding: fp32 partials; the last spec keeps the two-roundings opt-in.
+    c.flat_combine = &sp == &specs.back() ? FlatCombine::partial_bf16 : FlatCombine::partial_fp32;
     Case c2 = c;
     c2.T.assign(c.T.rbegin(), c.T.rend());
     c2.seed = c.seed + 1000;
@@ -418,7 +421,7 @@ Tensor hier_take(const Case& c, int rank, const PrepareResult& p, HierSnap& s) {
     s.topk_idx = host_bytes(idx);
     s.topk_weights = host_bytes(w);
   }
-  Tensor out = Tensor::empty(s.x_shape, DType::bf16);
+  Tensor out = Tensor::empty(s.x_shape, c.expert_out_dtype(p.layout));
   poison(out);
   const std::vector<int> ids = local_ids(c, rank);
   if (!ids.empty() && !(p.layout == ActivationLayout::Flat && p.num_recv_tokens == 0)) {

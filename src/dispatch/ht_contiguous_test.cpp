@@ -145,8 +145,11 @@ void check_contiguous_case(const Case& c) {
   });
   for (int r = 0; r < c.R; ++r) {
     EXPECT_EQ(problems[static_cast<size_t>(r)], "") << "rank " << r;
-    EXPECT_EQ(count_bit_diffs(weighted[static_cast<size_t>(r)], oracle_out(c, in[static_cast<size_t>(r)], r, true)), 0) << "weighted, rank " << r;
-    EXPECT_EQ(count_bit_diffs(unweighted[static_cast<size_t>(r)], oracle_out(c, ones[static_cast<size_t>(r)], r, true)), 0)
+    // Each rank's partial kept fp32 (flat_combine partial_fp32, one rounding) or rounded to bf16 (partial_bf16).
+    const bool round_partials = c.flat_combine == FlatCombine::partial_bf16;
+    EXPECT_EQ(count_bit_diffs(weighted[static_cast<size_t>(r)], oracle_out(c, in[static_cast<size_t>(r)], r, true, round_partials)), 0)
+        << "weighted, rank " << r;
+    EXPECT_EQ(count_bit_diffs(unweighted[static_cast<size_t>(r)], oracle_out(c, ones[static_cast<size_t>(r)], r, true, round_partials)), 0)
         << "unweighted, rank " << r;
   }
 }
@@ -165,11 +168,15 @@ TEST(HtContiguous, MatchesTheFlatRowsAndTheOracle) {
   c.masked = 0.2;
   c.align = 8;
   c.seed = 11;
+  c.flat_combine = FlatCombine::partial_fp32;  // DispatchConfig's default (one rounding)
   check_contiguous_case(c);
   c.dtype = DType::fp8_e4m3;
   c.zipf = 1.3;
   c.seed = 12;
   check_contiguous_case(c);
+  c.flat_combine = FlatCombine::partial_bf16;  // the two-roundings opt-in
+  check_contiguous_case(c);
+  c.flat_combine = FlatCombine::partial_fp32;
   c.R = 3;
   c.E = 7;
   c.K = 3;
@@ -200,6 +207,7 @@ TEST(HtContiguous, ExpertsOnTheContiguousLayoutMatchTheFlatPath) {
     c.align = 8;
     c.dtype = dt;
     c.seed = dt == DType::bf16 ? 21 : 22;
+    c.flat_combine = FlatCombine::partial_fp32;  // the Flat path's experts write fp32 partials (the default)
     SCOPED_TRACE(c.describe());
     std::vector<std::shared_ptr<const ExpertWeights>> all;
     for (int e = 0; e < c.E; ++e) all.push_back(ExpertWeights::random(WeightFormat::bf16, c.H, 64, 700 + e));
@@ -227,7 +235,7 @@ TEST(HtContiguous, ExpertsOnTheContiguousLayoutMatchTheFlatPath) {
       // The Flat path: ht without expert_contiguous (whose finalize takes the Flat rows).
       auto pf_flat = make_prepare_finalize("ht", groups[static_cast<size_t>(r)], c.config());
       const PrepareResult pfl = pf_flat->prepare({ri.x, ri.topk_idx, ri.topk_weights});
-      ef = Tensor::empty({pfl.num_recv_tokens, c.H}, DType::bf16);
+      ef = Tensor::empty({pfl.num_recv_tokens, c.H}, c.expert_out_dtype(ActivationLayout::Flat));
       poison(ef);
       experts->apply(pfl.experts_input(), ef);
       via_flat[static_cast<size_t>(r)] = Tensor::empty({T, c.H}, DType::bf16);
@@ -239,7 +247,7 @@ TEST(HtContiguous, ExpertsOnTheContiguousLayoutMatchTheFlatPath) {
       int64_t non_finite = 0;
       for (int64_t i = 0; i < a.numel(); ++i) non_finite += !std::isfinite(bf16_bits_to_float(a.ptr<const uint16_t>()[i]));
       EXPECT_EQ(non_finite, 0) << "rank " << r;
-      // Same weights and order (fp32 sum over k, one bf16 rounding per rank); the expert rows come from sgemm
+      // Same weights and order (fp32 sum over k, the ranks' fp32 partials summed, one rounding); the expert rows come from sgemm
       // batches of other sizes (padding rows, duplicates shared), so allow the bf16 tolerance of METHOD.md.
       EXPECT_LT(rel_l2_error(a, b), 1e-2) << "rank " << r << ", " << count_bit_diffs(a, b) << " elements differ in bits";
     }

@@ -106,21 +106,33 @@ void take_prepare(const PrepareResult& p, Snapshot& s) {
   s.recv_count = host_bytes(p.recv_count);
 }
 
-/// Deterministic stand-in for the experts: [N, H] bf16 values in +-[2^-8, 2) with random bits from
+/// Deterministic stand-in for the experts: [N, H] values in +-[2^-8, 2) with random bits from
 /// (seed, index) (splitmix64: ~20x cheaper than a normal draw, and these rows are hundreds of MB).
-Tensor expert_out_for(int64_t N, int64_t H, uint64_t seed) {
-  Tensor t = Tensor::empty({N, H}, DType::bf16);
-  uint16_t* p = t.ptr<uint16_t>();
+/// bf16 (7 mantissa bits), or fp32 with 23 random mantissa bits (the Flat partials of flat_combine
+/// partial_fp32, which a bf16 rounding anywhere before the sum would change).
+Tensor expert_out_for(int64_t N, int64_t H, uint64_t seed, DType dtype = DType::bf16) {
+  Tensor t = Tensor::empty({N, H}, dtype);
+  const bool f32 = dtype == DType::fp32;
   for (int64_t i = 0; i < N * H; ++i) {
     uint64_t z = seed * 0x9E3779B97F4A7C15ull + static_cast<uint64_t>(i) + 1;
     z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
     z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
     z ^= z >> 31;
-    // sign, exponent 119..127 (2^-8 .. 2^0), 7 mantissa bits
-    p[i] = static_cast<uint16_t>(((z & 1) << 15) | ((119 + (z >> 1) % 9) << 7) | ((z >> 8) & 0x7F));
+    // sign, exponent 119..127 (2^-8 .. 2^0), 7 (bf16) or 23 (fp32) mantissa bits
+    const uint32_t sign = static_cast<uint32_t>(z & 1), exp = static_cast<uint32_t>(119 + (z >> 1) % 9);
+    if (f32) {
+      const uint32_t bits = (sign << 31) | (exp << 23) | static_cast<uint32_t>((z >> 8) & 0x7FFFFF);
+      std::memcpy(t.ptr<float>() + i, &bits, 4);
+    } else {
+      t.ptr<uint16_t>()[i] = static_cast<uint16_t>((sign << 15) | (exp << 7) | ((z >> 8) & 0x7F));
+    }
   }
   return t;
 }
+
+/// dtype of the expert_out a finalize takes: the expert-contiguous rows are bf16, the Flat partials
+/// as the case's flat_combine says (fp32 by default, one rounding).
+DType eo_dtype(const Case& c, bool contig) { return contig ? DType::bf16 : c.expert_out_dtype(ActivationLayout::Flat); }
 
 using Rounds = std::vector<std::vector<RankInput>>;  // [round][rank]
 
@@ -170,7 +182,7 @@ std::vector<std::vector<Snapshot>> run_cpu(const Case& c, const Rounds& rounds, 
       s.src_idx = vec_bytes(h.recv_src_idx);
       s.per_expert = vec_bytes(h.num_recv_tokens_per_expert);
       s.cache_hits = h.layout_cache_hits;
-      const Tensor eo = expert_out_for(contig ? s.contig_rows : s.num_recv_tokens, c.H, eo_seed(c, i, r));
+      const Tensor eo = expert_out_for(contig ? s.contig_rows : s.num_recv_tokens, c.H, eo_seed(c, i, r), eo_dtype(c, contig));
       Tensor out = Tensor::empty({ri.x.size(0), c.H}, DType::bf16);
       poison(out);
       FinalizeArgs fa{eo, out};
@@ -182,7 +194,7 @@ std::vector<std::vector<Snapshot>> run_cpu(const Case& c, const Rounds& rounds, 
         pf->finalize({eo, out});
         s.out2 = host_bytes(out);
       } else if (drive.twice) {
-        const Tensor eo2 = expert_out_for(s.num_recv_tokens, c.H, eo_seed2(c, i, r));
+        const Tensor eo2 = expert_out_for(s.num_recv_tokens, c.H, eo_seed2(c, i, r), eo_dtype(c, contig));
         poison(out);
         pf->finalize({eo2, out});
         s.out2 = host_bytes(out);
@@ -256,6 +268,7 @@ struct Spec {
   int align;
   bool contig = false;
   std::vector<int64_t> T3 = {};  ///< tokens per rank of the third round (empty: T)
+  FlatCombine flat_combine = FlatCombine::partial_fp32;  ///< one case per list keeps the two-roundings opt-in
 };
 
 HtCase make_ht_case(int R, const Spec& sp, uint64_t seed) {
@@ -277,6 +290,7 @@ HtCase make_ht_case(int R, const Spec& sp, uint64_t seed) {
   c.zipf = sp.zipf;
   c.align = sp.align;
   c.seed = seed;
+  c.flat_combine = sp.flat_combine;
   g.rounds = three_rounds(c, sp.T3);
   return g;
 }
@@ -290,7 +304,7 @@ std::vector<HtCase> make_cases() {
       {2048, DType::bf16, false, 64, 6, 16, {0, 0}, 0.0, 0.0, false, false, false, 1},                 // nobody sends
       {7168, DType::bf16, false, 256, 9, 4096, {1, 4096}, 0.0, 0.1, true, true, false, 32},            // shared route
       {2048, DType::fp8_e4m3, false, 16, 4, 8192, {8192, 8192}, 1.5, 0.3, false, true, true, 1},       // skewed, small E
-      {2048, DType::bf16, false, 3, 2, 300, {300, 299}, 0.0, 0.2, false, false, false, 1},             // a rank holds 1 expert
+      {2048, DType::bf16, false, 3, 2, 300, {300, 299}, 0.0, 0.2, false, false, false, 1, false, {}, FlatCombine::partial_bf16},  // a rank holds 1 expert; bf16 partials
       {2048, DType::fp8_e4m3, false, 256, 8, 2048, {2048, 2047}, 1.2, 0.1, false, true, false, 128, true},  // expert-contiguous, Zipf
       {7168, DType::bf16, false, 64, 6, 1024, {1000, 1}, 0.0, 0.1, true, true, true, 32, true},        // expert-contiguous, shared
       {2048, DType::bf16, false, 16, 4, 64, {0, 0}, 0.0, 0.0, false, false, false, 8, true},            // expert-contiguous, empty
@@ -308,7 +322,8 @@ std::vector<HtCase> make_small_cases(int R) {
   const auto T = [R](std::vector<int64_t> pattern) { return per_rank(R, pattern); };
   const std::vector<Spec> specs = {
       {1024, DType::bf16, false, 4 * R, 4, 128, T({128, 7, 0, 1}), 0.0, 0.2, false, true, false, 1, false, T({1, 0, 128, 7})},
-      {512, DType::fp8_e4m3, false, 2 * R + 4, 4, 128, T({1, 128, 0, 7}), 1.2, 0.15, false, false, true, 1, false, T({7, 1, 128, 0})},
+      {512, DType::fp8_e4m3, false, 2 * R + 4, 4, 128, T({1, 128, 0, 7}), 1.2, 0.15, false, false, true, 1, false, T({7, 1, 128, 0}),
+       FlatCombine::partial_bf16},  // bf16 partials (two roundings)
       {384, DType::fp8_e4m3, true, R + 3, 3, 16, T({7, 16, 0, 1}), 0.0, 0.25, true, false, false, 8, false, T({16, 0, 1, 7})},  // shared route
       {512, DType::fp8_e4m3, false, 4 * R, 4, 128, T({128, 1, 7, 0}), 1.1, 0.2, false, true, false, 16, true, T({0, 7, 1, 128})},  // contiguous
       {1024, DType::bf16, false, 4 * R, 6, 128, T({0, 7, 128, 1}), 0.0, 0.1, true, false, true, 8, true, T({128, 0, 1, 7})},   // contiguous, shared
@@ -342,7 +357,7 @@ std::vector<Snapshot> run_gpu(const Case& c, const Rounds& rounds, bool contig, 
     s.src_idx = host_bytes(h.recv_src_idx);
     s.per_expert = host_bytes(h.num_recv_tokens_per_expert);
     s.cache_hits = h.layout_cache_hits;
-    const Tensor eo = expert_out_for(contig ? s.contig_rows : s.num_recv_tokens, c.H, eo_seed(c, i, r)).to(dev);
+    const Tensor eo = expert_out_for(contig ? s.contig_rows : s.num_recv_tokens, c.H, eo_seed(c, i, r), eo_dtype(c, contig)).to(dev);
     const Tensor out = Tensor::empty({T, c.H}, DType::bf16, dev);
     test::poison_device(out.data(), static_cast<size_t>(out.nbytes()), "poison out");
     FinalizeArgs fa{eo, out, Stream{stream}};
@@ -352,7 +367,7 @@ std::vector<Snapshot> run_gpu(const Case& c, const Rounds& rounds, bool contig, 
     cuda_ok(cudaStreamSynchronize(stream), "sync after finalize");
     s.out = host_bytes(out);
     if (contig || drive.twice) {
-      const Tensor eo2 = contig ? eo : expert_out_for(s.num_recv_tokens, c.H, eo_seed2(c, i, r)).to(dev);
+      const Tensor eo2 = contig ? eo : expert_out_for(s.num_recv_tokens, c.H, eo_seed2(c, i, r), eo_dtype(c, contig)).to(dev);
       test::poison_device(out.data(), static_cast<size_t>(out.nbytes()), "poison out");
       pf->finalize({eo2, out, Stream{stream}});
       cuda_ok(cudaStreamSynchronize(stream), "sync after finalize");
@@ -387,6 +402,7 @@ GraphCase make_graph_case(int R) {
   c.masked = 0.2;
   c.zipf = 1.1;
   c.seed = 77;
+  c.flat_combine = FlatCombine::partial_bf16;  // the received bf16 x is the experts' output: the two-roundings opt-in
   const auto a = make_inputs(c);
   Case c2 = c;
   c2.seed = 78;
@@ -539,6 +555,7 @@ DeviceTCase make_device_t_case(int R) {
   c.dtype = DType::fp8_e4m3;
   c.masked = 0.1;
   c.zipf = 1.2;
+  c.flat_combine = FlatCombine::partial_fp32;
   std::vector<std::vector<int64_t>> Ts;
   if (R <= 2) {  // R = 1: 256, 0, 1, 130
     for (const std::vector<int64_t>& t : std::vector<std::vector<int64_t>>{{256, 200}, {0, 17}, {1, 256}, {130, 0}})
@@ -561,7 +578,7 @@ DeviceTCase make_device_t_case(int R) {
       Snapshot& s = g.want[i][static_cast<size_t>(r)];
       const PrepareResult p = pf->prepare({ri.x, ri.topk_idx, ri.topk_weights});
       take_prepare(p, s);
-      Tensor eo = expert_out_for(p.num_recv_tokens, c.H, eo_seed(c, i, r));
+      Tensor eo = expert_out_for(p.num_recv_tokens, c.H, eo_seed(c, i, r), eo_dtype(c, false));
       Tensor out = Tensor::empty({ri.x.size(0), c.H}, DType::bf16);
       pf->finalize({eo, out});
       s.out = host_bytes(out);
@@ -580,7 +597,7 @@ std::string run_device_t(const DeviceTCase& dc, const std::shared_ptr<Group>& g,
   const int64_t cap = c.cap, rows = static_cast<int64_t>(c.R) * cap;
   const Tensor x = Tensor::empty({cap, c.H}, DType::bf16, dev), idx = Tensor::empty({cap, c.K}, DType::int32, dev),
                w = Tensor::empty({cap, c.K}, DType::fp32, dev), nt = Tensor::zeros({1}, DType::int32, dev);
-  const Tensor eo = Tensor::empty({rows, c.H}, DType::bf16, dev), out = Tensor::empty({cap, c.H}, DType::bf16, dev);
+  const Tensor eo = Tensor::empty({rows, c.H}, eo_dtype(c, false), dev), out = Tensor::empty({cap, c.H}, DType::bf16, dev);
   poison_device(x.data(), static_cast<size_t>(x.nbytes()), "x", 0);
   poison_device(idx.data(), static_cast<size_t>(idx.nbytes()), "idx", 0);  // expert 0 everywhere: stale rows that would move
   poison_device(w.data(), static_cast<size_t>(w.nbytes()), "w", 0);
@@ -610,7 +627,7 @@ std::string run_device_t(const DeviceTCase& dc, const std::shared_ptr<Group>& g,
     // The experts' stand-in: the same random rows as HtCpu's, in the first N_recv rows (known from the CPU).
     const int64_t N = want.num_recv_tokens;
     if (N > 0) {
-      const Tensor e = expert_out_for(N, c.H, eo_seed(c, i, r));
+      const Tensor e = expert_out_for(N, c.H, eo_seed(c, i, r), eo_dtype(c, false));
       upload_device(eo.data(), e.data(), static_cast<size_t>(e.nbytes()), "eo");
     }
     poison_device(out.data(), static_cast<size_t>(out.nbytes()), "poison");
@@ -681,6 +698,7 @@ std::string check_errors(const std::shared_ptr<Group>& g, cudaStream_t stream) {
   c.cap = 32;
   c.T = per_rank(R, {20, 32});
   c.seed = 5;
+  c.flat_combine = FlatCombine::partial_fp32;  // DispatchConfig's default: finalize takes fp32 partials
   const auto in = make_inputs(c);
   auto pf = make_prepare_finalize("ht", g, c.config());
   const RankInput& ri = in[static_cast<size_t>(r)];
@@ -717,19 +735,29 @@ std::string check_errors(const std::shared_ptr<Group>& g, cudaStream_t stream) {
   if (r == 0) std::printf("T > capacity: %s\n", what.c_str());
   // Still usable.
   const PrepareResult p = pf->prepare({x, ri.topk_idx.to(dev), w, Stream{stream}});
-  const Tensor eo = Tensor::zeros({p.num_recv_tokens, c.H}, DType::bf16, dev), out = Tensor::empty({ri.x.size(0), c.H}, DType::bf16, dev);
+  const Tensor eo = Tensor::zeros({p.num_recv_tokens, c.H}, DType::fp32, dev), out = Tensor::empty({ri.x.size(0), c.H}, DType::bf16, dev);
   pf->finalize({eo, out, Stream{stream}});
   cuda_ok(cudaStreamSynchronize(stream), "sync");
   // A finalize with the wrong expert_out rows: InvalidArgument on this rank, before anything moves
   // (every rank makes the same mistake, so none waits).
   what.clear();
   try {
-    const Tensor eo_bad = Tensor::zeros({p.num_recv_tokens + 1, c.H}, DType::bf16, dev);
+    const Tensor eo_bad = Tensor::zeros({p.num_recv_tokens + 1, c.H}, DType::fp32, dev);
     pf->finalize({eo_bad, out, Stream{stream}});
   } catch (const InvalidArgument& e) {
     what = e.what();
   }
   if (what.find("expert_out.shape[0]") == std::string::npos) failures += "finalize rows: '" + what + "'; ";
+  // bf16 partials to an object on partial_fp32: InvalidArgument naming the dtype and the mode.
+  what.clear();
+  try {
+    const Tensor eo_bf16 = Tensor::zeros({p.num_recv_tokens, c.H}, DType::bf16, dev);
+    pf->finalize({eo_bf16, out, Stream{stream}});
+  } catch (const InvalidArgument& e) {
+    what = e.what();
+  }
+  if (what.find("expert_out.dtype") == std::string::npos || what.find("partial_fp32") == std::string::npos)
+    failures += "finalize bf16 expert_out on partial_fp32: '" + what + "'; ";
   // Combine weights need the expert-contiguous layout (Flat rows come weighted from the experts).
   what.clear();
   try {
@@ -1064,6 +1092,7 @@ void run_timeline() {
   c.cap = 4096;
   c.T = {4096, 4096};
   c.masked = 0.0;
+  c.flat_combine = FlatCombine::partial_fp32;  // the default combine: fp32 partials
   const auto in = make_inputs(c);
   const std::string failed = run_cuda_ranks(2, 200.0, [&](int rank, const std::shared_ptr<Group>& g) {
     const RankStream rs;
@@ -1071,7 +1100,7 @@ void run_timeline() {
     const Device dev = g->device();
     const Tensor x = in[static_cast<size_t>(rank)].x.to(dev), idx = in[static_cast<size_t>(rank)].topk_idx.to(dev),
                  w = in[static_cast<size_t>(rank)].topk_weights.to(dev);
-    const Tensor out = Tensor::empty({4096, c.H}, DType::bf16, dev), eo = Tensor::zeros({2 * 4096, c.H}, DType::bf16, dev);
+    const Tensor out = Tensor::empty({4096, c.H}, DType::bf16, dev), eo = Tensor::zeros({2 * 4096, c.H}, DType::fp32, dev);
     const Tensor word = Tensor::zeros({1}, DType::fp32, dev);
     auto median = [](std::vector<double> v) {
       std::sort(v.begin(), v.end());

@@ -367,7 +367,9 @@ FlatCase flat_case(Experts& cpu, int64_t N, int K, DType x_dtype, uint64_t seed,
 }
 
 /// Runs `gpu` on case c (out poisoned first) and checks every row finite, the rows without a local selection exact
-/// zeros, and the normwise and worst-row relative L2 against c.ref <= tol. Returns the normwise error.
+/// zeros, and the normwise and worst-row relative L2 against c.ref <= tol. Then again with an fp32 out (the
+/// unrounded partial that a Flat combine with flat_combine partial_fp32 takes): every element rounded to bf16
+/// equals the bf16 call's, bit for bit. Returns the normwise error.
 double check_flat(Experts& gpu, const FlatCase& c, double tol = kMaxRelL2) {
   SCOPED_TRACE(c.trace);
   const int64_t N = c.N, H = c.H;
@@ -390,6 +392,14 @@ double check_flat(Experts& gpu, const FlatCase& c, double tol = kMaxRelL2) {
   const double e = test::rel_l2_error(oh, c.ref);
   EXPECT_LE(e, tol) << sample(oh, c.ref, H);
   EXPECT_LE(worst_row, tol) << "worst single row";
+  Tensor out32 = Tensor::empty({N, H}, DType::fp32, kDev);
+  poison_dev(out32);
+  gpu.apply({ActivationLayout::Flat, xd, sd, {}, id, wd}, out32);
+  const Tensor o32 = out32.to(Device::cpu());
+  int64_t differ = 0, first = -1;
+  for (int64_t i = 0; i < N * H; ++i)
+    if (float_to_bf16_bits(o32.ptr<const float>()[i]) != oh.ptr<const uint16_t>()[i]) differ += 1, first = first < 0 ? i : first;
+  EXPECT_EQ(differ, 0) << "fp32 out rounded differs from the bf16 out, first at element " << first;
   return e;
 }
 
