@@ -114,8 +114,8 @@ struct DispatchConfig {
   LlCombine ll_combine = LlCombine::partial_fp32;
   /// naive, allgather_reducescatter, all2allv, ht: the dtype each rank's partial sum crosses ranks
   /// in (FlatCombine); expert_out of finalize is fp32 for partial_fp32 (one rounding) and bf16 for
-  /// partial_bf16 (two roundings). ll ignores it (ll_combine). ht on CUDA moves bf16 partials only
-  /// and refuses partial_fp32 (Unsupported naming this field).
+  /// partial_bf16 (two roundings). ll ignores it (ll_combine). ht with expert_contiguous: expert_out
+  /// stays the experts' bf16 rows; the per-rank partials ht forms from them follow this field.
   FlatCombine flat_combine = FlatCombine::partial_fp32;
 };
 
@@ -226,8 +226,7 @@ struct Capabilities {
   /// (src/dispatch/hier.h: inter-node NCCL stage, then the backend inside each node). false on one
   /// node: the flat backend, the single-node fast path.
   bool hierarchical = false;
-  /// finalize takes FinalizeArgs::addend (every CPU backend but the hierarchical ones; naive,
-  /// allgather_reducescatter and all2allv on CUDA).
+  /// finalize takes FinalizeArgs::addend (every backend on CPU and CUDA but the hierarchical ll / ht).
   bool combine_addend = false;
 };
 

@@ -236,7 +236,7 @@ struct ReferenceOptions {
   bool shared_fused = false;
   /// With shared_fused = false: the combined routed rows are rounded to bf16 before g * shared is
   /// added, as ModularMoE's separate path does on a backend without Capabilities::combine_addend
-  /// (ll and ht on CUDA, the hierarchical backends).
+  /// (the hierarchical ll / ht).
   bool two_roundings = false;
 };
 void moe_reference_cpu(const MoEWeights& w, const TensorView& x, const TensorView& topk_idx,

@@ -46,16 +46,13 @@ HtCuda::HtCuda(std::shared_ptr<Group> group, const DispatchConfig& cfg, const Co
   const std::string op = "ht.create";
   if (!group_->device().is_cuda()) throw Unsupported(op + ": group " + group_->name() + " is not a CUDA group: ht on CUDA needs symmetric memory");
   caps_.graph_safe = cfg_.use_worst_case_sizing;
+  caps_.combine_addend = true;
   accepts_device_num_tokens_ = true;
   require_arg(op, "num_ranks", num_ranks_, num_ranks_ <= kHtMaxRanks,
               "must be <= " + std::to_string(kHtMaxRanks) + " for ht on CUDA (one NVLink domain; peer pointers ride in the kernel parameters)");
   require_arg(op, "num_max_dispatch_tokens_per_rank", cfg_.num_max_dispatch_tokens_per_rank, cfg_.num_max_dispatch_tokens_per_rank >= 1,
               "must be >= 1 for ht on CUDA (its buffers are sized for R * num_max_dispatch_tokens_per_rank rows at create)");
   require_arg(op, "hidden", cfg_.hidden, cfg_.dispatch_dtype == DType::fp8_e4m3 || cfg_.hidden % 8 == 0, "must be a multiple of 8");
-  if (cfg_.flat_combine != FlatCombine::partial_bf16)
-    throw Unsupported(arg_message(op, "flat_combine", flat_combine_name(cfg_.flat_combine),
-                                  "must be partial_bf16 for ht on CUDA: its combine kernels move bf16 partials (two roundings); "
-                                  "partial_fp32 runs on the CPU ht and on naive, allgather_reducescatter and all2allv"));
   timeout_s_ = group_->timeout_s();
   cuda::DeviceGuard guard(group_->device().index);
   int sms = 0;
@@ -310,7 +307,7 @@ const DispatchStats& HtCuda::stats() const {
     stats_view_.num_valid_selections = rec.valid_selections;
     stats_view_.num_rank_dedup_rows = rec.dedup_rows;
     stats_view_.remote_bytes_dispatch = (rec.dedup_rows - rec.rows_to_self) * codec().row_bytes();
-    stats_view_.remote_bytes_combine = rec.rows_from_others * 2 * cfg_.hidden;
+    stats_view_.remote_bytes_combine = rec.rows_from_others * layout_.partial_bytes * cfg_.hidden;
     return stats_view_;
   }
   return stats_;
@@ -321,14 +318,26 @@ void HtCuda::finalize(const FinalizeArgs& args) {
   throw_sticky_error(op);
   if (!prepared_) throw InvalidArgument(op + ": no prepare to finalize: every rank calls prepare first (also with T = 0)");
   const int64_t H = cfg_.hidden;
+  // expert_out: the Flat partials in flat_combine's dtype; with expert_contiguous the experts' unweighted bf16 rows.
+  const DType partial = cfg_.expert_contiguous ? DType::bf16 : partial_dtype();
   for (const auto& [arg, t] : {std::pair<const char*, const TensorView*>{"expert_out", &args.expert_out}, {"out", &args.out}}) {
     if (t->device != group_->device()) throw Unsupported(wrong_device(op, arg, t->device));
-    check_dtype(op, arg, *t, {DType::bf16});
+    const DType want = t == &args.out ? DType::bf16 : partial;
+    if (t->dtype != want)
+      require_arg(op, std::string(arg) + ".dtype", dtype_name(t->dtype), false,
+                  "must be " + std::string(dtype_name(want)) +
+                      (t == &args.out ? std::string()
+                       : cfg_.expert_contiguous ? std::string(" (the experts' unweighted rows, expert_contiguous)")
+                                                : std::string(" (flat_combine = ") + flat_combine_name(cfg_.flat_combine) + ")"));
     check_contiguous(op, arg, *t);
     require_arg(op, std::string(arg) + ".ndim", t->ndim, t->ndim == 2, "must be 2");
   }
-  require_arg(op, "addend", args.addend.describe(), !args.addend.defined(),
-              "must be empty for ht on CUDA (Capabilities::combine_addend = false)");
+  if (args.addend.defined()) {  // joins each token's fp32 sum before the one rounding
+    if (args.addend.device != group_->device()) throw Unsupported(wrong_device(op, "addend", args.addend.device));
+    check_dtype(op, "addend", args.addend, {DType::fp32});
+    check_shape(op, "addend", args.addend, {prepared_tokens_, cfg_.hidden});
+    check_contiguous(op, "addend", args.addend);
+  }
   if (cfg_.expert_contiguous) {
     require_arg(op, "expert_out.shape[0]", args.expert_out.shape[0], args.expert_out.shape[0] == contig_rows_,
                 std::string("must equal ") + (cfg_.use_worst_case_sizing ? "the expert-contiguous capacity " : "M = ") +
@@ -363,9 +372,13 @@ void HtCuda::finalize(const FinalizeArgs& args) {
   p.timeout_ns = static_cast<uint64_t>(timeout_s_ * 1e9);
   p.worst_case = cfg_.use_worst_case_sizing;
   p.num_tokens = prepared_tokens_;
-  p.expert_out = args.expert_out.ptr<const uint16_t>();
+  p.expert_out = static_cast<const uint16_t*>(args.expert_out.data);
+  p.partial_f32 = layout_.partial_bytes == 4;
+  p.addend = args.addend.defined() ? args.addend.ptr<const float>() : nullptr;
   p.out = args.out.ptr<uint16_t>();
-  p.io_aligned16 = (reinterpret_cast<uintptr_t>(args.expert_out.data) | reinterpret_cast<uintptr_t>(args.out.data) | (H * 2)) % 16 == 0;
+  p.io_aligned16 = H % 8 == 0 &&
+                   (reinterpret_cast<uintptr_t>(args.expert_out.data) | reinterpret_cast<uintptr_t>(args.out.data) |
+                    reinterpret_cast<uintptr_t>(args.addend.data) | (H * 2)) % 16 == 0;
   p.combine_mode = combine_mode_;
   p.chunk_rows = chunk_rows_;
   if (cfg_.expert_contiguous) {
@@ -373,7 +386,7 @@ void HtCuda::finalize(const FinalizeArgs& args) {
     p.combine_weights = args.topk_weights.defined() ? args.topk_weights.ptr<const float>() : nullptr;
   }
   launch_ht_combine(p, num_sms_, warps_, args.stream);
-  if (!cfg_.use_worst_case_sizing) stats_.remote_bytes_combine = record_host_->rows_from_others * 2 * H;
+  if (!cfg_.use_worst_case_sizing) stats_.remote_bytes_combine = record_host_->rows_from_others * layout_.partial_bytes * H;
   // Worst-case mode: an earlier prepare's bad argument that the host sees by now, thrown after this
   // combine's launch (every rank's sequence stays whole); deferred (ModularMoE): take_device_error.
   if (!defer_errors_)

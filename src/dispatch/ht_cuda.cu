@@ -20,6 +20,7 @@ HtLayout HtLayout::make(const DispatchConfig& cfg, int num_ranks, int rank) {
   l.capacity = cfg.num_max_dispatch_tokens_per_rank;
   l.use_fp8 = cfg.dispatch_dtype == DType::fp8_e4m3;
   l.use_ue8m0 = cfg.use_ue8m0;
+  l.partial_bytes = cfg.flat_combine == FlatCombine::partial_fp32 ? 4 : 2;
   l.placement = {cfg.num_experts, num_ranks, cfg.shared_route};
   l.max_local = 1;
   for (int r = 0; r < num_ranks; ++r) l.max_local = std::max(l.max_local, l.placement.num_local(r));
@@ -43,7 +44,7 @@ HtLayout HtLayout::make(const DispatchConfig& cfg, int num_ranks, int rank) {
   l.off_src_idx = off;
   off = round_up(off + rows * 4, 4096);
   l.off_back = off;
-  off = round_up(off + rows * 2 * l.hidden, 4096);
+  off = round_up(off + rows * l.partial_bytes * l.hidden, 4096);
   l.symmetric_bytes = off;
   return l;
 }

@@ -4,8 +4,9 @@
 // Same outputs as HtCpu on the same inputs: the Flat layout of dedup_cpu.h, rows ordered by source
 // rank then source token; bf16 rows bit-exact, fp8 codes and 1x128 scales bit-exact (quantized
 // once on the source, in the dispatch kernel, with the arithmetic of quant_cuda.cu); recv_count
-// aligned to expert_alignment; combine = fp32 sum of the destinations' partial rows in
-// destination-rank order from 0.0f, one rounding (DedupCpu::finalize).
+// aligned to expert_alignment; combine = fp32 sum of the destinations' partial rows (fp32, or bf16
+// with flat_combine partial_bf16) in destination-rank order from 0.0f, then FinalizeArgs::addend, one
+// rounding (DedupCpu::finalize; partial_bf16 with an addend: the sum rounded, the addend added, rounded).
 //
 // One symmetric buffer per backend object (alloc_symmetric, sized at create for the worst case
 // R * num_max_dispatch_tokens_per_rank received rows), carved by HtLayout:
@@ -17,7 +18,8 @@
 //   recv      x [R*cap, H] bf16|fp8, x_scales [R*cap, H/128] fp32, topk_idx [R*cap, K] int32 local
 //             expert or -1, topk_weights [R*cap, K] fp32, src_idx [R*cap] int32: the dispatch output
 //             itself (sources store straight into their final rows; no unpack pass)
-//   back      [R*cap, H] bf16: partial rows returned by destination d, block d at rows [d*cap, ...)
+//   back      [R*cap, H] fp32 (DispatchConfig::flat_combine partial_fp32) or bf16 (partial_bf16): partial
+//             rows returned by destination d, block d at rows [d*cap, ...)
 // Three kernels: (1) layout (prepare): one CTA scans the routing (the scan is skipped when topk_idx
 // equals the cached layout's: DeepEP's cached handle), publishes the counts to every peer, waits for
 // every peer's, and derives the rank prefix matrix, each source's block in each destination, N_recv and
@@ -88,6 +90,7 @@ struct HtLayout {
   int num_ranks = 1, rank = 0, top_k = 1, max_local = 1;  ///< R, this rank, K, max over ranks of L
   int64_t hidden = 0, capacity = 0;                      ///< H, cap = num_max_dispatch_tokens_per_rank
   bool use_fp8 = false, use_ue8m0 = false;
+  int64_t partial_bytes = 4;  ///< bytes per element of a partial row in `back`: 4 (flat_combine partial_fp32) or 2
   Placement placement;
   // symmetric buffer
   int64_t slot_bytes = 0, off_slots = 0, off_flags = 0, off_chunk_flags = 0, off_x = 0, off_scales = 0, off_idx = 0, off_weights = 0,
@@ -199,9 +202,11 @@ struct HtParams {
   int fp8_unroll = 4;                     ///< fp8 dispatch: steps of 4 groups a warp loads before quantizing (4 or 7)
   bool prefetch_x = false;                ///< dispatch: each warp's first row of x into L2 while the layout runs (ht.pdl 2; measured slower)
   // finalize
-  const uint16_t* expert_out = nullptr;   ///< [N_recv or R*cap, H] bf16
+  const uint16_t* expert_out = nullptr;   ///< [N_recv or R*cap, H] fp32 (partial_f32; as uint16 pairs) | bf16; contiguous: [rows, H] bf16
+  bool partial_f32 = false;               ///< partials (Flat expert_out, `back`) are fp32 (flat_combine partial_fp32)
+  const float* addend = nullptr;          ///< [T, H] fp32 (FinalizeArgs::addend), or null
   uint16_t* out = nullptr;                ///< [T, H] bf16
-  bool io_aligned16 = false;              ///< expert_out and out 16-byte aligned
+  bool io_aligned16 = false;              ///< expert_out, out and addend 16-byte aligned, H * element size a multiple of 16
   int combine_mode = 0;                   ///< 0: send all, then reduce; 1: pipelined (combine_kernel)
   int chunk_rows = 4;                     ///< rows per combine chunk flag, 1..capacity
   const int32_t* pair_row = nullptr;      ///< expert-contiguous: [rows, K] contiguous row of pair (n, k) or -1; null = Flat

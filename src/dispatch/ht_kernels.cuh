@@ -878,6 +878,85 @@ __device__ __forceinline__ void reduce_token(const uint16_t* const* rows, int n,
   }
 }
 
+/// reduce_token with fp32 partials (flat_combine partial_fp32) and/or an addend: out = round_bf16(sum over
+/// the rows in order, fp32 from 0.0f, then + addend), as DedupCpu::finalize; bf16 rows with an addend:
+/// the sum is rounded to bf16 before the addend joins (partial_bf16, CpuPrepareFinalize::finish_rows).
+/// aligned: every row, addend and out 16-byte aligned and H % 8 == 0 (8 elements per lane and step).
+__device__ __forceinline__ void reduce_token_any(const uint16_t* const* rows, int n, bool f32, const float* addend, uint16_t* out,
+                                                 int64_t H, bool aligned, int lane) {
+  if (aligned) {
+    const int64_t n8 = H / 8;
+    for (int64_t i = lane; i < n8; i += 32) {
+      float acc[8];
+#pragma unroll
+      for (int q = 0; q < 8; ++q) acc[q] = 0.0f;
+      for (int j = 0; j < n; ++j) {
+        if (f32) {
+          const float4* r = reinterpret_cast<const float4*>(rows[j]) + 2 * i;
+          const float4 a = r[0], b = r[1];
+          acc[0] += a.x, acc[1] += a.y, acc[2] += a.z, acc[3] += a.w;
+          acc[4] += b.x, acc[5] += b.y, acc[6] += b.z, acc[7] += b.w;
+        } else {
+          const uint4 v = reinterpret_cast<const uint4*>(rows[j])[i];
+          const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+          for (int q = 0; q < 4; ++q) {
+            acc[2 * q] += lo_f(w[q]);
+            acc[2 * q + 1] += hi_f(w[q]);
+          }
+        }
+      }
+      if (addend) {
+        const float4* a4 = reinterpret_cast<const float4*>(addend) + 2 * i;
+        const float4 a = a4[0], b = a4[1];
+        const float av[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+#pragma unroll
+        for (int q = 0; q < 8; ++q) {
+          if (!f32) acc[q] = bf16_bits_to_float(float_to_bf16_bits(acc[q]));
+          acc[q] += av[q];
+        }
+      }
+      uint32_t o[4];
+#pragma unroll
+      for (int q = 0; q < 4; ++q)
+        o[q] = static_cast<uint32_t>(float_to_bf16_bits(acc[2 * q])) | (static_cast<uint32_t>(float_to_bf16_bits(acc[2 * q + 1])) << 16);
+      reinterpret_cast<uint4*>(out)[i] = make_uint4(o[0], o[1], o[2], o[3]);
+    }
+    return;
+  }
+  for (int64_t i = lane; i < H; i += 32) {
+    float acc = 0.0f;
+    for (int j = 0; j < n; ++j) acc += f32 ? reinterpret_cast<const float*>(rows[j])[i] : bf16_bits_to_float(rows[j][i]);
+    if (addend) {
+      if (!f32) acc = bf16_bits_to_float(float_to_bf16_bits(acc));
+      acc += addend[i];
+    }
+    out[i] = float_to_bf16_bits(acc);
+  }
+}
+
+/// expert-contiguous: the partial of received row n at vector index i, 8 fp32 values = sum over k in
+/// order with pair_row[n,k] >= 0 of w[n,k] * y[pair_row[n,k]] in fp32 from 0.0f (products and sums
+/// rounded separately, no contraction: HtCpu); w = 1 unweighted.
+__device__ __forceinline__ void partial8_f32(const HtParams& p, int64_t n, int64_t i, float* acc) {
+  const int64_t H = p.l.hidden;
+#pragma unroll
+  for (int q = 0; q < 8; ++q) acc[q] = 0.0f;
+  const int K = p.l.top_k;
+  for (int k = 0; k < K; ++k) {
+    const int32_t m = p.pair_row[n * K + k];
+    if (m < 0) continue;
+    const float w = p.combine_weights ? p.combine_weights[n * K + k] : 1.0f;
+    const uint4 v = reinterpret_cast<const uint4*>(p.expert_out + m * H)[i];
+    const uint32_t wv[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      acc[2 * q] = __fadd_rn(acc[2 * q], __fmul_rn(w, lo_f(wv[q])));
+      acc[2 * q + 1] = __fadd_rn(acc[2 * q + 1], __fmul_rn(w, hi_f(wv[q])));
+    }
+  }
+}
+
 /// Partial row of received row n, 8 bf16 at vector index i (16 bytes): Flat = expert_out[n] as is;
 /// expert-contiguous = round_bf16(sum over k in order with pair_row[n,k] >= 0 of w[n,k] * y[pair_row[n,k]])
 /// in fp32 from 0.0f (products and sums rounded separately, no contraction: HtCpu); w = 1 unweighted.
@@ -910,13 +989,24 @@ __device__ __forceinline__ uint4 partial8(const HtParams& p, int64_t n, int64_t 
 /// One warp stores the partial row of received row n to dst: Flat = a copy (copy_row_bf16, 8 vectors
 /// per lane in flight); expert-contiguous = partial8, 2 vectors per lane in flight (it reads K rows
 /// per vector, so fewer are needed to cover the latency, and registers stay free).
+/// fp32 partials (partial_f32): the row is 2H uint16 words, the expert-contiguous partial stays fp32.
 __device__ __forceinline__ void send_partial(const HtParams& p, int64_t n, uint16_t* dst, int lane) {
-  const int64_t H = p.l.hidden;
+  const int64_t H = p.l.hidden, ew = p.partial_f32 ? 2 : 1;
   if (!p.pair_row) {
-    copy_row_bf16(dst, p.expert_out + n * H, H, p.io_aligned16, lane);
+    copy_row_bf16(dst, p.expert_out + n * H * ew, H * ew, p.io_aligned16, lane);
     return;
   }
   const int64_t n16 = H / 8;
+  if (p.partial_f32) {
+    for (int64_t i = lane; i < n16; i += 32) {
+      float acc[8];
+      partial8_f32(p, n, i, acc);
+      float4* d = reinterpret_cast<float4*>(dst) + 2 * i;
+      d[0] = make_float4(acc[0], acc[1], acc[2], acc[3]);
+      d[1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
+    }
+    return;
+  }
   constexpr int U = 2;
   for (int64_t base = 0; base < n16; base += 32 * U) {
     uint4 v[U];
@@ -948,7 +1038,7 @@ struct CombineCtx {
 __device__ __forceinline__ bool reduce_one(const HtParams& p, const CombineCtx& cx, int64_t t, int64_t* ready, int lane) {
   const HtLayout& l = p.l;
   const HtState& st = state_of(p);
-  const int64_t H = l.hidden;
+  const int64_t H = l.hidden, HW = H * (p.partial_f32 ? 2 : 1);  // HW: a partial row in uint16 words
   const int32_t* send_pos = arr<int32_t>(p, p.a.send_pos);
   const uint16_t* back = reinterpret_cast<const uint16_t*>(p.peers[cx.me] + l.off_back);
   const uint64_t* chunk_flags = reinterpret_cast<const uint64_t*>(p.peers[cx.me] + l.off_chunk_flags);
@@ -958,12 +1048,12 @@ __device__ __forceinline__ bool reduce_one(const HtParams& p, const CombineCtx& 
     const int32_t pos = send_pos[t * cx.R + d];
     if (pos < 0) continue;
     if (cx.target_slot[d] < 0) {  // Flat, d == me: read in place
-      rows[n++] = p.expert_out + (st.recv_offset[cx.me] + pos) * H;
+      rows[n++] = p.expert_out + (st.recv_offset[cx.me] + pos) * HW;
       continue;
     }
     const int64_t chunk = pos / cx.chunk_rows;
     if (ready[d] == chunk) {
-      rows[n++] = back + (d * l.capacity + pos) * H;
+      rows[n++] = back + (d * l.capacity + pos) * HW;
       continue;
     }
     int ok = 1;
@@ -986,9 +1076,12 @@ __device__ __forceinline__ bool reduce_one(const HtParams& p, const CombineCtx& 
       return false;
     }
     ready[d] = chunk;
-    rows[n++] = back + (d * l.capacity + pos) * H;
+    rows[n++] = back + (d * l.capacity + pos) * HW;
   }
-  reduce_token(rows, n, p.out + t * H, H, p.io_aligned16, lane);
+  if (p.partial_f32 || p.addend)
+    reduce_token_any(rows, n, p.partial_f32, p.addend ? p.addend + t * H : nullptr, p.out + t * H, H, p.io_aligned16, lane);
+  else
+    reduce_token(rows, n, p.out + t * H, H, p.io_aligned16, lane);
   return true;
 }
 
@@ -1060,14 +1153,15 @@ __global__ void __launch_bounds__(kMaxThreads) combine_kernel(HtParams p) {
     const int64_t count = st.recv_offset[s + 1] - st.recv_offset[s];
     const int64_t j_end = min(count, (c + 1) * CR);
     if (c * CR >= j_end) return;
+    const int64_t HW = H * (p.partial_f32 ? 2 : 1);  // a partial row in uint16 words (fp32: two per element)
     if (!p.pair_row) {
       // Flat: the chunk's rows are contiguous on both sides (expert_out rows recv_offset[s] + j, back
       // rows me * cap + j): one copy of (j_end - c * CR) rows keeps every lane's vectors in flight.
-      uint16_t* dst = reinterpret_cast<uint16_t*>(p.peers[s] + l.off_back) + (me * l.capacity + c * CR) * H;
-      copy_row_bf16(dst, p.expert_out + (st.recv_offset[s] + c * CR) * H, (j_end - c * CR) * H, p.io_aligned16, lane);
+      uint16_t* dst = reinterpret_cast<uint16_t*>(p.peers[s] + l.off_back) + (me * l.capacity + c * CR) * HW;
+      copy_row_bf16(dst, p.expert_out + (st.recv_offset[s] + c * CR) * HW, (j_end - c * CR) * HW, p.io_aligned16, lane);
     } else {
       for (int64_t j = c * CR; j < j_end; ++j) {
-        uint16_t* dst = reinterpret_cast<uint16_t*>(p.peers[s] + l.off_back) + (me * l.capacity + j) * H;
+        uint16_t* dst = reinterpret_cast<uint16_t*>(p.peers[s] + l.off_back) + (me * l.capacity + j) * HW;
         send_partial(p, st.recv_offset[s] + j, dst, lane);
       }
     }

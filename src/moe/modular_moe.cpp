@@ -23,7 +23,7 @@
 // wire). Separate: column K = -1 (no traffic); the shared expert runs here on x~, x quantized to FP8
 // 1x128 as the wire does (fp8 wire; else x), and g(t) * its output joins the combine's fp32 sum
 // (FinalizeArgs::addend) before its one rounding, as on the fused path; on a backend without
-// Capabilities::combine_addend (ll / ht on CUDA, hierarchical) it is added to the finalized rows
+// Capabilities::combine_addend (the hierarchical ll / ht) it is added to the finalized rows
 // instead (a second bf16 rounding). On CUDA x~ goes to a one-expert ExpertMajor
 // layout [1, n, H] (contiguous, M = n), so an fp8_block shared expert runs on the same FP8
 // tensor-core GEMMs as the fused one and the two paths differ only in where g(t) * y joins the sum.
@@ -52,7 +52,6 @@
 #include <vector>
 
 #include "epx/error.h"
-#include "epx/log.h"
 #include "epx/moe.h"
 #include "epx/quant.h"
 #include "moe/moe_internal.h"
@@ -346,12 +345,6 @@ ModularMoE::ModularMoE(std::shared_ptr<const MoEWeights> weights, std::shared_pt
   dispatch_cfg.num_experts = m.num_experts;
   dispatch_cfg.top_k = m.top_k + (m.has_shared ? 1 : 0);
   dispatch_cfg.shared_route = m.has_shared;
-  // ht on CUDA combines bf16 partials only (DispatchConfig::flat_combine): that backend runs with two
-  // roundings, said once in the log, instead of refusing the layer.
-  if (backend == "ht" && group->device().is_cuda() && dispatch_cfg.flat_combine == FlatCombine::partial_fp32) {
-    dispatch_cfg.flat_combine = FlatCombine::partial_bf16;
-    if (rank == 0) log::warn("ModularMoE: ht on CUDA combines bf16 partials (flat_combine = partial_bf16: two roundings)");
-  }
   m.prepare_finalize = make_prepare_finalize(backend, group, dispatch_cfg, config);  // ll / ht launch settings from the layer's Config
   m.prepare_finalize->defer_device_errors();  // reported by forward_routed's all-gather of T, on every rank at once
   const Capabilities& caps = m.prepare_finalize->capabilities();
