@@ -35,6 +35,7 @@ LlCuda::LlCuda(std::shared_ptr<Group> group, const DispatchConfig& cfg, const Ll
   cuda::ensure_runtime();
   cuda::DeviceGuard guard(group_->device().index);
   accepts_device_num_tokens_ = true;
+  caps_.combine_addend = true;  // FinalizeArgs::addend joins each token's fp32 sum before its one rounding
   require_arg(op, "num_max_dispatch_tokens_per_rank", cfg.num_max_dispatch_tokens_per_rank, cfg.num_max_dispatch_tokens_per_rank > 0,
               "must be > 0 (LL buffers are sized by it)");
   require_arg(op, "num_ranks", num_ranks_, num_ranks_ <= kLlMaxRanks, "must be <= " + std::to_string(kLlMaxRanks) + " for the LL kernels");
@@ -346,8 +347,12 @@ void LlCuda::check_finalize_tensors(const FinalizeArgs& args) {
                   args.expert_out.shape[2] == cfg_.hidden,
               "must be [" + std::to_string(num_local_) + ", " + std::to_string(cap) + ", " + std::to_string(cfg_.hidden) + "]");
   check_contiguous(op, "expert_out", args.expert_out);
-  require_arg(op, "addend", args.addend.describe(), !args.addend.defined(),
-              "must be empty for ll on CUDA (Capabilities::combine_addend = false)");
+  if (args.addend.defined()) {
+    if (args.addend.device != group_->device()) throw Unsupported(wrong_device(op, "addend", args.addend.device));
+    check_dtype(op, "addend", args.addend, {DType::fp32});
+    check_shape(op, "addend", args.addend, {prepared_tokens_, cfg_.hidden});
+    check_contiguous(op, "addend", args.addend);
+  }
   check_dtype(op, "out", args.out, {DType::bf16});
   require_arg(op, "out.shape", args.out.describe(),
               args.out.ndim == 2 && args.out.shape[0] == prepared_tokens_ && args.out.shape[1] == cfg_.hidden,
@@ -365,6 +370,7 @@ void LlCuda::finalize(const FinalizeArgs& args) {
   p.c = common_;
   p.expert_out = args.expert_out.ptr<const uint16_t>();
   p.out = args.out.ptr<uint16_t>();
+  p.addend = args.addend.defined() ? args.addend.ptr<const float>() : nullptr;
   p.recv_count = recv_count_.ptr<const int32_t>();
   p.src_rank = handle_.src_rank.ptr<const int32_t>();
   p.src_token = handle_.src_token.ptr<const int32_t>();
@@ -398,6 +404,7 @@ void LlCuda::finalize_send(const FinalizeArgs& args) {
   set_partial(p);
   launch_ll_combine(p, blocks_, threads_, cuda::native(args.stream));
   pending_out_ = args.out;
+  pending_addend_ = args.addend;
 }
 
 void LlCuda::finalize_recv(Stream stream) {
@@ -408,11 +415,13 @@ void LlCuda::finalize_recv(Stream stream) {
   p.c = common_;
   p.send = false;
   p.out = pending_out_.ptr<uint16_t>();
+  p.addend = pending_addend_.defined() ? pending_addend_.ptr<const float>() : nullptr;
   p.first_col = first_col_.ptr<const int32_t>();
   p.weights = weights_.ptr<const float>();
   set_partial(p);
   launch_ll_combine(p, blocks_, threads_, cuda::native(stream));
   pending_out_ = TensorView();
+  pending_addend_ = TensorView();
   throw_launched_errors();
 }
 

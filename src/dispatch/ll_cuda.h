@@ -209,6 +209,7 @@ class LlCuda final : public PrepareFinalizeBase {
   Tensor x_, x_scales_, recv_count_, first_col_, weights_, dest_mask_;
   LlHandle handle_;
   TensorView pending_out_;  ///< finalize_send -> finalize_recv
+  TensorView pending_addend_;  ///< FinalizeArgs::addend of that finalize_send (empty: none)
   bool broken_ = false;     ///< after a timeout: every call throws
   bool defer_errors_ = false;  ///< defer_device_errors(): device argument errors only through take_device_error / check
   std::string broken_message_;

@@ -1215,18 +1215,32 @@ __device__ __forceinline__ void combine_send_runs(const LlCombineParams& p, int 
   }
 }
 
+/// The token's addend (FinalizeArgs::addend) joins 8 fp32 sums at column h before their rounding
+/// (LlCpu::finalize: after the ranks' partials or the columns); addend_row null: nothing.
+__device__ __forceinline__ void add_addend8(float* acc, const float* addend_row, int64_t h) {
+  if (!addend_row) return;
+#pragma unroll
+  for (int e = 0; e < 8; ++e) acc[e] = __fadd_rn(acc[e], addend_row[h + e]);
+}
+
 /// The receive items' epilogue: a lane's kRun x 8 fp32 sums (chunk i at column hbase + 256 i of the
-/// token's bf16 output row out_row, chunks past cpr or H skipped), rounded once to bf16, 16-byte stores.
+/// token's bf16 output row out_row, chunks past cpr or H skipped), plus the token's addend row when
+/// given, rounded once to bf16, 16-byte stores.
 template <int kRun>
-__device__ __forceinline__ void store_bf16_run(uint16_t* out_row, const float (&acc)[kRun][8], int64_t hbase, int cpr, int64_t H) {
+__device__ __forceinline__ void store_bf16_run(uint16_t* out_row, const float (&sums)[kRun][8], int64_t hbase, int cpr, int64_t H,
+                                               const float* addend_row) {
 #pragma unroll
   for (int i = 0; i < kRun; ++i) {
     const int64_t h = hbase + i * 256;
     if (i >= cpr || h >= H) continue;
+    float acc[1][8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) acc[0][e] = sums[i][e];
+    add_addend8(acc[0], addend_row, h);
     uint32_t o[4];
 #pragma unroll
     for (int e = 0; e < 4; ++e)
-      o[e] = static_cast<uint32_t>(float_to_bf16_bits(acc[i][2 * e])) | (static_cast<uint32_t>(float_to_bf16_bits(acc[i][2 * e + 1])) << 16);
+      o[e] = static_cast<uint32_t>(float_to_bf16_bits(acc[0][2 * e])) | (static_cast<uint32_t>(float_to_bf16_bits(acc[0][2 * e + 1])) << 16);
     st16(out_row + h, make_uint4(o[0], o[1], o[2], o[3]));
   }
 }
@@ -1293,7 +1307,7 @@ __device__ __forceinline__ void combine_recv_runs(const LlCombineParams& p, int 
     }
     const bool stamp0 = item == first_item;  // block 0's warp 0 (trace_at): the phases of its first item
     if (stamp0 && __float_as_uint(acc[0][0]) != 0x7fc00001u) trace_at(c, kTrCombRecvLoaded0);  // after the sums (data-dependent)
-    store_bf16_run<kRun>(p.out + static_cast<int64_t>(t) * H, acc, hbase, cpr, H);
+    store_bf16_run<kRun>(p.out + static_cast<int64_t>(t) * H, acc, hbase, cpr, H, p.addend ? p.addend + static_cast<int64_t>(t) * H : nullptr);
     if (stamp0) {
       asm volatile("" ::: "memory");  // after the stores are issued
       trace_at(c, kTrCombRecvStored0);
@@ -1409,7 +1423,7 @@ __device__ __forceinline__ void combine_recv_data(const LlCombineParams& p, int 
           if ((need[q] >> n) & 1u) stv16(vec_at(r0 + q, n), make_uint4(kLlPoison, kLlPoison, kLlPoison, kLlPoison));
       }
     }
-    store_bf16_run<kRun>(p.out + static_cast<int64_t>(t) * H, acc, hbase, cpr, H);
+    store_bf16_run<kRun>(p.out + static_cast<int64_t>(t) * H, acc, hbase, cpr, H, p.addend ? p.addend + static_cast<int64_t>(t) * H : nullptr);
   }
   if (threadIdx.x == 0) atomicAdd(&c.state->combine_recv_blocks, 1ull);
 }
@@ -1581,6 +1595,7 @@ __global__ void __launch_bounds__(kMaxThreads, 1) ll_combine_kernel(const __grid
       for (int i = 0; i < 8; ++i) acc[i] = acc0;
       // valid columns, 4 at a time in column order
       gather_columns(my_first, my_w, ok, [&](int f) { return c.local + lay.combine_row_offset(parity, t, f) + 2 * h; }, acc);
+      if (ok) add_addend8(acc, p.addend ? p.addend + static_cast<int64_t>(t) * H : nullptr, h);
       uint32_t o[4];
 #pragma unroll
       for (int i = 0; i < 4; ++i)

@@ -182,6 +182,7 @@ struct LlCombineParams {
   bool rejected = false;
   const uint16_t* expert_out = nullptr;  ///< [L, R*max_T, H] bf16
   uint16_t* out = nullptr;               ///< [>= T, H] bf16
+  const float* addend = nullptr;         ///< [>= T, H] fp32 (FinalizeArgs::addend): joins each token's fp32 sum before its rounding, or null
   const int32_t* recv_count = nullptr;
   const int32_t* src_rank = nullptr;
   const int32_t* src_token = nullptr;
