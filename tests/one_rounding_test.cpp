@@ -12,8 +12,11 @@
 #include <vector>
 
 #include "dispatch_harness.h"
+#include "epx/config.h"
 #include "epx/dispatch.h"
+#include "epx/experts.h"
 #include "epx/group.h"
+#include "epx/moe.h"
 
 namespace epx::test {
 namespace {
@@ -212,6 +215,74 @@ TEST(OneRounding, FlatCombineIsNamedAndChecked) {
   EXPECT_NE(msgs[0].find("expert_out.dtype"), std::string::npos) << msgs[0];
   EXPECT_NE(msgs[0].find("partial_fp32"), std::string::npos) << msgs[0];
   EXPECT_NE(msgs[1].find("no InvalidArgument"), 0u) << msgs[1];
+}
+
+/// An expert whose output is c * 16 in every element for x = e_0 (x[0] = 1, the rest 0): gate row 0 =
+/// 16 e_0 and up row 0 = e_0 give g = 16, u = 1, h_0 = round_bf16(silu(16)) = 16 (silu(16) = 16 - 2e-6),
+/// the other rows 0; down column 0 = c. Every value and product is exact in bf16 and fp32.
+std::shared_ptr<const ExpertWeights> scaled_expert(int64_t H, int64_t I, float c) {
+  Tensor gate_up = Tensor::zeros({2 * I, H}, DType::fp32), down = Tensor::zeros({H, I}, DType::fp32);
+  gate_up.ptr<float>()[0] = 16.0f;      // gate row 0
+  gate_up.ptr<float>()[I * H] = 1.0f;   // up row 0
+  for (int64_t h = 0; h < H; ++h) down.ptr<float>()[h * I] = c;
+  return ExpertWeights::from_float(WeightFormat::bf16, gate_up, down);
+}
+
+// The layer: ModularMoE with a separate shared expert on every CPU backend at R = 2. Every token selects
+// expert 0 (rank 0, gives 2^-9) and expert 1 (rank 1, gives -1) with weight 1; the shared expert gives 1
+// (no gate). One rounding (the shared rows join the combine's fp32 sum as FinalizeArgs::addend) returns
+// 2^-9 + (-1) + 1 = 2^-9; the Flat backends' two-roundings opt-in (flat_combine partial_bf16) rounds the
+// routed sum -1 + 2^-9 to -1 first and returns 0. ll adds the addend to its fp32 sum in every
+// ll_combine mode (each rank's partial, 2^-9 or -1, is exact in bf16), so it returns 2^-9 in each.
+TEST(OneRounding, LayerWithASeparateSharedExpertRoundsOnce) {
+  const int R = 2, E = 2, T = 4;
+  const int64_t H = 128, I = 8;
+  auto w = std::make_shared<MoEWeights>();
+  w->config.name = "one-rounding";
+  w->config.hidden = H;
+  w->config.intermediate = I;
+  w->config.router.num_experts = E;
+  w->config.router.top_k = 2;
+  w->config.num_shared_experts = 1;
+  w->config.shared_intermediate = I;
+  w->router_weight = Tensor::zeros({E, H}, DType::fp32);
+  w->experts = {scaled_expert(H, I, kTiny / 16.0f), scaled_expert(H, I, -1.0f / 16.0f)};
+  w->shared = scaled_expert(H, I, 1.0f / 16.0f);
+  struct LayerMode {
+    Mode m;
+    float want;
+  };
+  std::vector<LayerMode> modes;
+  for (const Mode& m : all_modes()) modes.push_back({m, m.backend != "ll" && m.two_roundings() ? 0.0f : kTiny});
+  for (const LayerMode& lm : modes) {
+    SCOPED_TRACE(lm.m.describe());
+    auto groups = make_cpu_groups(R, 20.0);
+    std::vector<std::vector<float>> outs(R);
+    run_ranks(groups, [&](int r) {
+      DispatchConfig cfg;
+      cfg.num_max_dispatch_tokens_per_rank = T;
+      cfg.flat_combine = lm.m.flat;
+      cfg.ll_combine = lm.m.ll;
+      ModularMoEOptions o;
+      o.shared_mode = SharedExpertMode::separate;
+      ModularMoE layer(w, groups[static_cast<size_t>(r)], lm.m.backend, cfg, Config{}, o);
+      Tensor x = Tensor::zeros({T, H}, DType::bf16), idx = Tensor::empty({T, 2}, DType::int32), wts = Tensor::empty({T, 2}, DType::fp32);
+      for (int t = 0; t < T; ++t) {
+        x.ptr<uint16_t>()[t * H] = float_to_bf16_bits(1.0f);
+        for (int k = 0; k < 2; ++k) idx.ptr<int32_t>()[t * 2 + k] = k, wts.ptr<float>()[t * 2 + k] = 1.0f;
+      }
+      Tensor out = Tensor::empty({T, H}, DType::bf16);
+      poison(out);
+      layer.forward_routed(x, idx, wts, out);
+      EXPECT_EQ(layer.counters().shared_separate, 1);
+      for (int64_t i = 0; i < T * H; ++i) outs[static_cast<size_t>(r)].push_back(bf16_bits_to_float(out.ptr<const uint16_t>()[i]));
+    });
+    for (int r = 0; r < R; ++r) {
+      int64_t wrong = 0;
+      for (float v : outs[static_cast<size_t>(r)]) wrong += v != lm.want;
+      EXPECT_EQ(wrong, 0) << "rank " << r << ": want " << lm.want << ", first " << outs[static_cast<size_t>(r)][0];
+    }
+  }
 }
 
 }  // namespace
