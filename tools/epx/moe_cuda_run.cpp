@@ -118,7 +118,8 @@ std::vector<std::vector<Tensor>> subset_references(const Workload& w, const MoeO
     }
     for (const RefKey& key : modes) {
       s.fused.emplace_back();
-      if (w.model.num_shared_experts == 0 || w.dispatch_dtype == DType::bf16) continue;
+      // bf16 wire: fused and separate references coincide (both round once); the local slot's rows round twice.
+      if (w.model.num_shared_experts == 0 || (w.dispatch_dtype == DType::bf16 && key.local_slot_tokens < 0)) continue;
       Workload wm = w;  // shallow: tensors share storage
       wm.shared_mode = key.mode;
       const std::vector<char> all = fused_per_token(wm, st, key.fhmoe_max_tokens, key.local_slot_tokens, key.graph_tokens);
@@ -156,18 +157,19 @@ std::vector<std::vector<Tensor>> subset_references(const Workload& w, const MoeO
   for (size_t mi = 0; mi < modes.size(); ++mi) {
     std::vector<Tensor>& refs = refs_per_mode.emplace_back();
     // Same routing and weights for every mode; the modes differ only in the fp8 wire's shared input.
-    if (mi > 0 && subs.front().fused[mi].empty()) {
+    if (mi > 0 && subs.front().fused[mi].empty() && subs.front().fused.front().empty()) {
       refs = refs_per_mode.front();
       continue;
     }
     for (Subset& s : subs) {
       const int64_t N = s.x.size(0);
       Tensor out = Tensor::empty({N, H}, DType::bf16);
-      std::vector<int64_t> rows[2];
+      std::vector<int64_t> rows[3];  // by path: separate, fused (one rounding each), local slot (two roundings)
       const std::vector<char>& fused = s.fused[mi];
       for (int64_t t = 0; t < N; ++t) rows[fused.empty() ? 0 : fused[static_cast<size_t>(t)]].push_back(t);
-      for (int f = 0; f < 2; ++f) {
+      for (int f = 0; f < 3; ++f) {
         ro.shared_fused = f == 1;
+        ro.two_roundings = f == 2;
         if (rows[f].size() == static_cast<size_t>(N)) {
           moe_reference_cpu(*ref, s.x, s.idx, s.wts, out, ro);
         } else if (!rows[f].empty()) {

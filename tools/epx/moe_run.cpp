@@ -126,7 +126,7 @@ std::vector<char> fused_per_token(const Workload& w, const StepInput& st, int64_
       for (int64_t u : tokens) m = std::max(m, std::clamp<int64_t>(u - c * chunk, 0, chunk));
       if (graph_tokens > 0) m = graph_tokens;
       const bool f = w.shared_mode == SharedExpertMode::fused || (w.shared_mode == SharedExpertMode::auto_gate && m <= gate);
-      fused.push_back(f && !(local_slot_tokens >= 0 && m > local_slot_tokens));
+      fused.push_back(!f ? 0 : local_slot_tokens >= 0 && m > local_slot_tokens ? 2 : 1);
     }
   return fused;
 }
@@ -371,10 +371,11 @@ void ensure_references(Workload& w) {
     // expert's input, so rows are split by the path their chunk took.
     std::vector<char> fused;
     if (w.model.num_shared_experts > 0 && w.dispatch_dtype != DType::bf16) fused = fused_per_token(w, st);
-    std::vector<int64_t> rows[2];
+    std::vector<int64_t> rows[3];  // by path: separate, fused (one rounding each), two roundings (fused_per_token)
     for (int64_t t = 0; t < N; ++t) rows[fused.empty() ? 0 : fused[t]].push_back(t);
-    for (int f = 0; f < 2; ++f) {
+    for (int f = 0; f < 3; ++f) {
       ro.shared_fused = f == 1;
+      ro.two_roundings = f == 2;
       if (rows[f].size() == static_cast<size_t>(N)) {
         moe_reference_cpu(*w.weights, x, idx, wts, st.reference, ro);
       } else if (!rows[f].empty()) {

@@ -163,9 +163,10 @@ Tensor concat_rows(const std::vector<Tensor>& parts, DType dtype, int64_t cols);
 /// Rows `rows` of t [N, cols] as a new contiguous tensor.
 Tensor gather_rows(const Tensor& t, const std::vector<int64_t>& rows);
 /// Per token of a step's concatenated tokens: did the layer run that token's shared expert fused?
-/// Per token of the step (ranks concatenated): 1 when its chunk's output rounds once (the shared
-/// expert fused through the combine), 0 when out + g * y is added after it (separate, or fused in
-/// the local shared slot: M > local_slot_tokens >= 0). fhmoe_max_tokens: the layer's gate (-1 =
+/// Per token of the step (ranks concatenated), the reference path of its chunk: 1 fused (the shared
+/// expert through the combine, one rounding), 0 separate (g * y joins the combine's fp32 sum as
+/// FinalizeArgs::addend, one rounding), 2 fused in the local shared slot (M > local_slot_tokens >= 0:
+/// out + g * y added after the combine, two roundings: ReferenceOptions::two_roundings). fhmoe_max_tokens: the layer's gate (-1 =
 /// Config::fhmoe_max_tokens); graph_tokens > 0: a whole-layer graph decided both at capture with
 /// M = graph_tokens (T_max), whatever the step's counts.
 std::vector<char> fused_per_token(const Workload& workload, const StepInput& step, int64_t fhmoe_max_tokens = -1,
