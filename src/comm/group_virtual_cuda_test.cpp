@@ -232,6 +232,7 @@ TEST_P(VirtualRanks, AllReduceInPlaceAndSymmetricMemory) {
     std::vector<uint8_t> zero(4096, 1);
     cuda_ok(cudaMemcpy(zero.data(), buf.local, 4096, cudaMemcpyDeviceToHost), "read");
     for (uint8_t x : zero) require(x == 0, "alloc_symmetric is zero-filled");
+    g->barrier();  // every rank has checked its zeros before any peer writes into its buffer
     const int next = (r + 1) % R;
     const uint32_t word = 0xC0DE0000u + static_cast<uint32_t>(r);
     cuda_ok(cudaMemcpyAsync(static_cast<char*>(buf.peers[static_cast<size_t>(next)]) + 64, &word, 4, cudaMemcpyHostToDevice, s), "write peer");
