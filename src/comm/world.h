@@ -104,7 +104,7 @@ class World {
         std::vector<int> missing;
         for (int r = 0; r < num_ranks_; ++r)
           if (!here_[static_cast<size_t>(r)]) missing.push_back(r);
-        const std::string msg = op + ": rank" + (missing.size() > 1 ? "s " : " ") + rank_list(missing) +
+        const std::string msg = op + (missing.size() > 1 ? ": ranks " + rank_list(missing) : ": rank " + std::to_string(missing.at(0))) +
                                 " did not arrive within timeout_s = " + seconds_text(timeout_s_) +
                                 " (peer dead or not calling " + op + ")";
         abort_locked("rank " + std::to_string(rank) + " timed out: " + msg);
