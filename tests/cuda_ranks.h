@@ -32,6 +32,10 @@
 #ifdef EPX_WITH_CUDA
 namespace epx::test {
 
+/// Virtual ranks need eager kernel loading (make_virtual_cuda_groups refuses lazy loading, the CUDA
+/// default): set before main, so before CUDA starts; a CUDA_MODULE_LOADING already given is kept.
+inline const bool kEagerKernelLoading = [] { return ::setenv("CUDA_MODULE_LOADING", "EAGER", 0) == 0; }();
+
 /// This rank's stream, created cudaStreamNonBlocking (it never waits for another rank's work on the
 /// legacy stream) and destroyed at scope exit.
 struct RankStream {

@@ -159,6 +159,9 @@ void run_ranks(const std::vector<std::shared_ptr<Group>>& groups, const std::fun
 /// create. While virtual ranks are live, freed CUDA Tensor memory is released at the next barrier()
 /// (or when the last group goes): cudaFree waits for the whole device, which a rank must not do while
 /// a peer's kernel may wait for it. Timings on virtual ranks measure one GPU's memory, not NVLink.
+/// More than one rank needs eager kernel loading (CUDA_MODULE_LOADING=EAGER set before CUDA starts;
+/// CUDA's default is LAZY, where a kernel's first launch may wait for the whole device while a peer's
+/// kernel waits for it): with lazy loading num_ranks > 1 throws Unsupported naming CUDA_MODULE_LOADING.
 ///
 /// ranks_per_node > 0 reports num_ranks / ranks_per_node virtual nodes of consecutive ranks (as
 /// make_cpu_groups does), on which ll and ht take their hierarchical path. Throws InvalidArgument

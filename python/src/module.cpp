@@ -241,7 +241,9 @@ too), ModularMoE and CUDA graphs run unchanged, and the kernels that wait on pee
 rank's function, `with torch.cuda.stream(torch.cuda.Stream()):`, whose pool streams are non-blocking;
 torch's default stream would serialise the ranks) and waits with that stream's synchronize(), never for
 the whole device (torch.cuda.synchronize()) between multi-rank calls: a peer's kernel on the same GPU may
-wait for work this rank has not queued yet. Timings measure one GPU's memory, not NVLink.
+wait for work this rank has not queued yet. Timings measure one GPU's memory, not NVLink. More than
+one rank needs eager kernel loading: set CUDA_MODULE_LOADING=EAGER in the environment before torch or epx
+starts CUDA (otherwise Unsupported, naming CUDA_MODULE_LOADING).
 timeout_s [s] bounds every wait, on the host and on the device. ranks_per_node > 0: the ranks report
 num_ranks / ranks_per_node virtual nodes of consecutive ranks (ll and ht then take their hierarchical path).
 Raises InvalidArgument (ValueError) for num_ranks outside [1, 64] or a bad device, timeout_s or

@@ -1,4 +1,9 @@
-"""pytest setup: the `gpu` marker (ctest's python_test runs -m "not gpu"; the device runs -m gpu)."""
+"""pytest setup: the `gpu` marker (ctest's python_test runs -m "not gpu"; the device runs -m gpu), and eager
+CUDA kernel loading, which virtual ranks need (set before torch or epx starts CUDA)."""
+
+import os
+
+os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
 
 
 def pytest_configure(config):

@@ -10,6 +10,7 @@
 // temporary and reduce them with launch_sum_ranks (fp32 in rank order, one rounding), as the NCCL
 // group does. Nothing waits on the host for the device unless a pointer is host memory or the
 // stream is the legacy default stream.
+#include <cuda.h>
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -403,6 +404,19 @@ class VirtualCudaGroup final : public comm::ThreadWorldGroup {
   cudaStream_t internal_ = nullptr;
 };
 
+/// True when the driver loads kernels lazily (CUDA_MODULE_LOADING=LAZY, the default since CUDA 12.2).
+/// Read through the runtime's driver entry point (no libcuda link); false where it cannot be read.
+bool module_loading_is_lazy() {
+  void* fn = nullptr;
+  cudaDriverEntryPointQueryResult q{};
+  if (cudaGetDriverEntryPointByVersion("cuModuleGetLoadingMode", &fn, 12000, cudaEnableDefault, &q) != cudaSuccess ||
+      q != cudaDriverEntryPointSuccess || fn == nullptr)
+    return false;
+  CUmoduleLoadingMode mode = CU_MODULE_EAGER_LOADING;
+  if (reinterpret_cast<CUresult (*)(CUmoduleLoadingMode*)>(fn)(&mode) != CUDA_SUCCESS) return false;
+  return mode == CU_MODULE_LAZY_LOADING;
+}
+
 }  // namespace
 
 std::vector<std::shared_ptr<Group>> make_virtual_cuda_groups(int num_ranks, int device, double timeout_s, int ranks_per_node) {
@@ -417,6 +431,15 @@ std::vector<std::shared_ptr<Group>> make_virtual_cuda_groups(int num_ranks, int 
   EPX_CUDA_CHECK(cudaGetDeviceCount(&count));
   require_arg(op, "device", device, device >= 0 && device < count, "must be in [0, " + std::to_string(count) + ") (the visible CUDA devices)");
   cuda::set_device(device);
+  // A lazily loaded kernel is loaded at its first launch, and loading may wait for the whole device
+  // (CUDA Programming Guide, "Lazy Loading": possible hazards, concurrent execution). On virtual ranks
+  // a peer's kernel spins on the GPU until this rank's kernel runs, so that first launch would wait
+  // out the timeout. Eager loading (every kernel at context creation) has no such wait.
+  if (num_ranks > 1 && module_loading_is_lazy())
+    throw Unsupported(arg_message(op, "CUDA_MODULE_LOADING", "LAZY",
+                                  "virtual ranks need eager kernel loading: set CUDA_MODULE_LOADING=EAGER in the environment before "
+                                  "CUDA starts (a lazily loaded kernel's first launch waits for the device, where a peer rank's kernel "
+                                  "waits for it); epx's CLI and tests set it themselves"));
   auto world = std::make_shared<World>(num_ranks, timeout_s, "virtual");
   auto dev = std::make_shared<DeviceWorld>(device, num_ranks);
   std::vector<std::shared_ptr<Group>> groups;

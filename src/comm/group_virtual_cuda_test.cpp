@@ -13,6 +13,7 @@
 #include <functional>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <random>
 #include <stdexcept>
@@ -389,6 +390,35 @@ TEST(VirtualRanksShare, LlTakesItsShareOfTheSmsAndRefusesMore) {
             "ll.num_blocks = all SMs on 4 virtual ranks: '" + msg + "'");
   });
   EXPECT_EQ(failed, "");
+}
+
+// Lazy kernel loading (CUDA's default) is refused by name for more than one rank: this test runs
+// itself again with CUDA_MODULE_LOADING=LAZY (the mode is read when CUDA starts, so it takes a fresh
+// process) and the child checks the refusal.
+TEST(VirtualRanksLoading, LazyKernelLoadingIsRefusedByName) {
+  if (!has_gpu()) GTEST_SKIP() << "needs 1 GPU (virtual ranks run on one)";
+  if (std::getenv("EPX_TEST_LAZY_CHILD") != nullptr) {
+    std::string msg;
+    try {
+      auto groups = make_virtual_cuda_groups(2, 0);
+    } catch (const Unsupported& e) {
+      msg = e.what();
+    }
+    EXPECT_NE(msg.find("CUDA_MODULE_LOADING"), std::string::npos) << "2 virtual ranks under lazy loading: '" << msg << "'";
+    EXPECT_NO_THROW(make_virtual_cuda_groups(1, 0));  // one rank waits on nobody
+    if (!msg.empty()) std::printf("refused: %s\n", msg.c_str());
+    return;
+  }
+  const std::string cmd = "CUDA_MODULE_LOADING=LAZY EPX_TEST_LAZY_CHILD=1 /proc/self/exe "
+                          "--gtest_filter=VirtualRanksLoading.LazyKernelLoadingIsRefusedByName 2>&1";
+  FILE* p = ::popen(cmd.c_str(), "r");
+  ASSERT_NE(p, nullptr);
+  std::string out;
+  char buf[512];
+  while (std::fgets(buf, sizeof buf, p) != nullptr) out += buf;
+  const int status = ::pclose(p);
+  EXPECT_EQ(status, 0) << out;
+  EXPECT_NE(out.find("refused: "), std::string::npos) << out;
 }
 
 #else

@@ -99,7 +99,7 @@ pack_deps() {
 }
 
 device_env() {  # NVLink multicast off; the NCCL wheel and the unpacked deps on LD_LIBRARY_PATH (sets nccl)
-  export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+  export CUDA_MODULE_LOADING=EAGER NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
   export NCCL_DEBUG="${NCCL_DEBUG:-WARN}"
   nccl="${GPU_CHECK_NCCL:-$(python3 -c 'import nvidia.nccl as m; print(list(m.__path__)[0])' 2>/dev/null)}"
   [ -f "$nccl/include/nccl.h" ] || { echo "no NCCL wheel found (python3 -c 'import nvidia.nccl')"; return 1; }

@@ -3,6 +3,7 @@
 // Exit status: 0 success; 1 a validation failure or runtime error; 2 a bad flag or inconsistent
 // shapes. Errors print as one line on stderr, "epx: error: <sentence>".
 #include <CLI/CLI.hpp>
+#include <cstdlib>
 #include <iostream>
 
 #include "commands.h"
@@ -21,6 +22,9 @@ std::string one_line(std::string s) {
 
 int main(int argc, char** argv) {
   using namespace epx::cli;
+  // `--device cuda --ranks R` on fewer GPUs runs virtual ranks, which need eager kernel loading
+  // (make_virtual_cuda_groups); set before CUDA starts, unless the caller chose a mode.
+  ::setenv("CUDA_MODULE_LOADING", "EAGER", 0);
   CLI::App app{"epx: expert-parallel MoE runtime (CPU reference; CUDA when built with it)", "epx"};
   app.require_subcommand(1);
   app.set_version_flag("--version", std::string("epx ") + EPX_VERSION);
