@@ -372,13 +372,10 @@ int main(int argc, char** argv) {
   unsetenv("EPX_EXPERTS_SIMT");
   auto tc = make_experts_cuda(experts, 0);
   // The 64-row kernels alone (EPX_EXPERTS_FP8_PREFILL=0): the prefill kernels' A/B reference.
-  std::unique_ptr<Experts> tc64, tcp;
+  std::unique_ptr<Experts> tc64;
   if (!prefill_only) {
     setenv("EPX_EXPERTS_FP8_PREFILL", "0", 1);
     tc64 = make_experts_cuda(experts, 0);
-    setenv("EPX_EXPERTS_FP8_PAIRS", "1", 1);  // the paired-K-block mainloop variant (64-row kernels)
-    tcp = make_experts_cuda(experts, 0);
-    unsetenv("EPX_EXPERTS_FP8_PAIRS");
     unsetenv("EPX_EXPERTS_FP8_PREFILL");
   }
   std::unique_ptr<Experts> simt;
@@ -486,13 +483,6 @@ int main(int argc, char** argv) {
     std::memcpy(refv.data(), ref.data(), ref.nbytes());
     const double err = rel_l2(got, refv, ranges);
     add_row("decode-v3", "epx-wgmma", "expert_major", m, st, true, true, err, "validated against the CPU experts");
-    {
-      CK(cudaMemset(out2.data(), 0xFF, out2.nbytes()));
-      const Stats sp = time_us(stream, iters, [&] { tcp->apply(in, out2, Stream{stream}); });
-      CK(cudaStreamSynchronize(stream));
-      add_row("decode-v3", "epx-wgmma-pairs", "expert_major", m, sp, true, true, rel_l2(host_bf16(out2), refv, ranges),
-              "EPX_EXPERTS_FP8_PAIRS=1 mainloop; validated against the CPU experts");
-    }
     if (simt) {
       const Stats s2 = time_us(stream, std::max(3, iters / 4), [&] { simt->apply(in, out2, Stream{stream}); });
       CK(cudaStreamSynchronize(stream));
@@ -565,15 +555,6 @@ int main(int argc, char** argv) {
                 rel_l2(host_bf16(out4), host_bf16(out), {{0, T}}),
                 std::string("EPX_EXPERTS_FP8_PREFILL=") + mode + "; max_rel_error against epx-wgmma");
       }
-    }
-    if (tcp) {
-      Tensor out3 = Tensor::empty({T, kH}, DType::bf16, Device::cuda(0));
-      CK(cudaMemset(out3.data(), 0xFF, out3.nbytes()));
-      const Stats sp = time_us(stream, iters, [&] { tcp->apply(in, out3, Stream{stream}); });
-      CK(cudaStreamSynchronize(stream));
-      add_row("prefill-v3", "epx-wgmma-pairs", "flat", m, sp, false, simt != nullptr,
-              simt ? rel_l2(host_bf16(out3), host_bf16(out2), {{0, T}}) : -1.0,
-              "EPX_EXPERTS_FP8_PAIRS=1 mainloop; validated against epx-simt");
     }
   }
   // ---- prefill: ExpertMajor with every row of cap 256 valid ----
@@ -770,15 +751,6 @@ int main(int argc, char** argv) {
                 std::string(v.env) + "=" + v.value + "; max_rel_error against epx-wgmma");
       }
     }
-    if (tcp) {
-      Tensor out3 = Tensor::empty({L, cap, kH}, DType::bf16, Device::cuda(0));
-      CK(cudaMemset(out3.data(), 0xFF, out3.nbytes()));
-      const Stats sp = time_us(stream, iters, [&] { tcp->apply(in, out3, Stream{stream}); });
-      CK(cudaStreamSynchronize(stream));
-      add_row("prefill-v3", "epx-wgmma-pairs", "expert_major", cap, sp, false, simt != nullptr,
-              simt ? rel_l2(host_bf16(out3), host_bf16(out2), {{0, L * cap}}) : -1.0,
-              "EPX_EXPERTS_FP8_PAIRS=1 mainloop; validated against epx-simt");
-    }
   }
   // ---- --rounds: the layouts again, interleaved ----
   if (rounds > 0 && !round_cases.empty()) {
@@ -805,7 +777,6 @@ int main(int argc, char** argv) {
   mode_objects.clear();
   tc.reset();
   tc64.reset();
-  tcp.reset();
   simt.reset();
 
   // ---- cuBLASLt per-expert loop ----

@@ -210,7 +210,7 @@ std::unique_ptr<Experts> make_experts_cpu(std::vector<std::shared_ptr<const Expe
 ///   Unsupported). Calls on one object must be ordered (one stream, or synchronized).
 /// Experts with more than 64 rows in one apply() run on the warp-specialized FP8 prefill GEMMs
 /// (128-token tiles, src/experts/experts_fp8_prefill_cuda.cu) unless Config::experts_fp8_prefill = 0.
-/// The path choices experts.simt / experts.fp8_pairs / experts.fp8_prefill come from `config` (ModularMoE passes its own);
+/// The path choices experts.simt / experts.fp8_prefill come from `config` (ModularMoE passes its own);
 /// the two-argument form reads them with Config::load().
 /// Throws Unsupported in a CPU-only build, and (before anything is uploaded or launched) for an expert
 /// with biases (b13 / b2) or an activation other than plain silu_glu (gpt-oss's clamped SwiGLU,

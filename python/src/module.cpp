@@ -9,6 +9,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <deque>
 #include <string>
 
 #include "epx/config.h"
@@ -79,43 +80,62 @@ std::string setting_text(pyb::handle value) {
   return pyb::str(value).cast<std::string>();
 }
 
-/// Config.<name> as a property of field `key`: reads the field; assigning goes through Config::set
+/// The registry's entry of `key` (Config::knobs()); a key the registry lacks is a defect of this file.
+const Knob& knob(const char* key) {
+  static const std::vector<Knob> all = Config::knobs();
+  for (const Knob& k : all)
+    if (k.key == key) return k;
+  throw Error(std::string("epx._epx: Config has no knob ") + key);
+}
+
+/// A knob's docstring, from the registry: meaning, type and unit, default, rule, JSON key and variable.
+std::string knob_doc(const Knob& k) {
+  return k.meaning + ".\n" + k.type + (k.unit.empty() ? "" : " [" + k.unit + "]") + ", default " + k.default_value + "; " + k.rule +
+         ".\nJSON key \"" + k.key + "\", environment variable " + k.env + ".";
+}
+
+/// Config.<attr> as a property of the knob `key`: reads the field; assigning goes through Config::set
 /// (source "api") and Config::validate on a copy, so a bad value raises InvalidArgument (ValueError)
-/// naming the key and its rule and leaves the Config as it was.
+/// naming the key and its rule and leaves the Config as it was. The docstring comes from the registry.
 template <class M>
-void bind_setting(pyb::class_<Config>& cls, const char* name, const char* key, M Config::*member, const char* doc) {
+void bind_setting(pyb::class_<Config>& cls, const char* key, M Config::*member) {
+  const Knob& k = knob(key);
+  static std::deque<std::string> docs;  // pybind11 keeps the pointer: the texts live as long as the module
+  docs.push_back(knob_doc(k));
   cls.def_property(
-      name, [member](const Config& c) { return c.*member; },
+      k.attr.c_str(), [member](const Config& c) { return c.*member; },
       [key](Config& c, pyb::handle value) {
         Config t = c;
         t.set(key, setting_text(value), "api");
         t.validate();
         c = std::move(t);
       },
-      doc);
+      docs.back().c_str());
 }
 
-void bind_config(pyb::module_& m) {
-  pyb::class_<Config> cls(m, "Config", R"doc(
+/// The class docstring: how a Config is made and applied, then one line per knob from the registry.
+const char* config_doc() {
+  static const std::string doc = [] {
+    std::string d = R"doc(
 epx's one configuration struct (include/epx/config.h). Precedence: default < JSON file (EPX_CONFIG or
 Config.load(path)) < EPX_* environment < explicit set() / attribute assignment. Unknown keys raise
 InvalidArgument (ValueError) with the nearest known key; a bad value raises InvalidArgument naming the key
-and its rule (the Config keeps its old value). describe() lists "key = value  [source]  description" as
-`epx info` prints. The launch settings reach a backend through make_prepare_finalize(..., settings=) or
-ModularMoE(..., config=); without one the backend reads Config.load() (EPX_CONFIG, EPX_* variables).
-Attributes (JSON key, environment variable):
-  timeout_s (timeout_s, EPX_TIMEOUT_S): float seconds in [0.001, 1e9]: longest wait on a peer before Timeout.
-  ll_combine (ll.combine): "partial_fp32" | "partial_bf16" | "column": ll's combine for `epx bench`
-      (the API takes DispatchConfig.ll_combine).
-  ll_combine_wait (ll.combine_wait, EPX_LL_COMBINE_WAIT): "flag" (default) | "data": ll on CUDA, partial combine:
-      the receiver waits for per-block flags, or polls the partial rows themselves; all ranks must agree.
-  ll_warps_per_block (multiple of 4 in [4, 32]), ll_num_blocks (0 = one per SM): ll on CUDA launch shape.
-  ht_num_sms (1..132), ht_warps_per_block, ht_combine_mode (0 | 1), ht_chunk_rows (1..4096), ht_fp8_unroll
-      (0 | 4 | 7), ht_pdl (0..2): ht on CUDA.
-  experts_simt, experts_fp8_pairs, experts_fp8_prefill (0 | 1),
-      experts_fp8_prefill_stages (0 or 2..4), experts_fp8_prefill_min_tiles (0 = one wave, >= 1),
-      experts_mxfp4_tc (0 | 1): CUDA experts' kernel choice.
-  moe_chunk_size (tokens, 0 = unchunked), fhmoe_max_tokens (fuse the shared expert when M <= this).)doc");
+and its rule (the Config keeps its old value). describe() lists "key = value  [source]  meaning" as
+`epx info` prints; Config.knobs() every knob's key, variable, type, default, rule and meaning. The launch
+settings reach a backend through make_prepare_finalize(..., settings=) or ModularMoE(..., config=);
+without one the backend reads Config.load() (EPX_CONFIG, EPX_* variables).
+Attributes (JSON key; type, default; allowed values: meaning):
+)doc";
+    for (const Knob& k : Config::knobs())
+      d += "  " + k.attr + " (" + k.key + "; " + k.type + ", " + k.default_value + (k.unit.empty() ? "" : " " + k.unit) + "; " + k.allowed +
+           "): " + k.meaning + ".\n";
+    return d;
+  }();
+  return doc.c_str();
+}
+
+void bind_config(pyb::module_& m) {
+  pyb::class_<Config> cls(m, "Config", config_doc());
   cls.def(pyb::init<>(), "Defaults only (no file, no environment).")
       .def_static("load", [](std::optional<std::string> path) { return path ? Config::load(*path) : Config::load(); },
                   pyb::arg("path") = pyb::none(), "default < JSON file (`path`, else $EPX_CONFIG if set) < EPX_* environment.")
@@ -144,47 +164,44 @@ Attributes (JSON key, environment variable):
            "raises InvalidArgument (ValueError) and leaves the Config as it was.")
       .def("validate", &Config::validate)
       .def("describe", &Config::describe)
+      .def_static("knobs", [] {
+        pyb::list out;
+        for (const Knob& k : Config::knobs()) {
+          pyb::dict d;
+          d["key"] = k.key, d["env"] = k.env, d["attr"] = k.attr, d["type"] = k.type, d["unit"] = k.unit;
+          d["default"] = k.default_value, d["allowed"] = k.allowed, d["rule"] = k.rule, d["meaning"] = k.meaning;
+          out.append(d);
+        }
+        return out;
+      }, "Every knob as a dict (key, env, attr, type, unit, default, allowed, rule, meaning), from the registry `epx info --knobs` prints.")
+      .def_static("knobs_markdown", &Config::knobs_markdown, pyb::arg("prefix") = "",
+                  "The Markdown table of the knobs whose key starts with `prefix` (docs/configuration.md).")
       .def_readonly("sources", &Config::sources, "(key, source) pairs: default, json <file>, env EPX_..., api.");
-  bind_setting(cls, "timeout_s", "timeout_s", &Config::timeout_s, "Longest wait on a peer before Timeout [s]; > 0.");
-  bind_setting(cls, "log_level", "log_level", &Config::log_level, "trace | debug | info | warn | error | off.");
-  bind_setting(cls, "ll_warps_per_block", "ll.warps_per_block", &Config::ll_warps_per_block,
-               "Warps per block of the ll CUDA kernels; a multiple of 4 in [4, 32].");
-  bind_setting(cls, "ll_num_blocks", "ll.num_blocks", &Config::ll_num_blocks, "Blocks of the ll CUDA kernels; 0 = one per SM.");
-  bind_setting(cls, "ll_combine", "ll.combine", &Config::ll_combine,
-               "\"partial_fp32\" | \"partial_bf16\" | \"column\" (epx bench; the API takes DispatchConfig.ll_combine).");
-  bind_setting(cls, "ll_combine_wait", "ll.combine_wait", &Config::ll_combine_wait,
-               "ll on CUDA, partial combine: \"flag\" (default: per-send-block flags, then the reduction) or \"data\" "
-               "(the partial rows are the signal: each token reduced as its rows land). All ranks must agree.");
-  bind_setting(cls, "ht_num_sms", "ht.num_sms", &Config::ht_num_sms, "SM budget of the ht CUDA kernels; 1..132.");
-  bind_setting(cls, "ht_warps_per_block", "ht.warps_per_block", &Config::ht_warps_per_block,
-               "Warps per block of the ht kernels; 1..32 (ht on CUDA: 1..16).");
-  bind_setting(cls, "ht_combine_mode", "ht.combine_mode", &Config::ht_combine_mode,
-               "ht combine on CUDA: 0 all sends then all reduces, 1 pipelined (one target per token only).");
-  bind_setting(cls, "ht_chunk_rows", "ht.chunk_rows", &Config::ht_chunk_rows, "ht combine on CUDA: rows per chunk flag; 1..4096.");
-  bind_setting(cls, "ht_fp8_unroll", "ht.fp8_unroll", &Config::ht_fp8_unroll,
-               "ht fp8 dispatch on CUDA: steps of 4 groups a warp loads before quantizing, 4 or 7; 0 = auto.");
-  bind_setting(cls, "ht_pdl", "ht.pdl", &Config::ht_pdl,
-               "ht on CUDA: 1 dispatch kernel by programmatic dependent launch, 2 also prefetches x rows into L2, 0 neither.");
-  bind_setting(cls, "experts_simt", "experts.simt", &Config::experts_simt, "1: CUDA experts always take the SIMT reference GEMMs.");
-  bind_setting(cls, "experts_fp8_pairs", "experts.fp8_pairs", &Config::experts_fp8_pairs,
-               "1: the FP8 tensor-core mainloop over K-block pairs.");
-  bind_setting(cls, "experts_fp8_prefill", "experts.fp8_prefill", &Config::experts_fp8_prefill,
-               "1 (default): experts with > 64 rows take the FP8 prefill GEMMs (128-row tiles); 0: the 64-row kernels.");
-  bind_setting(cls, "experts_fp8_prefill_stages", "experts.fp8_prefill_stages", &Config::experts_fp8_prefill_stages,
-               "Ring depth of the FP8 prefill GEMMs in stages; 0 = maximum, else 2..4.");
-  bind_setting(cls, "experts_fp8_prefill_min_tiles", "experts.fp8_prefill_min_tiles", &Config::experts_fp8_prefill_min_tiles,
-               "The FP8 prefill GEMMs run only when the experts with > 64 rows fill at least this many 128-row tiles; 0 = one wave of the GPU, 1 = always.");
-  bind_setting(cls, "experts_mxfp4_tc", "experts.mxfp4_tc", &Config::experts_mxfp4_tc,
-               "1 (default): mxfp4 experts run on the MXFP4 tensor-core kernels; 0: the SIMT GEMMs.");
-  bind_setting(cls, "moe_chunk_size", "moe.chunk_size", &Config::moe_chunk_size, "DP chunk: at most this many tokens per MoE call per rank; 0 = unchunked.");
-  bind_setting(cls, "fhmoe_max_tokens", "fhmoe.max_tokens", &Config::fhmoe_max_tokens,
-               "Capability gate: fuse the shared expert when M <= this (tokens).");
-  bind_setting(cls, "fhmoe_max_tokens_mixed", "fhmoe.max_tokens_mixed", &Config::fhmoe_max_tokens_mixed,
-               "Capability gate of layers whose shared expert's weight format differs from the routed experts' (V4-Pro: FP8 shared, MXFP4 routed), tokens.");
-  bind_setting(cls, "fhmoe_max_tokens_sharded", "fhmoe.max_tokens_sharded", &Config::fhmoe_max_tokens_sharded,
-               "Capability gate of layers whose fused path runs the shared expert DP-sharded (naive, allgather_reducescatter), tokens.");
-  bind_setting(cls, "fhmoe_local_shared_tokens", "fhmoe.local_shared_tokens", &Config::fhmoe_local_shared_tokens,
-               "On ll (per-expert slots) fused chunks with M > this put the shared expert rows into its local slot instead of the dispatch (tokens).");
+  bind_setting(cls, "timeout_s", &Config::timeout_s);
+  bind_setting(cls, "log_level", &Config::log_level);
+  bind_setting(cls, "ll.warps_per_block", &Config::ll_warps_per_block);
+  bind_setting(cls, "ll.num_blocks", &Config::ll_num_blocks);
+  bind_setting(cls, "ll.combine", &Config::ll_combine);
+  bind_setting(cls, "ll.combine_wait", &Config::ll_combine_wait);
+  bind_setting(cls, "ht.num_sms", &Config::ht_num_sms);
+  bind_setting(cls, "ht.warps_per_block", &Config::ht_warps_per_block);
+  bind_setting(cls, "ht.combine_mode", &Config::ht_combine_mode);
+  bind_setting(cls, "ht.chunk_rows", &Config::ht_chunk_rows);
+  bind_setting(cls, "ht.fp8_unroll", &Config::ht_fp8_unroll);
+  bind_setting(cls, "ht.pdl", &Config::ht_pdl);
+  bind_setting(cls, "experts.simt", &Config::experts_simt);
+  bind_setting(cls, "experts.fp8_prefill", &Config::experts_fp8_prefill);
+  bind_setting(cls, "experts.fp8_prefill_stages", &Config::experts_fp8_prefill_stages);
+  bind_setting(cls, "experts.fp8_prefill_min_tiles", &Config::experts_fp8_prefill_min_tiles);
+  bind_setting(cls, "experts.mxfp4_tc", &Config::experts_mxfp4_tc);
+  bind_setting(cls, "moe.chunk_size", &Config::moe_chunk_size);
+  bind_setting(cls, "fhmoe.max_tokens", &Config::fhmoe_max_tokens);
+  bind_setting(cls, "fhmoe.max_tokens_mixed", &Config::fhmoe_max_tokens_mixed);
+  bind_setting(cls, "fhmoe.max_tokens_sharded", &Config::fhmoe_max_tokens_sharded);
+  bind_setting(cls, "fhmoe.local_shared_tokens", &Config::fhmoe_local_shared_tokens);
+  // Every knob of the registry is an attribute (a knob added there and not here fails the import).
+  for (const Knob& k : Config::knobs())
+    if (!pyb::hasattr(cls, k.attr.c_str())) throw Error("epx._epx: Config lacks the attribute " + k.attr + " of knob " + k.key);
   cls.def("__repr__", [](const Config& c) {
     std::string s = "epx.Config(";
     for (const auto& line : c.describe()) s += "\n  " + line;

@@ -139,6 +139,22 @@ def test_config_json_and_env(tmp_path):
     assert any(line.startswith("timeout_s") for line in c.describe())
 
 
+def test_config_docstrings_come_from_the_registry():
+    """Every knob of the registry (epx.Config.knobs(), what `epx info --knobs` prints) is an attribute whose
+    docstring carries its meaning, type, default, rule, JSON key and variable; the class docstring lists them all;
+    the defaults are the attributes' values on a fresh Config."""
+    knobs = epx.Config.knobs()
+    assert len(knobs) >= 15 and {"key", "env", "attr", "type", "default", "rule", "meaning"} <= set(knobs[0])
+    c = epx.Config()
+    for k in knobs:
+        doc = getattr(epx.Config, k["attr"]).__doc__
+        for part in (k["meaning"], k["rule"], k["key"], k["env"], "default " + k["default"]):
+            assert part in doc, (k["key"], part, doc)
+        assert k["attr"] + " (" + k["key"] + ";" in epx.Config.__doc__, k["key"]
+        assert str(getattr(c, k["attr"])) == k["default"] or float(getattr(c, k["attr"])) == float(k["default"]), k["key"]
+    assert "| `ll.num_blocks` |" in epx.Config.knobs_markdown("ll.")
+
+
 def test_config_set_and_apply_json_validate():
     """Config.set / apply_json hold the same rules as attribute assignment: a value that parses but breaks
     its field's rule (ht.num_sms = 0, ll.combine_wait = "flags", ll.warps_per_block = 6) raises ValueError naming

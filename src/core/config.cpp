@@ -1,6 +1,7 @@
 #include "epx/config.h"
 
 #include <algorithm>
+#include <cmath>
 #include <charconv>
 #include <cstdlib>
 #include <filesystem>
@@ -19,45 +20,184 @@ extern char** environ;
 namespace epx {
 
 namespace {
+constexpr double kNoBound = std::numeric_limits<double>::infinity();
+
+/// What a knob's value must be: one of `choices` (a choice), or a number in [lo, hi] (a multiple of
+/// `multiple` where it is > 0; `besides` also allowed outside the range, e.g. "0" for auto). `why` is
+/// appended to the rule's text in parentheses.
+struct Rule {
+  std::vector<const char*> choices;
+  double lo = -kNoBound, hi = kNoBound;
+  int multiple = 0;
+  const char* besides = nullptr;
+  const char* why = nullptr;
+};
+
+Rule one_of(std::vector<const char*> choices) {
+  Rule r;
+  r.choices = std::move(choices);
+  return r;
+}
+Rule in_range(double lo, double hi, int multiple = 0, const char* why = nullptr) {
+  Rule r;
+  r.lo = lo, r.hi = hi, r.multiple = multiple, r.why = why;
+  return r;
+}
+Rule at_least(double lo) { return in_range(lo, kNoBound); }
+/// `besides` (auto, "the most") or a number in [lo, hi].
+Rule or_in_range(const char* besides, double lo, double hi) {
+  Rule r = in_range(lo, hi);
+  r.besides = besides;
+  return r;
+}
+
+/// One knob: the registry's entry. The default is the Config field's initializer.
 struct Field {
   const char* key;
   const char* env;
   const char* unit;
-  const char* description;
+  Rule rule;
+  const char* meaning;  // one line; no '|' (it stands in a Markdown table)
 };
 
-// THE list of configuration fields. Everything else walks it.
+// THE list of configuration knobs. Everything else walks it: JSON, environment, set(), validate(),
+// describe(), knobs() (`epx info --knobs`, the Python docstrings, docs/configuration.md).
 template <class C, class Visit>
 void for_each_field(C& c, Visit&& v) {
-  v(Field{"timeout_s", "EPX_TIMEOUT_S", "s", "longest wait on a peer before Timeout; >= 0.001, <= 1e9"}, c.timeout_s);
-  v(Field{"log_level", "EPX_LOG_LEVEL", "", "trace|debug|info|warn|error|off"}, c.log_level);
-  v(Field{"ll.warps_per_block", "EPX_LL_WARPS_PER_BLOCK", "warps", "warps per block of LL kernels; multiple of 4, 4..32"}, c.ll_warps_per_block);
-  v(Field{"ll.num_blocks", "EPX_LL_NUM_BLOCKS", "blocks", "blocks of LL kernels; 0 = one per SM (per SM of the rank's share on virtual ranks)"}, c.ll_num_blocks);
-  v(Field{"ll.combine", "EPX_LL_COMBINE", "", "ll combine reduction: column|partial_fp32|partial_bf16"}, c.ll_combine);
-  v(Field{"ll.combine_wait", "EPX_LL_COMBINE_WAIT", "", "ll partial combine, receive signal: flag|data (every rank the same)"}, c.ll_combine_wait);
-  v(Field{"ht.num_sms", "EPX_HT_NUM_SMS", "SMs", "SM budget of HT kernels; 1..132 (at most SMs / ranks per GPU on virtual ranks)"}, c.ht_num_sms);
-  v(Field{"ht.warps_per_block", "EPX_HT_WARPS_PER_BLOCK", "warps", "warps per block of HT kernels; 1..32 (ht on CUDA: 1..16)"}, c.ht_warps_per_block);
-  v(Field{"ht.combine_mode", "EPX_HT_COMBINE_MODE", "", "HT combine on CUDA: 0 all sends then all reduces, 1 pipelined (one target per token only)"}, c.ht_combine_mode);
-  v(Field{"ht.chunk_rows", "EPX_HT_CHUNK_ROWS", "rows", "HT combine on CUDA: rows per chunk flag; 1..4096"}, c.ht_chunk_rows);
-  v(Field{"ht.fp8_unroll", "EPX_HT_FP8_UNROLL", "", "HT fp8 dispatch on CUDA: steps of 4 groups loaded per warp before quantizing: 4 or 7; 0 = auto"}, c.ht_fp8_unroll);
-  v(Field{"ht.pdl", "EPX_HT_PDL", "", "HT on CUDA: 1 dispatch kernel by programmatic dependent launch, 2 also prefetches x rows into L2; 0..2"}, c.ht_pdl);
-  v(Field{"experts.simt", "EPX_EXPERTS_SIMT", "", "1: CUDA experts always use the SIMT reference GEMMs; 0..1"}, c.experts_simt);
-  v(Field{"experts.fp8_pairs", "EPX_EXPERTS_FP8_PAIRS", "", "1: FP8 tensor-core mainloop over K-block pairs; 0..1"}, c.experts_fp8_pairs);
-  v(Field{"experts.fp8_prefill", "EPX_EXPERTS_FP8_PREFILL", "", "1: experts with > 64 rows take the FP8 prefill GEMMs (128-row tiles); 0: the 64-row kernels; 0..1"}, c.experts_fp8_prefill);
-  v(Field{"experts.fp8_prefill_stages", "EPX_EXPERTS_FP8_PREFILL_STAGES", "stages", "FP8 prefill GEMMs' ring depth; 0 = maximum (gate_up 4, down 3), else 2..4"}, c.experts_fp8_prefill_stages);
-  v(Field{"experts.fp8_prefill_min_tiles", "EPX_EXPERTS_FP8_PREFILL_MIN_TILES", "tiles", "FP8 prefill GEMMs run only when the experts with > 64 rows fill at least this many 128-row tiles; 0 = one wave of the GPU, 1 = always"}, c.experts_fp8_prefill_min_tiles);
-  v(Field{"experts.mxfp4_tc", "EPX_EXPERTS_MXFP4_TC", "", "1: mxfp4 experts run on the MXFP4 tensor-core kernels; 0: the SIMT GEMMs; 0..1"}, c.experts_mxfp4_tc);
-  v(Field{"moe.chunk_size", "EPX_MOE_CHUNK_SIZE", "tokens", "DP chunk: max tokens per MoE call per rank; 0 = unchunked"}, c.moe_chunk_size);
-  v(Field{"fhmoe.max_tokens", "EPX_FHMOE_MAX_TOKENS", "tokens", "fuse the shared expert when M <= this (capability gate)"}, c.fhmoe_max_tokens);
-  v(Field{"fhmoe.local_shared_tokens", "EPX_FHMOE_LOCAL_SHARED_TOKENS", "tokens",
-          "on ll (per-expert slots) fused chunks with M > this put the shared rows into the shared expert's local slot instead of the dispatch"},
+  v(Field{"timeout_s", "EPX_TIMEOUT_S", "s",
+          in_range(kMinTimeoutS, kMaxTimeoutS, 0, "a shorter wait cannot outlast one step of a peer; deadlines are int64 nanoseconds"),
+          "longest wait on a peer rank before epx::Timeout"},
+    c.timeout_s);
+  v(Field{"log_level", "EPX_LOG_LEVEL", "", one_of({"trace", "debug", "info", "warn", "error", "off"}),
+          "the least severe log message printed"},
+    c.log_level);
+  v(Field{"ll.warps_per_block", "EPX_LL_WARPS_PER_BLOCK", "warps", in_range(4, 32, 4), "warps per block of the ll CUDA kernels"},
+    c.ll_warps_per_block);
+  v(Field{"ll.num_blocks", "EPX_LL_NUM_BLOCKS", "blocks", at_least(0),
+          "blocks of the ll CUDA kernels; 0 = one per SM (per SM of the rank's share on virtual ranks)"},
+    c.ll_num_blocks);
+  v(Field{"ll.combine", "EPX_LL_COMBINE", "", one_of({"column", "partial_fp32", "partial_bf16"}),
+          "ll's combine reduction in `epx bench` (the API takes DispatchConfig::ll_combine): partial_fp32 one fp32 row per "
+          "(token, rank) and one rounding, partial_bf16 half those bytes and two roundings, column the no-EP reference's sum bit for bit"},
+    c.ll_combine);
+  v(Field{"ll.combine_wait", "EPX_LL_COMBINE_WAIT", "", one_of({"flag", "data"}),
+          "how ll's partial combine on CUDA learns that a row arrived: flag = one flag per send block, then the reduction; "
+          "data = the rows themselves, each token reduced as its rows land; the same on every rank"},
+    c.ll_combine_wait);
+  v(Field{"ht.num_sms", "EPX_HT_NUM_SMS", "SMs", in_range(1, 132),
+          "SM budget of the ht CUDA kernels (at most SMs / ranks per GPU on virtual ranks)"},
+    c.ht_num_sms);
+  v(Field{"ht.warps_per_block", "EPX_HT_WARPS_PER_BLOCK", "warps", in_range(1, 32), "warps per block of the ht kernels (ht on CUDA takes 1..16)"},
+    c.ht_warps_per_block);
+  v(Field{"ht.combine_mode", "EPX_HT_COMBINE_MODE", "", one_of({"0", "1"}),
+          "ht combine on CUDA: 0 all sends then all reduces, 1 pipelined (one target per token only)"},
+    c.ht_combine_mode);
+  v(Field{"ht.chunk_rows", "EPX_HT_CHUNK_ROWS", "rows", in_range(1, 4096), "ht combine on CUDA: received rows per chunk flag"},
+    c.ht_chunk_rows);
+  v(Field{"ht.fp8_unroll", "EPX_HT_FP8_UNROLL", "", one_of({"0", "4", "7"}),
+          "ht fp8 dispatch on CUDA: steps of 4 scale groups a warp loads before quantizing; 0 = by H (7 where H is a multiple of 3584, else 4)"},
+    c.ht_fp8_unroll);
+  v(Field{"ht.pdl", "EPX_HT_PDL", "", one_of({"0", "1"}),
+          "ht on CUDA: 1 starts the dispatch kernel behind the layout kernel by programmatic dependent launch, 0 after it"},
+    c.ht_pdl);
+  v(Field{"experts.simt", "EPX_EXPERTS_SIMT", "", one_of({"0", "1"}),
+          "1: the CUDA experts always run the SIMT reference GEMMs; 0: the tensor-core kernels where the GPU and the build have them"},
+    c.experts_simt);
+  v(Field{"experts.fp8_prefill", "EPX_EXPERTS_FP8_PREFILL", "", one_of({"0", "1"}),
+          "1: FP8 experts with > 64 rows run the 128-row-tile prefill GEMMs; 0: every tile on the 64-row kernels"},
+    c.experts_fp8_prefill);
+  v(Field{"experts.fp8_prefill_stages", "EPX_EXPERTS_FP8_PREFILL_STAGES", "stages", or_in_range("0", 2, 4),
+          "ring depth of the FP8 prefill GEMMs in 48 KiB stages; 0 = the most that fits (gate_up 4, down 3)"},
+    c.experts_fp8_prefill_stages);
+  v(Field{"experts.fp8_prefill_min_tiles", "EPX_EXPERTS_FP8_PREFILL_MIN_TILES", "tiles", at_least(0),
+          "the FP8 prefill GEMMs run only when the experts with > 64 rows fill at least this many 128-row tiles; 0 = one wave of the GPU, 1 = any"},
+    c.experts_fp8_prefill_min_tiles);
+  v(Field{"experts.mxfp4_tc", "EPX_EXPERTS_MXFP4_TC", "", one_of({"0", "1"}),
+          "1: MXFP4 experts run the MXFP4 tensor-core kernels; 0: the SIMT GEMMs"},
+    c.experts_mxfp4_tc);
+  v(Field{"moe.chunk_size", "EPX_MOE_CHUNK_SIZE", "tokens", at_least(0), "at most this many tokens per MoE call per rank (DP chunking); 0 = no chunking"},
+    c.moe_chunk_size);
+  v(Field{"fhmoe.max_tokens", "EPX_FHMOE_MAX_TOKENS", "tokens", at_least(0),
+          "fuse the shared expert into the routed experts' launch when M (the largest token count of any rank) <= this"},
+    c.fhmoe_max_tokens);
+  v(Field{"fhmoe.local_shared_tokens", "EPX_FHMOE_LOCAL_SHARED_TOKENS", "tokens", at_least(0),
+          "on ll (per-expert slots), fused chunks with M > this put the rank's own shared-expert rows into the shared expert's "
+          "local slot instead of the dispatch"},
     c.fhmoe_local_shared_tokens);
-  v(Field{"fhmoe.max_tokens_mixed", "EPX_FHMOE_MAX_TOKENS_MIXED", "tokens",
-          "the gate of layers whose shared expert's weight format differs from the routed experts' (V4-Pro: FP8 shared, MXFP4 routed)"},
+  v(Field{"fhmoe.max_tokens_mixed", "EPX_FHMOE_MAX_TOKENS_MIXED", "tokens", at_least(0),
+          "fhmoe.max_tokens for layers whose shared expert's weight format differs from the routed experts' (DeepSeek-V4-Pro)"},
     c.fhmoe_max_tokens_mixed);
-  v(Field{"fhmoe.max_tokens_sharded", "EPX_FHMOE_MAX_TOKENS_SHARDED", "tokens",
-          "the gate of layers whose fused path runs the shared expert DP-sharded (naive, allgather_reducescatter)"},
+  v(Field{"fhmoe.max_tokens_sharded", "EPX_FHMOE_MAX_TOKENS_SHARDED", "tokens", at_least(0),
+          "fhmoe.max_tokens for layers that run the shared expert DP-sharded (naive, allgather_reducescatter); 0 = never fuse there"},
     c.fhmoe_max_tokens_sharded);
+}
+
+/// A bound as a person writes it: 4, 0.001, 1e9.
+std::string number_text(double v) {
+  if (v == std::floor(v) && std::fabs(v) < 1e7) return std::to_string(static_cast<long long>(v));
+  std::ostringstream os;
+  os << v;
+  std::string s = os.str();
+  const size_t e = s.find("e+");
+  if (e != std::string::npos) {
+    size_t d = e + 2;
+    while (d + 1 < s.size() && s[d] == '0') ++d;
+    s = s.substr(0, e + 1) + s.substr(d);
+  }
+  return s;
+}
+
+/// The values a rule allows, as its message says them after "must be ".
+std::string allowed_text(const Rule& r) {
+  if (!r.choices.empty()) {
+    if (r.choices.size() == 2) return std::string(r.choices[0]) + " or " + r.choices[1];
+    std::string s = "one of ";
+    for (size_t i = 0; i < r.choices.size(); ++i) s += (i ? ", " : "") + std::string(r.choices[i]);
+    return s;
+  }
+  std::string range;
+  if (r.hi == kNoBound) range = ">= " + number_text(r.lo);
+  else range = "in [" + number_text(r.lo) + ", " + number_text(r.hi) + "]";
+  if (r.multiple > 0) range = "a multiple of " + std::to_string(r.multiple) + " " + range;
+  if (r.besides) range = std::string(r.besides) + " or " + range;
+  return range;
+}
+
+std::string rule_text(const Rule& r) {
+  return "must be " + allowed_text(r) + (r.why ? std::string(" (") + r.why + ")" : std::string());
+}
+
+/// Whether `value` keeps rule `r`.
+template <class T>
+bool keeps(const Rule& r, const T& value) {
+  if constexpr (std::is_same_v<T, std::string>) {
+    return std::find(r.choices.begin(), r.choices.end(), value) != r.choices.end();
+  } else {
+    if (!r.choices.empty()) {
+      std::ostringstream os;
+      os << value;
+      return std::find(r.choices.begin(), r.choices.end(), os.str()) != r.choices.end();
+    }
+    const double v = static_cast<double>(value);
+    if (r.besides && v == std::stod(r.besides)) return true;
+    if (!(v >= r.lo && v <= r.hi)) return false;  // NaN fails too
+    if constexpr (std::is_integral_v<T>)
+      if (r.multiple > 0 && value % r.multiple != 0) return false;
+    return true;
+  }
+}
+
+template <class T>
+std::string type_name(const Rule& r) {
+  if (!r.choices.empty()) return "choice";
+  return std::is_integral_v<T> ? "int" : "float";
+}
+
+template <class T>
+std::string value_text(const T& v) {
+  std::ostringstream os;
+  os << v;
+  return os.str();
 }
 
 const char* kBootstrapEnv[] = {"EPX_CONFIG", "EPX_RANK", "EPX_WORLD_SIZE", "EPX_RENDEZVOUS", "EPX_LOCAL_RANK", "EPX_UNIQUE_ID"};
@@ -229,33 +369,8 @@ void Config::validate() const {
 }
 
 void Config::validate_fields() const {
-  require_timeout("config", "timeout_s", timeout_s);
-  require_arg("config", "ll.warps_per_block", ll_warps_per_block, ll_warps_per_block % 4 == 0 && ll_warps_per_block >= 4 && ll_warps_per_block <= 32, "must be a multiple of 4 in [4, 32]");
-  require_arg("config", "ll.combine", ll_combine, ll_combine == "column" || ll_combine == "partial_fp32" || ll_combine == "partial_bf16",
-              "must be one of column, partial_fp32, partial_bf16");
-  require_arg("config", "ll.num_blocks", ll_num_blocks, ll_num_blocks >= 0, "must be >= 0");
-  require_arg("config", "ll.combine_wait", ll_combine_wait, ll_combine_wait == "flag" || ll_combine_wait == "data", "must be flag or data");
-  require_arg("config", "ht.num_sms", ht_num_sms, ht_num_sms >= 1 && ht_num_sms <= 132, "must be in [1, 132]");
-  require_arg("config", "ht.warps_per_block", ht_warps_per_block, ht_warps_per_block >= 1 && ht_warps_per_block <= 32, "must be in [1, 32]");
-  require_arg("config", "ht.combine_mode", ht_combine_mode, ht_combine_mode == 0 || ht_combine_mode == 1, "must be 0 or 1");
-  require_arg("config", "ht.chunk_rows", ht_chunk_rows, ht_chunk_rows >= 1 && ht_chunk_rows <= 4096, "must be in [1, 4096]");
-  require_arg("config", "ht.fp8_unroll", ht_fp8_unroll, ht_fp8_unroll == 0 || ht_fp8_unroll == 4 || ht_fp8_unroll == 7, "must be 0, 4 or 7");
-  require_arg("config", "ht.pdl", ht_pdl, ht_pdl >= 0 && ht_pdl <= 2, "must be 0, 1 or 2");
-  require_arg("config", "experts.simt", experts_simt, experts_simt == 0 || experts_simt == 1, "must be 0 or 1");
-  require_arg("config", "experts.fp8_pairs", experts_fp8_pairs, experts_fp8_pairs == 0 || experts_fp8_pairs == 1, "must be 0 or 1");
-  require_arg("config", "experts.fp8_prefill", experts_fp8_prefill, experts_fp8_prefill == 0 || experts_fp8_prefill == 1, "must be 0 or 1");
-  require_arg("config", "experts.fp8_prefill_stages", experts_fp8_prefill_stages,
-              experts_fp8_prefill_stages == 0 || (experts_fp8_prefill_stages >= 2 && experts_fp8_prefill_stages <= 4), "must be 0 or in [2, 4]");
-  require_arg("config", "experts.fp8_prefill_min_tiles", experts_fp8_prefill_min_tiles, experts_fp8_prefill_min_tiles >= 0, "must be >= 0 (0 = one wave)");
-  require_arg("config", "experts.mxfp4_tc", experts_mxfp4_tc, experts_mxfp4_tc == 0 || experts_mxfp4_tc == 1, "must be 0 or 1");
-  require_arg("config", "moe.chunk_size", moe_chunk_size, moe_chunk_size >= 0, "must be >= 0");
-  require_arg("config", "fhmoe.max_tokens", fhmoe_max_tokens, fhmoe_max_tokens >= 0, "must be >= 0");
-  require_arg("config", "fhmoe.max_tokens_sharded", fhmoe_max_tokens_sharded, fhmoe_max_tokens_sharded >= 0, "must be >= 0");
-  require_arg("config", "fhmoe.max_tokens_mixed", fhmoe_max_tokens_mixed, fhmoe_max_tokens_mixed >= 0, "must be >= 0");
-  require_arg("config", "fhmoe.local_shared_tokens", fhmoe_local_shared_tokens, fhmoe_local_shared_tokens >= 0, "must be >= 0");
-  static const char* levels[] = {"trace", "debug", "info", "warn", "error", "off"};
-  require_arg("config", "log_level", log_level, std::find(std::begin(levels), std::end(levels), log_level) != std::end(levels),
-              "must be one of trace, debug, info, warn, error, off");
+  Config copy = *this;
+  for_each_field(copy, [&](const Field& f, auto& field) { require_arg("config", f.key, field, keeps(f.rule, field), rule_text(f.rule)); });
 }
 
 Config Config::load(const std::string& json_path) {
@@ -280,19 +395,42 @@ std::vector<std::string> Config::describe() const {
   std::vector<std::string> out;
   Config copy = *this;
   for_each_field(copy, [&](const Field& f, auto& field) {
-    std::ostringstream os;
-    os << f.key << " = " << field;
     std::string src = "default";
     for (auto& [k, s] : sources)
       if (k == f.key) src = s;
-    std::string line = os.str();
+    std::string line = std::string(f.key) + " = " + value_text(field);
     line.resize(std::max<size_t>(line.size() + 1, 32), ' ');  // at least one blank between the columns
     line += "[" + src + "]";
     line.resize(std::max<size_t>(line.size() + 1, 56), ' ');
-    line += std::string(f.description) + (f.unit[0] ? std::string(" [") + f.unit + "]" : "");
+    line += std::string(f.meaning) + (f.unit[0] ? std::string(" [") + f.unit + "]" : "");
     out.push_back(line);
   });
   return out;
+}
+
+std::vector<Knob> Config::knobs() {
+  std::vector<Knob> out;
+  Config defaults;
+  for_each_field(defaults, [&](const Field& f, auto& field) {
+    using T = std::decay_t<decltype(field)>;
+    std::string attr = f.key;
+    std::replace(attr.begin(), attr.end(), '.', '_');
+    out.push_back(Knob{f.key, f.env, attr, type_name<T>(f.rule), f.unit, value_text(field), allowed_text(f.rule), rule_text(f.rule), f.meaning});
+  });
+  return out;
+}
+
+std::string Config::knobs_markdown(const std::string& prefix) {
+  std::string s = "| key | environment | type | default | allowed | meaning |\n|---|---|---|---|---|---|\n";
+  int rows = 0;
+  for (const Knob& k : knobs()) {
+    if (k.key.rfind(prefix, 0) != 0) continue;
+    ++rows;
+    s += "| `" + k.key + "` | `" + k.env + "` | " + k.type + (k.unit.empty() ? "" : " (" + k.unit + ")") + " | " + k.default_value + " | " +
+         k.allowed + " | " + k.meaning + " |\n";
+  }
+  require_arg("config", "knob prefix", prefix, rows > 0, "must begin at least one key (ll., ht., experts., moe., fhmoe., ...; \"\" for all)");
+  return s;
 }
 
 }  // namespace epx

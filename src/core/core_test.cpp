@@ -1,5 +1,6 @@
 #include <gtest/gtest.h>
 
+#include <cctype>
 #include <cstdlib>
 
 #include "epx/config.h"
@@ -134,6 +135,54 @@ TEST(Config, ExpertsKernelChoicesAreOnOff) {
   }
 }
 
+// The registry describes every knob once: its variable is EPX_ + the key in capitals, its default keeps its
+// rule, and a value just outside the rule is refused by set() with exactly the registry's rule text. So the
+// rule that validate() applies and the one `epx info --knobs`, the Python docstrings and
+// docs/configuration.md print are one.
+TEST(Config, RegistryRulesAreTheOnesValidateApplies) {
+  const std::vector<Knob> knobs = Config::knobs();
+  ASSERT_GE(knobs.size(), 15u);
+  for (const Knob& k : knobs) {
+    SCOPED_TRACE(k.key);
+    std::string env = "EPX_" + k.key;
+    for (char& ch : env) ch = ch == '.' ? '_' : static_cast<char>(std::toupper(static_cast<unsigned char>(ch)));
+    EXPECT_EQ(k.env, env);
+    EXPECT_TRUE(k.type == "int" || k.type == "float" || k.type == "choice") << k.type;
+    EXPECT_EQ(k.rule.rfind("must be " + k.allowed, 0), 0u) << k.rule;
+    EXPECT_FALSE(k.meaning.empty());
+    EXPECT_EQ(k.meaning.find('|'), std::string::npos) << "a '|' breaks the Markdown table";
+    Config c;
+    EXPECT_NO_THROW(c.set(k.key, k.default_value)) << "the default breaks its own rule";
+    // A value outside the rule: a choice's name with a suffix, or one below the range's lower bound.
+    std::string bad;
+    if (k.type == "choice") bad = std::isdigit(static_cast<unsigned char>(k.default_value[0])) ? "9" : k.default_value + "9";
+    else if (k.allowed.rfind(">= ", 0) == 0) bad = "-1";
+    else if (k.allowed.find("in [") != std::string::npos) {
+      const std::string lo = k.allowed.substr(k.allowed.find("in [") + 4, k.allowed.find(',', k.allowed.find("in [")) - k.allowed.find("in [") - 4);
+      bad = k.type == "int" ? std::to_string(std::stoll(lo) - 1) : "-1";
+      if (k.allowed.rfind(bad + " or ", 0) == 0) bad = "-1";  // the value allowed besides the range
+    }
+    ASSERT_FALSE(bad.empty()) << k.allowed;
+    EXPECT_EQ(test::invalid_argument_message([&] { c.set(k.key, bad); }), "config: " + k.key + " = " + bad + ": " + k.rule + " (set by api)");
+  }
+  const std::string md = Config::knobs_markdown();
+  for (const Knob& k : knobs) EXPECT_NE(md.find("| `" + k.key + "` | `" + k.env + "` | " + k.type), std::string::npos) << k.key;
+  const std::string ll = Config::knobs_markdown("ll.");
+  EXPECT_NE(ll.find("`ll.num_blocks`"), std::string::npos);
+  EXPECT_EQ(ll.find("`ht.num_sms`"), std::string::npos);
+  EXPECT_NE(test::invalid_argument_message([] { Config::knobs_markdown("zz."); }).find("knob prefix = zz.: must begin at least one key"),
+            std::string::npos);
+}
+
+// Knobs without a production meaning are gone (bench/NOTES.md, 'Variants removed from the product'):
+// experts.fp8_pairs is an unknown key, and ht.pdl takes 0 or 1 (2, the L2 prefetch, was slower).
+TEST(Config, RemovedKnobValuesAreRefused) {
+  Config c;
+  EXPECT_NE(test::invalid_argument_message([&] { c.set("experts.fp8_pairs", "1"); }).find("unknown"), std::string::npos);
+  EXPECT_EQ(test::invalid_argument_message([&] { c.set("ht.pdl", "2"); }), "config: ht.pdl = 2: must be 0 or 1 (set by api)");
+  EXPECT_NO_THROW(c.set("ht.pdl", "0"));
+}
+
 // ll.combine_wait takes flag and data; the removed flag_lane and data's removed variants are refused.
 TEST(Config, LlCombineWaitTakesFlagOrData) {
   Config c;
@@ -255,7 +304,7 @@ TEST(Config, IntegerRangeAndTheSourceOfABadValueAreNamed) {
   unsetenv("EPX_FHMOE_MAX_TOKENS_MIXED");
   Config j;
   m = message([&] { j.apply_json_text(R"({"experts.fp8_prefill_min_tiles": -3})", "json my.json"); });
-  EXPECT_EQ(m, "config: experts.fp8_prefill_min_tiles = -3: must be >= 0 (0 = one wave) (set by json my.json)");
+  EXPECT_EQ(m, "config: experts.fp8_prefill_min_tiles = -3: must be >= 0 (set by json my.json)");
   Config d;
   d.ht_num_sms = 0;  // set in code: no source to name
   m = message([&] { d.validate(); });
@@ -277,7 +326,7 @@ TEST(Config, TinyTimeoutStringNumbersAndDuplicateJsonKeysAreRefused) {
   Config c;
   std::string m = message([&] { c.set("timeout_s", "1e-300"); });
   EXPECT_NE(m.find("config: timeout_s = 1e-300: must be"), std::string::npos) << m;
-  EXPECT_NE(m.find("at least 0.001"), std::string::npos) << m;
+  EXPECT_NE(m.find("must be in [0.001, 1e9] (a shorter wait cannot outlast one step of a peer"), std::string::npos) << m;
   m = message([&] { c.apply_json_text(R"({"timeout_s": 1e-300})", "json tiny"); });
   EXPECT_NE(m.find("config: timeout_s = 1e-300: must be"), std::string::npos) << m;
   EXPECT_NE(m.find("(set by json tiny)"), std::string::npos) << m;

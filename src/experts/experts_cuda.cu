@@ -158,9 +158,6 @@ class CudaExperts final : public Experts {
     // (EPX_EXPERTS_SIMT=1) keeps the SIMT reference GEMMs.
     fp8_tensor_cores_ = has_format_[static_cast<int>(WeightFormat::fp8_block)] && config.experts_simt == 0 &&
                         experts_cuda::fp8_tensor_cores_available(device_);
-    // Config::experts_fp8_pairs (EPX_EXPERTS_FP8_PAIRS=1): the mainloop variant that runs K blocks
-    // in pairs (experts_fp8_cuda.h, Fp8GemmParams::overlap); same results.
-    fp8_pairs_ = config.experts_fp8_pairs == 1;
     // Config::experts_fp8_prefill (EPX_EXPERTS_FP8_PREFILL, default 1): experts with more than
     // kTileRows rows run in 128-row tiles on the warp-specialized prefill GEMMs
     // (experts_fp8_prefill_cuda.cu); 0 keeps every tile on the 64-row kernels.
@@ -534,7 +531,6 @@ class CudaExperts final : public Experts {
     if (tc) {
       experts_cuda::Fp8GemmParams fp{};
       fill_tc_params(fp);
-      fp.overlap = fp8_pairs_;
       fp.num_small = big ? ws.num_tiles + 1 : nullptr;
       fp.prefill_stages = fp8_prefill_stages_;
       fp.w_maps = w_maps_.defined() ? w_maps_.data() : nullptr;
@@ -603,7 +599,6 @@ class CudaExperts final : public Experts {
   int64_t inter_max_ = 0;
   int64_t fp8_inter_max_ = 0;     // widest fp8_block expert (I % 128 == 0)
   bool fp8_tensor_cores_ = false; // fp8_block experts with FP8 x run on the sm_90a wgmma GEMMs
-  bool fp8_pairs_ = false;        // their mainloop variant (EPX_EXPERTS_FP8_PAIRS)
   bool fp8_prefill_ = false;      // experts with > 64 rows on the prefill kernels (EPX_EXPERTS_FP8_PREFILL)
   int fp8_prefill_stages_ = 0;    // their ring depth (EPX_EXPERTS_FP8_PREFILL_STAGES; 0 = maximum)
   int fp8_prefill_min_tiles_ = 1; // big tiles the prefill section needs to run (EPX_EXPERTS_FP8_PREFILL_MIN_TILES; 0 -> one wave)

@@ -518,8 +518,7 @@ TEST(ExpertsCuda, Fp8TensorCoreRowCountsOneTo8192) {
   // shapes, total rows 1, 7, 128, 258, 1000 (ExpertMajor, experts without tokens among them; 64 /
   // 65 / 129 rows straddle the tile boundaries, small and prefill tiles in one call) and 200 /
   // 8192 (Flat, contiguous rows grouped by expert on the device; 200 pairs: ~67 per expert).
-  // The same cases through the paired-K-block mainloop variant (EPX_EXPERTS_FP8_PAIRS=1), with
-  // the prefill kernels off (EPX_EXPERTS_FP8_PREFILL=0: every tile on the 64-row kernels), and with the
+  // The same cases with the prefill kernels off (EPX_EXPERTS_FP8_PREFILL=0: every tile on the 64-row kernels), and with the
   // cp.async prefill kernels (the fallback where a TMA map cannot be encoded: set_fp8_prefill_refuse_weight_maps);
   // the default's 2-CTA clusters see pairs of one expert's tiles, an odd tile count, a pair of two experts' tiles.
   // Fp8PrefillTmaLoadsMatchCpAsyncLoadsBitForBit checks that the default is bit-identical to the fallback.
@@ -530,14 +529,10 @@ TEST(ExpertsCuda, Fp8TensorCoreRowCountsOneTo8192) {
   const auto experts = same_format(WeightFormat::fp8_block, 3, 7168, 2048, 500);
   auto cpu = make_experts_cpu(experts);
   auto gpu_gated = make_experts_cuda(experts, 0);
-  std::unique_ptr<Experts> gpu, gpu_pairs, gpu_small, gpu_cpasync;
+  std::unique_ptr<Experts> gpu, gpu_small, gpu_cpasync;
   {
     const test::ScopedEnv min_tiles("EPX_EXPERTS_FP8_PREFILL_MIN_TILES", "1");
     gpu = make_experts_cuda(experts, 0);
-    {
-      const test::ScopedEnv pairs("EPX_EXPERTS_FP8_PAIRS", "1");
-      gpu_pairs = make_experts_cuda(experts, 0);
-    }
     experts_cuda::set_fp8_prefill_refuse_weight_maps(true);
     gpu_cpasync = make_experts_cuda(experts, 0);
     experts_cuda::set_fp8_prefill_refuse_weight_maps(false);
@@ -562,7 +557,6 @@ TEST(ExpertsCuda, Fp8TensorCoreRowCountsOneTo8192) {
   const FlatCase flat_200 = flat_case(*cpu, 100, 2, x8, ++seed, all_local);
   const std::pair<Experts*, const char*> variants[] = {{gpu.get(), ""},
                                                        {gpu_cpasync.get(), " (prefill cp.async loads: no TMA maps)"},
-                                                       {gpu_pairs.get(), " (pairs)"},
                                                        {gpu_small.get(), " (no prefill kernels)"},
                                                        {gpu_gated.get(), " (prefill gated: one wave)"}};
   for (const auto& [g, variant] : variants) {

@@ -63,7 +63,7 @@ __global__ void probe_kernel(int* ok) {
 #ifdef EPX_FP8_WGMMA
 
 /// One (row tile, weight tile) item with BN token columns. smem: 1024-aligned base.
-template <int BN, bool kGateUp, bool kOverlap>
+template <int BN, bool kGateUp>
 __device__ __forceinline__ void run_item(const Fp8GemmParams& p, const Item& it, uint8_t* smem, uint32_t smem_s) {
   constexpr int kFrag = BN / 2;  // accumulator floats per thread per m64nBN
   const int tid = threadIdx.x, wg = tid >> 7, warp_in_wg = (tid >> 5) & 3, lane = tid & 31;
@@ -110,11 +110,11 @@ __device__ __forceinline__ void run_item(const Fp8GemmParams& p, const Item& it,
     }
   };
 
-  float acc[2][kFrag], tmp[2][kFrag], tmp2[2][kFrag];
+  float acc[2][kFrag], tmp[2][kFrag];
 #pragma unroll
   for (int s = 0; s < 2; ++s)
 #pragma unroll
-    for (int i = 0; i < kFrag; ++i) acc[s][i] = 0.0f, tmp[s][i] = 0.0f, tmp2[s][i] = 0.0f;
+    for (int i = 0; i < kFrag; ++i) acc[s][i] = 0.0f, tmp[s][i] = 0.0f;
 
   // The 8 wgmmas of K block kb (stage kb % kStages) into t, committed as one group.
   auto issue = [&](int64_t kb, float (&t)[2][kFrag]) {
@@ -153,47 +153,17 @@ __device__ __forceinline__ void run_item(const Fp8GemmParams& p, const Item& it,
     cp_async_commit();
   };
 
-  if constexpr (!kOverlap) {
-    // Prefetch distance kStages - 1; each K block's wgmmas complete before its promotion.
+  // Prefetch distance kStages - 1; each K block's wgmmas complete before its promotion.
 #pragma unroll
-    for (int s = 0; s < kStages - 1; ++s) {
-      if (s < nk) load_stage(s, s);
-      cp_async_commit();
-    }
-    for (int64_t kb = 0; kb < nk; ++kb) {
-      wait_stage(kb, kStages - 2);
-      issue(kb, tmp);
-      wgmma_wait<0>();
-      promote(kb, tmp);
-    }
-  } else {
-    // K blocks in pairs: both blocks' wgmmas issued back to back (two accumulator sets), the first
-    // block promoted while the second runs; one barrier per pair. Block b lives in stage b % 5;
-    // while pair (2p, 2p+1) computes, blocks 2p+2..2p+4 are in flight. No wgmma is in flight
-    // across the loop's back edge. For odd nk the last pair's second wgmma reads a stale stage and
-    // is not promoted.
-    static_assert(kStages == 5, "pair schedule assumes 5 stages");
-#pragma unroll
-    for (int s = 0; s < 3; ++s) {
-      if (s < nk) load_stage(s, s);
-      cp_async_commit();
-    }
-    for (int64_t kb = 0; kb < nk; kb += 2) {
-      cp_async_wait<1>();  // blocks kb, kb + 1 landed (block kb + 2 may be in flight)
-      fence_proxy_async();
-      __syncthreads();     // every thread is past the previous pair's wgmmas and promotions
-#pragma unroll
-      for (int j = 3; j < 5; ++j) {
-        if (kb + j < nk) load_stage(static_cast<int>((kb + j) % kStages), kb + j);
-        cp_async_commit();
-      }
-      issue(kb, tmp);
-      issue(kb + 1, tmp2);
-      wgmma_wait<1>();
-      promote(kb, tmp);
-      wgmma_wait<0>();
-      if (kb + 1 < nk) promote(kb + 1, tmp2);
-    }
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < nk) load_stage(s, s);
+    cp_async_commit();
+  }
+  for (int64_t kb = 0; kb < nk; ++kb) {
+    wait_stage(kb, kStages - 2);
+    issue(kb, tmp);
+    wgmma_wait<0>();
+    promote(kb, tmp);
   }
   cp_async_wait<0>();
   __syncthreads();  // the ring is free for the epilogue staging
@@ -270,7 +240,7 @@ __device__ __forceinline__ void run_item(const Fp8GemmParams& p, const Item& it,
   __syncthreads();  // staging and rows[] are reused by the next item
 }
 
-template <bool kGateUp, bool kOverlap>
+template <bool kGateUp>
 __global__ void __launch_bounds__(kThreads, 1) fp8_gemm_kernel(Fp8GemmParams p) {
   extern __shared__ uint8_t smem_raw[];
   const uint32_t raw_s = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
@@ -313,14 +283,14 @@ __global__ void __launch_bounds__(kThreads, 1) fp8_gemm_kernel(Fp8GemmParams p) 
       rows[j] = r;
     }
     __syncthreads();
-    if (tile.num_rows <= 16) run_item<16, kGateUp, kOverlap>(p, it, smem, smem_s);
-    else run_item<64, kGateUp, kOverlap>(p, it, smem, smem_s);
+    if (tile.num_rows <= 16) run_item<16, kGateUp>(p, it, smem, smem_s);
+    else run_item<64, kGateUp>(p, it, smem, smem_s);
   }
 }
 
 #else  // not sm_90a: the host never launches these (fp8_tensor_cores_available is false)
 
-template <bool kGateUp, bool kOverlap>
+template <bool kGateUp>
 __global__ void __launch_bounds__(kThreads, 1) fp8_gemm_kernel(Fp8GemmParams) {
 #ifdef __CUDA_ARCH__
   __trap();
@@ -332,8 +302,7 @@ __global__ void __launch_bounds__(kThreads, 1) fp8_gemm_kernel(Fp8GemmParams) {
 template <bool kGateUp>
 void launch(const Fp8GemmParams& p, int grid, cudaStream_t stream) {
   // The shared-memory limit was raised on this device by fp8_tensor_cores_available().
-  if (p.overlap) fp8_gemm_kernel<kGateUp, true><<<grid, kThreads, kSmemBytes, stream>>>(p);
-  else fp8_gemm_kernel<kGateUp, false><<<grid, kThreads, kSmemBytes, stream>>>(p);
+  fp8_gemm_kernel<kGateUp><<<grid, kThreads, kSmemBytes, stream>>>(p);
   cuda::check_launch(kGateUp ? "fp8_gemm_kernel (gate_up)" : "fp8_gemm_kernel (down)");
 }
 
@@ -359,8 +328,7 @@ bool fp8_tensor_cores_available(int device) {
     if (launched == cudaSuccess) EPX_CUDA_CHECK(cudaMemcpy(&ok, d, sizeof(int), cudaMemcpyDeviceToHost));
     EPX_CUDA_CHECK(cudaFree(d));
     if (ok == 1) {  // once per device, outside any graph capture: the kernels' shared-memory limit
-      for (auto* k : {fp8_gemm_kernel<true, false>, fp8_gemm_kernel<true, true>, fp8_gemm_kernel<false, false>,
-                      fp8_gemm_kernel<false, true>})
+      for (auto* k : {fp8_gemm_kernel<true>, fp8_gemm_kernel<false>})
         EPX_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
       fp8_prefill_set_smem_limits();
       fp8_prefill_tma_set_smem_limits();

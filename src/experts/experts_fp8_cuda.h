@@ -31,11 +31,6 @@ struct Fp8GemmParams {
   int64_t hs_stride;  ///< floats per h-scale row (h_stride / 128)
   // down output: bf16 [row space, H]
   uint16_t* out;
-  /// Mainloop variant: false = each 128-deep K block's wgmmas complete before its promotion
-  /// (4 blocks in flight); true = K blocks in pairs, both issued back to back into two accumulator
-  /// sets, the first promoted while the second runs, one barrier per pair (3 blocks in flight).
-  /// Same results either way.
-  bool overlap;
   /// [1] on the device, or null. Non-null: the schedule split the tile list (ScheduleParams::
   /// big_rows): tiles [0, *num_small) hold <= kTileRows rows and run on launch_fp8_gate_up/down,
   /// tiles [*num_small, *num_tiles) hold <= kFp8PrefillRows rows and run on the prefill kernels.

@@ -18,6 +18,10 @@ void add_info_command(CLI::App& root, InfoCommand& cmd) {
   cmd.app = root.add_subcommand("info", "Print version, devices, effective configuration, backends and presets");
   cmd.app->add_option("--config", cmd.config, "Config JSON file to apply (default < this file < EPX_* env)");
   cmd.app->add_flag("--backends", cmd.backends_only, "Print only the backends x capabilities table (Markdown, as in docs/architecture.md)");
+  cmd.knobs = cmd.app->add_option("--knobs", cmd.knobs_prefix,
+                                  "Print only the configuration knobs whose key starts with PREFIX (all without one): key, "
+                                  "environment variable, type, default, allowed values, meaning (Markdown, as in docs/configuration.md)")
+                  ->expected(0, 1);
 }
 
 namespace {
@@ -59,6 +63,10 @@ void print_backend_table(std::ostream& os) {
 }  // namespace
 
 int run_info(InfoCommand& cmd) {
+  if (cmd.knobs != nullptr && cmd.knobs->count() > 0) {
+    std::cout << Config::knobs_markdown(cmd.knobs_prefix);
+    return 0;
+  }
   const Config config = cmd.config.empty() ? Config::load() : Config::load(cmd.config);
   if (cmd.backends_only) {
     print_backend_table(std::cout);
@@ -87,7 +95,7 @@ int run_info(InfoCommand& cmd) {
         if (const char* x = std::getenv(v)) std::cout << "  " << v << "=" << x << "\n";
     }
   }
-  std::cout << "\nconfig (default < JSON file (--config or EPX_CONFIG) < EPX_* env):\n";
+  std::cout << "\nconfig (default < JSON file (--config or EPX_CONFIG) < EPX_* env; rules: epx info --knobs):\n";
   for (const std::string& line : config.describe()) std::cout << "  " << line << "\n";
   std::cout << "\nbackends:\n";
   print_backend_table(std::cout);

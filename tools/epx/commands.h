@@ -43,6 +43,8 @@ struct InfoCommand {
   CLI::App* app = nullptr;
   std::string config;
   bool backends_only = false;
+  CLI::Option* knobs = nullptr;  ///< --knobs [PREFIX] given
+  std::string knobs_prefix;
 };
 void add_info_command(CLI::App& root, InfoCommand& cmd);
 int run_info(InfoCommand& cmd);
