@@ -32,7 +32,8 @@ class AgrsCpu final : public GatherCpu {
       group_->reduce_scatterv(partials(args), sum_.data(), counts, dt);
       finish_rows(sum_.data(), dt, args.addend.defined() ? args.addend.ptr<const float>() : nullptr, T * H, args.out.ptr<uint16_t>());
     }
-    stats_.remote_bytes_combine = (num_rows_ - T) * H * dtype_size(dt);
+    stats_.remote_bytes_combine = padded_ ? (num_ranks_ - 1) * cfg_.num_max_dispatch_tokens_per_rank * H * dtype_size(dt)
+                                          : (num_rows_ - T) * H * dtype_size(dt);
   }
 
  private:

@@ -66,6 +66,12 @@ PrepareResult DedupCpu::prepare(const DispatchArgs& args) {
   std::vector<uint8_t> recv(static_cast<size_t>(num_recv * rb));
   group_->all_to_allv(send.data(), send_bytes, recv.data(), recv_bytes);
   decode_flat(recv.data(), num_recv, recv_src_rank_, recv_);
+  if (padded_ && num_local_ > 0) {  // all2allv's padded form: C rows from every source, the real ones first in each block
+    std::vector<int64_t> from(static_cast<size_t>(num_ranks_));
+    for (int s = 0; s < num_ranks_; ++s) from[static_cast<size_t>(s)] = count_matrix_[static_cast<size_t>(s)][static_cast<size_t>(rank_)];
+    recv_ = pad_flat(recv_, from, padded_row_);
+    stats_.remote_bytes_dispatch = (num_ranks_ - 1) * padded_block_bytes();
+  }
   return recv_.result();
 }
 
@@ -74,7 +80,9 @@ void DedupCpu::finalize(const FinalizeArgs& args) {
   const DType dt = partial_dtype();
   const int64_t row = dtype_size(dt) * H;
   const int64_t num_recv = static_cast<int64_t>(recv_src_rank_.size());
-  begin_finalize(args, {num_recv, H});
+  const bool padded_rows = padded_ && num_local_ > 0;
+  begin_finalize(args, {padded_rows ? recv_.x.size(0) : num_recv, H});
+  const void* expert_out = padded_rows ? compact_partials(args.expert_out, padded_row_) : args.expert_out.data;
   std::vector<int64_t> send_bytes(static_cast<size_t>(num_ranks_)), recv_bytes(static_cast<size_t>(num_ranks_));
   std::vector<int64_t> block_row(static_cast<size_t>(num_ranks_));  // first returned row from rank d
   int64_t num_back = 0;
@@ -86,10 +94,14 @@ void DedupCpu::finalize(const FinalizeArgs& args) {
     if (r != rank_) stats_.remote_bytes_combine += send_bytes[static_cast<size_t>(r)];
   }
   std::vector<uint8_t> back(static_cast<size_t>(num_back * row));
-  group_->all_to_allv(args.expert_out.data, send_bytes, back.data(), recv_bytes);
+  group_->all_to_allv(expert_out, send_bytes, back.data(), recv_bytes);
+  if (padded_) {
+    stats_.remote_bytes_combine = (num_ranks_ - 1) * cfg_.num_max_dispatch_tokens_per_rank * row;
+    stats_.remote_bytes_dispatch = (num_ranks_ - 1) * padded_block_bytes();
+  }
 
   // Returned rows come in the order tokens were sent: walk each destination's list once.
-  const int64_t T = prepared_tokens_;
+  const int64_t T = routed_tokens_;  // padded form with num_tokens: rows past it of out are left as they are
   std::vector<const uint8_t*> partials(static_cast<size_t>(T * num_ranks_), nullptr);
   for (int d = 0; d < num_ranks_; ++d) {
     const auto& tokens = send_tokens_[static_cast<size_t>(d)];

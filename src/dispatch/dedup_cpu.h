@@ -14,6 +14,9 @@
 // with flat_combine partial_fp32, bf16 with partial_bf16) goes back by the reverse all_to_allv; the
 // source sums the partials of each token in fp32 in destination-rank order, then
 // FinalizeArgs::addend, and rounds once. A token with no valid selection gets a zero row (or the addend).
+// all2allv's padded form (DispatchConfig::use_worst_case_sizing): every source's block has C =
+// num_max_dispatch_tokens_per_rank rows, so N_recv = R * C: row s * C + i is the i-th row from source s
+// while i < its count, the rest padding (x 0, topk_idx -1, weights 0); bytes are those blocks'.
 // Bytes reported (ANCHORS.md, deepep-ht): num_rank_dedup_rows rows, incl. to self; remote bytes =
 // rows to / from other ranks x RowCodec::row_bytes (dispatch) and x H x (4 | 2) (combine).
 #pragma once
@@ -43,6 +46,7 @@ class DedupCpu : public CpuPrepareFinalize {
   std::vector<uint8_t> is_token_in_rank_;             ///< [T, R]
   std::vector<std::vector<int64_t>> count_matrix_;    ///< [R src][R dst] rows, from the status exchange
   std::vector<int> recv_src_rank_;                    ///< [N_recv]
+  std::vector<int64_t> padded_row_;                   ///< all2allv's padded form: Flat row of each received row
   FlatRecv recv_;
 };
 

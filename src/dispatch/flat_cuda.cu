@@ -28,14 +28,21 @@ void launch_pack_rows(const PackParams& p, Stream stream) {
 }
 
 void launch_scatter_rows(const ScatterParams& p, Stream stream) {
-  if (p.num_tokens == 0) return;
-  kernels::scatter_rows_kernel<<<cuda::grid_for(p.num_tokens, 1, kMaxRowBlocks), kernels::kRowThreads, 0, cuda::native(stream)>>>(p);
+  if (p.num_tokens == 0 && p.block_bytes == 0) return;  // padded: the records go out also without tokens
+  const unsigned grid = p.num_tokens == 0 ? 1u : cuda::grid_for(p.num_tokens, 1, kMaxRowBlocks);
+  kernels::scatter_rows_kernel<<<grid, kernels::kRowThreads, 0, cuda::native(stream)>>>(p);
   cuda::check_launch("scatter_rows_kernel");
 }
 
 void launch_unpack_rows(const UnpackParams& p, Stream stream) {
   const cudaStream_t s = cuda::native(stream);
   if (p.num_local > 0) EPX_CUDA_CHECK(cudaMemsetAsync(p.recv_count, 0, sizeof(int32_t) * static_cast<size_t>(p.num_local), s));
+  if (p.rows_per_block > 0) {  // padded: one CTA at least reads the records (call_bad, the report)
+    const unsigned grid = p.num_rows == 0 ? 1u : cuda::grid_for(p.num_rows, 1, kMaxRowBlocks);
+    kernels::unpack_padded_kernel<<<grid, kernels::kRowThreads, 0, s>>>(p);
+    cuda::check_launch("unpack_padded_kernel");
+    return;
+  }
   if (p.num_rows == 0) return;
   kernels::unpack_rows_kernel<<<cuda::grid_for(p.num_rows, 1, kMaxRowBlocks), kernels::kRowThreads, 0, s>>>(p);
   cuda::check_launch("unpack_rows_kernel");

@@ -17,14 +17,35 @@ namespace epx::dispatch {
 
 /// Fields of the per-rank plan record, int64 each; the record is all-gathered as the status exchange.
 enum PlanField : int {
-  kPlanStatus = 0,      ///< LocalError::Kind (the kernel writes none; the host writes its own failures)
+  kPlanStatus = 0,      ///< LocalError::Kind, or kPlanBadNumTokens (the kernel); the host writes its own failures
   kPlanBadIndex = 1,    ///< flat index t * K + k of the first topk_idx entry out of range, -1 if none
-  kPlanTokens = 2,      ///< T
+  kPlanTokens = 2,      ///< T (the rows that take part: DispatchArgs::num_tokens when given)
   kPlanValid = 3,       ///< valid (token, expert) selections (DispatchStats::num_valid_selections)
   kPlanDedupRows = 4,   ///< rank-deduplicated rows, incl. to self (DispatchStats::num_rank_dedup_rows)
-  kPlanDestCounts = 5,  ///< [R] rows this rank sends to rank d (rank-deduplicated)
+  kPlanBadValue = 5,    ///< the bad topk_idx value at kPlanBadIndex, or the bad num_tokens value
+  kPlanDestCounts = 6,  ///< [R] rows this rank sends to rank d (rank-deduplicated)
 };
+/// kPlanStatus of a record whose DispatchArgs::num_tokens (read on the device) is outside [0, x.shape[0]].
+constexpr int64_t kPlanBadNumTokens = 3;
 constexpr int plan_record_fields(int num_ranks) { return kPlanDestCounts + num_ranks; }
+
+/// The padded forms (use_worst_case_sizing): each source's block on the wire is its plan record
+/// (padded_header_bytes) followed by C rows, the whole rounded to 16 bytes, so the record's int64
+/// fields and the rows stay aligned in a gathered [R] array of blocks.
+constexpr int64_t padded_header_bytes(int num_ranks) { return (8 * static_cast<int64_t>(plan_record_fields(num_ranks)) + 15) / 16 * 16; }
+constexpr int64_t padded_block_bytes(int num_ranks, int64_t rows, int64_t row_bytes) {
+  return (padded_header_bytes(num_ranks) + rows * row_bytes + 15) / 16 * 16;
+}
+
+/// Host-mapped report of a padded prepare that moved nothing because a rank's record was bad
+/// (written by the unpack kernel of every rank; the host reads it without a sync).
+struct PaddedReport {
+  int64_t epoch = 0;      ///< +1 per bad call seen on the device (written last)
+  int64_t bad_rank = -1;  ///< the lowest rank with a bad record
+  int64_t status = 0;     ///< its kPlanStatus
+  int64_t bad_index = -1; ///< its kPlanBadIndex
+  int64_t value = 0;      ///< its kPlanBadValue
+};
 
 /// One CTA scans this rank's routing once: validates every id, counts selections and
 /// rank-deduplicated rows, and gives each (token, destination rank) pair its row in that
@@ -38,6 +59,11 @@ struct PlanParams {
   int src_rank = 0;                ///< this rank
   int32_t* send_pos = nullptr;     ///< [T, R] row of token t in destination d's block, -1 if not sent; may be null
   int64_t* record = nullptr;       ///< [plan_record_fields(R)], written whole
+  /// Optional [1] int32 on the device: only tokens [0, value) take part (value outside [0, num_tokens]:
+  /// none, status kPlanBadNumTokens); send_pos is -1 for the others.
+  const int32_t* num_tokens_dev = nullptr;
+  /// != 0: the host rejected this rank's arguments (LocalError::Kind): a record of that status, no token.
+  int64_t forced_status = 0;
 };
 void launch_plan(const PlanParams& p, Stream stream);
 
@@ -64,6 +90,12 @@ struct ScatterParams {
   const int32_t* send_pos = nullptr;   ///< [T, R]
   const int64_t* dest_counts = nullptr;  ///< [R] (the plan record's kPlanDestCounts)
   uint8_t* send = nullptr;
+  /// Padded form: destination d's block starts at send + d * block_bytes, its record (copied from
+  /// `record`, record_fields int64) first, its rows header_bytes later; block_bytes 0 = compact blocks.
+  int64_t block_bytes = 0;
+  int64_t header_bytes = 0;
+  const int64_t* record = nullptr;
+  int record_fields = 0;
 };
 void launch_scatter_rows(const ScatterParams& p, Stream stream);
 
@@ -84,6 +116,16 @@ struct UnpackParams {
   float* topk_weights = nullptr;          ///< [N, K]
   int32_t* recv_count = nullptr;          ///< [L]
   int num_local = 0;                      ///< L
+  /// Padded form (rows_per_block > 0): rows holds R blocks of block_bytes, each the source's record then
+  /// rows_per_block rows; Flat row n = s * rows_per_block + i is row i of block s when i < the source's
+  /// count (kPlanTokens, or kPlanDestCounts + dst_rank with dest_counts) and no record is bad; else
+  /// padding (x 0, scales 0, topk_idx -1, weights 0). src_row_offset is unused then.
+  int64_t rows_per_block = 0;
+  int64_t block_bytes = 0;
+  int64_t header_bytes = 0;
+  bool dest_counts = false;
+  int32_t* call_bad = nullptr;            ///< padded: [1] device, 1 when a record was bad (read by the combine)
+  PaddedReport* report = nullptr;         ///< padded: host-mapped, written when a record was bad
 };
 void launch_unpack_rows(const UnpackParams& p, Stream stream);
 
@@ -101,6 +143,10 @@ struct CombineParams {
   const int64_t* dest_counts = nullptr;  ///< [R]
   const float* addend = nullptr;         ///< [T, H] fp32 (FinalizeArgs::addend), or null
   uint16_t* out = nullptr;               ///< [T, H] bf16, contiguous
+  /// Padded form: destination d's block starts at row d * rows_per_block of back (dest_counts unused),
+  /// and *call_bad != 0 (a bad record in that prepare) drops every partial.
+  int64_t rows_per_block = 0;
+  const int32_t* call_bad = nullptr;
 };
 void launch_combine_rows(const CombineParams& p, Stream stream);
 

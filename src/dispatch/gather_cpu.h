@@ -11,6 +11,10 @@
 // Rows without a local selection are still present (the experts write zeros for them). A rank
 // holding no expert (E < R, no shared route) gets N = 0 rows: it has nothing to run, and its
 // finalize contributes zeros.
+// Padded form (DispatchConfig::use_worst_case_sizing): every rank's block has C =
+// num_max_dispatch_tokens_per_rank rows, so N = R * C: row s * C + t is token t of rank s for t < T_s,
+// the rest padding (x 0, topk_idx -1, weights 0; their partials are not read). T_s is x.shape[0] or
+// DispatchArgs::num_tokens (a [1] int32 on the group's device). The sums are the unpadded form's.
 #pragma once
 
 #include "dispatch/prepare_finalize_cpu.h"
@@ -32,6 +36,7 @@ class GatherCpu : public CpuPrepareFinalize {
   const void* partials(const FinalizeArgs& args);
   std::vector<float> zeros_;
   FlatRecv recv_;
+  std::vector<int64_t> padded_row_;       ///< padded form: Flat row of each gathered row
 };
 
 }  // namespace epx::dispatch

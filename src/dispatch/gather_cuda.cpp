@@ -6,6 +6,10 @@
 //
 // prepare: plan + exchange (one host sync), encode this rank's rows, one all_gatherv of the rows,
 // decode. A rank holding no expert gets N = 0 rows and contributes zeros in finalize.
+// Padded form (use_worst_case_sizing; prepare_finalize_cuda.h): plan kernel -> this rank's record and
+// C rows in one block -> one all_gather of R blocks -> unpack_padded_kernel; finalize: one collective of
+// R * C rows (all-gather / all-reduce for naive, reduce-scatter of C rows per rank for agrs) -> finish.
+// No host wait; graph-safe.
 #include <cuda_runtime_api.h>
 
 #include "cuda/check.h"
@@ -22,6 +26,7 @@ class GatherCuda : public CudaPrepareFinalize {
 
   PrepareResult prepare(const DispatchArgs& args) override {
     cuda::DeviceGuard guard(device().index);
+    if (padded_) return prepare_padded(args);
     const auto table = begin_prepare(args, /*rank_dedup=*/false);
     const int64_t rb = codec().row_bytes();
     tokens_per_rank_.assign(static_cast<size_t>(num_ranks_), 0);
@@ -41,6 +46,66 @@ class GatherCuda : public CudaPrepareFinalize {
   }
 
  protected:
+  /// The padded form: this rank's record and C rows in one block, one all_gather of R blocks, decode.
+  PrepareResult prepare_padded(const DispatchArgs& args) {
+    const int R = num_ranks_;
+    const int64_t C = padded_rows(), rb = codec().row_bytes();
+    const int64_t hb = padded_header_bytes(R), bb = padded_block_bytes(R, C, rb);
+    uint8_t* send = static_cast<uint8_t*>(send_block_.ensure(bb, device()));
+    const LocalError err = padded_plan(args, reinterpret_cast<int64_t*>(send), /*rank_dedup=*/false);
+    if (err.kind == LocalError::none) encode_rows(args, send + hb);
+    uint8_t* all = static_cast<uint8_t*>(gathered_.ensure(R * bb, device()));
+    group_->all_gather(send, all, bb, args.stream);
+    tokens_per_rank_.assign(static_cast<size_t>(R), C);
+    num_rows_ = R * C;
+    token_offset_ = rank_ * C;
+    num_exposed_rows_ = num_local_ > 0 ? num_rows_ : 0;
+    stats_ = {};
+    stats_.num_valid_selections = -1;  // on the device only
+    stats_.num_rank_dedup_rows = -1;
+    stats_.remote_bytes_dispatch = (R - 1) * bb;
+    PrepareResult res = decode_padded(all, num_exposed_rows_, /*dest_counts=*/false, args.stream);
+    if (err.kind != LocalError::none) {
+      // The peers saw the record on the device and finalize next: their collectives need this rank's too.
+      prepared_ = false;
+      combine_collectives(nan_partials(num_rows_ * cfg_.hidden * dtype_size(partial_dtype()), args.stream), args.stream);
+      if (err.kind == LocalError::unsupported) throw Unsupported(err.message);
+      throw InvalidArgument(err.message);
+    }
+    prepared_ = true;
+    prepared_tokens_ = args.x.shape[0];
+    return res;
+  }
+
+  /// The finalize's collectives on `parts` [N, H] (N = num_rows_) into this backend's sums; no other work.
+  virtual const void* combine_collectives(const void* parts, Stream stream) = 0;
+
+  /// Padded finalize: local checks (no exchange; a refusing rank sends NaN partials and throws after the
+  /// collectives), the collectives, launch_finish_rows over this rank's x.shape[0] rows.
+  void finalize_padded(const FinalizeArgs& args) {
+    const int64_t H = cfg_.hidden;
+    const LocalError err = check_finalize(args, {num_exposed_rows_, H});
+    const DType dt = partial_dtype();
+    if (err.kind != LocalError::none) {
+      combine_collectives(nan_partials(num_rows_ * H * dtype_size(dt), args.stream), args.stream);
+      prepared_ = false;
+      if (err.kind == LocalError::unsupported) throw Unsupported(err.message);
+      throw InvalidArgument(err.message);
+    }
+    const void* sums = combine_collectives(partials(args), args.stream);
+    FinishParams fp;
+    fp.n = prepared_tokens_ * H;
+    fp.addend = args.addend.defined() ? args.addend.ptr<const float>() : nullptr;
+    fp.out = args.out.ptr<uint16_t>();
+    fp.parts = sums;
+    fp.parts_f32 = dt == DType::fp32;
+    finish_shape(fp);
+    launch_finish_rows(fp, args.stream);
+    throw_padded_report();
+  }
+  /// The finish over this backend's sums: rank count and stride (naive's fp32 all-gather: R blocks).
+  virtual void finish_shape(FinishParams& fp) const { (void)fp; }
+
   /// expert_out data to reduce: the caller's, or zeros [N, H] on a rank without experts.
   const void* partials(const FinalizeArgs& args) {
     if (num_exposed_rows_ == num_rows_) return args.expert_out.data;
@@ -54,7 +119,7 @@ class GatherCuda : public CudaPrepareFinalize {
   int64_t token_offset_ = 0;              ///< first row of this rank's tokens in the gathered rows
   int64_t num_rows_ = 0;                  ///< N gathered rows
   int64_t num_exposed_rows_ = 0;          ///< rows handed to the experts: N, or 0 on a rank without experts
-  DeviceBuffer gathered_, zeros_;
+  DeviceBuffer gathered_, zeros_, send_block_;
 };
 
 /// finalize = all-reduce (sum) of every rank's [N, H] partials, then this rank keeps its own T rows.
@@ -72,6 +137,11 @@ class NaiveCuda final : public GatherCuda {
   void finalize(const FinalizeArgs& args) override {
     const int64_t H = cfg_.hidden;
     cuda::DeviceGuard guard(device().index);
+    if (padded_) {
+      finalize_padded(args);
+      stats_.remote_bytes_combine = num_ranks_ > 1 ? 2 * (num_ranks_ - 1) * num_rows_ * H * dtype_size(partial_dtype()) / num_ranks_ : 0;
+      return;
+    }
     begin_finalize(args, {num_exposed_rows_, H}, args.stream);
     const DType dt = partial_dtype();
     const int64_t es = dtype_size(dt);
@@ -96,6 +166,26 @@ class NaiveCuda final : public GatherCuda {
     stats_.remote_bytes_combine = num_ranks_ > 1 ? 2 * (num_ranks_ - 1) * num_rows_ * H * es / num_ranks_ : 0;
   }
 
+ protected:
+  /// fp32: all-gather of every rank's [N, H] partials (summed in rank order by the finish); bf16: the
+  /// group's all-reduce. Returns this rank's first row of the result.
+  const void* combine_collectives(const void* parts, Stream stream) override {
+    const int64_t H = cfg_.hidden, es = dtype_size(partial_dtype());
+    if (partial_dtype() == DType::fp32) {
+      uint8_t* all = static_cast<uint8_t*>(reduced_.ensure(num_ranks_ * num_rows_ * H * es, device()));
+      if (num_rows_ > 0) group_->all_gather(parts, all, num_rows_ * H * es, stream);
+      return all + token_offset_ * H * es;
+    }
+    uint8_t* reduced = static_cast<uint8_t*>(reduced_.ensure(num_rows_ * H * es, device()));
+    group_->all_reduce_sum(parts, reduced, num_rows_ * H, DType::bf16, stream);
+    return reduced + token_offset_ * H * es;
+  }
+  void finish_shape(FinishParams& fp) const override {
+    if (!fp.parts_f32) return;
+    fp.num_ranks = num_ranks_;
+    fp.rank_stride = num_rows_ * cfg_.hidden;
+  }
+
  private:
   DeviceBuffer reduced_;
 };
@@ -113,6 +203,11 @@ class AgrsCuda final : public GatherCuda {
   void finalize(const FinalizeArgs& args) override {
     const int64_t H = cfg_.hidden;
     cuda::DeviceGuard guard(device().index);
+    if (padded_) {
+      finalize_padded(args);
+      stats_.remote_bytes_combine = (num_ranks_ - 1) * padded_rows() * H * dtype_size(partial_dtype());
+      return;
+    }
     begin_finalize(args, {num_exposed_rows_, H}, args.stream);
     std::vector<int64_t> counts(static_cast<size_t>(num_ranks_));
     for (int r = 0; r < num_ranks_; ++r) counts[static_cast<size_t>(r)] = tokens_per_rank_[static_cast<size_t>(r)] * H;
@@ -132,6 +227,16 @@ class AgrsCuda final : public GatherCuda {
       launch_finish_rows(fp, args.stream);
     }
     stats_.remote_bytes_combine = (num_rows_ - T) * H * dtype_size(dt);
+  }
+
+ protected:
+  /// Padded: reduce-scatter of C rows per rank (rank order) into this rank's [C, H] sums.
+  const void* combine_collectives(const void* parts, Stream stream) override {
+    const int64_t H = cfg_.hidden, C = padded_rows();
+    const DType dt = partial_dtype();
+    void* sum = sum_.ensure(C * H * dtype_size(dt), device());
+    group_->reduce_scatterv(parts, sum, std::vector<int64_t>(static_cast<size_t>(num_ranks_), C * H), dt, stream);
+    return sum;
   }
 
  private:

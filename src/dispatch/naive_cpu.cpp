@@ -31,7 +31,8 @@ class NaiveCpu final : public GatherCpu {
     const int64_t T = tokens_per_rank_[static_cast<size_t>(rank_)];
     const uint8_t* mine = reinterpret_cast<const uint8_t*>(reduced_.data()) + token_offset_ * H * es;
     if (T > 0) finish_rows(mine, dt, args.addend.defined() ? args.addend.ptr<const float>() : nullptr, T * H, args.out.ptr<uint16_t>());
-    stats_.remote_bytes_combine = num_ranks_ > 1 ? 2 * (num_ranks_ - 1) * num_rows_ * H * es / num_ranks_ : 0;
+    const int64_t wire_rows = padded_ ? num_ranks_ * int64_t{cfg_.num_max_dispatch_tokens_per_rank} : num_rows_;
+    stats_.remote_bytes_combine = num_ranks_ > 1 ? 2 * (num_ranks_ - 1) * wire_rows * H * es / num_ranks_ : 0;
   }
 
  private:

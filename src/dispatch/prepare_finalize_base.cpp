@@ -120,6 +120,10 @@ std::vector<std::vector<int64_t>> exchange_status(Group& group, const std::strin
 
 // ---- config -------------------------------------------------------------------------------------
 
+bool uses_padded_blocks(const std::string& backend) {
+  return backend == "naive" || backend == "allgather_reducescatter" || backend == "all2allv";
+}
+
 void validate_config(const std::string& backend, const DispatchConfig& cfg, int num_ranks) {
   const std::string op = backend + ".create";
   require_arg(op, "hidden", cfg.hidden, cfg.hidden > 0 && cfg.hidden % 8 == 0, "must be a positive multiple of 8 (16 bytes of bf16)");
@@ -140,6 +144,9 @@ void validate_config(const std::string& backend, const DispatchConfig& cfg, int 
   require_arg(op, "num_ranks", num_ranks, num_ranks >= 1, "must be >= 1");
   if (cfg.expert_contiguous)
     require_arg(op, "expert_contiguous", "true", backend == "ht", "is an ht option (the expert-contiguous layout of its Flat rows)");
+  if (cfg.use_worst_case_sizing && uses_padded_blocks(backend))
+    require_arg(op, "num_max_dispatch_tokens_per_rank", cfg.num_max_dispatch_tokens_per_rank, cfg.num_max_dispatch_tokens_per_rank >= 1,
+                "must be >= 1 with use_worst_case_sizing (every rank's block has that many rows)");
   if (backend == "ht" && num_ranks >= 1 && cfg.num_experts >= 1 && cfg.top_k >= 1) {
     // ht's aligned per-expert counts (recv_count) and its expert-contiguous offsets are int32: the worst case
     // (what ht on CUDA sizes its layout for) must fit, or they wrap (2^30 over 4 experts wrote past the layout).
@@ -189,6 +196,11 @@ PrepareFinalizeBase::PrepareFinalizeBase(const std::string& name, ActivationLayo
   num_local_ = num_local_experts(cfg_, num_ranks_, rank_);
   op_prepare_ = name + ".prepare";
   op_finalize_ = name + ".finalize";
+  padded_ = cfg_.use_worst_case_sizing && uses_padded_blocks(name);
+  if (padded_) {
+    caps_.graph_safe = true;
+    accepts_device_num_tokens_ = true;
+  }
 }
 
 std::string PrepareFinalizeBase::wrong_device(const std::string& op, const std::string& arg, Device device) const {
@@ -236,10 +248,19 @@ LocalError PrepareFinalizeBase::check_args(const DispatchArgs& a) const {
     check_dtype(op, "topk_weights", a.topk_weights, {DType::fp32});
     check_shape_vec(op, "topk_weights", a.topk_weights, {T, K});
     check_contiguous(op, "topk_weights", a.topk_weights);
-    if (a.num_tokens.defined())
+    if (a.num_tokens.defined()) {
       require_arg(op, "num_tokens", a.num_tokens.describe(), accepts_device_num_tokens_,
                   "must be empty for backend " + caps_.name + " on " + group_->device().str() +
-                      " (a token count on the device is read by ll on CUDA only; pass x with T rows)");
+                      " (a token count on the device is read by ll and ht on CUDA and by the padded naive, "
+                      "allgather_reducescatter and all2allv (use_worst_case_sizing); pass x with T rows)");
+      if (padded_) {
+        if (a.num_tokens.device != group_->device()) throw Unsupported(wrong_device(op, "num_tokens", a.num_tokens.device));
+        check_dtype(op, "num_tokens", a.num_tokens, {DType::int32});
+        require_arg(op, "num_tokens.numel", a.num_tokens.numel(), a.num_tokens.numel() == 1, "must be 1 ([1] int32 on the group's device)");
+      }
+    }
+  } catch (const Unsupported& e) {
+    return {LocalError::unsupported, e.what()};
   } catch (const InvalidArgument& e) {
     return {LocalError::invalid_argument, e.what()};
   }
@@ -247,6 +268,12 @@ LocalError PrepareFinalizeBase::check_args(const DispatchArgs& a) const {
 }
 
 void PrepareFinalizeBase::begin_finalize(const FinalizeArgs& a, const std::vector<int64_t>& expert_out_shape, Stream stream) {
+  const LocalError err = check_finalize(a, expert_out_shape);
+  exchange_status(*group_, op_finalize_, err, {}, stream);
+  stats_.remote_bytes_combine = 0;
+}
+
+LocalError PrepareFinalizeBase::check_finalize(const FinalizeArgs& a, const std::vector<int64_t>& expert_out_shape) const {
   LocalError err;
   const std::string& op = op_finalize_;
   try {
@@ -283,8 +310,7 @@ void PrepareFinalizeBase::begin_finalize(const FinalizeArgs& a, const std::vecto
   } catch (const InvalidArgument& e) {
     err = {LocalError::invalid_argument, e.what()};
   }
-  exchange_status(*group_, op, err, {}, stream);
-  stats_.remote_bytes_combine = 0;
+  return err;
 }
 
 }  // namespace epx::dispatch

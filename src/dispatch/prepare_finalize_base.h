@@ -64,6 +64,10 @@ std::vector<std::vector<int64_t>> exchange_status(Group& group, const std::strin
 /// agreed on it.
 void validate_config(const std::string& backend, const DispatchConfig& cfg, int num_ranks);
 
+/// naive, allgather_reducescatter, all2allv: the backends whose use_worst_case_sizing is the padded form
+/// (every rank's block has num_max_dispatch_tokens_per_rank rows; see DispatchConfig::use_worst_case_sizing).
+bool uses_padded_blocks(const std::string& backend);
+
 /// The InvalidArgument a bad topk_idx[t, k] = value raises (the same sentence on every device).
 InvalidArgument bad_topk_id(const std::string& op, const DispatchConfig& cfg, int64_t t, int64_t k, int64_t value);
 
@@ -86,6 +90,8 @@ class PrepareFinalizeBase : public PrepareFinalize {
   /// partial_dtype() for Flat) and addend ([T, H] fp32 where Capabilities::combine_addend, else empty),
   /// then exchanges status (on `stream`) so every rank throws if one rank's arguments are bad.
   void begin_finalize(const FinalizeArgs& args, const std::vector<int64_t>& expert_out_shape, Stream stream = {});
+  /// begin_finalize's checks alone, as a LocalError (never thrown here), without the exchange.
+  LocalError check_finalize(const FinalizeArgs& args, const std::vector<int64_t>& expert_out_shape) const;
 
   /// The dtype a rank's partial sum crosses ranks in (DispatchConfig::flat_combine): fp32 or bf16.
   DType partial_dtype() const { return cfg_.flat_combine == FlatCombine::partial_fp32 ? DType::fp32 : DType::bf16; }
@@ -109,7 +115,11 @@ class PrepareFinalizeBase : public PrepareFinalize {
   std::string op_prepare_, op_finalize_;
   bool prepared_ = false;
   int64_t prepared_tokens_ = 0;
-  bool accepts_device_num_tokens_ = false;  ///< DispatchArgs::num_tokens (ll on CUDA); else InvalidArgument
+  bool accepts_device_num_tokens_ = false;  ///< DispatchArgs::num_tokens (ll, ht on CUDA; padded forms); else InvalidArgument
+  /// naive / allgather_reducescatter / all2allv with use_worst_case_sizing: every rank's block has
+  /// C = num_max_dispatch_tokens_per_rank rows; the Flat layout has R * C rows, row s * C + i the i-th
+  /// row from source rank s, rows past that source's real count padding (x 0, topk_idx -1, weights 0).
+  bool padded_ = false;
 };
 
 }  // namespace epx::dispatch

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "dispatch/flat_cuda.h"
 #include "epx/quant.h"
 
 namespace epx::dispatch {
@@ -36,7 +37,14 @@ void RowCodec::encode(const TensorView& x, const Routing& routing, std::vector<u
 LocalError CpuPrepareFinalize::check_prepare(const DispatchArgs& a, Routing& routing) const {
   LocalError err = check_args(a);
   if (err.kind != LocalError::none) return err;
-  const int64_t T = a.x.shape[0];
+  int64_t T = a.x.shape[0];
+  if (a.num_tokens.defined()) {  // padded forms only (check_args): rows [0, value) of x take part
+    const int64_t v = a.num_tokens.ptr<const int32_t>()[0];
+    if (v < 0 || v > T)
+      return {LocalError::invalid_argument,
+              arg_message(op_prepare_, "num_tokens", v, "must be in [0, x.shape[0] = " + std::to_string(T) + "]")};
+    T = v;
+  }
   const int K = cfg_.top_k;
   routing.num_tokens = T;
   routing.top_k = K;
@@ -101,6 +109,49 @@ void CpuPrepareFinalize::decode_flat(const uint8_t* rows, int64_t num_rows, cons
       }
     }
   }
+}
+
+FlatRecv CpuPrepareFinalize::pad_flat(const FlatRecv& in, const std::vector<int64_t>& rows_per_source,
+                                      std::vector<int64_t>& padded_row) const {
+  const int64_t C = cfg_.num_max_dispatch_tokens_per_rank, N = static_cast<int64_t>(num_ranks_) * C;
+  const int64_t pb = codec().payload_bytes(), sb = codec().scale_bytes(), K = cfg_.top_k;
+  FlatRecv out;
+  out.x = Tensor::zeros({N, cfg_.hidden}, in.x.dtype());
+  out.x_scales = in.x_scales.defined() ? Tensor::zeros({N, cfg_.hidden / kFp8GroupSize}, DType::fp32) : Tensor();
+  out.topk_idx = Tensor::empty({N, K}, DType::int32);
+  out.topk_weights = Tensor::zeros({N, K}, DType::fp32);
+  std::fill_n(out.topk_idx.ptr<int32_t>(), N * K, -1);
+  out.recv_count = in.recv_count;
+  out.src_token.assign(static_cast<size_t>(N), -1);
+  padded_row.clear();
+  int64_t n = 0;
+  for (int s = 0; s < num_ranks_; ++s) {
+    for (int64_t i = 0; i < rows_per_source[static_cast<size_t>(s)]; ++i, ++n) {
+      const int64_t p = s * C + i;
+      padded_row.push_back(p);
+      std::memcpy(static_cast<uint8_t*>(out.x.data()) + p * pb, static_cast<const uint8_t*>(in.x.data()) + n * pb, static_cast<size_t>(pb));
+      if (sb > 0)
+        std::memcpy(static_cast<uint8_t*>(out.x_scales.data()) + p * sb, static_cast<const uint8_t*>(in.x_scales.data()) + n * sb,
+                    static_cast<size_t>(sb));
+      std::memcpy(out.topk_idx.ptr<int32_t>() + p * K, in.topk_idx.ptr<const int32_t>() + n * K, static_cast<size_t>(4 * K));
+      std::memcpy(out.topk_weights.ptr<float>() + p * K, in.topk_weights.ptr<const float>() + n * K, static_cast<size_t>(4 * K));
+      out.src_token[static_cast<size_t>(p)] = in.src_token[static_cast<size_t>(n)];
+    }
+  }
+  return out;
+}
+
+int64_t CpuPrepareFinalize::padded_block_bytes() const {
+  return dispatch::padded_block_bytes(num_ranks_, cfg_.num_max_dispatch_tokens_per_rank, codec().row_bytes());
+}
+
+const void* CpuPrepareFinalize::compact_partials(const TensorView& expert_out, const std::vector<int64_t>& padded_row) {
+  const int64_t row = dtype_size(expert_out.dtype) * cfg_.hidden, n = static_cast<int64_t>(padded_row.size());
+  compact_.resize(static_cast<size_t>(n * row));
+  for (int64_t i = 0; i < n; ++i)
+    std::memcpy(compact_.data() + i * row, static_cast<const uint8_t*>(expert_out.data) + padded_row[static_cast<size_t>(i)] * row,
+                static_cast<size_t>(row));
+  return compact_.data();
 }
 
 void CpuPrepareFinalize::sum_partials_bf16(const std::vector<const uint16_t*>& partials, int64_t hidden, uint16_t* out) {

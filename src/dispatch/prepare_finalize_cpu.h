@@ -36,7 +36,10 @@ class CpuPrepareFinalize : public PrepareFinalizeBase {
     auto table = exchange_status(*group_, op_prepare_, err, fields);
     count_selections(routing);
     prepared_ = true;
-    prepared_tokens_ = routing.num_tokens;
+    // Padded forms: out is [x.shape[0], H] (rows past num_tokens are left as they are); the combine covers
+    // the routed rows.
+    prepared_tokens_ = padded_ ? args.x.shape[0] : routing.num_tokens;
+    routed_tokens_ = routing.num_tokens;
     return table;
   }
 
@@ -51,6 +54,18 @@ class CpuPrepareFinalize : public PrepareFinalizeBase {
   /// out[i] = round_bf16(sum[i] + addend[i]) for i < n (addend nullptr: round_bf16(sum[i])): the last step of an
   /// fp32 reduction. sum is fp32 (`sum_dtype` fp32) or bf16 (partial_bf16: the reduction rounded already).
   static void finish_rows(const void* sum, DType sum_dtype, const float* addend, int64_t n, uint16_t* out);
+  /// Padded forms: the compact Flat rows `in` (rows_per_source[s] rows from each source rank s, in
+  /// source order) at rows s * C + i of an [R * C] layout, padding rows x 0, topk_idx -1, weights 0;
+  /// padded_row[n] = where compact row n went.
+  FlatRecv pad_flat(const FlatRecv& in, const std::vector<int64_t>& rows_per_source, std::vector<int64_t>& padded_row) const;
+  /// Padded forms: expert_out's rows padded_row[n] back to compact order (what the unpadded combine reduces).
+  const void* compact_partials(const TensorView& expert_out, const std::vector<int64_t>& padded_row);
+  /// The padded form's bytes per source block on the wire: the CUDA form's header (the source's plan
+  /// record, 16-byte aligned) and C rows, rounded to 16 bytes (the CPU moves the same counts).
+  int64_t padded_block_bytes() const;
+
+  int64_t routed_tokens_ = 0;  ///< rows of x that took part in the last prepare (num_tokens, else T)
+  std::vector<uint8_t> compact_;
 
  private:
   LocalError check_prepare(const DispatchArgs& args, Routing& routing) const;

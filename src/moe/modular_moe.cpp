@@ -116,6 +116,7 @@ struct ModularMoE::Impl {
   SharedExpertMode shared_mode = SharedExpertMode::auto_gate;
   int64_t chunk_size = 0;        // 0 = unchunked
   int64_t capacity = 0;          // num_max_dispatch_tokens_per_rank
+  int64_t padded_block = 0;      // gathering backend in its padded form (use_worst_case_sizing): rows per rank's block
   int64_t fhmoe_max_tokens = 0;
   bool mixed_formats = false;  // the shared expert's weight format differs from the routed experts' (heterogeneous FHMoE)
   int num_experts = 0;           // E
@@ -152,6 +153,7 @@ struct ModularMoE::Impl {
   Tensor x_f32, shared_idx, shared_wts, shared_out;
   Tensor shared_xq, shared_xs, shared_count;  // separate path, fp8 wire: x~ [1, n, H] FP8, scales, recv_count [1]
   Tensor gate_all;                           // [N] g of the gathered rows (sharded, shared gate)
+  Tensor gate_pad;                           // [C] this rank's g in its padded block (padded form)
   Tensor local_counts;                       // [L] recv_count with slot L-1 = the chunk's rows (local_shared)
   std::unique_ptr<moe_cuda::Graph> graph;    // the whole-layer graph, once captured
 #endif
@@ -408,6 +410,8 @@ ModularMoE::ModularMoE(std::shared_ptr<const MoEWeights> weights, std::shared_pt
   // backend's activation layout (Flat for the gathered/deduplicated backends, ExpertMajor for ll).
   m.flat_partial = dispatch_cfg.flat_combine == FlatCombine::partial_fp32 ? DType::fp32 : DType::bf16;
   m.combine_addend = caps.combine_addend;
+  // The padded form of naive / allgather_reducescatter: rank r's gathered rows start at r * C.
+  if (caps.gathers_all_tokens && dispatch_cfg.use_worst_case_sizing) m.padded_block = dispatch_cfg.num_max_dispatch_tokens_per_rank;
   m.contiguous = dispatch_cfg.expert_contiguous;  // (make_prepare_finalize refused it for every backend but ht)
   const ActivationLayout layout = m.contiguous ? ActivationLayout::Contiguous : caps.layout;
   const int64_t fit = build_error ? 3 : !m.experts ? 2 : m.experts->supports(layout) ? 1 : 0;
@@ -809,15 +813,17 @@ void ModularMoE::Impl::add_sharded_shared(const PrepareResult& prepared, const T
   const int64_t H = w.config.hidden, N = prepared.x.shape[0];
   const std::vector<int64_t> counts = dp.chunk_counts(c);
   // Gathered rows are every rank's chunk rows in rank order (Capabilities::gathers_all_tokens).
+  // Padded form: every rank's block has padded_block rows (its real rows first); the gate travels the same way.
   int64_t total = 0;
   std::vector<int64_t> gate_bytes;
   for (int64_t k : counts) {
-    total += k;
-    gate_bytes.push_back(k * static_cast<int64_t>(sizeof(float)));
+    total += padded_block > 0 ? padded_block : k;
+    gate_bytes.push_back((padded_block > 0 ? padded_block : k) * static_cast<int64_t>(sizeof(float)));
   }
   EPX_ASSERT(prepared.layout == ActivationLayout::Flat && N == total, "sharded shared expert: gathered rows ", N,
              " but the DP metadata counts ", total);
   const bool gated = w.shared_gate_weight.defined();
+  const int64_t n_own = counts[static_cast<size_t>(group->rank())];
   ExpertsInput in;
   in.layout = ActivationLayout::Flat;
   in.x = prepared.x;
@@ -831,7 +837,14 @@ void ModularMoE::Impl::add_sharded_shared(const PrepareResult& prepared, const T
     TensorView g_all = in.topk_weights;  // ones [N] when the model has no shared gate
     if (gated) {
       g_all = scratch(gate_all, DType::fp32, {N});
-      group->all_gatherv(g.data, g_all.data, gate_bytes, stream);
+      const void* g_send = g.data;
+      if (padded_block > 0) {  // g [n] into a [C] block (rows past n are padding rows' and not read)
+        const TensorView pad = scratch(gate_pad, DType::fp32, {padded_block});
+        moe_cuda::zero_async(pad, stream);
+        if (n_own > 0) moe_cuda::copy_async(TensorView(pad.data, DType::fp32, {n_own}, device), TensorView(g.data, DType::fp32, {n_own}, device), stream);
+        g_send = pad.data;
+      }
+      group->all_gatherv(g_send, g_all.data, gate_bytes, stream);
     }
     experts->apply(in, y, stream);
     moe_cuda::add_shared(expert_view, y, g_all, stream);
@@ -846,7 +859,11 @@ void ModularMoE::Impl::add_sharded_shared(const PrepareResult& prepared, const T
     in.topk_weights.ptr<float>()[t] = 1.0f;
   }
   gate_all_host.assign(static_cast<size_t>(N), 1.0f);
-  if (gated) group->all_gatherv(gate_host.data(), gate_all_host.data(), gate_bytes);
+  if (gated) {
+    std::vector<float> g_send(gate_host.begin(), gate_host.begin() + n_own);
+    if (padded_block > 0) g_send.resize(static_cast<size_t>(padded_block), 0.0f);
+    group->all_gatherv(g_send.data(), gate_all_host.data(), gate_bytes);
+  }
   experts->apply(in, y, stream);
   const uint16_t* yb = y.ptr<const uint16_t>();
   if (expert_view.dtype == DType::fp32) {  // fp32 partials: the shard joins them unrounded
