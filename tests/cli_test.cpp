@@ -12,6 +12,7 @@
 #include <set>
 #include <sstream>
 #include <string>
+#include "epx/config.h"
 #include "test_util.h"
 
 namespace {
@@ -171,6 +172,22 @@ TEST(Cli, InfoPrintsConfigBackendsAndPresets) {
   EXPECT_EQ(r.code, 0) << r.out;
   for (const char* s : {"epx ", "devices:", "cpu (", "timeout_s", "backends:", "naive", "presets:", "deepseek-v3-mini"})
     EXPECT_NE(r.out.find(s), std::string::npos) << "epx info lacks " << s << "\n" << r.out;
+}
+
+// `epx info --knobs [PREFIX]` prints the Config registry's Markdown table (docs/configuration.md holds the full one)
+// and nothing else; a prefix that begins no key is a bad argument named in one line (exit 2).
+TEST(Cli, InfoKnobsPrintsTheRegistrysTable) {
+  CliRun all = run_epx("info --knobs");
+  EXPECT_EQ(all.code, 0) << all.out;
+  EXPECT_EQ(all.out, epx::Config::knobs_markdown());
+  CliRun ll = run_epx("info --knobs ll.");
+  EXPECT_EQ(ll.code, 0) << ll.out;
+  EXPECT_EQ(ll.out, epx::Config::knobs_markdown("ll."));
+  EXPECT_NE(ll.out.find("`ll.combine_wait`"), std::string::npos) << ll.out;
+  CliRun bad = run_epx("info --knobs zz.");
+  EXPECT_EQ(bad.code, 2) << bad.out;
+  expect_one_line(bad.err);
+  EXPECT_NE(bad.err.find("knob prefix = zz.: must begin at least one key"), std::string::npos) << bad.err;
 }
 
 // --expert-contiguous: ht's layer runs its experts on prepare's expert-contiguous rows (the other backends as
