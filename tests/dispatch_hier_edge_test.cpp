@@ -1,5 +1,5 @@
 // tests/dispatch_hier_edge_test.cpp: awkward input (BEHAVIOUR.md) for the hierarchical ll / ht
-// (src/dispatch/hier.h) on CPU groups that report several nodes (make_cpu_groups(R, timeout, P), and
+// (src/dispatch/hier/hier.h) on CPU groups that report several nodes (make_cpu_groups(R, timeout, P), and
 // a wrapper group for layouts make_cpu_groups cannot express). Every case either gives the flat
 // reference's answer on every rank (rounds of one object, each checked) or a clear epx::Error on
 // every rank, after which the object still works; never a hang (the groups' timeout is short, so a
@@ -18,7 +18,7 @@
 #include <limits>
 #include <tuple>
 
-#include "dispatch/hier.h"
+#include "dispatch/hier/hier.h"
 #include "dispatch_harness.h"
 #include "epx/config.h"
 #include "epx/error.h"

@@ -1,4 +1,4 @@
-// Hierarchical ll / ht (src/dispatch/hier.h) on CPU groups that report several nodes
+// Hierarchical ll / ht (src/dispatch/hier/hier.h) on CPU groups that report several nodes
 // (make_cpu_groups(R, timeout, ranks_per_node)), against the flat CPU backends (LlCpu / HtCpu, the
 // reference) on the same inputs:
 //   - one rank per node: prepare outputs bit for bit (same rows, same slot order) and combine bit for
@@ -15,7 +15,7 @@
 
 #include <cstring>
 
-#include "dispatch/hier.h"
+#include "dispatch/hier/hier.h"
 #include "dispatch_harness.h"
 #include "epx/error.h"
 

@@ -5,8 +5,8 @@
 
 #include <cstring>
 
-#include "dispatch/ht.h"
-#include "dispatch/ll.h"
+#include "dispatch/ht/ht.h"
+#include "dispatch/ll/ll.h"
 #include "dispatch_harness.h"
 
 using namespace epx;

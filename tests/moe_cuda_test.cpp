@@ -491,7 +491,7 @@ namespace {
 /// call 2 throws InvalidArgument at once on every rank (rank 0 naming `rank0_wants`, the others "rank 0
 /// rejected its arguments"), not Timeout after the group's 10 s, and call 3 is within kTol of the
 /// reference. worst_case: DispatchConfig::use_worst_case_sizing (ht). virtual_nodes: every rank its own
-/// node, so ll / ht take the hierarchical path (dispatch/hier.h): in the real form NCCL over sockets
+/// node, so ll / ht take the hierarchical path (dispatch/hier/hier.h): in the real form NCCL over sockets
 /// (NCCL_P2P_DISABLE / NCCL_SHM_DISABLE, set here before the ranks start), on virtual ranks
 /// ranks_per_node = 1. Returns the failures ("" when it passed).
 std::string bad_id_on_one_rank(int R, const std::string& backend, bool worst_case, bool virtual_nodes, const std::string& rank0_wants) {

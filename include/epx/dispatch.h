@@ -16,16 +16,16 @@
 //   all2allv                rank-deduplicated all-to-all(v) both ways; Flat
 //   ll                      low latency, static buffers, expert-major [L, R*maxT, H] (DeepEP LL layout)
 //   ht                      high throughput, rank-deduplicated flat [N_recv, H] + per-expert counts + handle
-// Across nodes (Group::num_nodes() > 1) ll and ht run hierarchically (src/dispatch/hier.h): a token
+// Across nodes (Group::num_nodes() > 1) ll and ht run hierarchically (src/dispatch/hier/hier.h): a token
 // crosses to each destination node once (grouped ncclSend/ncclRecv of fixed-size blocks), then the
 // backend runs inside the node; Capabilities::hierarchical says so.
 // Devices: a CPU group runs all five (the reference). An NCCL group (one process per GPU) runs naive,
 // allgather_reducescatter and all2allv on tensors of its GPU, stream-ordered on DispatchArgs::stream /
 // FinalizeArgs::stream, with the same layouts, bytes and stats as the CPU; each prepare and finalize
 // waits on the host once (the sizes of the collectives that follow depend on every rank's counts),
-// so they are not graph-safe. ht on CUDA (src/dispatch/ht_cuda.h) moves rows with its own kernels over
+// so they are not graph-safe. ht on CUDA (src/dispatch/ht/ht_cuda.h) moves rows with its own kernels over
 // NCCL symmetric memory: one host read of N_recv per prepare, none with use_worst_case_sizing
-// (graph-safe; with DispatchArgs::num_tokens one graph serves every T). ll on CUDA (src/dispatch/ll_cuda.h) runs its own kernels over NCCL symmetric memory:
+// (graph-safe; with DispatchArgs::num_tokens one graph serves every T). ll on CUDA (src/dispatch/ll/ll_cuda.h) runs its own kernels over NCCL symmetric memory:
 // no host sync, graph-safe, the token count optionally on the device (DispatchArgs::num_tokens).
 //
 // Expert placement: global expert e lives on rank expert_rank(e); E experts are split into R
@@ -223,7 +223,7 @@ struct Capabilities {
   /// rank adds to a gathered row reaches that row's source exactly once (the DP-sharded shared expert).
   bool gathers_all_tokens = false;
   /// ll / ht on a group that spans nodes (Group::num_nodes() > 1): the hierarchical path
-  /// (src/dispatch/hier.h: inter-node NCCL stage, then the backend inside each node). false on one
+  /// (src/dispatch/hier/hier.h: inter-node NCCL stage, then the backend inside each node). false on one
   /// node: the flat backend, the single-node fast path.
   bool hierarchical = false;
   /// finalize takes FinalizeArgs::addend (every backend on CPU and CUDA but the hierarchical ll / ht).

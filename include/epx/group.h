@@ -127,7 +127,7 @@ class Group {
 std::vector<std::shared_ptr<Group>> make_cpu_groups(int num_ranks, double timeout_s = 60.0);
 /// As above, but the ranks report a node layout of num_ranks / ranks_per_node nodes of consecutive
 /// ranks (Group::node_layout), as NCCL groups spanning hosts do: the CPU twin of a multi-node group,
-/// on which ll and ht take their hierarchical path (src/dispatch/hier.h). Memory is still shared.
+/// on which ll and ht take their hierarchical path (src/dispatch/hier/hier.h). Memory is still shared.
 /// Throws InvalidArgument unless ranks_per_node >= 1 divides num_ranks.
 std::vector<std::shared_ptr<Group>> make_cpu_groups(int num_ranks, double timeout_s, int ranks_per_node);
 

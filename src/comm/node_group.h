@@ -1,5 +1,5 @@
 // comm/node_group.h: the ranks of one node of a group, as a Group of their own (the "node group" of
-// the hierarchical ll / ht, src/dispatch/hier.h). A view, device-generic: every call goes through
+// the hierarchical ll / ht, src/dispatch/hier/hier.h). A view, device-generic: every call goes through
 // the parent group's collectives, so every rank of the parent (all nodes) must make the same
 // sequence of calls, as the hierarchical backends do (each node builds and drives its own node
 // backend in lockstep with the others).

@@ -1,5 +1,5 @@
 // dispatch/block_primitives.cuh: device helpers the dispatch kernels share (flat_kernels.cuh,
-// ht_kernels.cuh): topk id loads of either index width, a CTA-wide byte copy and a CTA-wide
+// ht/ht_device.cuh): topk id loads of either index width, a CTA-wide byte copy and a CTA-wide
 // exclusive prefix sum. Header-only, __forceinline__: nothing here is a kernel.
 #pragma once
 

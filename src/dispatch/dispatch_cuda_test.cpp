@@ -5,7 +5,7 @@
 //     topk_weights, recv_count) and every finalize output bit for bit, and the same DispatchStats;
 //   - ll and ht on one node (their flat path): the valid rows of every prepare output and every
 //     finalize output bit for bit against LlCpu / HtCpu;
-//   - ll and ht across nodes (the hierarchical path, src/dispatch/hier.h): in the real form every GPU
+//   - ll and ht across nodes (the hierarchical path, src/dispatch/hier/hier.h): in the real form every GPU
 //     is its own node (NCCL's variables, NodeEnv), on virtual ranks the group reports nodes of
 //     ranks_per_node ranks (2 nodes of 1, 2 and 4 ranks at R = 2, 4 and 8); bit for bit against the
 //     CPU twin of the hierarchical path, and against the flat CPU backends (rows bit for bit with one
@@ -43,7 +43,7 @@
 
 #include "cuda_ranks.h"
 #include "test_util.h"
-#include "dispatch/hier.h"
+#include "dispatch/hier/hier.h"
 #include "dispatch_harness.h"
 #include "epx/cuda.h"
 #include "epx/dispatch.h"
@@ -378,7 +378,7 @@ std::string check_node_layout(const Group& g, const Placement& p) {
   return d;
 }
 
-// ---- ll / ht (flat on one node, hierarchical across nodes: src/dispatch/hier.h) ---------------------
+// ---- ll / ht (flat on one node, hierarchical across nodes: src/dispatch/hier/hier.h) ---------------------
 
 /// One rank's prepare/experts/finalize round of ll or ht as host bytes; ExpertMajor keeps only the
 /// valid rows [0, recv_count[l]) of each expert (the rest is stale by contract).

@@ -5,7 +5,7 @@
 #include <string>
 
 #include "dispatch/backends.h"
-#include "dispatch/hier.h"
+#include "dispatch/hier/hier.h"
 #include "dispatch/placement.h"
 #include "dispatch/prepare_finalize_base.h"
 #include "epx/config.h"

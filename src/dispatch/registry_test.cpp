@@ -1,7 +1,7 @@
 // Unit tests of expert placement and of the LL buffer layout (the offsets the CUDA kernels share).
 #include <gtest/gtest.h>
 
-#include "dispatch/ll_layout.h"
+#include "dispatch/ll/ll_layout.h"
 #include "epx/dispatch.h"
 #include "epx/error.h"
 

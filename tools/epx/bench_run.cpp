@@ -32,8 +32,8 @@
 #ifdef EPX_WITH_CUDA
 #include <cuda_runtime_api.h>
 
-#include "dispatch/ll_cuda.h"
-#include "dispatch/ht_cuda.h"
+#include "dispatch/ll/ll_cuda.h"
+#include "dispatch/ht/ht_cuda.h"
 #endif
 
 namespace epx::cli {

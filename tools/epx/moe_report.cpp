@@ -107,7 +107,7 @@ nlohmann::ordered_json node_layout_json(const NodeLayout& l) {
           {"describe", l.describe()},
           {"nccl_lsa_size", l.lsa_size},
           {"path", l.num_nodes > 1 ? "multi-node: per-node NCCL communicators (device API), host collectives on the global one; "
-                                     "ll and ht hierarchical (src/dispatch/hier.h)"
+                                     "ll and ht hierarchical (src/dispatch/hier/hier.h)"
                                    : "single-node: one NVLink domain (NCCL: device communicator on the global communicator)"},
           {"env", env}};
 }

@@ -1,4 +1,4 @@
-// dispatch/ht_cuda.h: the "ht" (high-throughput) backend on a CUDA group (NCCL or virtual ranks): our own kernels over
+// dispatch/ht/ht_cuda.h: the "ht" (high-throughput) backend on a CUDA group (NCCL or virtual ranks): our own kernels over
 // NCCL symmetric memory (LSA peer pointers, comm/group_nccl.h), the CUDA twin of HtCpu (ht.h).
 //
 // Same outputs as HtCpu on the same inputs: the Flat layout of dedup_cpu.h, rows ordered by source

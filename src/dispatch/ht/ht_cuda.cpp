@@ -1,4 +1,4 @@
-// dispatch/ht_cuda.cpp: the ht backend object on a CUDA group (contract: ht_cuda.h): argument
+// dispatch/ht/ht_cuda.cpp: the ht backend object on a CUDA group (contract: ht_cuda.h): argument
 // checks, the symmetric buffer, the host-mapped record, and the host side of prepare / finalize.
 //
 // Host waits: none in worst-case mode (use_worst_case_sizing; graph-safe). Otherwise prepare reads
@@ -21,7 +21,7 @@
 
 #include "cuda/check.h"
 #include "dispatch/backends.h"
-#include "dispatch/ht_cuda.h"
+#include "dispatch/ht/ht_cuda.h"
 #include "epx/config.h"
 #include "epx/cuda.h"
 

@@ -1,4 +1,4 @@
-// dispatch/hier_cuda.cu: kernels of the hierarchical ll / ht (hier.h, hier_cuda.h). The host twins
+// dispatch/hier/hier_cuda.cu: kernels of the hierarchical ll / ht (hier.h, hier_cuda.h). The host twins
 // are in hier.cpp (pack_host, unpack_host, sum_host): same steps, same order, same results.
 //   pack:   one CTA, one warp per destination node: the warp walks the tokens 32 at a time, a ballot
 //           over "has an expert on my node" gives each token its row in the node's block (source
@@ -12,7 +12,7 @@
 #include <cstring>
 
 #include "cuda/check.h"
-#include "dispatch/hier_cuda.h"
+#include "dispatch/hier/hier_cuda.h"
 
 namespace epx::dispatch {
 namespace {

@@ -1,4 +1,4 @@
-// dispatch/hier.h: hierarchical ll and ht for groups that span nodes (issue 11; docs/scale.md §4).
+// dispatch/hier/hier.h: hierarchical ll and ht for groups that span nodes (issue 11; docs/scale.md §4).
 //
 // make_prepare_finalize builds this wrapper for "ll" and "ht" when Group::num_nodes() > 1 (NCCL
 // groups across hosts or virtual nodes; CPU groups from make_cpu_groups(R, timeout, ranks_per_node)),

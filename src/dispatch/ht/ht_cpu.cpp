@@ -1,4 +1,4 @@
-#include "dispatch/ht.h"
+#include "dispatch/ht/ht.h"
 
 #include <algorithm>
 #include <cstring>

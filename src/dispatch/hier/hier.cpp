@@ -1,7 +1,7 @@
-// dispatch/hier.cpp: the hierarchical ll / ht wrapper (hier.h): the node backend on the node group,
+// dispatch/hier/hier.cpp: the hierarchical ll / ht wrapper (hier.h): the node backend on the node group,
 // the inter-node blocks over the global group, and the host (CPU group) twins of the CUDA kernels
 // in hier_cuda.cu, which follow the same steps in the same order.
-#include "dispatch/hier.h"
+#include "dispatch/hier/hier.h"
 
 #include <algorithm>
 #include <cstring>
@@ -13,7 +13,7 @@
 #include <cuda_runtime_api.h>
 
 #include "cuda/check.h"
-#include "dispatch/hier_cuda.h"
+#include "dispatch/hier/hier_cuda.h"
 #endif
 
 namespace epx::dispatch {

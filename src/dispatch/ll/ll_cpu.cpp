@@ -1,7 +1,7 @@
 #include <cstring>
 
 #include "dispatch/backends.h"
-#include "dispatch/ll.h"
+#include "dispatch/ll/ll.h"
 #include "epx/quant.h"
 
 namespace epx::dispatch {

@@ -1,7 +1,9 @@
-// dispatch/ht_cuda.cu: buffer layout and kernel launchers of the ht backend on CUDA (contract:
-// ht_cuda.h; device code: ht_kernels.cuh).
+// dispatch/ht/ht_cuda.cu: buffer layout and kernel launchers of the ht backend on CUDA (contract:
+// ht_cuda.h; device code: ht_device.cuh and ht_*_kernels.cuh).
 #include "cuda/check.h"
-#include "dispatch/ht_kernels.cuh"
+#include "dispatch/ht/ht_combine_kernels.cuh"
+#include "dispatch/ht/ht_dispatch_kernels.cuh"
+#include "dispatch/ht/ht_layout_kernels.cuh"
 #include "epx/error.h"
 
 namespace epx::dispatch {
@@ -69,7 +71,7 @@ HtDeviceArrays HtDeviceArrays::make(const HtLayout& l) {
 }
 
 void launch_ht_layout(const HtParams& p, Stream stream) {
-  // s_counts [R, Lmax] and the slots' copy [R, R + 2 + Lmax] (ht_kernels.cuh, layout_kernel)
+  // s_counts [R, Lmax] and the slots' copy [R, R + 2 + Lmax] (ht_layout_kernels.cuh, layout_kernel)
   const size_t smem = sizeof(int) * static_cast<size_t>(p.l.num_ranks) * static_cast<size_t>(2 * p.l.max_local + p.l.num_ranks + 2);
   if (smem > 48 * 1024)  // very many local experts: opt in to more than the default 48 KiB
     EPX_CUDA_CHECK(cudaFuncSetAttribute(ht::layout_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
@@ -84,7 +86,7 @@ void launch_ht_dispatch(const HtParams& p, int blocks, int warps, bool pdl, Stre
     return;
   }
   // Programmatic dependent launch: the grid may start once every layout CTA has executed
-  // griddepcontrol.launch_dependents (ht_kernels.cuh); it then polls HtState::layout_ready.
+  // griddepcontrol.launch_dependents (ht_layout_kernels.cuh); it then polls HtState::layout_ready.
   cudaLaunchConfig_t lc = {};
   lc.gridDim = dim3(static_cast<unsigned>(blocks));
   lc.blockDim = dim3(static_cast<unsigned>(warps * 32));

@@ -1,4 +1,4 @@
-// dispatch/ht.h: "ht" (high-throughput) backend and its layout handle.
+// dispatch/ht/ht.h: "ht" (high-throughput) backend and its layout handle.
 //
 // Output (DeepEP intranode dispatch, vLLM Standard format): rank-deduplicated flat
 //   x [N_recv, H] bf16 | fp8_e4m3 ordered by source rank then source token, x_scales [N_recv, H/128],

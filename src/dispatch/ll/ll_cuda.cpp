@@ -1,5 +1,5 @@
-// dispatch/ll_cuda.cpp: the host side of the LL CUDA backend (ll_cuda.h).
-#include "dispatch/ll_cuda.h"
+// dispatch/ll/ll_cuda.cpp: the host side of the LL CUDA backend (ll_cuda.h).
+#include "dispatch/ll/ll_cuda.h"
 
 #include <cuda_runtime_api.h>
 

@@ -1,4 +1,4 @@
-// dispatch/ll_layout.h: byte layout of the LL (low-latency) symmetric buffer, the one source of
+// dispatch/ll/ll_layout.h: byte layout of the LL (low-latency) symmetric buffer, the one source of
 // offsets for the CPU reference (ll_cpu.cpp) and the CUDA kernels (ll_cuda_kernels.cu), so they
 // cannot drift apart.
 //

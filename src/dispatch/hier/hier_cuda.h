@@ -1,11 +1,11 @@
-// dispatch/hier_cuda.h: the kernels of the hierarchical ll / ht (hier.h) on CUDA, host launchers
+// dispatch/hier/hier_cuda.h: the kernels of the hierarchical ll / ht (hier.h) on CUDA, host launchers
 // only (no CUDA types: hier.cpp includes it in CUDA builds). Every launcher is stream-ordered, reads
 // the token count on the device and does no host sync, so a CUDA graph can capture it.
 #pragma once
 
 #include <cstdint>
 
-#include "dispatch/hier.h"
+#include "dispatch/hier/hier.h"
 
 namespace epx::dispatch {
 

@@ -1,4 +1,4 @@
-// dispatch/ll_cuda_test.cpp: the ll backend on CUDA (ll_cuda.h) against the CPU reference LlCpu on
+// dispatch/ll/ll_cuda_test.cpp: the ll backend on CUDA (ll_cuda.h) against the CPU reference LlCpu on
 // the same inputs. Multi-rank cases run through tests/cuda_ranks.h run_cuda_ranks: one forked process
 // per GPU where the machine has enough GPUs, else R virtual ranks (threads) on GPU 0; at 1 and 2 ranks,
 // and at 4 and 8 ranks on small shapes where a case takes a rank count:
@@ -53,8 +53,8 @@ using namespace epx::test;
 #ifdef EPX_WITH_CUDA
 #include <cuda_runtime_api.h>
 
-#include "dispatch/ll.h"
-#include "dispatch/ll_cuda.h"
+#include "dispatch/ll/ll.h"
+#include "dispatch/ll/ll_cuda.h"
 
 namespace {
 

@@ -1,4 +1,4 @@
-// dispatch/ll_cuda_kernels.h: parameters and launchers of the LL dispatch/combine kernels
+// dispatch/ll/ll_cuda_kernels.h: parameters and launchers of the LL dispatch/combine kernels
 // (ll_cuda_kernels.cu), used by the host class in ll_cuda.cpp. Byte layout: ll_layout.h; the
 // protocol (signals, parities, why no reset is needed) is documented in ll_cuda.h.
 #pragma once
@@ -8,7 +8,7 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "dispatch/ll_layout.h"
+#include "dispatch/ll/ll_layout.h"
 #include "dispatch/placement.h"
 
 namespace epx::dispatch {

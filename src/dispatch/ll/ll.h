@@ -1,4 +1,4 @@
-// dispatch/ll.h: "ll" (low-latency) backend, CPU reference of the DeepEP-LL-compatible kernels.
+// dispatch/ll/ll.h: "ll" (low-latency) backend, CPU reference of the DeepEP-LL-compatible kernels.
 //
 /// prepare (DeepEP low_latency_dispatch; vLLM BatchedExperts format):
 ///   x            [T, H] bf16, T <= num_max_dispatch_tokens_per_rank (max_T), H % 8 == 0 (fp8: % 128)
@@ -27,7 +27,7 @@
 /// Throws InvalidArgument (every rank, before any write), Timeout, CommError.
 #pragma once
 
-#include "dispatch/ll_layout.h"
+#include "dispatch/ll/ll_layout.h"
 #include "dispatch/prepare_finalize_cpu.h"
 
 namespace epx::dispatch {

@@ -1,4 +1,4 @@
-// dispatch/ht_cuda_test.cpp: the ht backend on CUDA (ht_cuda.h) against HtCpu (ht.h) on CPU ranks with
+// dispatch/ht/ht_cuda_test.cpp: the ht backend on CUDA (ht_cuda.h) against HtCpu (ht.h) on CPU ranks with
 // the same inputs: every prepare output (x, x_scales, local topk_idx, topk_weights, recv_count, N_recv),
 // the handle (rank prefix matrix, is_token_in_rank, recv_src_idx, per-expert counts), the stats, and
 // every finalize output, bit for bit. Multi-rank cases run through tests/cuda_ranks.h run_cuda_ranks:
@@ -41,7 +41,7 @@
 
 #include "cuda_ranks.h"
 #include "test_util.h"
-#include "dispatch/ht.h"
+#include "dispatch/ht/ht.h"
 #include "dispatch_harness.h"
 #include "epx/config.h"
 #include "epx/cuda.h"
@@ -55,8 +55,8 @@ using namespace epx::test;
 #ifdef EPX_WITH_CUDA
 #include <cuda_runtime_api.h>
 
-#include "dispatch/hier.h"
-#include "dispatch/ht_cuda.h"
+#include "dispatch/hier/hier.h"
+#include "dispatch/ht/ht_cuda.h"
 
 namespace {
 

@@ -1,4 +1,4 @@
-// dispatch/ll_cuda.h: the "ll" (low-latency) backend on CUDA: our own dispatch/combine kernels
+// dispatch/ll/ll_cuda.h: the "ll" (low-latency) backend on CUDA: our own dispatch/combine kernels
 // over NCCL symmetric memory (LSA peer pointers of Group::alloc_symmetric), DeepEP-LL compatible,
 // bit-identical to the CPU reference LlCpu (ll.h) on the same inputs: the same packed expert-major
 // layout [L, R*max_T, H], slot order (source rank, then source token), handle, bf16 payload, fp8
@@ -100,8 +100,8 @@
 #include <string>
 #include <vector>
 
-#include "dispatch/ll.h"
-#include "dispatch/ll_cuda_kernels.h"
+#include "dispatch/ll/ll.h"
+#include "dispatch/ll/ll_cuda_kernels.h"
 #include "dispatch/prepare_finalize_base.h"
 
 namespace epx::dispatch {

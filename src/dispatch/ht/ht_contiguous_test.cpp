@@ -1,4 +1,4 @@
-// dispatch/ht_contiguous_test.cpp: ht's optional expert-contiguous layout on CPU ranks (HtCpu, the
+// dispatch/ht/ht_contiguous_test.cpp: ht's optional expert-contiguous layout on CPU ranks (HtCpu, the
 // reference of ht on CUDA): the layout's invariants against the Flat rows of the same prepare, and
 // finalize through it, weighted and unweighted, against the per-rank-partial oracle of
 // dispatch_harness.h (bit for bit) with the test experts run on the contiguous rows.
