@@ -22,6 +22,18 @@ __device__ __forceinline__ uint64_t globaltimer() {
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
   return t;
 }
+/// The same with a memory clobber: the read keeps its place among memory accesses (debug stamps).
+__device__ __forceinline__ uint64_t globaltimer_ordered() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t)::"memory");
+  return t;
+}
+/// The SM this thread runs on (%smid).
+__device__ __forceinline__ uint32_t smid() {
+  uint32_t sm;
+  asm volatile("mov.u32 %0, %%smid;\n" : "=r"(sm));
+  return sm;
+}
 
 // ---- system scope (peers over NVLink / another process's memory) ----------------------------------
 
@@ -115,6 +127,10 @@ __device__ __forceinline__ unsigned lanemask_lt() {
 template <int kId>
 __device__ __forceinline__ void named_barrier_sync(int nthreads) {
   asm volatile("bar.sync %0, %1;" ::"n"(kId), "r"(nthreads) : "memory");
+}
+/// Barrier `id` (1..15) among `n` threads (a multiple of 32).
+__device__ __forceinline__ void named_bar_sync(int id, int n) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(n) : "memory");
 }
 /// Keeps the compiler from moving memory accesses across this point (no instruction).
 __device__ __forceinline__ void compiler_barrier() { asm volatile("" ::: "memory"); }

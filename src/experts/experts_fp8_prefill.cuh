@@ -83,10 +83,12 @@ __device__ __forceinline__ uint32_t clock32() {
   asm volatile("mov.u32 %0, %%clock;\n" : "=r"(t)::"memory");
   return t;
 }
-__device__ __forceinline__ uint64_t globaltimer() {
-  uint64_t t;
-  asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t)::"memory");
-  return t;
+using cuda::dev::globaltimer_ordered;  // %globaltimer, keeping its place like clock32
+/// 1, which the compiler cannot see through (a branch on it stays a branch).
+__device__ __forceinline__ uint32_t opaque_one() {
+  uint32_t v;
+  asm volatile("mov.u32 %0, 1;\n" : "=r"(v));
+  return v;
 }
 
 /// The debug stamps of the stamped prefill kernels (set_fp8_prefill_debug, experts_fp8_cuda.h;

@@ -148,17 +148,11 @@ __device__ __forceinline__ void producer(const Fp8GemmParams& p, int32_t tile0, 
   }
   cp_async_wait<0>();
   if (kDbg && dcta != nullptr && pt == 0) {
-    const uint64_t g = globaltimer();
+    const uint64_t g = globaltimer_ordered();
     dcta[4] = static_cast<uint32_t>(g), dcta[5] = static_cast<uint32_t>(g >> 32);
   }
 }
 
-/// 1, which the compiler cannot see through (a branch on it stays a branch).
-__device__ __forceinline__ uint32_t opaque_one() {
-  uint32_t v;
-  asm volatile("mov.u32 %0, 1;\n" : "=r"(v));
-  return v;
-}
 
 /// The consumer warpgroups: per K block kblock (experts_fp8_prefill.cuh; kMode 0: kblock<false>,
 /// mode 8; 2: kblock<true, true>, mode 17), with every consumer thread's arrive on the
@@ -225,7 +219,7 @@ __device__ __forceinline__ void consumer(const Fp8GemmParams& p, int32_t tile0, 
   }
   if constexpr (kFast) bulk_end(w);
   if (kDbg && dcta != nullptr && w.ct == 0) {
-    const uint64_t g = globaltimer();
+    const uint64_t g = globaltimer_ordered();
     dcta[2] = static_cast<uint32_t>(g), dcta[3] = static_cast<uint32_t>(g >> 32);
     dcta[6] = static_cast<uint32_t>(seen), dcta[7] = static_cast<uint32_t>(items), dcta[9] = clock32();
   }
@@ -244,15 +238,14 @@ __global__ void __launch_bounds__(kPfThreads, 1) fp8_prefill_kernel(Fp8GemmParam
       mbar_init(smem_s + L::kBarOff + s * 8, 128);                  // full: every producer thread's copies
       mbar_init(smem_s + L::kBarOff + (L::kStages + s) * 8, kEmptyArrivals);  // empty: every consumer thread
     }
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    fence_mbarrier_init();
   }
   __syncthreads();
   if constexpr (kDbg) {
     uint32_t* d = dbg_cta<kGateUp>(p);
     if (d != nullptr && threadIdx.x == 0) {
-      const uint64_t g = globaltimer();
-      uint32_t sm;
-      asm volatile("mov.u32 %0, %%smid;\n" : "=r"(sm));
+      const uint64_t g = globaltimer_ordered();
+      const uint32_t sm = cuda::dev::smid();
       d[0] = static_cast<uint32_t>(g), d[1] = static_cast<uint32_t>(g >> 32), d[8] = clock32(), d[10] = sm;
     }
   }

@@ -64,49 +64,7 @@ constexpr int kTmaBox = 128;  // TMA box: 128 rows x 128 bytes (one 16 KiB half 
 
 #ifdef EPX_FP8_WGMMA
 
-// ---- TMA (cp.async.bulk.tensor) and mbarrier transaction counts; PTX ISA 8.0 ----
-__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
-}
-/// Box (x = K byte offset, y = row) of the 2-D map `map` into shared `dst` (1024-byte aligned);
-/// completes `bytes` of the box on mbarrier `bar`. Rows past the map's extent land as zeros.
-__device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map, int32_t x, int32_t y, uint32_t bar) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(dst),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(x), "r"(y), "r"(bar)
-      : "memory");
-}
-
-/// The same box written at the same shared offset of every CTA of the cluster in `mask` (cluster ranks), the mbarrier at
-/// offset `bar` of each of them completing the box's bytes (PTX ISA 8.0, .multicast::cluster).
-__device__ __forceinline__ void tma_load_2d_multicast(uint32_t dst, const CUtensorMap* map, int32_t x, int32_t y, uint32_t bar,
-                                                      uint16_t mask) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.multicast::cluster [%0], [%1, {%2, %3}], [%4], "
-      "%5;\n" ::"r"(dst),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(x), "r"(y), "r"(bar), "h"(mask)
-      : "memory");
-}
-/// Arrives on the mbarrier at shared offset `bar` of the CTA of cluster rank `cta`, with the instruction's default
-/// semantics (release at CTA scope, as CUTLASS's and DeepGEMM's cluster pipelines arrive on a peer's `empty`): the
-/// arriving warp's reads of the stage are complete (wgmma.wait_group 0, the ldmatrix results consumed), so the peer's
-/// TMA refill has no earlier access of this thread to be ordered after. Not `.release.cluster`: a cluster-scope
-/// release is a fence on the consumer's serial chain in every K block (with it both 30 and 31 take ~45 % more time
-/// than the one-CTA kernel; bench/NOTES.md, 'the weight tile shared by a 2-CTA cluster').
-__device__ __forceinline__ void mbar_arrive_cluster(uint32_t bar, uint32_t cta) {
-  asm volatile("{\n.reg .b32 ra;\nmapa.shared::cluster.u32 ra, %0, %1;\nmbarrier.arrive.shared::cluster.b64 _, [ra];\n}\n" ::"r"(bar),
-               "r"(cta)
-               : "memory");
-}
-__device__ __forceinline__ uint32_t cluster_ctarank() {
-  uint32_t r;
-  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
-  return r;
-}
-/// Every thread of both CTAs of the cluster (release / acquire at cluster scope).
-__device__ __forceinline__ void cluster_sync_all() {
-  asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;\n" ::: "memory");
-}
+// TMA boxes, mbarrier transaction counts, cluster barriers: cuda/tma.cuh (through experts_fp8_wgmma.cuh).
 
 /// Work item q (row tile q / max_weight_tiles, weight tile q % max_weight_tiles) of the prefill
 /// section, or nk == 0 when this CTA-uniform item has nothing to do (resolve_tile).
@@ -350,7 +308,7 @@ __global__ void __launch_bounds__(kPfThreads, 1) fp8_prefill_tma_kernel(Fp8GemmP
     }
     mbar_init(smem_s + L::kDoneOff, 1);  // done: completed once here (lean_item_prefetch)
     mbar_arrive(smem_s + L::kDoneOff);
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    fence_mbarrier_init();
   }
   if constexpr (kCluster) cluster_sync_all();  // both CTAs' barriers exist before any remote arrival or multicast
   else __syncthreads();

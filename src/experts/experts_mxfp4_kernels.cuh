@@ -113,60 +113,14 @@ __device__ __forceinline__ uint32_t nibble_signs(uint32_t w) {
   return (prmt(0x80808080u, 0x80808080u, w) & 0x40404040u) << 1;
 }
 
+/// The wgmma of one K step: e4m3 (wg::Wgmma) or bf16 (WgmmaBf16), N = BN (cuda/wgmma.cuh).
 template <bool kBf16, int BN>
-struct Mma;
-template <>
-struct Mma<false, 16> {
-  __device__ __forceinline__ static void run(float (&d)[8], uint64_t a, uint64_t b, int acc) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3 "
-        "{%0,%1,%2,%3,%4,%5,%6,%7}, %8, %9, p, 1, 1;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
-        : "l"(a), "l"(b), "r"(acc));
+struct Mma {
+  __device__ __forceinline__ static void run(float (&d)[BN / 2], uint64_t a, uint64_t b, int acc) {
+    if constexpr (kBf16) WgmmaBf16<BN>::mma(d, a, b, acc);
+    else Wgmma<BN>::mma(d, a, b, acc);
   }
 };
-template <>
-struct Mma<true, 16> {
-  __device__ __forceinline__ static void run(float (&d)[8], uint64_t a, uint64_t b, int acc) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 "
-        "{%0,%1,%2,%3,%4,%5,%6,%7}, %8, %9, p, 1, 1, 0, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
-        : "l"(a), "l"(b), "r"(acc));
-  }
-};
-#define EPX_MMA64_OUTS                                                                                            \
-  "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),   \
-      "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),    \
-      "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),   \
-      "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-template <>
-struct Mma<false, 64> {
-  __device__ __forceinline__ static void run(float (&d)[32], uint64_t a, uint64_t b, int acc) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 "
-        "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
-        "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, %32, %33, p, 1, 1;\n}\n"
-        : EPX_MMA64_OUTS
-        : "l"(a), "l"(b), "r"(acc));
-  }
-};
-template <>
-struct Mma<true, 64> {
-  __device__ __forceinline__ static void run(float (&d)[32], uint64_t a, uint64_t b, int acc) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
-        "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
-        "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
-        : EPX_MMA64_OUTS
-        : "l"(a), "l"(b), "r"(acc));
-  }
-};
-#undef EPX_MMA64_OUTS
 
 /// What one work item needs, resolved by every thread.
 struct Item {
@@ -1180,23 +1134,8 @@ struct BulkState {
   uint32_t toks = 0;
 };
 
-__device__ __forceinline__ void mx_expect_tx(uint32_t bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
-}
-/// cp.async.bulk global -> shared, completing `bytes` (multiple of 16, both addresses 16-byte aligned) on `bar`.
-__device__ __forceinline__ void mx_bulk_g2s(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst), "l"(src),
-               "r"(bytes), "r"(bar)
-               : "memory");
-}
-
-/// Box (x = byte offset along K, y = row) of the 2-D map into shared `dst`, completing its bytes on `bar`.
-__device__ __forceinline__ void mx_tma_2d(uint32_t dst, const Fp8TmaMap* map, int32_t x, int32_t y, uint32_t bar) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(dst),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(x), "r"(y), "r"(bar)
-      : "memory");
-}
+// mbarrier transaction counts, bulk copies and TMA boxes: cuda/tma.cuh (mbar_arrive_expect_tx, bulk_g2s,
+// tma_load_2d).
 
 /// True when the item can take decode_item_bulk (MixedGemmParams::decode flag 2, <= 8 rows, the shapes and
 /// alignments of the bulk copies). CTA-uniform.
@@ -1212,7 +1151,7 @@ __device__ __forceinline__ bool decode_bulk_ok(const MixedGemmParams& p, const I
 __device__ __forceinline__ void decode_bulk_init(uint32_t smem_s) {
   if (threadIdx.x == 0) {
     for (int i = 0; i < 17; ++i) mbar_init(smem_s + kBarOff + 8 * i, 1);
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    fence_mbarrier_init();
   }
 }
 
@@ -1248,10 +1187,10 @@ __device__ __forceinline__ void decode_item_bulk(const MixedGemmParams& p, const
   fence_proxy_async();  // generic-proxy writes of earlier items (run_item's staging) before the bulk writes
   const uint32_t bar_tok = smem_s + kBarOff + 16 * 8, tok_s = smem_s + R::kTok;
   if (warp == 0) {
-    if (lane == 0) mx_expect_tx(bar_tok, tok_bytes);
+    if (lane == 0) mbar_arrive_expect_tx(bar_tok, tok_bytes);
     __syncwarp();
-    if (lane < 8) mx_bulk_g2s(tok_s + lane * tok_pitch, tok_src, tok_row, bar_tok);
-    else if (kGateUp && lane < 16) mx_bulk_g2s(tok_s + 8 * tok_pitch + (lane - 8) * xs_row, tok_src, xs_row, bar_tok);
+    if (lane < 8) bulk_g2s(tok_s + lane * tok_pitch, tok_src, tok_row, bar_tok);
+    else if (kGateUp && lane < 16) bulk_g2s(tok_s + 8 * tok_pitch + (lane - 8) * xs_row, tok_src, xs_row, bar_tok);
   }
   const uint32_t ring_s = smem_s + warp * R::kSlots * R::kSlot;
   const uint8_t* ring = smem + warp * R::kSlots * R::kSlot;
@@ -1262,12 +1201,12 @@ __device__ __forceinline__ void decode_item_bulk(const MixedGemmParams& p, const
     const uint32_t sl = ring_s + slot * R::kSlot;
     __syncwarp();  // every lane is done reading the slot's previous group
     if (lane == 0) {
-      mx_expect_tx(bar, 4 * R::kBox + 2 * 16 * 16);
+      mbar_arrive_expect_tx(bar, 4 * R::kBox + 2 * 16 * 16);
 #pragma unroll
       for (int mt = 0; mt < 2; ++mt) {
-        mx_tma_2d(sl + R::kCode + (2 * mt) * R::kBox, my_maps, k * 256, my_y[mt], bar);
-        mx_tma_2d(sl + R::kCode + (2 * mt + 1) * R::kBox, my_maps, k * 256 + 128, my_y[mt], bar);
-        mx_tma_2d(sl + R::kScale + mt * 256, my_maps + 1, k * 16, my_y[mt], bar);
+        tma_load_2d(sl + R::kCode + (2 * mt) * R::kBox, my_maps, k * 256, my_y[mt], bar);
+        tma_load_2d(sl + R::kCode + (2 * mt + 1) * R::kBox, my_maps, k * 256 + 128, my_y[mt], bar);
+        tma_load_2d(sl + R::kScale + mt * 256, my_maps + 1, k * 16, my_y[mt], bar);
       }
     }
   };
