@@ -39,9 +39,7 @@ struct Config {
   std::string ll_combine_wait = "flag";     ///< bench/NOTES.md, 'LL combine, the rows as the signal'
   int ht_num_sms = 64;                      ///< bench/NOTES.md, 'HT kernels'
   int ht_warps_per_block = 16;
-  int ht_combine_mode = 0;
   int ht_chunk_rows = 4;
-  int ht_fp8_unroll = 0;
   int ht_pdl = 1;                           ///< bench/NOTES.md, 'HT kernels'
   int experts_simt = 0;
   int experts_fp8_prefill = 1;              ///< bench/NOTES.md, 'FP8 prefill GEMM'

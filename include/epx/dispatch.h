@@ -269,7 +269,7 @@ std::unique_ptr<PrepareFinalize> make_prepare_finalize(const std::string& name, 
                                                        const DispatchConfig& cfg);
 struct Config;  // epx/config.h
 /// The same, with the caller's Config for the launch settings of the CUDA kernels (ht on CUDA:
-/// ht_num_sms, ht_warps_per_block, ht_combine_mode, ht_chunk_rows; ll on CUDA: ll_warps_per_block,
+/// ht_num_sms, ht_warps_per_block, ht_chunk_rows, ht_pdl; ll on CUDA: ll_warps_per_block,
 /// ll_num_blocks, ll_combine_wait) instead of a Config::load() inside the backend (which re-reads
 /// EPX_CONFIG and the EPX_* variables); ModularMoE passes its own. Across nodes the hierarchical ll / ht
 /// hands it to its node backend. Backends without such settings ignore it. A `config` field outside its

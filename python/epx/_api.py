@@ -84,7 +84,7 @@ class PrepareFinalize:
 
     config: the DispatchConfig (or its fields as keywords). settings: an epx.Config whose launch settings
     the CUDA kernels take (ll: ll_warps_per_block, ll_num_blocks, ll_combine_wait; ht: ht_num_sms,
-    ht_warps_per_block, ht_combine_mode, ht_chunk_rows); None = Config.load() (EPX_CONFIG, EPX_* variables).
+    ht_warps_per_block, ht_chunk_rows, ht_pdl); None = Config.load() (EPX_CONFIG, EPX_* variables).
     """
 
     def __init__(self, name: str, group: _epx.Group, config: Optional[_epx.DispatchConfig] = None,

@@ -281,7 +281,7 @@ topk_weights given to another backend / without expert_contiguous; Timeout; Comm
 Creates backend `name` (backend_names(): naive, allgather_reducescatter, all2allv, ll, ht) on `group`.
 Collective: all ranks must agree on the DispatchConfig (CommError naming the field otherwise).
 settings: an epx.Config whose launch settings the CUDA kernels take (ll: ll_warps_per_block, ll_num_blocks,
-ll_combine_wait; ht: ht_num_sms, ht_warps_per_block, ht_combine_mode, ht_chunk_rows); None: the backend
+ll_combine_wait; ht: ht_num_sms, ht_warps_per_block, ht_chunk_rows, ht_pdl); None: the backend
 reads Config.load() (EPX_CONFIG, EPX_* variables). Across nodes the hierarchical ll / ht hand it to their node
 backend; the CPU backends ignore it.)doc");
 }

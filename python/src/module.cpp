@@ -185,9 +185,7 @@ void bind_config(pyb::module_& m) {
   bind_setting(cls, "ll.combine_wait", &Config::ll_combine_wait);
   bind_setting(cls, "ht.num_sms", &Config::ht_num_sms);
   bind_setting(cls, "ht.warps_per_block", &Config::ht_warps_per_block);
-  bind_setting(cls, "ht.combine_mode", &Config::ht_combine_mode);
   bind_setting(cls, "ht.chunk_rows", &Config::ht_chunk_rows);
-  bind_setting(cls, "ht.fp8_unroll", &Config::ht_fp8_unroll);
   bind_setting(cls, "ht.pdl", &Config::ht_pdl);
   bind_setting(cls, "experts.simt", &Config::experts_simt);
   bind_setting(cls, "experts.fp8_prefill", &Config::experts_fp8_prefill);

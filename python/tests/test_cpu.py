@@ -300,8 +300,8 @@ def test_config_launch_settings(monkeypatch):
     variables reach Config.load(); make_prepare_finalize(settings=) and ModularMoE(config=) take a Config."""
     c = epx.Config()
     assert (c.ll_combine_wait, c.ll_combine) == ("flag", "partial_fp32")
-    c.ll_combine_wait, c.ll_num_blocks, c.ht_num_sms, c.ht_combine_mode = "data", 8, 24, 1
-    assert (c.ll_combine_wait, c.ll_num_blocks, c.ht_num_sms, c.ht_combine_mode) == ("data", 8, 24, 1)
+    c.ll_combine_wait, c.ll_num_blocks, c.ht_num_sms, c.ht_pdl = "data", 8, 24, 0
+    assert (c.ll_combine_wait, c.ll_num_blocks, c.ht_num_sms, c.ht_pdl) == ("data", 8, 24, 0)
     src = dict(c.sources)
     assert src["ll.combine_wait"] == "api" and src["ll.num_blocks"] == "api" and src["ht.num_sms"] == "api"
     for attr, bad, key in (("ll_combine_wait", "rows", "ll.combine_wait"), ("ll_num_blocks", -1, "ll.num_blocks"),

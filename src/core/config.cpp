@@ -89,14 +89,8 @@ void for_each_field(C& c, Visit&& v) {
     c.ht_num_sms);
   v(Field{"ht.warps_per_block", "EPX_HT_WARPS_PER_BLOCK", "warps", in_range(1, 32), "warps per block of the ht kernels (ht on CUDA takes 1..16)"},
     c.ht_warps_per_block);
-  v(Field{"ht.combine_mode", "EPX_HT_COMBINE_MODE", "", one_of({"0", "1"}),
-          "ht combine on CUDA: 0 all sends then all reduces, 1 pipelined (one target per token only)"},
-    c.ht_combine_mode);
   v(Field{"ht.chunk_rows", "EPX_HT_CHUNK_ROWS", "rows", in_range(1, 4096), "ht combine on CUDA: received rows per chunk flag"},
     c.ht_chunk_rows);
-  v(Field{"ht.fp8_unroll", "EPX_HT_FP8_UNROLL", "", one_of({"0", "4", "7"}),
-          "ht fp8 dispatch on CUDA: steps of 4 scale groups a warp loads before quantizing; 0 = by H (7 where H is a multiple of 3584, else 4)"},
-    c.ht_fp8_unroll);
   v(Field{"ht.pdl", "EPX_HT_PDL", "", one_of({"0", "1"}),
           "ht on CUDA: 1 starts the dispatch kernel behind the layout kernel by programmatic dependent launch, 0 after it"},
     c.ht_pdl);

@@ -175,10 +175,12 @@ TEST(Config, RegistryRulesAreTheOnesValidateApplies) {
 }
 
 // Knobs without a production meaning are gone (bench/NOTES.md, 'Variants removed from the product'):
-// experts.fp8_pairs is an unknown key, and ht.pdl takes 0 or 1 (2, the L2 prefetch, was slower).
+// experts.fp8_pairs, ht.combine_mode and ht.fp8_unroll are unknown keys, and ht.pdl takes 0 or 1 (2, the L2
+// prefetch, was slower).
 TEST(Config, RemovedKnobValuesAreRefused) {
   Config c;
-  EXPECT_NE(test::invalid_argument_message([&] { c.set("experts.fp8_pairs", "1"); }).find("unknown"), std::string::npos);
+  for (const char* key : {"experts.fp8_pairs", "ht.combine_mode", "ht.fp8_unroll"})
+    EXPECT_NE(test::invalid_argument_message([&] { c.set(key, "1"); }).find("unknown"), std::string::npos) << key;
   EXPECT_EQ(test::invalid_argument_message([&] { c.set("ht.pdl", "2"); }), "config: ht.pdl = 2: must be 0 or 1 (set by api)");
   EXPECT_NO_THROW(c.set("ht.pdl", "0"));
 }

@@ -18,8 +18,8 @@ std::unique_ptr<PrepareFinalize> make_ht_cpu(std::shared_ptr<Group> group, const
 std::unique_ptr<PrepareFinalize> make_naive_cuda(std::shared_ptr<Group> group, const DispatchConfig& cfg);
 std::unique_ptr<PrepareFinalize> make_agrs_cuda(std::shared_ptr<Group> group, const DispatchConfig& cfg);
 std::unique_ptr<PrepareFinalize> make_all2allv_cuda(std::shared_ptr<Group> group, const DispatchConfig& cfg);
-/// ht over NCCL symmetric memory (ht_cuda.h); SM budget, warps, combine mode and chunk rows from
-/// `config` (ht_num_sms, ht_warps_per_block, ht_combine_mode, ht_chunk_rows), or Config::load().
+/// ht over NCCL symmetric memory (ht_cuda.h); SM budget, warps, chunk rows and launch order from
+/// `config` (ht_num_sms, ht_warps_per_block, ht_chunk_rows, ht_pdl), or Config::load().
 std::unique_ptr<PrepareFinalize> make_ht_cuda(std::shared_ptr<Group> group, const DispatchConfig& cfg);
 std::unique_ptr<PrepareFinalize> make_ht_cuda(std::shared_ptr<Group> group, const DispatchConfig& cfg, const Config& config);
 /// ll on CUDA (ll_cuda.h): launch shape from `config` or Config::load() (ll_warps_per_block,

@@ -70,12 +70,10 @@ HtCuda::HtCuda(std::shared_ptr<Group> group, const DispatchConfig& cfg, const Co
   require_arg(op, "ranks_per_gpu", sharing, num_sms_ >= 1,
               "must be <= the SMs of " + group_->device().str() + " = " + std::to_string(sms) + " (each rank's ht grid needs one SM)");
   warps_ = config.ht_warps_per_block;
-  combine_mode_ = config.ht_combine_mode;
   chunk_rows_ = config.ht_chunk_rows;
   pdl_ = config.ht_pdl != 0;
-  prefetch_x_ = config.ht_pdl == 2;
-  // 0 = auto: 7 steps (28 groups) when the row is a whole number of them (H = 7168: two rounds), else 4.
-  fp8_unroll_ = config.ht_fp8_unroll != 0 ? config.ht_fp8_unroll : (cfg_.hidden % (128 * 28) == 0 ? 7 : 4);
+  // 7 steps (28 groups) when the row is a whole number of them (H = 7168: two rounds), else 4.
+  fp8_unroll_ = cfg_.hidden % (128 * 28) == 0 ? 7 : 4;
 
   layout_ = HtLayout::make(cfg_, num_ranks_, rank_);
   arrays_ = HtDeviceArrays::make(layout_);

@@ -28,7 +28,7 @@
 // launch (Config::ht_pdl; the layout triggers it at its start, the CTAs poll HtState::layout_ready,
 // which the layout releases before its host-record writes, and the grid ends after the layout's),
 // one warp per token, 16-byte peer stores of its row (fp8: quantized on the fly, in rounds of 28 groups
-// when H allows: Config::ht_fp8_unroll) into every destination it goes to (local rows are local
+// when H allows) into every destination it goes to (local rows are local
 // stores), the metadata (topk_idx, topk_weights, src_idx) by the whole grid in coalesced runs, then
 // the last CTA publishes "rows stored" and waits for every peer's; (2b) with expert_contiguous, a map kernel (one CTA per
 // local expert, a block scan over the received rows) and a copy kernel build the expert-contiguous
@@ -200,14 +200,14 @@ struct HtParams {
   int32_t local_status = 0;               ///< 0 ok, 2 the host rejected the arguments
   int expert_alignment = 1;
   int fp8_unroll = 4;                     ///< fp8 dispatch: steps of 4 groups a warp loads before quantizing (4 or 7)
-  bool prefetch_x = false;                ///< dispatch: each warp's first row of x into L2 while the layout runs (ht.pdl 2; measured slower)
+  bool prefetch_x = false;                ///< dispatch: each warp's first row of x into L2 while the layout runs (never set: the removed ht.pdl 2, bench/NOTES.md)
   // finalize
   const uint16_t* expert_out = nullptr;   ///< [N_recv or R*cap, H] fp32 (partial_f32; as uint16 pairs) | bf16; contiguous: [rows, H] bf16
   bool partial_f32 = false;               ///< partials (Flat expert_out, `back`) are fp32 (flat_combine partial_fp32)
   const float* addend = nullptr;          ///< [T, H] fp32 (FinalizeArgs::addend), or null
   uint16_t* out = nullptr;                ///< [T, H] bf16
   bool io_aligned16 = false;              ///< expert_out, out and addend 16-byte aligned, H * element size a multiple of 16
-  int combine_mode = 0;                   ///< 0: send all, then reduce; 1: pipelined (combine_kernel)
+  int combine_mode = 0;                   ///< 0: send all, then reduce; 1 (never set: the removed ht.combine_mode 1): pipelined
   int chunk_rows = 4;                     ///< rows per combine chunk flag, 1..capacity
   const int32_t* pair_row = nullptr;      ///< expert-contiguous: [rows, K] contiguous row of pair (n, k) or -1; null = Flat
   const float* combine_weights = nullptr; ///< expert-contiguous: [rows, K] weights of the pairs, null = unweighted
@@ -252,7 +252,7 @@ struct HtDeviceHandle {
 /// and for callers that want the device handle.
 class HtCuda final : public PrepareFinalizeBase {
  public:
-  /// Launch settings (ht_num_sms, ht_warps_per_block, ht_combine_mode, ht_chunk_rows) from `config`;
+  /// Launch settings (ht_num_sms, ht_warps_per_block, ht_chunk_rows, ht_pdl) from `config`;
   /// the two-argument form reads them with Config::load().
   HtCuda(std::shared_ptr<Group> group, const DispatchConfig& cfg, const Config& config);
   HtCuda(std::shared_ptr<Group> group, const DispatchConfig& cfg);
