@@ -397,7 +397,7 @@ TEST(VirtualRanksShare, LlTakesItsShareOfTheSmsAndRefusesMore) {
 // process) and the child checks the refusal.
 TEST(VirtualRanksLoading, LazyKernelLoadingIsRefusedByName) {
   if (!has_gpu()) GTEST_SKIP() << "needs 1 GPU (virtual ranks run on one)";
-  if (std::getenv("EPX_TEST_LAZY_CHILD") != nullptr) {
+  if (!env_or("EPX_TEST_LAZY_CHILD", "").empty()) {
     std::string msg;
     try {
       auto groups = make_virtual_cuda_groups(2, 0);
