@@ -27,6 +27,7 @@ from ._epx import (  # noqa: F401
     CudaError,
     DispatchConfig,
     Error,
+    ExpertActivation,
     ExpertWeights,
     Group,
     InvalidArgument,

@@ -1,9 +1,13 @@
 // python/src/bind_moe.cpp: dispatch backends (prepare/finalize), experts, routing, quantization,
 // presets, weights and the ModularMoE layer. Names follow include/epx/{dispatch,experts,moe}.h.
+#include <pybind11/operators.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <cmath>
+#include <limits>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "epx/checkpoint.h"
@@ -40,6 +44,60 @@ Tensor owned_cpu_copy(const TensorView& v) {
   Tensor t = Tensor::empty(dims, v.dtype);
   copy(t.view(), v);
   return t;
+}
+
+std::string activation_kind_name(ExpertActivation::Kind k) {
+  return k == ExpertActivation::Kind::gpt_oss_glu ? "gpt_oss_glu" : "silu_glu";
+}
+ExpertActivation::Kind parse_activation_kind(const std::string& s, std::string_view op) {
+  if (s == "silu_glu") return ExpertActivation::Kind::silu_glu;
+  if (s == "gpt_oss_glu") return ExpertActivation::Kind::gpt_oss_glu;
+  throw InvalidArgument(arg_message(op, "kind", s, "must be \"silu_glu\" or \"gpt_oss_glu\""));
+}
+/// The rules ExpertWeights::check_extras applies to an activation, checked where Python builds one.
+void check_activation(std::string_view op, const ExpertActivation& a) {
+  require_arg(op, "limit", a.limit, a.limit > 0, "must be > 0 (the clamp bound; inf = none)");
+  require_arg(op, "alpha", a.alpha, std::isfinite(a.alpha), "must be finite");
+  if (a.kind == ExpertActivation::Kind::gpt_oss_glu)
+    require_arg(op, "limit", a.limit, std::isfinite(a.limit), "must be finite for gpt_oss_glu (swiglu_limit)");
+}
+
+/// Sets one of an expert's optional fp32 tensors (b13 / b2) from a Python argument (None clears it) as an
+/// owned CPU copy; the expert is checked (check_extras) and left as it was when the value is refused.
+void set_expert_bias(ExpertWeights& w, Tensor ExpertWeights::*field, pyb::handle value, const char* name) {
+  const std::string op = std::string("epx.ExpertWeights.") + name;
+  CallArgs a(op, 0);
+  TensorView v = a.get(value, name, std::nullopt, true);
+  a.rethrow_local();
+  Tensor old = w.*field;
+  w.*field = owned_cpu_copy(v);
+  try {
+    w.check_extras(op, "ExpertWeights");
+  } catch (...) {
+    w.*field = old;
+    throw;
+  }
+}
+
+/// from_float / random's keyword extras: biases and activation, then check_extras over the result.
+std::shared_ptr<ExpertWeights> with_extras(std::shared_ptr<ExpertWeights> w, pyb::handle b13, pyb::handle b2,
+                                           std::optional<ExpertActivation> activation, std::string_view op) {
+  if (activation) w->activation = *activation;
+  set_expert_bias(*w, &ExpertWeights::b13, b13, "b13");
+  set_expert_bias(*w, &ExpertWeights::b2, b2, "b2");
+  w->check_extras(op, "ExpertWeights");
+  return w;
+}
+
+/// MoEWeights::router_bias from a Python argument: [E] fp32 (None = no bias), an owned CPU copy.
+Tensor router_bias_arg(pyb::handle value, int64_t num_experts, std::string_view op) {
+  CallArgs a(std::string(op), 0);
+  TensorView v = a.get(value, "router_bias", std::nullopt, true);
+  a.rethrow_local();
+  if (!v.defined()) return Tensor();
+  check_dtype(op, "router_bias", v, {DType::fp32});
+  check_shape(op, "router_bias", v, {num_experts});
+  return owned_cpu_copy(v);
 }
 
 pyb::object opt_view(const TensorView& v, pyb::object owner, int64_t stream) {
@@ -287,20 +345,76 @@ backend; the CPU backends ignore it.)doc");
 }
 
 void bind_experts(pyb::module_& m) {
+  pyb::class_<ExpertActivation>(m, "ExpertActivation", R"doc(
+An expert MLP's activation h = act(g, u) on the gate / up halves of x W13^T + b13 (include/epx/experts.h):
+  "silu_glu"    : silu(g) * u; with a finite limit, g = min(g, limit) and u = clamp(u, -limit, limit) first
+                  (DeepSeek-V4's swiglu_limit); limit inf (default) = plain SwiGLU (DeepSeek, Qwen, Mixtral).
+  "gpt_oss_glu" : g = min(g, limit), u = clamp(u, -limit, limit), h = (u + 1) * g * sigmoid(alpha * g)
+                  (modeling_gpt_oss.py GptOssExperts: alpha 1.702, limit = swiglu_limit, 7.0).
+The CPU experts compute every activation; the CUDA experts only plain silu_glu (others raise Unsupported).
+Raises InvalidArgument for an unknown kind, limit <= 0, a non-finite alpha, or gpt_oss_glu without a finite limit.)doc")
+      .def(pyb::init([](const std::string& kind, float alpha, float limit) {
+             ExpertActivation a{parse_activation_kind(kind, "epx.ExpertActivation"), alpha, limit};
+             check_activation("epx.ExpertActivation", a);
+             return a;
+           }),
+           pyb::arg("kind") = "silu_glu", pyb::kw_only(), pyb::arg("alpha") = 1.702f,
+           pyb::arg("limit") = std::numeric_limits<float>::infinity())
+      .def_static("silu", &ExpertActivation::silu, "Plain silu_glu (no clamp).")
+      .def_static("gpt_oss", [](float alpha, float limit) {
+        const ExpertActivation a = ExpertActivation::gpt_oss(alpha, limit);
+        check_activation("epx.ExpertActivation.gpt_oss", a);
+        return a;
+      }, pyb::arg("alpha") = 1.702f, pyb::arg("limit") = 7.0f, "gpt_oss_glu with GptOssExperts' alpha and limit (swiglu_limit).")
+      .def_property_readonly("kind", [](const ExpertActivation& a) { return activation_kind_name(a.kind); },
+                             "\"silu_glu\" or \"gpt_oss_glu\".")
+      .def_readonly("alpha", &ExpertActivation::alpha, "gpt_oss_glu's sigmoid scale (unused by silu_glu).")
+      .def_readonly("limit", &ExpertActivation::limit, "The clamp bound (inf = none).")
+      .def_property_readonly("is_plain_silu", &ExpertActivation::is_plain_silu,
+                             "silu_glu without a clamp: what every CUDA expert path computes.")
+      .def(pyb::self == pyb::self)
+      .def("__hash__", [](const ExpertActivation& a) {
+        return pyb::hash(pyb::make_tuple(activation_kind_name(a.kind), a.alpha, a.limit));
+      })
+      .def("__repr__", [](const ExpertActivation& a) { return "epx.ExpertActivation(" + expert_activation_name(a) + ")"; });
+
   pyb::class_<ExpertWeights, std::shared_ptr<ExpertWeights>>(m, "ExpertWeights", R"doc(
-One expert's SwiGLU weights, CPU-resident, HF layout: w13 [2I, H] = gate_proj rows then up_proj rows,
+One expert's gated-MLP weights, CPU-resident, HF layout: w13 [2I, H] = gate_proj rows then up_proj rows,
 w2 [H, I] = down_proj. Formats: bf16; fp8_block (fp8_e4m3 + fp32 scale_inv per 128x128 block);
-mxfp4 (fp4 pairs [.., K/2] + e8m0 scale per 32 inputs).)doc")
-      .def_static("from_float", [](const std::string& format, pyb::handle gate_up, pyb::handle down) {
+mxfp4 (fp4 pairs [.., K/2] + e8m0 scale per 32 inputs). Optional, in every format: biases b13 [2I] fp32
+(gate entries then up entries, as w13's rows) and b2 [H] fp32, and the activation (ExpertActivation;
+default plain silu_glu): y = act(x W13^T + b13) W2^T + b2. gpt-oss's interleaved gate_up_proj [H, 2I]
+(gate = columns ::2, up = columns 1::2) and its bias de-interleave into this layout (load_moe_layer does
+it). The CPU experts compute biases and every activation; the CUDA experts refuse them (Unsupported).)doc")
+      .def_static("from_float", [](const std::string& format, pyb::handle gate_up, pyb::handle down, pyb::handle b13, pyb::handle b2,
+                                   std::optional<ExpertActivation> activation) {
         CallArgs a("epx.ExpertWeights.from_float", 0);
         TensorView gu = a.get(gate_up, "gate_up"), dn = a.get(down, "down");
         a.rethrow_local();
-        return std::const_pointer_cast<ExpertWeights>(ExpertWeights::from_float(parse_weight_format(format), gu, dn));
-      }, pyb::arg("format"), pyb::arg("gate_up"), pyb::arg("down"),
-                  "Quantizes fp32 gate_up [2I, H] and down [H, I] (CPU) into `format` (bf16, fp8_block, mxfp4).")
-      .def_static("random", [](const std::string& format, int64_t hidden, int64_t intermediate, uint64_t seed) {
-        return std::const_pointer_cast<ExpertWeights>(ExpertWeights::random(parse_weight_format(format), hidden, intermediate, seed));
-      }, pyb::arg("format"), pyb::arg("hidden"), pyb::arg("intermediate"), pyb::arg("seed"))
+        auto w = std::const_pointer_cast<ExpertWeights>(ExpertWeights::from_float(parse_weight_format(format), gu, dn));
+        return with_extras(std::move(w), b13, b2, activation, "epx.ExpertWeights.from_float");
+      }, pyb::arg("format"), pyb::arg("gate_up"), pyb::arg("down"), pyb::kw_only(), pyb::arg("b13") = pyb::none(),
+                  pyb::arg("b2") = pyb::none(), pyb::arg("activation") = pyb::none(),
+                  "Quantizes fp32 gate_up [2I, H] and down [H, I] (CPU) into `format` (bf16, fp8_block, mxfp4); b13 [2I] / b2 "
+                  "[H] fp32 biases and the activation (None: plain silu_glu) are kept as given.")
+      .def_static("random", [](const std::string& format, int64_t hidden, int64_t intermediate, uint64_t seed, pyb::handle b13,
+                               pyb::handle b2, std::optional<ExpertActivation> activation) {
+        auto w = std::const_pointer_cast<ExpertWeights>(ExpertWeights::random(parse_weight_format(format), hidden, intermediate, seed));
+        return with_extras(std::move(w), b13, b2, activation, "epx.ExpertWeights.random");
+      }, pyb::arg("format"), pyb::arg("hidden"), pyb::arg("intermediate"), pyb::arg("seed"), pyb::kw_only(),
+                  pyb::arg("b13") = pyb::none(), pyb::arg("b2") = pyb::none(), pyb::arg("activation") = pyb::none())
+      .def_property("activation", [](const ExpertWeights& w) { return w.activation; },
+                    [](ExpertWeights& w, const ExpertActivation& a) {
+                      check_activation("epx.ExpertWeights.activation", a);
+                      w.activation = a;
+                    },
+                    "ExpertActivation (typed). Set it, and b13 / b2, before building Experts or a layer over this expert.")
+      .def_property("b13", [](const ExpertWeights& w) { return opt_owned(w.b13); },
+                    [](ExpertWeights& w, pyb::handle v) { set_expert_bias(w, &ExpertWeights::b13, v, "b13"); },
+                    "[2I] fp32 gate_up bias (gate entries, then up entries), or None. Setting copies; None removes it.")
+      .def_property("b2", [](const ExpertWeights& w) { return opt_owned(w.b2); },
+                    [](ExpertWeights& w, pyb::handle v) { set_expert_bias(w, &ExpertWeights::b2, v, "b2"); },
+                    "[H] fp32 down bias, or None. Setting copies; None removes it.")
       .def_property_readonly("format", [](const ExpertWeights& w) { return std::string(weight_format_name(w.format)); })
       .def_readonly("hidden", &ExpertWeights::hidden)
       .def_readonly("intermediate", &ExpertWeights::intermediate)
@@ -415,7 +529,8 @@ void bind_moe_layer(pyb::module_& m) {
                   "Deterministic random weights; expert e depends only on (seed, e), so a rank may build only its range "
                   "[expert_begin, expert_end). `config`: a MoEConfig or a preset name.")
       .def_static("from_parts", [](const MoEConfig& cfg, pyb::handle router_weight, std::vector<std::shared_ptr<ExpertWeights>> experts,
-                                   std::shared_ptr<ExpertWeights> shared, pyb::handle correction_bias, pyb::handle shared_gate_weight) {
+                                   std::shared_ptr<ExpertWeights> shared, pyb::handle correction_bias, pyb::handle shared_gate_weight,
+                                   pyb::handle router_bias) {
         CallArgs a("epx.MoEWeights.from_parts", 0);
         TensorView rw = a.get(router_weight, "router_weight");
         TensorView cb = a.get(correction_bias, "correction_bias", std::nullopt, true);
@@ -431,17 +546,26 @@ void bind_moe_layer(pyb::module_& m) {
         w->router_weight = owned_cpu_copy(rw);
         w->correction_bias = owned_cpu_copy(cb);
         w->shared_gate_weight = owned_cpu_copy(sg);
+        w->router_bias = router_bias_arg(router_bias, cfg.router.num_experts, op);
         w->experts.assign(experts.begin(), experts.end());
         w->shared = shared;
         return w;
       }, pyb::arg("config"), pyb::arg("router_weight"), pyb::arg("experts"), pyb::arg("shared") = nullptr,
-                  pyb::arg("correction_bias") = pyb::none(), pyb::arg("shared_gate_weight") = pyb::none(),
+                  pyb::arg("correction_bias") = pyb::none(), pyb::arg("shared_gate_weight") = pyb::none(), pyb::kw_only(),
+                  pyb::arg("router_bias") = pyb::none(),
                   "A layer from your own weights: router_weight [E, H] fp32; experts: E ExpertWeights (or None for experts "
-                  "not held here); copies the router tensors.")
+                  "not held here), each with its own biases and activation; router_bias [E] fp32 (gpt-oss mlp.router.bias: "
+                  "logits = x W^T + b before the top-k; CPU only, a CUDA ModularMoE raises Unsupported); copies the router "
+                  "tensors.")
       .def("add_random_experts", &MoEWeights::add_random_experts, pyb::arg("seed"), pyb::arg("expert_ids"))
       .def_readonly("config", &MoEWeights::config)
       .def_property_readonly("router_weight", [](const MoEWeights& w) { return opt_owned(w.router_weight); })
       .def_property_readonly("correction_bias", [](const MoEWeights& w) { return opt_owned(w.correction_bias); })
+      .def_property("router_bias", [](const MoEWeights& w) { return opt_owned(w.router_bias); },
+                    [](MoEWeights& w, pyb::handle v) {
+                      w.router_bias = router_bias_arg(v, w.config.router.num_experts, "epx.MoEWeights.router_bias");
+                    },
+                    "[E] fp32 router logit bias (gpt-oss), or None. Setting copies; None removes it.")
       .def_property_readonly("shared_gate_weight", [](const MoEWeights& w) { return opt_owned(w.shared_gate_weight); })
       .def_property_readonly("experts", [](const MoEWeights& w) {
         std::vector<std::shared_ptr<ExpertWeights>> v;
@@ -559,6 +683,8 @@ void bind_checkpoint(pyb::module_& m) {
     info["layer"] = c.info.layer;
     info["num_hidden_layers"] = c.info.num_hidden_layers;
     info["prefix"] = c.info.prefix;
+    info["activation"] = c.info.activation;
+    info["fused_experts"] = c.info.fused_experts;
     return pyb::make_tuple(c.weights, c.notes, info);
   }, pyb::arg("dir"), pyb::arg("layer") = 0, pyb::kw_only(), pyb::arg("expert_begin") = 0, pyb::arg("expert_end") = -1,
         pyb::arg("expert_ids") = std::vector<int>{}, pyb::arg("load_router") = true, pyb::arg("load_shared") = true, R"doc(
