@@ -3,9 +3,11 @@
 // at 2, 4 and 8 ranks on the mini presets, against moe_reference_cpu computed in the parent before
 // the ranks start: the DP-sharded shared expert on allgather_reducescatter and naive (bf16 and fp8
 // wires, a shared gate, an idle rank), the graph refusal of a backend that is not graph-safe, and the
-// whole-layer CUDA graph on ll: captured once at T_max, replayed with different valid counts per rank
-// (0 included), the shared expert fused and separate, every replay's valid rows against the reference
-// of its path and bit for bit against an eager twin layer on the same rows; fused against separate
+// whole-layer CUDA graph on ll and on the padded form of naive / allgather_reducescatter / all2allv
+// (use_worst_case_sizing; the DP-sharded shared expert on the gathering ones): captured once at T_max,
+// replayed with different valid counts per rank (0 included), the shared expert fused and separate,
+// every replay's valid rows against the reference of its path and bit for bit against an eager twin
+// layer on the same rows; fused against separate
 // against the CPU reference eagerly; int64 ids never narrowed; a bad id on one rank stopping every
 // rank at the next call (ll, ht worst-case, hierarchical ll); a stopped rank named in every other
 // rank's error. Outputs are NaN-poisoned first.
@@ -303,6 +305,110 @@ TEST_P(ModularMoECuda, WholeLayerGraphOnLlReplaysWithDifferentCountsPerRankAndEq
         failures += std::string("shared path counter wrong (") + (separate ? "separate" : "fused") + "); ";
       if (layer.shared_local_slot_tokens() != (local ? 0 : Config{}.fhmoe_local_shared_tokens))
         failures += "shared_local_slot_tokens " + std::to_string(layer.shared_local_slot_tokens()) + "; ";
+      g->barrier();  // every rank's replays and eager calls are done before the layers go
+    }
+    throw_failures(rank, failures);
+  });
+  EXPECT_EQ(failed, "");
+}
+
+// The whole layer on the padded form of naive, allgather_reducescatter and all2allv
+// (DispatchConfig::use_worst_case_sizing: graph-safe) captured at T_max = C = 16 and replayed with
+// valid counts per rank that differ between replays and ranks (0 included): each replay's valid rows
+// against the CPU reference of its shared path, and bit for bit against an eager twin layer (the same
+// padded form, T = n on each rank) run on the same rows. The DP-sharded shared expert with its gate
+// (Qwen1.5-MoE) on allgather_reducescatter and naive, the shared route (DeepSeek-V3) on all2allv, and
+// the separate shared expert joining agrs's fp32 sum (FinalizeArgs::addend).
+TEST_P(ModularMoECuda, WholeLayerGraphOnPaddedGatherAndAll2allvReplaysWithDifferentCountsPerRankAndEqualsEager) {
+  const int R = GetParam();
+  say_where(R);
+  constexpr int64_t kMax = 16;
+  struct GraphCase {
+    std::string preset, backend;
+    DType wire;
+    SharedExpertMode mode;
+    bool sharded;  // the DP-sharded shared expert is expected
+  };
+  const std::vector<GraphCase> cases = {
+      {"qwen1.5-moe-a2.7b-mini", "allgather_reducescatter", DType::bf16, SharedExpertMode::fused, true},
+      {"qwen1.5-moe-a2.7b-mini", "naive", DType::fp8_e4m3, SharedExpertMode::fused, true},
+      {"deepseek-v3-mini", "all2allv", DType::fp8_e4m3, SharedExpertMode::fused, false},
+      {"deepseek-v3-mini", "allgather_reducescatter", DType::fp8_e4m3, SharedExpertMode::separate, false},
+  };
+  const std::vector<std::vector<int64_t>> replays = {std::vector<int64_t>(static_cast<size_t>(R), kMax), per_rank(R, {7, kMax, 0, 3}),
+                                                     per_rank(R, {0, 5, kMax, 1}), per_rank(R, {kMax, 1, 9, 0})};
+  std::vector<std::shared_ptr<const MoEWeights>> weights;
+  std::vector<Inputs> inputs;
+  std::vector<std::vector<Tensor>> refs;  // [case][replay]
+  std::vector<std::vector<int64_t>> firsts;  // [replay][rank] first reference row
+  for (const auto& v : replays) {
+    std::vector<int64_t> f(static_cast<size_t>(R), 0);
+    for (int r = 1; r < R; ++r) f[static_cast<size_t>(r)] = f[static_cast<size_t>(r - 1)] + v[static_cast<size_t>(r - 1)];
+    firsts.push_back(f);
+  }
+  for (size_t i = 0; i < cases.size(); ++i) {
+    weights.push_back(weights_for(cases[i].preset, R));
+    inputs.push_back(make_inputs(*weights.back(), std::vector<int64_t>(static_cast<size_t>(R), kMax), 120 + i, cases[i].wire));
+    refs.emplace_back();
+    // The separate path on agrs joins the combine's fp32 sum (combine_addend): one rounding.
+    for (const auto& v : replays)
+      refs.back().push_back(reference_of(*weights.back(), inputs.back(), v, cases[i].wire, cases[i].mode != SharedExpertMode::separate));
+  }
+  const std::string failed = run_cuda_ranks(R, 300.0, [&](int rank, const std::shared_ptr<Group>& g) {
+    const RankStream rs;
+    const cudaStream_t stream = rs.s;
+    const Device dev = g->device();
+    std::string failures;
+    for (size_t ci = 0; ci < cases.size(); ++ci) {
+      const GraphCase& gc = cases[ci];
+      const auto& w = weights[ci];
+      const int64_t H = w->config.hidden;
+      DispatchConfig dc;
+      dc.num_max_dispatch_tokens_per_rank = kMax;
+      dc.dispatch_dtype = gc.wire;
+      dc.use_worst_case_sizing = true;
+      ModularMoEOptions o;
+      o.shared_mode = gc.mode;
+      ModularMoE layer(w, g, gc.backend, dc, Config{}, o);
+      ModularMoE eager(w, g, gc.backend, dc, Config{}, o);  // the eager twin
+      const std::string name = gc.preset + " " + gc.backend + (gc.mode == SharedExpertMode::separate ? " separate" : " fused");
+      if (auto why = layer.why_no_graph(kMax)) throw std::runtime_error(name + " (padded) not graph-capturable: " + *why);
+      if (layer.shared_expert_sharded() != gc.sharded)
+        failures += name + ": shared_expert_sharded " + std::to_string(layer.shared_expert_sharded()) + "; ";
+      const Tensor x = inputs[ci].x[rank].to(dev), idx = inputs[ci].idx[rank].to(dev), wts = inputs[ci].wts[rank].to(dev);
+      Tensor out = Tensor::empty({kMax, H}, DType::bf16, dev), count = Tensor::zeros({1}, DType::int32, dev);
+      Tensor eager_out = Tensor::empty({kMax, H}, DType::bf16, dev);
+      int32_t c = static_cast<int32_t>(kMax);
+      test::upload_device(count.data(), &c, sizeof c, "count");
+      layer.capture_graph(x, idx, wts, out, count, Stream{stream});
+      for (size_t i = 0; i < replays.size(); ++i) {
+        const int64_t n = replays[i][static_cast<size_t>(rank)];
+        c = static_cast<int32_t>(n);
+        test::upload_device(count.data(), &c, sizeof c, "count");
+        test::poison_device(out.data(), static_cast<size_t>(out.nbytes()), "poison");
+        layer.replay_graph(Stream{stream});
+        cuda_ok(cudaStreamSynchronize(stream), "sync");
+        const std::string where = name + " replay " + std::to_string(i) + " rank " + std::to_string(rank);
+        const double e = rel_l2_rows(out, refs[ci][i], firsts[i][static_cast<size_t>(rank)], n);
+        if (!(e <= kTol)) failures += where + ": rel L2 " + std::to_string(e) + "; ";
+        test::poison_device(eager_out.data(), static_cast<size_t>(eager_out.nbytes()), "poison");
+        eager.forward_routed(x.view().slice_rows(0, n), idx.view().slice_rows(0, n), wts.view().slice_rows(0, n),
+                             eager_out.view().slice_rows(0, n), Stream{stream});
+        cuda_ok(cudaStreamSynchronize(stream), "sync");
+        const std::string diff = test::first_diff(where + " against eager", test::host_bytes(out.view().slice_rows(0, n)),
+                                                  test::host_bytes(eager_out.view().slice_rows(0, n)));
+        if (!diff.empty()) {
+          const double ee = rel_l2_rows(eager_out, refs[ci][i], firsts[i][static_cast<size_t>(rank)], n);
+          failures += diff + "(eager rel L2 to the reference " + std::to_string(ee) + "); ";
+        }
+        if (rank == 0)
+          std::printf("%s (padded) graph replay %zu (n = %s): rank 0 rel L2 %.2e, %s eager\n", name.c_str(), i, list_text(replays[i]).c_str(), e,
+                      diff.empty() ? "equal to" : "DIFFERENT from");
+      }
+      const PathCounters& pc = layer.counters();
+      if (pc.graph_replays != static_cast<int64_t>(replays.size())) failures += name + ": graph_replays counter wrong; ";
+      if (gc.sharded && pc.shared_sharded != static_cast<int64_t>(replays.size()))
+        failures += name + ": shared_sharded counter " + std::to_string(pc.shared_sharded) + "; ";
       g->barrier();  // every rank's replays and eager calls are done before the layers go
     }
     throw_failures(rank, failures);
