@@ -8,7 +8,9 @@
 //   sigmoid "noaux_tc" (DeepSeek-V3 modeling_deepseek.py MoEGate):
 //     s = sigmoid(logits); b = s + e_score_correction_bias (selection only);
 //     group score = sum of the top-2 b in each of n_group contiguous groups; keep topk_group groups;
-//     topk_idx = top-K of b among the kept groups' experts;
+//     topk_idx = top-K of b among the kept groups' experts (the other groups at -inf, DeepSeek's
+//     reference code; transformers fills them with 0.0, which differs only when the kept groups hold
+//     fewer than K positive b: docs/checkpoint.md, routing_test's GroupMasking cases);
 //     weights = s of the selected (unbiased), / their sum when renormalize, * routed_scaling_factor.
 // Group-limited selection applies the same way to softmax probabilities when n_group > 1.
 #include <algorithm>

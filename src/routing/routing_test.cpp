@@ -195,6 +195,112 @@ TEST(RouteSigmoid, MatchesBruteForceOnRandomDeepSeekShapes) {
   }
 }
 
+namespace {
+
+/// transformers' DeepseekV3MoE.route_tokens_to_experts (modeling_deepseek_v3.py), in double: the groups outside
+/// the topk_group best are masked with 0.0 (`scores_for_choice.masked_fill(~score_mask.bool(), 0.0)`), then the
+/// top-K of all E is taken (ties: the lower id, as torch.topk's order is unspecified). DeepSeek's reference code
+/// (inference/model.py Gate) masks them with -inf, which is what epx's router does. Returns the selected ids,
+/// sorted ascending (transformers' topk runs with sorted=False), and writes whether the kept groups held
+/// fewer than K candidates with a positive selection score.
+std::vector<int64_t> transformers_noaux_tc(const RouterConfig& c, const float* logits, const std::vector<float>& bias,
+                                           bool* few_positive) {
+  const int E = c.num_experts, G = c.n_group, per = E / G;
+  std::vector<double> b(E);
+  for (int e = 0; e < E; ++e) b[e] = static_cast<double>(1.0f / (1.0f + std::exp(-logits[e])) + bias[e]);
+  std::vector<std::pair<double, int>> groups;
+  for (int g = 0; g < G; ++g) {
+    std::vector<double> v(b.begin() + g * per, b.begin() + (g + 1) * per);
+    std::sort(v.rbegin(), v.rend());
+    groups.push_back({-(v[0] + v[1]), g});
+  }
+  std::sort(groups.begin(), groups.end());
+  std::vector<char> kept(E, 0);
+  for (int i = 0; i < c.topk_group; ++i) std::fill(kept.begin() + groups[i].second * per, kept.begin() + (groups[i].second + 1) * per, 1);
+  int positive = 0;
+  std::vector<std::pair<double, int>> cand;
+  for (int e = 0; e < E; ++e) {
+    positive += kept[e] && b[e] > 0;
+    cand.push_back({-(kept[e] ? b[e] : 0.0), e});
+  }
+  *few_positive = positive < c.top_k;
+  std::sort(cand.begin(), cand.end());
+  std::vector<int64_t> ids;
+  for (int k = 0; k < c.top_k; ++k) ids.push_back(cand[k].second);
+  std::sort(ids.begin(), ids.end());
+  return ids;
+}
+
+std::vector<int64_t> sorted_row(const Routed& r, int t, int K) {
+  std::vector<int64_t> v(r.idx.begin() + t * K, r.idx.begin() + (t + 1) * K);
+  std::sort(v.begin(), v.end());
+  return v;
+}
+
+}  // namespace
+
+// epx's group masking is DeepSeek's reference code's (dropped groups at -inf: only kept experts are chosen);
+// transformers fills 0.0, so a dropped expert outranks a kept one whose biased score is negative. Constructed:
+// 8 experts in 4 groups of 2, topk_group 2, K 4; biased scores g0 {0.5, -0.2}, g1 {0.4, -0.3}, g2 and g3 lower.
+// The kept groups g0, g1 hold only 2 < K positive candidates: epx takes all four kept experts, transformers
+// experts 0 and 2 and then two of the dropped ones (score 0.0 > -0.2). At K = 2 the kept groups hold enough
+// positive candidates and the two agree.
+TEST(RouteSigmoid, GroupMaskingIsDeepSeeksMinusInfinityNotTransformersZero) {
+  const int E = 8;
+  const std::vector<float> target = {0.5f, -0.2f, 0.4f, -0.3f, -0.5f, -0.6f, -0.7f, -0.8f};
+  // All logits 0 (sigmoid 0.5): the bias alone sets the biased score b = 0.5 + bias.
+  std::vector<float> logits(E, 0.0f), bias(E);
+  for (int e = 0; e < E; ++e) bias[e] = target[e] - 0.5f;
+  RouterConfig c = sigmoid_cfg(E, 4, 4, 2, 1.0f, true);
+  Routed r = run(c, logits, bias);
+  EXPECT_EQ(r.idx, (std::vector<int64_t>{0, 2, 1, 3}));  // every kept expert, by biased score
+  bool few = false;
+  const std::vector<int64_t> hf = transformers_noaux_tc(c, logits.data(), bias, &few);
+  EXPECT_TRUE(few);
+  EXPECT_EQ(hf, (std::vector<int64_t>{0, 2, 4, 5}));  // two dropped experts (0.0 beats -0.2 and -0.3)
+  EXPECT_NE(sorted_row(r, 0, 4), hf);
+  // The weights stay the unbiased scores of epx's choice (0.5 each, renormalized over 4).
+  for (float w : r.w) EXPECT_FLOAT_EQ(w, 0.25f);
+
+  // K = 2: the kept groups hold 2 positive candidates, enough; both pick {0, 2}.
+  RouterConfig c2 = sigmoid_cfg(E, 2, 4, 2, 1.0f, true);
+  Routed r2 = run(c2, logits, bias);
+  EXPECT_EQ(transformers_noaux_tc(c2, logits.data(), bias, &few), sorted_row(r2, 0, 2));
+  EXPECT_FALSE(few);
+}
+
+// On random DeepSeek-shaped data the two maskings route identically (every kept biased score is positive); with
+// biases pushed negative (about -0.75), the tokens where they differ are exactly those whose kept groups hold fewer than K
+// positive candidates.
+TEST(RouteSigmoid, GroupMaskingDiffersFromTransformersOnlyWithFewerThanTopKPositiveCandidates) {
+  const int E = 64, K = 6, G = 8, TG = 3, T = 2000;
+  const RouterConfig c = sigmoid_cfg(E, K, G, TG, 2.5f, true);
+  for (const bool negative : {false, true}) {
+    SCOPED_TRACE(negative ? "biases around -0.75" : "DeepSeek-like biases (0.1 N(0, 1))");
+    std::mt19937 gen(negative ? 23 : 21);
+    std::normal_distribution<float> n;
+    std::vector<float> logits(T * E), bias(E);
+    for (float& v : logits) v = n(gen);
+    for (float& v : bias) v = negative ? -0.75f + 0.05f * n(gen) : 0.1f * n(gen);
+    Routed r = run(c, logits, bias);
+    int differ = 0, few_count = 0;
+    for (int t = 0; t < T; ++t) {
+      bool few = false;
+      const bool same = transformers_noaux_tc(c, logits.data() + t * E, bias, &few) == sorted_row(r, t, K);
+      ASSERT_EQ(!same, few) << "token " << t;  // they differ exactly when the kept groups lack K positive candidates
+      differ += !same;
+      few_count += few;
+    }
+    if (negative) {
+      EXPECT_GT(differ, T / 20);  // the case does occur, and is told apart
+      EXPECT_LT(differ, T);
+    } else {
+      EXPECT_EQ(differ, 0);
+    }
+    RecordProperty(negative ? "differ_negative_bias" : "differ_deepseek_like", differ);
+  }
+}
+
 TEST(Route, ZeroTokensIsANoOp) {
   Routed r = run(softmax_cfg(8, 2, true), {});
   EXPECT_TRUE(r.idx.empty());
