@@ -23,7 +23,9 @@
 // allgather_reducescatter and all2allv on tensors of its GPU, stream-ordered on DispatchArgs::stream /
 // FinalizeArgs::stream, with the same layouts, bytes and stats as the CPU; each prepare and finalize
 // waits on the host once (the sizes of the collectives that follow depend on every rank's counts),
-// so they are not graph-safe. ht on CUDA (src/dispatch/ht/ht_cuda.h) moves rows with its own kernels over
+// so they are not graph-safe, unless DispatchConfig::use_worst_case_sizing gives them their padded
+// form: fixed blocks of num_max_dispatch_tokens_per_rank rows per rank, the counts on the device, no
+// host wait, graph-safe (see that field). ht on CUDA (src/dispatch/ht/ht_cuda.h) moves rows with its own kernels over
 // NCCL symmetric memory: one host read of N_recv per prepare, none with use_worst_case_sizing
 // (graph-safe; with DispatchArgs::num_tokens one graph serves every T). ll on CUDA (src/dispatch/ll/ll_cuda.h) runs its own kernels over NCCL symmetric memory:
 // no host sync, graph-safe, the token count optionally on the device (DispatchArgs::num_tokens).
@@ -99,6 +101,30 @@ struct DispatchConfig {
   /// host; every Flat output has R * num_max_dispatch_tokens_per_rank rows, N_recv stays on the device
   /// (PrepareResult::num_recv_tokens_device), rows beyond it have topk_idx -1 (no expert work), and
   /// finalize takes expert_out with that many rows. Off: one host read of N_recv per prepare.
+  ///
+  /// naive, allgather_reducescatter, all2allv (CPU and CUDA): the padded form. With C =
+  /// num_max_dispatch_tokens_per_rank (>= 1, else create throws InvalidArgument), every source rank's
+  /// block has C rows: the Flat outputs have N = R * C rows (0 on a rank without a local expert), row
+  /// s * C + i the i-th row from source rank s (its i-th token for naive / agrs, its i-th
+  /// rank-deduplicated row to this rank for all2allv) while i < that source's count, the rest padding
+  /// (x 0, x_scales 0, topk_idx -1, topk_weights 0: no expert work); num_recv_tokens = N; dtypes as
+  /// without it (x bf16 | fp8_e4m3, topk_idx int32, weights fp32, recv_count [L] int32 of the real
+  /// rows). finalize takes expert_out [N, H] (fp32 | bf16 per flat_combine; padding rows are not read
+  /// into any real token's sum) and writes out [x.shape[0], H] (rows past DispatchArgs::num_tokens
+  /// undefined). On CUDA nothing waits on the host: each block carries the source's plan record (count,
+  /// status, first bad id) in the same collective (prepare: one all_gather of R blocks, or one
+  /// all-to-all of equal blocks for all2allv; finalize: one collective and the finish), so
+  /// Capabilities::graph_safe is true and ModularMoE::capture_graph takes these backends. Errors: a
+  /// rank whose host rejects its arguments (T > C, bad shapes or dtypes) throws InvalidArgument from
+  /// prepare after sending its record; the peers' prepare then moves nothing (every row padding) and
+  /// their finalize throws InvalidArgument naming that rank, after its launch; a bad topk_idx or
+  /// DispatchArgs::num_tokens found on the device does the same on every rank (or take_device_error()
+  /// after defer_device_errors()). The CPU form throws in prepare on every rank, as without it. Bytes
+  /// (DispatchStats; on CUDA num_valid_selections and num_rank_dedup_rows are -1, device-only): every
+  /// block goes whatever the routing: dispatch (R - 1) x block bytes (the record's 16-byte-aligned
+  /// header + C rows of RowCodec::row_bytes); combine (R - 1) x C rows of H x (4 | 2) for agrs and
+  /// all2allv, ring accounting 2 (R - 1) / R x R * C rows for naive. all2allv thus moves R * C rows per
+  /// rank each way where the dynamic form moves only the rows each rank selects.
   bool use_worst_case_sizing = false;
   /// ht only: prepare also lays the received rows out expert-contiguous for a grouped GEMM
   /// (PrepareResult::contiguous; the Flat outputs stay as they are), and finalize then takes one
@@ -135,7 +161,9 @@ struct DispatchArgs {
   /// Optional token count given on the device ([1] int32 on the group's GPU, 0 <= value <= x.shape[0]):
   /// only rows [0, value) of x / topk_* take part, so one CUDA graph captured with x [max_T, H] serves
   /// every T. Empty (default) = x.shape[0]. Read by ll and ht on CUDA (finalize then writes rows
-  /// [0, value) of out only); every other backend throws InvalidArgument when it is set.
+  /// [0, value) of out only) and by naive / allgather_reducescatter / all2allv with
+  /// use_worst_case_sizing (CPU: [1] int32 on the host; rows [0, value) of out are defined); every
+  /// other backend throws InvalidArgument when it is set.
   TensorView num_tokens{};
 };
 

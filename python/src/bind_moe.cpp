@@ -200,7 +200,10 @@ void bind_dispatch(pyb::module_& m) {
                      "row per contiguous row, weighting them itself when finalize(topk_weights=) is given.")
       .def_readwrite("use_worst_case_sizing", &DispatchConfig::use_worst_case_sizing,
                      "ht on CUDA: graph-safe worst-case sizing (DeepEP num_worst_tokens): Flat results have "
-                     "R * num_max_dispatch_tokens_per_rank rows, N_recv stays on the device (num_recv_tokens_device).")
+                     "R * num_max_dispatch_tokens_per_rank rows, N_recv stays on the device (num_recv_tokens_device). "
+                     "naive / allgather_reducescatter / all2allv (CPU and CUDA): the padded form, every rank's block "
+                     "num_max_dispatch_tokens_per_rank rows (row s * C + i from rank s, the rest padding with topk_idx -1), "
+                     "no host wait on CUDA, graph-safe.")
       .def("__repr__", [](const DispatchConfig& c) {
         return "epx.DispatchConfig(hidden=" + std::to_string(c.hidden) + ", num_experts=" + std::to_string(c.num_experts) +
                ", top_k=" + std::to_string(c.top_k) + ", num_max_dispatch_tokens_per_rank=" +
