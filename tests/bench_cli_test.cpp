@@ -98,6 +98,52 @@ TEST(BenchCli, BadFlagsExit2) {
   EXPECT_EQ(r.out.find("epx bench: 1 case(s)"), std::string::npos) << "nothing runs: " << r.out;
 }
 
+// --flat-combine: partial_fp32 (default) and partial_bf16 both run every Flat backend on CPU ranks with identity
+// experts writing the matching rows (fp32 / bf16). One rounding matches the identity formula to the bit on nearly
+// every element; two roundings leave a visible share of elements 1 ulp off (still within 1 ulp and rel L2 1e-2).
+// ll ignores the option (its row says null). A value outside the two exits 2.
+TEST(BenchCli, FlatCombineBothModesOnCpu) {
+  std::map<std::string, double> mismatch;  // flat_combine/backend -> mismatch_fraction
+  for (const std::string mode : {"", "partial_fp32", "partial_bf16"}) {
+    const auto out = temp_path("flat_" + (mode.empty() ? std::string("default") : mode) + ".json");
+    const std::string flag = mode.empty() ? "" : " --flat-combine " + mode;
+    CliResult r = run_epx("bench --device cpu --case ht-v3 --dtype bf16 --backend all --ranks 2 --iters 1 --warmup 0" + flag +
+                          " --json " + out.string());
+    ASSERT_EQ(r.code, 0) << r.out;
+    if (!mode.empty()) {
+      EXPECT_NE(r.out.find("--flat-combine " + mode), std::string::npos) << "the repro line names it: " << r.out;
+    }
+    std::ifstream f(out);
+    const nlohmann::json j = nlohmann::json::parse(f);
+    int flat_rows = 0;
+    for (const auto& res : j["results"]) {
+      const std::string b = res["backend"];
+      if (b == "nccl_a2a_raw") continue;
+      EXPECT_EQ(res["status"], "ran") << res.dump();
+      ASSERT_EQ(res["validated"], true) << res.dump();
+      EXPECT_LE(res["beyond_1ulp_fraction"].get<double>(), 1e-3) << res.dump();
+      if (b == "ll") {
+        EXPECT_TRUE(res["flat_combine"].is_null()) << res.dump();
+        continue;
+      }
+      ++flat_rows;
+      const std::string fc = res["flat_combine"];
+      EXPECT_EQ(fc, mode.empty() ? "partial_fp32" : mode) << res.dump();
+      if (!mode.empty() && res["op"] == "combine") mismatch[fc + "/" + b] = res["mismatch_fraction"].get<double>();
+    }
+    EXPECT_EQ(flat_rows, 8) << "naive, allgather_reducescatter, all2allv, ht x dispatch, combine";
+    std::filesystem::remove(out);
+  }
+  for (const char* b : {"naive", "allgather_reducescatter", "all2allv", "ht"}) {
+    ASSERT_TRUE(mismatch.count(std::string("partial_fp32/") + b) && mismatch.count(std::string("partial_bf16/") + b)) << b;
+    EXPECT_LE(mismatch[std::string("partial_fp32/") + b], 1e-3) << b << ": one rounding";
+    EXPECT_GT(mismatch[std::string("partial_bf16/") + b], 1e-2) << b << ": two roundings";
+  }
+  CliResult bad = run_epx("bench --device cpu --flat-combine partial_fp16");
+  EXPECT_EQ(bad.code, 2) << bad.out;
+  EXPECT_NE(bad.out.find("--flat-combine"), std::string::npos) << bad.out;
+}
+
 // epx-gemm-bench (CUDA builds only) parses --stamps before it opens a GPU: a flag that is not an unsigned
 // 32-bit integer is named and exits 2 (std::stoul threw out of main: abort; "-1" wrapped to 2^64 - 1).
 TEST(BenchCli, GemmBenchBadStampsExit2) {

@@ -2,7 +2,8 @@
 // local expert returns its input, y = round_bf16(x~) (x~ = the dispatched row, dequantized when the
 // wire is FP8), so a layer's output is out[t] = sum over valid k of w[t,k] * x~[t]. It follows the
 // Experts contract of experts.h exactly (ExpertMajor: rows >= recv_count untouched, unweighted;
-// Flat: weighted sum over local columns in column order, fp32, rounded once, zeros without a local
+// Flat: weighted sum over local columns in column order, fp32, rounded once to a bf16 out or kept in
+// an fp32 out (the partial of DispatchConfig::flat_combine partial_fp32), zeros without a local
 // selection), at a cost of one pass over x, so `epx bench` times dispatch and combine, not GEMMs.
 // The Contiguous layout (no dispatch backend produces it) is refused with Unsupported.
 #pragma once

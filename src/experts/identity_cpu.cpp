@@ -29,7 +29,9 @@ class IdentityExperts final : public Experts {
     check_dtype(kOp, "x", in.x, {DType::bf16, DType::fp8_e4m3});
     check_contiguous(kOp, "x", in.x);
     check_device(kOp, "out", out, device_);
-    check_dtype(kOp, "out", out, {DType::bf16});
+    // Flat rows may stay fp32 (the unrounded partial of flat_combine partial_fp32); expert-major rows are bf16.
+    if (in.layout == ActivationLayout::Flat) check_dtype(kOp, "out", out, {DType::bf16, DType::fp32});
+    else check_dtype(kOp, "out", out, {DType::bf16});
     check_contiguous(kOp, "out", out);
     require_arg(kOp, "x.shape[-1]", in.x.size(-1), in.x.size(-1) == H, "must equal hidden = " + std::to_string(H));
     require_arg(kOp, "out.numel()", out.numel(), out.numel() == in.x.numel(), "must equal x.numel() = " + std::to_string(in.x.numel()));
@@ -82,7 +84,7 @@ class IdentityExperts final : public Experts {
   void apply_cpu(const ExpertsInput& in, const TensorView& out) const {
     const int64_t H = hidden_;
     std::vector<float> yr(static_cast<size_t>(H)), acc(static_cast<size_t>(H));
-    uint16_t* o = out.ptr<uint16_t>();
+    uint16_t* o = out.dtype == DType::bf16 ? out.ptr<uint16_t>() : nullptr;
     if (in.layout == ActivationLayout::ExpertMajor) {
       const int64_t cap = in.x.size(1);
       for (int64_t l = 0; l < num_local_; ++l) {
@@ -107,7 +109,9 @@ class IdentityExperts final : public Experts {
         const float w = in.topk_weights.ptr<const float>()[n * K + k];
         for (int64_t i = 0; i < H; ++i) acc[i] += w * yr[i];
       }
-      for (int64_t i = 0; i < H; ++i) o[n * H + i] = float_to_bf16_bits(acc[i]);
+      if (out.dtype == DType::fp32) std::copy(acc.begin(), acc.end(), out.ptr<float>() + n * H);
+      else
+        for (int64_t i = 0; i < H; ++i) o[n * H + i] = float_to_bf16_bits(acc[i]);
     }
   }
 };

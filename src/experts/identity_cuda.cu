@@ -21,7 +21,8 @@ struct IdentityParams {
   const float* topk_weights;
   int64_t top_k;
   int num_local;
-  uint16_t* out;
+  uint16_t* out;      // bf16 out, or null
+  float* out_f32;     // Flat fp32 out (the unrounded partial), or null
 };
 
 __device__ __forceinline__ float load_x(const IdentityParams& p, int64_t row, int64_t h) {
@@ -57,7 +58,8 @@ __global__ void identity_flat_kernel(IdentityParams p) {
       // No fused multiply-add: the CPU twin rounds the product, then the sum (bit-identical outputs).
       acc = __fadd_rn(acc, __fmul_rn(p.topk_weights[row * p.top_k + k], y));
     }
-    p.out[row * p.hidden + h] = float_to_bf16_bits(acc);
+    if (p.out_f32) p.out_f32[row * p.hidden + h] = acc;
+    else p.out[row * p.hidden + h] = float_to_bf16_bits(acc);
   }
 }
 
@@ -70,7 +72,8 @@ void identity_apply_cuda(const ExpertsInput& in, const TensorView& out, int num_
   p.x_scales = p.fp8 ? in.x_scales.ptr<const float>() : nullptr;
   p.hidden = in.x.size(-1);
   p.num_local = num_local_experts;
-  p.out = out.ptr<uint16_t>();
+  p.out = out.dtype == DType::bf16 ? out.ptr<uint16_t>() : nullptr;
+  p.out_f32 = out.dtype == DType::fp32 ? out.ptr<float>() : nullptr;
   int64_t rows = 0;
   if (in.layout == ActivationLayout::ExpertMajor) {
     p.recv_count = in.recv_count.ptr<const int32_t>();

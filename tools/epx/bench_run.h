@@ -77,6 +77,9 @@ struct BenchOptions {
   std::string device = "auto";      ///< cpu | cuda (virtual ranks on GPU 0 when fewer than R GPUs) | auto (cuda when built with it and R GPUs are visible)
   int64_t tokens_per_rank = 0;      ///< 0: the case's (cuda) or min(case, 16) (cpu)
   std::string dtype;                ///< "" = the case's dtypes; else bf16 or fp8
+  /// The Flat backends' DispatchConfig::flat_combine: partial_fp32 (one rounding; the identity
+  /// experts write fp32 Flat rows) | partial_bf16 (two roundings; bf16 rows).
+  std::string flat_combine = "partial_fp32";
   uint64_t seed = 1;
   std::string json;
   std::string config;

@@ -54,6 +54,11 @@ void add_bench_command(CLI::App& root, BenchCommand& cmd) {
       ->capture_default_str();
   b->add_option("--dtype", o.dtype, "Run only this dispatch dtype (bf16 or fp8); default: the case's")
       ->check(CLI::IsMember({"bf16", "fp8", "fp8_e4m3"}));
+  b->add_option("--flat-combine", o.flat_combine,
+                 "naive, allgather_reducescatter, all2allv, ht: partial_fp32 (each rank's partial crosses in fp32, one rounding; "
+                 "the identity experts write fp32 rows) or partial_bf16 (bf16 partials, two roundings)")
+      ->check(CLI::IsMember({"partial_fp32", "partial_bf16"}))
+      ->capture_default_str();
   b->add_option("--seed", o.seed, "Seed of the hidden states and routing")->capture_default_str();
   b->add_option("--json", o.json, "Write the results as a RESULTS.md JSON file here");
   b->add_flag("--graph", o.graph,
@@ -72,7 +77,9 @@ void add_bench_command(CLI::App& root, BenchCommand& cmd) {
       "is the identity, untimed); an iteration counts as its slowest rank; p10/p50/p90 over the timed iterations.\n"
       "GB/s = bytes per rank / p50 under the case's accounting (ANCHORS.md): deepep-ll (valid selections x (H + H/128*4 + 16)\n"
       "fp8 dispatch, x 2H combine) or deepep-ht (rank-deduplicated rows incl. self x row bytes). validated: the last\n"
-      "iteration's output equals the same backend on CPU ranks (cuda) or the identity formula (cpu) within rel L2 1e-2.\n"
+      "iteration's output equals the same backend on CPU ranks (cuda) or the identity formula (cpu) within rel L2 1e-2;\n"
+      "on cpu a backend that rounds once (ll, and the Flat backends with --flat-combine partial_fp32) also has >= 99.9 %\n"
+      "of elements within 1 bf16 ulp of the formula.\n"
       "predicted_us: bench/NOTES.md (2 ranks, the case's tokens, uniform routing).\n"
       "kern p50/p90 (--kernel-time, cuda + CUPTI): sum of each call's kernel durations (CUPTI activity records; each rank's\n"
       "percentile, the largest) in separate rounds; span p50: first kernel start to last kernel end; kGB/s: the accounting on kern p50.\n"
