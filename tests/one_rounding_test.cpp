@@ -84,11 +84,12 @@ std::vector<Mode> all_modes() {
 /// Runs the cancellation case on R = 2 CPU ranks (E = 4: experts 0, 1 on rank 0, 2, 3 on rank 1;
 /// every token selects 0, 1 and 2 with weight 1). `addend`: a constant FinalizeArgs::addend instead
 /// of expert 1 (then the routed experts give 2^-9 on rank 0 and -1 on rank 1, the addend 1).
-/// Returns every element of both ranks' out, as floats.
-std::vector<float> run_cancellation(const Mode& m, bool addend) {
+/// `ranks_per_node` 1: two CPU nodes of one rank each, where ll and ht take their hierarchical path
+/// (checked: Capabilities::hierarchical and combine_addend). Returns every element of both ranks' out, as floats.
+std::vector<float> run_cancellation(const Mode& m, bool addend, int ranks_per_node = 0) {
   const int R = 2, E = 4, T = 3;
   const int64_t H = 8;
-  auto groups = make_cpu_groups(R, 20.0);
+  auto groups = ranks_per_node > 0 ? make_cpu_groups(R, 20.0, ranks_per_node) : make_cpu_groups(R, 20.0);
   std::vector<std::vector<float>> outs(R);
   run_ranks(groups, [&](int r) {
     DispatchConfig cfg;
@@ -99,6 +100,8 @@ std::vector<float> run_cancellation(const Mode& m, bool addend) {
     cfg.flat_combine = m.flat;
     cfg.ll_combine = m.ll;
     auto pf = make_prepare_finalize(m.backend, groups[static_cast<size_t>(r)], cfg);
+    EXPECT_EQ(pf->capabilities().hierarchical, ranks_per_node == 1) << m.describe();
+    EXPECT_TRUE(pf->capabilities().combine_addend) << m.describe();
     // Global expert values: 1, 2^-9 | -1, 0; with the addend expert 0 gives 2^-9 and expert 1 is unused.
     const std::vector<float> global = addend ? std::vector<float>{kTiny, 0.0f, -1.0f, 0.0f} : std::vector<float>{1.0f, kTiny, -1.0f, 0.0f};
     const ExpertRange range = expert_range(E, R, r);
@@ -150,6 +153,24 @@ TEST(OneRounding, AddendJoinsTheFp32SumBeforeTheRounding) {
     // here (2^-9 and -1), and its addend joins before its one rounding in every mode.
     const float want = m.backend != "ll" && m.two_roundings() ? 0.0f : kTiny;
     for (float v : got) ASSERT_EQ(v, want) << m.describe();
+  }
+}
+
+// The hierarchical ll / ht (two nodes of one rank): the nodes' partials come back rounded to bf16
+// (hier.h, "Numerics"), so the routed cancellation across nodes rounds twice (1 + 2^-9 -> 1, then 0);
+// FinalizeArgs::addend joins the cross-node fp32 sum before its one rounding, so the separate shared
+// expert adds no rounding: 2^-9 + -1 + 1 returns 2^-9 (the node partials 2^-9 and -1 are exact in bf16).
+TEST(OneRounding, HierarchicalAddendJoinsTheCrossNodeSum) {
+  std::vector<Mode> modes;
+  for (LlCombine l : {LlCombine::column, LlCombine::partial_fp32, LlCombine::partial_bf16}) modes.push_back({"ll", FlatCombine::partial_fp32, l});
+  for (FlatCombine f : {FlatCombine::partial_fp32, FlatCombine::partial_bf16}) modes.push_back({"ht", f});
+  for (const Mode& m : modes) {
+    const std::vector<float> routed = run_cancellation(m, false, 1);
+    ASSERT_FALSE(routed.empty()) << m.describe();
+    for (float v : routed) ASSERT_EQ(v, 0.0f) << m.describe() << ": the routed sum across nodes rounds twice";
+    const std::vector<float> got = run_cancellation(m, true, 1);
+    ASSERT_FALSE(got.empty()) << m.describe();
+    for (float v : got) ASSERT_EQ(v, kTiny) << m.describe() << ": the addend joins the cross-node sum";
   }
 }
 

@@ -254,7 +254,8 @@ struct Capabilities {
   /// (src/dispatch/hier/hier.h: inter-node NCCL stage, then the backend inside each node). false on one
   /// node: the flat backend, the single-node fast path.
   bool hierarchical = false;
-  /// finalize takes FinalizeArgs::addend (every backend on CPU and CUDA but the hierarchical ll / ht).
+  /// finalize takes FinalizeArgs::addend (every backend on CPU and CUDA; the hierarchical ll / ht add it
+  /// to the cross-node fp32 sum, whose node partials arrive rounded: src/dispatch/hier/hier.h).
   bool combine_addend = false;
 };
 

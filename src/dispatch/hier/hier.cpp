@@ -50,7 +50,9 @@ class HierPrepareFinalize final : public PrepareFinalizeBase {
     caps_ = node_->capabilities();
     caps_.name = name;
     caps_.hierarchical = true;
-    caps_.combine_addend = false;  // the node combine rounds, then the inter-node sum rounds again
+    // FinalizeArgs::addend joins the source's fp32 sum of the nodes' partials, before its rounding (the
+    // nodes' partials themselves arrive rounded to bf16: hier.h, "Numerics").
+    caps_.combine_addend = true;
     cuda_ = group_->device().is_cuda();
     local_checks_only_ = cuda_ && caps_.graph_safe;
     accepts_device_num_tokens_ = cuda_;
@@ -156,6 +158,12 @@ class HierPrepareFinalize final : public PrepareFinalizeBase {
       check_dtype(op, "out", args.out, {DType::bf16});
       check_shape_vec(op, "out", args.out, {prepared_tokens_, cfg_.hidden});
       check_contiguous(op, "out", args.out);
+      if (args.addend.defined()) {
+        if (args.addend.device != group_->device()) throw Unsupported(wrong_device(op, "addend", args.addend.device));
+        check_dtype(op, "addend", args.addend, {DType::fp32});
+        check_shape_vec(op, "addend", args.addend, {prepared_tokens_, cfg_.hidden});
+        check_contiguous(op, "addend", args.addend);
+      }
       if (args.topk_weights.defined() && !cfg_.expert_contiguous)
         require_arg(op, "topk_weights", args.topk_weights.describe(), false,
                     "must be empty for backend " + caps_.name + " (combine weights apply to ht's expert-contiguous layout)");
@@ -300,6 +308,7 @@ class HierPrepareFinalize final : public PrepareFinalizeBase {
     const int32_t* pos = pos_.ptr<const int32_t>();
     const uint16_t* ret = ret_.ptr<const uint16_t>();
     uint16_t* out = a.out.ptr<uint16_t>();
+    const float* addend = a.addend.defined() ? a.addend.ptr<const float>() : nullptr;
     std::vector<float> acc(static_cast<size_t>(H));
     for (int64_t t = 0; t < T; ++t) {
       std::fill(acc.begin(), acc.end(), 0.0f);
@@ -309,6 +318,8 @@ class HierPrepareFinalize final : public PrepareFinalizeBase {
         const uint16_t* row = ret + (n * M + j) * H;
         for (int64_t i = 0; i < H; ++i) acc[static_cast<size_t>(i)] += bf16_bits_to_float(row[i]);
       }
+      if (addend)
+        for (int64_t i = 0; i < H; ++i) acc[static_cast<size_t>(i)] += addend[t * H + i];
       for (int64_t i = 0; i < H; ++i) out[t * H + i] = float_to_bf16_bits(acc[static_cast<size_t>(i)]);
     }
   }
@@ -350,7 +361,7 @@ class HierPrepareFinalize final : public PrepareFinalizeBase {
   void sum_cuda(const FinalizeArgs& a) {
 #ifdef EPX_WITH_CUDA
     launch_hier_sum(group_->device().index, lay_, ret_.ptr<const uint16_t>(), pos_.ptr<const int32_t>(), tokens_.ptr<const int32_t>(),
-                    a.out.ptr<uint16_t>(), a.stream.handle);
+                    a.addend.defined() ? a.addend.ptr<const float>() : nullptr, a.out.ptr<uint16_t>(), a.stream.handle);
 #else
     (void)a;
 #endif

@@ -25,7 +25,8 @@
 //   combine: the node backend's finalize reduces, per forwarded token, the node's experts into one
 //     bf16 row (its own combine: fp32, one rounding) in its out [N * M, H]; rows [n * M, (n+1) * M)
 //     go back to node n's rail peer (fixed size again); the source adds the partials of the nodes
-//     that hold one of the token's experts, in node order, in fp32, and rounds once to bf16.
+//     that hold one of the token's experts, in node order, in fp32, then FinalizeArgs::addend
+//     (Capabilities::combine_addend: ModularMoE's separate shared expert), and rounds once to bf16.
 //
 // Numerics against the flat backends (LlCpu / HtCpu, the CPU reference): prepare outputs hold the
 // same rows (same bf16 values; fp8 quantized from the same bf16 row, so the same codes and scales);
@@ -33,7 +34,10 @@
 // with P > 1 the node backend orders a source node's rows by rail (local rank), then node, then
 // token. combine rounds twice when a token's experts span nodes (the node's bf16 partial, then the
 // sum): within bf16 noise of the flat result (|rel L2| ~ 2^-9), exact when one node holds all its
-// experts. DispatchStats: the node backend's, plus the inter-node bytes this rank sends (the fixed
+// experts. The addend joins that last sum, so a separate shared expert adds no rounding of its own;
+// with an addend a token rounds twice even when one node holds all its experts (its node partial,
+// then partial + addend), where the flat backends round once: one rounding there would need the
+// addend in the node backend's combine of the source's own-node row ([N * M, H] fp32 more scratch). DispatchStats: the node backend's, plus the inter-node bytes this rank sends (the fixed
 // blocks to the N - 1 remote rail peers: (N - 1) * block_bytes in dispatch, (N - 1) * M * 2H in
 // combine).
 //

@@ -6,7 +6,8 @@
 //   rows:   CTAs take tokens; each copies the token's bf16 row into every block that holds it.
 //   unpack: CTAs take the N * M rows of the node backend's input: a live row copies x and renumbers
 //           the ids to the node's experts; rows beyond a block's count get ids -1.
-//   sum:    CTAs take tokens; fp32 sum of the nodes' returned rows in node order, one rounding.
+//   sum:    CTAs take tokens; fp32 sum of the nodes' returned rows in node order, then the addend
+//           (FinalizeArgs::addend) when given, one rounding.
 #include <cuda_runtime.h>
 
 #include <cstring>
@@ -114,7 +115,8 @@ __global__ void hier_unpack_kernel(HierLayout L, const uint8_t* recv, uint16_t* 
   }
 }
 
-__global__ void hier_sum_kernel(HierLayout L, const uint16_t* ret, const int32_t* pos, const int32_t* num_tokens, uint16_t* out) {
+__global__ void hier_sum_kernel(HierLayout L, const uint16_t* ret, const int32_t* pos, const int32_t* num_tokens, const float* addend,
+                                uint16_t* out) {
   __shared__ int32_t js[32];
   const int T = *num_tokens, M = L.max_tokens, N = L.num_nodes;
   const int64_t H = L.hidden;
@@ -126,6 +128,7 @@ __global__ void hier_sum_kernel(HierLayout L, const uint16_t* ret, const int32_t
       float acc = 0.0f;
       for (int n = 0; n < N; ++n)
         if (js[n] >= 0) acc += bf16_bits_to_float(ret[(static_cast<int64_t>(n) * M + js[n]) * H + i]);
+      if (addend) acc += addend[static_cast<int64_t>(t) * H + i];  // after the nodes, as sum_host
       out[static_cast<int64_t>(t) * H + i] = float_to_bf16_bits(acc);
     }
   }
@@ -151,10 +154,10 @@ void launch_hier_unpack(int device, const HierLayout& lay, const uint8_t* recv, 
   cuda::check_launch("hier_unpack_kernel");
 }
 
-void launch_hier_sum(int device, const HierLayout& lay, const uint16_t* ret, const int32_t* pos, const int32_t* num_tokens, uint16_t* out,
-                     void* stream) {
+void launch_hier_sum(int device, const HierLayout& lay, const uint16_t* ret, const int32_t* pos, const int32_t* num_tokens,
+                     const float* addend, uint16_t* out, void* stream) {
   cuda::DeviceGuard guard(device);
-  hier_sum_kernel<<<grid_for_rows(lay.max_tokens), 256, 0, static_cast<cudaStream_t>(stream)>>>(lay, ret, pos, num_tokens, out);
+  hier_sum_kernel<<<grid_for_rows(lay.max_tokens), 256, 0, static_cast<cudaStream_t>(stream)>>>(lay, ret, pos, num_tokens, addend, out);
   cuda::check_launch("hier_sum_kernel");
 }
 

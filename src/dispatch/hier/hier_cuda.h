@@ -37,10 +37,11 @@ void launch_hier_pack(const HierPackParams& p, void* stream);
 /// beyond a block's count), weights [N*M, K].
 void launch_hier_unpack(int device, const HierLayout& lay, const uint8_t* recv, uint16_t* x_in, int32_t* idx_in, float* w_in, void* stream);
 
-/// out[t] = round_bf16(sum over nodes n in order with pos[n, t] >= 0 of ret[n*M + pos[n, t]]), fp32,
-/// for t < *num_tokens; out rows of H bf16, any 2-byte alignment.
-void launch_hier_sum(int device, const HierLayout& lay, const uint16_t* ret, const int32_t* pos, const int32_t* num_tokens, uint16_t* out,
-                     void* stream);
+/// out[t] = round_bf16(sum over nodes n in order with pos[n, t] >= 0 of ret[n*M + pos[n, t]], then
+/// + addend[t] when addend is not null), fp32, for t < *num_tokens; out rows of H bf16, any 2-byte
+/// alignment; addend [T, H] fp32 (FinalizeArgs::addend).
+void launch_hier_sum(int device, const HierLayout& lay, const uint16_t* ret, const int32_t* pos, const int32_t* num_tokens,
+                     const float* addend, uint16_t* out, void* stream);
 
 /// A zeroed host-mapped report on `device`; *dev gets its device address. Free with hier_report_free.
 HierErrorReport* hier_report_alloc(int device, HierErrorReport** dev);
