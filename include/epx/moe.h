@@ -46,7 +46,7 @@ struct MoEWeights {
   Tensor router_weight;                 ///< [E, H] fp32 (mlp.gate.weight)
   Tensor correction_bias;               ///< [E] fp32 (e_score_correction_bias) when the router uses it
   /// [E] fp32 logit bias (gpt-oss mlp.router.bias: logits = x W^T + b before the top-k), or undefined.
-  /// Computed by the CPU router; a CUDA ModularMoE refuses a layer that has one (Unsupported).
+  /// Computed by the CPU router and, on CUDA, added to the cuBLAS logits in fp32 before the top-k.
   Tensor router_bias;
   std::vector<std::shared_ptr<const ExpertWeights>> experts;  ///< [E]
   std::shared_ptr<const ExpertWeights> shared;                ///< null without a shared expert

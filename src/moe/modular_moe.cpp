@@ -147,7 +147,7 @@ struct ModularMoE::Impl {
 
 #ifdef EPX_WITH_CUDA
   // CUDA only: the router's tensors uploaded once, the cuBLAS handle, the separate shared expert.
-  Tensor router_weight_dev, correction_bias_dev, shared_gate_dev;
+  Tensor router_weight_dev, correction_bias_dev, router_bias_dev, shared_gate_dev;
   std::unique_ptr<moe_cuda::Blas> blas;
   std::unique_ptr<Experts> shared_experts;  // one expert (the shared one; ExpertMajor on an fp8 wire, else Flat), created on first use
   Tensor x_f32, shared_idx, shared_wts, shared_out;
@@ -316,12 +316,14 @@ ModularMoE::ModularMoE(std::shared_ptr<const MoEWeights> weights, std::shared_pt
     // it gets an Experts object only when it has something to run.
     m.device = group->device();
     if (m.device.is_cuda()) {
-      if (weights->router_bias.defined())
-        throw Unsupported(arg_message(kCtorOp, "weights.router_bias", "defined",
-                                      "the CUDA router computes x . W^T without a logit bias (gpt-oss mlp.router.bias); "
-                                      "run this layer on a CPU group"));
 #ifdef EPX_WITH_CUDA
       m.router_weight_dev = weights->router_weight.to(m.device);
+      if (weights->router_bias.defined()) {  // gpt-oss mlp.router.bias: joins the fp32 logits before the top-k
+        require_arg(kCtorOp, "weights.router_bias", weights->router_bias.view().describe(),
+                    weights->router_bias.dtype() == DType::fp32 && weights->router_bias.numel() == weights->config.router.num_experts,
+                    "must be [E] fp32");
+        m.router_bias_dev = weights->router_bias.to(m.device);
+      }
       if (weights->correction_bias.defined()) m.correction_bias_dev = weights->correction_bias.to(m.device);
       if (weights->shared_gate_weight.defined()) m.shared_gate_dev = weights->shared_gate_weight.to(m.device);
       m.blas = std::make_unique<moe_cuda::Blas>(m.device.index);
@@ -491,7 +493,7 @@ void ModularMoE::Impl::route_rows(const TensorView& x, Stream stream, TensorView
   } else {
 #ifdef EPX_WITH_CUDA
     const TensorView xf = scratch(x_f32, DType::fp32, {T, w.config.hidden});
-    moe_cuda::router_logits(*blas, router_weight_dev, x, xf, logits, stream);
+    moe_cuda::router_logits(*blas, router_weight_dev, x, xf, logits, stream, router_bias_dev.view());
     route(w.config.router, logits, correction_bias_dev.view(), topk_idx, topk_weights, stream);
 #else
     no_cuda("x on " + device.str());

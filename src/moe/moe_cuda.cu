@@ -26,6 +26,12 @@ __global__ void bf16_to_f32_kernel(const uint16_t* __restrict__ x, float* __rest
     y[i] = bf16_bits_to_float(x[i]);
 }
 
+/// logits[t, e] += bias[e] in fp32 (F.linear's bias: one IEEE add after the fp32 product sum, as router_logits_cpu).
+__global__ void add_row_bias_kernel(float* __restrict__ logits, const float* __restrict__ bias, int64_t T, int64_t E) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < T * E; i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    logits[i] = __fadd_rn(logits[i], bias[i % E]);
+}
+
 constexpr int kColumnThreads = 256;
 
 /// One block per token: copies the K routed columns (in their own dtype: the values are checked by
@@ -146,8 +152,12 @@ void* Blas::workspace() {
 }
 
 void router_logits(Blas& blas, const TensorView& router_weight, const TensorView& x, const TensorView& x_f32,
-                   const TensorView& logits, Stream stream) {
+                   const TensorView& logits, Stream stream, const TensorView& router_bias) {
   require_cuda_contiguous("router_weight", router_weight, {DType::fp32});
+  if (router_bias.data != nullptr) {
+    require_cuda_contiguous("router_bias", router_bias, {DType::fp32});
+    check_shape(kOp, "router_bias", router_bias, {router_weight.shape[0]});
+  }
   require_cuda_contiguous("x", x, {DType::bf16});
   require_cuda_contiguous("x_f32", x_f32, {DType::fp32});
   require_cuda_contiguous("logits", logits, {DType::fp32});
@@ -170,6 +180,10 @@ void router_logits(Blas& blas, const TensorView& router_weight, const TensorView
   EPX_CUBLAS_CHECK(cublasSgemm(h, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(E), static_cast<int>(T), static_cast<int>(H), &alpha,
                                router_weight.ptr<const float>(), static_cast<int>(H), x_f32.ptr<const float>(),
                                static_cast<int>(H), &beta, logits.ptr<float>(), static_cast<int>(E)));
+  if (router_bias.data != nullptr) {
+    add_row_bias_kernel<<<cuda::grid_for(T * E, 256, 4096), 256, 0, s>>>(logits.ptr<float>(), router_bias.ptr<const float>(), T, E);
+    cuda::check_launch("add_row_bias_kernel");
+  }
 }
 
 void build_route_columns(const RouteColumnsParams& p, const TensorView& out_idx, const TensorView& out_weights,

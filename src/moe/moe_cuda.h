@@ -35,9 +35,10 @@ class Blas {
 
 /// logits [T, E] fp32 = x [T, H] bf16 . router_weight [E, H] fp32 ^T, fp32 accumulation (x
 /// converted to fp32 into `x_f32` [>= T*H] fp32 scratch, then cublasSgemm with the default math
-/// mode: no TF32). All on the Blas device, contiguous; stream-ordered.
+/// mode: no TF32), then + router_bias [E] fp32 (gpt-oss mlp.router.bias) in fp32 when it is given
+/// (data non-null), as router_logits_cpu. All on the Blas device, contiguous; stream-ordered.
 void router_logits(Blas& blas, const TensorView& router_weight, const TensorView& x, const TensorView& x_f32,
-                   const TensorView& logits, Stream stream);
+                   const TensorView& logits, Stream stream, const TensorView& router_bias = {});
 
 struct RouteColumnsParams {
   TensorView topk_idx;      ///< [n, K] int32 or int64 (rows of the chunk), CUDA
