@@ -27,6 +27,7 @@ namespace {
 using experts_cuda::ActKind;
 using experts_cuda::ErrorRecord;
 using experts_cuda::ExpertDesc;
+using experts_cuda::ExpertEpi;
 using experts_cuda::GemmParams;
 using experts_cuda::Tile;
 
@@ -64,6 +65,34 @@ GemmKernel gemm_instance(ActKind act, WeightFormat format, bool gate_up) {
   for (const GemmInstance& g : kGemmInstances)
     if (g.act == act && g.format == format && g.gate_up == gate_up) return g.kernel;
   EPX_ASSERT(false, "no GEMM instance for act=", static_cast<int>(act), " format=", weight_format_name(format),
+             " gate_up=", gate_up);
+  return nullptr;
+}
+
+/// The same GEMMs with the experts' biases and activations (expert_gemm_epi_kernel), for objects with them.
+using GemmEpiKernel = void (*)(GemmParams, const ExpertEpi*);
+struct GemmEpiInstance {
+  ActKind act;
+  WeightFormat format;
+  bool gate_up;
+  GemmEpiKernel kernel;
+};
+const GemmEpiInstance kGemmEpiInstances[] = {
+    {ActKind::bf16, WeightFormat::bf16, true, experts_cuda::expert_gemm_epi_kernel<ActKind::bf16, WeightFormat::bf16, true>},
+    {ActKind::bf16, WeightFormat::fp8_block, true, experts_cuda::expert_gemm_epi_kernel<ActKind::bf16, WeightFormat::fp8_block, true>},
+    {ActKind::bf16, WeightFormat::mxfp4, true, experts_cuda::expert_gemm_epi_kernel<ActKind::bf16, WeightFormat::mxfp4, true>},
+    {ActKind::fp8, WeightFormat::bf16, true, experts_cuda::expert_gemm_epi_kernel<ActKind::fp8, WeightFormat::bf16, true>},
+    {ActKind::fp8, WeightFormat::fp8_block, true, experts_cuda::expert_gemm_epi_kernel<ActKind::fp8, WeightFormat::fp8_block, true>},
+    {ActKind::fp8, WeightFormat::mxfp4, true, experts_cuda::expert_gemm_epi_kernel<ActKind::fp8, WeightFormat::mxfp4, true>},
+    {ActKind::f32, WeightFormat::bf16, false, experts_cuda::expert_gemm_epi_kernel<ActKind::f32, WeightFormat::bf16, false>},
+    {ActKind::f32, WeightFormat::fp8_block, false, experts_cuda::expert_gemm_epi_kernel<ActKind::f32, WeightFormat::fp8_block, false>},
+    {ActKind::f32, WeightFormat::mxfp4, false, experts_cuda::expert_gemm_epi_kernel<ActKind::f32, WeightFormat::mxfp4, false>},
+};
+
+GemmEpiKernel gemm_epi_instance(ActKind act, WeightFormat format, bool gate_up) {
+  for (const GemmEpiInstance& g : kGemmEpiInstances)
+    if (g.act == act && g.format == format && g.gate_up == gate_up) return g.kernel;
+  EPX_ASSERT(false, "no GEMM epilogue instance for act=", static_cast<int>(act), " format=", weight_format_name(format),
              " gate_up=", gate_up);
   return nullptr;
 }
@@ -146,6 +175,7 @@ class CudaExperts final : public Experts {
       // the mixed tensor-core kernels take fp8_block and mxfp4 experts whose I is a multiple of 128
       if (w.format == WeightFormat::bf16 || w.intermediate % kFp8GroupSize != 0) mx_shapes_ok = false;
       has_format_[static_cast<int>(w.format)] = true;
+      if (w.has_cpu_only_math()) has_epi_ = true;  // (make_experts_cuda checked the biases and activation)
     }
     const int num_devices = cuda::device_count();
     require_arg(kMake, "device", device, device >= 0 && device < num_devices,
@@ -161,7 +191,9 @@ class CudaExperts final : public Experts {
     // Config::experts_fp8_prefill (EPX_EXPERTS_FP8_PREFILL, default 1): experts with more than
     // kTileRows rows run in 128-row tiles on the warp-specialized prefill GEMMs
     // (experts_fp8_prefill_cuda.cu); 0 keeps every tile on the 64-row kernels.
-    fp8_prefill_ = config.experts_fp8_prefill == 1;
+    // The prefill kernels carry no bias / activation epilogue: an object with them (has_epi_) runs its big tiles as
+    // 64-row tiles on the fp8_gemm_epi_kernel instead (same results: a row's sums do not depend on its tile).
+    fp8_prefill_ = config.experts_fp8_prefill == 1 && !has_epi_;
     fp8_prefill_stages_ = config.experts_fp8_prefill_stages;
     fp8_prefill_min_tiles_ = config.experts_fp8_prefill_min_tiles;
     // The prefill kernels (same results every way): TMA loads with the lean consumer that loads the next K block's
@@ -190,6 +222,7 @@ class CudaExperts final : public Experts {
     if (fp8_prefill_min_tiles_ == 0 && fp8_inter_max_ > 0)
       fp8_prefill_min_tiles_ = static_cast<int>(ceil_div(num_sms_, std::max<int64_t>(1, fp8_inter_max_ / kFp8GroupSize)));
     std::vector<ExpertDesc> descs;
+    std::vector<ExpertEpi> epis;
     for (const auto& e : experts_) {
       auto upload = [&](const Tensor& t) -> const void* {
         if (!t.defined()) return nullptr;
@@ -204,9 +237,20 @@ class CudaExperts final : public Experts {
       d.intermediate = static_cast<int32_t>(e->intermediate);
       d.format = static_cast<int32_t>(e->format);
       descs.push_back(d);
+      ExpertEpi x{};
+      x.b13 = static_cast<const float*>(upload(e->b13));
+      x.b2 = static_cast<const float*>(upload(e->b2));
+      x.kind = static_cast<int32_t>(e->activation.kind);
+      x.alpha = e->activation.alpha;
+      x.limit = e->activation.limit;
+      epis.push_back(x);
     }
     descs_ = Tensor::empty({num_local * static_cast<int64_t>(sizeof(ExpertDesc))}, DType::uint8, dev);
     EPX_CUDA_CHECK(cudaMemcpy(descs_.data(), descs.data(), descs.size() * sizeof(ExpertDesc), cudaMemcpyHostToDevice));
+    if (has_epi_) {  // the epilogue kernels' table; objects without biases or activations never upload it
+      epi_ = Tensor::empty({num_local * static_cast<int64_t>(sizeof(ExpertEpi))}, DType::uint8, dev);
+      EPX_CUDA_CHECK(cudaMemcpy(epi_.data(), epis.data(), epis.size() * sizeof(ExpertEpi), cudaMemcpyHostToDevice));
+    }
     // The prefill kernels load the weight tiles with TMA from per-expert descriptors built here; a map the
     // driver cannot encode keeps every GEMM on the cp.async kernels.
     if (fp8_tensor_cores_) {
@@ -494,6 +538,8 @@ class CudaExperts final : public Experts {
     const ActKind act = in.x.dtype == DType::fp8_e4m3 ? ActKind::fp8 : ActKind::bf16;
     const bool tc = use_fp8_tc(in);  // fp8_block experts on the tensor cores, not the SIMT GEMMs
     const bool mixed = use_mixed_tc(in);  // fp8_block and mxfp4 experts on the mixed tensor-core GEMMs
+    // The experts' biases and activations: every GEMM launch takes its *_epi kernel (null: the default kernels).
+    const ExpertEpi* epi = has_epi_ ? epi_.ptr<const ExpertEpi>() : nullptr;
     auto simt_runs = [&](WeightFormat f) {
       return has_format_[static_cast<int>(f)] && !(tc && f == WeightFormat::fp8_block) && !(mixed && f != WeightFormat::bf16);
     };
@@ -522,11 +568,11 @@ class CudaExperts final : public Experts {
       // Persistent grids of one CTA per multiprocessor (~219 KiB of shared memory each).
       mp.max_weight_tiles = static_cast<int32_t>(inter_max_ / kFp8GroupSize);
       const int64_t up_items = max_tiles * mp.max_weight_tiles;
-      experts_cuda::launch_mixed_gate_up(mp, static_cast<int>(std::clamp<int64_t>(up_items, 1, num_sms_)), stream);
+      experts_cuda::launch_mixed_gate_up(mp, static_cast<int>(std::clamp<int64_t>(up_items, 1, num_sms_)), stream, epi);
       mp.gather = nullptr;
       mp.max_weight_tiles = static_cast<int32_t>(ceil_div(h, experts_cuda::kFp8TileWeightRows));
       const int64_t down_items = max_tiles * mp.max_weight_tiles;
-      experts_cuda::launch_mixed_down(mp, static_cast<int>(std::clamp<int64_t>(down_items, 1, num_sms_)), stream);
+      experts_cuda::launch_mixed_down(mp, static_cast<int>(std::clamp<int64_t>(down_items, 1, num_sms_)), stream, epi);
     }
     if (tc) {
       experts_cuda::Fp8GemmParams fp{};
@@ -541,7 +587,7 @@ class CudaExperts final : public Experts {
       // Persistent grids of one CTA per multiprocessor (the kernels take ~205-217 KiB of shared memory).
       fp.max_weight_tiles = static_cast<int32_t>(fp8_inter_max_ / kFp8GroupSize);
       const int up_grid = static_cast<int>(std::clamp<int64_t>(max_tiles * fp.max_weight_tiles, 1, num_sms_));
-      experts_cuda::launch_fp8_gate_up(fp, up_grid, stream);
+      experts_cuda::launch_fp8_gate_up(fp, up_grid, stream, epi);
       // The prefill section: TMA kernels where there are weight maps. They first copy
       // the Flat gate_up's token rows into row-space order, into the first H bytes of each row's pair_out
       // row (out_rows: [N * K, H] bf16, written only by the down GEMMs after this gate_up, stream-ordered).
@@ -563,7 +609,7 @@ class CudaExperts final : public Experts {
       fp.max_weight_tiles = static_cast<int32_t>(ceil_div(h, experts_cuda::kFp8TileWeightRows));
       const int down_grid = static_cast<int>(std::clamp<int64_t>(max_tiles * fp.max_weight_tiles, 1, num_sms_));
       fp.prefill_fast = fp8_prefill_fast_;
-      experts_cuda::launch_fp8_down(fp, down_grid, stream);
+      experts_cuda::launch_fp8_down(fp, down_grid, stream, epi);
       if (big && tma) {
         fp.prefill_fast = fp8_prefill_tma_fast_;
         experts_cuda::launch_fp8_prefill_tma_down(fp, down_grid, stream);
@@ -574,7 +620,8 @@ class CudaExperts final : public Experts {
     const dim3 gate_up_grid(static_cast<unsigned>(ceil_div(2 * inter_max_, experts_cuda::kTileCols)), tile_slots);
     for (WeightFormat f : kFormats) {
       if (!simt_runs(f)) continue;
-      gemm_instance(act, f, true)<<<gate_up_grid, experts_cuda::kGemmThreads, 0, stream>>>(gp);
+      if (epi != nullptr) gemm_epi_instance(act, f, true)<<<gate_up_grid, experts_cuda::kGemmThreads, 0, stream>>>(gp, epi);
+      else gemm_instance(act, f, true)<<<gate_up_grid, experts_cuda::kGemmThreads, 0, stream>>>(gp);
       cuda::check_launch("expert_gemm_kernel (gate_up)");
     }
     if (simt_runs(WeightFormat::fp8_block)) {
@@ -589,7 +636,8 @@ class CudaExperts final : public Experts {
     const dim3 down_grid(static_cast<unsigned>(ceil_div(h, experts_cuda::kTileCols)), tile_slots);
     for (WeightFormat f : kFormats) {
       if (!simt_runs(f)) continue;
-      gemm_instance(ActKind::f32, f, false)<<<down_grid, experts_cuda::kGemmThreads, 0, stream>>>(gp);
+      if (epi != nullptr) gemm_epi_instance(ActKind::f32, f, false)<<<down_grid, experts_cuda::kGemmThreads, 0, stream>>>(gp, epi);
+      else gemm_instance(ActKind::f32, f, false)<<<down_grid, experts_cuda::kGemmThreads, 0, stream>>>(gp);
       cuda::check_launch("expert_gemm_kernel (down)");
     }
   }
@@ -614,6 +662,8 @@ class CudaExperts final : public Experts {
   std::array<bool, 3> has_format_{};
   std::vector<Tensor> device_weights_;  // uploaded w13 / scales / w2 / scales of every expert
   Tensor descs_;                        // [L] ExpertDesc on the device
+  bool has_epi_ = false;                // some expert has b13 / b2 or an activation other than plain silu_glu
+  Tensor epi_;                          // [L] ExpertEpi on the device (has_epi_), else undefined
   Tensor w_maps_;                       // [2L] Fp8TmaMap of the fp8_block weights (prefill kernels' TMA), or undefined
   Tensor mx_maps_;                      // [4L] Fp8TmaMap of the mxfp4 weights (decode_item_bulk), or undefined
   /// cudaMallocAsync'd on the stream of the apply that grew it; a later growth frees it on its own
@@ -638,21 +688,10 @@ std::unique_ptr<Experts> make_experts_cuda(std::vector<std::shared_ptr<const Exp
   // A Config built in C++ is held to the rules Config::set / JSON / EPX_* enforce (experts.fp8_prefill = 5, a
   // removed mode, would otherwise run some other kernel): validate()'s sentence names the key, value and rule.
   config.validate();
-  // Biases and activations other than plain SwiGLU (gpt-oss, DeepSeek-V4's clamp) exist only on the CPU
-  // experts: refused here, before any upload or launch, on every CUDA path (SIMT, FP8, MXFP4).
-  for (size_t l = 0; l < local_experts.size(); ++l) {
-    const ExpertWeights* w = local_experts[l].get();
-    if (!w || !w->has_cpu_only_math()) continue;
-    const std::string arg = "local_experts[" + std::to_string(l) + "]";
-    std::string what;
-    if (w->b13.defined()) what = arg + ".b13";
-    else if (w->b2.defined()) what = arg + ".b2";
-    else what = arg + ".activation";
-    throw Unsupported(arg_message(kMake, what,
-                                  w->b13.defined() || w->b2.defined() ? std::string("defined") : expert_activation_name(w->activation),
-                                  "the CUDA experts (SIMT, FP8, MXFP4 kernels) compute no expert bias and only the plain "
-                                  "silu(gate) * up activation; run this layer (gpt-oss, DeepSeek-V4 clamped SwiGLU) on the CPU experts"));
-  }
+  // Biases and activations (gpt-oss, DeepSeek-V4's clamp) run on every path, in the *_epi kernels; their shapes and
+  // values are checked here, before any device work, as the CPU experts check them.
+  for (size_t l = 0; l < local_experts.size(); ++l)
+    if (local_experts[l] != nullptr) local_experts[l]->check_extras(kMake, "local_experts[" + std::to_string(l) + "]");
   return std::make_unique<CudaExperts>(std::move(local_experts), device, config);
 }
 

@@ -7,10 +7,11 @@
 //                          pairs by expert), and a tile list: (expert, first row, rows <= kTileRows).
 //   2. gate_up    (GEMM)   h = silu(x W_gate^T) * (x W_up^T), fp32 accumulation, weights dequantized
 //                          to fp32 on load (as the CPU does once up front), h stored fp32, rounded to
-//                          bf16 values for bf16/mxfp4 experts.
+//                          bf16 values for bf16/mxfp4 experts. expert_gemm_epi_kernel (objects with
+//                          biases or another activation): h = act([g, u] + b13), experts_epilogue.cuh.
 //   3. quantize_h          fp8_block experts only: h -> FP8 e4m3 1x128 and back, the CPU's
 //                          quantize_fp8_row + dequantize_fp8_row bit for bit (same scale rule).
-//   4. down       (GEMM)   y = h W_down^T, fp32 accumulation, rounded to bf16 once.
+//   4. down       (GEMM)   y = h W_down^T (+ b2 in the epi kernel), fp32 accumulation, rounded to bf16 once.
 //   5. combine    (Flat)   out[n] = sum over valid k, in column order, of w[n,k] * y[pair(n,k)], fp32
 //                          (separate multiply and add, as the CPU), rounded to bf16 once.
 //
@@ -28,6 +29,7 @@
 #include "epx/dtype.h"
 #include "epx/experts.h"
 #include "experts/experts_cuda_types.h"
+#include "experts/experts_epilogue.cuh"
 
 namespace epx::experts_cuda {
 
@@ -638,6 +640,98 @@ __global__ void __launch_bounds__(kGemmThreads, 4) expert_gemm_kernel(GemmParams
         } else {
           const int64_t col = col0 + tx * 4;  // hidden % 8 == 0: all four in or all out
           if (col >= p.hidden) continue;
+          const uint32_t lo = float_to_bf16_bits(acc[i][0]) | (static_cast<uint32_t>(float_to_bf16_bits(acc[i][1])) << 16);
+          const uint32_t hi = float_to_bf16_bits(acc[i][2]) | (static_cast<uint32_t>(float_to_bf16_bits(acc[i][3])) << 16);
+          *reinterpret_cast<uint2*>(p.out + r * p.hidden + col) = make_uint2(lo, hi);
+        }
+      }
+    }
+  }
+}
+
+/// expert_gemm_kernel with the experts' biases and activations (epi [L]: ExpertEpi, experts_epilogue.cuh):
+/// gate_up h[r, i] = act([g, u] + b13), down out[r, n] = bf16(sum_i h[r, i] * W_down[n, i] + b2[n]). A copy of
+/// expert_gemm_kernel but for those two expressions (kept apart so that the default kernel's code stays as it is).
+template <ActKind kA, WeightFormat kW, bool kGateUp>
+__global__ void __launch_bounds__(kGemmThreads, 4) expert_gemm_epi_kernel(GemmParams p, const ExpertEpi* epi) {
+  __shared__ __align__(16) float As[kTileK][kAStride];
+  __shared__ __align__(16) float Bs[kTileK][kBStride];
+  __shared__ int64_t rows[kSimtRows];
+  const int tid = threadIdx.x, ty = tid >> 4, tx = tid & 15;
+  const int64_t col0 = static_cast<int64_t>(blockIdx.x) * kTileCols;  // gate_up: interleaved gate/up columns
+  const int num_tiles = *p.num_tiles;
+
+  for (int t = blockIdx.y; t < num_tiles; t += gridDim.y) {
+    const Tile list_tile = p.tiles[t];
+    for (int pass0 = 0; pass0 < list_tile.num_rows; pass0 += kSimtRows) {  // kSimtRows rows per pass
+      const Tile tile{list_tile.expert, list_tile.row0 + pass0, min(kSimtRows, list_tile.num_rows - pass0), 0};
+      const ExpertDesc e = p.experts[tile.expert];
+      if (e.format != static_cast<int32_t>(kW)) continue;  // CTA-uniform
+      const int64_t inter = e.intermediate;
+      const int64_t K = kGateUp ? p.hidden : inter;
+      if (col0 >= (kGateUp ? 2 * inter : p.hidden)) continue;
+      const void* w = kGateUp ? e.w13 : e.w2;
+      const void* w_scale = kGateUp ? e.w13_scale : e.w2_scale;
+
+      if (tid < kSimtRows) {
+        const int64_t r = tile.row0 + tid;
+        rows[tid] = tid >= tile.num_rows ? -1 : (kGateUp && p.gather != nullptr ? p.gather[r] : r);
+      }
+      __syncthreads();
+
+      float acc[4][4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) acc[i][j] = 0.0f;
+
+      AStage<kA> a;
+      BStage<kW, kGateUp> b;
+      a.load(p, rows, 0, K);
+      b.load(w, w_scale, col0, 0, K, inter, p.hidden);
+      for (int64_t k0 = 0; k0 < K; k0 += kTileK) {
+        a.store(As);
+        b.store(Bs);
+        __syncthreads();
+        if (k0 + kTileK < K) {
+          a.load(p, rows, k0 + kTileK, K);
+          b.load(w, w_scale, col0, k0 + kTileK, K, inter, p.hidden);
+        }
+#pragma unroll
+        for (int kk = 0; kk < kTileK; ++kk) {
+          const float4 av = *reinterpret_cast<const float4*>(&As[kk][ty * 4]);
+          const float4 bv = *reinterpret_cast<const float4*>(&Bs[kk][tx * 4]);
+          const float am[4] = {av.x, av.y, av.z, av.w}, bn[4] = {bv.x, bv.y, bv.z, bv.w};
+#pragma unroll
+          for (int i = 0; i < 4; ++i)
+#pragma unroll
+            for (int j = 0; j < 4; ++j) acc[i][j] = fmaf(am[i], bn[j], acc[i][j]);
+        }
+        __syncthreads();
+      }
+
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int m = ty * 4 + i;
+        if (m >= tile.num_rows) continue;
+        const int64_t r = tile.row0 + m;
+        if constexpr (kGateUp) {
+          const int64_t col = col0 / 2 + tx * 2;  // h columns col, col + 1 (inter is even)
+          if (col >= inter) continue;
+          float hv[2];
+#pragma unroll
+          for (int j = 0; j < 2; ++j) {
+            const float g = acc[i][2 * j], u = acc[i][2 * j + 1];
+            hv[j] = expert_glu(epi[tile.expert], g, u, col + j, inter);
+            if constexpr (kW != WeightFormat::fp8_block) hv[j] = round_bf16(hv[j]);
+          }
+          *reinterpret_cast<float2*>(p.h + r * p.h_stride + col) = make_float2(hv[0], hv[1]);
+        } else {
+          const int64_t col = col0 + tx * 4;  // hidden % 8 == 0: all four in or all out
+          if (col >= p.hidden) continue;
+          const ExpertEpi ep = epi[tile.expert];
+#pragma unroll
+          for (int j = 0; j < 4; ++j) acc[i][j] = expert_out_bias(ep, acc[i][j], col + j);
           const uint32_t lo = float_to_bf16_bits(acc[i][0]) | (static_cast<uint32_t>(float_to_bf16_bits(acc[i][1])) << 16);
           const uint32_t hi = float_to_bf16_bits(acc[i][2]) | (static_cast<uint32_t>(float_to_bf16_bits(acc[i][3])) << 16);
           *reinterpret_cast<uint2*>(p.out + r * p.hidden + col) = make_uint2(lo, hi);

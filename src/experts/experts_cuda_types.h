@@ -33,4 +33,16 @@ struct ExpertDesc {
   int32_t format;         ///< WeightFormat
 };
 
+/// One local expert's biases and activation (ExpertWeights::b13 / b2 / activation), read only by the
+/// epilogue kernel variants (the *_epi kernels), launched when some expert of the object has them; the
+/// default kernels never see it. Device array [L], next to the ExpertDesc table.
+struct ExpertEpi {
+  const float* b13;  ///< [2I] fp32 (gate then up), or null
+  const float* b2;   ///< [H] fp32, or null
+  int32_t kind;      ///< ExpertActivation::Kind (0 silu_glu, 1 gpt_oss_glu)
+  float alpha;       ///< gpt_oss_glu's alpha
+  float limit;       ///< the clamp bound; +infinity = no clamp
+  int32_t pad;
+};
+
 }  // namespace epx::experts_cuda

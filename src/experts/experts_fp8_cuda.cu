@@ -28,6 +28,7 @@
 #include "epx/dtype.h"
 #include "epx/error.h"
 #include "epx/experts.h"
+#include "experts/experts_epilogue.cuh"
 #include "experts/experts_fp8_wgmma.cuh"
 
 namespace epx::experts_cuda {
@@ -63,8 +64,10 @@ __global__ void probe_kernel(int* ok) {
 #ifdef EPX_FP8_WGMMA
 
 /// One (row tile, weight tile) item with BN token columns. smem: 1024-aligned base.
-template <int BN, bool kGateUp>
-__device__ __forceinline__ void run_item(const Fp8GemmParams& p, const Item& it, uint8_t* smem, uint32_t smem_s) {
+/// kEpi: the expert's biases and activation from *ep (experts_epilogue.cuh; fp8_gemm_epi_kernel).
+template <int BN, bool kGateUp, bool kEpi = false>
+__device__ __forceinline__ void run_item(const Fp8GemmParams& p, const Item& it, uint8_t* smem, uint32_t smem_s,
+                                         const ExpertEpi* ep = nullptr) {
   constexpr int kFrag = BN / 2;  // accumulator floats per thread per m64nBN
   const int tid = threadIdx.x, wg = tid >> 7, warp_in_wg = (tid >> 5) & 3, lane = tid & 31;
   int32_t* rows = reinterpret_cast<int32_t*>(smem + kRowsOff);  // B row source (x row or h row)
@@ -178,7 +181,9 @@ __device__ __forceinline__ void run_item(const Fp8GemmParams& p, const Item& it,
 #pragma unroll
     for (int i = 0; i < kFrag; ++i) {
       const float g = acc[0][i], u = acc[1][i];
-      hv[i] = g / (1.0f + expf(-g)) * u;  // silu(g) * u in fp32, the CPU's expression
+      if constexpr (kEpi)
+        hv[i] = expert_glu(*ep, g, u, it.col0 + wg * 64 + 16 * warp_in_wg + (lane >> 2) + 8 * ((i >> 1) & 1), it.inter);
+      else hv[i] = g / (1.0f + expf(-g)) * u;  // silu(g) * u in fp32, the CPU's expression
       const int j = (i >> 2) * 2 + (i & 1);
       cmax[j] = fmaxf(cmax[j], fabsf(hv[i]));
     }
@@ -224,6 +229,9 @@ __device__ __forceinline__ void run_item(const Fp8GemmParams& p, const Item& it,
       for (int i = 0; i < kFrag; ++i) {
         const int col = 8 * (i >> 2) + 2 * (lane & 3) + (i & 1);
         const int wrow = t * 64 + 16 * warp_in_wg + (lane >> 2) + 8 * ((i >> 1) & 1);
+        if constexpr (kEpi) {
+          if (it.col0 + wrow < p.hidden) acc[sub][i] = expert_out_bias(*ep, acc[sub][i], it.col0 + wrow);
+        }
         stage[col * kOutStageStride + wrow] = float_to_bf16_bits(acc[sub][i]);
       }
     }
@@ -240,9 +248,9 @@ __device__ __forceinline__ void run_item(const Fp8GemmParams& p, const Item& it,
   __syncthreads();  // staging and rows[] are reused by the next item
 }
 
-template <bool kGateUp>
-__global__ void __launch_bounds__(kThreads, 1) fp8_gemm_kernel(Fp8GemmParams p) {
-  extern __shared__ uint8_t smem_raw[];
+/// The kernel body; kEpi (fp8_gemm_epi_kernel): the experts' biases and activations from epi [L].
+template <bool kGateUp, bool kEpi>
+__device__ __forceinline__ void fp8_gemm_body(const Fp8GemmParams& p, const ExpertEpi* epi, uint8_t* smem_raw) {
   const uint32_t raw_s = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
   const uint32_t pad = (1024u - (raw_s & 1023u)) & 1023u;
   uint8_t* smem = smem_raw + pad;
@@ -283,9 +291,27 @@ __global__ void __launch_bounds__(kThreads, 1) fp8_gemm_kernel(Fp8GemmParams p) 
       rows[j] = r;
     }
     __syncthreads();
-    if (tile.num_rows <= 16) run_item<16, kGateUp>(p, it, smem, smem_s);
-    else run_item<64, kGateUp>(p, it, smem, smem_s);
+    if constexpr (kEpi) {
+      if (tile.num_rows <= 16) run_item<16, kGateUp, true>(p, it, smem, smem_s, epi + tile.expert);
+      else run_item<64, kGateUp, true>(p, it, smem, smem_s, epi + tile.expert);
+    } else {
+      if (tile.num_rows <= 16) run_item<16, kGateUp>(p, it, smem, smem_s);
+      else run_item<64, kGateUp>(p, it, smem, smem_s);
+    }
   }
+}
+
+template <bool kGateUp>
+__global__ void __launch_bounds__(kThreads, 1) fp8_gemm_kernel(Fp8GemmParams p) {
+  extern __shared__ uint8_t smem_raw[];
+  fp8_gemm_body<kGateUp, false>(p, nullptr, smem_raw);
+}
+
+/// fp8_gemm_kernel with the experts' biases and activations (epi [L]: ExpertEpi).
+template <bool kGateUp>
+__global__ void __launch_bounds__(kThreads, 1) fp8_gemm_epi_kernel(Fp8GemmParams p, const ExpertEpi* epi) {
+  extern __shared__ uint8_t smem_raw[];
+  fp8_gemm_body<kGateUp, true>(p, epi, smem_raw);
 }
 
 #else  // not sm_90a: the host never launches these (fp8_tensor_cores_available is false)
@@ -296,13 +322,20 @@ __global__ void __launch_bounds__(kThreads, 1) fp8_gemm_kernel(Fp8GemmParams) {
   __trap();
 #endif
 }
+template <bool kGateUp>
+__global__ void __launch_bounds__(kThreads, 1) fp8_gemm_epi_kernel(Fp8GemmParams, const ExpertEpi*) {
+#ifdef __CUDA_ARCH__
+  __trap();
+#endif
+}
 
 #endif  // EPX_FP8_WGMMA
 
 template <bool kGateUp>
-void launch(const Fp8GemmParams& p, int grid, cudaStream_t stream) {
+void launch(const Fp8GemmParams& p, int grid, cudaStream_t stream, const ExpertEpi* epi) {
   // The shared-memory limit was raised on this device by fp8_tensor_cores_available().
-  fp8_gemm_kernel<kGateUp><<<grid, kThreads, kSmemBytes, stream>>>(p);
+  if (epi != nullptr) fp8_gemm_epi_kernel<kGateUp><<<grid, kThreads, kSmemBytes, stream>>>(p, epi);
+  else fp8_gemm_kernel<kGateUp><<<grid, kThreads, kSmemBytes, stream>>>(p);
   cuda::check_launch(kGateUp ? "fp8_gemm_kernel (gate_up)" : "fp8_gemm_kernel (down)");
 }
 
@@ -330,6 +363,8 @@ bool fp8_tensor_cores_available(int device) {
     if (ok == 1) {  // once per device, outside any graph capture: the kernels' shared-memory limit
       for (auto* k : {fp8_gemm_kernel<true>, fp8_gemm_kernel<false>})
         EPX_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
+      for (auto* k : {fp8_gemm_epi_kernel<true>, fp8_gemm_epi_kernel<false>})
+        EPX_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
       fp8_prefill_set_smem_limits();
       fp8_prefill_tma_set_smem_limits();
     }
@@ -338,7 +373,11 @@ bool fp8_tensor_cores_available(int device) {
   return ok == 1;
 }
 
-void launch_fp8_gate_up(const Fp8GemmParams& p, int grid, cudaStream_t stream) { launch<true>(p, grid, stream); }
-void launch_fp8_down(const Fp8GemmParams& p, int grid, cudaStream_t stream) { launch<false>(p, grid, stream); }
+void launch_fp8_gate_up(const Fp8GemmParams& p, int grid, cudaStream_t stream, const ExpertEpi* epi) {
+  launch<true>(p, grid, stream, epi);
+}
+void launch_fp8_down(const Fp8GemmParams& p, int grid, cudaStream_t stream, const ExpertEpi* epi) {
+  launch<false>(p, grid, stream, epi);
+}
 
 }  // namespace epx::experts_cuda

@@ -132,9 +132,10 @@ bool fp8_tensor_cores_available(int device);
 
 /// h = silu(x W_gate^T) * (x W_up^T), quantized to FP8 1x128 (hq, hs), for every tile of every
 /// fp8_block expert. `grid` = number of persistent CTAs (>= 1). Stream-ordered, no host sync.
-void launch_fp8_gate_up(const Fp8GemmParams& p, int grid, cudaStream_t stream);
+/// epi (non-null: [L] ExpertEpi on the device): the experts' biases and activations (fp8_gemm_epi_kernel).
+void launch_fp8_gate_up(const Fp8GemmParams& p, int grid, cudaStream_t stream, const ExpertEpi* epi = nullptr);
 /// out = bf16(h W_down^T) for every tile of every fp8_block expert.
-void launch_fp8_down(const Fp8GemmParams& p, int grid, cudaStream_t stream);
+void launch_fp8_down(const Fp8GemmParams& p, int grid, cudaStream_t stream, const ExpertEpi* epi = nullptr);
 
 /// The prefill kernels (experts_fp8_prefill_cuda.cu): the same two GEMMs (same results up to the
 /// fp32 summation order inside a K block) over tiles [*p.num_small, *p.num_tiles) of up to

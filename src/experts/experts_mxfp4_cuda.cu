@@ -52,6 +52,8 @@ bool mxfp4_tensor_cores_available(int device) {
     } else {
       allow_smem<true, 0, kThreads>();
       allow_smem<false, 0, kThreads>();
+      for (auto* k : {mixed_gemm_epi_kernel<true>, mixed_gemm_epi_kernel<false>})
+        EPX_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
       mx_debug_allow_smem();
       done[device] = 1;
     }
@@ -65,9 +67,10 @@ unsigned long long* g_debug_buffer = nullptr;
 int g_debug_mode = 0;
 
 template <bool kGateUp>
-void launch_mixed(const MixedGemmParams& p, int grid, cudaStream_t stream) {
+void launch_mixed(const MixedGemmParams& p, int grid, cudaStream_t stream, const ExpertEpi* epi) {
   const int mode = g_debug_buffer != nullptr ? g_debug_mode : 0;
-  if (mode > 0) mx_debug_launch(kGateUp, mode, p, grid, stream, g_debug_buffer);
+  if (epi != nullptr) mixed_gemm_epi_kernel<kGateUp><<<grid, kThreads, kSmemBytes, stream>>>(p, epi);
+  else if (mode > 0) mx_debug_launch(kGateUp, mode, p, grid, stream, g_debug_buffer);
   else launch_kernel<kGateUp, 0, kThreads>(p, grid, stream, nullptr);
   cuda::check_launch(kGateUp ? "mixed_gemm_kernel (gate_up)" : "mixed_gemm_kernel (down)");
 }
@@ -80,7 +83,11 @@ void set_mixed_debug(unsigned long long* buffer, int mode) {
   g_debug_mode = mode;
 }
 
-void launch_mixed_gate_up(const MixedGemmParams& p, int grid, cudaStream_t stream) { launch_mixed<true>(p, grid, stream); }
-void launch_mixed_down(const MixedGemmParams& p, int grid, cudaStream_t stream) { launch_mixed<false>(p, grid, stream); }
+void launch_mixed_gate_up(const MixedGemmParams& p, int grid, cudaStream_t stream, const ExpertEpi* epi) {
+  launch_mixed<true>(p, grid, stream, epi);
+}
+void launch_mixed_down(const MixedGemmParams& p, int grid, cudaStream_t stream, const ExpertEpi* epi) {
+  launch_mixed<false>(p, grid, stream, epi);
+}
 
 }  // namespace epx::experts_cuda

@@ -87,8 +87,10 @@ void set_mixed_debug(unsigned long long* buffer, int mode);
 
 /// gate_up of every tile: fp8_block experts write FP8 1x128 h (hq, hs) as launch_fp8_gate_up;
 /// mxfp4 experts (intermediate % 128 == 0) write h rounded to bf16 (hb).
-void launch_mixed_gate_up(const MixedGemmParams& p, int grid, cudaStream_t stream);
-/// down of every tile: out = bf16(h W_down^T) for the fp8_block and mxfp4 experts.
-void launch_mixed_down(const MixedGemmParams& p, int grid, cudaStream_t stream);
+/// epi (non-null: [L] ExpertEpi on the device): the experts' biases and activations (mixed_gemm_epi_kernel, every
+/// item on the wgmma path: MixedGemmParams::decode and set_mixed_debug do not apply).
+void launch_mixed_gate_up(const MixedGemmParams& p, int grid, cudaStream_t stream, const ExpertEpi* epi = nullptr);
+/// down of every tile: out = bf16(h W_down^T) for the fp8_block and mxfp4 experts (+ b2 with epi).
+void launch_mixed_down(const MixedGemmParams& p, int grid, cudaStream_t stream, const ExpertEpi* epi = nullptr);
 
 }  // namespace epx::experts_cuda

@@ -83,10 +83,53 @@ __global__ void __launch_bounds__(NT, 1) mixed_gemm_kernel(MixedGemmParams p, un
   }
 }
 
+/// mixed_gemm_kernel with the experts' biases and activations (epi [L]: ExpertEpi), every item on the wgmma
+/// path (run_item; the decode paths carry no epilogue variant): same results within fp32 summation order.
+template <bool kGateUp>
+__global__ void __launch_bounds__(kThreads, 1) mixed_gemm_epi_kernel(MixedGemmParams p, const ExpertEpi* epi) {
+  extern __shared__ uint8_t smem_raw[];
+  const uint32_t raw_s = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
+  const uint32_t pad = (1024u - (raw_s & 1023u)) & 1023u;
+  uint8_t* smem = smem_raw + pad;
+  const uint32_t smem_s = raw_s + pad;
+  int32_t* rows = reinterpret_cast<int32_t*>(smem + kRowsOff);
+  Stamps<0> sp;
+  const int64_t num_items = static_cast<int64_t>(*p.num_tiles) * p.max_weight_tiles;
+  for (int64_t walk = blockIdx.x; walk < num_items; walk += gridDim.x) {
+    Item it;
+    Tile tile;
+    bool mx;
+    if (!resolve_item<kGateUp>(p, num_items, walk, it, tile, mx)) continue;
+    if (threadIdx.x < kMaxBN) {
+      const int j = threadIdx.x;
+      int32_t r = 0;
+      if (j < tile.num_rows) r = kGateUp && p.gather != nullptr ? p.gather[tile.row0 + j] : tile.row0 + j;
+      rows[j] = r;
+    }
+    __syncthreads();
+    constexpr int kFp8 = kGateUp ? kFp8GateUp : kFp8Down, kMx = kGateUp ? kMxGateUp : kMxDown;
+    const ExpertEpi* ep = epi + it.expert;
+    if (mx) {
+      if (tile.num_rows <= 16) run_item<kMx, 16, 0, kThreads, true>(p, it, smem, smem_s, sp, ep);
+      else run_item<kMx, 64, 0, kThreads, true>(p, it, smem, smem_s, sp, ep);
+    } else {
+      if (tile.num_rows <= 16) run_item<kFp8, 16, 0, kThreads, true>(p, it, smem, smem_s, sp, ep);
+      else run_item<kFp8, 64, 0, kThreads, true>(p, it, smem, smem_s, sp, ep);
+    }
+  }
+}
+
 #else  // not sm_90a: the host never launches these (mxfp4_tensor_cores_available is false)
 
 template <bool kGateUp, int kDbg = 0, int NT = kThreads>
 __global__ void __launch_bounds__(NT, 1) mixed_gemm_kernel(MixedGemmParams, unsigned long long*) {
+#ifdef __CUDA_ARCH__
+  __trap();
+#endif
+}
+
+template <bool kGateUp>
+__global__ void __launch_bounds__(kThreads, 1) mixed_gemm_epi_kernel(MixedGemmParams, const ExpertEpi*) {
 #ifdef __CUDA_ARCH__
   __trap();
 #endif

@@ -3,6 +3,7 @@
 // Part of experts_mxfp4_kernels.cuh (include that one).
 #pragma once
 
+#include "experts/experts_epilogue.cuh"
 #include "experts/experts_mxfp4_device.cuh"
 
 namespace epx::experts_cuda {
@@ -13,9 +14,10 @@ namespace {
 /// One (row tile, weight tile) item of kind kK with BN token columns. smem: 1024-aligned base.
 /// NT threads: kThreads (2 warpgroups, each the consumer of sub-tiles wg and 2 + wg, one weight row
 /// per thread).
-template <int kK, int BN, int kDbg, int NT>
+/// kEpi (mixed_gemm_epi_kernel): the expert's biases and activation from *ep (experts_epilogue.cuh).
+template <int kK, int BN, int kDbg, int NT, bool kEpi = false>
 __device__ __forceinline__ void run_item(const MixedGemmParams& p, const Item& it, uint8_t* smem, uint32_t smem_s,
-                                         Stamps<kDbg>& sp) {
+                                         Stamps<kDbg>& sp, const ExpertEpi* ep = nullptr) {
   using T = KT<kK>;
   constexpr bool kGateUp = T::kGateUp;
   constexpr int kSubs = 2;  // 64-row sub-tiles per warpgroup
@@ -202,7 +204,9 @@ __device__ __forceinline__ void run_item(const MixedGemmParams& p, const Item& i
 #pragma unroll
     for (int i = 0; i < kFrag; ++i) {
       const float g = acc[0][i], u = acc[kSubs - 1][i];
-      hv[i] = g / (1.0f + expf(-g)) * u;  // silu(g) * u in fp32, the CPU's expression
+      if constexpr (kEpi)
+        hv[i] = expert_glu(*ep, g, u, it.col0 + wg * 64 + 16 * warp_in_wg + (lane >> 2) + 8 * ((i >> 1) & 1), it.inter);
+      else hv[i] = g / (1.0f + expf(-g)) * u;  // silu(g) * u in fp32, the CPU's expression
     }
     if constexpr (T::kMx) {
       uint16_t* stage = reinterpret_cast<uint16_t*>(smem);  // [BN][kHbStageStride] bf16 h
@@ -278,6 +282,9 @@ __device__ __forceinline__ void run_item(const MixedGemmParams& p, const Item& i
       for (int i = 0; i < kFrag; ++i) {
         const int col = 8 * (i >> 2) + 2 * (lane & 3) + (i & 1);
         const int wrow = t * 64 + 16 * warp_in_wg + (lane >> 2) + 8 * ((i >> 1) & 1);
+        if constexpr (kEpi) {
+          if (it.col0 + wrow < p.hidden) acc[sub][i] = expert_out_bias(*ep, acc[sub][i], it.col0 + wrow);
+        }
         stage[col * kOutStageStride + wrow] = float_to_bf16_bits(acc[sub][i]);
       }
     }
