@@ -62,7 +62,8 @@ struct ExpertActivation {
 
   static ExpertActivation silu() { return {}; }
   static ExpertActivation gpt_oss(float alpha = 1.702f, float limit = 7.0f) { return {Kind::gpt_oss_glu, alpha, limit}; }
-  /// silu_glu with no clamp: what every CUDA expert path computes.
+  /// silu_glu with no clamp: what the default CUDA expert kernels compute (an object with any other
+  /// activation or a bias runs their epilogue variants, make_experts_cuda).
   bool is_plain_silu() const { return kind == Kind::silu_glu && !(limit < std::numeric_limits<float>::infinity()); }
   bool operator==(const ExpertActivation&) const = default;
 };
@@ -77,8 +78,7 @@ std::string expert_activation_name(const ExpertActivation& a);
 ///   fp8_block : w13 fp8_e4m3 [2I, H], w13_scale fp32 [2I/128, H/128]; w2 likewise [H/128, I/128]
 ///   mxfp4     : w13 fp4_e2m1x2 [2I, H/2], w13_scale e8m0 [2I, H/32]; w2 [H, I/2], w2_scale [H, I/32]
 /// Optional biases, fp32 in every format (gpt-oss): b13 [2I] (rows [0, I) gate, [I, 2I) up), b2 [H];
-/// undefined = no bias. The CPU experts compute them; make_experts_cuda refuses experts that have
-/// them, or an activation other than plain silu_glu (Unsupported, naming the expert).
+/// undefined = no bias. The CPU experts and every CUDA path (make_experts_cuda) compute them.
 struct ExpertWeights {
   WeightFormat format = WeightFormat::bf16;
   int64_t hidden = 0;        ///< H
@@ -212,10 +212,16 @@ std::unique_ptr<Experts> make_experts_cpu(std::vector<std::shared_ptr<const Expe
 /// (128-token tiles, src/experts/experts_fp8_prefill_cuda.cu) unless Config::experts_fp8_prefill = 0.
 /// The path choices experts.simt / experts.fp8_prefill come from `config` (ModularMoE passes its own);
 /// the two-argument form reads them with Config::load().
-/// Throws Unsupported in a CPU-only build, and (before anything is uploaded or launched) for an expert
-/// with biases (b13 / b2) or an activation other than plain silu_glu (gpt-oss's clamped SwiGLU,
-/// DeepSeek-V4's clamp): no CUDA kernel (SIMT, FP8, MXFP4) computes them, so such layers run on the
-/// CPU experts only; InvalidArgument for bad weights or device, a `config` field outside
+/// Experts with biases (b13 / b2) or an activation other than plain silu_glu (gpt-oss's clamped SwiGLU,
+/// DeepSeek-V4's clamp) are computed by every path with the CPU experts' arithmetic and rounding points
+/// (above): an object with any such expert launches epilogue variants of the GEMM kernels (the SIMT
+/// GEMMs, the FP8 tensor-core GEMMs, the mixed MXFP4 ones) that add b13 to [g, u] and apply the
+/// activation in fp32, and add b2 in fp32 before y's one rounding; the default kernels are not
+/// touched. Such an object runs its FP8 128-row (prefill) tiles as 64-row tiles and its MXFP4
+/// decode-size tiles (<= 16 rows) on the wgmma path, the two paths without an epilogue variant: the
+/// same results within fp32 summation order, at those paths' speed.
+/// Throws Unsupported in a CPU-only build; InvalidArgument for bad weights (a bias's shape or dtype,
+/// the activation's alpha / limit, as the CPU experts: before any device work) or device, a `config` field outside
 /// its rule (Config::validate()'s sentence), or (two-argument form) a bad EPX_* variable / EPX_CONFIG file.
 std::unique_ptr<Experts> make_experts_cuda(std::vector<std::shared_ptr<const ExpertWeights>> local_experts, int device);
 std::unique_ptr<Experts> make_experts_cuda(std::vector<std::shared_ptr<const ExpertWeights>> local_experts, int device,

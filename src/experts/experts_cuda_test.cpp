@@ -1,6 +1,7 @@
 // experts/experts_cuda_test.cpp: the CUDA reference experts (make_experts_cuda) against the CPU
 // experts (make_experts_cpu) on the same fresh random inputs: every weight format, both layouts,
-// bf16 and fp8 inputs, DeepSeek-V3 and V4-Pro expert shapes, experts without tokens, NaN-poisoned
+// bf16 and fp8 inputs, DeepSeek-V3 and V4-Pro expert shapes, expert biases and activations (gpt-oss,
+// DeepSeek-V4's clamp) on every path, experts without tokens, NaN-poisoned
 // padding and unused slots, duplicates, deferred errors, graph capture, and full-layer timing.
 // Outputs are poisoned (NaN) before every GPU run, so an unwritten valid element fails.
 #include <gtest/gtest.h>
@@ -17,6 +18,7 @@
 #include <thread>
 #include <vector>
 
+#include "epx/config.h"
 #include "epx/cuda.h"
 #include "epx/error.h"
 #include "epx/experts.h"
@@ -1020,6 +1022,151 @@ TEST(ExpertsCuda, Mxfp4E8m0ExtremesAndNaNEveryPath) {
 }
 
 // ---- errors, graphs ---------------------------------------------------------------------------
+
+// ---- biases and activations (gpt-oss, DeepSeek-V4's clamp) -------------------------------------
+
+Tensor random_vec(int64_t n, uint64_t seed, float scale) {
+  Tensor t = test::random_f32(1, n, seed, scale), v = Tensor::empty({n}, DType::fp32);
+  std::memcpy(v.data(), t.data(), static_cast<size_t>(n) * 4);
+  return v;
+}
+
+/// The median of |x W13^T| over a few random bf16 rows of expert w: a clamp limit that this bound clamps about half
+/// of the gate and up values at (so both sides of every clamp are exercised whatever the weights' scale).
+float median_abs_gate_up(const ExpertWeights& w, uint64_t seed) {
+  const int64_t H = w.hidden, I2 = 2 * w.intermediate, rows = 4;
+  const Tensor x = test::random_bf16(rows, H, seed);
+  const float* a = w.w13_f32();
+  std::vector<float> v;
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t o = 0; o < I2; ++o) {
+      float acc = 0;
+      for (int64_t k = 0; k < H; ++k) acc += bf16_bits_to_float(x.ptr<const uint16_t>()[r * H + k]) * a[o * H + k];
+      v.push_back(std::fabs(acc));
+    }
+  std::nth_element(v.begin(), v.begin() + v.size() / 2, v.end());
+  return v[v.size() / 2];
+}
+
+/// L experts of format f (the weights of same_format(f, L, H, I, seed)) with `act` and, when `biases`, random b13 / b2
+/// of the scale of the gate_up values (bias_scale 0: zeros). act.limit <= 0 means: the median |gate_up| of expert 0.
+std::vector<std::shared_ptr<const ExpertWeights>> with_extras(WeightFormat f, int L, int64_t H, int64_t I, uint64_t seed,
+                                                              ExpertActivation act, bool biases, float bias_scale = 1.0f) {
+  std::vector<std::shared_ptr<const ExpertWeights>> out;
+  float scale = 0;
+  for (int l = 0; l < L; ++l) {
+    auto w = ExpertWeights::random(f, H, I, seed + l);
+    if (l == 0) {
+      scale = median_abs_gate_up(*w, seed + 100);
+      if (act.limit <= 0) act.limit = scale;
+    }
+    w->activation = act;
+    if (biases) {
+      w->b13 = bias_scale > 0 ? random_vec(2 * I, seed + 200 + l, bias_scale * scale) : Tensor::zeros({2 * I}, DType::fp32);
+      w->b2 = bias_scale > 0 ? random_vec(H, seed + 300 + l, 0.05f * bias_scale) : Tensor::zeros({H}, DType::fp32);
+    }
+    out.push_back(w);
+  }
+  return out;
+}
+
+std::vector<std::shared_ptr<const ExpertWeights>> plain_copies(const std::vector<std::shared_ptr<const ExpertWeights>>& experts) {
+  std::vector<std::shared_ptr<const ExpertWeights>> out;
+  for (const auto& e : experts) {
+    auto w = std::make_shared<ExpertWeights>();  // the same weight tensors, no biases, plain silu_glu
+    w->format = e->format, w->hidden = e->hidden, w->intermediate = e->intermediate;
+    w->w13 = e->w13, w->w13_scale = e->w13_scale, w->w2 = e->w2, w->w2_scale = e->w2_scale;
+    out.push_back(w);
+  }
+  return out;
+}
+
+Config simt_config() {
+  Config c;
+  c.experts_simt = 1;
+  return c;
+}
+
+TEST(ExpertsCuda, BiasesAndActivationsEveryPathAgainstTheCpu) {
+  if (gpus() < 1) GTEST_SKIP() << "needs 1 GPU, found " << gpus();
+  // Experts with b13 / b2 and each activation (silu_glu with biases, silu_glu clamped (DeepSeek-V4), gpt_oss_glu),
+  // every format, bf16 and FP8 x, every layout, on the default paths (fp8_block + FP8 x: the FP8 tensor cores, their
+  // 128-row tiles on the 64-row kernels; mxfp4 + FP8 x: the mixed tensor-core kernels) and on the SIMT kernels, each
+  // against the CPU experts. The limit clamps about half of the gate / up values. A negative control checks that the
+  // CPU output without the biases and activation is far outside the tolerance, so the passes say the GPU computed them.
+  const std::pair<ExpertActivation, bool> acts[] = {{ExpertActivation::silu(), true},
+                                                    {ExpertActivation{ExpertActivation::Kind::silu_glu, 1.702f, 0.0f}, false},
+                                                    {ExpertActivation::gpt_oss(1.702f, 0.0f), true}};
+  uint64_t seed = 4100;
+  for (WeightFormat f : {WeightFormat::bf16, WeightFormat::fp8_block, WeightFormat::mxfp4})
+    for (const auto& [act, biases] : acts) {
+      const auto experts = with_extras(f, 4, 256, 256, seed += 10, act, biases);
+      SCOPED_TRACE(fmt_name(experts) + expert_activation_name(experts[0]->activation) + (biases ? " biases" : ""));
+      auto cpu = make_experts_cpu(experts);
+      auto cpu_plain = make_experts_cpu(plain_copies(experts));
+      for (DType xt : {DType::bf16, DType::fp8_e4m3}) {
+        const double tol = tolerance(xt, experts);
+        const FlatCase fc = flat_case(*cpu, 150, 4, xt, ++seed, {.tol = tol});
+        const FlatCase fp = flat_case(*cpu_plain, 150, 4, xt, seed, {.tol = tol});
+        const double control = test::rel_l2_error(fc.ref, fp.ref);
+        EXPECT_GT(control, 10 * tol) << "the biases / activation barely change the output: the test could not fail";
+        for (int simt : {0, 1}) {
+          SCOPED_TRACE(simt ? "simt" : "default paths");
+          auto gpu = simt ? make_experts_cuda(experts, 0, simt_config()) : make_experts_cuda(experts, 0);
+          const EmResult em = run_expert_major(*cpu, *gpu, {0, 1, 100, 17}, 100, xt, seed + 1, tol);
+          const double fl = check_flat(*gpu, fc, tol);
+          const double co = run_contiguous(*cpu, *gpu, {3, 0, 130, 16}, 4, xt, seed + 2, tol);
+          std::printf("[ rel_l2 ] %-9s %-34s x=%-8s %s expert_major %.2e flat %.2e contiguous %.2e (control %.2e)\n",
+                      weight_format_name(f).data(), expert_activation_name(experts[0]->activation).c_str(),
+                      dtype_name(xt).data(), simt ? "simt   " : "default", em.max_rel_l2, fl, co, control);
+        }
+      }
+    }
+}
+
+/// Bit-exact (up to the sign of zero) equality of two bf16 tensors of the same shape; returns the differing elements.
+int64_t count_value_differences(const Tensor& a, const Tensor& b) {
+  int64_t d = 0;
+  for (int64_t i = 0; i < a.numel(); ++i) {
+    const float x = bf16_bits_to_float(a.ptr<const uint16_t>()[i]), y = bf16_bits_to_float(b.ptr<const uint16_t>()[i]);
+    d += !(x == y) && !(std::isnan(x) && std::isnan(y));
+  }
+  return d;
+}
+
+TEST(ExpertsCuda, ZeroBiasesMatchTheDefaultKernelsBitForBit) {
+  if (gpus() < 1) GTEST_SKIP() << "needs 1 GPU, found " << gpus();
+  // b13 = 0, b2 = 0 and plain silu_glu: the object runs its *_epi kernels, whose results must equal the default
+  // kernels' bit for bit (x + 0 is x; the signs of zeros aside) on every path: SIMT, the FP8 tensor cores (the
+  // default object with experts.fp8_prefill = 0, as the epi object runs its big tiles), the mixed MXFP4 kernels
+  // (tiles of more than 16 rows: the default object's smaller ones take the decode paths, another summation order).
+  uint64_t seed = 4300;
+  for (WeightFormat f : {WeightFormat::bf16, WeightFormat::fp8_block, WeightFormat::mxfp4})
+    for (DType xt : {DType::bf16, DType::fp8_e4m3})
+      for (int simt : {0, 1}) {
+        const auto zero = with_extras(f, 3, 256, 256, seed += 10, ExpertActivation::silu(), true, 0.0f);
+        const auto plain = plain_copies(zero);
+        Config c = simt ? simt_config() : Config{};
+        c.experts_fp8_prefill = 0;
+        auto gpu_epi = make_experts_cuda(zero, 0, simt ? simt_config() : Config{});
+        auto gpu_plain = make_experts_cuda(plain, 0, c);
+        auto cpu = make_experts_cpu(plain);
+        SCOPED_TRACE(fmt_name(zero) + (simt ? " simt" : " default paths") + " x=" + std::string(dtype_name(xt)));
+        const EmCase em = expert_major_case(*cpu, {17, 0, 100}, 100, xt, ++seed);
+        const Tensor xd = to_dev(em.x), sd = em.scales.defined() ? to_dev(em.scales) : Tensor(), rd = to_dev(em.recv);
+        Tensor out[2];
+        int i = 0;
+        for (Experts* g : {gpu_epi.get(), gpu_plain.get()}) {
+          out[i] = Tensor::empty({em.L, em.cap, em.H}, DType::bf16, kDev);
+          poison_dev(out[i]);
+          g->apply({ActivationLayout::ExpertMajor, xd, sd, rd, {}, {}}, out[i]);
+          out[i] = out[i].to(Device::cpu());
+          ++i;
+        }
+        EXPECT_EQ(count_value_differences(out[0], out[1]), 0) << "epi kernels with zero biases differ from the default kernels";
+        check_expert_major(*gpu_epi, em, tolerance(xt, zero));
+      }
+}
 
 TEST(ExpertsCuda, RejectsBadArguments) {
   if (gpus() < 1) GTEST_SKIP() << "needs 1 GPU, found " << gpus();
