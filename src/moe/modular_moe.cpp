@@ -22,9 +22,8 @@
 // weight g(t) = 1 or sigmoid(x . gate); the shared expert then sees the dispatched x (FP8 on an fp8
 // wire). Separate: column K = -1 (no traffic); the shared expert runs here on x~, x quantized to FP8
 // 1x128 as the wire does (fp8 wire; else x), and g(t) * its output joins the combine's fp32 sum
-// (FinalizeArgs::addend) before its one rounding, as on the fused path; on a backend without
-// Capabilities::combine_addend (the hierarchical ll / ht) it is added to the finalized rows
-// instead (a second bf16 rounding). On CUDA x~ goes to a one-expert ExpertMajor
+// (FinalizeArgs::addend) before its one rounding, as on the fused path (the hierarchical ll / ht
+// add it to the cross-node fp32 sum of node partials that arrive rounded: dispatch/hier/hier.h). On CUDA x~ goes to a one-expert ExpertMajor
 // layout [1, n, H] (contiguous, M = n), so an fp8_block shared expert runs on the same FP8
 // tensor-core GEMMs as the fused one and the two paths differ only in where g(t) * y joins the sum.
 // Gate: fuse when M = max over ranks of this chunk's tokens <= fhmoe_max_tokens (the sharded gate
