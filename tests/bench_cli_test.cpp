@@ -144,6 +144,94 @@ TEST(BenchCli, FlatCombineBothModesOnCpu) {
   EXPECT_NE(bad.out.find("--flat-combine"), std::string::npos) << bad.out;
 }
 
+// --padded: naive / allgather_reducescatter / all2allv in their padded form (use_worst_case_sizing), each beside its
+// nccl_raw:<backend> twin (the Group collectives of that form, same bytes) on CPU ranks (host timers). The padded rows
+// validate against the identity formula and carry the padded form's bytes (rank 0's DispatchStats: (R - 1) blocks of
+// the record header and C rows, where the dynamic form sends T rows without a header); the twins name their
+// collective and its send bytes; ratio_to_nccl_raw and the host enqueue time are there. A backend without a padded
+// form is refused before anything runs.
+TEST(BenchCli, PaddedFormBesideItsRawCollectivesOnCpu) {
+  // ll-v3 on CPU ranks: T = C = 16, H = 7168, K = 8, fp8 rows of 7168 + 56 * 4 + 8 * 4 + 8 * 4 + 4 = 7460 B; the
+  // block: a 64-byte header (8 int64 record fields at R = 2) + 16 rows, 119424 B. Combine: fp32 partials, C * H * 4.
+  constexpr int64_t R = 2, C = 16, H = 7168, kRow = 7460, kBlock = 64 + C * kRow, kPartF32 = C * H * 4;
+  const auto out = temp_path("padded.json");
+  CliResult r = run_epx("bench --device cpu --case ll-v3 --backend all --padded --ranks 2 --iters 3 --warmup 1 --json " + out.string());
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("padded form against the raw collectives it makes"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("--padded"), std::string::npos) << "the repro line names it: " << r.out;
+  std::ifstream f(out);
+  const nlohmann::json j = nlohmann::json::parse(f);
+  std::map<std::string, nlohmann::json> rows;  // backend/op -> row
+  for (const auto& res : j["results"]) rows[res["backend"].get<std::string>() + "/" + res["op"].get<std::string>()] = res;
+  ASSERT_EQ(rows.size(), 12u) << "3 padded backends + 3 twins, dispatch and combine: " << j.dump(1);
+  // The twins' collectives and send bytes (gather_cuda.cpp, all2allv_cuda.cpp).
+  const std::map<std::string, std::pair<std::string, int64_t>> raw = {
+      {"naive/dispatch", {"group.all_gather of 2 x " + std::to_string(kBlock) + " B", kBlock}},
+      {"naive/combine", {"group.all_gather of 2 x " + std::to_string(R * kPartF32) + " B (fp32", R * kPartF32}},
+      {"allgather_reducescatter/dispatch", {"group.all_gather of 2 x " + std::to_string(kBlock) + " B", kBlock}},
+      {"allgather_reducescatter/combine", {"group.reduce_scatterv of 2 x " + std::to_string(kPartF32) + " B (fp32", R * kPartF32}},
+      {"all2allv/dispatch", {"group.all_to_allv of 2 x " + std::to_string(kBlock) + " B", R * kBlock}},
+      {"all2allv/combine", {"group.all_to_allv of 2 x " + std::to_string(kPartF32) + " B (fp32", R * kPartF32}},
+  };
+  for (const auto& [key, want] : raw) {
+    ASSERT_TRUE(rows.count(key) && rows.count("nccl_raw:" + key)) << key;
+    const nlohmann::json& p = rows[key];
+    const nlohmann::json& t = rows["nccl_raw:" + key];
+    EXPECT_EQ(p["form"], "padded") << p.dump();
+    EXPECT_EQ(p["status"], "ran") << p.dump();
+    ASSERT_EQ(p["validated"], true) << p.dump();
+    EXPECT_LE(p["beyond_1ulp_fraction"].get<double>(), 1e-3) << p.dump();
+    EXPECT_TRUE(p["predicted_us"].is_null()) << p.dump();
+    ASSERT_TRUE(p["ratio_to_nccl_raw"].is_number()) << p.dump();
+    EXPECT_NEAR(p["ratio_to_nccl_raw"].get<double>(), p["latency_us_p50"].get<double>() / t["latency_us_p50"].get<double>(), 1e-9);
+    EXPECT_GT(p["prepare_plus_finalize_ratio_to_nccl_raw"].get<double>(), 0.0) << p.dump();
+    for (const nlohmann::json* row : {&p, &t}) {
+      ASSERT_TRUE((*row)["host_enqueue_us_p50"].is_number()) << row->dump();
+      EXPECT_GT((*row)["host_enqueue_us_p50"].get<double>(), 0.0) << row->dump();
+      EXPECT_EQ((*row)["iterations"], 3) << row->dump();
+    }
+    if (key.find("/dispatch") != std::string::npos) {
+      EXPECT_EQ(p["remote_bytes_rank0"], (R - 1) * kBlock) << p.dump();
+    }
+    EXPECT_EQ(t["validated"], false) << t.dump();
+    EXPECT_TRUE(t["form"].is_null()) << t.dump();
+    EXPECT_EQ(t["raw_calls"].get<std::string>().rfind(want.first, 0), 0u) << want.first << " vs " << t.dump();
+    EXPECT_EQ(t["moved_bytes_per_rank"].get<double>(), static_cast<double>(want.second)) << t.dump();
+  }
+  std::filesystem::remove(out);
+
+  // The dynamic form of the same backend (no --padded) sends T rows without the header, and says so; naive's padded
+  // form with bf16 partials all-reduces them (R * C rows of 2H bytes).
+  for (const std::string flags : {"--backend naive", "--backend naive --padded --flat-combine partial_bf16"}) {
+    CliResult d = run_epx("bench --device cpu --case ll-v3 --ranks 2 --iters 1 --warmup 0 " + flags + " --json " + out.string());
+    ASSERT_EQ(d.code, 0) << d.out;
+    std::ifstream g(out);
+    const nlohmann::json dj = nlohmann::json::parse(g);
+    bool saw = false;
+    for (const auto& res : dj["results"]) {
+      if (res["op"] != "dispatch" && res["backend"] == "naive") continue;
+      if (flags.find("--padded") == std::string::npos) {
+        ASSERT_EQ(res["backend"], "naive") << res.dump();
+        EXPECT_EQ(res["form"], "dynamic") << res.dump();
+        EXPECT_EQ(res["remote_bytes_rank0"], (R - 1) * C * kRow) << res.dump();
+        EXPECT_TRUE(res["ratio_to_nccl_raw"].is_null()) << res.dump();
+        saw = true;
+      } else if (res["backend"] == "nccl_raw:naive" && res["op"] == "combine") {
+        EXPECT_EQ(res["raw_calls"], "group.all_reduce_sum of " + std::to_string(R * C * H * 2) + " B (bf16 partials)") << res.dump();
+        EXPECT_EQ(res["moved_bytes_per_rank"].get<double>(), static_cast<double>(R * C * H * 2)) << res.dump();
+        saw = true;
+      }
+    }
+    EXPECT_TRUE(saw) << flags << ": " << dj.dump(1);
+    std::filesystem::remove(out);
+  }
+
+  CliResult bad = run_epx("bench --device cpu --case ll-v3 --backend ll --padded --ranks 2 --iters 1");
+  EXPECT_EQ(bad.code, 2) << bad.out;
+  EXPECT_NE(bad.out.find("has no padded form"), std::string::npos) << bad.out;
+  EXPECT_EQ(bad.out.find("epx bench: 1 case(s)"), std::string::npos) << "nothing runs: " << bad.out;
+}
+
 // epx-gemm-bench (CUDA builds only) parses --stamps before it opens a GPU: a flag that is not an unsigned
 // 32-bit integer is named and exits 2 (std::stoul threw out of main: abort; "-1" wrapped to 2^64 - 1).
 TEST(BenchCli, GemmBenchBadStampsExit2) {
@@ -160,7 +248,7 @@ TEST(BenchCli, HelpNamesTheAccounting) {
   CliResult r = run_epx("bench --help");
   EXPECT_EQ(r.code, 0) << r.out;
   for (const char* s : {"--case", "--backend", "--ranks", "--iters", "--warmup", "--json", "--routing", "--kernel-time", "deepep-ll", "deepep-ht",
-                        "nccl_a2a_raw"})
+                        "nccl_a2a_raw", "--padded", "nccl_raw:<backend>", "host enqueue"})
     EXPECT_NE(r.out.find(s), std::string::npos) << s;
 }
 

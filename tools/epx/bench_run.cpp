@@ -17,6 +17,8 @@
 #include <sstream>
 
 #include "comm/launcher.h"
+#include "dispatch/flat_cuda.h"
+#include "dispatch/row_codec.h"
 #include "epx/cuda.h"
 #include "epx/dispatch.h"
 #include "epx/error.h"
@@ -43,12 +45,23 @@ namespace {
 constexpr std::string_view kOp = "epx bench";
 constexpr const char* kRaw = "nccl_a2a_raw";
 constexpr uint64_t kWhatHidden = 101, kWhatRouting = 103, kWhatOrder = 102;  // stream_seed tags
+/// --padded: "nccl_raw:<backend>" times the Group collectives the padded form of <backend> makes.
+constexpr std::string_view kPaddedRawPrefix = "nccl_raw:";
+
+bool is_padded_raw(const std::string& backend) { return backend.rfind(kPaddedRawPrefix, 0) == 0; }
+/// A job that only moves bytes (no epx backend, nothing to validate).
+bool is_raw(const std::string& backend) { return backend == kRaw || is_padded_raw(backend); }
+/// The backends with a padded form (DispatchConfig::use_worst_case_sizing: C rows per rank's block, no host wait).
+bool has_padded_form(const std::string& backend) {
+  return backend == "naive" || backend == "allgather_reducescatter" || backend == "all2allv";
+}
 
 struct Job {
   size_t case_idx = 0;
   DType dtype = DType::bf16;
   std::string backend;
   FlatCombine flat_combine = FlatCombine::partial_fp32;  ///< --flat-combine (the Flat backends)
+  bool padded = false;  ///< --padded: the backend's padded form, or (nccl_raw:<backend>) that form's collectives
 };
 
 /// A backend that rounds once may differ from the identity formula by 1 bf16 ulp (fp32 summation
@@ -108,7 +121,10 @@ struct RankJobResult {
   bool hierarchical = false;     ///< ll / ht across nodes: the hierarchical path (Capabilities::hierarchical)
   Tensor out;                    ///< epx backends: [T, H] bf16 on the host, last iteration
   int64_t valid_selections = 0, dedup_rows = 0;
-  int64_t moved_bytes_dispatch = 0, moved_bytes_combine = 0;  ///< nccl_a2a_raw: bytes sent incl. to self
+  int64_t moved_bytes_dispatch = 0, moved_bytes_combine = 0;  ///< raw rows: the send buffer's bytes (incl. self)
+  int64_t remote_bytes_dispatch = -1, remote_bytes_combine = -1;  ///< epx backends: DispatchStats of the last call
+  /// Eager rounds: host wall time of each timed prepare / finalize (or raw collective) call itself.
+  std::vector<double> host_dispatch_us, host_combine_us;
   KernelRun kernel, kernel_1tok;  ///< --kernel-time: the case's T, and (--graph, ll) T = 1
 };
 
@@ -248,20 +264,23 @@ class IterTimer {
 #endif
 };
 
-DispatchConfig dispatch_config(const BenchCase& c, int64_t T, DType dtype, FlatCombine flat_combine) {
+DispatchConfig dispatch_config(const BenchCase& c, int64_t T, const Job& job) {
   DispatchConfig cfg;
   cfg.hidden = c.hidden;
   cfg.num_experts = c.num_experts;
   cfg.top_k = c.top_k;
   cfg.num_max_dispatch_tokens_per_rank = static_cast<int>(std::max<int64_t>(T, 1));
-  cfg.dispatch_dtype = dtype;
+  cfg.dispatch_dtype = job.dtype;
   // ll's combine reduction from the config (JSON "ll.combine" / EPX_LL_COMBINE; the ranks and the
   // CPU reference of the validation read the same).
   cfg.ll_combine = parse_ll_combine(Config::load().ll_combine, "ll.combine");
   // --flat-combine: the Flat backends' partials cross ranks in fp32 (partial_fp32, the default: one
   // rounding, 4 B per element in combine) or bf16 (partial_bf16: two roundings, 2 B); the identity
   // experts write their Flat rows in the matching dtype (expert_out_dtype).
-  cfg.flat_combine = flat_combine;
+  cfg.flat_combine = job.flat_combine;
+  // --padded: naive / allgather_reducescatter / all2allv in their padded form (C = max(T, 1) rows per
+  // rank's block, no host wait); the other backends keep their own form.
+  cfg.use_worst_case_sizing = job.padded && has_padded_form(job.backend);
   return cfg;
 }
 
@@ -404,7 +423,7 @@ void run_epx_backend_graph(const Job& job, const BenchCase& c, int64_t T, const 
                            const TensorView& x, const TensorView& idx, const TensorView& wts, int warmup, int iters, Stream stream,
                            IterTimer& timer, RankJobResult& res, const KernelTimeMode& ktm) {
   const int R = group->size(), rank = group->rank();
-  const DispatchConfig cfg = dispatch_config(c, T, job.dtype, job.flat_combine);
+  const DispatchConfig cfg = dispatch_config(c, T, job);
   auto pf = make_prepare_finalize(job.backend, group, cfg);
   if (!pf->capabilities().graph_safe)
     throw Unsupported("epx bench --graph: backend " + job.backend + " is not graph-safe (it waits on the host in every call)");
@@ -547,13 +566,171 @@ void align_ranks_for_kernel_time(Group& group, const Tensor& word, Stream stream
 #endif
 }
 
+/// Raw collectives timed as a backend's prepare and finalize are: `dispatch` and `combine` on the buffers they own.
+struct RawCalls {
+  std::vector<Tensor> buffers;
+  std::function<void()> dispatch, combine;
+};
+
+/// One round of `calls` under the backends' protocol (timed: align, event, dispatch call, event, event, combine
+/// call, event); with `host`, the host wall time of each timed call goes to its host_dispatch_us / host_combine_us.
+void raw_round(Group& group, const Tensor& word, Stream stream, IterTimer& timer, const RawCalls& calls, bool graph, bool timed,
+               std::vector<double>& d_us, std::vector<double>& c_us, int64_t kt_iter, RankJobResult* host) {
+  if (timed) {
+#ifdef EPX_WITH_CUDA
+    if (kt_iter >= 0) align_ranks_for_kernel_time(group, word, stream);
+    else if (graph) align_ranks_delayed(group, word, stream);
+    else align_ranks(group, word, stream);
+#else
+    (void)graph;
+    align_ranks(group, word, stream);
+#endif
+    timer.mark(0);
+  }
+  const auto h0 = std::chrono::steady_clock::now();
+  {
+    KtCall k(kt_iter, kt::Op::dispatch);
+    calls.dispatch();
+  }
+  const auto h1 = std::chrono::steady_clock::now();
+  if (timed) {
+    timer.mark(1);
+    timer.mark(2);
+  }
+  const auto h2 = std::chrono::steady_clock::now();
+  {
+    KtCall k(kt_iter, kt::Op::combine);
+    calls.combine();
+  }
+  const auto h3 = std::chrono::steady_clock::now();
+  if (timed) {
+    timer.mark(3);
+    const auto [d, cmb] = timer.finish();
+    d_us.push_back(d);
+    c_us.push_back(cmb);
+    if (host) {
+      using us = std::chrono::duration<double, std::micro>;
+      host->host_dispatch_us.push_back(us(h1 - h0).count());
+      host->host_combine_us.push_back(us(h3 - h2).count());
+    }
+  }
+}
+
+/// --padded: the Group collectives the padded form of a backend makes (gather_cuda.cpp, all2allv_cuda.cpp; the
+/// CPU form makes the same calls' data movement), with their sizes: what its nccl_raw:<backend> twin times.
+struct PaddedRawPlan {
+  enum class Call { all_gather, all_reduce, reduce_scatter, all_to_all };
+  int ranks = 1;
+  Call dispatch = Call::all_gather, combine = Call::all_gather;
+  int64_t dispatch_bytes = 0;  ///< one block: per rank (all_gather) or per peer (all_to_all)
+  /// all_gather: bytes per rank; all_reduce: the whole buffer; reduce_scatter / all_to_all: per rank / peer
+  int64_t combine_bytes = 0;
+  DType combine_dtype = DType::fp32;  ///< the partials' dtype (flat_combine)
+
+  static const char* name(Call c) {
+    return c == Call::all_gather ? "all_gather" : c == Call::all_reduce ? "all_reduce_sum" : c == Call::reduce_scatter ? "reduce_scatterv" : "all_to_allv";
+  }
+  /// Bytes this rank hands to the call (its send buffer, incl. the block it keeps).
+  int64_t send_bytes(bool dispatch_op) const {
+    const Call c = dispatch_op ? dispatch : combine;
+    const int64_t b = dispatch_op ? dispatch_bytes : combine_bytes;
+    return c == Call::all_gather || c == Call::all_reduce ? b : ranks * b;
+  }
+  /// "group.all_gather of 2 x 119424 B blocks (record + C rows)", "group.reduce_scatterv of 2 x 458752 B (fp32)".
+  std::string describe(bool dispatch_op) const {
+    const Call c = dispatch_op ? dispatch : combine;
+    const int64_t b = dispatch_op ? dispatch_bytes : combine_bytes;
+    std::ostringstream os;
+    os << "group." << name(c) << " of ";
+    if (c != Call::all_reduce) os << ranks << " x ";
+    os << b << " B";
+    if (dispatch_op) os << " blocks (plan record + C rows)";
+    else os << " (" << dtype_name(combine_dtype) << " partials)";
+    return os.str();
+  }
+};
+
+PaddedRawPlan padded_raw_plan(const BenchCase& c, int64_t T, const Job& job, int R) {
+  Job padded = job;
+  padded.backend = is_padded_raw(job.backend) ? job.backend.substr(kPaddedRawPrefix.size()) : job.backend;
+  padded.padded = true;
+  const DispatchConfig cfg = dispatch_config(c, T, padded);
+  const dispatch::RowCodec codec{cfg.hidden, cfg.top_k, cfg.dispatch_dtype == DType::fp8_e4m3, cfg.use_ue8m0};
+  const int64_t C = cfg.num_max_dispatch_tokens_per_rank, H = cfg.hidden;
+  using Call = PaddedRawPlan::Call;
+  PaddedRawPlan p;
+  p.ranks = R;
+  p.combine_dtype = cfg.flat_combine == FlatCombine::partial_fp32 ? DType::fp32 : DType::bf16;
+  const int64_t es = dtype_size(p.combine_dtype);
+  // Dispatch: each rank's block is its plan record's header and C rows (flat_cuda.h padded_block_bytes).
+  p.dispatch_bytes = dispatch::padded_block_bytes(R, C, codec.row_bytes());
+  if (padded.backend == "all2allv") {  // one block per destination both ways; combine: C partial rows per peer
+    p.dispatch = p.combine = Call::all_to_all;
+    p.combine_bytes = C * H * es;
+  } else if (padded.backend == "allgather_reducescatter") {  // reduce-scatter of C rows per rank
+    p.combine = Call::reduce_scatter;
+    p.combine_bytes = C * H * es;
+  } else {  // naive: every rank's [R * C, H] partials, all-gathered (fp32) or all-reduced (bf16)
+    p.combine = p.combine_dtype == DType::fp32 ? Call::all_gather : Call::all_reduce;
+    p.combine_bytes = R * C * H * es;
+  }
+  return p;
+}
+
+/// The collectives of `p` on buffers of zeros on `dev`, stream-ordered on `stream`.
+RawCalls padded_raw_calls(const PaddedRawPlan& p, const std::shared_ptr<Group>& group, Device dev, Stream stream) {
+  RawCalls rc;
+  const int R = p.ranks;
+  auto buffer = [&](int64_t bytes) {
+    rc.buffers.push_back(Tensor::zeros({std::max<int64_t>(bytes, 1)}, DType::uint8, dev));
+    return rc.buffers.back().data();
+  };
+  auto make = [&](PaddedRawPlan::Call call, int64_t bytes, DType dt) -> std::function<void()> {
+    using Call = PaddedRawPlan::Call;
+    std::shared_ptr<Group> g = group;
+    switch (call) {
+      case Call::all_gather: {
+        void *send = buffer(bytes), *recv = buffer(R * bytes);
+        return [=] { g->all_gather(send, recv, bytes, stream); };
+      }
+      case Call::all_reduce: {
+        void *send = buffer(bytes), *recv = buffer(bytes);
+        const int64_t n = bytes / dtype_size(dt);
+        return [=] { g->all_reduce_sum(send, recv, n, dt, stream); };
+      }
+      case Call::reduce_scatter: {
+        void *send = buffer(R * bytes), *recv = buffer(bytes);
+        const std::vector<int64_t> counts(static_cast<size_t>(R), bytes / dtype_size(dt));
+        return [=] { g->reduce_scatterv(send, recv, counts, dt, stream); };
+      }
+      case Call::all_to_all: {
+        void *send = buffer(R * bytes), *recv = buffer(R * bytes);
+        const std::vector<int64_t> blocks(static_cast<size_t>(R), bytes);
+        return [=] { g->all_to_allv(send, blocks, recv, blocks, stream); };
+      }
+    }
+    throw InvalidArgument("epx bench --padded: unknown collective");
+  };
+  rc.dispatch = make(p.dispatch, p.dispatch_bytes, DType::uint8);
+  rc.combine = make(p.combine, p.combine_bytes, p.combine_dtype);
+  return rc;
+}
+
+/// --padded: the nccl_raw:<backend> twin, timed in the same iterations as its backend.
+struct RawTwin {
+  RawCalls calls;
+  RankJobResult& res;
+};
+
 /// The dispatch -> identity experts -> combine round trip of one backend on one rank, `warmup` +
-/// `iters` times; times prepare and finalize of the last `iters`. Collective.
+/// `iters` times; times prepare and finalize of the last `iters`, and the host wall time of those calls.
+/// With `twin` (--padded), each iteration also runs the twin's raw calls, aligned on their own, the order
+/// of the two alternating from one iteration to the next. Collective.
 void run_epx_backend(const Job& job, const BenchCase& c, int64_t T, const std::shared_ptr<Group>& group, Device dev,
                      const TensorView& x, const TensorView& idx, const TensorView& wts, int warmup, int iters, Stream stream,
-                     IterTimer& timer, RankJobResult& res, const KernelTimeMode& ktm) {
+                     IterTimer& timer, RankJobResult& res, const KernelTimeMode& ktm, RawTwin* twin = nullptr) {
   const int R = group->size(), rank = group->rank();
-  const DispatchConfig cfg = dispatch_config(c, T, job.dtype, job.flat_combine);
+  const DispatchConfig cfg = dispatch_config(c, T, job);
   auto pf = make_prepare_finalize(job.backend, group, cfg);
   res.hierarchical = pf->capabilities().hierarchical;
 #ifdef EPX_WITH_CUDA
@@ -575,10 +752,12 @@ void run_epx_backend(const Job& job, const BenchCase& c, int64_t T, const std::s
     a.topk_weights = wts;
     a.stream = stream;
     PrepareResult p;
+    const auto h0 = std::chrono::steady_clock::now();
     {
       KtCall k(kt_iter, kt::Op::dispatch);
       p = pf->prepare(a);
     }
+    const auto h1 = std::chrono::steady_clock::now();
     if (timed) timer.mark(1);
     std::vector<int64_t> dims(p.x.shape.begin(), p.x.shape.begin() + p.x.ndim);
     TensorView eo(nullptr, expert_out_dtype(p.layout, cfg), dims, dev);
@@ -591,23 +770,46 @@ void run_epx_backend(const Job& job, const BenchCase& c, int64_t T, const std::s
     f.expert_out = eo;
     f.out = out;
     f.stream = stream;
+    const auto h2 = std::chrono::steady_clock::now();
     {
       KtCall k(kt_iter, kt::Op::combine);
       pf->finalize(f);
     }
+    const auto h3 = std::chrono::steady_clock::now();
     if (timed) {
       timer.mark(3);
       const auto [d, cmb] = timer.finish();
       d_us.push_back(d);
       c_us.push_back(cmb);
+      if (kt_iter < 0) {
+        using us = std::chrono::duration<double, std::micro>;
+        res.host_dispatch_us.push_back(us(h1 - h0).count());
+        res.host_combine_us.push_back(us(h3 - h2).count());
+      }
     }
   };
+  auto twin_round = [&](bool timed, std::vector<double>& d_us, std::vector<double>& c_us, int64_t kt_iter = -1) {
+    raw_round(*group, word, stream, timer, twin->calls, false, timed, d_us, c_us, kt_iter, kt_iter < 0 ? &twin->res : nullptr);
+  };
   std::vector<double> scratch_d, scratch_c;
-  for (int i = 0; i < warmup; ++i) round_trip_into(false, scratch_d, scratch_c);
+  auto iteration = [&](int i, bool timed) {
+    std::vector<double>& d = timed ? res.dispatch_us : scratch_d;
+    std::vector<double>& cmb = timed ? res.combine_us : scratch_c;
+    if (!twin) return round_trip_into(timed, d, cmb);
+    std::vector<double>& rd = timed ? twin->res.dispatch_us : scratch_d;
+    std::vector<double>& rc = timed ? twin->res.combine_us : scratch_c;
+    if (i % 2 == 1) twin_round(timed, rd, rc);
+    round_trip_into(timed, d, cmb);
+    if (i % 2 == 0) twin_round(timed, rd, rc);
+  };
+  for (int i = 0; i < warmup; ++i) iteration(i, false);
   timer.sync();
-  for (int i = 0; i < iters; ++i) round_trip_into(true, res.dispatch_us, res.combine_us);
+  for (int i = 0; i < iters; ++i) iteration(i, true);
   timer.sync();
   kernel_rounds(ktm, *group, iters, round_trip_into, stream, res.kernel);
+  if (twin) kernel_rounds(ktm, *group, iters, twin_round, stream, twin->res.kernel);
+  res.remote_bytes_dispatch = pf->stats().remote_bytes_dispatch;
+  res.remote_bytes_combine = pf->stats().remote_bytes_combine;
   res.out = out.device().is_cpu() ? out : out.to(Device::cpu());
 }
 
@@ -619,22 +821,22 @@ void run_raw_a2a(const BenchCase& c, DType dtype, int64_t rows_per_peer, const s
   const int64_t disp_row = dtype == DType::fp8_e4m3 ? c.hidden + c.hidden / kFp8GroupSize * 4 : 2 * c.hidden;
   const int64_t comb_row = 2 * c.hidden;
   const std::vector<int64_t> disp(static_cast<size_t>(R), rows_per_peer * disp_row), comb(static_cast<size_t>(R), rows_per_peer * comb_row);
-  Tensor send_d = Tensor::zeros({std::max<int64_t>(1, R * rows_per_peer * disp_row)}, DType::uint8, dev);
-  Tensor recv_d = Tensor::zeros({std::max<int64_t>(1, R * rows_per_peer * disp_row)}, DType::uint8, dev);
-  Tensor send_c = Tensor::zeros({std::max<int64_t>(1, R * rows_per_peer * comb_row)}, DType::uint8, dev);
-  Tensor recv_c = Tensor::zeros({std::max<int64_t>(1, R * rows_per_peer * comb_row)}, DType::uint8, dev);
+  RawCalls calls;
+  for (int64_t bytes : {disp_row, disp_row, comb_row, comb_row})
+    calls.buffers.push_back(Tensor::zeros({std::max<int64_t>(1, R * rows_per_peer * bytes)}, DType::uint8, dev));
+  void *send_d = calls.buffers[0].data(), *recv_d = calls.buffers[1].data(), *send_c = calls.buffers[2].data(), *recv_c = calls.buffers[3].data();
   const Tensor word = Tensor::zeros({1}, DType::fp32, dev);
-  std::function<void()> disp_call = [&] { group->all_to_allv(send_d.data(), disp, recv_d.data(), disp, stream); };
-  std::function<void()> comb_call = [&] { group->all_to_allv(send_c.data(), comb, recv_c.data(), comb, stream); };
+  calls.dispatch = [&] { group->all_to_allv(send_d, disp, recv_d, disp, stream); };
+  calls.combine = [&] { group->all_to_allv(send_c, comb, recv_c, comb, stream); };
 #ifdef EPX_WITH_CUDA
   CapturedGraph gd, gc;
   if (graph && dev.is_cuda()) {
     // NCCL send/recv are capturable (NCCL >= 2.9); if this NCCL refuses, time eagerly and say so.
     try {
-      gd.capture(stream, disp_call);
-      gc.capture(stream, comb_call);
-      disp_call = [&] { gd.launch(stream); };
-      comb_call = [&] { gc.launch(stream); };
+      gd.capture(stream, calls.dispatch);
+      gc.capture(stream, calls.combine);
+      calls.dispatch = [&] { gd.launch(stream); };
+      calls.combine = [&] { gc.launch(stream); };
       res.graph = true;
     } catch (const std::exception& e) {
       std::cerr << "epx bench --graph: nccl_a2a_raw capture failed (" << e.what() << "), timing it eagerly\n";
@@ -644,35 +846,9 @@ void run_raw_a2a(const BenchCase& c, DType dtype, int64_t rows_per_peer, const s
 #else
   (void)graph;
 #endif
+  // Graph replays: no host time (the host launch of a graph is not the calls' enqueue).
   auto once_into = [&](bool timed, std::vector<double>& d_us, std::vector<double>& c_us, int64_t kt_iter = -1) {
-    if (timed) {
-#ifdef EPX_WITH_CUDA
-      if (kt_iter >= 0) align_ranks_for_kernel_time(*group, word, stream);
-      else if (res.graph) align_ranks_delayed(*group, word, stream);
-      else align_ranks(*group, word, stream);
-#else
-      align_ranks(*group, word, stream);
-#endif
-      timer.mark(0);
-    }
-    {
-      KtCall k(kt_iter, kt::Op::dispatch);
-      disp_call();
-    }
-    if (timed) {
-      timer.mark(1);
-      timer.mark(2);
-    }
-    {
-      KtCall k(kt_iter, kt::Op::combine);
-      comb_call();
-    }
-    if (timed) {
-      timer.mark(3);
-      const auto [d, cmb] = timer.finish();
-      d_us.push_back(d);
-      c_us.push_back(cmb);
-    }
+    raw_round(*group, word, stream, timer, calls, res.graph, timed, d_us, c_us, kt_iter, res.graph || kt_iter >= 0 ? nullptr : &res);
   };
   std::vector<double> scratch_d, scratch_c;
   for (int i = 0; i < warmup; ++i) once_into(false, scratch_d, scratch_c);
@@ -698,18 +874,28 @@ std::vector<Job> make_jobs(const BenchOptions& o, const std::vector<BenchCase>& 
     const std::string b = list.substr(0, at);
     list.erase(0, at + 1);
     if (b == "all") {
-      for (const std::string& n : backend_names()) backends.push_back(n);
-      backends.push_back(kRaw);
+      // --padded: every backend with a padded form (each with its nccl_raw twin below).
+      for (const std::string& n : backend_names())
+        if (!o.padded || has_padded_form(n)) backends.push_back(n);
+      if (!o.padded) backends.push_back(kRaw);
     } else if (!b.empty()) {
+      require_arg(kOp, "--backend", b, !o.padded || b == kRaw || has_padded_form(b),
+                  "has no padded form: --padded takes naive, allgather_reducescatter, all2allv, nccl_a2a_raw or all");
       backends.push_back(b);
     }
   }
   std::vector<Job> jobs;
+  const FlatCombine fc = parse_flat_combine(o.flat_combine, "--flat-combine");
   for (size_t ci = 0; ci < cases.size(); ++ci) {
     std::vector<DType> dtypes = cases[ci].dtypes;
     if (!o.dtype.empty()) dtypes = {parse_dtype(o.dtype)};
     for (DType dt : dtypes)
-      for (const std::string& b : backends) jobs.push_back({ci, dt, b, parse_flat_combine(o.flat_combine, "--flat-combine")});
+      for (const std::string& b : backends) {
+        const bool padded = o.padded && has_padded_form(b);
+        jobs.push_back({ci, dt, b, fc, padded});
+        // The twin right after its backend: run_jobs_on_rank times the two in the same iterations.
+        if (padded) jobs.push_back({ci, dt, std::string(kPaddedRawPrefix) + b, fc, true});
+      }
   }
   return jobs;
 }
@@ -753,11 +939,19 @@ void run_jobs_on_rank(const BenchOptions& o, const std::vector<BenchCase>& cases
       for (int64_t v : group->all_gather_i64(in.dedup_rows)) total += v;
       rows_per_peer = (total / R + R - 1) / R;
     }
-    RankJobResult res;
-    res.valid_selections = in.valid_selections;
-    res.dedup_rows = in.dedup_rows;
+    RankJobResult res, twin_res;
+    res.valid_selections = twin_res.valid_selections = in.valid_selections;
+    res.dedup_rows = twin_res.dedup_rows = in.dedup_rows;
+    // --padded: the backend's job is followed by its nccl_raw twin's (make_jobs); both run now.
+    const bool with_twin = job.padded && !is_raw(job.backend) && j + 1 < jobs.size() && is_padded_raw(jobs[j + 1].backend);
     try {
-      if (job.backend == kRaw) {
+      if (with_twin) {
+        const PaddedRawPlan plan = padded_raw_plan(c, T, job, R);
+        twin_res.moved_bytes_dispatch = plan.send_bytes(true);
+        twin_res.moved_bytes_combine = plan.send_bytes(false);
+        RawTwin twin{padded_raw_calls(plan, group, dev, stream), twin_res};
+        run_epx_backend(job, c, T, group, dev, x, idx, wts, o.warmup, o.iters, stream, timer, res, ktm, &twin);
+      } else if (job.backend == kRaw) {
         run_raw_a2a(c, job.dtype, rows_per_peer, group, dev, o.warmup, o.iters, stream, timer, res, o.graph, ktm);
       } else if (o.graph) {
 #ifdef EPX_WITH_CUDA
@@ -767,16 +961,18 @@ void run_jobs_on_rank(const BenchOptions& o, const std::vector<BenchCase>& cases
         run_epx_backend(job, c, T, group, dev, x, idx, wts, o.warmup, o.iters, stream, timer, res, ktm);
       }
     } catch (const Unsupported& e) {
-      res.status = 1;
-      res.message = e.what();
+      res.status = twin_res.status = 1;
+      res.message = twin_res.message = e.what();
     } catch (const std::exception& e) {
-      res.status = 2;
-      res.message = e.what();
+      res.status = twin_res.status = 2;
+      res.message = twin_res.message = e.what();
     }
     if (rank == 0 || res.status == 2)
-      std::cerr << "epx bench: rank " << rank << ": " << c.name << " " << dtype_name(job.dtype) << " " << job.backend << ": "
+      std::cerr << "epx bench: rank " << rank << ": " << c.name << " " << dtype_name(job.dtype) << " " << job.backend
+                << (job.padded ? " (padded" + std::string(with_twin ? ", with its nccl_raw twin)" : ")") : std::string()) << ": "
                 << (res.status == 0 ? "ran" : res.status == 1 ? "unsupported" : "error: " + res.message) << "\n";
     publish(j, std::move(res));
+    if (with_twin) publish(++j, std::move(twin_res));
   }
 }
 
@@ -808,6 +1004,14 @@ void run_jobs_on_rank(const BenchOptions& o, const std::vector<BenchCase>& cases
   const std::vector<int64_t> sms = g.all_gather_i64(mine.sms), graphs = g.all_gather_i64((mine.graph ? 1 : 0) | (mine.hierarchical ? 2 : 0));
   const std::vector<int64_t> sel = g.all_gather_i64(mine.valid_selections), dd = g.all_gather_i64(mine.dedup_rows);
   const std::vector<int64_t> md = g.all_gather_i64(mine.moved_bytes_dispatch), mc = g.all_gather_i64(mine.moved_bytes_combine);
+  const std::vector<int64_t> rbd = g.all_gather_i64(mine.remote_bytes_dispatch), rbc = g.all_gather_i64(mine.remote_bytes_combine);
+  // Host times: as many per rank as timed eager iterations (the same on every rank for one job; none for graphs).
+  const int64_t nh = static_cast<int64_t>(mine.host_dispatch_us.size());
+  std::vector<double> hd(static_cast<size_t>(nh * R)), hc(static_cast<size_t>(nh * R));
+  if (nh > 0) {
+    g.all_gather(mine.host_dispatch_us.data(), hd.data(), nh * 8);
+    g.all_gather(mine.host_combine_us.data(), hc.data(), nh * 8);
+  }
   // --kernel-time: ran (agreed in kernel_rounds, so the same on every rank) with iters values per vector.
   std::vector<KernelRun> kruns;
   for (KernelRun* kr : {&mine.kernel, &mine.kernel_1tok}) {
@@ -861,6 +1065,10 @@ void run_jobs_on_rank(const BenchOptions& o, const std::vector<BenchCase>& cases
     r.dedup_rows = dd[q];
     r.moved_bytes_dispatch = md[q];
     r.moved_bytes_combine = mc[q];
+    r.remote_bytes_dispatch = rbd[q];
+    r.remote_bytes_combine = rbc[q];
+    r.host_dispatch_us.assign(hd.begin() + q * nh, hd.begin() + (q + 1) * nh);
+    r.host_combine_us.assign(hc.begin() + q * nh, hc.begin() + (q + 1) * nh);
     if (has_out) r.out = outs[q];
     KernelRun* dst[2] = {&r.kernel, &r.kernel_1tok};
     for (int k = 0; k < 2; ++k) {
@@ -940,7 +1148,7 @@ std::vector<Tensor> cpu_backend_outputs(const Job& job, const BenchCase& c, int6
   auto groups = make_cpu_groups(R, timeout_s);
   std::vector<Tensor> outs(static_cast<size_t>(R));
   run_ranks(groups, [&](int r) {
-    const DispatchConfig cfg = dispatch_config(c, T, job.dtype, job.flat_combine);
+    const DispatchConfig cfg = dispatch_config(c, T, job);
     auto pf = make_prepare_finalize(job.backend, groups[r], cfg);
     auto experts = make_identity_experts(num_local_experts(cfg, R, r), c.hidden, Device::cpu());
     DispatchArgs a;
@@ -990,7 +1198,9 @@ int report(const BenchOptions& o, const std::vector<BenchCase>& cases, const std
   json rows = json::array();
   bool ok = true;
   std::ostringstream table;
-  table << std::left << std::setw(7) << "case" << std::setw(9) << "dtype" << std::setw(25) << "backend" << std::setw(9) << "op"
+  // Wide enough for "nccl_raw:allgather_reducescatter" and "allgather_reducescatter [padded]".
+  constexpr int kBackendWidth = 34;
+  table << std::left << std::setw(7) << "case" << std::setw(9) << "dtype" << std::setw(kBackendWidth) << "backend" << std::setw(9) << "op"
         << std::right << std::setw(10) << "p50 us" << std::setw(10) << "p10 us" << std::setw(10) << "p90 us" << std::setw(9) << "GB/s"
         << std::setw(11) << "predicted" << std::setw(7) << "ratio" << std::setw(10) << "kern p50" << std::setw(10) << "kern p90"
         << std::setw(10) << "span p50" << std::setw(8) << "kGB/s" << "  " << std::left << "validated\n";
@@ -1009,7 +1219,7 @@ int report(const BenchOptions& o, const std::vector<BenchCase>& cases, const std
     bool validated = false, passed = true;
     double max_rel = 0, rel_l2 = 0, beyond_ulp = 0, mismatch = 0;
     std::string reference;
-    if (status == 0 && job.backend != kRaw) {
+    if (status == 0 && !is_raw(job.backend)) {
       try {
         const auto& ins = inputs_of(job.case_idx);
         std::vector<Tensor> refs;
@@ -1068,7 +1278,18 @@ int report(const BenchOptions& o, const std::vector<BenchCase>& cases, const std
       const double gbps = ran && p50 > 0 ? bytes / (p50 * 1e3) : NAN;
       const Prediction pred = predict(c.name, job.dtype, job.backend, op, R);
       // Predictions were written for the GPUs at the case's own shape and uniform routing.
-      const bool has_pred = !one_token && pred.predicted_us > 0 && cuda && !virtual_ranks && T == c.tokens_per_rank && o.routing == "uniform";
+      // None for the padded form (its bytes and host work differ from what they were written for).
+      const bool has_pred = !one_token && !job.padded && pred.predicted_us > 0 && cuda && !virtual_ranks && T == c.tokens_per_rank &&
+                            o.routing == "uniform";
+      // Host wall time of the timed calls (eager rounds): per iteration the slowest rank's.
+      std::vector<double> host_iter;
+      if (status == 0 && !one_token && !jr.ranks.empty() && !jr.ranks[0].host_dispatch_us.empty()) {
+        host_iter.assign(jr.ranks[0].host_dispatch_us.size(), 0.0);
+        for (const RankJobResult& r : jr.ranks) {
+          const auto& v = op == "dispatch" ? r.host_dispatch_us : r.host_combine_us;
+          for (size_t i = 0; i < host_iter.size() && i < v.size(); ++i) host_iter[i] = std::max(host_iter[i], v[i]);
+        }
+      }
       const bool row_validated = validated && !one_token;
       // --kernel-time (KernelRun): each rank's own p50 / p90 / mean of its calls' kernel sums (and spans), the
       // largest over the ranks; the per-iteration slowest rank's p50 beside it (it also holds the iterations
@@ -1148,8 +1369,18 @@ int report(const BenchOptions& o, const std::vector<BenchCase>& cases, const std
           {"mismatch_fraction", row_validated ? json(mismatch) : json(nullptr)},
           {"beyond_1ulp_fraction", row_validated ? json(beyond_ulp) : json(nullptr)},
           {"flat_combine", job.backend == "ll" || job.backend == kRaw ? json(nullptr) : json(flat_combine_name(job.flat_combine))},
+          {"form", has_padded_form(job.backend) ? json(job.padded ? "padded" : "dynamic") : json(nullptr)},
+          {"host_enqueue_us_p50", host_iter.empty() ? json(nullptr) : json(percentile(host_iter, 50))},
+          {"host_enqueue_us_p90", host_iter.empty() ? json(nullptr) : json(percentile(host_iter, 90))},
+          {"ratio_to_nccl_raw", nullptr},                        // padded rows: set below, against the twin
+          {"prepare_plus_finalize_ratio_to_nccl_raw", nullptr},  // the same
+          {"raw_calls", is_padded_raw(job.backend) ? json(padded_raw_plan(c, T, job, R).describe(op == "dispatch")) : json(nullptr)},
+          {"remote_bytes_rank0", status == 0 && !is_raw(job.backend) && !one_token && !jr.ranks.empty() &&
+                                         (op == "dispatch" ? jr.ranks[0].remote_bytes_dispatch : jr.ranks[0].remote_bytes_combine) >= 0
+                                     ? json(op == "dispatch" ? jr.ranks[0].remote_bytes_dispatch : jr.ranks[0].remote_bytes_combine)
+                                     : json(nullptr)},
           {"reference", row_validated ? json(reference)
-                                      : json(job.backend == kRaw ? "none: data movement only"
+                                      : json(is_raw(job.backend) ? "none: data movement only"
                                                                  : one_token ? "none: latency floor (same graphs, device-side T = 1)" : "none")},
           {"predicted_us", has_pred ? json(pred.predicted_us) : json(nullptr)},
           {"prediction", has_pred ? json(pred.derivation) : json(nullptr)},
@@ -1169,12 +1400,13 @@ int report(const BenchOptions& o, const std::vector<BenchCase>& cases, const std
           {"latency_us_p50_cupti_rounds", kran ? num(kt::percentile_finite(kevs, 50)) : json(nullptr)},
           {"kernel_records_dropped", kran ? json(kr0->dropped) : json(nullptr)},
       };
-      if (job.backend == kRaw && ran) row["moved_bytes_per_rank"] = moved;
+      if (is_raw(job.backend) && ran) row["moved_bytes_per_rank"] = moved;
       if (one_token) row["note"] = "1 token per rank: the fixed floor, the same captured graphs replayed with num_tokens = 1 on the device";
       if (!message.empty()) row["message"] = message;
       rows.push_back(row);
-      table << std::left << std::setw(7) << c.name << std::setw(9) << dtype_name(job.dtype) << std::setw(25)
-            << (one_token ? job.backend + " (T=1)" : job.backend) << std::setw(9) << op << std::right << std::setw(10) << (ran ? fixed(p50, 1) : "-") << std::setw(10)
+      const std::string label = job.backend + (job.padded && !is_raw(job.backend) ? " [padded]" : "");
+      table << std::left << std::setw(7) << c.name << std::setw(9) << dtype_name(job.dtype) << std::setw(kBackendWidth)
+            << (one_token ? label + " (T=1)" : label) << std::setw(9) << op << std::right << std::setw(10) << (ran ? fixed(p50, 1) : "-") << std::setw(10)
             << (ran ? fixed(percentile(per_iter, 10), 1) : "-") << std::setw(10) << (ran ? fixed(percentile(per_iter, 90), 1) : "-")
             << std::setw(9) << (one_token ? std::string("-") : fixed(gbps, 1)) << std::setw(11) << (has_pred ? fixed(pred.predicted_us, 0) : "-") << std::setw(7)
             << (has_pred && ran ? fixed(p50 / pred.predicted_us, 2) : "-") << std::setw(10) << fixed(k50, 1) << std::setw(10)
@@ -1185,9 +1417,47 @@ int report(const BenchOptions& o, const std::vector<BenchCase>& cases, const std
     }
     if (!message.empty()) table << "  " << job.backend << ": " << message << "\n";
   }
+  // --padded: each padded row against its nccl_raw twin, timed in the same iterations (same case, dtype, op).
+  std::ostringstream padded_lines;
+  auto p50_of = [](const json& r) { return r["latency_us_p50"].is_number() ? r["latency_us_p50"].get<double>() : NAN; };
+  auto twin_of = [&](const json& row, const std::string& op) -> const json* {
+    for (const auto& raw : rows)
+      if (raw["backend"] == std::string(kPaddedRawPrefix) + row["backend"].get<std::string>() && raw["case"] == row["case"] &&
+          raw["dispatch_dtype"] == row["dispatch_dtype"] && raw["op"] == op && raw["tokens_per_rank"] == row["tokens_per_rank"])
+        return &raw;
+    return nullptr;
+  };
+  auto pair_of = [&](const json& row, const std::string& op) -> const json* {
+    for (const auto& r : rows)
+      if (r["backend"] == row["backend"] && r["form"] == row["form"] && r["case"] == row["case"] &&
+          r["dispatch_dtype"] == row["dispatch_dtype"] && r["op"] == op && r["tokens_per_rank"] == row["tokens_per_rank"])
+        return &r;
+    return nullptr;
+  };
+  for (auto& row : rows) {
+    if (row["form"] != "padded") continue;
+    const json* raw = twin_of(row, row["op"]);
+    const json* other = pair_of(row, row["op"] == "dispatch" ? "combine" : "dispatch");
+    const json* raw_other = other ? twin_of(*other, (*other)["op"]) : nullptr;
+    const double mine = p50_of(row), theirs = raw ? p50_of(*raw) : NAN;
+    row["ratio_to_nccl_raw"] = std::isfinite(mine) && std::isfinite(theirs) && theirs > 0 ? json(mine / theirs) : json(nullptr);
+    const double sum = other ? mine + p50_of(*other) : NAN, raw_sum = raw && raw_other ? theirs + p50_of(*raw_other) : NAN;
+    row["prepare_plus_finalize_ratio_to_nccl_raw"] = std::isfinite(sum) && std::isfinite(raw_sum) && raw_sum > 0 ? json(sum / raw_sum) : json(nullptr);
+    if (std::isfinite(mine) && std::isfinite(theirs)) {
+      auto host = [&](const json& r) { return r["host_enqueue_us_p50"].is_number() ? fixed(r["host_enqueue_us_p50"].get<double>(), 1) : "-"; };
+      padded_lines << "  " << row["case"].get<std::string>() << " " << row["dispatch_dtype"].get<std::string>() << " "
+                   << row["backend"].get<std::string>() << " " << (row["op"] == "dispatch" ? "prepare " : "finalize") << ": p50 "
+                   << fixed(mine, 1) << " us vs " << fixed(theirs, 1) << " us raw (" << fixed(mine / theirs, 2) << "x"
+                   << (row["prepare_plus_finalize_ratio_to_nccl_raw"].is_number()
+                           ? "; prepare + finalize " + fixed(row["prepare_plus_finalize_ratio_to_nccl_raw"].get<double>(), 2) + "x"
+                           : std::string())
+                   << "); host enqueue p50 " << host(row) << " us (raw " << host(*raw) << " us); raw: "
+                   << (*raw)["raw_calls"].get<std::string>() << "\n";
+    }
+  }
   // Ratio to NCCL's raw all-to-all measured in the same run (same case, dispatch dtype, op, tokens).
   for (auto& row : rows) {
-    if (row["backend"] == kRaw || row["latency_us_p50"].is_null()) continue;
+    if (is_raw(row["backend"].get<std::string>()) || row["latency_us_p50"].is_null()) continue;
     for (const auto& raw : rows)
       if (raw["backend"] == kRaw && raw["case"] == row["case"] && raw["dispatch_dtype"] == row["dispatch_dtype"] && raw["op"] == row["op"] &&
           raw["tokens_per_rank"] == row["tokens_per_rank"] && !raw["latency_us_p50"].is_null())
@@ -1197,9 +1467,13 @@ int report(const BenchOptions& o, const std::vector<BenchCase>& cases, const std
             << (virtual_ranks ? std::string(" (virtual ranks: threads on one GPU)")
                               : " (NCCL LSA team " + std::to_string(o.node_layout_for_report.lsa_size) + ")")
             << "\n" << table.str() << kernel_lines.str();
+  if (!padded_lines.str().empty())
+    std::cout << "padded form against the raw collectives it makes (nccl_raw:<backend>, same iterations, order alternating):\n"
+              << padded_lines.str();
   if (virtual_ranks)
     std::cout << virtual_ranks_note(R) << ": epx bench measures one GPU's memory, not NVLink; " << kRaw
-              << " is the virtual group's all_to_allv (copies on the GPU, no NCCL); no predictions (written for NVLink)\n";
+              << (o.padded ? " and nccl_raw:<backend> are the virtual group's collectives" : " is the virtual group's all_to_allv")
+              << " (copies on the GPU, no NCCL); no predictions (written for NVLink)\n";
   std::cout << "GB/s: bytes per rank (mean over ranks) / p50; accounting per case (ANCHORS.md): ";
   for (const BenchCase& c : cases) std::cout << c.name << " " << c.accounting << "  ";
   std::cout << "\nlatency: per iteration the slowest rank's, " << (cuda ? (o.graph ? "CUDA events around CUDA-graph replays" : "CUDA events") : "host clock") << ", after " << o.warmup
@@ -1324,6 +1598,8 @@ int run_bench(const BenchOptions& options, const std::string& command) {
     where = cuda_ranks_for(kOp, o.ranks);
   }
   require_arg(kOp, "--graph", "set", !o.graph || cuda, "needs --device cuda (CUDA graphs)");
+  require_arg(kOp, "--padded", "set", !o.padded || !o.graph,
+              "times eager calls and their host enqueue; it does not take --graph (the padded form's graph replays: epx moe --mode decode)");
   // on = kernel time or a failed run (auto reports 'unavailable' and goes on): refuse what cannot measure it.
   require_arg(kOp, "--kernel-time", o.kernel_time, o.kernel_time != "on" || cuda,
               "on needs --device cuda (the GPU durations of the calls' kernels); use auto or off with CPU ranks");

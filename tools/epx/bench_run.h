@@ -54,6 +54,22 @@
 //   kernel_iterations      iterations of the CUPTI rounds; latency_us_p50_cupti_rounds: the CUDA-event p50
 //                          of those same rounds (CUPTI's and the 1 ms alignment's effect on the event figure)
 //   kernel_records_dropped records CUPTI dropped (all ranks)
+// --padded (eager; not with --graph): naive, allgather_reducescatter and all2allv in their padded form
+// (DispatchConfig::use_worst_case_sizing, C = T rows per rank's block: no host wait), each beside
+// "nccl_raw:<backend>": the Group collectives that padded form makes, with the same bytes (dispatch: the
+// all_gather of R blocks, or all2allv's all-to-all of equal blocks; combine: naive's all_gather (fp32
+// partials) or all_reduce (bf16), allgather_reducescatter's reduce_scatter of C rows per rank,
+// all2allv's reverse all-to-all), on buffers of zeros. The two alternate within every iteration (each
+// after its own alignment; which goes first alternates), so both medians come from the same rounds.
+// Every eager row also gets the host wall time of the timed calls themselves (prepare / finalize, or
+// the raw collectives; what the host spends enqueueing, plus any wait inside the call). JSON fields:
+//   form                   "padded" | "dynamic" (naive, allgather_reducescatter, all2allv), else null
+//   host_enqueue_us_p50/p90  host wall time of the call, us (per iteration the slowest rank's); null for graph replays
+//   ratio_to_nccl_raw      padded rows: p50 / the p50 of its nccl_raw:<backend> row (same case, dtype, op)
+//   prepare_plus_finalize_ratio_to_nccl_raw  (dispatch p50 + combine p50) / the same sum of nccl_raw:<backend>
+//   raw_calls              nccl_raw rows: the collective and its sizes
+//   moved_bytes_per_rank   raw rows: the bytes each rank hands to the collective (its send buffer, incl. self)
+//   remote_bytes_rank0     epx rows: rank 0's DispatchStats remote_bytes_dispatch / _combine of the last call
 #pragma once
 
 #include <cstdint>
@@ -88,6 +104,9 @@ struct BenchOptions {
   NodeLayout node_layout_for_report;   ///< set by run_bench: the group's node layout (JSON "node_layout")
   bool graph = false;               ///< --graph: time CUDA-graph replays (cuda only)
   std::string kernel_time = "auto"; ///< --kernel-time: auto (on with CUPTI on cuda) | on | off
+  /// --padded: naive / allgather_reducescatter / all2allv in their padded form (use_worst_case_sizing),
+  /// each with its nccl_raw:<backend> twin timed in the same iterations (eager only).
+  bool padded = false;
 };
 
 /// A standard shape (ANCHORS.md "Standard shapes").

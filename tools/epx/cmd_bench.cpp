@@ -64,6 +64,10 @@ void add_bench_command(CLI::App& root, BenchCommand& cmd) {
   b->add_flag("--graph", o.graph,
              "Capture prepare and finalize in CUDA graphs (separately) and time their replays (cuda; graph-safe backends + "
              "nccl_a2a_raw); adds the 1-token-per-rank latency and the SMs used for ll");
+  b->add_flag("--padded", o.padded,
+             "naive, allgather_reducescatter, all2allv in their padded form (use_worst_case_sizing: C = T rows per rank's block, "
+             "no host wait), each beside nccl_raw:<backend>, the Group collectives that form makes with the same bytes, timed in "
+             "the same iterations (eager; not with --graph); rows add ratio_to_nccl_raw and host_enqueue_us_p50");
   b->add_option("--kernel-time", o.kernel_time,
                  "GPU duration of each call's kernels from CUPTI activity records (DeepEP's bench_kineto figure), in separate "
                  "rounds after the event rounds: auto (on for --device cuda when built with CUPTI, else 'unavailable' and the "
@@ -86,11 +90,16 @@ void add_bench_command(CLI::App& root, BenchCommand& cmd) {
       "--device cuda with fewer GPUs than R: R virtual ranks (threads of one process on GPU 0, each with its share of the\n"
       "SMs); validated the same way, but the times measure one GPU's memory, not NVLink (JSON ranks_per_gpu = R; no\n"
       "predictions; nccl_a2a_raw is the virtual group's all-to-all; --kernel-time unavailable).\n"
+      "--padded: per iteration the padded backend's prepare / finalize and its nccl_raw:<backend> twin (all_gather of the\n"
+      "R blocks or all2allv's all-to-all; naive's all_gather (fp32) / all_reduce (bf16), agrs's reduce_scatter, all2allv's\n"
+      "reverse all-to-all of the partials), each aligned on its own, the order alternating; ratio = p50 / the twin's p50.\n"
+      "host enqueue (eager rows): host wall time of the timed call itself, without a wait on the stream after it.\n"
       "Exit status: 0 every epx backend that ran validated, 1 otherwise, 2 a bad flag.\n"
       "Examples:\n"
       "  epx bench --case ll-v3 --backend all --ranks 2 --json bench-ll-v3.json\n"
       "  epx bench --case ht-v3 --backend all2allv --ranks 2 --routing zipf\n"
       "  epx bench --device cpu --case ll-v3 --ranks 2 --iters 5\n"
+      "  epx bench --device cuda --case ll-v3 --backend all --padded --ranks 1 --iters 200\n"
       "  epx bench --device cuda --case ll-v3 --backend all --ranks 2 --iters 20   (one GPU: 2 virtual ranks)");
 }
 
