@@ -42,6 +42,9 @@
 // from one all_gatherv sized by the DP metadata (only for models with a shared gate).
 // Whole-layer CUDA graph: the same code with static DP metadata (T_max on every rank, one chunk),
 // no host collective, and the valid row count on the device (DispatchArgs::num_tokens).
+// Here: DPMetadata, construction, forward / forward_routed and the chunk loop; the shared expert's separate,
+// local-slot and DP-sharded paths: modular_moe_shared.cpp; the whole-layer CUDA graph: modular_moe_graph.cpp;
+// the state they share: modular_moe_impl.h.
 #include <algorithm>
 #include <chrono>
 #include <exception>
@@ -54,11 +57,17 @@
 #include "epx/moe.h"
 #include "epx/quant.h"
 #include "moe/moe_internal.h"
+#include "moe/modular_moe_impl.h"
 #ifdef EPX_WITH_CUDA
 #include "moe/moe_cuda.h"
 #endif
 
 namespace epx {
+
+using moe_detail::check_routing_on;
+using moe_detail::check_rows;
+using moe_detail::kFwdOp;
+using moe_detail::no_cuda;
 
 DPMetadata DPMetadata::from_tokens(std::vector<int64_t> tokens, int64_t chunk) {
   constexpr std::string_view op = "DPMetadata::from_tokens";
@@ -107,154 +116,9 @@ int64_t DPMetadata::chunk_max(int64_t chunk) const {
   return m;
 }
 
-struct ModularMoE::Impl {
-  std::shared_ptr<const MoEWeights> weights;
-  std::shared_ptr<Group> group;
-  std::unique_ptr<PrepareFinalize> prepare_finalize;
-  std::unique_ptr<Experts> experts;
-  SharedExpertMode shared_mode = SharedExpertMode::auto_gate;
-  int64_t chunk_size = 0;        // 0 = unchunked
-  int64_t capacity = 0;          // num_max_dispatch_tokens_per_rank
-  int64_t padded_block = 0;      // gathering backend in its padded form (use_worst_case_sizing): rows per rank's block
-  int64_t fhmoe_max_tokens = 0;
-  bool mixed_formats = false;  // the shared expert's weight format differs from the routed experts' (heterogeneous FHMoE)
-  int num_experts = 0;           // E
-  int top_k = 0;                 // K (routed columns)
-  bool wire_fp8 = false;         // dispatch_dtype fp8: the separate shared expert sees x quantized the same way
-  bool wire_ue8m0 = false;
-  bool has_shared = false;
-  bool sharded = false;          // the shared expert runs DP-sharded on fused chunks (local expert L-1 = shard)
-  /// ht with DispatchConfig::expert_contiguous: the experts run on prepare's expert-contiguous rows
-  /// (ActivationLayout::Contiguous with its [L + 1] offsets) and finalize weights them (FinalizeArgs::topk_weights).
-  bool contiguous = false;
-  int shard_slot = -1;           // L-1
-  int64_t local_shared_tokens = -1;  // fused chunks of M > this: shared rows into slot L-1 by hand; -1 never (Config::fhmoe_local_shared_tokens)
-  PathCounters counters;
-  DPMetadata dp;                 // of the last forward call
-
-  Device device;                 // the group's: where x, routing and out live
-  std::vector<std::shared_ptr<const ExpertWeights>> shared_only;  // CUDA separate path: {weights->shared}
-
-  // Scratch reused across calls (on `device`).
-  Tensor expert_out;             // storage for Experts::apply (bf16, or fp32 Flat partials), grown on demand
-  DType flat_partial = DType::bf16;  // expert_out of the Flat layout: fp32 with DispatchConfig::flat_combine partial_fp32
-  bool combine_addend = false;   // the backend takes FinalizeArgs::addend: the separate shared expert joins its fp32 sum
-  Tensor shared_addend;          // [n, H] fp32 g * shared(x~) of a separate chunk (combine_addend)
-  std::vector<float> x_float, shared_y;
-  Tensor route_idx, route_wts, gate;  // [n, K+1] routing of the chunk, g [n] (CUDA)
-  Tensor logits, router_idx, router_wts;  // forward(): router logits [T, E] and its top-k [T, K]
-
-#ifdef EPX_WITH_CUDA
-  // CUDA only: the router's tensors uploaded once, the cuBLAS handle, the separate shared expert.
-  Tensor router_weight_dev, correction_bias_dev, router_bias_dev, shared_gate_dev;
-  std::unique_ptr<moe_cuda::Blas> blas;
-  std::unique_ptr<Experts> shared_experts;  // one expert (the shared one; ExpertMajor on an fp8 wire, else Flat), created on first use
-  Tensor x_f32, shared_idx, shared_wts, shared_out;
-  Tensor shared_xq, shared_xs, shared_count;  // separate path, fp8 wire: x~ [1, n, H] FP8, scales, recv_count [1]
-  Tensor gate_all;                           // [N] g of the gathered rows (sharded, shared gate)
-  Tensor gate_pad;                           // [C] this rank's g in its padded block (padded form)
-  Tensor local_counts;                       // [L] recv_count with slot L-1 = the chunk's rows (local_shared)
-  std::unique_ptr<moe_cuda::Graph> graph;    // the whole-layer graph, once captured
-#endif
-  std::vector<float> gate_all_host;          // CPU: [N] g of the gathered rows (sharded)
-  Tensor shared_idx_any, shared_wts_any;     // [N, 1] route of the shard over the gathered rows
-  Tensor shard_out;                          // [N, H] bf16: the shard's output (sharded)
-  int64_t graph_max_tokens = 0;              // T_max of the captured graph
-  Config experts_config;                     // the layer's Config, for experts built later (separate shared expert)
-  // Phase timing (ModularMoEOptions::time_phases): kPhaseMarks marks per chunk, reset per eager call.
-  static constexpr int kPhaseMarks = 5;
-  bool time_phases = false;
-  bool capturing = false;                    // inside capture_graph (its warm-up included): no marks
-  std::vector<std::chrono::steady_clock::time_point> host_marks;  // CPU
-#ifdef EPX_WITH_CUDA
-  std::unique_ptr<moe_cuda::PhaseEvents> phase_events;             // CUDA
-#endif
-  void reset_phases() {
-    host_marks.clear();
-#ifdef EPX_WITH_CUDA
-    if (phase_events) phase_events->reset();
-#endif
-  }
-  void mark_phase(Stream stream) {
-    if (!time_phases || capturing) return;
-#ifdef EPX_WITH_CUDA
-    if (device.is_cuda()) {
-      if (!phase_events) phase_events = std::make_unique<moe_cuda::PhaseEvents>(device.index, kPhaseMarks);
-      phase_events->mark(stream);
-      return;
-    }
-#endif
-    (void)stream;
-    host_marks.push_back(std::chrono::steady_clock::now());
-  }
-  bool graph_fused = false;                  // the captured graph's shared path
-
-  /// The chunk loop of one call over `dp` (eager: from the gathered T; graph: static). `num_tokens`
-  /// (graph only) goes to the backend as DispatchArgs::num_tokens.
-  void run_chunks(const TensorView& x, const TensorView& topk_idx, const TensorView& topk_weights, const TensorView& out,
-                  const TensorView& num_tokens, Stream stream);
-  /// Router on x [T, H] into scratch: topk_idx [T, K] int32, topk_weights [T, K] fp32.
-  void route_rows(const TensorView& x, Stream stream, TensorView& topk_idx, TensorView& topk_weights);
-  /// The gathered rows' expert partials += g * shard(x): the DP-sharded shared expert (chunk `c`).
-  void add_sharded_shared(const PrepareResult& prepared, const TensorView& expert_view, const TensorView& g,
-                          const std::vector<float>& gate_host, int64_t c, Stream stream);
-
-  void run_chunk(const TensorView& x, const TensorView& topk_idx, const TensorView& topk_weights, const TensorView& out,
-                 int64_t begin, int64_t end, bool fused, int64_t c, const TensorView& num_tokens, Stream stream);
-  TensorView expert_out_like(const TensorView& recv_x);
-  /// Grows `t` (1-D storage of `dtype` on `device`) to at least `numel` elements; returns a view of `dims`.
-  TensorView scratch(Tensor& t, DType dtype, const std::vector<int64_t>& dims);
-  /// Routing of rows [begin, end) with the shared column: idx/wts [n, K(+1)] and gate [n] (CPU or CUDA).
-  /// idx is int32 on the CPU (values checked), topk_idx's dtype on CUDA (values checked by the dispatch).
-  void route_columns(const TensorView& x, const TensorView& topk_idx, const TensorView& topk_weights, int64_t begin,
-                     int64_t end, bool fused, Stream stream, TensorView& idx, TensorView& wts, TensorView& g,
-                     std::vector<float>& gate_host);
-  /// The experts' input of a fused chunk with the local shared slot (CUDA, ExpertMajor): x_chunk
-  /// quantized as the wire does (or copied, bf16 wire) into rows [0, n) of slot L-1 of the
-  /// prepared buffers, and recv_count with slot L-1 = n (or the graph's device count `num_tokens`)
-  /// in the layer's own [L] counts (the backend's recv_count, which its combine reads, stays 0 there).
-  ExpertsInput local_shared_input(const PrepareResult& prepared, const TensorView& x_chunk, const TensorView& num_tokens,
-                                  Stream stream);
-  /// out_chunk += g * shared(x_chunk): the separate shared expert (CPU or CUDA); out_chunk fp32 (the
-  /// combine's FinalizeArgs::addend) is overwritten with g * shared(x_chunk) instead. `num_tokens`
-  /// (whole-layer graph only): the valid rows' count on the device; rows past it are not computed.
-  void add_separate_shared(const TensorView& x_chunk, const TensorView& out_chunk, const TensorView& g,
-                           const std::vector<float>& gate_host, const TensorView& num_tokens, Stream stream);
-};
-
 namespace {
 
 constexpr std::string_view kCtorOp = "ModularMoE";
-constexpr std::string_view kFwdOp = "ModularMoE.forward";
-
-void check_rows(std::string_view op, std::string_view arg, const TensorView& t, int64_t rows, int64_t hidden, Device device) {
-  check_device(op, arg, t, device);
-  check_dtype(op, arg, t, {DType::bf16});
-  check_shape(op, arg, t, {rows, hidden});
-  check_contiguous(op, arg, t);
-}
-
-/// Routing [T, K] on `device`: on the CPU the full check (values included, moe_internal.h); on CUDA
-/// device, dtype, shape and layout only (the values stay on the device).
-void check_routing_on(Device device, std::string_view op, const TensorView& topk_idx, const TensorView& topk_weights,
-                      int64_t T, int num_experts) {
-  if (device.is_cpu()) {
-    moe_detail::check_routing(op, topk_idx, topk_weights, T, num_experts);
-    return;
-  }
-  check_device(op, "topk_idx", topk_idx, device);
-  check_dtype(op, "topk_idx", topk_idx, {DType::int32, DType::int64});
-  check_shape(op, "topk_idx", topk_idx, {T, -1});
-  check_contiguous(op, "topk_idx", topk_idx);
-  check_device(op, "topk_weights", topk_weights, device);
-  check_dtype(op, "topk_weights", topk_weights, {DType::fp32});
-  check_shape(op, "topk_weights", topk_weights, {T, topk_idx.shape[1]});
-  check_contiguous(op, "topk_weights", topk_weights);
-}
-
-[[noreturn, maybe_unused]] void no_cuda(std::string_view what) {
-  throw Unsupported(std::string(kFwdOp) + ": " + std::string(what) + ": this build has no CUDA (configure with EPX_CUDA=ON)");
-}
 
 }  // namespace
 
@@ -647,104 +511,6 @@ void ModularMoE::Impl::route_columns(const TensorView& x, const TensorView& topk
   }
 }
 
-void ModularMoE::Impl::add_separate_shared(const TensorView& x_chunk, const TensorView& out_chunk, const TensorView& g,
-                                           const std::vector<float>& gate_host, const TensorView& num_tokens, Stream stream) {
-  const MoEWeights& w = *weights;
-  const int64_t n = x_chunk.shape[0], H = w.config.hidden;
-  if (device.is_cuda()) {
-#ifdef EPX_WITH_CUDA
-    // The shared expert as a one-expert layer; g is applied in the add (in fp32, as the CPU does),
-    // so there is one rounding of out + g * y.
-    if (!shared_experts) shared_experts = make_experts_cuda(shared_only, device.index, experts_config);
-    if (wire_fp8) {
-      // x~: FP8 1x128 as the wire quantizes it, as a one-expert ExpertMajor layout [1, n, H] with
-      // recv_count = n (contiguous rows, M = n): fp8_block weights take the FP8 tensor-core GEMMs
-      // (the 64-row decode kernels, or the prefill kernels when n fills a wave of 128-row tiles).
-      TensorView xq = scratch(shared_xq, DType::fp8_e4m3, {1, n, H});
-      TensorView xs = scratch(shared_xs, DType::fp32, {1, n, H / kFp8GroupSize});
-      quantize_fp8_per_token_group(x_chunk, TensorView(xq.data, DType::fp8_e4m3, {n, H}, device),
-                                   TensorView(xs.data, DType::fp32, {n, H / kFp8GroupSize}, device), kFp8GroupSize, wire_ue8m0,
-                                   stream);
-      ExpertsInput in;
-      in.layout = ActivationLayout::ExpertMajor;
-      in.x = xq;
-      in.x_scales = xs;
-      // Under the whole-layer graph the chunk is all T_max rows of the static buffers and the
-      // valid count lives on the device: it is the recv_count, so only the valid rows are computed
-      // (and added), as on the fused path, where only they are dispatched.
-      if (num_tokens.defined()) {
-        in.recv_count = num_tokens;
-      } else {
-        in.recv_count = scratch(shared_count, DType::int32, {1});
-        moe_cuda::fill_i32(in.recv_count, static_cast<int32_t>(n), stream);
-      }
-      const TensorView y = scratch(shared_out, DType::bf16, {1, n, H});
-      shared_experts->apply(in, y, stream);
-      if (out_chunk.dtype == DType::fp32) moe_cuda::zero_async(out_chunk, stream);  // the addend: 0 + g * y
-      moe_cuda::add_shared(out_chunk, TensorView(y.data, DType::bf16, {n, H}, device), g, stream, num_tokens);
-      return;
-    }
-    ExpertsInput in;
-    in.layout = ActivationLayout::Flat;
-    in.x = x_chunk;
-    in.topk_idx = scratch(shared_idx, DType::int32, {n, 1});
-    in.topk_weights = scratch(shared_wts, DType::fp32, {n, 1});
-    moe_cuda::fill_single_route(in.topk_idx, in.topk_weights, stream);
-    const TensorView y = scratch(shared_out, DType::bf16, {n, H});
-    shared_experts->apply(in, y, stream);
-    if (out_chunk.dtype == DType::fp32) moe_cuda::zero_async(out_chunk, stream);  // the addend: 0 + g * y
-    moe_cuda::add_shared(out_chunk, y, g, stream);
-    return;
-#else
-    no_cuda("x on " + device.str());
-#endif
-  }
-  (void)num_tokens;  // a CUDA graph only
-  x_float.resize(static_cast<size_t>(n * H));
-  shared_y.resize(static_cast<size_t>(n * H));
-  moe_detail::bf16_to_float(x_chunk.ptr<const uint16_t>(), n * H, x_float.data());
-  if (wire_fp8)  // x~: the wire's FP8 round trip, as the fused path sees it
-    for (int64_t t = 0; t < n; ++t) moe_detail::fp8_round_trip_row(x_float.data() + t * H, H, wire_ue8m0);
-  expert_mlp_cpu(*w.shared, x_float.data(), n, shared_y.data());
-  if (out_chunk.dtype == DType::fp32) {  // the combine's addend: g * y, joined before its one rounding
-    float* a = out_chunk.ptr<float>();
-    for (int64_t t = 0; t < n; ++t)
-      for (int64_t h = 0; h < H; ++h) a[t * H + h] = gate_host[t] * shared_y[t * H + h];
-    return;
-  }
-  uint16_t* o = out_chunk.ptr<uint16_t>();
-  for (int64_t t = 0; t < n; ++t)
-    for (int64_t h = 0; h < H; ++h)
-      o[t * H + h] = float_to_bf16_bits(bf16_bits_to_float(o[t * H + h]) + gate_host[t] * shared_y[t * H + h]);
-}
-
-ExpertsInput ModularMoE::Impl::local_shared_input(const PrepareResult& prepared, const TensorView& x_chunk,
-                                                  const TensorView& num_tokens, Stream stream) {
-  ExpertsInput in = prepared.experts_input();
-#ifdef EPX_WITH_CUDA
-  const int64_t n = x_chunk.shape[0], H = x_chunk.shape[1];
-  EPX_ASSERT(prepared.layout == ActivationLayout::ExpertMajor && prepared.x.ndim == 3 && prepared.x.shape[2] == H &&
-                 n <= prepared.x.shape[1],
-             "local shared slot: prepared x ", prepared.x.describe(), " for ", n, " rows");
-  const int64_t L = prepared.x.shape[0], cap = prepared.x.shape[1];
-  if (n > 0) {
-    if (prepared.x.dtype == DType::fp8_e4m3) {
-      const int64_t G = H / kFp8GroupSize;
-      quantize_fp8_per_token_group(x_chunk, TensorView(prepared.x.ptr<uint8_t>() + (L - 1) * cap * H, DType::fp8_e4m3, {n, H}, device),
-                                   TensorView(prepared.x_scales.ptr<float>() + (L - 1) * cap * G, DType::fp32, {n, G}, device),
-                                   kFp8GroupSize, wire_ue8m0, stream);
-    } else {
-      moe_cuda::copy_async(TensorView(prepared.x.ptr<uint16_t>() + (L - 1) * cap * H, DType::bf16, {n, H}, device), x_chunk, stream);
-    }
-  }
-  in.recv_count = scratch(local_counts, DType::int32, {L});
-  moe_cuda::local_shared_counts(prepared.recv_count, in.recv_count, static_cast<int32_t>(n), num_tokens, stream);
-#else
-  (void)x_chunk, (void)num_tokens, (void)stream;
-#endif
-  return in;
-}
-
 void ModularMoE::Impl::run_chunk(const TensorView& x, const TensorView& topk_idx, const TensorView& topk_weights,
                                  const TensorView& out, int64_t begin, int64_t end, bool fused, int64_t c,
                                  const TensorView& num_tokens, Stream stream) {
@@ -806,190 +572,6 @@ void ModularMoE::Impl::run_chunk(const TensorView& x, const TensorView& topk_idx
 #endif
   }
   mark_phase(stream);
-}
-
-void ModularMoE::Impl::add_sharded_shared(const PrepareResult& prepared, const TensorView& expert_view, const TensorView& g,
-                                          const std::vector<float>& gate_host, int64_t c, Stream stream) {
-  const MoEWeights& w = *weights;
-  const int64_t H = w.config.hidden, N = prepared.x.shape[0];
-  const std::vector<int64_t> counts = dp.chunk_counts(c);
-  // Gathered rows are every rank's chunk rows in rank order (Capabilities::gathers_all_tokens).
-  // Padded form: every rank's block has padded_block rows (its real rows first); the gate travels the same way.
-  int64_t total = 0;
-  std::vector<int64_t> gate_bytes;
-  for (int64_t k : counts) {
-    total += padded_block > 0 ? padded_block : k;
-    gate_bytes.push_back((padded_block > 0 ? padded_block : k) * static_cast<int64_t>(sizeof(float)));
-  }
-  EPX_ASSERT(prepared.layout == ActivationLayout::Flat && N == total, "sharded shared expert: gathered rows ", N,
-             " but the DP metadata counts ", total);
-  const bool gated = w.shared_gate_weight.defined();
-  const int64_t n_own = counts[static_cast<size_t>(group->rank())];
-  ExpertsInput in;
-  in.layout = ActivationLayout::Flat;
-  in.x = prepared.x;
-  in.x_scales = prepared.x_scales;
-  in.topk_idx = scratch(shared_idx_any, DType::int32, {N, 1});
-  in.topk_weights = scratch(shared_wts_any, DType::fp32, {N, 1});
-  const TensorView y = scratch(shard_out, DType::bf16, {N, H});
-  if (device.is_cuda()) {
-#ifdef EPX_WITH_CUDA
-    moe_cuda::fill_single_route(in.topk_idx, in.topk_weights, stream, shard_slot);
-    TensorView g_all = in.topk_weights;  // ones [N] when the model has no shared gate
-    if (gated) {
-      g_all = scratch(gate_all, DType::fp32, {N});
-      const void* g_send = g.data;
-      if (padded_block > 0) {  // g [n] into a [C] block (rows past n are padding rows' and not read)
-        const TensorView pad = scratch(gate_pad, DType::fp32, {padded_block});
-        moe_cuda::zero_async(pad, stream);
-        if (n_own > 0) moe_cuda::copy_async(TensorView(pad.data, DType::fp32, {n_own}, device), TensorView(g.data, DType::fp32, {n_own}, device), stream);
-        g_send = pad.data;
-      }
-      group->all_gatherv(g_send, g_all.data, gate_bytes, stream);
-    }
-    experts->apply(in, y, stream);
-    moe_cuda::add_shared(expert_view, y, g_all, stream);
-    return;
-#else
-    no_cuda("x on " + device.str());
-#endif
-  }
-  (void)g;
-  for (int64_t t = 0; t < N; ++t) {
-    in.topk_idx.ptr<int32_t>()[t] = shard_slot;
-    in.topk_weights.ptr<float>()[t] = 1.0f;
-  }
-  gate_all_host.assign(static_cast<size_t>(N), 1.0f);
-  if (gated) {
-    std::vector<float> g_send(gate_host.begin(), gate_host.begin() + n_own);
-    if (padded_block > 0) g_send.resize(static_cast<size_t>(padded_block), 0.0f);
-    group->all_gatherv(g_send.data(), gate_all_host.data(), gate_bytes);
-  }
-  experts->apply(in, y, stream);
-  const uint16_t* yb = y.ptr<const uint16_t>();
-  if (expert_view.dtype == DType::fp32) {  // fp32 partials: the shard joins them unrounded
-    float* p = expert_view.ptr<float>();
-    for (int64_t t = 0; t < N; ++t)
-      for (int64_t h = 0; h < H; ++h) p[t * H + h] += gate_all_host[t] * bf16_bits_to_float(yb[t * H + h]);
-    return;
-  }
-  uint16_t* o = expert_view.ptr<uint16_t>();
-  for (int64_t t = 0; t < N; ++t)
-    for (int64_t h = 0; h < H; ++h)
-      o[t * H + h] = float_to_bf16_bits(bf16_bits_to_float(o[t * H + h]) + gate_all_host[t] * bf16_bits_to_float(yb[t * H + h]));
-}
-
-// ---- whole-layer CUDA graph ----
-
-std::optional<std::string> ModularMoE::why_no_graph(int64_t max_tokens) const {
-  const Impl& m = *impl_;
-  const std::string op = "ModularMoE.capture_graph";
-  if (!m.device.is_cuda()) return arg_message(op, "device", m.device.str(), "CUDA graphs need a group on a GPU");
-#ifndef EPX_WITH_CUDA
-  return arg_message(op, "device", m.device.str(), "this build has no CUDA");
-#else
-  const Capabilities& caps = m.prepare_finalize->capabilities();
-  if (!caps.graph_safe) {
-    return arg_message(op, "backend", caps.name,
-                       "is not graph-safe (Capabilities::graph_safe = false: its prepare/finalize wait on the host for every "
-                       "rank's counts); use a graph-safe backend such as ll");
-  }
-  if (max_tokens < 0) return arg_message(op, "max_tokens", max_tokens, "must be >= 0");
-  if (m.chunk_size > 0 && max_tokens > m.chunk_size) {
-    return arg_message(op, "chunk_size", m.chunk_size,
-                       "splits a batch of max_tokens = " + std::to_string(max_tokens) + " into several dispatches; a graph holds one (chunk_size 0 or >= max_tokens)");
-  }
-  if (m.capacity > 0 && max_tokens > m.capacity) {
-    return arg_message(op, "max_tokens", max_tokens, "must be <= num_max_dispatch_tokens_per_rank = " + std::to_string(m.capacity));
-  }
-  return std::nullopt;
-#endif
-}
-
-bool ModularMoE::has_graph() const {
-#ifdef EPX_WITH_CUDA
-  return impl_->graph && impl_->graph->captured();
-#else
-  return false;
-#endif
-}
-
-void ModularMoE::capture_graph(const TensorView& x, const TensorView& topk_idx, const TensorView& topk_weights,
-                               const TensorView& out, const TensorView& num_tokens, Stream stream) {
-  Impl& m = *impl_;
-  const std::string op = "ModularMoE.capture_graph";
-  const int64_t H = m.weights->config.hidden;
-  check_rows(op, "x", x, -1, H, m.device);
-  const int64_t T_max = x.shape[0];
-  if (auto why = why_no_graph(T_max)) throw Unsupported(*why);
-#ifndef EPX_WITH_CUDA
-  (void)topk_idx, (void)topk_weights, (void)out, (void)num_tokens, (void)stream;
-#else
-  check_rows(op, "out", out, T_max, H, m.device);
-  const bool routed = topk_idx.defined();
-  if (routed) check_routing_on(m.device, op, topk_idx, topk_weights, T_max, m.num_experts);
-  if (routed) require_arg(op, "topk_idx.shape[1]", topk_idx.shape[1], topk_idx.shape[1] == m.top_k, "must equal top_k = " + std::to_string(m.top_k));
-  if (num_tokens.defined()) {
-    check_device(op, "num_tokens", num_tokens, m.device);
-    check_dtype(op, "num_tokens", num_tokens, {DType::int32});
-    check_shape(op, "num_tokens", num_tokens, {1});
-  }
-  require_arg(op, "stream", "the legacy default stream", stream.handle != nullptr, "must be a created stream (it is captured)");
-  require_arg(op, "graph", "already captured", !has_graph(), "capture once per layer");
-  m.group->check_agreement(op, {{"max_tokens", T_max}, {"routed", routed}});
-  // Static DP metadata: T_max on every rank, one chunk; the valid count is on the device.
-  m.dp = DPMetadata::from_tokens(std::vector<int64_t>(static_cast<size_t>(m.group->size()), T_max), 0);
-  auto run = [&] {
-    TensorView idx = topk_idx, wts = topk_weights;
-    if (!routed) m.route_rows(x, stream, idx, wts);
-    m.run_chunks(x, idx, wts, out, num_tokens, stream);
-  };
-  const PathCounters before = m.counters;
-  m.capturing = true;
-  m.reset_phases();
-  struct CaptureFlag {
-    bool& f;
-    ~CaptureFlag() { f = false; }
-  } capture_flag{m.capturing};
-  // Warm-up: every workspace reaches its size for this shape (growing inside a capture is illegal).
-  run();
-  moe_cuda::synchronize(stream, m.device.index);
-  m.group->barrier();
-  auto graph = std::make_unique<moe_cuda::Graph>();
-  graph->begin(stream);
-  try {
-    run();
-    graph->end(stream);
-  } catch (...) {
-    graph->abort(stream);
-    m.counters = before;
-    throw;
-  }
-  m.counters = before;
-  m.graph = std::move(graph);
-  m.graph_max_tokens = T_max;
-  m.graph_fused = m.has_shared && (m.shared_mode == SharedExpertMode::fused ||
-                                   (m.shared_mode == SharedExpertMode::auto_gate && T_max <= m.fhmoe_max_tokens));
-#endif
-}
-
-void ModularMoE::replay_graph(Stream stream) {
-  Impl& m = *impl_;
-  require_arg("ModularMoE.replay_graph", "graph", "none", has_graph(), "capture_graph() must run first");
-#ifdef EPX_WITH_CUDA
-  m.reset_phases();
-  m.graph->launch(stream);
-  ++m.counters.calls;
-  ++m.counters.chunks;
-  ++m.counters.graph_replays;
-  if (m.has_shared) {
-    ++(m.graph_fused ? m.counters.shared_fused : m.counters.shared_separate);
-    if (m.graph_fused && m.sharded) ++m.counters.shared_sharded;
-  }
-#else
-  (void)stream;
-  (void)m;  // CPU-only build: nothing to replay (has_graph() is false there)
-#endif
 }
 
 }  // namespace epx
