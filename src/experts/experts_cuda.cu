@@ -1,6 +1,7 @@
 // experts/experts_cuda.cu: host side of the CUDA reference experts (make_experts_cuda in
 // epx/experts.h): argument checks, weight upload, the workspace, and the launches of the kernels in
-// experts_cuda_kernels.cuh (the pipeline is described there). The oracle is experts_cpu.cpp.
+// experts_cuda_kernels.cuh (the pipeline is described there) and experts_schedule_kernels.cuh. The
+// oracle is experts_cpu.cpp.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -18,6 +19,7 @@
 #include "epx/quant.h"
 #include "experts/contiguous.h"
 #include "experts/experts_cuda_kernels.cuh"
+#include "experts/experts_schedule_kernels.cuh"
 #include "experts/experts_fp8_cuda.h"
 #include "experts/experts_mxfp4_cuda.h"
 

@@ -91,7 +91,7 @@ __device__ __forceinline__ Work work_at(const Fp8GemmParams& p, int32_t tile0, i
 /// stages: the section's last tile, a weight tile past one expert's width, two experts of different I in down); the
 /// weight tile is multicast where both tiles are the same expert's. Both CTAs compute the same nk and mcast. The
 /// schedule kernels order the section for these pairs (ScheduleParams::pair_big, order_big_tiles_for_pairs in
-/// experts_cuda_kernels.cuh; not for Config::experts_fp8_prefill 33): each expert's tiles come in pairs, and only
+/// experts_schedule_kernels.cuh; not for Config::experts_fp8_prefill 33): each expert's tiles come in pairs, and only
 /// the last tiles of two odd-count experts share a pair (each expert's tiles still in one stretch of the walk);
 /// in plain expert order (33) an odd-count expert shifts every later pair onto two experts until the next odd one.
 template <bool kGateUp>
