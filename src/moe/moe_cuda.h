@@ -1,6 +1,6 @@
-// moe/moe_cuda.h: the device-side pieces of ModularMoE (modular_moe.cpp) when its group is on CUDA:
+// moe/moe_cuda.h: the device-side pieces of ModularMoE (modular_moe*.cpp) when its group is on CUDA:
 // router logits through cuBLAS, the [T, K+1] routing with the shared-route column, and the
-// separate shared expert's add. Each is the twin of a CPU loop in modular_moe.cpp /
+// separate shared expert's add. Each is the twin of a CPU loop in modular_moe*.cpp /
 // reference_cpu.cpp and follows the same arithmetic; differences are fp32 summation order only
 // (the GEMM, the shared gate's dot product). Free of CUDA headers.
 #pragma once
