@@ -44,18 +44,16 @@ struct Fp8GemmParams {
   /// Rows of the row space (ExpertMajor L * cap, Flat N * K): the outer extent of the TMA prefill
   /// kernels' descriptors of x (ExpertMajor gate_up) and hq (down).
   int64_t row_space;
-  /// TMA prefill kernels, Flat gate_up (gather non-null), Config::experts_fp8_prefill 1 and 29: the token rows of
+  /// TMA prefill kernels, Flat gate_up (gather non-null): the token rows of
   /// the prefill tiles in row-space order ([row space, H] FP8, row stride x_perm_stride bytes, written by
   /// launch_fp8_prefill_permute_x before the gate_up), loaded one TMA box per tile as ExpertMajor's x; null:
   /// the gather by cp.async. Same bits either way.
   uint8_t* x_perm;
   int64_t x_perm_stride;
-  /// cp.async prefill kernels: 2 = kblock<true, true> (scales read before the wgmmas, the stage
-  /// released before the last promotion, wgmma's A (the tokens) in registers) and bulk-copy epilogue
-  /// stores (Config::experts_fp8_prefill 17); same bits as 0 (mode 8).
+  /// The launches set it (2: the cp.async kernels, 5: the TMA kernels); the TMA launch takes its 2-CTA
+  /// clusters only with 5. The kernels do not read it.
   int32_t prefill_fast;
-  /// TMA prefill kernels with prefill_fast 5 only (Config::experts_fp8_prefill 1, 30, 31 and 33): 0 = one
-  /// CTA per work item (every other mode); 1 (the default's) = 2-CTA clusters: a cluster takes tile-list entries 2 j, 2 j + 1 (one
+  /// TMA prefill kernels: 0 = one CTA per work item; 1 (the library's) = 2-CTA clusters: a cluster takes tile-list entries 2 j, 2 j + 1 (one
   /// 128-row tile each) at the same weight tile, both rings in lockstep (a stage is refilled when the consumers of
   /// both CTAs released it), and where both tiles are the same expert's each CTA's TMA loads one 128-row half of the
   /// 256-row weight tile multicast into both CTAs (L2 -> SM weight bytes halved); 2 = the same clusters and
@@ -67,9 +65,9 @@ struct Fp8GemmParams {
   uint32_t debug_flags;
 };
 
-/// Debug instrumentation of the cp.async prefill kernels of Config::experts_fp8_prefill 17 (the
+/// Debug instrumentation of the cp.async prefill kernels (the
 /// bench's --stamps; never set by the library). While a buffer is set, launch_fp8_prefill_gate_up
-/// / _down with p.prefill_fast == 2 run a stamped instance of the same kernel: per CTA
+/// / _down run a stamped instance of the same kernel: per CTA
 /// (< kPfDbgCtas) and GEMM g (0 gate_up, 1 down), at word g * kPfDbgCtas * kPfDbgCtaWords +
 /// cta * kPfDbgCtaWords of the buffer (uint32 words, device memory of kPfDbgWords words):
 ///   header [kPfDbgHeader]: 0/1 %globaltimer (ns, lo/hi) at the CTA's start, 2/3 at the consumers'
@@ -150,8 +148,7 @@ void launch_fp8_prefill_down(const Fp8GemmParams& p, int grid, cudaStream_t stre
 int fp8_prefill_smem_bytes();
 void fp8_prefill_set_smem_limits();
 
-/// The TMA variant of the prefill kernels (experts_fp8_prefill_tma_cuda.cu; Config::experts_fp8_prefill
-/// 10): same arguments and results; needs p.w_maps (fp8_prefill_weight_maps: every weight tile comes by
+/// The TMA variant of the prefill kernels (experts_fp8_prefill_tma_cuda.cu; the default's): same arguments and results; needs p.w_maps (fp8_prefill_weight_maps: every weight tile comes by
 /// TMA) and p.row_space. Throws InvalidArgument when p.w_maps is null (then launch the cp.async kernels
 /// above, as apply does when upload could not encode the maps). Shared bytes and the one-time limit raise as above.
 void launch_fp8_prefill_tma_gate_up(const Fp8GemmParams& p, int grid, cudaStream_t stream);

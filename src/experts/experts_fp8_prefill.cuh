@@ -36,8 +36,8 @@ constexpr int kScaleFloats = 4 + kBN;           // per stage: 4 weight sub-tile 
 constexpr int kHStride = kBK + 16;              // gate_up staging: FP8 h bytes per token, padded
 constexpr int kOutStride = kWRows + 8;          // down staging: bf16 per token, padded
 constexpr int kFrag = kBN / 2;                  // accumulator floats per thread per m64n128
-/// Arrivals that complete a stage's `empty` barrier in the FP8 prefill kernels (TMA and the cp.async kernel of
-/// modes 8 / 17): every consumer thread arrives after its own last read of the stage. (Lane 0 of each warp arriving
+/// Arrivals that complete a stage's `empty` barrier in the FP8 prefill kernels (TMA and cp.async): every consumer
+/// thread arrives after its own last read of the stage. (Lane 0 of each warp arriving
 /// after __syncwarp, count 8, gives the same order through bar.warp.sync, but compute-sanitizer racecheck does not
 /// follow it and reports every consumer read against the producer's refill; with per-thread arrivals it reports
 /// none.)
@@ -112,35 +112,28 @@ struct Stamps<true> {
   __device__ __forceinline__ bool no_promote() const { return (flags & kPfDbgNoPromote) != 0; }
 };
 
-/// One K block of this consumer warpgroup: the stage's weight tile at a_s (256 rows), token tile
-/// at b_s (128 rows), scales sc (4 weight sub-tile scales, then 128 token scales). Two batches of
-/// 4 m64n128k32 wgmmas into `tmp` (A: the warpgroup's 64 tokens; B: 128 weight rows, batch 0 the
-/// gate rows / output columns 0-127, batch 1 the up rows / 128-255), each waited for (wait_group 0)
-/// and promoted into acc[sub]; a thread's accumulators belong to 2 tokens (rows r, r + 8), so the
-/// promotion needs 2 scale products. kEarly (with kRs: Config::experts_fp8_prefill 17): the 4 scale products
-/// are read before the first wgmma is issued, and `release()` (the stage's `empty` arrive) runs
-/// right after the second batch's wait, before its promotion, so the producer can refill the stage
-/// meanwhile; without kEarly the caller releases after kblock returns. kRs (Config::
-/// experts_fp8_prefill 17): A (the warpgroup's 64 tokens) is loaded into registers once per K block
-/// (ldmatrix, 16 registers) and both batches read it from there, so the wgmmas read only B from
-/// shared memory (32 instead of 48 KiB per warpgroup and block). Same products, same promotions:
-/// same bits.
+/// One K block of this consumer warpgroup in the cp.async kernels: the stage's weight tile at a_s (256 rows),
+/// token tile at b_s (128 rows), scales sc (4 weight sub-tile scales, then 128 token scales). The 4 scale products
+/// are read first; A (the warpgroup's 64 tokens) is loaded into registers once per K block (ldmatrix, 16
+/// registers), so the wgmmas read only B from shared memory (32 instead of 48 KiB per warpgroup and block). Two
+/// batches of 4 m64n128k32 wgmmas into `tmp` (B: 128 weight rows, batch 0 the gate rows / output columns 0-127,
+/// batch 1 the up rows / 128-255), each waited for (wait_group 0) and promoted into acc[sub]; a thread's
+/// accumulators belong to 2 tokens (rows r, r + 8), so the promotion needs 2 scale products. `release()` (the
+/// stage's `empty` arrive) runs right after the second batch's wait, before its promotion, so the producer can
+/// refill the stage meanwhile.
 /// Stamped (kDbg, Stamps<true>): boundaries 2 (scales read, A loads issued), 3 / 6 (batch 0 / 1
 /// committed), 4 / 7 (waited for), 8 (released), 5 / 9 (promoted); an ablation flag may skip the
 /// promotions (timing only: wrong results).
-template <bool kEarly, bool kRs = false, bool kDbg = false, class Release>
+template <bool kDbg = false, class Release>
 __device__ __forceinline__ void kblock(const Who& w, uint32_t a_s, uint32_t b_s, const float* sc, float (&acc)[2][kFrag],
                                        float (&tmp)[kFrag], Release release, const Stamps<kDbg>& st = Stamps<kDbg>{}) {
   using namespace wg;
   const int r = w.cwg * 64 + 16 * w.warp_in_wg + (w.lane >> 2);  // tokens r (i & 2 == 0), r + 8
   float sp[2][2];  // [weight block][token]: w_scale * x_scale
-  if constexpr (kEarly) {
-    const float x0 = sc[4 + r], x1 = sc[4 + r + 8], w0 = sc[0], w1 = sc[2];
-    sp[0][0] = w0 * x0, sp[0][1] = w0 * x1, sp[1][0] = w1 * x0, sp[1][1] = w1 * x1;
-  }
-  const uint64_t da = smem_desc(b_s + w.cwg * kSub);
-  uint32_t afr[kRs ? kBK / 32 : 1][4];
-  if constexpr (kRs) {
+  const float x0 = sc[4 + r], x1 = sc[4 + r + 8], w0 = sc[0], w1 = sc[2];
+  sp[0][0] = w0 * x0, sp[0][1] = w0 * x1, sp[1][0] = w1 * x0, sp[1][1] = w1 * x1;
+  uint32_t afr[kBK / 32][4];
+  {
     // Lane l gives the row address of matrix l / 8: rows 16 warp + (l % 8) + 8 ((l / 8) & 1) of the
     // warpgroup's 64 tokens, 16-byte chunk 2 k + (l / 16) of the 128-byte (swizzled) row.
     const int m = w.lane >> 3, row = w.cwg * 64 + 16 * w.warp_in_wg + (w.lane & 7) + 8 * (m & 1);
@@ -153,25 +146,16 @@ __device__ __forceinline__ void kblock(const Who& w, uint32_t a_s, uint32_t b_s,
     const uint64_t db = smem_desc(a_s + 2 * sub * kSub);
     wgmma_fence();
 #pragma unroll
-    for (int k = 0; k < kBK / 32; ++k) {
-      if constexpr (kRs) Wgmma<kBN>::mma_rs(tmp, afr[k], db + 2 * k, k);
-      else Wgmma<kBN>::mma(tmp, da + 2 * k, db + 2 * k, k);
-    }
+    for (int k = 0; k < kBK / 32; ++k) Wgmma<kBN>::mma_rs(tmp, afr[k], db + 2 * k, k);
     wgmma_commit();
     st.at(3 + 3 * sub);
     wgmma_wait<0>();
 #pragma unroll
     for (int i = 0; i < kFrag; ++i) fence_operand(tmp[i]);
     st.at(4 + 3 * sub);
-    if constexpr (kEarly) {
-      if (sub == 1) {
-        release();
-        st.at(8);
-      }
-    } else {
-      // Weight sub-tiles 2 sub and 2 sub + 1 share one 128 x 128 scale block (col0 % 128 == 0).
-      const float wsc = sc[2 * sub];
-      sp[sub][0] = wsc * sc[4 + r], sp[sub][1] = wsc * sc[4 + r + 8];
+    if (sub == 1) {
+      release();
+      st.at(8);
     }
     if (!st.no_promote()) {
 #pragma unroll
@@ -185,10 +169,9 @@ __device__ __forceinline__ void kblock(const Who& w, uint32_t a_s, uint32_t b_s,
   }
 }
 
-/// A consumer thread's loop-invariant shared-memory offsets for the lean consumers of the TMA kernels
-/// (kblock_lean: Config::experts_fp8_prefill 23; lean_item_prefetch: 27 and the default), computed
-/// once per thread and pinned in registers (an opaque asm result cannot be rematerialized; those
-/// kernels give the consumers 232 registers, the producer 40): at mode 17's 216-register budget ptxas
+/// A consumer thread's loop-invariant shared-memory offsets for the TMA kernels' consumer (lean_item_prefetch),
+/// computed once per thread and pinned in registers (an opaque asm result cannot be rematerialized; those
+/// kernels give the consumers 232 registers, the producer 40): at the cp.async kernels' 216-register budget ptxas
 /// recomputes the swizzled ldmatrix addresses and scale offsets from %tid (and the shared window from
 /// SR_CgaCtaId) in every K block, ~35 instructions per warp and block (ncu source counters: 14 % of the consumer
 /// warps' samples with the instructions around them; bench/NOTES.md, 'what the hardware counters say').
@@ -208,48 +191,10 @@ struct LeanOffsets {
   }
 };
 
-/// The other modes' stand-in (no registers).
-struct NoOffsets {
-  __device__ __forceinline__ explicit NoOffsets(const Who&) {}
-};
-
 __device__ __forceinline__ float lds_f32(uint32_t addr) {
   float v;
   asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(v) : "r"(addr));
   return v;
-}
-
-/// kblock<true, true> (mode 17's K block: scales read before the wgmmas, A = the warpgroup's 64
-/// tokens in registers by ldmatrix, two batches of 4 m64n128k32 into `tmp`, each waited for and
-/// promoted, the stage released before the second promotion) with every address formed from the
-/// stage's base and the pinned LeanOffsets: a_s = the stage's weight tile (B), b_s its token tile,
-/// sc_s the stage's scale block (shared-space addresses). Same instructions on the data, same
-/// order of the products and promotions: the same bits as kblock<true, true>.
-template <class Release>
-__device__ __forceinline__ void kblock_lean(const LeanOffsets& o, uint32_t a_s, uint32_t b_s, uint32_t sc_s, float (&acc)[2][kFrag],
-                                            float (&tmp)[kFrag], Release release) {
-  using namespace wg;
-  const float x0 = lds_f32(sc_s + o.sc), x1 = lds_f32(sc_s + o.sc + 32), w0 = lds_f32(sc_s), w1 = lds_f32(sc_s + 8);
-  uint32_t afr[kBK / 32][4];
-  const uint32_t la = b_s + o.lds;
-#pragma unroll
-  for (int k = 0; k < kBK / 32; ++k) ldmatrix_x4(afr[k], la ^ static_cast<uint32_t>(k << 5));
-  float sp[2][2];  // [weight block][token]: w_scale * x_scale
-  sp[0][0] = w0 * x0, sp[0][1] = w0 * x1, sp[1][0] = w1 * x0, sp[1][1] = w1 * x1;
-#pragma unroll
-  for (int sub = 0; sub < 2; ++sub) {
-    const uint64_t db = smem_desc(a_s + 2 * sub * kSub);
-    wgmma_fence();
-#pragma unroll
-    for (int k = 0; k < kBK / 32; ++k) Wgmma<kBN>::mma_rs(tmp, afr[k], db + 2 * k, k);
-    wgmma_commit();
-    wgmma_wait<0>();
-#pragma unroll
-    for (int i = 0; i < kFrag; ++i) fence_operand(tmp[i]);
-    if (sub == 1) release();
-#pragma unroll
-    for (int i = 0; i < kFrag; ++i) acc[sub][i] = fmaf(tmp[i], (i & 2) ? sp[sub][1] : sp[sub][0], acc[sub][i]);
-  }
 }
 
 /// The ring position of the next K block: stage (0 .. stages-1) and the parity of its use.
@@ -260,7 +205,7 @@ struct RingPos {
   }
 };
 
-/// One K block's register operands for the prefetching lean consumer: A (the warpgroup's 64 tokens,
+/// One K block's register operands for lean_item_prefetch: A (the warpgroup's 64 tokens,
 /// ldmatrix fragments of the 4 k-steps) and the 4 scales (tokens r, r + 8; weight blocks 0, 1).
 struct LeanBlock {
   uint32_t afr[kBK / 32][4];
@@ -305,19 +250,18 @@ __device__ __forceinline__ void lean_load_if(const LeanOffsets& o, uint32_t b_s,
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %2, 0;\n@p ld.shared.f32 %0, [%1];\n}\n" : "+f"(*v[i]) : "r"(ad.sc[i]), "r"(p) : "memory");
 }
 
-/// The K loop of one work item for the prefetching lean consumer (Config::experts_fp8_prefill 27 and the
-/// default's TMA GEMMs): kblock_lean's
-/// wgmmas and promotions, with the next K block's operands (lean_load, after its `full` wait and `fence`)
-/// loaded right after this block's second batch completed and the stage was released, before the second
-/// promotion: the ldmatrix / ld.shared latency then runs under those 64 FFMAs instead of in front of the
+/// The K loop of one work item for the TMA kernels' consumer: kblock's wgmmas and promotions, every address formed
+/// from the stage's base and the pinned LeanOffsets, with the next K block's operands (lean_load, after its `full`
+/// wait and `fence`) loaded right after this block's second batch completed and the stage was released, before
+/// the second promotion: the ldmatrix / ld.shared latency then runs under those 64 FFMAs instead of in front of the
 /// next block's first wgmma (where ncu shows WARPGROUP.ARRIVE waiting for ldmatrix, FMULs for their
 /// loads). The products of a block are formed before its operands are replaced. Same products, same
-/// order: the same bits as kblock<true, true>.
+/// order: the same bits as kblock.
 /// No branch around the loads (ptxas hoisted the promotion above such a branch, in front of the loads): after
 /// an item's last K block the wait is on the `done` barrier (done_bar, completed at the kernel's start) and the
 /// loads are predicated off (lean_load_if); the next item starts with its own wait and load.
 /// release(s): this thread's release of stage s (the one-CTA kernels: its arrival on the stage's `empty`; the
-/// 2-CTA cluster kernels, Fp8GemmParams::prefill_cluster: also its warp's arrival on the other CTA's).
+/// 2-CTA cluster kernels: also its warp's arrival on the other CTA's).
 template <class Fence, class Release>
 __device__ __forceinline__ void lean_item_prefetch(const LeanOffsets& o, int64_t nk, RingPos& pos, uint32_t stages, uint32_t smem_s,
                                                    uint32_t scale_s, uint32_t full0, uint32_t done_bar, float (&acc)[2][kFrag],
@@ -379,26 +323,22 @@ __device__ __forceinline__ uint32_t bf16x2_bits(float lo, float hi) {
 /// The end of one work item (both consumer warpgroups, 256 threads; ends with their barrier, so
 /// the staging buffer is free for the next item): gate_up writes h = silu(g) * u as FP8 e4m3 with
 /// one 1x128 scale per token (hq, hs), down writes bf16 rows of out.
-/// kEpi 1 (Config::experts_fp8_prefill 17): the staged rows go out as one bulk copy per
-/// token row (cp.async.bulk, issued by the consumer thread of that row) instead of 16-byte stores
-/// by every consumer thread (kEpi 0), and the consumers move on to the next item while the copy
-/// engine reads the staging buffer; the next epilogue waits for those reads before it writes the
-/// buffer (and bulk_end, after the last item, for the copies' completion). Same bytes.
-template <bool kGateUp, int kEpi>
+/// The staged rows go out as one bulk copy per token row (cp.async.bulk, issued by the consumer thread
+/// of that row), and the consumers move on to the next item while the copy engine reads the staging
+/// buffer; the next epilogue waits for those reads before it writes the buffer (and bulk_end, after
+/// the last item, for the copies' completion).
+template <bool kGateUp>
 __device__ __forceinline__ void epilogue(const Fp8GemmParams& p, const wg::Item& it, const Who& w, float (&acc)[2][kFrag],
                                          uint8_t* smem) {
   using namespace wg;
   using L = Layout<kGateUp>;
-  constexpr bool kBulk = kEpi >= 1;
   const int ct = w.ct, cwg = w.cwg, warp_in_wg = w.warp_in_wg, lane = w.lane;
   // Barrier 1: both consumer warpgroups (2 is the producer's); consumer thread ct < 128 copies row ct.
   const int bar_id = 1, bar_n = 256;
   const bool copier = ct < kBN;
   const int crow = ct;
-  if constexpr (kBulk) {
-    if (copier) bulk_wait_read();  // the previous item's row copies have read the staging buffer
-    named_bar_sync(bar_id, bar_n);
-  }
+  if (copier) bulk_wait_read();  // the previous item's row copies have read the staging buffer
+  named_bar_sync(bar_id, bar_n);
   if constexpr (kGateUp) {
     // h for (token cwg*64 + row, h column col): gate in acc[0], up in acc[1]; a token's 128 h
     // columns lie in one lane quad (32 per lane).
@@ -429,21 +369,12 @@ __device__ __forceinline__ void epilogue(const Fp8GemmParams& p, const wg::Item&
       if (r < it.num_rows) p.hs[static_cast<int64_t>(it.row0 + r) * p.hs_stride + it.col0 / kBK] = sc0;
       if (r + 8 < it.num_rows) p.hs[static_cast<int64_t>(it.row0 + r + 8) * p.hs_stride + it.col0 / kBK] = sc1;
     }
-    if constexpr (kBulk) {
-      fence_proxy_async();  // this thread's staging writes, before the copy engine reads them
-      named_bar_sync(bar_id, bar_n);
-      if (copier && crow < it.num_rows) {
-        bulk_store(p.hq + static_cast<int64_t>(it.row0 + crow) * p.h_stride + it.col0,
-                   static_cast<uint32_t>(__cvta_generic_to_shared(stage + crow * kHStride)), kBK);
-        bulk_commit();
-      }
-      return;
-    }
-    named_bar_sync(1, 256);
-    for (int q = ct; q < it.num_rows * 8; q += 256) {
-      const int j = q >> 3, c = q & 7;
-      *reinterpret_cast<uint4*>(p.hq + static_cast<int64_t>(it.row0 + j) * p.h_stride + it.col0 + c * 16) =
-          *reinterpret_cast<const uint4*>(stage + j * kHStride + c * 16);
+    fence_proxy_async();  // this thread's staging writes, before the copy engine reads them
+    named_bar_sync(bar_id, bar_n);
+    if (copier && crow < it.num_rows) {
+      bulk_store(p.hq + static_cast<int64_t>(it.row0 + crow) * p.h_stride + it.col0,
+                 static_cast<uint32_t>(__cvta_generic_to_shared(stage + crow * kHStride)), kBK);
+      bulk_commit();
     }
   } else {
     uint16_t* stage = reinterpret_cast<uint16_t*>(smem + L::kOutOff);  // [kBN][kOutStride] bf16
@@ -457,31 +388,18 @@ __device__ __forceinline__ void epilogue(const Fp8GemmParams& p, const wg::Item&
         *reinterpret_cast<uint32_t*>(stage + tok * kOutStride + col) = bf16x2_bits(acc[sub][i], acc[sub][i + 1]);
       }
     }
-    if constexpr (kBulk) {
-      fence_proxy_async();
-      named_bar_sync(bar_id, bar_n);
-      if (copier && crow < it.num_rows) {
-        const int64_t ncols = p.hidden - it.col0 < kWRows ? p.hidden - it.col0 : kWRows;  // H % 128 == 0
-        bulk_store(p.out + static_cast<int64_t>(it.row0 + crow) * p.hidden + it.col0,
-                   static_cast<uint32_t>(__cvta_generic_to_shared(stage + crow * kOutStride)), static_cast<uint32_t>(2 * ncols));
-        bulk_commit();
-      }
-      return;
-    }
-    named_bar_sync(1, 256);
-    constexpr int kChunks = kWRows / 8;  // 16-byte chunks per output row
-    for (int q = ct; q < it.num_rows * kChunks; q += 256) {
-      const int j = q / kChunks, c = q % kChunks;
-      const int64_t n = it.col0 + c * 8;
-      if (n < p.hidden)
-        *reinterpret_cast<uint4*>(p.out + static_cast<int64_t>(it.row0 + j) * p.hidden + n) =
-            *reinterpret_cast<const uint4*>(stage + j * kOutStride + c * 8);
+    fence_proxy_async();
+    named_bar_sync(bar_id, bar_n);
+    if (copier && crow < it.num_rows) {
+      const int64_t ncols = p.hidden - it.col0 < kWRows ? p.hidden - it.col0 : kWRows;  // H % 128 == 0
+      bulk_store(p.out + static_cast<int64_t>(it.row0 + crow) * p.hidden + it.col0,
+                 static_cast<uint32_t>(__cvta_generic_to_shared(stage + crow * kOutStride)), static_cast<uint32_t>(2 * ncols));
+      bulk_commit();
     }
   }
-  named_bar_sync(1, 256);  // staging is reused by the next item's epilogue
 }
 
-/// After a consumer's last epilogue<.., kEpi >= 1>: its row copies completed (before the CTA exits).
+/// After a consumer's last epilogue: its row copies completed (before the CTA exits).
 __device__ __forceinline__ void bulk_end(const Who& w) {
   if (w.ct < kBN) wg::bulk_wait();
 }

@@ -11,17 +11,17 @@
 //     cp.async.mbarrier.arrive (the `full` barrier completes when all 128 threads' copies landed);
 //     the gather of the Flat layout is a per-thread row index, so Flat and ExpertMajor cost the same;
 //   warpgroups 1, 2 (consumers, 216 registers; experts_fp8_prefill.cuh: kblock, epilogue): per K
-//     block two batches of 4 m64n128k32 wgmmas into a temporary, each waited for and promoted
-//     (acc += tmp * w_scale * x_scale), then every consumer thread arrives on the stage's `empty`
-//     barrier (kEmptyArrivals, experts_fp8_prefill.cuh: the form compute-sanitizer racecheck follows).
-//     Tokens in wgmma's A (warpgroup c: tokens 64 c ..), weights in B (batch 0: gate rows / output
-//     columns 0-127, batch 1: up rows / output columns 128-255), so a thread's accumulators hold 2
-//     tokens and the promotion needs 2 scale products. Fp8GemmParams::prefill_fast 2
-//     (Config::experts_fp8_prefill 17): scales read before the wgmmas, the stage released before
-//     the last promotion, the epilogue's rows stored by bulk copies, the tokens (wgmma's A) loaded
-//     into registers once per K block; same bits as mode 8. The producer runs
-//     up to kStages blocks ahead, across work items, so the next item's first stages load under
-//     the current epilogue.
+//     block the scales read first, the tokens (wgmma's A) loaded into registers, two batches of 4
+//     m64n128k32 wgmmas into a temporary, each waited for and promoted (acc += tmp * w_scale *
+//     x_scale), every consumer thread arriving on the stage's `empty` barrier before the last
+//     promotion (kEmptyArrivals, experts_fp8_prefill.cuh: the form compute-sanitizer racecheck
+//     follows); the epilogue's rows go out by bulk copies. Tokens in wgmma's A (warpgroup c: tokens
+//     64 c ..), weights in B (batch 0: gate rows / output columns 0-127, batch 1: up rows / output
+//     columns 128-255), so a thread's accumulators hold 2 tokens and the promotion needs 2 scale
+//     products. The producer runs up to kStages blocks ahead, across work items, so the next item's
+//     first stages load under the current epilogue.
+// These kernels run where the TMA kernels (experts_fp8_prefill_tma_cuda.cu) cannot: when the driver
+// cannot encode the weights' tensor maps.
 // Work items: (128-row tile, weight tile) pairs over the tile list's prefill section, walked by a
 // persistent grid in tile-major order (all weight tiles of one row tile, then the expert's next row
 // tile: the weight tile's second reader hits L2).
@@ -154,15 +154,13 @@ __device__ __forceinline__ void producer(const Fp8GemmParams& p, int32_t tile0, 
 }
 
 
-/// The consumer warpgroups: per K block kblock (experts_fp8_prefill.cuh; kMode 0: kblock<false>,
-/// mode 8; 2: kblock<true, true>, mode 17), with every consumer thread's arrive on the
-/// stage's `empty` barrier (kMode >= 2: inside kblock, before the last promotion); per item the
-/// epilogue (kMode >= 2: bulk-copy row stores).
-template <bool kGateUp, int kMode, bool kDbg>
+/// The consumer warpgroups: per K block kblock (experts_fp8_prefill.cuh), with every consumer thread's
+/// arrive on the stage's `empty` barrier inside it, before the last promotion; per item the epilogue
+/// (bulk-copy row stores).
+template <bool kGateUp, bool kDbg>
 __device__ __forceinline__ void consumer(const Fp8GemmParams& p, int32_t tile0, int64_t num_items, uint32_t stages,
                                          uint8_t* smem, uint32_t smem_s) {
   using L = Layout<kGateUp>;
-  constexpr bool kFast = kMode >= 2;
   const Who w;
   const float* scales = reinterpret_cast<const float*>(smem + L::kScaleOff);
   const uint32_t full0 = smem_s + L::kBarOff, empty0 = full0 + L::kStages * 8;
@@ -202,22 +200,21 @@ __device__ __forceinline__ void consumer(const Fp8GemmParams& p, int32_t tile0, 
       const uint32_t a_s = smem_s + s * kStageBytes;
       // Every consumer thread releases the stage (kEmptyArrivals), behind __syncwarp and a branch on an opaque true
       // value: the block boundary a lane-0 arrive would have. Without a branch there (a plain arrive, or one behind a
-      // condition ptxas folds) ptxas 13.0 schedules mode 17's K block differently and its kernels spill 28 bytes
+      // condition ptxas folds) ptxas 13.0 schedules the K block differently and its kernels spill 28 bytes
       // (ptxas -v), 10 % slower (bench/NOTES.md, 'gpufix batch 1'); with it the SASS instruction counts of all four
       // kernels equal those of a lane-0 arrive.
       auto release = [&] {
         __syncwarp();
         if (opaque_one()) mbar_arrive(empty0 + s * 8);
       };
-      kblock<kFast, kFast, kDbg>(w, a_s, a_s + kABytes, scales + s * kScaleFloats, acc, tmp, release, st);
-      if constexpr (!kFast) release();
+      kblock<kDbg>(w, a_s, a_s + kABytes, scales + s * kScaleFloats, acc, tmp, release, st);
       pos.advance(stages);
     }
     if (kDbg && ditem != nullptr) ditem[1] = clock32();
-    epilogue<kGateUp, kFast ? 1 : 0>(p, it, w, acc, smem);
+    epilogue<kGateUp>(p, it, w, acc, smem);
     if (kDbg && ditem != nullptr) ditem[2] = clock32();
   }
-  if constexpr (kFast) bulk_end(w);
+  bulk_end(w);
   if (kDbg && dcta != nullptr && w.ct == 0) {
     const uint64_t g = globaltimer_ordered();
     dcta[2] = static_cast<uint32_t>(g), dcta[3] = static_cast<uint32_t>(g >> 32);
@@ -225,7 +222,7 @@ __device__ __forceinline__ void consumer(const Fp8GemmParams& p, int32_t tile0, 
   }
 }
 
-template <bool kGateUp, int kMode, bool kDbg = false>
+template <bool kGateUp, bool kDbg = false>
 __global__ void __launch_bounds__(kPfThreads, 1) fp8_prefill_kernel(Fp8GemmParams p) {
   using L = Layout<kGateUp>;
   extern __shared__ uint8_t smem_raw[];
@@ -258,13 +255,13 @@ __global__ void __launch_bounds__(kPfThreads, 1) fp8_prefill_kernel(Fp8GemmParam
     producer<kGateUp, kDbg>(p, tile0, num_items, stages, smem, smem_s);
   } else {
     setmaxnreg_inc<216>();
-    consumer<kGateUp, kMode, kDbg>(p, tile0, num_items, stages, smem, smem_s);
+    consumer<kGateUp, kDbg>(p, tile0, num_items, stages, smem, smem_s);
   }
 }
 
 #else  // not sm_90a: the host never launches these (fp8_tensor_cores_available is false)
 
-template <bool kGateUp, int kMode, bool kDbg = false>
+template <bool kGateUp, bool kDbg = false>
 __global__ void __launch_bounds__(kPfThreads, 1) fp8_prefill_kernel(Fp8GemmParams) {
 #ifdef __CUDA_ARCH__
   __trap();
@@ -273,11 +270,10 @@ __global__ void __launch_bounds__(kPfThreads, 1) fp8_prefill_kernel(Fp8GemmParam
 
 #endif  // EPX_FP8_WGMMA
 
-/// The kernel instance (Fp8GemmParams::prefill_fast 2: early scale reads and stage release, bulk-copy
-/// stores, wgmma's A in registers).
+/// The library's kernel instance of the gate_up (kGateUp) or down GEMM.
 template <bool kGateUp>
 auto prefill_kernel() {
-  return fp8_prefill_kernel<kGateUp, 2>;
+  return fp8_prefill_kernel<kGateUp>;
 }
 
 // set_fp8_prefill_debug's state: process-wide, for the bench only (null: the library's kernels).
@@ -292,7 +288,7 @@ void launch_prefill(Fp8GemmParams p, int grid, cudaStream_t stream) {
   if (g_debug_buffer != nullptr) {
     p.debug = g_debug_buffer;
     p.debug_flags = g_debug_flags;
-    fp8_prefill_kernel<kGateUp, 2, true><<<grid, kPfThreads, Layout<kGateUp>::kSmemBytes, stream>>>(p);
+    fp8_prefill_kernel<kGateUp, true><<<grid, kPfThreads, Layout<kGateUp>::kSmemBytes, stream>>>(p);
     return;
   }
 #endif
@@ -324,9 +320,9 @@ void fp8_prefill_set_smem_limits() {
   EPX_CUDA_CHECK(cudaFuncSetAttribute(prefill_kernel<true>(), cudaFuncAttributeMaxDynamicSharedMemorySize, Layout<true>::kSmemBytes));
   EPX_CUDA_CHECK(cudaFuncSetAttribute(prefill_kernel<false>(), cudaFuncAttributeMaxDynamicSharedMemorySize, Layout<false>::kSmemBytes));
 #ifdef EPX_FP8_PREFILL_STAMPS
-  EPX_CUDA_CHECK(cudaFuncSetAttribute(fp8_prefill_kernel<true, 2, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+  EPX_CUDA_CHECK(cudaFuncSetAttribute(fp8_prefill_kernel<true, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                       Layout<true>::kSmemBytes));
-  EPX_CUDA_CHECK(cudaFuncSetAttribute(fp8_prefill_kernel<false, 2, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+  EPX_CUDA_CHECK(cudaFuncSetAttribute(fp8_prefill_kernel<false, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                       Layout<false>::kSmemBytes));
 #endif
 }

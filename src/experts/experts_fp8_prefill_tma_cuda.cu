@@ -1,16 +1,14 @@
 // experts/experts_fp8_prefill_tma_cuda.cu: a variant of the FP8 prefill grouped GEMMs of
 // experts_fp8_prefill_cuda.cu (same tiles, same epilogue, experts_fp8_prefill.cuh; bit-identical
-// output) whose operands come by TMA. The default (Config::experts_fp8_prefill 1, the kernels of 30) runs every
+// output) whose operands come by TMA. The default (Config::experts_fp8_prefill 1) runs every
 // GEMM here: the lean consumer that loads the next K block's operands under the last promotion
 // (lean_item_prefetch; producer 40 / consumers 232 registers), the Flat gate_up's token rows permuted into
 // row-space order first (permute_x_kernel below) so that every GEMM's token rows are contiguous, and 2-CTA
 // clusters whose CTAs take the two 128-token tiles of one expert at the same weight tile and share it (each TMA
 // multicasts one 128-row half into both; Fp8GemmParams::prefill_cluster, kCluster below): the pair reads each
 // weight tile from DRAM once, L2 is less busy and the SM clock runs higher at the same tensor-pipe activity, the
-// fastest form measured (bench/NOTES.md, 'the weight tile shared by a 2-CTA cluster'). Opt-in, for comparison:
-// mode 17's consumer (Config::experts_fp8_prefill 10), the lean consumer without the prefetch (23), with it (27),
-// 27 with the Flat gate_up's token rows permuted first (29), 29 as the clusters (30, the default's kernels), the
-// same clusters without the multicast (31: level with 30) and 30 pairing the tiles in plain expert order (33).
+// fastest form measured (bench/NOTES.md, 'the weight tile shared by a 2-CTA cluster'; the forms it was measured
+// against: 'Variants removed from the product'). Where no 2-CTA cluster fits, the same consumer runs as one CTA.
 // A CTA releases its peer's stage with a CTA-scope arrive (mbar_arrive_cluster): a cluster-scope release
 // (`mbarrier.arrive.release.cluster`) is a fence on the consumers' chain in every K block, ~45 % slower.
 //
@@ -22,16 +20,16 @@
 //     (ExpertMajor gate_up; down's hq), the 128 x 128-byte token tile from a per-launch map of x /
 //     hq, all completing on the stage's `full` mbarrier (expect_tx); the 128 threads still
 //     cp.async the token scales (strided: [rows, K/128]) and the Flat gate_up token rows (a
-//     gather: 8 lanes per 128-byte row; with Fp8GemmParams::x_perm, mode 29, the rows permuted into
+//     gather: 8 lanes per 128-byte row; with Fp8GemmParams::x_perm the rows permuted into
 //     row-space order beforehand come as one TMA box like ExpertMajor's) and arrive with
 //     cp.async.mbarrier.arrive, so `full` completes when the TMA bytes and all 128 threads' copies
 //     landed. The weight maps are required (the launches check; without them, when the driver cannot
 //     encode them, upload leaves w_maps null and apply runs the cp.async kernels of
 //     experts_fp8_prefill_cuda.cu instead);
-//   warpgroups 1, 2 (consumers, 216 registers): experts_fp8_prefill.cuh's kblock and epilogue (tokens
-//     in wgmma's A), the consumer of mode 17 of experts_fp8_prefill_cuda.cu (the same bits as mode 8's);
-//     the producer runs up to kStages blocks
-//     ahead, across work items, so the next item's first stages load under the current epilogue.
+//   warpgroups 1, 2 (consumers, 232 registers; the producer then gets 40): experts_fp8_prefill.cuh's
+//     lean_item_prefetch and epilogue (tokens in wgmma's A; the same bits as the cp.async kernels);
+//     the producer runs up to kStages blocks ahead, across work items, so the next item's first stages
+//     load under the current epilogue.
 // Work items: (128-row tile, weight tile) pairs over the tile list's prefill section, walked by a
 // persistent grid in tile-major order (all weight tiles of one row tile, then the expert's next row
 // tile: the weight tile's second reader hits L2).
@@ -91,9 +89,9 @@ __device__ __forceinline__ Work work_at(const Fp8GemmParams& p, int32_t tile0, i
 /// stages: the section's last tile, a weight tile past one expert's width, two experts of different I in down); the
 /// weight tile is multicast where both tiles are the same expert's. Both CTAs compute the same nk and mcast. The
 /// schedule kernels order the section for these pairs (ScheduleParams::pair_big, order_big_tiles_for_pairs in
-/// experts_schedule_kernels.cuh; not for Config::experts_fp8_prefill 33): each expert's tiles come in pairs, and only
-/// the last tiles of two odd-count experts share a pair (each expert's tiles still in one stretch of the walk);
-/// in plain expert order (33) an odd-count expert shifts every later pair onto two experts until the next odd one.
+/// experts_schedule_kernels.cuh): each expert's tiles come in pairs, and only the last tiles of two odd-count
+/// experts share a pair (each expert's tiles still in one stretch of the walk); in plain expert order an odd-count
+/// expert would shift every later pair onto two experts until the next odd one.
 template <bool kGateUp>
 __device__ __forceinline__ Work work_pair(const Fp8GemmParams& p, int32_t tile0, int32_t num_tiles, int64_t q, uint32_t rank) {
   Work w;
@@ -214,23 +212,21 @@ __device__ __forceinline__ void producer(const Fp8GemmParams& p, const CUtensorM
   cp_async_wait<0>();
 }
 
-/// The consumer warpgroups (experts_fp8_prefill.cuh: kblock, epilogue), as mode 17 of
-/// experts_fp8_prefill_cuda.cu: the scales read before the wgmmas, the
-/// stage released before the last promotion, wgmma's A (tokens) in registers, bulk-copy row stores.
+/// The consumer warpgroups (experts_fp8_prefill.cuh: lean_item_prefetch, epilogue): as the cp.async kernels' consumer,
+/// the scales read before the wgmmas, the stage released before the last promotion, wgmma's A (tokens) in
+/// registers, bulk-copy row stores; the next K block's operands loaded under the second promotion.
 /// The weight tiles come by TMA (async proxy), the only operand wgmma reads from shared memory: no proxy
 /// fence, however the token tile came (every consumer here reads it with ldmatrix, a generic-proxy read
 /// like cp.async's writes, the Flat gate_up's cp.async gather included).
-/// kCluster (with kLean, kPrefetch only): a stage is released to both CTAs' producers (each thread arrives on its own
+/// kCluster: a stage is released to both CTAs' producers (each thread arrives on its own
 /// CTA's `empty`, lane 0 of each warp after __syncwarp also on the other CTA's), and the steps past this CTA's K
 /// blocks (Work::my_nk) are waited for and released without wgmmas (before the epilogue, so the other CTA's ring does
 /// not wait for it).
-template <bool kGateUp, bool kLean, bool kPrefetch, bool kCluster>
+template <bool kGateUp, bool kCluster>
 __device__ __forceinline__ void consumer(const Fp8GemmParams& p, const Walk& walk, uint32_t stages, uint8_t* smem, uint32_t smem_s) {
-  static_assert(!kCluster || (kLean && kPrefetch), "the cluster kernels run the prefetching lean consumer");
   using L = Layout<kGateUp>;
   const Who w;
-  const std::conditional_t<kLean, LeanOffsets, NoOffsets> lo(w);  // only the lean consumers keep them
-  const float* scales = reinterpret_cast<const float*>(smem + L::kScaleOff);
+  const LeanOffsets lo(w);
   const uint32_t full0 = smem_s + L::kBarOff, empty0 = full0 + L::kStages * 8;
   float acc[2][kFrag], tmp[kFrag];
 #pragma unroll
@@ -261,36 +257,24 @@ __device__ __forceinline__ void consumer(const Fp8GemmParams& p, const Walk& wal
     for (int sub = 0; sub < 2; ++sub)
 #pragma unroll
       for (int i = 0; i < kFrag; ++i) acc[sub][i] = 0.0f;
-    if constexpr (kPrefetch) {  // mode 27: the next K block's operands loaded under the second promotion
-      lean_item_prefetch(lo, wk.my_nk, pos, stages, smem_s, smem_s + L::kScaleOff, full0, smem_s + L::kDoneOff, acc, tmp,
-                         [] {}, release);
-      if constexpr (kCluster) {
-        for (int64_t kb = wk.my_nk; kb < wk.nk; ++kb) {  // the other CTA's longer item: empty stages
-          mbar_wait(full0 + pos.stage * 8, pos.phase);
-          release(pos.stage);
-          pos.advance(stages);
-        }
-      }
-    } else {
-      for (int64_t kb = 0; kb < wk.nk; ++kb) {
-        const uint32_t s = pos.stage;
-        mbar_wait(full0 + s * 8, pos.phase);  // no proxy fence: the weights came by TMA, the tokens go by ldmatrix
-        const uint32_t a_s = smem_s + s * kStageBytes;
-        auto release_s = [&] { release(s); };
-        if constexpr (kLean) kblock_lean(lo, a_s, a_s + kABytes, smem_s + L::kScaleOff + s * (kScaleFloats * 4), acc, tmp, release_s);
-        else kblock<true, true>(w, a_s, a_s + kABytes, scales + s * kScaleFloats, acc, tmp, release_s);
+    // the next K block's operands loaded under the second promotion; no proxy fence (above)
+    lean_item_prefetch(lo, wk.my_nk, pos, stages, smem_s, smem_s + L::kScaleOff, full0, smem_s + L::kDoneOff, acc, tmp,
+                       [] {}, release);
+    if constexpr (kCluster) {
+      for (int64_t kb = wk.my_nk; kb < wk.nk; ++kb) {  // the other CTA's longer item: empty stages
+        mbar_wait(full0 + pos.stage * 8, pos.phase);
+        release(pos.stage);
         pos.advance(stages);
       }
     }
-    epilogue<kGateUp, 1>(p, it, w, acc, smem);
+    epilogue<kGateUp>(p, it, w, acc, smem);
   }
   bulk_end(w);
 }
 
-/// kLean: the consumer of kblock_lean (Config::experts_fp8_prefill 23) with kPrefetch: lean_item_prefetch
-/// (27, and the default's TMA GEMMs); registers 40 / 232 then. kCluster: launched as 2-CTA clusters
-/// (Fp8GemmParams::prefill_cluster 1 or 2; Config::experts_fp8_prefill 30, 33, 31), 27's consumer.
-template <bool kGateUp, bool kLean, bool kPrefetch, bool kCluster>
+/// The TMA prefill kernel of the gate_up (kGateUp) or down GEMM; kCluster: launched as 2-CTA clusters
+/// (Fp8GemmParams::prefill_cluster), else one CTA per work item.
+template <bool kGateUp, bool kCluster>
 __global__ void __launch_bounds__(kPfThreads, 1) fp8_prefill_tma_kernel(Fp8GemmParams p, const __grid_constant__ CUtensorMap bmap, int tma_b) {
   using L = Layout<kGateUp>;
   // tma_b: the token tile comes by TMA from `bmap` (the launch encoded it)
@@ -329,15 +313,13 @@ __global__ void __launch_bounds__(kPfThreads, 1) fp8_prefill_tma_kernel(Fp8GemmP
     walk.q_step = gridDim.x;
     walk.num_steps = static_cast<int64_t>(walk.num_tiles) * p.max_weight_tiles;
   }
-  // Registers: 384 x 168 at launch = 128 x 64 + 256 x 216 (kLean: 128 x 40 + 256 x 232).
+  // Registers: 384 x 168 at launch = 128 x 40 + 256 x 232.
   if (threadIdx.x < 128) {
-    if constexpr (kLean) setmaxnreg_dec<40>();
-    else setmaxnreg_dec<64>();
+    setmaxnreg_dec<40>();
     producer<kGateUp, kCluster>(p, &bmap, tma_b != 0, walk, stages, smem, smem_s);
   } else {
-    if constexpr (kLean) setmaxnreg_inc<232>();
-    else setmaxnreg_inc<216>();
-    consumer<kGateUp, kLean, kPrefetch, kCluster>(p, walk, stages, smem, smem_s);
+    setmaxnreg_inc<232>();
+    consumer<kGateUp, kCluster>(p, walk, stages, smem, smem_s);
   }
   // kCluster: neither CTA leaves while the other may still multicast into it or arrive on its barriers
   if constexpr (kCluster) cluster_sync_all();
@@ -345,7 +327,7 @@ __global__ void __launch_bounds__(kPfThreads, 1) fp8_prefill_tma_kernel(Fp8GemmP
 
 #else  // not sm_90a: the host never launches these (fp8_tensor_cores_available is false)
 
-template <bool kGateUp, bool kLean, bool kPrefetch, bool kCluster>
+template <bool kGateUp, bool kCluster>
 __global__ void __launch_bounds__(kPfThreads, 1) fp8_prefill_tma_kernel(Fp8GemmParams, const __grid_constant__ CUtensorMap, int) {
 #ifdef __CUDA_ARCH__
   __trap();
@@ -432,18 +414,17 @@ bool fp8_prefill_weight_maps(const ExpertDesc& e, int64_t hidden, Fp8TmaMap& w13
 
 namespace {
 
-/// The one-CTA kernel of the gate_up (kGateUp) or down GEMM (the lean consumer with the prefetch,
-/// Fp8GemmParams::prefill_fast 5), where no 2-CTA cluster fits.
+/// The one-CTA kernel of the gate_up (kGateUp) or down GEMM, where no 2-CTA cluster fits.
 template <bool kGateUp>
 auto tma_kernel() {
-  return fp8_prefill_tma_kernel<kGateUp, true, true, false>;
+  return fp8_prefill_tma_kernel<kGateUp, false>;
 }
 
 /// The 2-CTA cluster kernel of the gate_up (kGateUp) or down GEMM (the same consumer,
 /// Fp8GemmParams::prefill_cluster).
 template <bool kGateUp>
 auto cluster_kernel() {
-  return fp8_prefill_tma_kernel<kGateUp, true, true, true>;
+  return fp8_prefill_tma_kernel<kGateUp, true>;
 }
 
 /// The launch configuration of cluster_kernel<kGateUp>: `grid` CTAs (even) in clusters of 2 along x, kPfThreads
@@ -546,7 +527,7 @@ void fp8_prefill_tma_set_smem_limits() {
 // The token tile's map is built per launch (x, x_perm and hq change between calls; a captured graph
 // keeps the parameter by value, like the pointers in p): x [row space, H] for ExpertMajor gate_up,
 // x_perm [row space, H] (row stride x_perm_stride) for the Flat gate_up when permute_x_kernel copied
-// its rows there (Config::experts_fp8_prefill 29), hq [row space, h_stride] for down; otherwise the
+// its rows there, hq [row space, h_stride] for down; otherwise the
 // Flat gate_up gathers by cp.async. Rows past the row space land as zeros; rows of the box past the
 // tile's num_rows feed only output rows the epilogue never stores.
 void launch_fp8_prefill_tma_gate_up(const Fp8GemmParams& p, int grid, cudaStream_t stream) {
@@ -564,7 +545,7 @@ namespace {
 constexpr int kPermuteThreads = 512;  // 16 warps: a warp per token row
 constexpr int kPermuteUnroll = 14;    // 16-byte chunks per lane in flight (DeepSeek-V3's H 7168: 448 chunks = 14 x 32)
 
-/// The Flat gate_up's token rows in row-space order (Config::experts_fp8_prefill 29): for every tile of
+/// The Flat gate_up's token rows in row-space order: for every tile of
 /// the prefill section ([*num_small, *num_tiles) of p.tiles) of an fp8_block expert, row r = row0 + j
 /// (j < num_rows) of x_perm (row stride x_perm_stride bytes) gets x row gather[r] (H FP8 bytes), so the
 /// TMA gate_up loads each tile's tokens as one box, as for ExpertMajor. A block per tile, a warp per
