@@ -334,10 +334,8 @@ __device__ __forceinline__ bool reduce_one(const HtParams& p, const CombineCtx& 
 /// received rows [c * chunk_rows, ...) of source `target` into target's back block and releases that
 /// chunk's flag there; its reduce half sums this rank's tokens whose first target row lies in the
 /// same chunk (send_tok: the inverse of send_pos). Warps are numbered CTA-major (spread_warp_index).
-///   mode 0: every warp sends all its items, then reduces all its items (no wait on its own GPU
-///           before its sends are out);
-///   mode 1 (pipelined; only with one target per token, else mode 0): round k: send item k * W + w,
-///           then reduce item (k - 1) * W + w (the peer's warp w sent it one round earlier).
+/// Every warp sends all its items, then reduces all its items (no wait on its own GPU before its
+/// sends are out).
 /// Then tokens with no target row (Flat: only this rank, or nowhere) are reduced by contiguous ranges.
 /// Waits assume the grid is resident on every rank (grid <= SMs); a wait that expires reports Timeout.
 /// The last CTA (ticket) advances the combine epoch.
@@ -429,21 +427,10 @@ __global__ void __launch_bounds__(kMaxThreads) combine_kernel(HtParams p) {
     }
   };
 
-  // Pipelined only where every token has at most one target (Flat at 2 ranks): a reduce then waits
-  // only for the item of the same index on the peer, sent one round earlier by the peer's same warp.
-  // With two targets per token (expert-contiguous: self + peer, or R > 2) a token's second chunk
-  // can belong to a later round on the other rank, and two warps could wait on each other: mode 0.
-  if (p.combine_mode == 1 && cx.nt == 1) {
-    for (int64_t k = 0; ok; ++k) {
-      const int64_t i_send = k * W + wi, i_red = (k - 1) * W + wi;
-      if (i_send >= items && (k == 0 || i_red >= items)) break;
-      if (i_send < items) send_item(i_send);
-      if (k >= 1 && i_red < items) reduce_item(i_red);
-    }
-  } else {
-    for (int64_t i = wi; i < items; i += W) send_item(i);
-    for (int64_t i = wi; i < items && ok; i += W) reduce_item(i);
-  }
+  // Every item sent, then every item reduced: a reduce waits only for chunks the peers send
+  // unconditionally, so no two warps wait on each other.
+  for (int64_t i = wi; i < items; i += W) send_item(i);
+  for (int64_t i = wi; i < items && ok; i += W) reduce_item(i);
   if (lane == 0) atomicMax(&st.timeline[kTlCombineSent], globaltimer());
 
   // Tokens without a target row: Flat rows that stayed on this rank (or went nowhere: zeros).

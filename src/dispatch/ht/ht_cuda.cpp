@@ -186,7 +186,6 @@ PrepareResult HtCuda::prepare(const DispatchArgs& args) {
   p.worst_case = cfg_.use_worst_case_sizing;
   p.expert_alignment = cfg_.expert_alignment;
   p.fp8_unroll = fp8_unroll_;
-  p.prefetch_x = prefetch_x_;
   if (err.kind == LocalError::none) {
     p.x = args.x.ptr<const uint16_t>();
     p.x_aligned16 = reinterpret_cast<uintptr_t>(args.x.data) % 16 == 0;
@@ -377,7 +376,6 @@ void HtCuda::finalize(const FinalizeArgs& args) {
   p.io_aligned16 = H % 8 == 0 &&
                    (reinterpret_cast<uintptr_t>(args.expert_out.data) | reinterpret_cast<uintptr_t>(args.out.data) |
                     reinterpret_cast<uintptr_t>(args.addend.data) | (H * 2)) % 16 == 0;
-  p.combine_mode = combine_mode_;
   p.chunk_rows = chunk_rows_;
   if (cfg_.expert_contiguous) {
     p.pair_row = contig_pair_row_.ptr<const int32_t>();

@@ -36,7 +36,7 @@
 // chunk_rows received rows, target rank), dealt to warps CTA-major; an item's send half stores those
 // rows' partials into the target's `back` block and releases one flag per chunk there, its reduce
 // half sums this rank's tokens whose rows went out in the matching chunk (the peer's same warp sends
-// it), after all of the warp's sends (mode 0, the default) or one round behind them (mode 1); tokens
+// it), after all of the warp's sends; tokens
 // whose rows stayed here are summed at the end, reading expert_out in place. With expert_contiguous
 // the partials are formed from the per-pair outputs (weighted by FinalizeArgs::topk_weights or not)
 // and this rank's own rows travel through `back` too.
@@ -200,15 +200,13 @@ struct HtParams {
   int32_t local_status = 0;               ///< 0 ok, 2 the host rejected the arguments
   int expert_alignment = 1;
   int fp8_unroll = 4;                     ///< fp8 dispatch: steps of 4 groups a warp loads before quantizing (4 or 7)
-  bool prefetch_x = false;                ///< dispatch: each warp's first row of x into L2 while the layout runs (never set: the removed ht.pdl 2, bench/NOTES.md)
   // finalize
   const uint16_t* expert_out = nullptr;   ///< [N_recv or R*cap, H] fp32 (partial_f32; as uint16 pairs) | bf16; contiguous: [rows, H] bf16
   bool partial_f32 = false;               ///< partials (Flat expert_out, `back`) are fp32 (flat_combine partial_fp32)
   const float* addend = nullptr;          ///< [T, H] fp32 (FinalizeArgs::addend), or null
   uint16_t* out = nullptr;                ///< [T, H] bf16
   bool io_aligned16 = false;              ///< expert_out, out and addend 16-byte aligned, H * element size a multiple of 16
-  int combine_mode = 0;                   ///< 0: send all, then reduce; 1 (never set: the removed ht.combine_mode 1): pipelined
-  int chunk_rows = 4;                     ///< rows per combine chunk flag, 1..capacity
+  alignas(8) int chunk_rows = 4;          ///< rows per combine chunk flag, 1..capacity (8-aligned: the layout the kernels were verified with)
   const int32_t* pair_row = nullptr;      ///< expert-contiguous: [rows, K] contiguous row of pair (n, k) or -1; null = Flat
   const float* combine_weights = nullptr; ///< expert-contiguous: [rows, K] weights of the pairs, null = unweighted
   // expert-contiguous layout (prepare; DispatchConfig::expert_contiguous)
@@ -290,8 +288,8 @@ class HtCuda final : public PrepareFinalizeBase {
   uint64_t reported_bad_epoch_ = 0;
   double timeout_s_ = 60.0;
   int num_sms_ = 24, warps_ = 16;
-  int combine_mode_ = 0, chunk_rows_ = kHtChunkRows;
-  bool pdl_ = true, prefetch_x_ = false;
+  int chunk_rows_ = kHtChunkRows;
+  bool pdl_ = true;
   int fp8_unroll_ = 4;
   // expert-contiguous layout (cfg_.expert_contiguous): buffers sized for contig_cap_ rows at create
   int64_t contig_cap_ = 0, contig_rows_ = 0;

@@ -199,7 +199,7 @@ __device__ __forceinline__ void finish_and_handshake(const HtParams& p, uint32_t
 }
 
 /// Launched right behind the layout kernel (programmatic dependent launch, or plainly): waits for
-/// HtState::layout_ready (bounded), meanwhile (HtParams::prefetch_x) asks L2 for this warp's first row of x.
+/// HtState::layout_ready (bounded).
 __device__ __forceinline__ bool wait_layout_ready(const HtParams& p) {
   HtState& st = state_of(p);
   __shared__ int s_ok;
@@ -222,11 +222,6 @@ __device__ __forceinline__ bool wait_layout_ready(const HtParams& p) {
     }
     s_ok = ok;
   }
-  // Meanwhile: this warp's first row of x into L2 (rows < x.shape[0] exist whatever num_tokens says).
-  const int64_t t0 = blockIdx.x * static_cast<int64_t>(blockDim.x >> 5) + (threadIdx.x >> 5);
-  const int64_t row_bytes = 2 * p.l.hidden;
-  if (p.prefetch_x && (threadIdx.x & 31) == 0 && t0 < p.num_tokens && p.x_aligned16 && row_bytes % 16 == 0 && row_bytes < (1 << 20))
-    prefetch_l2(p.x + t0 * p.l.hidden, static_cast<uint32_t>(row_bytes));
   __syncthreads();
   return s_ok != 0;
 }
